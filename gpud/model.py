@@ -1,0 +1,139 @@
+"""Observed state of a GPU host: plain immutable records shared by every layer.
+
+Adapters (`gpud.host`) produce these, the pure core (`gpud.layout`, `gpud.plan`) consumes them.
+Nothing here does I/O, so the planner and the validator can be tested on hand-made hosts.
+Identifiers are the ones that stay stable: PCI address for a GPU, profile *id* (never the NVML
+profile index) for a MIG profile, MIG UUID for an instance.
+"""
+
+from __future__ import annotations
+
+from msgspec import Struct
+
+
+class Placement(Struct, frozen=True, order=True):
+    """Where a GPU instance sits, in memory-slice units (NVML's `{start}:size`)."""
+
+    start: int
+    size: int
+
+    @property
+    def slices(self) -> frozenset[int]:
+        return frozenset(range(self.start, self.start + self.size))
+
+
+class CiProfile(Struct, frozen=True):
+    """A compute-instance profile inside one GI profile (what `1c.3g.40gb` names)."""
+
+    id: int  # NVML compute instance profile id, what nvmlGpuInstanceCreateComputeInstance takes
+    slices: int  # compute slices (the `1c` in `1c.3g.40gb`)
+    instance_count: int
+    sms: int
+
+
+class MigProfile(Struct, frozen=True):
+    """One GPU-instance profile of one GPU model, as NVML reports it."""
+
+    id: int  # NVML GI profile id (19 = 1g, 0 = 7g ...); never the profile index constant
+    name: str  # "1g.18gb", "1g.18gb+me" (without NVML's "MIG " prefix)
+    slices: int  # compute slices (the `1g` in `1g.18gb`)
+    memory_mb: int
+    sms: int
+    instance_count: int
+    placements: tuple[Placement, ...]  # every allowed placement
+    ci_profiles: tuple[CiProfile, ...] = ()
+    copy_engines: int = 0
+    decoders: int = 0
+    encoders: int = 0
+    jpegs: int = 0
+    ofas: int = 0
+
+
+class Holder(Struct, frozen=True, order=True):
+    """A process that keeps a GPU or MIG device busy. gpud never kills it; it waits or reports."""
+
+    pid: int
+    name: str
+    device: str  # "/dev/nvidia0", a MIG UUID, or a PCI address
+
+
+class ComputeInstance(Struct, frozen=True):
+    id: int
+    profile_id: int
+    slices: int
+    uuid: str  # "MIG-..." UUID of the MIG device this CI forms
+    holders: tuple[Holder, ...] = ()
+
+
+class GpuInstance(Struct, frozen=True):
+    id: int
+    profile_id: int
+    placement: Placement
+    cis: tuple[ComputeInstance, ...] = ()
+
+    @property
+    def holders(self) -> tuple[Holder, ...]:
+        return tuple(h for ci in self.cis for h in ci.holders)
+
+
+class PciFunction(Struct, frozen=True):
+    """One PCI function as sysfs shows it."""
+
+    address: str  # "0000:3b:00.0"
+    vendor: int
+    device: int
+    subsystem_vendor: int
+    subsystem_device: int
+    class_code: int  # 0x030200
+    driver: str | None = None
+    driver_override: str | None = None
+    iommu_group: int | None = None
+    numa_node: int = -1
+
+    @property
+    def pci_id(self) -> str:
+        return f"{self.vendor:04x}:{self.device:04x}"
+
+    @property
+    def slot(self) -> str:
+        """Address without the function number: functions of one card share it."""
+        return self.address.rsplit(".", 1)[0]
+
+
+class NvmlGpu(Struct, frozen=True):
+    """What NVML says about one GPU (only GPUs bound to the nvidia driver are visible)."""
+
+    pci: str
+    uuid: str
+    name: str  # "NVIDIA H200"
+    minor: int | None = None
+    memory_mb: int = 0
+    mig_capable: bool = False
+    mig_mode: int | None = None  # 0/1, None when not MIG capable
+    mig_pending: int | None = None
+    profiles: tuple[MigProfile, ...] = ()
+    instances: tuple[GpuInstance, ...] = ()
+    processes: tuple[Holder, ...] = ()  # compute processes on the whole GPU
+
+    def profile(self, profile_id: int) -> MigProfile | None:
+        return next((p for p in self.profiles if p.id == profile_id), None)
+
+
+class Gpu(Struct, frozen=True):
+    """A managed GPU: sysfs joined with NVML. `index` is its position in PCI-address order of all
+    managed GPUs, whatever driver they sit on, so it never shifts when some are on vfio-pci."""
+
+    index: int
+    function: PciFunction
+    companions: tuple[PciFunction, ...] = ()  # other endpoints of its IOMMU group / slot
+    nvml: NvmlGpu | None = None
+    holders: tuple[Holder, ...] = ()  # processes with its device nodes open (from /proc)
+    present: bool = True
+
+    @property
+    def pci(self) -> str:
+        return self.function.address
+
+    @property
+    def pci_id(self) -> str:
+        return self.function.pci_id

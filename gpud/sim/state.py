@@ -1,0 +1,125 @@
+"""The simulated host's state: one file under the host directory, guarded by an flock.
+
+Several processes share one simulated host (the daemon through the fake NVML library and the sysfs
+store, the `gpud-sim` command, tests), so every read-modify-write happens under an exclusive lock
+on `DIR/state.lock` and the file is replaced atomically.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import msgspec
+
+STATE_FILE = "state.json"
+LOCK_FILE = "state.lock"
+
+
+class SimCi(msgspec.Struct):
+    id: int
+    profile_id: int
+    uuid: str
+
+
+class SimGi(msgspec.Struct):
+    id: int
+    profile_id: int
+    start: int
+    size: int
+    cis: list[SimCi] = msgspec.field(default_factory=list)
+
+
+class SimProcess(msgspec.Struct):
+    """A process holding a GPU (device = GPU UUID or PCI address) or a MIG device (MIG UUID)."""
+
+    pid: int
+    name: str
+    device: str
+    used_mb: int = 256
+
+
+class SimFunction(msgspec.Struct):
+    """One PCI function of the simulated host, with what the kernel would know about it."""
+
+    address: str
+    vendor: int
+    device: int
+    subsystem_vendor: int
+    subsystem_device: int
+    class_code: int
+    revision: int = 0xA1
+    native_driver: str | None = None  # what a probe binds when driver_override is empty
+    driver: str | None = None
+    driver_override: str | None = None
+    iommu_group: int | None = None
+    numa_node: int = -1
+    present: bool = True
+
+
+class SimGpu(msgspec.Struct):
+    """NVML-side state of one GPU function (keyed by its PCI address)."""
+
+    address: str
+    model: str  # key into gpud.sim.catalog
+    uuid: str
+    minor: int
+    serial: str = ""
+    mig_mode: int = 0
+    mig_pending: int = 0
+    gis: list[SimGi] = msgspec.field(default_factory=list)
+
+
+class SimFault(msgspec.Struct):
+    """`gpud-sim fault`: the nth call (counted from when it was set) of `function` fails."""
+
+    function: str
+    nth: int
+    error: int
+    seen: int = 0
+
+
+class SimState(msgspec.Struct):
+    functions: dict[str, SimFunction] = msgspec.field(default_factory=dict)
+    gpus: dict[str, SimGpu] = msgspec.field(default_factory=dict)
+    processes: list[SimProcess] = msgspec.field(default_factory=list)
+    faults: list[SimFault] = msgspec.field(default_factory=list)
+    hangs: list[str] = msgspec.field(default_factory=list)  # PCI addresses whose next unbind hangs
+    loaded_modules: list[str] = msgspec.field(default_factory=list)
+    calls: dict[str, int] = msgspec.field(default_factory=dict)  # NVML function -> count
+    driver_version: str = "580.159.04"
+    cuda_version: int = 13000
+
+
+def state_path(host_dir: str | os.PathLike) -> Path:
+    return Path(host_dir) / STATE_FILE
+
+
+def load(host_dir: str | os.PathLike) -> SimState:
+    """Read without the lock: a consistent snapshot because writers replace the file atomically."""
+    return msgspec.json.decode(state_path(host_dir).read_bytes(), type=SimState)
+
+
+def save(host_dir: str | os.PathLike, state: SimState) -> None:
+    path = state_path(host_dir)
+    tmp = path.with_name(f".{STATE_FILE}.{os.getpid()}")
+    tmp.write_bytes(msgspec.json.format(msgspec.json.encode(state)))
+    os.replace(tmp, path)
+
+
+@contextlib.contextmanager
+def locked(host_dir: str | os.PathLike, *, write: bool = True) -> Iterator[SimState]:
+    """Hold the host lock; yields the state and saves it back on a clean exit when `write`."""
+    lock_path = Path(host_dir) / LOCK_FILE
+    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX if write else fcntl.LOCK_SH)
+        state = load(host_dir)
+        yield state
+        if write:
+            save(host_dir, state)
+    finally:
+        os.close(fd)
