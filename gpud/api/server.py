@@ -1,0 +1,552 @@
+"""The daemon's Unix-socket API server: framing, authorisation by peer credentials, limits.
+
+A root daemon that takes commands over a socket is a privilege boundary, so the socket is never
+world-writable (0660 root:gpud, or 0600 without the group), every connection is authorised from
+the kernel's SO_PEERCRED record rather than anything the client says, and each connection is
+bounded (frame size, idle time, event queue) so no local user can stall the daemon or other clients.
+
+Who may do what: uid 0 everything; members of the `gpud` group the read ops (`wire.READ_OPS`);
+nobody else anything. A refused request gets a `forbidden` error and the connection is closed, as
+after a malformed or oversized frame or an unknown op.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import grp
+import logging
+import os
+import socket
+import stat
+import struct
+import time
+from collections import deque
+from collections.abc import AsyncIterator
+from typing import Any, Protocol
+
+import msgspec
+
+from gpud.api import wire
+
+log = logging.getLogger("gpud.api")
+
+_UCRED = struct.Struct("iII")  # struct ucred: pid_t pid; uid_t uid; gid_t gid
+# SO_PEERGROUPS (Linux 4.13): the peer's supplementary groups as of connect(), race-free. 59 on
+# the asm-generic architectures; elsewhere fall back to /proc.
+_SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", None) or (
+    59 if os.uname().machine in ("x86_64", "aarch64", "i686", "riscv64", "s390x", "ppc64le") else None
+)
+
+
+class Peer(msgspec.Struct, frozen=True):
+    """Who is on the other end, as the kernel says. `groups` includes the primary gid."""
+
+    pid: int
+    uid: int
+    gid: int
+    groups: frozenset[int] = frozenset()
+
+
+class ApiError(Exception):
+    """Raised by a handler to answer with an error of its own code ("invalid-layout", "busy"...)."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+class ServerError(RuntimeError):
+    """The server cannot start (socket path taken by a live server, not a socket, ...)."""
+
+
+class Handler(Protocol):
+    """What the daemon gives the server.
+
+    `handle` answers every op but `events` with a reply struct (or a dict of the same shape).
+    `subscribe` returns an asyncio.Queue or an async iterator of events (wire.Event or dicts of
+    its shape) that starts collecting immediately; `recent_events` the history, oldest first.
+    If the handler has `unsubscribe(source)`, it is called when the subscriber goes away.
+    """
+
+    async def handle(self, op: str, args: dict[str, Any], peer: Peer) -> Any: ...
+
+    def subscribe(self) -> asyncio.Queue | AsyncIterator[Any]: ...
+
+    def recent_events(self) -> list[Any]: ...
+
+
+# ---------------------------------------------------------------------------------------------
+# Credentials and authorisation
+
+
+def read_proc_groups(pid: int, euid: int, proc_root: str = "/proc") -> set[int] | None:
+    """Supplementary groups from /proc/<pid>/status, or None if unknown.
+
+    The pid may have exited and been reused since connect(): the effective uid must still match
+    the one SO_PEERCRED reported, else the groups are not trusted.
+    """
+    try:
+        with open(f"{proc_root}/{pid}/status", encoding="ascii", errors="replace") as f:
+            text = f.read()
+    except OSError:
+        return None
+    uid_ok = False
+    groups: set[int] | None = None
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key == "Uid":
+            fields = value.split()
+            uid_ok = len(fields) >= 2 and fields[1] == str(euid)
+        elif key == "Groups":
+            try:
+                groups = {int(g) for g in value.split()}
+            except ValueError:
+                return None
+    return groups if uid_ok else None
+
+
+def _peer_groups(sock: socket.socket) -> set[int] | None:
+    if _SO_PEERGROUPS is None:
+        return None
+    try:
+        raw = sock.getsockopt(socket.SOL_SOCKET, _SO_PEERGROUPS, 1024)  # 256 groups; ERANGE above
+    except OSError:
+        return None
+    n = len(raw) // 4
+    return set(struct.unpack(f"={n}I", raw[: n * 4]))
+
+
+def peer_credentials(sock: socket.socket, proc_root: str = "/proc") -> Peer:
+    pid, uid, gid = _UCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
+    groups = _peer_groups(sock)
+    if groups is None:
+        groups = read_proc_groups(pid, uid, proc_root) or set()
+    return Peer(pid=pid, uid=uid, gid=gid, groups=frozenset(groups | {gid}))
+
+
+def may_connect(peer: Peer, gpud_gid: int | None) -> bool:
+    return peer.uid == 0 or (gpud_gid is not None and gpud_gid in peer.groups)
+
+
+def authorize(peer: Peer, op: str, gpud_gid: int | None) -> bool:
+    """uid 0: any op; `gpud` group members: read ops only; everyone else: nothing."""
+    if peer.uid == 0:
+        return True
+    return op in wire.READ_OPS and may_connect(peer, gpud_gid)
+
+
+def group_id(group: str | None) -> int | None:
+    if not group:
+        return None
+    try:
+        return grp.getgrnam(group).gr_gid
+    except KeyError:
+        return None
+
+
+# ---------------------------------------------------------------------------------------------
+# Socket creation
+
+
+def _clear_stale(path: str) -> None:
+    """Unlink a socket left by a dead daemon; refuse if someone still listens on it."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(st.st_mode):
+        raise ServerError(f"{path} exists and is not a socket; refusing to replace it")
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe.settimeout(1.0)
+    try:
+        probe.connect(path)
+    except ConnectionRefusedError:
+        log.info("removing stale socket %s", path)
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    except OSError as e:
+        raise ServerError(f"cannot tell whether {path} is in use: {e}") from e
+    else:
+        raise ServerError(f"{path} is in use by a running process (another gpud?); refusing to start")
+    finally:
+        probe.close()
+
+
+def bind_socket(path: str, gpud_gid: int | None) -> socket.socket:
+    """Listening socket at `path`: 0660 root:gpud when the group exists, else 0600.
+
+    The umask makes bind() create it 0600, so there is no moment where it is more open than
+    intended; group and mode are widened only afterwards.
+    """
+    _clear_stale(path)
+    os.makedirs(os.path.dirname(path) or ".", mode=0o755, exist_ok=True)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        old = os.umask(0o177)
+        try:
+            sock.bind(path)
+        finally:
+            os.umask(old)
+        mode = 0o600
+        if gpud_gid is not None:
+            try:
+                os.chown(path, -1, gpud_gid)
+                mode = 0o660
+            except PermissionError as e:
+                log.warning("cannot give %s to gid %d (%s); socket stays 0600", path, gpud_gid, e)
+        os.chmod(path, mode)
+        sock.listen(128)
+        sock.setblocking(False)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+# ---------------------------------------------------------------------------------------------
+# Per-subscriber bounded queue
+
+
+class _Dropped:
+    __slots__ = ("count",)
+
+    def __init__(self) -> None:
+        self.count = 1
+
+
+class Outbox:
+    """Bounded FIFO of events for one subscriber: put never blocks; when full, events are
+    dropped and one marker in their place says how many, so the client learns of the gap."""
+
+    def __init__(self, size: int) -> None:
+        self._q: deque[Any] = deque()
+        self._size = max(1, size)
+        self._ready = asyncio.Event()
+        self.closed = False
+        self.dropped = 0
+
+    def put(self, item: Any) -> None:
+        if len(self._q) >= self._size:
+            self.dropped += 1
+            if self._q and isinstance(self._q[-1], _Dropped):
+                self._q[-1].count += 1
+            else:
+                self._q.append(_Dropped())  # one over the bound, at most
+        else:
+            self._q.append(item)
+        self._ready.set()
+
+    def close(self) -> None:
+        self.closed = True
+        self._ready.set()
+
+    async def get(self) -> Any:
+        """Next item (a `_Dropped` marker becomes an "overflow" event); None once closed and empty."""
+        while not self._q:
+            if self.closed:
+                return None
+            self._ready.clear()
+            await self._ready.wait()
+        item = self._q.popleft()
+        if isinstance(item, _Dropped):
+            return wire.Event(
+                time=time.time(),
+                kind="overflow",
+                message=f"{item.count} events dropped: this client reads too slowly",
+                data={"dropped": item.count},
+            )
+        return item
+
+
+def _as_event(ev: Any) -> wire.Event:
+    if isinstance(ev, wire.Event):
+        return ev
+    if isinstance(ev, msgspec.Struct):
+        ev = msgspec.structs.asdict(ev)
+    return msgspec.convert(ev, wire.Event)
+
+
+# ---------------------------------------------------------------------------------------------
+# Server
+
+
+class ApiServer:
+    """A running API server. `close()` stops listening, ends every connection (followers too)
+    and removes the socket file if this server created it."""
+
+    def __init__(self, handler: Handler, *, path: str | None, gpud_gid: int | None, max_frame: int,
+                 idle_timeout: float | None, max_connections: int, event_queue: int) -> None:
+        self.handler = handler
+        self.path = path
+        self.gpud_gid = gpud_gid
+        self.max_frame = max_frame
+        self.idle_timeout = idle_timeout
+        self.max_connections = max_connections
+        self.event_queue = event_queue
+        self._reader = wire.FrameReader(max_frame)
+        self._server: asyncio.AbstractServer | None = None
+        self._tasks: dict[asyncio.Task, asyncio.StreamWriter] = {}
+        self._owned: tuple[int, int] | None = None  # (st_dev, st_ino) of the socket we bound
+        self._closing = False
+
+    @property
+    def connections(self) -> int:
+        return len(self._tasks)
+
+    async def _start(self, sock: socket.socket | None) -> None:
+        if sock is None:
+            if not self.path:
+                raise ServerError("either a socket path or an inherited socket is required")
+            sock = bind_socket(self.path, self.gpud_gid)
+            st = os.stat(self.path)
+            self._owned = (st.st_dev, st.st_ino)
+        self._server = await asyncio.start_unix_server(self._connection, sock=sock)
+
+    async def close(self) -> None:
+        self._closing = True
+        if self._server is not None:
+            self._server.close()
+        # Abort the transports as well as cancelling: a cancellation can be lost (a task woken by
+        # its I/O at the same moment), a dead transport cannot, and abort() does not wait for a
+        # client that stopped reading.
+        for t, w in list(self._tasks.items()):
+            w.transport.abort()
+            t.cancel()
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._server is not None:
+            await self._server.wait_closed()
+        if self._owned and self.path:
+            with contextlib.suppress(OSError):
+                st = os.lstat(self.path)
+                if (st.st_dev, st.st_ino) == self._owned:
+                    os.unlink(self.path)
+            self._owned = None
+
+    async def __aenter__(self) -> ApiServer:
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.close()
+
+    # -- one connection ---------------------------------------------------------------------
+
+    async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._tasks[task] = writer
+        if self._closing:  # accepted just before close(): close() did not see this task
+            self._tasks.pop(task)
+            writer.transport.abort()
+            return
+        try:
+            await self._serve_connection(reader, writer)
+        except (ConnectionError, TimeoutError, asyncio.CancelledError):
+            pass  # client gone, too slow to take its reply, or server closing
+        except Exception:
+            log.exception("API connection failed")
+        finally:
+            self._tasks.pop(task, None)
+            writer.close()  # flushes what is buffered (the last error reply) ...
+            try:
+                async with asyncio.timeout(self.idle_timeout or 10.0):
+                    await writer.wait_closed()
+            except (Exception, asyncio.CancelledError):
+                writer.transport.abort()  # ... unless the client does not read it
+
+    async def _send(self, writer: asyncio.StreamWriter, msg: Any) -> None:
+        try:
+            frame = wire.encode_frame(msg, max_frame=self.max_frame)
+        except (wire.FrameTooLarge, TypeError, msgspec.EncodeError) as e:
+            log.error("cannot encode reply to request %s: %s", getattr(msg, "id", "?"), e)
+            frame = wire.encode_frame(self._error(getattr(msg, "id", 0), wire.E_INTERNAL,
+                                                  f"cannot encode the reply: {e}"))
+        writer.write(frame)
+        # asyncio.timeout, not wait_for: 3.11's wait_for can swallow a cancellation
+        async with asyncio.timeout(self.idle_timeout):
+            await writer.drain()
+
+    @staticmethod
+    def _error(rid: int, code: str, message: str) -> wire.Response:
+        return wire.Response(id=rid, ok=False, error=wire.ErrorInfo(code=code, message=message))
+
+    async def _serve_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        peer = peer_credentials(writer.get_extra_info("socket"))
+        if len(self._tasks) > self.max_connections:
+            await self._send(writer, self._error(0, wire.E_BUSY, "too many connections to gpud"))
+            return
+        while True:
+            try:
+                async with asyncio.timeout(self.idle_timeout):
+                    payload = await self._reader.read_async(reader)
+            except TimeoutError:
+                log.debug("closing idle connection of pid %d", peer.pid)
+                return
+            except wire.FrameError as e:
+                await self._send(writer, self._error(e.request_id, e.code, str(e)))
+                return
+            if payload is None:
+                return
+            try:
+                req = wire.decode_request(payload)
+            except wire.FrameError as e:
+                await self._send(writer, self._error(e.request_id, e.code, str(e)))
+                return
+            if not may_connect(peer, self.gpud_gid):
+                await self._refuse(writer, req, peer)
+                return
+            if req.op not in wire.OPS:
+                await self._send(writer, self._error(req.id, wire.E_UNKNOWN_OP, f"unknown op {req.op!r}"))
+                return
+            if not authorize(peer, req.op, self.gpud_gid):
+                await self._refuse(writer, req, peer)
+                return
+            try:
+                args = msgspec.to_builtins(msgspec.convert(req.args, wire.ARGS[req.op]))
+            except msgspec.ValidationError as e:
+                await self._send(writer, self._error(req.id, wire.E_BAD_ARGS, f"{req.op}: {e}"))
+                continue
+            if req.op == "events":
+                if args.get("follow"):
+                    await self._follow(req.id, reader, writer)
+                    return
+                await self._send(writer, self._history(req.id, self._recent(), following=False))
+                continue
+            await self._send(writer, await self._call(req, args, peer))
+
+    async def _refuse(self, writer: asyncio.StreamWriter, req: wire.Request, peer: Peer) -> None:
+        log.warning("refused %r from pid %d uid %d", req.op, peer.pid, peer.uid)
+        need = "root" if req.op in wire.WRITE_OPS else "root or membership of the gpud group"
+        await self._send(writer, self._error(req.id, wire.E_FORBIDDEN, f"{req.op} needs {need}"))
+
+    async def _call(self, req: wire.Request, args: dict[str, Any], peer: Peer) -> wire.Response:
+        try:
+            result = await self.handler.handle(req.op, args, peer)
+            typ = wire.RESULTS.get(req.op)
+            if typ is not None and not isinstance(result, msgspec.Struct):
+                result = msgspec.convert(result, typ)
+        except ApiError as e:
+            return self._error(req.id, e.code, e.message)
+        except msgspec.ValidationError as e:
+            log.error("handler returned a malformed %s reply: %s", req.op, e)
+            return self._error(req.id, wire.E_INTERNAL, f"malformed {req.op} reply: {e}")
+        except Exception as e:
+            log.exception("handler failed on %s", req.op)
+            return self._error(req.id, wire.E_INTERNAL, f"{type(e).__name__}: {e}")
+        return wire.Response(id=req.id, ok=True, result=result)
+
+    def _history(self, rid: int, recent: list[Any], *, following: bool) -> wire.Response:
+        """The history reply, its oldest events left out until it fits in one frame."""
+        events = [_as_event(e) for e in recent]
+        while True:
+            resp = wire.Response(id=rid, ok=True, result=wire.EventsReply(events=events, following=following))
+            try:
+                wire.encode_frame(resp, max_frame=self.max_frame)
+                return resp
+            except wire.FrameTooLarge:
+                if not events:
+                    raise
+                events = events[len(events) // 2 + 1:] if len(events) > 1 else []
+
+    def _recent(self) -> list[Any]:
+        recent = getattr(self.handler, "recent_events", None)
+        return list(recent()) if recent else []
+
+    async def _follow(self, rid: int, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        # subscribe and snapshot the history with no await in between: no event is lost or doubled
+        source = self.handler.subscribe()
+        history = self._recent()
+        outbox = Outbox(self.event_queue)
+        pump = asyncio.create_task(self._pump(source, outbox))
+        eof = asyncio.create_task(reader.read(1))  # the client never sends more; data or EOF ends it
+        try:
+            await self._send(writer, self._history(rid, history, following=True))
+            while True:
+                get = asyncio.ensure_future(outbox.get())
+                await asyncio.wait({get, eof}, return_when=asyncio.FIRST_COMPLETED)
+                if not get.done():
+                    get.cancel()
+                    return
+                item = get.result()
+                if item is None:
+                    return
+                try:
+                    frame = wire.encode_frame(wire.EventFrame(id=rid, event=_as_event(item)),
+                                              max_frame=self.max_frame)
+                except (msgspec.ValidationError, msgspec.EncodeError, TypeError, wire.FrameError) as e:
+                    log.error("dropping an event that cannot be sent: %s", e)
+                    continue
+                writer.write(frame)
+                drain = asyncio.ensure_future(writer.drain())
+                await asyncio.wait({drain, eof}, return_when=asyncio.FIRST_COMPLETED)
+                if not drain.done():
+                    drain.cancel()
+                    return
+                drain.result()
+        finally:
+            pump.cancel()
+            eof.cancel()
+            await asyncio.gather(pump, eof, return_exceptions=True)
+            unsubscribe = getattr(self.handler, "unsubscribe", None)
+            if unsubscribe is not None:
+                unsubscribe(source)
+            elif hasattr(source, "aclose"):
+                with contextlib.suppress(Exception):
+                    await source.aclose()
+
+    @staticmethod
+    async def _pump(source: Any, outbox: Outbox) -> None:
+        try:
+            if isinstance(source, asyncio.Queue):
+                while True:
+                    outbox.put(await source.get())
+            else:
+                async for ev in source:
+                    outbox.put(ev)
+        finally:
+            outbox.close()
+
+
+async def serve(
+    handler: Handler,
+    path: str | None,
+    *,
+    sock: socket.socket | None = None,
+    group: str | None = "gpud",
+    max_frame: int = wire.MAX_FRAME,
+    idle_timeout: float | None = 60.0,
+    max_connections: int = 128,
+    event_queue: int = 1000,
+) -> ApiServer:
+    """Start serving `handler` on a Unix socket and return the running server.
+
+    `sock`: an inherited listening socket (systemd activation, LISTEN_FDS) used as is; its mode is
+    the .socket unit's business (SocketMode=0660, SocketGroup=gpud). Otherwise the socket is
+    created at `path` (a live one there makes this raise ServerError; a dead one is replaced).
+    `group` is the group whose members may use the read ops; missing group: root only.
+    `idle_timeout`: seconds a connection may stay silent between requests (None: forever).
+    """
+    server = ApiServer(handler, path=path, gpud_gid=group_id(group), max_frame=max_frame,
+                       idle_timeout=idle_timeout, max_connections=max_connections,
+                       event_queue=event_queue)
+    await server._start(sock)
+    return server
+
+
+__all__ = [
+    "ApiError",
+    "ApiServer",
+    "Handler",
+    "Outbox",
+    "Peer",
+    "ServerError",
+    "authorize",
+    "bind_socket",
+    "may_connect",
+    "peer_credentials",
+    "read_proc_groups",
+    "serve",
+]

@@ -1,0 +1,450 @@
+"""The gpud socket protocol: frames, requests, responses, events and the typed replies.
+
+Shared by the daemon (asyncio) and `gpudctl` (a blocking socket), so this module imports only the
+standard library and msgspec: the client's start-up time is a product feature, and every import
+here is paid by every `gpudctl` run.
+
+Wire format (protocol 1): each frame is a 4-byte big-endian unsigned payload length followed by
+one MessagePack map. Client -> daemon: `Request {id, op, args}`. Daemon -> client: one
+`Response {id, ok, result, error}` per request; for `events` with `follow=true` the response (the
+recent history) is followed by `EventFrame {id, event}` frames until the client closes.
+Replies are msgspec Structs encoded as maps; unknown fields are ignored on decode and every
+field added later gets a default, so old clients keep working against newer daemons.
+Reply structs do not omit defaults: `gpudctl ... --json` prints them and scripts need a stable
+shape.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Any
+
+import msgspec
+
+PROTOCOL = 1
+MAX_FRAME = 1 << 20  # 1 MiB: a status of a 16-GPU host with every instance is ~40 KiB
+HEADER = struct.Struct(">I")
+
+# Error codes the server itself produces; handlers add their own (e.g. "invalid-layout").
+E_BAD_FRAME = "bad-frame"  # not MessagePack, not a map, or missing id/op
+E_TOO_LARGE = "too-large"  # frame above the limit; the connection is closed unread
+E_UNKNOWN_OP = "unknown-op"
+E_BAD_ARGS = "bad-args"
+E_FORBIDDEN = "forbidden"
+E_BUSY = "busy"  # too many connections
+E_INTERNAL = "internal"
+E_INVALID_LAYOUT = "invalid-layout"
+E_TIMEOUT = "timeout"
+E_READ_ONLY = "read-only"
+
+READ_OPS = frozenset({"status", "check", "plan", "events", "version", "mig-profiles", "passthrough"})
+WRITE_OPS = frozenset({"apply", "reload"})
+OPS = READ_OPS | WRITE_OPS
+
+
+class FrameError(ValueError):
+    """A frame that cannot be read: truncated, too large, or not a valid message."""
+
+    code = E_BAD_FRAME
+
+    def __init__(self, message: str, *, request_id: int = 0) -> None:
+        super().__init__(message)
+        self.request_id = request_id  # best effort, so the error response can name the request
+
+
+class FrameTooLarge(FrameError):
+    code = E_TOO_LARGE
+
+
+# ---------------------------------------------------------------------------------------------
+# Envelope
+
+
+class Request(msgspec.Struct, kw_only=True):
+    id: int
+    op: str
+    args: dict[str, Any] = {}
+
+
+class ErrorInfo(msgspec.Struct, kw_only=True):
+    code: str
+    message: str
+
+
+class Response(msgspec.Struct, kw_only=True):
+    id: int
+    ok: bool
+    result: Any = None
+    error: ErrorInfo | None = None
+
+
+class Event(msgspec.Struct, kw_only=True):
+    time: float  # Unix seconds
+    kind: str  # "step", "wait", "converged", "failed", "layout", "overflow", ...
+    gpu: str | None = None  # PCI address, None for host-wide events
+    message: str = ""
+    data: dict[str, Any] = {}
+
+
+class EventFrame(msgspec.Struct, kw_only=True):
+    id: int  # the id of the `events` request this stream answers
+    event: Event
+
+
+# ---------------------------------------------------------------------------------------------
+# Arguments of each op (the server validates and fills defaults before calling the handler)
+
+
+class NoArgs(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    pass
+
+
+class CheckArgs(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    text: str  # the layout as the client read it
+    path: str  # where it was read, so errors name the file
+
+
+class PlanArgs(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    text: str | None = None  # None: plan against the daemon's current layout
+    path: str | None = None
+
+
+class ApplyArgs(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    wait: bool = False
+    timeout: float | None = None  # seconds; only with wait
+
+
+class EventsArgs(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    follow: bool = False
+
+
+class MigProfilesArgs(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    gpu: str | None = None  # selector: index, PCI address or GPU UUID
+
+
+ARGS: dict[str, type[msgspec.Struct]] = {
+    "status": NoArgs,
+    "check": CheckArgs,
+    "plan": PlanArgs,
+    "apply": ApplyArgs,
+    "reload": NoArgs,
+    "events": EventsArgs,
+    "version": NoArgs,
+    "mig-profiles": MigProfilesArgs,
+    "passthrough": NoArgs,
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# Typed results
+
+
+class Placement(msgspec.Struct, kw_only=True):
+    start: int
+    size: int
+
+
+class HolderInfo(msgspec.Struct, kw_only=True):
+    pid: int
+    name: str
+    device: str = ""  # "/dev/nvidia0", a MIG UUID or a PCI address
+
+
+class InstanceStatus(msgspec.Struct, kw_only=True):
+    profile: str  # "1g.18gb", or "1c.3g.71gb" for a CI smaller than its GI
+    placement: Placement
+    gi: int
+    ci: int
+    uuid: str
+    holders: list[HolderInfo] = []
+
+
+class MigStatus(msgspec.Struct, kw_only=True):
+    capable: bool = False
+    mode: str | None = None  # "enabled" | "disabled" | None (not capable / not visible to NVML)
+    pending: str | None = None  # the mode after the next reset, when it differs from `mode`
+    instances: list[InstanceStatus] = []
+
+
+class GroupMember(msgspec.Struct, kw_only=True):
+    pci: str
+    driver: str | None = None
+    class_: str = msgspec.field(default="", name="class")  # "0x030200"
+
+
+class GpuStatus(msgspec.Struct, kw_only=True):
+    index: int
+    pci: str
+    uuid: str | None = None  # None when NVML cannot see it (e.g. on vfio-pci)
+    model: str = ""
+    pci_id: str = ""  # "10de:2335"
+    driver: str | None = None
+    workload: str = "container"
+    iommu_group: int | None = None
+    numa_node: int | None = None
+    mig: MigStatus = msgspec.field(default_factory=MigStatus)
+    converged: bool = False
+    # converged | applying | waiting | failed | stuck | reset-required | reboot-required |
+    # unmanaged | read-only | gone
+    state: str = "unmanaged"
+    message: str = ""
+    holders: list[HolderInfo] = []
+    group: list[GroupMember] = []
+    vfio_device: str | None = None  # "/dev/vfio/42" when bound to vfio-pci
+
+
+class LayoutStatus(msgspec.Struct, kw_only=True):
+    path: str
+    selected: str | None = None  # the layout name chosen for this host
+    valid: bool = False
+    errors: list[str] = []
+    warnings: list[str] = []
+
+
+class StatusReply(msgspec.Struct, kw_only=True):
+    # converged | applying | waiting | failed | starting | invalid-layout | ...
+    phase: str
+    layout: LayoutStatus
+    gpus: list[GpuStatus] = []
+    read_only: bool = False
+    version: str = ""
+
+
+class CheckReply(msgspec.Struct, kw_only=True):
+    valid: bool
+    errors: list[str] = []
+    warnings: list[str] = []
+    selected: str | None = None
+
+
+class StepInfo(msgspec.Struct, kw_only=True):
+    # set-mig-mode | destroy-ci | destroy-gi | create-gi | create-ci | reset | bind | unbind ...
+    action: str
+    profile: str | None = None
+    placement: Placement | None = None
+    uuid: str | None = None
+    gi: int | None = None
+    ci: int | None = None
+    enabled: bool | None = None  # set-mig-mode
+    driver: str | None = None  # bind / unbind / driver_override
+    message: str = ""
+
+
+class GpuPlanInfo(msgspec.Struct, kw_only=True):
+    index: int
+    pci: str
+    steps: list[StepInfo] = []
+    infeasible: str | None = None
+    blocked_by: list[HolderInfo] = []
+
+
+class DestroyedInfo(msgspec.Struct, kw_only=True):
+    pci: str
+    profile: str
+    placement: Placement | None = None
+    uuid: str | None = None
+    holders: list[HolderInfo] = []
+
+
+class Disruption(msgspec.Struct, kw_only=True):
+    destroyed: list[DestroyedInfo] = []
+    mode_changes: list[str] = []  # PCI addresses
+    resets: list[str] = []  # PCI addresses
+
+
+class PlanReply(msgspec.Struct, kw_only=True):
+    gpus: list[GpuPlanInfo] = []
+    disruption: Disruption = msgspec.field(default_factory=Disruption)
+    errors: list[str] = []
+    warnings: list[str] = []
+
+
+class GpuApplyInfo(msgspec.Struct, kw_only=True):
+    pci: str
+    state: str
+    message: str = ""
+
+
+class ApplyReply(msgspec.Struct, kw_only=True):
+    phase: str
+    converged: bool = False
+    message: str = ""
+    gpus: list[GpuApplyInfo] = []
+
+
+class VersionReply(msgspec.Struct, kw_only=True):
+    version: str
+    driver: str | None = None  # NVIDIA kernel driver version, None without one
+    nvml: str | None = None
+    protocol: int = PROTOCOL
+
+
+class ProfileInfo(msgspec.Struct, kw_only=True):
+    id: int
+    name: str  # "1g.18gb" (without NVML's "MIG " prefix)
+    memory_mb: int
+    sms: int = 0
+    slices: int = 0
+    free: int = 0
+    total: int = 0
+    placements: list[Placement] = []
+    ce: int = 0
+    dec: int = 0
+    enc: int = 0
+    jpg: int = 0
+    ofa: int = 0
+    p2p: bool = False
+
+
+class GpuProfiles(msgspec.Struct, kw_only=True):
+    index: int
+    pci: str
+    model: str = ""
+    profiles: list[ProfileInfo] = []
+
+
+class MigProfilesReply(msgspec.Struct, kw_only=True):
+    gpus: list[GpuProfiles] = []
+
+
+class PassthroughDevice(msgspec.Struct, kw_only=True):
+    pci: str
+    vendor_device: str  # "10de:2335"
+    resource_name: str = ""  # KubeVirt / device-plugin resource, "nvidia.com/GH100_H200"
+    iommu_group: int | None = None
+    vfio_device: str | None = None
+    numa_node: int | None = None
+    libvirt_hostdev: str = ""  # <hostdev> XML for `virsh attach-device`
+    kubevirt: dict[str, Any] = {}  # permittedHostDevices.pciHostDevices entry
+
+
+class PassthroughReply(msgspec.Struct, kw_only=True):
+    devices: list[PassthroughDevice] = []
+
+
+class EventsReply(msgspec.Struct, kw_only=True):
+    events: list[Event] = []  # recent history, oldest first
+    following: bool = False  # EventFrames follow on this connection
+
+
+RESULTS: dict[str, type[msgspec.Struct]] = {
+    "status": StatusReply,
+    "check": CheckReply,
+    "plan": PlanReply,
+    "apply": ApplyReply,
+    "reload": LayoutStatus,
+    "events": EventsReply,
+    "version": VersionReply,
+    "mig-profiles": MigProfilesReply,
+    "passthrough": PassthroughReply,
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# Framing
+
+_encoder = msgspec.msgpack.Encoder()
+_request_decoder = msgspec.msgpack.Decoder(Request)
+_response_decoder = msgspec.msgpack.Decoder(Response)
+_any_decoder = msgspec.msgpack.Decoder()
+
+
+def encode_frame(obj: Any, *, max_frame: int = MAX_FRAME) -> bytes:
+    """Length-prefixed MessagePack. Refuses to produce a frame the peer would reject."""
+    payload = _encoder.encode(obj)
+    if len(payload) > max_frame:
+        raise FrameTooLarge(f"frame of {len(payload)} bytes exceeds the limit of {max_frame}")
+    return HEADER.pack(len(payload)) + payload
+
+
+def _guess_id(payload: bytes) -> int:
+    try:
+        raw = _any_decoder.decode(payload)
+    except msgspec.DecodeError:
+        return 0
+    rid = raw.get("id") if isinstance(raw, dict) else None
+    return rid if isinstance(rid, int) and not isinstance(rid, bool) else 0
+
+
+def decode_request(payload: bytes) -> Request:
+    try:
+        return _request_decoder.decode(payload)
+    except msgspec.DecodeError as e:  # ValidationError is a DecodeError
+        raise FrameError(f"malformed request: {e}", request_id=_guess_id(payload)) from None
+
+
+def decode_message(payload: bytes) -> Response | EventFrame:
+    """A frame from the daemon: a Response, or (with "event" and no "ok") an EventFrame."""
+    try:
+        raw = _any_decoder.decode(payload)
+        if isinstance(raw, dict) and "event" in raw and "ok" not in raw:
+            return msgspec.convert(raw, EventFrame)
+        return msgspec.convert(raw, Response)
+    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        raise FrameError(f"malformed message from gpud: {e}") from None
+
+
+def decode_result(op: str, result: Any) -> Any:
+    """Type a Response.result by its op (plain value for ops without a result struct)."""
+    typ = RESULTS.get(op)
+    if typ is None:
+        return result
+    try:
+        return msgspec.convert(result, typ)
+    except msgspec.ValidationError as e:
+        raise FrameError(f"malformed {op} result from gpud: {e}") from None
+
+
+class FrameReader:
+    """Reads length-prefixed frames from a blocking socket (client) or a StreamReader (server).
+
+    Both return the payload bytes, or None on a clean end of stream between frames; a stream that
+    ends inside a frame, or a length above `max_frame`, raises FrameError/FrameTooLarge without
+    reading the oversized body.
+    """
+
+    __slots__ = ("max_frame",)
+
+    def __init__(self, max_frame: int = MAX_FRAME) -> None:
+        self.max_frame = max_frame
+
+    def _check(self, header: bytes) -> int:
+        (n,) = HEADER.unpack(header)
+        if n > self.max_frame:
+            raise FrameTooLarge(f"frame of {n} bytes exceeds the limit of {self.max_frame}")
+        return n
+
+    def read_sync(self, sock: Any) -> bytes | None:
+        header = _recv_exactly(sock, HEADER.size, eof_ok=True)
+        if header is None:
+            return None
+        n = self._check(header)
+        return _recv_exactly(sock, n, eof_ok=False) if n else b""
+
+    async def read_async(self, reader: Any) -> bytes | None:
+        # asyncio.IncompleteReadError subclasses EOFError: no asyncio import needed here
+        try:
+            header = await reader.readexactly(HEADER.size)
+        except EOFError as e:
+            if not getattr(e, "partial", b""):
+                return None
+            raise FrameError("connection closed inside a frame header") from None
+        n = self._check(header)
+        try:
+            return await reader.readexactly(n) if n else b""
+        except EOFError:
+            raise FrameError("connection closed inside a frame") from None
+
+
+def _recv_exactly(sock: Any, n: int, *, eof_ok: bool) -> bytes | None:
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        k = sock.recv_into(view[got:], n - got)
+        if k == 0:
+            if got == 0 and eof_ok:
+                return None
+            raise FrameError("connection closed inside a frame")
+        got += k
+    return bytes(buf)

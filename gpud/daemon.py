@@ -1,0 +1,179 @@
+"""gpud: wiring. Picks the real host or the simulator once, then runs the event sources (the
+config file via inotify, device events via udev, the socket, signals) around the reconciler.
+
+Nothing here polls hardware in a loop: passes run on start, on a valid change of the file, on a
+device event, on a holder's exit, and on request.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+
+from gpud import VERSION
+from gpud.engine.events import EventBus
+from gpud.engine.reconciler import ApplyLock, Hardware, Reconciler
+from gpud.engine.requests import RequestHandler
+from gpud.host.nvml import Nvml
+from gpud.host.procs import Procs
+from gpud.host.sysfs import Sysfs
+
+log = logging.getLogger("gpud")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="gpud", description="Converge NVIDIA GPUs to /etc/gpud/layout.yaml.")
+    ap.add_argument("--config", default="/etc/gpud/layout.yaml")
+    ap.add_argument("--socket", default="/run/gpud/gpud.sock")
+    ap.add_argument("--state-dir", default="/var/lib/gpud")
+    ap.add_argument("--sim", metavar="DIR", help="drive the simulated host in DIR (made by gpud-sim create)")
+    ap.add_argument("--read-only", action="store_true", help="observe and plan; refuse every mutating call")
+    ap.add_argument("--lock", help="host-wide apply lock (default /run/lock/gpud-apply.lock, or DIR/apply.lock with --sim)")
+    ap.add_argument("--socket-group", default="gpud", help="group allowed to read status (default gpud)")
+    ap.add_argument("--unbind-timeout", type=float, default=30.0, help="seconds before an unbind is declared stuck")
+    ap.add_argument("--log-level", default=os.environ.get("GPUD_LOG_LEVEL", "INFO"))
+    ap.add_argument("--version", action="version", version=f"gpud {VERSION}")
+    return ap.parse_args(argv)
+
+
+def build_hardware(args: argparse.Namespace) -> tuple[Hardware, str | None, str]:
+    """Returns the adapters, the simulator's event socket (None on a real host) and the lock path."""
+    if args.sim:
+        from gpud import sim
+
+        host = sim.install(args.sim)
+        hw = Hardware(
+            sysfs=Sysfs(str(host.sys_root), read_only=args.read_only, store=host.store, modprobe=host.modprobe),
+            nvml=Nvml(read_only=args.read_only, proc_root=str(host.proc_root)),
+            procs=Procs(str(host.proc_root), str(host.dev_root), read_only=args.read_only, store=host.store),
+        )
+        return hw, str(host.uevent_socket), args.lock or str(Path(args.sim) / "apply.lock")
+    hw = Hardware(sysfs=Sysfs("/sys", read_only=args.read_only), nvml=Nvml(read_only=args.read_only), procs=Procs(read_only=args.read_only))
+    return hw, None, args.lock or "/run/lock/gpud-apply.lock"
+
+
+class Daemon:
+    def __init__(self, args: argparse.Namespace) -> None:
+        from gpud.host.systemd import Notifier
+
+        self.args = args
+        self.notifier = Notifier()
+        self.bus = EventBus()
+        self.hw, self.sim_socket, lock_path = build_hardware(args)
+        self.rec = Reconciler(
+            self.hw, config_path=args.config, apply_lock=ApplyLock(lock_path), bus=self.bus,
+            read_only=args.read_only, binder_timeout=args.unbind_timeout,
+        )
+        self.stopping = asyncio.Event()
+        self._reload_timer: asyncio.TimerHandle | None = None
+
+    # ---- event sources ---------------------------------------------------------------------
+    async def watch_config(self) -> None:
+        """Editors save in place, by atomic rename, or delete and re-create: watch the directory."""
+        from asyncinotify import Inotify, Mask
+
+        path = Path(self.args.config).absolute()
+        mask = Mask.CLOSE_WRITE | Mask.MOVED_TO | Mask.MOVED_FROM | Mask.CREATE | Mask.DELETE
+        with Inotify() as ino:
+            ino.add_watch(path.parent, mask)
+            async for event in ino:
+                if event.name is not None and str(event.name) == path.name:
+                    self._schedule_reload(f"{path.name}: {event.mask!r}")
+
+    def _schedule_reload(self, why: str, delay: float = 0.3) -> None:
+        loop = asyncio.get_running_loop()
+        if self._reload_timer is not None:
+            self._reload_timer.cancel()
+        self._reload_timer = loop.call_later(delay, self._reload, why)
+
+    def _reload(self, why: str) -> None:
+        log.info("config changed (%s)", why)
+        if self.rec.load_config():
+            self.rec.kick("layout changed")
+        else:
+            self.rec.refresh()
+        self._update_status()
+
+    def on_device_event(self, event) -> None:
+        log.debug("device event %s", event)
+        self.bus.publish("device", f"{event.action} {event.subsystem} {event.address or ''}".strip(),
+                         gpu=event.address)
+        self.rec.kick(f"udev {event.action}")
+
+    def _update_status(self) -> None:
+        self.notifier.status(self.rec.summary())
+
+    async def watchdog(self, interval: float) -> None:
+        """Pinged from the loop itself, so a stuck loop stops the pings and systemd restarts us."""
+        while True:
+            self.notifier.watchdog()
+            await asyncio.sleep(interval)
+
+    # ---- life cycle --------------------------------------------------------------------------
+    async def run(self) -> int:
+        from gpud.api.server import serve
+        from gpud.host.systemd import listen_socket
+        from gpud.host.udev import DeviceEvents
+
+        loop = asyncio.get_running_loop()
+        self.rec.on_change(self._update_status)
+        self.rec.load_config()
+        self.hw.nvml.open()
+        handler = RequestHandler(self.rec, notifier=self.notifier, passthrough=_passthrough_inventory)
+        server = await serve(handler, self.args.socket, sock=listen_socket(), group=self.args.socket_group)
+        events = DeviceEvents(self.on_device_event, sim_socket=self.sim_socket)
+        events.start(loop)
+        self.rec.refresh()  # the first state, before READY
+        tasks = [
+            asyncio.create_task(self.rec.run(), name="reconciler"),
+            asyncio.create_task(self.watch_config(), name="inotify"),
+        ]
+        interval = self.notifier.watchdog_interval()
+        if interval:
+            tasks.append(asyncio.create_task(self.watchdog(interval), name="watchdog"))
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.stopping.set)
+        loop.add_signal_handler(signal.SIGHUP, lambda: asyncio.ensure_future(handler.op_reload()))
+        self.rec.kick("start")
+        self._update_status()
+        self.notifier.ready()
+        log.info("gpud %s ready: socket %s, %d GPU(s)%s", VERSION, self.args.socket,
+                 len(self.rec.observation.gpus), " (read-only)" if self.args.read_only else "")
+        await self.stopping.wait()
+        # A stop is not a rollback: the hardware stays as it is.
+        self.notifier.stopping()
+        events.stop()
+        for t in tasks:
+            t.cancel()
+        await server.close()
+        self.hw.nvml.close()
+        log.info("gpud stopped; hardware left as it is")
+        return 0
+
+
+def _passthrough_inventory(observation):
+    from gpud.engine.passthrough import inventory
+
+    return inventory(observation)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return asyncio.run(Daemon(args).run())
+    except KeyboardInterrupt:
+        return 0
+    except (OSError, RuntimeError) as e:
+        log.error("%s", e)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,530 @@
+"""Runs a BindingPlan through the sysfs adapter without ever letting the kernel hang gpud.
+
+Writing `unbind` for a busy nvidia GPU blocks uninterruptibly (NVRM "non-zero usage count"), a
+vfio-pci unbind waits while a VM holds the device, and the blocked write holds the device lock, so
+even a driver_override write or read of that device can then block. Hence:
+
+- holders of /dev/nvidia<minor>, its MIG caps and /dev/vfio/<group> are looked up first; any ->
+  "waiting" with the holders named (gpud never kills; the caller decides to wait or fail), and
+  nothing has been written yet;
+- the caller's own NVML handle is closed through `before_unbind`, then nvidia's unbindLock is
+  asked for (refused -> "waiting": a user /proc cannot show, e.g. nvidia-persistenced or DRM);
+- every write runs in a forked child with a deadline; on expiry the outcome is "stuck" with what
+  the kernel says (/proc/<child>/wchan, stack, state, the last matching /dev/kmsg line) and the
+  child is abandoned to a reaper thread: the caller's thread returns, the event loop keeps serving,
+  and later plans touching that device answer "stuck" without touching it until the write ends;
+- every rebind is verified (drivers_probe succeeds even when nothing binds), and /dev/vfio/<group>
+  is awaited with bounded backoff because udev creates and removes it asynchronously.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import errno as errno_mod
+import glob
+import json
+import os
+import re
+import select
+import struct
+import threading
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from msgspec import Struct
+
+from gpud.host.readonly import ReadOnlyError
+from gpud.model import Holder
+from gpud.plan import binding as B
+
+CONVERGED, WAITING, FAILED, STUCK = "converged", "waiting", "failed", "stuck"
+
+_ERRNO_MEANING = {
+    errno_mod.ENODEV: "no such device, or the driver does not match it",
+    errno_mod.EBUSY: "device already bound, or DMA ownership conflict in its IOMMU group",
+    errno_mod.EPERM: "the driver's probe failed",
+    errno_mod.EINVAL: "value refused (vfio-pci denylisted device, or bad value)",
+    errno_mod.ENOENT: "no such attribute (device removed?)",
+    errno_mod.EACCES: "permission denied",
+}
+
+
+class BindOutcome(Struct, frozen=True):
+    pci: str
+    state: str  # converged | waiting | failed | stuck
+    message: str
+    holders: tuple[Holder, ...] = ()
+    done: tuple[str, ...] = ()  # the steps carried out, in order
+    step: str | None = None  # the step that failed, waited or got stuck
+    errno: int | None = None
+    stuck_pid: int | None = None
+
+
+class _WriteError(Exception):
+    def __init__(self, path: str, err: int | None, meaning: str) -> None:
+        super().__init__(meaning)
+        self.path, self.errno, self.meaning = path, err, meaning
+
+
+class _Stuck(Exception):
+    def __init__(self, pid: int, path: str, reason: str) -> None:
+        super().__init__(reason)
+        self.pid, self.path, self.reason = pid, path, reason
+
+
+class StuckWrite(Struct):
+    pid: int
+    pci: str
+    path: str
+    value: str
+    started: float  # time.monotonic()
+    reason: str
+    exit_status: int | None = None  # set by the reaper when the write finally returned
+
+
+# pci -> the abandoned write still blocked in the kernel. Module-wide: one kernel, one registry.
+_stuck: dict[str, StuckWrite] = {}
+_stuck_lock = threading.Lock()
+
+
+def stuck_writes() -> list[StuckWrite]:
+    with _stuck_lock:
+        return list(_stuck.values())
+
+
+def _reap(sw: StuckWrite) -> None:
+    """Waits for an abandoned child in its own daemon thread: a process in D state cannot be
+    killed, but when the kernel lets the write return it exits and must not stay a zombie."""
+    try:
+        _, status = os.waitpid(sw.pid, 0)
+    except ChildProcessError:
+        status = -1
+    with _stuck_lock:
+        sw.exit_status = status
+        if _stuck.get(sw.pci) is sw:
+            del _stuck[sw.pci]
+
+
+def _meaning(err: int | None, fallback: str = "") -> str:
+    if err is None:
+        return fallback
+    name = errno_mod.errorcode.get(err, str(err))
+    return f"{name}: {_ERRNO_MEANING.get(err, os.strerror(err))}"
+
+
+def _read(path: str, limit: int = 4096) -> str | None:
+    try:
+        with open(path, "rb") as f:
+            return f.read(limit).decode(errors="replace").strip()
+    except OSError:
+        return None
+
+
+def kernel_reason(pid: int, needles: Iterable[str], *, kmsg: str = "/dev/kmsg") -> str:
+    """What the kernel says about a blocked writer: its state, wait channel, stack and the last
+    kernel log line naming the device (or NVRM)."""
+    parts = []
+    stat = _read(f"/proc/{pid}/stat")
+    if stat and ")" in stat:
+        state = stat.rsplit(")", 1)[1].split()[0]
+        parts.append(f"state {state}" + (" (uninterruptible)" if state == "D" else ""))
+    wchan = _read(f"/proc/{pid}/wchan")
+    if wchan and wchan != "0":
+        parts.append(f"wchan {wchan}")
+    stack = _read(f"/proc/{pid}/stack")
+    if stack:
+        frames = [re.sub(r"^\[<[0-9a-f]+>\]\s*", "", ln).split("+")[0] for ln in stack.splitlines()[:6]]
+        parts.append("stack " + " < ".join(f for f in frames if f))
+    line = last_kmsg_line(needles, kmsg=kmsg)
+    if line:
+        parts.append(f"kernel: {line}")
+    return "; ".join(parts) or "no kernel detail readable"
+
+
+def last_kmsg_line(needles: Iterable[str], *, kmsg: str = "/dev/kmsg", max_records: int = 50000) -> str | None:
+    needles = [n for n in needles if n]
+    try:
+        fd = os.open(kmsg, os.O_RDONLY | os.O_NONBLOCK)
+    except OSError:
+        return None
+    last = None
+    try:
+        for _ in range(max_records):
+            try:
+                rec = os.read(fd, 8192)
+            except BlockingIOError:
+                break
+            except OSError as e:
+                if e.errno == errno_mod.EPIPE:  # overwritten while reading: go on with the next
+                    continue
+                break
+            if not rec:
+                break
+            text = rec.decode(errors="replace").split(";", 1)[-1].split("\n", 1)[0]
+            if any(n in text for n in needles):
+                last = text
+    finally:
+        os.close(fd)
+    return last
+
+
+def _child_write(sysfs, relpath: str, value: str, pci: str, timeout: float, kmsg: str) -> None:
+    """One sysfs write in a forked child with a deadline. The child does nothing but the adapter's
+    single os.write and reports errno through a length-prefixed message (not EOF: a sibling fork
+    from another thread may inherit the pipe's write end)."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child
+        code = 0
+        try:
+            os.close(r)
+            try:
+                sysfs.write(relpath, value)
+                msg: dict[str, Any] = {"ok": True}
+            except ReadOnlyError as e:
+                msg = {"ok": False, "errno": None, "meaning": str(e)}
+            except OSError as e:
+                msg = {"ok": False, "errno": e.errno,
+                       "meaning": getattr(e, "meaning", None) or _meaning(e.errno, str(e))}
+            except BaseException as e:  # noqa: BLE001 - anything must be reported, not lost
+                msg = {"ok": False, "errno": None, "meaning": f"{type(e).__name__}: {e}"}
+            data = json.dumps(msg).encode()
+            os.write(w, struct.pack("!I", len(data)) + data)
+        except BaseException:
+            code = 1
+        finally:
+            os._exit(code)
+    os.close(w)
+    try:
+        data = _read_framed(r, timeout)
+    finally:
+        os.close(r)
+    if data is None:
+        path = os.path.join(sysfs.root, relpath)
+        reason = kernel_reason(pid, [pci, "NVRM"], kmsg=kmsg)
+        sw = StuckWrite(pid=pid, pci=pci, path=path, value=value.strip(), started=time.monotonic(), reason=reason)
+        with _stuck_lock:
+            _stuck[pci] = sw
+        threading.Thread(target=_reap, args=(sw,), name=f"gpud-reap-{pid}", daemon=True).start()
+        raise _Stuck(pid, path, reason)
+    os.waitpid(pid, 0)  # it exits right after writing its answer
+    msg = json.loads(data)
+    if not msg["ok"]:
+        raise _WriteError(os.path.join(sysfs.root, relpath), msg["errno"], msg["meaning"])
+
+
+def _read_framed(fd: int, timeout: float) -> bytes | None:
+    """The child's answer, or None when the deadline passed first."""
+    deadline = time.monotonic() + timeout
+    buf = b""
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    while True:
+        if len(buf) >= 4 and len(buf) >= 4 + struct.unpack("!I", buf[:4])[0]:
+            return buf[4 : 4 + struct.unpack("!I", buf[:4])[0]]
+        left = deadline - time.monotonic()
+        if left <= 0 or not poller.poll(left * 1000):
+            return None
+        chunk = os.read(fd, 65536)
+        if not chunk:  # the child died without answering (killed, or crashed before its write)
+            return json.dumps({"ok": False, "errno": None, "meaning": "the writer process died"}).encode()
+        buf += chunk
+
+
+class _Run:
+    """One execution of one plan."""
+
+    def __init__(self, sysfs, procs, plan: B.BindingPlan, *, before_unbind, timeout, verify_timeout, dev_root,
+                 check_holders, kmsg, sleep, on_step) -> None:
+        self.sysfs, self.procs, self.plan = sysfs, procs, plan
+        self.before_unbind = before_unbind
+        self.timeout, self.verify_timeout = timeout, verify_timeout
+        self.dev_root = dev_root
+        self.check_holders = check_holders
+        self.kmsg = kmsg
+        self.sleep = sleep
+        self.on_step = on_step
+        self.done: list[str] = []
+        self.nvml_closed = False
+        self.locked: set[str] = set()  # GPUs whose unbindLock we hold
+
+    # ---- reading the live state (never through attributes that take the device lock) ---------
+    def dev(self, pci: str, *rest: str) -> str:
+        return os.path.join(self.sysfs.root, "bus", "pci", "devices", pci, *rest)
+
+    def driver(self, pci: str) -> str | None:
+        try:
+            return os.path.basename(os.readlink(self.dev(pci, "driver")))
+        except FileNotFoundError:
+            if not os.path.exists(self.dev(pci)):
+                raise _WriteError(self.dev(pci), errno_mod.ENODEV, f"{pci} is gone from the bus") from None
+            return None
+
+    def vfio_node(self, group: int) -> str:
+        """Real path of /dev/vfio/<group> under dev_root (it may not exist yet)."""
+        return os.path.join(self.dev_root, "vfio", str(group))
+
+    def holder_paths(self) -> list[str]:
+        """Logical /dev paths whose holders keep an endpoint's driver from letting go."""
+        paths: list[str] = []
+        for pci in self.plan.endpoints:
+            try:
+                drv = self.driver(pci)
+            except _WriteError:
+                continue
+            if drv == "nvidia":
+                minor = self.procs.nvidia_minor(pci)
+                if minor is not None:
+                    paths.append(f"/dev/nvidia{minor}")
+                    paths += self.mig_cap_paths(minor)
+            for cdev in glob.glob(self.dev(pci, "vfio-dev", "vfio*")):  # iommufd device cdev
+                paths.append(f"/dev/vfio/devices/{os.path.basename(cdev)}")
+        if self.plan.group is not None:
+            paths.append(f"/dev/vfio/{self.plan.group}")
+        return paths
+
+    def mig_cap_paths(self, minor: int) -> list[str]:
+        """/dev/nvidia-caps/nvidia-cap<N> of every GI/CI capability of GPU `minor`, from the
+        driver's /proc/driver/nvidia-caps/mig-minors ("gpu0/gi1/access 12"), else from its
+        capabilities tree ("DeviceFileMinor: N")."""
+        proc_root = getattr(self.procs, "proc_root", "/proc")
+        prefix = f"gpu{minor}/"
+        minors: list[str] = []
+        text = _read(os.path.join(proc_root, "driver", "nvidia-caps", "mig-minors"), limit=1 << 20)
+        if text:
+            for line in text.splitlines():
+                name, _, n = line.strip().rpartition(" ")
+                if name.startswith(prefix) and n.isdigit():
+                    minors.append(n)
+        else:
+            base = os.path.join(proc_root, "driver", "nvidia", "capabilities", f"gpu{minor}", "mig")
+            for access in sorted(glob.glob(os.path.join(base, "gi*", "access"))
+                                 + glob.glob(os.path.join(base, "gi*", "ci*", "access"))):
+                m = re.search(r"DeviceFileMinor:\s*(\d+)", _read(access) or "")
+                if m:
+                    minors.append(m.group(1))
+        return [f"/dev/nvidia-caps/nvidia-cap{n}" for n in minors]
+
+    def holders(self, *, include_self: bool) -> tuple[Holder, ...]:
+        found = self.procs.holders(self.holder_paths())
+        me = os.getpid()
+        return tuple(sorted({h for h in found if include_self or h.pid != me}))
+
+    # ---- steps -------------------------------------------------------------------------------
+    def write(self, relpath: str, value: str, pci: str) -> None:
+        ro = getattr(self.sysfs, "read_only", False)
+        if ro:
+            raise ReadOnlyError(f"read-only mode: refusing write {value.strip()!r} on {relpath}")
+        _child_write(self.sysfs, relpath, value, pci, self.timeout, self.kmsg)
+
+    def wait_until(self, cond: Callable[[], bool]) -> bool:
+        """Bounded re-check with exponential backoff: probes and udev may finish asynchronously."""
+        deadline = time.monotonic() + self.verify_timeout
+        delay = 0.005
+        while True:
+            if cond():
+                return True
+            if time.monotonic() >= deadline:
+                return cond()
+            self.sleep(min(delay, max(0.0, deadline - time.monotonic())))
+            delay = min(delay * 2, 0.25)
+
+    def step(self, s: B.BindStep) -> None:
+        a = s.action
+        if a == B.LOAD_MODULE:
+            if not os.path.isdir(os.path.join(self.sysfs.root, "bus", "pci", "drivers", s.driver or s.module)):
+                self.sysfs.load_module(s.module)
+                if not self.wait_until(lambda: os.path.isdir(os.path.join(self.sysfs.root, "bus", "pci", "drivers", s.driver))):
+                    raise _WriteError("", None, f"module {s.module} loaded but driver {s.driver} did not register")
+        elif a == B.SET_OVERRIDE:
+            self.write(f"bus/pci/devices/{s.pci}/driver_override", s.driver, s.pci)
+        elif a == B.CLEAR_OVERRIDE:
+            self.write(f"bus/pci/devices/{s.pci}/driver_override", "\n", s.pci)
+        elif a == B.UNBIND:
+            self.unbind(s.pci)
+        elif a == B.PROBE:
+            self.write("bus/pci/drivers_probe", s.pci, s.pci)
+        elif a == B.VERIFY_DRIVER:
+            if not self.wait_until(lambda: self.driver(s.pci) == s.driver):
+                raise _WriteError(self.dev(s.pci, "driver"), None,
+                                  f"{s.pci} is on {self.driver(s.pci) or 'no driver'} after probe, expected {s.driver}")
+        elif a == B.VERIFY_NATIVE:
+            if not self.wait_until(lambda: self.driver(s.pci) not in (None, B.VFIO)):
+                raise _WriteError(self.dev(s.pci, "driver"), None,
+                                  f"{s.pci} is on {self.driver(s.pci) or 'no driver'} after probe, expected its native driver")
+        elif a == B.VERIFY_RELEASED:
+            if not self.wait_until(lambda: self.driver(s.pci) != B.VFIO):
+                raise _WriteError(self.dev(s.pci, "driver"), None, f"{s.pci} is still on vfio-pci")
+        elif a == B.VERIFY_VFIO_NODE:
+            node = self.vfio_node(s.group)
+            if not self.wait_until(lambda: os.path.exists(node)):
+                raise _WriteError(node, None, f"{node} did not appear within {self.verify_timeout:g}s (udev?)")
+        elif a == B.VERIFY_NO_VFIO_NODE:
+            node = self.vfio_node(s.group)
+            if not self.wait_until(lambda: not os.path.exists(node)):
+                raise _WriteError(node, None, f"{node} is still there: another device of group {s.group} is on vfio-pci")
+        else:
+            raise _WriteError("", None, f"unknown step {a!r}")
+
+    def preflight(self) -> None:
+        """Everything that can say "not now" runs before the first write, so a waiting outcome
+        leaves the host as it was: other holders, our own NVML handle, nvidia's unbindLock."""
+        unbinds = [s.pci for s in self.plan.steps if s.action == B.UNBIND]
+        if not unbinds:
+            return
+        if self.check_holders:
+            others = self.holders(include_self=False)
+            if others:
+                raise _Waiting(others, _holders_text(others))
+        nv = [p for p in unbinds if self.driver(p) == "nvidia"]
+        if not nv:
+            return
+        if self.before_unbind is not None:
+            self.before_unbind()
+            self.nvml_closed = True
+        if self.check_holders:
+            mine = [h for h in self.holders(include_self=True) if h.pid == os.getpid()]
+            if mine:
+                raise _Failed(f"gpud itself still holds {', '.join(sorted({h.device for h in mine}))} "
+                              f"after closing its NVML handle")
+        for p in nv:
+            self.take_lock(p)
+
+    def take_lock(self, pci: str) -> None:
+        if not self.check_holders or pci in self.locked or not self.has_unbind_lock(pci):
+            return
+        if not self.procs.take_unbind_lock(pci):
+            for q in self.locked:
+                self.procs.release_unbind_lock(q)
+            self.locked.clear()
+            raise _Waiting((), f"{pci}: nvidia refuses its unbindLock (usage count not zero: a user /proc does "
+                               f"not show, e.g. nvidia-persistenced in another namespace, nvidia_drm modeset "
+                               f"or a kernel client)")
+        self.locked.add(pci)
+
+    def unbind(self, pci: str) -> None:
+        live = self.driver(pci)
+        if live is None:
+            return  # already unbound (by hand, or a race): nothing to do
+        if self.check_holders:  # again: someone may have opened it since the preflight
+            others = self.holders(include_self=False)
+            if others:
+                raise _Waiting(others, f"{pci}: " + _holders_text(others))
+        if live == "nvidia":
+            if self.before_unbind is not None and not self.nvml_closed:
+                self.before_unbind()
+                self.nvml_closed = True
+            self.take_lock(pci)
+        try:
+            self.write(f"bus/pci/drivers/{live}/unbind", pci, pci)
+        except _WriteError as e:
+            if e.errno == errno_mod.ENODEV and self.driver(pci) is None:
+                return  # it left on its own between the read and the write
+            if pci in self.locked:
+                self.procs.release_unbind_lock(pci)  # still bound: do not leave new opens refused
+                self.locked.discard(pci)
+            raise
+        self.locked.discard(pci)
+
+    def release_locks(self) -> None:
+        for p in sorted(self.locked):
+            try:
+                self.procs.release_unbind_lock(p)
+            except OSError:
+                pass
+        self.locked.clear()
+
+    def has_unbind_lock(self, pci: str) -> bool:
+        proc_root = getattr(self.procs, "proc_root", "/proc")
+        return os.path.exists(os.path.join(proc_root, "driver", "nvidia", "gpus", pci, "unbindLock"))
+
+
+class _Waiting(Exception):
+    def __init__(self, holders: tuple[Holder, ...], message: str) -> None:
+        super().__init__(message)
+        self.holders, self.message = holders, message
+
+
+class _Failed(Exception):
+    pass
+
+
+def _holders_text(holders: Iterable[Holder]) -> str:
+    by_dev = collections.defaultdict(list)
+    for h in holders:
+        by_dev[h.device].append(f"{h.pid} ({h.name})")
+    return "; ".join(f"{dev} held by {', '.join(who)}" for dev, who in sorted(by_dev.items()))
+
+
+def execute(
+    sysfs,
+    procs,
+    plan: B.BindingPlan,
+    *,
+    before_unbind: Callable[[], None] | None = None,
+    timeout: float = 30.0,
+    verify_timeout: float = 10.0,
+    dev_root: str | None = None,
+    check_holders: bool = True,
+    kmsg: str = "/dev/kmsg",
+    sleep: Callable[[float], None] = time.sleep,
+    on_step: Callable[[B.BindStep, str], None] | None = None,
+) -> BindOutcome:
+    """Carry out `plan`; returns converged / waiting(holders) / failed(reason) / stuck(reason).
+    Blocks the calling thread at most about `timeout` per write plus `verify_timeout` per check:
+    call it from a worker thread (execute_async) so an event loop keeps serving.
+    `check_holders=False` skips the holders scan and the unbindLock (tests: provoke a blocked
+    unbind on purpose)."""
+    dev_root = dev_root or getattr(procs, "dev_root", None) or getattr(sysfs, "dev_root", None) or "/dev"
+    pci = plan.pci
+    if plan.infeasible:
+        return BindOutcome(pci, FAILED, plan.infeasible)
+    with _stuck_lock:
+        blocked = [(_stuck[p]) for p in plan.endpoints if p in _stuck]
+    if blocked:
+        sw = blocked[0]
+        return BindOutcome(pci, STUCK, f"an earlier write of {sw.value!r} to {sw.path} (pid {sw.pid}, "
+                                       f"{time.monotonic() - sw.started:.0f}s ago) is still blocked in the kernel: "
+                                       f"{sw.reason}; not touching the device until it returns",
+                           step="unbind", stuck_pid=sw.pid)
+    if not plan.steps:
+        return BindOutcome(pci, CONVERGED, "already in place")
+    run = _Run(sysfs, procs, plan, before_unbind=before_unbind, timeout=timeout, verify_timeout=verify_timeout,
+               dev_root=dev_root, check_holders=check_holders, kmsg=kmsg, sleep=sleep, on_step=on_step)
+    pre = B.BindStep("preflight", pci=pci)
+    for s in (pre, *plan.steps):
+        try:
+            if s is pre:
+                run.preflight()
+                continue
+            run.step(s)
+        except _Waiting as e:
+            run.release_locks()
+            return BindOutcome(pci, WAITING, e.message, holders=e.holders, done=tuple(run.done), step=str(s))
+        except _Stuck as e:
+            return BindOutcome(pci, STUCK, f"{s}: write to {e.path} still blocked after {timeout:g}s "
+                                           f"(pid {e.pid} left to finish): {e.reason}",
+                               done=tuple(run.done), step=str(s), stuck_pid=e.pid)
+        except _WriteError as e:
+            run.release_locks()
+            what = f"{s}: {e.meaning}" + (f" [errno {e.errno}]" if e.errno is not None else "")
+            return BindOutcome(pci, FAILED, what, done=tuple(run.done), step=str(s), errno=e.errno)
+        except _Failed as e:
+            return BindOutcome(pci, FAILED, f"{s}: {e}", done=tuple(run.done), step=str(s))
+        except ReadOnlyError as e:
+            return BindOutcome(pci, FAILED, str(e), done=tuple(run.done), step=str(s))
+        except OSError as e:  # load_module, holders scan
+            return BindOutcome(pci, FAILED, f"{s}: {getattr(e, 'meaning', None) or _meaning(e.errno, str(e))}",
+                               done=tuple(run.done), step=str(s), errno=e.errno)
+        run.done.append(str(s))
+        if on_step is not None:
+            on_step(s, "done")
+    target = "vfio-pci" if plan.target == B.VFIO else (plan.native_driver or "native drivers")
+    return BindOutcome(pci, CONVERGED, f"{len(plan.endpoints)} endpoint(s) on {target}", done=tuple(run.done))
+
+
+async def execute_async(sysfs, procs, plan: B.BindingPlan, **kw) -> BindOutcome:
+    """execute() on a worker thread: the loop keeps serving while a write waits on the kernel."""
+    return await asyncio.to_thread(execute, sysfs, procs, plan, **kw)

@@ -1,0 +1,325 @@
+"""Operator hooks around an apply, in mig-parted's phases, plus the CDI refresh after MIG changes.
+
+    apply-start       before anything is touched          (failure aborts the apply)
+    pre-apply-mode    before MIG mode changes             (failure aborts the apply)
+    pre-apply-config  before MIG instances change         (failure aborts the apply)
+    apply-exit        after the apply, success or failure (failures are only logged)
+
+Hooks run without a shell, in their own process group, with the service-only variables
+(NOTIFY_SOCKET, WATCHDOG_*, LISTEN_*) removed, and every output line goes to `log` so an
+operator sees what a hook did in the journal and in `gpudctl events`; mig-parted's hooks being
+skipped silently under systemd was one of its worst failure modes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from gpud.host.systemd import child_env
+
+PHASES = ("apply-start", "pre-apply-mode", "pre-apply-config", "apply-exit")
+BEFORE_PHASES = frozenset(PHASES[:3])
+CDI_REFRESH_UNIT = "nvidia-cdi-refresh.service"
+MAX_LINE = 4096  # longer output lines are cut: a hook cannot make us buffer without bound
+DEFAULT_TIMEOUT = 60.0  # seconds, for a hook that names none
+KILL_GRACE = 3.0  # seconds between SIGTERM and SIGKILL to a timed-out hook's process group
+DRAIN_AFTER_EXIT = 2.0  # bound on reading output left by processes that escaped the group
+
+
+@dataclass(frozen=True)
+class Hook:
+    command: str  # absolute path, executed directly (no shell)
+    args: tuple[str, ...] = ()
+    env: Mapping[str, str] = field(default_factory=dict)
+    timeout: float = DEFAULT_TIMEOUT
+
+    def __post_init__(self) -> None:
+        if not os.path.isabs(self.command):
+            raise ValueError(f"hook command must be an absolute path: {self.command!r}")
+        if not self.timeout > 0:
+            raise ValueError(f"hook timeout must be positive: {self.timeout!r}")
+        if not all(isinstance(a, str) for a in self.args):
+            raise ValueError(f"hook args must be strings: {self.args!r}")
+        if not all(isinstance(k, str) and isinstance(v, str) for k, v in self.env.items()):
+            raise ValueError(f"hook env must map strings to strings: {dict(self.env)!r}")
+
+
+@dataclass
+class ApplyInfo:
+    """What the hooks are told about the apply (as GPUD_* variables). The engine updates
+    `changed_mig`, `result` and `error` before apply-exit runs."""
+
+    layout: str  # path of the layout file
+    selected: str  # name of the selected layout
+    gpus: Sequence[str] = ()  # PCI addresses the apply touches
+    mode_change: bool = False  # some GPU's MIG mode will change (a GPU reset follows)
+    changed_mig: bool = False  # MIG devices were created or destroyed
+    result: str = ""  # apply-exit only: success | failure
+    error: str = ""  # apply-exit only: one line, why it failed
+
+    def env(self, phase: str) -> dict[str, str]:
+        e = {
+            "GPUD_PHASE": phase,
+            "GPUD_LAYOUT": self.layout,
+            "GPUD_SELECTED": self.selected,
+            "GPUD_GPUS": " ".join(self.gpus),
+            "GPUD_MODE_CHANGE": "1" if self.mode_change else "0",
+            "GPUD_CHANGED_MIG": "1" if self.changed_mig else "0",
+        }
+        if phase == "apply-exit":
+            e["GPUD_RESULT"] = self.result or "success"
+            e["GPUD_ERROR"] = " ".join(self.error.split())
+        return e
+
+
+class HookFailed(Exception):
+    """A hook exited non-zero, was killed, timed out or could not be started."""
+
+    def __init__(self, phase: str, command: str, exit_code: int | None, output: Sequence[str],
+                 *, timed_out: bool = False, reason: str = "") -> None:
+        self.phase = phase
+        self.command = command
+        self.exit_code = exit_code
+        self.output = list(output)
+        self.timed_out = timed_out
+        if not reason:
+            if timed_out:
+                reason = "timed out; its process group was killed"
+            elif exit_code is not None and exit_code < 0:
+                reason = f"killed by signal {signal.Signals(-exit_code).name}"
+            else:
+                reason = f"exited {exit_code}"
+        self.reason = reason
+        tail = " | ".join(self.output[-3:])
+        super().__init__(f"{phase} hook {command} {reason}" + (f": {tail}" if tail else ""))
+
+
+def parse_hooks(section: Any) -> dict[str, list[Hook]]:
+    """The layout's `hooks:` section (a mapping or msgspec struct) -> hooks by phase.
+    Raises ValueError naming the offending key; unknown phases are an error, not ignored."""
+    if section is None:
+        return {}
+    if not isinstance(section, Mapping):
+        import msgspec
+
+        section = msgspec.to_builtins(section)
+        section = {k.replace("_", "-"): v for k, v in section.items() if v is not None}
+    out: dict[str, list[Hook]] = {}
+    for phase, entries in section.items():
+        if phase not in PHASES:
+            raise ValueError(f"hooks.{phase}: unknown phase (known: {', '.join(PHASES)})")
+        hooks = []
+        for i, h in enumerate(entries or []):
+            if not isinstance(h, Mapping):
+                raise ValueError(f"hooks.{phase}[{i}]: expected a mapping")
+            unknown = set(h) - {"command", "args", "env", "timeout"}
+            if unknown:
+                raise ValueError(f"hooks.{phase}[{i}]: unknown keys {sorted(unknown)}")
+            try:
+                timeout = h.get("timeout")
+                hooks.append(Hook(command=h["command"], args=tuple(h.get("args") or ()),
+                                  env=dict(h.get("env") or {}),
+                                  timeout=DEFAULT_TIMEOUT if timeout is None else float(timeout)))
+            except (KeyError, TypeError, ValueError) as e:
+                raise ValueError(f"hooks.{phase}[{i}]: {e}") from None
+        out[phase] = hooks
+    return out
+
+
+class Hooks:
+    """Runs the configured hooks; `log(line)` receives every line they print and what
+    happened to them (start, exit code, timeout)."""
+
+    def __init__(self, hooks: Mapping[str, Sequence[Hook]], *, log: Callable[[str], None],
+                 tail_lines: int = 20) -> None:
+        for phase in hooks:
+            if phase not in PHASES:
+                raise ValueError(f"unknown hook phase {phase!r}")
+        self.hooks = {p: list(hooks.get(p, ())) for p in PHASES}
+        self.log = log
+        self.tail_lines = tail_lines
+
+    @classmethod
+    def from_config(cls, section: Any, *, log: Callable[[str], None]) -> Hooks:
+        return cls(parse_hooks(section), log=log)
+
+    async def run(self, phase: str, info: ApplyInfo) -> list[HookFailed]:
+        """Run the hooks of one phase in order. In a before-phase the first failure raises
+        HookFailed (the apply must not go on); in apply-exit every hook runs and the failures
+        are returned."""
+        if phase not in PHASES:
+            raise ValueError(f"unknown hook phase {phase!r}")
+        failures: list[HookFailed] = []
+        for hook in self.hooks[phase]:
+            try:
+                await self._run_one(phase, hook, info)
+            except HookFailed as e:
+                self.log(str(e))
+                if phase in BEFORE_PHASES:
+                    raise
+                failures.append(e)
+        return failures
+
+    @contextlib.asynccontextmanager
+    async def around_apply(self, info: ApplyInfo) -> AsyncIterator[ApplyInfo]:
+        """apply-start before the body, apply-exit after it whatever happened (also when
+        apply-start itself failed), with GPUD_RESULT/GPUD_ERROR telling the outcome."""
+        try:
+            await self.run("apply-start", info)
+            yield info
+        except BaseException as e:
+            info.result = "failure"
+            info.error = info.error or str(e) or type(e).__name__
+            await self.run("apply-exit", info)
+            raise
+        else:
+            info.result = info.result or "success"
+            await self.run("apply-exit", info)
+
+    async def _run_one(self, phase: str, hook: Hook, info: ApplyInfo) -> None:
+        name = " ".join([hook.command, *hook.args])
+        env = child_env()
+        env.update(hook.env)
+        env.update(info.env(phase))
+        tail: deque[str] = deque(maxlen=self.tail_lines)
+        self.log(f"{phase} hook: running {name}")
+        # Our own pipe rather than asyncio's: Process.wait() would also wait for an asyncio pipe
+        # to close, which a process left behind by the hook can keep open forever.
+        r, w = os.pipe2(os.O_CLOEXEC)
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                hook.command, *hook.args, env=env, cwd="/", stdin=asyncio.subprocess.DEVNULL,
+                stdout=w, stderr=w,
+                start_new_session=True,  # its own process group, so a timeout can kill all of it
+            )
+        except OSError as e:
+            os.close(r)
+            raise HookFailed(phase, hook.command, None, [], reason=f"could not be started: {e.strerror}") from e
+        finally:
+            os.close(w)
+
+        def emit(line: str) -> None:
+            tail.append(line)
+            self.log(f"{phase} hook {os.path.basename(hook.command)}: {line}")
+
+        output = _Output(r, emit)
+        timed_out = False
+        try:
+            try:
+                async with asyncio.timeout(hook.timeout):
+                    await proc.wait()
+            except TimeoutError:
+                timed_out = True
+                await _kill_group(proc)
+            except BaseException:  # cancelled (daemon stopping): leave nothing running behind us
+                await asyncio.shield(_kill_group(proc))
+                raise
+            # The hook is gone; what it left in its group would hold the pipe open.
+            _signal_group(proc.pid, signal.SIGKILL)
+            try:
+                async with asyncio.timeout(DRAIN_AFTER_EXIT):
+                    await output.eof
+            except TimeoutError:
+                self.log(f"{phase} hook {hook.command}: output of processes that left its group is ignored")
+        finally:
+            output.close()
+        if timed_out:
+            raise HookFailed(phase, hook.command, proc.returncode, tail, timed_out=True)
+        if proc.returncode != 0:
+            raise HookFailed(phase, hook.command, proc.returncode, tail)
+        self.log(f"{phase} hook: {name} done")
+
+
+class _Output:
+    """Reads a hook's output pipe from the event loop and emits it line by line, without
+    trusting the hook to write newlines: a line longer than MAX_LINE is emitted cut and the
+    rest of it dropped."""
+
+    def __init__(self, fd: int, emit: Callable[[str], None]) -> None:
+        self.fd = fd
+        self.emit = emit
+        self.buf = b""
+        self.skipping = False  # inside the dropped rest of a cut line
+        self.loop = asyncio.get_running_loop()
+        self.eof = self.loop.create_future()
+        os.set_blocking(fd, False)
+        self.loop.add_reader(fd, self._readable)
+
+    def _readable(self) -> None:
+        try:
+            chunk = os.read(self.fd, 65536)
+        except BlockingIOError:
+            return
+        except OSError:
+            chunk = b""
+        if not chunk:
+            self._flush()
+            self.loop.remove_reader(self.fd)
+            if not self.eof.done():
+                self.eof.set_result(None)
+            return
+        self.buf += chunk
+        *lines, self.buf = self.buf.split(b"\n")
+        for raw in lines:
+            if self.skipping:
+                self.skipping = False
+                continue
+            self.emit(raw[:MAX_LINE].decode(errors="replace").rstrip("\r"))
+        if len(self.buf) > MAX_LINE:
+            if not self.skipping:
+                self.emit(self.buf[:MAX_LINE].decode(errors="replace") + " [cut]")
+                self.skipping = True
+            self.buf = b""
+
+    def _flush(self) -> None:
+        if self.buf and not self.skipping:
+            self.emit(self.buf[:MAX_LINE].decode(errors="replace").rstrip("\r"))
+        self.buf = b""
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            if not self.eof.done():
+                self._flush()
+                self.eof.cancel()
+            self.loop.remove_reader(self.fd)
+            os.close(self.fd)
+            self.fd = -1
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, sig)
+
+
+async def _kill_group(proc: asyncio.subprocess.Process) -> None:
+    """SIGTERM to the hook's whole process group, SIGKILL if it has not exited after a grace."""
+    _signal_group(proc.pid, signal.SIGTERM)
+    try:
+        async with asyncio.timeout(KILL_GRACE):
+            await proc.wait()
+    except TimeoutError:
+        pass
+    _signal_group(proc.pid, signal.SIGKILL)
+    await proc.wait()
+
+
+async def refresh_cdi(drainer, *, log: Callable[[str], None] | None = None,
+                      unit: str = CDI_REFRESH_UNIT) -> bool:
+    """After an apply that changed MIG devices, regenerate the CDI spec (the container toolkit
+    does not notice on its own: nvidia-container-toolkit #1828). Restarts the unit through
+    systemd when it is installed; False when it is not."""
+    if drainer is None:
+        if log:
+            log(f"cannot restart {unit}: no system bus")
+        return False
+    done = await drainer.restart_if_present(unit)
+    if log:
+        log(f"restarted {unit}" if done else f"{unit} not installed; CDI spec not refreshed")
+    return done

@@ -1,0 +1,312 @@
+"""Runs a GpuPlan's MIG steps through the NVML adapter, checking the GPU's answer after every step.
+
+Why re-read after each call: NVML's return code is not the whole truth (SetMigMode succeeds while
+the mode stays pending; a timed-out create may have created). The executor therefore judges every
+step by the state NVML reports afterwards, and treats a failed call whose effect is nevertheless
+visible as done, which also makes retries safe.
+
+Before touching an instance it checks that it is still the one the plan saw (same id, placement and
+MIG UUID): ids are reused, and destroying a newcomer would break someone's job.
+
+Error handling (NVML return codes):
+- 10 NVML_ERROR_TIMEOUT and 999 NVML_ERROR_UNKNOWN are retried `retries` times with exponential
+  backoff (the driver answers these under load or while a previous MIG operation settles);
+- 19 NVML_ERROR_IN_USE means a process started after planning: the outcome is "waiting" with the
+  holders now seen, so the caller's on-busy policy applies as if the plan had been blocked;
+- everything else (INSUFFICIENT_RESOURCES, NOT_SUPPORTED, NO_PERMISSION, GPU_IS_LOST ...) is final:
+  "failed", naming the NVML function, the code and its message.
+
+A mode change that stays pending is settled by resetting that GPU alone (policy reset: per-gpu)
+when nothing holds it; otherwise the outcome is "reset-required" and the create steps, which need
+MIG on, are not attempted.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from msgspec import Struct, field
+
+from gpud.host.readonly import ReadOnlyError
+from gpud.model import GpuInstance, Holder, NvmlGpu
+from gpud.plan.mig import GpuPlan, Step
+
+NVML_ERROR_TIMEOUT = 10
+NVML_ERROR_IN_USE = 19
+NVML_ERROR_UNKNOWN = 999
+TRANSIENT = frozenset({NVML_ERROR_TIMEOUT, NVML_ERROR_UNKNOWN})
+
+
+class Outcome(Struct, frozen=True):
+    state: str  # converged | waiting | failed | reset-required | reboot-required
+    message: str
+    holders: list[Holder] = field(default_factory=list)
+    done: int = 0  # steps completed
+
+
+class _Stop(Exception):
+    def __init__(self, state: str, message: str, holders: Sequence[Holder] = ()) -> None:
+        super().__init__(message)
+        self.outcome = (state, message, sorted(set(holders)))
+
+
+def _code(e: BaseException) -> int | None:
+    code = getattr(e, "code", None)
+    return code if isinstance(code, int) else None
+
+
+def _gi_holders(gi: GpuInstance | None) -> list[Holder]:
+    return list(gi.holders) if gi is not None else []
+
+
+def _all_holders(g: NvmlGpu) -> list[Holder]:
+    return list(g.processes) + [h for gi in g.instances for h in gi.holders]
+
+
+def _layout(g: NvmlGpu) -> list[tuple[Any, int, tuple[int, ...]]]:
+    return sorted((gi.placement, gi.profile_id, tuple(sorted(c.profile_id for c in gi.cis))) for gi in g.instances)
+
+
+class _Run:
+    def __init__(self, nvml: Any, plan: GpuPlan, sysfs: Any, policy_reset: str, retries: int,
+                 sleep: Callable[[float], None], backoff_s: float,
+                 holders: Callable[[str], Sequence[Holder]] | None) -> None:
+        self.nvml, self.plan, self.pci = nvml, plan, plan.pci
+        self.sysfs, self.policy_reset, self.retries = sysfs, policy_reset, retries
+        self.sleep, self.backoff_s, self.holders = sleep, backoff_s, holders
+
+    # ---- reading ------------------------------------------------------------------------------
+    def read(self) -> NvmlGpu:
+        """The GPU as NVML sees it now; transient errors and a briefly missing GPU (just reset) are retried."""
+        for attempt in range(self.retries + 1):
+            try:
+                g = self.nvml.gpu(self.pci)
+            except ReadOnlyError as e:
+                raise _Stop("failed", str(e)) from e
+            except Exception as e:
+                code = _code(e)
+                if code is None:
+                    raise
+                if code not in TRANSIENT or attempt == self.retries:
+                    raise _Stop("failed", f"reading {self.pci}: {_describe(e)}") from e
+                g = None
+            if g is not None:
+                return g
+            if attempt < self.retries:
+                self.sleep(self.backoff_s * 2**attempt)
+        raise _Stop("failed", f"{self.pci} is no longer visible to NVML")
+
+    # ---- one NVML call, judged by the state after it ---------------------------------------------
+    def call(self, what: str, fn: Callable[[], Any], done: Callable[[NvmlGpu], bool],
+             busy: Callable[[NvmlGpu], list[Holder]] = lambda g: []) -> NvmlGpu:
+        for attempt in range(self.retries + 1):
+            try:
+                fn()
+            except ReadOnlyError as e:
+                raise _Stop("failed", f"{what}: {e}") from e
+            except Exception as e:
+                code = _code(e)
+                if code is None:
+                    raise
+                g = self.read()
+                if done(g):  # the call did its work before reporting the error
+                    return g
+                if code == NVML_ERROR_IN_USE:
+                    hs = busy(g) or _all_holders(g)
+                    raise _Stop("waiting", f"{what}: in use ({_describe(e)})", hs) from e
+                if code in TRANSIENT and attempt < self.retries:
+                    self.sleep(self.backoff_s * 2**attempt)
+                    continue
+                raise _Stop("failed", f"{what}: {_describe(e)}") from e
+            g = self.read()
+            if done(g):
+                return g
+            raise _Stop("failed", f"{what}: NVML reported success but the GPU does not show the change")
+        raise AssertionError("unreachable")
+
+    # ---- steps --------------------------------------------------------------------------------
+    def find_gi(self, g: NvmlGpu, step: Step) -> GpuInstance | None:
+        return next((gi for gi in g.instances
+                     if gi.placement == step.placement and gi.profile_id == step.profile_id), None)
+
+    def step(self, step: Step, g: NvmlGpu) -> NvmlGpu:
+        a = step.action
+        if a == "destroy-ci":
+            return self.destroy_ci(step, g)
+        if a == "destroy-gi":
+            return self.destroy_gi(step, g)
+        if a == "set-mig-mode":
+            return self.set_mode(step)
+        if a == "reset":
+            return self.reset(g, want=None)
+        if a in ("create-gi", "create-ci"):
+            if g.mig_mode != 1:
+                if g.mig_pending == 1:
+                    raise _Stop("reset-required", f"MIG mode is still pending on {self.pci}; "
+                                                  f"a GPU reset is needed before instances can be created")
+                raise _Stop("failed", f"{a} on {self.pci}: MIG mode is off")
+            return self.create_gi(step, g) if a == "create-gi" else self.create_ci(step, g)
+        raise _Stop("failed", f"unknown step {a!r}")
+
+    def destroy_ci(self, step: Step, g: NvmlGpu) -> NvmlGpu:
+        what = f"destroy CI {step.ci} ({step.profile}) of GI {step.gi} on {self.pci}"
+        gi = next((x for x in g.instances if x.id == step.gi), None)
+        ci = next((c for c in gi.cis if c.id == step.ci), None) if gi else None
+        if ci is None:
+            return g  # already gone
+        if gi.placement != step.placement or (step.uuid and ci.uuid != step.uuid):
+            raise _Stop("failed", f"{what}: it is no longer the instance planned ({ci.uuid} at "
+                                  f"{gi.placement.start}); the GPU changed since planning")
+        if ci.holders:
+            raise _Stop("waiting", f"{what}: {ci.uuid} is in use", ci.holders)
+
+        def gone(g2: NvmlGpu) -> bool:
+            gi2 = next((x for x in g2.instances if x.id == step.gi), None)
+            return gi2 is None or all(c.id != step.ci for c in gi2.cis)
+
+        return self.call(what, lambda: self.nvml.destroy_compute_instance(self.pci, step.gi, step.ci), gone,
+                         lambda g2: _gi_holders(next((x for x in g2.instances if x.id == step.gi), None)))
+
+    def destroy_gi(self, step: Step, g: NvmlGpu) -> NvmlGpu:
+        at = step.placement.start if step.placement else "?"
+        what = f"destroy GI {step.gi} ({step.profile} at {at}) on {self.pci}"
+        gi = next((x for x in g.instances if x.id == step.gi), None)
+        if gi is None:
+            return g
+        if gi.placement != step.placement or gi.profile_id != step.profile_id:
+            raise _Stop("failed", f"{what}: GI {gi.id} is now {gi.profile_id} at {gi.placement.start}; "
+                                  f"the GPU changed since planning")
+        if gi.cis:
+            raise _Stop("failed", f"{what}: it has compute instances the plan did not expect "
+                                  f"({', '.join(c.uuid for c in gi.cis)})", gi.holders)
+        return self.call(what, lambda: self.nvml.destroy_gpu_instance(self.pci, step.gi),
+                         lambda g2: all(x.id != step.gi for x in g2.instances))
+
+    def create_gi(self, step: Step, g: NvmlGpu) -> NvmlGpu:
+        assert step.placement is not None and step.profile_id is not None
+        what = f"create GI {step.profile} at {step.placement.start} on {self.pci}"
+        if self.find_gi(g, step) is not None:
+            return g  # a retry of an earlier pass
+        return self.call(what, lambda: self.nvml.create_gpu_instance(self.pci, step.profile_id, step.placement.start),
+                         lambda g2: self.find_gi(g2, step) is not None)
+
+    def create_ci(self, step: Step, g: NvmlGpu) -> NvmlGpu:
+        what = f"create CI {step.profile} in the GI at {step.placement.start if step.placement else '?'} on {self.pci}"
+        gi = self.find_gi(g, step)
+        if gi is None or (step.gi is not None and gi.id != step.gi):
+            raise _Stop("failed", f"{what}: the GI is not there; the GPU changed since planning")
+        before = sum(c.profile_id == step.ci_profile_id for c in gi.cis)
+
+        def made(g2: NvmlGpu) -> bool:
+            gi2 = next((x for x in g2.instances if x.id == gi.id), None)
+            return gi2 is not None and sum(c.profile_id == step.ci_profile_id for c in gi2.cis) > before
+
+        return self.call(what, lambda: self.nvml.create_compute_instance(self.pci, gi.id, step.ci_profile_id), made)
+
+    def set_mode(self, step: Step) -> NvmlGpu:
+        want = 1 if step.enabled else 0
+        what = f"set MIG mode {'on' if want else 'off'} on {self.pci}"
+        status: list[int] = []
+
+        def call() -> None:
+            status.append(self.nvml.set_mig_mode(self.pci, bool(want)))
+
+        g = self.call(what, call, lambda g2: g2.mig_mode == want or g2.mig_pending == want)
+        if g.mig_mode == want:
+            return g
+        note = f" (activation status {status[-1]})" if status and status[-1] else ""
+        return self.reset(g, want, f"MIG mode {'on' if want else 'off'} is pending on {self.pci}{note}")
+
+    def reset(self, g: NvmlGpu, want: int | None, why: str = "") -> NvmlGpu:
+        """Reset this GPU only (never its neighbours: mig-parted #357) when policy and holders allow."""
+        why = why or f"a reset of {self.pci} was planned"
+        if self.policy_reset != "per-gpu":
+            raise _Stop("reset-required", f"{why}; policy reset is {self.policy_reset!r}, so the reset is left to you")
+        if self.sysfs is None:
+            raise _Stop("reset-required", f"{why}; no sysfs access to reset it")
+        busy = _all_holders(g) + list(self.holders(self.pci) if self.holders else ())
+        if busy:
+            names = ", ".join(f"pid {h.pid} {h.name}" for h in sorted(set(busy)))
+            raise _Stop("reset-required", f"{why}; the reset waits for {names}", busy)
+        try:
+            self.sysfs.reset(self.pci)
+        except ReadOnlyError as e:
+            raise _Stop("failed", str(e)) from e
+        except OSError as e:
+            raise _Stop("reset-required", f"{why}; resetting {self.pci} failed: {e}") from e
+        g = self.read()
+        if want is not None and g.mig_mode != want:
+            raise _Stop("reboot-required", f"{why}; the reset of {self.pci} did not apply it "
+                                           f"(mode {g.mig_mode}, pending {g.mig_pending}): reboot the host")
+        return g
+
+    def verify(self, g: NvmlGpu) -> None:
+        """The end state is the plan's target, not just 'no call failed'."""
+        if self.plan.mig_enabled is None:
+            return
+        want = 1 if self.plan.mig_enabled else 0
+        if g.mig_mode != want:
+            raise _Stop("failed", f"after the steps MIG mode on {self.pci} is {g.mig_mode}, wanted {want}")
+        if want and self.plan.target is not None:
+            target = sorted((t.placement, t.profile_id, tuple(sorted(t.ci_profile_ids))) for t in self.plan.target)
+            have = _layout(g)
+            if have != target:
+                raise _Stop("failed", f"after the steps {self.pci} shows {_fmt(have)}, the plan wanted {_fmt(target)}")
+
+
+def _fmt(layout: list[tuple[Any, int, tuple[int, ...]]]) -> str:
+    if not layout:
+        return "no instances"
+    return "[" + ", ".join(f"{pid}@{pl.start}{list(cis)}" for pl, pid, cis in layout) + "]"
+
+
+def _describe(e: BaseException) -> str:
+    fn = getattr(e, "function", None)
+    msg = getattr(e, "message", None) or str(e)
+    return f"{fn + ' ' if fn else ''}failed with NVML error {_code(e)}: {msg}"
+
+
+def execute(
+    nvml: Any,
+    plan: GpuPlan,
+    *,
+    sysfs: Any = None,
+    policy_reset: str = "per-gpu",
+    on_step: Callable[..., None] | None = None,
+    retries: int = 3,
+    sleep: Callable[[float], None] = time.sleep,
+    backoff_s: float = 0.2,
+    holders: Callable[[str], Sequence[Holder]] | None = None,
+) -> Outcome:
+    """Run `plan` on its GPU. `nvml` follows gpud.host.nvml.Nvml, `sysfs` gpud.host.sysfs.Sysfs.
+    `on_step(step, result)` is called after each step ("done") and on the step that stops the run.
+    `holders(pci)` may add device-node holders (from /proc) to what blocks a reset."""
+    if plan.infeasible:
+        return Outcome("failed", plan.infeasible)
+    if plan.blocked_by:
+        names = ", ".join(f"pid {h.pid} {h.name} on {h.device}" for h in plan.blocked_by)
+        return Outcome("waiting", f"waiting for {names}", list(plan.blocked_by))
+    run = _Run(nvml, plan, sysfs, policy_reset, retries, sleep, backoff_s, holders)
+    done = 0
+    step: Step | None = None
+    try:
+        g = run.read()
+        for step in plan.steps:
+            g = run.step(step, g)
+            done += 1
+            if on_step is not None:
+                on_step(step, "done")
+        step = None
+        run.verify(g)
+    except _Stop as stop:
+        state, message, hs = stop.outcome
+        if on_step is not None and step is not None:
+            on_step(step, state)
+        return Outcome(state, message, hs, done)
+    n = len(plan.steps)
+    return Outcome("converged", f"{n} MIG step{'' if n == 1 else 's'} applied" if n else "nothing to do", [], done)
+
+
+__all__ = ["Outcome", "execute", "TRANSIENT"]

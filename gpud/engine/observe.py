@@ -1,0 +1,56 @@
+"""Discovery: one consistent picture of the managed GPUs, joined from sysfs and NVML.
+
+sysfs is the authority on which GPUs exist and which driver holds them (NVML cannot see a GPU on
+vfio-pci), so indices come from sysfs in PCI-address order and never shift with the binding.
+NVML adds identity and MIG state for the GPUs it can see.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+from msgspec import Struct
+
+from gpud.host.nvml import Nvml, NvmlError
+from gpud.host.sysfs import Sysfs
+from gpud.layout.match import managed
+from gpud.model import Gpu, NvmlGpu, PciFunction
+
+log = logging.getLogger(__name__)
+
+
+class Observation(Struct, frozen=True):
+    gpus: tuple[Gpu, ...]
+    functions: tuple[PciFunction, ...]  # every PCI function, for companions and the inventory
+    nvml_error: str | None = None  # NVML unusable (driver gone, no GPU bound): said in status
+
+
+def companions_of(function: PciFunction, functions: Sequence[PciFunction]) -> tuple[PciFunction, ...]:
+    """The other endpoints that must follow a GPU to vfio-pci: its IOMMU group, or without an
+    IOMMU (no group links) the other functions of the same slot."""
+    if function.iommu_group is not None:
+        return tuple(f for f in functions if f.iommu_group == function.iommu_group and f.address != function.address)
+    return tuple(f for f in functions if f.slot == function.slot and f.address != function.address)
+
+
+def observe(sysfs: Sysfs, nvml: Nvml | None, match) -> Observation:
+    functions = tuple(sysfs.functions())
+    nvml_gpus: dict[str, NvmlGpu] = {}
+    nvml_error = None
+    if nvml is not None and any(f.driver == "nvidia" for f in managed(functions, match)):
+        try:
+            nvml_gpus = {g.pci: g for g in nvml.gpus()}
+        except NvmlError as e:
+            nvml_error = str(e)
+            log.warning("NVML unavailable: %s", e)
+    gpus = tuple(
+        Gpu(
+            index=i,
+            function=f,
+            companions=companions_of(f, functions),
+            nvml=nvml_gpus.get(f.address) if f.driver == "nvidia" else None,
+        )
+        for i, f in enumerate(managed(functions, match))
+    )
+    return Observation(gpus=gpus, functions=functions, nvml_error=nvml_error)

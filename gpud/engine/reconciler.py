@@ -1,0 +1,457 @@
+"""The reconcile loop: observe -> resolve -> plan -> execute per GPU -> re-observe, one pass at a time.
+
+Each GPU converges on its own: one GPU's failure or wait never stops the others. A pass is
+re-entrant: it recomputes what is left from what the hardware says now, so a wait that ends, an
+event from udev, a daemon restart or an edit of the file all lead to the same place. Nothing is
+ever killed: busy GPUs wait (or fail, by policy) and name their holders.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import logging
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from gpud.engine.events import EventBus
+from gpud.engine.observe import Observation, observe
+from gpud.host.nvml import Nvml
+from gpud.host.procs import Procs
+from gpud.host.readonly import ReadOnlyError
+from gpud.host.sysfs import Sysfs
+from gpud.layout.desired import DesiredGpu
+from gpud.layout.match import DEFAULT_MATCH
+from gpud.layout.parse import ParsedLayout, parse_layout
+from gpud.layout.resolve import Resolution, resolve
+from gpud.model import Gpu, Holder
+from gpud.plan.binding import plan_binding
+from gpud.plan.mig import GpuPlan, plan_gpu
+
+log = logging.getLogger(__name__)
+
+MAX_ROUNDS = 4  # MIG off -> rebind -> MIG on is three; one spare
+
+
+class GpuState(msgspec.Struct, frozen=True):
+    """What the engine last concluded about one GPU."""
+
+    state: str  # converged | applying | waiting | failed | stuck | reset-required | reboot-required | unmanaged | read-only | gone
+    message: str = ""
+    holders: tuple[Holder, ...] = ()
+
+    @property
+    def converged(self) -> bool:
+        return self.state in ("converged", "unmanaged")
+
+
+class Action(msgspec.Struct, frozen=True):
+    kind: str  # "mig" | "bind"
+    plan: Any
+    summary: str
+
+
+class Hardware(msgspec.Struct):
+    """The adapters one daemon drives, chosen once at start (real host or simulator)."""
+
+    sysfs: Sysfs
+    nvml: Nvml
+    procs: Procs
+
+
+class ApplyLock:
+    """Host-wide apply lock (flock): two daemons on one host must never both change it."""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = Path(path)
+
+    @contextlib.asynccontextmanager
+    async def held(self, on_wait: Callable[[str], None]):
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "?"
+                on_wait(f"another gpud (pid {holder}) is applying; waiting for {self.path}")
+                await asyncio.to_thread(fcntl.flock, fd, fcntl.LOCK_EX)
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, str(os.getpid()).encode(), 0)
+            yield
+        finally:
+            os.close(fd)  # releases the flock
+
+
+class Reconciler:
+    def __init__(
+        self,
+        hardware: Hardware,
+        *,
+        config_path: str,
+        apply_lock: ApplyLock,
+        bus: EventBus,
+        read_only: bool = False,
+        drainer=None,
+        hooks=None,
+        binder_timeout: float = 30.0,
+    ) -> None:
+        self.hw = hardware
+        self.config_path = config_path
+        self.apply_lock = apply_lock
+        self.bus = bus
+        self.read_only = read_only
+        self.drainer = drainer  # gpud.host.systemd.UnitDrainer or None (no system bus)
+        self.hooks = hooks
+        self.binder_timeout = binder_timeout
+        self.layout: ParsedLayout | None = None  # the last good layout in force
+        self.layout_issues: tuple[list[str], list[str]] = ([], [])  # (errors, warnings) of the file as it is now
+        self.resolution: Resolution | None = None
+        self.observation = Observation(gpus=(), functions=())
+        self.gpu_states: dict[str, GpuState] = {}
+        self.phase = "starting"
+        self.passes = 0
+        self._kick = asyncio.Event()
+        self._requested = 0
+        self._completed = 0
+        self._done = asyncio.Condition()
+        self._pid_watches: dict[int, int] = {}
+        self._listeners: list[Callable[[], None]] = []
+
+    # ---- the file -------------------------------------------------------------------------
+    def load_config(self) -> bool:
+        """Read and parse the file; a bad file never replaces the last good layout."""
+        try:
+            text = Path(self.config_path).read_text()
+        except FileNotFoundError:
+            self.layout_issues = ([f"{self.config_path}: file not found; keeping the last good layout"], [])
+            self.bus.publish("layout-invalid", self.layout_issues[0][0])
+            return False
+        except OSError as e:
+            self.layout_issues = ([f"{self.config_path}: {e.strerror}; keeping the last good layout"], [])
+            self.bus.publish("layout-invalid", self.layout_issues[0][0])
+            return False
+        parsed = parse_layout(text, self.config_path)
+        resolution = None
+        if not parsed.errors:
+            # Selectors and profile names are checked against this host before the file is taken.
+            assert parsed.layout is not None
+            obs = observe(self.hw.sysfs, self.hw.nvml, parsed.layout.match)
+            resolution = resolve(parsed, obs.gpus)
+        errors = [str(i) for i in parsed.errors] + [str(i) for i in (resolution.errors if resolution else [])]
+        warnings = [str(i) for i in parsed.warnings]
+        if errors:
+            self.layout_issues = (errors, warnings)
+            self.bus.publish("layout-invalid", f"{len(errors)} error(s); keeping the last good layout",
+                             errors=errors)
+            return False
+        self.layout = parsed
+        self.layout_issues = ([], warnings)
+        self.bus.publish("layout-loaded", f"{self.config_path}: selected {parsed.layout.selected!r}")
+        return True
+
+    @property
+    def match(self):
+        if self.layout is not None and self.layout.layout is not None and self.layout.layout.match:
+            return self.layout.layout.match
+        return DEFAULT_MATCH
+
+    @property
+    def policy(self):
+        return self.layout.layout.policy if self.layout is not None and self.layout.layout is not None else None
+
+    # ---- scheduling -------------------------------------------------------------------------
+    def kick(self, reason: str) -> int:
+        """Ask for a pass; returns the ticket a caller can wait on with `wait_for`."""
+        self._requested += 1
+        log.debug("pass requested: %s", reason)
+        self._kick.set()
+        return self._requested
+
+    async def wait_for(self, ticket: int, timeout: float | None = None) -> bool:
+        async def _wait() -> None:
+            async with self._done:
+                await self._done.wait_for(lambda: self._completed >= ticket)
+
+        try:
+            await asyncio.wait_for(_wait(), timeout)
+            return True
+        except TimeoutError:
+            return False
+
+    def on_change(self, callback: Callable[[], None]) -> None:
+        self._listeners.append(callback)
+
+    async def run(self, debounce: float = 0.2) -> None:
+        """The one task that runs passes; requests that arrive during a pass coalesce into the next."""
+        while True:
+            await self._kick.wait()
+            await asyncio.sleep(debounce)  # coalesce bursts (editor saves, udev storms)
+            self._kick.clear()
+            target = self._requested
+            try:
+                await self.converge()
+            except Exception:
+                log.exception("reconcile pass failed")
+                self.phase = "failed"
+                self.bus.publish("error", "internal error in the reconcile pass; see the journal")
+            async with self._done:
+                self._completed = max(self._completed, target)
+                self._done.notify_all()
+
+    # ---- observation ------------------------------------------------------------------------
+    def refresh(self) -> Observation:
+        """Re-read the host; runs on the event loop on purpose: a hung driver stalls the loop and
+        the systemd watchdog restarts us, instead of serving stale state forever."""
+        self.observation = observe(self.hw.sysfs, self.hw.nvml, self.match)
+        if self.layout is not None:
+            self.resolution = resolve(self.layout, self.observation.gpus)
+        present = {g.pci for g in self.observation.gpus}
+        for pci, st in list(self.gpu_states.items()):
+            if pci not in present and st.state != "gone":
+                self.gpu_states[pci] = GpuState("gone", "the GPU disappeared from the PCI bus")
+                self.bus.publish("gpu-gone", "GPU removed", gpu=pci)
+        self._notify()
+        return self.observation
+
+    def _notify(self) -> None:
+        for cb in self._listeners:
+            cb()
+
+    def desired_for(self, gpu: Gpu) -> DesiredGpu | None:
+        return self.resolution.desired.get(gpu.pci) if self.resolution is not None else None
+
+    # ---- planning -----------------------------------------------------------------------------
+    def next_action(self, gpu: Gpu, desired: DesiredGpu) -> Action | GpuState | None:
+        """The next thing this GPU needs, or None when it matches its entry. Returns a GpuState
+        when it cannot go on (infeasible, unknown model)."""
+        target_driver = "vfio-pci" if desired.workload == "vm-passthrough" else "nvidia"
+        if gpu.function.driver == "nvidia":
+            if gpu.nvml is None:
+                return GpuState("failed", "bound to nvidia but NVML does not see it"
+                                + (f" ({self.observation.nvml_error})" if self.observation.nvml_error else ""))
+            mig_desired = desired
+            if target_driver != "nvidia" and gpu.nvml.mig_capable and (gpu.nvml.mig_mode or gpu.nvml.mig_pending):
+                # MIG state belongs to the nvidia driver: undo it before the GPU leaves.
+                mig_desired = msgspec.structs.replace(desired, mig_enabled=False, mig_devices={})
+            if mig_desired.mig_enabled is not None and gpu.nvml.mig_capable:
+                plan = plan_gpu(gpu, mig_desired)
+                if plan.infeasible:
+                    return GpuState("failed", plan.infeasible)
+                if plan.steps:
+                    return Action("mig", plan, f"{len(plan.steps)} MIG step(s)")
+        bplan = plan_binding(gpu, desired.workload, drivers=frozenset(self.hw.sysfs.drivers()))
+        if bplan.infeasible:
+            return GpuState("failed", bplan.infeasible)
+        if bplan.steps:
+            return Action("bind", bplan, f"bind to {target_driver}")
+        return None
+
+    def plan_all(self, resolution: Resolution | None = None) -> dict[str, Any]:
+        """What a pass would do now, without doing it (`gpudctl plan`)."""
+        resolution = resolution or self.resolution
+        out: dict[str, Any] = {"gpus": [], "disruption": {"destroyed": [], "mode_changes": [], "resets": []}}
+        if resolution is None:
+            return out
+        for gpu in self.observation.gpus:
+            desired = resolution.desired.get(gpu.pci)
+            if desired is None:
+                continue
+            entry = {"index": gpu.index, "pci": gpu.pci, "steps": [], "infeasible": None, "blocked_by": []}
+            action = self.next_action(gpu, desired)
+            if isinstance(action, GpuState):
+                entry["infeasible"] = action.message
+            elif isinstance(action, Action) and action.kind == "mig":
+                plan: GpuPlan = action.plan
+                entry["steps"] = [_step_dict(s) for s in plan.steps]
+                entry["blocked_by"] = [msgspec.to_builtins(h) for h in plan.blocked_by]
+                d = out["disruption"]
+                d["destroyed"] += [msgspec.to_builtins(x) for x in plan.destroyed]
+                if plan.mode_change:
+                    d["mode_changes"].append(gpu.pci)
+                if plan.reset:
+                    d["resets"].append(gpu.pci)
+                if desired.workload == "vm-passthrough":
+                    entry["steps"].append({"action": "bind", "driver": "vfio-pci"})
+            elif isinstance(action, Action):
+                entry["steps"] = [msgspec.to_builtins(s) for s in action.plan.steps]
+                if desired.workload == "container" and desired.mig_enabled is not None:
+                    entry["steps"].append({"action": "then-mig", "note": "MIG is planned once nvidia has the GPU"})
+            out["gpus"].append(entry)
+        return out
+
+    # ---- execution ----------------------------------------------------------------------------
+    async def converge(self) -> None:
+        if self.layout is None:
+            self.refresh()
+            self.phase = "invalid-layout"
+            return
+        async with self.apply_lock.held(lambda m: self.bus.publish("waiting", m)):
+            self.passes += 1
+            self.refresh()
+            assert self.resolution is not None
+            if self.resolution.errors:  # the host changed under a good file: change nothing
+                self.phase = "invalid-layout"
+                self.bus.publish("layout-invalid", "; ".join(str(e) for e in self.resolution.errors))
+                return
+            for gpu in self.observation.gpus:
+                desired = self.resolution.desired.get(gpu.pci)
+                if desired is None:
+                    self._set(gpu.pci, GpuState("unmanaged", "not in the selected layout: left untouched"))
+                    continue
+                try:
+                    self._set(gpu.pci, await self._converge_gpu(gpu.pci, desired))
+                except Exception as e:  # one GPU's surprise must not stop the others
+                    log.exception("GPU %s", gpu.pci)
+                    self._set(gpu.pci, GpuState("failed", f"internal error: {e}"))
+            self.refresh()
+        self.phase = _phase(self.gpu_states.values())
+        self._notify()
+
+    async def _converge_gpu(self, pci: str, desired: DesiredGpu) -> GpuState:
+        for _ in range(MAX_ROUNDS):
+            gpu = next((g for g in self.observation.gpus if g.pci == pci), None)
+            if gpu is None:
+                return GpuState("gone", "the GPU disappeared from the PCI bus")
+            action = self.next_action(gpu, desired)
+            if action is None:
+                if desired.workload == "vm-vgpu":
+                    return GpuState("failed", "vm-vgpu: the GPU is on nvidia, but creating vGPU types is not "
+                                              "supported by this version of gpud")
+                return GpuState("converged", _converged_message(gpu, desired))
+            if isinstance(action, GpuState):
+                return action
+            if self.read_only:
+                return GpuState("read-only", f"read-only mode: would apply {action.summary}")
+            self._set(pci, GpuState("applying", action.summary))
+            outcome = await (self._run_mig(gpu, action.plan) if action.kind == "mig" else self._run_bind(gpu, action.plan))
+            if outcome.state != "converged":
+                if outcome.state == "waiting":
+                    self._watch_holders(outcome.holders)
+                    if self.policy is not None and self.policy.on_busy == "fail":
+                        return GpuState("failed", f"busy (on-busy: fail): {outcome.message}", outcome.holders)
+                return outcome
+            self.refresh()
+        return GpuState("failed", f"still not converged after {MAX_ROUNDS} rounds")
+
+    async def _run_mig(self, gpu: Gpu, plan: GpuPlan) -> GpuState:
+        from gpud.engine import mig_executor
+
+        if plan.blocked_by:
+            names = ", ".join(f"pid {h.pid} {h.name} on {h.device}" for h in plan.blocked_by)
+            self.bus.publish("waiting", f"waiting for {names}", gpu=gpu.pci)
+            return GpuState("waiting", f"waiting for {names}", tuple(plan.blocked_by))
+
+        loop = asyncio.get_running_loop()
+
+        def on_step(step, result: str = "done") -> None:  # called from the worker thread
+            msg = f"{step.action} {step.profile or ''} {result}".strip()
+            loop.call_soon_threadsafe(lambda: self.bus.publish("step", msg, gpu=gpu.pci, step=_step_dict(step)))
+
+        async with self._drained(gpu):
+            outcome = await asyncio.to_thread(
+                mig_executor.execute, self.hw.nvml, plan, sysfs=self.hw.sysfs,
+                policy_reset=self.policy.reset if self.policy else "per-gpu", on_step=on_step,
+            )
+        return GpuState(outcome.state, outcome.message, tuple(outcome.holders))
+
+    async def _run_bind(self, gpu: Gpu, plan) -> GpuState:
+        from gpud.engine import binder
+
+        def before_unbind() -> None:
+            self.hw.nvml.close()  # our own handle must not be what keeps the GPU busy
+
+        async with self._drained(gpu):
+            try:
+                outcome = await asyncio.to_thread(
+                    binder.execute, self.hw.sysfs, self.hw.procs, plan,
+                    before_unbind=before_unbind, timeout=self.binder_timeout,
+                )
+            finally:
+                self.hw.nvml.open()
+        self.bus.publish("bind", f"{outcome.state}: {outcome.message}", gpu=gpu.pci)
+        return GpuState(outcome.state, outcome.message, tuple(outcome.holders))
+
+    @contextlib.asynccontextmanager
+    async def _drained(self, gpu: Gpu):
+        """Stop the GPU client units the policy names around a disruptive step, and start again
+        what was stopped, also when the step failed."""
+        units = list(self.policy.drain_units) if self.policy is not None else []
+        if not units:
+            yield
+            return
+        if self.drainer is None:
+            raise RuntimeError(f"policy.drain-units {units} needs the system D-Bus, which is not reachable")
+        async with self.drainer.drained(units):
+            yield
+
+    def _set(self, pci: str, st: GpuState) -> None:
+        old = self.gpu_states.get(pci)
+        self.gpu_states[pci] = st
+        if old is None or (old.state, old.message) != (st.state, st.message):
+            self.bus.publish(st.state, st.message, gpu=pci)
+            self._notify()
+
+    def _watch_holders(self, holders) -> None:
+        """Wake a pass when a holder exits: pidfds make that an event, not a poll."""
+        loop = asyncio.get_running_loop()
+        for h in holders:
+            if h.pid in self._pid_watches:
+                continue
+            try:
+                fd = os.pidfd_open(h.pid)
+            except OSError:
+                continue  # not a process we can see (simulated or gone): other events will wake us
+
+            def _exited(fd=fd, pid=h.pid) -> None:
+                loop.remove_reader(fd)
+                os.close(fd)
+                self._pid_watches.pop(pid, None)
+                self.bus.publish("holder-exited", f"pid {pid} exited")
+                self.kick(f"pid {pid} exited")
+
+            self._pid_watches[h.pid] = fd
+            loop.add_reader(fd, _exited)
+
+    def summary(self) -> str:
+        """One line for systemd's STATUS=."""
+        states = list(self.gpu_states.values())
+        n = len(self.observation.gpus)
+        counts: dict[str, int] = {}
+        for s in states:
+            counts[s.state] = counts.get(s.state, 0) + 1
+        parts = [f"{v} {k}" for k, v in sorted(counts.items())]
+        waiting = next((s for s in states if s.state == "waiting" and s.holders), None)
+        line = f"{n} GPUs: " + (", ".join(parts) if parts else "starting")
+        if waiting:
+            line += f" (waiting for pid {waiting.holders[0].pid})"
+        if self.layout_issues[0]:
+            line += "; layout.yaml invalid, keeping the last good layout"
+        return line
+
+
+def _phase(states) -> str:
+    states = [s.state for s in states]
+    for phase in ("failed", "stuck", "reset-required", "reboot-required", "waiting", "read-only", "applying"):
+        if phase in states:
+            return phase
+    return "converged"
+
+
+def _step_dict(step) -> dict[str, Any]:
+    d = msgspec.to_builtins(step)
+    return {k: v for k, v in d.items() if v is not None}
+
+
+def _converged_message(gpu: Gpu, desired: DesiredGpu) -> str:
+    if desired.workload == "vm-passthrough":
+        return f"on vfio-pci (IOMMU group {gpu.function.iommu_group})"
+    if gpu.nvml is not None and gpu.nvml.mig_mode:
+        return f"MIG: {len(gpu.nvml.instances)} GPU instance(s)"
+    return "whole GPU"

@@ -1,0 +1,160 @@
+"""The daemon's answers to socket requests: each op maps onto the reconciler's state or its one
+apply path, so `gpudctl` never sees anything the engine does not itself act on."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from gpud import VERSION
+from gpud.api.server import ApiError
+from gpud.engine.reconciler import Reconciler
+from gpud.engine.status import build_status, model_name
+from gpud.layout.parse import parse_layout
+from gpud.layout.resolve import resolve
+from gpud.model import Gpu, MigProfile, Placement
+
+PROTOCOL = 1
+
+
+def remaining_capacity(profile: MigProfile, used: list[Placement], existing: int) -> int:
+    """NVML's RemainingCapacity: placements of this profile that still fit together, bounded by
+    the instances the profile still allows."""
+    taken = set().union(*(p.slices for p in used)) if used else set()
+    fits = 0
+    for pl in profile.placements:
+        if not (pl.slices & taken):
+            taken |= pl.slices
+            fits += 1
+    return max(0, min(fits, profile.instance_count - existing))
+
+
+def select_gpus(gpus: tuple[Gpu, ...], selector: str | None) -> list[Gpu]:
+    if not selector:
+        return list(gpus)
+    sel = selector.lower()
+    out = [g for g in gpus if sel in (str(g.index), g.pci, g.pci.removeprefix("0000:"))
+           or (g.nvml is not None and g.nvml.uuid.lower() == sel)]
+    if not out:
+        raise ApiError("not-found", f"no managed GPU matches {selector!r} (index, PCI address or UUID)")
+    return out
+
+
+class RequestHandler:
+    def __init__(self, rec: Reconciler, notifier=None, passthrough=None) -> None:
+        self.rec = rec
+        self.notifier = notifier
+        self.passthrough = passthrough  # callable(observation) -> list[dict]
+
+    async def handle(self, op: str, args: dict[str, Any], peer) -> Any:
+        fn = getattr(self, "op_" + op.replace("-", "_"), None)
+        if fn is None:
+            raise ApiError("unknown-op", f"unknown request {op!r}")
+        return await fn(**(args or {}))
+
+    def recent_events(self) -> list[dict[str, Any]]:
+        return self.rec.bus.recent()
+
+    def subscribe(self) -> asyncio.Queue:
+        return self.rec.bus.subscribe()
+
+    def unsubscribe(self, q: asyncio.Queue) -> None:
+        self.rec.bus.unsubscribe(q)
+
+    async def op_status(self) -> dict[str, Any]:
+        self.rec.refresh()
+        return build_status(self.rec)
+
+    async def op_version(self) -> dict[str, Any]:
+        try:
+            driver = self.rec.hw.nvml.driver_version()
+        except Exception:
+            driver = None
+        return {"version": VERSION, "driver": driver, "nvml": None, "protocol": PROTOCOL}
+
+    async def op_check(self, text: str, path: str | None = None) -> dict[str, Any]:
+        parsed = parse_layout(text, path or "layout.yaml")
+        errors = [str(e) for e in parsed.errors]
+        warnings = [str(w) for w in parsed.warnings]
+        if not errors:
+            self.rec.refresh()
+            res = resolve(parsed, self.rec.observation.gpus)
+            errors += [str(e) for e in res.errors]
+            warnings += [str(w) for w in res.warnings]
+        return {"valid": not errors, "errors": errors, "warnings": warnings, "selected": (parsed.layout or parsed.draft).selected if (parsed.layout or parsed.draft) else None}
+
+    async def op_plan(self, text: str | None = None, path: str | None = None) -> dict[str, Any]:
+        self.rec.refresh()
+        resolution = self.rec.resolution
+        errors: list[str] = list(self.rec.layout_issues[0]) if text is None else []
+        if text is not None:
+            parsed = parse_layout(text, path or "layout.yaml")
+            errors = [str(e) for e in parsed.errors]
+            resolution = None if errors else resolve(parsed, self.rec.observation.gpus)
+        if resolution is not None:
+            errors += [str(e) for e in resolution.errors]
+        if errors:
+            return {"gpus": [], "disruption": {"destroyed": [], "mode_changes": [], "resets": []}, "errors": errors}
+        out = self.rec.plan_all(resolution)
+        out["errors"] = []
+        return out
+
+    async def op_apply(self, wait: bool = False, timeout: float | None = None) -> dict[str, Any]:
+        self.rec.load_config()
+        if self.rec.layout_issues[0]:
+            raise ApiError("invalid-layout", "; ".join(self.rec.layout_issues[0]))
+        ticket = self.rec.kick("apply requested")
+        if not wait:
+            return {"phase": "applying", "converged": False, "message": "apply started", "gpus": []}
+        finished = await self.rec.wait_for(ticket, timeout)
+        return self._apply_reply(finished)
+
+    async def op_reload(self) -> dict[str, Any]:
+        if self.notifier is not None:
+            self.notifier.reloading()
+        try:
+            self.rec.load_config()
+            finished = await self.rec.wait_for(self.rec.kick("reload"), None)
+        finally:
+            if self.notifier is not None:
+                self.notifier.ready()
+        reply = self._apply_reply(finished)
+        if self.rec.layout_issues[0]:
+            reply["message"] = "layout invalid, kept the last good one: " + "; ".join(self.rec.layout_issues[0])
+        return reply
+
+    def _apply_reply(self, finished: bool) -> dict[str, Any]:
+        states = self.rec.gpu_states
+        gpus = [{"pci": g.pci, "state": states[g.pci].state if g.pci in states else "starting",
+                 "message": states[g.pci].message if g.pci in states else ""} for g in self.rec.observation.gpus]
+        if not finished:
+            return {"phase": "timeout", "converged": False, "message": "timed out waiting for the apply", "gpus": gpus}
+        phase = self.rec.phase
+        not_ok = [g for g in gpus if g["state"] not in ("converged", "unmanaged")]
+        msg = "; ".join(f"{g['pci']}: {g['state']}: {g['message']}" for g in not_ok) or "converged"
+        return {"phase": phase, "converged": not not_ok, "message": msg, "gpus": gpus}
+
+    async def op_mig_profiles(self, gpu: str | None = None) -> dict[str, Any]:
+        self.rec.refresh()
+        out = []
+        for g in select_gpus(self.rec.observation.gpus, gpu):
+            if g.nvml is None or not g.nvml.mig_capable:
+                continue
+            rows = []
+            for p in g.nvml.profiles:
+                existing = [gi for gi in g.nvml.instances if gi.profile_id == p.id]
+                used = [gi.placement for gi in g.nvml.instances]
+                free = remaining_capacity(p, used, len(existing)) if g.nvml.mig_mode else 0
+                rows.append({
+                    "id": p.id, "name": p.name, "memory_mb": p.memory_mb, "sms": p.sms, "slices": p.slices,
+                    "free": free, "total": p.instance_count,
+                    "placements": [{"start": pl.start, "size": pl.size} for pl in p.placements],
+                    "ce": p.copy_engines, "dec": p.decoders, "enc": p.encoders, "jpg": p.jpegs, "ofa": p.ofas,
+                })
+            out.append({"index": g.index, "pci": g.pci, "model": model_name(g), "profiles": rows})
+        return {"gpus": out}
+
+    async def op_passthrough(self) -> dict[str, Any]:
+        self.rec.refresh()
+        devices = self.passthrough(self.rec.observation) if self.passthrough else []
+        return {"devices": devices}

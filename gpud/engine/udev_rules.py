@@ -1,0 +1,143 @@
+"""Boot persistence of passthrough: a udev rules file that sets driver_override on `add`.
+
+driver_override lives on the kernel's device object: a reboot or a remove/rescan forgets it, and
+nvidia then claims the GPU before gpud starts. A rule on ACTION=="add" writes the override while
+udev processes the device's add event, before its modalias loads a driver module (the kmod builtin
+runs after all rules), the way driverctl does it. The file is derived from the layout (never edited
+by hand), replaced atomically and only when its content changes, and entries disappear when a GPU
+goes back to containers.
+
+Known race (also driverctl's): if the nvidia module is already loaded (initramfs, or loaded by
+another GPU's add event processed first) it may bind before the rule runs; gpud's first pass after
+start rebinds such a GPU. vfio-pci must be loadable early: ship MODULES_LOAD_PATH (and keep nvidia
+out of the initramfs).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Iterable, Mapping, Sequence
+
+from gpud.host.readonly import refuse_if
+from gpud.model import Gpu
+
+DEFAULT_PATH = "/etc/udev/rules.d/70-gpud-vfio.rules"
+MODULES_LOAD_PATH = "/etc/modules-load.d/gpud-vfio.conf"
+MODULES_LOAD_CONTENT = "# Written by gpud: vfio-pci must be there before passthrough GPUs are probed.\nvfio-pci\n"
+
+_HEADER = """\
+# Written by gpud from its layout; do not edit: every change of the layout rewrites this file.
+# Sets driver_override before a driver probes the device at boot, so the native driver never
+# claims a vm-passthrough GPU or another endpoint of its IOMMU group. vfio-pci must be loadable
+# early: {modules_load} lists it.
+"""
+
+_BRIDGE_CLASSES = (0x0600, 0x0604)
+
+
+def passthrough_endpoints(gpus: Sequence[Gpu], desired: Mapping[str, object]) -> list[str]:
+    """Every endpoint that must be on vfio-pci at boot: each passthrough GPU and the other
+    non-bridge endpoints of its IOMMU group. `desired` maps pci -> DesiredGpu (or a workload
+    string). A desired GPU not seen now (fallen off the bus) keeps its own entry."""
+    wanted = {pci for pci, d in desired.items() if _workload(d) == "vm-passthrough"}
+    out: set[str] = set(wanted)
+    for gpu in gpus:
+        if gpu.pci not in wanted:
+            continue
+        out.update(c.address for c in gpu.companions if (c.class_code >> 8) not in _BRIDGE_CLASSES)
+    return sorted(out)
+
+
+def _workload(d: object) -> str:
+    return d if isinstance(d, str) else getattr(d, "workload", "container")
+
+
+def render(endpoints: Iterable[str], *, modules_load: str = MODULES_LOAD_PATH) -> str:
+    """The rules file for these PCI addresses; "" when there is nothing to pin."""
+    addrs = sorted(set(endpoints))
+    if not addrs:
+        return ""
+    lines = [_HEADER.format(modules_load=modules_load)]
+    for a in addrs:
+        _check_address(a)
+        lines.append(
+            f'ACTION=="add", SUBSYSTEM=="pci", KERNEL=="{a}", ATTR{{driver_override}}="vfio-pci", '
+            f'RUN{{builtin}}+="kmod load vfio-pci"\n'
+        )
+    return "".join(lines)
+
+
+def _check_address(a: str) -> None:
+    """Addresses go into a file root's udevd parses: only well-formed domain:bus:slot.fn."""
+    parts = a.split(":")
+    ok = (
+        len(parts) == 3 and len(parts[0]) == 4 and len(parts[1]) == 2 and len(parts[2]) == 4
+        and parts[2][2] == "." and all(c in "0123456789abcdef" for c in (parts[0] + parts[1] + parts[2][:2] + parts[2][3]))
+    )
+    if not ok:
+        raise ValueError(f"not a PCI address: {a!r}")
+
+
+def write_if_changed(path: str, content: str, *, read_only: bool = False, mode: int = 0o644) -> bool:
+    """Make `path` hold `content` ("" removes it). Atomic (temp file + fsync + rename in the same
+    directory) so udevd never reads half a file. Returns whether anything changed."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            current: str | None = f.read()
+    except FileNotFoundError:
+        current = None
+    if (current is None and not content) or (content and current == content):
+        return False
+    refuse_if(read_only, "write udev rules", path)
+    d = os.path.dirname(path) or "."
+    if not content:
+        os.unlink(path)
+        _fsync_dir(d)
+        return True
+    os.makedirs(d, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".gpud-", dir=d)
+    try:
+        os.write(fd, content.encode())
+        os.fchmod(fd, mode)
+        os.fsync(fd)
+        os.close(fd)
+        fd = -1
+        os.replace(tmp, path)
+    except BaseException:
+        if fd >= 0:
+            os.close(fd)
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    _fsync_dir(d)
+    return True
+
+
+def _fsync_dir(d: str) -> None:
+    fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class UdevRules:
+    """Keeps the rules file (and the modules-load.d hint) in step with the layout."""
+
+    def __init__(self, path: str = DEFAULT_PATH, *, modules_load_path: str | None = MODULES_LOAD_PATH,
+                 read_only: bool = False) -> None:
+        self.path = path
+        self.modules_load_path = modules_load_path
+        self.read_only = read_only
+
+    def sync(self, gpus: Sequence[Gpu], desired: Mapping[str, object]) -> bool:
+        """Rewrite the rules for the current layout; True when the file changed."""
+        endpoints = passthrough_endpoints(gpus, desired)
+        changed = write_if_changed(self.path, render(endpoints, modules_load=self.modules_load_path or MODULES_LOAD_PATH),
+                                   read_only=self.read_only)
+        if self.modules_load_path:
+            # Left in place once written: other tools may rely on vfio-pci being loaded early too.
+            if endpoints and not os.path.exists(self.modules_load_path):
+                write_if_changed(self.modules_load_path, MODULES_LOAD_CONTENT, read_only=self.read_only)
+        return changed

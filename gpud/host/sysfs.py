@@ -1,0 +1,224 @@
+"""PCI functions and driver binding through sysfs (a real /sys, or the simulator's DIR/sys).
+
+Reads are plain file reads, except `driver_override`: the kernel takes the device lock to show it,
+and an unbind stuck in an nvidia driver holds that lock forever, so that one attribute is read on
+a helper thread with a deadline; on timeout the last value seen is reported and the address is
+listed in `Sysfs.stuck` (the read thread is left behind, never piled up).
+Writes are one `os.write` on an fd opened O_WRONLY (a buffered file object would report the
+kernel's error only at close), or the simulator's `store(abs_path, bytes)`; errors come back as
+SysfsError with the errno and what it means for that attribute (shared/reference/binding-facts.md).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import subprocess
+import threading
+from collections.abc import Callable
+
+from gpud.host.readonly import refuse_if
+from gpud.model import PciFunction
+
+# (attribute file name or "*", errno) -> meaning
+MEANINGS: dict[tuple[str, int], str] = {
+    ("bind", errno.ENODEV): "no such device, or the driver does not match it (vfio-pci matches only through driver_override)",
+    ("bind", errno.EBUSY): "device already bound, or another endpoint of its IOMMU group is in use",
+    ("bind", errno.EPERM): "the driver's probe refused the device",
+    ("bind", errno.EINVAL): "the driver refused the device (denylisted, or no IOMMU group for vfio-pci)",
+    ("unbind", errno.ENODEV): "device is not bound to this driver",
+    ("drivers_probe", errno.ENODEV): "no such PCI device",
+    ("driver_override", errno.EINVAL): "override name too long",
+    ("reset", errno.EINVAL): "reset accepts only \"1\"",
+    ("reset", errno.ENOTTY): "no reset method works for this device",
+    ("reset", errno.EBUSY): "device in use: the driver refuses to reset it while processes hold it",
+    ("unbindLock", errno.ENOENT): "GPU not bound to nvidia",
+    ("remove_id", errno.ENODEV): "no such dynamic id",
+    ("*", errno.ENOENT): "no such attribute (device removed, or driver not loaded)",
+    ("*", errno.EACCES): "attribute cannot be opened this way (read-only, or write-only)",
+    ("*", errno.EPERM): "not permitted (needs root / CAP_SYS_ADMIN)",
+    ("*", errno.EINVAL): "value rejected by the kernel",
+    ("*", errno.EROFS): "sysfs mounted read-only (ProtectKernelTunables?)",
+}
+
+
+def meaning(path: str, code: int) -> str:
+    name = os.path.basename(path)
+    return MEANINGS.get((name, code)) or MEANINGS.get(("*", code)) or os.strerror(code)
+
+
+class SysfsError(OSError):
+    """A sysfs write the kernel refused: `errno`, `path`, and `meaning` for a human."""
+
+    def __init__(self, code: int, meaning: str, path: str):
+        super().__init__(code, meaning, path)
+        self.path = path
+        self.meaning = meaning
+
+    def __str__(self) -> str:
+        name = errno.errorcode.get(self.errno, str(self.errno))
+        return f"{name}: {self.meaning} ({self.path})"
+
+
+def _addr_key(addr: str) -> tuple[int, ...]:
+    try:
+        dom, bus, rest = addr.split(":")
+        dev, fn = rest.split(".")
+        return (int(dom, 16), int(bus, 16), int(dev, 16), int(fn, 16))
+    except ValueError:
+        return (1 << 32,)
+
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path, "rb") as f:
+            return f.read().decode("utf-8", "replace").strip()
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+
+
+def _link_name(path: str) -> str | None:
+    try:
+        return os.path.basename(os.readlink(path))
+    except (FileNotFoundError, NotADirectoryError, OSError):
+        return None
+
+
+class Sysfs:
+    def __init__(self, root: str = "/sys", *, read_only: bool = False,
+                 store: Callable[[str, bytes], int] | None = None,
+                 modprobe: Callable[[str], None] | None = None,
+                 dev_root: str | None = None, lock_timeout: float = 2.0):
+        self.root = os.path.abspath(root)
+        self.read_only = read_only
+        self.dev_root = dev_root or os.path.join(os.path.dirname(self.root), "dev")
+        self.lock_timeout = lock_timeout
+        self._store = store
+        self._modprobe = modprobe
+        self._override_seen: dict[str, str | None] = {}
+        self._stuck_reads: dict[str, threading.Thread] = {}
+        self.stuck: set[str] = set()  # addresses whose device lock did not answer (unbind in progress?)
+
+    def _p(self, *parts: str) -> str:
+        return os.path.join(self.root, *parts)
+
+    # ---- reading
+    def functions(self) -> list[PciFunction]:
+        """All PCI functions, in PCI-address order."""
+        try:
+            names = [n for n in os.listdir(self._p("bus/pci/devices")) if not n.startswith(".")]
+        except FileNotFoundError:
+            return []
+        out = [f for f in (self.function(n) for n in sorted(names, key=_addr_key)) if f is not None]
+        return out
+
+    def function(self, address: str) -> PciFunction | None:
+        base = self._p("bus/pci/devices", address)
+        vals = {k: _read(os.path.join(base, k))
+                for k in ("vendor", "device", "subsystem_vendor", "subsystem_device", "class", "numa_node")}
+        if any(vals[k] is None for k in ("vendor", "device", "class")):
+            return None  # vanished (removed) or not a PCI device
+        group = _link_name(os.path.join(base, "iommu_group"))
+        try:
+            return PciFunction(
+                address=address,
+                vendor=int(vals["vendor"], 16),
+                device=int(vals["device"], 16),
+                subsystem_vendor=int(vals["subsystem_vendor"] or "0", 16),
+                subsystem_device=int(vals["subsystem_device"] or "0", 16),
+                class_code=int(vals["class"], 16),
+                driver=_link_name(os.path.join(base, "driver")),
+                driver_override=self.driver_override(address),
+                iommu_group=int(group) if group is not None and group.isdigit() else None,
+                numa_node=int(vals["numa_node"]) if vals["numa_node"] not in (None, "") else -1,
+            )
+        except ValueError:
+            return None
+
+    def driver_override(self, address: str) -> str | None:
+        """driver_override, or the last value seen when the device lock does not answer in time."""
+        path = self._p("bus/pci/devices", address, "driver_override")
+        pending = self._stuck_reads.get(address)
+        if pending is not None and pending.is_alive():
+            self.stuck.add(address)
+            return self._override_seen.get(address)
+        box: dict[str, object] = {}
+
+        def run() -> None:
+            try:
+                box["v"] = _read(path)
+            except OSError as e:
+                box["e"] = e
+
+        t = threading.Thread(target=run, name=f"sysfs-read {address}", daemon=True)
+        t.start()
+        t.join(self.lock_timeout)
+        if t.is_alive():
+            self._stuck_reads[address] = t
+            self.stuck.add(address)
+            return self._override_seen.get(address)
+        self._stuck_reads.pop(address, None)
+        self.stuck.discard(address)
+        v = box.get("v")
+        value = None if v in (None, "", "(null)") else str(v)
+        self._override_seen[address] = value
+        return value
+
+    def group_members(self, group: int) -> list[str]:
+        try:
+            names = os.listdir(self._p("kernel/iommu_groups", str(group), "devices"))
+        except FileNotFoundError:
+            return []
+        return sorted((n for n in names if not n.startswith(".")), key=_addr_key)
+
+    def drivers(self) -> list[str]:
+        """Names of the PCI drivers loaded now."""
+        try:
+            return sorted(n for n in os.listdir(self._p("bus/pci/drivers")) if not n.startswith("."))
+        except FileNotFoundError:
+            return []
+
+    def vfio_device_path(self, group: int) -> str | None:
+        """/dev/vfio/<group> when it exists (the group is usable), else None."""
+        path = os.path.join(self.dev_root, "vfio", str(group))
+        return path if os.path.exists(path) else None
+
+    # ---- writing
+    def write(self, relpath: str, value: str) -> None:
+        """Write `value` to root/relpath with exactly one write(2); SysfsError on refusal."""
+        refuse_if(self.read_only, "sysfs write", relpath)
+        if os.path.isabs(relpath) or ".." in relpath.split("/"):
+            raise ValueError(f"sysfs path must be relative to {self.root}: {relpath!r}")
+        path = self._p(relpath)
+        data = value.encode()
+        try:
+            if self._store is not None:
+                self._store(path, data)
+                return
+            fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+            try:
+                os.write(fd, data)
+            finally:
+                os.close(fd)
+        except OSError as e:
+            if isinstance(e, SysfsError) or e.errno is None:
+                raise
+            raise SysfsError(e.errno, meaning(path, e.errno), path) from e
+
+    def reset(self, address: str) -> None:
+        refuse_if(self.read_only, "reset", address)
+        self.write(f"bus/pci/devices/{address}/reset", "1")
+
+    def load_module(self, name: str) -> None:
+        """modprobe `name` (e.g. vfio-pci); SysfsError(EIO) with modprobe's message on failure."""
+        refuse_if(self.read_only, "modprobe", name)
+        if self._modprobe is not None:
+            self._modprobe(name)
+            return
+        try:
+            r = subprocess.run(["modprobe", name], capture_output=True, text=True, timeout=120)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            raise SysfsError(errno.EIO, f"modprobe {name} failed: {e}", name) from e
+        if r.returncode != 0:
+            msg = (r.stderr or r.stdout).strip() or f"exit status {r.returncode}"
+            raise SysfsError(errno.EIO, f"modprobe {name} failed: {msg}", name)

@@ -1,0 +1,778 @@
+"""layout.yaml text -> `Layout`, with every problem reported at once, by file, line and key path.
+
+Why not `yaml.safe_load` + msgspec.convert: the loaded dicts forget line numbers, duplicate keys
+silently overwrite, and YAML 1.1 re-types unquoted values (`0x233010DE` becomes an int,
+`0000:00:01.0` a sexagesimal *float*). So the text is composed into nodes (`yaml.compose`), which
+keep each key's line and the scalar exactly as written, and validated here by hand, with messages
+that say what was expected. `parse_layout` never raises on bad input; the daemon refuses to apply
+a file with errors and shows them all (mig-parted stopped at the first, or ignored some).
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import math
+import re
+from collections.abc import Iterator
+
+import yaml
+from msgspec import Struct, field
+from yaml.constructor import SafeConstructor
+from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
+
+from gpud.layout.desired import LayoutIssue
+from gpud.layout.names import SYNTAX, parse_mig_name
+from gpud.layout.schema import (
+    DEFAULT_MATCH,
+    HOOK_POINTS,
+    ON_BUSY,
+    REBOOT,
+    RESET,
+    UNIT_SUFFIXES,
+    WORKLOADS,
+    DeviceEntry,
+    Hook,
+    Hooks,
+    Layout,
+    MatchRule,
+    PciId,
+    Policy,
+)
+
+_TAG = "tag:yaml.org,2002:"
+_STR, _INT, _FLOAT, _BOOL, _NULL, _MERGE = (_TAG + t for t in ("str", "int", "float", "bool", "null", "merge"))
+
+TOP_KEYS = ("version", "selected", "layouts", "mig-configs", "match", "policy", "hooks")
+ENTRY_KEYS = ("devices", "device-filter", "workload", "mig-enabled", "mig-devices", "vgpu-devices")
+MATCH_KEYS = ("vendor", "device", "class")
+POLICY_KEYS = ("drain-units", "on-busy", "reset", "reboot")
+HOOK_KEYS = ("command", "args", "env", "timeout")
+
+_PCI = re.compile(r"(?:([0-9a-fA-F]{1,8}):)?([0-9a-fA-F]{2}):([0-1][0-9a-fA-F])\.([0-7])")
+_UUID = re.compile(r"GPU-[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}")
+_FILTER_MIG_PARTED = re.compile(r"0[xX]([0-9a-fA-F]{4})([0-9a-fA-F]{4})")  # device id, then vendor id
+_FILTER_LSPCI = re.compile(r"([0-9a-fA-F]{4}):([0-9a-fA-F]{4})")  # vendor:device
+_HEX16 = re.compile(r"(?:0[xX])?([0-9a-fA-F]{1,4})")
+_UNIT = re.compile(r"[A-Za-z0-9:_.\\-]+(?:@[A-Za-z0-9:_.\\-]*)?(" + "|".join(re.escape(s) for s in UNIT_SUFFIXES) + ")")
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_VGPU_NAME = re.compile(r"[A-Za-z0-9]+(?:[-_][A-Za-z0-9]+)*")
+_PLAIN_KEY = re.compile(r"[A-Za-z0-9_-]+")
+
+_SCALARS = SafeConstructor()  # converts one scalar node at a time; keeps no state between calls
+
+
+class ParsedLayout(Struct):
+    """The outcome of reading one layout.yaml.
+
+    `layout` is set only when there are no errors, so it can never be applied half-valid. `draft`
+    is the best-effort Layout built from the parts that were valid; `resolve` checks it against the
+    host so that profile and selector errors show up in the same report as syntax errors.
+    `lines` maps key paths (as in messages) to 1-based line numbers.
+    """
+
+    file: str
+    layout: Layout | None
+    errors: list[LayoutIssue] = field(default_factory=list)
+    warnings: list[LayoutIssue] = field(default_factory=list)
+    lines: dict[str, int] = field(default_factory=dict)
+    draft: Layout | None = None
+    # Draft key path -> key path in the file, where dropping invalid entries or selectors from the
+    # draft renumbered list items (`layouts.x[0]` in the draft was `layouts.x[1]` in the file).
+    origins: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return not self.errors
+
+    def line(self, path: str) -> int | None:
+        return self.lines.get(path)
+
+    def origin(self, path: str) -> str:
+        """The file's key path for a draft list item (identical unless items were dropped)."""
+        return self.origins.get(path, path)
+
+
+def key_path(parent: str, key: str) -> str:
+    """`parent.key`; keys other than [A-Za-z0-9_-]+ are quoted: `mig-devices."1g.10gb"`."""
+    part = key if _PLAIN_KEY.fullmatch(key) else json.dumps(key)
+    return f"{parent}.{part}" if parent else part
+
+
+def item_path(parent: str, index: int) -> str:
+    return f"{parent}[{index}]"
+
+
+def entry_path(layouts_key: str, name: str, index: int) -> str:
+    """Key path of one device entry: `layouts.partial-mig[0]`."""
+    return item_path(key_path(layouts_key, name), index)
+
+
+def parse_layout(text: str, file: str = "layout.yaml", *, select: str | None = None) -> ParsedLayout:
+    """Parse and validate layout.yaml text. Never raises on bad input.
+
+    `select` overrides the file's `selected` (like mig-parted's `-c`), so that a mig-parted file
+    with several configs and no `selected` key loads unchanged.
+    """
+    parser = _Parser(file, select)
+    try:
+        layout = parser.run(text)
+    except _TooLarge:
+        parser.error(None, "", f"the layout is too large: YAML aliases expand it to over {MAX_NODES} values")
+        layout = None
+    except Exception as exc:  # noqa: BLE001 - a bug must still not take the daemon down
+        parser.error(None, "", f"internal error while reading the layout ({type(exc).__name__}: {exc})")
+        layout = None
+    errors = sorted(parser.errors, key=lambda e: e.line or 0)  # file order; stable within a line
+    if len(errors) > MAX_ERRORS:  # nobody reads the 101st; a runaway file must not flood the API
+        more = len(errors) - MAX_ERRORS
+        errors = errors[:MAX_ERRORS] + [LayoutIssue(file, None, "", f"{more} more errors not shown")]
+    return ParsedLayout(
+        file=file,
+        layout=layout if not errors else None,
+        errors=errors,
+        warnings=parser.warnings,
+        lines=parser.lines,
+        draft=layout,
+        origins=parser.origins,
+    )
+
+
+def _line(node: Node) -> int:
+    return node.start_mark.line + 1
+
+
+def _quote(text: str, limit: int = 60) -> str:
+    if len(text) > limit:
+        text = text[: limit - 3] + "..."
+    return json.dumps(text)
+
+
+def _got(node: Node) -> str:
+    """How a node reads in `expected X, got Y`."""
+    if isinstance(node, MappingNode):
+        return "a mapping"
+    if isinstance(node, SequenceNode):
+        return "a list"
+    if not isinstance(node, ScalarNode):  # pragma: no cover - yaml only makes these three
+        return "an unknown node"
+    if node.tag == _NULL:
+        return "nothing"
+    if node.tag in (_INT, _FLOAT, _BOOL) and node.style is None:
+        return node.value if len(node.value) <= 60 else _quote(node.value)
+    return _quote(node.value)
+
+
+def _is_null(node: Node) -> bool:
+    return isinstance(node, ScalarNode) and node.tag == _NULL
+
+
+def _one_of(values: tuple[str, ...]) -> str:
+    return ", ".join(values)
+
+
+# Aliases let a short file stand for a huge tree (`[*a, *a, ...]` nested); the validator stops
+# after visiting this many values rather than spend quadratic time on a `check` request.
+MAX_NODES = 100_000
+MAX_ERRORS = 100
+
+
+class _TooLarge(Exception):
+    pass
+
+
+class _Parser:
+    def __init__(self, file: str, select: str | None = None) -> None:
+        self.file = file
+        self.select = select
+        self.budget = MAX_NODES
+        self.errors: list[LayoutIssue] = []
+        self.warnings: list[LayoutIssue] = []
+        self.lines: dict[str, int] = {}
+        self.origins: dict[str, str] = {}
+
+    # -- reporting -------------------------------------------------------------------------------
+
+    def error(self, node: Node | int | None, path: str, message: str) -> None:
+        line = _line(node) if isinstance(node, Node) else node
+        self.errors.append(LayoutIssue(self.file, line, path, message))
+
+    def expected(self, node: Node, path: str, what: str) -> None:
+        self.error(node, path, f"expected {what}, got {_got(node)}")
+
+    def _renumbered(self, draft: str, original: str) -> None:
+        if draft != original:
+            self.origins[draft] = original
+
+    # -- generic shapes --------------------------------------------------------------------------
+
+    def mapping(
+        self, node: Node, path: str, allowed: tuple[str, ...], what: str = "a mapping"
+    ) -> dict[str, tuple[Node, Node]] | None:
+        """Known keys of a mapping -> (key node, value node); reports unknown and duplicate keys."""
+        if not isinstance(node, MappingNode):
+            self.expected(node, path, what)
+            return None
+        out: dict[str, tuple[Node, Node]] = {}
+        first: dict[str, int] = {}
+        for key, value, merged in self._pairs(node, path):
+            name = key.value
+            kpath = key_path(path, name)
+            if name in first:
+                if not merged:
+                    self.error(key, kpath, f"duplicate key (first at line {first[name]})")
+                continue
+            first[name] = _line(key)
+            if name not in allowed:
+                hint = difflib.get_close_matches(name, allowed, n=1)
+                did = f'; did you mean "{hint[0]}"?' if hint else ";"
+                self.error(key, kpath, f"unknown key {_quote(name)}{did} allowed: {_one_of(allowed)}")
+                continue
+            out[name] = (key, value)
+            self.lines[kpath] = _line(key)
+        return out
+
+    def free_mapping(self, node: Node, path: str, what: str) -> Iterator[tuple[str, Node, Node]]:
+        """Every (key, key node, value node) of a mapping whose keys are data (names, not fields)."""
+        if not isinstance(node, MappingNode):
+            self.expected(node, path, what)
+            return
+        first: dict[str, int] = {}
+        for key, value, merged in self._pairs(node, path):
+            name = key.value
+            kpath = key_path(path, name)
+            if name in first:
+                if not merged:
+                    self.error(key, kpath, f"duplicate key (first at line {first[name]})")
+                continue
+            first[name] = _line(key)
+            self.lines[kpath] = _line(key)
+            yield name, key, value
+
+    def _spend(self, n: int) -> None:
+        self.budget -= n
+        if self.budget < 0:
+            raise _TooLarge
+
+    def _pairs(self, node: MappingNode, path: str) -> list[tuple[ScalarNode, Node, bool]]:
+        """Key/value pairs with YAML merge keys (`<<: *base`) applied: own keys first, then merged
+        ones (which the caller ignores when already present), flagged so they are not duplicates."""
+        self._spend(len(node.value) + 1)
+        own: list[tuple[ScalarNode, Node, bool]] = []
+        merged: list[tuple[ScalarNode, Node, bool]] = []
+        for key, value in node.value:
+            if isinstance(key, ScalarNode) and key.tag == _MERGE:
+                merged.extend(self._merged(value, path, {id(node)}))
+            elif not isinstance(key, ScalarNode) or key.tag == _NULL:
+                self.error(key, path, f"keys must be plain names, got {_got(key)}")
+            else:
+                own.append((key, value, False))
+        return own + merged
+
+    def _merged(self, value: Node, path: str, seen: set[int]) -> list[tuple[ScalarNode, Node, bool]]:
+        sources = value.value if isinstance(value, SequenceNode) else [value]
+        out: list[tuple[ScalarNode, Node, bool]] = []
+        self._spend(len(sources))
+        for src in sources:
+            if not isinstance(src, MappingNode):
+                self.error(src, path, f"a merge key (<<) takes a mapping or a list of mappings, got {_got(src)}")
+                continue
+            if id(src) in seen:
+                continue  # a mapping merged into itself through an alias
+            for key, val in src.value:
+                if isinstance(key, ScalarNode) and key.tag == _MERGE:
+                    out.extend(self._merged(val, path, seen | {id(src)}))
+                elif isinstance(key, ScalarNode) and key.tag != _NULL:
+                    out.append((key, val, True))
+        return out
+
+    def sequence(self, node: Node, path: str, what: str) -> list[tuple[str, Node]] | None:
+        if not isinstance(node, SequenceNode):
+            self.expected(node, path, what)
+            return None
+        self._spend(len(node.value) + 1)
+        items = []
+        for i, item in enumerate(node.value):
+            ipath = item_path(path, i)
+            self.lines[ipath] = _line(item)
+            items.append((ipath, item))
+        return items
+
+    def string(self, node: Node, path: str, what: str = "a string") -> str | None:
+        if isinstance(node, ScalarNode) and node.tag == _STR:
+            return node.value
+        self.expected(node, path, what)
+        return None
+
+    def text(self, node: Node, path: str, what: str) -> str | None:
+        """Any non-null scalar as written: `args: [-n, 5]` means the text "5", not the int 5."""
+        if isinstance(node, ScalarNode) and node.tag != _NULL:
+            return node.value
+        self.expected(node, path, what)
+        return None
+
+    def enum(self, node: Node, path: str, allowed: tuple[str, ...]) -> str | None:
+        if isinstance(node, ScalarNode) and node.tag == _STR and node.value in allowed:
+            return node.value
+        self.expected(node, path, f"one of {_one_of(allowed)}")
+        return None
+
+    def boolean(self, node: Node, path: str) -> bool | None:
+        if isinstance(node, ScalarNode) and node.tag == _BOOL:
+            try:
+                return bool(_SCALARS.construct_yaml_bool(node))
+            except Exception:  # noqa: BLE001 - `!!bool maybe`
+                pass
+        self.expected(node, path, "true or false")
+        return None
+
+    def integer(self, node: Node) -> int | None:
+        """The int a scalar denotes, or None; no reporting (callers word their own message)."""
+        if isinstance(node, ScalarNode) and node.tag == _INT:
+            try:
+                value = _SCALARS.construct_yaml_int(node)
+            except Exception:  # noqa: BLE001 - `!!int abc`
+                return None
+            return value if isinstance(value, int) and not isinstance(value, bool) else None
+        return None
+
+    def count(self, node: Node, path: str) -> int | None:
+        value = self.integer(node)
+        if value is None or value < 0:
+            self.expected(node, path, "a count >= 0")
+            return None
+        return value
+
+    # -- the file --------------------------------------------------------------------------------
+
+    def run(self, text: str) -> Layout | None:
+        if not isinstance(text, str):
+            self.error(None, "", f"expected text, got {type(text).__name__}")
+            return None
+        try:
+            root = yaml.compose(text, Loader=yaml.SafeLoader)
+        except yaml.MarkedYAMLError as exc:
+            mark = exc.problem_mark or exc.context_mark
+            problem = ", ".join(p for p in (exc.context, exc.problem) if p) or "syntax error"
+            self.error(mark.line + 1 if mark else None, "", f"invalid YAML: {problem}")
+            return None
+        except yaml.YAMLError as exc:  # e.g. ReaderError: a control character
+            self.error(None, "", f"invalid YAML: {exc}")
+            return None
+        except RecursionError:
+            self.error(None, "", "invalid YAML: nested too deeply")
+            return None
+        if root is None:
+            self.error(None, "", 'the file is empty; expected a mapping starting with "version: v1"')
+            return None
+        top = self.mapping(root, "", TOP_KEYS, 'a mapping with "version: v1" and "layouts"')
+        if top is None:
+            return None
+        return self.layout(root, top)
+
+    def layout(self, root: MappingNode, top: dict[str, tuple[Node, Node]]) -> Layout | None:
+        version = None
+        if "version" not in top:
+            self.error(root, "version", 'missing; expected "version: v1"')
+        else:
+            node = top["version"][1]
+            if isinstance(node, ScalarNode) and node.tag == _STR and node.value == "v1":
+                version = "v1"
+            else:
+                self.expected(node, "version", '"v1"')
+
+        layouts_key = "layouts"
+        if "layouts" in top and "mig-configs" in top:
+            key = max(top["layouts"][0], top["mig-configs"][0], key=_line)
+            self.error(key, key.value, 'use either "layouts" or its synonym "mig-configs", not both')
+        elif "mig-configs" in top:
+            layouts_key = "mig-configs"
+        layouts: dict[str, tuple[DeviceEntry, ...]] = {}
+        layouts_node: Node | None = None
+        if layouts_key not in top:
+            self.error(root, "layouts", 'missing; expected "layouts" (or its synonym "mig-configs")')
+        else:
+            layouts_node = top[layouts_key][1]
+            layouts = self.layouts(layouts_node, layouts_key)
+            if not layouts and isinstance(layouts_node, MappingNode) and not layouts_node.value:
+                self.error(layouts_node, layouts_key, "at least one layout is required (a layout may have no entries)")
+
+        # Names as written, valid or not, so one broken layout does not change what "selected" needs.
+        names: tuple[str, ...] = ()
+        if isinstance(layouts_node, MappingNode):
+            names = tuple(dict.fromkeys(
+                k.value for k, _ in layouts_node.value if isinstance(k, ScalarNode) and k.tag not in (_NULL, _MERGE)
+            ))
+        selected = None
+        if "selected" in top and not _is_null(top["selected"][1]):
+            node = top["selected"][1]
+            name = self.text(node, "selected", "the name of a layout")
+            if name is not None:
+                if name in layouts:
+                    selected = name
+                elif name not in names and layouts_node is not None:
+                    self.error(node, "selected",
+                               f"{_quote(name)} is not a layout in {layouts_key}; one of: {_one_of(names)}")
+        elif len(names) == 1:
+            selected = names[0] if names[0] in layouts else None
+        elif len(names) > 1 and self.select is None:
+            self.error(top[layouts_key][0], "selected",
+                       f'missing; {layouts_key} has {len(names)} layouts, so "selected" must name one of: '
+                       f"{_one_of(names)}")
+        if self.select is not None:  # the caller's choice (mig-parted's `-c`) wins over the file's
+            selected = self.select if self.select in layouts else None
+            if self.select not in names and layouts_node is not None:
+                self.error(None, "selected", f"{_quote(self.select)} (chosen by the caller) is not a layout in "
+                                             f"{layouts_key}; one of: {_one_of(names)}")
+
+        match = DEFAULT_MATCH
+        if "match" in top and not _is_null(top["match"][1]):
+            match = self.match(top["match"][1]) or DEFAULT_MATCH
+        policy = Policy()
+        if "policy" in top and not _is_null(top["policy"][1]):
+            policy = self.policy(top["policy"][1])
+        hooks = Hooks()
+        if "hooks" in top and not _is_null(top["hooks"][1]):
+            hooks = self.hooks(top["hooks"][1])
+
+        return Layout(version=version or "v1", selected=selected, layouts=layouts, layouts_key=layouts_key,
+                      match=match, policy=policy, hooks=hooks)
+
+    # -- layouts ---------------------------------------------------------------------------------
+
+    def layouts(self, node: Node, layouts_key: str) -> dict[str, tuple[DeviceEntry, ...]]:
+        out: dict[str, tuple[DeviceEntry, ...]] = {}
+        for name, key, value in self.free_mapping(node, layouts_key, "a mapping of layout name -> list of entries"):
+            lpath = key_path(layouts_key, name)
+            if not name:
+                self.error(key, lpath, "a layout name must not be empty")
+                continue
+            if _is_null(value):
+                out[name] = ()  # `name:` with nothing under it: a layout with no entries
+                continue
+            items = self.sequence(value, lpath, "a list of device entries")
+            if items is None:
+                continue
+            kept = []
+            for ipath, item in items:
+                if (entry := self.entry(item, ipath)) is not None:
+                    self._renumbered(item_path(lpath, len(kept)), ipath)
+                    kept.append(entry)
+            out[name] = tuple(kept)
+        return out
+
+    def entry(self, node: Node, path: str) -> DeviceEntry | None:
+        keys = self.mapping(node, path, ENTRY_KEYS, "a device entry (a mapping with \"devices\")")
+        if keys is None:
+            return None
+
+        def get(key: str) -> Node | None:  # a key with a null value counts as absent
+            return keys[key][1] if key in keys and not _is_null(keys[key][1]) else None
+
+        devices: str | tuple[int | str, ...] | None = None
+        if (n := get("devices")) is None:
+            self.error(node, path, 'missing key "devices" ("all" or a list of GPU indices, PCI addresses or GPU UUIDs)')
+        else:
+            devices = self.devices(n, key_path(path, "devices"))
+
+        device_filter: tuple[PciId, ...] = ()
+        if (n := get("device-filter")) is not None:
+            device_filter = self.device_filter(n, key_path(path, "device-filter"))
+
+        workload = "container"
+        if (n := get("workload")) is not None:
+            workload = self.enum(n, key_path(path, "workload"), WORKLOADS) or "container"
+
+        mig_enabled = None
+        if (n := get("mig-enabled")) is not None:
+            mig_enabled = self.boolean(n, key_path(path, "mig-enabled"))
+
+        mig_devices: dict[str, int] | None = None
+        if "mig-devices" in keys:
+            mig_devices = self.mig_devices(keys["mig-devices"][1], key_path(path, "mig-devices"))
+
+        vgpu_devices: dict[str, int] | None = None
+        if "vgpu-devices" in keys:
+            vgpu_devices = self.vgpu_devices(keys["vgpu-devices"][1], key_path(path, "vgpu-devices"))
+
+        # Rules between keys (mig-parted's, plus the ones a per-GPU driver choice brings).
+        mig_key = keys.get("mig-enabled", (node,))[0]
+        if mig_enabled is True and "mig-devices" not in keys:
+            self.error(mig_key, key_path(path, "mig-enabled"),
+                       "mig-enabled: true needs mig-devices (use {} for MIG on with no instances)")
+        if "mig-devices" in keys:
+            mkey = keys["mig-devices"][0]
+            mpath = key_path(path, "mig-devices")
+            has_names = isinstance(keys["mig-devices"][1], MappingNode) and bool(keys["mig-devices"][1].value)
+            if "mig-enabled" not in keys:
+                self.error(mkey, mpath, "mig-devices needs mig-enabled: true")
+            elif mig_enabled is False and has_names:
+                self.error(mkey, mpath, "mig-enabled: false forbids mig-devices")
+        if workload == "vm-passthrough" and mig_enabled is True:
+            self.error(mig_key, key_path(path, "mig-enabled"),
+                       "vm-passthrough gives the whole GPU to a VM through vfio-pci; MIG needs the nvidia "
+                       "driver (use workload: container or vm-vgpu)")
+        if "vgpu-devices" in keys and workload != "vm-vgpu":
+            self.error(keys["vgpu-devices"][0], key_path(path, "vgpu-devices"), "vgpu-devices needs workload: vm-vgpu")
+
+        if devices is None:
+            return None
+        return DeviceEntry(
+            devices=devices,
+            device_filter=device_filter,
+            workload=workload,
+            mig_enabled=mig_enabled,
+            mig_devices=mig_devices or {},
+            vgpu_devices=vgpu_devices or {},
+        )
+
+    def devices(self, node: Node, path: str) -> str | tuple[int | str, ...] | None:
+        what = '"all" or a list of GPU indices, PCI addresses or GPU UUIDs'
+        if isinstance(node, ScalarNode):
+            if node.tag == _STR and node.value == "all":
+                return "all"
+            self.expected(node, path, what)
+            return None
+        items = self.sequence(node, path, what)
+        if items is None:
+            return None
+        if not items:
+            self.error(node, path, 'must not be empty; list at least one GPU, or use "all"')
+            return None
+        out: list[int | str] = []
+        first: dict[int | str, str] = {}
+        for ipath, item in items:
+            selector = self.selector(item, ipath)
+            if selector is None:
+                continue
+            if selector in first:
+                self.error(item, ipath, f"{_selector_text(selector)} is listed twice (also {first[selector]})")
+                continue
+            first[selector] = ipath
+            self._renumbered(item_path(path, len(out)), ipath)
+            out.append(selector)
+        return tuple(out)
+
+    def selector(self, node: Node, path: str) -> int | str | None:
+        what = "an index, PCI address or GPU UUID"
+        if isinstance(node, ScalarNode) and node.tag == _INT:
+            index = self.integer(node)
+            if index is None:
+                self.expected(node, path, what)
+            elif index < 0:
+                self.expected(node, path, "a GPU index >= 0")
+                return None
+            return index
+        if isinstance(node, ScalarNode) and node.tag != _NULL:
+            # Unquoted `0000:00:01.0` is a YAML 1.1 float; the text as written is what counts.
+            value = node.value.strip()
+            if pci := normalize_pci(value):
+                return pci
+            if _UUID.fullmatch(value):
+                return "GPU-" + value[4:].lower()
+        self.expected(node, path, what)
+        return None
+
+    def device_filter(self, node: Node, path: str) -> tuple[PciId, ...]:
+        if isinstance(node, ScalarNode):
+            one = self.pci_id(node, path)
+            return (one,) if one is not None else ()
+        items = self.sequence(node, path, 'a PCI id like "0x233010DE" or "10de:2330", or a list of them')
+        if items is None:
+            return ()
+        if not items:
+            self.error(node, path, "must not be empty; leave device-filter out to match every GPU")
+            return ()
+        ids = (self.pci_id(item, ipath) for ipath, item in items)
+        return tuple(dict.fromkeys(i for i in ids if i is not None))
+
+    def pci_id(self, node: Node, path: str) -> PciId | None:
+        if isinstance(node, ScalarNode) and node.tag != _NULL:
+            value = node.value.strip()  # unquoted 0x233010DE is a YAML int; take the text
+            if m := _FILTER_MIG_PARTED.fullmatch(value):
+                return PciId(vendor=int(m[2], 16), device=int(m[1], 16))
+            if m := _FILTER_LSPCI.fullmatch(value):
+                return PciId(vendor=int(m[1], 16), device=int(m[2], 16))
+        self.expected(node, path, 'a PCI id like "0x233010DE" (device id, then vendor id) or "10de:2330"')
+        return None
+
+    def mig_devices(self, node: Node, path: str) -> dict[str, int] | None:
+        if _is_null(node):
+            return None
+        out: dict[str, int] = {}
+        for name, key, value in self.free_mapping(node, path, "a mapping of MIG device name -> count"):
+            kpath = key_path(path, name)
+            if parse_mig_name(name) is None:
+                self.error(key, kpath, f"{_quote(name)} is not a MIG device name; expected {SYNTAX}")
+                continue
+            count = self.count(value, kpath)
+            if count:  # 0 is allowed (mig-parted allows it) and means none
+                out[name] = count
+        return out
+
+    def vgpu_devices(self, node: Node, path: str) -> dict[str, int] | None:
+        if _is_null(node):
+            return None
+        out: dict[str, int] = {}
+        for name, key, value in self.free_mapping(node, path, "a mapping of vGPU type name -> count"):
+            kpath = key_path(path, name)
+            if not _VGPU_NAME.fullmatch(name):
+                self.error(key, kpath, f'{_quote(name)} is not a vGPU type name; expected e.g. "H200X-1-18C"')
+                continue
+            count = self.count(value, kpath)
+            if count:
+                out[name] = count
+        return out
+
+    # -- match, policy, hooks --------------------------------------------------------------------
+
+    def match(self, node: Node) -> tuple[MatchRule, ...]:
+        items = self.sequence(node, "match", "a list of {vendor, device, class} rules")
+        if items is None:
+            return ()
+        if not items:
+            self.error(node, "match",
+                       "must not be empty; leave match out for the default (NVIDIA display and 3D controllers)")
+            return ()
+        rules = []
+        for ipath, item in items:
+            keys = self.mapping(item, ipath, MATCH_KEYS, "a {vendor, device, class} rule")
+            if keys is None:
+                continue
+            if "vendor" not in keys:
+                self.error(item, ipath, 'missing key "vendor" (e.g. "0x10de")')
+            values = {k: self.hex16(keys[k][1], key_path(ipath, k)) for k in keys}
+            if "vendor" in keys and None not in values.values():
+                rules.append(
+                    MatchRule(vendor=values["vendor"], device=values.get("device"), class_=values.get("class")))
+        return tuple(rules)
+
+    def hex16(self, node: Node, path: str) -> int | None:
+        # Text as written: unquoted 0x10de is an int and 0302 an octal int in YAML 1.1.
+        if isinstance(node, ScalarNode) and node.tag != _NULL and (m := _HEX16.fullmatch(node.value.strip())):
+            return int(m[1], 16)
+        self.expected(node, path, 'a 16-bit hex value like "0x10de"')
+        return None
+
+    def policy(self, node: Node) -> Policy:
+        keys = self.mapping(node, "policy", POLICY_KEYS)
+        if keys is None:
+            return Policy()
+        values: dict[str, object] = {}
+        if "drain-units" in keys and not _is_null(keys["drain-units"][1]):
+            values["drain_units"] = self.units(keys["drain-units"][1], "policy.drain-units")
+        for key, allowed in (("on-busy", ON_BUSY), ("reset", RESET), ("reboot", REBOOT)):
+            if key in keys and (value := self.enum(keys[key][1], key_path("policy", key), allowed)) is not None:
+                values[key.replace("-", "_")] = value
+        return Policy(**values)  # type: ignore[arg-type]
+
+    def units(self, node: Node, path: str) -> tuple[str, ...]:
+        items = self.sequence(node, path, "a list of systemd unit names")
+        if items is None:
+            return ()
+        out = []
+        for ipath, item in items:
+            name = self.string(item, ipath, 'a systemd unit name like "nvidia-dcgm.service"')
+            if name is None:
+                continue
+            if not _UNIT.fullmatch(name) or "@." in name:  # a template cannot be stopped
+                suffixes = ", ".join(UNIT_SUFFIXES)
+                self.error(item, ipath,
+                           f"{_quote(name)} is not a systemd unit name; expected a name ending in one of {suffixes}")
+                continue
+            out.append(name)
+        return tuple(dict.fromkeys(out))
+
+    def hooks(self, node: Node) -> Hooks:
+        keys = self.mapping(node, "hooks", HOOK_POINTS)
+        if keys is None:
+            return Hooks()
+        values: dict[str, tuple[Hook, ...]] = {}
+        for point, (_, value) in keys.items():
+            if _is_null(value):
+                continue
+            hpath = key_path("hooks", point)
+            items = self.sequence(value, hpath, "a list of {command, args, env, timeout}")
+            if items is None:
+                continue
+            hooks = (self.hook(item, ipath) for ipath, item in items)
+            values[point.replace("-", "_")] = tuple(h for h in hooks if h is not None)
+        return Hooks(**values)
+
+    def hook(self, node: Node, path: str) -> Hook | None:
+        keys = self.mapping(node, path, HOOK_KEYS, "a hook {command, args, env, timeout}")
+        if keys is None:
+            return None
+        ok = True
+        command = None
+        if "command" not in keys or _is_null(keys["command"][1]):
+            self.error(node, path, 'missing key "command" (an absolute path)')
+            ok = False
+        else:
+            n = keys["command"][1]
+            command = self.string(n, key_path(path, "command"), "an absolute path")
+            if command is not None and not command.startswith("/"):
+                self.error(n, key_path(path, "command"),
+                           f"{_quote(command)} is not an absolute path; hooks run without a shell or PATH")
+                command = None
+            ok = ok and command is not None
+        args: list[str] = []
+        if "args" in keys and not _is_null(keys["args"][1]):
+            items = self.sequence(keys["args"][1], key_path(path, "args"), "a list of strings")
+            ok = ok and items is not None
+            for ipath, item in items or ():
+                arg = self.text(item, ipath, "a string")
+                ok = ok and arg is not None
+                args.append(arg or "")
+        env: dict[str, str] = {}
+        if "env" in keys and not _is_null(keys["env"][1]):
+            epath = key_path(path, "env")
+            if not isinstance(keys["env"][1], MappingNode):
+                ok = False
+            for name, key, value in self.free_mapping(keys["env"][1], epath, "a mapping of NAME -> value"):
+                kpath = key_path(epath, name)
+                if not _ENV_NAME.fullmatch(name):
+                    self.error(key, kpath, f"{_quote(name)} is not an environment variable name")
+                    ok = False
+                    continue
+                text = self.text(value, kpath, "a string")
+                ok = ok and text is not None
+                env[name] = text or ""
+        timeout = None
+        if "timeout" in keys and not _is_null(keys["timeout"][1]):
+            n = keys["timeout"][1]
+            timeout = self.seconds(n)
+            if timeout is None:
+                self.expected(n, key_path(path, "timeout"), "a positive number of seconds")
+                ok = False
+        if not ok or command is None:
+            return None
+        return Hook(command=command, args=tuple(args), env=env, timeout=timeout)
+
+    def seconds(self, node: Node) -> float | None:
+        if not isinstance(node, ScalarNode):
+            return None
+        value: object = None
+        if node.tag == _INT:
+            value = self.integer(node)
+        elif node.tag == _FLOAT:
+            try:
+                value = _SCALARS.construct_yaml_float(node)
+            except Exception:  # noqa: BLE001 - `!!float abc`
+                return None
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0:
+            return float(value)
+        return None
+
+
+def normalize_pci(text: str) -> str | None:
+    """`3B:00.0` -> `0000:3b:00.0` (sysfs spelling); None when `text` is not a PCI address."""
+    m = _PCI.fullmatch(text)
+    if m is None:
+        return None
+    domain, bus, dev, fn = m.groups()
+    return f"{(domain or '0').lower().zfill(4)}:{bus.lower()}:{dev.lower()}.{fn}"
+
+
+def _selector_text(selector: int | str) -> str:
+    return f"GPU {selector}" if isinstance(selector, int) else selector

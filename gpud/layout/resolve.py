@@ -1,0 +1,207 @@
+"""Layout x the GPUs of this host -> what each GPU should be (`DesiredGpu`), or why not.
+
+This is where a layout meets hardware: selectors become PCI addresses, and every MIG name is
+checked against the table of the GPU it will be applied to, so that on a host mixing an H100 and
+an H200 the same name is valid on one and reported on the other (mig-parted #157). Feasibility of
+a combination of profiles is the planner's business; it explains infeasibility with placements.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from msgspec import Struct, field
+
+from gpud.layout.desired import DesiredGpu, LayoutIssue
+from gpud.layout.names import ci_names, find_profile, parse_mig_name, sorted_names
+from gpud.layout.parse import ParsedLayout, entry_path, item_path, key_path, parse_layout
+from gpud.layout.schema import Layout, PciId
+from gpud.model import Gpu, MigProfile
+from gpud.profiles import NVIDIA, by_device
+
+
+class Resolution(Struct):
+    """`desired` is empty whenever `errors` is not: a layout is applied whole or not at all.
+    GPUs missing from `desired` are left as they are."""
+
+    desired: dict[str, DesiredGpu] = field(default_factory=dict)
+    errors: list[LayoutIssue] = field(default_factory=list)
+    warnings: list[LayoutIssue] = field(default_factory=list)
+    selected: str | None = None
+    layout: Layout | None = None  # the valid layout (policy, hooks), None when there are errors
+
+    @property
+    def ok(self) -> bool:
+        return not self.errors
+
+
+def gpu_profiles(gpu: Gpu) -> tuple[MigProfile, ...] | None:
+    """The GPU's own MIG table: NVML's when NVML sees it, else the known model's; () when it is not
+    MIG capable, None when nobody can tell (an unknown model on vfio-pci)."""
+    if gpu.nvml is not None:
+        if gpu.nvml.profiles:
+            return gpu.nvml.profiles
+        if not gpu.nvml.mig_capable:
+            return ()
+    model = by_device(gpu.function.device) if gpu.function.vendor == NVIDIA else None
+    return model.profiles if model is not None else None
+
+
+def gpu_model(gpu: Gpu) -> str:
+    """What to call the GPU's model in messages: "NVIDIA H200"."""
+    if gpu.nvml is not None and gpu.nvml.name:
+        return gpu.nvml.name
+    model = by_device(gpu.function.device) if gpu.function.vendor == NVIDIA else None
+    return model.name if model is not None else f"GPU {gpu.pci_id}"
+
+
+def _at(pcis: list[str]) -> str:
+    """`0000:3b:00.0` / `0000:3b:00.0, 0000:3c:00.0` / `... and 5 more`: one issue per GPU model."""
+    shown = ", ".join(pcis[:3])
+    return shown if len(pcis) <= 3 else f"{shown} and {len(pcis) - 3} more"
+
+
+_AT = "\x00at\x00"  # where a grouped message lists the GPUs' addresses
+
+
+class _Collector:
+    """Issues that name GPUs; the same problem on several GPUs of one model becomes one issue."""
+
+    def __init__(self, parsed: ParsedLayout) -> None:
+        self.parsed = parsed
+        self.issues: list[LayoutIssue] = []
+        self.grouped: dict[tuple[str, str], list[str]] = {}  # (path, message with _AT) -> PCI addresses
+
+    def add(self, path: str, message: str) -> None:
+        self.issues.append(LayoutIssue(self.parsed.file, self.parsed.line(path), path, message))
+
+    def per_gpu(self, path: str, template: str, pci: str) -> None:
+        self.grouped.setdefault((path, template), []).append(pci)
+
+    def done(self) -> list[LayoutIssue]:
+        for (path, template), pcis in self.grouped.items():
+            self.add(path, template.replace(_AT, _at(pcis)))
+        self.grouped.clear()
+        return sorted(self.issues, key=lambda i: i.line or 0)
+
+
+def resolve(parsed: ParsedLayout, gpus: Sequence[Gpu]) -> Resolution:
+    """Resolve the selected layout against the managed GPUs (index set, PCI-address order)."""
+    layout = parsed.layout or parsed.draft
+    if layout is None or layout.selected is None or layout.selected not in layout.layouts:
+        return Resolution(errors=list(parsed.errors), warnings=list(parsed.warnings))
+    selected = layout.selected
+    errors = _Collector(parsed)
+    warnings = _Collector(parsed)
+    by_index = {g.index: g for g in gpus}
+    by_pci = {g.pci: g for g in gpus}
+    by_uuid = {g.nvml.uuid.lower(): g for g in gpus if g.nvml is not None and g.nvml.uuid}
+    claimed: dict[str, str] = {}  # PCI address -> entry path
+    desired: dict[str, DesiredGpu] = {}
+
+    for i, entry in enumerate(layout.layouts[selected]):
+        epath = parsed.origin(entry_path(layout.layouts_key, selected, i))
+        dpath = key_path(epath, "devices")
+        targets: list[tuple[Gpu, str]] = []
+        if entry.devices == "all":
+            targets = [(g, dpath) for g in gpus]
+        else:
+            for j, selector in enumerate(entry.devices):
+                spath = parsed.origin(item_path(dpath, j))
+                gpu = _find(selector, by_index, by_pci, by_uuid)
+                if gpu is None:
+                    errors.add(spath, _no_such_gpu(selector, gpus))
+                else:
+                    targets.append((gpu, spath))
+        if entry.device_filter:  # narrows the selected devices, as in mig-parted
+            wanted = set(entry.device_filter)
+            targets = [(g, p) for g, p in targets if PciId(g.function.vendor, g.function.device) in wanted]
+
+        for gpu, spath in targets:
+            if claimed.get(gpu.pci) == epath:
+                continue  # one entry naming a GPU twice (index and address): harmless
+            if gpu.pci in claimed:
+                errors.add(spath, f"GPU {gpu.index} ({gpu.pci}) is also selected by {claimed[gpu.pci]}; "
+                                  "a GPU may be in one entry only")
+                continue
+            claimed[gpu.pci] = epath
+            if entry.mig_enabled:
+                _check_mig(parsed, entry.mig_devices, epath, gpu, errors, warnings)
+            desired[gpu.pci] = DesiredGpu(
+                pci=gpu.pci,
+                index=gpu.index,
+                entry=epath,
+                workload=entry.workload,
+                mig_enabled=entry.mig_enabled,
+                mig_devices=dict(entry.mig_devices),
+            )
+
+    if parsed.ok:  # with parse errors, entries may be missing from the draft: no false alarms
+        lpath = key_path(layout.layouts_key, selected)
+        for gpu in gpus:
+            if gpu.pci not in claimed:
+                warnings.add(lpath, f"GPU {gpu.index} ({gpu.pci}, {gpu_model(gpu)}) is not in layout "
+                                    f"{selected}; left untouched")
+
+    all_errors = sorted([*parsed.errors, *errors.done()], key=lambda e: e.line or 0)
+    return Resolution(
+        desired={} if all_errors else desired,
+        errors=all_errors,
+        warnings=[*parsed.warnings, *warnings.done()],
+        selected=selected,
+        layout=parsed.layout if not all_errors else None,
+    )
+
+
+def check_text(text: str, file: str = "layout.yaml", gpus: Sequence[Gpu] = (), *,
+               select: str | None = None) -> Resolution:
+    """Parse and resolve in one call: what the daemon's `check` request answers."""
+    return resolve(parse_layout(text, file, select=select), gpus)
+
+
+def _find(selector: int | str, by_index: dict[int, Gpu], by_pci: dict[str, Gpu], by_uuid: dict[str, Gpu]) -> Gpu | None:
+    if isinstance(selector, int):
+        return by_index.get(selector)
+    if selector.startswith("GPU-"):
+        return by_uuid.get(selector.lower())
+    return by_pci.get(selector)
+
+
+def _no_such_gpu(selector: int | str, gpus: Sequence[Gpu]) -> str:
+    host = (f"this host has {len(gpus)} managed GPU{'s' if len(gpus) != 1 else ''} "
+            f"(indices 0-{len(gpus) - 1})" if gpus else "this host has no managed GPUs")
+    if isinstance(selector, int):
+        return f"no GPU with index {selector}; {host}"
+    if selector.startswith("GPU-"):
+        unseen = sum(1 for g in gpus if g.nvml is None)
+        hint = (f"; UUIDs are known only for GPUs NVML sees ({unseen} of {len(gpus)} are not on the nvidia driver)"
+                if unseen else "")
+        return f"no GPU with UUID {selector}{hint}"
+    return f"no managed GPU at {selector}; {host}"
+
+
+def _check_mig(parsed: ParsedLayout, mig_devices: dict[str, int], epath: str, gpu: Gpu,
+               errors: _Collector, warnings: _Collector) -> None:
+    """MIG names against this GPU's own table; the message names the model and the valid names."""
+    model = gpu_model(gpu)
+    profiles = gpu_profiles(gpu)
+    mpath = key_path(epath, "mig-enabled")
+    if profiles is None:
+        warnings.per_gpu(mpath, f"cannot check MIG profiles of {model} at {_AT}: NVML does not see it and "
+                                "its model is not known to gpud", gpu.pci)
+        return
+    if not profiles:
+        errors.per_gpu(mpath, f"{model} at {_AT} does not support MIG", gpu.pci)
+        return
+    for name in mig_devices:
+        if find_profile(name, profiles) is not None:
+            continue
+        npath = key_path(key_path(epath, "mig-devices"), name)
+        parsed_name = parse_mig_name(name)
+        gi = find_profile(parsed_name.gi_name, profiles) if parsed_name is not None else None
+        if gi is not None and parsed_name is not None and parsed_name.ci_slices is not None:
+            template = (f"{name}: a {gi[0].name} instance of {model} at {_AT} cannot hold "
+                        f"{parsed_name.ci_slices}c compute instances; valid: {', '.join(ci_names(gi[0]))}")
+        else:
+            template = f"{name} is not a MIG profile of {model} at {_AT}; valid: {', '.join(sorted_names(profiles))}"
+        errors.per_gpu(npath, template, gpu.pci)

@@ -1,0 +1,110 @@
+"""layout.yaml v1 as typed records: what `gpud.layout.parse` produces once the text is valid.
+
+The records hold normalised values (PCI addresses lower case with a 4-digit domain, PCI ids as
+ints) so that nothing downstream re-parses strings. Field names encode back to the file's
+kebab-case keys (`rename="kebab"`), so `msgspec.json.encode(layout)` shows the layout as written.
+Line numbers are not kept here but in `ParsedLayout.lines`, keyed by the same key paths the error
+messages use, so these records stay plain data.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from msgspec import Struct, field
+
+WORKLOADS = ("container", "vm-passthrough", "vm-vgpu")
+ON_BUSY = ("wait", "fail")
+RESET = ("per-gpu", "never")
+REBOOT = ("never", "allow")
+HOOK_POINTS = ("apply-start", "pre-apply-mode", "pre-apply-config", "apply-exit")
+UNIT_SUFFIXES = (
+    ".service", ".socket", ".device", ".mount", ".automount", ".swap", ".target", ".path", ".timer",
+    ".slice", ".scope",
+)
+
+# PCI classes of a GPU, as the top 16 bits of sysfs `class` (0x030200 -> 0x0302).
+VGA_CLASS = 0x0300
+CONTROLLER_3D_CLASS = 0x0302
+GPU_CLASSES = (VGA_CLASS, CONTROLLER_3D_CLASS)
+
+
+class PciId(Struct, frozen=True, order=True):
+    """A vendor:device pair, the unit of `device-filter`."""
+
+    vendor: int
+    device: int
+
+    def __str__(self) -> str:
+        return f"{self.vendor:04x}:{self.device:04x}"
+
+
+# A device selector: an int is a GPU index; a str is a PCI address ("0000:3b:00.0", normalised)
+# or a GPU UUID ("GPU-<uuid>", lower-case hex).
+Selector = int | str
+
+
+class DeviceEntry(Struct, frozen=True, rename="kebab"):
+    """One item of a layout: which GPUs, and what they should be."""
+
+    devices: Literal["all"] | tuple[Selector, ...]
+    device_filter: tuple[PciId, ...] = ()  # empty: no filtering
+    workload: str = "container"
+    mig_enabled: bool | None = None  # None: the entry says nothing about MIG
+    mig_devices: dict[str, int] = field(default_factory=dict)  # names as written, counts > 0 only
+    vgpu_devices: dict[str, int] = field(default_factory=dict)  # vm-vgpu only; applying is out of scope
+
+
+class MatchRule(Struct, frozen=True, rename={"class_": "class"}):
+    """Which PCI functions are GPUs gpud manages. `class_` is the 16-bit class (0x0302); None means
+    a display or 3D controller, so a vendor-only rule never picks up NVSwitches or audio."""
+
+    vendor: int
+    device: int | None = None
+    class_: int | None = None
+
+
+DEFAULT_MATCH: tuple[MatchRule, ...] = (
+    MatchRule(vendor=0x10DE, class_=VGA_CLASS),
+    MatchRule(vendor=0x10DE, class_=CONTROLLER_3D_CLASS),
+)
+
+
+class Policy(Struct, frozen=True, rename="kebab"):
+    drain_units: tuple[str, ...] = ()  # stopped before a GPU is changed, started after
+    on_busy: str = "wait"  # wait | fail: when processes hold what must change
+    reset: str = "per-gpu"  # per-gpu | never
+    reboot: str = "never"  # never | allow
+
+
+class Hook(Struct, frozen=True):
+    command: str  # absolute path; run without a shell
+    args: tuple[str, ...] = ()
+    env: dict[str, str] = field(default_factory=dict)
+    timeout: float | None = None  # seconds; None: the runner's default
+
+
+class Hooks(Struct, frozen=True, rename="kebab"):
+    apply_start: tuple[Hook, ...] = ()
+    pre_apply_mode: tuple[Hook, ...] = ()
+    pre_apply_config: tuple[Hook, ...] = ()
+    apply_exit: tuple[Hook, ...] = ()  # always runs, even after a failed apply
+
+
+class Layout(Struct, frozen=True):
+    """A whole layout.yaml. `selected` is the layout in force (filled in when there is only one);
+    `layouts_key` records whether the file said `layouts` or mig-parted's `mig-configs`, because
+    key paths in messages use the word the user wrote."""
+
+    version: str
+    selected: str | None
+    layouts: dict[str, tuple[DeviceEntry, ...]]
+    layouts_key: str = "layouts"
+    match: tuple[MatchRule, ...] = DEFAULT_MATCH
+    policy: Policy = Policy()
+    hooks: Hooks = Hooks()
+
+    @property
+    def entries(self) -> tuple[DeviceEntry, ...]:
+        """The entries of the selected layout (none when nothing is selected)."""
+        return self.layouts.get(self.selected, ()) if self.selected is not None else ()

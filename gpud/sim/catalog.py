@@ -1,0 +1,99 @@
+"""Simulated hosts built from the known models of gpud.profiles.
+
+The layout mimics a typical 8-GPU server: one GPU per PCIe switch at spread-out bus numbers, NUMA 0
+for the first half and 1 for the second, each GPU in its own IOMMU group, plus a NIC that no layout
+`match:` should ever select. Everything is deterministic (UUIDs derive from the PCI address), so
+two `gpud-sim create` runs produce the same host.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterable, Sequence
+
+from gpud.profiles import MODELS, NVIDIA, ModelInfo
+from gpud.sim.state import SimFunction, SimGpu, SimState
+
+_BUSES = (0x18, 0x2A, 0x3A, 0x5D, 0x9A, 0xAB, 0xBA, 0xDB)
+_SEED = uuid.UUID("5f0c7a52-3d1e-4b8e-9a57-6e0c2f1d9b44")  # fixed: UUIDs do not depend on DIR
+
+CLASS_3D = 0x030200
+CLASS_VGA = 0x030000
+CLASS_AUDIO = 0x040300
+NIC = SimFunction(address="0000:0c:00.0", vendor=0x15B3, device=0x101D, subsystem_vendor=0x15B3,
+                  subsystem_device=0x0016, class_code=0x020000, revision=0x00, native_driver="mlx5_core",
+                  driver="mlx5_core", iommu_group=1, numa_node=0)
+
+
+class CatalogError(ValueError):
+    pass
+
+
+def model(key: str) -> ModelInfo:
+    try:
+        return MODELS[key]
+    except KeyError:
+        raise CatalogError(f"unknown GPU model {key!r}; known: {', '.join(sorted(MODELS))}") from None
+
+
+def parse_gpu_specs(specs: Iterable[str]) -> list[str]:
+    """["h200:2", "l40s"] -> ["h200", "h200", "l40s"] (one model key per GPU, in order)."""
+    out: list[str] = []
+    for spec in specs:
+        key, _, count = spec.partition(":")
+        model(key)
+        try:
+            n = int(count) if count else 1
+        except ValueError:
+            raise CatalogError(f"bad GPU count in {spec!r}") from None
+        if n < 1:
+            raise CatalogError(f"bad GPU count in {spec!r}")
+        out.extend([key] * n)
+    return out
+
+
+def gpu_address(ordinal: int) -> str:
+    """PCI address of the n-th GPU; past eight GPUs the pattern repeats on the next PCI segment."""
+    domain, i = divmod(ordinal, len(_BUSES))
+    return f"{domain:04x}:{_BUSES[i]:02x}:00.0"
+
+
+def gpu_uuid(address: str) -> str:
+    return f"GPU-{uuid.uuid5(_SEED, address)}"
+
+
+def build(models: Sequence[str], mig_on: Iterable[int] = ()) -> SimState:
+    """A SimState with one GPU per entry of `models` (model keys), ordinals in PCI-address order."""
+    mig_on = set(mig_on)
+    n = len(models)
+    state = SimState(loaded_modules=["nvidia", "mlx5_core"])
+    state.functions[NIC.address] = SimFunction(**{f: getattr(NIC, f) for f in NIC.__struct_fields__})
+    for i in mig_on:
+        if not 0 <= i < n:
+            raise CatalogError(f"--mig-on {i}: no GPU with that index (host has {n})")
+    for i, key in enumerate(models):
+        m = model(key)
+        address = gpu_address(i)
+        group = 10 + i
+        numa = 0 if i < (n + 1) // 2 else 1
+        state.functions[address] = SimFunction(
+            address=address, vendor=NVIDIA, device=m.device, subsystem_vendor=NVIDIA,
+            subsystem_device=m.subsystem_device, class_code=CLASS_VGA if m.audio_device else CLASS_3D,
+            native_driver="nvidia", driver="nvidia", iommu_group=group, numa_node=numa)
+        if m.audio_device is not None:
+            audio = address[:-1] + "1"
+            state.functions[audio] = SimFunction(
+                address=audio, vendor=NVIDIA, device=m.audio_device, subsystem_vendor=NVIDIA,
+                subsystem_device=m.subsystem_device, class_code=CLASS_AUDIO, native_driver="snd_hda_intel",
+                driver="snd_hda_intel", iommu_group=group, numa_node=numa)
+            if "snd_hda_intel" not in state.loaded_modules:
+                state.loaded_modules.append("snd_hda_intel")
+        if i in mig_on and not m.mig_capable:
+            raise CatalogError(f"--mig-on {i}: {m.name} is not MIG capable")
+        mode = 1 if i in mig_on else 0
+        u = gpu_uuid(address)
+        state.gpus[address] = SimGpu(address=address, model=key, uuid=u, minor=i,
+                                     serial=f"16{int(u[4:12], 16) % 10**11:011d}",
+                                     mig_mode=mode, mig_pending=mode)
+    state.functions = dict(sorted(state.functions.items()))
+    return state

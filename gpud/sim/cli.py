@@ -1,0 +1,271 @@
+"""`gpud-sim`: make and drive a simulated GPU host directory.
+
+Other tools script against this syntax; keep it stable:
+  gpud-sim create DIR --gpu MODEL[:COUNT] ... [--mig-on INDEX ...]
+  gpud-sim hold DIR DEVICE --pid PID [--name NAME]      DEVICE: PCI address, GPU UUID or MIG UUID
+  gpud-sim release DIR DEVICE --pid PID
+  gpud-sim fault DIR NVML_FUNCTION --nth N --error CODE
+  gpud-sim hang DIR PCI | unplug DIR PCI | plug DIR PCI
+  gpud-sim stats DIR [--json]
+  gpud-sim show DIR [--json]
+Exit status: 0 done, 1 the host refused (unknown device, nothing to release), 2 usage error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import msgspec
+import pynvml
+
+from gpud.sim import catalog
+from gpud.sim.state import LOCK_FILE, SimProcess, SimState, locked, save, state_path
+
+
+class SimCliError(Exception):
+    pass
+
+
+def create(host_dir: str | os.PathLike, gpu_specs: list[str], mig_on: list[int] = ()) -> SimState:
+    """Write DIR/state.json for a new host and render its sysfs/dev/proc trees."""
+    from gpud.sim.sysfs_tree import render
+
+    d = Path(host_dir)
+    if state_path(d).exists():
+        raise SimCliError(f"{d}: already a simulated host")
+    state = catalog.build(catalog.parse_gpu_specs(gpu_specs), mig_on)
+    (d / "run").mkdir(parents=True, exist_ok=True)
+    (d / LOCK_FILE).touch()
+    save(d, state)
+    with locked(d) as st:
+        render(d, st)
+    return state
+
+
+def resolve_device(state: SimState, device: str) -> tuple[str, str]:
+    """DEVICE as given -> (what a SimProcess stores, PCI address of the GPU it is on)."""
+    for gpu in state.gpus.values():
+        if device == gpu.uuid:
+            return gpu.uuid, gpu.address
+        for gi in gpu.gis:
+            for ci in gi.cis:
+                if device == ci.uuid:
+                    return ci.uuid, gpu.address
+    try:
+        address = _norm_pci(device)
+    except ValueError:
+        address = None
+    if address in state.gpus:
+        return address, address
+    if address in state.functions:  # a vfio-bound non-GPU endpoint can be held through its group
+        return address, address
+    raise SimCliError(f"no GPU, MIG device or PCI function {device!r} on this host")
+
+
+def _norm_pci(text: str) -> str:
+    parts = text.strip().lower().split(":")
+    if len(parts) == 2:
+        parts.insert(0, "0")
+    if len(parts) != 3 or "." not in parts[2]:
+        raise ValueError(text)
+    dev, fn = parts[2].split(".")
+    return f"{int(parts[0], 16):04x}:{int(parts[1], 16):02x}:{int(dev, 16):02x}.{int(fn, 16)}"
+
+
+def _after_holder_change(host_dir: Path, state: SimState, gpu_address: str) -> None:
+    from gpud.sim.sysfs_tree import render
+
+    render(host_dir, state)
+
+
+def _emit_change(host_dir: Path, state: SimState, address: str) -> None:
+    from gpud.sim import uevents
+
+    f = state.functions.get(address)
+    uevents.emit(host_dir, "change", "pci", address, driver=f.driver if f else None)
+
+
+def hold(host_dir: str | os.PathLike, device: str, pid: int, name: str | None = None) -> str:
+    d = Path(host_dir)
+    with locked(d) as st:
+        stored, gpu = resolve_device(st, device)
+        if not any(p.pid == pid and p.device == stored for p in st.processes):
+            st.processes.append(SimProcess(pid=pid, name=name or f"proc{pid}", device=stored))
+        _after_holder_change(d, st, gpu)
+    _emit_change(d, st, gpu)
+    return stored
+
+
+def release(host_dir: str | os.PathLike, device: str, pid: int) -> str:
+    d = Path(host_dir)
+    with locked(d) as st:
+        stored, gpu = resolve_device(st, device)
+        keep = [p for p in st.processes if not (p.pid == pid and p.device == stored)]
+        if len(keep) == len(st.processes):
+            raise SimCliError(f"pid {pid} does not hold {device}")
+        st.processes = keep
+        _after_holder_change(d, st, gpu)
+    _emit_change(d, st, gpu)
+    return stored
+
+
+def parse_error_code(text: str) -> int:
+    """"19", "IN_USE", "NVML_ERROR_IN_USE", "in-use" -> 19."""
+    t = text.strip()
+    if t.lstrip("-").isdigit():
+        return int(t)
+    name = t.upper().replace("-", "_")
+    if not name.startswith("NVML_ERROR_"):
+        name = "NVML_ERROR_" + name
+    value = getattr(pynvml, name, None)
+    if not isinstance(value, int):
+        raise SimCliError(f"unknown NVML error {text!r}")
+    return value
+
+
+def fault(host_dir: str | os.PathLike, function: str, nth: int, error: int) -> None:
+    from gpud.sim import nvml_lib
+    from gpud.sim.state import SimFault
+
+    if nth < 1:
+        raise SimCliError("--nth counts from 1")
+    if not any(nvml_lib.fault_matches(function, s) for s in nvml_lib.function_names()):
+        raise SimCliError(f"the simulated NVML has no function {function!r}")
+    with locked(host_dir) as st:
+        st.faults.append(SimFault(function=function, nth=nth, error=error))
+
+
+def stats(host_dir: str | os.PathLike) -> dict:
+    with locked(host_dir, write=False) as st:
+        return {"calls": dict(sorted(st.calls.items()))}
+
+
+def summary(state: SimState) -> dict:
+    """A JSON-able view of the host for `show`."""
+    from gpud.profiles import MODELS
+
+    gpus = []
+    for index, address in enumerate(sorted(state.gpus)):
+        g = state.gpus[address]
+        f = state.functions.get(address)
+        m = MODELS[g.model]
+        names = {p.id: p.name for p in m.profiles}
+        gpus.append({
+            "index": index, "pci": address, "model": g.model, "name": m.name, "uuid": g.uuid,
+            "driver": f.driver if f else None, "present": f.present if f else False,
+            "iommu_group": f.iommu_group if f else None,
+            "mig": None if not m.mig_capable else {"current": g.mig_mode, "pending": g.mig_pending},
+            "instances": [{"gi": gi.id, "profile": names.get(gi.profile_id, str(gi.profile_id)),
+                           "placement": f"{gi.start}:{gi.size}",
+                           "cis": [{"ci": ci.id, "profile_id": ci.profile_id, "uuid": ci.uuid} for ci in gi.cis]}
+                          for gi in sorted(g.gis, key=lambda x: x.id)],
+        })
+    others = [{"pci": f.address, "id": f"{f.vendor:04x}:{f.device:04x}", "class": f"0x{f.class_code:06x}",
+               "driver": f.driver, "present": f.present}
+              for a, f in sorted(state.functions.items()) if a not in state.gpus]
+    return {"gpus": gpus, "functions": others,
+            "processes": [msgspec.to_builtins(p) for p in state.processes],
+            "faults": [msgspec.to_builtins(x) for x in state.faults], "hangs": list(state.hangs),
+            "modules": list(state.loaded_modules), "driver_version": state.driver_version}
+
+
+def _print_show(s: dict) -> None:
+    print(f"driver {s['driver_version']}; modules: {', '.join(s['modules']) or '-'}")
+    for g in s["gpus"]:
+        mig = "n/a" if g["mig"] is None else f"{g['mig']['current']} (pending {g['mig']['pending']})"
+        state = g["driver"] or "unbound" if g["present"] else "unplugged"
+        print(f"GPU {g['index']} {g['pci']} {g['name']} [{state}] group {g['iommu_group']} MIG {mig}  {g['uuid']}")
+        for i in g["instances"]:
+            cis = ", ".join(f"CI {c['ci']} {c['uuid']}" for c in i["cis"]) or "no CI"
+            print(f"    GI {i['gi']} {i['profile']} @{i['placement']}: {cis}")
+    for f in s["functions"]:
+        print(f"    {f['pci']} {f['id']} class {f['class']} [{f['driver'] or 'unbound'}]")
+    for p in s["processes"]:
+        print(f"holder pid {p['pid']} {p['name']} on {p['device']}")
+    for x in s["faults"]:
+        print(f"fault: call #{x['nth']} of {x['function']} -> {x['error']} (seen {x['seen']})")
+    for h in s["hangs"]:
+        print(f"hang: unbind of {h} blocks")
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="gpud-sim", description="Make and drive a simulated GPU host.")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("create", help="make a host directory")
+    p.add_argument("dir")
+    p.add_argument("--gpu", action="append", required=True, metavar="MODEL[:COUNT]",
+                   help=f"models: {', '.join(sorted(catalog.MODELS))}")
+    p.add_argument("--mig-on", type=int, nargs="+", action="extend", default=[], metavar="INDEX")
+    for name in ("hold", "release"):
+        p = sub.add_parser(name, help=f"{name} a GPU or MIG device as a process would")
+        p.add_argument("dir")
+        p.add_argument("device", help="PCI address, GPU UUID or MIG UUID")
+        p.add_argument("--pid", type=int, required=True)
+        if name == "hold":
+            p.add_argument("--name")
+    p = sub.add_parser("fault", help="make the nth next call of an NVML function fail")
+    p.add_argument("dir")
+    p.add_argument("function")
+    p.add_argument("--nth", type=int, default=1)
+    p.add_argument("--error", required=True, help="number or name (IN_USE, NVML_ERROR_IN_USE)")
+    for name, what in (("hang", "the next unbind of this device never returns"),
+                       ("unplug", "surprise-remove the card"), ("plug", "hot-add the card back")):
+        p = sub.add_parser(name, help=what)
+        p.add_argument("dir")
+        p.add_argument("pci")
+    for name in ("stats", "show"):
+        p = sub.add_parser(name)
+        p.add_argument("dir")
+        p.add_argument("--json", action="store_true")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        if args.cmd == "create":
+            try:
+                create(args.dir, args.gpu, args.mig_on)
+            except catalog.CatalogError as e:
+                print(f"gpud-sim: {e}", file=sys.stderr)
+                return 2
+        elif args.cmd == "hold":
+            hold(args.dir, args.device, args.pid, args.name)
+        elif args.cmd == "release":
+            release(args.dir, args.device, args.pid)
+        elif args.cmd == "fault":
+            fault(args.dir, args.function, args.nth, parse_error_code(args.error))
+        elif args.cmd in ("hang", "unplug", "plug"):
+            from gpud.sim import kernel
+
+            pci = _norm_pci(args.pci)
+            getattr(kernel, args.cmd)(args.dir, pci)
+        elif args.cmd == "stats":
+            s = stats(args.dir)
+            if args.json:
+                print(json.dumps(s))
+            else:
+                for fn, n in s["calls"].items():
+                    print(f"{n:8d}  {fn}")
+        elif args.cmd == "show":
+            with locked(args.dir, write=False) as st:
+                s = summary(st)
+            if args.json:
+                print(json.dumps(s, indent=1))
+            else:
+                _print_show(s)
+    except (SimCliError, LookupError, ValueError) as e:
+        print(f"gpud-sim: {e}", file=sys.stderr)
+        return 1
+    except FileNotFoundError as e:
+        print(f"gpud-sim: {args.dir}: not a simulated host ({e.strerror}: {e.filename})", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,462 @@
+"""The simulated kernel: write semantics of DIR/sys attributes, and hardware events.
+
+`Store(host_dir)` is the `store(abs_path, data)` callable the sysfs adapter writes through on the
+simulator. It reproduces what drivers/base/{bus,dd}.c and drivers/pci/pci-{driver,sysfs}.c do for
+each attribute, with the same errno values (shared/reference/binding-facts.md), including the part
+that makes driver rebinding dangerous: an `unbind` of a busy nvidia GPU (or of a vfio-pci device a
+VM holds) does not fail, it *blocks* until the holders are gone. Every state change happens under
+the host lock, re-renders the tree, and emits the uevents the kernel would, after the state is
+saved (a listener that re-reads on the event then sees the new state).
+
+Choices where the kernel depends on the driver:
+- `<dev>/reset` on an nvidia-bound GPU with holders fails with EBUSY (the driver refuses to reset a
+  GPU with clients, as `nvidia-smi --gpu-reset` does); otherwise it applies a pending MIG mode
+  through `gpud.sim.nvml_lib.reset_gpu`.
+- vfio-pci probe of a device without an IOMMU group fails with EINVAL (no noiommu mode).
+- nvidia probe of an NVIDIA function the simulator has no GPU record for fails with EPERM.
+- `new_id` grabs every unbound matching device at once (the trap it is), but the id is not
+  remembered, so `remove_id` always answers ENODEV.
+- A `hang` persists until `unhang` (a wedged device stays wedged): every unbind of it blocks; a
+  blocked writer resumes when the mark is cleared.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import time
+from collections.abc import Callable
+
+from gpud.sim import uevents
+from gpud.sim.state import SimFunction, SimState, locked
+from gpud.sim.sysfs_tree import (
+    NVIDIA,
+    PCI_ROOT,
+    VFIO_PCI,
+    driver_of_module,
+    gpu_holders,
+    loaded_drivers,
+    module_name,
+    render,
+    vfio_groups,
+    vfio_holders,
+)
+
+PAGE_SIZE = 4096
+UEVENT_ACTIONS = ("add", "remove", "change", "move", "online", "offline", "bind", "unbind")
+
+Event = dict
+
+
+def _err(code: int, path: str) -> OSError:
+    return OSError(code, os.strerror(code), path)
+
+
+def _name(data: bytes) -> str:
+    """A device name as bus_find_device_by_name compares it (sysfs_streq: one trailing \\n ignored)."""
+    s = data.decode("utf-8", "surrogateescape")
+    return s[:-1] if s.endswith("\n") else s
+
+
+def _ulong(data: bytes, path: str) -> int:
+    """kstrtoul(buf, 0): base prefix allowed, a single trailing newline allowed."""
+    s = _name(data)
+    try:
+        if s != s.strip() or not s:
+            raise ValueError
+        v = int(s, 0)
+    except ValueError:
+        raise _err(errno.EINVAL, path) from None
+    if v < 0:
+        raise _err(errno.EINVAL, path)
+    return v
+
+
+def _ev(action: str, subsystem: str, address: str | None = None, driver: str | None = None, **props) -> Event:
+    return {"action": action, "subsystem": subsystem, "address": address, "driver": driver, **props}
+
+
+def matches(f: SimFunction, drv: str) -> bool:
+    """driver_match_device for PCI: driver_override decides alone when set; vfio-pci has no ids."""
+    if f.driver_override:
+        return f.driver_override == drv
+    return drv != VFIO_PCI and f.native_driver == drv
+
+
+def _attach(st: SimState, f: SimFunction, drv: str, path: str, events: list[Event]) -> None:
+    """really_probe: bind `f` (known unbound and matching) to `drv`, or raise the probe's errno."""
+    if f.driver is not None:
+        raise _err(errno.EBUSY, path)
+    if drv != VFIO_PCI and f.iommu_group is not None and f.iommu_group in vfio_groups(st) \
+            and vfio_holders(st, f.iommu_group):
+        raise _err(errno.EBUSY, path)  # DMA ownership: the group is owned by a user (VM)
+    if drv == VFIO_PCI and f.iommu_group is None:
+        raise _err(errno.EINVAL, path)
+    if drv == NVIDIA:
+        gpu = st.gpus.get(f.address)
+        if gpu is None:
+            raise _err(errno.EPERM, path)
+        taken = {g.minor for a, g in st.gpus.items()
+                 if a != f.address and st.functions.get(a) is not None
+                 and st.functions[a].driver == NVIDIA and st.functions[a].present}
+        if gpu.minor in taken:  # minors can change across a rebind
+            gpu.minor = min(set(range(len(st.gpus) + 1)) - taken)
+    f.driver = drv
+    events.append(_ev("bind", "pci", f.address, drv))
+
+
+def _probe(st: SimState, f: SimFunction, events: list[Event]) -> None:
+    """device_attach: bind override (or native driver) if loaded; failures just leave it unbound."""
+    if f.driver is not None:
+        return
+    drv = f.driver_override or f.native_driver
+    if drv and drv in loaded_drivers(st) and matches(f, drv):
+        try:
+            _attach(st, f, drv, "", events)
+        except OSError:
+            pass
+
+
+def _find(st: SimState, name: str) -> SimFunction | None:
+    f = st.functions.get(name)
+    return f if f is not None and f.present else None
+
+
+def _blocked(st: SimState, f: SimFunction, drv: str) -> bool:
+    """Would the driver's remove() wait right now?"""
+    if f.address in st.hangs:
+        return True
+    if drv == NVIDIA:
+        return bool(gpu_holders(st, f.address))
+    if drv == VFIO_PCI:
+        return f.iommu_group in vfio_groups(st) and bool(vfio_holders(st, f.iommu_group))
+    return False
+
+
+def _detach(st: SimState, f: SimFunction, events: list[Event]) -> None:
+    f.driver = None
+    events.append(_ev("unbind", "pci", f.address))
+
+
+class Store:
+    """store(abs_path, data) -> len(data), with the kernel's semantics for DIR/sys (and the nvidia
+    driver's /proc unbindLock). Raises OSError(errno, strerror, path) as the write(2) would."""
+
+    def __init__(self, host_dir: str | os.PathLike, *, poll_interval: float = 0.02,
+                 on_block: Callable[[str], None] | None = None):
+        self.dir = os.path.abspath(host_dir)
+        self.poll_interval = poll_interval
+        self.on_block = on_block  # called with the address each time an unbind finds itself waiting
+
+    # ---- plumbing
+    def _change(self, fn: Callable[[SimState, list[Event]], object]) -> object:
+        """Run `fn` on the locked state; re-render; emit its events once the state is saved."""
+        events: list[Event] = []
+        with locked(self.dir) as st:
+            groups = vfio_groups(st)
+            result = fn(st, events)
+            after = vfio_groups(st)
+            vfio = [_ev("remove", "vfio", str(g)) for g in sorted(groups - after)]
+            vfio += [_ev("add", "vfio", str(g)) for g in sorted(after - groups)]
+            events[:0] = vfio
+            render(self.dir, st)
+        for e in events:
+            uevents.emit(self.dir, **e)
+        return result
+
+    def _route(self, abs_path: str) -> tuple[str, list[str], str]:
+        real = os.path.realpath(abs_path)
+        rel = os.path.relpath(real, os.path.realpath(self.dir))
+        parts = rel.split(os.sep)
+        if not os.path.lexists(real):
+            raise _err(errno.ENOENT, abs_path)
+        if os.path.isdir(real):
+            raise _err(errno.EISDIR, abs_path)
+        return parts[0], parts[1:], real
+
+    def __call__(self, abs_path: str | os.PathLike, data: bytes) -> int:
+        abs_path = os.fspath(abs_path)
+        if isinstance(data, str):
+            data = data.encode()
+        top, p, _ = self._route(abs_path)
+        if top == "sys":
+            if p == ["bus", "pci", "drivers_probe"]:
+                self._drivers_probe(_name(data), abs_path)
+            elif p == ["bus", "pci", "rescan"]:
+                if _ulong(data, abs_path):
+                    self.rescan()
+            elif len(p) == 5 and p[:3] == ["bus", "pci", "drivers"]:
+                drv, attr = p[3], p[4]
+                if attr == "bind":
+                    self._bind(drv, _name(data), abs_path)
+                elif attr == "unbind":
+                    self._unbind(drv, _name(data), abs_path)
+                elif attr == "new_id":
+                    self._new_id(drv, data, abs_path)
+                elif attr == "remove_id":
+                    _ids(data, abs_path)
+                    raise _err(errno.ENODEV, abs_path)
+                else:
+                    raise _err(errno.EACCES, abs_path)
+            elif len(p) == 4 and p[:2] == PCI_ROOT.split("/"):
+                self._device_attr(p[2], p[3], data, abs_path)
+            else:
+                raise _err(errno.EACCES, abs_path)
+        elif top == "proc" and len(p) == 5 and p[:3] == ["driver", "nvidia", "gpus"] and p[4] == "unbindLock":
+            self._unbind_lock(p[3], data, abs_path)
+        else:
+            raise _err(errno.EACCES, abs_path)
+        return len(data)
+
+    # ---- per-device attributes
+    def _device_attr(self, addr: str, attr: str, data: bytes, path: str) -> None:
+        if attr == "driver_override":
+            if len(data) >= PAGE_SIZE:
+                raise _err(errno.EINVAL, path)
+            value = _name(data) or None
+
+            def set_override(st: SimState, events: list[Event]) -> None:
+                f = _find(st, addr)
+                if f is None:
+                    raise _err(errno.ENOENT, path)
+                f.driver_override = value  # no event, no rebind
+
+            self._change(set_override)
+        elif attr == "remove":
+            if _ulong(data, path):
+                self.remove(addr, path)
+        elif attr == "rescan":
+            if _ulong(data, path):
+                self.rescan()
+        elif attr == "reset":
+            if _ulong(data, path) != 1:
+                raise _err(errno.EINVAL, path)
+            self._reset(addr, path)
+        elif attr in ("enable", "d3cold_allowed"):
+            _ulong(data, path)  # accepted, not modelled
+        elif attr == "uevent":
+            action = _name(data).split(" ")[0]
+            if action not in UEVENT_ACTIONS:
+                raise _err(errno.EINVAL, path)
+            with locked(self.dir, write=False) as st:
+                f = _find(st, addr)
+                drv = f.driver if f else None
+            uevents.emit(self.dir, action, "pci", addr, drv, synthetic=True)
+        else:
+            raise _err(errno.EACCES, path)
+
+    def _reset(self, addr: str, path: str) -> None:
+        def reset(st: SimState, events: list[Event]) -> None:
+            f = _find(st, addr)
+            if f is None:
+                raise _err(errno.ENOENT, path)
+            if f.driver == NVIDIA and gpu_holders(st, addr):
+                raise _err(errno.EBUSY, path)
+            if addr in st.gpus:
+                _reset_gpu(st, addr)
+
+        self._change(reset)
+
+    # ---- driver attributes
+    def _bind(self, drv: str, name: str, path: str) -> None:
+        def bind(st: SimState, events: list[Event]) -> None:
+            if drv not in loaded_drivers(st):
+                raise _err(errno.ENOENT, path)
+            f = _find(st, name)
+            if f is None or not matches(f, drv):
+                raise _err(errno.ENODEV, path)
+            _attach(st, f, drv, path, events)
+
+        self._change(bind)
+
+    def _unbind(self, drv: str, name: str, path: str) -> None:
+        """unbind_store: ENODEV unless bound to `drv`; then wait as long as the driver's remove()
+        would (holders, hang), re-reading the state under the lock between checks."""
+        first = True
+        while True:
+            with locked(self.dir, write=False) as st:
+                f = _find(st, name)
+                bound = f is not None and f.driver == drv
+                if not bound:
+                    if first:
+                        raise _err(errno.ENODEV, path)
+                    return  # someone else unbound it meanwhile: the kernel's detach is a no-op
+                blocked = _blocked(st, f, drv)
+            if not blocked:
+                def unbind(st: SimState, events: list[Event]) -> bool:
+                    f = _find(st, name)
+                    if f is None or f.driver != drv:
+                        return True
+                    if _blocked(st, f, drv):
+                        return False
+                    _detach(st, f, events)
+                    return True
+
+                if self._change(unbind):
+                    return
+            first = False
+            if self.on_block is not None:
+                self.on_block(name)
+            time.sleep(self.poll_interval)
+
+    def _new_id(self, drv: str, data: bytes, path: str) -> None:
+        vendor, device = _ids(data, path)
+
+        def new_id(st: SimState, events: list[Event]) -> None:
+            for a in sorted(st.functions):
+                f = st.functions[a]
+                if f.present and f.driver is None and f.vendor == vendor and f.device == device \
+                        and f.driver_override in (None, drv):
+                    try:
+                        _attach(st, f, drv, path, events)
+                    except OSError:
+                        pass
+
+        self._change(new_id)
+
+    def _drivers_probe(self, name: str, path: str) -> None:
+        def probe(st: SimState, events: list[Event]) -> None:
+            f = _find(st, name)
+            if f is None:
+                raise _err(errno.ENODEV, path)
+            _probe(st, f, events)
+
+        self._change(probe)
+
+    def _unbind_lock(self, addr: str, data: bytes, path: str) -> None:
+        want = _ulong(data, path)
+
+        def take(st: SimState, events: list[Event]) -> None:
+            f = _find(st, addr)
+            if f is None or f.driver != NVIDIA:
+                raise _err(errno.ENOENT, path)
+            granted = want == 1 and not gpu_holders(st, addr)
+            tmp = f"{path}.tmp{os.getpid()}"
+            with open(tmp, "wb") as fh:
+                fh.write(b"1\n" if granted else b"0\n")
+            os.replace(tmp, path)
+
+        self._change(take)
+
+    # ---- bus-wide operations (also used by plug/unplug)
+    def rescan(self) -> None:
+        """Re-add removed functions (driver_override forgotten) and probe them."""
+        def rescan(st: SimState, events: list[Event]) -> None:
+            for a in sorted(st.functions):
+                f = st.functions[a]
+                if not f.present:
+                    f.present, f.driver, f.driver_override = True, None, None
+                    events.append(_ev("add", "pci", a))
+                    _probe(st, f, events)
+
+        self._change(rescan)
+
+    def remove(self, addr: str, path: str = "") -> None:
+        """<dev>/remove: the driver is unbound first (which may block), then the device is gone."""
+        with locked(self.dir, write=False) as st:
+            f = _find(st, addr)
+            drv = f.driver if f else None
+        if drv:
+            self._unbind(drv, addr, path)
+
+        def remove(st: SimState, events: list[Event]) -> None:
+            f = _find(st, addr)
+            if f is None:
+                return
+            if f.driver:
+                _detach(st, f, events)
+            f.present, f.driver_override = False, None
+            events.append(_ev("remove", "pci", addr))
+
+        self._change(remove)
+
+
+def _ids(data: bytes, path: str) -> tuple[int, int]:
+    parts = _name(data).split()
+    try:
+        if len(parts) < 2:
+            raise ValueError
+        return int(parts[0], 16), int(parts[1], 16)
+    except ValueError:
+        raise _err(errno.EINVAL, path) from None
+
+
+def _reset_gpu(st: SimState, addr: str) -> None:
+    from gpud.sim.nvml_lib import reset_gpu  # lazily: the kernel model must not need pynvml to load
+
+    reset_gpu(st, addr)
+
+
+# ---- hardware-side actions (gpud-sim)
+def modprobe(host_dir: str | os.PathLike, name: str) -> None:
+    """Load a module: its driver directory appears and it claims unbound devices that match."""
+    mod = module_name(name)
+    drv = driver_of_module(mod)
+
+    def load(st: SimState, events: list[Event]) -> None:
+        if mod in {module_name(m) for m in st.loaded_modules}:
+            return
+        st.loaded_modules.append(mod)
+        events.append(_ev("add", "module", mod))
+        events.append(_ev("add", "drivers", drv))
+        for a in sorted(st.functions):
+            f = st.functions[a]
+            if f.present and f.driver is None and matches(f, drv):
+                try:
+                    _attach(st, f, drv, "", events)
+                except OSError:
+                    pass
+
+    Store(host_dir)._change(load)
+
+
+def _slot(st: SimState, pci: str) -> list[SimFunction]:
+    if pci not in st.functions:
+        raise LookupError(f"no PCI function {pci} on the simulated host")
+    slot = pci.rsplit(".", 1)[0]
+    return [st.functions[a] for a in sorted(st.functions) if a.rsplit(".", 1)[0] == slot]
+
+
+def unplug(host_dir: str | os.PathLike, pci: str) -> None:
+    """Surprise hot removal of the card holding `pci`: drivers detached without waiting."""
+    def out(st: SimState, events: list[Event]) -> None:
+        for f in _slot(st, pci):
+            if f.present:
+                if f.driver:
+                    _detach(st, f, events)
+                f.present, f.driver_override = False, None
+                events.append(_ev("remove", "pci", f.address))
+
+    Store(host_dir)._change(out)
+
+
+def plug(host_dir: str | os.PathLike, pci: str) -> None:
+    """Hot add of the card holding `pci`: add events, then native drivers probe."""
+    def add(st: SimState, events: list[Event]) -> None:
+        for f in _slot(st, pci):
+            if not f.present:
+                f.present, f.driver, f.driver_override = True, None, None
+                events.append(_ev("add", "pci", f.address))
+                _probe(st, f, events)
+
+    Store(host_dir)._change(add)
+
+
+def hang(host_dir: str | os.PathLike, pci: str) -> None:
+    """Wedge the device: every unbind of it blocks until `unhang`."""
+    def mark(st: SimState, events: list[Event]) -> None:
+        if pci not in st.functions:
+            raise LookupError(f"no PCI function {pci} on the simulated host")
+        if pci not in st.hangs:
+            st.hangs.append(pci)
+
+    Store(host_dir)._change(mark)
+
+
+def unhang(host_dir: str | os.PathLike, pci: str) -> None:
+    def clear(st: SimState, events: list[Event]) -> None:
+        if pci in st.hangs:
+            st.hangs.remove(pci)
+
+    Store(host_dir)._change(clear)
+

@@ -1,0 +1,1000 @@
+"""A fake NVML C library: the object installed as `pynvml.nvmlLib` on a simulated host.
+
+Only the library object is replaced, so nvidia-ml-py's own wrappers, ctypes structures, byref
+marshalling and NVMLError classes run unchanged: the adapter under test is exercised exactly as on
+a real host, traps included (profile index vs id, placement passed by value, c_uint booleans).
+
+Every fake function takes the host lock, counts itself in `state.calls[<C symbol>]`, consumes a
+matching `state.faults` entry (`gpud-sim fault`), and returns an int NVML return code. The state
+lives on disk (gpud.sim.state), so several processes share one simulated GPU host. Handles are
+process-local, as with the real library: real ctypes objects whose addresses map back to an
+identity (PCI address, GI, CI / MIG device).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import pynvml as N
+
+from gpud.model import MigProfile
+from gpud.profiles import GI_PROFILE_INDEX, MODELS, ModelInfo
+from gpud.sim.state import SimCi, SimGi, SimGpu, SimProcess, SimState, locked
+
+SUCCESS = N.NVML_SUCCESS
+MIB = 1 << 20
+_NO_ID = 0xFFFFFFFF  # gpuInstanceId / computeInstanceId of a process outside MIG
+_MAX_MIG_DEVICES = 7
+
+_ERROR_STRINGS = {
+    0: "Success",
+    1: "Uninitialized",
+    2: "Invalid Argument",
+    3: "Not Supported",
+    4: "Insufficient Permissions",
+    5: "Already Initialized",
+    6: "Not Found",
+    7: "Insufficient Size",
+    9: "Driver Not Loaded",
+    13: "Function Not Found",
+    15: "GPU is lost",
+    16: "GPU requires restart",
+    19: "In use by another client",
+    23: "Insufficient Resources",
+    25: "Argument version mismatch",
+    999: "Unknown Error",
+}
+
+_PROFILE_ID_BY_INDEX = {index: pid for pid, index in GI_PROFILE_INDEX.items()}
+# Index constants the real H200 answers with INVALID_ARGUMENT rather than NOT_SUPPORTED (fixture).
+_INVALID_GI_INDEXES = {N.NVML_GPU_INSTANCE_PROFILE_3_SLICE_GFX}
+
+# Where the driver puts a GI created without a placement (mig-facts.md, inferred): first free start
+# in this order. Profiles not listed take their allowed starts in ascending order.
+_PREFERENCE: dict[int, tuple[int, ...]] = {
+    19: (6, 4, 5, 0, 1, 2, 3),
+    20: (6, 4, 5, 0, 1, 2, 3),
+    15: (6, 4, 0, 2),  # inferred by analogy with 1g and 2g
+    14: (4, 0, 2),
+    9: (4, 0),
+}
+
+# C symbols that work before nvmlInit.
+_NO_INIT = {"nvmlInit", "nvmlInit_v2", "nvmlInitWithFlags", "nvmlErrorString"}
+
+
+class _Ret(Exception):
+    """Raised inside a fake function to return an NVML error code."""
+
+    def __init__(self, code: int):
+        super().__init__(code)
+        self.code = code
+
+
+# --- ctypes helpers -----------------------------------------------------------------------------
+
+_CArgObject = type(ctypes.byref(ctypes.c_int()))
+
+
+def _int(x: Any) -> int:
+    return int(x.value) if hasattr(x, "value") else int(x)
+
+
+def _deref(ref: Any) -> Any:
+    """The ctypes object an output/input pointer argument refers to (byref or pointer())."""
+    if ref is None:
+        raise _Ret(N.NVML_ERROR_INVALID_ARGUMENT)
+    if isinstance(ref, _CArgObject):
+        return ref._obj
+    if isinstance(ref, ctypes._Pointer):
+        if not ref:
+            raise _Ret(N.NVML_ERROR_INVALID_ARGUMENT)
+        return ref.contents
+    if isinstance(ref, ctypes.Array):
+        return ref
+    raise TypeError(f"expected a pointer argument, got {type(ref).__name__}")
+
+
+def _addr(handle: Any) -> int | None:
+    if handle is None:
+        return None
+    if isinstance(handle, int):
+        return handle
+    if isinstance(handle, (ctypes._Pointer, ctypes.c_void_p)):
+        return ctypes.cast(handle, ctypes.c_void_p).value
+    raise TypeError(f"expected an NVML handle, got {type(handle).__name__}")
+
+
+def _set_ptr(obj: Any, addr: int, offset: int = 0) -> None:
+    """Store a handle (pointer value) into a ctypes pointer object or a pointer-typed field."""
+    ctypes.c_void_p.from_address(ctypes.addressof(obj) + offset).value = addr
+
+
+def _write_str(buf: Any, length: Any, text: str) -> None:
+    data = text.encode() + b"\0"
+    if buf is None:
+        raise _Ret(N.NVML_ERROR_INVALID_ARGUMENT)
+    if len(data) > _int(length):
+        raise _Ret(N.NVML_ERROR_INSUFFICIENT_SIZE)
+    ctypes.memmove(buf, data, len(data))
+
+
+def _check_version(info: Any, expected: int) -> None:
+    if any(f[0] == "version" for f in type(info)._fields_) and info.version != expected:
+        raise _Ret(N.NVML_ERROR_ARGUMENT_VERSION_MISMATCH)
+
+
+# --- state helpers ------------------------------------------------------------------------------
+
+
+def model_of(gpu: SimGpu) -> ModelInfo:
+    return MODELS[gpu.model]
+
+
+def visible_gpus(state: SimState) -> list[SimGpu]:
+    """GPUs NVML enumerates: bound to nvidia, present, with the nvidia module loaded."""
+    if "nvidia" not in state.loaded_modules:
+        return []
+    out = []
+    for address in sorted(state.gpus):
+        f = state.functions.get(address)
+        if f is not None and f.present and f.driver == "nvidia":
+            out.append(state.gpus[address])
+    return out
+
+
+def mig_devices(gpu: SimGpu) -> list[tuple[SimGi, SimCi]]:
+    """MIG devices in NVML's index order: by GI id, then CI id."""
+    if gpu.mig_mode != 1:
+        return []
+    return [(gi, ci) for gi in sorted(gpu.gis, key=lambda g: g.id) for ci in sorted(gi.cis, key=lambda c: c.id)]
+
+
+def gpu_processes(state: SimState, gpu: SimGpu) -> list[SimProcess]:
+    keys = {gpu.uuid, gpu.address.lower()}
+    return [p for p in state.processes if p.device.lower() in keys or p.device in keys]
+
+
+def mig_processes(state: SimState, ci: SimCi) -> list[SimProcess]:
+    return [p for p in state.processes if p.device == ci.uuid]
+
+
+def busy(state: SimState, gpu: SimGpu) -> bool:
+    """Anything running on the GPU or on one of its MIG devices."""
+    uuids = {ci.uuid for gi in gpu.gis for ci in gi.cis}
+    return bool(gpu_processes(state, gpu)) or any(p.device in uuids for p in state.processes)
+
+
+def reset_gpu(state: SimState, address: str) -> None:
+    """A GPU reset as the driver sees it: a pending MIG mode takes effect; disabling drops GIs.
+
+    Called by the simulated kernel (sysfs `reset` store) with the host lock held.
+    """
+    gpu = state.gpus.get(address)
+    if gpu is None:
+        return
+    if gpu.mig_pending != gpu.mig_mode:
+        gpu.mig_mode = gpu.mig_pending
+    if gpu.mig_mode == 0:
+        gpu.gis.clear()
+
+
+def _profile(model: ModelInfo, profile_id: int) -> MigProfile | None:
+    return next((p for p in model.profiles if p.id == profile_id), None)
+
+
+def _used_slices(gpu: SimGpu, skip: SimGi | None = None) -> set[int]:
+    return {s for g in gpu.gis if g is not skip for s in range(g.start, g.start + g.size)}
+
+
+def _free(gpu: SimGpu, start: int, size: int) -> bool:
+    return not (_used_slices(gpu) & set(range(start, start + size)))
+
+
+def _mig_name(model: ModelInfo, gi: SimGi, ci: SimCi) -> str:
+    prof = _profile(model, gi.profile_id)
+    assert prof is not None
+    ci_prof = next((c for c in prof.ci_profiles if c.id == ci.profile_id), None)
+    if ci_prof is None or ci_prof.slices == prof.slices:
+        return prof.name
+    return f"{ci_prof.slices}c.{prof.name}"
+
+
+def _ci_slices(model: ModelInfo, gi: SimGi, ci: SimCi) -> int:
+    prof = _profile(model, gi.profile_id)
+    assert prof is not None
+    return next((c.slices for c in prof.ci_profiles if c.id == ci.profile_id), 0)
+
+
+# --- the library object -------------------------------------------------------------------------
+
+_IMPLS: dict[str, Callable[..., Any]] = {}
+
+
+def _nvml(*names: str):
+    def deco(fn):
+        for n in names or (fn.__name__,):
+            _IMPLS[n] = fn
+        return fn
+
+    return deco
+
+
+def function_names() -> list[str]:
+    """C symbols the fake library implements (for `gpud-sim fault` validation)."""
+    return sorted(_IMPLS)
+
+
+def fault_matches(fault_function: str, symbol: str) -> bool:
+    """A fault named after the pynvml-level name also hits its versioned C symbol."""
+    return symbol == fault_function or symbol in (fault_function + "_v2", fault_function + "_v3",
+                                                  fault_function + "V")
+
+
+class FakeNvmlLib:
+    """Stands in for `CDLL("libnvidia-ml.so.1")`: attribute lookup yields C-like functions."""
+
+    def __init__(self, host_dir: str):
+        self.host_dir = str(host_dir)
+        self._inits = 0
+        self._handles: dict[tuple, Any] = {}  # identity -> ctypes buffer the handle points at
+        self._keys: dict[int, tuple] = {}  # address -> identity
+        self._fns: dict[str, Callable[..., Any]] = {}
+        self._mutex = threading.Lock()
+
+    def __getattr__(self, name: str) -> Callable[..., Any]:
+        if name.startswith("_") or name not in _IMPLS:
+            raise AttributeError(name)
+        fn = self._fns.get(name)
+        if fn is None:
+            impl = _IMPLS[name]
+
+            def fn(*args, _name=name, _impl=impl):
+                return self._call(_name, _impl, args)
+
+            fn.__name__ = name
+            self._fns[name] = fn
+        return fn
+
+    # handles ---------------------------------------------------------------------------------
+    def handle(self, key: tuple) -> int:
+        with self._mutex:
+            buf = self._handles.get(key)
+            if buf is None:
+                buf = ctypes.c_uint64(len(self._handles) + 1)
+                self._handles[key] = buf
+                self._keys[ctypes.addressof(buf)] = key
+            return ctypes.addressof(buf)
+
+    def key(self, handle: Any) -> tuple:
+        addr = _addr(handle)
+        key = self._keys.get(addr) if addr else None
+        if key is None:
+            raise _Ret(N.NVML_ERROR_INVALID_ARGUMENT)
+        return key
+
+    # dispatch --------------------------------------------------------------------------------
+    def _call(self, name: str, impl: Callable[..., Any], args: tuple) -> Any:
+        crash: BaseException | None = None
+        with locked(self.host_dir) as state:
+            state.calls[name] = state.calls.get(name, 0) + 1
+            if name == "nvmlErrorString":
+                return impl(self, state, *args)
+            for fault in list(state.faults):
+                if fault_matches(fault.function, name):
+                    fault.seen += 1
+                    if fault.seen >= fault.nth:
+                        state.faults.remove(fault)
+                        return fault.error
+            if name not in _NO_INIT and self._inits <= 0:
+                return N.NVML_ERROR_UNINITIALIZED
+            try:
+                ret = impl(self, state, *args)
+                result = SUCCESS if ret is None else ret
+            except _Ret as r:
+                result = r.code
+            except (TypeError, ValueError) as e:  # what would be a crash or garbage in C
+                crash = e
+        if crash is not None:
+            raise crash
+        return result
+
+    # resolution ------------------------------------------------------------------------------
+    def gpu(self, state: SimState, handle: Any, *, allow_mig: bool = False) -> tuple[SimGpu, tuple | None]:
+        """The GPU a handle names, plus (gi, ci) when it is a MIG device handle."""
+        key = self.key(handle)
+        if key[0] == "gpu":
+            gpu = self._visible(state, key[1])
+            return gpu, None
+        if key[0] == "mig":
+            if not allow_mig:
+                raise _Ret(N.NVML_ERROR_NOT_SUPPORTED)
+            gpu = self._visible(state, key[1])
+            gi, ci = self._find_ci(gpu, key[2], key[3])
+            return gpu, (gi, ci)
+        raise _Ret(N.NVML_ERROR_INVALID_ARGUMENT)
+
+    @staticmethod
+    def _visible(state: SimState, address: str) -> SimGpu:
+        gpu = next((g for g in visible_gpus(state) if g.address == address), None)
+        if gpu is None:
+            raise _Ret(N.NVML_ERROR_GPU_IS_LOST)
+        return gpu
+
+    @staticmethod
+    def _find_ci(gpu: SimGpu, gi_id: int, uuid: str) -> tuple[SimGi, SimCi]:
+        for gi in gpu.gis:
+            if gi.id == gi_id:
+                for ci in gi.cis:
+                    if ci.uuid == uuid:
+                        return gi, ci
+        raise _Ret(N.NVML_ERROR_NOT_FOUND)
+
+    def gi(self, state: SimState, handle: Any) -> tuple[SimGpu, SimGi]:
+        key = self.key(handle)
+        if key[0] != "gi":
+            raise _Ret(N.NVML_ERROR_INVALID_ARGUMENT)
+        gpu = self._visible(state, key[1])
+        if gpu.mig_mode != 1:
+            raise _Ret(N.NVML_ERROR_NOT_SUPPORTED)
+        for gi in gpu.gis:
+            if (gi.id, gi.profile_id, gi.start) == key[2:]:
+                return gpu, gi
+        raise _Ret(N.NVML_ERROR_NOT_FOUND)
+
+    def ci(self, state: SimState, handle: Any) -> tuple[SimGpu, SimGi, SimCi]:
+        key = self.key(handle)
+        if key[0] != "ci":
+            raise _Ret(N.NVML_ERROR_INVALID_ARGUMENT)
+        gpu = self._visible(state, key[1])
+        gi, ci = self._find_ci(gpu, key[2], key[3])
+        return gpu, gi, ci
+
+    def gpu_handle(self, gpu: SimGpu) -> int:
+        return self.handle(("gpu", gpu.address))
+
+    def gi_handle(self, gpu: SimGpu, gi: SimGi) -> int:
+        return self.handle(("gi", gpu.address, gi.id, gi.profile_id, gi.start))
+
+    def ci_handle(self, gpu: SimGpu, gi: SimGi, ci: SimCi) -> int:
+        return self.handle(("ci", gpu.address, gi.id, ci.uuid))
+
+    def mig_handle(self, gpu: SimGpu, gi: SimGi, ci: SimCi) -> int:
+        return self.handle(("mig", gpu.address, gi.id, ci.uuid))
+
+
+# --- system -------------------------------------------------------------------------------------
+
+
+@_nvml("nvmlInit", "nvmlInit_v2", "nvmlInitWithFlags")
+def _init(lib: FakeNvmlLib, state: SimState, flags: Any = 0) -> int:
+    if "nvidia" not in state.loaded_modules:
+        return N.NVML_ERROR_DRIVER_NOT_LOADED
+    lib._inits += 1
+    return SUCCESS
+
+
+@_nvml()
+def nvmlShutdown(lib: FakeNvmlLib, state: SimState) -> int:
+    lib._inits -= 1
+    return SUCCESS
+
+
+@_nvml()
+def nvmlErrorString(lib: FakeNvmlLib, state: SimState, result: Any) -> bytes:
+    return _ERROR_STRINGS.get(_int(result), "Unknown Error").encode()
+
+
+@_nvml()
+def nvmlSystemGetDriverVersion(lib, state, buf, length):
+    _write_str(buf, length, state.driver_version)
+
+
+@_nvml()
+def nvmlSystemGetNVMLVersion(lib, state, buf, length):
+    _write_str(buf, length, f"{state.cuda_version // 1000}.{state.driver_version}")
+
+
+@_nvml("nvmlSystemGetCudaDriverVersion", "nvmlSystemGetCudaDriverVersion_v2")
+def _cuda_version(lib, state, ref):
+    _deref(ref).value = state.cuda_version
+
+
+@_nvml()
+def nvmlSystemGetProcessName(lib, state, pid, buf, length):
+    proc = next((p for p in state.processes if p.pid == _int(pid)), None)
+    if proc is None:
+        raise _Ret(N.NVML_ERROR_NOT_FOUND)
+    _write_str(buf, length, proc.name)
+
+
+# --- device enumeration and identity ------------------------------------------------------------
+
+
+@_nvml("nvmlDeviceGetCount", "nvmlDeviceGetCount_v2")
+def _count(lib, state, ref):
+    _deref(ref).value = len(visible_gpus(state))
+
+
+@_nvml("nvmlDeviceGetHandleByIndex", "nvmlDeviceGetHandleByIndex_v2")
+def _by_index(lib, state, index, ref):
+    gpus = visible_gpus(state)
+    i = _int(index)
+    if i >= len(gpus):
+        raise _Ret(N.NVML_ERROR_INVALID_ARGUMENT)
+    _set_ptr(_deref(ref), lib.gpu_handle(gpus[i]))
+
+
+def _norm_bus_id(text: str) -> str:
+    """Any of "00000000:3B:00.0", "0000:3b:00.0", "3b:00.0" -> "0000:3b:00.0"."""
+    parts = text.strip().lower().split(":")
+    if len(parts) == 2:
+        parts.insert(0, "0")
+    if len(parts) != 3:
+        raise _Ret(N.NVML_ERROR_INVALID_ARGUMENT)
+    try:
+        domain = int(parts[0], 16)
+        bus = int(parts[1], 16)
+        dev, fn = parts[2].split(".")
+        return f"{domain:04x}:{bus:02x}:{int(dev, 16):02x}.{int(fn, 16)}"
+    except ValueError:
+        raise _Ret(N.NVML_ERROR_INVALID_ARGUMENT) from None
+
+
+@_nvml("nvmlDeviceGetHandleByPciBusId", "nvmlDeviceGetHandleByPciBusId_v2")
+def _by_pci(lib, state, bus_id, ref):
+    text = bus_id.value if isinstance(bus_id, ctypes.c_char_p) else bus_id
+    if not text:
+        raise _Ret(N.NVML_ERROR_INVALID_ARGUMENT)
+    address = _norm_bus_id(text.decode() if isinstance(text, bytes) else text)
+    gpu = next((g for g in visible_gpus(state) if g.address == address), None)
+    if gpu is None:
+        raise _Ret(N.NVML_ERROR_NOT_FOUND)
+    _set_ptr(_deref(ref), lib.gpu_handle(gpu))
+
+
+@_nvml()
+def nvmlDeviceGetHandleByUUID(lib, state, uuid, ref):
+    text = uuid.value if isinstance(uuid, ctypes.c_char_p) else uuid
+    if not text:
+        raise _Ret(N.NVML_ERROR_INVALID_ARGUMENT)
+    text = text.decode() if isinstance(text, bytes) else text
+    for gpu in visible_gpus(state):
+        if gpu.uuid == text:
+            _set_ptr(_deref(ref), lib.gpu_handle(gpu))
+            return
+        for gi, ci in mig_devices(gpu):
+            if ci.uuid == text:
+                _set_ptr(_deref(ref), lib.mig_handle(gpu, gi, ci))
+                return
+    raise _Ret(N.NVML_ERROR_NOT_FOUND)
+
+
+@_nvml()
+def nvmlDeviceGetIndex(lib, state, handle, ref):
+    gpu, _ = lib.gpu(state, handle)
+    _deref(ref).value = [g.address for g in visible_gpus(state)].index(gpu.address)
+
+
+@_nvml()
+def nvmlDeviceGetName(lib, state, handle, buf, length):
+    gpu, mig = lib.gpu(state, handle, allow_mig=True)
+    model = model_of(gpu)
+    name = model.name if mig is None else f"{model.name} MIG {_mig_name(model, *mig)}"
+    _write_str(buf, length, name)
+
+
+@_nvml()
+def nvmlDeviceGetUUID(lib, state, handle, buf, length):
+    gpu, mig = lib.gpu(state, handle, allow_mig=True)
+    _write_str(buf, length, gpu.uuid if mig is None else mig[1].uuid)
+
+
+@_nvml()
+def nvmlDeviceGetSerial(lib, state, handle, buf, length):
+    gpu, _ = lib.gpu(state, handle)
+    if not gpu.serial:
+        raise _Ret(N.NVML_ERROR_NOT_SUPPORTED)
+    _write_str(buf, length, gpu.serial)
+
+
+@_nvml()
+def nvmlDeviceGetMinorNumber(lib, state, handle, ref):
+    gpu, _ = lib.gpu(state, handle)
+    _deref(ref).value = gpu.minor
+
+
+@_nvml("nvmlDeviceGetPciInfo_v3", "nvmlDeviceGetPciInfo_v2", "nvmlDeviceGetPciInfo")
+def _pci_info(lib, state, handle, ref):
+    gpu, _ = lib.gpu(state, handle, allow_mig=True)  # a MIG handle reports its parent's bus
+    f = state.functions[gpu.address]
+    info = _deref(ref)
+    domain, bus, rest = gpu.address.split(":")
+    dev = int(rest.split(".")[0], 16)
+    legacy = f"{int(domain, 16):04X}:{int(bus, 16):02X}:{dev:02X}.{rest.split('.')[1]}"
+    full = f"{int(domain, 16):08X}:{int(bus, 16):02X}:{dev:02X}.{rest.split('.')[1]}"
+    info.domain = int(domain, 16)
+    info.bus = int(bus, 16)
+    info.device = dev
+    info.pciDeviceId = (f.device << 16) | f.vendor
+    info.pciSubSystemId = (f.subsystem_device << 16) | f.subsystem_vendor
+    names = [x[0] for x in type(info)._fields_]
+    if "busIdLegacy" in names:
+        info.busIdLegacy = legacy.encode()
+        info.busId = full.encode()
+    else:
+        info.busId = full.encode()
+
+
+@_nvml("nvmlDeviceGetMemoryInfo", "nvmlDeviceGetMemoryInfo_v2")
+def _memory(lib, state, handle, ref):
+    gpu, mig = lib.gpu(state, handle, allow_mig=True)
+    info = _deref(ref)
+    if any(f[0] == "version" for f in type(info)._fields_):
+        _check_version(info, N.nvmlMemory_v2)
+    model = model_of(gpu)
+    if mig is None:
+        total = model.memory_mb * MIB
+        used = sum(p.used_mb for p in gpu_processes(state, gpu)) * MIB
+    else:
+        prof = _profile(model, mig[0].profile_id)
+        total = (prof.memory_mb if prof else 0) * MIB
+        used = sum(p.used_mb for p in mig_processes(state, mig[1])) * MIB
+    info.total = total
+    info.used = min(used, total)
+    info.free = total - info.used
+
+
+# --- processes ----------------------------------------------------------------------------------
+
+
+@_nvml("nvmlDeviceGetComputeRunningProcesses_v3", "nvmlDeviceGetComputeRunningProcesses_v2",
+       "nvmlDeviceGetComputeRunningProcesses")
+def _processes(lib, state, handle, count_ref, infos):
+    gpu, mig = lib.gpu(state, handle, allow_mig=True)
+    if mig is None:
+        rows = [(p, _NO_ID, _NO_ID) for p in gpu_processes(state, gpu)]
+    else:
+        gi, ci = mig
+        rows = [(p, gi.id, ci.id) for p in mig_processes(state, ci)]
+    count = _deref(count_ref)
+    if infos is None or count.value < len(rows):
+        count.value = len(rows)
+        return SUCCESS if not rows else N.NVML_ERROR_INSUFFICIENT_SIZE
+    for i, (p, gi_id, ci_id) in enumerate(rows):
+        infos[i].pid = p.pid
+        infos[i].usedGpuMemory = p.used_mb * MIB
+        infos[i].gpuInstanceId = gi_id
+        infos[i].computeInstanceId = ci_id
+    count.value = len(rows)
+    return SUCCESS
+
+
+# --- MIG mode -----------------------------------------------------------------------------------
+
+
+@_nvml()
+def nvmlDeviceGetMigMode(lib, state, handle, current_ref, pending_ref):
+    gpu, _ = lib.gpu(state, handle)
+    if not model_of(gpu).mig_capable:
+        raise _Ret(N.NVML_ERROR_NOT_SUPPORTED)
+    current, pending = _deref(current_ref), _deref(pending_ref)
+    current.value = gpu.mig_mode
+    pending.value = gpu.mig_pending
+
+
+@_nvml()
+def nvmlDeviceSetMigMode(lib, state, handle, mode, status_ref):
+    """Hopper applies a change at once when idle; Ampere keeps it pending until a reset.
+
+    Activation status: SUCCESS when applied (or nothing to change), IN_USE when processes keep the
+    change pending, RESET_REQUIRED for an idle Ampere GPU (inferred: the change waits for a reset).
+    """
+    gpu, _ = lib.gpu(state, handle)
+    model = model_of(gpu)
+    if not model.mig_capable:
+        raise _Ret(N.NVML_ERROR_NOT_SUPPORTED)
+    mode = _int(mode)
+    if mode not in (0, 1):
+        raise _Ret(N.NVML_ERROR_INVALID_ARGUMENT)
+    status = _deref(status_ref)
+    if mode == 0 and gpu.gis:
+        raise _Ret(N.NVML_ERROR_IN_USE)
+    gpu.mig_pending = mode
+    if mode == gpu.mig_mode:
+        status.value = SUCCESS
+    elif busy(state, gpu):
+        status.value = N.NVML_ERROR_IN_USE
+    elif model.mode_change_needs_reset:
+        status.value = N.NVML_ERROR_RESET_REQUIRED
+    else:
+        gpu.mig_mode = mode
+        status.value = SUCCESS
+
+
+@_nvml()
+def nvmlDeviceGetMaxMigDeviceCount(lib, state, handle, ref):
+    gpu, _ = lib.gpu(state, handle)
+    if not model_of(gpu).mig_capable:
+        raise _Ret(N.NVML_ERROR_NOT_SUPPORTED)
+    _deref(ref).value = _MAX_MIG_DEVICES if gpu.mig_mode == 1 else 0
+
+
+@_nvml()
+def nvmlDeviceGetMigDeviceHandleByIndex(lib, state, handle, index, ref):
+    gpu, _ = lib.gpu(state, handle)
+    if not model_of(gpu).mig_capable:
+        raise _Ret(N.NVML_ERROR_NOT_SUPPORTED)
+    i = _int(index)
+    if gpu.mig_mode != 1 or i >= _MAX_MIG_DEVICES:
+        raise _Ret(N.NVML_ERROR_INVALID_ARGUMENT)
+    devices = mig_devices(gpu)
+    if i >= len(devices):
+        raise _Ret(N.NVML_ERROR_NOT_FOUND)
+    _set_ptr(_deref(ref), lib.mig_handle(gpu, *devices[i]))
+
+
+@_nvml()
+def nvmlDeviceIsMigDeviceHandle(lib, state, handle, ref):
+    key = lib.key(handle)
+    if key[0] not in ("gpu", "mig"):
+        raise _Ret(N.NVML_ERROR_INVALID_ARGUMENT)
+    _deref(ref).value = 1 if key[0] == "mig" else 0
+
+
+@_nvml()
+def nvmlDeviceGetGpuInstanceId(lib, state, handle, ref):
+    _, mig = lib.gpu(state, handle, allow_mig=True)
+    if mig is None:
+        raise _Ret(N.NVML_ERROR_NOT_SUPPORTED)
+    _deref(ref).value = mig[0].id
+
+
+@_nvml()
+def nvmlDeviceGetComputeInstanceId(lib, state, handle, ref):
+    _, mig = lib.gpu(state, handle, allow_mig=True)
+    if mig is None:
+        raise _Ret(N.NVML_ERROR_NOT_SUPPORTED)
+    _deref(ref).value = mig[1].id
+
+
+@_nvml()
+def nvmlDeviceGetDeviceHandleFromMigDeviceHandle(lib, state, handle, ref):
+    gpu, mig = lib.gpu(state, handle, allow_mig=True)
+    if mig is None:
+        raise _Ret(N.NVML_ERROR_INVALID_ARGUMENT)
+    _set_ptr(_deref(ref), lib.gpu_handle(gpu))
+
+
+# --- GPU instance profiles and placements -------------------------------------------------------
+
+
+def _mig_model(lib, state, handle) -> tuple[SimGpu, ModelInfo]:
+    gpu, _ = lib.gpu(state, handle)
+    model = model_of(gpu)
+    if not model.mig_capable:
+        raise _Ret(N.NVML_ERROR_NOT_SUPPORTED)
+    return gpu, model
+
+
+def _fill_gi_profile(info: Any, prof: MigProfile) -> None:
+    info.id = prof.id
+    info.isP2pSupported = 0
+    info.sliceCount = prof.slices
+    info.instanceCount = prof.instance_count
+    info.multiprocessorCount = prof.sms
+    info.copyEngineCount = prof.copy_engines
+    info.decoderCount = prof.decoders
+    info.encoderCount = prof.encoders
+    info.jpegCount = prof.jpegs
+    info.ofaCount = prof.ofas
+    info.memorySizeMB = prof.memory_mb
+    if any(f[0] == "name" for f in type(info)._fields_):
+        info.name = f"MIG {prof.name}".encode()
+
+
+def _profile_by_index(model: ModelInfo, index: int) -> MigProfile:
+    if index >= N.NVML_GPU_INSTANCE_PROFILE_COUNT or index in _INVALID_GI_INDEXES:
+        raise _Ret(N.NVML_ERROR_INVALID_ARGUMENT)
+    pid = _PROFILE_ID_BY_INDEX.get(index)
+    prof = _profile(model, pid) if pid is not None else None
+    if prof is None:
+        raise _Ret(N.NVML_ERROR_NOT_SUPPORTED)
+    return prof
+
+
+@_nvml("nvmlDeviceGetGpuInstanceProfileInfo", "nvmlDeviceGetGpuInstanceProfileInfoV")
+def _gi_profile_info(lib, state, handle, index, ref):
+    """Takes the profile *index* constant; answers with MIG disabled too (as the H200 does)."""
+    _, model = _mig_model(lib, state, handle)
+    info = _deref(ref)
+    _check_version(info, N.nvmlGpuInstanceProfileInfo_v2)
+    _fill_gi_profile(info, _profile_by_index(model, _int(index)))
+
+
+@_nvml()
+def nvmlDeviceGetGpuInstanceProfileInfoByIdV(lib, state, handle, profile_id, ref):
+    _, model = _mig_model(lib, state, handle)
+    info = _deref(ref)
+    _check_version(info, N.nvmlGpuInstanceProfileInfo_v2)
+    prof = _profile(model, _int(profile_id))
+    if prof is None:
+        raise _Ret(N.NVML_ERROR_INVALID_ARGUMENT)
+    _fill_gi_profile(info, prof)
+
+
+def _known_profile(model: ModelInfo, profile_id: Any) -> MigProfile:
+    prof = _profile(model, _int(profile_id))
+    if prof is None:
+        raise _Ret(N.NVML_ERROR_INVALID_ARGUMENT)
+    return prof
+
+
+@_nvml("nvmlDeviceGetGpuInstancePossiblePlacements_v2", "nvmlDeviceGetGpuInstancePossiblePlacements")
+def _possible_placements(lib, state, handle, profile_id, placements, count_ref):
+    """Caller-allocated two-call pattern: NULL array -> count only. Works with MIG disabled."""
+    _, model = _mig_model(lib, state, handle)
+    prof = _known_profile(model, profile_id)
+    count = _deref(count_ref)
+    if placements is None:
+        count.value = len(prof.placements)
+        return SUCCESS
+    arr = _deref(placements)
+    if count.value < len(prof.placements):
+        count.value = len(prof.placements)
+        raise _Ret(N.NVML_ERROR_INSUFFICIENT_SIZE)
+    for i, pl in enumerate(prof.placements):
+        arr[i].start = pl.start
+        arr[i].size = pl.size
+    count.value = len(prof.placements)
+    return SUCCESS
+
+
+def _free_placements(gpu: SimGpu, prof: MigProfile) -> list[int]:
+    used = _used_slices(gpu)
+    return [pl.start for pl in prof.placements if not (used & pl.slices)]
+
+
+@_nvml()
+def nvmlDeviceGetGpuInstanceRemainingCapacity(lib, state, handle, profile_id, ref):
+    gpu, model = _mig_model(lib, state, handle)
+    prof = _known_profile(model, profile_id)
+    existing = sum(1 for g in gpu.gis if g.profile_id == prof.id)
+    _deref(ref).value = max(0, min(len(_free_placements(gpu, prof)), prof.instance_count - existing))
+
+
+def _require_mig_on(gpu: SimGpu) -> None:
+    if gpu.mig_mode != 1 or gpu.mig_pending != 1:
+        raise _Ret(N.NVML_ERROR_NOT_SUPPORTED)
+
+
+def _create_gi(lib: FakeNvmlLib, gpu: SimGpu, model: ModelInfo, profile_id: Any, start: int | None,
+               size: int | None, out_ref: Any) -> None:
+    _require_mig_on(gpu)
+    prof = _known_profile(model, profile_id)
+    pl_size = prof.placements[0].size
+    starts = [pl.start for pl in prof.placements]
+    if start is not None and (start not in starts or size != pl_size):
+        raise _Ret(N.NVML_ERROR_INVALID_ARGUMENT)
+    if sum(1 for g in gpu.gis if g.profile_id == prof.id) >= prof.instance_count:
+        raise _Ret(N.NVML_ERROR_INSUFFICIENT_RESOURCES)
+    if start is None:
+        order = _PREFERENCE.get(prof.id, tuple(starts))
+        start = next((s for s in order if s in starts and _free(gpu, s, pl_size)), None)
+        if start is None:
+            raise _Ret(N.NVML_ERROR_INSUFFICIENT_RESOURCES)
+    elif not _free(gpu, start, pl_size):
+        raise _Ret(N.NVML_ERROR_INSUFFICIENT_RESOURCES)
+    out = _deref(out_ref)
+    ids = {g.id for g in gpu.gis}
+    gi_id = next(i for i in range(1, len(ids) + 2) if i not in ids)
+    gi = SimGi(id=gi_id, profile_id=prof.id, start=start, size=pl_size)
+    gpu.gis.append(gi)
+    _set_ptr(out, lib.gi_handle(gpu, gi))
+
+
+@_nvml()
+def nvmlDeviceCreateGpuInstance(lib, state, handle, profile_id, out_ref):
+    """Without a placement the driver takes the first free start of its preference order."""
+    gpu, model = _mig_model(lib, state, handle)
+    _create_gi(lib, gpu, model, profile_id, None, None, out_ref)
+
+
+@_nvml()
+def nvmlDeviceCreateGpuInstanceWithPlacement(lib, state, handle, profile_id, placement, out_ref):
+    gpu, model = _mig_model(lib, state, handle)
+    if isinstance(placement, ctypes.Structure):
+        raise TypeError("placement passed by value: the real libnvidia-ml reads a pointer here and crashes; "
+                        "pass byref(placement)")
+    pl = _deref(placement)
+    _create_gi(lib, gpu, model, profile_id, int(pl.start), int(pl.size), out_ref)
+
+
+@_nvml()
+def nvmlDeviceGetGpuInstances(lib, state, handle, profile_id, arr, count_ref):
+    """With MIG disabled the real H200 answers count 0 (fixture), not NOT_SUPPORTED."""
+    gpu, model = _mig_model(lib, state, handle)
+    prof = _known_profile(model, profile_id)
+    count = _deref(count_ref)
+    gis = sorted((g for g in gpu.gis if g.profile_id == prof.id), key=lambda g: g.id)
+    if arr is None:
+        raise _Ret(N.NVML_ERROR_INVALID_ARGUMENT)
+    out = _deref(arr)
+    if isinstance(out, ctypes.Array) and len(out) < len(gis):
+        count.value = len(gis)
+        raise _Ret(N.NVML_ERROR_INSUFFICIENT_SIZE)
+    for i, gi in enumerate(gis):
+        _set_ptr(out, lib.gi_handle(gpu, gi), offset=i * ctypes.sizeof(ctypes.c_void_p))
+    count.value = len(gis)
+
+
+@_nvml()
+def nvmlDeviceGetGpuInstanceById(lib, state, handle, gi_id, out_ref):
+    gpu, _ = _mig_model(lib, state, handle)
+    _require_mig_on(gpu)
+    gi = next((g for g in gpu.gis if g.id == _int(gi_id)), None)
+    if gi is None:
+        raise _Ret(N.NVML_ERROR_NOT_FOUND)
+    _set_ptr(_deref(out_ref), lib.gi_handle(gpu, gi))
+
+
+@_nvml()
+def nvmlGpuInstanceGetInfo(lib, state, gi_handle, ref):
+    gpu, gi = lib.gi(state, gi_handle)
+    info = _deref(ref)
+    _set_ptr(info, lib.gpu_handle(gpu), offset=type(info).device.offset)
+    info.id = gi.id
+    info.profileId = gi.profile_id
+    info.placement.start = gi.start
+    info.placement.size = gi.size
+
+
+@_nvml()
+def nvmlGpuInstanceDestroy(lib, state, gi_handle):
+    gpu, gi = lib.gi(state, gi_handle)
+    if gi.cis:
+        raise _Ret(N.NVML_ERROR_IN_USE)
+    gpu.gis.remove(gi)
+
+
+# --- compute instances --------------------------------------------------------------------------
+
+
+def _gi_profile(model: ModelInfo, gi: SimGi) -> MigProfile:
+    prof = _profile(model, gi.profile_id)
+    assert prof is not None
+    return prof
+
+
+@_nvml("nvmlGpuInstanceGetComputeInstanceProfileInfo", "nvmlGpuInstanceGetComputeInstanceProfileInfoV")
+def _ci_profile_info(lib, state, gi_handle, index, eng_profile, ref):
+    gpu, gi = lib.gi(state, gi_handle)
+    idx, eng = _int(index), _int(eng_profile)
+    if idx >= N.NVML_COMPUTE_INSTANCE_PROFILE_COUNT or eng >= N.NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_COUNT:
+        raise _Ret(N.NVML_ERROR_INVALID_ARGUMENT)
+    prof = _gi_profile(model_of(gpu), gi)
+    ci_prof = next((c for c in prof.ci_profiles if c.id == idx), None)  # CI ids equal their index
+    if ci_prof is None:
+        raise _Ret(N.NVML_ERROR_NOT_SUPPORTED)
+    info = _deref(ref)
+    _check_version(info, N.nvmlComputeInstanceProfileInfo_v2)
+    info.id = ci_prof.id
+    info.sliceCount = ci_prof.slices
+    info.instanceCount = ci_prof.instance_count
+    info.multiprocessorCount = ci_prof.sms
+    info.sharedCopyEngineCount = prof.copy_engines
+    info.sharedDecoderCount = prof.decoders
+    info.sharedEncoderCount = prof.encoders
+    info.sharedJpegCount = prof.jpegs
+    info.sharedOfaCount = prof.ofas
+    if any(f[0] == "name" for f in type(info)._fields_):
+        name = prof.name if ci_prof.slices == prof.slices else f"{ci_prof.slices}c.{prof.name}"
+        info.name = f"MIG {name}".encode()
+
+
+def _ci_capacity(model: ModelInfo, gi: SimGi, ci_profile_id: int) -> int:
+    prof = _gi_profile(model, gi)
+    ci_prof = next((c for c in prof.ci_profiles if c.id == ci_profile_id), None)
+    if ci_prof is None:
+        raise _Ret(N.NVML_ERROR_NOT_SUPPORTED)
+    used = sum(_ci_slices(model, gi, c) for c in gi.cis)
+    same = sum(1 for c in gi.cis if c.profile_id == ci_profile_id)
+    return max(0, min((prof.slices - used) // ci_prof.slices, ci_prof.instance_count - same))
+
+
+@_nvml()
+def nvmlGpuInstanceGetComputeInstanceRemainingCapacity(lib, state, gi_handle, ci_profile_id, ref):
+    gpu, gi = lib.gi(state, gi_handle)
+    _deref(ref).value = _ci_capacity(model_of(gpu), gi, _int(ci_profile_id))
+
+
+@_nvml()
+def nvmlGpuInstanceCreateComputeInstance(lib, state, gi_handle, ci_profile_id, out_ref):
+    import uuid as _uuid
+
+    gpu, gi = lib.gi(state, gi_handle)
+    _require_mig_on(gpu)
+    pid = _int(ci_profile_id)
+    if pid >= N.NVML_COMPUTE_INSTANCE_PROFILE_COUNT:
+        raise _Ret(N.NVML_ERROR_INVALID_ARGUMENT)
+    if _ci_capacity(model_of(gpu), gi, pid) < 1:
+        raise _Ret(N.NVML_ERROR_INSUFFICIENT_RESOURCES)
+    out = _deref(out_ref)
+    ids = {c.id for c in gi.cis}
+    ci = SimCi(id=next(i for i in range(len(ids) + 1) if i not in ids), profile_id=pid,
+               uuid=f"MIG-{_uuid.uuid4()}")
+    gi.cis.append(ci)
+    _set_ptr(out, lib.ci_handle(gpu, gi, ci))
+
+
+@_nvml()
+def nvmlGpuInstanceGetComputeInstances(lib, state, gi_handle, ci_profile_id, arr, count_ref):
+    gpu, gi = lib.gi(state, gi_handle)
+    pid = _int(ci_profile_id)
+    if pid >= N.NVML_COMPUTE_INSTANCE_PROFILE_COUNT or arr is None:
+        raise _Ret(N.NVML_ERROR_INVALID_ARGUMENT)
+    count = _deref(count_ref)
+    cis = sorted((c for c in gi.cis if c.profile_id == pid), key=lambda c: c.id)
+    out = _deref(arr)
+    if isinstance(out, ctypes.Array) and len(out) < len(cis):
+        count.value = len(cis)
+        raise _Ret(N.NVML_ERROR_INSUFFICIENT_SIZE)
+    for i, ci in enumerate(cis):
+        _set_ptr(out, lib.ci_handle(gpu, gi, ci), offset=i * ctypes.sizeof(ctypes.c_void_p))
+    count.value = len(cis)
+
+
+@_nvml()
+def nvmlGpuInstanceGetComputeInstanceById(lib, state, gi_handle, ci_id, out_ref):
+    gpu, gi = lib.gi(state, gi_handle)
+    ci = next((c for c in gi.cis if c.id == _int(ci_id)), None)
+    if ci is None:
+        raise _Ret(N.NVML_ERROR_NOT_FOUND)
+    _set_ptr(_deref(out_ref), lib.ci_handle(gpu, gi, ci))
+
+
+@_nvml("nvmlComputeInstanceGetInfo_v2", "nvmlComputeInstanceGetInfo")
+def _ci_info(lib, state, ci_handle, ref):
+    gpu, gi, ci = lib.ci(state, ci_handle)
+    model = model_of(gpu)
+    info = _deref(ref)
+    _set_ptr(info, lib.gpu_handle(gpu), offset=type(info).device.offset)
+    _set_ptr(info, lib.gi_handle(gpu, gi), offset=type(info).gpuInstance.offset)
+    info.id = ci.id
+    info.profileId = ci.profile_id
+    info.placement.start = sum(_ci_slices(model, gi, c) for c in gi.cis if c.id < ci.id)
+    info.placement.size = _ci_slices(model, gi, ci)
+
+
+@_nvml()
+def nvmlComputeInstanceDestroy(lib, state, ci_handle):
+    _, gi, ci = lib.ci(state, ci_handle)
+    if mig_processes(state, ci):
+        raise _Ret(N.NVML_ERROR_IN_USE)
+    gi.cis.remove(ci)
+
+
+# --- install ------------------------------------------------------------------------------------
+
+_saved: list[Any] = []
+
+
+def install(host_dir: str) -> FakeNvmlLib:
+    """Make pynvml talk to the simulated host in `host_dir` (restored by `uninstall`)."""
+    lib = FakeNvmlLib(host_dir)
+    _saved.append(N.nvmlLib)
+    N.nvmlLib = lib
+    N._nvmlGetFunctionPointer_cache.clear()
+    return lib
+
+
+def uninstall() -> None:
+    if not _saved:
+        return
+    N.nvmlLib = _saved.pop()
+    N._nvmlGetFunctionPointer_cache.clear()
+    if N.nvmlLib is None:
+        N._nvmlLib_refcount = 0

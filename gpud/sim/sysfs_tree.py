@@ -1,0 +1,359 @@
+"""Render the simulated host's DIR/sys, DIR/dev and DIR/proc from its SimState.
+
+The tree is what `gpud.host` reads on the simulator, so it mirrors the kernel's layout and the
+attribute formats of a real H200 (shared/fixtures/h200). It is derived state: `render` recomputes
+the whole desired tree and changes only what differs, each file and link replaced atomically
+(temp name + rename), so readers never see a half-written attribute. Call it with the host lock held
+(`gpud.sim.state.locked`) so two renders never interleave.
+
+This module also holds the small views of SimState that both the renderer and the kernel write
+semantics (`gpud.sim.kernel`) need: loaded drivers, usable VFIO groups, who holds what.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+from gpud import profiles
+from gpud.sim.state import SimFunction, SimState
+
+PCI_ROOT = "devices/pci0000:00"
+NVIDIA = "nvidia"
+VFIO_PCI = "vfio-pci"
+# module name -> PCI driver name, where they differ (module names use "_", modprobe accepts both).
+MODULE_DRIVERS = {"vfio_pci": VFIO_PCI, "xhci_pci": "xhci_hcd", "nvidia_nvswitch": "nvidia-nvswitch"}
+# nvidia-caps minors (/proc/driver/nvidia-caps/mig-minors): 1 config, 2 monitor, then per GPU minor
+# 15 GIs x (GI access + 8 CI access).
+CAPS_PER_GI = 9
+GIS_PER_GPU = 15
+CAPS_PER_GPU = CAPS_PER_GI * GIS_PER_GPU
+
+# Entry kinds of the desired tree.
+_DIR, _FILE, _LINK = "d", "f", "l"
+
+
+def module_name(name: str) -> str:
+    return name.replace("-", "_")
+
+
+def driver_of_module(module: str) -> str:
+    module = module_name(module)
+    return MODULE_DRIVERS.get(module, module)
+
+
+def loaded_drivers(state: SimState) -> set[str]:
+    """Driver names with a driver directory: modules loaded, plus any driver something is bound to
+    (a bound driver is loaded by definition, whatever the catalog wrote in loaded_modules)."""
+    out = {driver_of_module(m) for m in state.loaded_modules}
+    out |= {f.driver for f in state.functions.values() if f.driver and f.present}
+    return out
+
+
+def present(state: SimState) -> dict[str, SimFunction]:
+    return {a: f for a, f in state.functions.items() if f.present}
+
+
+def group_members(state: SimState, group: int | None) -> list[SimFunction]:
+    if group is None:
+        return []
+    return [f for f in present(state).values() if f.iommu_group == group]
+
+
+def vfio_groups(state: SimState) -> set[int]:
+    """Groups with a /dev/vfio/<N>: every endpoint on vfio-pci or driverless, at least one on vfio-pci."""
+    groups: dict[int, list[SimFunction]] = {}
+    for f in present(state).values():
+        if f.iommu_group is not None:
+            groups.setdefault(f.iommu_group, []).append(f)
+    return {
+        g for g, fs in groups.items()
+        if all(f.driver in (None, VFIO_PCI) for f in fs) and any(f.driver == VFIO_PCI for f in fs)
+    }
+
+
+def cap_minor(gpu_minor: int, gi: int, ci: int | None = None) -> int:
+    """nvidia-caps minor of `gpu<m>/gi<g>/access` (ci None) or `gpu<m>/gi<g>/ci<c>/access`."""
+    base = 3 + gpu_minor * CAPS_PER_GPU + gi * CAPS_PER_GI
+    return base if ci is None else base + 1 + ci
+
+
+def mig_owner(state: SimState, uuid: str) -> tuple[str, int, int] | None:
+    """(GPU address, GI id, CI id) of a MIG device UUID."""
+    for addr, gpu in state.gpus.items():
+        for gi in gpu.gis:
+            for ci in gi.cis:
+                if ci.uuid == uuid:
+                    return addr, gi.id, ci.id
+    return None
+
+
+def gpu_holders(state: SimState, address: str) -> list:
+    """SimProcesses holding the GPU at `address` (whole GPU by UUID/PCI address, or any of its MIG
+    devices): what keeps the nvidia driver's usage count above zero."""
+    gpu = state.gpus.get(address)
+    ids = {address}
+    if gpu is not None:
+        ids.add(gpu.uuid)
+        ids |= {ci.uuid for gi in gpu.gis for ci in gi.cis}
+    return [p for p in state.processes if p.device in ids]
+
+
+def vfio_holders(state: SimState, group: int | None) -> list:
+    """SimProcesses with /dev/vfio/<group> open: holders of a vfio-bound endpoint of the group."""
+    if group is None:
+        return []
+    addrs = {f.address for f in group_members(state, group) if f.driver == VFIO_PCI}
+    return [p for p in state.processes if p.device in addrs]
+
+
+def process_devices(state: SimState, proc) -> list[str]:
+    """Device paths (relative to DIR/dev) a SimProcess has open, as the kernel would show them."""
+    fn = state.functions.get(proc.device)
+    if fn is not None and fn.present and fn.driver == VFIO_PCI:
+        if fn.iommu_group in vfio_groups(state):
+            return ["vfio/vfio", f"vfio/{fn.iommu_group}"]
+        return []
+    mig = mig_owner(state, proc.device)
+    if mig is not None:
+        addr, gi, ci = mig
+        gpu = state.gpus[addr]
+        if _nvidia_bound(state, addr):
+            return ["nvidiactl", f"nvidia{gpu.minor}",
+                    f"nvidia-caps/nvidia-cap{cap_minor(gpu.minor, gi)}",
+                    f"nvidia-caps/nvidia-cap{cap_minor(gpu.minor, gi, ci)}"]
+        return []
+    for addr, gpu in state.gpus.items():
+        if proc.device in (addr, gpu.uuid) and _nvidia_bound(state, addr):
+            return ["nvidiactl", f"nvidia{gpu.minor}"]
+    return []
+
+
+def _nvidia_bound(state: SimState, address: str) -> bool:
+    f = state.functions.get(address)
+    return f is not None and f.present and f.driver == NVIDIA and address in state.gpus
+
+
+def modalias(f: SimFunction) -> str:
+    c = f.class_code
+    return (f"pci:v{f.vendor:08X}d{f.device:08X}sv{f.subsystem_vendor:08X}sd{f.subsystem_device:08X}"
+            f"bc{(c >> 16) & 0xFF:02X}sc{(c >> 8) & 0xFF:02X}i{c & 0xFF:02X}")
+
+
+def uevent(f: SimFunction) -> str:
+    lines = [f"DRIVER={f.driver}"] if f.driver else []
+    lines += [
+        f"PCI_CLASS={f.class_code:X}",
+        f"PCI_ID={f.vendor:04X}:{f.device:04X}",
+        f"PCI_SUBSYS_ID={f.subsystem_vendor:04X}:{f.subsystem_device:04X}",
+        f"PCI_SLOT_NAME={f.address}",
+        f"MODALIAS={modalias(f)}",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def information(state: SimState, address: str) -> str:
+    """/proc/driver/nvidia/gpus/<BDF>/information, in the driver's format (tabs included)."""
+    gpu = state.gpus[address]
+    model = profiles.MODELS.get(gpu.model)
+    name = model.name if model else "NVIDIA Graphics Device"
+    return (
+        f"Model: \t\t {name}\n"
+        f"IRQ:   \t\t {40 + gpu.minor + 1}\n"
+        f"GPU UUID: \t {gpu.uuid}\n"
+        "Video BIOS: \t 96.00.a5.00.1a\n"
+        "Bus Type: \t PCIe\n"
+        "DMA Size: \t 52 bits\n"
+        "DMA Mask: \t 0xfffffffffffff\n"
+        f"Bus Location: \t {address}\n"
+        f"Device Minor: \t {gpu.minor}\n"
+        f"GPU Firmware: \t {state.driver_version}\n"
+        "GPU Excluded:\t No\n"
+    )
+
+
+def desired_tree(host_dir: str | os.PathLike, state: SimState) -> dict[str, tuple]:
+    """Relative path -> (kind, payload, mode). payload: bytes for files (None: keep existing content,
+    create with b"0\\n"), link target for links."""
+    root = os.path.abspath(host_dir)
+    t: dict[str, tuple] = {}
+
+    def d(p: str) -> None:
+        t[p] = (_DIR, None, 0o755)
+
+    def f(p: str, data: str | None, mode: int = 0o444) -> None:
+        t[p] = (_FILE, None if data is None else data.encode(), mode)
+
+    def ln(p: str, target: str) -> None:
+        t[p] = (_LINK, target, 0)
+
+    for p in ("sys", "sys/devices", f"sys/{PCI_ROOT}", "sys/bus", "sys/bus/pci", "sys/bus/pci/devices",
+              "sys/bus/pci/drivers", "sys/kernel", "sys/kernel/iommu_groups", "sys/module", "dev", "proc"):
+        d(p)
+    f("sys/bus/pci/drivers_probe", "", 0o200)
+    f("sys/bus/pci/rescan", "", 0o200)
+
+    drivers = loaded_drivers(state)
+    for drv in drivers:
+        base = f"sys/bus/pci/drivers/{drv}"
+        d(base)
+        for attr in ("bind", "unbind", "new_id", "remove_id"):
+            f(f"{base}/{attr}", "", 0o200)
+    for mod in {module_name(m) for m in state.loaded_modules} | {module_name(x) for x in drivers}:
+        d(f"sys/module/{mod}")
+        f(f"sys/module/{mod}/initstate", "live\n")
+
+    live = present(state)
+    for addr, fn in live.items():
+        base = f"sys/{PCI_ROOT}/{addr}"
+        d(base)
+        f(f"{base}/vendor", f"0x{fn.vendor:04x}\n")
+        f(f"{base}/device", f"0x{fn.device:04x}\n")
+        f(f"{base}/subsystem_vendor", f"0x{fn.subsystem_vendor:04x}\n")
+        f(f"{base}/subsystem_device", f"0x{fn.subsystem_device:04x}\n")
+        f(f"{base}/class", f"0x{fn.class_code:06x}\n")
+        f(f"{base}/revision", f"0x{fn.revision:02x}\n")
+        f(f"{base}/driver_override", f"{fn.driver_override or '(null)'}\n", 0o644)
+        f(f"{base}/numa_node", f"{fn.numa_node}\n")
+        f(f"{base}/modalias", modalias(fn) + "\n")
+        f(f"{base}/uevent", uevent(fn), 0o644)
+        f(f"{base}/enable", "1\n", 0o644)
+        f(f"{base}/d3cold_allowed", "1\n", 0o644)
+        f(f"{base}/power_state", "D0\n")
+        f(f"{base}/reset_method", "flr\n", 0o644)
+        f(f"{base}/current_link_speed", "32.0 GT/s PCIe\n")
+        f(f"{base}/current_link_width", "16\n")
+        for attr in ("reset", "remove", "rescan"):
+            f(f"{base}/{attr}", "", 0o200)
+        ln(f"{base}/subsystem", "../../../bus/pci")
+        if fn.driver:
+            ln(f"{base}/driver", f"../../../bus/pci/drivers/{fn.driver}")
+            ln(f"sys/bus/pci/drivers/{fn.driver}/{addr}", f"../../../../{PCI_ROOT}/{addr}")
+        if fn.iommu_group is not None:
+            g = fn.iommu_group
+            ln(f"{base}/iommu_group", f"../../../kernel/iommu_groups/{g}")
+            d(f"sys/kernel/iommu_groups/{g}")
+            d(f"sys/kernel/iommu_groups/{g}/devices")
+            ln(f"sys/kernel/iommu_groups/{g}/devices/{addr}", f"../../../../{PCI_ROOT}/{addr}")
+        ln(f"sys/bus/pci/devices/{addr}", f"../../../{PCI_ROOT}/{addr}")
+
+    # nvidia: control node, caps, per-GPU node and /proc entries
+    if NVIDIA in drivers:
+        f("dev/nvidiactl", "", 0o666)
+        d("dev/nvidia-caps")
+        f("dev/nvidia-caps/nvidia-cap1", "", 0o400)
+        f("dev/nvidia-caps/nvidia-cap2", "", 0o444)
+        for p in ("proc/driver", "proc/driver/nvidia", "proc/driver/nvidia/gpus", "proc/driver/nvidia-caps"):
+            d(p)
+        f("proc/driver/nvidia/version",
+          f"NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  {state.driver_version}  Release Build\n")
+        top = max((g.minor for g in state.gpus.values()), default=-1)
+        lines = ["config 1", "monitor 2"]
+        for m in range(top + 1):
+            for gi in range(GIS_PER_GPU):
+                lines.append(f"gpu{m}/gi{gi}/access {cap_minor(m, gi)}")
+                lines += [f"gpu{m}/gi{gi}/ci{ci}/access {cap_minor(m, gi, ci)}" for ci in range(8)]
+        f("proc/driver/nvidia-caps/mig-minors", "\n".join(lines) + "\n")
+        for addr, gpu in state.gpus.items():
+            if not _nvidia_bound(state, addr):
+                continue
+            f(f"dev/nvidia{gpu.minor}", "", 0o666)
+            base = f"proc/driver/nvidia/gpus/{addr}"
+            d(base)
+            f(f"{base}/information", information(state, addr))
+            f(f"{base}/unbindLock", None, 0o644)
+            if gpu.mig_mode:
+                for gi in gpu.gis:
+                    f(f"dev/nvidia-caps/nvidia-cap{cap_minor(gpu.minor, gi.id)}", "", 0o444)
+                    for ci in gi.cis:
+                        f(f"dev/nvidia-caps/nvidia-cap{cap_minor(gpu.minor, gi.id, ci.id)}", "", 0o444)
+
+    groups = vfio_groups(state)
+    if VFIO_PCI in drivers:
+        d("dev/vfio")
+        f("dev/vfio/vfio", "", 0o666)
+    for g in groups:
+        d("dev/vfio")
+        f(f"dev/vfio/{g}", "", 0o600)
+
+    for proc in state.processes:
+        base = f"proc/{proc.pid}"
+        d(base)
+        f(f"{base}/comm", proc.name[:15] + "\n", 0o644)
+        d(f"{base}/fd")
+        for n, dev in enumerate(process_devices(state, proc), start=3):
+            ln(f"{base}/fd/{n}", f"{root}/dev/{dev}")
+    return t
+
+
+def _scan(root: Path, rel: str, out: dict[str, str]) -> None:
+    try:
+        it = os.scandir(root / rel)
+    except FileNotFoundError:
+        return
+    with it:
+        for e in it:
+            p = f"{rel}/{e.name}"
+            if e.is_symlink():
+                out[p] = _LINK
+            elif e.is_dir(follow_symlinks=False):
+                out[p] = _DIR
+                _scan(root, p, out)
+            else:
+                out[p] = _FILE
+
+
+def _remove(path: Path, kind: str) -> None:
+    try:
+        if kind == _DIR:
+            shutil.rmtree(path)
+        else:
+            path.unlink()
+    except FileNotFoundError:
+        pass
+
+
+def _tmp(path: Path) -> Path:
+    return path.with_name(f".{path.name}.tmp{os.getpid()}")
+
+
+def render(host_dir: str | os.PathLike, state: SimState) -> None:
+    """(Re)write DIR/sys, DIR/dev, DIR/proc to match `state`, touching only what changed."""
+    root = Path(os.path.abspath(host_dir))
+    want = desired_tree(root, state)
+    have: dict[str, str] = {}
+    for top in ("sys", "dev", "proc"):
+        if (root / top).is_dir():
+            have[top] = _DIR
+            _scan(root, top, have)
+    # Remove what should not be there (deepest first), or has the wrong kind.
+    for p in sorted(have, key=lambda s: s.count("/"), reverse=True):
+        w = want.get(p)
+        if w is None or w[0] != have[p]:
+            _remove(root / p, have[p])
+            have.pop(p)
+    for p in sorted(want, key=lambda s: (s.count("/"), s)):
+        kind, payload, mode = want[p]
+        path = root / p
+        if kind == _DIR:
+            if p not in have:
+                path.mkdir(exist_ok=True)
+        elif kind == _LINK:
+            if p in have and os.readlink(path) == payload:
+                continue
+            tmp = _tmp(path)
+            _remove(tmp, _FILE)
+            os.symlink(payload, tmp)
+            os.replace(tmp, path)
+        else:
+            if p in have:
+                if payload is None:
+                    continue  # content owned by the kernel store (unbindLock)
+                st = path.stat()
+                if st.st_mode & 0o7777 == mode and st.st_size == len(payload) and path.read_bytes() == payload:
+                    continue
+            tmp = _tmp(path)
+            tmp.write_bytes(b"0\n" if payload is None else payload)
+            os.chmod(tmp, mode)
+            os.replace(tmp, path)

@@ -1,0 +1,298 @@
+"""gpudctl as a user runs it: a subprocess against a fake gpud on a real socket."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+from gpud.api import wire
+from gpud.api.server import ApiError
+from gpud.cli import gpudctl
+from tests.api.fakes import GPU0_UUID, MIG_UUIDS, ThreadedServer
+
+REPO = Path(__file__).resolve().parents[2]
+FIXTURES = REPO / "tests" / "fixtures" / "h200"
+
+
+@pytest.fixture
+def daemon():
+    srv = ThreadedServer(group=None).start()
+    yield srv
+    srv.stop()
+
+
+def run(srv_or_path, *args: str, env: dict | None = None, stdin: str | None = None) -> subprocess.CompletedProcess:
+    path = srv_or_path.path if isinstance(srv_or_path, ThreadedServer) else srv_or_path
+    cmd = [sys.executable, "-m", "gpud.cli.gpudctl", *(["--socket", path] if path else []), *args]
+    full_env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=60, cwd=REPO, env=full_env, input=stdin)
+
+
+def calls(srv, op):
+    return [args for o, args, _ in srv.handler.calls if o == op]
+
+
+def test_status_table(daemon):
+    r = run(daemon, "status")
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[0] == "gpud 0.1.0: waiting"
+    header = lines[2].split()
+    assert header == ["GPU", "PCI", "MODEL", "DRIVER", "WORKLOAD", "MIG", "INSTANCES", "STATE"]
+    row0, row1, row2 = lines[3], lines[4], lines[5]
+    assert row0.split()[:2] == ["0", "0000:3b:00.0"]
+    assert "NVIDIA H200" in row0 and " on " in row0
+    assert "4x1g.18gb 1x3g.71gb" in row0 and row0.endswith("converged")
+    assert "vm-passthrough" in row1 and " off " in row1 and row1.endswith("waiting: pid 4121 python")
+    assert "vfio-pci" in row2 and row2.split()[6:8] == ["-", "-"]  # no MIG mode/instances on vfio-pci
+    # columns line up: every row's STATE starts where the header's does
+    col = lines[2].index("STATE")
+    assert all(line[col - 2:col] == "  " and line[col] != " " for line in lines[3:6])
+    assert "layout: /etc/gpud/layout.yaml  selected: partial-mig  valid" in lines
+    assert "  warning: /etc/gpud/layout.yaml:9 layouts.partial-mig[1]: matches no GPU" in lines
+    i = lines.index("MIG devices:")
+    assert lines[i + 1] == f"GPU 0: NVIDIA H200 (UUID: {GPU0_UUID})"
+    assert lines[i + 2] == f"  MIG 3g.71gb      Device  0: (UUID: {MIG_UUIDS[0]})"
+    assert lines[i + 3] == f"  MIG 1g.18gb      Device  1: (UUID: {MIG_UUIDS[3]})"
+    assert len(lines) == i + 7  # 5 MIG devices of GPU 0 only
+
+
+def test_status_json_shape(daemon):
+    r = run(daemon, "status", "--json")
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert set(doc) == {"phase", "layout", "gpus", "read_only", "version"}
+    g0 = doc["gpus"][0]
+    assert {"index", "pci", "uuid", "model", "pci_id", "driver", "workload", "iommu_group", "numa_node", "mig",
+            "converged", "state", "message", "holders", "group", "vfio_device"} == set(g0)
+    assert g0["mig"]["instances"][0] == {"profile": "1g.18gb", "placement": {"start": 4, "size": 1}, "gi": 11,
+                                         "ci": 0, "uuid": MIG_UUIDS[4], "holders": []}
+    assert g0["group"][0]["class"] == "0x030200"
+    assert doc["gpus"][1]["holders"] == [{"pid": 4121, "name": "python", "device": "/dev/nvidia1"}]
+
+
+def test_socket_from_environment(daemon):
+    r = run(None, "version", env={"GPUD_SOCKET": daemon.path})
+    assert r.returncode == 0, r.stderr
+    assert "gpud    0.1.0 (protocol 1)" in r.stdout and "driver  550.90.07" in r.stdout
+
+
+def test_check_sends_the_file_and_reports_validity(daemon, tmp_path):
+    f = tmp_path / "layout.yaml"
+    f.write_text("version: v1\n")
+    r = run(daemon, "check", str(f))
+    assert (r.returncode, r.stdout.strip()) == (0, f"{f}: valid (selected: partial-mig)")
+    assert calls(daemon, "check") == [{"text": "version: v1\n", "path": str(f)}]
+    daemon.handler.replies["check"] = wire.CheckReply(valid=False, errors=[f"{f}:1 version: must be v1"],
+                                                      warnings=["w"])
+    r = run(daemon, "check", str(f))
+    assert r.returncode == 4
+    assert r.stdout.splitlines() == [f"{f}: INVALID", f"error: {f}:1 version: must be v1", "warning: w"]
+    r = run(daemon, "check", "-", stdin="layouts: {}\n")
+    assert calls(daemon, "check")[-1] == {"text": "layouts: {}\n", "path": "<stdin>"}
+
+
+def test_check_of_a_missing_file_fails_locally(daemon, tmp_path):
+    r = run(daemon, "check", str(tmp_path / "nope.yaml"))
+    assert r.returncode == 1
+    assert r.stderr.startswith(f"gpudctl: cannot read {tmp_path / 'nope.yaml'}: No such file")
+    assert calls(daemon, "check") == []
+
+
+def test_plan_output_and_exit_codes(daemon, tmp_path):
+    r = run(daemon, "plan")
+    assert r.returncode == 0, r.stderr
+    assert calls(daemon, "plan") == [{"text": None, "path": None}]  # the loaded layout
+    out = r.stdout.splitlines()
+    assert out[0] == "GPU 0 0000:3b:00.0:"
+    assert out[1] == f"  1. destroy-ci  1g.18gb  {{6}}:1  gi 13  ci 0  {MIG_UUIDS[6]}"
+    assert "  3. create-gi  1g.35gb  {6}:2" in out
+    assert "  1. set MIG mode on" in out and "  2. reset" in out
+    assert "GPU 2 0000:9a:00.0: nothing to do" in out
+    assert (f"  destroys 1g.18gb {{6}}:1 on 0000:3b:00.0 {MIG_UUIDS[6]} held by pid 31337 jupyter") in out
+    assert "  MIG mode changes: 0000:5c:00.0" in out and "  GPU resets: 0000:5c:00.0" in out
+
+    f = tmp_path / "l.yaml"
+    f.write_text("x: 1\n")
+    daemon.handler.replies["plan"] = wire.PlanReply(gpus=[wire.GpuPlanInfo(
+        index=0, pci="0000:3b:00.0", infeasible="4x 2g.35gb need 8 slices, the GPU has 7",
+        blocked_by=[wire.HolderInfo(pid=9, name="vllm", device="/dev/nvidia0")])])
+    r = run(daemon, "plan", str(f))
+    assert r.returncode == 4
+    assert calls(daemon, "plan")[-1] == {"text": "x: 1\n", "path": str(f)}
+    assert "GPU 0 0000:3b:00.0: INFEASIBLE: 4x 2g.35gb need 8 slices, the GPU has 7" in r.stdout
+    assert "  blocked by: pid 9 vllm (/dev/nvidia0)" in r.stdout
+    assert "disruption: none" in r.stdout
+    daemon.handler.replies["plan"] = wire.PlanReply(errors=["layout.yaml:2 layouts: unknown key"])
+    r = run(daemon, "plan", "--json")
+    assert r.returncode == 4 and json.loads(r.stdout)["errors"] == ["layout.yaml:2 layouts: unknown key"]
+
+
+def test_apply_exit_codes(daemon):
+    r = run(daemon, "apply")
+    assert r.returncode == 0 and calls(daemon, "apply")[-1] == {"wait": False, "timeout": None}
+    r = run(daemon, "apply", "--wait", "--timeout", "90")
+    assert r.returncode == 0 and calls(daemon, "apply")[-1] == {"wait": True, "timeout": 90.0}
+    assert r.stdout.startswith("apply: converged: all GPUs converged")
+    daemon.handler.replies["apply"] = wire.ApplyReply(
+        phase="waiting", converged=False, message="1 GPU waiting",
+        gpus=[wire.GpuApplyInfo(pci="0000:5c:00.0", state="waiting", message="pid 4121 python holds /dev/nvidia1")])
+    r = run(daemon, "apply", "--wait")
+    assert r.returncode == 5
+    assert "  0000:5c:00.0  waiting: pid 4121 python holds /dev/nvidia1" in r.stdout
+    assert run(daemon, "apply").returncode == 0  # without --wait, started is success
+    daemon.handler.errors["apply"] = ApiError("timeout", "not converged after 90 s")
+    r = run(daemon, "apply", "--wait", "--timeout", "90")
+    assert r.returncode == 5 and "not converged after 90 s" in r.stderr
+    daemon.handler.errors["apply"] = ApiError("forbidden", "apply needs root")
+    r = run(daemon, "apply")
+    assert r.returncode == 1 and r.stderr == "gpudctl: apply needs root [forbidden]\n"
+
+
+def test_reload(daemon):
+    r = run(daemon, "reload")
+    assert r.returncode == 0 and r.stdout.startswith("reloaded /etc/gpud/layout.yaml: valid")
+    daemon.handler.replies["reload"] = wire.LayoutStatus(path="/etc/gpud/layout.yaml", errors=["bad"])
+    r = run(daemon, "reload")
+    assert r.returncode == 4 and "error: bad" in r.stdout
+    daemon.handler.errors["reload"] = ApiError("read-only", "read-only mode")
+    assert run(daemon, "reload").returncode == 1
+
+
+def test_mig_profiles_look_like_nvidia_smi(daemon):
+    r = run(daemon, "mig", "profiles", "--gpu", "0000:3b:00.0")
+    assert r.returncode == 0, r.stderr
+    expected = (FIXTURES / "nvidia-smi-mig-lgip.txt").read_text() + (FIXTURES / "nvidia-smi-mig-lgipp.txt").read_text()
+    assert r.stdout == expected
+    assert calls(daemon, "mig-profiles") == [{"gpu": "0000:3b:00.0"}]
+    run(daemon, "mig", "profiles")
+    assert calls(daemon, "mig-profiles")[-1] == {"gpu": None}
+
+
+def test_passthrough(daemon):
+    r = run(daemon, "passthrough")
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[0].split() == ["PCI", "ID", "IOMMU", "VFIO", "NUMA", "RESOURCE"]
+    assert lines[1].split() == ["0000:9a:00.0", "10de:2335", "88", "/dev/vfio/88", "1", "nvidia.com/GH100_H200"]
+    assert "      <address domain='0x0000' bus='0x9a' slot='0x00' function='0x0'/>" in lines
+    doc = json.loads(run(daemon, "passthrough", "--json").stdout)
+    assert doc["devices"][0]["kubevirt"]["pciVendorSelector"] == "10DE:2335"
+
+
+def test_events_history(daemon):
+    daemon.call(daemon.handler.publish, "step", "created 1g.18gb", "0000:3b:00.0")
+    r = run(daemon, "events")
+    assert r.returncode == 0
+    assert r.stdout.rstrip().endswith("step 0000:3b:00.0: created 1g.18gb")
+    line = json.loads(run(daemon, "events", "--json").stdout)
+    assert (line["kind"], line["gpu"]) == ("step", "0000:3b:00.0")
+
+
+def test_events_follow_until_interrupted(daemon):
+    daemon.call(daemon.handler.publish, "layout", "loaded")
+    proc = subprocess.Popen([sys.executable, "-m", "gpud.cli.gpudctl", "--socket", daemon.path, "events", "-f"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
+                            env={**os.environ, "PYTHONPATH": str(REPO)})
+    try:
+        assert proc.stdout.readline().rstrip().endswith("layout: loaded")  # history: now subscribed
+        daemon.call(daemon.handler.publish, "wait", "pid 4121 python holds /dev/nvidia1", "0000:5c:00.0")
+        assert proc.stdout.readline().rstrip().endswith("wait 0000:5c:00.0: pid 4121 python holds /dev/nvidia1")
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(30) == 0
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_events_follow_ends_with_3_when_the_daemon_goes(tmp_path):
+    srv = ThreadedServer(group=None).start()
+    proc = subprocess.Popen([sys.executable, "-m", "gpud.cli.gpudctl", "--socket", srv.path, "events", "-f"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
+                            env={**os.environ, "PYTHONPATH": str(REPO)})
+    try:
+        srv.call(srv.handler.publish, "layout", "loaded")
+        # wait until the client is following (its history line is printed), then stop the daemon
+        assert proc.stdout.readline().rstrip().endswith("layout: loaded")
+        srv.stop()
+        assert proc.wait(30) == 3
+        assert "closed the connection" in proc.stderr.read()
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_usage_errors_exit_2(daemon):
+    assert run(daemon, "frobnicate").returncode == 2
+    assert run(daemon).returncode == 2
+    assert run(daemon, "mig").returncode == 2
+    r = run(daemon, "apply", "--timeout", "5")
+    assert r.returncode == 2 and "--timeout needs --wait" in r.stderr
+    assert run(daemon, "--help").returncode == 0
+
+
+def test_unreachable_daemon_exits_3(tmp_path):
+    path = str(tmp_path / "gpud.sock")
+    r = run(path, "status")
+    assert r.returncode == 3
+    assert r.stderr == f"gpudctl: cannot reach gpud at {path}: No such file or directory (is gpud running?)\n"
+    assert r.stdout == ""
+    dead = socket.socket(socket.AF_UNIX)
+    dead.bind(path)
+    dead.close()  # socket file of a daemon that died
+    r = run(path, "version")
+    assert r.returncode == 3 and "Connection refused" in r.stderr
+
+
+def test_daemon_hanging_up_without_answer_exits_3(tmp_path):
+    path = str(tmp_path / "s")
+    lsock = socket.socket(socket.AF_UNIX)
+    lsock.bind(path)
+    lsock.listen()
+
+    def accept_and_close():
+        conn, _ = lsock.accept()
+        conn.recv(65536)
+        conn.close()
+
+    t = threading.Thread(target=accept_and_close, daemon=True)
+    t.start()
+    r = run(path, "status")
+    t.join(30)
+    lsock.close()
+    assert r.returncode == 3 and "closed the connection" in r.stderr
+
+
+def test_client_imports_nothing_heavy():
+    banned = ["pynvml", "yaml", "pyudev", "dbus_fast", "asyncinotify", "prometheus_client", "asyncio"]
+    code = ("import sys, json; import gpud.cli.gpudctl; "
+            f"print(json.dumps([m for m in {banned!r} if m in sys.modules]))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO,
+                         env={**os.environ, "PYTHONPATH": str(REPO)}).stdout
+    assert json.loads(out) == []
+
+
+def test_state_and_mig_columns():
+    g = wire.GpuStatus(index=0, pci="p", state="failed", message="NVML_ERROR_IN_USE creating 3g.71gb",
+                       mig=wire.MigStatus(capable=True, mode="disabled", pending="enabled"))
+    assert gpudctl._state_column(g) == "failed: NVML_ERROR_IN_USE creating 3g.71gb"
+    assert gpudctl._mig_column(g.mig) == "pending(on)"
+    assert gpudctl._mig_column(wire.MigStatus()) == "-"
+    many = wire.GpuStatus(index=0, pci="p", state="waiting", holders=[
+        wire.HolderInfo(pid=1, name="a"), wire.HolderInfo(pid=2, name="b")])
+    assert gpudctl._state_column(many) == "waiting: pid 1 a (+1 more)"
+
+
+def test_check_of_a_binary_file_fails_locally(daemon, tmp_path):
+    f = tmp_path / "layout.yaml"
+    f.write_bytes(b"\xff\xfe\x00")
+    r = run(daemon, "check", str(f))
+    assert r.returncode == 1 and "not UTF-8" in r.stderr and "Traceback" not in r.stderr

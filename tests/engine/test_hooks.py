@@ -1,0 +1,206 @@
+"""Hooks run for real (fork/exec of small scripts): environment, no shell, failure semantics,
+apply-exit always running, and timeouts killing the whole process group."""
+
+from __future__ import annotations
+
+import os
+import select
+import stat
+
+import pytest
+
+from gpud.engine import hooks as hooks_mod
+from gpud.engine.hooks import ApplyInfo, Hook, HookFailed, Hooks, parse_hooks, refresh_cdi
+
+
+def script(tmp_path, name: str, body: str) -> str:
+    p = tmp_path / name
+    p.write_text("#!/bin/sh\n" + body)
+    p.chmod(p.stat().st_mode | stat.S_IXUSR)
+    return str(p)
+
+
+def info(**kw) -> ApplyInfo:
+    base = dict(layout="/etc/gpud/layout.yaml", selected="partial-mig",
+                gpus=["0000:19:00.0", "0000:3b:00.0"], mode_change=True)
+    base.update(kw)
+    return ApplyInfo(**base)
+
+
+@pytest.fixture
+def lines():
+    return []
+
+
+def test_environment_is_child_env_plus_hook_env_plus_gpud_vars(tmp_path, monkeypatch, lines):
+    monkeypatch.setenv("NOTIFY_SOCKET", "/run/systemd/notify")
+    monkeypatch.setenv("WATCHDOG_USEC", "30000000")
+    monkeypatch.setenv("WATCHDOG_PID", "1")
+    monkeypatch.setenv("LISTEN_FDS", "1")
+    monkeypatch.setenv("KEEP_ME", "yes")
+    cmd = script(tmp_path, "env.sh", "env | sort\n")
+    h = Hooks({"pre-apply-mode": [Hook(cmd, env={"FOO": "bar", "GPUD_PHASE": "spoofed"})]}, log=lines.append)
+
+    async def go():
+        return await h.run("pre-apply-mode", info())
+
+    import asyncio
+    assert asyncio.run(go()) == []
+    out = {l.split(": ", 1)[1] for l in lines if l.startswith("pre-apply-mode hook env.sh: ")}
+    env = dict(x.split("=", 1) for x in out if "=" in x)
+    for k in ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID", "LISTEN_FDS"):
+        assert k not in env
+    assert env["KEEP_ME"] == "yes" and env["FOO"] == "bar"
+    assert env["GPUD_PHASE"] == "pre-apply-mode"  # gpud's facts win over the hook's env
+    assert env["GPUD_LAYOUT"] == "/etc/gpud/layout.yaml"
+    assert env["GPUD_SELECTED"] == "partial-mig"
+    assert env["GPUD_GPUS"] == "0000:19:00.0 0000:3b:00.0"
+    assert env["GPUD_MODE_CHANGE"] == "1" and env["GPUD_CHANGED_MIG"] == "0"
+    assert "GPUD_RESULT" not in env
+
+
+async def test_arguments_reach_the_command_without_a_shell(lines):
+    h = Hooks({"apply-start": [Hook("/usr/bin/printf", args=("%s\\n", "$HOME; touch /tmp/x", "`id`"))]},
+              log=lines.append)
+    await h.run("apply-start", info())
+    printed = [l.split(": ", 1)[1] for l in lines if l.startswith("apply-start hook printf: ")]
+    assert printed == ["$HOME; touch /tmp/x", "`id`"]
+
+
+async def test_failing_before_hook_raises_and_skips_the_rest(tmp_path, lines):
+    bad = script(tmp_path, "bad.sh", "echo draining kubelet\necho cannot drain >&2\nexit 3\n")
+    after = tmp_path / "after-ran"
+    good = script(tmp_path, "good.sh", f"touch {after}\n")
+    h = Hooks({"pre-apply-config": [Hook(bad), Hook(good)]}, log=lines.append)
+    with pytest.raises(HookFailed) as ei:
+        await h.run("pre-apply-config", info())
+    e = ei.value
+    assert (e.phase, e.command, e.exit_code, e.timed_out) == ("pre-apply-config", bad, 3, False)
+    assert e.output == ["draining kubelet", "cannot drain"]  # stderr is captured too
+    assert "exited 3" in str(e) and "cannot drain" in str(e)
+    assert not after.exists()
+    assert any("exited 3" in l for l in lines)
+
+
+async def test_apply_exit_runs_after_failed_apply_start_and_reports_failure(tmp_path, lines):
+    record = tmp_path / "exit-env"
+    start = script(tmp_path, "start.sh", "exit 1\n")
+    exit_hook = script(tmp_path, "exit.sh", f'echo "$GPUD_RESULT|$GPUD_ERROR|$GPUD_CHANGED_MIG" > {record}\n')
+    h = Hooks({"apply-start": [Hook(start)], "apply-exit": [Hook(exit_hook)]}, log=lines.append)
+    body_ran = False
+    with pytest.raises(HookFailed):
+        async with h.around_apply(info()):
+            body_ran = True
+    assert not body_ran
+    result, error, changed = record.read_text().strip().split("|")
+    assert result == "failure" and "apply-start hook" in error and changed == "0"
+
+
+async def test_apply_exit_runs_after_failed_body_and_its_failures_do_not_raise(tmp_path, lines):
+    marks = tmp_path / "marks"
+    failing_exit = script(tmp_path, "exit1.sh", f'echo one >> {marks}\nexit 7\n')
+    second_exit = script(tmp_path, "exit2.sh", f'echo "two $GPUD_RESULT $GPUD_CHANGED_MIG" >> {marks}\n')
+    h = Hooks({"apply-exit": [Hook(failing_exit), Hook(second_exit)]}, log=lines.append)
+    i = info()
+    with pytest.raises(RuntimeError, match="nvml exploded"):
+        async with h.around_apply(i) as cur:
+            cur.changed_mig = True
+            raise RuntimeError("nvml exploded")
+    assert marks.read_text().split("\n")[:2] == ["one", "two failure 1"]
+    assert any("exited 7" in l for l in lines)
+    # success: GPUD_RESULT=success, and the exit hook failure is returned, not raised
+    marks.unlink()
+    async with h.around_apply(info()):
+        pass
+    assert marks.read_text().split("\n")[:2] == ["one", "two success 0"]
+    assert [f.exit_code for f in await h.run("apply-exit", info())] == [7]
+
+
+async def test_timeout_kills_the_whole_process_group(tmp_path, lines):
+    pidfile = tmp_path / "grandchild.pid"
+    # The grandchild ignores SIGTERM: only the group SIGKILL after the grace period ends it.
+    cmd = script(tmp_path, "hang.sh",
+                 f"sh -c 'trap \"\" TERM; echo $$ > {pidfile}.tmp; mv {pidfile}.tmp {pidfile}; "
+                 f"while :; do sleep 1; done' &\n"
+                 f"while [ ! -e {pidfile} ]; do sleep 0.05; done\necho started\nexec sleep 1000\n")
+    h = Hooks({"apply-start": [Hook(cmd, timeout=1)]}, log=lines.append)
+    with pytest.raises(HookFailed) as ei:
+        await h.run("apply-start", info())
+    assert ei.value.timed_out and ei.value.output == ["started"]
+    gc = int(pidfile.read_text())
+    try:
+        fd = os.pidfd_open(gc)
+    except ProcessLookupError:
+        return  # already gone and reaped
+    try:
+        assert select.select([fd], [], [], 10)[0], f"grandchild {gc} survived the hook's timeout"
+    finally:
+        os.close(fd)
+
+
+async def test_processes_left_behind_do_not_hang_the_apply(tmp_path, lines):
+    pidfile = tmp_path / "bg.pid"
+    cmd = script(tmp_path, "bg.sh", f"sleep 1000 &\necho $! > {pidfile}\necho hi\n")
+    h = Hooks({"apply-start": [Hook(cmd, timeout=60)]}, log=lines.append)
+    await h.run("apply-start", info())  # would wait for EOF forever if the sleep kept our pipe
+    bg = int(pidfile.read_text())
+    try:
+        fd = os.pidfd_open(bg)
+    except ProcessLookupError:
+        return
+    try:
+        assert select.select([fd], [], [], 10)[0]
+    finally:
+        os.close(fd)
+    assert "apply-start hook bg.sh: hi" in lines
+
+
+async def test_long_output_without_newline_is_cut(tmp_path, lines):
+    cmd = script(tmp_path, "long.sh", "head -c 100000 /dev/zero | tr '\\0' x\necho\necho after\nprintf tail\n")
+    h = Hooks({"apply-start": [Hook(cmd)]}, log=lines.append)
+    await h.run("apply-start", info())
+    out = [l.split(": ", 1)[1] for l in lines if l.startswith("apply-start hook long.sh: ")]
+    assert out == ["x" * hooks_mod.MAX_LINE + " [cut]", "after", "tail"]
+
+
+async def test_missing_command_is_a_hook_failure(tmp_path, lines):
+    h = Hooks({"pre-apply-mode": [Hook(str(tmp_path / "nope"))]}, log=lines.append)
+    with pytest.raises(HookFailed, match="could not be started") as ei:
+        await h.run("pre-apply-mode", info())
+    assert ei.value.exit_code is None
+
+
+def test_parse_hooks_validates_and_accepts_the_layout_struct():
+    with pytest.raises(ValueError, match="absolute"):
+        parse_hooks({"apply-start": [{"command": "drain.sh"}]})
+    with pytest.raises(ValueError, match="unknown phase"):
+        parse_hooks({"post-apply": [{"command": "/bin/true"}]})
+    with pytest.raises(ValueError, match=r"hooks.apply-exit\[0\]: unknown keys \['shell'\]"):
+        parse_hooks({"apply-exit": [{"command": "/bin/true", "shell": True}]})
+    parsed = parse_hooks({"apply-exit": [{"command": "/bin/true", "args": ["a"], "env": {"K": "V"}, "timeout": 5}]})
+    assert parsed == {"apply-exit": [Hook("/bin/true", ("a",), {"K": "V"}, 5.0)]}
+    from gpud.layout import schema
+
+    section = schema.Hooks(pre_apply_mode=(schema.Hook(command="/bin/true", args=("x",)),))
+    got = parse_hooks(section)
+    assert got["pre-apply-mode"] == [Hook("/bin/true", ("x",), {}, hooks_mod.DEFAULT_TIMEOUT)]
+    assert got["apply-start"] == [] and got["apply-exit"] == []
+
+
+class FakeDrainer:
+    def __init__(self, present: bool) -> None:
+        self.present = present
+        self.calls: list[str] = []
+
+    async def restart_if_present(self, unit: str) -> bool:
+        self.calls.append(unit)
+        return self.present
+
+
+async def test_refresh_cdi_restarts_only_an_installed_unit(lines):
+    d = FakeDrainer(True)
+    assert await refresh_cdi(d, log=lines.append) is True
+    assert d.calls == ["nvidia-cdi-refresh.service"]
+    assert await refresh_cdi(FakeDrainer(False), log=lines.append) is False
+    assert await refresh_cdi(None, log=lines.append) is False
+    assert lines[-1].startswith("cannot restart")

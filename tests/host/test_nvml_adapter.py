@@ -1,0 +1,168 @@
+"""gpud.host.nvml on simulated hosts: what it reads, what it changes, and what read-only forbids."""
+
+from __future__ import annotations
+
+import pytest
+
+from gpud.host.nvml import Nvml, NvmlError, normalize_pci
+from gpud.host.readonly import ReadOnlyError
+from gpud.model import Holder, Placement
+from gpud.profiles import MODELS
+from gpud.sim.state import SimFault, SimProcess, load, locked
+
+GPU0, GPU1 = "0000:18:00.0", "0000:2a:00.0"
+MUTATING = ("nvmlDeviceSetMigMode", "nvmlDeviceCreateGpuInstance", "nvmlDeviceCreateGpuInstanceWithPlacement",
+            "nvmlGpuInstanceCreateComputeInstance", "nvmlComputeInstanceDestroy", "nvmlGpuInstanceDestroy")
+
+
+@pytest.fixture
+def nvml():
+    n = Nvml()
+    yield n
+    n.close()
+
+
+def test_normalize_pci():
+    assert normalize_pci("00000000:3B:00.0") == "0000:3b:00.0"
+    assert normalize_pci("0000:DB:00.1") == "0000:db:00.1"
+
+
+@pytest.mark.parametrize("model", ["a100-40gb", "h100-80gb", "h200", "l40s"])
+def test_reads_each_model_like_its_table(sim_host, nvml, model):
+    sim_host(f"{model}:2")
+    m = MODELS[model]
+    gpus = nvml.gpus()
+    assert [g.pci for g in gpus] == [GPU0, GPU1]
+    g = gpus[0]
+    assert (g.name, g.memory_mb, g.minor, g.mig_capable) == (m.name, m.memory_mb, 0, m.mig_capable)
+    assert g.uuid.startswith("GPU-") and g.uuid != gpus[1].uuid
+    if m.mig_capable:
+        assert (g.mig_mode, g.mig_pending) == (0, 0)
+        assert sorted(g.profiles, key=lambda p: p.id) == sorted(m.profiles, key=lambda p: p.id)
+    else:
+        assert (g.mig_mode, g.mig_pending, g.profiles, g.instances) == (None, None, (), ())
+
+
+def test_only_nvidia_bound_gpus_are_read(sim_host, nvml):
+    host = sim_host("h200:2")
+    with locked(host.host_dir) as st:
+        st.functions[GPU0].driver = "vfio-pci"
+    assert [g.pci for g in nvml.gpus()] == [GPU1]
+    assert nvml.gpu(GPU0) is None
+    assert nvml.gpu(GPU1.upper()).pci == GPU1
+
+
+def test_mig_lifecycle_through_the_adapter(sim_host, nvml):
+    sim_host("h100-80gb")
+    assert nvml.set_mig_mode(GPU0, True) == 0
+    gi3 = nvml.create_gpu_instance(GPU0, 9, 4)
+    gi1 = nvml.create_gpu_instance(GPU0, 19, 0)
+    ci = nvml.create_compute_instance(GPU0, gi3, 2)
+    assert ci == 0
+    nvml.create_compute_instance(GPU0, gi1, 0)
+    g = nvml.gpu(GPU0)
+    assert (g.mig_mode, g.mig_pending) == (1, 1)
+    by_id = {gi.id: gi for gi in g.instances}
+    assert by_id[gi3].placement == Placement(4, 4) and by_id[gi3].profile_id == 9
+    assert by_id[gi1].placement == Placement(0, 1)
+    assert [c.slices for c in by_id[gi3].cis] == [3]
+    uuids = [c.uuid for gi in g.instances for c in gi.cis]
+    assert all(u.startswith("MIG-") for u in uuids) and len(set(uuids)) == 2
+    assert nvml.gpu(GPU0).instances == g.instances  # stable across reads
+    # CI profiles of a profile with a live GI come from NVML itself and agree with the table
+    table = next(p for p in MODELS["h100-80gb"].profiles if p.id == 9)
+    assert g.profile(9).ci_profiles == table.ci_profiles
+    nvml.destroy_compute_instance(GPU0, gi3, 0)
+    nvml.destroy_gpu_instance(GPU0, gi3)
+    assert [gi.id for gi in nvml.gpu(GPU0).instances] == [gi1]
+
+
+def test_create_error_carries_code_function_and_gpu(sim_host, nvml):
+    sim_host("h200", mig_on=[0])
+    nvml.create_gpu_instance(GPU0, 9, 4)
+    with pytest.raises(NvmlError) as e:
+        nvml.create_gpu_instance(GPU0, 19, 5)
+    assert (e.value.code, e.value.function, e.value.pci) == (23, "nvmlDeviceCreateGpuInstanceWithPlacement", GPU0)
+    assert "Insufficient Resources" in str(e.value)
+    with pytest.raises(NvmlError) as e:
+        nvml.destroy_gpu_instance(GPU0, 5)
+    assert e.value.code == 6
+
+
+def test_ampere_mode_change_is_read_back_as_pending(sim_host, nvml):
+    sim_host("a100-40gb")
+    status = nvml.set_mig_mode(GPU0, True)
+    assert status != 0
+    g = nvml.gpu(GPU0)
+    assert (g.mig_mode, g.mig_pending, g.instances) == (0, 1, ())
+
+
+def test_processes_with_names_from_proc_then_nvml(sim_host):
+    host = sim_host("h200:2", mig_on=[0])
+    nvml = Nvml(proc_root=str(host.proc_root))
+    gi = nvml.create_gpu_instance(GPU0, 19, 0)
+    nvml.create_compute_instance(GPU0, gi, 0)
+    mig_uuid = nvml.gpu(GPU0).instances[0].cis[0].uuid
+    with locked(host.host_dir) as st:
+        st.processes += [SimProcess(pid=301, name="mig-worker", device=mig_uuid),
+                         SimProcess(pid=302, name="nvml-name", device=GPU1)]
+    (host.proc_root / "302").mkdir(parents=True)
+    (host.proc_root / "302" / "comm").write_text("from-proc\n")
+    g0, g1 = nvml.gpus()
+    assert g0.processes == ()
+    assert g0.instances[0].cis[0].holders == (Holder(301, "mig-worker", mig_uuid),)
+    assert g0.instances[0].holders == (Holder(301, "mig-worker", mig_uuid),)
+    assert g1.processes == (Holder(302, "from-proc", GPU1),)
+    nvml.close()
+
+
+def test_read_only_refuses_before_touching_nvml(sim_host):
+    host = sim_host("h200", mig_on=[0])
+    rw = Nvml()
+    gi = rw.create_gpu_instance(GPU0, 19, 0)
+    rw.create_compute_instance(GPU0, gi, 0)
+    rw.close()
+    before = load(host.host_dir).calls
+    ro = Nvml(read_only=True)
+    g = ro.gpu(GPU0)
+    assert len(g.instances) == 1
+    for call in (lambda: ro.set_mig_mode(GPU0, False), lambda: ro.create_gpu_instance(GPU0, 9, 4),
+                 lambda: ro.create_compute_instance(GPU0, gi, 0), lambda: ro.destroy_compute_instance(GPU0, gi, 0),
+                 lambda: ro.destroy_gpu_instance(GPU0, gi)):
+        with pytest.raises(ReadOnlyError, match="read-only mode"):
+            call()
+    after = load(host.host_dir).calls
+    assert {f: after.get(f, 0) - before.get(f, 0) for f in MUTATING} == dict.fromkeys(MUTATING, 0)
+    assert after["nvmlDeviceGetMigMode"] > before.get("nvmlDeviceGetMigMode", 0)  # it did read
+    ro.close()
+
+
+def test_fault_surfaces_as_nvml_error(sim_host, nvml):
+    host = sim_host("h200:2", mig_on=[1])
+    with locked(host.host_dir) as st:
+        st.faults.append(SimFault(function="nvmlDeviceGetMigMode", nth=2, error=15))
+    with pytest.raises(NvmlError) as e:
+        nvml.gpus()
+    assert (e.value.code, e.value.function, e.value.pci) == (15, "nvmlDeviceGetMigMode", GPU1)
+    assert len(nvml.gpus()) == 2  # one-shot
+
+
+def test_close_and_reopen(sim_host):
+    host = sim_host("l40s")
+    n = Nvml()
+    assert n.driver_version() == "580.159.04"
+    n.close()
+    n.close()  # idempotent
+    assert [g.pci for g in n.gpus()] == [GPU0]  # reopens on demand
+    n.close()
+    calls = load(host.host_dir).calls
+    assert calls["nvmlInitWithFlags"] == 2 and calls["nvmlShutdown"] == 2
+
+
+def test_driver_not_loaded_is_an_nvml_error(sim_host):
+    host = sim_host("h200")
+    with locked(host.host_dir) as st:
+        st.loaded_modules.remove("nvidia")
+    with pytest.raises(NvmlError) as e:
+        Nvml().gpus()
+    assert e.value.code == 9 and e.value.function == "nvmlInit"

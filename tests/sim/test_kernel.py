@@ -1,0 +1,300 @@
+"""Kernel write semantics of the simulated sysfs, driven through the real Sysfs adapter."""
+
+from __future__ import annotations
+
+import errno
+import functools
+import os
+import threading
+
+import pytest
+
+from gpud.host.procs import Procs
+from gpud.host.sysfs import Sysfs, SysfsError
+from gpud.sim import kernel
+from gpud.sim.kernel import Store
+from gpud.sim.state import SimFunction, SimGi, SimGpu, SimProcess, SimState, locked, load, save
+from gpud.sim.sysfs_tree import render
+
+GPU, AUDIO, GPU2, NOGROUP = "0000:3b:00.0", "0000:3b:00.1", "0000:5d:00.0", "0000:00:06.0"
+UUID = "GPU-d187104d-6f24-f22c-6f22-72835236781d"
+
+
+def make_state() -> SimState:
+    """Two H200s: one with an HD-audio companion sharing IOMMU group 20, one alone in group 30,
+    and a third without IOMMU (like the fixture host)."""
+    def gpu_fn(addr, group):
+        return SimFunction(addr, 0x10DE, 0x2335, 0x10DE, 0x18BF, 0x030200, native_driver="nvidia",
+                           driver="nvidia", iommu_group=group)
+
+    st = SimState(loaded_modules=["nvidia", "snd_hda_intel"])
+    st.functions = {
+        GPU: gpu_fn(GPU, 20),
+        AUDIO: SimFunction(AUDIO, 0x10DE, 0x22BA, 0x10DE, 0x18BF, 0x040300, native_driver="snd_hda_intel",
+                           driver="snd_hda_intel", iommu_group=20),
+        GPU2: gpu_fn(GPU2, 30),
+        NOGROUP: gpu_fn(NOGROUP, None),
+    }
+    st.gpus = {
+        GPU: SimGpu(GPU, "h200", UUID, 0),
+        GPU2: SimGpu(GPU2, "h200", "GPU-22222222-0000-0000-0000-000000000002", 1),
+        NOGROUP: SimGpu(NOGROUP, "h200", "GPU-33333333-0000-0000-0000-000000000003", 2),
+    }
+    return st
+
+
+def make_host(path, state: SimState | None = None) -> str:
+    d = os.fspath(path)
+    os.makedirs(d, exist_ok=True)
+    st = state or make_state()
+    save(d, st)
+    render(d, st)
+    return d
+
+
+@pytest.fixture
+def host(tmp_path):
+    return make_host(tmp_path / "host")
+
+
+def adapter(d, **kw) -> Sysfs:
+    return Sysfs(os.path.join(d, "sys"), store=Store(d, poll_interval=0.005, **kw),
+                 modprobe=functools.partial(kernel.modprobe, d))
+
+
+def add_process(d, proc: SimProcess) -> None:
+    with locked(d) as st:
+        st.processes.append(proc)
+        render(d, st)
+
+
+def drop_processes(d) -> None:
+    with locked(d) as st:
+        st.processes.clear()
+        render(d, st)
+
+
+def to_vfio(s: Sysfs, addr: str) -> None:
+    s.write(f"bus/pci/devices/{addr}/driver_override", "vfio-pci")
+    f = s.function(addr)
+    if f.driver:
+        s.write(f"bus/pci/drivers/{f.driver}/unbind", addr)
+    s.write("bus/pci/drivers_probe", addr)
+
+
+def to_native(s: Sysfs, addr: str) -> None:
+    s.write(f"bus/pci/devices/{addr}/driver_override", "\n")
+    f = s.function(addr)
+    if f.driver:
+        s.write(f"bus/pci/drivers/{f.driver}/unbind", addr)
+    s.write("bus/pci/drivers_probe", addr)
+
+
+def test_native_to_vfio_and_back_with_companion(host):
+    s = adapter(host)
+    assert "vfio-pci" not in s.drivers()
+    s.load_module("vfio-pci")
+    assert "vfio-pci" in s.drivers()
+    assert os.path.exists(os.path.join(host, "dev/nvidia0"))
+
+    to_vfio(s, GPU)
+    gpu = s.function(GPU)
+    assert (gpu.driver, gpu.driver_override) == ("vfio-pci", "vfio-pci")
+    assert s.vfio_device_path(20) is None  # audio still on snd_hda_intel: group not viable
+    assert not os.path.exists(os.path.join(host, "dev/nvidia0"))
+    assert not os.path.exists(os.path.join(host, f"proc/driver/nvidia/gpus/{GPU}"))
+
+    to_vfio(s, AUDIO)
+    assert s.function(AUDIO).driver == "vfio-pci"
+    assert s.vfio_device_path(20) == os.path.join(host, "dev/vfio/20")
+    assert sorted(os.listdir(os.path.join(host, "sys/bus/pci/drivers/vfio-pci"))) == sorted(
+        [GPU, AUDIO, "bind", "unbind", "new_id", "remove_id"])
+    # the untouched GPU kept its driver and node
+    assert s.function(GPU2).driver == "nvidia"
+
+    to_native(s, GPU)
+    to_native(s, AUDIO)
+    assert [(f.address, f.driver, f.driver_override) for f in s.functions()] == [
+        (NOGROUP, "nvidia", None), (GPU, "nvidia", None), (AUDIO, "snd_hda_intel", None), (GPU2, "nvidia", None)]
+    assert s.vfio_device_path(20) is None
+    assert os.path.exists(os.path.join(host, "dev/nvidia0"))
+    assert Procs(os.path.join(host, "proc"), os.path.join(host, "dev")).nvidia_minor(GPU) == 0
+
+
+def _errno(fn) -> SysfsError:
+    with pytest.raises(SysfsError) as ei:
+        fn()
+    return ei.value
+
+
+def test_errnos(host):
+    s = adapter(host)
+    w = s.write
+    # vfio-pci is not loaded: its bind file does not exist
+    assert _errno(lambda: w("bus/pci/drivers/vfio-pci/bind", GPU)).errno == errno.ENOENT
+    s.load_module("vfio_pci")
+    e = _errno(lambda: w("bus/pci/drivers/vfio-pci/bind", GPU))  # no override: no match
+    assert e.errno == errno.ENODEV and "driver_override" in e.meaning
+    e = _errno(lambda: w("bus/pci/drivers/nvidia/bind", GPU))  # matches, but already bound
+    assert e.errno == errno.EBUSY and str(e).startswith("EBUSY: device already bound")
+    assert _errno(lambda: w("bus/pci/drivers/nvidia/bind", "0000:99:00.0")).errno == errno.ENODEV
+    assert _errno(lambda: w("bus/pci/drivers/snd_hda_intel/unbind", GPU)).errno == errno.ENODEV
+    assert _errno(lambda: w("bus/pci/drivers_probe", "0000:99:00.0")).errno == errno.ENODEV
+    e = _errno(lambda: w(f"bus/pci/devices/{GPU}/driver_override", "x" * 4096))
+    assert e.errno == errno.EINVAL and "too long" in e.meaning
+    assert _errno(lambda: w(f"bus/pci/devices/{GPU}/reset", "0")).errno == errno.EINVAL
+    assert _errno(lambda: w(f"bus/pci/devices/{GPU}/reset", "yes")).errno == errno.EINVAL
+    assert _errno(lambda: w(f"bus/pci/devices/{GPU}/vendor", "0x1234")).errno == errno.EACCES
+    assert _errno(lambda: w(f"bus/pci/devices/{GPU}/no_such_attr", "1")).errno == errno.ENOENT
+    assert _errno(lambda: w(f"bus/pci/devices/{GPU}", "1")).errno == errno.EISDIR
+    # vfio-pci probe of a device without an IOMMU group
+    w(f"bus/pci/devices/{NOGROUP}/driver_override", "vfio-pci")
+    w(f"bus/pci/drivers/nvidia/unbind", NOGROUP)
+    assert _errno(lambda: w("bus/pci/drivers/vfio-pci/bind", NOGROUP)).errno == errno.EINVAL
+    w("bus/pci/drivers_probe", NOGROUP)  # succeeds even though nothing binds
+    assert s.function(NOGROUP).driver is None
+    # nothing above changed a driver it should not have
+    assert s.function(GPU).driver == "nvidia" and s.function(GPU).driver_override is None
+
+
+def test_reset_busy_with_holder_and_applies_pending_mig_mode(host):
+    s = adapter(host)
+    with locked(host) as st:
+        st.gpus[GPU].mig_pending = 1
+    add_process(host, SimProcess(4242, "python3", UUID))
+    assert _errno(lambda: s.reset(GPU)).errno == errno.EBUSY
+    assert load(host).gpus[GPU].mig_mode == 0
+    drop_processes(host)
+    s.reset(GPU)
+    assert load(host).gpus[GPU].mig_mode == 1
+
+
+def test_dma_ownership_conflict_in_group(host):
+    s = adapter(host)
+    s.load_module("vfio-pci")
+    to_vfio(s, GPU)
+    s.write("bus/pci/drivers/snd_hda_intel/unbind", AUDIO)  # driverless companion: group viable
+    assert s.vfio_device_path(20) is not None
+    add_process(host, SimProcess(777, "qemu-system-x86", GPU))  # a VM owns the group
+    e = _errno(lambda: s.write("bus/pci/drivers/snd_hda_intel/bind", AUDIO))
+    assert e.errno == errno.EBUSY and "IOMMU group" in e.meaning
+    drop_processes(host)
+    s.write("bus/pci/drivers/snd_hda_intel/bind", AUDIO)
+    assert s.function(AUDIO).driver == "snd_hda_intel"
+    assert s.vfio_device_path(20) is None
+
+
+def _blocking_unbind(host, drv, addr, release):
+    """Start an unbind in a thread; return once it reported being blocked; `release` frees it."""
+    blocked = threading.Event()
+    s = adapter(host, on_block=lambda a: blocked.set())
+    errors = []
+
+    def run():
+        try:
+            s.write(f"bus/pci/drivers/{drv}/unbind", addr)
+        except Exception as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    assert blocked.wait(10), "unbind never blocked"
+    assert t.is_alive()
+    assert s.function(addr).driver == drv  # still bound while blocked
+    release()
+    t.join(10)
+    assert not t.is_alive() and not errors
+    assert s.function(addr).driver is None
+
+
+def test_unbind_of_held_gpu_blocks_until_holder_leaves(host):
+    with locked(host) as st:
+        st.gpus[GPU].mig_mode = 1
+        st.gpus[GPU].gis = [SimGi(1, 9, 0, 4)]
+        from gpud.sim.state import SimCi
+        st.gpus[GPU].gis[0].cis = [SimCi(0, 2, "MIG-aaaaaaaa-0000-0000-0000-000000000001")]
+    add_process(host, SimProcess(31337, "trainer", "MIG-aaaaaaaa-0000-0000-0000-000000000001"))
+    _blocking_unbind(host, "nvidia", GPU, lambda: drop_processes(host))
+
+
+def test_hung_unbind_blocks_until_unhung(host):
+    kernel.hang(host, GPU)
+    _blocking_unbind(host, "nvidia", GPU, lambda: kernel.unhang(host, GPU))
+
+
+def test_vfio_unbind_blocks_while_vm_holds_group(host):
+    s = adapter(host)
+    s.load_module("vfio-pci")
+    to_vfio(s, GPU)
+    to_vfio(s, AUDIO)
+    add_process(host, SimProcess(9000, "qemu-system-x86", AUDIO))
+    holders = Procs(os.path.join(host, "proc"), os.path.join(host, "dev")).holders(["/dev/vfio/20"])
+    assert [(h.pid, h.device) for h in holders] == [(9000, "/dev/vfio/20")]
+    _blocking_unbind(host, "vfio-pci", GPU, lambda: drop_processes(host))
+
+
+def test_remove_forgets_override_and_rescan_probes_native(host):
+    s = adapter(host)
+    s.write(f"bus/pci/devices/{GPU}/driver_override", "vfio-pci")
+    s.write(f"bus/pci/devices/{GPU}/remove", "1")
+    s.write(f"bus/pci/devices/{AUDIO}/remove", "1")
+    assert s.function(GPU) is None and GPU not in [f.address for f in s.functions()]
+    assert s.group_members(20) == []
+    assert _errno(lambda: s.write("bus/pci/drivers_probe", GPU)).errno == errno.ENODEV
+    s.write("bus/pci/rescan", "1")
+    gpu = s.function(GPU)
+    assert (gpu.driver, gpu.driver_override) == ("nvidia", None)
+    assert s.function(AUDIO).driver == "snd_hda_intel"
+    assert s.group_members(20) == [GPU, AUDIO]
+
+
+def test_modprobe_claims_overridden_unbound_devices(host):
+    s = adapter(host)
+    s.write(f"bus/pci/devices/{GPU2}/driver_override", "vfio-pci")
+    s.write("bus/pci/drivers/nvidia/unbind", GPU2)
+    s.write("bus/pci/drivers_probe", GPU2)  # vfio-pci not loaded: nothing binds, no error
+    assert s.function(GPU2).driver is None
+    s.load_module("vfio-pci")
+    assert s.function(GPU2).driver == "vfio-pci"
+    assert s.vfio_device_path(30) is not None
+
+
+def test_new_id_grabs_every_matching_unbound_device(host):
+    s = adapter(host)
+    s.load_module("vfio-pci")
+    for a in (GPU, GPU2):
+        s.write("bus/pci/drivers/nvidia/unbind", a)
+    s.write("bus/pci/drivers/vfio-pci/new_id", "10de 2335")
+    assert s.function(GPU).driver == s.function(GPU2).driver == "vfio-pci"
+    assert s.function(NOGROUP).driver == "nvidia"  # bound devices are left alone
+    assert _errno(lambda: s.write("bus/pci/drivers/vfio-pci/new_id", "zz")).errno == errno.EINVAL
+
+
+def test_unbind_lock_granted_only_without_holders(host):
+    procs = Procs(os.path.join(host, "proc"), os.path.join(host, "dev"), store=Store(host))
+    add_process(host, SimProcess(5, "nvidia-persiste", GPU))
+    assert procs.take_unbind_lock(GPU) is False
+    drop_processes(host)
+    assert procs.take_unbind_lock(GPU) is True
+    assert procs.take_unbind_lock("0000:99:00.0") is False
+    render(host, load(host))  # a re-render keeps the driver's lock state
+    with open(os.path.join(host, f"proc/driver/nvidia/gpus/{GPU}/unbindLock")) as f:
+        assert f.read().strip() == "1"
+
+
+def test_unplug_and_plug_whole_card(host):
+    kernel.unplug(host, GPU)
+    s = adapter(host)
+    assert s.function(GPU) is None and s.function(AUDIO) is None
+    assert load(host).functions[GPU].present is False
+    kernel.plug(host, AUDIO)
+    assert s.function(GPU).driver == "nvidia" and s.function(AUDIO).driver == "snd_hda_intel"
+    with pytest.raises(LookupError):
+        kernel.unplug(host, "0000:99:00.0")
+
+
+def test_failed_write_leaves_state_untouched(host):
+    before = load(host)
+    s = adapter(host)
+    _errno(lambda: s.write("bus/pci/drivers/nvidia/bind", GPU))
+    assert load(host) == before

@@ -1,0 +1,422 @@
+"""The fake NVML library driven through nvidia-ml-py's own wrappers (as gpud.host.nvml uses them)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from ctypes import byref, c_uint
+
+import pynvml as N
+import pytest
+
+from gpud.sim import nvml_lib
+from gpud.sim.state import SimProcess, load, locked
+
+H200_GPUS = ("0000:18:00.0", "0000:2a:00.0")
+
+
+def code_of(fn, *args) -> int:
+    with pytest.raises(N.NVMLError) as e:
+        fn(*args)
+    return e.value.value
+
+
+@pytest.fixture
+def h200(sim_host):
+    """Two H200s (MIG on for the first) and an L40S; NVML initialised."""
+    host = sim_host("h200:2", "l40s", mig_on=[0])
+    N.nvmlInit()
+    yield host
+    N.nvmlShutdown()
+
+
+def handle(i: int = 0):
+    return N.nvmlDeviceGetHandleByIndex(i)
+
+
+def place(h, profile_id: int, start: int, size: int):
+    pl = N.c_nvmlGpuInstancePlacement_t(start, size)
+    return N.nvmlDeviceCreateGpuInstanceWithPlacement(h, profile_id, byref(pl))
+
+
+def add_process(host, device: str, pid: int = 4242, name: str = "trainer") -> None:
+    with locked(host.host_dir) as st:
+        st.processes.append(SimProcess(pid=pid, name=name, device=device))
+
+
+# --- library lifecycle, enumeration, identity ----------------------------------------------------
+
+
+def test_calls_before_init_are_uninitialized(sim_host):
+    sim_host("h200")
+    assert code_of(N.nvmlDeviceGetHandleByIndex, 0) == N.NVML_ERROR_UNINITIALIZED
+
+
+def test_init_without_the_nvidia_module_fails(sim_host):
+    host = sim_host("h200")
+    with locked(host.host_dir) as st:
+        st.loaded_modules.remove("nvidia")
+    assert code_of(N.nvmlInit) == N.NVML_ERROR_DRIVER_NOT_LOADED
+
+
+def test_unknown_function_is_function_not_found(h200):
+    assert code_of(N.nvmlDeviceGetPowerUsage, handle()) == N.NVML_ERROR_FUNCTION_NOT_FOUND
+
+
+def test_enumerates_nvidia_bound_present_gpus_in_pci_order(h200):
+    assert N.nvmlDeviceGetCount() == 3
+    buses = [N.nvmlDeviceGetPciInfo(handle(i)).busId for i in range(3)]
+    assert buses == ["00000000:18:00.0", "00000000:2A:00.0", "00000000:3A:00.0"]
+    with locked(h200.host_dir) as st:
+        st.functions["0000:18:00.0"].driver = "vfio-pci"
+        st.functions["0000:3a:00.0"].present = False
+    assert N.nvmlDeviceGetCount() == 1
+    assert N.nvmlDeviceGetPciInfo(handle(0)).busId == "00000000:2A:00.0"
+
+
+def test_identity_queries_match_the_fixture_formats(h200):
+    h = handle(0)
+    info = N.nvmlDeviceGetPciInfo(h)
+    assert info.busIdLegacy == "0000:18:00.0"
+    assert (info.domain, info.bus, info.device) == (0, 0x18, 0)
+    assert info.pciDeviceId == 590680286 and info.pciSubSystemId == 415174878  # as on the real H200
+    assert N.nvmlDeviceGetName(h) == "NVIDIA H200"
+    assert N.nvmlDeviceGetUUID(h).startswith("GPU-")
+    assert N.nvmlDeviceGetSerial(h).isdigit()
+    assert N.nvmlDeviceGetMinorNumber(handle(1)) == 1
+    assert N.nvmlDeviceGetIndex(handle(2)) == 2
+    assert N.nvmlDeviceGetMemoryInfo(h).total == 143771 * 2**20
+    assert N.nvmlSystemGetDriverVersion() == "580.159.04"
+    assert N.nvmlSystemGetNVMLVersion() == "13.580.159.04"
+    assert N.nvmlSystemGetCudaDriverVersion() == 13000
+    assert N.nvmlErrorString(N.NVML_ERROR_IN_USE) == "In use by another client"
+
+
+def test_handles_by_pci_bus_id_any_spelling_and_by_uuid(h200):
+    uuid = N.nvmlDeviceGetUUID(handle(1))
+    for spelling in ("0000:2a:00.0", "00000000:2A:00.0", "2a:00.0"):
+        assert N.nvmlDeviceGetUUID(N.nvmlDeviceGetHandleByPciBusId(spelling)) == uuid
+    assert N.nvmlDeviceGetUUID(N.nvmlDeviceGetHandleByUUID(uuid)) == uuid
+    assert code_of(N.nvmlDeviceGetHandleByPciBusId, "0000:0c:00.0") == N.NVML_ERROR_NOT_FOUND  # the NIC
+    assert code_of(N.nvmlDeviceGetHandleByIndex, 3) == N.NVML_ERROR_INVALID_ARGUMENT
+
+
+def test_stale_handle_after_unbind_is_gpu_lost(h200):
+    h = handle(1)
+    with locked(h200.host_dir) as st:
+        st.functions["0000:2a:00.0"].driver = None
+    assert code_of(N.nvmlDeviceGetName, h) == N.NVML_ERROR_GPU_IS_LOST
+
+
+# --- GI profiles and placements ------------------------------------------------------------------
+
+
+def test_profile_info_takes_index_and_reports_id(h200):
+    h = handle(1)  # MIG disabled: profile queries still answer, as on the real H200
+    assert N.nvmlDeviceGetMigMode(h) == [0, 0]
+    expect = {N.NVML_GPU_INSTANCE_PROFILE_1_SLICE: (19, "MIG 1g.18gb"),
+              N.NVML_GPU_INSTANCE_PROFILE_7_SLICE: (0, "MIG 7g.141gb"),
+              N.NVML_GPU_INSTANCE_PROFILE_1_SLICE_REV1: (20, "MIG 1g.18gb+me"),
+              N.NVML_GPU_INSTANCE_PROFILE_1_SLICE_REV2: (15, "MIG 1g.35gb")}
+    for index, (pid, name) in expect.items():
+        info = N.nvmlDeviceGetGpuInstanceProfileInfo(h, index)
+        assert (info.id, info.name) == (pid, name)
+    v1 = N.nvmlDeviceGetGpuInstanceProfileInfo(h, N.NVML_GPU_INSTANCE_PROFILE_3_SLICE, version=1)
+    assert (v1.id, v1.memorySizeMB, v1.multiprocessorCount) == (9, 71424, 60)
+    assert N.nvmlDeviceGetGpuInstanceProfileInfoById(h, 14).sliceCount == 2
+    assert code_of(N.nvmlDeviceGetGpuInstanceProfileInfo, h, N.NVML_GPU_INSTANCE_PROFILE_8_SLICE) == \
+        N.NVML_ERROR_NOT_SUPPORTED
+    assert code_of(N.nvmlDeviceGetGpuInstanceProfileInfo, h, N.NVML_GPU_INSTANCE_PROFILE_3_SLICE_GFX) == \
+        N.NVML_ERROR_INVALID_ARGUMENT
+
+
+def test_non_mig_gpu_answers_not_supported(h200):
+    h = handle(2)
+    assert code_of(N.nvmlDeviceGetMigMode, h) == N.NVML_ERROR_NOT_SUPPORTED
+    assert code_of(N.nvmlDeviceGetGpuInstanceProfileInfo, h, 0) == N.NVML_ERROR_NOT_SUPPORTED
+    assert code_of(N.nvmlDeviceSetMigMode, h, 1) == N.NVML_ERROR_NOT_SUPPORTED
+
+
+def test_possible_placements_two_call_pattern_with_mig_disabled(h200):
+    h = handle(1)
+    count = c_uint(0)
+    N.nvmlDeviceGetGpuInstancePossiblePlacements(h, 15, None, byref(count))
+    assert count.value == 4
+    small = (N.c_nvmlGpuInstancePlacement_t * 2)()
+    count2 = c_uint(2)
+    assert code_of(N.nvmlDeviceGetGpuInstancePossiblePlacements, h, 15, small, byref(count2)) == \
+        N.NVML_ERROR_INSUFFICIENT_SIZE
+    arr = (N.c_nvmlGpuInstancePlacement_t * count.value)()
+    N.nvmlDeviceGetGpuInstancePossiblePlacements(h, 15, arr, byref(count))
+    assert [(p.start, p.size) for p in arr] == [(0, 2), (2, 2), (4, 2), (6, 2)]
+
+
+def test_remaining_capacity(h200):
+    h = handle(0)
+    assert N.nvmlDeviceGetGpuInstanceRemainingCapacity(h, 19) == 7
+    place(h, 9, 4, 4)
+    assert N.nvmlDeviceGetGpuInstanceRemainingCapacity(h, 19) == 4
+    assert N.nvmlDeviceGetGpuInstanceRemainingCapacity(h, 9) == 1
+    assert N.nvmlDeviceGetGpuInstanceRemainingCapacity(h, 0) == 0
+
+
+# --- GPU instances -------------------------------------------------------------------------------
+
+
+def test_create_gi_needs_mig_enabled_and_not_pending(h200):
+    h1 = handle(1)
+    assert code_of(place, h1, 19, 0, 1) == N.NVML_ERROR_NOT_SUPPORTED
+    with locked(h200.host_dir) as st:
+        st.gpus["0000:18:00.0"].mig_pending = 0
+    assert code_of(place, handle(0), 19, 0, 1) == N.NVML_ERROR_NOT_SUPPORTED
+    assert code_of(N.nvmlDeviceGetGpuInstanceById, h1, 1) == N.NVML_ERROR_NOT_SUPPORTED
+    count = c_uint(5)
+    N.nvmlDeviceGetGpuInstances(h1, 19, (N.c_nvmlGpuInstance_t * 7)(), byref(count))  # listing answers (probe)
+    assert count.value == 0
+
+
+def test_create_with_placement_rules(h200):
+    h = handle(0)
+    assert code_of(place, h, 9, 2, 4) == N.NVML_ERROR_INVALID_ARGUMENT  # start not allowed for 3g
+    assert code_of(place, h, 9, 0, 2) == N.NVML_ERROR_INVALID_ARGUMENT  # wrong size
+    assert code_of(place, h, 77, 0, 1) == N.NVML_ERROR_INVALID_ARGUMENT  # unknown profile id
+    gi = place(h, 9, 4, 4)
+    assert code_of(place, h, 19, 5, 1) == N.NVML_ERROR_INSUFFICIENT_RESOURCES  # overlap
+    assert code_of(place, h, 15, 6, 2) == N.NVML_ERROR_INSUFFICIENT_RESOURCES
+    place(h, 20, 0, 1)
+    assert code_of(place, h, 20, 1, 1) == N.NVML_ERROR_INSUFFICIENT_RESOURCES  # only one +me
+    info = N.nvmlGpuInstanceGetInfo(gi)
+    assert (info.id, info.profileId, info.placement.start, info.placement.size) == (1, 9, 4, 4)
+
+
+def test_placement_passed_by_value_is_the_crash_it_would_be(h200):
+    pl = N.c_nvmlGpuInstancePlacement_t(0, 1)
+    with pytest.raises(TypeError, match="byref"):
+        N.nvmlDeviceCreateGpuInstanceWithPlacement(handle(0), 19, pl)
+
+
+def test_create_without_placement_follows_driver_preference(h200):
+    h = handle(0)
+    starts = [N.nvmlGpuInstanceGetInfo(N.nvmlDeviceCreateGpuInstance(h, 19)).placement.start for _ in range(4)]
+    assert starts == [6, 4, 5, 0]
+    assert code_of(N.nvmlDeviceCreateGpuInstance, h, 9) == N.NVML_ERROR_INSUFFICIENT_RESOURCES
+
+
+def test_3g_first_then_four_1g_fits(h200):
+    h = handle(0)
+    assert N.nvmlGpuInstanceGetInfo(N.nvmlDeviceCreateGpuInstance(h, 9)).placement.start == 4
+    starts = sorted(N.nvmlGpuInstanceGetInfo(N.nvmlDeviceCreateGpuInstance(h, 19)).placement.start
+                    for _ in range(4))
+    assert starts == [0, 1, 2, 3]
+
+
+def test_gi_ids_are_lowest_free_positive_and_listing_is_per_profile(h200):
+    h = handle(0)
+    a, b, c = place(h, 19, 0, 1), place(h, 19, 1, 1), place(h, 14, 2, 2)
+    assert [N.nvmlGpuInstanceGetInfo(x).id for x in (a, b, c)] == [1, 2, 3]
+    N.nvmlGpuInstanceDestroy(b)
+    assert N.nvmlGpuInstanceGetInfo(place(h, 9, 4, 4)).id == 2
+    count = c_uint(0)
+    arr = (N.c_nvmlGpuInstance_t * 7)()
+    N.nvmlDeviceGetGpuInstances(h, 19, arr, byref(count))
+    assert count.value == 1 and N.nvmlGpuInstanceGetInfo(arr[0]).placement.start == 0
+    assert N.nvmlGpuInstanceGetInfo(N.nvmlDeviceGetGpuInstanceById(h, 3)).profileId == 14
+    assert code_of(N.nvmlDeviceGetGpuInstanceById, h, 6) == N.NVML_ERROR_NOT_FOUND
+    assert code_of(N.nvmlGpuInstanceGetInfo, b) == N.NVML_ERROR_NOT_FOUND  # handle of a destroyed GI
+
+
+# --- compute instances ---------------------------------------------------------------------------
+
+
+def test_ci_profiles_create_list_destroy(h200):
+    h = handle(0)
+    gi = place(h, 9, 0, 4)
+    eng = N.NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED
+    p1 = N.nvmlGpuInstanceGetComputeInstanceProfileInfo(gi, N.NVML_COMPUTE_INSTANCE_PROFILE_1_SLICE, eng)
+    assert (p1.id, p1.sliceCount, p1.instanceCount, p1.name) == (0, 1, 3, "MIG 1c.3g.71gb")
+    p3 = N.nvmlGpuInstanceGetComputeInstanceProfileInfo(gi, N.NVML_COMPUTE_INSTANCE_PROFILE_3_SLICE, eng)
+    assert (p3.id, p3.multiprocessorCount, p3.name) == (2, 60, "MIG 3g.71gb")
+    assert code_of(N.nvmlGpuInstanceGetComputeInstanceProfileInfo, gi,
+                   N.NVML_COMPUTE_INSTANCE_PROFILE_4_SLICE, eng) == N.NVML_ERROR_NOT_SUPPORTED
+    cis = [N.nvmlGpuInstanceCreateComputeInstance(gi, 0) for _ in range(3)]
+    assert [N.nvmlComputeInstanceGetInfo(c).id for c in cis] == [0, 1, 2]
+    assert [N.nvmlComputeInstanceGetInfo(c).placement.start for c in cis] == [0, 1, 2]
+    assert code_of(N.nvmlGpuInstanceCreateComputeInstance, gi, 0) == N.NVML_ERROR_INSUFFICIENT_RESOURCES
+    assert N.nvmlGpuInstanceGetComputeInstanceRemainingCapacity(gi, 0) == 0
+    count = c_uint(0)
+    arr = (N.c_nvmlComputeInstance_t * 3)()
+    N.nvmlGpuInstanceGetComputeInstances(gi, 0, arr, byref(count))
+    assert count.value == 3
+    assert code_of(N.nvmlGpuInstanceDestroy, gi) == N.NVML_ERROR_IN_USE
+    for c in cis:
+        N.nvmlComputeInstanceDestroy(c)
+    N.nvmlGpuInstanceDestroy(gi)
+    assert load(h200.host_dir).gpus["0000:18:00.0"].gis == []
+
+
+def test_destroy_with_process_on_the_mig_device_is_in_use(h200):
+    h = handle(0)
+    gi = place(h, 19, 0, 1)
+    ci = N.nvmlGpuInstanceCreateComputeInstance(gi, 0)
+    uuid = N.nvmlDeviceGetUUID(N.nvmlDeviceGetMigDeviceHandleByIndex(h, 0))
+    add_process(h200, uuid)
+    assert code_of(N.nvmlComputeInstanceDestroy, ci) == N.NVML_ERROR_IN_USE
+
+
+# --- MIG devices and processes -------------------------------------------------------------------
+
+
+def test_mig_device_handles_ordered_by_gi_then_ci(h200):
+    h = handle(0)
+    assert N.nvmlDeviceGetMaxMigDeviceCount(h) == 7
+    assert N.nvmlDeviceGetMaxMigDeviceCount(handle(1)) == 0
+    g_late = place(h, 9, 4, 4)  # GI 1
+    g_early = place(h, 19, 0, 1)  # GI 2
+    N.nvmlGpuInstanceCreateComputeInstance(g_early, 0)
+    N.nvmlGpuInstanceCreateComputeInstance(g_late, 0)
+    N.nvmlGpuInstanceCreateComputeInstance(g_late, 1)
+    seen = []
+    for i in range(3):
+        m = N.nvmlDeviceGetMigDeviceHandleByIndex(h, i)
+        assert N.nvmlDeviceIsMigDeviceHandle(m)
+        seen.append((N.nvmlDeviceGetGpuInstanceId(m), N.nvmlDeviceGetComputeInstanceId(m), N.nvmlDeviceGetName(m)))
+        parent = N.nvmlDeviceGetDeviceHandleFromMigDeviceHandle(m)
+        assert N.nvmlDeviceGetUUID(parent) == N.nvmlDeviceGetUUID(h)
+    assert seen == [(1, 0, "NVIDIA H200 MIG 1c.3g.71gb"), (1, 1, "NVIDIA H200 MIG 2c.3g.71gb"),
+                    (2, 0, "NVIDIA H200 MIG 1g.18gb")]
+    assert code_of(N.nvmlDeviceGetMigDeviceHandleByIndex, h, 3) == N.NVML_ERROR_NOT_FOUND
+    assert code_of(N.nvmlDeviceGetMigDeviceHandleByIndex, h, 7) == N.NVML_ERROR_INVALID_ARGUMENT
+    is_mig = N.nvmlDeviceIsMigDeviceHandle(h)
+    assert isinstance(is_mig, c_uint) and not is_mig
+    assert code_of(N.nvmlDeviceGetGpuInstanceId, h) == N.NVML_ERROR_NOT_SUPPORTED
+
+
+def test_mig_uuid_is_stable_for_the_life_of_the_ci(h200):
+    h = handle(0)
+    gi = place(h, 19, 3, 1)
+    N.nvmlGpuInstanceCreateComputeInstance(gi, 0)
+    uuid = N.nvmlDeviceGetUUID(N.nvmlDeviceGetMigDeviceHandleByIndex(h, 0))
+    assert uuid.startswith("MIG-")
+    place(h, 9, 4, 4)  # more devices do not change it
+    assert N.nvmlDeviceGetUUID(N.nvmlDeviceGetMigDeviceHandleByIndex(h, 0)) == uuid
+    assert N.nvmlDeviceGetGpuInstanceId(N.nvmlDeviceGetHandleByUUID(uuid)) == 1
+    assert load(h200.host_dir).gpus["0000:18:00.0"].gis[0].cis[0].uuid == uuid
+
+
+def test_processes_per_gpu_and_per_mig_device(h200):
+    h0, h1 = handle(0), handle(1)
+    gi = place(h0, 19, 0, 1)
+    N.nvmlGpuInstanceCreateComputeInstance(gi, 0)
+    m = N.nvmlDeviceGetMigDeviceHandleByIndex(h0, 0)
+    add_process(h200, N.nvmlDeviceGetUUID(m), pid=10, name="mig-job")
+    add_process(h200, "0000:2a:00.0", pid=11)
+    add_process(h200, N.nvmlDeviceGetUUID(h1), pid=12)
+    assert N.nvmlDeviceGetComputeRunningProcesses(h0) == []
+    procs = N.nvmlDeviceGetComputeRunningProcesses(h1)
+    assert sorted(p.pid for p in procs) == [11, 12]
+    assert procs[0].gpuInstanceId == 0xFFFFFFFF and procs[0].usedGpuMemory == 256 * 2**20
+    (mp,) = N.nvmlDeviceGetComputeRunningProcesses(m)
+    assert (mp.pid, mp.gpuInstanceId, mp.computeInstanceId) == (10, 1, 0)
+    assert N.nvmlSystemGetProcessName(10) == "mig-job"
+    assert code_of(N.nvmlSystemGetProcessName, 99) == N.NVML_ERROR_NOT_FOUND
+
+
+# --- MIG mode ------------------------------------------------------------------------------------
+
+
+def test_hopper_idle_mode_change_applies_at_once(h200):
+    h = handle(1)
+    assert N.nvmlDeviceSetMigMode(h, 1) == N.NVML_SUCCESS
+    assert N.nvmlDeviceGetMigMode(h) == [1, 1]
+    assert N.nvmlDeviceGetMaxMigDeviceCount(h) == 7
+
+
+def test_hopper_busy_mode_change_stays_pending_until_reset(h200):
+    h = handle(1)
+    add_process(h200, "0000:2a:00.0")
+    assert N.nvmlDeviceSetMigMode(h, 1) == N.NVML_ERROR_IN_USE
+    assert N.nvmlDeviceGetMigMode(h) == [0, 1]
+    with locked(h200.host_dir) as st:
+        nvml_lib.reset_gpu(st, "0000:2a:00.0")
+    assert N.nvmlDeviceGetMigMode(h) == [1, 1]
+
+
+def test_ampere_mode_change_waits_for_reset(sim_host):
+    host = sim_host("a100-40gb")
+    N.nvmlInit()
+    h = handle(0)
+    assert N.nvmlDeviceSetMigMode(h, 1) == N.NVML_ERROR_RESET_REQUIRED
+    assert N.nvmlDeviceGetMigMode(h) == [0, 1]
+    assert code_of(place, h, 19, 0, 1) == N.NVML_ERROR_NOT_SUPPORTED
+    with locked(host.host_dir) as st:
+        nvml_lib.reset_gpu(st, "0000:18:00.0")
+    assert N.nvmlDeviceGetMigMode(h) == [1, 1]
+    place(h, 19, 0, 1)
+
+
+def test_disabling_with_gis_is_in_use_and_reset_to_off_drops_gis(h200):
+    h = handle(0)
+    place(h, 19, 0, 1)
+    assert code_of(N.nvmlDeviceSetMigMode, h, 0) == N.NVML_ERROR_IN_USE
+    with locked(h200.host_dir) as st:
+        st.gpus["0000:18:00.0"].mig_pending = 0
+        nvml_lib.reset_gpu(st, "0000:18:00.0")
+        assert st.gpus["0000:18:00.0"].gis == [] and st.gpus["0000:18:00.0"].mig_mode == 0
+
+
+# --- faults, stats, sharing ----------------------------------------------------------------------
+
+
+def test_fault_hits_the_nth_call_once(h200):
+    with locked(h200.host_dir) as st:
+        st.faults.append(nvml_lib_fault("nvmlDeviceGetMigMode", 2, N.NVML_ERROR_UNKNOWN))
+    h = handle(0)
+    N.nvmlDeviceGetMigMode(h)
+    assert code_of(N.nvmlDeviceGetMigMode, h) == N.NVML_ERROR_UNKNOWN
+    N.nvmlDeviceGetMigMode(h)
+    assert load(h200.host_dir).faults == []
+
+
+def test_fault_by_pynvml_name_hits_the_versioned_symbol(h200):
+    with locked(h200.host_dir) as st:
+        st.faults.append(nvml_lib_fault("nvmlDeviceGetComputeRunningProcesses", 1, N.NVML_ERROR_GPU_IS_LOST))
+    assert code_of(N.nvmlDeviceGetComputeRunningProcesses, handle(0)) == N.NVML_ERROR_GPU_IS_LOST
+
+
+def nvml_lib_fault(function: str, nth: int, error: int):
+    from gpud.sim.state import SimFault
+
+    return SimFault(function=function, nth=nth, error=error)
+
+
+def test_every_call_is_counted_under_its_c_symbol(h200):
+    before = load(h200.host_dir).calls
+    N.nvmlDeviceGetCount()
+    N.nvmlDeviceGetCount()
+    N.nvmlDeviceGetGpuInstanceProfileInfo(handle(0), 0)
+    after = load(h200.host_dir).calls
+    assert after["nvmlDeviceGetCount_v2"] - before.get("nvmlDeviceGetCount_v2", 0) == 2
+    assert after["nvmlDeviceGetGpuInstanceProfileInfoV"] - before.get("nvmlDeviceGetGpuInstanceProfileInfoV", 0) == 1
+
+
+def test_two_processes_share_one_host(h200):
+    """A GI created by another process (its own fake library, same DIR) is seen here, and ours there."""
+    place(handle(0), 19, 0, 1)
+    code = f"""
+import pynvml as N
+from ctypes import byref, c_uint
+from gpud import sim
+sim.install({str(h200.host_dir)!r})
+N.nvmlInit()
+h = N.nvmlDeviceGetHandleByPciBusId("0000:18:00.0")
+arr = (N.c_nvmlGpuInstance_t * 7)(); n = c_uint()
+N.nvmlDeviceGetGpuInstances(h, 19, arr, byref(n))
+pl = N.c_nvmlGpuInstancePlacement_t(4, 4)
+N.nvmlDeviceCreateGpuInstanceWithPlacement(h, 9, byref(pl))
+print(n.value)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "1"
+    n = c_uint()
+    N.nvmlDeviceGetGpuInstances(handle(0), 9, (N.c_nvmlGpuInstance_t * 2)(), byref(n))
+    assert n.value == 1

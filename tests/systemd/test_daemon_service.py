@@ -1,0 +1,120 @@
+"""The packaged gpud.service under a real systemd, on a simulated host (gpud --sim): readiness,
+STATUS, socket permissions, draining a GPU client around a MIG change triggered by a reload,
+the watchdog, and a stop that leaves the hardware as it is.
+
+The only change to the shipped unit is a drop-in pointing ExecStart at the simulator (kept in
+the state directory, which the sandbox lets gpud write)."""
+
+from __future__ import annotations
+
+import pytest
+
+pytestmark = pytest.mark.nspawn
+
+SIM = "/var/lib/gpud/sim"
+DROPIN = f"""[Service]
+ExecStart=
+ExecStart=/usr/bin/gpud --config /etc/gpud/layout.yaml --socket /run/gpud/gpud.sock --state-dir /var/lib/gpud --sim {SIM}
+# a stalled daemon is killed soon after the watchdog fires (the test stops it with SIGSTOP)
+TimeoutAbortSec=5s
+"""
+# A GPU client as kubelet is: ordered after gpud, drained by it.
+CLIENT = "[Unit]\nAfter=gpud.service\n[Service]\nExecStart=/usr/bin/sleep infinity\n"
+SPLIT = """version: v1
+selected: split
+layouts:
+  split:
+    - devices: [0]
+      mig-enabled: true
+      mig-devices: {"1g.10gb": 7}
+policy:
+  drain-units: [gpu-client.service]
+"""
+
+
+@pytest.fixture(scope="module")
+def gpud(installed):
+    c = installed
+    c.run(["gpud-sim", "create", SIM, "--gpu", "h100-80gb:2"])
+    c.write("/etc/systemd/system/gpud.service.d/sim.conf", DROPIN)
+    c.write("/etc/systemd/system/gpu-client.service", CLIENT)
+    c.run(["systemctl", "daemon-reload"])
+    c.run(["systemctl", "start", "gpu-client.service"])
+    r = c.run(["systemctl", "start", "gpud.service"], check=False, timeout=120)
+    if r.returncode != 0:
+        log = c.run(["journalctl", "-u", "gpud.service", "-o", "cat", "--no-pager"], check=False).stdout
+        pytest.fail(f"gpud.service did not start:\n{log[-3000:]}")
+    yield c
+    c.run(["systemctl", "stop", "gpud.service", "gpu-client.service"], check=False)
+
+
+def sim_show(c) -> str:
+    return c.run(["gpud-sim", "show", SIM]).stdout
+
+
+def test_active_only_after_ready_with_status_and_socket(gpud):
+    c = gpud
+    st = c.show("gpud.service", "ActiveState", "StatusText", "Type", "NotifyAccess")
+    assert st["ActiveState"] == "active" and st["Type"] == "notify"
+    assert "GPUs" in st["StatusText"], st
+    # READY=1 came after the socket was bound: it answers at once, no retry
+    assert c.run(["gpudctl", "status"]).returncode == 0
+    assert f'Status: "{st["StatusText"]}"' in c.run(["systemctl", "status", "--no-pager", "gpud.service"],
+                                                    check=False).stdout
+    mode = c.run(["stat", "-c", "%a %U %G", "/run/gpud/gpud.sock"]).stdout.split()
+    assert mode == ["660", "root", "gpud"]
+
+
+def test_group_member_may_read_but_not_change(gpud):
+    c = gpud
+    gid = c.run(["getent", "group", "gpud"]).stdout.split(":")[2]
+    member = ["setpriv", "--reuid=4242", "--regid=4242", f"--groups={gid}", "--inh-caps=-all"]
+    stranger = ["setpriv", "--reuid=4243", "--regid=4243", "--clear-groups", "--inh-caps=-all"]
+    assert c.run([*member, "gpudctl", "status"], check=False).returncode == 0
+    r = c.run([*member, "gpudctl", "apply"], check=False)
+    assert r.returncode != 0 and "gpudctl: " in (r.stdout + r.stderr)
+    r = c.run([*stranger, "gpudctl", "status"], check=False)
+    assert r.returncode != 0 and "ermission denied" in r.stderr
+
+
+def test_reload_applies_the_changed_file_draining_the_client(gpud):
+    c = gpud
+    pid_before = c.show("gpu-client.service", "MainPID")["MainPID"]
+    cursor = c.journal_cursor()
+    c.write("/etc/gpud/layout.yaml", SPLIT)
+    # The reload job must end once the file is re-read: a start job of gpu-client (ordered after
+    # gpud) waits for any job of gpud.service, so waiting for the drained apply would deadlock.
+    c.run(["systemctl", "reload", "gpud.service"], timeout=60)
+    c.follow_journal("gpu-client.service", "Stopped gpu-client.service", after=cursor, timeout=120)
+    c.follow_journal("gpu-client.service", "Started gpu-client.service", after=cursor, timeout=120)
+    r = c.run(["gpudctl", "apply", "--wait", "--timeout", "120"], check=False, timeout=180)
+    assert r.returncode == 0, r
+    gpu0 = next(l for l in sim_show(c).splitlines() if l.startswith("GPU 0 "))
+    assert "MIG 1" in gpu0, gpu0
+    after = c.show("gpu-client.service", "ActiveState", "MainPID")
+    assert after["ActiveState"] == "active" and after["MainPID"] != pid_before
+
+
+def test_watchdog_restarts_a_stalled_daemon_without_touching_the_hardware(gpud):
+    c = gpud
+    before = sim_show(c)
+    first = c.show("gpud.service", "MainPID", "NRestarts")
+    cursor = c.journal_cursor()
+    c.run(["systemctl", "kill", "-s", "SIGSTOP", "--kill-who=main", "gpud.service"])
+    c.follow_journal("gpud.service", "Watchdog timeout", after=cursor, timeout=90)
+    c.run(["systemctl", "start", "gpud.service"], timeout=120)  # joins the restart; returns at READY
+    after = c.show("gpud.service", "MainPID", "NRestarts", "ActiveState")
+    assert after["ActiveState"] == "active" and after["MainPID"] != first["MainPID"]
+    assert int(after["NRestarts"]) > int(first["NRestarts"])
+    assert c.run(["gpudctl", "status"]).returncode == 0
+    assert sim_show(c) == before
+
+
+def test_stop_leaves_the_hardware_as_it_is(gpud):
+    c = gpud
+    before = sim_show(c)
+    c.run(["systemctl", "stop", "gpud.service"], timeout=120)
+    assert c.show("gpud.service", "ActiveState")["ActiveState"] == "inactive"
+    assert c.show("gpud.service", "Result")["Result"] == "success"
+    assert sim_show(c) == before
+    assert c.show("gpu-client.service", "ActiveState")["ActiveState"] == "active"
