@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import faulthandler
 import logging
 import os
 import signal
 import sys
+import threading
 from pathlib import Path
 
 from gpud import VERSION
@@ -121,6 +123,7 @@ class Daemon:
         from gpud.host.udev import DeviceEvents
 
         loop = asyncio.get_running_loop()
+        self.rec.drainer = await _connect_drainer(self.bus)
         self.rec.on_change(self._update_status)
         self.rec.load_config()
         self.hw.nvml.open()
@@ -138,6 +141,10 @@ class Daemon:
             tasks.append(asyncio.create_task(self.watchdog(interval), name="watchdog"))
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.stopping.set)
+        if self.args.sim:
+            # Fault injection for the simulated host only: a stalled event loop, as a hung driver
+            # call would cause, so the systemd watchdog can be seen to restart us.
+            loop.add_signal_handler(signal.SIGUSR2, _stall_forever)
         loop.add_signal_handler(signal.SIGHUP, lambda: asyncio.ensure_future(handler.op_reload()))
         self.rec.kick("start")
         self._update_status()
@@ -156,14 +163,32 @@ class Daemon:
         return 0
 
 
+async def _connect_drainer(bus: EventBus):
+    """The system bus is where GPU client units are stopped and started; without one (a dev
+    machine, a container) policy.drain-units cannot be honoured and says so when used."""
+    from gpud.host.systemd import UnitDrainer
+
+    try:
+        return await asyncio.wait_for(UnitDrainer.connect(on_event=lambda m: bus.publish("drain", str(m))), 5)
+    except Exception as e:  # no bus socket, refused, timed out
+        log.info("system D-Bus not available (%s): policy.drain-units cannot be used", e)
+        return None
+
+
 def _passthrough_inventory(observation):
     from gpud.engine.passthrough import inventory
 
     return inventory(observation)
 
 
+def _stall_forever() -> None:
+    log.warning("SIGUSR2 under --sim: stalling the event loop (watchdog test)")
+    threading.Event().wait()
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    faulthandler.enable()  # a watchdog SIGABRT then prints every thread's stack to the journal
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(levelname)s %(name)s: %(message)s")
     try:

@@ -300,19 +300,63 @@ class Reconciler:
                 self.phase = "invalid-layout"
                 self.bus.publish("layout-invalid", "; ".join(str(e) for e in self.resolution.errors))
                 return
+            todo = self._preview()
             for gpu in self.observation.gpus:
-                desired = self.resolution.desired.get(gpu.pci)
-                if desired is None:
+                if gpu.pci not in self.resolution.desired:
                     self._set(gpu.pci, GpuState("unmanaged", "not in the selected layout: left untouched"))
-                    continue
-                try:
-                    self._set(gpu.pci, await self._converge_gpu(gpu.pci, desired))
-                except Exception as e:  # one GPU's surprise must not stop the others
-                    log.exception("GPU %s", gpu.pci)
-                    self._set(gpu.pci, GpuState("failed", f"internal error: {e}"))
+            if todo:
+                await self._apply_with_hooks(todo)
+            for gpu in self.observation.gpus:  # the GPUs with nothing to do
+                if gpu.pci in self.resolution.desired and gpu.pci not in todo:
+                    self._set(gpu.pci, await self._converge_gpu(gpu.pci, self.resolution.desired[gpu.pci]))
             self.refresh()
         self.phase = _phase(self.gpu_states.values())
         self._notify()
+
+    def _preview(self) -> dict[str, Action]:
+        """The GPUs a pass will change, with their first action: hooks run only when there is one."""
+        todo = {}
+        for gpu in self.observation.gpus:
+            desired = self.resolution.desired.get(gpu.pci) if self.resolution else None
+            if desired is not None and not self.read_only:
+                action = self.next_action(gpu, desired)
+                if isinstance(action, Action):
+                    todo[gpu.pci] = action
+        return todo
+
+    async def _apply_with_hooks(self, todo: dict[str, Action]) -> None:
+        """mig-parted's hook phases around the GPUs that change; a failing before-hook aborts the apply."""
+        from gpud.engine.hooks import ApplyInfo, HookFailed, Hooks, refresh_cdi
+
+        layout = self.layout.layout
+        hooks = Hooks.from_config(layout.hooks, log=lambda line: self.bus.publish("hook", line))
+        mode_change = any(a.kind == "mig" and a.plan.mode_change for a in todo.values())
+        info = ApplyInfo(layout=self.config_path, selected=layout.selected or "", gpus=sorted(todo),
+                         mode_change=mode_change)
+        done: set[str] = set()
+        try:
+            async with hooks.around_apply(info) as info:
+                if mode_change:
+                    await hooks.run("pre-apply-mode", info)
+                if any(a.kind == "mig" for a in todo.values()):
+                    await hooks.run("pre-apply-config", info)
+                for pci in sorted(todo):
+                    done.add(pci)
+                    try:
+                        self._set(pci, await self._converge_gpu(pci, self.resolution.desired[pci]))
+                    except Exception as e:  # one GPU's surprise must not stop the others
+                        log.exception("GPU %s", pci)
+                        self._set(pci, GpuState("failed", f"internal error: {e}"))
+                info.changed_mig = any(a.kind == "mig" for a in todo.values())
+                failed = [p for p in todo if not self.gpu_states[p].converged]
+                if failed:
+                    info.result, info.error = "failure", f"{len(failed)} GPU(s) not converged"
+        except HookFailed as e:
+            for pci in set(todo) - done:
+                self._set(pci, GpuState("failed", f"hook aborted the apply, nothing changed: {e}"))
+            return
+        if info.changed_mig and self.drainer is not None:
+            await refresh_cdi(self.drainer, log=lambda line: self.bus.publish("hook", line))
 
     async def _converge_gpu(self, pci: str, desired: DesiredGpu) -> GpuState:
         for _ in range(MAX_ROUNDS):

@@ -110,18 +110,18 @@ class RequestHandler:
         return self._apply_reply(finished)
 
     async def op_reload(self) -> dict[str, Any]:
+        """Re-read the file and answer at once; the apply it starts runs on. systemd's ExecReload
+        waits for this, and units ordered after gpud (kubelet, dcgm) would deadlock with a reload
+        that waited for an apply draining them."""
         if self.notifier is not None:
             self.notifier.reloading()
         try:
-            self.rec.load_config()
-            finished = await self.rec.wait_for(self.rec.kick("reload"), None)
+            if self.rec.load_config():
+                self.rec.kick("reload")
         finally:
             if self.notifier is not None:
                 self.notifier.ready()
-        reply = self._apply_reply(finished)
-        if self.rec.layout_issues[0]:
-            reply["message"] = "layout invalid, kept the last good one: " + "; ".join(self.rec.layout_issues[0])
-        return reply
+        return build_status(self.rec)["layout"]
 
     def _apply_reply(self, finished: bool) -> dict[str, Any]:
         states = self.rec.gpu_states

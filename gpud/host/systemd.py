@@ -341,7 +341,7 @@ class UnitDrainer:
         await self._ensure()
         return (await self._unit_state(unit))[2]
 
-    async def _job(self, verb: str, unit: str) -> None:
+    async def _job(self, verb: str, unit: str, *, wait: bool = True) -> None:
         """Queue `verb` (StopUnit/StartUnit/RestartUnit) and wait for its JobRemoved."""
         from dbus_fast import DBusError
 
@@ -351,6 +351,8 @@ class UnitDrainer:
                 (job,) = await self._call(SYSTEMD, SYSTEMD_PATH, MANAGER, verb, "ss", [unit, "replace"])
             except DBusError as e:
                 raise SystemdError(f"{verb} {unit}: {e.text}", unit=unit) from e
+            if not wait:
+                return
             try:
                 result = await self._jobs.wait(job, self.job_timeout)
             except TimeoutError:
@@ -387,15 +389,17 @@ class UnitDrainer:
                 stopped.append(unit)
             return stopped
 
-    async def start(self, units: Iterable[str]) -> None:
-        """Start each unit and wait for its job; tries all of them before reporting failures."""
+    async def start(self, units: Iterable[str], *, wait: bool = True) -> None:
+        """Start each unit and wait for its job; tries all of them before reporting failures.
+        wait=False only queues the jobs (used while gpud itself is stopping: a start job of a unit
+        ordered after gpud.service waits for gpud's stop job, so waiting here would deadlock)."""
         async with self._lock:
             await self._ensure()
             failed: list[SystemdError] = []
             for unit in units:
                 self._event(f"starting {unit}")
                 try:
-                    await self._job("StartUnit", unit)
+                    await self._job("StartUnit", unit, wait=wait)
                 except SystemdError as e:
                     failed.append(e)
                 except Exception as e:
@@ -436,7 +440,8 @@ class UnitDrainer:
 
     async def _restart_after_failure(self, stopped: list[str], exc: BaseException) -> None:
         try:
-            await self.start(list(reversed(stopped)))
+            # Cancelled means the daemon is stopping: queue the starts, they run after our stop job.
+            await self.start(list(reversed(stopped)), wait=not isinstance(exc, asyncio.CancelledError))
         except Exception as e:
             log.error("could not start again %s: %s", stopped, e)
             exc.add_note(f"also failed to start again what was drained: {e}")

@@ -204,3 +204,28 @@ async def test_refresh_cdi_restarts_only_an_installed_unit(lines):
     assert await refresh_cdi(FakeDrainer(False), log=lines.append) is False
     assert await refresh_cdi(None, log=lines.append) is False
     assert lines[-1].startswith("cannot restart")
+
+
+async def test_cancelling_an_apply_kills_the_running_hook(tmp_path):
+    import asyncio
+
+    started = asyncio.Event()
+    pids: list[int] = []
+
+    def log(line: str) -> None:
+        if "started " in line:
+            pids.append(int(line.rsplit(" ", 1)[1]))
+            started.set()
+
+    cmd = script(tmp_path, "long.sh", "echo started $$\nexec sleep 1000\n")
+    h = Hooks({"pre-apply-mode": [Hook(cmd, timeout=600)]}, log=log)
+    task = asyncio.create_task(h.run("pre-apply-mode", info()))
+    await asyncio.wait_for(started.wait(), 30)
+    fd = os.pidfd_open(pids[0])
+    try:
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert select.select([fd], [], [], 10)[0], "hook still running after cancel"
+    finally:
+        os.close(fd)

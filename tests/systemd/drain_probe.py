@@ -29,6 +29,29 @@ async def drain(units: list[str]) -> dict:
     return out
 
 
+async def cancelled(units: list[str]) -> dict:
+    """The daemon stopping mid-step: the drained body is cancelled; starts are only queued."""
+    out: dict = {}
+    async with UnitDrainer(job_timeout=60) as d:
+        entered = asyncio.Event()
+
+        async def step():
+            async with d.drained(units):
+                entered.set()
+                await asyncio.Event().wait()
+
+        t = asyncio.create_task(step())
+        await entered.wait()
+        out["inside"] = await states(d, units)
+        t.cancel()
+        try:
+            await t
+        except asyncio.CancelledError:
+            out["cancelled"] = True
+        out["after"] = await states(d, units)  # queued start jobs: activating or already active
+    return out
+
+
 async def stop_refused(units: list[str]) -> dict:
     out: dict = {}
     async with UnitDrainer(job_timeout=60) as d:
@@ -69,6 +92,6 @@ async def reboot(args: list[str]) -> dict:
 
 
 if __name__ == "__main__":
-    fn = {"drain": drain, "stop-refused": stop_refused, "start": start,
+    fn = {"drain": drain, "stop-refused": stop_refused, "cancelled": cancelled, "start": start,
           "restart-if-present": restart_if_present, "reboot": reboot}[sys.argv[1]]
     print(json.dumps(asyncio.run(fn(sys.argv[2:]))))

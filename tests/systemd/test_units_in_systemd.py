@@ -146,6 +146,17 @@ def test_drained_stops_running_units_and_restarts_them_also_after_a_failure(drai
     assert c.show("drain-a.service", "MainPID")["MainPID"] != pid_a  # really restarted
 
 
+def test_cancelled_step_queues_the_restart_without_waiting(drain_units):
+    """While gpud.service stops, a start job of a unit ordered after it would wait for gpud's own
+    stop job: the drainer must queue the start and return, and systemd runs it afterwards."""
+    c = drain_units
+    out = probe(c, "cancelled", "drain-a.service")
+    assert out["inside"] == {"drain-a.service": "inactive"} and out["cancelled"] is True
+    assert out["after"]["drain-a.service"] in ("activating", "active")
+    c.run(["systemctl", "start", "drain-a.service"])  # joins the queued job
+    assert c.show("drain-a.service", "ActiveState")["ActiveState"] == "active"
+
+
 def test_a_refused_stop_restarts_what_was_already_stopped(drain_units):
     c = drain_units
     out = probe(c, "stop-refused", "drain-a.service", "drain-refuse.service")

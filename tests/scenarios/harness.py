@@ -1,0 +1,116 @@
+"""A simulated host driven by gpud's own reconciler, in process: what the daemon does, minus the
+socket, so scenarios can look at every step, count NVML calls and compare MIG UUIDs."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+from collections import Counter
+from pathlib import Path
+
+from gpud import sim
+from gpud.engine.events import EventBus
+from gpud.engine.reconciler import ApplyLock, Hardware, Reconciler
+from gpud.engine.status import mig_device_name
+from gpud.host.nvml import Nvml
+from gpud.host.procs import Procs
+from gpud.host.sysfs import Sysfs
+from gpud.sim import cli as simcli
+from gpud.sim import state as simstate
+
+MUTATING = (
+    "nvmlDeviceSetMigMode",
+    "nvmlDeviceCreateGpuInstance",
+    "nvmlDeviceCreateGpuInstanceWithPlacement",
+    "nvmlGpuInstanceCreateComputeInstance",
+    "nvmlGpuInstanceCreateComputeInstanceWithPlacement",
+    "nvmlComputeInstanceDestroy",
+    "nvmlGpuInstanceDestroy",
+)
+
+
+class SimRig:
+    def __init__(self, tmp: Path, gpus: tuple[str, ...], **reconciler_kw) -> None:
+        self.dir = tmp / "host"
+        simcli.create(self.dir, list(gpus))
+        self.host = sim.install(self.dir)
+        self.config = tmp / "layout.yaml"
+        self.resets: Counter[str] = Counter()
+        sysfs = Sysfs(str(self.host.sys_root), store=self.host.store, modprobe=self.host.modprobe)
+        real_reset = sysfs.reset
+
+        def counting_reset(pci: str) -> None:
+            self.resets[pci] += 1
+            real_reset(pci)
+
+        sysfs.reset = counting_reset  # type: ignore[method-assign]
+        self.hw = Hardware(
+            sysfs=sysfs,
+            nvml=Nvml(proc_root=str(self.host.proc_root)),
+            procs=Procs(str(self.host.proc_root), str(self.host.dev_root), store=self.host.store),
+        )
+        self.hw.nvml.open()
+        self.bus = EventBus()
+        self.rec = Reconciler(self.hw, config_path=str(self.config), apply_lock=ApplyLock(self.dir / "apply.lock"),
+                              bus=self.bus, **reconciler_kw)
+        self.children: list[subprocess.Popen] = []
+
+    def close(self) -> None:
+        for c in self.children:
+            c.kill()
+            c.wait()
+        self.hw.nvml.close()
+        sim.uninstall()
+
+    async def apply(self, text: str) -> bool:
+        self.config.write_text(text)
+        ok = self.rec.load_config()
+        if ok:
+            await self.rec.converge()
+        return ok
+
+    def calls(self) -> Counter[str]:
+        return Counter(simstate.load(self.dir).calls)
+
+    def mutating(self, before: Counter[str]) -> int:
+        after = self.calls()
+        return sum(after[f] - before[f] for f in MUTATING)
+
+    def mig_devices(self) -> dict[int, dict[str, tuple[str, int, int]]]:
+        """GPU index -> {MIG UUID: (device name, GI start, CI id)}; {} for a GPU with MIG off."""
+        self.rec.refresh()
+        out: dict[int, dict[str, tuple[str, int, int]]] = {}
+        for g in self.rec.observation.gpus:
+            devs: dict[str, tuple[str, int, int]] = {}
+            if g.nvml is not None:
+                for gi in g.nvml.instances:
+                    for ci in gi.cis:
+                        devs[ci.uuid] = (mig_device_name(g.nvml, gi, ci.slices), gi.placement.start, ci.id)
+            out[g.index] = devs
+        return out
+
+    def mig_mode(self, index: int) -> int | None:
+        g = self.rec.observation.gpus[index]
+        return g.nvml.mig_mode if g.nvml else None
+
+    def hold(self, mig_uuid: str, name: str = "train.py") -> subprocess.Popen:
+        """A real process, registered as the holder of a MIG device: when it exits, NVML stops
+        listing it, as on a real host."""
+        child = subprocess.Popen(["sleep", "600"])
+        self.children.append(child)
+        simcli.hold(self.dir, mig_uuid, child.pid, name)
+        return child
+
+    async def wait_state(self, pci: str, states: set[str], timeout: float = 30.0) -> str:
+        """Wait for the engine to conclude one of `states` for a GPU (event driven: bus subscription)."""
+        q = self.bus.subscribe()
+        try:
+            async def _wait() -> str:
+                while True:
+                    st = self.rec.gpu_states.get(pci)
+                    if st is not None and st.state in states:
+                        return st.state
+                    await q.get()
+            return await asyncio.wait_for(_wait(), timeout)
+        finally:
+            self.bus.unsubscribe(q)
