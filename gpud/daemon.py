@@ -130,7 +130,11 @@ class Daemon:
         handler = RequestHandler(self.rec, notifier=self.notifier, passthrough=_passthrough_inventory)
         server = await serve(handler, self.args.socket, sock=listen_socket(), group=self.args.socket_group)
         events = DeviceEvents(self.on_device_event, sim_socket=self.sim_socket)
-        events.start(loop)
+        try:
+            events.start(loop)
+        except Exception as e:  # no libudev, no netlink (some containers): serve anyway, say so
+            log.warning("device events unavailable (%s): hardware changes are seen on the next request", e)
+            self.bus.publish("warning", f"device events unavailable: {e}")
         self.rec.refresh()  # the first state, before READY
         tasks = [
             asyncio.create_task(self.rec.run(), name="reconciler"),
