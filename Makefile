@@ -29,7 +29,8 @@ test-fast: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider -m "not vm and not nspawn"
 
 bench: $(STAMP)
-	$(PY) bench/run_all.py
+	$(PY) -m bench.mig_bench
+	$(PY) bench/client_startup.py
 
 deb:
 	packaging/build-deb.sh

@@ -27,6 +27,7 @@ import json
 import os
 import re
 import select
+import signal
 import struct
 import threading
 import time
@@ -38,6 +39,8 @@ from msgspec import Struct
 from gpud.host.readonly import ReadOnlyError
 from gpud.model import Holder
 from gpud.plan import binding as B
+
+_MAX_FD = os.sysconf("SC_OPEN_MAX") if hasattr(os, "sysconf") else 65536
 
 CONVERGED, WAITING, FAILED, STUCK = "converged", "waiting", "failed", "stuck"
 
@@ -179,7 +182,12 @@ def _child_write(sysfs, relpath: str, value: str, pci: str, timeout: float, kmsg
     if pid == 0:  # child
         code = 0
         try:
-            os.close(r)
+            # Keep nothing of the parent's: an inherited fd would keep its flocks (apply lock,
+            # the simulator's state lock) held for as long as the kernel keeps this child blocked.
+            os.closerange(3, w)
+            os.closerange(w + 1, _MAX_FD)
+            for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+                signal.signal(sig, signal.SIG_DFL)
             try:
                 sysfs.write(relpath, value)
                 msg: dict[str, Any] = {"ok": True}

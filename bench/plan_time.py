@@ -1,6 +1,6 @@
 """Planning time for 8 x H200 on hard layouts (a measurement, not a test: timings vary by host).
 
-Run: .venv/bin/python -m tests.plan.bench_placement
+Run: .venv/bin/python -m bench.plan_time (bench/mig_bench.py includes it in its report)
 Target: p99 < 50 ms for planning all 8 GPUs.
 """
 
@@ -24,7 +24,9 @@ CASES = {
 }
 
 
-def main(rounds: int = 300) -> None:
+def measure(rounds: int = 300) -> dict[str, tuple[float, float, float]]:
+    """label -> (p50, p99, max) in ms for planning all 8 GPUs."""
+    out = {}
     for label, (layout, devs) in CASES.items():
         gpus = []
         for i in range(8):
@@ -39,7 +41,13 @@ def main(rounds: int = 300) -> None:
             times.append((time.perf_counter() - t) * 1000)
         times.sort()
         p99 = times[int(len(times) * 0.99) - 1]
-        print(f"{label:42s} 8 GPUs: p50 {statistics.median(times):6.2f} ms  p99 {p99:6.2f} ms  max {times[-1]:6.2f} ms")
+        out[label] = (statistics.median(times), p99, times[-1])
+    return out
+
+
+def main() -> None:
+    for label, (p50, p99, mx) in measure().items():
+        print(f"{label:42s} 8 GPUs: p50 {p50:6.2f} ms  p99 {p99:6.2f} ms  max {mx:6.2f} ms")
 
 
 if __name__ == "__main__":

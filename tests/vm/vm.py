@@ -1,0 +1,85 @@
+"""Boots Debian's kernel under QEMU (TCG) with virtme-ng and runs a guest script of this repo.
+
+The guest sees the host's filesystem read-only (writes go to tmpfs overlays), so the repo and its
+venv run unchanged inside; results come back through a --rwdir. q35 + an emulated intel-iommu
+puts 00:10.0 (e1000) and 00:10.1 (ich9 HD audio: the class of a GPU's audio function) in one
+IOMMU group and 00:11.0 (e1000) alone in another.
+Usage outside pytest: `python -m tests.vm.vm OUT_DIR` (what scripts/vm-run does).
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+VNG_BIN = "/opt/vng/bin"
+QEMU_OPTS = ("-machine q35,kernel-irqchip=split -device intel-iommu,intremap=on "
+             "-device e1000,addr=0x10.0,multifunction=on -device ich9-intel-hda,addr=0x10.1 "
+             "-device e1000,addr=0x11.0")
+
+
+def find_kernel() -> str | None:
+    env = os.environ.get("GPUD_VM_KERNEL")
+    if env:
+        return env if os.path.exists(env) else None
+    kernels = sorted(glob.glob("/boot/vmlinuz-*"))
+    return kernels[-1] if kernels else None
+
+
+def vng_path() -> str | None:
+    path = os.pathsep.join([VNG_BIN, os.environ.get("PATH", "")])
+    return shutil.which("vng", path=path)
+
+
+def missing() -> list[str]:
+    out = []
+    if shutil.which("qemu-system-x86_64") is None:
+        out.append("qemu-system-x86_64 (apt-get install qemu-system-x86)")
+    if find_kernel() is None:
+        out.append("a kernel in /boot (apt-get install linux-image-amd64)")
+    if vng_path() is None:
+        out.append("virtme-ng (python3 -m venv /opt/vng && /opt/vng/bin/pip install virtme-ng)")
+    return out
+
+
+def ensure_tools() -> list[str]:
+    """Install what is missing (scripts/install-sysdeps, as root); returns what is still missing."""
+    if missing() and os.geteuid() == 0 and os.path.exists(os.path.join(REPO, "scripts", "install-sysdeps")):
+        subprocess.run([os.path.join(REPO, "scripts", "install-sysdeps")], check=False, timeout=1800)
+    return missing()
+
+
+def boot(out_dir: str, guest_script: str, *, timeout: float = 900.0, python: str | None = None) -> tuple[int, str, float]:
+    """One boot: run `guest_script out_dir` as root in the guest. Returns (rc, console, seconds)."""
+    python = python or sys.executable
+    kernel = find_kernel()
+    env = dict(os.environ, PATH=os.pathsep.join([VNG_BIN, os.environ.get("PATH", "")]))
+    guest_cmd = f"cd {REPO} && PYTHONPATH={REPO} {python} {guest_script} {out_dir}"
+    cmd = [vng_path(), "-r", kernel, "--disable-kvm", "--cpus", "2", "--memory", "1G",
+           f"--rwdir={out_dir}", "--append", "intel_iommu=on", f"--qemu-opts={QEMU_OPTS}",
+           "--exec", guest_cmd]
+    t0 = time.monotonic()
+    try:
+        r = subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=timeout, env=env,
+                           cwd=out_dir)
+        rc, console = r.returncode, r.stdout + r.stderr
+    except subprocess.TimeoutExpired as e:
+        rc, console = 124, f"{e.stdout or ''}{e.stderr or ''}\nTIMEOUT after {timeout}s"
+    return rc, console, time.monotonic() - t0
+
+
+if __name__ == "__main__":
+    out = os.path.abspath(sys.argv[1] if len(sys.argv) > 1 else "vm-out")
+    os.makedirs(out, exist_ok=True)
+    still = ensure_tools()
+    if still:
+        sys.exit("cannot boot the test VM, missing: " + "; ".join(still))
+    rc, console, secs = boot(out, os.path.join(REPO, "tests", "vm", "guest_binding.py"))
+    print(console[-6000:])
+    print(f"vm: rc={rc} in {secs:.0f}s; results in {out}/results.json")
+    sys.exit(rc)
