@@ -13,6 +13,7 @@ from gpud.engine.status import build_status, model_name
 from gpud.layout.parse import parse_layout
 from gpud.layout.resolve import resolve
 from gpud.model import Gpu, MigProfile, Placement
+from gpud.profiles import GI_PROFILE_INDEX
 
 PROTOCOL = 1
 
@@ -141,10 +142,11 @@ class RequestHandler:
             if g.nvml is None or not g.nvml.mig_capable:
                 continue
             rows = []
-            for p in g.nvml.profiles:
+            for p in sorted(g.nvml.profiles, key=lambda p: (p.slices, GI_PROFILE_INDEX.get(p.id, p.id))):
+                # nvidia-smi's order: by size, then NVML's profile index (1g, 1g+me, 1g double memory, 2g ...)
                 existing = [gi for gi in g.nvml.instances if gi.profile_id == p.id]
                 used = [gi.placement for gi in g.nvml.instances]
-                free = remaining_capacity(p, used, len(existing)) if g.nvml.mig_mode else 0
+                free = remaining_capacity(p, used, len(existing))  # NVML answers this with MIG off too
                 rows.append({
                     "id": p.id, "name": p.name, "memory_mb": p.memory_mb, "sms": p.sms, "slices": p.slices,
                     "free": free, "total": p.instance_count,

@@ -100,11 +100,11 @@ class Guest:
         self.events.append([ev.action, ev.subsystem, ev.address, ev.driver, round(time.monotonic() - T0, 2)])
         self.changed.set()
 
-    async def wait_event(self, pred, timeout=30.0):
-        """Bounded wait for a matching event from the udev monitor."""
+    async def wait_event(self, pred, timeout=30.0, since=0):
+        """Bounded wait for a matching event from the udev monitor (events[since:] only)."""
         deadline = time.monotonic() + timeout
         while True:
-            for ev in self.events:
+            for ev in self.events[since:]:
                 if pred(ev):
                     return ev
             left = deadline - time.monotonic()
@@ -171,8 +171,9 @@ async def main(out_dir: str) -> None:
 
     # A: native -> vfio-pci for both groups; the audio companion follows its group.
     async def a():
+        n = len(g.events)
         outcomes = await g.converge("passthrough")
-        ev = await g.wait_event(lambda e: e[0] == "add" and e[1] == "vfio" and e[2] == str(group_a), 20)
+        ev = await g.wait_event(lambda e: e[0] == "add" and e[1] == "vfio" and e[2] == str(group_a), 20, n)
         again = await g.converge("passthrough")
         record("to_vfio", outcomes=outcomes, after=g.snapshot(),
                vfio_nodes={str(group_a): os.path.exists(f"/dev/vfio/{group_a}"),
@@ -198,11 +199,11 @@ async def main(out_dir: str) -> None:
         reload = sh("udevadm control --reload; echo rc=$?")
         n = len(g.events)
         sh(f"echo 1 > /sys/bus/pci/devices/{NIC1}/remove")
-        removed = await g.wait_event(lambda e: e[0] == "remove" and e[1] == "pci" and e[2] == NIC1, 30)
+        removed = await g.wait_event(lambda e: e[0] == "remove" and e[1] == "pci" and e[2] == NIC1, 30, n)
         gone = g.sysfs.function(NIC1) is None
         sh("echo 1 > /sys/bus/pci/rescan")
-        added = await g.wait_event(lambda e: e[0] == "add" and e[1] == "pci" and e[2] == NIC1, 30)
-        bound = await g.wait_event(lambda e: e[0] == "bind" and e[2] == NIC1, 30)
+        added = await g.wait_event(lambda e: e[0] == "add" and e[1] == "pci" and e[2] == NIC1, 30, n)
+        bound = await g.wait_event(lambda e: e[0] == "bind" and e[2] == NIC1, 30, n)
         settle = sh("udevadm settle -t 30; echo rc=$?")
         after_rescan = g.snapshot()[NIC1]
         outcomes = await g.converge("passthrough")
@@ -238,8 +239,9 @@ async def main(out_dir: str) -> None:
 
     # E: everything back to native drivers; /dev/vfio/N goes away.
     async def e():
+        n = len(g.events)
         outcomes = await g.converge("container")
-        ev = await g.wait_event(lambda e: e[0] == "remove" and e[1] == "vfio" and e[2] == str(group_a), 20)
+        ev = await g.wait_event(lambda e: e[0] == "remove" and e[1] == "vfio" and e[2] == str(group_a), 20, n)
         obs = observe(g.sysfs, None, parse_layout(LAYOUT).layout.match)
         parsed = parse_layout(LAYOUT, select="container")
         rules_changed = udev_rules.UdevRules(RULES, modules_load_path=None).sync(
@@ -253,7 +255,7 @@ async def main(out_dir: str) -> None:
     async def f():
         n = len(g.events)
         sh(f"echo {NIC1} > /sys/bus/pci/drivers/e1000/unbind")
-        ev = await g.wait_event(lambda e: e[0] == "unbind" and e[2] == NIC1, 30)
+        ev = await g.wait_event(lambda e: e[0] == "unbind" and e[2] == NIC1, 30, n)
         seen = g.snapshot()[NIC1]
         outcomes = await g.converge("container")
         record("hand_unbind", event=ev, seen_after_event=seen, reconcile=outcomes, after=g.snapshot(),

@@ -1,0 +1,124 @@
+"""gpud's binder in a real kernel: one QEMU (TCG) boot of Debian's kernel per test session.
+
+The guest (tests/vm/guest_binding.py) runs every phase and writes results.json; each test here
+judges one phase, so a failure names what broke without booting again. Skipped only when QEMU,
+a kernel or virtme-ng is missing and cannot be installed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from tests.vm import vm
+
+pytestmark = pytest.mark.vm
+
+NIC0, AUDIO, NIC1 = "0000:00:10.0", "0000:00:10.1", "0000:00:11.0"
+
+
+@pytest.fixture(scope="session")
+def guest(tmp_path_factory):
+    still = vm.ensure_tools()
+    if still:
+        pytest.skip("cannot boot the test VM, and installing failed; missing: " + "; ".join(still))
+    out = tmp_path_factory.mktemp("vm")
+    rc, console, secs = vm.boot(str(out), os.path.join(vm.REPO, "tests", "vm", "guest_binding.py"))
+    path = out / "results.json"
+    assert path.exists(), f"guest wrote no results (vng rc={rc}, {secs:.0f}s):\n{console[-6000:]}"
+    res = json.loads(path.read_text())
+    res["boot_seconds"] = secs
+    print(f"\nvm: booted and ran in {secs:.0f}s (guest part {res.get('elapsed')}s)")
+    assert "fatal" not in res, res["fatal"]
+    return res
+
+
+def phase(guest, name):
+    p = guest["phases"].get(name)
+    assert p is not None, f"phase {name} did not run"
+    assert "error" not in p, f"phase {name}: {p['error']}\n{p.get('trace', '')}"
+    return p
+
+
+def test_guest_topology_is_the_one_the_checks_assume(guest):
+    env = phase(guest, "env")
+    g = env["groups"]
+    assert g[NIC0] == g[AUDIO] != g[NIC1], g
+    assert env["before"][NIC0]["driver"] == "e1000" and env["before"][AUDIO]["driver"] == "snd_hda_intel"
+    assert env["vfio_loaded"] is False  # the binder loads it
+
+
+def test_native_to_vfio_moves_the_whole_group(guest):
+    p = phase(guest, "to_vfio")
+    for pci in (NIC0, NIC1):
+        assert p["outcomes"][pci]["state"] == "converged", p["outcomes"][pci]
+    assert p["outcomes"][NIC0]["companions"] == [AUDIO]
+    assert p["outcomes"][NIC0]["steps"][0].startswith("load-module vfio-pci")
+    for pci in (NIC0, AUDIO, NIC1):
+        assert p["after"][pci] == {"driver": "vfio-pci", "override": "vfio-pci"}
+    assert all(p["vfio_nodes"].values()), p["vfio_nodes"]
+    assert p["vfio_add_event"] is not None  # udev told us about /dev/vfio/N
+    # idempotent in a real kernel too
+    assert all(o["state"] == "converged" and o["steps"] == [] for o in p["second_pass"].values())
+
+
+def test_inventory_for_vm_managers(guest):
+    p = phase(guest, "inventory")
+    e = {x["pci"]: x for x in p["entries"]}
+    assert set(e) == {NIC0, NIC1}
+    assert e[NIC0]["vendor_device"] == "8086:100E"
+    assert e[NIC0]["resource_name"] == "nvidia.com/82540EM_GIGABIT_ETHERNET_CONTROLLER"
+    assert e[NIC0]["vfio_device"].startswith("/dev/vfio/") and e[NIC0]["companions"] == [AUDIO]
+    assert "slot='0x10' function='0x0'" in e[NIC0]["libvirt"]
+    assert 'pciVendorSelector: "8086:100E"' in p["kubevirt"]
+
+
+def test_remove_rescan_udev_rule_restores_override_and_gpud_reconciles(guest):
+    p = phase(guest, "remove_rescan")
+    assert p["rules_written"] and p["rules_unchanged_second_time"]
+    assert f'KERNEL=="{NIC1}", ATTR{{driver_override}}="vfio-pci"' in p["rules"]
+    assert p["removed_event"] and p["gone"] and p["add_event"]
+    # driver_override dies with the device object: only the udev rule can have set it again
+    assert p["after_rescan"]["override"] == "vfio-pci", p["after_rescan"]
+    assert p["reconcile"][NIC1]["state"] == "converged", p["reconcile"][NIC1]
+    assert p["after"][NIC1] == {"driver": "vfio-pci", "override": "vfio-pci"}
+
+
+def test_held_vfio_device_waiting_then_stuck_without_hanging(guest):
+    p = phase(guest, "holder")
+    assert p["ready"].startswith("ready device fd"), p["ready"]  # a real VFIO device user, like QEMU
+    w = p["waiting"][NIC1]
+    assert w["state"] == "waiting" and [p["holder_pid"], "python", "/dev/vfio/" + w["steps"][-1].split()[-1]] in w["holders"]
+    s = p["stuck"][NIC1]
+    assert s["state"] == "stuck", s
+    assert "vfio_unregister_group_dev" in s["message"]  # the kernel's own reason
+    assert p["ticks_during_stuck"] > 0  # the guest's event loop kept running meanwhile
+    assert p["while_stuck"][NIC1]["state"] == "stuck" and "still blocked" in p["while_stuck"][NIC1]["message"]
+    assert p["abandoned_write_finished"]
+    assert p["final"][NIC1]["state"] == "converged"
+    assert p["after"][NIC1]["driver"] == "e1000"
+
+
+def test_back_to_native_drivers_and_vfio_node_goes(guest):
+    p = phase(guest, "to_native")
+    assert p["outcomes"][NIC0]["state"] == "converged", p["outcomes"][NIC0]
+    assert p["after"][NIC0] == {"driver": "e1000", "override": None}
+    assert p["after"][AUDIO] == {"driver": "snd_hda_intel", "override": None}
+    assert p["after"][NIC1]["driver"] == "e1000"
+    assert not any(p["vfio_nodes"].values()) and p["vfio_remove_event"] is not None
+    assert p["rules_removed"]
+
+
+def test_hand_unbind_is_noticed_through_udev_and_reconciled(guest):
+    p = phase(guest, "hand_unbind")
+    assert p["event"] is not None and p["event"][:3] == ["unbind", "pci", NIC1]
+    assert p["seen_after_event"]["driver"] is None
+    assert p["reconcile"][NIC1]["state"] == "converged"
+    assert p["after"][NIC1]["driver"] == "e1000"
+
+
+def test_kernel_uevents_arrive_in_the_guest_too(guest):
+    """Without udevd (containers) only kernel-source netlink events exist: they do arrive here."""
+    assert any(e[0] == "bind" and e[1] == "pci" for e in guest["kernel_events"]), guest["kernel_events"][:10]
