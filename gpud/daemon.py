@@ -19,6 +19,8 @@ from pathlib import Path
 
 from gpud import VERSION
 from gpud.engine.events import EventBus
+from gpud.engine.passthrough import inventory
+from gpud.engine.udev_rules import UdevRules
 from gpud.engine.reconciler import ApplyLock, Hardware, Reconciler
 from gpud.engine.requests import RequestHandler
 from gpud.host.nvml import Nvml
@@ -37,6 +39,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--read-only", action="store_true", help="observe and plan; refuse every mutating call")
     ap.add_argument("--lock", help="host-wide apply lock (default /run/lock/gpud-apply.lock, or DIR/apply.lock with --sim)")
     ap.add_argument("--socket-group", default="gpud", help="group allowed to read status (default gpud)")
+    ap.add_argument("--udev-rules", help="udev rules file that keeps passthrough GPUs off nvidia at boot "
+                    "(default /etc/udev/rules.d/70-gpud-vfio.rules, or DIR/etc/udev/rules.d/... with --sim)")
     ap.add_argument("--unbind-timeout", type=float, default=30.0, help="seconds before an unbind is declared stuck")
     ap.add_argument("--log-level", default=os.environ.get("GPUD_LOG_LEVEL", "INFO"))
     ap.add_argument("--version", action="version", version=f"gpud {VERSION}")
@@ -44,7 +48,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def build_hardware(args: argparse.Namespace) -> tuple[Hardware, str | None, str]:
-    """Returns the adapters, the simulator's event socket (None on a real host) and the lock path."""
+    """Returns the adapters, the simulator's event socket (None on a real host) and the lock path;
+    fills in the defaults that differ between a real host and the simulator."""
     if args.sim:
         from gpud import sim
 
@@ -54,7 +59,11 @@ def build_hardware(args: argparse.Namespace) -> tuple[Hardware, str | None, str]
             nvml=Nvml(read_only=args.read_only, proc_root=str(host.proc_root)),
             procs=Procs(str(host.proc_root), str(host.dev_root), read_only=args.read_only, store=host.store),
         )
+        args.udev_rules = args.udev_rules or str(Path(args.sim) / "etc/udev/rules.d/70-gpud-vfio.rules")
+        args.dev_root = str(host.dev_root)
         return hw, str(host.uevent_socket), args.lock or str(Path(args.sim) / "apply.lock")
+    args.udev_rules = args.udev_rules or "/etc/udev/rules.d/70-gpud-vfio.rules"
+    args.dev_root = "/dev"
     hw = Hardware(sysfs=Sysfs("/sys", read_only=args.read_only), nvml=Nvml(read_only=args.read_only), procs=Procs(read_only=args.read_only))
     return hw, None, args.lock or "/run/lock/gpud-apply.lock"
 
@@ -70,6 +79,7 @@ class Daemon:
         self.rec = Reconciler(
             self.hw, config_path=args.config, apply_lock=ApplyLock(lock_path), bus=self.bus,
             read_only=args.read_only, binder_timeout=args.unbind_timeout,
+            udev_rules=UdevRules(args.udev_rules, modules_load_path=None, read_only=args.read_only),
         )
         self.stopping = asyncio.Event()
         self._reload_timer: asyncio.TimerHandle | None = None
@@ -127,7 +137,8 @@ class Daemon:
         self.rec.on_change(self._update_status)
         self.rec.load_config()
         self.hw.nvml.open()
-        handler = RequestHandler(self.rec, notifier=self.notifier, passthrough=_passthrough_inventory)
+        handler = RequestHandler(self.rec, notifier=self.notifier,
+                                 passthrough=lambda obs: inventory(obs, dev_root=self.args.dev_root))
         server = await serve(handler, self.args.socket, sock=listen_socket(), group=self.args.socket_group)
         events = DeviceEvents(self.on_device_event, sim_socket=self.sim_socket)
         try:
@@ -177,12 +188,6 @@ async def _connect_drainer(bus: EventBus):
     except Exception as e:  # no bus socket, refused, timed out
         log.info("system D-Bus not available (%s): policy.drain-units cannot be used", e)
         return None
-
-
-def _passthrough_inventory(observation):
-    from gpud.engine.passthrough import inventory
-
-    return inventory(observation)
 
 
 def _stall_forever() -> None:

@@ -154,8 +154,8 @@ class InstanceStatus(msgspec.Struct, kw_only=True):
     profile: str  # "1g.18gb", or "1c.3g.71gb" for a CI smaller than its GI
     placement: Placement
     gi: int
-    ci: int
-    uuid: str
+    ci: int | None = None  # None: a GPU instance without a compute instance (no MIG device yet)
+    uuid: str | None = None
     holders: list[HolderInfo] = []
 
 

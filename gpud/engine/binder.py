@@ -200,7 +200,7 @@ def _child_write(sysfs, relpath: str, value: str, pci: str, timeout: float, kmsg
                 msg = {"ok": False, "errno": None, "meaning": f"{type(e).__name__}: {e}"}
             data = json.dumps(msg).encode()
             os.write(w, struct.pack("!I", len(data)) + data)
-        except BaseException:
+        except BaseException:  # noqa: BLE001 - the child must reach os._exit whatever happens
             code = 1
         finally:
             os._exit(code)

@@ -95,7 +95,7 @@ def model_name(f: PciFunction, gpu: Gpu | None = None) -> str | None:
         from gpud import profiles
 
         info = profiles.by_device(f.device) if f.vendor == profiles.NVIDIA else None
-    except Exception:  # the table is a convenience here, never a reason to fail the listing
+    except Exception:  # noqa: BLE001 - the table is a convenience here, never a reason to fail the listing
         info = None
     return info.name if info is not None else None
 

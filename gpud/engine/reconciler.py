@@ -13,7 +13,6 @@ import contextlib
 import fcntl
 import logging
 import os
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -24,7 +23,6 @@ from gpud.engine.events import EventBus
 from gpud.engine.observe import Observation, observe
 from gpud.host.nvml import Nvml
 from gpud.host.procs import Procs
-from gpud.host.readonly import ReadOnlyError
 from gpud.host.sysfs import Sysfs
 from gpud.layout.desired import DesiredGpu
 from gpud.layout.match import DEFAULT_MATCH
@@ -101,6 +99,7 @@ class Reconciler:
         drainer=None,
         hooks=None,
         binder_timeout: float = 30.0,
+        udev_rules=None,
     ) -> None:
         self.hw = hardware
         self.config_path = config_path
@@ -110,6 +109,7 @@ class Reconciler:
         self.drainer = drainer  # gpud.host.systemd.UnitDrainer or None (no system bus)
         self.hooks = hooks
         self.binder_timeout = binder_timeout
+        self.udev_rules = udev_rules  # gpud.engine.udev_rules.UdevRules: boot-time vfio overrides
         self.layout: ParsedLayout | None = None  # the last good layout in force
         self.layout_issues: tuple[list[str], list[str]] = ([], [])  # (errors, warnings) of the file as it is now
         self.resolution: Resolution | None = None
@@ -137,15 +137,9 @@ class Reconciler:
             self.layout_issues = ([f"{self.config_path}: {e.strerror}; keeping the last good layout"], [])
             self.bus.publish("layout-invalid", self.layout_issues[0][0])
             return False
-        parsed = parse_layout(text, self.config_path)
-        resolution = None
-        if not parsed.errors:
-            # Selectors and profile names are checked against this host before the file is taken.
-            assert parsed.layout is not None
-            obs = observe(self.hw.sysfs, self.hw.nvml, parsed.layout.match)
-            resolution = resolve(parsed, obs.gpus)
-        errors = [str(i) for i in parsed.errors] + [str(i) for i in (resolution.errors if resolution else [])]
-        warnings = [str(i) for i in parsed.warnings]
+        parsed, resolution, _ = self.evaluate(text, self.config_path)
+        errors = [str(i) for i in resolution.errors]  # parse errors included: one full report
+        warnings = [str(i) for i in resolution.warnings]
         if errors:
             self.layout_issues = (errors, warnings)
             self.bus.publish("layout-invalid", f"{len(errors)} error(s); keeping the last good layout",
@@ -155,6 +149,15 @@ class Reconciler:
         self.layout_issues = ([], warnings)
         self.bus.publish("layout-loaded", f"{self.config_path}: selected {parsed.layout.selected!r}")
         return True
+
+    def evaluate(self, text: str, path: str) -> tuple[ParsedLayout, Resolution, Observation]:
+        """Parse a layout text and resolve it against this host as that layout's own `match:` sees
+        it: selectors and profile names are checked against the real GPUs before the file is taken."""
+        parsed = parse_layout(text, path)
+        candidate = parsed.layout or parsed.draft
+        match = candidate.match if candidate is not None and candidate.match else DEFAULT_MATCH
+        obs = observe(self.hw.sysfs, self.hw.nvml, match)
+        return parsed, resolve(parsed, obs.gpus), obs
 
     @property
     def match(self):
@@ -300,6 +303,10 @@ class Reconciler:
                 self.phase = "invalid-layout"
                 self.bus.publish("layout-invalid", "; ".join(str(e) for e in self.resolution.errors))
                 return
+            if self.udev_rules is not None and not self.read_only:
+                # Before any rebind: after a reboot the override must beat the nvidia probe.
+                if self.udev_rules.sync(self.observation.gpus, self.resolution.desired):
+                    self.bus.publish("udev-rules", f"{self.udev_rules.path} updated for the layout")
             todo = self._preview()
             for gpu in self.observation.gpus:
                 if gpu.pci not in self.resolution.desired:

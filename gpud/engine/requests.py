@@ -10,8 +10,6 @@ from gpud import VERSION
 from gpud.api.server import ApiError
 from gpud.engine.reconciler import Reconciler
 from gpud.engine.status import build_status, model_name
-from gpud.layout.parse import parse_layout
-from gpud.layout.resolve import resolve
 from gpud.model import Gpu, MigProfile, Placement
 from gpud.profiles import GI_PROFILE_INDEX
 
@@ -74,28 +72,21 @@ class RequestHandler:
         return {"version": VERSION, "driver": driver, "nvml": None, "protocol": PROTOCOL}
 
     async def op_check(self, text: str, path: str | None = None) -> dict[str, Any]:
-        parsed = parse_layout(text, path or "layout.yaml")
-        errors = [str(e) for e in parsed.errors]
-        warnings = [str(w) for w in parsed.warnings]
-        if not errors:
-            self.rec.refresh()
-            res = resolve(parsed, self.rec.observation.gpus)
-            errors += [str(e) for e in res.errors]
-            warnings += [str(w) for w in res.warnings]
-        return {"valid": not errors, "errors": errors, "warnings": warnings, "selected": (parsed.layout or parsed.draft).selected if (parsed.layout or parsed.draft) else None}
+        parsed, res, _ = self.rec.evaluate(text, path or "layout.yaml")
+        return {"valid": not res.errors, "errors": [str(e) for e in res.errors],
+                "warnings": [str(w) for w in res.warnings], "selected": res.selected}
 
     async def op_plan(self, text: str | None = None, path: str | None = None) -> dict[str, Any]:
         self.rec.refresh()
         resolution = self.rec.resolution
         errors: list[str] = list(self.rec.layout_issues[0]) if text is None else []
         if text is not None:
-            parsed = parse_layout(text, path or "layout.yaml")
-            errors = [str(e) for e in parsed.errors]
-            resolution = None if errors else resolve(parsed, self.rec.observation.gpus)
+            _, resolution, _ = self.rec.evaluate(text, path or "layout.yaml")
         if resolution is not None:
-            errors += [str(e) for e in resolution.errors]
-        if errors:
-            return {"gpus": [], "disruption": {"destroyed": [], "mode_changes": [], "resets": []}, "errors": errors}
+            errors += [str(e) for e in resolution.errors if str(e) not in errors]
+        empty = {"gpus": [], "disruption": {"destroyed": [], "mode_changes": [], "resets": []}}
+        if errors or resolution is None:
+            return {**empty, "errors": errors or ["no valid layout in force"]}
         out = self.rec.plan_all(resolution)
         out["errors"] = []
         return out

@@ -85,9 +85,9 @@ def gpu_status(gpu: Gpu, desired, state) -> dict[str, Any]:
 def build_status(rec) -> dict[str, Any]:
     errors, warnings = rec.layout_issues
     res = rec.resolution
-    if res is not None:
-        warnings = warnings + [str(w) for w in res.warnings]
-        errors = errors + [str(e) for e in res.errors]
+    if res is not None:  # the layout in force, resolved against the host as it is now
+        warnings = list(dict.fromkeys(warnings + [str(w) for w in res.warnings]))
+        errors = list(dict.fromkeys(errors + [str(e) for e in res.errors]))
     gpus = [
         gpu_status(g, res.desired.get(g.pci) if res else None, rec.gpu_states.get(g.pci))
         for g in rec.observation.gpus

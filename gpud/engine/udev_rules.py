@@ -136,8 +136,7 @@ class UdevRules:
         endpoints = passthrough_endpoints(gpus, desired)
         changed = write_if_changed(self.path, render(endpoints, modules_load=self.modules_load_path or MODULES_LOAD_PATH),
                                    read_only=self.read_only)
-        if self.modules_load_path:
-            # Left in place once written: other tools may rely on vfio-pci being loaded early too.
-            if endpoints and not os.path.exists(self.modules_load_path):
-                write_if_changed(self.modules_load_path, MODULES_LOAD_CONTENT, read_only=self.read_only)
+        # Left in place once written: other tools may rely on vfio-pci being loaded early too.
+        if self.modules_load_path and endpoints and not os.path.exists(self.modules_load_path):
+            write_if_changed(self.modules_load_path, MODULES_LOAD_CONTENT, read_only=self.read_only)
         return changed

@@ -70,6 +70,7 @@ class Nvml:
 
     def close(self) -> None:
         """nvmlShutdown: our own NVML client must not be what keeps a GPU busy during an unbind."""
+        self._sizes.clear()  # a GPU may be swapped (unplug/plug) before the next session
         if self._open:
             self._open = False
             self._call("nvmlShutdown", None, pynvml.nvmlShutdown)

@@ -126,10 +126,10 @@ def plan_binding(
     endpoints = [fn] + [c for c in companions if not _is_bridge(c)]
     skipped = tuple(c.address for c in companions if _is_bridge(c))
     target = target_for(workload)
-    base = dict(
-        pci=fn.address, index=gpu.index, workload=workload, native_driver=native, group=fn.iommu_group,
-        endpoints=tuple(e.address for e in endpoints), skipped=skipped,
-    )
+    base = {
+        "pci": fn.address, "index": gpu.index, "workload": workload, "native_driver": native,
+        "group": fn.iommu_group, "endpoints": tuple(e.address for e in endpoints), "skipped": skipped,
+    }
     if target is None:
         return BindingPlan(target="native", infeasible=f"unknown workload {workload!r} (one of {', '.join(WORKLOADS)})", **base)
     if target == VFIO:

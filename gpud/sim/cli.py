@@ -94,7 +94,8 @@ def hold(host_dir: str | os.PathLike, device: str, pid: int, name: str | None = 
     with locked(d) as st:
         stored, gpu = resolve_device(st, device)
         if not any(p.pid == pid and p.device == stored for p in st.processes):
-            st.processes.append(SimProcess(pid=pid, name=name or f"proc{pid}", device=stored))
+            st.processes.append(SimProcess(pid=pid, name=name or f"proc{pid}", device=stored,
+                                           real=os.path.exists(f"/proc/{pid}")))
         _after_holder_change(d, st, gpu)
     _emit_change(d, st, gpu)
     return stored

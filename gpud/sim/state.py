@@ -40,6 +40,19 @@ class SimProcess(msgspec.Struct):
     name: str
     device: str
     used_mb: int = 256
+    # The pid was a live process of this machine when registered: like NVML, the simulator stops
+    # listing it once it exits, so waiting on a holder's exit can be tested end to end.
+    real: bool = False
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 class SimFunction(msgspec.Struct):
@@ -118,6 +131,7 @@ def locked(host_dir: str | os.PathLike, *, write: bool = True) -> Iterator[SimSt
     try:
         fcntl.flock(fd, fcntl.LOCK_EX if write else fcntl.LOCK_SH)
         state = load(host_dir)
+        state.processes = [p for p in state.processes if not p.real or _alive(p.pid)]
         yield state
         if write:
             save(host_dir, state)

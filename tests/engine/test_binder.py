@@ -47,8 +47,7 @@ def sim(tmp_path):
         st.hangs.clear()
         st.processes.clear()
         render(d, st)
-    for sw in binder.stuck_writes():
-        _wait_for(lambda: sw.exit_status is not None, what=f"stuck writer {sw.pid} to finish")
+    _wait_for(lambda: not binder.stuck_writes(), what="abandoned writers to finish")
 
 
 def _wait_for(cond, *, what: str, limit: float = 20.0) -> None:
@@ -255,7 +254,7 @@ def test_probe_that_binds_nothing_is_caught_by_verification(sim):
     with simstate.locked(sim.host_dir) as st:  # the GPU's native driver is not loaded
         st.gpus.pop(H200)  # nvidia probe then fails (EPERM inside probe: device stays unbound)
         render(sim.host_dir, st)
-    sysfs.write(f"bus/pci/drivers/nvidia/unbind", H200)
+    sysfs.write("bus/pci/drivers/nvidia/unbind", H200)
     out = binder.execute(sysfs, procs, plan_binding(gpu(sysfs, H200), "container"), timeout=5,
                          verify_timeout=0.2)
     assert out.state == "failed" and "expected nvidia" in out.message and out.step.startswith("verify-driver")
@@ -299,10 +298,34 @@ def test_kernel_reason_reads_state_and_wchan_of_a_sleeping_child():
         finally:
             os._exit(0)
     try:
-        _wait_for(lambda: open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] == "S",
-                  what="child asleep")
+        def asleep():
+            with open(f"/proc/{pid}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0] == "S"
+
+        _wait_for(asleep, what="child asleep")
         reason = binder.kernel_reason(pid, ["nothing-matches-this"], kmsg="/nonexistent")
         assert reason.startswith("state S")
     finally:
         os.kill(pid, signal.SIGKILL)
         os.waitpid(pid, 0)
+
+
+def test_abandoned_writer_keeps_none_of_the_callers_locks(sim, tmp_path):
+    """A stuck child must not inherit the daemon's fds: an inherited flock'd fd would keep e.g.
+    the apply lock held for as long as the kernel keeps the child blocked (found the hard way:
+    the simulator's own state lock deadlocked against it)."""
+    import fcntl
+
+    sysfs, procs = adapters(sim)
+    lock = tmp_path / "apply.lock"
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    simkernel.hang(sim.host_dir, H200)
+    out = binder.execute(sysfs, procs, plan_binding(gpu(sysfs, H200), "vm-passthrough"), timeout=0.5)
+    assert out.state == "stuck"
+    os.close(fd)  # the caller lets go; nobody else may still hold it
+    fd2 = os.open(lock, os.O_RDWR)
+    try:
+        fcntl.flock(fd2, fcntl.LOCK_EX | fcntl.LOCK_NB)  # raises BlockingIOError if the child kept it
+    finally:
+        os.close(fd2)

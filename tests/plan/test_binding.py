@@ -5,7 +5,15 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gpud.model import ComputeInstance, Gpu, GpuInstance, Holder, NvmlGpu, PciFunction, Placement
+from gpud.model import (
+    ComputeInstance,
+    Gpu,
+    GpuInstance,
+    Holder,
+    NvmlGpu,
+    PciFunction,
+    Placement,
+)
 from gpud.plan.binding import (
     CLEAR_OVERRIDE,
     LOAD_MODULE,

@@ -65,7 +65,7 @@ def boot(out_dir: str, guest_script: str, *, timeout: float = 900.0, python: str
            "--exec", guest_cmd]
     t0 = time.monotonic()
     try:
-        r = subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=timeout, env=env,
+        r = subprocess.run(cmd, check=False, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=timeout, env=env,
                            cwd=out_dir)
         rc, console = r.returncode, r.stdout + r.stderr
     except subprocess.TimeoutExpired as e:

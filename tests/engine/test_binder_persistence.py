@@ -1,0 +1,139 @@
+"""Boot persistence rules file and the passthrough inventory (udev_rules.py, passthrough.py)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from gpud.engine import passthrough, udev_rules
+from gpud.layout.desired import DesiredGpu
+from gpud.model import Gpu, NvmlGpu, PciFunction
+
+GPU0, GPU1 = "0000:3b:00.0", "0000:5d:00.0"
+
+
+def fn(addr, device=0x2335, cls=0x030200, driver="nvidia", group=7, numa=1):
+    return PciFunction(addr, 0x10DE, device, 0x10DE, 0x18BF, cls, driver=driver, iommu_group=group, numa_node=numa)
+
+
+def gpus():
+    audio = fn("0000:3b:00.1", device=0x22BA, cls=0x040300, driver="snd_hda_intel")
+    bridge = fn("0000:3a:00.0", device=0x1AF1, cls=0x060400, driver="pcieport")
+    return [Gpu(index=0, function=fn(GPU0), companions=(audio, bridge)),
+            Gpu(index=1, function=fn(GPU1, group=9))]
+
+
+def desired(**workloads):
+    return {pci: DesiredGpu(pci=pci, index=i, entry="layouts.x[0]", workload=w)
+            for i, (pci, w) in enumerate(workloads.items())}
+
+
+def test_rules_cover_group_endpoints_but_not_bridges():
+    eps = udev_rules.passthrough_endpoints(gpus(), desired(**{GPU0: "vm-passthrough", GPU1: "container"}))
+    assert eps == [GPU0, "0000:3b:00.1"]
+    text = udev_rules.render(eps)
+    lines = [ln for ln in text.splitlines() if not ln.startswith("#")]
+    assert lines == [
+        f'ACTION=="add", SUBSYSTEM=="pci", KERNEL=="{a}", ATTR{{driver_override}}="vfio-pci", '
+        f'RUN{{builtin}}+="kmod load vfio-pci"' for a in eps]
+    assert "modules-load.d" in text
+
+
+def test_absent_desired_gpu_keeps_its_entry():
+    eps = udev_rules.passthrough_endpoints([], desired(**{GPU1: "vm-passthrough"}))
+    assert eps == [GPU1]
+
+
+def test_render_refuses_malformed_addresses():
+    with pytest.raises(ValueError):
+        udev_rules.render(['0000:3b:00.0", RUN+="/bin/sh'])
+
+
+def test_writer_is_atomic_idempotent_and_removes(tmp_path):
+    path = tmp_path / "rules.d" / "70-gpud-vfio.rules"
+    mods = tmp_path / "modules-load.d" / "gpud-vfio.conf"
+    w = udev_rules.UdevRules(str(path), modules_load_path=str(mods))
+    assert w.sync(gpus(), desired(**{GPU0: "vm-passthrough"})) is True
+    first = path.stat()
+    assert "vfio-pci" in mods.read_text()
+    assert w.sync(gpus(), desired(**{GPU0: "vm-passthrough"})) is False
+    assert path.stat().st_ino == first.st_ino  # not rewritten
+    assert w.sync(gpus(), desired(**{GPU0: "vm-passthrough", GPU1: "vm-passthrough"})) is True
+    assert GPU1 in path.read_text() and path.stat().st_ino != first.st_ino  # replaced, not edited
+    assert oct(path.stat().st_mode & 0o777) == "0o644"
+    assert w.sync(gpus(), desired(**{GPU0: "container", GPU1: "container"})) is True
+    assert not path.exists()
+    assert w.sync(gpus(), desired(**{GPU0: "container"})) is False
+    assert [n for n in os.listdir(path.parent) if n.startswith(".gpud-")] == []
+
+
+def test_writer_read_only(tmp_path):
+    from gpud.host.readonly import ReadOnlyError
+
+    w = udev_rules.UdevRules(str(tmp_path / "r.rules"), modules_load_path=None, read_only=True)
+    with pytest.raises(ReadOnlyError):
+        w.sync(gpus(), desired(**{GPU0: "vm-passthrough"}))
+
+
+@pytest.mark.parametrize("name,expected", [
+    ("GH100 [H100 PCIe]", "GH100_H100_PCIE"),
+    ("GH100[H100 SXM5 80GB]", "GH100H100_SXM5_80GB"),
+    ("TU104GL [Tesla T4]", "TU104GL_TESLA_T4"),
+    ("GA100 [A100 SXM4 40GB]", "GA100_A100_SXM4_40GB"),
+    ("AD102GL [RTX 6000 Ada Generation]", "AD102GL_RTX_6000_ADA_GENERATION"),
+    ("GP104 [GeForce GTX 1070/1080 Mobile]", "GP104_GEFORCE_GTX_1070_1080_MOBILE"),
+    ("NVIDIA H200", "NVIDIA_H200"),
+])
+def test_resource_name_as_kubevirt_gpu_device_plugin(name, expected):
+    assert passthrough.plugin_device_name(name) == expected
+
+
+def test_inventory_lists_only_vfio_gpus_with_pci_ids_name(tmp_path):
+    ids = tmp_path / "pci.ids"
+    ids.write_text("# c\n10de  NVIDIA Corporation\n\t2331  GH100 [H100 PCIe]\n\t\t10de 1626  H100 PCIe 80GB\n"
+                   "10df  Other\n\t2335  Not NVIDIA\nC 00  Unclassified device\n")
+    (tmp_path / "dev" / "vfio").mkdir(parents=True)
+    (tmp_path / "dev" / "vfio" / "7").touch()
+    g = [Gpu(index=0, function=fn(GPU0, device=0x2331, driver="vfio-pci"),
+             companions=(fn("0000:3b:00.1", device=0x22BA, cls=0x040300, driver="vfio-pci"),)),
+         Gpu(index=1, function=fn(GPU1, driver="nvidia", group=9))]
+    [e] = passthrough.entries(g, dev_root=str(tmp_path / "dev"), pci_ids=[str(ids)])
+    assert e.vendor_device == "10DE:2331" and e.resource_name == "nvidia.com/GH100_H100_PCIE"
+    assert e.name_source == "pci.ids" and e.vfio_device == "/dev/vfio/7" and e.numa_node == 1
+    assert e.companions == ("0000:3b:00.1",)
+    assert "<address domain='0x0000' bus='0x3b' slot='0x00' function='0x0'/>" in e.libvirt_hostdev
+    assert "managed='no'" in e.libvirt_hostdev
+    yaml = passthrough.kubevirt_yaml([e])
+    assert 'pciVendorSelector: "10DE:2331"' in yaml and "resourceName: nvidia.com/GH100_H100_PCIE" in yaml
+    wire = e.wire()
+    assert wire["kubevirt"] == {"pciVendorSelector": "10DE:2331", "resourceName": "nvidia.com/GH100_H100_PCIE",
+                                "externalResourceProvider": True}
+
+
+def test_name_falls_back_to_model_then_device_id(tmp_path):
+    ids = tmp_path / "pci.ids"
+    ids.write_text("10de  NVIDIA Corporation\n\t2331  GH100 [H100 PCIe]\n")
+    h200 = Gpu(index=0, function=fn(GPU0, device=0x2335, driver="vfio-pci"))
+    [e] = passthrough.entries([h200], dev_root=str(tmp_path), pci_ids=[str(ids)])
+    assert e.name_source == "model" and e.resource_name == "nvidia.com/NVIDIA_H200"  # from gpud.profiles
+    assert e.vfio_device is None  # node absent: not usable yet, said so
+    unknown = Gpu(index=0, function=fn(GPU0, device=0x9999, driver="vfio-pci"),
+                  nvml=None)
+    [e] = passthrough.entries([unknown], pci_ids=[str(tmp_path / "missing")])
+    assert e.name_source == "device-id" and e.resource_name == "nvidia.com/9999"
+    named = Gpu(index=0, function=fn(GPU0, device=0x9999, driver="vfio-pci"),
+                nvml=NvmlGpu(pci=GPU0, uuid="GPU-x", name="NVIDIA Future GPU"))
+    assert passthrough.entries([named], pci_ids=[])[0].resource_name == "nvidia.com/NVIDIA_FUTURE_GPU"
+
+
+def test_inventory_from_observation_matches_wire_struct():
+    import msgspec
+
+    from gpud.api.wire import PassthroughDevice
+
+    class Obs:
+        gpus = (Gpu(index=0, function=fn(GPU0, driver="vfio-pci")),)
+
+    [d] = passthrough.inventory(Obs(), dev_root="/nonexistent")
+    msgspec.convert(d, PassthroughDevice)  # every field the client decodes is there, typed right
