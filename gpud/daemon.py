@@ -41,6 +41,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--socket-group", default="gpud", help="group allowed to read status (default gpud)")
     ap.add_argument("--udev-rules", help="udev rules file that keeps passthrough GPUs off nvidia at boot "
                     "(default /etc/udev/rules.d/70-gpud-vfio.rules, or DIR/etc/udev/rules.d/... with --sim)")
+    ap.add_argument("--metrics-textfile", help="write Prometheus metrics to this file (node exporter's "
+                    "textfile collector, e.g. /var/lib/prometheus/node-exporter/gpud.prom)")
     ap.add_argument("--unbind-timeout", type=float, default=30.0, help="seconds before an unbind is declared stuck")
     ap.add_argument("--log-level", default=os.environ.get("GPUD_LOG_LEVEL", "INFO"))
     ap.add_argument("--version", action="version", version=f"gpud {VERSION}")
@@ -119,6 +121,14 @@ class Daemon:
 
     def _update_status(self) -> None:
         self.notifier.status(self.rec.summary())
+        if self.args.metrics_textfile:
+            from gpud.engine.metrics import render
+            from gpud.engine.status import build_status
+
+            try:
+                render(build_status(self.rec), self.rec.passes, self.args.metrics_textfile)
+            except OSError as e:
+                log.warning("metrics not written to %s: %s", self.args.metrics_textfile, e)
 
     async def watchdog(self, interval: float) -> None:
         """Pinged from the loop itself, so a stuck loop stops the pings and systemd restarts us."""

@@ -172,3 +172,15 @@ def test_stop_leaves_hardware_as_it_is(daemon):
     before = d.sim("show", "--json").stdout
     assert d.stop() == 0
     assert d.sim("show", "--json").stdout == before
+
+
+def test_metrics_textfile(daemon, tmp_path):
+    prom = tmp_path / "gpud.prom"
+    d = daemon(["h100-80gb:2"], layout(mig([0], {"1g.10gb": 4, "3g.40gb": 1}), mig([1], None)),
+               "--metrics-textfile", str(prom))
+    assert d.ctl("apply", "--wait").returncode == 0
+    pci = d.status()["gpus"][0]["pci"]
+    text = wait_until(lambda: prom.exists() and 'profile="3g.40gb"' in (t := prom.read_text()) and t, what="metrics")
+    assert f'gpud_mig_devices{{pci="{pci}",profile="1g.10gb"}} 4.0' in text
+    assert "gpud_layout_valid 1.0" in text
+    assert f'gpud_gpu_state{{index="0",model="NVIDIA H100 80GB HBM3",pci="{pci}",state="converged"}} 1.0' in text

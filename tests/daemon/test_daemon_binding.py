@@ -61,3 +61,22 @@ def test_unbind_that_never_returns_is_reported_stuck_and_the_daemon_keeps_servin
     assert "unbind" in st["gpus"][0]["message"]
     assert st["gpus"][1]["converged"]  # the other GPU is not held up
     assert d.ctl("version").returncode == 0
+
+
+def test_mig_gpu_going_to_passthrough_undoes_mig_first(daemon):
+    d = daemon(["h100-80gb:1"], layout({"devices": [0], "mig-enabled": True, "mig-devices": {"3g.40gb": 2}}))
+    assert d.ctl("apply", "--wait").returncode == 0
+    uuid = d.status()["gpus"][0]["mig"]["instances"][0]["uuid"]
+    assert d.sim("hold", uuid, "--pid", "5150", "--name", "infer").returncode == 0
+    d.config.write_text(layout({"devices": [0], "workload": "vm-passthrough"}))
+    st = wait_until(lambda: (s := d.status())["gpus"][0]["state"] == "waiting" and s, what="refused while busy")
+    g = st["gpus"][0]
+    assert g["driver"] == "nvidia" and g["mig"]["mode"] == "enabled" and "5150" in g["message"]
+    assert d.sim("release", uuid, "--pid", "5150").returncode == 0
+    wait_until(lambda: d.status()["gpus"][0]["driver"] == "vfio-pci" and d.status()["gpus"][0]["converged"],
+               what="MIG undone, then bound to vfio-pci")
+    # back to containers: MIG stays off as the entry says nothing about it
+    d.config.write_text(layout({"devices": [0], "workload": "container", "mig-enabled": True,
+                                "mig-devices": {"7g.80gb": 1}}))
+    wait_until(lambda: (g := d.status()["gpus"][0])["driver"] == "nvidia" and g["converged"]
+               and [i["profile"] for i in g["mig"]["instances"]] == ["7g.80gb"], what="back on nvidia with MIG")

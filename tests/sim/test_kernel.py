@@ -84,9 +84,8 @@ def to_vfio(s: Sysfs, addr: str) -> None:
 
 def to_native(s: Sysfs, addr: str) -> None:
     s.write(f"bus/pci/devices/{addr}/driver_override", "\n")
-    f = s.function(addr)
-    if f.driver:
-        s.write(f"bus/pci/drivers/{f.driver}/unbind", addr)
+    if s.function(addr).driver:
+        s.write(f"bus/pci/devices/{addr}/driver/unbind", addr)  # through the device's driver link
     s.write("bus/pci/drivers_probe", addr)
 
 
