@@ -212,6 +212,8 @@ class Sysfs:
     def load_module(self, name: str) -> None:
         """modprobe `name` (e.g. vfio-pci); SysfsError(EIO) with modprobe's message on failure."""
         refuse_if(self.read_only, "modprobe", name)
+        if os.path.isdir(self._p("module", name.replace("-", "_"))):
+            return  # loaded already (modules-load.d at boot): the unit forbids module loading
         if self._modprobe is not None:
             self._modprobe(name)
             return

@@ -234,6 +234,14 @@ def fault_matches(fault_function: str, symbol: str) -> bool:
                                                   fault_function + "V")
 
 
+# Calls after which the simulated /dev (MIG capability nodes) must be rendered again.
+_CHANGES_DEVICES = frozenset({
+    "nvmlDeviceSetMigMode", "nvmlDeviceCreateGpuInstance", "nvmlDeviceCreateGpuInstanceWithPlacement",
+    "nvmlGpuInstanceCreateComputeInstance", "nvmlGpuInstanceCreateComputeInstanceWithPlacement",
+    "nvmlComputeInstanceDestroy", "nvmlGpuInstanceDestroy",
+})
+
+
 class FakeNvmlLib:
     """Stands in for `CDLL("libnvidia-ml.so.1")`: attribute lookup yields C-like functions."""
 
@@ -294,6 +302,11 @@ class FakeNvmlLib:
             try:
                 ret = impl(self, state, *args)
                 result = SUCCESS if ret is None else ret
+                if result == SUCCESS and name in _CHANGES_DEVICES:
+                    # MIG devices come and go as /dev/nvidia-caps nodes: keep the tree in step.
+                    from gpud.sim.sysfs_tree import render
+
+                    render(self.host_dir, state)
             except _Ret as r:
                 result = r.code
             except (TypeError, ValueError) as e:  # what would be a crash or garbage in C

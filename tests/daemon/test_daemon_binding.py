@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+from gpud.sim.kernel import unhang
 from tests.daemon.conftest import wait_until
 from tests.scenarios.definitions import layout
 
@@ -61,6 +62,8 @@ def test_unbind_that_never_returns_is_reported_stuck_and_the_daemon_keeps_servin
     assert "unbind" in st["gpus"][0]["message"]
     assert st["gpus"][1]["converged"]  # the other GPU is not held up
     assert d.ctl("version").returncode == 0
+    d.stop()
+    unhang(d.host, pci)  # lets the abandoned writer finish, so no process outlives the test
 
 
 def test_mig_gpu_going_to_passthrough_undoes_mig_first(daemon):
