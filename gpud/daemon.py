@@ -72,7 +72,7 @@ def build_hardware(args: argparse.Namespace) -> tuple[Hardware, str | None, str]
 
 class Daemon:
     def __init__(self, args: argparse.Namespace) -> None:
-        from gpud.host.systemd import Notifier
+        from gpud.host.systemd import Notifier, request_reboot
 
         self.args = args
         self.notifier = Notifier()
@@ -82,7 +82,9 @@ class Daemon:
             self.hw, config_path=args.config, apply_lock=ApplyLock(lock_path), bus=self.bus,
             read_only=args.read_only, binder_timeout=args.unbind_timeout,
             udev_rules=UdevRules(args.udev_rules, modules_load_path=None, read_only=args.read_only),
+            state_dir=args.state_dir, rebooter=request_reboot,
         )
+        Path(args.state_dir).mkdir(parents=True, exist_ok=True)
         self.stopping = asyncio.Event()
         self._reload_timer: asyncio.TimerHandle | None = None
 

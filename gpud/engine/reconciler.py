@@ -100,6 +100,8 @@ class Reconciler:
         hooks=None,
         binder_timeout: float = 30.0,
         udev_rules=None,
+        state_dir: str | None = None,
+        rebooter=None,
     ) -> None:
         self.hw = hardware
         self.config_path = config_path
@@ -110,6 +112,9 @@ class Reconciler:
         self.hooks = hooks
         self.binder_timeout = binder_timeout
         self.udev_rules = udev_rules  # gpud.engine.udev_rules.UdevRules: boot-time vfio overrides
+        self.state_dir = state_dir  # where the reboot marker lives
+        self.rebooter = rebooter  # async (state_dir, reason) -> bool; logind on a real host
+        self._reboot_reported: tuple | None = None
         self.layout: ParsedLayout | None = None  # the last good layout in force
         self.layout_issues: tuple[list[str], list[str]] = ([], [])  # (errors, warnings) of the file as it is now
         self.resolution: Resolution | None = None
@@ -318,6 +323,7 @@ class Reconciler:
                     self._set(gpu.pci, await self._converge_gpu(gpu.pci, self.resolution.desired[gpu.pci]))
             self.refresh()
         self.phase = _phase(self.gpu_states.values())
+        self.after_reboot()
         self._notify()
 
     def _preview(self) -> dict[str, Action]:
@@ -350,7 +356,8 @@ class Reconciler:
                 for pci in sorted(todo):
                     done.add(pci)
                     try:
-                        self._set(pci, await self._converge_gpu(pci, self.resolution.desired[pci]))
+                        self._set(pci, await self._reboot_policy(
+                            pci, await self._converge_gpu(pci, self.resolution.desired[pci])))
                     except Exception as e:  # one GPU's surprise must not stop the others
                         log.exception("GPU %s", pci)
                         self._set(pci, GpuState("failed", f"internal error: {e}"))
@@ -364,6 +371,36 @@ class Reconciler:
             return
         if info.changed_mig and self.drainer is not None:
             await refresh_cdi(self.drainer, log=lambda line: self.bus.publish("hook", line))
+
+    async def _reboot_policy(self, pci: str, st: GpuState) -> GpuState:
+        """`policy.reboot: allow`: ask for one reboot when only a reboot can settle a mode change.
+        The marker in the state dir stops a second reboot for a change the first did not fix."""
+        if st.state != "reboot-required" or self.policy is None or self.policy.reboot != "allow":
+            return st
+        if self.rebooter is None or self.state_dir is None or self.read_only:
+            return GpuState(st.state, f"{st.message}; policy allows a reboot, but logind is not reachable", st.holders)
+        if await self.rebooter(self.state_dir, f"{pci}: {st.message}"):
+            self.bus.publish("reboot", f"reboot requested from logind: {st.message}", gpu=pci)
+            return GpuState(st.state, f"{st.message}; reboot requested", st.holders)
+        return GpuState(st.state, f"{st.message}; an earlier reboot did not settle it, not rebooting again "
+                                  f"(remove {self.state_dir}/reboot-request.json after fixing the cause)", st.holders)
+
+    def after_reboot(self) -> None:
+        """On start: say whether the reboot gpud asked for settled what it was for; clear the
+        marker once the host converged, keep it (no second reboot) while it did not."""
+        from gpud.host.systemd import clear_reboot_request, reboot_outcome
+
+        if self.state_dir is None:
+            return
+        record = reboot_outcome(self.state_dir)
+        if record is None or not record.rebooted or self._reboot_reported == (record.requested_at, self.phase):
+            return
+        self._reboot_reported = (record.requested_at, self.phase)
+        if self.phase == "converged":
+            clear_reboot_request(self.state_dir)
+            self.bus.publish("reboot", f"the reboot settled it: {record.reason}")
+        else:
+            self.bus.publish("reboot", f"the reboot did not settle it: {record.reason}")
 
     async def _converge_gpu(self, pci: str, desired: DesiredGpu) -> GpuState:
         for _ in range(MAX_ROUNDS):
