@@ -20,9 +20,9 @@ from pathlib import Path
 from gpud import VERSION
 from gpud.engine.events import EventBus
 from gpud.engine.passthrough import inventory
-from gpud.engine.udev_rules import UdevRules
 from gpud.engine.reconciler import ApplyLock, Hardware, Reconciler
 from gpud.engine.requests import RequestHandler
+from gpud.engine.udev_rules import UdevRules
 from gpud.host.nvml import Nvml
 from gpud.host.procs import Procs
 from gpud.host.sysfs import Sysfs

@@ -18,7 +18,16 @@ from typing import Any
 import pynvml
 
 from gpud.host.readonly import refuse_if
-from gpud.model import CiProfile, ComputeInstance, GpuInstance, Holder, MigProfile, NvmlGpu, Placement
+from gpud.model import (
+    CiProfile,
+    ComputeInstance,
+    GpuInstance,
+    Holder,
+    MigProfile,
+    NvmlGpu,
+    Placement,
+)
+from gpud.pci import normalize_pci
 from gpud.profiles import by_device
 
 _MIB = 1 << 20
@@ -43,13 +52,6 @@ def _error_string(code: int) -> str:
         return str(pynvml.NVMLError(code))
     except Exception:  # noqa: BLE001 - the message is a nicety; the code is what matters
         return f"NVML error {code}"
-
-
-def normalize_pci(bus_id: str) -> str:
-    """NVML's "00000000:3B:00.0" -> sysfs's "0000:3b:00.0"."""
-    domain, bus, rest = bus_id.strip().lower().split(":")
-    dev, fn = rest.split(".")
-    return f"{int(domain, 16):04x}:{int(bus, 16):02x}:{int(dev, 16):02x}.{int(fn, 16)}"
 
 
 class Nvml:
@@ -119,7 +121,8 @@ class Nvml:
 
     def _read(self, h: Any) -> NvmlGpu:
         info = self._call("nvmlDeviceGetPciInfo", None, pynvml.nvmlDeviceGetPciInfo, h)
-        pci = normalize_pci(info.busId.decode() if isinstance(info.busId, bytes) else info.busId)
+        bus_id = info.busId.decode() if isinstance(info.busId, bytes) else info.busId
+        pci = normalize_pci(bus_id) or bus_id.lower()
         c = lambda name, *args: self._call(name, pci, getattr(pynvml, name), h, *args)  # noqa: E731
         uuid = c("nvmlDeviceGetUUID")
         name = c("nvmlDeviceGetName")

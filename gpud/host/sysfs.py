@@ -19,6 +19,7 @@ from collections.abc import Callable
 
 from gpud.host.readonly import refuse_if
 from gpud.model import PciFunction
+from gpud.pci import pci_sort_key
 
 # (attribute file name or "*", errno) -> meaning
 MEANINGS: dict[tuple[str, int], str] = {
@@ -58,15 +59,6 @@ class SysfsError(OSError):
     def __str__(self) -> str:
         name = errno.errorcode.get(self.errno, str(self.errno))
         return f"{name}: {self.meaning} ({self.path})"
-
-
-def _addr_key(addr: str) -> tuple[int, ...]:
-    try:
-        dom, bus, rest = addr.split(":")
-        dev, fn = rest.split(".")
-        return (int(dom, 16), int(bus, 16), int(dev, 16), int(fn, 16))
-    except ValueError:
-        return (1 << 32,)
 
 
 def _read(path: str) -> str | None:
@@ -109,7 +101,7 @@ class Sysfs:
             names = [n for n in os.listdir(self._p("bus/pci/devices")) if not n.startswith(".")]
         except FileNotFoundError:
             return []
-        out = [f for f in (self.function(n) for n in sorted(names, key=_addr_key)) if f is not None]
+        out = [f for f in (self.function(n) for n in sorted(names, key=pci_sort_key)) if f is not None]
         return out
 
     def function(self, address: str) -> PciFunction | None:
@@ -169,7 +161,7 @@ class Sysfs:
             names = os.listdir(self._p("kernel/iommu_groups", str(group), "devices"))
         except FileNotFoundError:
             return []
-        return sorted((n for n in names if not n.startswith(".")), key=_addr_key)
+        return sorted((n for n in names if not n.startswith(".")), key=pci_sort_key)
 
     def drivers(self) -> list[str]:
         """Names of the PCI drivers loaded now."""

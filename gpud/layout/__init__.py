@@ -8,7 +8,15 @@ from gpud.layout.match import DEFAULT_MATCH, managed
 from gpud.layout.names import MigName, find_profile, parse_mig_name
 from gpud.layout.parse import ParsedLayout, parse_layout
 from gpud.layout.resolve import Resolution, check_text, resolve
-from gpud.layout.schema import DeviceEntry, Hook, Hooks, Layout, MatchRule, PciId, Policy
+from gpud.layout.schema import (
+    DeviceEntry,
+    Hook,
+    Hooks,
+    Layout,
+    MatchRule,
+    PciId,
+    Policy,
+)
 
 __all__ = [
     "DEFAULT_MATCH",

@@ -12,8 +12,9 @@ from collections.abc import Sequence
 
 from gpud.layout.schema import DEFAULT_MATCH, GPU_CLASSES, MatchRule
 from gpud.model import PciFunction
+from gpud.pci import pci_sort_key
 
-__all__ = ["DEFAULT_MATCH", "managed", "matches", "pci_sort_key"]
+__all__ = ["DEFAULT_MATCH", "managed", "matches"]
 
 
 def matches(function: PciFunction, rule: MatchRule) -> bool:
@@ -24,16 +25,6 @@ def matches(function: PciFunction, rule: MatchRule) -> bool:
         return False
     cls = function.class_code >> 8
     return cls == rule.class_ if rule.class_ is not None else cls in GPU_CLASSES
-
-
-def pci_sort_key(address: str) -> tuple[int, ...]:
-    """Numeric order of `DDDD:BB:DD.F` (string order breaks on 5-digit VMD domains)."""
-    try:
-        domain, bus, rest = address.split(":")
-        dev, fn = rest.split(".")
-        return (int(domain, 16), int(bus, 16), int(dev, 16), int(fn, 16))
-    except ValueError:
-        return (1 << 32,)  # malformed addresses last; sysfs does not produce them
 
 
 def _function_number(address: str) -> int | None:

@@ -39,6 +39,7 @@ from gpud.layout.schema import (
     PciId,
     Policy,
 )
+from gpud.pci import normalize_pci
 
 _TAG = "tag:yaml.org,2002:"
 _STR, _INT, _FLOAT, _BOOL, _NULL, _MERGE = (_TAG + t for t in ("str", "int", "float", "bool", "null", "merge"))
@@ -49,7 +50,6 @@ MATCH_KEYS = ("vendor", "device", "class")
 POLICY_KEYS = ("drain-units", "on-busy", "reset", "reboot")
 HOOK_KEYS = ("command", "args", "env", "timeout")
 
-_PCI = re.compile(r"(?:([0-9a-fA-F]{1,8}):)?([0-9a-fA-F]{2}):([0-1][0-9a-fA-F])\.([0-7])")
 _UUID = re.compile(r"GPU-[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}")
 _FILTER_MIG_PARTED = re.compile(r"0[xX]([0-9a-fA-F]{4})([0-9a-fA-F]{4})")  # device id, then vendor id
 _FILTER_LSPCI = re.compile(r"([0-9a-fA-F]{4}):([0-9a-fA-F]{4})")  # vendor:device
@@ -214,15 +214,7 @@ class _Parser:
             self.expected(node, path, what)
             return None
         out: dict[str, tuple[Node, Node]] = {}
-        first: dict[str, int] = {}
-        for key, value, merged in self._pairs(node, path):
-            name = key.value
-            kpath = key_path(path, name)
-            if name in first:
-                if not merged:
-                    self.error(key, kpath, f"duplicate key (first at line {first[name]})")
-                continue
-            first[name] = _line(key)
+        for name, kpath, key, value in self._unique_pairs(node, path):
             if name not in allowed:
                 hint = difflib.get_close_matches(name, allowed, n=1)
                 did = f'; did you mean "{hint[0]}"?' if hint else ";"
@@ -237,6 +229,13 @@ class _Parser:
         if not isinstance(node, MappingNode):
             self.expected(node, path, what)
             return
+        for name, kpath, key, value in self._unique_pairs(node, path):
+            self.lines[kpath] = _line(key)
+            yield name, key, value
+
+    def _unique_pairs(self, node: MappingNode, path: str) -> Iterator[tuple[str, str, Node, Node]]:
+        """(name, key path, key node, value node) of a mapping, each key once; a repeated key is
+        an error (YAML would silently keep the last), except one brought in by a merge key."""
         first: dict[str, int] = {}
         for key, value, merged in self._pairs(node, path):
             name = key.value
@@ -246,8 +245,7 @@ class _Parser:
                     self.error(key, kpath, f"duplicate key (first at line {first[name]})")
                 continue
             first[name] = _line(key)
-            self.lines[kpath] = _line(key)
-            yield name, key, value
+            yield name, kpath, key, value
 
     def _spend(self, n: int) -> None:
         self.budget -= n
@@ -763,15 +761,6 @@ class _Parser:
         if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0:
             return float(value)
         return None
-
-
-def normalize_pci(text: str) -> str | None:
-    """`3B:00.0` -> `0000:3b:00.0` (sysfs spelling); None when `text` is not a PCI address."""
-    m = _PCI.fullmatch(text)
-    if m is None:
-        return None
-    domain, bus, dev, fn = m.groups()
-    return f"{(domain or '0').lower().zfill(4)}:{bus.lower()}:{dev.lower()}.{fn}"
 
 
 def _selector_text(selector: int | str) -> str:

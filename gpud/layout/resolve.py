@@ -14,7 +14,13 @@ from msgspec import Struct, field
 
 from gpud.layout.desired import DesiredGpu, LayoutIssue
 from gpud.layout.names import ci_names, find_profile, parse_mig_name, sorted_names
-from gpud.layout.parse import ParsedLayout, entry_path, item_path, key_path, parse_layout
+from gpud.layout.parse import (
+    ParsedLayout,
+    entry_path,
+    item_path,
+    key_path,
+    parse_layout,
+)
 from gpud.layout.schema import Layout, PciId
 from gpud.model import Gpu, MigProfile
 from gpud.profiles import NVIDIA, by_device

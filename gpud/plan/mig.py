@@ -26,7 +26,15 @@ from msgspec import Struct, field
 
 from gpud.layout.desired import DesiredGpu
 from gpud.layout.names import find_profile
-from gpud.model import CiProfile, ComputeInstance, GpuInstance, Gpu, Holder, MigProfile, Placement
+from gpud.model import (
+    CiProfile,
+    ComputeInstance,
+    Gpu,
+    GpuInstance,
+    Holder,
+    MigProfile,
+    Placement,
+)
 from gpud.plan.placement import Assignment, ExistingGi, GiSpec, Infeasible, solve
 from gpud.profiles import CI_PROFILE_ID, by_device
 

@@ -22,6 +22,7 @@ from pathlib import Path
 import msgspec
 import pynvml
 
+from gpud.pci import normalize_pci
 from gpud.sim import catalog
 from gpud.sim.state import LOCK_FILE, SimProcess, SimState, locked, save, state_path
 
@@ -67,13 +68,10 @@ def resolve_device(state: SimState, device: str) -> tuple[str, str]:
 
 
 def _norm_pci(text: str) -> str:
-    parts = text.strip().lower().split(":")
-    if len(parts) == 2:
-        parts.insert(0, "0")
-    if len(parts) != 3 or "." not in parts[2]:
+    address = normalize_pci(text)
+    if address is None:
         raise ValueError(text)
-    dev, fn = parts[2].split(".")
-    return f"{int(parts[0], 16):04x}:{int(parts[1], 16):02x}:{int(dev, 16):02x}.{int(fn, 16)}"
+    return address
 
 
 def _after_holder_change(host_dir: Path, state: SimState, gpu_address: str) -> None:

@@ -382,7 +382,9 @@ def _ids(data: bytes, path: str) -> tuple[int, int]:
 
 
 def _reset_gpu(st: SimState, addr: str) -> None:
-    from gpud.sim.nvml_lib import reset_gpu  # lazily: the kernel model must not need pynvml to load
+    from gpud.sim.nvml_lib import (
+        reset_gpu,  # lazily: the kernel model must not need pynvml to load
+    )
 
     reset_gpu(st, addr)
 

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from gpud.layout.match import DEFAULT_MATCH, managed, matches, pci_sort_key
+from gpud.layout.match import DEFAULT_MATCH, managed, matches
+from gpud.pci import pci_sort_key
 from gpud.layout.parse import parse_layout
 from gpud.layout.schema import MatchRule
 from gpud.model import PciFunction

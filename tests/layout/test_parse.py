@@ -7,7 +7,8 @@ import textwrap
 import msgspec
 import pytest
 
-from gpud.layout.parse import ParsedLayout, key_path, normalize_pci, parse_layout
+from gpud.layout.parse import ParsedLayout, key_path, parse_layout
+from gpud.pci import normalize_pci
 from gpud.layout.schema import DEFAULT_MATCH, DeviceEntry, Hook, Hooks, Layout, MatchRule, PciId, Policy
 
 
