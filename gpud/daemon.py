@@ -23,7 +23,7 @@ from gpud.engine.passthrough import inventory
 from gpud.engine.reconciler import ApplyLock, Hardware, Reconciler
 from gpud.engine.requests import RequestHandler
 from gpud.engine.udev_rules import UdevRules
-from gpud.host.nvml import Nvml
+from gpud.host.nvml import Nvml, NvmlError
 from gpud.host.procs import Procs
 from gpud.host.sysfs import Sysfs
 
@@ -147,8 +147,11 @@ class Daemon:
         loop = asyncio.get_running_loop()
         self.rec.drainer = await _connect_drainer(self.bus)
         self.rec.on_change(self._update_status)
+        try:
+            self.hw.nvml.open()
+        except NvmlError as e:  # no nvidia driver (every GPU on vfio-pci, or none yet): serve anyway
+            log.warning("NVML not available: %s", e)
         self.rec.load_config()
-        self.hw.nvml.open()
         handler = RequestHandler(self.rec, notifier=self.notifier,
                                  passthrough=lambda obs: inventory(obs, dev_root=self.args.dev_root))
         server = await serve(handler, self.args.socket, sock=listen_socket(), group=self.args.socket_group)

@@ -115,6 +115,7 @@ class Reconciler:
         self.state_dir = state_dir  # where the reboot marker lives
         self.rebooter = rebooter  # async (state_dir, reason) -> bool; logind on a real host
         self._reboot_reported: tuple | None = None
+        self._nvml_closed = False
         self.layout: ParsedLayout | None = None  # the last good layout in force
         self.layout_issues: tuple[list[str], list[str]] = ([], [])  # (errors, warnings) of the file as it is now
         self.resolution: Resolution | None = None
@@ -161,8 +162,19 @@ class Reconciler:
         parsed = parse_layout(text, path)
         candidate = parsed.layout or parsed.draft
         match = candidate.match if candidate is not None and candidate.match else DEFAULT_MATCH
-        obs = observe(self.hw.sysfs, self.hw.nvml, match)
+        obs = self._observe(match)
         return parsed, resolve(parsed, obs.gpus), obs
+
+    def _observe(self, match) -> Observation:
+        """While a rebind runs, NVML stays closed: opening it (nvmlInit opens every GPU) would make
+        gpud itself the holder its unbind waits for. The last NVML view stands in meanwhile."""
+        if not self._nvml_closed:
+            return observe(self.hw.sysfs, self.hw.nvml, match)
+        obs = observe(self.hw.sysfs, None, match)
+        last = {g.pci: g.nvml for g in self.observation.gpus}
+        gpus = tuple(msgspec.structs.replace(g, nvml=last.get(g.pci)) if g.function.driver == "nvidia" else g
+                     for g in obs.gpus)
+        return msgspec.structs.replace(obs, gpus=gpus)
 
     @property
     def match(self):
@@ -217,7 +229,7 @@ class Reconciler:
     def refresh(self) -> Observation:
         """Re-read the host; runs on the event loop on purpose: a hung driver stalls the loop and
         the systemd watchdog restarts us, instead of serving stale state forever."""
-        self.observation = observe(self.hw.sysfs, self.hw.nvml, self.match)
+        self.observation = self._observe(self.match)
         if self.layout is not None:
             self.resolution = resolve(self.layout, self.observation.gpus)
         present = {g.pci for g in self.observation.gpus}
@@ -453,6 +465,7 @@ class Reconciler:
         from gpud.engine import binder
 
         def before_unbind() -> None:
+            self._nvml_closed = True
             self.hw.nvml.close()  # our own handle must not be what keeps the GPU busy
 
         async with self._drained(gpu):
@@ -462,7 +475,7 @@ class Reconciler:
                     before_unbind=before_unbind, timeout=self.binder_timeout,
                 )
             finally:
-                self.hw.nvml.open()
+                self._nvml_closed = False  # reads open NVML again on demand
         self.bus.publish("bind", f"{outcome.state}: {outcome.message}", gpu=gpu.pci)
         return GpuState(outcome.state, outcome.message, tuple(outcome.holders))
 
