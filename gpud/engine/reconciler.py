@@ -429,24 +429,25 @@ class Reconciler:
                 return action
             if self.read_only:
                 return GpuState("read-only", f"read-only mode: would apply {action.summary}")
+            if action.kind == "mig" and action.plan.blocked_by:  # nothing is touched while busy
+                names = ", ".join(f"pid {h.pid} {h.name} on {h.device}" for h in action.plan.blocked_by)
+                return self._busy(GpuState("waiting", f"waiting for {names}", tuple(action.plan.blocked_by)))
             self._set(pci, GpuState("applying", action.summary))
             outcome = await (self._run_mig(gpu, action.plan) if action.kind == "mig" else self._run_bind(gpu, action.plan))
             if outcome.state != "converged":
-                if outcome.state == "waiting":
-                    self._watch_holders(outcome.holders)
-                    if self.policy is not None and self.policy.on_busy == "fail":
-                        return GpuState("failed", f"busy (on-busy: fail): {outcome.message}", outcome.holders)
-                return outcome
+                return self._busy(outcome) if outcome.state == "waiting" else outcome
             self.refresh()
         return GpuState("failed", f"still not converged after {MAX_ROUNDS} rounds")
 
+    def _busy(self, waiting: GpuState) -> GpuState:
+        """Holders block a step: wait for them to exit (`on-busy: wait`) or fail (`fail`)."""
+        if self.policy is not None and self.policy.on_busy == "fail":
+            return GpuState("failed", f"busy (on-busy: fail): {waiting.message}", waiting.holders)
+        self._watch_holders(waiting.holders)
+        return waiting
+
     async def _run_mig(self, gpu: Gpu, plan: GpuPlan) -> GpuState:
         from gpud.engine import mig_executor
-
-        if plan.blocked_by:
-            names = ", ".join(f"pid {h.pid} {h.name} on {h.device}" for h in plan.blocked_by)
-            self.bus.publish("waiting", f"waiting for {names}", gpu=gpu.pci)
-            return GpuState("waiting", f"waiting for {names}", tuple(plan.blocked_by))
 
         loop = asyncio.get_running_loop()
 

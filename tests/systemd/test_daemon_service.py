@@ -15,7 +15,7 @@ SIM = "/var/lib/gpud/sim"
 DROPIN = f"""[Service]
 ExecStart=
 ExecStart=/usr/bin/gpud --config /etc/gpud/layout.yaml --socket /run/gpud/gpud.sock --state-dir /var/lib/gpud --sim {SIM}
-# a stalled daemon is killed soon after the watchdog fires (the test stops it with SIGSTOP)
+# a stalled daemon is killed soon after the watchdog fires (the test stalls its event loop)
 TimeoutAbortSec=5s
 """
 # A GPU client as kubelet is: ordered after gpud, drained by it.
@@ -100,7 +100,9 @@ def test_watchdog_restarts_a_stalled_daemon_without_touching_the_hardware(gpud):
     before = sim_show(c)
     first = c.show("gpud.service", "MainPID", "NRestarts")
     cursor = c.journal_cursor()
-    c.run(["systemctl", "kill", "-s", "SIGSTOP", "--kill-who=main", "gpud.service"])
+    # The simulator's fault: SIGUSR2 blocks the event loop while every other thread runs on, so
+    # only pings that come from the loop itself stop.
+    c.run(["systemctl", "kill", "-s", "SIGUSR2", "--kill-who=main", "gpud.service"])
     c.follow_journal("gpud.service", "Watchdog timeout", after=cursor, timeout=90)
     c.run(["systemctl", "start", "gpud.service"], timeout=120)  # joins the restart; returns at READY
     after = c.show("gpud.service", "MainPID", "NRestarts", "ActiveState")
