@@ -154,7 +154,10 @@ class Daemon:
         self.rec.load_config()
         handler = RequestHandler(self.rec, notifier=self.notifier,
                                  passthrough=lambda obs: inventory(obs, dev_root=self.args.dev_root))
-        server = await serve(handler, self.args.socket, sock=listen_socket(), group=self.args.socket_group)
+        try:
+            server = await serve(handler, self.args.socket, sock=listen_socket(), group=self.args.socket_group)
+        except OSError as e:
+            raise RuntimeError(f"cannot serve on {self.args.socket}: {e.strerror or e}") from e
         events = DeviceEvents(self.on_device_event, sim_socket=self.sim_socket)
         try:
             events.start(loop)

@@ -265,13 +265,81 @@ async def main(out_dir: str) -> None:
     for name, fn in (("to_vfio", a), ("inventory", b), ("remove_rescan", c), ("holder", d), ("to_native", e),
                      ("hand_unbind", f)):
         await phase(name, fn())
+    events_udev.stop()  # the daemon below has its own monitor
+    await phase("daemon", run_daemon(out_dir))
     await asyncio.sleep(0.5)  # let late kernel-source events in before reporting
     ticker.cancel()
-    events_udev.stop()
     events_kernel.stop()
     results["events"] = g.events
     results["kernel_events"] = g.kernel_events
     results["elapsed"] = round(time.monotonic() - T0, 2)
+
+
+async def run_daemon(out_dir: str) -> None:
+    """G: the gpud daemon itself, as systemd would run it (minus systemd): the file selects
+    passthrough, then an outside unbind, then an edit of the file back to container."""
+    work = os.path.join(out_dir, "daemon")
+    os.makedirs(work, exist_ok=True)
+    # the results directory is a 9p share, where no unix socket can be bound (ENXIO): /run is tmpfs
+    cfg, sock = os.path.join(work, "layout.yaml"), "/run/gpud-vm-test.sock"
+    with open(cfg, "w") as fh:
+        fh.write(LAYOUT)
+    log = open(os.path.join(work, "gpud.log"), "w")
+    proc = subprocess.Popen([sys.executable, "-m", "gpud.daemon", "--config", cfg, "--socket", sock,
+                             "--state-dir", os.path.join(work, "state"), "--lock", os.path.join(work, "apply.lock"),
+                             "--udev-rules", os.path.join(work, "70-gpud-vfio.rules"), "--unbind-timeout", "8"],
+                            stdout=log, stderr=subprocess.STDOUT)
+
+    def ctl(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "gpud.cli.gpudctl", "--socket", sock, *args],
+                              capture_output=True, text=True, timeout=120, check=False)
+
+    async def until(cond, timeout: float):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            value = cond()
+            if value:
+                return value
+            await asyncio.sleep(0.2)
+        return None
+
+    def drivers() -> dict:
+        st = json.loads(ctl("status", "--json").stdout or "{}")
+        out = {}
+        for g in st.get("gpus", []):
+            out[g["pci"]] = g["driver"]
+            out.update({m["pci"]: m["driver"] for m in g["group"]})
+        return out
+
+    try:
+        up = await until(lambda: ctl("version").returncode == 0, 30)
+        applied = ctl("apply", "--wait", "--timeout", "90")
+        record("daemon", up=bool(up), apply_rc=applied.returncode, apply_out=applied.stdout + applied.stderr)
+        st = ctl("status", "--json")
+        record("daemon", status_out=st.stdout[-3000:] + st.stderr[-2000:])
+        status1 = json.loads(st.stdout)
+        rules = open(os.path.join(work, "70-gpud-vfio.rules")).read() if os.path.exists(
+            os.path.join(work, "70-gpud-vfio.rules")) else ""
+        sh(f"echo {NIC1} > /sys/bus/pci/drivers/vfio-pci/unbind")
+        rebound = await until(lambda: drivers().get(NIC1) == "vfio-pci" and sh(f"readlink /sys/bus/pci/devices/{NIC1}/driver").endswith("vfio-pci"), 60)
+        with open(cfg, "w") as fh:  # an edit of the file: inotify, then a pass
+            fh.write(LAYOUT.replace("selected: passthrough", "selected: container"))
+        back = await until(lambda: (d := drivers()).get(NIC0) == "e1000" and d.get(AUDIO) == "snd_hda_intel"
+                           and d.get(NIC1) == "e1000", 90)
+        status2 = json.loads(ctl("status", "--json").stdout)
+        events = ctl("events").stdout
+    finally:
+        proc.terminate()
+        try:
+            rc = proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            rc = "killed"
+        log.close()
+        record("daemon", exit=rc, log=open(os.path.join(work, "gpud.log")).read()[-6000:])
+    record("daemon", up=bool(up), apply_rc=applied.returncode, apply_out=applied.stdout[-2000:] + applied.stderr[-1000:],
+           status_after_apply=status1, rules=rules, rebound_after_hand_unbind=bool(rebound),
+           back_to_native_after_edit=bool(back), status_after_edit=status2, events=events[-4000:])
 
 
 if __name__ == "__main__":

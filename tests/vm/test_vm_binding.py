@@ -122,3 +122,23 @@ def test_hand_unbind_is_noticed_through_udev_and_reconciled(guest):
 def test_kernel_uevents_arrive_in_the_guest_too(guest):
     """Without udevd (containers) only kernel-source netlink events exist: they do arrive here."""
     assert any(e[0] == "bind" and e[1] == "pci" for e in guest["kernel_events"]), guest["kernel_events"][:10]
+
+
+def test_the_daemon_itself_converges_notices_an_outside_unbind_and_follows_an_edit(guest):
+    p = guest["phases"].get("daemon")
+    assert p is not None, "phase daemon did not run"
+    assert "error" not in p, {k: v for k, v in p.items() if k in ("error", "log", "apply_out", "status_out")}
+    assert p["up"], p["log"]
+    assert p["apply_rc"] == 0, p["apply_out"] + p["log"]
+    gpus = {g["pci"]: g for g in p["status_after_apply"]["gpus"]}
+    assert set(gpus) == {NIC0, NIC1}  # match: made gpud manage the e1000s; the audio function is a companion
+    for pci in (NIC0, NIC1):
+        g = gpus[pci]
+        assert g["driver"] == "vfio-pci" and g["converged"] and g["vfio_device"] == f"/dev/vfio/{g['iommu_group']}"
+    assert gpus[NIC0]["group"] == [{"pci": AUDIO, "driver": "vfio-pci", "class": "0x040300"}]
+    assert NIC0 in p["rules"] and AUDIO in p["rules"] and NIC1 in p["rules"]
+    assert p["rebound_after_hand_unbind"], p["events"] + p["log"]
+    assert p["back_to_native_after_edit"], p["events"] + p["log"]
+    after = {g["pci"]: g for g in p["status_after_edit"]["gpus"]}
+    assert all(g["vfio_device"] is None and g["converged"] for g in after.values())
+    assert p["exit"] == 0
