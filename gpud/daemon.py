@@ -87,6 +87,7 @@ class Daemon:
         Path(args.state_dir).mkdir(parents=True, exist_ok=True)
         self.stopping = asyncio.Event()
         self._reload_timer: asyncio.TimerHandle | None = None
+        self._metrics_key: tuple | None = None
 
     # ---- event sources ---------------------------------------------------------------------
     async def watch_config(self) -> None:
@@ -109,21 +110,26 @@ class Daemon:
 
     def _reload(self, why: str) -> None:
         log.info("config changed (%s)", why)
-        if self.rec.load_config():
-            self.rec.kick("layout changed")
-        else:
-            self.rec.refresh()
-        self._update_status()
+        if not self.rec.reload("layout changed"):
+            self.rec.refresh()  # status shows the errors at once
 
     def on_device_event(self, event) -> None:
+        """A hint that a managed device (or the set of devices) changed: re-read and converge.
+        Events of unrelated devices are ignored."""
         log.debug("device event %s", event)
+        obs = self.rec.observation
+        ours = {g.pci for g in obs.gpus} | {c.address for g in obs.gpus for c in g.companions}
+        if event.action not in ("add", "remove", "rescan") and event.subsystem != "vfio" and event.address not in ours:
+            return
         self.bus.publish("device", f"{event.action} {event.subsystem} {event.address or ''}".strip(),
                          gpu=event.address)
         self.rec.kick(f"udev {event.action}")
 
     def _update_status(self) -> None:
         self.notifier.status(self.rec.summary())
-        if self.args.metrics_textfile:
+        key = (self.rec.passes, self.rec.phase, tuple(self.rec.layout_issues[0]))
+        if self.args.metrics_textfile and key != self._metrics_key:  # after a pass or a layout change
+            self._metrics_key = key
             from gpud.engine.metrics import render
             from gpud.engine.status import build_status
 
@@ -184,16 +190,32 @@ class Daemon:
         self.notifier.ready()
         log.info("gpud %s ready: socket %s, %d GPU(s)%s", VERSION, self.args.socket,
                  len(self.rec.observation.gpus), " (read-only)" if self.args.read_only else "")
-        await self.stopping.wait()
+        stopped = await self._wait_stop_or_failure(tasks)
         # A stop is not a rollback: the hardware stays as it is.
         self.notifier.stopping()
         events.stop()
         for t in tasks:
             t.cancel()
+        if not await self.rec.finish_steps(timeout=60):
+            log.warning("a hardware step is still running; NVML is left open for it")
+        else:
+            self.hw.nvml.close()
         await server.close()
-        self.hw.nvml.close()
         log.info("gpud stopped; hardware left as it is")
-        return 0
+        return 0 if stopped else 1
+
+    async def _wait_stop_or_failure(self, tasks: list[asyncio.Task]) -> bool:
+        """True on a requested stop; False when an event source died (systemd then restarts us,
+        rather than gpud running on deaf to file edits or device events)."""
+        stop = asyncio.ensure_future(self.stopping.wait())
+        done, _ = await asyncio.wait([stop, *tasks], return_when=asyncio.FIRST_COMPLETED)
+        if stop in done:
+            return True
+        stop.cancel()
+        for t in done:
+            exc = t.exception() if not t.cancelled() else None
+            log.error("%s stopped unexpectedly: %r", t.get_name(), exc)
+        return False
 
 
 async def _connect_drainer(bus: EventBus):

@@ -520,12 +520,18 @@ def execute(
             what = f"{s}: {e.meaning}" + (f" [errno {e.errno}]" if e.errno is not None else "")
             return BindOutcome(pci, FAILED, what, done=tuple(run.done), step=str(s), errno=e.errno)
         except _Failed as e:
+            run.release_locks()
             return BindOutcome(pci, FAILED, f"{s}: {e}", done=tuple(run.done), step=str(s))
         except ReadOnlyError as e:
+            run.release_locks()
             return BindOutcome(pci, FAILED, str(e), done=tuple(run.done), step=str(s))
         except OSError as e:  # load_module, holders scan
+            run.release_locks()  # an unbindLock left taken would refuse every new open of the GPU
             return BindOutcome(pci, FAILED, f"{s}: {getattr(e, 'meaning', None) or _meaning(e.errno, str(e))}",
                                done=tuple(run.done), step=str(s), errno=e.errno)
+        except Exception as e:  # e.g. before_unbind (closing our NVML session) failed
+            run.release_locks()
+            return BindOutcome(pci, FAILED, f"{s}: {type(e).__name__}: {e}", done=tuple(run.done), step=str(s))
         run.done.append(str(s))
         if on_step is not None:
             on_step(s, "done")

@@ -93,7 +93,10 @@ class HookFailed(Exception):
             if timed_out:
                 reason = "timed out; its process group was killed"
             elif exit_code is not None and exit_code < 0:
-                reason = f"killed by signal {signal.Signals(-exit_code).name}"
+                try:
+                    reason = f"killed by signal {signal.Signals(-exit_code).name}"
+                except ValueError:  # a real-time signal Python has no name for
+                    reason = f"killed by signal {-exit_code}"
             else:
                 reason = f"exited {exit_code}"
         self.reason = reason

@@ -213,7 +213,9 @@ class _Run:
         def call() -> None:
             status.append(self.nvml.set_mig_mode(self.pci, bool(want)))
 
-        g = self.call(what, call, lambda g2: g2.mig_mode == want or g2.mig_pending == want)
+        # Done when the mode in effect after the next reset is the wanted one: a current mode that
+        # matches while the opposite is pending would be undone by that reset.
+        g = self.call(what, call, lambda g2: g2.mig_pending == want)
         if g.mig_mode == want:
             return g
         note = f" (activation status {status[-1]})" if status and status[-1] else ""

@@ -79,12 +79,24 @@ class ApplyLock:
             except BlockingIOError:
                 holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "?"
                 on_wait(f"another gpud (pid {holder}) is applying; waiting for {self.path}")
-                await asyncio.to_thread(fcntl.flock, fd, fcntl.LOCK_EX)
+                await self._wait(fd)
             os.ftruncate(fd, 0)
             os.pwrite(fd, str(os.getpid()).encode(), 0)
             yield
         finally:
             os.close(fd)  # releases the flock
+
+    @staticmethod
+    async def _wait(fd: int, interval: float = 0.5) -> None:
+        """Retry the lock (not the hardware) until the other daemon's apply ends; unlike a thread
+        parked in flock(), this can be cancelled when gpud stops."""
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return
+            except BlockingIOError:
+                continue
 
 
 class Reconciler:
@@ -97,7 +109,6 @@ class Reconciler:
         bus: EventBus,
         read_only: bool = False,
         drainer=None,
-        hooks=None,
         binder_timeout: float = 30.0,
         udev_rules=None,
         state_dir: str | None = None,
@@ -109,13 +120,15 @@ class Reconciler:
         self.bus = bus
         self.read_only = read_only
         self.drainer = drainer  # gpud.host.systemd.UnitDrainer or None (no system bus)
-        self.hooks = hooks
         self.binder_timeout = binder_timeout
         self.udev_rules = udev_rules  # gpud.engine.udev_rules.UdevRules: boot-time vfio overrides
         self.state_dir = state_dir  # where the reboot marker lives
         self.rebooter = rebooter  # async (state_dir, reason) -> bool; logind on a real host
         self._reboot_reported: tuple | None = None
-        self._nvml_closed = False
+        self._pass_layout: ParsedLayout | None = None  # the layout a running pass started with
+        self._inflight: set[asyncio.Future] = set()  # hardware steps running in worker threads
+        self._mig_changed: set[str] = set()  # GPUs whose MIG devices changed in this pass
+        self._last_nvml: dict[str, Any] = {}  # PCI -> the last NvmlGpu read without error
         self.layout: ParsedLayout | None = None  # the last good layout in force
         self.layout_issues: tuple[list[str], list[str]] = ([], [])  # (errors, warnings) of the file as it is now
         self.resolution: Resolution | None = None
@@ -139,8 +152,9 @@ class Reconciler:
             self.layout_issues = ([f"{self.config_path}: file not found; keeping the last good layout"], [])
             self.bus.publish("layout-invalid", self.layout_issues[0][0])
             return False
-        except OSError as e:
-            self.layout_issues = ([f"{self.config_path}: {e.strerror}; keeping the last good layout"], [])
+        except (OSError, UnicodeDecodeError) as e:
+            why = e.strerror if isinstance(e, OSError) else f"not UTF-8 text ({e.reason} at byte {e.start})"
+            self.layout_issues = ([f"{self.config_path}: {why}; keeping the last good layout"], [])
             self.bus.publish("layout-invalid", self.layout_issues[0][0])
             return False
         parsed, resolution, _ = self.evaluate(text, self.config_path)
@@ -167,14 +181,25 @@ class Reconciler:
 
     def _observe(self, match) -> Observation:
         """While a rebind runs, NVML stays closed: opening it (nvmlInit opens every GPU) would make
-        gpud itself the holder its unbind waits for. The last NVML view stands in meanwhile."""
-        if not self._nvml_closed:
-            return observe(self.hw.sysfs, self.hw.nvml, match)
+        gpud itself the holder its unbind waits for. The last good NVML view stands in meanwhile,
+        also for a read that the closing cut short."""
+        if not self.hw.nvml.suspended:
+            obs = observe(self.hw.sysfs, self.hw.nvml, match)
+            if obs.nvml_error is None:
+                self._last_nvml = {g.pci: g.nvml for g in obs.gpus if g.nvml is not None}
+            if obs.nvml_error is None or not self.hw.nvml.suspended:
+                return obs
         obs = observe(self.hw.sysfs, None, match)
-        last = {g.pci: g.nvml for g in self.observation.gpus}
-        gpus = tuple(msgspec.structs.replace(g, nvml=last.get(g.pci)) if g.function.driver == "nvidia" else g
-                     for g in obs.gpus)
+        gpus = tuple(msgspec.structs.replace(g, nvml=self._last_nvml.get(g.pci)) if g.function.driver == "nvidia"
+                     else g for g in obs.gpus)
         return msgspec.structs.replace(obs, gpus=gpus)
+
+    def reload(self, reason: str) -> bool:
+        """Re-read the file; a valid one starts a pass. False when the file was refused."""
+        ok = self.load_config()
+        if ok:
+            self.kick(reason)
+        return ok
 
     @property
     def match(self):
@@ -184,7 +209,8 @@ class Reconciler:
 
     @property
     def policy(self):
-        return self.layout.layout.policy if self.layout is not None and self.layout.layout is not None else None
+        layout = self._pass_layout or self.layout
+        return layout.layout.policy if layout is not None and layout.layout is not None else None
 
     # ---- scheduling -------------------------------------------------------------------------
     def kick(self, reason: str) -> int:
@@ -273,13 +299,15 @@ class Reconciler:
             return Action("bind", bplan, f"bind to {target_driver}")
         return None
 
-    def plan_all(self, resolution: Resolution | None = None) -> dict[str, Any]:
-        """What a pass would do now, without doing it (`gpudctl plan`)."""
+    def plan_all(self, resolution: Resolution | None = None, observation: Observation | None = None) -> dict[str, Any]:
+        """What a pass would do now, without doing it (`gpudctl plan`). A candidate file is planned
+        against the GPUs its own `match:` selects (`observation` from `evaluate`)."""
         resolution = resolution or self.resolution
-        out: dict[str, Any] = {"gpus": [], "disruption": {"destroyed": [], "mode_changes": [], "resets": []}}
+        out: dict[str, Any] = empty_plan()
         if resolution is None:
             return out
-        for gpu in self.observation.gpus:
+        out["warnings"] = [str(w) for w in resolution.warnings]
+        for gpu in (observation or self.observation).gpus:
             desired = resolution.desired.get(gpu.pci)
             if desired is None:
                 continue
@@ -314,66 +342,81 @@ class Reconciler:
             return
         async with self.apply_lock.held(lambda m: self.bus.publish("waiting", m)):
             self.passes += 1
-            self.refresh()
-            assert self.resolution is not None
-            if self.resolution.errors:  # the host changed under a good file: change nothing
-                self.phase = "invalid-layout"
-                self.bus.publish("layout-invalid", "; ".join(str(e) for e in self.resolution.errors))
-                return
-            if self.udev_rules is not None and not self.read_only:
-                # Before any rebind: after a reboot the override must beat the nvidia probe.
-                if self.udev_rules.sync(self.observation.gpus, self.resolution.desired):
-                    self.bus.publish("udev-rules", f"{self.udev_rules.path} updated for the layout")
-            todo = self._preview()
-            for gpu in self.observation.gpus:
-                if gpu.pci not in self.resolution.desired:
-                    self._set(gpu.pci, GpuState("unmanaged", "not in the selected layout: left untouched"))
-            if todo:
-                await self._apply_with_hooks(todo)
-            for gpu in self.observation.gpus:  # the GPUs with nothing to do
-                if gpu.pci in self.resolution.desired and gpu.pci not in todo:
-                    self._set(gpu.pci, await self._converge_gpu(gpu.pci, self.resolution.desired[gpu.pci]))
+            self._pass_layout = self.layout  # a reload during the pass takes effect in the next one
+            try:
+                await self._converge_all()
+            finally:
+                self._pass_layout = None
             self.refresh()
         self.phase = _phase(self.gpu_states.values())
         self.after_reboot()
         self._notify()
 
-    def _preview(self) -> dict[str, Action]:
+    async def _converge_all(self) -> None:
+        self.refresh()
+        resolution = self.resolution  # this pass works from one resolution, whatever refresh() does
+        assert resolution is not None
+        if resolution.errors:  # the host changed under a good file: change nothing
+            self.phase = "invalid-layout"
+            self.bus.publish("layout-invalid", "; ".join(str(e) for e in resolution.errors))
+            return
+        if self.udev_rules is not None and not self.read_only:
+            # Before any rebind: after a reboot the override must beat the nvidia probe.
+            if self.udev_rules.sync(self.observation.gpus, resolution.desired):
+                self.bus.publish("udev-rules", f"{self.udev_rules.path} updated for the layout")
+        todo = self._preview(resolution)
+        for gpu in self.observation.gpus:
+            if gpu.pci not in resolution.desired:
+                self._set(gpu.pci, GpuState("unmanaged", "not in the selected layout: left untouched"))
+        if todo:
+            await self._apply_with_hooks(todo, resolution)
+        for pci, desired in resolution.desired.items():  # the GPUs with nothing to do (re-checked)
+            if pci not in todo:
+                await self._converge_one(pci, desired)
+
+    async def _converge_one(self, pci: str, desired: DesiredGpu) -> None:
+        """One GPU, inside its own safety net: its surprise must not stop the others."""
+        try:
+            self._set(pci, await self._reboot_policy(pci, await self._converge_gpu(pci, desired)))
+        except Exception as e:
+            log.exception("GPU %s", pci)
+            self._set(pci, GpuState("failed", f"internal error: {e}"))
+
+    def _preview(self, resolution: Resolution) -> dict[str, Action]:
         """The GPUs a pass will change, with their first action: hooks run only when there is one."""
         todo = {}
         for gpu in self.observation.gpus:
-            desired = self.resolution.desired.get(gpu.pci) if self.resolution else None
+            desired = resolution.desired.get(gpu.pci)
             if desired is not None and not self.read_only:
                 action = self.next_action(gpu, desired)
                 if isinstance(action, Action):
                     todo[gpu.pci] = action
         return todo
 
-    async def _apply_with_hooks(self, todo: dict[str, Action]) -> None:
+    async def _apply_with_hooks(self, todo: dict[str, Action], resolution: Resolution) -> None:
         """mig-parted's hook phases around the GPUs that change; a failing before-hook aborts the apply."""
         from gpud.engine.hooks import ApplyInfo, HookFailed, Hooks, refresh_cdi
 
-        layout = self.layout.layout
+        layout = self._pass_layout.layout
         hooks = Hooks.from_config(layout.hooks, log=lambda line: self.bus.publish("hook", line))
-        mode_change = any(a.kind == "mig" and a.plan.mode_change for a in todo.values())
+        # A GPU coming back from vfio-pci gets its MIG layout after the rebind: count it now.
+        comes_back_with_mig = [p for p, a in todo.items() if a.kind == "bind" and resolution.desired[p].mig_enabled]
+        mode_change = bool(comes_back_with_mig) or any(a.kind == "mig" and a.plan.mode_change for a in todo.values())
+        mig_config = bool(comes_back_with_mig) or any(a.kind == "mig" for a in todo.values())
         info = ApplyInfo(layout=self.config_path, selected=layout.selected or "", gpus=sorted(todo),
                          mode_change=mode_change)
+        self._mig_changed.clear()
         done: set[str] = set()
         try:
             async with hooks.around_apply(info) as info:
                 if mode_change:
                     await hooks.run("pre-apply-mode", info)
-                if any(a.kind == "mig" for a in todo.values()):
+                if mig_config:
                     await hooks.run("pre-apply-config", info)
                 for pci in sorted(todo):
                     done.add(pci)
-                    try:
-                        self._set(pci, await self._reboot_policy(
-                            pci, await self._converge_gpu(pci, self.resolution.desired[pci])))
-                    except Exception as e:  # one GPU's surprise must not stop the others
-                        log.exception("GPU %s", pci)
-                        self._set(pci, GpuState("failed", f"internal error: {e}"))
-                info.changed_mig = any(a.kind == "mig" for a in todo.values())
+                    await self._converge_one(pci, resolution.desired[pci])
+                info.changed_mig = bool(self._mig_changed)
                 failed = [p for p in todo if not self.gpu_states[p].converged]
                 if failed:
                     info.result, info.error = "failure", f"{len(failed)} GPU(s) not converged"
@@ -402,7 +445,7 @@ class Reconciler:
         marker once the host converged, keep it (no second reboot) while it did not."""
         from gpud.host.systemd import clear_reboot_request, reboot_outcome
 
-        if self.state_dir is None:
+        if self.state_dir is None or self.read_only:
             return
         record = reboot_outcome(self.state_dir)
         if record is None or not record.rebooted or self._reboot_reported == (record.requested_at, self.phase):
@@ -456,27 +499,52 @@ class Reconciler:
             loop.call_soon_threadsafe(lambda: self.bus.publish("step", msg, gpu=gpu.pci, step=_step_dict(step)))
 
         async with self._drained(gpu):
-            outcome = await asyncio.to_thread(
+            outcome = await self._in_worker(
                 mig_executor.execute, self.hw.nvml, plan, sysfs=self.hw.sysfs,
                 policy_reset=self.policy.reset if self.policy else "per-gpu", on_step=on_step,
+                holders=self._device_holders,
             )
+        if outcome.done:
+            self._mig_changed.add(gpu.pci)
         return GpuState(outcome.state, outcome.message, tuple(outcome.holders))
+
+    def _device_holders(self, pci: str) -> list[Holder]:
+        """Processes with the GPU's device node open (persistenced, DCGM, X, CUDA): a reset must
+        wait for them. gpud's own NVML session is not one of them."""
+        minor = self.hw.procs.nvidia_minor(pci)
+        if minor is None:
+            return []
+        return [h for h in self.hw.procs.holders([f"/dev/nvidia{minor}"]) if h.pid != os.getpid()]
+
+    async def _in_worker(self, fn, *args, **kwargs):
+        """Run a hardware step in a worker thread. The step itself is never abandoned half-way:
+        a cancelled pass (gpud stopping) still lets it finish, and `finish_steps` waits for it."""
+        fut = asyncio.ensure_future(asyncio.to_thread(fn, *args, **kwargs))
+        self._inflight.add(fut)
+        fut.add_done_callback(self._inflight.discard)
+        return await asyncio.shield(fut)
+
+    async def finish_steps(self, timeout: float) -> bool:
+        """On stop: wait for hardware steps still running, before NVML is closed under them."""
+        if not self._inflight:
+            return True
+        _, pending = await asyncio.wait(set(self._inflight), timeout=timeout)
+        return not pending
 
     async def _run_bind(self, gpu: Gpu, plan) -> GpuState:
         from gpud.engine import binder
 
         def before_unbind() -> None:
-            self._nvml_closed = True
-            self.hw.nvml.close()  # our own handle must not be what keeps the GPU busy
+            self.hw.nvml.suspend()  # our own handle must not be what keeps the GPU busy
 
         async with self._drained(gpu):
             try:
-                outcome = await asyncio.to_thread(
+                outcome = await self._in_worker(
                     binder.execute, self.hw.sysfs, self.hw.procs, plan,
                     before_unbind=before_unbind, timeout=self.binder_timeout,
                 )
             finally:
-                self._nvml_closed = False  # reads open NVML again on demand
+                self.hw.nvml.resume()  # reads open NVML again on demand
         self.bus.publish("bind", f"{outcome.state}: {outcome.message}", gpu=gpu.pci)
         return GpuState(outcome.state, outcome.message, tuple(outcome.holders))
 
@@ -536,6 +604,10 @@ class Reconciler:
         if self.layout_issues[0]:
             line += "; layout.yaml invalid, keeping the last good layout"
         return line
+
+
+def empty_plan() -> dict[str, Any]:
+    return {"gpus": [], "disruption": {"destroyed": [], "mode_changes": [], "resets": []}, "warnings": []}
 
 
 def _phase(states) -> str:

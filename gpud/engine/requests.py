@@ -8,12 +8,12 @@ from typing import Any
 
 from gpud import VERSION
 from gpud.api.server import ApiError
-from gpud.engine.reconciler import Reconciler
+from gpud.api.wire import PROTOCOL
+from gpud.engine.reconciler import Reconciler, empty_plan
 from gpud.engine.status import build_status, model_name
+from gpud.host.nvml import NvmlError
 from gpud.model import Gpu, MigProfile, Placement
 from gpud.profiles import GI_PROFILE_INDEX
-
-PROTOCOL = 1
 
 
 def remaining_capacity(profile: MigProfile, used: list[Placement], existing: int) -> int:
@@ -66,10 +66,10 @@ class RequestHandler:
 
     async def op_version(self) -> dict[str, Any]:
         try:
-            driver = self.rec.hw.nvml.driver_version()
-        except Exception:
-            driver = None
-        return {"version": VERSION, "driver": driver, "nvml": None, "protocol": PROTOCOL}
+            driver, nvml = self.rec.hw.nvml.driver_version(), self.rec.hw.nvml.nvml_version()
+        except NvmlError:  # no driver, or closed during a rebind
+            driver = nvml = None
+        return {"version": VERSION, "driver": driver, "nvml": nvml, "protocol": PROTOCOL}
 
     async def op_check(self, text: str, path: str | None = None) -> dict[str, Any]:
         parsed, res, _ = self.rec.evaluate(text, path or "layout.yaml")
@@ -77,19 +77,17 @@ class RequestHandler:
                 "warnings": [str(w) for w in res.warnings], "selected": res.selected}
 
     async def op_plan(self, text: str | None = None, path: str | None = None) -> dict[str, Any]:
-        self.rec.refresh()
-        resolution = self.rec.resolution
-        errors: list[str] = list(self.rec.layout_issues[0]) if text is None else []
-        if text is not None:
-            _, resolution, _ = self.rec.evaluate(text, path or "layout.yaml")
+        if text is None:  # the file in force, against the host as it is now
+            observation = self.rec.refresh()
+            resolution, errors = self.rec.resolution, list(self.rec.layout_issues[0])
+        else:
+            _, resolution, observation = self.rec.evaluate(text, path or "layout.yaml")
+            errors = []
         if resolution is not None:
             errors += [str(e) for e in resolution.errors if str(e) not in errors]
-        empty = {"gpus": [], "disruption": {"destroyed": [], "mode_changes": [], "resets": []}}
         if errors or resolution is None:
-            return {**empty, "errors": errors or ["no valid layout in force"]}
-        out = self.rec.plan_all(resolution)
-        out["errors"] = []
-        return out
+            return {**empty_plan(), "errors": errors or ["no valid layout in force"]}
+        return {**self.rec.plan_all(resolution, observation), "errors": []}
 
     async def op_apply(self, wait: bool = False, timeout: float | None = None) -> dict[str, Any]:
         self.rec.load_config()
@@ -108,8 +106,7 @@ class RequestHandler:
         if self.notifier is not None:
             self.notifier.reloading()
         try:
-            if self.rec.load_config():
-                self.rec.kick("reload")
+            self.rec.reload("reload")
         finally:
             if self.notifier is not None:
                 self.notifier.ready()
@@ -122,7 +119,7 @@ class RequestHandler:
         if not finished:
             return {"phase": "timeout", "converged": False, "message": "timed out waiting for the apply", "gpus": gpus}
         phase = self.rec.phase
-        not_ok = [g for g in gpus if g["state"] not in ("converged", "unmanaged")]
+        not_ok = [g for g in gpus if not (states[g["pci"]].converged if g["pci"] in states else False)]
         msg = "; ".join(f"{g['pci']}: {g['state']}: {g['message']}" for g in not_ok) or "converged"
         return {"phase": phase, "converged": not not_ok, "message": msg, "gpus": gpus}
 

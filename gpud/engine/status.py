@@ -8,6 +8,8 @@ from typing import Any
 from gpud import VERSION, profiles
 from gpud.model import Gpu, GpuInstance, Holder, NvmlGpu
 
+_FULL = 1 << 30  # as many compute slices as the GI has: name it without a `Nc.` prefix
+
 
 def mig_device_name(nvml: NvmlGpu, gi: GpuInstance, ci_slices: int) -> str:
     """`3g.40gb`, or `1c.3g.40gb` for a compute instance smaller than its GPU instance."""
@@ -46,7 +48,7 @@ def gpu_status(gpu: Gpu, desired, state) -> dict[str, Any]:
                 })
             if not gi.cis:
                 instances.append({
-                    "profile": mig_device_name(nv, gi, 0) if nv.profile(gi.profile_id) else str(gi.profile_id),
+                    "profile": mig_device_name(nv, gi, _FULL),  # no compute instance yet: the GI's own name
                     "placement": {"start": gi.placement.start, "size": gi.placement.size},
                     "gi": gi.id, "ci": None, "uuid": None, "holders": [],
                 })

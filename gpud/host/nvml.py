@@ -11,7 +11,9 @@ host even through a bug further down.
 
 from __future__ import annotations
 
+import logging
 import os
+import threading
 from ctypes import byref, c_uint
 from typing import Any
 
@@ -29,6 +31,8 @@ from gpud.model import (
 )
 from gpud.pci import normalize_pci
 from gpud.profiles import by_device
+
+log = logging.getLogger(__name__)
 
 _MIB = 1 << 20
 _NO_ID = 0xFFFFFFFF
@@ -61,21 +65,43 @@ class Nvml:
         self.read_only = read_only
         self.proc_root = proc_root
         self._open = False
+        self._suspended = False
+        self._session = threading.RLock()  # open/close/suspend from the loop and worker threads
         # (pci, GI profile id) -> size in memory slices, learned from the possible placements
         self._sizes: dict[tuple[str, int], int] = {}
 
     # session ------------------------------------------------------------------------------------
     def open(self) -> None:
-        if not self._open:
-            self._call("nvmlInit", None, pynvml.nvmlInit)
-            self._open = True
+        with self._session:
+            if self._suspended:
+                raise NvmlError(pynvml.NVML_ERROR_UNINITIALIZED, "nvmlInit", None,
+                                "NVML is closed while a GPU is being rebound")
+            if not self._open:
+                self._call("nvmlInit", None, pynvml.nvmlInit)
+                self._open = True
 
     def close(self) -> None:
         """nvmlShutdown: our own NVML client must not be what keeps a GPU busy during an unbind."""
-        self._sizes.clear()  # a GPU may be swapped (unplug/plug) before the next session
-        if self._open:
-            self._open = False
-            self._call("nvmlShutdown", None, pynvml.nvmlShutdown)
+        with self._session:
+            self._sizes.clear()  # a GPU may be swapped (unplug/plug) before the next session
+            if self._open:
+                self._open = False
+                self._call("nvmlShutdown", None, pynvml.nvmlShutdown)
+
+    def suspend(self) -> None:
+        """Close, and refuse to reopen until `resume`: nvmlInit opens every GPU, so a read from
+        another thread during an unbind would make gpud the holder its own unbind waits for."""
+        with self._session:
+            self._suspended = True
+        self.close()
+
+    def resume(self) -> None:
+        with self._session:
+            self._suspended = False
+
+    @property
+    def suspended(self) -> bool:
+        return self._suspended
 
     def __enter__(self) -> Nvml:
         self.open()
@@ -99,12 +125,22 @@ class Nvml:
         self._ensure_open()
         return self._call("nvmlSystemGetDriverVersion", None, pynvml.nvmlSystemGetDriverVersion)
 
+    def nvml_version(self) -> str:
+        self._ensure_open()
+        return self._call("nvmlSystemGetNVMLVersion", None, pynvml.nvmlSystemGetNVMLVersion)
+
     def gpus(self) -> list[NvmlGpu]:
         """Every GPU NVML sees, in NVML index order (PCI-address order)."""
         self._ensure_open()
         n = self._call("nvmlDeviceGetCount", None, pynvml.nvmlDeviceGetCount)
-        return [self._read(self._call("nvmlDeviceGetHandleByIndex", None, pynvml.nvmlDeviceGetHandleByIndex, i))
-                for i in range(n)]
+        out = []
+        for i in range(n):
+            try:  # one lost GPU (Xid, fallen off the bus) must not hide the others
+                out.append(self._read(self._call("nvmlDeviceGetHandleByIndex", None,
+                                                 pynvml.nvmlDeviceGetHandleByIndex, i)))
+            except NvmlError as e:
+                log.warning("NVML GPU %d unreadable: %s", i, e)
+        return out
 
     def gpu(self, pci: str) -> NvmlGpu | None:
         handle = self._handle(pci, missing_ok=True)

@@ -73,6 +73,6 @@ def emit(host_dir: str | os.PathLike, action: str, subsystem: str, address: str 
                 os.write(fd, b"x")
             finally:
                 os.close(fd)
-            _send(sock, path, msgspec.json.encode({"action": OVERFLOW, "subsystem": None, "address": None,
+            _send(sock, path, msgspec.json.encode({"action": OVERFLOW_ACTION, "subsystem": None, "address": None,
                                                     "driver": None, "seq": next(_seq), "pid": os.getpid()}))
         return bool(sent)

@@ -60,7 +60,7 @@ def test_unbind_that_never_returns_is_reported_stuck_and_the_daemon_keeps_servin
     d.config.write_text(layout({"devices": [0], "workload": "vm-passthrough"}, {"devices": [1], "workload": "container"}))
     st = wait_until(lambda: (s := d.status())["gpus"][0]["state"] == "stuck" and s, what="stuck")
     assert "unbind" in st["gpus"][0]["message"]
-    assert st["gpus"][1]["converged"]  # the other GPU is not held up
+    assert st["gpus"][1]["converged"], st["gpus"][1]  # the other GPU is not held up
     assert d.ctl("version").returncode == 0
     d.stop()
     unhang(d.host, pci)  # lets the abandoned writer finish, so no process outlives the test

@@ -140,11 +140,20 @@ def test_read_only_refuses_before_touching_nvml(sim_host):
 def test_fault_surfaces_as_nvml_error(sim_host, nvml):
     host = sim_host("h200:2", mig_on=[1])
     with locked(host.host_dir) as st:
-        st.faults.append(SimFault(function="nvmlDeviceGetMigMode", nth=2, error=15))
+        st.faults.append(SimFault(function="nvmlDeviceGetMigMode", nth=1, error=15))
     with pytest.raises(NvmlError) as e:
-        nvml.gpus()
+        nvml.gpu(GPU1)
     assert (e.value.code, e.value.function, e.value.pci) == (15, "nvmlDeviceGetMigMode", GPU1)
     assert len(nvml.gpus()) == 2  # one-shot
+
+
+def test_one_lost_gpu_does_not_hide_the_others(sim_host, nvml, caplog):
+    host = sim_host("h200:2", mig_on=[1])
+    with locked(host.host_dir) as st:
+        st.faults.append(SimFault(function="nvmlDeviceGetMigMode", nth=2, error=15))
+    gpus = nvml.gpus()
+    assert [g.pci for g in gpus] == [GPU0]
+    assert "GPU 1 unreadable" in caplog.text and "GPU is lost" in caplog.text
 
 
 def test_close_and_reopen(sim_host):
