@@ -10,7 +10,14 @@ import stat
 import pytest
 
 from gpud.engine import hooks as hooks_mod
-from gpud.engine.hooks import ApplyInfo, Hook, HookFailed, Hooks, parse_hooks, refresh_cdi
+from gpud.engine.hooks import (
+    ApplyInfo,
+    Hook,
+    HookFailed,
+    Hooks,
+    parse_hooks,
+    refresh_cdi,
+)
 
 
 def script(tmp_path, name: str, body: str) -> str:

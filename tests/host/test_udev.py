@@ -46,7 +46,7 @@ async def test_sim_source_sees_kernel_events(tmp_path):
         await asyncio.to_thread(s.write, f"bus/pci/devices/{AUDIO}/remove", "1")
         # the group keeps its /dev/vfio/20: the GPU is still on vfio-pci
         assert await _take(q, 2) == [DeviceEvent("unbind", "pci", AUDIO), DeviceEvent("remove", "pci", AUDIO)]
-        await asyncio.to_thread(s.write, f"bus/pci/drivers/vfio-pci/unbind", GPU)
+        await asyncio.to_thread(s.write, "bus/pci/drivers/vfio-pci/unbind", GPU)
         assert await _take(q, 2) == [DeviceEvent("remove", "vfio", "20"), DeviceEvent("unbind", "pci", GPU)]
         assert q.empty()
     finally:

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from gpud.layout.match import DEFAULT_MATCH, managed, matches
-from gpud.pci import pci_sort_key
 from gpud.layout.parse import parse_layout
 from gpud.layout.schema import MatchRule
 from gpud.model import PciFunction
+from gpud.pci import pci_sort_key
 
 
 def fn(address: str, vendor: int = 0x10DE, device: int = 0x2335, cls: int = 0x030200) -> PciFunction:

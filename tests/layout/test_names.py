@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from gpud.layout.names import MigName, ci_names, find_profile, parse_mig_name, sorted_names
+from gpud.layout.names import (
+    MigName,
+    ci_names,
+    find_profile,
+    parse_mig_name,
+    sorted_names,
+)
 from gpud.profiles import MODELS
 
 H100 = MODELS["h100-80gb"].profiles

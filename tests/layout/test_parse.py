@@ -8,8 +8,17 @@ import msgspec
 import pytest
 
 from gpud.layout.parse import ParsedLayout, key_path, parse_layout
+from gpud.layout.schema import (
+    DEFAULT_MATCH,
+    DeviceEntry,
+    Hook,
+    Hooks,
+    Layout,
+    MatchRule,
+    PciId,
+    Policy,
+)
 from gpud.pci import normalize_pci
-from gpud.layout.schema import DEFAULT_MATCH, DeviceEntry, Hook, Hooks, Layout, MatchRule, PciId, Policy
 
 
 def parse(text: str, file: str = "layout.yaml") -> ParsedLayout:

@@ -18,7 +18,14 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from gpud.model import ComputeInstance, GpuInstance, Holder, MigProfile, NvmlGpu, Placement
+from gpud.model import (
+    ComputeInstance,
+    GpuInstance,
+    Holder,
+    MigProfile,
+    NvmlGpu,
+    Placement,
+)
 
 NOT_SUPPORTED, INVALID_ARGUMENT, NOT_FOUND, TIMEOUT, IN_USE, INSUFFICIENT, UNKNOWN = 3, 2, 6, 10, 19, 23, 999
 MESSAGES = {3: "Not Supported", 2: "Invalid Argument", 6: "Not Found", 10: "Timeout", 19: "In use by another client",

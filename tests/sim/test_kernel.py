@@ -13,7 +13,16 @@ from gpud.host.procs import Procs
 from gpud.host.sysfs import Sysfs, SysfsError
 from gpud.sim import kernel
 from gpud.sim.kernel import Store
-from gpud.sim.state import SimFunction, SimGi, SimGpu, SimProcess, SimState, locked, load, save
+from gpud.sim.state import (
+    SimFunction,
+    SimGi,
+    SimGpu,
+    SimProcess,
+    SimState,
+    load,
+    locked,
+    save,
+)
 from gpud.sim.sysfs_tree import render
 
 GPU, AUDIO, GPU2, NOGROUP = "0000:3b:00.0", "0000:3b:00.1", "0000:5d:00.0", "0000:00:06.0"
@@ -148,7 +157,7 @@ def test_errnos(host):
     assert _errno(lambda: w(f"bus/pci/devices/{GPU}", "1")).errno == errno.EISDIR
     # vfio-pci probe of a device without an IOMMU group
     w(f"bus/pci/devices/{NOGROUP}/driver_override", "vfio-pci")
-    w(f"bus/pci/drivers/nvidia/unbind", NOGROUP)
+    w("bus/pci/drivers/nvidia/unbind", NOGROUP)
     assert _errno(lambda: w("bus/pci/drivers/vfio-pci/bind", NOGROUP)).errno == errno.EINVAL
     w("bus/pci/drivers_probe", NOGROUP)  # succeeds even though nothing binds
     assert s.function(NOGROUP).driver is None

@@ -4,7 +4,7 @@ import asyncio
 import json
 import sys
 
-from gpud.host.systemd import SystemdError, UnitDrainer, request_reboot, reboot_outcome
+from gpud.host.systemd import SystemdError, UnitDrainer, reboot_outcome, request_reboot
 
 
 async def states(d: UnitDrainer, units) -> dict:

@@ -3,7 +3,6 @@ Prints {check: "ok" | error} as JSON; the test compares the two runs."""
 
 import asyncio
 import ctypes
-import errno
 import json
 import os
 import socket
@@ -27,7 +26,8 @@ def ctypes_callback():
 
 
 def imports():
-    import dbus_fast, msgspec, pynvml, pyudev, yaml  # noqa: F401  (C extensions under MDWE)
+    import dbus_fast  # noqa: F401  (C extensions under MDWE)
+
     import gpud.daemon  # noqa: F401
 
 
