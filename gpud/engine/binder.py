@@ -36,23 +36,14 @@ from typing import Any
 
 from msgspec import Struct
 
-from gpud.host.readonly import ReadOnlyError
+from gpud.host.readonly import ReadOnlyError, refuse_if
+from gpud.host.sysfs import meaning
 from gpud.model import Holder
 from gpud.plan import binding as B
 
 _MAX_FD = os.sysconf("SC_OPEN_MAX") if hasattr(os, "sysconf") else 65536
 
 CONVERGED, WAITING, FAILED, STUCK = "converged", "waiting", "failed", "stuck"
-
-_ERRNO_MEANING = {
-    errno_mod.ENODEV: "no such device, or the driver does not match it",
-    errno_mod.EBUSY: "device already bound, or DMA ownership conflict in its IOMMU group",
-    errno_mod.EPERM: "the driver's probe failed",
-    errno_mod.EINVAL: "value refused (vfio-pci denylisted device, or bad value)",
-    errno_mod.ENOENT: "no such attribute (device removed?)",
-    errno_mod.EACCES: "permission denied",
-}
-
 
 class BindOutcome(Struct, frozen=True):
     pci: str
@@ -110,11 +101,13 @@ def _reap(sw: StuckWrite) -> None:
             del _stuck[sw.pci]
 
 
-def _meaning(err: int | None, fallback: str = "") -> str:
-    if err is None:
-        return fallback
-    name = errno_mod.errorcode.get(err, str(err))
-    return f"{name}: {_ERRNO_MEANING.get(err, os.strerror(err))}"
+def _describe(e: OSError) -> str:
+    """The errno and what it means for that attribute (the sysfs adapter's table, one home)."""
+    if getattr(e, "meaning", None):
+        return e.meaning
+    if e.errno is None:
+        return str(e)
+    return f"{errno_mod.errorcode.get(e.errno, e.errno)}: {meaning(e.filename or '', e.errno)}"
 
 
 def _read(path: str, limit: int = 4096) -> str | None:
@@ -194,8 +187,7 @@ def _child_write(sysfs, relpath: str, value: str, pci: str, timeout: float, kmsg
             except ReadOnlyError as e:
                 msg = {"ok": False, "errno": None, "meaning": str(e)}
             except OSError as e:
-                msg = {"ok": False, "errno": e.errno,
-                       "meaning": getattr(e, "meaning", None) or _meaning(e.errno, str(e))}
+                msg = {"ok": False, "errno": e.errno, "meaning": _describe(e)}
             except BaseException as e:  # noqa: BLE001 - anything must be reported, not lost
                 msg = {"ok": False, "errno": None, "meaning": f"{type(e).__name__}: {e}"}
             data = json.dumps(msg).encode()
@@ -322,9 +314,7 @@ class _Run:
 
     # ---- steps -------------------------------------------------------------------------------
     def write(self, relpath: str, value: str, pci: str) -> None:
-        ro = getattr(self.sysfs, "read_only", False)
-        if ro:
-            raise ReadOnlyError(f"read-only mode: refusing write {value.strip()!r} on {relpath}")
+        refuse_if(getattr(self.sysfs, "read_only", False), f"sysfs write {value.strip()!r}", relpath)
         _child_write(self.sysfs, relpath, value, pci, self.timeout, self.kmsg)
 
     def wait_until(self, cond: Callable[[], bool]) -> bool:
@@ -527,7 +517,7 @@ def execute(
             return BindOutcome(pci, FAILED, str(e), done=tuple(run.done), step=str(s))
         except OSError as e:  # load_module, holders scan
             run.release_locks()  # an unbindLock left taken would refuse every new open of the GPU
-            return BindOutcome(pci, FAILED, f"{s}: {getattr(e, 'meaning', None) or _meaning(e.errno, str(e))}",
+            return BindOutcome(pci, FAILED, f"{s}: {_describe(e)}",
                                done=tuple(run.done), step=str(s), errno=e.errno)
         except Exception as e:  # e.g. before_unbind (closing our NVML session) failed
             run.release_locks()

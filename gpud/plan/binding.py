@@ -14,6 +14,7 @@ from __future__ import annotations
 from msgspec import Struct, field
 
 from gpud.model import Gpu, Holder, PciFunction
+from gpud.pci import pci_sort_key
 
 VFIO = "vfio-pci"
 VFIO_MODULE = "vfio-pci"  # modprobe name (module vfio_pci, driver directory vfio-pci)
@@ -122,7 +123,7 @@ def plan_binding(
     """
     fn = gpu.function
     native = native_driver_for(fn) if native_driver is AUTO else native_driver
-    companions = sorted((c for c in gpu.companions if c.address != fn.address), key=lambda c: c.address)
+    companions = sorted((c for c in gpu.companions if c.address != fn.address), key=lambda c: pci_sort_key(c.address))
     endpoints = [fn] + [c for c in companions if not _is_bridge(c)]
     skipped = tuple(c.address for c in companions if _is_bridge(c))
     target = target_for(workload)
