@@ -215,6 +215,33 @@ def _child_write(sysfs, relpath: str, value: str, pci: str, timeout: float, kmsg
         raise _WriteError(os.path.join(sysfs.root, relpath), msg["errno"], msg["meaning"])
 
 
+class DeadlineSysfs:
+    """The sysfs adapter with `reset` done like an unbind: in a child with a deadline. A reset
+    waits on the device lock, which a stuck unbind holds; a reset stuck in the kernel must not
+    hang the pass (the watchdog would not see it: the event loop stays healthy)."""
+
+    def __init__(self, sysfs, timeout: float, kmsg: str = "/dev/kmsg") -> None:
+        self._sysfs, self._timeout, self._kmsg = sysfs, timeout, kmsg
+
+    def __getattr__(self, name: str):
+        return getattr(self._sysfs, name)
+
+    def reset(self, address: str) -> None:
+        refuse_if(getattr(self._sysfs, "read_only", False), "reset", address)
+        with _stuck_lock:
+            earlier = _stuck.get(address)
+        if earlier is not None:
+            raise TimeoutError(errno_mod.ETIMEDOUT, f"an earlier write to {earlier.path} is still blocked: "
+                                                    f"{earlier.reason}")
+        try:
+            _child_write(self._sysfs, f"bus/pci/devices/{address}/reset", "1", address, self._timeout, self._kmsg)
+        except _Stuck as e:
+            raise TimeoutError(errno_mod.ETIMEDOUT, f"reset still blocked after {self._timeout:g}s "
+                                                    f"(pid {e.pid} left to finish): {e.reason}") from e
+        except _WriteError as e:
+            raise OSError(e.errno, e.meaning, e.path) from e
+
+
 def _read_framed(fd: int, timeout: float) -> bytes | None:
     """The child's answer, or None when the deadline passed first."""
     deadline = time.monotonic() + timeout

@@ -491,6 +491,7 @@ class Reconciler:
 
     async def _run_mig(self, gpu: Gpu, plan: GpuPlan) -> GpuState:
         from gpud.engine import mig_executor
+        from gpud.engine.binder import DeadlineSysfs
 
         loop = asyncio.get_running_loop()
 
@@ -500,7 +501,7 @@ class Reconciler:
 
         async with self._drained(gpu):
             outcome = await self._in_worker(
-                mig_executor.execute, self.hw.nvml, plan, sysfs=self.hw.sysfs,
+                mig_executor.execute, self.hw.nvml, plan, sysfs=DeadlineSysfs(self.hw.sysfs, self.binder_timeout),
                 policy_reset=self.policy.reset if self.policy else "per-gpu", on_step=on_step,
                 holders=self._device_holders,
             )

@@ -140,7 +140,7 @@ def fault(host_dir: str | os.PathLike, function: str, nth: int, error: int) -> N
 
 def stats(host_dir: str | os.PathLike) -> dict:
     with locked(host_dir, write=False) as st:
-        return {"calls": dict(sorted(st.calls.items()))}
+        return {"calls": dict(sorted(st.calls.items())), "resets": dict(sorted(st.resets.items()))}
 
 
 def summary(state: SimState) -> dict:

@@ -254,6 +254,7 @@ class Store:
                 raise _err(errno.EBUSY, path)
             if addr in st.gpus:
                 _reset_gpu(st, addr)
+            st.resets[addr] = st.resets.get(addr, 0) + 1
 
         self._change(reset)
 

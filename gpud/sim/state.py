@@ -103,6 +103,7 @@ class SimState(msgspec.Struct):
     hangs: list[str] = msgspec.field(default_factory=list)  # PCI addresses whose next unbind hangs
     loaded_modules: list[str] = msgspec.field(default_factory=list)
     calls: dict[str, int] = msgspec.field(default_factory=dict)  # NVML function -> count
+    resets: dict[str, int] = msgspec.field(default_factory=dict)  # PCI address -> GPU resets done
     driver_version: str = "580.159.04"
     cuda_version: int = 13000
 

@@ -29,21 +29,33 @@ MUTATING = (
 )
 
 
+class _Resets:
+    """GPU resets the simulated kernel carried out since the last `clear()`."""
+
+    def __init__(self, host_dir: Path) -> None:
+        self.dir, self.base = host_dir, Counter()
+
+    def _now(self) -> Counter[str]:
+        return Counter(simstate.load(self.dir).resets)
+
+    def clear(self) -> None:
+        self.base = self._now()
+
+    def values(self):
+        return (self._now() - self.base).values()
+
+    def __repr__(self) -> str:
+        return repr(self._now() - self.base)
+
+
 class SimRig:
     def __init__(self, tmp: Path, gpus: tuple[str, ...], **reconciler_kw) -> None:
         self.dir = tmp / "host"
         simcli.create(self.dir, list(gpus))
         self.host = sim.install(self.dir)
         self.config = tmp / "layout.yaml"
-        self.resets: Counter[str] = Counter()
+        self.resets = _Resets(self.dir)
         sysfs = Sysfs(str(self.host.sys_root), store=self.host.store, modprobe=self.host.modprobe)
-        real_reset = sysfs.reset
-
-        def counting_reset(pci: str) -> None:
-            self.resets[pci] += 1
-            real_reset(pci)
-
-        sysfs.reset = counting_reset  # type: ignore[method-assign]
         self.hw = Hardware(
             sysfs=sysfs,
             nvml=Nvml(proc_root=str(self.host.proc_root)),
