@@ -6,18 +6,14 @@ from __future__ import annotations
 from typing import Any
 
 from gpud import VERSION, profiles
+from gpud.layout.names import device_name
 from gpud.model import Gpu, GpuInstance, Holder, NvmlGpu
 
-_FULL = 1 << 30  # as many compute slices as the GI has: name it without a `Nc.` prefix
 
-
-def mig_device_name(nvml: NvmlGpu, gi: GpuInstance, ci_slices: int) -> str:
-    """`3g.40gb`, or `1c.3g.40gb` for a compute instance smaller than its GPU instance."""
+def mig_device_name(nvml: NvmlGpu, gi: GpuInstance, ci_slices: int | None) -> str:
+    """The device's name from its GPU's own profile table (None: the GI without a compute instance)."""
     prof = nvml.profile(gi.profile_id)
-    name = prof.name if prof else f"profile-{gi.profile_id}"
-    if prof is not None and ci_slices < prof.slices:
-        return f"{ci_slices}c.{name}"
-    return name
+    return device_name(prof, ci_slices) if prof is not None else f"profile-{gi.profile_id}"
 
 
 def model_name(gpu: Gpu) -> str:
@@ -48,7 +44,7 @@ def gpu_status(gpu: Gpu, desired, state) -> dict[str, Any]:
                 })
             if not gi.cis:
                 instances.append({
-                    "profile": mig_device_name(nv, gi, _FULL),  # no compute instance yet: the GI's own name
+                    "profile": mig_device_name(nv, gi, None),  # no compute instance yet: the GI's own name
                     "placement": {"start": gi.placement.start, "size": gi.placement.size},
                     "gi": gi.id, "ci": None, "uuid": None, "holders": [],
                 })

@@ -74,6 +74,14 @@ def find_profile(name: str, profiles: Sequence[MigProfile]) -> tuple[MigProfile,
     return (profile, ci) if ci is not None else None
 
 
+def device_name(gi: MigProfile, ci_slices: int | None = None) -> str:
+    """A MIG device's name: `3g.40gb`, or `1c.3g.40gb` for a compute instance smaller than its GPU
+    instance (what nvidia-smi and the device plugin call it)."""
+    if ci_slices is None or ci_slices >= gi.slices:
+        return gi.name
+    return f"{ci_slices}c.{gi.name}"
+
+
 def sorted_names(profiles: Sequence[MigProfile]) -> list[str]:
     """GI profile names smallest first: the order people read `nvidia-smi mig -lgip` in."""
     return [p.name for p in sorted(profiles, key=lambda p: (p.slices, p.memory_mb, p.name))]

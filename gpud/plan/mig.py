@@ -25,7 +25,7 @@ import msgspec
 from msgspec import Struct, field
 
 from gpud.layout.desired import DesiredGpu
-from gpud.layout.names import find_profile
+from gpud.layout.names import device_name, find_profile
 from gpud.model import (
     CiProfile,
     ComputeInstance,
@@ -100,9 +100,7 @@ def ci_name(gi: MigProfile | None, ci_profile_id: int, gi_profile_id: int) -> st
     if gi is None:
         return f"profile {gi_profile_id}"
     c = next((c for c in gi.ci_profiles if c.id == ci_profile_id), None)
-    if c is None or c.slices == gi.slices:
-        return gi.name
-    return f"{c.slices}c.{gi.name}"
+    return device_name(gi, c.slices if c is not None else None)
 
 
 def desired_specs(mig_devices: dict[str, int], profiles: tuple[MigProfile, ...], where: str) -> list[GiSpec]:

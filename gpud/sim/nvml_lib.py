@@ -20,6 +20,7 @@ from typing import Any
 
 import pynvml as N
 
+from gpud.layout.names import device_name
 from gpud.model import MigProfile
 from gpud.profiles import GI_PROFILE_INDEX, MODELS, ModelInfo
 from gpud.sim.state import SimCi, SimGi, SimGpu, SimProcess, SimState, locked
@@ -198,9 +199,7 @@ def _mig_name(model: ModelInfo, gi: SimGi, ci: SimCi) -> str:
     prof = _profile(model, gi.profile_id)
     assert prof is not None
     ci_prof = next((c for c in prof.ci_profiles if c.id == ci.profile_id), None)
-    if ci_prof is None or ci_prof.slices == prof.slices:
-        return prof.name
-    return f"{ci_prof.slices}c.{prof.name}"
+    return device_name(prof, ci_prof.slices if ci_prof is not None else None)
 
 
 def _ci_slices(model: ModelInfo, gi: SimGi, ci: SimCi) -> int:
@@ -904,8 +903,7 @@ def _ci_profile_info(lib, state, gi_handle, index, eng_profile, ref):
     info.sharedJpegCount = prof.jpegs
     info.sharedOfaCount = prof.ofas
     if any(f[0] == "name" for f in type(info)._fields_):
-        name = prof.name if ci_prof.slices == prof.slices else f"{ci_prof.slices}c.{prof.name}"
-        info.name = f"MIG {name}".encode()
+        info.name = f"MIG {device_name(prof, ci_prof.slices)}".encode()
 
 
 def _ci_capacity(model: ModelInfo, gi: SimGi, ci_profile_id: int) -> int:
