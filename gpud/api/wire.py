@@ -227,6 +227,9 @@ class StepInfo(msgspec.Struct, kw_only=True):
     ci: int | None = None
     enabled: bool | None = None  # set-mig-mode
     driver: str | None = None  # bind / unbind / driver_override
+    pci: str | None = None  # binding steps: the endpoint of the IOMMU group the step acts on
+    module: str | None = None  # load-module
+    group: int | None = None  # verify of /dev/vfio/<group>
     message: str = ""
 
 

@@ -217,8 +217,11 @@ def _describe_step(s: wire.StepInfo) -> str:
             parts.append(f"gi {s.gi}")
         if s.ci is not None:
             parts.append(f"ci {s.ci}")
-        if s.driver:
-            parts.append(s.driver)
+        for v in (s.pci, s.driver, s.module):
+            if v:
+                parts.append(v)
+        if s.group is not None:
+            parts.append(f"/dev/vfio/{s.group}")
         if s.uuid:
             parts.append(s.uuid)
         text = "  ".join(parts)

@@ -183,12 +183,17 @@ class Reconciler:
         """While a rebind runs, NVML stays closed: opening it (nvmlInit opens every GPU) would make
         gpud itself the holder its unbind waits for. The last good NVML view stands in meanwhile,
         also for a read that the closing cut short."""
-        if not self.hw.nvml.suspended:
+        for _ in range(2):  # a read that a whole suspend/resume cut short is read again, once
+            if self.hw.nvml.suspended:
+                break
             obs = observe(self.hw.sysfs, self.hw.nvml, match)
+            if self.hw.nvml.suspended:  # closed under us while reading
+                break
             if obs.nvml_error is None:
                 self._last_nvml = {g.pci: g.nvml for g in obs.gpus if g.nvml is not None}
-            if obs.nvml_error is None or not self.hw.nvml.suspended:
                 return obs
+        else:
+            return obs  # NVML is really unavailable (no driver): status says so
         obs = observe(self.hw.sysfs, None, match)
         gpus = tuple(msgspec.structs.replace(g, nvml=self._last_nvml.get(g.pci)) if g.function.driver == "nvidia"
                      else g for g in obs.gpus)
@@ -330,7 +335,7 @@ class Reconciler:
             elif isinstance(action, Action):
                 entry["steps"] = [msgspec.to_builtins(s) for s in action.plan.steps]
                 if desired.workload == "container" and desired.mig_enabled is not None:
-                    entry["steps"].append({"action": "then-mig", "note": "MIG is planned once nvidia has the GPU"})
+                    entry["steps"].append({"action": "then-mig", "message": "MIG is planned once nvidia has the GPU"})
             out["gpus"].append(entry)
         return out
 

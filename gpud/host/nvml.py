@@ -139,6 +139,8 @@ class Nvml:
                 out.append(self._read(self._call("nvmlDeviceGetHandleByIndex", None,
                                                  pynvml.nvmlDeviceGetHandleByIndex, i)))
             except NvmlError as e:
+                if e.code == pynvml.NVML_ERROR_UNINITIALIZED or self._suspended:
+                    raise  # the session was closed under us: nothing read is a complete view
                 log.warning("NVML GPU %d unreadable: %s", i, e)
         return out
 

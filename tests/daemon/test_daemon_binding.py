@@ -60,7 +60,7 @@ def test_unbind_that_never_returns_is_reported_stuck_and_the_daemon_keeps_servin
     d.config.write_text(layout({"devices": [0], "workload": "vm-passthrough"}, {"devices": [1], "workload": "container"}))
     st = wait_until(lambda: (s := d.status())["gpus"][0]["state"] == "stuck" and s, what="stuck")
     assert "unbind" in st["gpus"][0]["message"]
-    assert st["gpus"][1]["converged"], st["gpus"][1]  # the other GPU is not held up
+    assert st["gpus"][1]["converged"], (st["gpus"][1]["state"], st["gpus"][1]["message"])  # the other GPU is not held up
     assert d.ctl("version").returncode == 0
     d.stop()
     unhang(d.host, pci)  # lets the abandoned writer finish, so no process outlives the test
@@ -83,3 +83,18 @@ def test_mig_gpu_going_to_passthrough_undoes_mig_first(daemon):
                                 "mig-devices": {"7g.80gb": 1}}))
     wait_until(lambda: (g := d.status()["gpus"][0])["driver"] == "nvidia" and g["converged"]
                and [i["profile"] for i in g["mig"]["instances"]] == ["7g.80gb"], what="back on nvidia with MIG")
+
+
+def test_plan_names_every_endpoint_of_the_group(daemon, tmp_path):
+    d = daemon(["rtx6000-ada:1"], layout({"devices": [0], "workload": "container"}))
+    assert d.ctl("apply", "--wait").returncode == 0
+    cand = tmp_path / "vm.yaml"
+    cand.write_text(layout({"devices": [0], "workload": "vm-passthrough"}))
+    g = d.status()["gpus"][0]
+    audio = g["group"][0]["pci"]
+    plan = json.loads(d.ctl("plan", "--json", str(cand)).stdout)
+    steps = plan["gpus"][0]["steps"]
+    assert {s["pci"] for s in steps if s["action"] == "unbind"} == {g["pci"], audio}
+    assert any(s["action"] == "load-module" and s["module"] == "vfio-pci" for s in steps)
+    text = d.ctl("plan", str(cand)).stdout
+    assert all(f"unbind  {pci}" in text for pci in (g["pci"], audio)), text
