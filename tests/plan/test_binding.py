@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gpud.model import (
@@ -203,6 +203,7 @@ def _apply(gpu: Gpu, plan) -> Gpu:
     return Gpu(index=gpu.index, function=upd(gpu.function), companions=tuple(upd(c) for c in gpu.companions))
 
 
+@settings(derandomize=True, deadline=None)
 @given(DRIVERS, OVERRIDES, DRIVERS, OVERRIDES, st.sampled_from(["container", "vm-passthrough"]))
 def test_plan_reaches_a_fixed_point(gd, go, ad, ao, workload):
     """Whatever the start, one plan executed against a cooperative kernel needs no second one."""
