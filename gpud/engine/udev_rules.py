@@ -16,9 +16,9 @@ out of the initramfs).
 from __future__ import annotations
 
 import os
-import tempfile
 from collections.abc import Iterable, Mapping, Sequence
 
+from gpud.host.atomic_file import remove_file, replace_file
 from gpud.host.readonly import refuse_if
 from gpud.model import Gpu
 
@@ -90,36 +90,11 @@ def write_if_changed(path: str, content: str, *, read_only: bool = False, mode: 
     if (current is None and not content) or (content and current == content):
         return False
     refuse_if(read_only, "write udev rules", path)
-    d = os.path.dirname(path) or "."
-    if not content:
-        os.unlink(path)
-        _fsync_dir(d)
-        return True
-    os.makedirs(d, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".gpud-", dir=d)
-    try:
-        os.write(fd, content.encode())
-        os.fchmod(fd, mode)
-        os.fsync(fd)
-        os.close(fd)
-        fd = -1
-        os.replace(tmp, path)
-    except BaseException:
-        if fd >= 0:
-            os.close(fd)
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    _fsync_dir(d)
+    if content:
+        replace_file(path, content.encode(), mode=mode)
+    else:
+        remove_file(path)
     return True
-
-
-def _fsync_dir(d: str) -> None:
-    fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class UdevRules:

@@ -20,6 +20,8 @@ import time
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass
 
+from gpud.host.atomic_file import remove_file, replace_file
+
 log = logging.getLogger("gpud.systemd")
 
 # Variables systemd hands to the service itself; a child that inherited them could send
@@ -489,8 +491,7 @@ def clear_reboot_request(state_dir: str) -> None:
     """Forget the request (the engine calls this once the change took effect, or an operator
     does after looking at why it did not)."""
     with contextlib.suppress(FileNotFoundError):
-        os.unlink(os.path.join(state_dir, REBOOT_MARKER))
-        _fsync_dir(state_dir)
+        remove_file(os.path.join(state_dir, REBOOT_MARKER))
 
 
 async def request_reboot(state_dir: str, reason: str, *, bus_address: str | None = None,
@@ -530,21 +531,4 @@ async def request_reboot(state_dir: str, reason: str, *, bus_address: str | None
 def _write_marker(state_dir: str, record: RebootRecord) -> None:
     d = asdict(record)
     d.pop("rebooted")
-    path = os.path.join(state_dir, REBOOT_MARKER)
-    tmp = path + ".tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-    try:
-        os.write(fd, json.dumps(d).encode() + b"\n")
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
-    _fsync_dir(state_dir)
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    replace_file(os.path.join(state_dir, REBOOT_MARKER), json.dumps(d).encode() + b"\n", mode=0o600)
