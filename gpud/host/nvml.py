@@ -12,13 +12,13 @@ host even through a bug further down.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from ctypes import byref, c_uint
 from typing import Any
 
 import pynvml
 
+from gpud.host.procs import process_name
 from gpud.host.readonly import refuse_if
 from gpud.model import (
     CiProfile,
@@ -323,13 +323,9 @@ class Nvml:
         return tuple(out)
 
     def _process_name(self, pid: int) -> str:
-        try:
-            with open(os.path.join(self.proc_root, str(pid), "comm"), encoding="utf-8", errors="replace") as f:
-                name = f.read().strip()
-            if name:
-                return name
-        except OSError:
-            pass
+        name = process_name(self.proc_root, pid)
+        if name:
+            return name
         try:
             return pynvml.nvmlSystemGetProcessName(pid) or "?"
         except pynvml.NVMLError:

@@ -21,6 +21,15 @@ _MINOR = re.compile(r"^Device Minor:\s*(\d+)", re.M)
 _CAPS_PER_GI, _GIS_PER_GPU = 9, 15
 
 
+def process_name(proc_root: str, pid: int | str) -> str | None:
+    """A process's name from <proc_root>/<pid>/comm; None when it is gone or unreadable."""
+    try:
+        with open(os.path.join(proc_root, str(pid), "comm"), "rb") as f:
+            return f.read().decode("utf-8", "replace").rstrip("\n")
+    except OSError:
+        return None
+
+
 class Procs:
     def __init__(self, proc_root: str = "/proc", dev_root: str = "/dev", *, read_only: bool = False,
                  store: Callable[[str, bytes], int] | None = None):
@@ -65,18 +74,11 @@ class Procs:
                 if dev is not None:
                     found.add(dev)
             if found:
-                comm = self._comm(pid)
+                comm = process_name(self.proc_root, pid)
                 if comm is None:
                     continue
                 out |= {Holder(pid=int(pid), name=comm, device=d) for d in found}
         return sorted(out)
-
-    def _comm(self, pid: str) -> str | None:
-        try:
-            with open(os.path.join(self.proc_root, pid, "comm"), "rb") as f:
-                return f.read().decode("utf-8", "replace").rstrip("\n")
-        except OSError:
-            return None
 
     def _gpu_file(self, bdf: str, name: str) -> str:
         return os.path.join(self.proc_root, "driver", "nvidia", "gpus", bdf, name)
