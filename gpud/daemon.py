@@ -20,7 +20,8 @@ from pathlib import Path
 from gpud import VERSION
 from gpud.engine.events import EventBus
 from gpud.engine.passthrough import inventory
-from gpud.engine.reconciler import ApplyLock, Hardware, Reconciler
+from gpud.engine.apply_lock import ApplyLock
+from gpud.engine.reconciler import Hardware, Reconciler
 from gpud.engine.requests import RequestHandler
 from gpud.engine.udev_rules import UdevRules
 from gpud.host.nvml import Nvml, NvmlError

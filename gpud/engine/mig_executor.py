@@ -29,6 +29,7 @@ from typing import Any, TypeVar
 
 from msgspec import Struct, field
 
+from gpud.engine.gpu_state import GpuStateName
 from gpud.host.readonly import ReadOnlyError
 from gpud.model import GpuInstance, Holder, NvmlGpu
 from gpud.plan.mig import GpuPlan, Step
@@ -42,14 +43,14 @@ T = TypeVar("T")
 
 
 class Outcome(Struct, frozen=True):
-    state: str  # converged | waiting | failed | reset-required | reboot-required
+    state: GpuStateName  # converged | waiting | failed | reset-required | reboot-required
     message: str
     holders: list[Holder] = field(default_factory=list)
     done: int = 0  # steps completed
 
 
 class _Stop(Exception):
-    def __init__(self, state: str, message: str, holders: Sequence[Holder] = ()) -> None:
+    def __init__(self, state: GpuStateName, message: str, holders: Sequence[Holder] = ()) -> None:
         super().__init__(message)
         self.outcome = (state, message, sorted(set(holders)))
 
