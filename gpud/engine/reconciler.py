@@ -4,6 +4,11 @@ Each GPU converges on its own: one GPU's failure or wait never stops the others.
 re-entrant: it recomputes what is left from what the hardware says now, so a wait that ends, an
 event from udev, a daemon restart or an edit of the file all lead to the same place. Nothing is
 ever killed: busy GPUs wait (or fail, by policy) and name their holders.
+
+One concern, the loop itself: what a GPU needs next (`next_action`) and running it, GPU by GPU,
+in a pass. Its helpers live beside it: the file (layout_keeper), when passes run (scheduler), the
+host-wide lock (apply_lock), the hook phases (hooked_apply), policy.reboot (reboot_policy) and
+waking on a holder's exit (holder_watch).
 """
 
 from __future__ import annotations
