@@ -18,9 +18,9 @@ import threading
 from pathlib import Path
 
 from gpud import VERSION
+from gpud.engine.apply_lock import ApplyLock
 from gpud.engine.events import EventBus
 from gpud.engine.passthrough import inventory
-from gpud.engine.apply_lock import ApplyLock
 from gpud.engine.reconciler import Hardware, Reconciler
 from gpud.engine.requests import RequestHandler
 from gpud.engine.udev_rules import UdevRules

@@ -9,8 +9,8 @@ from collections import Counter
 from pathlib import Path
 
 from gpud import sim
-from gpud.engine.events import EventBus
 from gpud.engine.apply_lock import ApplyLock
+from gpud.engine.events import EventBus
 from gpud.engine.reconciler import Hardware, Reconciler
 from gpud.engine.status import mig_device_name
 from gpud.host.nvml import Nvml
