@@ -20,14 +20,13 @@ import os
 import socket
 import stat
 import struct
-import time
-from collections import deque
 from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
 import msgspec
 
 from gpud.api import wire
+from gpud.engine.events import EventQueue
 
 log = logging.getLogger("gpud.api")
 
@@ -64,10 +63,11 @@ class ServerError(RuntimeError):
 class Handler(Protocol):
     """What the daemon gives the server.
 
-    `handle` answers every op but `events` with a reply struct (or a dict of the same shape).
-    `subscribe` returns an asyncio.Queue or an async iterator of events (wire.Event or dicts of
-    its shape) that starts collecting immediately; `recent_events` the history, oldest first.
-    If the handler has `unsubscribe(source)`, it is called when the subscriber goes away.
+    `handle` answers every op but `events` with the op's reply struct (`wire.RESULTS`).
+    `subscribe` returns an `EventQueue` (the engine's bounded queue, sent from as it is), an
+    asyncio.Queue or an async iterator of events (wire.Event or dicts of its shape) that starts
+    collecting immediately; `recent_events` the history, oldest first. If the handler has
+    `unsubscribe(source)`, it is called when the subscriber goes away.
     """
 
     async def handle(self, op: str, args: dict[str, Any], peer: Peer) -> Any: ...
@@ -207,58 +207,7 @@ def bind_socket(path: str, gpud_gid: int | None) -> socket.socket:
 
 
 # ---------------------------------------------------------------------------------------------
-# Per-subscriber bounded queue
-
-
-class _Dropped:
-    __slots__ = ("count",)
-
-    def __init__(self) -> None:
-        self.count = 1
-
-
-class Outbox:
-    """Bounded FIFO of events for one subscriber: put never blocks; when full, events are
-    dropped and one marker in their place says how many, so the client learns of the gap."""
-
-    def __init__(self, size: int) -> None:
-        self._q: deque[Any] = deque()
-        self._size = max(1, size)
-        self._ready = asyncio.Event()
-        self.closed = False
-        self.dropped = 0
-
-    def put(self, item: Any) -> None:
-        if len(self._q) >= self._size:
-            self.dropped += 1
-            if self._q and isinstance(self._q[-1], _Dropped):
-                self._q[-1].count += 1
-            else:
-                self._q.append(_Dropped())  # one over the bound, at most
-        else:
-            self._q.append(item)
-        self._ready.set()
-
-    def close(self) -> None:
-        self.closed = True
-        self._ready.set()
-
-    async def get(self) -> Any:
-        """Next item (a `_Dropped` marker becomes an "overflow" event); None once closed and empty."""
-        while not self._q:
-            if self.closed:
-                return None
-            self._ready.clear()
-            await self._ready.wait()
-        item = self._q.popleft()
-        if isinstance(item, _Dropped):
-            return wire.Event(
-                time=time.time(),
-                kind="overflow",
-                message=f"{item.count} events dropped: this client reads too slowly",
-                data={"dropped": item.count},
-            )
-        return item
+# Events
 
 
 def _as_event(ev: Any) -> wire.Event:
@@ -425,17 +374,16 @@ class ApiServer:
     async def _call(self, req: wire.Request, args: dict[str, Any], peer: Peer) -> wire.Response:
         try:
             result = await self.handler.handle(req.op, args, peer)
-            typ = wire.RESULTS.get(req.op)
-            if typ is not None and not isinstance(result, msgspec.Struct):
-                result = msgspec.convert(result, typ)
         except ApiError as e:
             return self._error(req.id, e.code, e.message)
-        except msgspec.ValidationError as e:
-            log.error("handler returned a malformed %s reply: %s", req.op, e)
-            return self._error(req.id, wire.E_INTERNAL, f"malformed {req.op} reply: {e}")
         except Exception as e:
             log.exception("handler failed on %s", req.op)
             return self._error(req.id, wire.E_INTERNAL, f"{type(e).__name__}: {e}")
+        typ = wire.RESULTS[req.op]
+        if not isinstance(result, typ):  # a handler bug: the client would misread anything else
+            log.error("handler answered %s with %s, not %s", req.op, type(result).__name__, typ.__name__)
+            return self._error(req.id, wire.E_INTERNAL,
+                               f"malformed {req.op} reply: {type(result).__name__}, not {typ.__name__}")
         return wire.Response(id=req.id, ok=True, result=result)
 
     def _history(self, rid: int, recent: list[Any], *, following: bool) -> wire.Response:
@@ -459,8 +407,11 @@ class ApiServer:
         # subscribe and snapshot the history with no await in between: no event is lost or doubled
         source = self.handler.subscribe()
         history = self._recent()
-        outbox = Outbox(self.event_queue)
-        pump = asyncio.create_task(self._pump(source, outbox))
+        if isinstance(source, EventQueue):  # already bounded, with its overflow marker
+            outbox, pump = source, None
+        else:
+            outbox = EventQueue(self.event_queue)
+            pump = asyncio.create_task(self._pump(source, outbox))
         eof = asyncio.create_task(reader.read(1))  # the client never sends more; data or EOF ends it
         try:
             await self._send(writer, self._history(rid, history, following=True))
@@ -487,9 +438,10 @@ class ApiServer:
                     return
                 drain.result()
         finally:
-            pump.cancel()
+            if pump is not None:
+                pump.cancel()
             eof.cancel()
-            await asyncio.gather(pump, eof, return_exceptions=True)
+            await asyncio.gather(*(t for t in (pump, eof) if t is not None), return_exceptions=True)
             unsubscribe = getattr(self.handler, "unsubscribe", None)
             if unsubscribe is not None:
                 unsubscribe(source)
@@ -498,7 +450,7 @@ class ApiServer:
                     await source.aclose()
 
     @staticmethod
-    async def _pump(source: Any, outbox: Outbox) -> None:
+    async def _pump(source: Any, outbox: EventQueue) -> None:
         try:
             if isinstance(source, asyncio.Queue):
                 while True:
@@ -540,7 +492,6 @@ __all__ = [
     "ApiError",
     "ApiServer",
     "Handler",
-    "Outbox",
     "Peer",
     "ServerError",
     "authorize",

@@ -11,7 +11,7 @@ from pathlib import Path
 from gpud import sim
 from gpud.engine.events import EventBus
 from gpud.engine.reconciler import ApplyLock, Hardware, Reconciler
-from gpud.engine.status import mig_device_name
+from gpud.layout.names import mig_device_name
 from gpud.host.nvml import Nvml
 from gpud.host.procs import Procs
 from gpud.host.sysfs import Sysfs
