@@ -11,7 +11,8 @@ from typing import Any, Protocol
 
 from gpud import VERSION
 from gpud.api import replies, wire
-from gpud.api.server import ApiError, Peer
+from gpud.api.peers import Peer
+from gpud.api.server import ApiError
 from gpud.engine import passthrough
 from gpud.engine.events import EventQueue
 from gpud.engine.queries import EngineError, InvalidLayout, NoSuchGpu, select_gpus, start_apply

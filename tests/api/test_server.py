@@ -19,15 +19,8 @@ import msgspec
 import pytest
 
 from gpud.api import wire
-from gpud.api.server import (
-    ApiError,
-    Peer,
-    ServerError,
-    authorize,
-    peer_credentials,
-    read_proc_groups,
-    serve,
-)
+from gpud.api.peers import Peer, authorize, peer_credentials, read_proc_groups
+from gpud.api.server import ApiError, ServerError, serve
 from gpud.engine.events import EventBus, EventQueue
 from tests.api.fakes import FakeHandler, status_reply
 
