@@ -18,11 +18,10 @@ import threading
 from pathlib import Path
 
 from gpud import VERSION
+from gpud.api.handlers import RequestHandler
 from gpud.engine.apply_lock import ApplyLock
 from gpud.engine.events import EventBus
-from gpud.engine.passthrough import inventory
 from gpud.engine.reconciler import Hardware, Reconciler
-from gpud.engine.requests import RequestHandler
 from gpud.engine.udev_rules import UdevRules
 from gpud.host.nvml import Nvml, NvmlError
 from gpud.host.procs import Procs
@@ -131,11 +130,11 @@ class Daemon:
         key = (self.rec.passes, self.rec.phase, tuple(self.rec.layout_issues[0]))
         if self.args.metrics_textfile and key != self._metrics_key:  # after a pass or a layout change
             self._metrics_key = key
-            from gpud.engine.metrics import render
-            from gpud.engine.status import build_status
+            from gpud.api.metrics import render
+            from gpud.api.replies import status_reply
 
             try:
-                render(build_status(self.rec), self.rec.passes, self.args.metrics_textfile)
+                render(status_reply(self.rec), self.rec.passes, self.args.metrics_textfile)
             except OSError as e:
                 log.warning("metrics not written to %s: %s", self.args.metrics_textfile, e)
 
@@ -159,8 +158,7 @@ class Daemon:
         except NvmlError as e:  # no nvidia driver (every GPU on vfio-pci, or none yet): serve anyway
             log.warning("NVML not available: %s", e)
         self.rec.load_config()
-        handler = RequestHandler(self.rec, notifier=self.notifier,
-                                 passthrough=lambda obs: inventory(obs, dev_root=self.args.dev_root))
+        handler = RequestHandler(self.rec, notifier=self.notifier, dev_root=self.args.dev_root)
         try:
             server = await serve(handler, self.args.socket, sock=listen_socket(), group=self.args.socket_group)
         except OSError as e:

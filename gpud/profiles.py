@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from msgspec import Struct
 
-from gpud.model import CiProfile, MigProfile, Placement
+from gpud.model import CiProfile, Gpu, MigProfile, Placement
 
 NVIDIA = 0x10DE
 
@@ -151,3 +151,17 @@ MODELS: dict[str, ModelInfo] = {
 
 def by_device(device_id: int) -> ModelInfo | None:
     return next((m for m in MODELS.values() if m.device == device_id), None)
+
+
+def known_model_name(gpu: Gpu) -> str | None:
+    """The GPU's model name as NVML reports it, else from this table; None when neither knows it."""
+    if gpu.nvml is not None and gpu.nvml.name:
+        return gpu.nvml.name
+    model = by_device(gpu.function.device) if gpu.function.vendor == NVIDIA else None
+    return model.name if model is not None else None
+
+
+def model_name(gpu: Gpu) -> str:
+    """What every message, status line and plan calls the GPU's model: "NVIDIA H200", or
+    "GPU 10de:2335" for a model neither NVML nor this table names."""
+    return known_model_name(gpu) or f"GPU {gpu.pci_id}"

@@ -23,7 +23,7 @@ from typing import Any
 import msgspec
 
 from gpud.engine.apply_lock import ApplyLock
-from gpud.engine.events import EventBus
+from gpud.engine.events import EventBus, event_fields
 from gpud.engine.gpu_state import PHASE_ORDER, Action, BindAction, GpuState, MigAction
 from gpud.engine.holder_watch import HolderWatch
 from gpud.engine.hooked_apply import apply_with_hooks
@@ -217,41 +217,6 @@ class Reconciler:
             return BindAction(bplan, f"bind to {target_driver}")
         return None
 
-    def plan_all(self, resolution: Resolution | None = None, observation: Observation | None = None) -> dict[str, Any]:
-        """What a pass would do now, without doing it (`gpudctl plan`). A candidate file is planned
-        against the GPUs its own `match:` selects (`observation` from `evaluate`)."""
-        resolution = resolution or self.resolution
-        out: dict[str, Any] = empty_plan()
-        if resolution is None:
-            return out
-        out["warnings"] = [str(w) for w in resolution.warnings]
-        for gpu in (observation or self.observation).gpus:
-            desired = resolution.desired.get(gpu.pci)
-            if desired is None:
-                continue
-            entry = {"index": gpu.index, "pci": gpu.pci, "steps": [], "infeasible": None, "blocked_by": []}
-            action = self.next_action(gpu, desired)
-            if isinstance(action, GpuState):
-                entry["infeasible"] = action.message
-            elif isinstance(action, Action) and action.kind == "mig":
-                plan: GpuPlan = action.plan
-                entry["steps"] = [_step_dict(s) for s in plan.steps]
-                entry["blocked_by"] = [msgspec.to_builtins(h) for h in plan.blocked_by]
-                d = out["disruption"]
-                d["destroyed"] += [msgspec.to_builtins(x) for x in plan.destroyed]
-                if plan.mode_change:
-                    d["mode_changes"].append(gpu.pci)
-                if plan.reset:
-                    d["resets"].append(gpu.pci)
-                if desired.workload == "vm-passthrough":
-                    entry["steps"].append({"action": "bind", "driver": "vfio-pci"})
-            elif isinstance(action, Action):
-                entry["steps"] = [msgspec.to_builtins(s) for s in action.plan.steps]
-                if desired.workload == "container" and desired.mig_enabled is not None:
-                    entry["steps"].append({"action": "then-mig", "message": "MIG is planned once nvidia has the GPU"})
-            out["gpus"].append(entry)
-        return out
-
     # ---- execution ----------------------------------------------------------------------------
     async def converge(self) -> None:
         if self.layout is None:
@@ -366,7 +331,7 @@ class Reconciler:
 
         def on_step(step, result: str = "done") -> None:  # called from the worker thread
             msg = f"{step.action} {step.profile or ''} {result}".strip()
-            loop.call_soon_threadsafe(lambda: self.bus.publish("step", msg, gpu=gpu.pci, step=_step_dict(step)))
+            loop.call_soon_threadsafe(lambda: self.bus.publish("step", msg, gpu=gpu.pci, step=event_fields(step)))
 
         async with self._drained(gpu):
             outcome = await self._in_worker(
@@ -459,21 +424,12 @@ class Reconciler:
         return line
 
 
-def empty_plan() -> dict[str, Any]:
-    return {"gpus": [], "disruption": {"destroyed": [], "mode_changes": [], "resets": []}, "warnings": []}
-
-
 def _phase(states: Iterable[GpuState]) -> str:
     states = [s.state for s in states]
     for phase in PHASE_ORDER:
         if phase in states:
             return phase
     return "converged"
-
-
-def _step_dict(step) -> dict[str, Any]:
-    d = msgspec.to_builtins(step)
-    return {k: v for k, v in d.items() if v is not None}
 
 
 def _converged_message(gpu: Gpu, desired: DesiredGpu) -> str:

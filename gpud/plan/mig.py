@@ -36,7 +36,7 @@ from gpud.model import (
     Placement,
 )
 from gpud.plan.placement import Assignment, ExistingGi, GiSpec, Infeasible, solve
-from gpud.profiles import CI_PROFILE_ID, by_device
+from gpud.profiles import CI_PROFILE_ID, by_device, model_name
 
 
 class Step(Struct, frozen=True):
@@ -162,16 +162,7 @@ def _split_cis(gi: GpuInstance, want: tuple[int, ...]
     return sorted(kept, key=lambda c: c.id), sorted(doomed, key=lambda c: c.id), create
 
 
-def _model_name(gpu: Gpu, model_name: str | None) -> str:
-    if model_name:
-        return model_name
-    if gpu.nvml is not None and gpu.nvml.name:
-        return gpu.nvml.name
-    m = by_device(gpu.function.device)
-    return m.name if m else f"GPU {gpu.pci_id}"
-
-
-def plan_gpu(gpu: Gpu, desired: DesiredGpu, *, model_name: str | None = None) -> GpuPlan:
+def plan_gpu(gpu: Gpu, desired: DesiredGpu) -> GpuPlan:
     """The MIG steps that take `gpu` to `desired`. Order: destroy CIs (of doomed GIs and the
     differing CIs of kept GIs), destroy doomed GIs, set-mig-mode, create GIs at explicit
     placements, create CIs. Observed == desired gives zero steps."""
@@ -179,7 +170,7 @@ def plan_gpu(gpu: Gpu, desired: DesiredGpu, *, model_name: str | None = None) ->
     want = desired.mig_enabled
     if want is None:
         return base
-    where = f"{_model_name(gpu, model_name)} {gpu.pci}"
+    where = f"{model_name(gpu)} {gpu.pci}"
     nv = gpu.nvml
     if nv is None:
         return _replace(base, infeasible=f"MIG on {where} cannot be managed: NVML does not see the GPU "

@@ -106,9 +106,9 @@ def test_inventory_lists_only_vfio_gpus_with_pci_ids_name(tmp_path):
     assert "managed='no'" in e.libvirt_hostdev
     yaml = passthrough.kubevirt_yaml([e])
     assert 'pciVendorSelector: "10DE:2331"' in yaml and "resourceName: nvidia.com/GH100_H100_PCIE" in yaml
-    wire = e.wire()
-    assert wire["kubevirt"] == {"pciVendorSelector": "10DE:2331", "resourceName": "nvidia.com/GH100_H100_PCIE",
-                                "externalResourceProvider": True}
+    assert passthrough.kubevirt_entry(e) == {"pciVendorSelector": "10DE:2331",
+                                             "resourceName": "nvidia.com/GH100_H100_PCIE",
+                                             "externalResourceProvider": True}
 
 
 def test_name_falls_back_to_model_then_device_id(tmp_path):
@@ -125,15 +125,3 @@ def test_name_falls_back_to_model_then_device_id(tmp_path):
     named = Gpu(index=0, function=fn(GPU0, device=0x9999, driver="vfio-pci"),
                 nvml=NvmlGpu(pci=GPU0, uuid="GPU-x", name="NVIDIA Future GPU"))
     assert passthrough.entries([named], pci_ids=[])[0].resource_name == "nvidia.com/NVIDIA_FUTURE_GPU"
-
-
-def test_inventory_from_observation_matches_wire_struct():
-    import msgspec
-
-    from gpud.api.wire import PassthroughDevice
-
-    class Obs:
-        gpus = (Gpu(index=0, function=fn(GPU0, driver="vfio-pci")),)
-
-    [d] = passthrough.inventory(Obs(), dev_root="/nonexistent")
-    msgspec.convert(d, PassthroughDevice)  # every field the client decodes is there, typed right

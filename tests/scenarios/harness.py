@@ -12,7 +12,7 @@ from gpud import sim
 from gpud.engine.apply_lock import ApplyLock
 from gpud.engine.events import EventBus
 from gpud.engine.reconciler import Hardware, Reconciler
-from gpud.engine.status import mig_device_name
+from gpud.layout.names import mig_device_name
 from gpud.host.nvml import Nvml
 from gpud.host.procs import Procs
 from gpud.host.sysfs import Sysfs
