@@ -21,6 +21,8 @@ import traceback
 
 from gpud.engine import binder, passthrough, udev_rules
 from gpud.engine.observe import observe
+from gpud.host.deadline_write import stuck_writes
+from gpud.host.kmsg import last_kmsg_line
 from gpud.host.procs import Procs
 from gpud.host.sysfs import Sysfs
 from gpud.host.udev import DeviceEvents
@@ -229,14 +231,14 @@ async def main(out_dir: str) -> None:
         holder.stdin.close()  # release the device: the abandoned unbind can finish
         await loop.run_in_executor(None, holder.wait)
         deadline = time.monotonic() + 60
-        while binder.stuck_writes() and time.monotonic() < deadline:
+        while stuck_writes() and time.monotonic() < deadline:
             await asyncio.sleep(0.1)
-        released = not binder.stuck_writes()
+        released = not stuck_writes()
         final = await g.converge("container", only=NIC1)
         record("holder", ready=ready.strip(), holder_pid=holder.pid, waiting=waiting, stuck=stuck,
                ticks_during_stuck=ticks_during, while_stuck=again, wchan_while_stuck=wchan,
                abandoned_write_finished=released, final=final, after=g.snapshot(),
-               kmsg=binder.last_kmsg_line([NIC1]))
+               kmsg=last_kmsg_line([NIC1]))
 
     # E: everything back to native drivers; /dev/vfio/N goes away.
     async def e():
