@@ -72,7 +72,8 @@ def build_hardware(args: argparse.Namespace) -> tuple[Hardware, str | None, str]
 
 class Daemon:
     def __init__(self, args: argparse.Namespace) -> None:
-        from gpud.host.systemd import Notifier, request_reboot
+        from gpud.host.logind import request_reboot
+        from gpud.host.sd_notify import Notifier
 
         self.args = args
         self.notifier = Notifier()
@@ -147,7 +148,7 @@ class Daemon:
     # ---- life cycle --------------------------------------------------------------------------
     async def run(self) -> int:
         from gpud.api.server import serve
-        from gpud.host.systemd import listen_socket
+        from gpud.host.sd_notify import listen_socket
         from gpud.host.udev import DeviceEvents
 
         loop = asyncio.get_running_loop()
@@ -221,7 +222,7 @@ class Daemon:
 async def _connect_drainer(bus: EventBus):
     """The system bus is where GPU client units are stopped and started; without one (a dev
     machine, a container) policy.drain-units cannot be honoured and says so when used."""
-    from gpud.host.systemd import UnitDrainer
+    from gpud.host.unit_drain import UnitDrainer
 
     try:
         return await asyncio.wait_for(UnitDrainer.connect(on_event=lambda m: bus.publish("drain", str(m))), 5)

@@ -22,7 +22,7 @@ from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from gpud.host.systemd import child_env
+from gpud.host.sd_notify import child_env
 
 PHASES = ("apply-start", "pre-apply-mode", "pre-apply-config", "apply-exit")
 BEFORE_PHASES = frozenset(PHASES[:3])

@@ -119,7 +119,7 @@ class Reconciler:
         self.apply_lock = apply_lock
         self.bus = bus
         self.read_only = read_only
-        self.drainer = drainer  # gpud.host.systemd.UnitDrainer or None (no system bus)
+        self.drainer = drainer  # gpud.host.unit_drain.UnitDrainer or None (no system bus)
         self.binder_timeout = binder_timeout
         self.udev_rules = udev_rules  # gpud.engine.udev_rules.UdevRules: boot-time vfio overrides
         self.state_dir = state_dir  # where the reboot marker lives
@@ -448,7 +448,7 @@ class Reconciler:
     def after_reboot(self) -> None:
         """On start: say whether the reboot gpud asked for settled what it was for; clear the
         marker once the host converged, keep it (no second reboot) while it did not."""
-        from gpud.host.systemd import clear_reboot_request, reboot_outcome
+        from gpud.host.logind import clear_reboot_request, reboot_outcome
 
         if self.state_dir is None or self.read_only:
             return
