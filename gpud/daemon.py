@@ -15,9 +15,12 @@ import os
 import signal
 import sys
 import threading
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 from gpud import VERSION
+from gpud.device_events import DeviceEventCallback, DeviceEventSource
 from gpud.engine.events import EventBus
 from gpud.engine.passthrough import inventory
 from gpud.engine.reconciler import ApplyLock, Hardware, Reconciler
@@ -49,11 +52,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
-def build_hardware(args: argparse.Namespace) -> tuple[Hardware, str | None, str]:
-    """Returns the adapters, the simulator's event socket (None on a real host) and the lock path;
-    fills in the defaults that differ between a real host and the simulator."""
+def build_hardware(args: argparse.Namespace) -> tuple[Hardware, Callable[[DeviceEventCallback], DeviceEventSource], str]:
+    """The one seam between a real host and the simulator: returns the adapters, the device event
+    source to start (udev, or the simulator's datagram socket) and the lock path; fills in the
+    defaults that differ between a real host and the simulator."""
     if args.sim:
         from gpud import sim
+        from gpud.sim.uevents import SimEvents
 
         host = sim.install(args.sim)
         hw = Hardware(
@@ -63,11 +68,13 @@ def build_hardware(args: argparse.Namespace) -> tuple[Hardware, str | None, str]
         )
         args.udev_rules = args.udev_rules or str(Path(args.sim) / "etc/udev/rules.d/70-gpud-vfio.rules")
         args.dev_root = str(host.dev_root)
-        return hw, str(host.uevent_socket), args.lock or str(Path(args.sim) / "apply.lock")
+        return hw, partial(SimEvents, socket_path=host.uevent_socket), args.lock or str(Path(args.sim) / "apply.lock")
     args.udev_rules = args.udev_rules or "/etc/udev/rules.d/70-gpud-vfio.rules"
     args.dev_root = "/dev"
     hw = Hardware(sysfs=Sysfs("/sys", read_only=args.read_only), nvml=Nvml(read_only=args.read_only), procs=Procs(read_only=args.read_only))
-    return hw, None, args.lock or "/run/lock/gpud-apply.lock"
+    from gpud.host.udev import UdevEvents
+
+    return hw, UdevEvents, args.lock or "/run/lock/gpud-apply.lock"
 
 
 class Daemon:
@@ -78,7 +85,7 @@ class Daemon:
         self.args = args
         self.notifier = Notifier()
         self.bus = EventBus()
-        self.hw, self.sim_socket, lock_path = build_hardware(args)
+        self.hw, self.device_events, lock_path = build_hardware(args)
         self.rec = Reconciler(
             self.hw, config_path=args.config, apply_lock=ApplyLock(lock_path), bus=self.bus,
             read_only=args.read_only, binder_timeout=args.unbind_timeout,
@@ -149,7 +156,6 @@ class Daemon:
     async def run(self) -> int:
         from gpud.api.server import serve
         from gpud.host.sd_notify import listen_socket
-        from gpud.host.udev import DeviceEvents
 
         loop = asyncio.get_running_loop()
         self.rec.drainer = await _connect_drainer(self.bus)
@@ -165,7 +171,7 @@ class Daemon:
             server = await serve(handler, self.args.socket, sock=listen_socket(), group=self.args.socket_group)
         except OSError as e:
             raise RuntimeError(f"cannot serve on {self.args.socket}: {e.strerror or e}") from e
-        events = DeviceEvents(self.on_device_event, sim_socket=self.sim_socket)
+        events = self.device_events(self.on_device_event)
         try:
             events.start(loop)
         except Exception as e:  # no libudev, no netlink (some containers): serve anyway, say so
