@@ -51,7 +51,7 @@ class BindOutcome(Struct, frozen=True):
     stuck_pid: int | None = None
 
 
-class _PlanRun:
+class _BindingRun:
     """One execution of one binding plan: its steps done so far and the unbindLocks it holds."""
 
     def __init__(self, sysfs, procs, plan: binding.BindingPlan, *, before_unbind, timeout, verify_timeout, dev_root,
@@ -307,7 +307,7 @@ def execute(
                            step="unbind", stuck_pid=sw.pid)
     if not plan.steps:
         return BindOutcome(pci, CONVERGED, "already in place")
-    run = _PlanRun(sysfs, procs, plan, before_unbind=before_unbind, timeout=timeout, verify_timeout=verify_timeout,
+    run = _BindingRun(sysfs, procs, plan, before_unbind=before_unbind, timeout=timeout, verify_timeout=verify_timeout,
                dev_root=dev_root, check_holders=check_holders, kmsg=kmsg, sleep=sleep, on_step=on_step)
     pre = binding.BindStep("preflight", pci=pci)
     for s in (pre, *plan.steps):
