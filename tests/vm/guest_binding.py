@@ -25,7 +25,7 @@ from gpud.host.deadline_write import stuck_writes
 from gpud.host.kmsg import last_kmsg_line
 from gpud.host.procs import Procs
 from gpud.host.sysfs import Sysfs
-from gpud.host.udev import DeviceEvents
+from gpud.host.udev import UdevEvents
 from gpud.layout.parse import parse_layout
 from gpud.layout.resolve import resolve
 from gpud.plan.binding import plan_binding
@@ -153,8 +153,8 @@ async def main(out_dir: str) -> None:
            udevd=bool(sh("pidof systemd-udevd || pgrep -f systemd-udevd")),
            vfio_loaded=os.path.isdir("/sys/bus/pci/drivers/vfio-pci"), before=g.snapshot())
 
-    events_udev = DeviceEvents(g.on_event, source="udev")
-    events_kernel = DeviceEvents(lambda ev: g.kernel_events.append([ev.action, ev.subsystem, ev.address, ev.driver]),
+    events_udev = UdevEvents(g.on_event, source="udev")
+    events_kernel = UdevEvents(lambda ev: g.kernel_events.append([ev.action, ev.subsystem, ev.address, ev.driver]),
                                  source="kernel")
     for name, src in (("udev", events_udev), ("kernel", events_kernel)):
         try:
