@@ -15,12 +15,11 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
 from gpud import VERSION
-from gpud.device_events import DeviceEventCallback, DeviceEventSource
+from gpud.device_events import DeviceEventSourceFactory
 from gpud.engine.events import EventBus
 from gpud.engine.passthrough import inventory
 from gpud.engine.reconciler import ApplyLock, Hardware, Reconciler
@@ -52,7 +51,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
-def build_hardware(args: argparse.Namespace) -> tuple[Hardware, Callable[[DeviceEventCallback], DeviceEventSource], str]:
+def build_hardware(args: argparse.Namespace) -> tuple[Hardware, DeviceEventSourceFactory, str]:
     """The one seam between a real host and the simulator: returns the adapters, the device event
     source to start (udev, or the simulator's datagram socket) and the lock path; fills in the
     defaults that differ between a real host and the simulator."""

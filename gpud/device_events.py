@@ -39,6 +39,10 @@ class DeviceEventSource(Protocol):
     def stop(self) -> None: ...
 
 
+# What the daemon gets from its one seam (daemon.build_hardware): UdevEvents or SimEvents.
+DeviceEventSourceFactory = Callable[[DeviceEventCallback], DeviceEventSource]
+
+
 class Delivery:
     """Hands events to the callback on the loop; a coroutine callback runs as a task that is kept
     referenced until done. A failing callback is logged, never allowed to stop the source."""

@@ -40,6 +40,7 @@ from gpud.plan import binding
 
 CONVERGED, WAITING, FAILED, STUCK = "converged", "waiting", "failed", "stuck"
 
+
 class BindOutcome(Struct, frozen=True):
     pci: str
     state: str  # converged | waiting | failed | stuck
