@@ -15,11 +15,13 @@ import os
 import signal
 import sys
 import threading
+from functools import partial
 from pathlib import Path
 
 from gpud import VERSION
 from gpud.api.handlers import RequestHandler
 from gpud.engine.apply_lock import ApplyLock
+from gpud.device_events import DeviceEventSourceFactory
 from gpud.engine.events import EventBus
 from gpud.engine.reconciler import Hardware, Reconciler
 from gpud.engine.udev_rules import UdevRules
@@ -49,11 +51,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
-def build_hardware(args: argparse.Namespace) -> tuple[Hardware, str | None, str]:
-    """Returns the adapters, the simulator's event socket (None on a real host) and the lock path;
-    fills in the defaults that differ between a real host and the simulator."""
+def build_hardware(args: argparse.Namespace) -> tuple[Hardware, DeviceEventSourceFactory, str]:
+    """The one seam between a real host and the simulator: returns the adapters, the device event
+    source to start (udev, or the simulator's datagram socket) and the lock path; fills in the
+    defaults that differ between a real host and the simulator."""
     if args.sim:
         from gpud import sim
+        from gpud.sim.uevents import SimEvents
 
         host = sim.install(args.sim)
         hw = Hardware(
@@ -63,21 +67,24 @@ def build_hardware(args: argparse.Namespace) -> tuple[Hardware, str | None, str]
         )
         args.udev_rules = args.udev_rules or str(Path(args.sim) / "etc/udev/rules.d/70-gpud-vfio.rules")
         args.dev_root = str(host.dev_root)
-        return hw, str(host.uevent_socket), args.lock or str(Path(args.sim) / "apply.lock")
+        return hw, partial(SimEvents, socket_path=host.uevent_socket), args.lock or str(Path(args.sim) / "apply.lock")
     args.udev_rules = args.udev_rules or "/etc/udev/rules.d/70-gpud-vfio.rules"
     args.dev_root = "/dev"
     hw = Hardware(sysfs=Sysfs("/sys", read_only=args.read_only), nvml=Nvml(read_only=args.read_only), procs=Procs(read_only=args.read_only))
-    return hw, None, args.lock or "/run/lock/gpud-apply.lock"
+    from gpud.host.udev import UdevEvents
+
+    return hw, UdevEvents, args.lock or "/run/lock/gpud-apply.lock"
 
 
 class Daemon:
     def __init__(self, args: argparse.Namespace) -> None:
-        from gpud.host.systemd import Notifier, request_reboot
+        from gpud.host.logind import request_reboot
+        from gpud.host.sd_notify import Notifier
 
         self.args = args
         self.notifier = Notifier()
         self.bus = EventBus()
-        self.hw, self.sim_socket, lock_path = build_hardware(args)
+        self.hw, self.device_events, lock_path = build_hardware(args)
         self.rec = Reconciler(
             self.hw, config_path=args.config, apply_lock=ApplyLock(lock_path), bus=self.bus,
             read_only=args.read_only, binder_timeout=args.unbind_timeout,
@@ -147,8 +154,7 @@ class Daemon:
     # ---- life cycle --------------------------------------------------------------------------
     async def run(self) -> int:
         from gpud.api.server import serve
-        from gpud.host.systemd import listen_socket
-        from gpud.host.udev import DeviceEvents
+        from gpud.host.sd_notify import listen_socket
 
         loop = asyncio.get_running_loop()
         self.rec.drainer = await _connect_drainer(self.bus)
@@ -163,7 +169,7 @@ class Daemon:
             server = await serve(handler, self.args.socket, sock=listen_socket(), group=self.args.socket_group)
         except OSError as e:
             raise RuntimeError(f"cannot serve on {self.args.socket}: {e.strerror or e}") from e
-        events = DeviceEvents(self.on_device_event, sim_socket=self.sim_socket)
+        events = self.device_events(self.on_device_event)
         try:
             events.start(loop)
         except Exception as e:  # no libudev, no netlink (some containers): serve anyway, say so
@@ -220,7 +226,7 @@ class Daemon:
 async def _connect_drainer(bus: EventBus):
     """The system bus is where GPU client units are stopped and started; without one (a dev
     machine, a container) policy.drain-units cannot be honoured and says so when used."""
-    from gpud.host.systemd import UnitDrainer
+    from gpud.host.unit_drain import UnitDrainer
 
     try:
         return await asyncio.wait_for(UnitDrainer.connect(on_event=lambda m: bus.publish("drain", str(m))), 5)

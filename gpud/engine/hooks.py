@@ -24,7 +24,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 
 from gpud.engine.ports import Drainer
-from gpud.host.systemd import child_env
+from gpud.host.sd_notify import child_env
 from gpud.layout.schema import HOOK_PHASES, Hook, HookPhase, Hooks
 
 BEFORE_PHASES: frozenset[HookPhase] = frozenset(HOOK_PHASES[:3])

@@ -8,7 +8,7 @@ from __future__ import annotations
 from gpud.engine.events import EventBus
 from gpud.engine.gpu_state import GpuState
 from gpud.engine.ports import Rebooter
-from gpud.host.systemd import clear_reboot_request, reboot_outcome
+from gpud.host.logind import clear_reboot_request, reboot_outcome
 from gpud.layout.schema import Policy
 
 

@@ -325,7 +325,7 @@ class Reconciler:
 
     async def _run_mig(self, gpu: Gpu, plan: GpuPlan) -> GpuState:
         from gpud.engine import mig_executor
-        from gpud.engine.binder import DeadlineSysfs
+        from gpud.host.deadline_write import DeadlineSysfs
 
         loop = asyncio.get_running_loop()
 

@@ -21,6 +21,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from gpud.host.atomic_file import remove_file, replace_file
 from gpud.host.readonly import refuse_if
 from gpud.model import Gpu
+from gpud.pci import is_bridge
 
 DEFAULT_PATH = "/etc/udev/rules.d/70-gpud-vfio.rules"
 MODULES_LOAD_PATH = "/etc/modules-load.d/gpud-vfio.conf"
@@ -33,8 +34,6 @@ _HEADER = """\
 # early: {modules_load} lists it.
 """
 
-_BRIDGE_CLASSES = (0x0600, 0x0604)
-
 
 def passthrough_endpoints(gpus: Sequence[Gpu], desired: Mapping[str, object]) -> list[str]:
     """Every endpoint that must be on vfio-pci at boot: each passthrough GPU and the other
@@ -45,7 +44,7 @@ def passthrough_endpoints(gpus: Sequence[Gpu], desired: Mapping[str, object]) ->
     for gpu in gpus:
         if gpu.pci not in wanted:
             continue
-        out.update(c.address for c in gpu.companions if (c.class_code >> 8) not in _BRIDGE_CLASSES)
+        out.update(c.address for c in gpu.companions if not is_bridge(c.class_code))
     return sorted(out)
 
 

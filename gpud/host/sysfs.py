@@ -48,6 +48,15 @@ def meaning(path: str, code: int) -> str:
     return MEANINGS.get((name, code)) or MEANINGS.get(("*", code)) or os.strerror(code)
 
 
+def describe_error(e: OSError) -> str:
+    """The errno's name and what it means for that attribute (one home for the wording)."""
+    if getattr(e, "meaning", None):
+        return e.meaning
+    if e.errno is None:
+        return str(e)
+    return f"{errno.errorcode.get(e.errno, e.errno)}: {meaning(e.filename or '', e.errno)}"
+
+
 class SysfsError(OSError):
     """A sysfs write the kernel refused: `errno`, `path`, and `meaning` for a human."""
 
@@ -93,6 +102,11 @@ class Sysfs:
 
     def _p(self, *parts: str) -> str:
         return os.path.join(self.root, *parts)
+
+    @property
+    def store(self) -> Callable[[str, bytes], int] | None:
+        """The replacement for os.write (the simulator's kernel), or None on a real host."""
+        return self._store
 
     # ---- reading
     def functions(self) -> list[PciFunction]:

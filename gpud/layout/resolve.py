@@ -23,7 +23,7 @@ from gpud.layout.parse import (
 )
 from gpud.layout.schema import Layout, PciId
 from gpud.model import Gpu, MigProfile
-from gpud.profiles import NVIDIA, by_device, model_name
+from gpud.profiles import NVIDIA, by_device, model_name, with_model_ci_profiles
 
 
 class Resolution(Struct):
@@ -46,7 +46,7 @@ def gpu_profiles(gpu: Gpu) -> tuple[MigProfile, ...] | None:
     MIG capable, None when nobody can tell (an unknown model on vfio-pci)."""
     if gpu.nvml is not None:
         if gpu.nvml.profiles:
-            return gpu.nvml.profiles
+            return with_model_ci_profiles(gpu.nvml.profiles, gpu.function.device)
         if not gpu.nvml.mig_capable:
             return ()
     model = by_device(gpu.function.device) if gpu.function.vendor == NVIDIA else None

@@ -36,7 +36,7 @@ from gpud.model import (
     Placement,
 )
 from gpud.plan.placement import Assignment, ExistingGi, GiSpec, Infeasible, solve
-from gpud.profiles import CI_PROFILE_ID, by_device, model_name
+from gpud.profiles import CI_PROFILE_ID, by_device, model_name, with_model_ci_profiles
 
 
 class Step(Struct, frozen=True):
@@ -185,15 +185,16 @@ def plan_gpu(gpu: Gpu, desired: DesiredGpu) -> GpuPlan:
     mode_change = mode != int(want) or pending != int(want)
     existing = list(nv.instances) if mode == 1 else []
 
+    profiles = with_model_ci_profiles(nv.profiles, gpu.function.device)
     assignments: list[Assignment] = []
     if want:
         try:
-            specs = desired_specs(desired.mig_devices, nv.profiles, where)
-            assignments = solve(nv.profiles, specs, [_existing(g) for g in existing], where=where)
+            specs = desired_specs(desired.mig_devices, profiles, where)
+            assignments = solve(profiles, specs, [_existing(g) for g in existing], where=where)
         except Infeasible as e:
-            return _replace(base, infeasible=str(e) + _packing_note(desired.mig_devices, nv.profiles))
+            return _replace(base, infeasible=str(e) + _packing_note(desired.mig_devices, profiles))
 
-    by_id = {p.id: p for p in nv.profiles}
+    by_id = {p.id: p for p in profiles}
     keep = {a.keep: a for a in assignments if a.keep is not None}
     destroy_ci: list[Step] = []
     destroy_gi: list[Step] = []

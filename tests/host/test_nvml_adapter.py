@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
 from gpud.host.nvml import Nvml, NvmlError, normalize_pci
 from gpud.host.readonly import ReadOnlyError
 from gpud.model import Holder, Placement
-from gpud.profiles import MODELS
+from gpud.profiles import MODELS, with_model_ci_profiles
 from gpud.sim.state import SimFault, SimProcess, load, locked
 
 GPU0, GPU1 = "0000:18:00.0", "0000:2a:00.0"
@@ -38,7 +39,13 @@ def test_reads_each_model_like_its_table(sim_host, nvml, model):
     assert g.uuid.startswith("GPU-") and g.uuid != gpus[1].uuid
     if m.mig_capable:
         assert (g.mig_mode, g.mig_pending) == (0, 0)
-        assert sorted(g.profiles, key=lambda p: p.id) == sorted(m.profiles, key=lambda p: p.id)
+        # observed state is what NVML said: with no GPU instance, NVML tells no CI profiles
+        assert all(p.ci_profiles == () for p in g.profiles)
+        without_ci = [msgspec.structs.replace(p, ci_profiles=()) for p in m.profiles]
+        assert sorted(g.profiles, key=lambda p: p.id) == sorted(without_ci, key=lambda p: p.id)
+        # the planner's view fills them from the model's table
+        planning = with_model_ci_profiles(g.profiles, m.device)
+        assert sorted(planning, key=lambda p: p.id) == sorted(m.profiles, key=lambda p: p.id)
     else:
         assert (g.mig_mode, g.mig_pending, g.profiles, g.instances) == (None, None, (), ())
 
