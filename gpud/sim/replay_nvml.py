@@ -3,7 +3,7 @@
 The simulator's fake library (gpud.sim.nvml_lib) serves values from gpud's own model tables, so a
 test on it can only show that gpud agrees with those tables. This library is installed at the same
 seam (`pynvml.nvmlLib`), but every value it serves was read from a real GPU by a read-only probe
-(tests/fixtures/h200/nvml-sysfs-readonly.json: one H200, driver 580.159.04; docs/testing.md).
+(tests/fixtures/h200/nvml-sysfs-readonly.json: one H200, driver 580.159.04; README, "Real GPU, read-only").
 A daemon on it (`gpud --sim DIR --replay CAPTURE --read-only`) therefore shows how gpud reads a
 real H200, and its output can be compared with what gpud printed on that hardware.
 
