@@ -39,6 +39,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--state-dir", default="/var/lib/gpud")
     ap.add_argument("--sim", metavar="DIR", help="drive the simulated host in DIR (made by gpud-sim create)")
     ap.add_argument("--read-only", action="store_true", help="observe and plan; refuse every mutating call")
+    ap.add_argument("--replay", metavar="CAPTURE", help="with --sim DIR --read-only: NVML answers from a real "
+                    "GPU's capture (DIR laid out by python -m gpud.sim.replay_nvml CAPTURE DIR)")
     ap.add_argument("--lock", help="host-wide apply lock (default /run/lock/gpud-apply.lock, or DIR/apply.lock with --sim)")
     ap.add_argument("--socket-group", default="gpud", help="group allowed to read status (default gpud)")
     ap.add_argument("--udev-rules", help="udev rules file that keeps passthrough GPUs off nvidia at boot "
@@ -48,7 +50,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--unbind-timeout", type=float, default=30.0, help="seconds before an unbind is declared stuck")
     ap.add_argument("--log-level", default=os.environ.get("GPUD_LOG_LEVEL", "INFO"))
     ap.add_argument("--version", action="version", version=f"gpud {VERSION}")
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    if args.replay and not (args.sim and args.read_only):
+        ap.error("--replay needs --sim DIR and --read-only: a capture can be read, not changed")
+    return args
 
 
 def build_hardware(args: argparse.Namespace) -> tuple[Hardware, DeviceEventSourceFactory, str]:
@@ -60,6 +65,10 @@ def build_hardware(args: argparse.Namespace) -> tuple[Hardware, DeviceEventSourc
         from gpud.sim.uevents import SimEvents
 
         host = sim.install(args.sim)
+        if args.replay:
+            from gpud.sim import replay_nvml
+
+            replay_nvml.install(args.replay)
         hw = Hardware(
             sysfs=Sysfs(str(host.sys_root), read_only=args.read_only, store=host.store, modprobe=host.modprobe),
             nvml=Nvml(read_only=args.read_only, proc_root=str(host.proc_root)),

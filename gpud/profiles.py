@@ -3,7 +3,7 @@
 NVML is the source of truth for a GPU it can see. This table serves where NVML cannot be asked
 (a GPU on vfio-pci must still have its layout validated against its own model, mig-parted #157)
 and is what the simulator serves through its fake NVML. Figures come from `nvidia-smi mig -lgip`
-/ `-lgipp` of each model (the H200 row was captured on a real host: shared/fixtures/h200).
+/ `-lgipp` of each model (the H200 row was captured on a real host: tests/fixtures/h200; docs/hardware/mig-nvml.md).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """NVML adapter: the only module in gpud that imports pynvml.
 
 Reads every GPU NVML can see into `gpud.model.NvmlGpu` records and performs the five MIG mutations
-the executor needs. Traps handled here, once (shared/reference/mig-facts.md):
+the executor needs. Traps handled here, once (docs/hardware/mig-nvml.md):
 - GI profiles are queried by *index* constant but everything is keyed by the returned `.id`;
 - placements are caller-allocated (two calls) and the create placement goes `byref`;
 - `nvmlDeviceIsMigDeviceHandle` returns a c_uint object, so it is tested with bool().

@@ -6,7 +6,7 @@ a helper thread with a deadline; on timeout the last value seen is reported and 
 listed in `Sysfs.stuck` (the read thread is left behind, never piled up).
 Writes are one `os.write` on an fd opened O_WRONLY (a buffered file object would report the
 kernel's error only at close), or the simulator's `store(abs_path, bytes)`; errors come back as
-SysfsError with the errno and what it means for that attribute (shared/reference/binding-facts.md).
+SysfsError with the errno and what it means for that attribute (docs/hardware/driver-binding.md).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 `Store(host_dir)` is the `store(abs_path, data)` callable the sysfs adapter writes through on the
 simulator. It reproduces what drivers/base/{bus,dd}.c and drivers/pci/pci-{driver,sysfs}.c do for
-each attribute, with the same errno values (shared/reference/binding-facts.md), including the part
+each attribute, with the same errno values (docs/hardware/driver-binding.md), including the part
 that makes driver rebinding dangerous: an `unbind` of a busy nvidia GPU (or of a vfio-pci device a
 VM holds) does not fail, it *blocks* until the holders are gone. Every state change happens under
 the host lock, re-renders the tree, and emits the uevents the kernel would, after the state is

@@ -52,7 +52,7 @@ _PROFILE_ID_BY_INDEX = {index: pid for pid, index in GI_PROFILE_INDEX.items()}
 # Index constants the real H200 answers with INVALID_ARGUMENT rather than NOT_SUPPORTED (fixture).
 _INVALID_GI_INDEXES = {pynvml.NVML_GPU_INSTANCE_PROFILE_3_SLICE_GFX}
 
-# Where the driver puts a GI created without a placement (mig-facts.md, inferred): first free start
+# Where the driver puts a GI created without a placement (inferred, not documented: docs/hardware/mig-nvml.md): first free start
 # in this order. Profiles not listed take their allowed starts in ascending order.
 _PREFERENCE: dict[int, tuple[int, ...]] = {
     19: (6, 4, 5, 0, 1, 2, 3),

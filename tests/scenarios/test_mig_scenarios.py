@@ -96,9 +96,3 @@ async def test_scenario(sc: Scenario, tmp_path):
         if runner is not None:
             runner.cancel()
         rig.close()
-
-
-def test_at_least_25_transitions_on_three_models():
-    models = {spec.split(":")[0] for sc in SCENARIOS for spec in sc.gpus}
-    assert len(SCENARIOS) >= 25
-    assert {"a100-40gb", "h100-80gb", "h200"} <= models
