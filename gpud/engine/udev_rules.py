@@ -9,8 +9,8 @@ goes back to containers.
 
 Known race (also driverctl's): if the nvidia module is already loaded (initramfs, or loaded by
 another GPU's add event processed first) it may bind before the rule runs; gpud's first pass after
-start rebinds such a GPU. vfio-pci must be loadable early: ship MODULES_LOAD_PATH (and keep nvidia
-out of the initramfs).
+start rebinds such a GPU. vfio-pci must be loadable early: the package ships MODULES_LOAD_PATH
+(packaging/modules-load.d/gpud.conf), and each rule also loads it (keep nvidia out of the initramfs).
 """
 
 from __future__ import annotations
@@ -24,7 +24,9 @@ from gpud.model import Gpu
 from gpud.pci import is_bridge
 
 DEFAULT_PATH = "/etc/udev/rules.d/70-gpud-vfio.rules"
-MODULES_LOAD_PATH = "/etc/modules-load.d/gpud-vfio.conf"
+# Installed by the package (packaging/build-deb.sh); gpud itself writes a modules-load file only
+# when told where (a host without the package).
+MODULES_LOAD_PATH = "/usr/lib/modules-load.d/gpud.conf"
 MODULES_LOAD_CONTENT = "# Written by gpud: vfio-pci must be there before passthrough GPUs are probed.\nvfio-pci\n"
 
 _HEADER = """\
@@ -99,7 +101,7 @@ def write_if_changed(path: str, content: str, *, read_only: bool = False, mode: 
 class UdevRules:
     """Keeps the rules file (and the modules-load.d hint) in step with the layout."""
 
-    def __init__(self, path: str = DEFAULT_PATH, *, modules_load_path: str | None = MODULES_LOAD_PATH,
+    def __init__(self, path: str = DEFAULT_PATH, *, modules_load_path: str | None = None,
                  read_only: bool = False) -> None:
         self.path = path
         self.modules_load_path = modules_load_path

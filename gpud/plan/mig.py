@@ -239,12 +239,17 @@ def plan_gpu(gpu: Gpu, desired: DesiredGpu) -> GpuPlan:
     create_ci.sort(key=lambda s: (s.placement, s.ci_profile_id))
 
     mode_steps = [Step("set-mig-mode", gpu.pci, enabled=want)] if mode_change else []
-    if mode_change:
+    # The mode in effect is already the wanted one and only the opposite is pending (an earlier
+    # flip that never got its reset): setting the mode back cancels the flip. Nothing changes
+    # under running processes, so they do not block it and no reset follows.
+    cancel_pending = mode == int(want) and pending != int(want)
+    if mode_change and not cancel_pending:
         blockers.update(nv.processes)
         blockers.update(h for g in existing for h in g.holders)
     arch = by_device(gpu.function.device)
     already_pending = pending == int(want) and mode != int(want)
-    reset = mode_change and (already_pending or (arch is not None and arch.mode_change_needs_reset))
+    reset = mode_change and not cancel_pending and (
+        already_pending or (arch is not None and arch.mode_change_needs_reset))
     target = None
     if want:
         target = sorted(TargetGi(a.placement, a.spec.profile_id, by_id[a.spec.profile_id].name, a.spec.cis, a.keep)

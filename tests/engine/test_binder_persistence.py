@@ -37,7 +37,20 @@ def test_rules_cover_group_endpoints_but_not_bridges():
     assert lines == [
         f'ACTION=="add", SUBSYSTEM=="pci", KERNEL=="{a}", ATTR{{driver_override}}="vfio-pci", '
         f'RUN{{builtin}}+="kmod load vfio-pci"' for a in eps]
-    assert "modules-load.d" in text
+    assert f"{udev_rules.MODULES_LOAD_PATH} lists it" in text
+
+
+def test_header_names_the_modules_load_file_the_package_installs():
+    """The rules' header tells a reader which file loads vfio-pci early: it must be one that exists
+    on a packaged host, i.e. one the package build installs, and that file must list vfio-pci."""
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    build = (repo / "packaging/build-deb.sh").read_text()
+    assert f'"$STAGE{udev_rules.MODULES_LOAD_PATH}"' in build
+    shipped = (repo / "packaging/modules-load.d/gpud.conf").read_text().split()
+    assert "vfio-pci" in shipped
+    assert udev_rules.UdevRules("/nonexistent/rules").modules_load_path is None  # gpud writes none itself
 
 
 def test_absent_desired_gpu_keeps_its_entry():
