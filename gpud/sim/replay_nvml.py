@@ -97,7 +97,17 @@ class Capture:
                 for field in (*_GI_INFO_FIELDS, "name"):
                     _need(f"{path}: gpu_instance_profiles.{name}", info, field, str if field == "name" else int)
             self.gi_profiles[index] = info
-        self.placements = {int(k): v for k, v in data["gpu_instance_possible_placements"].items()}
+        self.placements: dict[int, list[dict]] = {}
+        for key, placements in data["gpu_instance_possible_placements"].items():
+            where = f"{path}: gpu_instance_possible_placements.{key}"
+            if not key.isdigit() or not isinstance(placements, list):
+                raise CaptureError(f"{where}: expected a profile id and a list of placements")
+            for pl in placements:
+                if not isinstance(pl, dict):
+                    raise CaptureError(f"{where}: expected {{start, size}} objects")
+                _need(where, pl, "start", int)
+                _need(where, pl, "size", int)
+            self.placements[int(key)] = placements
         self.remaining = {}
         for name, count in data["remaining_capacity"].items():
             info = self.gi_profiles.get(getattr(pynvml, name, -1))
@@ -317,11 +327,6 @@ def nvmlDeviceGetGpuInstanceRemainingCapacity(lib: ReplayNvmlLib, handle: Any, p
     if count is None:
         raise _Ret(pynvml.NVML_ERROR_INVALID_ARGUMENT)
     _deref(ref).value = count
-
-
-def symbols() -> list[str]:
-    """The C symbols the replay answers; every other one is FUNCTION_NOT_FOUND."""
-    return sorted(_IMPLS)
 
 
 # --- install and host tree ----------------------------------------------------------------------

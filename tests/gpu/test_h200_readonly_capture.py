@@ -209,6 +209,8 @@ def test_replay_refuses_what_it_has_no_capture_for(replay_session):
     (lambda d: d["gpu_instances_existing"].update({"9": 1}), "gpu_instances_existing"),
     (lambda d: d["device"].pop("uuid"), "device.uuid: missing"),
     (lambda d: d["device"].update(procs=[{"pid": 1}]), "device.procs"),
+    (lambda d: d["gpu_instance_possible_placements"]["9"][0].pop("size"),
+     "gpu_instance_possible_placements.9.size: missing"),
     (lambda d: d["gpu_instance_profiles"]["NVML_GPU_INSTANCE_PROFILE_1_SLICE"].pop("memorySizeMB"),
      "gpu_instance_profiles.NVML_GPU_INSTANCE_PROFILE_1_SLICE.memorySizeMB: missing"),
 ])
