@@ -82,19 +82,23 @@ class ModelInfo(Struct, frozen=True):
     @property
     def gi_index(self) -> dict[int, int]:
         """Profile id -> the NVML index constant that answers it (rows whose id is known)."""
-        sizes = [p.placements[0].size for p in self.profiles if p.slices == 1 and p.placements]
-        base = min(sizes, default=0)
-        return {p.id: index_constant(p, base) for p in self.profiles if "id" not in self.unknown_fields(p.name)}
+        known = [p for p in self.profiles if "id" not in self.unknown_fields(p.name)]
+        plain_1g = [p.memory_mb for p in known if p.slices == 1 and _suffix(p.name) == ""]
+        return {p.id: index_constant(p, min(plain_1g, default=0)) for p in known}
 
 
-def index_constant(p: MigProfile, base_size: int) -> int:
+def _suffix(name: str) -> str:
+    return name[name.index("gb") + 2:]
+
+
+def index_constant(p: MigProfile, smallest_1g_mb: int) -> int:
     """The NVML index constant of a profile, from what its name says (nvml.h's naming): the suffix
-    picks the variant; a plain 1-slice profile with more memory slices than `base_size` (the
-    smallest 1-slice profile of the GPU) is the double-memory REV2 one (1g.20gb on an H100)."""
-    suffix = p.name[p.name.index("gb") + 2:] if "gb" in p.name else ""
+    picks the variant; a plain 1-slice profile with more memory than the GPU's smallest plain
+    1-slice one is the double-memory REV2 profile (1g.20gb next to 1g.10gb on an H100)."""
+    suffix = _suffix(p.name)
     if suffix:
         return _SUFFIX_INDEX[(p.slices, suffix)]
-    if p.slices == 1 and p.placements and p.placements[0].size > base_size:
+    if p.slices == 1 and p.memory_mb > smallest_1g_mb:
         return INDEX_1_SLICE_REV2
     return SLICE_INDEX[p.slices]
 
@@ -141,13 +145,15 @@ def _table(rows: tuple[Row, ...]) -> tuple[MigProfile, ...]:
 
 def _partial(rows: tuple[Row, ...], names_only: tuple[tuple[str, int], ...]
              ) -> tuple[tuple[MigProfile, ...], tuple[tuple[str, tuple[str, ...]], ...]]:
-    """Captured rows (complete but for their CI profiles, which no capture lists) plus profiles
+    """Captured `-lgip` rows (complete but for placements and CI profiles: no `-lgipp` or `-lcip` of
+    these models was published) plus profiles
     known by name and instance count only (NVIDIA's default MIG config / MIG user guide). A
     name-only profile gets a negative placeholder id that no NVML call ever sees: the simulator
     refuses such a model, and on a real GPU NVML's own table replaces this one."""
-    captured = tuple(MigProfile(**{f: getattr(p, f) for f in p.__struct_fields__ if f != "ci_profiles"})
+    captured = tuple(MigProfile(**{f: getattr(p, f) for f in p.__struct_fields__
+                                   if f not in ("ci_profiles", "placements")}, placements=())
                      for p in _table(rows))
-    unknown = [(p.name, ("ci_profiles",)) for p in captured]
+    unknown = [(p.name, ("placements", "ci_profiles")) for p in captured]
     named = []
     for n, (name, count) in enumerate(names_only, start=1):
         named.append(MigProfile(id=-n, name=name, slices=int(name.split("g.", 1)[0]), memory_mb=0, sms=0,
@@ -241,10 +247,9 @@ RTX_PRO_6000 = _table((
     (32, "4g.96gb+gfx", "95.12", 1, 188, 4, 4, 4, 4, 1, (0,), 12),
 ))
 
-# Partial tables: the rows of a real -lgip capture (no -lgipp was published, so the starts are those
-# every 7-slice capture shows for the same profile id), plus profiles NVIDIA's default MIG config
-# names for the model with no published row. Instance counts of name-only rows: MIG user guide
-# (B200 table); 0 where no source gives one.
+# Partial tables: the rows of a real -lgip capture (no -lgipp was published), plus profiles NVIDIA's
+# default MIG config names for the model with no published row. Instance counts of name-only rows:
+# MIG user guide (B200 table); 0 where no source gives one.
 B200, _B200_UNKNOWN = _partial((
     _seven(19, "1g.23gb", "20.50", 7, 18, 1, 0, 2, 1, 0),
     _seven(20, "1g.23gb+me", "20.50", 1, 18, 1, 0, 2, 1, 1),
