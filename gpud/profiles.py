@@ -147,17 +147,19 @@ def _table(rows: tuple[Row, ...]) -> tuple[MigProfile, ...]:
     return tuple(out)
 
 
-def _partial(rows: tuple[Row, ...], names_only: tuple[tuple[str, int], ...]
+def _partial(rows: tuple[Row, ...], names_only: tuple[tuple[str, int], ...],
+             cut_off: tuple[tuple[str, tuple[str, ...]], ...] = ()
              ) -> tuple[tuple[MigProfile, ...], tuple[tuple[str, tuple[str, ...]], ...]]:
     """Captured `-lgip` rows (complete but for placements and CI profiles: no `-lgipp` or `-lcip` of
     these models was published) plus profiles
     known by name and instance count only (NVIDIA's default MIG config / MIG user guide). A
     name-only profile gets a negative placeholder id that no NVML call ever sees: the simulator
-    refuses such a model, and on a real GPU NVML's own table replaces this one."""
-    captured = tuple(MigProfile(**{f: getattr(p, f) for f in p.__struct_fields__
-                                   if f not in ("ci_profiles", "placements")}, placements=())
+    refuses such a model, and on a real GPU NVML's own table replaces this one. `cut_off`: fields of
+    a captured row the published text does not show (their row values are ignored)."""
+    missing = dict(cut_off)
+    captured = tuple(replace(p, placements=(), ci_profiles=(), **{f: 0 for f in missing.get(p.name, ())})
                      for p in _table(rows))
-    unknown = [(p.name, ("placements", "ci_profiles")) for p in captured]
+    unknown = [(p.name, ("placements", "ci_profiles", *missing.get(p.name, ()))) for p in captured]
     named = []
     for n, (name, count) in enumerate(names_only, start=1):
         named.append(MigProfile(id=-n, name=name, slices=int(name.split("g.", 1)[0]), memory_mb=0, sms=0,
@@ -264,8 +266,9 @@ GB200, _GB200_UNKNOWN = _partial((
     _seven(19, "1g.23gb", "22.00", 7, 18, 1, 0, 2, 1, 0),
     _seven(20, "1g.23gb+me", "22.00", 1, 18, 1, 0, 2, 1, 1),
     _seven(15, "1g.47gb", "45.50", 4, 32, 1, 0, 2, 1, 0),
-    _seven(14, "2g.47gb", "45.50", 3, 38, 2, 0, 4, 2, 0),
-), (("3g.93gb", 0), ("4g.93gb", 0), ("7g.186gb", 0)))
+    _seven(14, "2g.47gb", "45.50", 3, 38, 2, 0, 0, 0, 0),  # its CE/JPEG/OFA line is cut off
+), (("3g.93gb", 0), ("4g.93gb", 0), ("7g.186gb", 0)),
+    cut_off=(("2g.47gb", ("copy_engines", "jpegs", "ofas")),))
 GH200_144GB, _GH200_144GB_UNKNOWN = _partial((
     _seven(19, "1g.18gb", "17.50", 7, 16, 1, 0, 1, 1, 0),
     _seven(20, "1g.18gb+me", "17.50", 1, 16, 1, 0, 1, 1, 1),

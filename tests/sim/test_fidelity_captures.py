@@ -14,7 +14,10 @@ from pathlib import Path
 
 import pytest
 
+from gpud.api.replies import mig_profiles_reply
+from gpud.cli.render import render_mig_profiles
 from gpud.host.nvml import Nvml
+from gpud.model import Gpu, PciFunction
 from gpud.profiles import MODELS
 from gpud.sim import catalog
 
@@ -34,27 +37,41 @@ SOURCES = {
     "rtx-pro-6000": (CAPTURES / "rtx-pro-6000", CAPTURES / "rtx-pro-6000"),
 }
 
-_FIRST = re.compile(r"^\|\s*\d+\s+MIG\s+(?P<name>\S+)\s+(?P<id>\d+)\s+(?P<free>\d+)/(?P<total>\d+)\s+"
-                    r"(?P<gib>\d+\.\d\d)\s+(?P<p2p>Yes|No)\s+(?P<sm>\d+)\s+(?P<dec>\d+)\s+(?P<enc>\d+)\s*\|$")
-_SECOND = re.compile(r"^\|\s+(?P<ce>\d+)\s+(?P<jpeg>\d+)\s+(?P<ofa>\d+)\s*\|$")
+# A number, or `?` where gpudctl prints a value no source gives (nvidia-smi itself never does).
+_N = r"(?:\d+|\?)"
+_FIRST = re.compile(rf"^\|\s*\d+\s+MIG\s+(?P<name>\S+)\s+(?P<id>{_N})\s+(?P<free>{_N})/(?P<total>{_N})\s+"
+                    rf"(?P<gib>\d+\.\d\d|\?)\s+(?P<p2p>Yes|No|\?)\s+(?P<sm>{_N})\s+(?P<dec>{_N})\s+(?P<enc>{_N})\s*\|$")
+_SECOND = re.compile(rf"^\|\s+(?P<ce>{_N})\s+(?P<jpeg>{_N})\s+(?P<ofa>{_N})\s*\|$")
 _PLACEMENTS = re.compile(r"^GPU\s+\d+\s+Profile ID\s+(\d+)\s+Placements?\s*:\s*\{([\d,]+)\}:(\d+)\s*$")
 
 
-def read_lgip(text: str) -> dict[int, dict]:
-    """Profile id -> the fields of its two table lines."""
-    rows: dict[int, dict] = {}
+def _value(key: str, v: str) -> object:
+    return v if key in ("name", "gib", "p2p") or v == "?" else int(v)
+
+
+def read_lgip(text: str) -> list[dict]:
+    """Every profile row, in listed order, with the fields of its two table lines (a second line
+    cut off in the source leaves ce/jpeg/ofa out)."""
+    rows: list[dict] = []
     lines = text.splitlines()
     for i, line in enumerate(lines):
         first = _FIRST.match(line)
         if first is None:
             continue
-        second = _SECOND.match(lines[i + 1])
-        assert second is not None, f"second line of {first['name']}: {lines[i + 1]!r}"
-        row = {k: (v if k in ("name", "gib", "p2p") else int(v)) for k, v in first.groupdict().items()}
-        row.update({k: int(v) for k, v in second.groupdict().items()})
-        assert row["id"] not in rows, f"profile id {row['id']} listed twice"
-        rows[row["id"]] = row
+        row = {k: _value(k, v) for k, v in first.groupdict().items()}
+        second = _SECOND.match(lines[i + 1]) if i + 1 < len(lines) else None
+        if second is not None:
+            row.update({k: int(v) if v != "?" else v for k, v in second.groupdict().items()})
+        else:
+            assert i + 1 == len(lines), f"second line of {first['name']}: {lines[i + 1]!r}"
+        rows.append(row)
     return rows
+
+
+def by_id(rows: list[dict]) -> dict[int, dict]:
+    out = {r["id"]: r for r in rows}
+    assert len(out) == len(rows), "a profile id listed twice"
+    return out
 
 
 def read_lgipp(text: str) -> dict[int, list[tuple[int, int]]]:
@@ -69,7 +86,7 @@ def read_lgipp(text: str) -> dict[int, list[tuple[int, int]]]:
 
 def capture(model: str) -> tuple[dict[int, dict], dict[int, list[tuple[int, int]]]]:
     lgip_dir, lgipp_dir = SOURCES[model]
-    return (read_lgip((lgip_dir / "nvidia-smi-mig-lgip.txt").read_text()),
+    return (by_id(read_lgip((lgip_dir / "nvidia-smi-mig-lgip.txt").read_text())),
             read_lgipp((lgipp_dir / "nvidia-smi-mig-lgipp.txt").read_text()))
 
 
@@ -97,15 +114,19 @@ def test_the_parser_reads_every_row_of_the_capture(model):
         assert set(lgip) <= set(lgipp)
 
 
-@pytest.mark.parametrize("model", sorted(SOURCES))
-def test_gpud_reads_the_captured_table_from_the_simulator(model, sim_host):
-    lgip, lgipp = capture(model)
+def read_through_nvml(model: str, sim_host):
     sim_host(model)
     nvml = Nvml()
     try:
-        gpu = nvml.gpu(GPU)
+        return nvml.gpu(GPU)
     finally:
         nvml.close()
+
+
+@pytest.mark.parametrize("model", sorted(SOURCES))
+def test_gpud_reads_the_captured_table_from_the_simulator(model, sim_host):
+    lgip, lgipp = capture(model)
+    gpu = read_through_nvml(model, sim_host)
     ours = {p.id: p for p in gpu.profiles}
     assert set(ours) == set(lgip), "profile ids"
     for pid, row in lgip.items():
@@ -128,3 +149,51 @@ def test_a_model_known_only_in_part_is_not_simulated(model, tmp_path):
     with pytest.raises(catalog.CatalogError, match="cannot be simulated: no source gives its MIG table whole"):
         create(tmp_path / "host", [model], [])
     assert not (tmp_path / "host").exists() or not any((tmp_path / "host").iterdir())
+
+
+def _gpu(model: str, nvml=None) -> Gpu:
+    m = MODELS[model]
+    driver = "nvidia" if nvml is not None else "vfio-pci"
+    return Gpu(0, PciFunction(GPU, 0x10DE, m.device, 0x10DE, 0, 0x030200, driver), nvml=nvml)
+
+
+@pytest.mark.parametrize("model", sorted(SOURCES))
+def test_gpudctl_mig_profiles_prints_the_captured_table(model, sim_host):
+    """`gpudctl mig profiles` (the daemon's reply, rendered by the client) read back with the
+    capture's own parser: every row and placement line equals the real listing."""
+    lgip, lgipp = capture(model)
+    printed = render_mig_profiles(mig_profiles_reply([_gpu(model, read_through_nvml(model, sim_host))]))
+    rows = by_id(read_lgip(printed))
+    placements = read_lgipp("\n".join(line for line in printed.splitlines() if line.startswith("GPU ")))
+    assert set(rows) == set(lgip)
+    for pid, want in lgip.items():
+        got = rows[pid]
+        assert {k: v for k, v in got.items() if k != "free"} == {k: v for k, v in want.items() if k != "free"}, pid
+        assert got["free"] == got["total"]  # a fresh simulated GPU: every instance free
+        assert placements[pid] == lgipp[pid], pid
+
+
+PARTIAL = {"b200": "b200", "gb200": "gb200", "gh200-144gb": "gh200-144gb"}
+
+
+@pytest.mark.parametrize("model", sorted(PARTIAL))
+def test_a_gpu_nvml_cannot_see_is_listed_from_the_table_with_unknowns_marked(model):
+    """A B200 on vfio-pci: gpudctl shows gpud's table of it. The published rows read back equal to
+    the published capture; what no source gives is printed `?`, never a number."""
+    published = by_id(read_lgip((CAPTURES / "partial" / PARTIAL[model] / "nvidia-smi-mig-lgip.txt").read_text()))
+    printed = render_mig_profiles(mig_profiles_reply([_gpu(model)]))
+    rows = read_lgip(printed)
+    assert sorted(r["name"] for r in rows) == sorted(p.name for p in MODELS[model].profiles)
+    for row in rows:
+        assert row["free"] == "?"  # nothing can count free instances without NVML
+        want = next((w for w in published.values() if w["name"] == row["name"]), None)
+        if want is None:  # a name from NVIDIA's config, no published row
+            assert (row["id"], row["gib"], row["p2p"], row["sm"], row["dec"], row["enc"]) == ("?",) * 6, row
+            assert (row["ce"], row["jpeg"], row["ofa"]) == ("?",) * 3, row
+            continue
+        for key in ("id", "total", "gib", "p2p", "sm", "dec", "enc"):
+            assert row[key] == want[key], (row["name"], key)
+        for key in ("ce", "jpeg", "ofa"):
+            assert row[key] == want.get(key, "?"), (row["name"], key)
+    assert "Placements: unknown" in printed and "NVML cannot see it" in printed
+    assert not any(_PLACEMENTS.match(line) for line in printed.splitlines())  # no -lgipp was published
