@@ -993,12 +993,18 @@ def nvmlComputeInstanceDestroy(lib, state, ci_handle):
 _saved: list[Any] = []
 
 
-def install(host_dir: str) -> FakeNvmlLib:
-    """Make pynvml talk to the simulated host in `host_dir` (restored by `uninstall`)."""
-    lib = FakeNvmlLib(host_dir)
+def swap_in(lib: Any) -> None:
+    """Put `lib` where pynvml keeps its C library object, so all of pynvml's own marshalling runs
+    against it; `uninstall` puts back what was there. Shared by the simulator and the replay."""
     _saved.append(pynvml.nvmlLib)
     pynvml.nvmlLib = lib
     pynvml._nvmlGetFunctionPointer_cache.clear()
+
+
+def install(host_dir: str) -> FakeNvmlLib:
+    """Make pynvml talk to the simulated host in `host_dir` (restored by `uninstall`)."""
+    lib = FakeNvmlLib(host_dir)
+    swap_in(lib)
     return lib
 
 
