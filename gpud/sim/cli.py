@@ -197,7 +197,7 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("create", help="make a host directory")
     p.add_argument("dir")
     p.add_argument("--gpu", action="append", required=True, metavar="MODEL[:COUNT]",
-                   help=f"models: {', '.join(sorted(catalog.MODELS))}")
+                   help=f"models: {', '.join(catalog.offered())}")
     p.add_argument("--mig-on", type=int, nargs="+", action="extend", default=[], metavar="INDEX")
     for name in ("hold", "release"):
         p = sub.add_parser(name, help=f"{name} a GPU or MIG device as a process would")
