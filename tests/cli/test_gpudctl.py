@@ -113,8 +113,8 @@ def test_plan_output_and_exit_codes(daemon, tmp_path):
     assert calls(daemon, "plan") == [{"text": None, "path": None}]  # the loaded layout
     out = r.stdout.splitlines()
     assert out[0] == "GPU 0 0000:3b:00.0:"
-    assert out[1] == f"  1. destroy-ci  1g.18gb  {{6}}:1  gi 13  ci 0  {MIG_UUIDS[6]}"
-    assert "  3. create-gi  1g.35gb  {6}:2" in out
+    assert out[1] == f"  1. destroy-ci 1g.18gb@6:1 gi 13 ci 0 {MIG_UUIDS[6]}"  # single-spaced
+    assert "  3. create-gi 1g.35gb@6:2" in out
     assert "  1. set MIG mode on" in out and "  2. reset" in out
     assert "GPU 2 0000:9a:00.0: nothing to do" in out
     assert (f"  destroys 1g.18gb {{6}}:1 on 0000:3b:00.0 {MIG_UUIDS[6]} held by pid 31337 jupyter") in out
