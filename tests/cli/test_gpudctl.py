@@ -314,8 +314,11 @@ LONG = ("1 x 4g.40gb + 2 x 3g.40gb needs 12 of 8 memory slices on NVIDIA H100 80
 def test_status_table_fits_the_terminal_and_the_detail_view_has_it_whole(daemon):
     reply = daemon.handler.replies["status"]
     reply.gpus[1].state, reply.gpus[1].message, reply.gpus[1].holders = "failed", LONG, []
+    reply.gpus[0].message = "MIG on, 5 GPU instances"
     r = run(daemon, "status", env={"COLUMNS": "120"})
     assert r.returncode == 0, r.stderr
+    row0 = next(line for line in r.stdout.splitlines() if line.startswith("0 "))
+    assert row0.endswith("1x3g.71gb  converged")  # the INSTANCES column already says what; no stutter
     assert all(len(line) <= 120 for line in r.stdout.splitlines()), r.stdout
     row1 = next(line for line in r.stdout.splitlines() if line.startswith("1 "))
     assert row1.endswith("\u2026") and "failed: 1 x 4g.40gb" in row1
