@@ -21,7 +21,7 @@ from pathlib import Path
 from gpud import VERSION
 from gpud.api.handlers import RequestHandler
 from gpud.engine.apply_lock import ApplyLock
-from gpud.device_events import DeviceEventSourceFactory
+from gpud.device_events import DeviceEventSourceFactory, describe_device_event
 from gpud.engine.events import EventBus
 from gpud.engine.reconciler import Hardware, Reconciler
 from gpud.engine.udev_rules import UdevRules
@@ -138,8 +138,8 @@ class Daemon:
         ours = {g.pci for g in obs.gpus} | {c.address for g in obs.gpus for c in g.companions}
         if event.action not in ("add", "remove", "rescan") and event.subsystem != "vfio" and event.address not in ours:
             return
-        self.bus.publish("device", f"{event.action} {event.subsystem} {event.address or ''}".strip(),
-                         gpu=event.address)
+        gpu, text = describe_device_event(event, obs.gpus)
+        self.bus.publish("device", text, gpu=gpu)
         self.rec.kick(f"udev {event.action}")
 
     def _update_status(self) -> None:

@@ -31,6 +31,26 @@ class DeviceEvent(msgspec.Struct, frozen=True):
 
 RESCAN = DeviceEvent("rescan")
 
+_ACTION_WORDS = {"add": "added", "remove": "removed", "bind": "bound", "unbind": "unbound", "change": "changed",
+                 "move": "moved", "online": "online", "offline": "offline"}
+
+
+def describe_device_event(event: DeviceEvent, gpus) -> tuple[str | None, str]:
+    """(the GPU it concerns, one line for `gpudctl events`). A vfio event names an IOMMU group, not
+    a PCI device: it is told as `/dev/vfio/<group>` and put on the GPU whose group it is."""
+    if event.action == "rescan":
+        return None, "device events were lost: re-reading every device"
+    done = _ACTION_WORDS.get(event.action, event.action)
+    if event.subsystem == "vfio":
+        owner = next((g.pci for g in gpus if event.address is not None
+                      and str(g.function.iommu_group) == event.address), None)
+        return owner, f"/dev/vfio/{event.address} {done} (IOMMU group {event.address})"
+    text = f"PCI device {event.address or '?'} {done}"
+    if event.action == "bind" and event.driver:
+        text += f" to {event.driver}"
+    return event.address, text
+
+
 DeviceEventCallback = Callable[[DeviceEvent], Any]
 
 

@@ -26,6 +26,11 @@ _CODES: dict[type[EngineError], str] = {
 }
 
 
+def infeasible_text(g: wire.GpuPlanInfo) -> str:
+    """An infeasible GPU as `gpudctl plan` prints it."""
+    return f"GPU {g.index} {g.pci}: INFEASIBLE: {g.infeasible}"
+
+
 class Notifier(Protocol):
     """systemd's sd_notify: RELOADING=1 ... READY=1 around a reload."""
 
@@ -69,11 +74,19 @@ class RequestHandler:
             driver, nvml = self.rec.hw.nvml.driver_version(), self.rec.hw.nvml.nvml_version()
         except NvmlError:  # no driver, or closed during a rebind
             driver = nvml = None
-        return wire.VersionReply(version=VERSION, driver=driver, nvml=nvml, protocol=wire.PROTOCOL)
+        return wire.VersionReply(version=VERSION, driver=driver, nvml=nvml, protocol=wire.PROTOCOL,
+                                 config=self.rec.config_path)
 
     async def op_check(self, text: str, path: str | None = None) -> wire.CheckReply:
-        _, res, _ = self.rec.evaluate(text, path or "layout.yaml")
-        return wire.CheckReply(valid=not res.errors, errors=[str(e) for e in res.errors],
+        """Valid means applicable: a file that parses and resolves is also planned against this
+        host, and a GPU the planner cannot converge (`7 x 1g.10gb` on an A100 40GB) is an error
+        in the same words `plan` uses. Nothing is changed."""
+        _, res, observation = self.rec.evaluate(text, path or "layout.yaml")
+        errors = [str(e) for e in res.errors]
+        if not errors:
+            plan = replies.plan_reply(self.rec, res, observation)
+            errors = [infeasible_text(g) for g in plan.gpus if g.infeasible]
+        return wire.CheckReply(valid=not errors, errors=errors,
                                warnings=[str(w) for w in res.warnings], selected=res.selected)
 
     async def op_plan(self, text: str | None = None, path: str | None = None) -> wire.PlanReply:

@@ -19,7 +19,7 @@ from gpud.layout.desired import DesiredGpu
 from gpud.layout.names import mig_device_name
 from gpud.layout.resolve import Resolution
 from gpud.model import Gpu, Holder, MigProfile, Placement
-from gpud.plan.binding import BindStep
+from gpud.plan.binding import BindingPlan, BindStep, plan_binding
 from gpud.plan.mig import Destroyed, GpuPlan, Step
 from gpud.profiles import GI_PROFILE_INDEX, NVIDIA, ModelInfo, by_device, model_name
 
@@ -109,7 +109,7 @@ def status_reply(rec: Reconciler) -> wire.StatusReply:
     res = rec.resolution
     gpus = [gpu_status(g, res.desired.get(g.pci) if res else None, rec.gpu_states.get(g.pci))
             for g in rec.observation.gpus]
-    return wire.StatusReply(phase=rec.phase, layout=layout_status(rec), gpus=gpus, read_only=rec.read_only,
+    return wire.StatusReply(phase=rec.phase_now(), layout=layout_status(rec), gpus=gpus, read_only=rec.read_only,
                             version=VERSION)
 
 
@@ -148,11 +148,26 @@ def _gpu_plan(rec: Reconciler, gpu: Gpu, desired: DesiredGpu, disruption: wire.D
             disruption.resets.append(gpu.pci)
         if desired.workload == "vm-passthrough":
             entry.steps.append(wire.StepInfo(action="bind", driver="vfio-pci"))
+            then = plan_binding(gpu, desired.workload, drivers=frozenset(rec.hw.sysfs.drivers()))
+            _add_rebind(rec, gpu, then, disruption)
     elif isinstance(action, BindAction):
         entry.steps = [bind_step(s) for s in action.plan.steps]
+        _add_rebind(rec, gpu, action.plan, disruption)
         if desired.workload == "container" and desired.mig_enabled is not None:
             entry.steps.append(wire.StepInfo(action="then-mig", message="MIG is planned once nvidia has the GPU"))
     return entry
+
+
+def _add_rebind(rec: Reconciler, gpu: Gpu, plan: BindingPlan, disruption: wire.Disruption) -> None:
+    """A driver change is a disruption like a destroyed MIG device: containers (or a VM) lose the
+    GPU and every endpoint of its IOMMU group that leaves its driver."""
+    d = plan.disruption
+    if not d.detached:
+        return
+    disruption.rebinds.append(wire.RebindInfo(
+        pci=gpu.pci, to=plan.target, detached=dict(d.detached), leaves_nvml=d.leaves_nvml,
+        mig_instances=d.mig_instances, vfio_group=d.vfio_group, holders=holders(rec.rebind_holders(gpu)),
+        summary=d.summary))
 
 
 def plan_reply(rec: Reconciler, resolution: Resolution | None = None, observation: Observation | None = None,
@@ -194,9 +209,11 @@ def apply_reply(rec: Reconciler, finished: bool) -> wire.ApplyReply:
 
 
 def profile_info(gpu: Gpu, profile: MigProfile) -> wire.ProfileInfo:
-    assert gpu.nvml is not None
-    existing = [gi for gi in gpu.nvml.instances if gi.profile_id == profile.id]
-    used = [gi.placement for gi in gpu.nvml.instances]
+    """A profile as NVML states it for this GPU; without NVML (the GPU is not on nvidia) no MIG
+    instance can exist, so every instance the profile allows is free."""
+    instances = gpu.nvml.instances if gpu.nvml is not None else ()
+    existing = [gi for gi in instances if gi.profile_id == profile.id]
+    used = [gi.placement for gi in instances]
     return wire.ProfileInfo(
         id=profile.id, name=profile.name, memory_mb=profile.memory_mb, sms=profile.sms, slices=profile.slices,
         free=remaining_capacity(profile, used, len(existing)),  # NVML answers this with MIG off too

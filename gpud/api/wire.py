@@ -251,10 +251,24 @@ class DestroyedInfo(msgspec.Struct, kw_only=True):
     holders: list[HolderInfo] = []
 
 
+class RebindInfo(msgspec.Struct, kw_only=True):
+    """A GPU moved between drivers: what leaves which driver, and who loses it."""
+
+    pci: str  # the GPU
+    to: str  # "vfio-pci" | "native"
+    detached: dict[str, str] = {}  # endpoint PCI address -> the driver it is taken from
+    leaves_nvml: bool = False  # the GPU disappears from NVML and containers
+    mig_instances: int = 0  # MIG GPU instances that go with the nvidia binding
+    vfio_group: int | None = None  # a VM using /dev/vfio/<group> loses its device
+    holders: list[HolderInfo] = []  # processes holding what leaves its driver (gpud waits for them)
+    summary: str = ""
+
+
 class Disruption(msgspec.Struct, kw_only=True):
     destroyed: list[DestroyedInfo] = []
     mode_changes: list[str] = []  # PCI addresses
     resets: list[str] = []  # PCI addresses
+    rebinds: list[RebindInfo] = []  # GPUs (and their IOMMU groups) leaving their driver
 
 
 class PlanReply(msgspec.Struct, kw_only=True):
@@ -282,6 +296,7 @@ class VersionReply(msgspec.Struct, kw_only=True):
     driver: str | None = None  # NVIDIA kernel driver version, None without one
     nvml: str | None = None
     protocol: int = PROTOCOL
+    config: str | None = None  # the layout file this daemon keeps (what `gpudctl check` validates)
 
 
 class ProfileInfo(msgspec.Struct, kw_only=True):

@@ -7,20 +7,25 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
+import threading
 from typing import Any
 
 from gpud.api import wire
 from gpud.cli.render import (
+    pick_gpu,
     event_json,
     render_event,
+    render_gpu,
+    render_progress,
     render_mig_profiles,
     render_passthrough,
     render_plan,
     render_status,
     to_json,
 )
-from gpud.cli.transport import DEFAULT_SOCKET, DEFAULT_TIMEOUT, NO_LIMIT, Client
+from gpud.cli.transport import DEFAULT_SOCKET, DEFAULT_TIMEOUT, NO_LIMIT, Client, Unreachable
 
 DEFAULT_LAYOUT = "/etc/gpud/layout.yaml"
 
@@ -41,7 +46,16 @@ def _layout_exit(valid: bool, errors: list[str]) -> int:
 
 def cmd_status(c: Client, a: argparse.Namespace) -> int:
     r: wire.StatusReply = c.request("status")
-    print(to_json(r) if a.json else render_status(r))
+    if a.gpu is not None:
+        g = pick_gpu(r, a.gpu)
+        if g is None:
+            raise LocalError(f"no GPU {a.gpu!r}: give an index, PCI address or GPU UUID "
+                             f"({', '.join(str(x.index) for x in r.gpus) or 'no GPUs managed'})")
+        print(to_json(g) if a.json else render_gpu(g))
+        return EXIT_OK
+    # the terminal's width (COLUMNS when set); piped output gets a wide page, not a cut one
+    width = shutil.get_terminal_size((160, 24)).columns
+    print(to_json(r) if a.json else render_status(r, width))
     return EXIT_OK
 
 
@@ -58,8 +72,21 @@ def _read_layout(path: str) -> tuple[str, str]:
         raise LocalError(f"cannot read {path}: {e.strerror or e}") from None
 
 
+def _daemon_layout_path(c: Client) -> str:
+    """The file the daemon keeps; its default when the daemon cannot be asked (said on stderr)."""
+    try:
+        r: wire.VersionReply = c.request("version")
+    except Unreachable as e:
+        print(f"gpudctl: {e}; checking {DEFAULT_LAYOUT}", file=sys.stderr)
+        return DEFAULT_LAYOUT
+    if r.config is None:  # a gpud older than this client does not say
+        print(f"gpudctl: gpud does not report its layout file; checking {DEFAULT_LAYOUT}", file=sys.stderr)
+        return DEFAULT_LAYOUT
+    return r.config
+
+
 def cmd_check(c: Client, a: argparse.Namespace) -> int:
-    text, path = _read_layout(a.file)
+    text, path = _read_layout(a.file if a.file is not None else _daemon_layout_path(c))
     r: wire.CheckReply = c.request("check", {"text": text, "path": path})
     if a.json:
         print(to_json(r))
@@ -91,16 +118,56 @@ def cmd_apply(c: Client, a: argparse.Namespace) -> int:
         deadline = DEFAULT_TIMEOUT
     else:
         deadline = NO_LIMIT if a.timeout is None else a.timeout + 30.0
-    r: wire.ApplyReply = c.request("apply", {"wait": a.wait, "timeout": a.timeout}, timeout=deadline)
+    args = {"wait": a.wait, "timeout": a.timeout}
+    if a.wait and not a.json:
+        r = _apply_following(c, a, args, deadline)
+    else:
+        r = c.request("apply", args, timeout=deadline)
     if a.json:
         print(to_json(r))
     else:
-        head = f"apply: {r.phase}" + (f": {r.message}" if r.message else "")
+        said = r.message and r.message != r.phase and not (r.converged and r.message == "converged")
+        head = f"apply: {r.phase}" + (f": {r.message}" if said else "")
         rows = [f"  {g.pci}  {g.state}" + (f": {g.message}" if g.message else "") for g in r.gpus]
         print("\n".join([head, *rows]))
     if a.wait and not r.converged:
         return EXIT_NOT_CONVERGED
     return EXIT_OK
+
+
+def _apply_following(c: Client, a: argparse.Namespace, args: dict[str, Any], deadline: float) -> wire.ApplyReply:
+    """`apply --wait` that is not silent: subscribe to events first (nothing of this apply is
+    missed), send the apply from a thread, and print each event as it comes until the reply is
+    in and the stream has gone quiet. On a terminal, step events also get a `[k/n]` progress line."""
+    follower = Client(a.socket)
+    try:
+        follower.follow()
+        done: dict[str, Any] = {}
+
+        def send() -> None:
+            try:
+                done["reply"] = c.request("apply", args, timeout=deadline)
+            except BaseException as e:  # re-raised in the caller's thread
+                done["error"] = e
+
+        worker = threading.Thread(target=send, name="apply", daemon=True)
+        worker.start()
+        tty = sys.stdout.isatty()
+        totals: dict[str, int] = {}
+        steps: dict[str, int] = {}
+        while True:
+            e = follower.next_event(0.2)
+            if e is None:
+                if not worker.is_alive():
+                    break  # the reply is in and the events that led to it have been read
+                continue
+            line = render_progress(e, totals, steps) if tty else None
+            print(line if line is not None else render_event(e), flush=True)
+        if "error" in done:
+            raise done["error"]
+        return done["reply"]
+    finally:
+        follower.close()
 
 
 def cmd_reload(c: Client, a: argparse.Namespace) -> int:
@@ -167,10 +234,11 @@ def build_parser() -> argparse.ArgumentParser:
     js.add_argument("--json", action="store_true", help="print the reply as JSON")
 
     s = sub.add_parser("status", parents=[js], help="GPUs, their state and the layout")
+    s.add_argument("gpu", nargs="?", metavar="GPU", help="one GPU in detail: index, PCI address or UUID")
     s.set_defaults(func=cmd_status)
     s = sub.add_parser("check", parents=[js], help="validate a layout file against this host")
-    s.add_argument("file", nargs="?", default=DEFAULT_LAYOUT, metavar="FILE",
-                   help=f"layout file, '-' for stdin (default: {DEFAULT_LAYOUT})")
+    s.add_argument("file", nargs="?", metavar="FILE",
+                   help=f"layout file, '-' for stdin (default: the daemon's, else {DEFAULT_LAYOUT})")
     s.set_defaults(func=cmd_check)
     s = sub.add_parser("plan", parents=[js], help="what apply would do, and what it would disrupt")
     s.add_argument("file", nargs="?", metavar="FILE", help="plan this file instead of the loaded layout")

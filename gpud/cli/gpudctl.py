@@ -10,7 +10,7 @@ Exit codes (stable, for scripts):
   1  error: gpud answered with an error (forbidden, internal...), or a local error
   2  usage
   3  gpud unreachable: no socket, refused, permission denied, no answer, connection lost
-  4  invalid layout: `check`/`reload` found errors, `plan` has errors or an infeasible GPU
+  4  invalid layout: `check` or `plan` found errors or an infeasible GPU, `reload` found errors
   5  not converged: `apply --wait` ended blocked, failed or timed out
 """
 

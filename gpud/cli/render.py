@@ -58,10 +58,22 @@ def state_column(g: wire.GpuStatus) -> str:
     if g.state in ("waiting", "stuck") and holders:
         more = f" (+{len(holders) - 1} more)" if len(holders) > 1 else ""
         return f"{g.state}: {_holder(holders[0])}{more}"
+    if g.state == "converged":  # the other columns already say what it converged to
+        return g.state
     return f"{g.state}: {g.message}" if g.message else g.state
 
 
-def render_status(r: wire.StatusReply) -> str:
+ELLIPSIS = "\u2026"
+MIN_STATE = 20  # the STATE column never shrinks below this, however narrow the terminal
+
+
+def _fit(text: str, width: int) -> str:
+    return text if len(text) <= width else text[: width - 1] + ELLIPSIS
+
+
+def render_status(r: wire.StatusReply, width: int | None = None) -> str:
+    """The status table; with `width` (the terminal's columns) the STATE column is cut, with an
+    ellipsis, so that rows do not wrap: `gpudctl status GPU` and `--json` carry whole messages."""
     head = f"gpud {r.version}: {r.phase}" if r.version else f"gpud: {r.phase}"
     out = [head + ("  [read-only]" if r.read_only else "")]
     if r.gpus:
@@ -69,6 +81,10 @@ def render_status(r: wire.StatusReply) -> str:
         for g in r.gpus:
             rows.append([str(g.index), g.pci, g.model or "-", g.driver or "-", g.workload,
                          mig_column(g.mig), _instances_column(g.mig), state_column(g)])
+        if width is not None:
+            left = sum(max(len(row[i]) for row in rows) + 2 for i in range(len(rows[0]) - 1))
+            room = max(MIN_STATE, width - left)
+            rows = [row[:-1] + [_fit(row[-1], room)] for row in rows]
         out += ["", _table(rows)]
     else:
         out += ["", "no GPUs managed"]
@@ -90,30 +106,38 @@ def render_status(r: wire.StatusReply) -> str:
 
 
 def _describe_step(s: wire.StepInfo) -> str:
+    """One step, single-spaced: the action, then what it acts on, each named once."""
     if s.action == "set-mig-mode":
         text = f"set MIG mode {'on' if s.enabled else 'off'}"
+    elif s.action == "load-module":
+        text = f"load-module {s.module or s.driver}"
     else:
         parts = [s.action]
         if s.profile:
-            parts.append(s.profile)
-        if s.placement is not None:
-            parts.append(_placement(s.placement))
+            where = f"@{s.placement.start}:{s.placement.size}" if s.placement is not None else ""
+            parts.append(s.profile + where)
         if s.gi is not None:
             parts.append(f"gi {s.gi}")
         if s.ci is not None:
             parts.append(f"ci {s.ci}")
-        for v in (s.pci, s.driver, s.module):
-            if v:
-                parts.append(v)
+        if s.pci:
+            parts.append(s.pci)
+        if s.driver:
+            word = {"bind": "to ", "set-override": "to ", "unbind": "from "}.get(s.action, "")
+            parts.append(word + s.driver)
+        if s.module and s.module != s.driver:
+            parts.append(s.module)
         if s.group is not None:
             parts.append(f"/dev/vfio/{s.group}")
         if s.uuid:
             parts.append(s.uuid)
-        text = "  ".join(parts)
-    return f"{text}  ({s.message})" if s.message else text
+        text = " ".join(parts)
+    return f"{text} ({s.message})" if s.message else text
 
 
 def render_plan(r: wire.PlanReply) -> str:
+    if r.errors:  # an invalid file has no plan: a GPU list or "disruption: none" would mislead
+        return "\n".join([f"error: {e}" for e in r.errors] + [f"warning: {w}" for w in r.warnings])
     out: list[str] = []
     for g in r.gpus:
         if g.infeasible:
@@ -128,8 +152,20 @@ def render_plan(r: wire.PlanReply) -> str:
     if not r.gpus:
         out.append("no GPUs managed")
     d = r.disruption
-    if d.destroyed or d.mode_changes or d.resets:
+    if d.destroyed or d.mode_changes or d.resets or d.rebinds:
         out += ["", "disruption:"]
+        for b in d.rebinds:
+            target = "vfio-pci" if b.to == "vfio-pci" else "its native driver"
+            left = ", ".join(f"{pci} leaves {drv}" for pci, drv in b.detached.items())
+            out.append(f"  rebinds {b.pci} and its IOMMU group to {target}: {left}")
+            if b.leaves_nvml:
+                mig = f"; {b.mig_instances} MIG instance(s) go with it" if b.mig_instances else ""
+                out.append(f"    the GPU disappears from NVML, containers and monitoring{mig}")
+            if b.vfio_group is not None:
+                out.append(f"    a VM using /dev/vfio/{b.vfio_group} loses the device")
+            if b.holders:
+                out.append("    held by " + ", ".join(_holder(h, device=True) for h in b.holders)
+                           + " (gpud waits for them, never kills)")
         for x in d.destroyed:
             held = (" held by " + ", ".join(_holder(h) for h in x.holders)) if x.holders else ""
             uuid = f" {x.uuid}" if x.uuid else ""
@@ -140,7 +176,6 @@ def render_plan(r: wire.PlanReply) -> str:
             out.append("  GPU resets: " + ", ".join(d.resets))
     else:
         out += ["", "disruption: none"]
-    out += [f"error: {e}" for e in r.errors]
     out += [f"warning: {w}" for w in r.warnings]
     return "\n".join(out)
 
@@ -170,6 +205,11 @@ def render_mig_profiles(r: wire.MigProfilesReply) -> str:
         out.append("| No MIG-capable GPU found".ljust(80) + "|")
         out.append(bar)
     for g in r.gpus:
+        if g.source != "nvml":
+            out.append(f"GPU {g.index:>2} {g.pci} {g.model}: gpud's known table for this model, not read from NVML "
+                       "(NVML cannot see it on its current driver; sources: docs/hardware/mig-profiles.md; "
+                       "? where no source gives the value)")
+    for g in r.gpus:
         for p in g.profiles:
             pid = "?" if "id" in p.unknown else p.id
             if "placements" in p.unknown:
@@ -179,10 +219,44 @@ def render_mig_profiles(r: wire.MigProfilesReply) -> str:
             starts = ",".join(str(pl.start) for pl in p.placements)
             word = "Placements:" if len(p.placements) > 1 else "Placement :"
             out.append(f"GPU {g.index:>2} Profile ID {pid:>2} {word} {{{starts}}}:{size}")
-    tables = [g for g in r.gpus if g.source == "table" and g.profiles]
-    for g in tables:
-        out.append(f"GPU {g.index:>2} ({g.pci}, {g.model}): NVML cannot see it; gpud's table of the model "
-                   "(sources: docs/hardware/mig-profiles.md), ? where no source gives the value")
+    return "\n".join(out)
+
+
+def pick_gpu(r: wire.StatusReply, selector: str) -> wire.GpuStatus | None:
+    """A GPU by index, PCI address (full or without the domain) or UUID, as the daemon selects."""
+    sel = selector.strip().lower()
+    for g in r.gpus:
+        if sel == str(g.index) or sel in (g.pci.lower(), g.pci.lower().removeprefix("0000:")) \
+                or (g.uuid and sel == g.uuid.lower()):
+            return g
+    return None
+
+
+def render_gpu(g: wire.GpuStatus) -> str:
+    """`gpudctl status GPU`: everything status knows about one GPU, messages whole."""
+    out = [f"GPU {g.index}  {g.pci}  {g.model or '-'}",
+           f"  uuid:        {g.uuid or '- (not visible to NVML)'}",
+           f"  pci id:      {g.pci_id or '-'}",
+           f"  driver:      {g.driver or '-'}",
+           f"  workload:    {g.workload}",
+           f"  iommu group: {'-' if g.iommu_group is None else g.iommu_group}"
+           f"   numa node: {'-' if g.numa_node is None else g.numa_node}",
+           f"  state:       {g.state}"]
+    if g.message:
+        out.append(f"  message:     {g.message}")
+    if g.holders:
+        out.append("  holders:     " + ", ".join(_holder(h, device=True) for h in g.holders))
+    mode = mig_column(g.mig)
+    out.append(f"  MIG:         {'capable' if g.mig.capable else 'not capable'}" + (f", {mode}" if mode != "-" else ""))
+    for inst in sorted(g.mig.instances, key=lambda i: (i.placement.start, i.gi, i.ci or 0)):
+        held = (" held by " + ", ".join(_holder(h) for h in inst.holders)) if inst.holders else ""
+        ci = f" ci {inst.ci}" if inst.ci is not None else ""
+        out.append(f"    {inst.profile:<12} {_placement(inst.placement):<6} gi {inst.gi}{ci}  {inst.uuid or '-'}{held}")
+    for m in g.group:
+        if m.pci != g.pci:
+            out.append(f"  group:       {m.pci} {m.class_} on {m.driver or 'no driver'}")
+    if g.vfio_device:
+        out.append(f"  vfio:        {g.vfio_device}")
     return "\n".join(out)
 
 
@@ -203,6 +277,22 @@ def render_passthrough(r: wire.PassthroughReply) -> str:
             out += ["", f"KubeVirt permittedHostDevices.pciHostDevices entry for {d.pci}:",
                     "  - " + msgspec.json.encode(d.kubevirt).decode()]
     return "\n".join(out)
+
+
+def render_progress(e: wire.Event, totals: dict[str, int], done: dict[str, int]) -> str | None:
+    """On a terminal, `apply --wait` shows one progress line per GPU step: `[3/7]`. `totals` and
+    `done` are per-GPU counters this function keeps up to date."""
+    if e.gpu is None:
+        return None
+    if e.kind == "applying" and isinstance(e.data.get("steps"), int):
+        totals[e.gpu], done[e.gpu] = e.data["steps"], 0
+        return None
+    if e.kind != "step":
+        return None
+    done[e.gpu] = done.get(e.gpu, 0) + 1
+    total = totals.get(e.gpu)
+    count = f"{done[e.gpu]}/{total}" if total else str(done[e.gpu])
+    return f"  GPU {e.gpu} [{count}] {e.message}"
 
 
 def render_event(e: wire.Event) -> str:

@@ -8,6 +8,7 @@ one the daemon built, so client and daemon cannot disagree on a field.
 from __future__ import annotations
 
 import math
+import select
 import socket
 from collections.abc import Iterator
 from typing import Any
@@ -105,6 +106,29 @@ class Client:
         """Yield the recent history, then every new event until gpud closes the stream."""
         reply: wire.EventsReply = self.request("events", {"follow": True}, timeout=NO_LIMIT)
         yield from reply.events
+        yield from self._frames()
+
+    def follow(self) -> Iterator[wire.Event]:
+        """Subscribe now and return the events published from here on (no history): what happens
+        after this call returns is not missed, whenever the iterator is read."""
+        self.request("events", {"follow": True}, timeout=NO_LIMIT)
+        return self._frames()
+
+    def next_event(self, timeout: float) -> wire.Event | None:
+        """After `follow()`: the next event if one arrives within `timeout` seconds, else None.
+        Waits for the socket to be readable first, so a frame is never cut by the timeout."""
+        assert self._sock is not None, "follow() first"
+        readable, _, _ = select.select([self._sock], [], [], timeout)
+        if not readable:
+            return None
+        msg = self._read()
+        if isinstance(msg, wire.EventFrame):
+            return msg.event
+        if not msg.ok and msg.error is not None:
+            raise DaemonError(msg.error.code, msg.error.message)
+        raise wire.FrameError("unexpected reply on an event stream")
+
+    def _frames(self) -> Iterator[wire.Event]:
         while True:
             msg = self._read()
             if isinstance(msg, wire.EventFrame):

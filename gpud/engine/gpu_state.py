@@ -14,6 +14,7 @@ from gpud.plan.mig import GpuPlan
 
 GpuStateName = Literal[
     "converged",  # matches its entry
+    "pending",  # the layout changed and a pass will change this GPU; it has not started yet
     "applying",  # a step is running
     "waiting",  # processes hold what must change (policy on-busy: wait)
     "failed",  # cannot get there; the message says why
@@ -27,7 +28,7 @@ GpuStateName = Literal[
 
 # The states a whole pass reports as its phase, most urgent first (none of them: "converged").
 PHASE_ORDER: tuple[GpuStateName, ...] = (
-    "failed", "stuck", "reset-required", "reboot-required", "waiting", "read-only", "applying",
+    "failed", "stuck", "reset-required", "reboot-required", "waiting", "read-only", "applying", "pending",
 )
 
 

@@ -28,6 +28,7 @@ class LayoutKeeper:
         self.observe = observe
         self.layout: ParsedLayout | None = None
         self.issues: tuple[list[str], list[str]] = ([], [])
+        self._text: str | None = None  # the text of `layout`, to tell a new load from a re-read
 
     def load(self) -> bool:
         """Read and parse the file; a bad file never replaces the last good layout."""
@@ -50,9 +51,11 @@ class LayoutKeeper:
             self.bus.publish("layout-invalid", f"{len(errors)} error(s); keeping the last good layout",
                              errors=errors)
             return False
-        self.layout = parsed
+        # `apply` re-reads the file too: the same text again is not a new layout, and says nothing
+        if text != self._text or self.issues[0]:
+            self.bus.publish("layout-loaded", f"{self.path}: selected {parsed.layout.selected!r}")
+        self.layout, self._text = parsed, text
         self.issues = ([], warnings)
-        self.bus.publish("layout-loaded", f"{self.path}: selected {parsed.layout.selected!r}")
         return True
 
     def evaluate(self, text: str, path: str) -> tuple[ParsedLayout, Resolution, Observation]:

@@ -52,4 +52,6 @@ def start_apply(rec: Reconciler) -> int:
     rec.load_config()
     if rec.layout_issues[0]:
         raise InvalidLayout("; ".join(rec.layout_issues[0]))
-    return rec.kick("apply requested")
+    ticket = rec.kick("apply requested")
+    rec.mark_pending()
+    return ticket

@@ -139,7 +139,45 @@ class Reconciler:
         ok = self.load_config()
         if ok:
             self.kick(reason)
+            self.mark_pending()
         return ok
+
+    def mark_pending(self) -> None:
+        """Right after a new layout is taken, before its pass starts, the GPUs it will change are
+        `pending`, not `converged`: status must not claim the new layout is in place. Resolved
+        against the last observation (no hardware read); the pass re-plans from a fresh one."""
+        if self.layout is None or self.scheduler.running:
+            return  # a running pass sets each GPU's state itself
+        resolution = resolve(self.layout, self.observation.gpus)
+        if resolution.errors:
+            return
+        changed = False
+        for gpu in self.observation.gpus:
+            desired = resolution.desired.get(gpu.pci)
+            old = self.gpu_states.get(gpu.pci)
+            if desired is None or self.read_only or (old is not None and not old.converged):
+                continue
+            try:
+                action = self.next_action(gpu, desired)
+            except Exception:  # a surprise here must not refuse a reload; the pass will report it
+                log.exception("GPU %s: planning the pending change", gpu.pci)
+                continue
+            if isinstance(action, Action):
+                self.gpu_states[gpu.pci] = GpuState("pending", f"layout changed: {action.summary}, not started yet")
+                changed = True
+        if changed:
+            self._notify()
+
+    def phase_now(self) -> str:
+        """The phase as it is at this moment (status' top line): an invalid file first, then a GPU
+        being changed, then a change not started yet, else what the last pass concluded."""
+        if self.layout_issues[0] or (self.resolution is not None and self.resolution.errors):
+            return "invalid-layout"
+        states = {s.state for s in self.gpu_states.values()}
+        for live in ("applying", "pending"):
+            if live in states:
+                return live
+        return self.phase
 
     @property
     def policy(self) -> Policy | None:
@@ -309,7 +347,7 @@ class Reconciler:
             if action.kind == "mig" and action.plan.blocked_by:  # nothing is touched while busy
                 names = ", ".join(f"pid {h.pid} {h.name} on {h.device}" for h in action.plan.blocked_by)
                 return self._busy(GpuState("waiting", f"waiting for {names}", tuple(action.plan.blocked_by)))
-            self._set(pci, GpuState("applying", action.summary))
+            self._set(pci, GpuState("applying", action.summary), steps=len(action.plan.steps))
             outcome = await (self._run_mig(gpu, action.plan) if action.kind == "mig" else self._run_bind(gpu, action.plan))
             if outcome.state != "converged":
                 return self._busy(outcome) if outcome.state == "waiting" else outcome
@@ -330,7 +368,7 @@ class Reconciler:
         loop = asyncio.get_running_loop()
 
         def on_step(step, result: str = "done") -> None:  # called from the worker thread
-            msg = f"{step.action} {step.profile or ''} {result}".strip()
+            msg = f"{step} {result}"
             loop.call_soon_threadsafe(lambda: self.bus.publish("step", msg, gpu=gpu.pci, step=event_fields(step)))
 
         async with self._drained(gpu):
@@ -350,6 +388,25 @@ class Reconciler:
         if minor is None:
             return []
         return [h for h in self.hw.procs.holders([f"/dev/nvidia{minor}"]) if h.pid != os.getpid()]
+
+    def rebind_holders(self, gpu: Gpu) -> tuple[Holder, ...]:
+        """Who loses the GPU when it leaves its driver (for `gpudctl plan`): processes with its
+        device node or its IOMMU group's /dev/vfio node open, and NVML's processes on it and its
+        MIG devices. gpud itself is not one of them."""
+        found: dict[int, Holder] = {}
+        paths = []
+        minor = self.hw.procs.nvidia_minor(gpu.pci) if gpu.function.driver == "nvidia" else None
+        if minor is not None:
+            paths.append(f"/dev/nvidia{minor}")
+        if gpu.function.driver == "vfio-pci" and gpu.function.iommu_group is not None:
+            paths.append(f"/dev/vfio/{gpu.function.iommu_group}")
+        listed = list(self.hw.procs.holders(paths)) if paths else []
+        if gpu.nvml is not None:
+            listed += list(gpu.nvml.processes) + [h for gi in gpu.nvml.instances for h in gi.holders]
+        for h in listed:
+            if h.pid != os.getpid():
+                found.setdefault(h.pid, h)
+        return tuple(found[pid] for pid in sorted(found))
 
     async def _in_worker(self, fn, *args, **kwargs):
         """Run a hardware step in a worker thread. The step itself is never abandoned half-way:
@@ -396,14 +453,14 @@ class Reconciler:
         async with self.drainer.drained(units):
             yield
 
-    def _set(self, pci: str, st: GpuState) -> None:
+    def _set(self, pci: str, st: GpuState, **data) -> None:
         old = self.gpu_states.get(pci)
         self.gpu_states[pci] = st
         if old is None or (old.state, old.message) != (st.state, st.message):
-            self.bus.publish(st.state, st.message, gpu=pci)
+            self.bus.publish(st.state, st.message, gpu=pci, **data)
             self._notify()
 
-    def _holder_exited(self, pid: int) -> None:
+    def _holder_exited(self, pid: int) -> None:  # called once per process (HolderWatch)
         self.bus.publish("holder-exited", f"pid {pid} exited")
         self.kick(f"pid {pid} exited")
 
@@ -436,5 +493,6 @@ def _converged_message(gpu: Gpu, desired: DesiredGpu) -> str:
     if desired.workload == "vm-passthrough":
         return f"on vfio-pci (IOMMU group {gpu.function.iommu_group})"
     if gpu.nvml is not None and gpu.nvml.mig_mode:
-        return f"MIG: {len(gpu.nvml.instances)} GPU instance(s)"
+        n = len(gpu.nvml.instances)
+        return f"MIG on, {n} GPU instance{'' if n == 1 else 's'}"
     return "whole GPU"

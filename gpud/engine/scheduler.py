@@ -17,6 +17,7 @@ class PassScheduler:
         self._requested = 0
         self._completed = 0
         self._done = asyncio.Condition()
+        self.running = False  # a pass is in progress
 
     def kick(self, reason: str) -> int:
         """Ask for a pass; returns the ticket a caller can wait on with `wait_for`."""
@@ -45,7 +46,11 @@ class PassScheduler:
             await asyncio.sleep(debounce)  # coalesce bursts (editor saves, udev storms)
             self._kick.clear()
             target = self._requested
-            await run_pass()
+            self.running = True
+            try:
+                await run_pass()
+            finally:
+                self.running = False
             async with self._done:
                 self._completed = max(self._completed, target)
                 self._done.notify_all()

@@ -54,6 +54,22 @@ class Step(Struct, frozen=True):
     uuid: str | None = None  # MIG device destroyed by a destroy-ci
     enabled: bool | None = None  # set-mig-mode
 
+    def __str__(self) -> str:
+        """One line a person reads in `gpudctl events`: the action, then what it acts on, with the
+        placement as NVML and nvidia-smi write it (`create-gi 3g.40gb@4:4`)."""
+        if self.action == "set-mig-mode":
+            return f"set-mig-mode {'on' if self.enabled else 'off'}"
+        parts = [self.action]
+        if self.profile:
+            parts.append(self.profile + (f"@{self.placement.start}:{self.placement.size}" if self.placement else ""))
+        if self.gi is not None:
+            parts.append(f"gi {self.gi}")
+        if self.ci is not None:
+            parts.append(f"ci {self.ci}")
+        if self.uuid:
+            parts.append(self.uuid)
+        return " ".join(parts)
+
 
 class Destroyed(Struct, frozen=True):
     """A MIG device (or an empty GI, uuid None) the plan takes away, with whoever uses it."""

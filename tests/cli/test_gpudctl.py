@@ -113,8 +113,8 @@ def test_plan_output_and_exit_codes(daemon, tmp_path):
     assert calls(daemon, "plan") == [{"text": None, "path": None}]  # the loaded layout
     out = r.stdout.splitlines()
     assert out[0] == "GPU 0 0000:3b:00.0:"
-    assert out[1] == f"  1. destroy-ci  1g.18gb  {{6}}:1  gi 13  ci 0  {MIG_UUIDS[6]}"
-    assert "  3. create-gi  1g.35gb  {6}:2" in out
+    assert out[1] == f"  1. destroy-ci 1g.18gb@6:1 gi 13 ci 0 {MIG_UUIDS[6]}"  # single-spaced
+    assert "  3. create-gi 1g.35gb@6:2" in out
     assert "  1. set MIG mode on" in out and "  2. reset" in out
     assert "GPU 2 0000:9a:00.0: nothing to do" in out
     assert (f"  destroys 1g.18gb {{6}}:1 on 0000:3b:00.0 {MIG_UUIDS[6]} held by pid 31337 jupyter") in out
@@ -305,3 +305,76 @@ def test_check_of_a_binary_file_fails_locally(daemon, tmp_path):
     f.write_bytes(b"\xff\xfe\x00")
     r = run(daemon, "check", str(f))
     assert r.returncode == 1 and "not UTF-8" in r.stderr and "Traceback" not in r.stderr
+
+
+LONG = ("1 x 4g.40gb + 2 x 3g.40gb needs 12 of 8 memory slices on NVIDIA H100 80GB HBM3 0000:5c:00.0; "
+        "the layout cannot be applied to this GPU as written, change the entry that selects it")
+
+
+def test_status_table_fits_the_terminal_and_the_detail_view_has_it_whole(daemon):
+    reply = daemon.handler.replies["status"]
+    reply.gpus[1].state, reply.gpus[1].message, reply.gpus[1].holders = "failed", LONG, []
+    reply.gpus[0].message = "MIG on, 5 GPU instances"
+    r = run(daemon, "status", env={"COLUMNS": "120"})
+    assert r.returncode == 0, r.stderr
+    row0 = next(line for line in r.stdout.splitlines() if line.startswith("0 "))
+    assert row0.endswith("1x3g.71gb  converged")  # the INSTANCES column already says what; no stutter
+    assert all(len(line) <= 120 for line in r.stdout.splitlines()), r.stdout
+    row1 = next(line for line in r.stdout.splitlines() if line.startswith("1 "))
+    assert row1.endswith("\u2026") and "failed: 1 x 4g.40gb" in row1
+    for selector in ("1", "0000:5c:00.0", "GPU-11111111-2222-3333-4444-555555555555"):
+        detail = run(daemon, "status", selector)
+        assert detail.returncode == 0, detail.stderr
+        assert detail.stdout.splitlines()[0] == "GPU 1  0000:5c:00.0  NVIDIA H200"
+        assert f"  message:     {LONG}" in detail.stdout.splitlines()
+    assert json.loads(run(daemon, "status", "--json").stdout)["gpus"][1]["message"] == LONG
+    assert json.loads(run(daemon, "status", "1", "--json").stdout)["message"] == LONG
+    missing = run(daemon, "status", "9")
+    assert missing.returncode == 1 and "no GPU '9'" in missing.stderr
+
+
+def test_plan_of_an_invalid_file_prints_only_its_errors(daemon, tmp_path):
+    f = tmp_path / "l.yaml"
+    f.write_text("x: 1\n")
+    daemon.handler.replies["plan"] = wire.PlanReply(errors=["l.yaml:1 x: unknown key"])
+    r = run(daemon, "plan", str(f))
+    assert r.returncode == 4
+    assert r.stdout == "error: l.yaml:1 x: unknown key\n"
+
+
+def test_check_without_a_file_checks_the_daemons_file(daemon, tmp_path):
+    own = tmp_path / "their-layout.yaml"
+    own.write_text("version: v1\n")
+    daemon.handler.replies["version"] = wire.VersionReply(version="0.1.0", config=str(own))
+    r = run(daemon, "check")
+    assert r.returncode == 0, r.stderr
+    assert calls(daemon, "check")[-1] == {"text": "version: v1\n", "path": str(own)}
+    gone = run(str(tmp_path / "no.sock"), "check")  # unreachable: the default, and it says so
+    assert gone.returncode != 0
+    assert "cannot reach gpud" in gone.stderr and "checking /etc/gpud/layout.yaml" in gone.stderr
+
+
+def test_mig_profiles_not_read_from_nvml_are_marked(daemon):
+    reply = daemon.handler.replies["mig-profiles"]
+    reply.gpus[0].source = "table"
+    out = run(daemon, "mig", "profiles").stdout
+    assert "GPU  0 0000:3b:00.0 NVIDIA H200: gpud's known table for this model, not read from NVML" in out
+
+
+def test_apply_wait_prints_each_step_as_it_happens(daemon):
+    def apply(args):
+        daemon.handler.publish("applying", "2 MIG step(s)", gpu="0000:3b:00.0", steps=2)
+        daemon.handler.publish("step", "set-mig-mode on done", gpu="0000:3b:00.0")
+        daemon.handler.publish("step", "create-gi 7g.141gb@0:8 done", gpu="0000:3b:00.0")
+        daemon.handler.publish("converged", "MIG on, 1 GPU instance", gpu="0000:3b:00.0")
+        return wire.ApplyReply(phase="converged", converged=True, message="converged")
+
+    daemon.handler.history.append({"time": 0.0, "kind": "step", "gpu": None, "message": "old history",
+                                   "data": {}})
+    daemon.handler.replies["apply"] = apply
+    r = run(daemon, "apply", "--wait")
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert any(line.endswith("step 0000:3b:00.0: create-gi 7g.141gb@0:8 done") for line in lines), lines
+    assert "old history" not in r.stdout  # only this apply's events
+    assert lines[-1] == "apply: converged"  # not "apply: converged: converged"

@@ -55,3 +55,27 @@ async def test_a_watched_holder_exiting_calls_back_once_with_its_pid():
         if child.poll() is None:
             child.kill()
             child.wait()
+
+
+async def test_an_exited_holder_still_listed_is_reported_once():
+    """A process that exited but is not reaped yet (a zombie) keeps its pid and /proc entry, and
+    NVML can list it until then: every pass would watch it again, and its pidfd is readable at once.
+    The kernel's own record says it exited; the watch must announce that exit only once."""
+    exited: asyncio.Queue[int] = asyncio.Queue()
+    watch = HolderWatch(exited.put_nowait)
+    child = subprocess.Popen(["sleep", "600"])
+    try:
+        holder = Holder(pid=child.pid, name="sleep", device="/dev/nvidia0")
+        watch.watch([holder])
+        child.kill()  # not reaped: a zombie until child.wait()
+        assert await asyncio.wait_for(exited.get(), 10) == child.pid
+        with open(f"/proc/{child.pid}/stat") as f:
+            assert f.read().split(") ")[1][0] == "Z"  # the kernel: still there, as a zombie
+        for _ in range(3):  # three more passes still see it
+            watch.watch([holder])
+            for _ in range(5):  # a readable pidfd is served within the next loop iterations
+                await asyncio.sleep(0)
+        assert exited.empty()
+    finally:
+        child.kill()
+        child.wait()

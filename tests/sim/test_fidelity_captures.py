@@ -195,5 +195,5 @@ def test_a_gpu_nvml_cannot_see_is_listed_from_the_table_with_unknowns_marked(mod
             assert row[key] == want[key], (row["name"], key)
         for key in ("ce", "jpeg", "ofa"):
             assert row[key] == want.get(key, "?"), (row["name"], key)
-    assert "Placements: unknown" in printed and "NVML cannot see it" in printed
+    assert "Placements: unknown" in printed and "NVML cannot see it on its current driver" in printed
     assert not any(_PLACEMENTS.match(line) for line in printed.splitlines())  # no -lgipp was published
