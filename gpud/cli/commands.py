@@ -40,7 +40,7 @@ def _layout_exit(valid: bool, errors: list[str]) -> int:
 
 
 def cmd_status(c: Client, a: argparse.Namespace) -> int:
-    r: wire.StatusReply = c.request("status")
+    r: wire.StatusReply = c.request("status", {"fresh": True} if a.fresh else None)
     print(to_json(r) if a.json else render_status(r))
     return EXIT_OK
 
@@ -167,6 +167,8 @@ def build_parser() -> argparse.ArgumentParser:
     js.add_argument("--json", action="store_true", help="print the reply as JSON")
 
     s = sub.add_parser("status", parents=[js], help="GPUs, their state and the layout")
+    s.add_argument("--fresh", action="store_true",
+                   help="wait for a new read of the host (default: gpud's current observation, at once)")
     s.set_defaults(func=cmd_status)
     s = sub.add_parser("check", parents=[js], help="validate a layout file against this host")
     s.add_argument("file", nargs="?", default=DEFAULT_LAYOUT, metavar="FILE",
