@@ -32,6 +32,7 @@ from gpud.host.sysfs import Sysfs
 from gpud.loop_lag import LoopLagProbe
 
 log = logging.getLogger("gpud")
+SWITCH_INTERVAL = 0.0005  # seconds a worker thread may keep the GIL while the loop wants it
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -257,6 +258,10 @@ def _stall_forever() -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     faulthandler.enable()  # a watchdog SIGABRT then prints every thread's stack to the journal
+    # Host reads and hardware steps run in worker threads; while one runs Python code (pynvml's
+    # wrappers, the simulator's NVML), the loop thread waits for the GIL up to the switch
+    # interval after every system call it makes (5 ms by default), which every client would feel.
+    sys.setswitchinterval(SWITCH_INTERVAL)
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(levelname)s %(name)s: %(message)s")
     try:
