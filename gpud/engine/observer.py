@@ -12,14 +12,15 @@ observation and re-reads the host only:
   answer is never older than `max_age` plus one read while someone is looking;
 - when a client asks for a fresh one (`fresh`, `gpudctl status --fresh`).
 
-Every re-read runs in a worker thread, one at a time; callers that want an observation newer than
-some moment share the read that started after it. `install` (the reconciler's) takes each result
+Every re-read runs in a worker thread, one at a time, as a task of its own; callers that want an
+observation newer than some moment share the read that started after it. `install` (the reconciler's) takes each result
 on the event loop, so the engine's state only ever changes on the loop.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -42,8 +43,7 @@ class Observer:
         self._install = install
         self.max_age = max_age
         self._busy = busy
-        self._lock = asyncio.Lock()
-        self._running: asyncio.Future[Observation] | None = None
+        self._running: asyncio.Task[Observation] | None = None  # the read in flight, one at a time
         self._running_since = 0.0
         self._background: asyncio.Task | None = None
         self.started = 0.0  # time.monotonic() when the observation in force began to be read
@@ -70,34 +70,35 @@ class Observer:
         return await self.fresh(time.monotonic())
 
     async def fresh(self, since: float) -> Observation:
-        """An observation whose read began at or after `since` (time.monotonic())."""
-        running = self._running
-        if running is not None and self._running_since >= since:
-            return await asyncio.shield(running)
-        if self.started >= since:
-            return self._current
-        async with self._lock:  # reads start only under the lock: none is running now
-            if self.started >= since:  # someone else's read, begun after `since`, finished meanwhile
-                return self._current
-            return await self._read_in_worker()
+        """An observation whose read began at or after `since` (time.monotonic()).
 
-    async def _read_in_worker(self) -> Observation:
-        """Under self._lock: one read in a worker thread."""
-        loop = asyncio.get_running_loop()
+        The read is a task of its own, awaited through a shield: a caller that goes away (a client
+        closing its connection) never cancels a read that a pass or other clients share."""
+        while True:
+            running = self._running
+            if running is None:
+                if self.started >= since:  # a read begun after `since` has finished
+                    return self._current
+                return await asyncio.shield(self._start_read())
+            if self._running_since >= since:
+                return await asyncio.shield(running)
+            with contextlib.suppress(Exception):  # an older read: its failure is its starter's to report
+                await asyncio.shield(running)
+
+    def _start_read(self) -> asyncio.Task[Observation]:
         started, wall = time.monotonic(), time.time()
-        future: asyncio.Future[Observation] = loop.create_future()
-        self._running, self._running_since = future, started
+        task = asyncio.get_running_loop().create_task(self._read_and_take(started, wall), name="observe")
+        task.add_done_callback(_retrieve)
+        self._running, self._running_since = task, started
+        return task
+
+    async def _read_and_take(self, started: float, wall: float) -> Observation:
         try:
             obs = await asyncio.to_thread(self._read)
-        except BaseException as e:
-            future.set_exception(e)
-            future.exception()  # retrieved: the waiters that share it get it raised
-            raise
+            self._take(obs, started, wall)
+            return obs
         finally:
-            self._running = None
-        self._take(obs, started, wall)
-        future.set_result(obs)
-        return obs
+            self._running = None  # at once, not in a later callback: fresh() reads it
 
     def _take(self, obs: Observation, started: float, wall: float) -> None:
         if started < self.started:  # a read that began before the one in force: older news
@@ -111,7 +112,7 @@ class Observer:
     def poke(self) -> None:
         """A client looked: re-read in the background if the observation is older than `max_age`
         and nothing else is reading or changing the hardware. Never waits."""
-        if self._running is not None or self._lock.locked() or self._busy():
+        if self._running is not None or self._busy():
             return
         if self._background is not None and not self._background.done():
             return
@@ -124,3 +125,10 @@ class Observer:
             await self.refresh()
         except Exception:  # the next poke tries again; the pass reports hardware errors itself
             log.exception("background re-read of the host failed")
+
+
+def _retrieve(task: asyncio.Task) -> None:
+    """A read's failure is raised in whoever awaits it; this keeps asyncio from also logging it
+    as never retrieved when nobody is left waiting."""
+    if not task.cancelled():
+        task.exception()
