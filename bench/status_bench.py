@@ -286,9 +286,17 @@ def main() -> int:
         f"peak (VmHWM) {busy['peak'] / mb:.1f} MB.",
         "",
         "Targets (issue 12): status p99 <= 2 ms and >= 2,000 requests/s in both phases; loop lag p99 <= 10 ms; "
-        "RSS <= 40 MB.",
+        "RSS <= 40 MB. On this run:",
         "",
     ]
+    for r in (rest, busy):
+        met = [("status p99 <= 2 ms", r["p99"] <= 2.0), (">= 2,000 answered/s", r["rate"] >= 2000),
+               ("loop lag p99 <= 10 ms", r["lag"].p99_ms <= 10.0)]
+        lines.append(f"- {r['name']}: " + ", ".join(f"{what} {'met' if ok else 'NOT met'}" for what, ok in met)
+                     + f"; gpud had {r['cpu_share'] * 100:.0f}% of one CPU and used {r['cpu_ms']:.3f} ms of CPU per "
+                     f"answer, i.e. one CPU of its own would answer about {1000 / max(r['cpu_ms'], 1e-6):,.0f} requests/s.")
+    lines += [f"- RSS <= 40 MB: {'met' if max(rss_end, busy['peak']) <= 40 * mb else 'NOT met'} "
+              f"(peak {busy['peak'] / mb:.1f} MB).", ""]
     text = "\n".join(lines)
     Path(a.o).parent.mkdir(parents=True, exist_ok=True)
     Path(a.o).write_text(text)
