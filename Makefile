@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test test-fast sysdeps bench deb clean
+.PHONY: demo test test-fast sysdeps bench bench-update deb clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -28,9 +28,17 @@ test: $(STAMP) sysdeps
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider -m "not vm and not nspawn"
 
+# Benchmarks write to out/ (untracked); `make bench-update` refreshes the committed bench/results/
+# that the README links and quotes.
+BENCH_OUT ?= out
 bench: $(STAMP)
-	$(PY) -m bench.mig_bench
-	$(PY) bench/client_startup.py
+	mkdir -p $(BENCH_OUT)
+	$(PY) -m bench.mig_bench -o $(BENCH_OUT)/mig.md
+	$(PY) bench/client_startup.py -o $(BENCH_OUT)/client_startup.md
+	$(PY) -m bench.status_bench -o $(BENCH_OUT)/status.md
+
+bench-update:
+	$(MAKE) bench BENCH_OUT=bench/results
 
 deb:
 	packaging/build-deb.sh

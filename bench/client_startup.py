@@ -1,10 +1,13 @@
-"""How long `gpudctl version` takes, end to end, against a fake gpud.
+"""How long `gpudctl version` and `gpudctl status` take, end to end, against a fake gpud.
 
 gpudctl is run in loops and from scripts, so its wall time is mostly interpreter start-up plus
 imports. This measures it (and the floors it cannot beat: a bare interpreter, and one that only
-imports msgspec) and writes bench/results/client_startup.md. Numbers only; nothing asserts them.
+imports msgspec), started three ways: `python -m`, pip's console script in the venv, and the
+launcher the package installs (packaging/gpudctl.in: python -I -S with only gpudctl's paths).
+Writes out/client_startup.md (`make bench-update`: bench/results/). Numbers only; nothing asserts
+them. The comparison with `nvidia-smi -L` needs a GPU host: scripts/h200-status-timing.
 
-    .venv/bin/python bench/client_startup.py [-n 50]
+    .venv/bin/python bench/client_startup.py [-n 50] [-o PATH]
 """
 
 from __future__ import annotations
@@ -30,8 +33,22 @@ from gpud.api import wire  # noqa: E402
 from gpud.api.server import serve  # noqa: E402
 
 
-class VersionOnly:
+def _status() -> wire.StatusReply:
+    """What a host of 8 whole GPUs answers: the size of the reply gpudctl decodes and renders."""
+    gpus = [wire.GpuStatus(index=i, pci=f"0000:{0x18 + 0x11 * i:02x}:00.0", uuid=f"GPU-{i:08x}-0000-0000-0000-000000000000",
+                           model="NVIDIA H100 80GB HBM3", pci_id="10de:2330", driver="nvidia", workload="container",
+                           mig=wire.MigStatus(capable=True, mode="disabled"), converged=True, state="converged",
+                           message="whole GPU") for i in range(8)]
+    return wire.StatusReply(phase="converged", layout=wire.LayoutStatus(path="/etc/gpud/layout.yaml", selected="all",
+                                                                        valid=True), gpus=gpus, version="0.1.0")
+
+
+class FakeGpud:
+    """Answers `version` and `status` from constants: only the client's own cost is measured."""
+
     async def handle(self, op: str, args: dict[str, Any], peer: Any) -> Any:
+        if op == "status":
+            return _status()
         return wire.VersionReply(version="0.1.0", driver="550.90.07", nvml="12.550.90.07")
 
     def subscribe(self) -> asyncio.Queue:
@@ -48,7 +65,7 @@ def start_server(path: str) -> tuple[asyncio.AbstractEventLoop, Any, threading.T
 
     def run() -> None:
         asyncio.set_event_loop(loop)
-        box["server"] = loop.run_until_complete(serve(VersionOnly(), path, group=None))
+        box["server"] = loop.run_until_complete(serve(FakeGpud(), path, group=None))
         ready.set()
         loop.run_forever()
 
@@ -56,6 +73,17 @@ def start_server(path: str) -> tuple[asyncio.AbstractEventLoop, Any, threading.T
     t.start()
     ready.wait(30)
     return loop, box["server"], t
+
+
+def _write_launcher(path: Path) -> None:
+    """packaging/gpudctl.in filled in as build-deb.sh does, for this checkout and interpreter."""
+    import msgspec
+
+    text = (REPO / "packaging" / "gpudctl.in").read_text()
+    text = text.replace("@PYTHON@", os.path.realpath(sys.executable)).replace(
+        "@PATHS@", repr([str(REPO), str(Path(msgspec.__file__).parents[1])]))
+    path.write_text(text)
+    path.chmod(0o755)
 
 
 def measure(cmd: list[str], n: int, env: dict[str, str]) -> list[float]:
@@ -76,7 +104,8 @@ def pct(xs: list[float], p: float) -> float:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("-n", type=int, default=50, help="runs per command")
-    ap.add_argument("-o", default=str(REPO / "bench" / "results" / "client_startup.md"))
+    ap.add_argument("-o", default=str(REPO / "out" / "client_startup.md"),
+                    help="where to write (default out/; `make bench-update` refreshes bench/results/)")
     a = ap.parse_args()
 
     tmp = tempfile.mkdtemp(prefix="gpud-bench", dir="/tmp")
@@ -91,7 +120,15 @@ def main() -> int:
     ]
     script = Path(py).parent / "gpudctl"
     if script.exists():
-        cases.append(("gpudctl version (console script)", [str(script), "version"]))
+        cases.append(("gpudctl version (pip console script)", [str(script), "version"]))
+    launcher = Path(tmp) / "gpudctl"
+    _write_launcher(launcher)
+    cases += [
+        ("python -I -S -c pass (floor of the launcher)", [os.path.realpath(py), "-I", "-S", "-c", "pass"]),
+        ("gpudctl version (package launcher, -I -S)", [str(launcher), "version"]),
+        ("gpudctl status (package launcher, -I -S; 8 GPUs)", [str(launcher), "status"]),
+        ("python -m gpud.cli.gpudctl status (8 GPUs)", [py, "-m", "gpud.cli.gpudctl", "status"]),
+    ]
     try:
         rows = [(name, measure(cmd, a.n, env)) for name, cmd in cases]
     finally:
@@ -101,19 +138,21 @@ def main() -> int:
         shutil.rmtree(tmp, ignore_errors=True)
 
     lines = [
-        "# gpudctl start-up: `gpudctl version` against a fake gpud",
+        "# gpudctl start-up: `gpudctl version` and `status` against a fake gpud",
         "",
         f"{time.strftime('%Y-%m-%d %H:%M:%S')}, {platform.node()}, Python {platform.python_version()}, "
-        f"{os.cpu_count()} CPUs, {a.n} runs each after one warm-up (wall time of the whole process, ms).",
-        "Reproduce: `.venv/bin/python bench/client_startup.py`",
+        f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} (1 min) at the end; {a.n} runs each after "
+        "one warm-up (wall time of the whole process, ms).",
+        "Reproduce: `make bench` (writes out/client_startup.md) or `.venv/bin/python bench/client_startup.py`.",
         "",
         "| command | p50 | p95 | min | max |",
         "|---|---:|---:|---:|---:|",
     ]
     for name, xs in rows:
         lines.append(f"| {name} | {statistics.median(xs):.1f} | {pct(xs, 95):.1f} | {min(xs):.1f} | {max(xs):.1f} |")
-    lines += ["", "For reference (anchors.md): `nvidia-smi -L` 20 ms; a Python process importing pynvml "
-              "and reading the MIG mode 130-190 ms.", ""]
+    lines += ["", "The package installs the launcher as /usr/bin/gpudctl (packaging/gpudctl.in, filled in by "
+              "packaging/build-deb.sh). Against `nvidia-smi -L` on a real GPU host: "
+              "[scripts/h200-status-timing](../../scripts/h200-status-timing).", ""]
     Path(a.o).parent.mkdir(parents=True, exist_ok=True)
     Path(a.o).write_text("\n".join(lines))
     print("\n".join(lines))

@@ -3,13 +3,14 @@
 
 Per scenario and in total: NVML mutating calls, instances destroyed that the target also contains
 (instances that could have been kept), GPUs reset, wall time of planning, and whether the result is
-what the layout asks. Writes bench/results/mig.md.
+what the layout asks. Writes out/mig.md (`-o PATH`; `make bench-update` refreshes bench/results/mig.md).
 
-Run: make bench   (or .venv/bin/python -m bench.mig_bench)
+Run: make bench   (or .venv/bin/python -m bench.mig_bench [-o PATH])
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import sys
 import tempfile
@@ -26,7 +27,7 @@ from gpud.sim import cli as simcli  # noqa: E402
 from tests.scenarios.definitions import SCENARIOS, Scenario  # noqa: E402
 from tests.scenarios.harness import SimRig  # noqa: E402
 
-RESULTS = ROOT / "bench" / "results" / "mig.md"
+RESULTS = ROOT / "out" / "mig.md"  # the committed copy, bench/results/mig.md, only by `make bench-update`
 
 
 def _pick(devs, profile: str, nth: int) -> str:
@@ -106,6 +107,10 @@ async def run(sc: Scenario, strategy: str, tmp: Path) -> dict:
 
 
 def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("-o", type=Path, default=RESULTS, help="where to write the results (default out/mig.md)")
+    results = ap.parse_args().o.absolute()
+    results.parent.mkdir(parents=True, exist_ok=True)
     rows = []
     for sc in SCENARIOS:
         if sc.faults or any(h.release_after for h in sc.holds):
@@ -117,14 +122,14 @@ def main() -> int:
         print(f"{sc.name:40s} gpud {g['mutating']:3d} calls {g['needless']} needless {g['resets']} resets | "
               f"mig-parted {m['mutating']:3d} calls {m['needless']} needless {m['resets']} resets", flush=True)
     times = plan_time.measure()
-    write(rows, times)
+    write(rows, times, results)
     worst_p99 = max(p99 for _, p99, _ in times.values())
     ok = all(g["needless"] == 0 for _, g, _ in rows) and worst_p99 < 50
-    print(f"written {RESULTS.relative_to(ROOT)}; targets {'met' if ok else 'MISSED'}")
+    print(f"written {results}; targets {'met' if ok else 'MISSED'}")
     return 0 if ok else 1
 
 
-def write(rows, times) -> None:
+def write(rows, times, results: Path) -> None:
     tot = {k: [0, 0] for k in ("mutating", "needless", "resets")}
     lines = [
         "# MIG benchmark: gpud vs a model of mig-parted",
@@ -154,7 +159,7 @@ def write(rows, times) -> None:
     worst = max(b for _, b, _ in times.values())
     lines += ["", f"Targets: zero needless destructions by gpud ({tot['needless'][0]}); resets only where the mode "
               f"changes; plan p99 < 50 ms for 8 x H200 on the worst layout ({worst:.2f} ms).", ""]
-    RESULTS.write_text("\n".join(lines))
+    results.write_text("\n".join(lines))
 
 
 if __name__ == "__main__":

@@ -23,13 +23,16 @@ from gpud.api.handlers import RequestHandler
 from gpud.engine.apply_lock import ApplyLock
 from gpud.device_events import DeviceEventSourceFactory, describe_device_event
 from gpud.engine.events import EventBus
+from gpud.engine.observer import DEFAULT_MAX_AGE
 from gpud.engine.reconciler import Hardware, Reconciler
 from gpud.engine.udev_rules import UdevRules
 from gpud.host.nvml import Nvml, NvmlError
 from gpud.host.procs import Procs
 from gpud.host.sysfs import Sysfs
+from gpud.loop_lag import LoopLagProbe
 
 log = logging.getLogger("gpud")
+SWITCH_INTERVAL = 0.0005  # seconds a worker thread may keep the GIL while the loop wants it
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -48,6 +51,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--metrics-textfile", help="write Prometheus metrics to this file (node exporter's "
                     "textfile collector, e.g. /var/lib/prometheus/node-exporter/gpud.prom)")
     ap.add_argument("--unbind-timeout", type=float, default=30.0, help="seconds before an unbind is declared stuck")
+    ap.add_argument("--status-max-age", type=float, default=DEFAULT_MAX_AGE, metavar="S",
+                    help="while clients ask for status, re-read the host when the observation is older "
+                    f"than S seconds (default {DEFAULT_MAX_AGE:g}); changes gpud makes or hears of are "
+                    "read at once whatever S")
     ap.add_argument("--log-level", default=os.environ.get("GPUD_LOG_LEVEL", "INFO"))
     ap.add_argument("--version", action="version", version=f"gpud {VERSION}")
     args = ap.parse_args(argv)
@@ -98,13 +105,14 @@ class Daemon:
             self.hw, config_path=args.config, apply_lock=ApplyLock(lock_path), bus=self.bus,
             read_only=args.read_only, binder_timeout=args.unbind_timeout,
             udev_rules=UdevRules(args.udev_rules, modules_load_path=None, read_only=args.read_only),
-            state_dir=args.state_dir, rebooter=request_reboot,
+            state_dir=args.state_dir, rebooter=request_reboot, max_status_age=args.status_max_age,
         )
         Path(args.state_dir).mkdir(parents=True, exist_ok=True)
         self.stopping = asyncio.Event()
         self._reload_timer: asyncio.TimerHandle | None = None
         self._metrics_key: tuple | None = None
         self._background: set[asyncio.Future] = set()  # tasks nothing else references
+        self.loop_lag = LoopLagProbe()
 
     # ---- event sources ---------------------------------------------------------------------
     async def watch_config(self) -> None:
@@ -123,12 +131,16 @@ class Daemon:
         loop = asyncio.get_running_loop()
         if self._reload_timer is not None:
             self._reload_timer.cancel()
-        self._reload_timer = loop.call_later(delay, self._reload, why)
+        self._reload_timer = loop.call_later(delay, lambda: self._spawn(self._reload(why)))
 
-    def _reload(self, why: str) -> None:
+    def _spawn(self, coro) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)  # kept until done: the loop holds tasks only weakly
+        task.add_done_callback(self._background.discard)
+
+    async def _reload(self, why: str) -> None:
         log.info("config changed (%s)", why)
-        if not self.rec.reload("layout changed"):
-            self.rec.refresh()  # status shows the errors at once
+        await self.rec.reload_async("layout changed")  # a refused file: status shows its errors at once
 
     def on_device_event(self, event) -> None:
         """A hint that a managed device (or the set of devices) changed: re-read and converge.
@@ -158,9 +170,7 @@ class Daemon:
     def _reload_on_sighup(self, handler: RequestHandler) -> None:
         """`kill -HUP`: re-read the file. The loop keeps only weak references to tasks, so the
         reload task is held here until it ends, or it could be collected half-way."""
-        task = asyncio.ensure_future(handler.op_reload())
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
+        self._spawn(handler.op_reload())
 
     async def watchdog(self, interval: float) -> None:
         """Pinged from the loop itself, so a stuck loop stops the pings and systemd restarts us."""
@@ -173,15 +183,19 @@ class Daemon:
         from gpud.api.server import serve
         from gpud.host.sd_notify import listen_socket
 
+        from gpud.host.unit_drain import OnDemandDrainer
+
         loop = asyncio.get_running_loop()
-        self.rec.drainer = await _connect_drainer(self.bus)
+        # D-Bus is imported and connected only when a layout first drains units or MIG changes
+        self.rec.drainer = OnDemandDrainer(on_event=lambda m: self.bus.publish("drain", str(m)))
         self.rec.on_change(self._update_status)
         try:
             self.hw.nvml.open()
         except NvmlError as e:  # no nvidia driver (every GPU on vfio-pci, or none yet): serve anyway
             log.warning("NVML not available: %s", e)
-        self.rec.load_config()
-        handler = RequestHandler(self.rec, notifier=self.notifier, dev_root=self.args.dev_root)
+        await self.rec.load_config_async()
+        handler = RequestHandler(self.rec, notifier=self.notifier, dev_root=self.args.dev_root,
+                                 loop_lag=self.loop_lag)
         try:
             server = await serve(handler, self.args.socket, sock=listen_socket(), group=self.args.socket_group)
         except OSError as e:
@@ -196,6 +210,7 @@ class Daemon:
         tasks = [
             asyncio.create_task(self.rec.run(), name="reconciler"),
             asyncio.create_task(self.watch_config(), name="inotify"),
+            asyncio.create_task(self.loop_lag.run(), name="loop-lag"),
         ]
         interval = self.notifier.watchdog_interval()
         if interval:
@@ -240,18 +255,6 @@ class Daemon:
         return False
 
 
-async def _connect_drainer(bus: EventBus):
-    """The system bus is where GPU client units are stopped and started; without one (a dev
-    machine, a container) policy.drain-units cannot be honoured and says so when used."""
-    from gpud.host.unit_drain import UnitDrainer
-
-    try:
-        return await asyncio.wait_for(UnitDrainer.connect(on_event=lambda m: bus.publish("drain", str(m))), 5)
-    except Exception as e:  # no bus socket, refused, timed out
-        log.info("system D-Bus not available (%s): policy.drain-units cannot be used", e)
-        return None
-
-
 def _stall_forever() -> None:
     log.warning("SIGUSR2 under --sim: stalling the event loop (watchdog test)")
     threading.Event().wait()
@@ -260,6 +263,10 @@ def _stall_forever() -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     faulthandler.enable()  # a watchdog SIGABRT then prints every thread's stack to the journal
+    # Host reads and hardware steps run in worker threads; while one runs Python code (pynvml's
+    # wrappers, the simulator's NVML), the loop thread waits for the GIL up to the switch
+    # interval after every system call it makes (5 ms by default), which every client would feel.
+    sys.setswitchinterval(SWITCH_INTERVAL)
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(levelname)s %(name)s: %(message)s")
     try:

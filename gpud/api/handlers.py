@@ -7,17 +7,21 @@ each becomes a wire error code, and every reply is a `gpud.api.wire` struct buil
 
 from __future__ import annotations
 
+import time
+from collections import Counter
 from typing import Any, Protocol
 
 from gpud import VERSION
 from gpud.api import replies, wire
 from gpud.api.peers import Peer
 from gpud.api.server import ApiError
+from gpud.api.status_snapshot import StatusSnapshot
 from gpud.engine import passthrough
 from gpud.engine.events import EventQueue
 from gpud.engine.queries import EngineError, InvalidLayout, NoSuchGpu, select_gpus, start_apply
 from gpud.engine.reconciler import Reconciler
 from gpud.host.nvml import NvmlError
+from gpud.loop_lag import LoopLagProbe
 
 # Engine refusals -> wire error codes (anything else unexpected is the server's "internal").
 _CODES: dict[type[EngineError], str] = {
@@ -42,15 +46,21 @@ class Notifier(Protocol):
 class RequestHandler:
     """`gpud.api.server.Handler` for one reconciler. `dev_root`: where /dev/vfio/<group> is looked for."""
 
-    def __init__(self, rec: Reconciler, notifier: Notifier | None = None, *, dev_root: str = "/dev") -> None:
+    def __init__(self, rec: Reconciler, notifier: Notifier | None = None, *, dev_root: str = "/dev",
+                 loop_lag: LoopLagProbe | None = None) -> None:
         self.rec = rec
         self.notifier = notifier
         self.dev_root = dev_root
+        self.status_snapshot = StatusSnapshot()
+        self.loop_lag = loop_lag or LoopLagProbe()  # the daemon runs it; a bare one reports no samples
+        self.requests: Counter[str] = Counter()  # per op, in the stats window
+        self._reads_at_reset = 0
 
     async def handle(self, op: str, args: dict[str, Any], peer: Peer) -> Any:
         answer = getattr(self, "op_" + op.replace("-", "_"), None)
         if answer is None:
             raise ApiError(wire.E_UNKNOWN_OP, f"unknown request {op!r}")
+        self.requests[op] += 1
         try:
             return await answer(**(args or {}))
         except EngineError as e:
@@ -65,9 +75,16 @@ class RequestHandler:
     def unsubscribe(self, queue: EventQueue) -> None:
         self.rec.bus.unsubscribe(queue)
 
-    async def op_status(self) -> wire.StatusReply:
-        self.rec.refresh()
-        return replies.status_reply(self.rec)
+    async def op_status(self, fresh: bool = False) -> wire.StatusReply:
+        """From the observation in memory, at once, with its age; `fresh`: from one read after
+        the request arrived. Asking also keeps the observation from growing older than the
+        observer's bound (holders change without any event)."""
+        observer = self.rec.observer
+        if fresh:
+            await observer.fresh(time.monotonic())
+        else:
+            observer.poke()
+        return self.status_snapshot.reply(self.rec, observer)
 
     async def op_version(self) -> wire.VersionReply:
         try:
@@ -81,7 +98,7 @@ class RequestHandler:
         """Valid means applicable: a file that parses and resolves is also planned against this
         host, and a GPU the planner cannot converge (`7 x 1g.10gb` on an A100 40GB) is an error
         in the same words `plan` uses. Nothing is changed."""
-        _, res, observation = self.rec.evaluate(text, path or "layout.yaml")
+        _, res, observation = await self.rec.evaluate_async(text, path or "layout.yaml")
         errors = [str(e) for e in res.errors]
         if not errors:
             plan = replies.plan_reply(self.rec, res, observation)
@@ -91,10 +108,10 @@ class RequestHandler:
 
     async def op_plan(self, text: str | None = None, path: str | None = None) -> wire.PlanReply:
         if text is None:  # the file in force, against the host as it is now
-            observation = self.rec.refresh()
+            observation = await self.rec.refresh_async()
             resolution, errors = self.rec.resolution, list(self.rec.layout_issues[0])
         else:
-            _, resolution, observation = self.rec.evaluate(text, path or "layout.yaml")
+            _, resolution, observation = await self.rec.evaluate_async(text, path or "layout.yaml")
             errors = []
         if resolution is not None:
             errors += [str(e) for e in resolution.errors if str(e) not in errors]
@@ -103,7 +120,7 @@ class RequestHandler:
         return replies.plan_reply(self.rec, resolution, observation)
 
     async def op_apply(self, wait: bool = False, timeout: float | None = None) -> wire.ApplyReply:
-        ticket = start_apply(self.rec)
+        ticket = await start_apply(self.rec)
         if not wait:
             return wire.ApplyReply(phase="applying", converged=False, message="apply started", gpus=[])
         finished = await self.rec.wait_for(ticket, timeout)
@@ -116,16 +133,46 @@ class RequestHandler:
         if self.notifier is not None:
             self.notifier.reloading()
         try:
-            self.rec.reload("reload")
+            await self.rec.reload_async("reload")
         finally:
             if self.notifier is not None:
                 self.notifier.ready()
         return replies.layout_status(self.rec)
 
     async def op_mig_profiles(self, gpu: str | None = None) -> wire.MigProfilesReply:
-        self.rec.refresh()
+        await self.rec.refresh_async()
         return replies.mig_profiles_reply(select_gpus(self.rec.observation.gpus, gpu))
 
     async def op_passthrough(self) -> wire.PassthroughReply:
-        self.rec.refresh()
+        await self.rec.refresh_async()
         return replies.passthrough_reply(passthrough.entries(self.rec.observation.gpus, dev_root=self.dev_root))
+
+    async def op_stats(self, reset: bool = False) -> wire.StatsReply:
+        """The daemon's own health since start or the last reset (for benchmarks and operators)."""
+        samples, p50, p99, worst = self.loop_lag.summary()
+        rss, peak = _memory()
+        reply = wire.StatsReply(
+            window_s=round(time.monotonic() - self.loop_lag.window_start, 3),
+            loop_lag=wire.LoopLag(samples=samples, p50_ms=round(p50, 3), p99_ms=round(p99, 3), max_ms=round(worst, 3)),
+            requests=dict(self.requests), observations=self.rec.observer.reads - self._reads_at_reset,
+            rss_bytes=rss, peak_rss_bytes=peak,
+        )
+        if reset:
+            self.loop_lag.reset()
+            self.requests.clear()
+            self._reads_at_reset = self.rec.observer.reads
+        return reply
+
+
+def _memory() -> tuple[int, int]:
+    """(VmRSS, VmHWM) of this process in bytes, from /proc/self/status (0 where unreadable)."""
+    values = {"VmRSS": 0, "VmHWM": 0}
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                key, _, rest = line.partition(":")
+                if key in values:
+                    values[key] = int(rest.split()[0]) * 1024  # "  35812 kB"
+    except (OSError, ValueError, IndexError):
+        pass
+    return values["VmRSS"], values["VmHWM"]

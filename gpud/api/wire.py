@@ -39,7 +39,7 @@ E_INVALID_LAYOUT = "invalid-layout"
 E_TIMEOUT = "timeout"
 E_READ_ONLY = "read-only"
 
-READ_OPS = frozenset({"status", "check", "plan", "events", "version", "mig-profiles", "passthrough"})
+READ_OPS = frozenset({"status", "check", "plan", "events", "version", "mig-profiles", "passthrough", "stats"})
 WRITE_OPS = frozenset({"apply", "reload"})
 OPS = READ_OPS | WRITE_OPS
 
@@ -101,6 +101,14 @@ class NoArgs(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     pass
 
 
+class StatusArgs(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    fresh: bool = False  # answer from a read of the host begun after this request arrived
+
+
+class StatsArgs(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    reset: bool = False  # start a new measurement window after answering
+
+
 class CheckArgs(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     text: str  # the layout as the client read it
     path: str  # where it was read, so errors name the file
@@ -125,7 +133,7 @@ class MigProfilesArgs(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
 
 ARGS: dict[str, type[msgspec.Struct]] = {
-    "status": NoArgs,
+    "status": StatusArgs,
     "check": CheckArgs,
     "plan": PlanArgs,
     "apply": ApplyArgs,
@@ -134,6 +142,7 @@ ARGS: dict[str, type[msgspec.Struct]] = {
     "version": NoArgs,
     "mig-profiles": MigProfilesArgs,
     "passthrough": NoArgs,
+    "stats": StatsArgs,
 }
 
 
@@ -210,6 +219,11 @@ class StatusReply(msgspec.Struct, kw_only=True):
     gpus: list[GpuStatus] = []
     read_only: bool = False
     version: str = ""
+    # The host as of this moment (Unix seconds; 0 before the first read) and how long ago that
+    # was: gpud answers from the observation it keeps, re-read on every change it sees and at a
+    # bounded rate while clients ask; `status {fresh: true}` waits for a read begun after the request.
+    observed_at: float = 0.0
+    observation_age: float = 0.0
 
 
 class CheckReply(msgspec.Struct, kw_only=True):
@@ -353,6 +367,25 @@ class EventsReply(msgspec.Struct, kw_only=True):
     following: bool = False  # EventFrames follow on this connection
 
 
+class LoopLag(msgspec.Struct, kw_only=True):
+    samples: int = 0
+    p50_ms: float = 0.0
+    p99_ms: float = 0.0
+    max_ms: float = 0.0
+
+
+class StatsReply(msgspec.Struct, kw_only=True):
+    """The daemon's own health, over the window since start or the last `reset`: how late the
+    event loop ran (a probe's wake-ups), what it served, how often it read the host, its memory."""
+
+    window_s: float = 0.0
+    loop_lag: LoopLag = msgspec.field(default_factory=LoopLag)
+    requests: dict[str, int] = {}  # per op, answered in the window
+    observations: int = 0  # reads of the host in the window
+    rss_bytes: int = 0  # resident set now (VmRSS)
+    peak_rss_bytes: int = 0  # since start (VmHWM)
+
+
 RESULTS: dict[str, type[msgspec.Struct]] = {
     "status": StatusReply,
     "check": CheckReply,
@@ -363,6 +396,7 @@ RESULTS: dict[str, type[msgspec.Struct]] = {
     "version": VersionReply,
     "mig-profiles": MigProfilesReply,
     "passthrough": PassthroughReply,
+    "stats": StatsReply,
 }
 
 

@@ -45,7 +45,7 @@ def _layout_exit(valid: bool, errors: list[str]) -> int:
 
 
 def cmd_status(c: Client, a: argparse.Namespace) -> int:
-    r: wire.StatusReply = c.request("status")
+    r: wire.StatusReply = c.request("status", {"fresh": True} if a.fresh else None)
     if a.gpu is not None:
         g = pick_gpu(r, a.gpu)
         if g is None:
@@ -235,6 +235,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("status", parents=[js], help="GPUs, their state and the layout")
     s.add_argument("gpu", nargs="?", metavar="GPU", help="one GPU in detail: index, PCI address or UUID")
+    s.add_argument("--fresh", action="store_true",
+                   help="wait for a new read of the host (default: gpud's current observation, at once)")
     s.set_defaults(func=cmd_status)
     s = sub.add_parser("check", parents=[js], help="validate a layout file against this host")
     s.add_argument("file", nargs="?", metavar="FILE",

@@ -5,7 +5,7 @@ the file's problems until it is fixed."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from gpud.engine.events import EventBus
@@ -31,19 +31,37 @@ class LayoutKeeper:
         self._text: str | None = None  # the text of `layout`, to tell a new load from a re-read
 
     def load(self) -> bool:
-        """Read and parse the file; a bad file never replaces the last good layout."""
+        """Read and parse the file, reading the host on the calling thread; a bad file never
+        replaces the last good layout."""
+        text = self._read()
+        if text is None:
+            return False
+        parsed, resolution, _ = self.evaluate(text, self.path)
+        return self._take(parsed, resolution)
+
+    async def load_async(self, observe: Callable[[tuple[MatchRule, ...]], Awaitable[Observation]]) -> bool:
+        """`load`, with the host read by `observe` (off the event loop: a reload must not stall
+        every client for the length of a read of every GPU)."""
+        text = self._read()
+        if text is None:
+            return False
+        parsed, resolution, _ = await self.evaluate_async(text, self.path, observe)
+        return self._take(parsed, resolution)
+
+    def _read(self) -> str | None:
         try:
-            text = Path(self.path).read_text()
+            return Path(self.path).read_text()
         except FileNotFoundError:
             self.issues = ([f"{self.path}: file not found; keeping the last good layout"], [])
             self.bus.publish("layout-invalid", self.issues[0][0])
-            return False
+            return None
         except (OSError, UnicodeDecodeError) as e:
             why = e.strerror if isinstance(e, OSError) else f"not UTF-8 text ({e.reason} at byte {e.start})"
             self.issues = ([f"{self.path}: {why}; keeping the last good layout"], [])
             self.bus.publish("layout-invalid", self.issues[0][0])
-            return False
-        parsed, resolution, _ = self.evaluate(text, self.path)
+            return None
+
+    def _take(self, parsed: ParsedLayout, resolution: Resolution) -> bool:
         errors = [str(i) for i in resolution.errors]  # parse errors included: one full report
         warnings = [str(i) for i in resolution.warnings]
         if errors:
@@ -58,13 +76,25 @@ class LayoutKeeper:
         self.issues = ([], warnings)
         return True
 
+    @staticmethod
+    def _parse(text: str, path: str) -> tuple[ParsedLayout, tuple[MatchRule, ...]]:
+        parsed = parse_layout(text, path)
+        candidate = parsed.layout or parsed.draft
+        return parsed, (candidate.match if candidate is not None and candidate.match else DEFAULT_MATCH)
+
     def evaluate(self, text: str, path: str) -> tuple[ParsedLayout, Resolution, Observation]:
         """Parse a layout text and resolve it against this host as that layout's own `match:` sees
         it: selectors and profile names are checked against the real GPUs before the file is taken."""
-        parsed = parse_layout(text, path)
-        candidate = parsed.layout or parsed.draft
-        match = candidate.match if candidate is not None and candidate.match else DEFAULT_MATCH
+        parsed, match = self._parse(text, path)
         obs = self.observe(match)
+        return parsed, resolve(parsed, obs.gpus), obs
+
+    async def evaluate_async(self, text: str, path: str,
+                             observe: Callable[[tuple[MatchRule, ...]], Awaitable[Observation]],
+                             ) -> tuple[ParsedLayout, Resolution, Observation]:
+        """`evaluate` with the host read by `observe`, awaited."""
+        parsed, match = self._parse(text, path)
+        obs = await observe(match)
         return parsed, resolve(parsed, obs.gpus), obs
 
     @property

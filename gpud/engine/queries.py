@@ -47,9 +47,9 @@ def remaining_capacity(profile: MigProfile, used: list[Placement], existing: int
     return max(0, min(fits, profile.instance_count - existing))
 
 
-def start_apply(rec: Reconciler) -> int:
+async def start_apply(rec: Reconciler) -> int:
     """Re-read the file and ask for a pass; the ticket to wait on. InvalidLayout when the file is bad."""
-    rec.load_config()
+    await rec.load_config_async()
     if rec.layout_issues[0]:
         raise InvalidLayout("; ".join(rec.layout_issues[0]))
     ticket = rec.kick("apply requested")

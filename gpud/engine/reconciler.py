@@ -30,6 +30,7 @@ from gpud.engine.hooked_apply import apply_with_hooks
 from gpud.engine.hooks import HookFailed
 from gpud.engine.layout_keeper import LayoutKeeper
 from gpud.engine.observe import Observation, observe
+from gpud.engine.observer import DEFAULT_MAX_AGE, Observer
 from gpud.engine.ports import BootOverrides, Drainer, Rebooter
 from gpud.engine.reboot_policy import RebootPolicy
 from gpud.engine.scheduler import PassScheduler
@@ -71,6 +72,7 @@ class Reconciler:
         udev_rules: BootOverrides | None = None,
         state_dir: str | None = None,
         rebooter: Rebooter | None = None,
+        max_status_age: float = DEFAULT_MAX_AGE,
     ) -> None:
         self.hw = hardware
         self.config_path = config_path
@@ -94,6 +96,9 @@ class Reconciler:
         self.phase = "starting"
         self.passes = 0
         self._listeners: list[Callable[[], None]] = []
+        # the one current observation: read off the loop, re-read on change and while clients ask
+        self.observer = Observer(self._read_host, self._install, max_age=max_status_age,
+                                 busy=lambda: bool(self._inflight))
 
     # ---- the file (kept by self.layout_file) ----------------------------------------------
     @property
@@ -107,12 +112,28 @@ class Reconciler:
         return self.layout_file.issues
 
     def load_config(self) -> bool:
-        """Read and parse the file; a bad file never replaces the last good layout."""
+        """Read and parse the file; a bad file never replaces the last good layout. Reads the
+        host on the calling thread (start-up, tests); the daemon uses `load_config_async`."""
         return self.layout_file.load()
+
+    async def load_config_async(self) -> bool:
+        """`load_config` with the host read off the event loop."""
+        return await self.layout_file.load_async(self._observe_async)
 
     def evaluate(self, text: str, path: str) -> tuple[ParsedLayout, Resolution, Observation]:
         """Parse a layout text and resolve it against this host as that layout's own `match:` sees it."""
         return self.layout_file.evaluate(text, path)
+
+    async def evaluate_async(self, text: str, path: str) -> tuple[ParsedLayout, Resolution, Observation]:
+        """`evaluate` with the host read off the event loop."""
+        return await self.layout_file.evaluate_async(text, path, self._observe_async)
+
+    async def _observe_async(self, match: tuple[MatchRule, ...]) -> Observation:
+        """The host as `match` selects it, read in a worker thread. For the layout in force's own
+        `match:` this is a re-read of the current observation (status sees it too)."""
+        if match == self.layout_file.match:
+            return await self.observer.refresh()
+        return await asyncio.to_thread(self._observe, match)
 
     def _observe(self, match: tuple[MatchRule, ...]) -> Observation:
         """While a rebind runs, NVML stays closed: opening it (nvmlInit opens every GPU) would make
@@ -179,6 +200,14 @@ class Reconciler:
                 return live
         return self.phase
 
+    async def reload_async(self, reason: str) -> bool:
+        """`reload` with the host read off the event loop."""
+        ok = await self.load_config_async()
+        if ok:
+            self.kick(reason)
+            self.mark_pending()
+        return ok
+
     @property
     def policy(self) -> Policy | None:
         layout = self._pass_layout or self.layout
@@ -209,9 +238,21 @@ class Reconciler:
 
     # ---- observation ------------------------------------------------------------------------
     def refresh(self) -> Observation:
-        """Re-read the host; runs on the event loop on purpose: a hung driver stalls the loop and
-        the systemd watchdog restarts us, instead of serving stale state forever."""
-        self.observation = self._observe(self.layout_file.match)
+        """Re-read the host on the calling thread (the start-up read, before anything is served)."""
+        return self.observer.read_now()
+
+    async def refresh_async(self) -> Observation:
+        """Re-read the host in a worker thread (one read at a time, shared by whoever waits for
+        it): the loop keeps serving every client meanwhile."""
+        return await self.observer.refresh()
+
+    def _read_host(self) -> Observation:
+        """The host as the layout in force's `match:` selects it; blocking, run in a worker thread."""
+        return self._observe(self.layout_file.match)
+
+    def _install(self, observation: Observation) -> None:
+        """Take a new observation, on the loop: the layout resolved against it, vanished GPUs."""
+        self.observation = observation
         if self.layout is not None:
             self.resolution = resolve(self.layout, self.observation.gpus)
         present = {g.pci for g in self.observation.gpus}
@@ -220,7 +261,6 @@ class Reconciler:
                 self.gpu_states[pci] = GpuState("gone", "the GPU disappeared from the PCI bus")
                 self.bus.publish("gpu-gone", "GPU removed", gpu=pci)
         self._notify()
-        return self.observation
 
     def _notify(self) -> None:
         for cb in self._listeners:
@@ -258,7 +298,7 @@ class Reconciler:
     # ---- execution ----------------------------------------------------------------------------
     async def converge(self) -> None:
         if self.layout is None:
-            self.refresh()
+            await self.refresh_async()
             self.phase = "invalid-layout"
             return
         async with self.apply_lock.held(lambda m: self.bus.publish("waiting", m)):
@@ -268,13 +308,13 @@ class Reconciler:
                 await self._converge_all()
             finally:
                 self._pass_layout = None
-            self.refresh()
+            await self.refresh_async()
         self.phase = _phase(self.gpu_states.values())
         self.reboot_policy.after_pass(self.phase)
         self._notify()
 
     async def _converge_all(self) -> None:
-        self.refresh()
+        await self.refresh_async()
         resolution = self.resolution  # this pass works from one resolution, whatever refresh() does
         assert resolution is not None
         if resolution.errors:  # the host changed under a good file: change nothing
@@ -351,7 +391,7 @@ class Reconciler:
             outcome = await (self._run_mig(gpu, action.plan) if action.kind == "mig" else self._run_bind(gpu, action.plan))
             if outcome.state != "converged":
                 return self._busy(outcome) if outcome.state == "waiting" else outcome
-            self.refresh()
+            await self.refresh_async()
         return GpuState("failed", f"still not converged after {MAX_ROUNDS} rounds")
 
     def _busy(self, waiting: GpuState) -> GpuState:

@@ -277,3 +277,50 @@ class UnitDrainer:
         except Exception as e:
             log.error("could not start again %s: %s", stopped, e)
             exc.add_note(f"also failed to start again what was drained: {e}")
+
+
+class OnDemandDrainer:
+    """A UnitDrainer connected the first time a layout needs it (a drain, or the CDI refresh
+    after a MIG change): on hosts whose layouts never drain, D-Bus is neither imported nor
+    connected, which keeps the daemon small. Without a system bus (a dev machine, a container)
+    a drain fails with the reason and a CDI refresh is reported as not possible."""
+
+    def __init__(self, *, connect_timeout: float = 5.0, on_event: Callable[[str], None] | None = None,
+                 bus_address: str | None = None) -> None:
+        self.connect_timeout = connect_timeout
+        self.on_event = on_event
+        self.bus_address = bus_address
+        self._drainer: UnitDrainer | None = None
+
+    async def _connected(self) -> UnitDrainer:
+        if self._drainer is None:
+            try:
+                self._drainer = await asyncio.wait_for(
+                    UnitDrainer.connect(on_event=self.on_event, bus_address=self.bus_address), self.connect_timeout)
+            except Exception as e:  # no bus socket, refused, timed out: said where it is needed
+                raise SystemdError(f"the system D-Bus is not reachable ({e or type(e).__name__})") from e
+        return self._drainer
+
+    @contextlib.asynccontextmanager
+    async def drained(self, units: Iterable[str]) -> AsyncIterator[list[str]]:
+        units = list(units)
+        try:
+            drainer = await self._connected()
+        except SystemdError as e:
+            raise SystemdError(f"policy.drain-units {units} cannot be honoured: {e}") from e
+        async with drainer.drained(units) as stopped:
+            yield stopped
+
+    async def restart_if_present(self, unit: str) -> bool:
+        try:
+            drainer = await self._connected()
+        except SystemdError as e:
+            log.info("%s not restarted: %s", unit, e)
+            if self.on_event is not None:
+                self.on_event(f"{unit} not restarted: {e}")
+            return False
+        return await drainer.restart_if_present(unit)
+
+    async def close(self) -> None:
+        if self._drainer is not None:
+            await self._drainer.close()

@@ -88,7 +88,7 @@ async def test_status_round_trip(running):
     assert resp.ok and resp.error is None
     assert wire.decode_result("status", resp.result) == status_reply()
     op, args, peer = handler.calls[0]
-    assert (op, args) == ("status", {})
+    assert (op, args) == ("status", {"fresh": False})  # defaults filled by the server
     assert (peer.pid, peer.uid) == (os.getpid(), os.geteuid())
     c.close()
 

@@ -71,6 +71,7 @@ def test_every_result_struct_is_json_able_with_a_stable_shape():
         "events": wire.EventsReply(events=[wire.Event(time=0.0, kind="k")]),
         "version": wire.VersionReply(version="0.1.0"), "mig-profiles": wire.MigProfilesReply(),
         "passthrough": wire.PassthroughReply(devices=[wire.PassthroughDevice(pci="p", vendor_device="10de:2335")]),
+        "stats": wire.StatsReply(window_s=1.5, loop_lag=wire.LoopLag(samples=3, p99_ms=2.5), requests={"status": 2}),
     }
     assert set(samples) == set(wire.RESULTS)
     for op, obj in samples.items():

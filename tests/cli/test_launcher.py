@@ -1,0 +1,61 @@
+"""The installed gpudctl launcher (packaging/gpudctl.in, filled in by packaging/build-deb.sh):
+python started with -I -S and only gpudctl's own paths, so nothing from the environment or from
+`site` (which runs every .pth file of site-packages) is paid for or can change what it imports."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from tests.api.fakes import ThreadedServer
+
+REPO = Path(__file__).resolve().parents[2]
+TEMPLATE = REPO / "packaging" / "gpudctl.in"
+
+
+def _launcher(tmp: Path) -> Path:
+    """The template filled in as build-deb.sh does, for this checkout and this interpreter."""
+    site = str(Path(msgspec.__file__).parents[1])
+    text = TEMPLATE.read_text().replace("@PYTHON@", os.path.realpath(sys.executable)).replace(
+        "@PATHS@", repr([str(REPO), site]))
+    path = tmp / "gpudctl"
+    path.write_text(text)
+    path.chmod(0o755)
+    return path
+
+
+@pytest.fixture
+def daemon():
+    srv = ThreadedServer(group=None).start()
+    yield srv
+    srv.stop()
+
+
+def test_template_starts_python_isolated_without_site():
+    first = TEMPLATE.read_text().splitlines()[0]
+    assert first == "#!@PYTHON@ -IS"
+    build = (REPO / "packaging" / "build-deb.sh").read_text()
+    assert "packaging/gpudctl.in" in build and '>"$STAGE$PREFIX/bin/gpudctl"' in build
+
+
+def test_launcher_answers_and_ignores_the_environment(daemon, tmp_path):
+    launcher = _launcher(tmp_path)
+    # A PYTHONPATH that would break gpudctl if it were honoured: -I ignores it.
+    poison = tmp_path / "poison"
+    (poison / "gpud").mkdir(parents=True)
+    (poison / "gpud" / "__init__.py").write_text("raise ImportError('PYTHONPATH was used')\n")
+    (poison / "msgspec.py").write_text("raise ImportError('PYTHONPATH was used')\n")
+    env = {**os.environ, "PYTHONPATH": str(poison), "PYTHONSTARTUP": str(poison / "msgspec.py")}
+    r = subprocess.run([str(launcher), "--socket", daemon.path, "status", "--json"], capture_output=True,
+                       text=True, timeout=60, env=env, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["gpus"][0]["pci"]
+    r = subprocess.run([str(launcher), "--socket", str(tmp_path / "none.sock"), "status"], capture_output=True,
+                       text=True, timeout=60, env=env, cwd=tmp_path)
+    assert r.returncode == 3 and "cannot reach gpud" in r.stderr
