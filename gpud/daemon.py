@@ -41,7 +41,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--read-only", action="store_true", help="observe and plan; refuse every mutating call")
     ap.add_argument("--replay", metavar="CAPTURE", help="with --sim DIR --read-only: NVML answers from a real "
                     "GPU's capture (DIR laid out by python -m gpud.sim.replay_nvml CAPTURE DIR)")
-    ap.add_argument("--lock", help="host-wide apply lock (default /run/lock/gpud-apply.lock, or DIR/apply.lock with --sim)")
+    ap.add_argument("--lock", help="host-wide apply lock (default /run/gpud/apply.lock, or DIR/apply.lock with --sim; its directory must be writable only by gpud's user)")
     ap.add_argument("--socket-group", default="gpud", help="group allowed to read status (default gpud)")
     ap.add_argument("--udev-rules", help="udev rules file that keeps passthrough GPUs off nvidia at boot "
                     "(default /etc/udev/rules.d/70-gpud-vfio.rules, or DIR/etc/udev/rules.d/... with --sim)")
@@ -82,7 +82,7 @@ def build_hardware(args: argparse.Namespace) -> tuple[Hardware, DeviceEventSourc
     hw = Hardware(sysfs=Sysfs("/sys", read_only=args.read_only), nvml=Nvml(read_only=args.read_only), procs=Procs(read_only=args.read_only))
     from gpud.host.udev import UdevEvents
 
-    return hw, UdevEvents, args.lock or "/run/lock/gpud-apply.lock"
+    return hw, UdevEvents, args.lock or "/run/gpud/apply.lock"
 
 
 class Daemon:
@@ -103,6 +103,7 @@ class Daemon:
         Path(args.state_dir).mkdir(parents=True, exist_ok=True)
         self.stopping = asyncio.Event()
         self._reload_timer: asyncio.TimerHandle | None = None
+        self._reloads: set[asyncio.Task] = set()
         self._metrics_key: tuple | None = None
 
     # ---- event sources ---------------------------------------------------------------------
@@ -126,7 +127,13 @@ class Daemon:
 
     def _reload(self, why: str) -> None:
         log.info("config changed (%s)", why)
-        if not self.rec.reload("layout changed"):
+        task = asyncio.ensure_future(self._reload_off_loop())
+        self._reloads.add(task)
+        task.add_done_callback(self._reloads.discard)
+
+    async def _reload_off_loop(self) -> None:
+        """The file is read and parsed in a worker thread: a large file never stalls the loop."""
+        if not await self.rec.reload_async("layout changed"):
             self.rec.refresh()  # status shows the errors at once
 
     def on_device_event(self, event) -> None:
@@ -172,7 +179,7 @@ class Daemon:
             self.hw.nvml.open()
         except NvmlError as e:  # no nvidia driver (every GPU on vfio-pci, or none yet): serve anyway
             log.warning("NVML not available: %s", e)
-        self.rec.load_config()
+        await self.rec.layout_file.load_async()
         handler = RequestHandler(self.rec, notifier=self.notifier, dev_root=self.args.dev_root)
         try:
             server = await serve(handler, self.args.socket, sock=listen_socket(), group=self.args.socket_group)
