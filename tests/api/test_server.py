@@ -145,6 +145,9 @@ async def test_unknown_op_is_answered_then_closed(running):
     (b"\xc1\xc1", 0),
     (msgspec.msgpack.encode({"id": 5, "op": 3}), 5),
     (msgspec.msgpack.encode("status"), 0),
+    # nested 1,000+ levels deep: once a RecursionError in the log and no answer
+    (b"\x83\xa2id\x07\xa2op\xa6status\xa4args\x81\xa1x" + b"\x91" * 1500 + b"\xc0", 0),
+    (b"\x91" * 100_000 + b"\xc0", 0),
 ])
 async def test_malformed_frame_is_answered_then_closed(running, payload, rid):
     _, server = running
