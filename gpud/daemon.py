@@ -221,6 +221,12 @@ class Daemon:
             log.warning("a hardware step is still running; NVML is left open for it")
         else:
             self.hw.nvml.close()
+        # The helpers of stuck unbinds were abandoned, not forgotten: none may outlive the daemon.
+        from gpud.host.deadline_write import end_stuck_writes
+
+        for sw in await asyncio.to_thread(end_stuck_writes, 5.0):
+            log.warning("the writer of %s (pid %d) is still blocked in the kernel; killed, it ends when "
+                        "the kernel lets its write return", sw.path, sw.pid)
         await server.close()
         log.info("gpud stopped; hardware left as it is")
         return 0 if stopped else 1

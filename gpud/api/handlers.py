@@ -72,25 +72,25 @@ class RequestHandler:
         return wire.VersionReply(version=VERSION, driver=driver, nvml=nvml, protocol=wire.PROTOCOL)
 
     async def op_check(self, text: str, path: str | None = None) -> wire.CheckReply:
-        _, res, _ = self.rec.evaluate(text, path or "layout.yaml")
-        return wire.CheckReply(valid=not res.errors, errors=[str(e) for e in res.errors],
-                               warnings=[str(w) for w in res.warnings], selected=res.selected)
+        _, res, _ = await self.rec.evaluate_async(text, path or "layout.yaml")
+        return replies.check_reply(res)
 
     async def op_plan(self, text: str | None = None, path: str | None = None) -> wire.PlanReply:
         if text is None:  # the file in force, against the host as it is now
             observation = self.rec.refresh()
             resolution, errors = self.rec.resolution, list(self.rec.layout_issues[0])
         else:
-            _, resolution, observation = self.rec.evaluate(text, path or "layout.yaml")
+            _, resolution, observation = await self.rec.evaluate_async(text, path or "layout.yaml")
             errors = []
         if resolution is not None:
-            errors += [str(e) for e in resolution.errors if str(e) not in errors]
+            known = set(errors)
+            errors += [s for s in map(str, resolution.errors) if s not in known]
         if errors or resolution is None:
             return replies.plan_reply(self.rec, errors=errors or ["no valid layout in force"])
         return replies.plan_reply(self.rec, resolution, observation)
 
     async def op_apply(self, wait: bool = False, timeout: float | None = None) -> wire.ApplyReply:
-        ticket = start_apply(self.rec)
+        ticket = await start_apply(self.rec)
         if not wait:
             return wire.ApplyReply(phase="applying", converged=False, message="apply started", gpus=[])
         finished = await self.rec.wait_for(ticket, timeout)
@@ -103,7 +103,7 @@ class RequestHandler:
         if self.notifier is not None:
             self.notifier.reloading()
         try:
-            self.rec.reload("reload")
+            await self.rec.reload_async("reload")
         finally:
             if self.notifier is not None:
                 self.notifier.ready()

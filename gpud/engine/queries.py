@@ -47,9 +47,12 @@ def remaining_capacity(profile: MigProfile, used: list[Placement], existing: int
     return max(0, min(fits, profile.instance_count - existing))
 
 
-def start_apply(rec: Reconciler) -> int:
-    """Re-read the file and ask for a pass; the ticket to wait on. InvalidLayout when the file is bad."""
-    rec.load_config()
-    if rec.layout_issues[0]:
-        raise InvalidLayout("; ".join(rec.layout_issues[0]))
+async def start_apply(rec: Reconciler) -> int:
+    """Re-read the file (off the loop) and ask for a pass; the ticket to wait on. InvalidLayout
+    when the file is bad, naming its first errors (all of them are in status)."""
+    await rec.layout_file.load_async()
+    errors = rec.layout_issues[0]
+    if errors:
+        more = f"; ... and {len(errors) - 10} more errors (gpudctl status)" if len(errors) > 10 else ""
+        raise InvalidLayout("; ".join(errors[:10]) + more)
     return rec.kick("apply requested")

@@ -22,7 +22,7 @@ from typing import Any
 
 import msgspec
 
-from gpud.engine.apply_lock import ApplyLock
+from gpud.engine.apply_lock import ApplyLock, ApplyLockRefused
 from gpud.engine.events import EventBus, event_fields
 from gpud.engine.gpu_state import PHASE_ORDER, Action, BindAction, GpuState, MigAction
 from gpud.engine.holder_watch import HolderWatch
@@ -114,6 +114,10 @@ class Reconciler:
         """Parse a layout text and resolve it against this host as that layout's own `match:` sees it."""
         return self.layout_file.evaluate(text, path)
 
+    async def evaluate_async(self, text: str, path: str) -> tuple[ParsedLayout, Resolution, Observation]:
+        """`evaluate` with parsing and resolving off the event loop (requests: `check`, `plan`)."""
+        return await self.layout_file.evaluate_async(text, path)
+
     def _observe(self, match: tuple[MatchRule, ...]) -> Observation:
         """While a rebind runs, NVML stays closed: opening it (nvmlInit opens every GPU) would make
         gpud itself the holder its unbind waits for. The last good NVML view stands in meanwhile,
@@ -141,6 +145,13 @@ class Reconciler:
             self.kick(reason)
         return ok
 
+    async def reload_async(self, reason: str) -> bool:
+        """`reload` with the file read, parsed and resolved off the event loop (the daemon's path)."""
+        ok = await self.layout_file.load_async()
+        if ok:
+            self.kick(reason)
+        return ok
+
     @property
     def policy(self) -> Policy | None:
         layout = self._pass_layout or self.layout
@@ -164,6 +175,10 @@ class Reconciler:
     async def _guarded_pass(self) -> None:
         try:
             await self.converge()
+        except ApplyLockRefused as e:  # an unsafe lock file: nothing is applied until it is fixed
+            log.error("%s", e)
+            self.phase = "failed"
+            self.bus.publish("error", str(e))
         except Exception:
             log.exception("reconcile pass failed")
             self.phase = "failed"

@@ -305,3 +305,16 @@ def test_check_of_a_binary_file_fails_locally(daemon, tmp_path):
     f.write_bytes(b"\xff\xfe\x00")
     r = run(daemon, "check", str(f))
     assert r.returncode == 1 and "not UTF-8" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_check_refuses_a_layout_over_gpuds_limit_before_sending(daemon, tmp_path):
+    from gpud.host.layout_source import MAX_LAYOUT_BYTES
+
+    assert wire.MAX_LAYOUT_TEXT == MAX_LAYOUT_BYTES  # the client's bound is the daemon's
+    big = tmp_path / "big.yaml"
+    big.write_text("#" * (MAX_LAYOUT_BYTES + 1))
+    r = run(daemon, "check", str(big))
+    assert r.returncode == 1
+    assert r.stderr.strip() == (f"gpudctl: cannot check {big}: the layout is over {MAX_LAYOUT_BYTES} bytes; "
+                                f"a layout may be at most {MAX_LAYOUT_BYTES} bytes (512 KiB)")
+    assert calls(daemon, "check") == []
