@@ -44,7 +44,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--read-only", action="store_true", help="observe and plan; refuse every mutating call")
     ap.add_argument("--replay", metavar="CAPTURE", help="with --sim DIR --read-only: NVML answers from a real "
                     "GPU's capture (DIR laid out by python -m gpud.sim.replay_nvml CAPTURE DIR)")
-    ap.add_argument("--lock", help="host-wide apply lock (default /run/lock/gpud-apply.lock, or DIR/apply.lock with --sim)")
+    ap.add_argument("--lock", help="host-wide apply lock (default /run/gpud/apply.lock, or DIR/apply.lock with --sim; its directory must be writable only by gpud's user)")
     ap.add_argument("--socket-group", default="gpud", help="group allowed to read status (default gpud)")
     ap.add_argument("--udev-rules", help="udev rules file that keeps passthrough GPUs off nvidia at boot "
                     "(default /etc/udev/rules.d/70-gpud-vfio.rules, or DIR/etc/udev/rules.d/... with --sim)")
@@ -89,7 +89,7 @@ def build_hardware(args: argparse.Namespace) -> tuple[Hardware, DeviceEventSourc
     hw = Hardware(sysfs=Sysfs("/sys", read_only=args.read_only), nvml=Nvml(read_only=args.read_only), procs=Procs(read_only=args.read_only))
     from gpud.host.udev import UdevEvents
 
-    return hw, UdevEvents, args.lock or "/run/lock/gpud-apply.lock"
+    return hw, UdevEvents, args.lock or "/run/gpud/apply.lock"
 
 
 class Daemon:
@@ -140,7 +140,8 @@ class Daemon:
 
     async def _reload(self, why: str) -> None:
         log.info("config changed (%s)", why)
-        await self.rec.reload_async("layout changed")  # a refused file: status shows its errors at once
+        if not await self.rec.reload_async("layout changed"):
+            await self.rec.refresh_async()  # a refused file: status shows its errors at once
 
     def on_device_event(self, event) -> None:
         """A hint that a managed device (or the set of devices) changed: re-read and converge.
@@ -237,6 +238,12 @@ class Daemon:
             log.warning("a hardware step is still running; NVML is left open for it")
         else:
             self.hw.nvml.close()
+        # The helpers of stuck unbinds were abandoned, not forgotten: none may outlive the daemon.
+        from gpud.host.deadline_write import end_stuck_writes
+
+        for sw in await asyncio.to_thread(end_stuck_writes, 5.0):
+            log.warning("the writer of %s (pid %d) is still blocked in the kernel; killed, it ends when "
+                        "the kernel lets its write return", sw.path, sw.pid)
         await server.close()
         log.info("gpud stopped; hardware left as it is")
         return 0 if stopped else 1

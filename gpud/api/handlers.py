@@ -99,12 +99,11 @@ class RequestHandler:
         host, and a GPU the planner cannot converge (`7 x 1g.10gb` on an A100 40GB) is an error
         in the same words `plan` uses. Nothing is changed."""
         _, res, observation = await self.rec.evaluate_async(text, path or "layout.yaml")
-        errors = [str(e) for e in res.errors]
-        if not errors:
+        infeasible: list[str] = []
+        if not res.errors:
             plan = replies.plan_reply(self.rec, res, observation)
-            errors = [infeasible_text(g) for g in plan.gpus if g.infeasible]
-        return wire.CheckReply(valid=not errors, errors=errors,
-                               warnings=[str(w) for w in res.warnings], selected=res.selected)
+            infeasible = [infeasible_text(g) for g in plan.gpus if g.infeasible]
+        return replies.check_reply(res, infeasible)
 
     async def op_plan(self, text: str | None = None, path: str | None = None) -> wire.PlanReply:
         if text is None:  # the file in force, against the host as it is now
@@ -114,7 +113,8 @@ class RequestHandler:
             _, resolution, observation = await self.rec.evaluate_async(text, path or "layout.yaml")
             errors = []
         if resolution is not None:
-            errors += [str(e) for e in resolution.errors if str(e) not in errors]
+            known = set(errors)
+            errors += [s for s in map(str, resolution.errors) if s not in known]
         if errors or resolution is None:
             return replies.plan_reply(self.rec, errors=errors or ["no valid layout in force"])
         return replies.plan_reply(self.rec, resolution, observation)

@@ -27,6 +27,15 @@ from gpud.profiles import GI_PROFILE_INDEX, NVIDIA, ModelInfo, by_device, model_
 # Small records
 
 
+def capped(items: list[str], noun: str, limit: int = wire.MAX_LISTED) -> tuple[list[str], int]:
+    """At most `limit` entries, then one saying how many more there were; and that count. A layout
+    of 12,000 entries naming missing GPUs must not make a reply outgrow the frame."""
+    if len(items) <= limit:
+        return list(items), 0
+    more = len(items) - limit
+    return list(items[:limit]) + [f"... and {more} more {noun} (left out of this reply)"], more
+
+
 def placement(p: Placement) -> wire.Placement:
     return wire.Placement(start=p.start, size=p.size)
 
@@ -100,8 +109,21 @@ def layout_status(rec: Reconciler) -> wire.LayoutStatus:
     if res is not None:
         warnings = list(dict.fromkeys(warnings + [str(w) for w in res.warnings]))
         errors = list(dict.fromkeys(errors + [str(e) for e in res.errors]))
+    shown_errors, errors_omitted = capped(errors, "errors")
+    shown_warnings, warnings_omitted = capped(warnings, "warnings")
     return wire.LayoutStatus(path=rec.config_path, selected=rec.layout.layout.selected if rec.layout else None,
-                             valid=not errors, errors=errors, warnings=warnings)
+                             valid=not errors, errors=shown_errors, warnings=shown_warnings,
+                             errors_omitted=errors_omitted, warnings_omitted=warnings_omitted)
+
+
+def check_reply(resolution: Resolution, infeasible: list[str] | None = None) -> wire.CheckReply:
+    """`infeasible`: the plan's words for GPUs the planner cannot converge (errors too)."""
+    all_errors = [str(e) for e in resolution.errors] + list(infeasible or [])
+    errors, errors_omitted = capped(all_errors, "errors")
+    warnings, warnings_omitted = capped([str(w) for w in resolution.warnings], "warnings")
+    return wire.CheckReply(valid=not all_errors, errors=errors, warnings=warnings,
+                           selected=resolution.selected, errors_omitted=errors_omitted,
+                           warnings_omitted=warnings_omitted)
 
 
 def status_reply(rec: Reconciler) -> wire.StatusReply:
@@ -176,11 +198,13 @@ def plan_reply(rec: Reconciler, resolution: Resolution | None = None, observatio
     against the GPUs its own `match:` selects (`observation` from `Reconciler.evaluate`).
     With `errors`, the plan is empty and says why."""
     if errors:
-        return wire.PlanReply(errors=errors)
+        shown, omitted = capped(errors, "errors")
+        return wire.PlanReply(errors=shown, errors_omitted=omitted)
     resolution = resolution or rec.resolution
     if resolution is None:
         return wire.PlanReply()
-    reply = wire.PlanReply(warnings=[str(w) for w in resolution.warnings])
+    warnings, warnings_omitted = capped([str(w) for w in resolution.warnings], "warnings")
+    reply = wire.PlanReply(warnings=warnings, warnings_omitted=warnings_omitted)
     for gpu in (observation or rec.observation).gpus:
         desired = resolution.desired.get(gpu.pci)
         if desired is not None:
@@ -200,7 +224,8 @@ def apply_reply(rec: Reconciler, finished: bool) -> wire.ApplyReply:
     if not finished:
         return wire.ApplyReply(phase="timeout", converged=False, message="timed out waiting for the apply", gpus=gpus)
     not_ok = [g for g in gpus if not (states[g.pci].converged if g.pci in states else False)]
-    message = "; ".join(f"{g.pci}: {g.state}: {g.message}" for g in not_ok) or "converged"
+    shown, _ = capped([f"{g.pci}: {g.state}: {g.message}" for g in not_ok], "GPUs not converged", limit=16)
+    message = "; ".join(shown) or "converged"
     return wire.ApplyReply(phase=rec.phase, converged=not not_ok, message=message, gpus=gpus)
 
 

@@ -8,6 +8,14 @@ bounded (frame size, idle time, event queue) so no local user can stall the daem
 Who may do what is decided in `gpud.api.peers` (uid 0 everything, the `gpud` group the read
 ops, nobody else anything). A refused request gets a `forbidden` error and the connection is closed, as
 after a malformed or oversized frame or an unknown op.
+
+Root must always be served, whatever other users do (`systemctl reload gpud` runs `gpudctl
+reload` as root): each non-root uid may hold at most `max_per_uid` connections, non-root users
+together at most `max_connections - root_reserve`, and when a limit is reached the oldest
+*evictable* connection (waiting for a request, or following events) of the same class is closed
+to make room; a connection in the middle of a request is never evicted. A follower that does not
+read is dropped once its queue overflows or a write to it stalls for `idle_timeout`, so a stalled
+client never holds more than one bounded queue and one frame of buffered output.
 """
 
 from __future__ import annotations
@@ -18,14 +26,15 @@ import logging
 import os
 import socket
 import stat
-from collections.abc import AsyncIterator
-from typing import Any, Protocol
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any, Literal, Protocol
 
 import msgspec
 
 from gpud.api import wire
 from gpud.api.peers import Peer, authorize, group_id, may_connect, peer_credentials
-from gpud.engine.events import EventQueue
+from gpud.engine.events import EventQueue, overflow_event
 
 log = logging.getLogger("gpud.api")
 
@@ -136,22 +145,51 @@ def _as_event(ev: Any) -> wire.Event:
 # Server
 
 
+class _Conn:
+    """Book-keeping of one connection, for the limits: who, in which state, since when."""
+
+    __slots__ = ("task", "writer", "peer", "state", "since")
+
+    def __init__(self, task: asyncio.Task, writer: asyncio.StreamWriter) -> None:
+        self.task = task
+        self.writer = writer
+        self.peer: Peer | None = None
+        # idle: waiting for a request (or not yet sent one); busy: a request is being answered;
+        # following: streaming events. Only idle and following connections may be evicted.
+        self.state: Literal["idle", "busy", "following"] = "idle"
+        self.since = time.monotonic()  # last activity: accepted, a reply sent, an event delivered
+
+    def mark(self, state: Literal["idle", "busy", "following"]) -> None:
+        self.state = state
+        self.since = time.monotonic()
+
+    @property
+    def evictable(self) -> bool:
+        return self.state != "busy"
+
+
 class ApiServer:
     """A running API server. `close()` stops listening, ends every connection (followers too)
     and removes the socket file if this server created it."""
 
     def __init__(self, handler: Handler, *, path: str | None, gpud_gid: int | None, max_frame: int,
-                 idle_timeout: float | None, max_connections: int, event_queue: int) -> None:
+                 idle_timeout: float | None, max_connections: int, event_queue: int,
+                 max_per_uid: int = 16, root_reserve: int = 32,
+                 peer_lookup: Callable[[socket.socket], Peer] = peer_credentials) -> None:
         self.handler = handler
         self.path = path
         self.gpud_gid = gpud_gid
         self.max_frame = max_frame
         self.idle_timeout = idle_timeout
         self.max_connections = max_connections
+        self.max_per_uid = max_per_uid
+        self.root_reserve = min(root_reserve, max_connections - 1) if max_connections > 1 else 0
         self.event_queue = event_queue
+        self.peer_lookup = peer_lookup
+        self.evicted = 0  # connections closed to make room (for tests and the log)
         self._reader = wire.FrameReader(max_frame)
         self._server: asyncio.AbstractServer | None = None
-        self._tasks: dict[asyncio.Task, asyncio.StreamWriter] = {}
+        self._tasks: dict[asyncio.Task, _Conn] = {}
         self._owned: tuple[int, int] | None = None  # (st_dev, st_ino) of the socket we bound
         self._closing = False
 
@@ -175,8 +213,8 @@ class ApiServer:
         # Abort the transports as well as cancelling: a cancellation can be lost (a task woken by
         # its I/O at the same moment), a dead transport cannot, and abort() does not wait for a
         # client that stopped reading.
-        for t, w in list(self._tasks.items()):
-            w.transport.abort()
+        for t, conn in list(self._tasks.items()):
+            conn.writer.transport.abort()
             t.cancel()
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -200,13 +238,14 @@ class ApiServer:
     async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
         assert task is not None
-        self._tasks[task] = writer
+        conn = _Conn(task, writer)
+        self._tasks[task] = conn
         if self._closing:  # accepted just before close(): close() did not see this task
             self._tasks.pop(task)
             writer.transport.abort()
             return
         try:
-            await self._serve_connection(reader, writer)
+            await self._serve_connection(conn, reader, writer)
         except (ConnectionError, TimeoutError, asyncio.CancelledError):
             pass  # client gone, too slow to take its reply, or server closing
         except Exception:
@@ -236,12 +275,56 @@ class ApiServer:
     def _error(rid: int, code: str, message: str) -> wire.Response:
         return wire.Response(id=rid, ok=False, error=wire.ErrorInfo(code=code, message=message))
 
-    async def _serve_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        peer = peer_credentials(writer.get_extra_info("socket"))
-        if len(self._tasks) > self.max_connections:
-            await self._send(writer, self._error(0, wire.E_BUSY, "too many connections to gpud"))
+    # -- limits ---------------------------------------------------------------------------------
+
+    def _evict_oldest(self, among: list[_Conn], why: str) -> bool:
+        """Close the least recently active evictable connection of `among`; False if none is."""
+        candidates = [c for c in among if c.evictable]
+        if not candidates:
+            return False
+        victim = min(candidates, key=lambda c: c.since)
+        self._tasks.pop(victim.task, None)
+        self.evicted += 1
+        peer = victim.peer
+        log.info("closing the %s connection of pid %s uid %s to make room: %s", victim.state,
+                 peer.pid if peer else "?", peer.uid if peer else "?", why)
+        victim.writer.transport.abort()
+        victim.task.cancel()
+        return True
+
+    def _admit(self, conn: _Conn) -> str | None:
+        """Make room for a new connection under the limits; the refusal message if there is none."""
+        peer = conn.peer
+        assert peer is not None
+        others = [c for c in self._tasks.values() if c is not conn and c.peer is not None]
+        if peer.uid != 0:
+            same = [c for c in others if c.peer.uid == peer.uid]
+            if len(same) >= self.max_per_uid and not self._evict_oldest(same, f"uid {peer.uid} reached its limit"):
+                return f"too many connections to gpud from uid {peer.uid} (at most {self.max_per_uid})"
+            non_root = [c for c in self._tasks.values() if c is not conn and c.peer is not None and c.peer.uid != 0]
+            cap = self.max_connections - self.root_reserve
+            if len(non_root) >= cap and not self._evict_oldest(non_root, "non-root connections reached their limit"):
+                return f"too many connections to gpud from users other than root (at most {cap})"
+        while len(self._tasks) > self.max_connections:
+            rest = [c for c in self._tasks.values() if c is not conn]
+            # non-root connections go first: root's capacity is the reserved part
+            non_root = [c for c in rest if c.peer is None or c.peer.uid != 0]
+            if self._evict_oldest(non_root, "gpud is full"):
+                continue
+            if peer.uid != 0 or not self._evict_oldest(rest, "gpud is full"):  # only root may displace root
+                return "too many connections to gpud"
+        return None
+
+    async def _serve_connection(self, conn: _Conn, reader: asyncio.StreamReader,
+                                writer: asyncio.StreamWriter) -> None:
+        peer = conn.peer = self.peer_lookup(writer.get_extra_info("socket"))
+        refusal = self._admit(conn)
+        if refusal is not None:
+            log.warning("refused a connection of pid %d uid %d: %s", peer.pid, peer.uid, refusal)
+            await self._send(writer, self._error(0, wire.E_BUSY, refusal))
             return
         while True:
+            conn.mark("idle")
             try:
                 async with asyncio.timeout(self.idle_timeout):
                     payload = await self._reader.read_async(reader)
@@ -253,6 +336,7 @@ class ApiServer:
                 return
             if payload is None:
                 return
+            conn.mark("busy")
             try:
                 req = wire.decode_request(payload)
             except wire.FrameError as e:
@@ -274,7 +358,7 @@ class ApiServer:
                 continue
             if req.op == "events":
                 if args.get("follow"):
-                    await self._follow(req.id, reader, writer)
+                    await self._follow(conn, req.id, reader, writer)
                     return
                 await self._send(writer, self._history(req.id, self._recent(), following=False))
                 continue
@@ -301,10 +385,13 @@ class ApiServer:
         return wire.Response(id=req.id, ok=True, result=result)
 
     def _history(self, rid: int, recent: list[Any], *, following: bool) -> wire.Response:
-        """The history reply, its oldest events left out until it fits in one frame."""
+        """The history reply, its oldest events left out until it fits in one frame (how many in
+        `omitted`)."""
         events = [_as_event(e) for e in recent]
+        total = len(events)
         while True:
-            resp = wire.Response(id=rid, ok=True, result=wire.EventsReply(events=events, following=following))
+            resp = wire.Response(id=rid, ok=True, result=wire.EventsReply(events=events, following=following,
+                                                                         omitted=total - len(events)))
             try:
                 wire.encode_frame(resp, max_frame=self.max_frame)
                 return resp
@@ -317,7 +404,12 @@ class ApiServer:
         recent = getattr(self.handler, "recent_events", None)
         return list(recent()) if recent else []
 
-    async def _follow(self, rid: int, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _follow(self, conn: _Conn, rid: int, reader: asyncio.StreamReader,
+                      writer: asyncio.StreamWriter) -> None:
+        """Stream events until the client closes. A follower that falls behind (its queue overflows)
+        gets the overflow event as its last frame and is closed; one whose writes stall for
+        `idle_timeout` is closed too: a client that does not read holds no more than its bounded
+        queue and one frame of output, and frees them when it goes."""
         # subscribe and snapshot the history with no await in between: no event is lost or doubled
         source = self.handler.subscribe()
         history = self._recent()
@@ -326,9 +418,12 @@ class ApiServer:
         else:
             outbox = EventQueue(self.event_queue)
             pump = asyncio.create_task(self._pump(source, outbox))
+        conn.mark("following")
         eof = asyncio.create_task(reader.read(1))  # the client never sends more; data or EOF ends it
+        overflow = asyncio.create_task(outbox.overflowed.wait())
         try:
             await self._send(writer, self._history(rid, history, following=True))
+            conn.mark("following")
             while True:
                 get = asyncio.ensure_future(outbox.get())
                 await asyncio.wait({get, eof}, return_when=asyncio.FIRST_COMPLETED)
@@ -345,17 +440,27 @@ class ApiServer:
                     log.error("dropping an event that cannot be sent: %s", e)
                     continue
                 writer.write(frame)
+                if isinstance(item, dict) and item.get("kind") == "overflow":
+                    return  # it fell behind: the marker is its last frame, flushed on close
                 drain = asyncio.ensure_future(writer.drain())
-                await asyncio.wait({drain, eof}, return_when=asyncio.FIRST_COMPLETED)
+                await asyncio.wait({drain, eof, overflow}, return_when=asyncio.FIRST_COMPLETED,
+                                   timeout=self.idle_timeout)
                 if not drain.done():
                     drain.cancel()
+                    if not eof.done():  # stalled: not reading while its queue filled, or for too long
+                        log.info("closing a follower (pid %d) that does not read", conn.peer.pid if conn.peer else 0)
+                        if outbox.dropped:
+                            writer.write(wire.encode_frame(wire.EventFrame(
+                                id=rid, event=_as_event(overflow_event(outbox.dropped)))))
                     return
                 drain.result()
+                conn.mark("following")
         finally:
             if pump is not None:
                 pump.cancel()
             eof.cancel()
-            await asyncio.gather(*(t for t in (pump, eof) if t is not None), return_exceptions=True)
+            overflow.cancel()
+            await asyncio.gather(*(t for t in (pump, eof, overflow) if t is not None), return_exceptions=True)
             unsubscribe = getattr(self.handler, "unsubscribe", None)
             if unsubscribe is not None:
                 unsubscribe(source)
@@ -385,7 +490,10 @@ async def serve(
     max_frame: int = wire.MAX_FRAME,
     idle_timeout: float | None = 60.0,
     max_connections: int = 128,
+    max_per_uid: int = 16,
+    root_reserve: int = 32,
     event_queue: int = 1000,
+    peer_lookup: Callable[[socket.socket], Peer] = peer_credentials,
 ) -> ApiServer:
     """Start serving `handler` on a Unix socket and return the running server.
 
@@ -393,11 +501,14 @@ async def serve(
     the .socket unit's business (SocketMode=0660, SocketGroup=gpud). Otherwise the socket is
     created at `path` (a live one there makes this raise ServerError; a dead one is replaced).
     `group` is the group whose members may use the read ops; missing group: root only.
-    `idle_timeout`: seconds a connection may stay silent between requests (None: forever).
+    `idle_timeout`: seconds a connection may stay silent between requests, or a follower may not
+    take a frame (None: forever). `max_per_uid`: connections of one non-root uid; `root_reserve`:
+    connections only root may use. `peer_lookup`: who is at the other end (SO_PEERCRED).
     """
     server = ApiServer(handler, path=path, gpud_gid=group_id(group), max_frame=max_frame,
                        idle_timeout=idle_timeout, max_connections=max_connections,
-                       event_queue=event_queue)
+                       max_per_uid=max_per_uid, root_reserve=root_reserve, event_queue=event_queue,
+                       peer_lookup=peer_lookup)
     await server._start(sock)
     return server
 

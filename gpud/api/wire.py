@@ -25,6 +25,12 @@ import msgspec
 
 PROTOCOL = 1
 MAX_FRAME = 1 << 20  # 1 MiB: a status of a 16-GPU host with every instance is ~40 KiB
+# The most entries a reply carries in a list that grows with its input (layout errors, warnings):
+# the rest are counted in the reply's `*_omitted` field and a last entry "... and N more".
+MAX_LISTED = 100
+# The largest layout text gpud reads or checks (gpud.host.layout_source.MAX_LAYOUT_BYTES): half a
+# frame, so `check` of any acceptable layout fits in one request. gpudctl refuses more before sending.
+MAX_LAYOUT_TEXT = 512 * 1024
 HEADER = struct.Struct(">I")
 
 # Error codes the server itself produces; handlers add their own (e.g. "invalid-layout").
@@ -210,6 +216,8 @@ class LayoutStatus(msgspec.Struct, kw_only=True):
     valid: bool = False
     errors: list[str] = []
     warnings: list[str] = []
+    errors_omitted: int = 0  # errors left out of `errors` to keep the reply small (MAX_LISTED)
+    warnings_omitted: int = 0
 
 
 class StatusReply(msgspec.Struct, kw_only=True):
@@ -231,6 +239,8 @@ class CheckReply(msgspec.Struct, kw_only=True):
     errors: list[str] = []
     warnings: list[str] = []
     selected: str | None = None
+    errors_omitted: int = 0
+    warnings_omitted: int = 0
 
 
 class StepInfo(msgspec.Struct, kw_only=True):
@@ -290,6 +300,8 @@ class PlanReply(msgspec.Struct, kw_only=True):
     disruption: Disruption = msgspec.field(default_factory=Disruption)
     errors: list[str] = []
     warnings: list[str] = []
+    errors_omitted: int = 0
+    warnings_omitted: int = 0
 
 
 class GpuApplyInfo(msgspec.Struct, kw_only=True):
@@ -365,6 +377,7 @@ class PassthroughReply(msgspec.Struct, kw_only=True):
 class EventsReply(msgspec.Struct, kw_only=True):
     events: list[Event] = []  # recent history, oldest first
     following: bool = False  # EventFrames follow on this connection
+    omitted: int = 0  # older events of the history left out so the reply fits in one frame
 
 
 class LoopLag(msgspec.Struct, kw_only=True):
@@ -420,7 +433,7 @@ def encode_frame(obj: Any, *, max_frame: int = MAX_FRAME) -> bytes:
 def _guess_id(payload: bytes) -> int:
     try:
         raw = _any_decoder.decode(payload)
-    except msgspec.DecodeError:
+    except (msgspec.DecodeError, RecursionError):
         return 0
     rid = raw.get("id") if isinstance(raw, dict) else None
     return rid if isinstance(rid, int) and not isinstance(rid, bool) else 0
@@ -431,6 +444,8 @@ def decode_request(payload: bytes) -> Request:
         return _request_decoder.decode(payload)
     except msgspec.DecodeError as e:  # ValidationError is a DecodeError
         raise FrameError(f"malformed request: {e}", request_id=_guess_id(payload)) from None
+    except RecursionError:  # msgspec's bound on nesting (a few hundred levels deep arguments)
+        raise FrameError("malformed request: nested too deeply") from None
 
 
 def decode_message(payload: bytes) -> Response | EventFrame:
@@ -442,6 +457,8 @@ def decode_message(payload: bytes) -> Response | EventFrame:
         return msgspec.convert(raw, Response)
     except (msgspec.DecodeError, msgspec.ValidationError) as e:
         raise FrameError(f"malformed message from gpud: {e}") from None
+    except RecursionError:
+        raise FrameError("malformed message from gpud: nested too deeply") from None
 
 
 def decode_result(op: str, result: Any) -> Any:

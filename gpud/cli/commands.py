@@ -60,12 +60,19 @@ def cmd_status(c: Client, a: argparse.Namespace) -> int:
 
 
 def _read_layout(path: str) -> tuple[str, str]:
-    """The layout text as the client sees it, with the path errors should name."""
+    """The layout text as the client sees it, with the path errors should name; gpud's size limit
+    is checked here too (reading at most one byte past it), so a huge file is never sent."""
+    limit = wire.MAX_LAYOUT_TEXT
     try:
         if path == "-":
-            return sys.stdin.read(), "<stdin>"
-        with open(path, encoding="utf-8") as f:
-            return f.read(), os.path.abspath(path)
+            data, where = sys.stdin.buffer.read(limit + 1), "<stdin>"
+        else:
+            with open(path, "rb") as f:
+                data, where = f.read(limit + 1), os.path.abspath(path)
+        if len(data) > limit:
+            raise LocalError(f"cannot check {path}: the layout is over {limit} bytes; a layout may be at most "
+                             f"{limit} bytes ({limit // 1024} KiB)")
+        return data.decode("utf-8"), where
     except UnicodeDecodeError as e:
         raise LocalError(f"cannot read {path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
     except OSError as e:

@@ -42,12 +42,14 @@ class EventQueue:
         self._items: collections.deque[Any] = collections.deque()
         self._size = max(1, size)
         self._ready = asyncio.Event()
+        self.overflowed = asyncio.Event()  # set at the first drop: the reader fell behind
         self.closed = False
         self.dropped = 0
 
     def put(self, item: Any) -> None:
         if len(self._items) >= self._size:
             self.dropped += 1
+            self.overflowed.set()
             if self._items and isinstance(self._items[-1], _Dropped):
                 self._items[-1].count += 1
             else:

@@ -1,19 +1,42 @@
 """The layout file as the engine holds it: read, parsed and resolved against this host, and taken
 only when it has no errors. A bad file (missing, unreadable, invalid, naming GPUs or profiles the
 host does not have) never replaces the last good layout: gpud keeps applying that one and reports
-the file's problems until it is fixed."""
+the file's problems until it is fixed.
+
+Reading is bounded (`gpud.host.layout_source`: a regular file of at most 1 MiB, never a FIFO or a
+device), and the daemon parses and resolves off the event loop (`load_async`, `evaluate_async`),
+one text at a time, so a large `check` or file never stops status from being answered or the
+systemd watchdog from being pinged. The text of a file that non-root readers of status must not
+see (not owned by root, or reached through a link into another tree) is never quoted: its errors
+name lines only.
+"""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable
-from pathlib import Path
 
 from gpud.engine.events import EventBus
 from gpud.engine.observe import Observation
+from gpud.host.layout_source import LayoutSource, LayoutUnreadable, check_text_size, read_layout
+from gpud.layout.desired import LayoutIssue
 from gpud.layout.match import DEFAULT_MATCH
 from gpud.layout.parse import ParsedLayout, parse_layout
 from gpud.layout.resolve import Resolution, resolve
 from gpud.layout.schema import MatchRule
+
+# Errors carried by one `layout-invalid` event: the event history must stay small enough to send.
+EVENT_ERRORS = 20
+
+
+def _unquoted(issues: list[str], lines: list[int | None], what: str, why: str, path: str) -> list[str]:
+    """Errors of a file whose text must not be shown: how many, at which lines, and why."""
+    if not issues:
+        return []
+    at = sorted({n for n in lines if n})
+    where = f" at line(s) {', '.join(map(str, at[:20]))}{' ...' if len(at) > 20 else ''}" if at else ""
+    return [f"{path}: {len(issues)} {what}(s){where}; the file's text is not quoted because {why} "
+            f"(run `gpudctl check {path}` as a user who may read it)"]
 
 
 class LayoutKeeper:
@@ -28,74 +51,95 @@ class LayoutKeeper:
         self.observe = observe
         self.layout: ParsedLayout | None = None
         self.issues: tuple[list[str], list[str]] = ([], [])
+        self._parsing: asyncio.Semaphore | None = None  # one text parsed at a time (made on the loop)
         self._text: str | None = None  # the text of `layout`, to tell a new load from a re-read
 
+    # ---- the daemon's file --------------------------------------------------------------------
     def load(self) -> bool:
-        """Read and parse the file, reading the host on the calling thread; a bad file never
-        replaces the last good layout."""
-        text = self._read()
-        if text is None:
-            return False
-        parsed, resolution, _ = self.evaluate(text, self.path)
-        return self._take(parsed, resolution)
+        """Read and parse the file, on the caller's thread; a bad file never replaces the last good layout."""
+        try:
+            source = read_layout(self.path)
+        except LayoutUnreadable as e:
+            return self._unreadable(e)
+        parsed, resolution, _ = self.evaluate(source.text, self.path)
+        return self._take(parsed, resolution, source)
 
     async def load_async(self, observe: Callable[[tuple[MatchRule, ...]], Awaitable[Observation]]) -> bool:
-        """`load`, with the host read by `observe` (off the event loop: a reload must not stall
-        every client for the length of a read of every GPU)."""
-        text = self._read()
-        if text is None:
-            return False
-        parsed, resolution, _ = await self.evaluate_async(text, self.path, observe)
-        return self._take(parsed, resolution)
+        """`load` with the read, parse and resolve in a worker thread and the host read by
+        `observe` (off the event loop too: a reload must not stall every client)."""
+        async with self._slot():
+            try:
+                source = await asyncio.to_thread(read_layout, self.path)
+            except LayoutUnreadable as e:
+                return self._unreadable(e)
+            parsed, resolution, _ = await self._evaluate_off_loop(source.text, self.path, observe)
+            return self._take(parsed, resolution, source)
 
-    def _read(self) -> str | None:
-        try:
-            return Path(self.path).read_text()
-        except FileNotFoundError:
-            self.issues = ([f"{self.path}: file not found; keeping the last good layout"], [])
-            self.bus.publish("layout-invalid", self.issues[0][0])
-            return None
-        except (OSError, UnicodeDecodeError) as e:
-            why = e.strerror if isinstance(e, OSError) else f"not UTF-8 text ({e.reason} at byte {e.start})"
-            self.issues = ([f"{self.path}: {why}; keeping the last good layout"], [])
-            self.bus.publish("layout-invalid", self.issues[0][0])
-            return None
+    def _unreadable(self, e: LayoutUnreadable) -> bool:
+        self.issues = ([f"{e.message}; keeping the last good layout"], [])
+        self.bus.publish("layout-invalid", self.issues[0][0])
+        return False
 
-    def _take(self, parsed: ParsedLayout, resolution: Resolution) -> bool:
+    def _take(self, parsed: ParsedLayout, resolution: Resolution, source: LayoutSource) -> bool:
         errors = [str(i) for i in resolution.errors]  # parse errors included: one full report
         warnings = [str(i) for i in resolution.warnings]
+        if not source.quotable:
+            errors = _unquoted(errors, [i.line for i in resolution.errors], "error", source.unquoted_because,
+                               self.path)
+            warnings = _unquoted(warnings, [i.line for i in resolution.warnings], "warning",
+                                 source.unquoted_because, self.path)
         if errors:
             self.issues = (errors, warnings)
-            self.bus.publish("layout-invalid", f"{len(errors)} error(s); keeping the last good layout",
-                             errors=errors)
+            self.bus.publish("layout-invalid", f"{len(resolution.errors)} error(s); keeping the last good layout",
+                             errors=errors[:EVENT_ERRORS], errors_omitted=max(0, len(errors) - EVENT_ERRORS))
             return False
         # `apply` re-reads the file too: the same text again is not a new layout, and says nothing
-        if text != self._text or self.issues[0]:
+        if source.text != self._text or self.issues[0]:
             self.bus.publish("layout-loaded", f"{self.path}: selected {parsed.layout.selected!r}")
-        self.layout, self._text = parsed, text
+        self.layout, self._text = parsed, source.text
         self.issues = ([], warnings)
         return True
 
-    @staticmethod
-    def _parse(text: str, path: str) -> tuple[ParsedLayout, tuple[MatchRule, ...]]:
-        parsed = parse_layout(text, path)
-        candidate = parsed.layout or parsed.draft
-        return parsed, (candidate.match if candidate is not None and candidate.match else DEFAULT_MATCH)
-
+    # ---- any text (check, plan) ---------------------------------------------------------------
     def evaluate(self, text: str, path: str) -> tuple[ParsedLayout, Resolution, Observation]:
         """Parse a layout text and resolve it against this host as that layout's own `match:` sees
         it: selectors and profile names are checked against the real GPUs before the file is taken."""
-        parsed, match = self._parse(text, path)
-        obs = self.observe(match)
+        parsed = self._parse(text, path)
+        obs = self.observe(self._match_of(parsed))
         return parsed, resolve(parsed, obs.gpus), obs
 
     async def evaluate_async(self, text: str, path: str,
                              observe: Callable[[tuple[MatchRule, ...]], Awaitable[Observation]],
                              ) -> tuple[ParsedLayout, Resolution, Observation]:
-        """`evaluate` with the host read by `observe`, awaited."""
-        parsed, match = self._parse(text, path)
-        obs = await observe(match)
-        return parsed, resolve(parsed, obs.gpus), obs
+        """`evaluate` with parse and resolve in a worker thread, one text at a time (five large
+        `check` requests queue instead of multiplying the daemon's memory), and the host read by
+        `observe`, awaited: the loop stays free."""
+        async with self._slot():
+            return await self._evaluate_off_loop(text, path, observe)
+
+    async def _evaluate_off_loop(self, text: str, path: str,
+                                 observe: Callable[[tuple[MatchRule, ...]], Awaitable[Observation]],
+                                 ) -> tuple[ParsedLayout, Resolution, Observation]:
+        parsed = await asyncio.to_thread(self._parse, text, path)
+        obs = await observe(self._match_of(parsed))
+        return parsed, await asyncio.to_thread(resolve, parsed, obs.gpus), obs
+
+    @staticmethod
+    def _parse(text: str, path: str) -> ParsedLayout:
+        too_large = check_text_size(text, path)
+        if too_large is not None:  # refused before YAML sees it: the same bound as the file's
+            return ParsedLayout(file=path, layout=None, errors=[LayoutIssue(path, None, "", too_large.split(": ", 1)[1])])
+        return parse_layout(text, path)
+
+    @staticmethod
+    def _match_of(parsed: ParsedLayout) -> tuple[MatchRule, ...]:
+        candidate = parsed.layout or parsed.draft
+        return candidate.match if candidate is not None and candidate.match else DEFAULT_MATCH
+
+    def _slot(self) -> asyncio.Semaphore:
+        if self._parsing is None:
+            self._parsing = asyncio.Semaphore(1)
+        return self._parsing
 
     @property
     def match(self) -> tuple[MatchRule, ...]:

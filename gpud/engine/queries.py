@@ -48,10 +48,13 @@ def remaining_capacity(profile: MigProfile, used: list[Placement], existing: int
 
 
 async def start_apply(rec: Reconciler) -> int:
-    """Re-read the file and ask for a pass; the ticket to wait on. InvalidLayout when the file is bad."""
+    """Re-read the file (off the loop) and ask for a pass; the ticket to wait on. InvalidLayout
+    when the file is bad, naming its first errors (all of them are in status)."""
     await rec.load_config_async()
-    if rec.layout_issues[0]:
-        raise InvalidLayout("; ".join(rec.layout_issues[0]))
+    errors = rec.layout_issues[0]
+    if errors:
+        more = f"; ... and {len(errors) - 10} more errors (gpudctl status)" if len(errors) > 10 else ""
+        raise InvalidLayout("; ".join(errors[:10]) + more)
     ticket = rec.kick("apply requested")
     rec.mark_pending()
     return ticket

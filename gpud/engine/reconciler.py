@@ -22,7 +22,7 @@ from typing import Any
 
 import msgspec
 
-from gpud.engine.apply_lock import ApplyLock
+from gpud.engine.apply_lock import ApplyLock, ApplyLockRefused
 from gpud.engine.events import EventBus, event_fields
 from gpud.engine.gpu_state import PHASE_ORDER, Action, BindAction, GpuState, MigAction
 from gpud.engine.holder_watch import HolderWatch
@@ -231,6 +231,10 @@ class Reconciler:
     async def _guarded_pass(self) -> None:
         try:
             await self.converge()
+        except ApplyLockRefused as e:  # an unsafe lock file: nothing is applied until it is fixed
+            log.error("%s", e)
+            self.phase = "failed"
+            self.bus.publish("error", str(e))
         except Exception:
             log.exception("reconcile pass failed")
             self.phase = "failed"

@@ -18,6 +18,7 @@ import errno
 import json
 import os
 import select
+import signal
 import struct
 import subprocess
 import sys
@@ -74,6 +75,21 @@ def stuck_writes() -> list[StuckWrite]:
 def stuck_write_for(pci: str) -> StuckWrite | None:
     with _stuck_lock:
         return _stuck.get(pci)
+
+
+def end_stuck_writes(timeout: float = 5.0) -> list[StuckWrite]:
+    """When gpud stops: SIGKILL every abandoned helper (our own children) and wait up to `timeout`
+    for their reapers, so none outlives the daemon. A helper in uninterruptible sleep dies only
+    when the kernel lets its write return; those still alive are returned (and logged by the caller)."""
+    for sw in stuck_writes():
+        try:
+            os.kill(sw.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + timeout
+    while stuck_writes() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return stuck_writes()
 
 
 def _reap(sw: StuckWrite, helper: subprocess.Popen) -> None:

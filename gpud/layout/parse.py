@@ -62,6 +62,20 @@ _PLAIN_KEY = re.compile(r"[A-Za-z0-9_-]+")
 _SCALARS = SafeConstructor()  # converts one scalar node at a time; keeps no state between calls
 
 
+class _CountingLoader(yaml.SafeLoader):
+    """yaml's safe composer, counting the aliases it resolves: only they make a short text a huge
+    tree, and the "too large" error must say which kind of large it is."""
+
+    def __init__(self, stream: str) -> None:
+        super().__init__(stream)
+        self.aliases = 0
+
+    def compose_node(self, parent, index):  # noqa: ANN001 - yaml's signature
+        if self.check_event(yaml.AliasEvent):
+            self.aliases += 1
+        return super().compose_node(parent, index)
+
+
 class ParsedLayout(Struct):
     """The outcome of reading one layout.yaml.
 
@@ -118,7 +132,11 @@ def parse_layout(text: str, file: str = "layout.yaml", *, select: str | None = N
     try:
         layout = parser.run(text)
     except _TooLarge:
-        parser.error(None, "", f"the layout is too large: YAML aliases expand it to over {MAX_NODES} values")
+        if parser.aliases:
+            why = f"YAML aliases expand it to over {MAX_NODES} values"
+        else:
+            why = f"it has over {MAX_NODES} values (keys, list items, settings); a layout describes one host's GPUs"
+        parser.error(None, "", f"the layout is too large: {why}")
         layout = None
     except Exception as exc:  # noqa: BLE001 - a bug must still not take the daemon down
         parser.error(None, "", f"internal error while reading the layout ({type(exc).__name__}: {exc})")
@@ -186,6 +204,7 @@ class _Parser:
         self.file = file
         self.select = select
         self.budget = MAX_NODES
+        self.aliases = 0  # aliases in the text (set once it is composed)
         self.errors: list[LayoutIssue] = []
         self.warnings: list[LayoutIssue] = []
         self.lines: dict[str, int] = {}
@@ -347,8 +366,9 @@ class _Parser:
         if not isinstance(text, str):
             self.error(None, "", f"expected text, got {type(text).__name__}")
             return None
+        loader = _CountingLoader(text)
         try:
-            root = yaml.compose(text, Loader=yaml.SafeLoader)
+            root = loader.get_single_node()
         except yaml.MarkedYAMLError as exc:
             mark = exc.problem_mark or exc.context_mark
             problem = ", ".join(p for p in (exc.context, exc.problem) if p) or "syntax error"
@@ -360,6 +380,9 @@ class _Parser:
         except RecursionError:
             self.error(None, "", "invalid YAML: nested too deeply")
             return None
+        finally:
+            self.aliases = loader.aliases
+            loader.dispose()
         if root is None:
             self.error(None, "", 'the file is empty; expected a mapping starting with "version: v1"')
             return None

@@ -145,6 +145,9 @@ async def test_unknown_op_is_answered_then_closed(running):
     (b"\xc1\xc1", 0),
     (msgspec.msgpack.encode({"id": 5, "op": 3}), 5),
     (msgspec.msgpack.encode("status"), 0),
+    # nested 1,000+ levels deep: once a RecursionError in the log and no answer
+    (b"\x83\xa2id\x07\xa2op\xa6status\xa4args\x81\xa1x" + b"\x91" * 1500 + b"\xc0", 0),
+    (b"\x91" * 100_000 + b"\xc0", 0),
 ])
 async def test_malformed_frame_is_answered_then_closed(running, payload, rid):
     _, server = running
@@ -222,17 +225,45 @@ async def test_slow_handler_does_not_block_other_connections(running):
     b.close()
 
 
-async def test_too_many_connections_are_refused(sockdir):
-    server = await serve(FakeHandler(), f"{sockdir}/s", group=None, max_connections=1)
+async def test_when_full_a_busy_connection_is_kept_and_the_new_one_refused(sockdir):
+    handler = FakeHandler()
+    gate, started = asyncio.Event(), asyncio.Event()
+
+    async def slow_apply(op, args, peer, _orig=handler.handle):
+        if op == "apply":
+            started.set()
+            await gate.wait()
+        return await _orig(op, args, peer)
+
+    handler.handle = slow_apply
+    server = await serve(handler, f"{sockdir}/s", group=None, max_connections=1)
     async with server:
         a = await Conn.open(server.path)
-        assert (await a.call("version")).ok  # a is registered
+        rid = await a.send("apply", {"wait": True})  # a is in the middle of a request
+        await asyncio.wait_for(started.wait(), GUARD)
         b = await Conn.open(server.path)
         resp = await b.recv()
-        assert resp.error.code == wire.E_BUSY
+        assert resp.error.code == wire.E_BUSY and resp.error.message == "too many connections to gpud"
         assert await b.closed_by_server()
-        assert (await a.call("version")).ok
+        gate.set()
+        resp = await a.recv()
+        assert resp.id == rid and resp.ok
         a.close()
+
+
+async def test_when_full_the_oldest_idle_connection_makes_room(sockdir):
+    server = await serve(FakeHandler(), f"{sockdir}/s", group=None, max_connections=2)
+    async with server:
+        old, newer = await Conn.open(server.path), await Conn.open(server.path)
+        assert (await old.call("version")).ok
+        assert (await newer.call("version")).ok  # newer was active last
+        third = await Conn.open(server.path)
+        assert (await third.call("status")).ok
+        assert await old.closed_by_server()
+        assert (await newer.call("version")).ok
+        assert server.evicted == 1
+        newer.close()
+        third.close()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -616,3 +647,103 @@ async def test_close_does_not_wait_for_a_follower_that_stopped_reading(sockdir):
     await asyncio.wait_for(server.close(), GUARD)
     assert server.connections == 0 and handler.subscribers == set()
     stuck.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# Root is always served (issue 13.3)
+
+FOLLOWERS = textwrap.dedent("""
+    import os, socket, sys, time
+    sys.path.insert(0, os.getcwd())
+    from gpud.api import wire
+    path, n = sys.argv[1], int(sys.argv[2])
+    os.setgroups([]); os.setgid(65534); os.setuid(65534)   # nobody, in nogroup (which plays gpud)
+    held, refused = [], 0
+    for i in range(n):
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)   # and never read: a stalled follower
+        s.connect(path)
+        s.sendall(wire.encode_frame(wire.Request(id=1, op="events", args={"follow": True})))
+        held.append(s)
+    print("connected", len(held), flush=True)
+    sys.stdin.read()      # hold them all until the test lets go
+""")
+
+
+@root_only
+async def test_non_reading_followers_of_another_user_never_lock_root_out(sockdir):
+    """135 `events -f` of a gpud-group member that never read, against a 128-connection daemon:
+    root's status, apply and reload are still answered, the user keeps at most its share, and
+    the events nobody reads are not buffered without bound."""
+    handler = BusHandler(queue_size=50)
+    server = await serve(handler, f"{sockdir}/s", group=grp.getgrgid(65534).gr_name, idle_timeout=600)
+    async with server:
+        child = await asyncio.create_subprocess_exec(
+            sys.executable, "-c", FOLLOWERS, server.path, "135", stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, cwd=os.path.dirname(os.path.dirname(os.path.dirname(wire.__file__))))
+        try:
+            line = await asyncio.wait_for(child.stdout.readline(), 120)
+            assert line.decode().strip() == "connected 135", (line, await child.stderr.read())
+            await _until(lambda: len(handler.bus._subscribers) >= 16)  # its share is subscribed
+            blob = "x" * 4096
+            for i in range(200):  # 800 KB of events nobody reads
+                handler.publish("step", str(i), blob=blob)
+                await asyncio.sleep(0)
+            for op, args in (("status", {}), ("apply", {"wait": False}), ("reload", {})):
+                c = await Conn.open(server.path)
+                resp = await c.call(op, args)
+                assert resp.ok, (op, resp.error)
+                c.close()
+            nobody = [c for c in server._tasks.values() if c.peer is not None and c.peer.uid == 65534]
+            assert len(nobody) <= 16
+            # every subscription left is bounded: the queue of a stalled follower was dropped
+            await _until(lambda: all(len(q._items) <= 51 for q in handler.bus._subscribers))
+        finally:
+            child.stdin.close()
+            await child.wait()
+        await _until(lambda: not handler.bus._subscribers)  # gone with their connections
+
+
+async def test_per_uid_limit_and_root_reserve_with_injected_peers(sockdir):
+    """Peers decided at the server's seam: the client's abstract address names its uid."""
+    def lookup(sock: socket.socket) -> Peer:
+        uid = int(sock.getpeername().split(b"-")[-1] if isinstance(sock.getpeername(), bytes)
+                  else sock.getpeername().split("-")[-1])
+        return Peer(pid=1, uid=uid, gid=GPUD, groups=frozenset({GPUD}))
+
+    counter = iter(range(10_000))
+
+    async def open_as(uid: int) -> Conn:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.bind(f"\0gpud-test-{os.getpid()}-{next(counter)}-{uid}")
+        s.setblocking(False)
+        await asyncio.get_running_loop().sock_connect(s, server.path)
+        return Conn(*await asyncio.open_unix_connection(sock=s))
+
+    server = await serve(FakeHandler(), f"{sockdir}/s", group=None, max_connections=8, max_per_uid=3,
+                         root_reserve=2, peer_lookup=lookup)
+    server.gpud_gid = GPUD
+    async with server:
+        first = [await open_as(1000) for _ in range(3)]
+        for c in first:
+            assert (await c.call("status")).ok
+        fourth = await open_as(1000)  # over its limit: its own oldest idle connection goes
+        assert (await fourth.call("status")).ok
+        assert await first[0].closed_by_server()
+        others = [await open_as(2000 + i) for i in range(3)]
+        for c in others:
+            assert (await c.call("status")).ok
+        # 6 non-root connections = 8 - 2 reserved: the next non-root one displaces the oldest non-root
+        late = await open_as(3000)
+        assert (await late.call("status")).ok
+        assert await first[1].closed_by_server()
+        roots = [await open_as(0) for _ in range(2)]
+        for c in roots:
+            assert (await c.call("apply", {"wait": False})).ok
+        assert server.connections == 8
+        # full: root's next connection displaces the oldest non-root one, never another root's
+        extra_root = await open_as(0)
+        assert (await extra_root.call("reload")).ok
+        assert await first[2].closed_by_server()
+        for c in roots:
+            assert (await c.call("status")).ok

@@ -378,3 +378,16 @@ def test_apply_wait_prints_each_step_as_it_happens(daemon):
     assert any(line.endswith("step 0000:3b:00.0: create-gi 7g.141gb@0:8 done") for line in lines), lines
     assert "old history" not in r.stdout  # only this apply's events
     assert lines[-1] == "apply: converged"  # not "apply: converged: converged"
+
+
+def test_check_refuses_a_layout_over_gpuds_limit_before_sending(daemon, tmp_path):
+    from gpud.host.layout_source import MAX_LAYOUT_BYTES
+
+    assert wire.MAX_LAYOUT_TEXT == MAX_LAYOUT_BYTES  # the client's bound is the daemon's
+    big = tmp_path / "big.yaml"
+    big.write_text("#" * (MAX_LAYOUT_BYTES + 1))
+    r = run(daemon, "check", str(big))
+    assert r.returncode == 1
+    assert r.stderr.strip() == (f"gpudctl: cannot check {big}: the layout is over {MAX_LAYOUT_BYTES} bytes; "
+                                f"a layout may be at most {MAX_LAYOUT_BYTES} bytes (512 KiB)")
+    assert calls(daemon, "check") == []

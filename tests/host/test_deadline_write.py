@@ -80,3 +80,17 @@ def test_a_store_that_cannot_be_rebuilt_in_the_helper_is_refused(tmp_path):
 
     with pytest.raises(TypeError, match="child_spec"):
         write_with_deadline(Sysfs(str(tmp_path), store=store), "reset", "1", "0000:01:00.0", timeout=5)
+
+
+def test_abandoned_helpers_are_killed_and_reaped_when_gpud_stops(tmp_path):
+    pci = "0000:fc:00.0"  # an address no other test uses: the registry is per process
+    fifo = tmp_path / "unbind"
+    os.mkfifo(fifo)  # nobody ever opens it for reading: the helper would block forever
+    with pytest.raises(WriteStuck) as stuck:
+        write_with_deadline(Sysfs(str(tmp_path)), "unbind", pci, pci, timeout=0.5, kmsg=str(tmp_path / "no-kmsg"))
+    record = deadline_write.stuck_write_for(pci)
+    assert record is not None and os.path.exists(f"/proc/{stuck.value.pid}")
+    assert deadline_write.end_stuck_writes(timeout=30) == []
+    assert deadline_write.stuck_write_for(pci) is None
+    assert record.exit_status == -9  # SIGKILL, and reaped (waited for): no zombie is left
+    assert not os.path.exists(f"/proc/{stuck.value.pid}")

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from gpud.layout import check_text, parse_layout
 from gpud.layout.parse import ENTRY_KEYS, HOOK_KEYS, MATCH_KEYS, POLICY_KEYS, TOP_KEYS
+from gpud.layout import parse as parse_module
 from gpud.layout.schema import HOOK_PHASES
 from tests.layout.conftest import host, make_gpu
 
@@ -142,3 +143,17 @@ def test_alias_fan_out_is_bounded() -> None:
     assert str(parsed.errors[0]) == "layout.yaml: the layout is too large: YAML aliases expand it to over 100000 values"
     assert len(parsed.errors) == 101 and parsed.errors[-1].message.endswith("more errors not shown")
     assert parsed.layout is None and parsed.draft is None
+
+
+def test_too_many_values_without_aliases_says_so_not_aliases(monkeypatch) -> None:
+    """A big file with no alias gets an accurate message (it once blamed aliases). The budget is
+    lowered so the file stays small: the same check as 20,000 layouts against 100,000 values."""
+    monkeypatch.setattr(parse_module, "MAX_NODES", 5_000)
+    text = "version: v1\nselected: l0\nlayouts: {" + ", ".join(f"l{i}: [{{devices: [0]}}]" for i in range(2_000)) + "}\n"
+    parsed = parse_layout(text)
+    assert [str(e) for e in parsed.errors] == [
+        "layout.yaml: the layout is too large: it has over 5000 values (keys, list items, settings); "
+        "a layout describes one host's GPUs"]
+    aliased = "version: v1\nd: &d {devices: [0]}\nselected: l0\nlayouts: {" + ", ".join(
+        f"l{i}: [*d]" for i in range(2_000)) + "}\n"
+    assert "YAML aliases expand it to over 5000 values" in str(parse_layout(aliased).errors[0])

@@ -1,0 +1,118 @@
+"""Reading the layout file without trusting what sits at its path.
+
+The daemon reads `/etc/gpud/layout.yaml` as root, so whatever is at that path is read with root's
+rights: a FIFO would block the read until someone writes to it, `/dev/zero` would never end, a
+50 MB file would take minutes to parse on the event loop, and a link to a secret file would put
+its lines into status errors that every member of group `gpud` can read. So:
+
+- only a regular file is read: the path is stat'ed (following links, as configuration management
+  often links the file) and anything else is refused *before* it is opened, so no device is ever
+  opened; the open itself is O_NONBLOCK and the descriptor is checked again (fstat), in case the
+  path changed in between;
+- its size is checked before reading and the read stops one byte past the limit, so a file that
+  grows while it is read is refused too;
+- the text may be quoted in errors only when the file is owned by the daemon's user (root) and the
+  path does not lead through a link into another directory tree (`quotable`); otherwise errors
+  name lines but no text.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from dataclasses import dataclass
+
+# A layout is a few KB; a 12,000-entry stress file is under 500 KB. Above this the file is refused.
+# Half the socket's frame limit, so a `check` of any acceptable text fits in one request frame
+# (gpud.api.wire.MAX_LAYOUT_TEXT is the same number; a test keeps them equal).
+MAX_LAYOUT_BYTES = 512 * 1024
+
+
+class LayoutUnreadable(Exception):
+    """The layout cannot be read (missing, not a regular file, too large, not UTF-8, an OS error):
+    `message` says which, naming the path."""
+
+    def __init__(self, message: str, *, missing: bool = False) -> None:
+        super().__init__(message)
+        self.message = message
+        self.missing = missing
+
+
+@dataclass(frozen=True)
+class LayoutSource:
+    text: str
+    quotable: bool  # may its text appear in errors that non-root readers of status see?
+    unquoted_because: str = ""  # why not, when not
+
+
+def _kind(mode: int) -> str:
+    for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
+def size_error(where: str, size: int, limit: int = MAX_LAYOUT_BYTES) -> str:
+    return (f"{where}: the layout is {size} bytes; a layout may be at most {limit} bytes "
+            f"({limit // 1024} KiB)")
+
+
+def check_text_size(text: str, where: str, limit: int = MAX_LAYOUT_BYTES) -> str | None:
+    """The error for a layout text (e.g. sent with `check`) over the limit, else None."""
+    size = len(text.encode("utf-8", "surrogatepass"))
+    return size_error(where, size, limit) if size > limit else None
+
+
+def _quotable(path: str, st: os.stat_result) -> tuple[bool, str]:
+    if st.st_uid != os.geteuid():
+        return False, f"{path} is owned by uid {st.st_uid}, not by gpud's user"
+    real = os.path.realpath(path)
+    home = os.path.realpath(os.path.dirname(os.path.abspath(path)))
+    if os.path.commonpath([real, home]) != home:
+        return False, f"{path} is a link into another directory tree"
+    return True, ""
+
+
+def read_layout(path: str, limit: int = MAX_LAYOUT_BYTES) -> LayoutSource:
+    """The layout's text, or LayoutUnreadable; never blocks on a special file, never reads more
+    than `limit` + 1 bytes."""
+    try:
+        before = os.stat(path)
+    except FileNotFoundError:
+        raise LayoutUnreadable(f"{path}: file not found", missing=True) from None
+    except OSError as e:
+        raise LayoutUnreadable(f"{path}: {e.strerror}") from None
+    if not stat.S_ISREG(before.st_mode):
+        raise LayoutUnreadable(f"{path}: {_kind(before.st_mode)}, not a regular file; the layout must be a regular file")
+    if before.st_size > limit:
+        raise LayoutUnreadable(size_error(path, before.st_size, limit))
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY)
+    except OSError as e:
+        raise LayoutUnreadable(f"{path}: {e.strerror}", missing=isinstance(e, FileNotFoundError)) from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):  # replaced between the stat and the open
+            raise LayoutUnreadable(f"{path}: {_kind(st.st_mode)}, not a regular file; the layout must be a regular file")
+        chunks: list[bytes] = []
+        got = 0
+        while got <= limit:
+            chunk = os.read(fd, min(65536, limit + 1 - got))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            got += len(chunk)
+        if got > limit:  # it grew while being read
+            raise LayoutUnreadable(size_error(path, max(got, os.fstat(fd).st_size), limit))
+        data = b"".join(chunks)
+    except OSError as e:
+        raise LayoutUnreadable(f"{path}: {e.strerror}") from None
+    finally:
+        os.close(fd)
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise LayoutUnreadable(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    quotable, why = _quotable(path, st)
+    return LayoutSource(text=text, quotable=quotable, unquoted_because=why)
