@@ -62,7 +62,7 @@ class LayoutKeeper:
         candidate = parsed.layout or parsed.draft
         match = candidate.match if candidate is not None and candidate.match else DEFAULT_MATCH
         obs = self.observe(match)
-        return parsed, resolve(parsed, obs.gpus), obs
+        return parsed, resolve(parsed, obs.gpus, gone=obs.gone), obs
 
     @property
     def match(self) -> tuple[MatchRule, ...]:
