@@ -105,7 +105,10 @@ def layout_status(rec: Reconciler) -> wire.LayoutStatus:
     errors, warnings = rec.layout_issues
     res = rec.resolution
     if res is not None:
-        warnings = list(dict.fromkeys(warnings + [str(w) for w in res.warnings]
+        # The file in force is the one resolved now: its warnings as of now (a GPU that came back
+        # is no longer warned about); a refused file's own warnings stay beside the ones in force.
+        kept = warnings if errors else []
+        warnings = list(dict.fromkeys(kept + [str(w) for w in res.warnings]
                                       + list(rec.gpu_set_notes.values())))
         errors = list(dict.fromkeys(errors + [str(e) for e in res.errors]))
     return wire.LayoutStatus(path=rec.config_path, selected=rec.layout.layout.selected if rec.layout else None,
