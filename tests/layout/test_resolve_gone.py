@@ -73,7 +73,7 @@ def test_all_and_device_filter_entries_report_the_changed_set():
         """)
     assert r.errors == [] and len(r.desired) == 2
     assert [str(w) for w in r.warnings] == [
-        "layout.yaml:3 layouts.t[0].devices: the GPU set changed: GPU 0 (0000:18:00.0, NVIDIA H100 80GB HBM3) "
+        "layout.yaml:4 layouts.t[0].devices: the GPU set changed: GPU 0 (0000:18:00.0, NVIDIA H100 80GB HBM3) "
         "is gone from the PCI bus; this entry (device-filter) now selects 2 GPUs present"]
     other = resolved("""
         version: v1
