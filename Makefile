@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test test-fast sysdeps bench deb clean
+.PHONY: demo test test-fast sysdeps bench reliability deb clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -31,6 +31,10 @@ test-fast: $(STAMP)
 bench: $(STAMP)
 	$(PY) -m bench.mig_bench
 	$(PY) bench/client_startup.py
+
+# The reliability soak at full scale: rewrites bench/results/reliability.md (`make test` runs it at CI scale).
+reliability: $(STAMP)
+	$(PY) -m bench.reliability
 
 deb:
 	packaging/build-deb.sh
