@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test test-fast sysdeps bench bench-update deb clean
+.PHONY: demo test test-fast sysdeps bench bench-update reliability deb clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -39,6 +39,10 @@ bench: $(STAMP)
 
 bench-update:
 	$(MAKE) bench BENCH_OUT=bench/results
+
+# The reliability soak at full scale: rewrites bench/results/reliability.md (`make test` runs it at CI scale).
+reliability: $(STAMP)
+	$(PY) -m bench.reliability
 
 deb:
 	packaging/build-deb.sh

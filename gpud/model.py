@@ -137,3 +137,21 @@ class Gpu(Struct, frozen=True):
     @property
     def pci_id(self) -> str:
         return self.function.pci_id
+
+
+class KnownGpu(Struct, frozen=True):
+    """A GPU gpud has numbered, as last seen: what an index names while the card is away.
+
+    Indices are kept per PCI address (gpud.engine.gpu_index), so a GPU missing from the bus keeps
+    its index and its last identity, and no other GPU ever takes that index over."""
+
+    index: int
+    pci: str
+    vendor: int
+    device: int
+    model: str
+    uuid: str | None = None
+
+    @property
+    def pci_id(self) -> str:
+        return f"{self.vendor:04x}:{self.device:04x}"

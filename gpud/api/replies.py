@@ -18,7 +18,7 @@ from gpud.engine.reconciler import Reconciler
 from gpud.layout.desired import DesiredGpu
 from gpud.layout.names import mig_device_name
 from gpud.layout.resolve import Resolution
-from gpud.model import Gpu, Holder, MigProfile, Placement
+from gpud.model import Gpu, Holder, KnownGpu, MigProfile, Placement
 from gpud.plan.binding import BindingPlan, BindStep, plan_binding
 from gpud.plan.mig import Destroyed, GpuPlan, Step
 from gpud.profiles import GI_PROFILE_INDEX, NVIDIA, ModelInfo, by_device, model_name
@@ -102,12 +102,23 @@ def gpu_status(gpu: Gpu, desired: DesiredGpu | None, state: GpuState | None) -> 
     )
 
 
+def gone_gpu_status(known: KnownGpu, state: GpuState | None) -> wire.GpuStatus:
+    """A GPU missing from the bus keeps its row, index and last identity: `gone`."""
+    return wire.GpuStatus(index=known.index, pci=known.pci, uuid=known.uuid, model=known.model,
+                          pci_id=known.pci_id, driver=None, workload="gone", converged=False, state="gone",
+                          message=state.message if state is not None else "gone from the PCI bus")
+
+
 def layout_status(rec: Reconciler) -> wire.LayoutStatus:
     """The file in force and what is wrong with it now, resolved against the host as it is."""
     errors, warnings = rec.layout_issues
     res = rec.resolution
     if res is not None:
-        warnings = list(dict.fromkeys(warnings + [str(w) for w in res.warnings]))
+        # The file in force is the one resolved now: its warnings as of now (a GPU that came back
+        # is no longer warned about); a refused file's own warnings stay beside the ones in force.
+        kept = warnings if errors else []
+        warnings = list(dict.fromkeys(kept + [str(w) for w in res.warnings]
+                                      + list(rec.gpu_set_notes.values())))
         errors = list(dict.fromkeys(errors + [str(e) for e in res.errors]))
     shown_errors, errors_omitted = capped(errors, "errors")
     shown_warnings, warnings_omitted = capped(warnings, "warnings")
@@ -131,6 +142,8 @@ def status_reply(rec: Reconciler) -> wire.StatusReply:
     res = rec.resolution
     gpus = [gpu_status(g, res.desired.get(g.pci) if res else None, rec.gpu_states.get(g.pci))
             for g in rec.observation.gpus]
+    gpus += [gone_gpu_status(k, rec.gpu_states.get(k.pci)) for k in rec.observation.gone]
+    gpus.sort(key=lambda g: g.index)
     return wire.StatusReply(phase=rec.phase_now(), layout=layout_status(rec), gpus=gpus, read_only=rec.read_only,
                             version=VERSION)
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable, Mapping
 
 from gpud.engine.gpu_state import Action
+from gpud.engine.gpu_tasks import for_each_gpu
 from gpud.engine.hooks import ApplyInfo, HookFailed, HookRunner, refresh_cdi
 from gpud.engine.ports import Drainer
 from gpud.layout.desired import DesiredGpu
@@ -45,9 +46,8 @@ async def apply_with_hooks(
                 await hooks.run("pre-apply-mode", info)
             if mig_config:
                 await hooks.run("pre-apply-config", info)
-            for pci in sorted(todo):
-                done.add(pci)
-                await apply_one(pci)
+            done.update(todo)  # side by side, bounded: one GPU's slow step never holds up another
+            await for_each_gpu(sorted(todo), apply_one)
             info.changed_mig = changed_mig()
             failed = [p for p in todo if not converged(p)]
             if failed:

@@ -106,7 +106,7 @@ class LayoutKeeper:
         it: selectors and profile names are checked against the real GPUs before the file is taken."""
         parsed = self._parse(text, path)
         obs = self.observe(self._match_of(parsed))
-        return parsed, resolve(parsed, obs.gpus), obs
+        return parsed, resolve(parsed, obs.gpus, gone=obs.gone), obs
 
     async def evaluate_async(self, text: str, path: str,
                              observe: Callable[[tuple[MatchRule, ...]], Awaitable[Observation]],
@@ -122,7 +122,7 @@ class LayoutKeeper:
                                  ) -> tuple[ParsedLayout, Resolution, Observation]:
         parsed = await asyncio.to_thread(self._parse, text, path)
         obs = await observe(self._match_of(parsed))
-        return parsed, await asyncio.to_thread(resolve, parsed, obs.gpus), obs
+        return parsed, await asyncio.to_thread(resolve, parsed, obs.gpus, gone=obs.gone), obs
 
     @staticmethod
     def _parse(text: str, path: str) -> ParsedLayout:

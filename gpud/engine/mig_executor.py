@@ -12,7 +12,11 @@ Error handling (NVML return codes):
 - 10 NVML_ERROR_TIMEOUT and 999 NVML_ERROR_UNKNOWN are retried `retries` times with exponential
   backoff (the driver answers these under load or while a previous MIG operation settles);
 - 19 NVML_ERROR_IN_USE means a process started after planning: the outcome is "waiting" with the
-  holders now seen, so the caller's on-busy policy applies as if the plan had been blocked;
+  holders now seen, so the caller's on-busy policy applies as if the plan had been blocked. An
+  IN_USE with no identifiable holder (NVML lists no process on the GPU or its MIG devices, and no
+  process has its device node open) has nobody to wait for: nothing would ever wake a wait on it.
+  It is retried with backoff for a bounded time (`in_use_window_s` of sleeping) and then "failed"
+  with the reason (issue 13, item 6);
 - everything else (INSUFFICIENT_RESOURCES, NOT_SUPPORTED, NO_PERMISSION, GPU_IS_LOST ...) is final:
   "failed", naming the NVML function, the code and its message.
 
@@ -55,6 +59,14 @@ class _Stop(Exception):
         self.outcome = (state, message, sorted(set(holders)))
 
 
+class _NobodyHolds(Exception):
+    """IN_USE, and no process can be named: retried for a bounded time, then `final`."""
+
+    def __init__(self, final: _Stop) -> None:
+        super().__init__(str(final))
+        self.final = final
+
+
 class _Retry(Exception):
     """A transient failure inside one attempt: try again, or end with `final` when no tries are left."""
 
@@ -83,8 +95,9 @@ def _layout(g: NvmlGpu) -> list[tuple[Any, int, tuple[int, ...]]]:
 class _Run:
     def __init__(self, nvml: Any, plan: GpuPlan, sysfs: Any, policy_reset: str, retries: int,
                  sleep: Callable[[float], None], backoff_s: float,
-                 holders: Callable[[str], Sequence[Holder]] | None) -> None:
+                 holders: Callable[[str], Sequence[Holder]] | None, in_use_window_s: float) -> None:
         self.nvml, self.plan, self.pci = nvml, plan, plan.pci
+        self.in_use_window_s = in_use_window_s
         self.sysfs, self.policy_reset, self.retries = sysfs, policy_reset, retries
         self.sleep, self.backoff_s, self.holders = sleep, backoff_s, holders
 
@@ -137,7 +150,10 @@ class _Run:
                 if done(g):  # the call did its work before reporting the error
                     return g
                 if code == NVML_ERROR_IN_USE:
-                    hs = busy(g) or _all_holders(g)
+                    hs = busy(g) or _all_holders(g) or list(self.holders(self.pci) if self.holders else ())
+                    if not hs:
+                        raise _NobodyHolds(_Stop("failed", f"{what}: {_describe(e)}, but no process holds "
+                                                           f"{self.pci} or its MIG devices")) from e
                     raise _Stop("waiting", f"{what}: in use ({_describe(e)})", hs) from e
                 stop = _Stop("failed", f"{what}: {_describe(e)}")
                 raise (_Retry(stop) if code in TRANSIENT else stop) from e
@@ -146,7 +162,24 @@ class _Run:
                 return g
             raise _Stop("failed", f"{what}: NVML reported success but the GPU does not show the change")
 
-        return self.with_retries(attempt)
+        return self.while_nobody_holds(lambda: self.with_retries(attempt))
+
+    def while_nobody_holds(self, attempt: Callable[[], T]) -> T:
+        """Retry an IN_USE nobody can be named for: backoff doubling from `backoff_s` up to 2 s,
+        until `in_use_window_s` of sleeping has passed; then the failure, saying how long it tried."""
+        slept, tries = 0.0, 0
+        while True:
+            tries += 1
+            try:
+                return attempt()
+            except _NobodyHolds as nobody:
+                if slept >= self.in_use_window_s:
+                    state, message, hs = nobody.final.outcome
+                    raise _Stop(state, f"{message}; still in use after {tries} tries over {slept:.1f} s, "
+                                       "so it is not waited for", hs) from nobody.__cause__
+                delay = min(self.backoff_s * 2 ** (tries - 1), 2.0, self.in_use_window_s - slept)
+                self.sleep(delay)
+                slept += delay
 
     # ---- steps --------------------------------------------------------------------------------
     def find_gi(self, g: NvmlGpu, step: Step) -> GpuInstance | None:
@@ -303,6 +336,7 @@ def execute(
     sleep: Callable[[float], None] = time.sleep,
     backoff_s: float = 0.2,
     holders: Callable[[str], Sequence[Holder]] | None = None,
+    in_use_window_s: float = 15.0,
 ) -> Outcome:
     """Run `plan` on its GPU. `nvml` follows gpud.host.nvml.Nvml, `sysfs` gpud.host.sysfs.Sysfs.
     `on_step(step, result)` is called after each step ("done") and on the step that stops the run.
@@ -312,7 +346,7 @@ def execute(
     if plan.blocked_by:
         names = ", ".join(f"pid {h.pid} {h.name} on {h.device}" for h in plan.blocked_by)
         return Outcome("waiting", f"waiting for {names}", list(plan.blocked_by))
-    run = _Run(nvml, plan, sysfs, policy_reset, retries, sleep, backoff_s, holders)
+    run = _Run(nvml, plan, sysfs, policy_reset, retries, sleep, backoff_s, holders, in_use_window_s)
     done = 0
     step: Step | None = None
     try:

@@ -1,8 +1,10 @@
 """Discovery: one consistent picture of the managed GPUs, joined from sysfs and NVML.
 
 sysfs is the authority on which GPUs exist and which driver holds them (NVML cannot see a GPU on
-vfio-pci), so indices come from sysfs in PCI-address order and never shift with the binding.
-NVML adds identity and MIG state for the GPUs it can see.
+vfio-pci), so indices never shift with the binding: `observe` numbers the GPUs present in
+PCI-address order, and the reconciler replaces those numbers with the kept ones of
+gpud.engine.gpu_index, so that a GPU leaving the bus shifts nobody. NVML adds identity and MIG
+state for the GPUs it can see.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from msgspec import Struct
 from gpud.host.nvml import Nvml, NvmlError
 from gpud.host.sysfs import Sysfs
 from gpud.layout.match import managed
-from gpud.model import Gpu, NvmlGpu, PciFunction
+from gpud.model import Gpu, KnownGpu, NvmlGpu, PciFunction
 
 log = logging.getLogger(__name__)
 
@@ -24,6 +26,7 @@ class Observation(Struct, frozen=True):
     gpus: tuple[Gpu, ...]
     functions: tuple[PciFunction, ...]  # every PCI function, for companions and the inventory
     nvml_error: str | None = None  # NVML unusable (driver gone, no GPU bound): said in status
+    gone: tuple[KnownGpu, ...] = ()  # GPUs numbered before and missing from the bus now (gpu_index)
 
 
 def companions_of(function: PciFunction, functions: Sequence[PciFunction]) -> tuple[PciFunction, ...]:

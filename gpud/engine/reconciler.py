@@ -24,6 +24,8 @@ import msgspec
 
 from gpud.engine.apply_lock import ApplyLock, ApplyLockRefused
 from gpud.engine.events import EventBus, event_fields
+from gpud.engine.gpu_index import GpuIndex, SetChange, index_path
+from gpud.engine.gpu_tasks import NvmlSessionGate, SharedDrain, for_each_gpu
 from gpud.engine.gpu_state import PHASE_ORDER, Action, BindAction, GpuState, MigAction
 from gpud.engine.holder_watch import HolderWatch
 from gpud.engine.hooked_apply import apply_with_hooks
@@ -41,7 +43,7 @@ from gpud.layout.desired import DesiredGpu
 from gpud.layout.parse import ParsedLayout
 from gpud.layout.resolve import Resolution, resolve
 from gpud.layout.schema import MatchRule, Policy
-from gpud.model import Gpu, Holder, NvmlGpu
+from gpud.model import Gpu, Holder, KnownGpu, NvmlGpu
 from gpud.plan.binding import BindingPlan, plan_binding
 from gpud.plan.mig import GpuPlan, plan_gpu
 
@@ -86,6 +88,14 @@ class Reconciler:
         self.layout_file = LayoutKeeper(config_path, bus, self._observe)
         self.scheduler = PassScheduler()
         self.holder_watch = HolderWatch(self._holder_exited)
+        # PCI address -> kept index: a GPU leaving the bus shifts nobody (gpud.engine.gpu_index)
+        self.gpu_index = GpuIndex(index_path(state_dir), on_problem=lambda m: bus.publish("error", m))
+        self.gpu_set_notes: dict[str, str] = {}  # PCI -> what changed in the GPU set, for status
+        self._set_changes: list[SetChange] = []  # seen by a read in a worker thread, said by _install
+        # GPUs converge side by side (gpud.engine.gpu_tasks): NVML work and unbinds from nvidia
+        # exclude each other; drained units stay stopped until the last GPU's step ends.
+        self.nvml_gate = NvmlSessionGate()
+        self.shared_drain = SharedDrain()
         self._pass_layout: ParsedLayout | None = None  # the layout a running pass started with
         self._inflight: set[asyncio.Future] = set()  # hardware steps running in worker threads
         self._mig_changed: set[str] = set()  # GPUs whose MIG devices changed in this pass
@@ -114,11 +124,19 @@ class Reconciler:
     def load_config(self) -> bool:
         """Read and parse the file; a bad file never replaces the last good layout. Reads the
         host on the calling thread (start-up, tests); the daemon uses `load_config_async`."""
-        return self.layout_file.load()
+        return self._ack_new_gpus(self.layout_file.load())
+
+    def _ack_new_gpus(self, ok: bool) -> bool:
+        """A good file read after a new GPU joined acknowledges it: its note leaves status."""
+        if ok:
+            present = {g.pci for g in self.observation.gpus}
+            for pci in [p for p in self.gpu_set_notes if p in present]:
+                del self.gpu_set_notes[pci]
+        return ok
 
     async def load_config_async(self) -> bool:
         """`load_config` with the host read off the event loop."""
-        return await self.layout_file.load_async(self._observe_async)
+        return self._ack_new_gpus(await self.layout_file.load_async(self._observe_async))
 
     def evaluate(self, text: str, path: str) -> tuple[ParsedLayout, Resolution, Observation]:
         """Parse a layout text and resolve it against this host as that layout's own `match:` sees it."""
@@ -135,7 +153,18 @@ class Reconciler:
             return await self.observer.refresh()
         return await asyncio.to_thread(self._observe, match)
 
-    def _observe(self, match: tuple[MatchRule, ...]) -> Observation:
+    def _observe(self, match: tuple[MatchRule, ...], *, commit: bool = False) -> Observation:
+        """The host as `match` selects it, each GPU with its kept index (gpud.engine.gpu_index) and
+        the known GPUs missing from the bus in `gone`. Only `commit` (the observer's reads of the
+        layout in force) makes the index map take new GPUs; a `check` of a candidate file remembers
+        nothing. A change of the GPU set is reported on the loop, by `_install`."""
+        obs = self._read_functions(match)
+        gpus, gone, change = self.gpu_index.assign(obs.gpus, (f.address for f in obs.functions), commit=commit)
+        if commit and change:
+            self._set_changes.append(change)  # list.append is atomic: this runs in a worker thread
+        return msgspec.structs.replace(obs, gpus=gpus, gone=gone)
+
+    def _read_functions(self, match: tuple[MatchRule, ...]) -> Observation:
         """While a rebind runs, NVML stays closed: opening it (nvmlInit opens every GPU) would make
         gpud itself the holder its unbind waits for. The last good NVML view stands in meanwhile,
         also for a read that the closing cut short."""
@@ -169,7 +198,7 @@ class Reconciler:
         against the last observation (no hardware read); the pass re-plans from a fresh one."""
         if self.layout is None or self.scheduler.running:
             return  # a running pass sets each GPU's state itself
-        resolution = resolve(self.layout, self.observation.gpus)
+        resolution = resolve(self.layout, self.observation.gpus, gone=self.observation.gone)
         if resolution.errors:
             return
         changed = False
@@ -252,19 +281,50 @@ class Reconciler:
 
     def _read_host(self) -> Observation:
         """The host as the layout in force's `match:` selects it; blocking, run in a worker thread."""
-        return self._observe(self.layout_file.match)
+        return self._observe(self.layout_file.match, commit=True)
 
     def _install(self, observation: Observation) -> None:
-        """Take a new observation, on the loop: the layout resolved against it, vanished GPUs."""
+        """Take a new observation, on the loop: changes of the GPU set said first, the layout
+        resolved against it, vanished GPUs marked `gone`."""
+        while self._set_changes:
+            self._report_set_change(self._set_changes.pop(0))
         self.observation = observation
         if self.layout is not None:
-            self.resolution = resolve(self.layout, self.observation.gpus)
+            self.resolution = resolve(self.layout, self.observation.gpus, gone=self.observation.gone)
         present = {g.pci for g in self.observation.gpus}
+        for known in self.observation.gone:
+            if self.gpu_states.get(known.pci, GpuState("unmanaged")).state != "gone":
+                self.gpu_states[known.pci] = GpuState("gone", _gone_message(known))
         for pci, st in list(self.gpu_states.items()):
-            if pci not in present and st.state != "gone":
+            if pci not in present and st.state != "gone":  # left the bus but not numbered (not managed)
                 self.gpu_states[pci] = GpuState("gone", "the GPU disappeared from the PCI bus")
                 self.bus.publish("gpu-gone", "GPU removed", gpu=pci)
         self._notify()
+
+    def _report_set_change(self, change: SetChange) -> None:
+        """A GPU left, came back or is new: said (event, and a status warning) before the pass that
+        follows applies anything, so an `all` or `device-filter` entry never silently covers a
+        different set of GPUs."""
+        for known in change.gone:
+            note = _gone_message(known)
+            self.gpu_set_notes[known.pci] = note
+            self.bus.publish("gpu-gone", note, gpu=known.pci, index=known.index)
+        for known in change.returned:
+            self.gpu_set_notes.pop(known.pci, None)
+            self.bus.publish("gpu-returned", f"GPU {known.index} ({known.pci}, {known.model}) is back on the PCI "
+                                             f"bus with its index {known.index}", gpu=known.pci, index=known.index)
+        for known in change.joined:
+            note = (f"GPU {known.index} ({known.pci}, {known.model}) is new on this host: it gets index "
+                    f"{known.index} (indices of GPUs gpud has seen before do not change); entries with "
+                    "`devices: all` or `device-filter` may now select it")
+            self.gpu_set_notes[known.pci] = note
+            self.bus.publish("gpu-added", note, gpu=known.pci, index=known.index)
+        self.bus.publish("gpu-set-changed", "the set of GPUs changed: " + ", ".join(
+            [f"gone {k.index} ({k.pci})" for k in change.gone]
+            + [f"back {k.index} ({k.pci})" for k in change.returned]
+            + [f"new {k.index} ({k.pci})" for k in change.joined]) + "; reported before anything is applied",
+            gone=[k.pci for k in change.gone], returned=[k.pci for k in change.returned],
+            joined=[k.pci for k in change.joined])
 
     def _notify(self) -> None:
         for cb in self._listeners:
@@ -335,9 +395,9 @@ class Reconciler:
                 self._set(gpu.pci, GpuState("unmanaged", "not in the selected layout: left untouched"))
         if todo:
             await self._apply_with_hooks(todo, resolution)
-        for pci, desired in resolution.desired.items():  # the GPUs with nothing to do (re-checked)
-            if pci not in todo:
-                await self._converge_one(pci, desired)
+        # the GPUs with nothing to do (re-checked)
+        await for_each_gpu([p for p in sorted(resolution.desired) if p not in todo],
+                           lambda pci: self._converge_one(pci, resolution.desired[pci]))
 
     async def _converge_one(self, pci: str, desired: DesiredGpu) -> None:
         """One GPU, inside its own safety net: its surprise must not stop the others."""
@@ -402,6 +462,8 @@ class Reconciler:
         """Holders block a step: wait for them to exit (`on-busy: wait`) or fail (`fail`)."""
         if self.policy is not None and self.policy.on_busy == "fail":
             return GpuState("failed", f"busy (on-busy: fail): {waiting.message}", waiting.holders)
+        if not waiting.holders:  # nothing's exit would ever wake the wait: never `waiting` on nothing
+            return GpuState("failed", f"{waiting.message}; no process to wait for")
         self.holder_watch.watch(waiting.holders)
         return waiting
 
@@ -415,7 +477,7 @@ class Reconciler:
             msg = f"{step} {result}"
             loop.call_soon_threadsafe(lambda: self.bus.publish("step", msg, gpu=gpu.pci, step=event_fields(step)))
 
-        async with self._drained(gpu):
+        async with self.nvml_gate.hold("open"), self._drained(gpu):
             outcome = await self._in_worker(
                 mig_executor.execute, self.hw.nvml, plan, sysfs=DeadlineSysfs(self.hw.sysfs, self.binder_timeout),
                 policy_reset=self.policy.reset if self.policy else "per-gpu", on_step=on_step,
@@ -470,17 +532,23 @@ class Reconciler:
     async def _run_bind(self, gpu: Gpu, plan: BindingPlan) -> GpuState:
         from gpud.engine import binder
 
-        def before_unbind() -> None:
-            self.hw.nvml.suspend()  # our own handle must not be what keeps the GPU busy
+        suspended: list[bool] = []
 
-        async with self._drained(gpu):
+        def before_unbind() -> None:  # called from the worker thread, at most once per run
+            self.hw.nvml.suspend()  # our own handle must not be what keeps the GPU busy
+            suspended.append(True)
+
+        # Leaving nvidia needs NVML closed: wait for NVML work on other GPUs, and keep it off meanwhile.
+        use = "closed" if gpu.function.driver == "nvidia" else None
+        async with (self.nvml_gate.hold(use) if use else contextlib.nullcontext()), self._drained(gpu):
             try:
                 outcome = await self._in_worker(
                     binder.execute, self.hw.sysfs, self.hw.procs, plan,
                     before_unbind=before_unbind, timeout=self.binder_timeout,
                 )
             finally:
-                self.hw.nvml.resume()  # reads open NVML again on demand
+                if suspended:
+                    self.hw.nvml.resume()  # reads open NVML again on demand, once no rebind needs it closed
         self.bus.publish("bind", f"{outcome.state}: {outcome.message}", gpu=gpu.pci)
         return GpuState(outcome.state, outcome.message, tuple(outcome.holders))
 
@@ -494,7 +562,7 @@ class Reconciler:
             return
         if self.drainer is None:
             raise RuntimeError(f"policy.drain-units {units} needs the system D-Bus, which is not reachable")
-        async with self.drainer.drained(units):
+        async with self.shared_drain.drained(self.drainer, units):
             yield
 
     def _set(self, pci: str, st: GpuState, **data) -> None:
@@ -531,6 +599,12 @@ def _phase(states: Iterable[GpuState]) -> str:
         if phase in states:
             return phase
     return "converged"
+
+
+def _gone_message(known: KnownGpu) -> str:
+    return (f"GPU {known.index} ({known.pci}, {known.model}"
+            + (f", {known.uuid}" if known.uuid else "")
+            + f") is gone from the PCI bus; it keeps index {known.index} and no other GPU takes its entry")
 
 
 def _converged_message(gpu: Gpu, desired: DesiredGpu) -> str:

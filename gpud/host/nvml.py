@@ -64,7 +64,7 @@ class Nvml:
         self.read_only = read_only
         self.proc_root = proc_root
         self._open = False
-        self._suspended = False
+        self._suspended = 0  # rebinds in flight that need NVML closed (several GPUs may rebind at once)
         self._session = threading.RLock()  # open/close/suspend from the loop and worker threads
         # (pci, GI profile id) -> size in memory slices, learned from the possible placements
         self._sizes: dict[tuple[str, int], int] = {}
@@ -88,19 +88,20 @@ class Nvml:
                 self._call("nvmlShutdown", None, pynvml.nvmlShutdown)
 
     def suspend(self) -> None:
-        """Close, and refuse to reopen until `resume`: nvmlInit opens every GPU, so a read from
-        another thread during an unbind would make gpud the holder its own unbind waits for."""
+        """Close, and refuse to reopen until the matching `resume`: nvmlInit opens every GPU, so a
+        read from another thread during an unbind would make gpud the holder its own unbind waits
+        for. Counted: NVML stays closed until every rebind that suspended it has resumed."""
         with self._session:
-            self._suspended = True
+            self._suspended += 1
         self.close()
 
     def resume(self) -> None:
         with self._session:
-            self._suspended = False
+            self._suspended = max(0, self._suspended - 1)
 
     @property
     def suspended(self) -> bool:
-        return self._suspended
+        return self._suspended > 0
 
     def __enter__(self) -> Nvml:
         self.open()

@@ -9,6 +9,7 @@ a combination of profiles is the planner's business; it explains infeasibility w
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TypeVar
 
 from msgspec import Struct, field
 
@@ -22,7 +23,7 @@ from gpud.layout.parse import (
     parse_layout,
 )
 from gpud.layout.schema import Layout, PciId
-from gpud.model import Gpu, MigProfile
+from gpud.model import Gpu, KnownGpu, MigProfile
 from gpud.profiles import NVIDIA, by_device, model_name, with_model_ci_profiles
 
 
@@ -59,6 +60,8 @@ def _at(pcis: list[str]) -> str:
     return shown if len(pcis) <= 3 else f"{shown} and {len(pcis) - 3} more"
 
 
+Found = TypeVar("Found", Gpu, KnownGpu)
+
 _AT = "\x00at\x00"  # where a grouped message lists the GPUs' addresses
 
 
@@ -83,8 +86,13 @@ class _Collector:
         return sorted(self.issues, key=lambda i: i.line or 0)
 
 
-def resolve(parsed: ParsedLayout, gpus: Sequence[Gpu]) -> Resolution:
-    """Resolve the selected layout against the managed GPUs (index set, PCI-address order)."""
+def resolve(parsed: ParsedLayout, gpus: Sequence[Gpu], gone: Sequence[KnownGpu] = ()) -> Resolution:
+    """Resolve the selected layout against the managed GPUs present (each with its kept index).
+
+    `gone`: GPUs numbered before that are missing from the bus now. A selector naming one of them
+    is not an error and selects nothing: its index is never handed to another GPU, so the entry
+    waits for that GPU to come back (a warning says so). An `all` or `device-filter` entry that
+    would have covered a gone GPU gets a warning too: the set it selects has changed."""
     layout = parsed.layout or parsed.draft
     if layout is None or layout.selected is None or layout.selected not in layout.layouts:
         return Resolution(errors=list(parsed.errors), warnings=list(parsed.warnings))
@@ -94,6 +102,9 @@ def resolve(parsed: ParsedLayout, gpus: Sequence[Gpu]) -> Resolution:
     by_index = {g.index: g for g in gpus}
     by_pci = {g.pci: g for g in gpus}
     by_uuid = {g.nvml.uuid.lower(): g for g in gpus if g.nvml is not None and g.nvml.uuid}
+    gone_index = {k.index: k for k in gone}
+    gone_pci = {k.pci: k for k in gone}
+    gone_uuid = {k.uuid.lower(): k for k in gone if k.uuid}
     claimed: dict[str, str] = {}  # PCI address -> entry path
     desired: dict[str, DesiredGpu] = {}
 
@@ -107,13 +118,26 @@ def resolve(parsed: ParsedLayout, gpus: Sequence[Gpu]) -> Resolution:
             for j, selector in enumerate(entry.devices):
                 spath = parsed.origin(item_path(dpath, j))
                 gpu = _find(selector, by_index, by_pci, by_uuid)
-                if gpu is None:
+                missing = _find(selector, gone_index, gone_pci, gone_uuid) if gpu is None else None
+                if missing is not None:
+                    warnings.add(spath, f"{_gone(missing)}; this entry selects nothing there until it "
+                                        "returns (its index is never given to another GPU)")
+                elif gpu is None:
                     errors.add(spath, _no_such_gpu(selector, gpus))
                 else:
                     targets.append((gpu, spath))
         if entry.device_filter:  # narrows the selected devices, as in mig-parted
             wanted = set(entry.device_filter)
             targets = [(g, p) for g, p in targets if PciId(g.function.vendor, g.function.device) in wanted]
+        if entry.devices == "all" or entry.device_filter:
+            how = "devices: all" if not entry.device_filter else "device-filter"
+            for missing in gone:
+                if entry.device_filter and PciId(missing.vendor, missing.device) not in set(entry.device_filter):
+                    continue
+                if entry.devices != "all" and missing.index not in entry.devices and missing.pci not in entry.devices:
+                    continue  # named explicitly: reported above
+                warnings.add(dpath, f"the GPU set changed: {_gone(missing)}; this entry ({how}) now selects "
+                                    f"{len(targets)} GPU{'' if len(targets) == 1 else 's'} present")
 
         for gpu, spath in targets:
             if claimed.get(gpu.pci) == epath:
@@ -157,7 +181,8 @@ def check_text(text: str, file: str = "layout.yaml", gpus: Sequence[Gpu] = (), *
     return resolve(parse_layout(text, file, select=select), gpus)
 
 
-def _find(selector: int | str, by_index: dict[int, Gpu], by_pci: dict[str, Gpu], by_uuid: dict[str, Gpu]) -> Gpu | None:
+def _find(selector: int | str, by_index: dict[int, Found], by_pci: dict[str, Found],
+          by_uuid: dict[str, Found]) -> Found | None:
     if isinstance(selector, int):
         return by_index.get(selector)
     if selector.startswith("GPU-"):
@@ -165,9 +190,20 @@ def _find(selector: int | str, by_index: dict[int, Gpu], by_pci: dict[str, Gpu],
     return by_pci.get(selector)
 
 
+def _indices(indices: list[int]) -> str:
+    """`0-7` when they run without a gap (the usual case), else `0, 2, 3`."""
+    if indices == list(range(indices[0], indices[0] + len(indices))):
+        return f"{indices[0]}-{indices[-1]}"
+    return ", ".join(map(str, indices))
+
+
+def _gone(known: KnownGpu) -> str:
+    return f"GPU {known.index} ({known.pci}, {known.model}) is gone from the PCI bus"
+
+
 def _no_such_gpu(selector: int | str, gpus: Sequence[Gpu]) -> str:
     host = (f"this host has {len(gpus)} managed GPU{'s' if len(gpus) != 1 else ''} "
-            f"(indices 0-{len(gpus) - 1})" if gpus else "this host has no managed GPUs")
+            f"(indices {_indices(sorted(g.index for g in gpus))})" if gpus else "this host has no managed GPUs")
     if isinstance(selector, int):
         return f"no GPU with index {selector}; {host}"
     if selector.startswith("GPU-"):

@@ -38,12 +38,18 @@ class Daemon:
         self.config.write_text(layout)
         self.socket = tmp / "gpud.sock"
         self.log = tmp / "gpud.log"
+        self.state_dir = tmp / "state"
+        self.extra_args = list(extra_args)
+        self.start(mode="w")
+
+    def start(self, mode: str = "a") -> None:
+        """Start gpud on this host (again: same state directory, socket and log)."""
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         env.pop("NOTIFY_SOCKET", None)
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "gpud.daemon", "--sim", str(self.host), "--config", str(self.config),
-             "--socket", str(self.socket), "--state-dir", str(tmp / "state"), *extra_args],
-            stdout=self.log.open("w"), stderr=subprocess.STDOUT, env=env, cwd=ROOT,
+             "--socket", str(self.socket), "--state-dir", str(self.state_dir), *self.extra_args],
+            stdout=self.log.open(mode), stderr=subprocess.STDOUT, env=env, cwd=ROOT,
         )
         wait_until(lambda: self.ctl("version").returncode == 0 or self.proc.poll() is not None, what="gpud to answer")
         if self.proc.poll() is not None:
@@ -56,6 +62,15 @@ class Daemon:
     def sim(self, *args: str) -> subprocess.CompletedProcess:
         return subprocess.run([sys.executable, "-m", "gpud.sim.cli", args[0], str(self.host), *args[1:]],
                               capture_output=True, text=True, timeout=60, cwd=ROOT)
+
+    def sim_state(self) -> dict:
+        """The simulator's own record of the hardware (DIR/state.json), not gpud's view of it."""
+        return json.loads((self.host / "state.json").read_text())
+
+    def events(self) -> list[dict]:
+        r = self.ctl("events", "--json")
+        assert r.returncode == 0, r.stderr
+        return [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
 
     def status(self) -> dict:
         r = self.ctl("status", "--json")

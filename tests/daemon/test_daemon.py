@@ -155,9 +155,9 @@ def test_unplug_and_plug(daemon):
     assert d.ctl("apply", "--wait").returncode == 0
     pci = d.status()["gpus"][1]["pci"]
     assert d.sim("unplug", pci).returncode == 0
-    wait_until(lambda: len(d.status()["gpus"]) == 1, what="GPU gone")
+    wait_until(lambda: (g := d.status()["gpus"][1])["state"] == "gone" and g["pci"] == pci, what="GPU gone")
     assert d.sim("plug", pci).returncode == 0
-    wait_until(lambda: len(d.status()["gpus"]) == 2 and d.status()["gpus"][1]["converged"], what="re-added GPU converged")
+    wait_until(lambda: (g := d.status()["gpus"][1])["pci"] == pci and g["converged"], what="re-added GPU converged")
 
 
 def test_mig_profiles_like_nvidia_smi(daemon):

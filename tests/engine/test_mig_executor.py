@@ -118,13 +118,40 @@ def test_process_started_after_planning_turns_into_waiting():
     assert not any(c[0].startswith("destroy") for c in nvml.calls)
 
 
-def test_in_use_from_nvml_turns_into_waiting():
+def test_in_use_with_a_device_node_holder_turns_into_waiting_on_it():
     hw = make_hw()
     build(hw, [("7g.80gb", 0)])
     nvml = FakeNvml([hw])
     nvml.faults["destroy_compute_instance"] = [(19, False)]
-    out, _, _ = run(nvml, plan_for(hw, {"1g.10gb": 1}))
-    assert out.state == "waiting" and "in use" in out.message
+    persistenced = Holder(900, "nvidia-persistenced", "/dev/nvidia0")
+    out, _, _ = run(nvml, plan_for(hw, {"1g.10gb": 1}), holders=lambda pci: [persistenced])
+    assert out.state == "waiting" and "in use" in out.message and out.holders == [persistenced]
+
+
+def test_in_use_with_no_holder_is_retried_and_then_goes_on():
+    """Issue 13 item 6: IN_USE that names nobody is not a wait on nothing; once it clears, the plan completes."""
+    hw = make_hw()
+    build(hw, [("7g.80gb", 0)])
+    nvml = FakeNvml([hw])
+    nvml.faults["destroy_compute_instance"] = [(19, False), (19, False)]
+    out, sleeps, _ = run(nvml, plan_for(hw, {"1g.10gb": 1}))
+    assert out.state == "converged", out.message
+    assert sleeps == [0.2, 0.4]
+    assert [gi_profile for gi_profile, _ in hw.layout()] == [19]  # the hardware model holds one 1g instance
+
+
+def test_in_use_with_no_holder_fails_after_a_bounded_time_with_the_reason():
+    hw = make_hw()
+    build(hw, [("7g.80gb", 0)])
+    nvml = FakeNvml([hw])
+    nvml.faults["destroy_compute_instance"] = [(19, False)] * 100
+    out, sleeps, steps = run(nvml, plan_for(hw, {"1g.10gb": 1}), in_use_window_s=5.0)
+    assert out.state == "failed" and out.holders == []
+    assert "no process holds" in out.message and "not waited for" in out.message
+    assert sum(sleeps) == pytest.approx(5.0) and max(sleeps) <= 2.0
+    assert sleeps == sorted(sleeps)  # backoff: never shorter than the one before
+    assert steps == [("destroy-ci", "failed")]
+    assert len(nvml.faults["destroy_compute_instance"]) == 100 - len(sleeps) - 1  # one try per sleep, plus the first
 
 
 def test_reused_ids_are_not_destroyed():

@@ -1,0 +1,98 @@
+"""The kept index map (gpud.engine.gpu_index): expectations written out by hand from the rule in
+the README (first start in PCI-address order; a missing GPU keeps its index; a new address takes
+the next free index; a returning GPU gets its old one), and the file it keeps."""
+
+from __future__ import annotations
+
+import json
+
+from gpud.engine.gpu_index import GpuIndex
+from gpud.model import Gpu, NvmlGpu, PciFunction
+
+H100 = 0x2330
+
+
+def gpu(pci: str, uuid: str | None = None) -> Gpu:
+    fn = PciFunction(pci, 0x10DE, H100, 0x10DE, 0x16C1, 0x030200, "nvidia" if uuid else "vfio-pci")
+    nv = NvmlGpu(pci=pci, uuid=uuid, name="NVIDIA H100 80GB HBM3") if uuid else None
+    return Gpu(index=-1, function=fn, nvml=nv)
+
+
+A, B, C, D = "0000:18:00.0", "0000:2a:00.0", "0000:3a:00.0", "0000:05:00.0"
+
+
+def indices(numbered) -> dict[str, int]:
+    return {g.pci: g.index for g in numbered}
+
+
+def test_first_start_numbers_in_pci_order_and_writes_the_map(tmp_path):
+    path = tmp_path / "gpu-index.json"
+    idx = GpuIndex(str(path))
+    numbered, gone, change = idx.assign([gpu(B, "GPU-b"), gpu(A, "GPU-a"), gpu(C)], [A, B, C], commit=True)
+    assert indices(numbered) == {A: 0, B: 1, C: 2}
+    assert gone == () and not change
+    saved = json.loads(path.read_text())
+    assert saved["version"] == 1
+    assert [(g["index"], g["pci"], g["uuid"]) for g in saved["gpus"]] == [(0, A, "GPU-a"), (1, B, "GPU-b"), (2, C, None)]
+
+
+def test_missing_gpu_keeps_its_index_new_address_takes_the_next_free_and_a_return_gets_its_own(tmp_path):
+    path = str(tmp_path / "gpu-index.json")
+    idx = GpuIndex(path)
+    idx.assign([gpu(A, "GPU-a"), gpu(B, "GPU-b"), gpu(C, "GPU-c")], [A, B, C], commit=True)
+    numbered, gone, change = idx.assign([gpu(B, "GPU-b"), gpu(C, "GPU-c")], [B, C], commit=True)
+    assert indices(numbered) == {B: 1, C: 2}  # nobody shifts into index 0
+    assert [(k.index, k.pci, k.uuid, k.model) for k in gone] == [(0, A, "GPU-a", "NVIDIA H100 80GB HBM3")]
+    assert [k.pci for k in change.gone] == [A] and not change.joined
+    # a card at a new address, lower than every other: index 3, not 0
+    numbered, gone, change = idx.assign([gpu(D, "GPU-d"), gpu(B, "GPU-b"), gpu(C, "GPU-c")], [D, B, C], commit=True)
+    assert indices(numbered) == {D: 3, B: 1, C: 2}
+    assert [k.pci for k in change.joined] == [D] and not change.gone
+    # the first card back: index 0 again
+    numbered, gone, change = idx.assign([gpu(A, "GPU-a"), gpu(B, "GPU-b"), gpu(C, "GPU-c"), gpu(D, "GPU-d")],
+                                        [A, B, C, D], commit=True)
+    assert indices(numbered) == {A: 0, B: 1, C: 2, D: 3} and gone == ()
+    assert [k.pci for k in change.returned] == [A]
+    # and all of it across a restart
+    again = GpuIndex(path)
+    numbered, gone, change = again.assign([gpu(C, "GPU-c"), gpu(D)], [C, D], commit=True)
+    assert indices(numbered) == {C: 2, D: 3}
+    assert [(k.index, k.pci) for k in gone] == [(0, A), (1, B)]
+    assert [k.pci for k in change.gone] == [A, B]  # missing since the map was written
+    assert {k.pci: k.uuid for k in again.known.values()}[D] == "GPU-d"  # UUID kept while NVML cannot see it
+
+
+def test_a_check_remembers_nothing(tmp_path):
+    path = tmp_path / "gpu-index.json"
+    idx = GpuIndex(str(path))
+    idx.assign([gpu(A, "GPU-a")], [A], commit=True)
+    written = path.read_text()
+    numbered, _, _ = idx.assign([gpu(A, "GPU-a"), gpu(D, "GPU-d")], [A, D], commit=False)
+    assert indices(numbered) == {A: 0, D: 1}
+    assert path.read_text() == written and set(idx.known) == {A}
+
+
+def test_a_function_still_on_the_bus_but_not_managed_is_not_gone(tmp_path):
+    idx = GpuIndex(str(tmp_path / "gpu-index.json"))
+    idx.assign([gpu(A, "GPU-a"), gpu(B, "GPU-b")], [A, B], commit=True)
+    numbered, gone, _ = idx.assign([gpu(B, "GPU-b")], [A, B], commit=True)  # `match:` no longer selects A
+    assert indices(numbered) == {B: 1} and gone == ()
+
+
+def test_an_unreadable_map_is_reported_and_never_overwritten(tmp_path):
+    path = tmp_path / "gpu-index.json"
+    path.write_text('{"version": 1, "gpus": [{"index": 0}]}')
+    problems: list[str] = []
+    idx = GpuIndex(str(path), on_problem=problems.append)
+    numbered, _, _ = idx.assign([gpu(A, "GPU-a"), gpu(B, "GPU-b")], [A, B], commit=True)
+    assert indices(numbered) == {A: 0, B: 1}
+    assert idx.problem and str(path) in problems[0] and "not a GPU index map" in problems[0]
+    assert path.read_text() == '{"version": 1, "gpus": [{"index": 0}]}'
+
+
+def test_duplicate_indices_in_the_map_are_refused(tmp_path):
+    path = tmp_path / "gpu-index.json"
+    entry = {"index": 0, "vendor": 0x10DE, "device": H100, "model": "m", "uuid": None}
+    path.write_text(json.dumps({"version": 1, "gpus": [dict(entry, pci=A), dict(entry, pci=B)]}))
+    idx = GpuIndex(str(path))
+    assert "appears twice" in (idx.problem or "")

@@ -1,0 +1,21 @@
+"""The reliability suite in CI: every trial of tests/reliability/trials.py at CI scale (bounded
+counts; about 3 minutes on 2 cores), on the simulator and loopback Unix sockets only. Each broken
+promise is listed with what was tried. `make reliability` runs the same trials at full scale and
+writes bench/results/reliability.md; this test writes nothing outside its temporary directory."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.reliability.trials import CI, run_all
+
+
+@pytest.mark.reliability
+@pytest.mark.timeout(1200)  # the budget is ~3 minutes on 2 idle cores; a shared CI host is slower
+def test_reliability_suite(tmp_path):
+    results = run_all(tmp_path, CI)
+    assert [r.name for r in results] == ["socket abuse", "bad layouts", "hot-remove", "unplug/plug storm",
+                                         "NVML faults", "kill -9 during 8-GPU applies"]
+    assert all(r.tries > 0 for r in results)
+    broken = {r.name: r.failures for r in results if r.failures}
+    assert not broken, broken

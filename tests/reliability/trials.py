@@ -1,0 +1,494 @@
+"""The reliability suite's trials: gpud attacked as an adversary would, on the simulator.
+
+Each trial runs a real gpud process on a simulated host (tests/daemon/conftest.Daemon), does
+something hostile a bounded number of times, and records every try's outcome. A trial's
+`failures` are broken promises; the pytest wrapper (test_reliability.py) asserts there are none,
+and `bench/reliability.py` runs the same trials with larger counts and writes the tries and
+outcomes to bench/results/reliability.md.
+
+What the hardware ended up as is read from the simulator's own state file (DIR/state.json) and
+compared with an oracle that shares no code with gpud: the layout's MIG names turned into NVML GI
+profile ids by the table below (NVIDIA's H100 80GB ids, as `nvidia-smi mig -lgip` prints them).
+Only Unix sockets of the test's own temporary directory are used.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import socket
+import struct
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from gpud.cli.transport import Client, DaemonError
+from gpud.sim import kernel as simkernel
+from tests.daemon.conftest import Daemon, wait_until
+
+# NVML GI profile ids of the H100 80GB (independent of gpud's tables; from `nvidia-smi mig -lgip`)
+H100_GI_IDS = {"1g.10gb": 19, "1g.20gb": 15, "2g.20gb": 14, "3g.40gb": 9, "4g.40gb": 5, "7g.80gb": 0}
+
+# The two layouts the trials move between: every GPU changes from one to the other (a few steps
+# each, so that a kill -9 lands inside an apply of all 8 GPUs; the simulator is slow on a loaded host).
+_A = [{"3g.40gb": 2}, {"4g.40gb": 1, "2g.20gb": 1}, {"7g.80gb": 1}, {"3g.40gb": 1, "1g.10gb": 2},
+      {"3g.40gb": 2}, {"4g.40gb": 1, "2g.20gb": 1}, {"7g.80gb": 1}, {"3g.40gb": 1, "1g.10gb": 2}]
+_B = [{"3g.40gb": 1, "2g.20gb": 1}, {"4g.40gb": 1, "1g.20gb": 1}, {"4g.40gb": 1}, {"3g.40gb": 1, "2g.20gb": 1},
+      {"3g.40gb": 1, "2g.20gb": 1}, {"4g.40gb": 1, "1g.20gb": 1}, {"4g.40gb": 1}, {"3g.40gb": 1, "2g.20gb": 1}]
+MIG_LAYOUTS = [_A, _B]
+
+
+@dataclass
+class TrialResult:
+    name: str
+    promise: str
+    tries: int = 0
+    outcomes: Counter = field(default_factory=Counter)
+    failures: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+    def fail(self, what: str) -> None:
+        self.failures.append(what)
+        self.outcomes["BROKEN"] += 1
+
+
+def layout_text(per_gpu: list[dict[str, int] | None]) -> str:
+    entries = []
+    for i, devices in enumerate(per_gpu):
+        entry: dict = {"devices": [i], "mig-enabled": devices is not None}
+        if devices is not None:
+            entry["mig-devices"] = devices
+        entries.append(entry)
+    return yaml.safe_dump({"version": "v1", "layouts": {"t": entries}}, sort_keys=False)
+
+
+def hardware_mismatches(d: Daemon, per_gpu: list[dict[str, int] | None], pcis: list[str]) -> list[str]:
+    """What state.json says that the layout does not: missing, leaked or doubled instances."""
+    sim = d.sim_state()
+    wrong = []
+    for pci, devices in zip(pcis, per_gpu):
+        g = sim["gpus"][pci]
+        want_mode = 1 if devices is not None else 0
+        if g["mig_mode"] != want_mode or g["mig_pending"] != want_mode:
+            wrong.append(f"{pci}: MIG mode {g['mig_mode']} (pending {g['mig_pending']}), wanted {want_mode}")
+            continue
+        want = sorted(H100_GI_IDS[name] for name, n in (devices or {}).items() for _ in range(n))
+        have = sorted(gi["profile_id"] for gi in g["gis"])
+        if have != want:
+            wrong.append(f"{pci}: GI profiles {have}, wanted {want}")
+        if any(len(gi["cis"]) != 1 for gi in g["gis"]):
+            wrong.append(f"{pci}: a GI without exactly one CI: {[len(gi['cis']) for gi in g['gis']]}")
+    uuids = [ci["uuid"] for g in sim["gpus"].values() for gi in g["gis"] for ci in gi["cis"]]
+    if len(uuids) != len(set(uuids)):
+        wrong.append("a MIG UUID appears twice")
+    return wrong
+
+
+def mutating_calls(d: Daemon) -> int:
+    calls = d.sim_state()["calls"]
+    return sum(n for f, n in calls.items() if f.startswith(("nvmlDeviceCreate", "nvmlGpuInstanceCreate",
+                                                            "nvmlGpuInstanceDestroy", "nvmlComputeInstanceDestroy",
+                                                            "nvmlDeviceSetMigMode")))
+
+
+def status(d: Daemon) -> dict:
+    """Status through the socket in-process (gpudctl's interpreter start and 30 s limit are too
+    short for a status on a heavily loaded host: each one re-reads all 8 GPUs from the simulator)."""
+    import msgspec
+
+    client = Client(str(d.socket), timeout=300)
+    try:
+        return msgspec.to_builtins(client.request("status"))
+    finally:
+        client.close()
+
+
+def serving(d: Daemon) -> bool:
+    client = Client(str(d.socket), timeout=30)
+    try:
+        return client.request("status").phase is not None
+    except Exception:
+        return False
+    finally:
+        client.close()
+
+
+# ---- socket abuse -----------------------------------------------------------------------------
+
+def _frame(payload: bytes) -> bytes:
+    return struct.pack(">I", len(payload)) + payload
+
+
+def _nested(depth: int) -> bytes:
+    return b"\x91" * depth + b"\xc0"  # fixarray of one element, `depth` times, around nil
+
+
+def malformed_frames(rng: random.Random, n: int) -> list[tuple[str, bytes]]:
+    """Frames no client should send: not MessagePack, not a map, wrong types, lies about length."""
+    import msgspec
+
+    fixed = [
+        ("random bytes", _frame(bytes(rng.randrange(256) for _ in range(64)))),
+        ("empty payload", _frame(b"")),
+        ("array, not a map", _frame(msgspec.msgpack.encode([1, "status"]))),
+        ("map without op", _frame(msgspec.msgpack.encode({"id": 1}))),
+        ("id of the wrong type", _frame(msgspec.msgpack.encode({"id": "x", "op": "status", "args": {}}))),
+        ("args not a map", _frame(msgspec.msgpack.encode({"id": 1, "op": "status", "args": [1]}))),
+        ("unknown op", _frame(msgspec.msgpack.encode({"id": 1, "op": "format-disk", "args": {}}))),
+        ("unknown argument", _frame(msgspec.msgpack.encode({"id": 1, "op": "events", "args": {"x": 1}}))),
+        ("truncated MessagePack", _frame(msgspec.msgpack.encode({"id": 1, "op": "status"})[:-2])),
+        ("header above the limit", struct.pack(">I", (1 << 20) + 1)),
+        ("header of 4 GiB", struct.pack(">I", 0xFFFFFFFF)),
+        ("nested 200 deep", _frame(_nested(200))),
+    ]
+    out = []
+    for i in range(n):
+        if i < len(fixed):
+            out.append(fixed[i])
+        else:
+            body = bytearray(msgspec.msgpack.encode({"id": i, "op": "status", "args": {}}))
+            body[rng.randrange(len(body))] = rng.randrange(256)  # one flipped byte
+            out.append(("one byte flipped", _frame(bytes(body))))
+    return out
+
+
+def _answer(path: str, data: bytes, timeout: float = 20.0) -> str:
+    """Send raw bytes; what came back: an error code, 'ok', 'closed' (no reply) or 'no answer'."""
+    import msgspec
+
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(timeout)
+    try:
+        s.connect(path)
+        s.sendall(data)
+        header = b""
+        while len(header) < 4:
+            chunk = s.recv(4 - len(header))
+            if not chunk:
+                return "closed"
+            header += chunk
+        (size,) = struct.unpack(">I", header)
+        body = b""
+        while len(body) < size:
+            chunk = s.recv(min(65536, size - len(body)))
+            if not chunk:
+                return "closed"
+            body += chunk
+        reply = msgspec.msgpack.decode(body)
+        return "ok" if reply.get("ok") else f"error {reply.get('error', {}).get('code')}"
+    except socket.timeout:
+        return "no answer"
+    except OSError as e:
+        return f"refused ({e.strerror})"
+    finally:
+        s.close()
+
+
+def trial_socket_abuse(d: Daemon, rng: random.Random, frames: int, flood: int, slow: int) -> TrialResult:
+    r = TrialResult("socket abuse", "malformed frames get an error or a close, never an ok; floods and "
+                                     "slow clients leave the daemon serving once they are gone")
+    path = str(d.socket)
+    for label, data in malformed_frames(rng, frames):
+        r.tries += 1
+        got = _answer(path, data)
+        r.outcomes[f"{'flipped byte' if label == 'one byte flipped' else 'malformed'}: {got}"] += 1
+        # a flipped byte may still leave a valid request (an ok is then right); nothing may go unanswered
+        if got == "no answer" or (got == "ok" and label != "one byte flipped"):
+            r.fail(f"{label}: {got}")
+    # flood: many connections at once, each idle; then root's status once they are closed
+    held = []
+    for _ in range(flood):
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            s.connect(path)
+            held.append(s)
+        except OSError:
+            s.close()
+    r.tries += 1
+    r.outcomes[f"flood of {flood}: {len(held)} connected"] += 1
+    # root during the flood: recorded (capacity kept for root is the server's connection policy)
+    r.outcomes[f"root's status during the flood: {'served' if serving(d) else 'refused'}"] += 1
+    for s in held:
+        s.close()
+    r.tries += 1
+    try:  # the server notices the closed connections as it reads them: served again soon after
+        wait_until(lambda: serving(d), timeout=60, what="served after the flood")
+        r.outcomes["served once the flood is gone"] += 1
+    except AssertionError:
+        r.fail("not served within 60 s after the flood's connections closed")
+    # slow clients: half a frame each, then silence
+    slow_socks = []
+    for _ in range(slow):
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.connect(path)
+        s.sendall(struct.pack(">I", 100) + b"\x82")
+        slow_socks.append(s)
+    r.tries += 1
+    ok_during = serving(d)
+    r.outcomes[f"status during {slow} slow clients: {'served' if ok_during else 'not served'}"] += 1
+    if not ok_during:
+        r.fail(f"root's status not served while {slow} slow clients were connected")
+    for s in slow_socks:
+        s.close()
+    r.tries += 1
+    if serving(d) and d.proc.poll() is None:
+        r.outcomes["served after the abuse"] += 1
+    else:
+        r.fail("not serving after the abuse")
+    return r
+
+
+# ---- bad layouts ------------------------------------------------------------------------------
+
+BAD_LAYOUTS = [
+    ("not YAML", "version: v1\nlayouts: [\n"),
+    ("empty file", ""),
+    ("binary", "\x00\x01\x02garbage"),
+    ("wrong version", "version: v2\nlayouts: {t: []}\n"),
+    ("unknown key", "version: v1\nlayouts: {t: [{devices: [0], mig-enabled: false, colour: red}]}\n"),
+    ("no such index", "version: v1\nlayouts: {t: [{devices: [99], mig-enabled: false}]}\n"),
+    ("no such address", "version: v1\nlayouts: {t: [{devices: ['0000:ff:00.0'], mig-enabled: false}]}\n"),
+    ("not a selector", "version: v1\nlayouts: {t: [{devices: [gpu1], mig-enabled: false}]}\n"),
+    ("wrong profile", "version: v1\nlayouts: {t: [{devices: [0], mig-enabled: true, mig-devices: {1g.18gb: 1}}]}\n"),
+    ("claimed twice", "version: v1\nlayouts: {t: [{devices: [0], mig-enabled: false}, "
+                      "{devices: [0], mig-enabled: false}]}\n"),
+    ("MIG without devices", "version: v1\nlayouts: {t: [{devices: [0], mig-enabled: true}]}\n"),
+    ("negative count", "version: v1\nlayouts: {t: [{devices: [0], mig-enabled: true, mig-devices: {1g.10gb: -1}}]}\n"),
+    ("MIG with passthrough", "version: v1\nlayouts: {t: [{devices: [0], workload: vm-passthrough, "
+                             "mig-enabled: true, mig-devices: {1g.10gb: 1}}]}\n"),
+    ("bad device-filter", "version: v1\nlayouts: {t: [{devices: all, device-filter: nvidia, mig-enabled: false}]}\n"),
+    ("selected missing", "version: v1\nselected: nope\nlayouts: {t: [{devices: [0], mig-enabled: false}]}\n"),
+    ("alias bomb", "version: v1\na: &a [x, x, x, x, x, x, x, x, x, x]\nb: &b [*a, *a, *a, *a, *a, *a, *a, *a, *a, *a]\n"
+                   "c: &c [*b, *b, *b, *b, *b, *b, *b, *b, *b, *b]\nd: &d [*c, *c, *c, *c, *c, *c, *c, *c, *c, *c]\n"
+                   "e: [*d, *d, *d, *d, *d, *d, *d, *d, *d, *d]\nlayouts: {t: []}\n"),
+    ("bad hook", "version: v1\nlayouts: {t: []}\nhooks: {apply-start: [{command: relative/path}]}\n"),
+]
+
+
+def trial_bad_layouts(d: Daemon, per_gpu: list, pcis: list[str], rounds: int) -> TrialResult:
+    r = TrialResult("bad layouts", "a bad file is refused with errors, the last good layout stays, the "
+                                    "hardware is not touched")
+    good = d.config.read_text()
+    before = json.dumps(d.sim_state()["gpus"], sort_keys=True)
+    calls = mutating_calls(d)
+    client = Client(str(d.socket), timeout=60)
+    for n in range(rounds):
+        label, text = BAD_LAYOUTS[(2 * n) % len(BAD_LAYOUTS)]  # 17 is prime: every one by 17 rounds
+        r.tries += 1
+        d.config.write_text(text)
+        try:
+            reply = client.request("reload")
+            valid = reply.valid
+            errors = reply.errors
+        except DaemonError as e:  # refusing the file with an error code is an answer too
+            valid, errors = (False, [str(e)]) if e.code == "invalid-layout" else (None, [str(e)])
+        except Exception as e:  # losing the daemon is not
+            valid, errors = None, [str(e)]
+        if valid is False and errors:
+            r.outcomes["refused with errors"] += 1
+        else:
+            r.fail(f"{label}: valid={valid} errors={errors[:1]}")
+    d.config.write_text(good)
+    client.request("reload")
+    client.close()
+    r.tries += 1
+    if json.dumps(d.sim_state()["gpus"], sort_keys=True) != before or mutating_calls(d) != calls:
+        r.fail("the hardware changed while bad files were refused")
+    else:
+        r.outcomes["hardware untouched"] += 1
+    if hardware_mismatches(d, per_gpu, pcis):
+        r.fail("the last good layout no longer holds")
+    return r
+
+
+# ---- kill -9 during applies -------------------------------------------------------------------
+
+def current_layout(d: Daemon, pcis: list[str]) -> int:
+    """Which of MIG_LAYOUTS the hardware holds now (state.json), so the next target changes every GPU."""
+    return next((i for i, per_gpu in enumerate(MIG_LAYOUTS) if not hardware_mismatches(d, per_gpu, pcis)), 0)
+
+
+def trial_kill9(d: Daemon, pcis: list[str], rng: random.Random, trials: int) -> TrialResult:
+    r = TrialResult("kill -9 during 8-GPU applies", "after SIGKILL at a random step and a restart, the "
+                                                     "layout converges with nothing leaked or doubled")
+    now = current_layout(d, pcis)
+    for n in range(trials):
+        now = (now + 1) % len(MIG_LAYOUTS)
+        target = MIG_LAYOUTS[now]
+        start = mutating_calls(d)
+        after = rng.randrange(1, 16)  # mutating NVML calls to let through (a full change makes about 30)
+        d.config.write_text(layout_text(target))
+        wait_until(lambda: mutating_calls(d) >= start + after, timeout=240, what="the apply to get going")
+        os.kill(d.proc.pid, signal.SIGKILL)
+        d.proc.wait()
+        killed_at = mutating_calls(d) - start
+        d.start()
+        r.tries += 1
+        res = Client(str(d.socket), timeout=300).request("apply", {"wait": True, "timeout": 240}, timeout=300)
+        wrong = hardware_mismatches(d, target, pcis)
+        if wrong or not res.converged:
+            r.fail(f"trial {n} (killed after {killed_at} calls): {wrong or res.phase}")
+        else:
+            r.outcomes["converged after restart, nothing leaked or doubled"] += 1
+    return r
+
+
+# ---- NVML faults ------------------------------------------------------------------------------
+
+FAULTS = [
+    ("nvmlDeviceCreateGpuInstanceWithPlacement", 10), ("nvmlDeviceCreateGpuInstanceWithPlacement", 999),
+    ("nvmlDeviceCreateGpuInstanceWithPlacement", 19), ("nvmlDeviceCreateGpuInstanceWithPlacement", 23),
+    ("nvmlGpuInstanceCreateComputeInstance", 10), ("nvmlGpuInstanceCreateComputeInstance", 19),
+    ("nvmlGpuInstanceDestroy", 999), ("nvmlGpuInstanceDestroy", 19), ("nvmlComputeInstanceDestroy", 10),
+    ("nvmlComputeInstanceDestroy", 2), ("nvmlDeviceSetMigMode", 999),
+]
+
+
+def trial_nvml_faults(d: Daemon, pcis: list[str], rng: random.Random, trials: int) -> TrialResult:
+    r = TrialResult("NVML faults", "a fault ends converged (retried) or failed naming the NVML call, on its "
+                                    "GPU only; never waiting on nothing; the next apply converges")
+    target = list(MIG_LAYOUTS[current_layout(d, pcis)])
+    for n in range(trials):
+        fn, code = FAULTS[n % len(FAULTS)]
+        gpu = n % len(pcis)  # one GPU changes, so the fault is met there
+        target[gpu] = next(per_gpu[gpu] for per_gpu in MIG_LAYOUTS if per_gpu[gpu] != target[gpu])
+        target = list(target)
+        d.sim("fault", fn, "--nth", str(rng.randrange(1, 3)), "--error", str(code))
+        d.config.write_text(layout_text(target))
+        r.tries += 1
+        client = Client(str(d.socket), timeout=300)
+        client.request("apply", {"wait": True, "timeout": 120}, timeout=180)
+        st = client.request("status")
+        states = Counter(g.state for g in st.gpus)
+        bad = [g for g in st.gpus if g.state == "waiting" and not g.holders]
+        if bad or states.get("stuck"):
+            r.fail(f"{fn} -> {code}: {[(g.pci, g.state, g.message) for g in bad]}")
+            continue
+        failed = [g for g in st.gpus if g.state == "failed"]
+        if any("NVML error" not in g.message for g in failed) or len(failed) > 1:
+            r.fail(f"{fn} -> {code}: {[(g.pci, g.message) for g in failed]}")
+            continue
+        r.outcomes["failed on its GPU, naming the call" if failed else "converged (retried or not hit)"] += 1
+        if d.sim_state()["faults"]:  # not reached by any call: it must not hit the next trial
+            r.outcomes["fault not reached"] += 1
+            _clear_faults(d)
+        client.request("apply", {"wait": True, "timeout": 120}, timeout=180)
+        if hardware_mismatches(d, target, pcis):
+            r.fail(f"{fn} -> {code}: the next apply did not converge")
+        client.close()
+    return r
+
+
+def _clear_faults(d: Daemon) -> None:
+    from gpud.sim.state import locked
+
+    with locked(d.host) as st:
+        st.faults.clear()
+
+
+# ---- hot-remove and event storms -------------------------------------------------------------
+
+def trial_hot_remove(d: Daemon, per_gpu: list, pcis: list[str], rng: random.Random, trials: int) -> TrialResult:
+    r = TrialResult("hot-remove", "a removed GPU shows gone with its index; no other GPU is touched; "
+                                   "plugged back it gets its index and layout again")
+    for _ in range(trials):
+        victim = rng.choice(pcis)
+        index = pcis.index(victim)
+        before = {p: d.sim_state()["gpus"][p] for p in pcis if p != victim}
+        calls = mutating_calls(d)
+        simkernel.unplug(d.host, victim)
+        r.tries += 1
+        wait_until(lambda: any(g["pci"] == victim and g["state"] == "gone" for g in status(d)["gpus"]),
+                   timeout=60, what="gone")
+        Client(str(d.socket), timeout=120).request("apply", {"wait": True, "timeout": 100}, timeout=120)
+        rows = {g["index"]: g["pci"] for g in status(d)["gpus"]}
+        after = {p: d.sim_state()["gpus"][p] for p in pcis if p != victim}
+        if rows.get(index) != victim or after != before or mutating_calls(d) != calls:
+            r.fail(f"unplug of {victim}: indices {rows}, others changed: {after != before}")
+        else:
+            r.outcomes["gone, others untouched"] += 1
+        simkernel.plug(d.host, victim)
+        wait_until(lambda: any(g["pci"] == victim and g["converged"] for g in status(d)["gpus"]),
+                   timeout=120, what="back and converged")
+        if hardware_mismatches(d, per_gpu, pcis):
+            r.fail(f"re-plug of {victim} did not converge to its layout")
+    return r
+
+
+def trial_event_storm(d: Daemon, per_gpu: list, pcis: list[str], rng: random.Random, events: int) -> TrialResult:
+    r = TrialResult("unplug/plug storm", "after a storm of hot-remove and hot-add events the daemon serves, "
+                                          "keeps every index and converges")
+    indices = {g["pci"]: g["index"] for g in status(d)["gpus"]}
+    out: set[str] = set()
+    for _ in range(events // 2):
+        victim = rng.choice(pcis)
+        if victim in out:
+            simkernel.plug(d.host, victim)
+            out.discard(victim)
+        else:
+            simkernel.unplug(d.host, victim)
+            out.add(victim)
+        r.tries += 1
+    for victim in sorted(out):
+        simkernel.plug(d.host, victim)
+        r.tries += 1
+    r.outcomes[f"{r.tries} unplug/plug events sent"] += 1
+    res = Client(str(d.socket), timeout=300).request("apply", {"wait": True, "timeout": 240}, timeout=300)
+    now = {g["pci"]: g["index"] for g in status(d)["gpus"]}
+    if now != indices:
+        r.fail(f"indices changed: {indices} -> {now}")
+    wrong = hardware_mismatches(d, per_gpu, pcis)
+    if wrong or not res.converged or d.proc.poll() is not None:
+        r.fail(f"after the storm: {wrong or res.phase}")
+    else:
+        r.outcomes["converged, indices kept"] += 1
+    return r
+
+
+@dataclass
+class Scale:
+    frames: int = 30
+    flood: int = 150
+    slow: int = 20
+    bad_layouts: int = 17
+    kills: int = 2
+    faults: int = 4
+    hot_removes: int = 1
+    storm_events: int = 40
+
+
+CI = Scale(frames=24, flood=150, slow=20, bad_layouts=8, kills=1, faults=2, hot_removes=1, storm_events=20)
+FULL = Scale(frames=107, flood=500, slow=60, bad_layouts=34, kills=10, faults=22, hot_removes=4, storm_events=200)
+
+
+def run_all(tmp: Path, scale: Scale, seed: int = 13) -> list[TrialResult]:
+    """Every trial once, on two simulated hosts (8 x H100 for the MIG work, 2 x H100 for the socket)."""
+    rng = random.Random(seed)
+    results: list[TrialResult] = []
+
+    def timed(fn, *args) -> None:
+        t0 = time.monotonic()
+        result = fn(*args)
+        result.seconds = time.monotonic() - t0
+        results.append(result)
+
+    first = MIG_LAYOUTS[0]
+    d = Daemon(tmp / "h8", ["h100-80gb:8"], layout_text(first))
+    try:
+        res = Client(str(d.socket), timeout=300).request("apply", {"wait": True, "timeout": 240}, timeout=300)
+        pcis = [g["pci"] for g in status(d)["gpus"]]
+        assert res.converged and not hardware_mismatches(d, first, pcis), "the starting layout did not converge"
+        timed(trial_socket_abuse, d, rng, scale.frames, scale.flood, scale.slow)
+        timed(trial_bad_layouts, d, first, pcis, scale.bad_layouts)
+        timed(trial_hot_remove, d, first, pcis, rng, scale.hot_removes)
+        timed(trial_event_storm, d, first, pcis, rng, scale.storm_events)
+        timed(trial_nvml_faults, d, pcis, rng, scale.faults)
+        timed(trial_kill9, d, pcis, rng, scale.kills)
+    finally:
+        d.stop()
+    return results
