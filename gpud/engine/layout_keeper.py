@@ -25,6 +25,9 @@ from gpud.layout.parse import ParsedLayout, parse_layout
 from gpud.layout.resolve import Resolution, resolve
 from gpud.layout.schema import MatchRule
 
+# Reads the host's GPUs as a layout's `match:` selects them, off the event loop.
+AsyncObserve = Callable[[tuple[MatchRule, ...]], Awaitable[Observation]]
+
 # Errors carried by one `layout-invalid` event: the event history must stay small enough to send.
 EVENT_ERRORS = 20
 
@@ -64,7 +67,7 @@ class LayoutKeeper:
         parsed, resolution, _ = self.evaluate(source.text, self.path)
         return self._take(parsed, resolution, source)
 
-    async def load_async(self, observe: Callable[[tuple[MatchRule, ...]], Awaitable[Observation]]) -> bool:
+    async def load_async(self, observe: AsyncObserve | None = None) -> bool:
         """`load` with the read, parse and resolve in a worker thread and the host read by
         `observe` (off the event loop too: a reload must not stall every client)."""
         async with self._slot():
@@ -108,8 +111,7 @@ class LayoutKeeper:
         obs = self.observe(self._match_of(parsed))
         return parsed, resolve(parsed, obs.gpus, gone=obs.gone), obs
 
-    async def evaluate_async(self, text: str, path: str,
-                             observe: Callable[[tuple[MatchRule, ...]], Awaitable[Observation]],
+    async def evaluate_async(self, text: str, path: str, observe: AsyncObserve | None = None,
                              ) -> tuple[ParsedLayout, Resolution, Observation]:
         """`evaluate` with parse and resolve in a worker thread, one text at a time (five large
         `check` requests queue instead of multiplying the daemon's memory), and the host read by
@@ -117,11 +119,12 @@ class LayoutKeeper:
         async with self._slot():
             return await self._evaluate_off_loop(text, path, observe)
 
-    async def _evaluate_off_loop(self, text: str, path: str,
-                                 observe: Callable[[tuple[MatchRule, ...]], Awaitable[Observation]],
+    async def _evaluate_off_loop(self, text: str, path: str, observe: AsyncObserve | None,
                                  ) -> tuple[ParsedLayout, Resolution, Observation]:
         parsed = await asyncio.to_thread(self._parse, text, path)
-        obs = await observe(self._match_of(parsed))
+        match = self._match_of(parsed)
+        # without an async reader (tests, tools) the keeper's own `observe` reads on the loop
+        obs = await observe(match) if observe is not None else self.observe(match)
         return parsed, await asyncio.to_thread(resolve, parsed, obs.gpus, gone=obs.gone), obs
 
     @staticmethod
