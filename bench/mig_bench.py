@@ -49,11 +49,15 @@ def _target(rig: SimRig) -> set[tuple[int, str, int]]:
 
 
 def _matches(rig: SimRig, sc: Scenario, after) -> bool:
+    """Every expected GPU as asked, but for exactly one of `fails_one_of` (the one the fault hit)."""
+    wrong = []
     for idx, want in sc.expect.items():
         counts = Counter(name for name, _, _ in after[idx].values())
         if (want is None and (counts or rig.mig_mode(idx))) or (want is not None and counts != Counter(want)):
-            return False
-    return True
+            wrong.append(idx)
+    if sc.fails_one_of:
+        return len(wrong) == 1 and wrong[0] in sc.fails_one_of
+    return not wrong
 
 
 def _ok(rig: SimRig, sc: Scenario, before, after, failed: int) -> bool:

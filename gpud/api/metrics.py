@@ -30,7 +30,7 @@ def render(status: wire.StatusReply, passes: int, path: str) -> None:
     driver = Gauge("gpud_gpu_driver", "1 for the driver the GPU is bound to", ["pci", "driver"], registry=reg)
     runs = Gauge("gpud_reconcile_passes", "Reconcile passes since start", registry=reg)
     layout_valid.set(1 if status.layout.valid else 0)
-    gpus.set(len(status.gpus))
+    gpus.set(sum(g.state != "gone" for g in status.gpus))  # a gone GPU keeps its row, not its count
     runs.set(passes)
     for g in status.gpus:
         for s in STATES:

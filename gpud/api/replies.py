@@ -105,7 +105,7 @@ def gpu_status(gpu: Gpu, desired: DesiredGpu | None, state: GpuState | None) -> 
 def gone_gpu_status(known: KnownGpu, state: GpuState | None) -> wire.GpuStatus:
     """A GPU missing from the bus keeps its row, index and last identity: `gone`."""
     return wire.GpuStatus(index=known.index, pci=known.pci, uuid=known.uuid, model=known.model,
-                          pci_id=known.pci_id, driver=None, workload="gone", converged=False, state="gone",
+                          pci_id=known.pci_id, driver=None, workload="-", converged=False, state="gone",
                           message=state.message if state is not None else "gone from the PCI bus")
 
 
