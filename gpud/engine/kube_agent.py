@@ -36,6 +36,7 @@ from typing import Protocol
 from msgspec import Struct
 
 from gpud.host.kube import Conflict, Gone, KubeError, NodeView, PodView
+from gpud.plan.operand_impact import Impact
 
 log = logging.getLogger(__name__)
 
@@ -74,17 +75,6 @@ OPERANDS = (
 BY_LABEL = {op.label: op for op in OPERANDS}
 VALIDATORS_BEFORE = ("nvidia-cuda-validator", "nvidia-device-plugin-validator")
 VALIDATOR_AFTER = "nvidia-operator-validator"
-
-
-class Impact(Struct, frozen=True):
-    """What applying a layout would change."""
-
-    changed: tuple[str, ...] = ()  # GPUs (PCI addresses) the pass changes
-    container: tuple[str, ...] = ()  # of those, GPUs on nvidia before or after (device plugin, GFD, DCGM see them)
-    sandbox: tuple[str, ...] = ()  # of those, GPUs on vfio-pci or vGPU before or after (sandbox plugin sees them)
-
-    def sides(self) -> set[str]:
-        return {side for side, gpus in (("container", self.container), ("sandbox", self.sandbox)) if gpus}
 
 
 class Outcome(Struct, frozen=True):
