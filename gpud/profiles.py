@@ -46,6 +46,9 @@ _ENGINES: dict[int, tuple[int, int, int, int, int]] = {
 }
 
 
+_COMPUTE = {"ampere": (8, 0), "ada": (8, 9), "hopper": (9, 0)}
+
+
 class ModelInfo(Struct, frozen=True):
     key: str  # simulator model name: "h200"
     name: str  # NVML name: "NVIDIA H200"
@@ -59,6 +62,13 @@ class ModelInfo(Struct, frozen=True):
     @property
     def mig_capable(self) -> bool:
         return bool(self.profiles)
+
+    @property
+    def compute_capability(self) -> tuple[int, int]:
+        """CUDA compute capability (what nvmlDeviceGetCudaComputeCapability answers): the table's
+        Ampere models are GA100 (8.0), its Ada ones AD102 (8.9); Hopper GH100 is 9.0 (the H200
+        capture says 9.0)."""
+        return _COMPUTE[self.arch]
 
     @property
     def mode_change_needs_reset(self) -> bool:

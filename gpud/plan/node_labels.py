@@ -45,10 +45,6 @@ WORKLOAD_COUNT_LABEL = "nvidia.com/gpud.workload.{}.count"
 _CLASS_3D = 0x030200
 _CLASS_VGA = 0x030000
 
-# CUDA compute capability by architecture, for a GPU NVML did not report one for. The table's
-# "ampere" models are GA100 (A100) only, which is 8.0 (GA10x would be 8.6).
-_ARCH_COMPUTE = {"ampere": (8, 0), "ada": (8, 9), "hopper": (9, 0)}
-
 # Kubernetes label syntax (apimachinery validation: qualified name, label value).
 _NAME = re.compile(r"[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?")
 _VALUE = re.compile(r"(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?")
@@ -129,8 +125,8 @@ def _mig_enabled(nv: NvmlGpu) -> bool:
 def _compute(gpu: Gpu, inputs: LabelInputs) -> tuple[int, int] | None:
     if gpu.pci in inputs.compute:
         return inputs.compute[gpu.pci]
-    known = profiles.by_device(gpu.function.device)
-    return _ARCH_COMPUTE.get(known.arch) if known is not None else None
+    known = profiles.by_device(gpu.function.device)  # NVML did not say: the known model's
+    return known.compute_capability if known is not None else None
 
 
 class MigDevice(Struct, frozen=True):
