@@ -7,22 +7,24 @@ NVIDIA/vgpu-device-manager cmd/nvidia-k8s-vgpu-dm), as gpud follows it:
 1. The node label `nvidia.com/mig.config` names the layout in force (an entry of `layouts` in
    layout.yaml, as mig-manager's names a mig-parted config); `nvidia.com/vgpu.config` likewise for a
    vGPU node. Both set to different names is an error: gpud has one layout in force.
-2. If applying it changes something: `<label>.state=pending`; each `nvidia.com/gpu.deploy.<operand>`
+2. A pass that changes something: `<label>.state=pending`; each `nvidia.com/gpu.deploy.<operand>`
    label of the operands the change disrupts that is `true` becomes `paused-for-mig-change`
    (container operands) or `paused-for-vgpu-change` (sandbox operands); `false` or absent stays as it
    is; gpud waits until their pods have left the node and removes the validator pods.
-3. Apply. A mode change only a reboot can settle: with `policy.reboot: allow`,
-   `state=rebooting` and a reboot (operands stay paused across it); after the reboot, if the change
-   is still not settled, `failed` (never a second reboot: the `rebooting` value is the memory).
+3. Apply. A mode change only a reboot can settle: with `policy.reboot: allow` the engine asks for
+   one reboot and `before_reboot` sets `state=rebooting` first (operands stay paused across it);
+   after the reboot, if the change is still not settled, `failed` (the engine's reboot marker
+   refuses a second reboot).
 4. Restore exactly what is still paused to `true` (a label someone set to `false` meanwhile stays
    `false`), remove the operator-validator pod so it re-validates, `state=success` or `failed`.
 
-Unlike mig-manager, gpud pauses only what a change disrupts: a pass that changes nothing, or only
-GPUs no running operand sees, pauses nothing. Container operands see the GPUs on nvidia, sandbox
-operands (KubeVirt's device plugin) those on vfio-pci; the `Applier` says which GPUs a pass changes
-on which side. Paused labels found at start (a crash in the middle of a change, gpud's or
-mig-manager's) are restored after the first settled pass. `nvidia.com/mig.capable` is published
-(the operator reads it to decide what to deploy).
+The engine calls `operands_paused(impact)` around every pass that changes hardware, whoever
+started it (a label, an edit of the file, a udev event), so gpud pauses only what a change
+disrupts: a pass that changes nothing, or only GPUs no running operand sees, pauses nothing.
+Container operands see the GPUs on nvidia, sandbox operands (KubeVirt's device plugin) those on
+vfio-pci (`gpud.plan.operand_impact`). Paused labels found at start (a crash in the middle of a
+change, gpud's or mig-manager's) are restored after the first settled pass.
+`nvidia.com/mig.capable` is published (the operator reads it to decide what to deploy).
 """
 
 from __future__ import annotations
@@ -78,18 +80,18 @@ VALIDATOR_AFTER = "nvidia-operator-validator"
 
 
 class Outcome(Struct, frozen=True):
-    state: str  # "success" | "failed" | "reboot-required"
+    """How the passes for a layout ended once settled."""
+
+    state: str  # "success" | "failed" | "rebooting" (the engine asked for a reboot)
     message: str = ""
 
 
 class Applier(Protocol):
-    """What the agent needs from the engine (gpud's reconciler, in the daemon)."""
+    """What the agent needs from the engine (gpud's reconciler, in the daemon). The engine's passes
+    call the agent's `operands_paused` around every change, and `before_reboot` before a reboot."""
 
     def layouts(self) -> Sequence[str]: ...
-    def preview(self, layout: str) -> Impact: ...
-    async def apply(self, layout: str) -> Outcome: ...  # select it and run passes until settled
-    def reboot_allowed(self, layout: str) -> bool: ...
-    async def reboot(self, reason: str) -> bool: ...  # True: the reboot was requested
+    async def apply(self, layout: str | None) -> Outcome: ...  # select it (None: the file's) and settle
     def mig_capable(self) -> bool: ...
 
 
@@ -130,6 +132,9 @@ class KubeAgent:
         self.max_conflicts = max_conflicts
         self.status = AgentStatus(node=api.node_name)
         self._paused: set[str] = set()  # operand labels this agent (or a crashed run) left paused
+        self._active: Selection | None = None  # the label selection in force (None: the file's)
+        self._changed = False  # a pass changed hardware since the state was last reported
+        self._rebooting = False
         self._handled: tuple[str | None, str | None] | None = None
         self._refresh = asyncio.Event()
         self.conflicts = 0  # 409s met and retried (for status and tests)
@@ -206,38 +211,75 @@ class KubeAgent:
         sel = selection(node.labels)
         self.status.selected = sel.layout
         if sel.error:
+            self._active = None
             return await self._finish(sel, "failed", sel.error)
         if sel.layout is None:
-            if self._paused:
-                await self._restore()
+            self._active = None
+            await self.applier.apply(None)
+            await self._restore_quietly()
             return None
         layouts = list(self.applier.layouts())
         if sel.layout not in layouts:
+            self._active = None
             return await self._finish(sel, "failed", f"no layout named {sel.layout!r} in layout.yaml "
                                                      f"(layouts: {', '.join(layouts) or 'none'})")
+        self._active = sel
         after_reboot = any(node.labels.get(s) == "rebooting" for s in sel.state_labels)
-        impact = self.applier.preview(sel.layout)
-        if impact.changed:
-            await self._set_state(sel, "pending", f"{len(impact.changed)} GPU(s) change: {', '.join(impact.changed)}")
+        self._rebooting = False
+        outcome = await self.applier.apply(sel.layout)
+        return await self._settle(sel, outcome, after_reboot=after_reboot)
+
+    async def settled(self, outcome: Outcome) -> str | None:
+        """A pass the agent did not start (file edit, udev, a holder that exited) has settled: report
+        it on the active selection's state labels."""
+        if self._active is None or not self._changed:
+            return None
+        return await self._settle(self._active, outcome, after_reboot=False)
+
+    async def _settle(self, sel: Selection, outcome: Outcome, *, after_reboot: bool) -> str:
+        self._changed = False
+        if outcome.state == "rebooting":
+            return "rebooting"  # before_reboot reported it; operands stay paused until after the reboot
+        message = outcome.message
+        if outcome.state != "success" and after_reboot:
+            message = f"{message}; still not settled after the reboot gpud asked for"
+        await self._restore_quietly()  # what a crash or the reboot left paused
+        return await self._finish(sel, "success" if outcome.state == "success" else "failed", message)
+
+    # --- what the engine calls around its passes -------------------------------------------
+    @contextlib.asynccontextmanager
+    async def operands_paused(self, impact: Impact):
+        """Around a pass's changes: pending, pause the operands that see a changing GPU and wait for
+        their pods to go; afterwards restore them (not when a reboot was asked for). Raises
+        KubeError or TimeoutError (restoring what it paused) when the operands cannot be taken
+        off the node: the engine must not change the GPUs under them then."""
+        if not impact.changed:
+            yield
+            return
+        self._changed = True
+        if self._active is not None:
+            await self._set_state(self._active, "pending",
+                                  f"{len(impact.changed)} GPU(s) change: {', '.join(impact.changed)}")
+        sides = impact.sides()
+        if sides:
             try:
-                await self._pause(impact.sides())
+                await self._pause(sides)
             except (KubeError, TimeoutError) as e:
                 await self._restore_quietly()
-                return await self._finish(sel, "failed", f"could not take the GPU operands off the node: {e}")
-        outcome = await self.applier.apply(sel.layout)
-        if outcome.state == "reboot-required":
-            if after_reboot:
-                outcome = Outcome("failed", f"{outcome.message}; still not settled after the reboot gpud asked for: "
-                                            "not rebooting again")
-            elif not self.applier.reboot_allowed(sel.layout):
-                outcome = Outcome("failed", f"{outcome.message}; policy.reboot is not allow")
-            else:
-                await self._set_state(sel, "rebooting", outcome.message)
-                if await self.applier.reboot(f"{sel.layout}: {outcome.message}"):
-                    return "rebooting"  # operands stay paused until the pass after the reboot
-                outcome = Outcome("failed", f"{outcome.message}; the reboot request was refused")
-        await self._restore_quietly()
-        return await self._finish(sel, "success" if outcome.state == "success" else "failed", outcome.message)
+                reason = "they did not leave in time" if isinstance(e, TimeoutError) else str(e)
+                raise KubeError(getattr(e, "status", None), "operands",
+                                f"could not take the GPU operands off the node: {reason}") from e
+        try:
+            yield
+        finally:
+            if not self._rebooting:
+                await self._restore_quietly()
+
+    async def before_reboot(self, reason: str) -> None:
+        """The engine is about to ask for a reboot: say so on the node first; keep operands paused."""
+        self._rebooting = True
+        if self._active is not None:
+            await self._set_state(self._active, "rebooting", reason)
 
     async def _finish(self, sel: Selection, state: str, message: str) -> str:
         await self._set_state(sel, state, message)

@@ -17,7 +17,7 @@ import pytest
 from gpud.engine.kube_agent import (
     MIG_CAPABLE, MIG_CONFIG, MIG_STATE, PAUSED_MIG, PAUSED_VGPU, VGPU_CONFIG, VGPU_STATE, Impact, KubeAgent, Outcome,
 )
-from gpud.host.kube import KubeApi, load_config
+from gpud.host.kube import KubeApi, KubeError, load_config
 from tests.kube.apiserver import ApiServer
 from tests.kube.cluster import NODE, OPERATOR_NS, DaemonSet, DaemonSetController, client_for, until, write_kubeconfig
 
@@ -48,35 +48,47 @@ BASE_LABELS = {DP: "true", GFD: "true", DCGM_EXP: "true", DCGM: "true", NVSM: "f
 
 
 class EngineStandIn:
-    """The engine's side of the contract, scripted per layout. At each apply it records what the
-    API server holds at that moment (pods on the node, node labels)."""
+    """The engine's side of the contract, as the reconciler keeps it, scripted per layout: a pass
+    for a layout runs its changes inside the agent's `operands_paused(impact)`; a pass that needs a
+    reboot calls `before_reboot` and returns "rebooting" when the reboot is allowed and not yet
+    tried. At each change it records what the API server holds at that moment."""
 
-    def __init__(self, api: ApiServer, impacts: dict[str, Impact], outcomes: dict[str, list[Outcome]] | None = None,
-                 *, reboot: bool = False, mig_capable: bool = True) -> None:
-        self.api, self.impacts, self.outcomes = api, impacts, outcomes or {}
-        self.allow_reboot, self.capable = reboot, mig_capable
+    def __init__(self, api: ApiServer, impacts: dict[str, Impact], *, needs_reboot: set[str] = frozenset(),
+                 reboot: bool = False, rebooted_before: bool = False, mig_capable: bool = True) -> None:
+        self.api, self.impacts, self.needs_reboot = api, impacts, needs_reboot
+        self.allow_reboot, self.rebooted_before, self.capable = reboot, rebooted_before, mig_capable
+        self.agent: KubeAgent | None = None
         self.applied: list[tuple[str, list[str], dict[str, str]]] = []
+        self.selected: list[str | None] = []
         self.reboots: list[str] = []
 
     def layouts(self):
         return list(self.impacts)
 
-    def preview(self, layout):
-        return self.impacts[layout]
-
     async def apply(self, layout):
-        pods = sorted(f"{ns}/{name}" for (p, ns, name), o in self.api._store.items()
-                      if p == "pods" and o["spec"].get("nodeName") == NODE)
-        self.applied.append((layout, pods, dict(self.api.get("nodes", NODE)["metadata"]["labels"])))
-        script = self.outcomes.get(layout)
-        return script.pop(0) if script else Outcome("success", "converged")
+        self.selected.append(layout)
+        if layout is None:
+            return Outcome("success")
+        impact = self.impacts[layout]
+        try:
+            return await self._pass(layout, impact)
+        except KubeError as e:  # the reconciler fails the pass's GPUs with the reason
+            return Outcome("failed", e.message)
 
-    def reboot_allowed(self, layout):
-        return self.allow_reboot
-
-    async def reboot(self, reason):
-        self.reboots.append(reason)
-        return True
+    async def _pass(self, layout, impact):
+        async with self.agent.operands_paused(impact):
+            if impact.changed:
+                pods = sorted(f"{ns}/{name}" for (p, ns, name), o in self.api._store.items()
+                              if p == "pods" and o["spec"].get("nodeName") == NODE)
+                self.applied.append((layout, pods, dict(self.api.get("nodes", NODE)["metadata"]["labels"])))
+            if layout in self.needs_reboot:
+                if self.allow_reboot and not self.rebooted_before:  # the engine's reboot policy and marker
+                    await self.agent.before_reboot("GPU 0: MIG mode change pending until a reboot")
+                    self.reboots.append(layout)
+                    return Outcome("rebooting", "reboot requested")
+                why = "an earlier reboot did not settle it" if self.rebooted_before else "policy.reboot is never"
+                return Outcome("failed", f"GPU 0: reboot required; {why}")
+        return Outcome("success", "converged")
 
     def mig_capable(self):
         return self.capable
@@ -119,7 +131,9 @@ async def running(agent: KubeAgent):
 
 
 def _agent(kubeconfig: str, engine, **kw) -> KubeAgent:
-    return KubeAgent(KubeApi(NODE, load_config(kubeconfig)), engine, **kw)
+    agent = KubeAgent(KubeApi(NODE, load_config(kubeconfig)), engine, **kw)
+    engine.agent = agent
+    return agent
 
 
 def _changes(history: list[dict[str, str]], key: str) -> list[str | None]:
@@ -191,7 +205,7 @@ async def test_a_pass_that_changes_nothing_pauses_nothing(cluster):
     assert _changes(history, MIG_STATE) == [None, "success"]
     for label in BASE_LABELS:
         assert len(_changes(history, label)) == 1, label
-    assert [a[0] for a in engine.applied] == ["all-disabled"]
+    assert engine.selected == ["all-disabled"] and engine.applied == []
     assert all(f"{OPERATOR_NS}/{v}-x1" in _pods(api) for v in VALIDATORS)  # no validator removed either
 
 
@@ -250,25 +264,25 @@ async def test_reboot_once_then_failed_never_a_second_reboot(cluster):
     api, kubeconfig = cluster
     await _node(api, {**BASE_LABELS, MIG_CONFIG: "all-balanced"})
     impact = {"all-balanced": Impact(changed=("0000:18:00.0",), container=("0000:18:00.0",))}
-    needs = Outcome("reboot-required", "GPU 0: MIG mode change pending until a reset; busy")
-    engine = EngineStandIn(api, impact, {"all-balanced": [needs]}, reboot=True)
+    engine = EngineStandIn(api, impact, needs_reboot={"all-balanced"}, reboot=True)
     agent = _agent(kubeconfig, engine)
     async with running(agent):
         await until(api, lambda: _labels(api).get(MIG_STATE) == "rebooting", "state rebooting")
     await agent.api.close()
-    assert len(engine.reboots) == 1
+    assert engine.reboots == ["all-balanced"]
     assert all(_labels(api)[label] == PAUSED_MIG for label in CONTAINER)  # stay paused across the reboot
 
-    # the node comes back: a new gpud process; the change is still not settled
-    engine2 = EngineStandIn(api, impact, {"all-balanced": [needs]}, reboot=True)
+    # the node comes back: a new gpud process; the change is still not settled, and the engine's
+    # reboot marker refuses a second reboot
+    engine2 = EngineStandIn(api, impact, needs_reboot={"all-balanced"}, reboot=True, rebooted_before=True)
     agent2 = _agent(kubeconfig, engine2)
     async with running(agent2):
         await until(api, lambda: _labels(api).get(MIG_STATE) == "failed", "state failed")
     await agent2.api.close()
     assert engine2.reboots == []
-    assert "not rebooting again" in agent2.status.message
+    assert "still not settled after the reboot" in agent2.status.message
     assert all(_labels(api)[label] == "true" for label in CONTAINER)  # the leftover pause is restored
-    # after the reboot: pending again while gpud re-applies, then failed (mig-manager: checked before pending)
+    # after the reboot: pending again while gpud re-applies, then failed
     assert _changes(api.node_history(NODE), MIG_STATE) == [None, "pending", "rebooting", "pending", "failed"]
 
 
@@ -277,7 +291,7 @@ async def test_reboot_settles_it(cluster):
     await _node(api, {**BASE_LABELS, MIG_CONFIG: "all-balanced", MIG_STATE: "rebooting",
                       **{label: PAUSED_MIG for label in CONTAINER}})
     engine = EngineStandIn(api, {"all-balanced": Impact(changed=("0000:18:00.0",), container=("0000:18:00.0",))},
-                           reboot=True)
+                           reboot=True, rebooted_before=True)
     agent = _agent(kubeconfig, engine)
     async with running(agent):
         await until(api, lambda: _labels(api).get(MIG_STATE) == "success", "state success")
@@ -290,13 +304,38 @@ async def test_reboot_not_allowed_fails_and_restores(cluster):
     api, kubeconfig = cluster
     await _node(api, {**BASE_LABELS, MIG_CONFIG: "x"})
     engine = EngineStandIn(api, {"x": Impact(changed=("0000:18:00.0",), container=("0000:18:00.0",))},
-                           {"x": [Outcome("reboot-required", "GPU 0 needs a reboot")]}, reboot=False)
+                           needs_reboot={"x"}, reboot=False)
     agent = _agent(kubeconfig, engine)
     async with running(agent):
         await until(api, lambda: _labels(api).get(MIG_STATE) == "failed", "state failed")
     await agent.api.close()
-    assert engine.reboots == [] and "policy.reboot is not allow" in agent.status.message
+    assert engine.reboots == [] and "policy.reboot is never" in agent.status.message
     assert all(_labels(api)[label] == "true" for label in CONTAINER)
+    assert _changes(api.node_history(NODE), MIG_STATE) == [None, "pending", "failed"]
+
+
+async def test_a_pass_the_agent_did_not_start_is_reported_too(cluster):
+    """An edit of the file under the same label: the engine's pass pauses through the guard and
+    the agent reports the settled outcome on the active selection."""
+    api, kubeconfig = cluster
+    await _node(api, {**BASE_LABELS, MIG_CONFIG: "a"})
+    engine = EngineStandIn(api, {"a": Impact()})
+    agent = _agent(kubeconfig, engine)
+    controller_client = client_for(kubeconfig)
+    async with DaemonSetController(controller_client, NODE, SETS), running(agent):
+        await until(api, lambda: _labels(api).get(MIG_STATE) == "success", "first success")
+        engine.impacts["a"] = Impact(changed=("g",), container=("g",))  # the file now asks for more
+        assert await engine.apply("a") == Outcome("success", "converged")  # the engine's own pass
+        assert await agent.settled(Outcome("success", "converged")) == "success"
+        assert await agent.settled(Outcome("success", "converged")) is None  # nothing changed since
+    await agent.api.close()
+    await controller_client.close()
+    history = api.node_history(NODE)
+    assert _changes(history, MIG_STATE) == [None, "success", "pending", "success"]
+    assert _changes(history, DP) == ["true", PAUSED_MIG, "true"]
+    (_, pods_at_apply, _), = engine.applied
+    assert f"{OPERATOR_NS}/nvidia-device-plugin-daemonset-{NODE}" not in pods_at_apply
+    assert f"{OPERATOR_NS}/nvidia-sandbox-device-plugin-daemonset-{NODE}" in pods_at_apply
 
 
 @pytest.mark.parametrize(("labels", "message"), [
@@ -312,7 +351,7 @@ async def test_bad_selection_fails_without_touching_anything(cluster, labels, me
         await until(api, lambda: _labels(api).get(MIG_STATE) == "failed", "state failed")
     await agent.api.close()
     assert message in agent.status.message
-    assert engine.applied == []
+    assert engine.selected == [] and engine.applied == []
     for label in BASE_LABELS:
         assert len(_changes(api.node_history(NODE), label)) == 1
 
@@ -325,7 +364,7 @@ async def test_label_change_is_followed_through_the_watch_even_after_410(cluster
     events = []
     agent = _agent(kubeconfig, engine, on_event=lambda k, m: events.append(m))
     async with running(agent):
-        await until(api, lambda: _labels(api).get(MIG_STATE) == "success" and len(engine.applied) == 1, "first")
+        await until(api, lambda: _labels(api).get(MIG_STATE) == "success" and len(engine.selected) == 1, "first")
         # the connection drops; while it is down, others' writes push the version the agent saw last
         # out of the retained history, and the label changes
         await api.interrupt_watches()
@@ -333,10 +372,10 @@ async def test_label_change_is_followed_through_the_watch_even_after_410(cluster
             await api.put_object("nodes", {"metadata": {"name": NODE, "labels": {"noise": str(i)}}})
         await api.put_object("nodes", {"metadata": {"name": NODE, "labels": {MIG_CONFIG: "b"}}})
         api.resume_watches()
-        await until(api, lambda: len(engine.applied) == 2 and _labels(api).get(MIG_STATE) == "success", "second")
+        await until(api, lambda: len(engine.applied) == 1 and _labels(api).get(MIG_STATE) == "success", "second")
     await agent.api.close()
     assert api.gone >= 1  # the agent's watch really came back too late and was told 410
-    assert [a[0] for a in engine.applied] == ["a", "b"]
+    assert engine.selected == ["a", "b"]
 
 
 async def test_operand_pods_that_never_leave_fail_the_change(cluster):
@@ -352,8 +391,8 @@ async def test_operand_pods_that_never_leave_fail_the_change(cluster):
         await agent.api.close()
         dsc.terminating.set()
     await controller_client.close()
-    assert engine.applied == []
-    assert "could not take the GPU operands off the node" in agent.status.message
+    assert engine.applied == []  # the engine never changed the GPUs under the operands
+    assert "could not take the GPU operands off the node: they did not leave in time" in agent.status.message
     assert all(_labels(api)[label] == "true" for label in CONTAINER)
 
 
