@@ -102,3 +102,48 @@ class DaemonSetController:
 
 def client_for(kubeconfig: str) -> AsyncClient:
     return AsyncClient(config=KubeConfig.from_file(kubeconfig))
+
+
+class EmulatorThread:
+    """The API emulator on its own event loop in a thread, for tests that drive a gpud process
+    (synchronous test code, a server the daemon reaches over 127.0.0.1)."""
+
+    def __init__(self) -> None:
+        import threading
+
+        import kmock
+
+        self.loop = asyncio.new_event_loop()
+        self.api = ApiServer()
+        self._ready = threading.Event()
+        self._stop: asyncio.Event | None = None
+
+        async def serve() -> None:
+            self._stop = asyncio.Event()
+            async with self.api, kmock.Server(self.api):
+                self._ready.set()
+                await self._stop.wait()
+                await self.api.end_watches()
+
+        self.thread = threading.Thread(target=self.loop.run_until_complete, args=(serve(),), daemon=True)
+        self.thread.start()
+        if not self._ready.wait(30):
+            raise AssertionError("API emulator did not start")
+
+    @property
+    def url(self) -> str:
+        return str(self.api.url)
+
+    def call(self, coro, timeout: float = 30.0):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def read(self, fn):
+        """Run a read of the emulator's state on its loop (no torn reads while it serves)."""
+        async def read():
+            return fn()
+
+        return self.call(read())
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self._stop.set)
+        self.thread.join(30)
