@@ -37,6 +37,7 @@ from typing import Protocol
 
 from msgspec import Struct
 
+from gpud.engine.operands import OperandsNotPaused
 from gpud.host.kube import Conflict, Gone, KubeError, NodeView, PodView
 from gpud.plan.operand_impact import Impact
 
@@ -135,6 +136,7 @@ class KubeAgent:
         self._active: Selection | None = None  # the label selection in force (None: the file's)
         self._changed = False  # a pass changed hardware since the state was last reported
         self._rebooting = False
+        self._handling = False  # handle() is applying a selection (it reports the outcome itself)
         self._handled: tuple[str | None, str | None] | None = None
         self._refresh = asyncio.Event()
         self.conflicts = 0  # 409s met and retried (for status and tests)
@@ -226,13 +228,17 @@ class KubeAgent:
         self._active = sel
         after_reboot = any(node.labels.get(s) == "rebooting" for s in sel.state_labels)
         self._rebooting = False
-        outcome = await self.applier.apply(sel.layout)
-        return await self._settle(sel, outcome, after_reboot=after_reboot)
+        self._handling = True
+        try:
+            outcome = await self.applier.apply(sel.layout)
+            return await self._settle(sel, outcome, after_reboot=after_reboot)
+        finally:
+            self._handling = False
 
     async def settled(self, outcome: Outcome) -> str | None:
         """A pass the agent did not start (file edit, udev, a holder that exited) has settled: report
         it on the active selection's state labels."""
-        if self._active is None or not self._changed:
+        if self._active is None or not self._changed or self._handling:
             return None
         return await self._settle(self._active, outcome, after_reboot=False)
 
@@ -251,8 +257,8 @@ class KubeAgent:
     async def operands_paused(self, impact: Impact):
         """Around a pass's changes: pending, pause the operands that see a changing GPU and wait for
         their pods to go; afterwards restore them (not when a reboot was asked for). Raises
-        KubeError or TimeoutError (restoring what it paused) when the operands cannot be taken
-        off the node: the engine must not change the GPUs under them then."""
+        OperandsNotPaused (restoring what it paused) when the operands cannot be taken off the
+        node: the engine must not change the GPUs under them then."""
         if not impact.changed:
             yield
             return
@@ -267,8 +273,7 @@ class KubeAgent:
             except (KubeError, TimeoutError) as e:
                 await self._restore_quietly()
                 reason = "they did not leave in time" if isinstance(e, TimeoutError) else str(e)
-                raise KubeError(getattr(e, "status", None), "operands",
-                                f"could not take the GPU operands off the node: {reason}") from e
+                raise OperandsNotPaused(f"could not take the GPU operands off the node: {reason}") from e
         try:
             yield
         finally:

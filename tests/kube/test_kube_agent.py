@@ -17,7 +17,8 @@ import pytest
 from gpud.engine.kube_agent import (
     MIG_CAPABLE, MIG_CONFIG, MIG_STATE, PAUSED_MIG, PAUSED_VGPU, VGPU_CONFIG, VGPU_STATE, Impact, KubeAgent, Outcome,
 )
-from gpud.host.kube import KubeApi, KubeError, load_config
+from gpud.engine.operands import OperandsNotPaused
+from gpud.host.kube import KubeApi, load_config
 from tests.kube.apiserver import ApiServer
 from tests.kube.cluster import NODE, OPERATOR_NS, DaemonSet, DaemonSetController, client_for, until, write_kubeconfig
 
@@ -72,8 +73,8 @@ class EngineStandIn:
         impact = self.impacts[layout]
         try:
             return await self._pass(layout, impact)
-        except KubeError as e:  # the reconciler fails the pass's GPUs with the reason
-            return Outcome("failed", e.message)
+        except OperandsNotPaused as e:  # the reconciler fails the pass's GPUs with the reason
+            return Outcome("failed", str(e))
 
     async def _pass(self, layout, impact):
         async with self.agent.operands_paused(impact):
