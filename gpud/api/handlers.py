@@ -15,6 +15,7 @@ from gpud.api.peers import Peer
 from gpud.api.server import ApiError
 from gpud.engine import passthrough
 from gpud.engine.events import EventQueue
+from gpud.engine.node_labels_out import LabelsOut
 from gpud.engine.queries import EngineError, InvalidLayout, NoSuchGpu, select_gpus, start_apply
 from gpud.engine.reconciler import Reconciler
 from gpud.host.nvml import NvmlError
@@ -37,10 +38,13 @@ class Notifier(Protocol):
 class RequestHandler:
     """`gpud.api.server.Handler` for one reconciler. `dev_root`: where /dev/vfio/<group> is looked for."""
 
-    def __init__(self, rec: Reconciler, notifier: Notifier | None = None, *, dev_root: str = "/dev") -> None:
+    def __init__(self, rec: Reconciler, notifier: Notifier | None = None, *, dev_root: str = "/dev",
+                 labels: LabelsOut | None = None, kube_agent=None) -> None:
         self.rec = rec
         self.notifier = notifier
         self.dev_root = dev_root
+        self.labels = labels  # the node labels written after each pass (None: not computed)
+        self.kube_agent = kube_agent  # gpud.engine.kube_agent.KubeAgent with --kube-node
 
     async def handle(self, op: str, args: dict[str, Any], peer: Peer) -> Any:
         answer = getattr(self, "op_" + op.replace("-", "_"), None)
@@ -62,7 +66,17 @@ class RequestHandler:
 
     async def op_status(self) -> wire.StatusReply:
         self.rec.refresh()
-        return replies.status_reply(self.rec)
+        return replies.status_reply(self.rec, kubernetes=self._kubernetes())
+
+    def _kubernetes(self) -> wire.KubernetesStatus:
+        strategy = self.labels.mig_strategy if self.labels is not None else "mixed"
+        agent = self.kube_agent.status if self.kube_agent is not None else None
+        return replies.kubernetes_status(self.rec.observation.gpus, mig_strategy=strategy, agent=agent)
+
+    async def op_labels(self) -> wire.LabelsReply:
+        if self.labels is None:
+            return wire.LabelsReply()
+        return replies.labels_reply(self.labels)
 
     async def op_version(self) -> wire.VersionReply:
         try:
@@ -71,10 +85,21 @@ class RequestHandler:
             driver = nvml = None
         return wire.VersionReply(version=VERSION, driver=driver, nvml=nvml, protocol=wire.PROTOCOL)
 
-    async def op_check(self, text: str, path: str | None = None) -> wire.CheckReply:
-        _, res, _ = self.rec.evaluate(text, path or "layout.yaml")
-        return wire.CheckReply(valid=not res.errors, errors=[str(e) for e in res.errors],
-                               warnings=[str(w) for w in res.warnings], selected=res.selected)
+    async def op_check(self, text: str, path: str | None = None, all_layouts: bool = False) -> wire.CheckReply:
+        parsed, res, _ = self.rec.evaluate(text, path or "layout.yaml")
+        errors, warnings = [str(e) for e in res.errors], [str(w) for w in res.warnings]
+        checked = [res.selected] if res.selected else []
+        layout = parsed.layout or parsed.draft
+        if all_layouts and layout is not None:  # any of them may be selected by a node label
+            for name in layout.layouts:
+                if name == res.selected:
+                    continue
+                _, other, _ = self.rec.evaluate(text, path or "layout.yaml", select=name)
+                errors += [str(e) for e in other.errors if str(e) not in errors]
+                warnings += [str(w) for w in other.warnings if str(w) not in warnings]
+                checked.append(name)
+        return wire.CheckReply(valid=not errors, errors=errors, warnings=warnings, selected=res.selected,
+                               checked=checked)
 
     async def op_plan(self, text: str | None = None, path: str | None = None) -> wire.PlanReply:
         if text is None:  # the file in force, against the host as it is now

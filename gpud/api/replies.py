@@ -8,8 +8,11 @@ never a user parsing `--json`.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from gpud import VERSION
 from gpud.api import wire
+from gpud.engine.node_labels_out import LabelsOut
 from gpud.engine.observe import Observation
 from gpud.engine.passthrough import PassthroughEntry, kubevirt_entry
 from gpud.engine.queries import remaining_capacity
@@ -20,7 +23,9 @@ from gpud.layout.names import mig_device_name
 from gpud.layout.resolve import Resolution
 from gpud.model import Gpu, Holder, MigProfile, Placement
 from gpud.plan.binding import BindStep
+from gpud.host.nfd import read_features
 from gpud.plan.mig import Destroyed, GpuPlan, Step
+from gpud.plan.node_labels import advertised
 from gpud.profiles import GI_PROFILE_INDEX, by_device, model_name
 
 # ---------------------------------------------------------------------------------------------
@@ -104,13 +109,39 @@ def layout_status(rec: Reconciler) -> wire.LayoutStatus:
                              valid=not errors, errors=errors, warnings=warnings)
 
 
-def status_reply(rec: Reconciler) -> wire.StatusReply:
+def status_reply(rec: Reconciler, *, kubernetes: wire.KubernetesStatus | None = None) -> wire.StatusReply:
     """What the engine last observed and concluded, never what it intended."""
     res = rec.resolution
     gpus = [gpu_status(g, res.desired.get(g.pci) if res else None, rec.gpu_states.get(g.pci))
             for g in rec.observation.gpus]
     return wire.StatusReply(phase=rec.phase, layout=layout_status(rec), gpus=gpus, read_only=rec.read_only,
-                            version=VERSION)
+                            version=VERSION, kubernetes=kubernetes)
+
+
+# ---------------------------------------------------------------------------------------------
+# Kubernetes
+
+
+def kubernetes_status(gpus: Sequence[Gpu], *, mig_strategy: str, agent=None) -> wire.KubernetesStatus:
+    """What the device plugins will advertise from the GPUs as observed; the label protocol's state
+    (`agent`: gpud.engine.kube_agent.AgentStatus, None without --kube-node)."""
+    ad = advertised(gpus, mig_strategy=mig_strategy)
+    agent_status = None
+    if agent is not None:
+        agent_status = wire.KubeAgentStatus(node=agent.node, connected=agent.connected, selected=agent.selected,
+                                            state=agent.state, message=agent.message, paused=list(agent.paused))
+    return wire.KubernetesStatus(
+        advertised=wire.Advertised(mig_strategy=mig_strategy, resources=ad.resources, sandbox=ad.sandbox,
+                                   problems=list(ad.problems)),
+        agent=agent_status)
+
+
+def labels_reply(out: LabelsOut) -> wire.LabelsReply:
+    held = read_features(out.path) if out.path else None
+    last = out.last
+    return wire.LabelsReply(path=out.path, label_set="all" if out.gfd else "gpud", result=out.last_result,
+                            file=held, labels=dict(last.labels) if last else {},
+                            warnings=list(last.warnings) if last else [])
 
 
 # ---------------------------------------------------------------------------------------------

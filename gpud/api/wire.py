@@ -39,7 +39,7 @@ E_INVALID_LAYOUT = "invalid-layout"
 E_TIMEOUT = "timeout"
 E_READ_ONLY = "read-only"
 
-READ_OPS = frozenset({"status", "check", "plan", "events", "version", "mig-profiles", "passthrough"})
+READ_OPS = frozenset({"status", "check", "plan", "events", "version", "mig-profiles", "passthrough", "labels"})
 WRITE_OPS = frozenset({"apply", "reload"})
 OPS = READ_OPS | WRITE_OPS
 
@@ -104,6 +104,7 @@ class NoArgs(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 class CheckArgs(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     text: str  # the layout as the client read it
     path: str  # where it was read, so errors name the file
+    all_layouts: bool = False  # check every entry of `layouts`, as a node label may select any
 
 
 class PlanArgs(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -134,6 +135,7 @@ ARGS: dict[str, type[msgspec.Struct]] = {
     "version": NoArgs,
     "mig-profiles": MigProfilesArgs,
     "passthrough": NoArgs,
+    "labels": NoArgs,
 }
 
 
@@ -203,6 +205,31 @@ class LayoutStatus(msgspec.Struct, kw_only=True):
     warnings: list[str] = []
 
 
+class KubeAgentStatus(msgspec.Struct, kw_only=True):
+    """`gpud --kube-node`: the operator's label protocol as gpud follows it on this node."""
+
+    node: str
+    connected: bool = False
+    selected: str | None = None  # the layout nvidia.com/mig.config (or vgpu.config) selects
+    state: str | None = None  # what gpud last wrote to nvidia.com/mig.config.state
+    message: str = ""
+    paused: list[str] = []  # nvidia.com/gpu.deploy.* labels paused now
+
+
+class Advertised(msgspec.Struct, kw_only=True):
+    """What the device plugins will advertise for this node as its GPUs are now."""
+
+    mig_strategy: str = "mixed"
+    resources: dict[str, int] = {}  # k8s-device-plugin: nvidia.com/gpu, nvidia.com/mig-1g.10gb
+    sandbox: dict[str, int] = {}  # kubevirt-gpu-device-plugin: nvidia.com/GH100_H100_SXM5_80GB
+    problems: list[str] = []  # why the device plugin would refuse to start
+
+
+class KubernetesStatus(msgspec.Struct, kw_only=True):
+    advertised: Advertised
+    agent: KubeAgentStatus | None = None  # None without --kube-node
+
+
 class StatusReply(msgspec.Struct, kw_only=True):
     # converged | applying | waiting | failed | starting | invalid-layout | ...
     phase: str
@@ -210,6 +237,7 @@ class StatusReply(msgspec.Struct, kw_only=True):
     gpus: list[GpuStatus] = []
     read_only: bool = False
     version: str = ""
+    kubernetes: KubernetesStatus | None = None
 
 
 class CheckReply(msgspec.Struct, kw_only=True):
@@ -217,6 +245,7 @@ class CheckReply(msgspec.Struct, kw_only=True):
     errors: list[str] = []
     warnings: list[str] = []
     selected: str | None = None
+    checked: list[str] = []  # the layouts checked (all of them with all_layouts)
 
 
 class StepInfo(msgspec.Struct, kw_only=True):
@@ -327,6 +356,17 @@ class PassthroughReply(msgspec.Struct, kw_only=True):
     devices: list[PassthroughDevice] = []
 
 
+class LabelsReply(msgspec.Struct, kw_only=True):
+    """The node labels: what gpud computes from the hardware now, and what NFD's file holds."""
+
+    path: str | None = None  # the NFD feature file (None: not written)
+    label_set: str = "all"  # all (GFD's + gpud's) | gpud
+    result: str | None = None  # of the last write: written | unchanged | no-directory | error: ...
+    file: dict[str, str] | None = None  # what the file holds (None: no file)
+    labels: dict[str, str] = {}  # computed now
+    warnings: list[str] = []  # labels left out, with why
+
+
 class EventsReply(msgspec.Struct, kw_only=True):
     events: list[Event] = []  # recent history, oldest first
     following: bool = False  # EventFrames follow on this connection
@@ -342,6 +382,7 @@ RESULTS: dict[str, type[msgspec.Struct]] = {
     "version": VersionReply,
     "mig-profiles": MigProfilesReply,
     "passthrough": PassthroughReply,
+    "labels": LabelsReply,
 }
 
 

@@ -286,6 +286,10 @@ class KubeAgent:
         if self._active is not None:
             await self._set_state(self._active, "rebooting", reason)
 
+    def reboot_cancelled(self) -> None:
+        """The reboot was not requested after all: the pass restores the operands as usual."""
+        self._rebooting = False
+
     async def _finish(self, sel: Selection, state: str, message: str) -> str:
         await self._set_state(sel, state, message)
         return state

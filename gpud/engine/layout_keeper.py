@@ -28,6 +28,17 @@ class LayoutKeeper:
         self.observe = observe
         self.layout: ParsedLayout | None = None
         self.issues: tuple[list[str], list[str]] = ([], [])
+        self.select: str | None = None  # a layout chosen over the file's `selected` (a node label)
+
+    def choose(self, name: str | None) -> bool:
+        """Put layout `name` of the file in force instead of the file's `selected` (None: the
+        file's own choice again), checked against this host like any load; False when refused."""
+        self.select = name
+        return self.load()
+
+    def layout_names(self) -> list[str]:
+        """The layouts the file in force offers."""
+        return list(self.layout.layout.layouts) if self.layout is not None and self.layout.layout is not None else []
 
     def load(self) -> bool:
         """Read and parse the file; a bad file never replaces the last good layout."""
@@ -42,7 +53,7 @@ class LayoutKeeper:
             self.issues = ([f"{self.path}: {why}; keeping the last good layout"], [])
             self.bus.publish("layout-invalid", self.issues[0][0])
             return False
-        parsed, resolution, _ = self.evaluate(text, self.path)
+        parsed, resolution, _ = self.evaluate(text, self.path, select=self.select)
         errors = [str(i) for i in resolution.errors]  # parse errors included: one full report
         warnings = [str(i) for i in resolution.warnings]
         if errors:
@@ -55,10 +66,11 @@ class LayoutKeeper:
         self.bus.publish("layout-loaded", f"{self.path}: selected {parsed.layout.selected!r}")
         return True
 
-    def evaluate(self, text: str, path: str) -> tuple[ParsedLayout, Resolution, Observation]:
+    def evaluate(self, text: str, path: str, *, select: str | None = None) -> tuple[ParsedLayout, Resolution, Observation]:
         """Parse a layout text and resolve it against this host as that layout's own `match:` sees
-        it: selectors and profile names are checked against the real GPUs before the file is taken."""
-        parsed = parse_layout(text, path)
+        it: selectors and profile names are checked against the real GPUs before the file is taken.
+        `select` chooses a layout over the file's `selected`."""
+        parsed = parse_layout(text, path, select=select)
         candidate = parsed.layout or parsed.draft
         match = candidate.match if candidate is not None and candidate.match else DEFAULT_MATCH
         obs = self.observe(match)

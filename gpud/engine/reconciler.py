@@ -30,6 +30,7 @@ from gpud.engine.hooked_apply import apply_with_hooks
 from gpud.engine.hooks import HookFailed
 from gpud.engine.layout_keeper import LayoutKeeper
 from gpud.engine.observe import Observation, observe
+from gpud.engine.operands import OperandGuard, OperandsNotPaused
 from gpud.engine.ports import BootOverrides, Drainer, Rebooter
 from gpud.engine.reboot_policy import RebootPolicy
 from gpud.engine.scheduler import PassScheduler
@@ -43,6 +44,7 @@ from gpud.layout.schema import MatchRule, Policy
 from gpud.model import Gpu, Holder, NvmlGpu
 from gpud.plan.binding import BindingPlan, plan_binding
 from gpud.plan.mig import GpuPlan, plan_gpu
+from gpud.plan.operand_impact import impact
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +84,7 @@ class Reconciler:
         self.udev_rules = udev_rules  # boot-time vfio overrides
         self.reboot_policy = RebootPolicy(rebooter=rebooter, state_dir=state_dir, read_only=read_only, bus=bus)
         self.layout_file = LayoutKeeper(config_path, bus, self._observe)
+        self.operand_guard: OperandGuard | None = None  # --kube-node: the kube agent
         self.scheduler = PassScheduler()
         self.holder_watch = HolderWatch(self._holder_exited)
         self._pass_layout: ParsedLayout | None = None  # the layout a running pass started with
@@ -92,7 +95,8 @@ class Reconciler:
         self.observation = Observation(gpus=(), functions=())
         self.gpu_states: dict[str, GpuState] = {}
         self.phase = "starting"
-        self.passes = 0
+        self.passes = 0  # passes started
+        self.completed_passes = 0  # passes finished (phase says how they ended)
         self._listeners: list[Callable[[], None]] = []
 
     # ---- the file (kept by self.layout_file) ----------------------------------------------
@@ -110,9 +114,10 @@ class Reconciler:
         """Read and parse the file; a bad file never replaces the last good layout."""
         return self.layout_file.load()
 
-    def evaluate(self, text: str, path: str) -> tuple[ParsedLayout, Resolution, Observation]:
-        """Parse a layout text and resolve it against this host as that layout's own `match:` sees it."""
-        return self.layout_file.evaluate(text, path)
+    def evaluate(self, text: str, path: str, *, select: str | None = None) -> tuple[ParsedLayout, Resolution, Observation]:
+        """Parse a layout text and resolve it against this host as that layout's own `match:` sees it
+        (`select`: a layout chosen over the file's `selected`)."""
+        return self.layout_file.evaluate(text, path, select=select)
 
     def _observe(self, match: tuple[MatchRule, ...]) -> Observation:
         """While a rebind runs, NVML stays closed: opening it (nvmlInit opens every GPU) would make
@@ -233,6 +238,7 @@ class Reconciler:
             self.refresh()
         self.phase = _phase(self.gpu_states.values())
         self.reboot_policy.after_pass(self.phase)
+        self.completed_passes += 1
         self._notify()
 
     async def _converge_all(self) -> None:
@@ -252,7 +258,7 @@ class Reconciler:
             if gpu.pci not in resolution.desired:
                 self._set(gpu.pci, GpuState("unmanaged", "not in the selected layout: left untouched"))
         if todo:
-            await self._apply_with_hooks(todo, resolution)
+            await self._apply_guarded(todo, resolution)
         for pci, desired in resolution.desired.items():  # the GPUs with nothing to do (re-checked)
             if pci not in todo:
                 await self._converge_one(pci, desired)
@@ -275,6 +281,19 @@ class Reconciler:
                 if isinstance(action, Action):
                     todo[gpu.pci] = action
         return todo
+
+    async def _apply_guarded(self, todo: dict[str, Action], resolution: Resolution) -> None:
+        """With --kube-node, the cluster's GPU operands that see a changing GPU leave the node
+        first and come back after (gpud.engine.operands); if they cannot, nothing is changed."""
+        if self.operand_guard is None:
+            await self._apply_with_hooks(todo, resolution)
+            return
+        try:
+            async with self.operand_guard.operands_paused(impact(self.observation.gpus, resolution.desired, todo)):
+                await self._apply_with_hooks(todo, resolution)
+        except OperandsNotPaused as e:
+            for pci in todo:
+                self._set(pci, GpuState("failed", f"{e}; nothing changed"))
 
     async def _apply_with_hooks(self, todo: dict[str, Action], resolution: Resolution) -> None:
         """The GPUs that change, inside the layout's hook phases (see gpud.engine.hooked_apply)."""
