@@ -169,7 +169,10 @@ class Nvml:
         name = self._query(pci, h, "nvmlDeviceGetName")
         minor = self._optional(pci, "nvmlDeviceGetMinorNumber", h)
         memory_mb = self._query(pci, h, "nvmlDeviceGetMemoryInfo").total // _MIB
-        compute = self._optional(pci, "nvmlDeviceGetCudaComputeCapability", h)
+        try:  # only node labels use it: an older driver without it must not hide the GPU
+            compute = self._optional(pci, "nvmlDeviceGetCudaComputeCapability", h)
+        except NvmlError:
+            compute = None
         mode = self._optional(pci, "nvmlDeviceGetMigMode", h)
         current, pending = (mode if mode is not None else (None, None))
         profiles: tuple[MigProfile, ...] = ()
