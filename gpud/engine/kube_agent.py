@@ -204,8 +204,8 @@ class KubeAgent:
     async def _maybe_handle(self, node: NodeView) -> None:
         key = (node.labels.get(MIG_CONFIG), node.labels.get(VGPU_CONFIG))
         if key != self._handled:
+            await self.handle(node)  # an API error propagates: run() reads the node again and retries
             self._handled = key
-            await self.handle(node)
 
     # --- one selection -----------------------------------------------------------------------
     async def handle(self, node: NodeView) -> str | None:
@@ -240,7 +240,11 @@ class KubeAgent:
         it on the active selection's state labels."""
         if self._active is None or not self._changed or self._handling:
             return None
-        return await self._settle(self._active, outcome, after_reboot=False)
+        try:
+            return await self._settle(self._active, outcome, after_reboot=False)
+        except KubeError as e:  # reported again once the API answers: the next pass or label change
+            self._event("kube", f"could not report the outcome on the node: {e}")
+            return None
 
     async def _settle(self, sel: Selection, outcome: Outcome, *, after_reboot: bool) -> str:
         self._changed = False
