@@ -109,12 +109,12 @@ class NvmlGpu(Struct, frozen=True):
     minor: int | None = None
     memory_mb: int = 0
     mig_capable: bool = False
-    compute_capability: tuple[int, int] | None = None  # CUDA (major, minor); GFD's gpu.family
     mig_mode: int | None = None  # 0/1, None when not MIG capable
     mig_pending: int | None = None
     profiles: tuple[MigProfile, ...] = ()
     instances: tuple[GpuInstance, ...] = ()
     processes: tuple[Holder, ...] = ()  # compute processes on the whole GPU
+    compute_capability: tuple[int, int] | None = None  # CUDA (major, minor): GFD's gpu.family
 
     def profile(self, profile_id: int) -> MigProfile | None:
         return next((p for p in self.profiles if p.id == profile_id), None)

@@ -62,7 +62,7 @@ class LabelsOut:
     def inputs(self, gpus: tuple[Gpu, ...], *, workloads: dict[str, str], layout: str | None, state: str,
                versions: Versions) -> LabelInputs:
         compute = {g.pci: g.nvml.compute_capability for g in gpus
-                   if g.nvml is not None and getattr(g.nvml, "compute_capability", None)}
+                   if g.nvml is not None and g.nvml.compute_capability is not None}
         return LabelInputs(gpus=gpus, driver_version=versions.driver, cuda_driver_version=versions.cuda,
                            compute=compute, workloads=workloads, layout=layout, state=state,
                            mig_strategy=self.mig_strategy)

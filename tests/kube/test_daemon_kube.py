@@ -121,6 +121,9 @@ def test_node_label_selects_the_layout_through_the_operator_protocol(cluster, tm
         nfd = nfd_read(str(features))
         assert nfd["nvidia.com/gpud.layout"] == "whole" and nfd["nvidia.com/gpu.count"] == "2"
         assert nfd["nvidia.com/gpu.product"] == "NVIDIA-H100-80GB-HBM3"
+        # NVML's compute capability (H100: 9.0 -> GFD's "hopper") and versions reach the labels
+        assert (nfd["nvidia.com/gpu.family"], nfd["nvidia.com/gpu.compute.major"]) == ("hopper", "9")
+        assert nfd["nvidia.com/cuda.driver-version.full"] == json.loads(d.ctl("version", "--json").stdout)["driver"]
         assert "nvidia.com/mig.capable" not in nfd  # with --kube-node gpud patches it on the node itself
 
         # 1. the seed's partial MIG layout on GPU 0
