@@ -220,6 +220,12 @@ class Daemon:
         state = layout_state(rec.phase, rebooting=rebooting)
         self.labels.write(self.labels.inputs(rec.observation.gpus, workloads={p: d.workload for p, d in desired.items()},
                                              layout=selected, state=state, versions=self._versions or Versions()))
+    async def _run_after_selection(self) -> None:
+        """--kube-node: no pass before the node's label has chosen the layout (a file edit or a
+        device event meanwhile is remembered and runs then)."""
+        await self.kube.selected_once.wait()
+        await self.rec.run()
+
     async def watchdog(self, interval: float) -> None:
         """Pinged from the loop itself, so a stuck loop stops the pings and systemd restarts us."""
         while True:
@@ -253,7 +259,8 @@ class Daemon:
             self.bus.publish("warning", f"device events unavailable: {e}")
         self.rec.refresh()  # the first state, before READY
         tasks = [
-            asyncio.create_task(self.rec.run(), name="reconciler"),
+            asyncio.create_task(self.rec.run() if self.kube is None else self._run_after_selection(),
+                                name="reconciler"),
             asyncio.create_task(self.watch_config(), name="inotify"),
         ]
         if self.kube is not None:

@@ -137,6 +137,9 @@ class KubeAgent:
         self._changed = False  # a pass changed hardware since the state was last reported
         self._rebooting = False
         self._handling = False  # handle() is applying a selection (it reports the outcome itself)
+        # Set once the node's labels first chose what is in force (a layout, or the file's own
+        # `selected`); until then the daemon runs no pass, so a bad label at start touches nothing.
+        self.selected_once = asyncio.Event()
         self._handled: tuple[str | None, str | None] | None = None
         self._refresh = asyncio.Event()
         self.conflicts = 0  # 409s met and retried (for status and tests)
@@ -217,6 +220,7 @@ class KubeAgent:
             return await self._finish(sel, "failed", sel.error)
         if sel.layout is None:
             self._active = None
+            self.selected_once.set()
             await self.applier.apply(None)
             await self._restore_quietly()
             return None
@@ -229,6 +233,7 @@ class KubeAgent:
         after_reboot = any(node.labels.get(s) == "rebooting" for s in sel.state_labels)
         self._rebooting = False
         self._handling = True
+        self.selected_once.set()
         try:
             outcome = await self.applier.apply(sel.layout)
             return await self._settle(sel, outcome, after_reboot=after_reboot)

@@ -194,3 +194,21 @@ def test_check_all_layouts_reports_a_layout_this_host_cannot_take(tmp_path):
         assert checked == ["whole", "partial-mig", "vms", "wrong-model"]
     finally:
         d.stop()
+
+
+def test_a_bad_label_at_start_touches_nothing(cluster, tmp_path):
+    """The file's own `selected` (partial-mig) would change GPU 0; the node's label names a layout
+    the file lacks. No pass may run on the file's choice: failed, and the hardware as it was."""
+    emu, kubeconfig = cluster
+    _relabel(emu, "nope")
+    d = Daemon(tmp_path / "d", ["h100-80gb:2"], LAYOUT.replace("selected: whole", "selected: partial-mig"),
+               ["--kube-node", NODE, "--kubeconfig", kubeconfig, "--nfd-features", str(tmp_path / "none" / "gpud")])
+    try:
+        wait_until(lambda: _labels(emu).get(STATE) == "failed", what="state failed")
+        assert json.loads(d.ctl("status", "--json").stdout)["phase"] == "starting"  # no pass ran
+        assert _sim_gis(d, GPU0) == []
+        _relabel(emu, "whole")
+        wait_until(lambda: _labels(emu).get(STATE) == "success", what="state success")
+        assert _sim_gis(d, GPU0) == [] and json.loads(d.ctl("status", "--json").stdout)["phase"] == "converged"
+    finally:
+        d.stop()
