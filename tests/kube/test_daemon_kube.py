@@ -115,7 +115,7 @@ def test_node_label_selects_the_layout_through_the_operator_protocol(cluster, tm
     d = Daemon(tmp_path / "d", ["h100-80gb:2"], LAYOUT, ["--kube-node", NODE, "--kubeconfig", kubeconfig,
                                                           "--nfd-features", str(features / "gpud")])
     try:
-        wait_until(lambda: _labels(emu).get(STATE) == "success", what="state success for 'whole'")
+        wait_until(lambda: _labels(emu).get(STATE) == "success", timeout=120, what="state success for 'whole'")
         labels = _labels(emu)
         assert labels["nvidia.com/mig.capable"] == "true"
         nfd = nfd_read(str(features))
@@ -128,7 +128,8 @@ def test_node_label_selects_the_layout_through_the_operator_protocol(cluster, tm
 
         # 1. the seed's partial MIG layout on GPU 0
         since = _relabel(emu, "partial-mig")
-        wait_until(lambda: _labels(emu).get(STATE) == "success" and _sim_gis(d, GPU0), what="partial-mig applied")
+        wait_until(lambda: _labels(emu).get(STATE) == "success" and _sim_gis(d, GPU0), timeout=120,
+                   what="partial-mig applied")
         # H100 80GB: 1g.10gb is GI profile 19 at starts 0-3, 3g.40gb is profile 9 at 4 (gpud.profiles' source:
         # nvidia-smi mig -lgip); every GI with one full compute instance
         assert _sim_gis(d, GPU0) == [(9, 4, 1), (19, 0, 1), (19, 1, 1), (19, 2, 1), (19, 3, 1)]
@@ -136,7 +137,7 @@ def test_node_label_selects_the_layout_through_the_operator_protocol(cluster, tm
         for label in (DP, GFD, DCGM):
             assert _changes(emu, label, since) == ["true", "paused-for-mig-change", "true"], label
         assert _changes(emu, SANDBOX_DP, since) == ["true"]  # GPU 0 is on nvidia before and after
-        wait_until(lambda: nfd_read(str(features)).get("nvidia.com/mig-1g.10gb.count") == "4", what="labels")
+        wait_until(lambda: nfd_read(str(features)).get("nvidia.com/mig-1g.10gb.count") == "4", timeout=120, what="labels")
         nfd = nfd_read(str(features))
         assert nfd["nvidia.com/mig-3g.40gb.count"] == "1" and nfd["nvidia.com/gpud.layout"] == "partial-mig"
         assert nfd["nvidia.com/gpud.layout.state"] == "success"
@@ -150,7 +151,7 @@ def test_node_label_selects_the_layout_through_the_operator_protocol(cluster, tm
         # 2. a passthrough GPU: both sides see GPU 1 change, so both are paused
         since = _relabel(emu, "vms")
         wait_until(lambda: _labels(emu).get(STATE) == "success" and _sim_driver(d, GPU1) == "vfio-pci",
-                   what="vms applied")
+                   timeout=120, what="vms applied")
         assert _sim_gis(d, GPU0) == []
         assert _changes(emu, SANDBOX_DP, since) == ["true", "paused-for-vgpu-change", "true"]
         assert _changes(emu, DP, since) == ["true", "paused-for-mig-change", "true"]
@@ -161,11 +162,11 @@ def test_node_label_selects_the_layout_through_the_operator_protocol(cluster, tm
         assert status["kubernetes"]["advertised"]["sandbox"] == {"nvidia.com/GH100_H100_SXM5_80GB": 1}
         assert status["kubernetes"]["advertised"]["resources"] == {"nvidia.com/gpu": 1}
         wait_until(lambda: nfd_read(str(features)).get("nvidia.com/gpud.workload.vm-passthrough.count") == "1",
-                   what="workload labels")
+                   timeout=120, what="workload labels")
 
         # 3. a layout the host refuses (H200 profiles on an H100): failed, nothing touched, nothing paused
         since = _relabel(emu, "wrong-model")
-        wait_until(lambda: _labels(emu).get(STATE) == "failed", what="state failed")
+        wait_until(lambda: _labels(emu).get(STATE) == "failed", timeout=120, what="state failed")
         assert "1g.18gb is not a MIG profile of NVIDIA H100 80GB HBM3" in json.loads(
             d.ctl("status", "--json").stdout)["kubernetes"]["agent"]["message"]
         assert _changes(emu, DP, since) == ["true"]
@@ -174,7 +175,7 @@ def test_node_label_selects_the_layout_through_the_operator_protocol(cluster, tm
         # 4. a name the file does not have
         _relabel(emu, "nope")
         wait_until(lambda: _labels(emu).get(STATE) == "failed" and "nope" in json.loads(
-            d.ctl("status", "--json").stdout)["kubernetes"]["agent"]["message"], what="unknown layout reported")
+            d.ctl("status", "--json").stdout)["kubernetes"]["agent"]["message"], timeout=120, what="unknown layout reported")
     finally:
         d.stop()
     assert d.proc.returncode == 0, d.log.read_text()
@@ -204,11 +205,11 @@ def test_a_bad_label_at_start_touches_nothing(cluster, tmp_path):
     d = Daemon(tmp_path / "d", ["h100-80gb:2"], LAYOUT.replace("selected: whole", "selected: partial-mig"),
                ["--kube-node", NODE, "--kubeconfig", kubeconfig, "--nfd-features", str(tmp_path / "none" / "gpud")])
     try:
-        wait_until(lambda: _labels(emu).get(STATE) == "failed", what="state failed")
+        wait_until(lambda: _labels(emu).get(STATE) == "failed", timeout=120, what="state failed")
         assert json.loads(d.ctl("status", "--json").stdout)["phase"] == "starting"  # no pass ran
         assert _sim_gis(d, GPU0) == []
         _relabel(emu, "whole")
-        wait_until(lambda: _labels(emu).get(STATE) == "success", what="state success")
+        wait_until(lambda: _labels(emu).get(STATE) == "success", timeout=120, what="state success")
         assert _sim_gis(d, GPU0) == [] and json.loads(d.ctl("status", "--json").stdout)["phase"] == "converged"
     finally:
         d.stop()
