@@ -23,6 +23,8 @@ from gpud.api.handlers import RequestHandler
 from gpud.engine.apply_lock import ApplyLock
 from gpud.device_events import DeviceEventSourceFactory, describe_device_event
 from gpud.engine.events import EventBus
+from gpud.engine.gpu_state import SETTLING_PHASES
+from gpud.engine.node_labels_out import LabelsOut, Versions, layout_state
 from gpud.engine.observer import DEFAULT_MAX_AGE
 from gpud.engine.reconciler import Hardware, Reconciler
 from gpud.engine.udev_rules import UdevRules
@@ -33,6 +35,7 @@ from gpud.loop_lag import LoopLagProbe
 
 log = logging.getLogger("gpud")
 SWITCH_INTERVAL = 0.0005  # seconds a worker thread may keep the GIL while the loop wants it
+NFD_FEATURES = "/etc/kubernetes/node-feature-discovery/features.d/gpud"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -55,6 +58,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="while clients ask for status, re-read the host when the observation is older "
                     f"than S seconds (default {DEFAULT_MAX_AGE:g}); changes gpud makes or hears of are "
                     "read at once whatever S")
+    k8s = ap.add_argument_group("Kubernetes")
+    k8s.add_argument("--nfd-features", metavar="PATH", help="node labels for Node Feature Discovery, written after "
+                     "every pass when the directory exists (default /etc/kubernetes/node-feature-discovery/"
+                     "features.d/gpud, or DIR/etc/kubernetes/... with --sim)")
+    k8s.add_argument("--nfd-labels", choices=("all", "gpud"), default="all",
+                     help="all: GFD's labels and gpud's own; gpud: only gpud's (a cluster that keeps running GFD)")
+    k8s.add_argument("--mig-strategy", choices=("mixed", "single"), default="mixed",
+                     help="the device plugin's and GFD's MIG strategy in this cluster (labels, advertised resources)")
+    k8s.add_argument("--kube-node", metavar="NAME", help="follow the GPU Operator's node-label protocol for this "
+                     "node (nvidia.com/mig.config selects the layout); needs gpud[kube]")
+    k8s.add_argument("--kubeconfig", metavar="PATH", help="with --kube-node: credentials (default: in-cluster "
+                     "service account, $KUBECONFIG, ~/.kube/config)")
+    k8s.add_argument("--kube-namespace", default="gpu-operator", help="the GPU Operator's namespace (its operand pods)")
     ap.add_argument("--log-level", default=os.environ.get("GPUD_LOG_LEVEL", "INFO"))
     ap.add_argument("--version", action="version", version=f"gpud {VERSION}")
     args = ap.parse_args(argv)
@@ -82,9 +98,11 @@ def build_hardware(args: argparse.Namespace) -> tuple[Hardware, DeviceEventSourc
             procs=Procs(str(host.proc_root), str(host.dev_root), read_only=args.read_only, store=host.store),
         )
         args.udev_rules = args.udev_rules or str(Path(args.sim) / "etc/udev/rules.d/70-gpud-vfio.rules")
+        args.nfd_features = args.nfd_features or str(Path(args.sim) / NFD_FEATURES.lstrip("/"))
         args.dev_root = str(host.dev_root)
         return hw, partial(SimEvents, socket_path=host.uevent_socket), args.lock or str(Path(args.sim) / "apply.lock")
     args.udev_rules = args.udev_rules or "/etc/udev/rules.d/70-gpud-vfio.rules"
+    args.nfd_features = args.nfd_features or NFD_FEATURES
     args.dev_root = "/dev"
     hw = Hardware(sysfs=Sysfs("/sys", read_only=args.read_only), nvml=Nvml(read_only=args.read_only), procs=Procs(read_only=args.read_only))
     from gpud.host.udev import UdevEvents
@@ -113,7 +131,34 @@ class Daemon:
         self._metrics_key: tuple | None = None
         self._background: set[asyncio.Future] = set()  # tasks nothing else references
         self.loop_lag = LoopLagProbe()
+        self.labels = LabelsOut(args.nfd_features, label_set=args.nfd_labels, mig_strategy=args.mig_strategy,
+                                exclude=("nvidia.com/mig.capable",) if args.kube_node else (),
+                                on_event=lambda kind, message: self.bus.publish(kind, message))
+        self._versions: Versions | None = None
+        self.kube = None  # gpud.engine.kube_agent.KubeAgent with --kube-node
+        self.kube_applier = None
+        self._kube_passes = 0
+        self._labels_passes = -1
+        if args.kube_node:
+            self._start_kube(request_reboot)
 
+    def _start_kube(self, reboot) -> None:
+        """--kube-node: the operator's label protocol. Its client library is imported here only."""
+        try:
+            from gpud.engine.kube_agent import KubeAgent
+            from gpud.engine.kube_applier import KubeRebooter, ReconcilerApplier
+            from gpud.host.kube import KubeApi, KubeError, load_config
+        except ImportError as e:
+            raise RuntimeError(f"--kube-node needs the Kubernetes client: pip install 'gpud[kube]' ({e})") from e
+        try:
+            api = KubeApi(self.args.kube_node, load_config(self.args.kubeconfig))
+        except KubeError as e:
+            raise RuntimeError(f"--kube-node {self.args.kube_node}: {e}") from e
+        self.kube_applier = ReconcilerApplier(self.rec)
+        self.kube = KubeAgent(api, self.kube_applier, namespace=self.args.kube_namespace,
+                              on_event=lambda kind, message: self.bus.publish(kind, message))
+        self.rec.operand_guard = self.kube
+        self.rec.reboot_policy.rebooter = KubeRebooter(self.kube, self.kube_applier, reboot)
     # ---- event sources ---------------------------------------------------------------------
     async def watch_config(self) -> None:
         """Editors save in place, by atomic rename, or delete and re-create: watch the directory."""
@@ -167,6 +212,34 @@ class Daemon:
                 render(status_reply(self.rec), self.rec.passes, self.args.metrics_textfile)
             except OSError as e:
                 log.warning("metrics not written to %s: %s", self.args.metrics_textfile, e)
+        done = self.rec.completed_passes
+        if done != self._labels_passes:  # after every pass (and once at start)
+            self._labels_passes = done
+            self._write_labels()
+        if self.kube is not None and done != self._kube_passes and self.rec.phase not in SETTLING_PHASES:
+            self._kube_passes = done  # report a pass the agent did not start itself on the node
+            self._spawn(self.kube.settled(self.kube_applier.outcome()))
+
+    def _write_labels(self) -> None:
+        """The node's labels after every pass (the writer leaves an unchanged file alone)."""
+        rec = self.rec
+        if self._versions is None:
+            try:
+                self._versions = Versions(driver=rec.hw.nvml.driver_version(), cuda=rec.hw.nvml.cuda_driver_version())
+            except NvmlError:  # no driver yet, or closed during a rebind: the next pass asks again
+                pass
+        desired = rec.resolution.desired if rec.resolution is not None else {}
+        selected = rec.layout.layout.selected if rec.layout is not None and rec.layout.layout is not None else None
+        rebooting = self.kube_applier.reboot_requested if self.kube_applier is not None else False
+        state = layout_state(rec.phase, rebooting=rebooting)
+        self.labels.write(self.labels.inputs(rec.observation.gpus, workloads={p: d.workload for p, d in desired.items()},
+                                             layout=selected, state=state, versions=self._versions or Versions()))
+
+    async def _run_after_selection(self) -> None:
+        """--kube-node: no pass before the node's label has chosen the layout (a file edit or a
+        device event meanwhile is remembered and runs then)."""
+        await self.kube.selected_once.wait()
+        await self.rec.run()
 
     def _reload_on_sighup(self, handler: RequestHandler) -> None:
         """`kill -HUP`: re-read the file. The loop keeps only weak references to tasks, so the
@@ -196,7 +269,7 @@ class Daemon:
             log.warning("NVML not available: %s", e)
         await self.rec.load_config_async()
         handler = RequestHandler(self.rec, notifier=self.notifier, dev_root=self.args.dev_root,
-                                 loop_lag=self.loop_lag)
+                                 loop_lag=self.loop_lag, labels=self.labels, kube_agent=self.kube)
         try:
             server = await serve(handler, self.args.socket, sock=listen_socket(), group=self.args.socket_group)
         except OSError as e:
@@ -209,10 +282,13 @@ class Daemon:
             self.bus.publish("warning", f"device events unavailable: {e}")
         self.rec.refresh()  # the first state, before READY
         tasks = [
-            asyncio.create_task(self.rec.run(), name="reconciler"),
+            asyncio.create_task(self.rec.run() if self.kube is None else self._run_after_selection(),
+                                name="reconciler"),
             asyncio.create_task(self.watch_config(), name="inotify"),
             asyncio.create_task(self.loop_lag.run(), name="loop-lag"),
         ]
+        if self.kube is not None:
+            tasks.append(asyncio.create_task(self.kube.run(), name="kube"))
         interval = self.notifier.watchdog_interval()
         if interval:
             tasks.append(asyncio.create_task(self.watchdog(interval), name="watchdog"))
@@ -223,7 +299,8 @@ class Daemon:
             # call would cause, so the systemd watchdog can be seen to restart us.
             loop.add_signal_handler(signal.SIGUSR2, _stall_forever)
         loop.add_signal_handler(signal.SIGHUP, self._reload_on_sighup, handler)
-        self.rec.kick("start")
+        if self.kube is None:
+            self.rec.kick("start")  # with --kube-node, the node's label picks the layout first
         self._update_status()
         self.notifier.ready()
         log.info("gpud %s ready: socket %s, %d GPU(s)%s", VERSION, self.args.socket,
@@ -245,6 +322,8 @@ class Daemon:
             log.warning("the writer of %s (pid %d) is still blocked in the kernel; killed, it ends when "
                         "the kernel lets its write return", sw.path, sw.pid)
         await server.close()
+        if self.kube is not None:
+            await self.kube.api.close()
         log.info("gpud stopped; hardware left as it is")
         return 0 if stopped else 1
 

@@ -114,6 +114,7 @@ class NvmlGpu(Struct, frozen=True):
     profiles: tuple[MigProfile, ...] = ()
     instances: tuple[GpuInstance, ...] = ()
     processes: tuple[Holder, ...] = ()  # compute processes on the whole GPU
+    compute_capability: tuple[int, int] | None = None  # CUDA (major, minor): GFD's gpu.family
 
     def profile(self, profile_id: int) -> MigProfile | None:
         return next((p for p in self.profiles if p.id == profile_id), None)

@@ -54,6 +54,9 @@ PROFILE_FIELDS = ("id", "memory_mb", "sms", "instance_count", "placements", "ci_
                   "copy_engines", "decoders", "encoders", "jpegs", "ofas")
 
 
+_COMPUTE = {"ampere": (8, 0), "ada": (8, 9), "hopper": (9, 0)}
+
+
 class ModelInfo(Struct, frozen=True):
     key: str  # simulator model name: "h200"
     name: str  # NVML name: "NVIDIA H200"
@@ -69,6 +72,13 @@ class ModelInfo(Struct, frozen=True):
     @property
     def mig_capable(self) -> bool:
         return bool(self.profiles)
+
+    @property
+    def compute_capability(self) -> tuple[int, int]:
+        """CUDA compute capability (what nvmlDeviceGetCudaComputeCapability answers): the table's
+        Ampere models are GA100 (8.0), its Ada ones AD102 (8.9); Hopper GH100 is 9.0 (the H200
+        capture says 9.0)."""
+        return _COMPUTE[self.arch]
 
     @property
     def mode_change_needs_reset(self) -> bool:

@@ -50,7 +50,10 @@ tar -C "$REPO" --exclude=./.venv --exclude=./.git --exclude=./dist --exclude=./b
 "$WORK/buildenv/bin/python" -m build -q --wheel --outdir "$WORK/wheels" "$WORK/src" >/dev/null
 mkdir -p "$STAGE$PREFIX"
 "$PYTHON" -m venv "$STAGE$PREFIX"
-"$STAGE$PREFIX/bin/pip" install -q --no-compile "$WORK"/wheels/gpud-*.whl
+# With the [kube] extra (lightkube) on disk, so `gpud --kube-node` works from the package; the
+# daemon imports it only in that mode.
+WHEEL=$(ls "$WORK"/wheels/gpud-*.whl)
+"$STAGE$PREFIX/bin/pip" install -q --no-compile "$WHEEL[kube]"
 "$STAGE$PREFIX/bin/pip" uninstall -q -y pip setuptools >/dev/null 2>&1 || true
 rm -rf "$STAGE$PREFIX/bin/pip"* "$STAGE$PREFIX"/bin/activate* "$STAGE$PREFIX/bin/Activate.ps1"
 

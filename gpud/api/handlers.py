@@ -18,9 +18,12 @@ from gpud.api.server import ApiError
 from gpud.api.status_snapshot import StatusSnapshot
 from gpud.engine import passthrough
 from gpud.engine.events import EventQueue
+from gpud.engine.observe import Observation
+from gpud.engine.node_labels_out import LabelsOut
 from gpud.engine.queries import EngineError, InvalidLayout, NoSuchGpu, select_gpus, start_apply
 from gpud.engine.reconciler import Reconciler
 from gpud.host.nvml import NvmlError
+from gpud.layout.resolve import Resolution
 from gpud.loop_lag import LoopLagProbe
 
 # Engine refusals -> wire error codes (anything else unexpected is the server's "internal").
@@ -47,7 +50,8 @@ class RequestHandler:
     """`gpud.api.server.Handler` for one reconciler. `dev_root`: where /dev/vfio/<group> is looked for."""
 
     def __init__(self, rec: Reconciler, notifier: Notifier | None = None, *, dev_root: str = "/dev",
-                 loop_lag: LoopLagProbe | None = None) -> None:
+                 loop_lag: LoopLagProbe | None = None, labels: LabelsOut | None = None,
+                 kube_agent=None) -> None:
         self.rec = rec
         self.notifier = notifier
         self.dev_root = dev_root
@@ -55,6 +59,8 @@ class RequestHandler:
         self.loop_lag = loop_lag or LoopLagProbe()  # the daemon runs it; a bare one reports no samples
         self.requests: Counter[str] = Counter()  # per op, in the stats window
         self._reads_at_reset = 0
+        self.labels = labels  # the node labels written after each pass (None: not computed)
+        self.kube_agent = kube_agent  # gpud.engine.kube_agent.KubeAgent with --kube-node
 
     async def handle(self, op: str, args: dict[str, Any], peer: Peer) -> Any:
         answer = getattr(self, "op_" + op.replace("-", "_"), None)
@@ -84,7 +90,17 @@ class RequestHandler:
             await observer.fresh(time.monotonic())
         else:
             observer.poke()
-        return self.status_snapshot.reply(self.rec, observer)
+        return self.status_snapshot.reply(self.rec, observer, kubernetes=self._kubernetes())
+
+    def _kubernetes(self) -> wire.KubernetesStatus:
+        strategy = self.labels.mig_strategy if self.labels is not None else "mixed"
+        agent = self.kube_agent.status if self.kube_agent is not None else None
+        return replies.kubernetes_status(self.rec.observation.gpus, mig_strategy=strategy, agent=agent)
+
+    async def op_labels(self) -> wire.LabelsReply:
+        if self.labels is None:
+            return wire.LabelsReply()
+        return replies.labels_reply(self.labels)
 
     async def op_version(self) -> wire.VersionReply:
         try:
@@ -94,16 +110,29 @@ class RequestHandler:
         return wire.VersionReply(version=VERSION, driver=driver, nvml=nvml, protocol=wire.PROTOCOL,
                                  config=self.rec.config_path)
 
-    async def op_check(self, text: str, path: str | None = None) -> wire.CheckReply:
+    async def op_check(self, text: str, path: str | None = None, all_layouts: bool = False) -> wire.CheckReply:
         """Valid means applicable: a file that parses and resolves is also planned against this
         host, and a GPU the planner cannot converge (`7 x 1g.10gb` on an A100 40GB) is an error
-        in the same words `plan` uses. Nothing is changed."""
-        _, res, observation = await self.rec.evaluate_async(text, path or "layout.yaml")
-        infeasible: list[str] = []
-        if not res.errors:
-            plan = replies.plan_reply(self.rec, res, observation)
-            infeasible = [infeasible_text(g) for g in plan.gpus if g.infeasible]
-        return replies.check_reply(res, infeasible)
+        in the same words `plan` uses. `all_layouts`: every entry of `layouts` is checked so, as a
+        node label may select any of them. Nothing is changed."""
+        path = path or "layout.yaml"
+        parsed, res, observation = await self.rec.evaluate_async(text, path)
+        others: list[tuple[str, Resolution, list[str]]] = []
+        layout = parsed.layout or parsed.draft
+        if all_layouts and layout is not None:
+            for name in layout.layouts:
+                if name != res.selected:
+                    _, other, other_obs = await self.rec.evaluate_async(text, path, select=name)
+                    others.append((name, other, self._infeasible(other, other_obs)))
+        return replies.check_reply(res, self._infeasible(res, observation), others=others)
+
+    def _infeasible(self, res: Resolution, observation: Observation) -> list[str]:
+        """The planner's words for the GPUs it cannot converge to a resolution without errors."""
+        if res.errors:
+            return []
+        plan = replies.plan_reply(self.rec, res, observation)
+        return [infeasible_text(g) for g in plan.gpus if g.infeasible]
+
 
     async def op_plan(self, text: str | None = None, path: str | None = None) -> wire.PlanReply:
         if text is None:  # the file in force, against the host as it is now

@@ -8,8 +8,11 @@ never a user parsing `--json`.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from gpud import VERSION
 from gpud.api import wire
+from gpud.engine.node_labels_out import LabelsOut
 from gpud.engine.observe import Observation
 from gpud.engine.passthrough import PassthroughEntry, kubevirt_entry
 from gpud.engine.queries import remaining_capacity
@@ -18,9 +21,11 @@ from gpud.engine.reconciler import Reconciler
 from gpud.layout.desired import DesiredGpu
 from gpud.layout.names import mig_device_name
 from gpud.layout.resolve import Resolution
+from gpud.host.nfd import read_features
 from gpud.model import Gpu, Holder, KnownGpu, MigProfile, Placement
 from gpud.plan.binding import BindingPlan, BindStep, plan_binding
 from gpud.plan.mig import Destroyed, GpuPlan, Step
+from gpud.plan.node_labels import advertised
 from gpud.profiles import GI_PROFILE_INDEX, NVIDIA, ModelInfo, by_device, model_name
 
 # ---------------------------------------------------------------------------------------------
@@ -127,17 +132,27 @@ def layout_status(rec: Reconciler) -> wire.LayoutStatus:
                              errors_omitted=errors_omitted, warnings_omitted=warnings_omitted)
 
 
-def check_reply(resolution: Resolution, infeasible: list[str] | None = None) -> wire.CheckReply:
-    """`infeasible`: the plan's words for GPUs the planner cannot converge (errors too)."""
+def check_reply(resolution: Resolution, infeasible: list[str] | None = None, *,
+                others: Sequence[tuple[str, Resolution, list[str]]] = ()) -> wire.CheckReply:
+    """`infeasible`: the plan's words for GPUs the planner cannot converge (errors too).
+    `others`: (name, resolution, infeasible) of the file's other layouts, checked too (any of them
+    may be selected by a node label); their problems join the reply's, each said once."""
     all_errors = [str(e) for e in resolution.errors] + list(infeasible or [])
+    all_warnings = [str(w) for w in resolution.warnings]
+    checked = [resolution.selected] if resolution.selected else []
+    for name, other, other_infeasible in others:
+        all_errors += [str(e) for e in other.errors] + list(other_infeasible)
+        all_warnings += [str(w) for w in other.warnings]
+        checked.append(name)
+    all_errors, all_warnings = list(dict.fromkeys(all_errors)), list(dict.fromkeys(all_warnings))
     errors, errors_omitted = capped(all_errors, "errors")
-    warnings, warnings_omitted = capped([str(w) for w in resolution.warnings], "warnings")
+    warnings, warnings_omitted = capped(all_warnings, "warnings")
     return wire.CheckReply(valid=not all_errors, errors=errors, warnings=warnings,
                            selected=resolution.selected, errors_omitted=errors_omitted,
-                           warnings_omitted=warnings_omitted)
+                           warnings_omitted=warnings_omitted, checked=checked)
 
 
-def status_reply(rec: Reconciler) -> wire.StatusReply:
+def status_reply(rec: Reconciler, *, kubernetes: wire.KubernetesStatus | None = None) -> wire.StatusReply:
     """What the engine last observed and concluded, never what it intended."""
     res = rec.resolution
     gpus = [gpu_status(g, res.desired.get(g.pci) if res else None, rec.gpu_states.get(g.pci))
@@ -145,7 +160,33 @@ def status_reply(rec: Reconciler) -> wire.StatusReply:
     gpus += [gone_gpu_status(k, rec.gpu_states.get(k.pci)) for k in rec.observation.gone]
     gpus.sort(key=lambda g: g.index)
     return wire.StatusReply(phase=rec.phase_now(), layout=layout_status(rec), gpus=gpus, read_only=rec.read_only,
-                            version=VERSION)
+                            version=VERSION, kubernetes=kubernetes)
+
+
+# ---------------------------------------------------------------------------------------------
+# Kubernetes
+
+
+def kubernetes_status(gpus: Sequence[Gpu], *, mig_strategy: str, agent=None) -> wire.KubernetesStatus:
+    """What the device plugins will advertise from the GPUs as observed; the label protocol's state
+    (`agent`: gpud.engine.kube_agent.AgentStatus, None without --kube-node)."""
+    ad = advertised(gpus, mig_strategy=mig_strategy)
+    agent_status = None
+    if agent is not None:
+        agent_status = wire.KubeAgentStatus(node=agent.node, connected=agent.connected, selected=agent.selected,
+                                            state=agent.state, message=agent.message, paused=list(agent.paused))
+    return wire.KubernetesStatus(
+        advertised=wire.Advertised(mig_strategy=mig_strategy, resources=ad.resources, sandbox=ad.sandbox,
+                                   problems=list(ad.problems)),
+        agent=agent_status)
+
+
+def labels_reply(out: LabelsOut) -> wire.LabelsReply:
+    held = read_features(out.path) if out.path else None
+    last = out.last
+    return wire.LabelsReply(path=out.path, label_set="all" if out.gfd else "gpud", result=out.last_result,
+                            file=held, labels=dict(last.labels) if last else {},
+                            warnings=list(last.warnings) if last else [])
 
 
 # ---------------------------------------------------------------------------------------------

@@ -45,7 +45,9 @@ class StatusSnapshot:
             self.builds += 1
         return self._reply
 
-    def reply(self, rec: Reconciler, observer: Observer) -> wire.StatusReply:
-        """The reply as of now: the snapshot, stamped with the observation's time and age."""
+    def reply(self, rec: Reconciler, observer: Observer, *,
+              kubernetes: wire.KubernetesStatus | None = None) -> wire.StatusReply:
+        """The reply as of now: the snapshot, stamped with the observation's time and age, and
+        `kubernetes` (what the device plugins advertise, the label protocol's state) as of now."""
         return msgspec.structs.replace(self._current(rec), observed_at=round(observer.wall_time, 3),
-                                       observation_age=round(observer.age(), 4))
+                                       observation_age=round(observer.age(), 4), kubernetes=kubernetes)

@@ -45,7 +45,8 @@ E_INVALID_LAYOUT = "invalid-layout"
 E_TIMEOUT = "timeout"
 E_READ_ONLY = "read-only"
 
-READ_OPS = frozenset({"status", "check", "plan", "events", "version", "mig-profiles", "passthrough", "stats"})
+READ_OPS = frozenset({"status", "check", "plan", "events", "version", "mig-profiles", "passthrough", "stats",
+                      "labels"})
 WRITE_OPS = frozenset({"apply", "reload"})
 OPS = READ_OPS | WRITE_OPS
 
@@ -118,6 +119,7 @@ class StatsArgs(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 class CheckArgs(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     text: str  # the layout as the client read it
     path: str  # where it was read, so errors name the file
+    all_layouts: bool = False  # check every entry of `layouts`, as a node label may select any
 
 
 class PlanArgs(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -149,6 +151,7 @@ ARGS: dict[str, type[msgspec.Struct]] = {
     "mig-profiles": MigProfilesArgs,
     "passthrough": NoArgs,
     "stats": StatsArgs,
+    "labels": NoArgs,
 }
 
 
@@ -220,6 +223,31 @@ class LayoutStatus(msgspec.Struct, kw_only=True):
     warnings_omitted: int = 0
 
 
+class KubeAgentStatus(msgspec.Struct, kw_only=True):
+    """`gpud --kube-node`: the operator's label protocol as gpud follows it on this node."""
+
+    node: str
+    connected: bool = False
+    selected: str | None = None  # the layout nvidia.com/mig.config (or vgpu.config) selects
+    state: str | None = None  # what gpud last wrote to nvidia.com/mig.config.state
+    message: str = ""
+    paused: list[str] = []  # nvidia.com/gpu.deploy.* labels paused now
+
+
+class Advertised(msgspec.Struct, kw_only=True):
+    """What the device plugins will advertise for this node as its GPUs are now."""
+
+    mig_strategy: str = "mixed"
+    resources: dict[str, int] = {}  # k8s-device-plugin: nvidia.com/gpu, nvidia.com/mig-1g.10gb
+    sandbox: dict[str, int] = {}  # kubevirt-gpu-device-plugin: nvidia.com/GH100_H100_SXM5_80GB
+    problems: list[str] = []  # why the device plugin would refuse to start
+
+
+class KubernetesStatus(msgspec.Struct, kw_only=True):
+    advertised: Advertised
+    agent: KubeAgentStatus | None = None  # None without --kube-node
+
+
 class StatusReply(msgspec.Struct, kw_only=True):
     # converged | applying | waiting | failed | starting | invalid-layout | ...
     phase: str
@@ -232,6 +260,7 @@ class StatusReply(msgspec.Struct, kw_only=True):
     # bounded rate while clients ask; `status {fresh: true}` waits for a read begun after the request.
     observed_at: float = 0.0
     observation_age: float = 0.0
+    kubernetes: KubernetesStatus | None = None
 
 
 class CheckReply(msgspec.Struct, kw_only=True):
@@ -241,6 +270,7 @@ class CheckReply(msgspec.Struct, kw_only=True):
     selected: str | None = None
     errors_omitted: int = 0
     warnings_omitted: int = 0
+    checked: list[str] = []  # the layouts checked (all of them with all_layouts)
 
 
 class StepInfo(msgspec.Struct, kw_only=True):
@@ -374,6 +404,17 @@ class PassthroughReply(msgspec.Struct, kw_only=True):
     devices: list[PassthroughDevice] = []
 
 
+class LabelsReply(msgspec.Struct, kw_only=True):
+    """The node labels: what gpud computes from the hardware now, and what NFD's file holds."""
+
+    path: str | None = None  # the NFD feature file (None: not written)
+    label_set: str = "all"  # all (GFD's + gpud's) | gpud
+    result: str | None = None  # of the last write: written | unchanged | no-directory | error: ...
+    file: dict[str, str] | None = None  # what the file holds (None: no file)
+    labels: dict[str, str] = {}  # computed now
+    warnings: list[str] = []  # labels left out, with why
+
+
 class EventsReply(msgspec.Struct, kw_only=True):
     events: list[Event] = []  # recent history, oldest first
     following: bool = False  # EventFrames follow on this connection
@@ -410,6 +451,7 @@ RESULTS: dict[str, type[msgspec.Struct]] = {
     "mig-profiles": MigProfilesReply,
     "passthrough": PassthroughReply,
     "stats": StatsReply,
+    "labels": LabelsReply,
 }
 
 

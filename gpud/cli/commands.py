@@ -18,6 +18,8 @@ from gpud.cli.render import (
     event_json,
     render_event,
     render_gpu,
+    render_kubernetes,
+    render_labels,
     render_progress,
     render_mig_profiles,
     render_passthrough,
@@ -55,7 +57,18 @@ def cmd_status(c: Client, a: argparse.Namespace) -> int:
         return EXIT_OK
     # the terminal's width (COLUMNS when set); piped output gets a wide page, not a cut one
     width = shutil.get_terminal_size((160, 24)).columns
-    print(to_json(r) if a.json else render_status(r, width))
+    if a.json:
+        print(to_json(r))
+    elif a.kube:
+        print(render_kubernetes(r.kubernetes))
+    else:
+        print(render_status(r, width))
+    return EXIT_OK
+
+
+def cmd_labels(c: Client, a: argparse.Namespace) -> int:
+    r: wire.LabelsReply = c.request("labels")
+    print(to_json(r) if a.json else render_labels(r))
     return EXIT_OK
 
 
@@ -94,11 +107,15 @@ def _daemon_layout_path(c: Client) -> str:
 
 def cmd_check(c: Client, a: argparse.Namespace) -> int:
     text, path = _read_layout(a.file if a.file is not None else _daemon_layout_path(c))
-    r: wire.CheckReply = c.request("check", {"text": text, "path": path})
+    args: dict[str, Any] = {"text": text, "path": path}
+    if a.all_layouts:
+        args["all_layouts"] = True
+    r: wire.CheckReply = c.request("check", args)
     if a.json:
         print(to_json(r))
     else:
-        lines = [f"{path}: " + (f"valid (selected: {r.selected})" if r.valid and r.selected
+        which = f"layouts: {', '.join(r.checked)}" if a.all_layouts else f"selected: {r.selected}"
+        lines = [f"{path}: " + (f"valid ({which})" if r.valid and r.selected
                                 else "valid" if r.valid else "INVALID")]
         lines += [f"error: {e}" for e in r.errors] + [f"warning: {w}" for w in r.warnings]
         print("\n".join(lines))
@@ -244,11 +261,16 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("gpu", nargs="?", metavar="GPU", help="one GPU in detail: index, PCI address or UUID")
     s.add_argument("--fresh", action="store_true",
                    help="wait for a new read of the host (default: gpud's current observation, at once)")
+    s.add_argument("--kube", action="store_true", help="what Kubernetes will advertise, and the label protocol")
     s.set_defaults(func=cmd_status)
     s = sub.add_parser("check", parents=[js], help="validate a layout file against this host")
     s.add_argument("file", nargs="?", metavar="FILE",
                    help=f"layout file, '-' for stdin (default: the daemon's, else {DEFAULT_LAYOUT})")
+    s.add_argument("--all-layouts", action="store_true",
+                   help="check every layout of the file, not only the selected one (a node label may pick any)")
     s.set_defaults(func=cmd_check)
+    s = sub.add_parser("labels", parents=[js], help="the node labels in NFD's feature file")
+    s.set_defaults(func=cmd_labels)
     s = sub.add_parser("plan", parents=[js], help="what apply would do, and what it would disrupt")
     s.add_argument("file", nargs="?", metavar="FILE", help="plan this file instead of the loaded layout")
     s.set_defaults(func=cmd_plan)

@@ -295,6 +295,42 @@ def render_progress(e: wire.Event, totals: dict[str, int], done: dict[str, int])
     return f"  GPU {e.gpu} [{count}] {e.message}"
 
 
+def render_kubernetes(k: wire.KubernetesStatus | None) -> str:
+    """What the device plugins will advertise, and the label protocol's state on this node."""
+    if k is None:
+        return "gpud did not say what Kubernetes will advertise (an older gpud)"
+    ad = k.advertised
+    out = [f"Kubernetes will advertise (k8s-device-plugin, mig-strategy={ad.mig_strategy}):"]
+    out += [f"  {name}: {n}" for name, n in ad.resources.items()] or ["  nothing (no GPU on nvidia)"]
+    if ad.sandbox:
+        out += ["KubeVirt passthrough (kubevirt-gpu-device-plugin):"]
+        out += [f"  {name}: {n}" for name, n in ad.sandbox.items()]
+    out += [f"problem: {p}" for p in ad.problems]
+    a = k.agent
+    if a is not None:
+        state = f"{a.state}" + (f": {a.message}" if a.message else "") if a.state else "-"
+        out += ["", f"node {a.node}: API server {'connected' if a.connected else 'NOT REACHABLE'}",
+                f"  layout selected by label: {a.selected or '- (the file chooses)'}",
+                f"  mig.config.state: {state}"]
+        if a.paused:
+            out += [f"  paused: {', '.join(a.paused)}"]
+    return "\n".join(out)
+
+
+def render_labels(r: wire.LabelsReply) -> str:
+    if r.path is None:
+        return "gpud writes no node labels"
+    if r.file is None:
+        head = f"{r.path}: no file ({r.result or 'not written yet'})"
+        return "\n".join([head, "labels gpud would write:", *[f"{k}={v}" for k, v in r.labels.items()]])
+    out = [f"# {r.path} ({r.label_set} labels; last write: {r.result or '-'})"]
+    out += [f"{k}={v}" for k, v in sorted(r.file.items())]
+    if r.file != r.labels:
+        out += ["# differs from what gpud computes now (the next pass writes it)"]
+    out += [f"# left out: {w}" for w in r.warnings]
+    return "\n".join(out)
+
+
 def render_event(e: wire.Event) -> str:
     stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(e.time))
     where = f" {e.gpu}" if e.gpu else ""

@@ -30,6 +30,8 @@ GpuStateName = Literal[
 PHASE_ORDER: tuple[GpuStateName, ...] = (
     "failed", "stuck", "reset-required", "reboot-required", "waiting", "read-only", "applying", "pending",
 )
+# Phases a layout is still working through (anything else: settled, until something changes).
+SETTLING_PHASES = ("starting", "applying", "waiting")
 
 
 class GpuState(msgspec.Struct, frozen=True):

@@ -56,6 +56,22 @@ class LayoutKeeper:
         self.issues: tuple[list[str], list[str]] = ([], [])
         self._parsing: asyncio.Semaphore | None = None  # one text parsed at a time (made on the loop)
         self._text: str | None = None  # the text of `layout`, to tell a new load from a re-read
+        self.select: str | None = None  # a layout chosen over the file's `selected` (a node label)
+
+    def choose(self, name: str | None) -> bool:
+        """Put layout `name` of the file in force instead of the file's `selected` (None: the
+        file's own choice again), checked against this host like any load; False when refused."""
+        self.select = name
+        return self.load()
+
+    async def choose_async(self, name: str | None, observe: AsyncObserve | None = None) -> bool:
+        """`choose` with the read, parse and resolve off the event loop (see `load_async`)."""
+        self.select = name
+        return await self.load_async(observe)
+
+    def layout_names(self) -> list[str]:
+        """The layouts the file in force offers."""
+        return list(self.layout.layout.layouts) if self.layout is not None and self.layout.layout is not None else []
 
     # ---- the daemon's file --------------------------------------------------------------------
     def load(self) -> bool:
@@ -64,7 +80,7 @@ class LayoutKeeper:
             source = read_layout(self.path)
         except LayoutUnreadable as e:
             return self._unreadable(e)
-        parsed, resolution, _ = self.evaluate(source.text, self.path)
+        parsed, resolution, _ = self.evaluate(source.text, self.path, select=self.select)
         return self._take(parsed, resolution, source)
 
     async def load_async(self, observe: AsyncObserve | None = None) -> bool:
@@ -75,7 +91,7 @@ class LayoutKeeper:
                 source = await asyncio.to_thread(read_layout, self.path)
             except LayoutUnreadable as e:
                 return self._unreadable(e)
-            parsed, resolution, _ = await self._evaluate_off_loop(source.text, self.path, observe)
+            parsed, resolution, _ = await self._evaluate_off_loop(source.text, self.path, observe, self.select)
             return self._take(parsed, resolution, source)
 
     def _unreadable(self, e: LayoutUnreadable) -> bool:
@@ -104,35 +120,37 @@ class LayoutKeeper:
         return True
 
     # ---- any text (check, plan) ---------------------------------------------------------------
-    def evaluate(self, text: str, path: str) -> tuple[ParsedLayout, Resolution, Observation]:
+    def evaluate(self, text: str, path: str, *, select: str | None = None,
+                 ) -> tuple[ParsedLayout, Resolution, Observation]:
         """Parse a layout text and resolve it against this host as that layout's own `match:` sees
-        it: selectors and profile names are checked against the real GPUs before the file is taken."""
-        parsed = self._parse(text, path)
+        it: selectors and profile names are checked against the real GPUs before the file is taken.
+        `select` chooses a layout over the file's `selected`."""
+        parsed = self._parse(text, path, select)
         obs = self.observe(self._match_of(parsed))
         return parsed, resolve(parsed, obs.gpus, gone=obs.gone), obs
 
-    async def evaluate_async(self, text: str, path: str, observe: AsyncObserve | None = None,
-                             ) -> tuple[ParsedLayout, Resolution, Observation]:
+    async def evaluate_async(self, text: str, path: str, observe: AsyncObserve | None = None, *,
+                             select: str | None = None) -> tuple[ParsedLayout, Resolution, Observation]:
         """`evaluate` with parse and resolve in a worker thread, one text at a time (five large
         `check` requests queue instead of multiplying the daemon's memory), and the host read by
         `observe`, awaited: the loop stays free."""
         async with self._slot():
-            return await self._evaluate_off_loop(text, path, observe)
+            return await self._evaluate_off_loop(text, path, observe, select)
 
     async def _evaluate_off_loop(self, text: str, path: str, observe: AsyncObserve | None,
-                                 ) -> tuple[ParsedLayout, Resolution, Observation]:
-        parsed = await asyncio.to_thread(self._parse, text, path)
+                                 select: str | None = None) -> tuple[ParsedLayout, Resolution, Observation]:
+        parsed = await asyncio.to_thread(self._parse, text, path, select)
         match = self._match_of(parsed)
         # without an async reader (tests, tools) the keeper's own `observe` reads on the loop
         obs = await observe(match) if observe is not None else self.observe(match)
         return parsed, await asyncio.to_thread(resolve, parsed, obs.gpus, gone=obs.gone), obs
 
     @staticmethod
-    def _parse(text: str, path: str) -> ParsedLayout:
+    def _parse(text: str, path: str, select: str | None = None) -> ParsedLayout:
         too_large = check_text_size(text, path)
         if too_large is not None:  # refused before YAML sees it: the same bound as the file's
             return ParsedLayout(file=path, layout=None, errors=[LayoutIssue(path, None, "", too_large.split(": ", 1)[1])])
-        return parse_layout(text, path)
+        return parse_layout(text, path, select=select)
 
     @staticmethod
     def _match_of(parsed: ParsedLayout) -> tuple[MatchRule, ...]:

@@ -1,84 +1,44 @@
 """`gpudctl passthrough`: what a VM manager needs to take each GPU gpud put on vfio-pci.
 
-The resource name is derived exactly as NVIDIA's kubevirt-gpu-device-plugin derives it from the
-PCI ids database (upper-case, "/" and "." and whitespace runs -> "_", then anything but
-[A-Za-z0-9_.] dropped: "GH100 [H100 PCIe]" -> "GH100_H100_PCIE"), so the KubeVirt
-`permittedHostDevices` snippet gpud prints matches what that plugin advertises. Debian's pci.ids
-can predate a GPU (the 2023 file has no H200, 0x2335): then the model name stands in, then the id.
+The resource name is the one NVIDIA's kubevirt-gpu-device-plugin advertises: derived by its rules
+from its own bundled pci.ids, whatever the host's pci.ids says (gpud.kubevirt_names), so the
+KubeVirt `permittedHostDevices` snippet gpud prints matches what the cluster really offers.
 """
 
 from __future__ import annotations
 
 import os
-import re
 from collections.abc import Iterable
-from functools import lru_cache
 
 from msgspec import Struct
 
-from gpud.model import Gpu
-from gpud.profiles import known_model_name
-
-PCI_IDS_PATHS = ("/usr/share/misc/pci.ids", "/usr/share/hwdata/pci.ids", "/usr/pci.ids")
-RESOURCE_PREFIX = "nvidia.com/"
+from gpud.kubevirt_names import kubevirt_name
+from gpud.model import Gpu, PciFunction
+from gpud.profiles import NVIDIA, known_model_name
 
 
 class PassthroughEntry(Struct, frozen=True):
     pci: str
     index: int
     vendor_device: str  # KubeVirt pciVendorSelector: "10DE:2335"
-    device_name: str  # pci.ids name or the model name: "GH100 [H100 PCIe]"
-    resource_name: str  # "nvidia.com/GH100_H100_PCIE"
+    device_name: str  # the plugin's pci.ids text, else the model name: "GH100 [H100 PCIe]"
+    resource_name: str  # "nvidia.com/GH100_H100_PCIE" ("" for a function no plugin advertises)
     iommu_group: int | None
     vfio_device: str | None  # "/dev/vfio/7" (None when the node is not there: not usable yet)
     numa_node: int | None
     companions: tuple[str, ...]  # other endpoints of the group (all must go to the same VM or none)
     libvirt_hostdev: str
-    name_source: str  # "pci.ids" | "model" | "device-id"
+    name_source: str  # "pci.ids <version>" (the plugin's) | "device-id" (the plugin's fallback) | "none"
+    companion_resources: tuple[tuple[str, str], ...] = ()  # (vendor:device, resource) of NVIDIA companions
 
 
-def plugin_device_name(name: str) -> str:
-    """kubevirt-gpu-device-plugin's getDeviceName() transformation of a pci.ids device name."""
-    s = name.strip().upper().replace("/", "_").replace(".", "_")
-    s = re.sub(r"\s+", "_", s)
-    return re.sub(r"[^a-zA-Z0-9_.]+", "", s)
-
-
-@lru_cache(maxsize=8)
-def _pci_ids(path: str, mtime: float) -> dict[tuple[int, int], str]:
-    """vendor, device -> device name from a pci.ids file (subsystem lines are skipped)."""
-    names: dict[tuple[int, int], str] = {}
-    vendor: int | None = None
-    with open(path, encoding="utf-8", errors="replace") as f:
-        for line in f:
-            if not line.strip() or line.startswith("#"):
-                continue
-            if line.startswith("C "):  # the class list follows the vendors: done
-                break
-            if not line.startswith("\t"):
-                try:
-                    vendor = int(line[:4], 16)
-                except ValueError:
-                    vendor = None
-                continue
-            if line.startswith("\t\t") or vendor is None:
-                continue
-            ident, _, name = line[1:].rstrip("\n").partition(" ")
-            try:
-                names[(vendor, int(ident, 16))] = name.strip()
-            except ValueError:
-                continue
-    return names
-
-
-def pci_ids_name(vendor: int, device: int, paths: Iterable[str] = PCI_IDS_PATHS) -> str | None:
-    for p in paths:
-        try:
-            st = os.stat(p)
-        except OSError:
-            continue
-        return _pci_ids(p, st.st_mtime).get((vendor, device))
-    return None
+def resource_of(f: PciFunction) -> tuple[str, str | None, str]:
+    """(resource, pci.ids text, source) the plugin gives an NVIDIA function; ("", None, "none")
+    for another vendor's (the plugin only takes 10de)."""
+    if f.vendor != NVIDIA:
+        return "", None, "none"
+    exact = kubevirt_name(f.device)
+    return exact.resource, exact.pci_ids_name, exact.source
 
 
 def libvirt_hostdev(address: str, *, comment: str | None = None) -> str:
@@ -97,14 +57,10 @@ def libvirt_hostdev(address: str, *, comment: str | None = None) -> str:
     )
 
 
-def entry_for(gpu: Gpu, *, dev_root: str = "/dev", pci_ids: Iterable[str] = PCI_IDS_PATHS) -> PassthroughEntry:
+def entry_for(gpu: Gpu, *, dev_root: str = "/dev") -> PassthroughEntry:
     f = gpu.function
-    name = pci_ids_name(f.vendor, f.device, pci_ids)
-    source = "pci.ids"
-    if not name:
-        name, source = known_model_name(gpu), "model"
-    if not name:
-        name, source = f"{f.device:04X}", "device-id"
+    resource, text, source = resource_of(f)
+    name = text or known_model_name(gpu) or f"{f.vendor:04x}:{f.device:04x}"
     group = f.iommu_group
     node = os.path.join(dev_root, "vfio", str(group)) if group is not None else None
     companions = tuple(c.address for c in gpu.companions)
@@ -114,20 +70,21 @@ def entry_for(gpu: Gpu, *, dev_root: str = "/dev", pci_ids: Iterable[str] = PCI_
         index=gpu.index,
         vendor_device=f"{f.vendor:04X}:{f.device:04X}",
         device_name=name,
-        resource_name=RESOURCE_PREFIX + plugin_device_name(name),
+        resource_name=resource,
         iommu_group=group,
         vfio_device=f"/dev/vfio/{group}" if node is not None and os.path.exists(node) else None,
         numa_node=f.numa_node if f.numa_node >= 0 else None,
         companions=companions,
         libvirt_hostdev=libvirt_hostdev(f.address, comment=comment),
         name_source=source,
+        companion_resources=tuple((f"{c.vendor:04X}:{c.device:04X}", resource_of(c)[0]) for c in gpu.companions
+                                  if c.vendor == NVIDIA and c.driver == "vfio-pci"),
     )
 
 
-def entries(gpus: Iterable[Gpu], *, dev_root: str = "/dev", pci_ids: Iterable[str] = PCI_IDS_PATHS) -> list[PassthroughEntry]:
+def entries(gpus: Iterable[Gpu], *, dev_root: str = "/dev") -> list[PassthroughEntry]:
     """GPUs on vfio-pci, in index order."""
-    pci_ids = tuple(pci_ids)
-    return [entry_for(g, dev_root=dev_root, pci_ids=pci_ids) for g in sorted(gpus, key=lambda g: g.index)
+    return [entry_for(g, dev_root=dev_root) for g in sorted(gpus, key=lambda g: g.index)
             if g.function.driver == "vfio-pci"]
 
 
@@ -138,17 +95,21 @@ def kubevirt_entry(e: PassthroughEntry) -> dict:
 
 
 def kubevirt_yaml(items: Iterable[PassthroughEntry]) -> str:
-    """The KubeVirt CR `spec.configuration.permittedHostDevices` snippet, one entry per model."""
-    seen: dict[str, PassthroughEntry] = {}
+    """The KubeVirt CR `spec.configuration.permittedHostDevices` snippet, one entry per PCI id the
+    plugin advertises (NVIDIA companions on vfio-pci too: the plugin offers them as well)."""
+    seen: dict[str, str] = {}
     for e in items:
-        seen.setdefault(e.vendor_device, e)
+        if e.resource_name:
+            seen.setdefault(e.vendor_device, e.resource_name)
+        for vendor_device, resource in e.companion_resources:
+            seen.setdefault(vendor_device, resource)
     if not seen:
         return "permittedHostDevices:\n  pciHostDevices: []\n"
     lines = ["permittedHostDevices:", "  pciHostDevices:"]
-    for e in seen.values():
+    for vendor_device, resource in seen.items():
         lines += [
-            f'  - pciVendorSelector: "{e.vendor_device}"',
-            f"    resourceName: {e.resource_name}",
+            f'  - pciVendorSelector: "{vendor_device}"',
+            f"    resourceName: {resource}",
             "    externalResourceProvider: true",
         ]
     return "\n".join(lines) + "\n"

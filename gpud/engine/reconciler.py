@@ -33,6 +33,7 @@ from gpud.engine.hooks import HookFailed
 from gpud.engine.layout_keeper import LayoutKeeper
 from gpud.engine.observe import Observation, observe
 from gpud.engine.observer import DEFAULT_MAX_AGE, Observer
+from gpud.engine.operands import OperandGuard, OperandsNotPaused
 from gpud.engine.ports import BootOverrides, Drainer, Rebooter
 from gpud.engine.reboot_policy import RebootPolicy
 from gpud.engine.scheduler import PassScheduler
@@ -46,6 +47,7 @@ from gpud.layout.schema import MatchRule, Policy
 from gpud.model import Gpu, Holder, KnownGpu, NvmlGpu
 from gpud.plan.binding import BindingPlan, plan_binding
 from gpud.plan.mig import GpuPlan, plan_gpu
+from gpud.plan.operand_impact import impact
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +88,7 @@ class Reconciler:
         self.udev_rules = udev_rules  # boot-time vfio overrides
         self.reboot_policy = RebootPolicy(rebooter=rebooter, state_dir=state_dir, read_only=read_only, bus=bus)
         self.layout_file = LayoutKeeper(config_path, bus, self._observe)
+        self.operand_guard: OperandGuard | None = None  # --kube-node: the kube agent
         self.scheduler = PassScheduler()
         self.holder_watch = HolderWatch(self._holder_exited)
         # PCI address -> kept index: a GPU leaving the bus shifts nobody (gpud.engine.gpu_index)
@@ -104,7 +107,8 @@ class Reconciler:
         self.observation = Observation(gpus=(), functions=())
         self.gpu_states: dict[str, GpuState] = {}
         self.phase = "starting"
-        self.passes = 0
+        self.passes = 0  # passes started
+        self.completed_passes = 0  # passes finished (phase says how they ended)
         self._listeners: list[Callable[[], None]] = []
         # the one current observation: read off the loop, re-read on change and while clients ask
         self.observer = Observer(self._read_host, self._install, max_age=max_status_age,
@@ -138,13 +142,20 @@ class Reconciler:
         """`load_config` with the host read off the event loop."""
         return self._ack_new_gpus(await self.layout_file.load_async(self._observe_async))
 
-    def evaluate(self, text: str, path: str) -> tuple[ParsedLayout, Resolution, Observation]:
-        """Parse a layout text and resolve it against this host as that layout's own `match:` sees it."""
-        return self.layout_file.evaluate(text, path)
+    async def choose_layout_async(self, name: str | None) -> bool:
+        """Put layout `name` of the file in force instead of its `selected` (a node label's
+        choice; None: the file's own again), read and checked off the event loop."""
+        return self._ack_new_gpus(await self.layout_file.choose_async(name, self._observe_async))
 
-    async def evaluate_async(self, text: str, path: str) -> tuple[ParsedLayout, Resolution, Observation]:
+    def evaluate(self, text: str, path: str, *, select: str | None = None) -> tuple[ParsedLayout, Resolution, Observation]:
+        """Parse a layout text and resolve it against this host as that layout's own `match:` sees it
+        (`select`: a layout chosen over the file's `selected`)."""
+        return self.layout_file.evaluate(text, path, select=select)
+
+    async def evaluate_async(self, text: str, path: str, *, select: str | None = None,
+                             ) -> tuple[ParsedLayout, Resolution, Observation]:
         """`evaluate` with the host read off the event loop."""
-        return await self.layout_file.evaluate_async(text, path, self._observe_async)
+        return await self.layout_file.evaluate_async(text, path, self._observe_async, select=select)
 
     async def _observe_async(self, match: tuple[MatchRule, ...]) -> Observation:
         """The host as `match` selects it, read in a worker thread. For the layout in force's own
@@ -375,6 +386,7 @@ class Reconciler:
             await self.refresh_async()
         self.phase = _phase(self.gpu_states.values())
         self.reboot_policy.after_pass(self.phase)
+        self.completed_passes += 1
         self._notify()
 
     async def _converge_all(self) -> None:
@@ -394,7 +406,7 @@ class Reconciler:
             if gpu.pci not in resolution.desired:
                 self._set(gpu.pci, GpuState("unmanaged", "not in the selected layout: left untouched"))
         if todo:
-            await self._apply_with_hooks(todo, resolution)
+            await self._apply_guarded(todo, resolution)
         # the GPUs with nothing to do (re-checked)
         await for_each_gpu([p for p in sorted(resolution.desired) if p not in todo],
                            lambda pci: self._converge_one(pci, resolution.desired[pci]))
@@ -417,6 +429,19 @@ class Reconciler:
                 if isinstance(action, Action):
                     todo[gpu.pci] = action
         return todo
+
+    async def _apply_guarded(self, todo: dict[str, Action], resolution: Resolution) -> None:
+        """With --kube-node, the cluster's GPU operands that see a changing GPU leave the node
+        first and come back after (gpud.engine.operands); if they cannot, nothing is changed."""
+        if self.operand_guard is None:
+            await self._apply_with_hooks(todo, resolution)
+            return
+        try:
+            async with self.operand_guard.operands_paused(impact(self.observation.gpus, resolution.desired, todo)):
+                await self._apply_with_hooks(todo, resolution)
+        except OperandsNotPaused as e:
+            for pci in todo:
+                self._set(pci, GpuState("failed", f"{e}; nothing changed"))
 
     async def _apply_with_hooks(self, todo: dict[str, Action], resolution: Resolution) -> None:
         """The GPUs that change, inside the layout's hook phases (see gpud.engine.hooked_apply)."""

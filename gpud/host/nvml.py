@@ -125,6 +125,11 @@ class Nvml:
         self._ensure_open()
         return self._call("nvmlSystemGetDriverVersion", None, pynvml.nvmlSystemGetDriverVersion)
 
+    def cuda_driver_version(self) -> int:
+        """The CUDA version the driver supports, NVML's way: 12040 is CUDA 12.4."""
+        self._ensure_open()
+        return self._call("nvmlSystemGetCudaDriverVersion", None, pynvml.nvmlSystemGetCudaDriverVersion)
+
     def nvml_version(self) -> str:
         self._ensure_open()
         return self._call("nvmlSystemGetNVMLVersion", None, pynvml.nvmlSystemGetNVMLVersion)
@@ -165,6 +170,10 @@ class Nvml:
         name = self._query(pci, h, "nvmlDeviceGetName")
         minor = self._optional(pci, "nvmlDeviceGetMinorNumber", h)
         memory_mb = self._query(pci, h, "nvmlDeviceGetMemoryInfo").total // _MIB
+        try:  # only node labels use it: an older driver without it must not hide the GPU
+            compute = self._optional(pci, "nvmlDeviceGetCudaComputeCapability", h)
+        except NvmlError:
+            compute = None
         mode = self._optional(pci, "nvmlDeviceGetMigMode", h)
         current, pending = (mode if mode is not None else (None, None))
         profiles: tuple[MigProfile, ...] = ()
@@ -180,6 +189,7 @@ class Nvml:
             if p.gpuInstanceId in (NOT_IN_MIG_INSTANCE, None)  # processes inside MIG devices are listed per device
         )
         return NvmlGpu(pci=pci, uuid=uuid, name=name, minor=minor, memory_mb=memory_mb,
+                       compute_capability=tuple(compute) if compute is not None else None,
                        mig_capable=mode is not None, mig_mode=current, mig_pending=pending,
                        profiles=profiles, instances=instances, processes=processes)
 

@@ -498,6 +498,14 @@ def nvmlDeviceGetName(lib, state, handle, buf, length):
 
 
 @_nvml()
+def nvmlDeviceGetCudaComputeCapability(lib, state, handle, major_ref, minor_ref):
+    gpu, _ = lib.gpu(state, handle)
+    major, minor = model_of(gpu).compute_capability
+    _deref(major_ref).value = major
+    _deref(minor_ref).value = minor
+
+
+@_nvml()
 def nvmlDeviceGetUUID(lib, state, handle, buf, length):
     gpu, mig = lib.gpu(state, handle, allow_mig=True)
     _write_str(buf, length, gpu.uuid if mig is None else mig[1].uuid)

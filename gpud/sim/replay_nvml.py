@@ -251,6 +251,12 @@ def _pci_info(lib: ReplayNvmlLib, handle: Any, ref: Any) -> None:
 
 
 @_symbol()
+def nvmlDeviceGetCudaComputeCapability(lib: ReplayNvmlLib, handle: Any, major_ref: Any, minor_ref: Any) -> None:
+    major, minor = lib.check(handle)["cc"]
+    _deref(major_ref).value, _deref(minor_ref).value = major, minor
+
+
+@_symbol()
 def nvmlDeviceGetMemoryInfo(lib: ReplayNvmlLib, handle: Any, ref: Any) -> None:
     """The v1 struct only: the probe read total/free/used, not v2's `reserved`."""
     info, memory = _deref(ref), lib.check(handle)["memory"]

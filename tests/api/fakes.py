@@ -113,12 +113,12 @@ class FakeHandler:
             "mig-profiles": wire.MigProfilesReply(gpus=[wire.GpuProfiles(
                 index=0, pci="0000:3b:00.0", model="NVIDIA H200", profiles=h200_profiles())]),
             "passthrough": wire.PassthroughReply(devices=[wire.PassthroughDevice(
-                pci="0000:9a:00.0", vendor_device="10de:2335", resource_name="nvidia.com/GH100_H200",
+                pci="0000:9a:00.0", vendor_device="10de:2335", resource_name="nvidia.com/GH100_H200_SXM_141GB",
                 iommu_group=88, vfio_device="/dev/vfio/88", numa_node=1,
                 libvirt_hostdev=("<hostdev mode='subsystem' type='pci' managed='no'>\n  <source>\n"
                                  "    <address domain='0x0000' bus='0x9a' slot='0x00' function='0x0'/>\n"
                                  "  </source>\n</hostdev>"),
-                kubevirt={"pciVendorSelector": "10DE:2335", "resourceName": "nvidia.com/GH100_H200",
+                kubevirt={"pciVendorSelector": "10DE:2335", "resourceName": "nvidia.com/GH100_H200_SXM_141GB",
                           "externalResourceProvider": True})]),
         }
         self.errors: dict[str, Exception] = {}

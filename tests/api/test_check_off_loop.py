@@ -24,6 +24,7 @@ def rig(tmp_path):
 async def test_status_is_answered_while_a_large_check_is_parsed(rig):
     rig.config.write_text("version: v1\nlayouts:\n  a:\n    - {devices: all, mig-enabled: false}\n")
     assert rig.rec.load_config()
+    rig.rec.refresh()  # the first observation, as the daemon reads it before READY
     handler = RequestHandler(rig.rec)
     # ~250 KB of YAML: seconds of parsing on any machine, against milliseconds for a status
     big = "version: v1\nlayouts:\n  a:\n    - devices: [" + ", ".join(["0"] * 40_000) + "]\n      mig-enabled: false\n"
@@ -45,12 +46,12 @@ async def test_checks_are_parsed_one_at_a_time(rig):
     active, most = 0, 0
     parse = keeper._parse
 
-    def counting_parse(t, p):
+    def counting_parse(t, p, select=None):
         nonlocal active, most
         active += 1
         most = max(most, active)
         try:
-            return parse(t, p)
+            return parse(t, p, select)
         finally:
             active -= 1
 

@@ -22,13 +22,14 @@ def test_passthrough_device_as_clients_read_it(tmp_path):
     (tmp_path / "vfio").mkdir()
     (tmp_path / "vfio" / "7").touch()
     gpu = Gpu(index=0, function=_fn(GPU0), companions=(_fn("0000:3b:00.1", device=0x22BA, cls=0x040300),))
-    reply = replies.passthrough_reply(passthrough.entries([gpu], dev_root=str(tmp_path), pci_ids=[]))
+    reply = replies.passthrough_reply(passthrough.entries([gpu], dev_root=str(tmp_path)))
     as_json = msgspec.json.decode(msgspec.json.encode(reply))
     [device] = as_json["devices"]
     assert {k: v for k, v in device.items() if k != "libvirt_hostdev"} == {
-        "pci": GPU0, "vendor_device": "10DE:2335", "resource_name": "nvidia.com/NVIDIA_H200",
+        # kubevirt-gpu-device-plugin's name from its pci.ids: "2335  GH100 [H200 SXM 141GB]"
+        "pci": GPU0, "vendor_device": "10DE:2335", "resource_name": "nvidia.com/GH100_H200_SXM_141GB",
         "iommu_group": 7, "vfio_device": "/dev/vfio/7", "numa_node": 1,
-        "kubevirt": {"pciVendorSelector": "10DE:2335", "resourceName": "nvidia.com/NVIDIA_H200",
+        "kubevirt": {"pciVendorSelector": "10DE:2335", "resourceName": "nvidia.com/GH100_H200_SXM_141GB",
                      "externalResourceProvider": True},
     }
     assert "0000:3b:00.1" in device["libvirt_hostdev"]  # the companion is named in the comment

@@ -9,6 +9,7 @@ import re
 from pathlib import Path
 
 import pytest
+import yaml
 
 from gpud.api import replies, wire
 from gpud.api.handlers import RequestHandler
@@ -141,3 +142,19 @@ def test_vfio_events_name_the_group_and_its_gpu():
         "0000:18:00.0", "/dev/vfio/12 added (IOMMU group 12)")
     assert describe_device_event(DeviceEvent("bind", "pci", "0000:18:00.0", "vfio-pci"), (gpu,)) == (
         "0000:18:00.0", "PCI device 0000:18:00.0 bound to vfio-pci")
+
+
+async def test_check_all_layouts_plans_every_layout_a_node_label_may_select(rig):
+    # NVIDIA's MIG user guide: A100 40GB has 4 x 1g.10gb at most, so `seven` cannot be converged.
+    r = rig("a100-40gb:1")
+    handler = RequestHandler(r.rec)
+    doc = {"version": "v1", "selected": "whole",
+           "layouts": {"whole": [mig("all", None)], "seven": [mig([0], {"1g.10gb": 7})]}}
+    text = yaml.safe_dump(doc, sort_keys=False)
+    selected_only = await handler.op_check(text, "two.yaml")
+    assert selected_only.valid and selected_only.checked == ["whole"]
+    every = await handler.op_check(text, "two.yaml", all_layouts=True)
+    assert every.checked == ["whole", "seven"] and not every.valid
+    plan = await handler.op_plan(yaml.safe_dump({**doc, "selected": "seven"}, sort_keys=False), "two.yaml")
+    assert every.errors == [line for line in render_plan(plan).splitlines() if "INFEASIBLE" in line]
+    assert every.errors_omitted == 0

@@ -72,6 +72,8 @@ def test_every_result_struct_is_json_able_with_a_stable_shape():
         "version": wire.VersionReply(version="0.1.0"), "mig-profiles": wire.MigProfilesReply(),
         "passthrough": wire.PassthroughReply(devices=[wire.PassthroughDevice(pci="p", vendor_device="10de:2335")]),
         "stats": wire.StatsReply(window_s=1.5, loop_lag=wire.LoopLag(samples=3, p99_ms=2.5), requests={"status": 2}),
+        "labels": wire.LabelsReply(path="/f", result="written", file={"nvidia.com/gpu.count": "8"},
+                                   labels={"nvidia.com/gpu.count": "8"}),
     }
     assert set(samples) == set(wire.RESULTS)
     for op, obj in samples.items():
@@ -98,6 +100,8 @@ def test_default_structs_are_not_shared_between_instances():
     ("events", {}, True),
     ("mig-profiles", {"gpu": "0000:3b:00.0"}, True),
     ("status", {"x": 1}, False),
+    ("check", {"text": "t", "path": "/p", "all_layouts": True}, True),
+    ("labels", {}, True),
 ])
 def test_args_validation(op, args, ok):
     if ok:
@@ -166,3 +170,14 @@ def test_wire_imports_only_stdlib_and_msgspec():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     assert set(out) <= {"gpud"}, out
+
+
+def test_kubernetes_status_round_trips():
+    k = wire.KubernetesStatus(
+        advertised=wire.Advertised(resources={"nvidia.com/gpu": 7, "nvidia.com/mig-1g.10gb": 4},
+                                   sandbox={"nvidia.com/GH100_H100_SXM5_80GB": 1}, problems=["p"]),
+        agent=wire.KubeAgentStatus(node="n", connected=True, selected="partial-mig", state="success",
+                                   paused=["nvidia.com/gpu.deploy.dcgm"]))
+    doc = json.loads(msgspec.json.encode(k))
+    assert doc["advertised"]["resources"] == {"nvidia.com/gpu": 7, "nvidia.com/mig-1g.10gb": 4}
+    assert msgspec.convert(doc, wire.KubernetesStatus) == k

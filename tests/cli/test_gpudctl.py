@@ -69,7 +69,8 @@ def test_status_json_shape(daemon):
     r = run(daemon, "status", "--json")
     assert r.returncode == 0, r.stderr
     doc = json.loads(r.stdout)
-    assert set(doc) == {"phase", "layout", "gpus", "read_only", "version", "observed_at", "observation_age"}
+    assert set(doc) == {"phase", "layout", "gpus", "read_only", "version", "observed_at", "observation_age",
+                        "kubernetes"}
     g0 = doc["gpus"][0]
     assert {"index", "pci", "uuid", "model", "pci_id", "driver", "workload", "iommu_group", "numa_node", "mig",
             "converged", "state", "message", "holders", "group", "vfio_device"} == set(g0)
@@ -90,14 +91,14 @@ def test_check_sends_the_file_and_reports_validity(daemon, tmp_path):
     f.write_text("version: v1\n")
     r = run(daemon, "check", str(f))
     assert (r.returncode, r.stdout.strip()) == (0, f"{f}: valid (selected: partial-mig)")
-    assert calls(daemon, "check") == [{"text": "version: v1\n", "path": str(f)}]
+    assert calls(daemon, "check") == [{"text": "version: v1\n", "path": str(f), "all_layouts": False}]
     daemon.handler.replies["check"] = wire.CheckReply(valid=False, errors=[f"{f}:1 version: must be v1"],
                                                       warnings=["w"])
     r = run(daemon, "check", str(f))
     assert r.returncode == 4
     assert r.stdout.splitlines() == [f"{f}: INVALID", f"error: {f}:1 version: must be v1", "warning: w"]
     r = run(daemon, "check", "-", stdin="layouts: {}\n")
-    assert calls(daemon, "check")[-1] == {"text": "layouts: {}\n", "path": "<stdin>"}
+    assert calls(daemon, "check")[-1] == {"text": "layouts: {}\n", "path": "<stdin>", "all_layouts": False}
 
 
 def test_check_of_a_missing_file_fails_locally(daemon, tmp_path):
@@ -182,7 +183,7 @@ def test_passthrough(daemon):
     assert r.returncode == 0, r.stderr
     lines = r.stdout.splitlines()
     assert lines[0].split() == ["PCI", "ID", "IOMMU", "VFIO", "NUMA", "RESOURCE"]
-    assert lines[1].split() == ["0000:9a:00.0", "10de:2335", "88", "/dev/vfio/88", "1", "nvidia.com/GH100_H200"]
+    assert lines[1].split() == ["0000:9a:00.0", "10de:2335", "88", "/dev/vfio/88", "1", "nvidia.com/GH100_H200_SXM_141GB"]
     assert "      <address domain='0x0000' bus='0x9a' slot='0x00' function='0x0'/>" in lines
     doc = json.loads(run(daemon, "passthrough", "--json").stdout)
     assert doc["devices"][0]["kubevirt"]["pciVendorSelector"] == "10DE:2335"
@@ -348,7 +349,7 @@ def test_check_without_a_file_checks_the_daemons_file(daemon, tmp_path):
     daemon.handler.replies["version"] = wire.VersionReply(version="0.1.0", config=str(own))
     r = run(daemon, "check")
     assert r.returncode == 0, r.stderr
-    assert calls(daemon, "check")[-1] == {"text": "version: v1\n", "path": str(own)}
+    assert calls(daemon, "check")[-1] == {"text": "version: v1\n", "path": str(own), "all_layouts": False}
     gone = run(str(tmp_path / "no.sock"), "check")  # unreachable: the default, and it says so
     assert gone.returncode != 0
     assert "cannot reach gpud" in gone.stderr and "checking /etc/gpud/layout.yaml" in gone.stderr

@@ -89,52 +89,39 @@ def test_writer_read_only(tmp_path):
         w.sync(gpus(), desired(**{GPU0: "vm-passthrough"}))
 
 
-@pytest.mark.parametrize("name,expected", [
-    ("GH100 [H100 PCIe]", "GH100_H100_PCIE"),
-    ("GH100[H100 SXM5 80GB]", "GH100H100_SXM5_80GB"),
-    ("TU104GL [Tesla T4]", "TU104GL_TESLA_T4"),
-    ("GA100 [A100 SXM4 40GB]", "GA100_A100_SXM4_40GB"),
-    ("AD102GL [RTX 6000 Ada Generation]", "AD102GL_RTX_6000_ADA_GENERATION"),
-    ("GP104 [GeForce GTX 1070/1080 Mobile]", "GP104_GEFORCE_GTX_1070_1080_MOBILE"),
-    ("NVIDIA H200", "NVIDIA_H200"),
-])
-def test_resource_name_as_kubevirt_gpu_device_plugin(name, expected):
-    assert passthrough.plugin_device_name(name) == expected
-
-
-def test_inventory_lists_only_vfio_gpus_with_pci_ids_name(tmp_path):
-    ids = tmp_path / "pci.ids"
-    ids.write_text("# c\n10de  NVIDIA Corporation\n\t2331  GH100 [H100 PCIe]\n\t\t10de 1626  H100 PCIe 80GB\n"
-                   "10df  Other\n\t2335  Not NVIDIA\nC 00  Unclassified device\n")
+def test_inventory_lists_only_vfio_gpus_with_the_plugins_names(tmp_path):
+    """Names as kubevirt-gpu-device-plugin gives them from its own pci.ids (2025.07.11):
+    "2331  GH100 [H100 PCIe]", "22ba  AD102 High Definition Audio Controller"."""
     (tmp_path / "dev" / "vfio").mkdir(parents=True)
     (tmp_path / "dev" / "vfio" / "7").touch()
     g = [Gpu(index=0, function=fn(GPU0, device=0x2331, driver="vfio-pci"),
              companions=(fn("0000:3b:00.1", device=0x22BA, cls=0x040300, driver="vfio-pci"),)),
          Gpu(index=1, function=fn(GPU1, driver="nvidia", group=9))]
-    [e] = passthrough.entries(g, dev_root=str(tmp_path / "dev"), pci_ids=[str(ids)])
+    [e] = passthrough.entries(g, dev_root=str(tmp_path / "dev"))
     assert e.vendor_device == "10DE:2331" and e.resource_name == "nvidia.com/GH100_H100_PCIE"
-    assert e.name_source == "pci.ids" and e.vfio_device == "/dev/vfio/7" and e.numa_node == 1
+    assert e.device_name == "GH100 [H100 PCIe]"
+    assert e.name_source == "pci.ids 2025.07.11" and e.vfio_device == "/dev/vfio/7" and e.numa_node == 1
+    assert e.companion_resources == (("10DE:22BA", "nvidia.com/AD102_HIGH_DEFINITION_AUDIO_CONTROLLER"),)
     assert e.companions == ("0000:3b:00.1",)
     assert "<address domain='0x0000' bus='0x3b' slot='0x00' function='0x0'/>" in e.libvirt_hostdev
     assert "managed='no'" in e.libvirt_hostdev
     yaml = passthrough.kubevirt_yaml([e])
     assert 'pciVendorSelector: "10DE:2331"' in yaml and "resourceName: nvidia.com/GH100_H100_PCIE" in yaml
+    assert 'pciVendorSelector: "10DE:22BA"' in yaml
     assert passthrough.kubevirt_entry(e) == {"pciVendorSelector": "10DE:2331",
                                              "resourceName": "nvidia.com/GH100_H100_PCIE",
                                              "externalResourceProvider": True}
 
 
-def test_name_falls_back_to_model_then_device_id(tmp_path):
-    ids = tmp_path / "pci.ids"
-    ids.write_text("10de  NVIDIA Corporation\n\t2331  GH100 [H100 PCIe]\n")
+def test_name_is_the_plugins_whatever_the_host_knows(tmp_path):
+    """Debian 12's pci.ids has no H200 and gpud's model name is "NVIDIA H200"; the plugin still
+    advertises the name from its own file. An id the plugin's file lacks falls back to the bare
+    id, as the plugin does, even when NVML knows a name."""
     h200 = Gpu(index=0, function=fn(GPU0, device=0x2335, driver="vfio-pci"))
-    [e] = passthrough.entries([h200], dev_root=str(tmp_path), pci_ids=[str(ids)])
-    assert e.name_source == "model" and e.resource_name == "nvidia.com/NVIDIA_H200"  # from gpud.profiles
+    [e] = passthrough.entries([h200], dev_root=str(tmp_path))
+    assert e.resource_name == "nvidia.com/GH100_H200_SXM_141GB" and e.device_name == "GH100 [H200 SXM 141GB]"
     assert e.vfio_device is None  # node absent: not usable yet, said so
-    unknown = Gpu(index=0, function=fn(GPU0, device=0x9999, driver="vfio-pci"),
-                  nvml=None)
-    [e] = passthrough.entries([unknown], pci_ids=[str(tmp_path / "missing")])
-    assert e.name_source == "device-id" and e.resource_name == "nvidia.com/9999"
-    named = Gpu(index=0, function=fn(GPU0, device=0x9999, driver="vfio-pci"),
+    named = Gpu(index=0, function=fn(GPU0, device=0x2bff, driver="vfio-pci"),
                 nvml=NvmlGpu(pci=GPU0, uuid="GPU-x", name="NVIDIA Future GPU"))
-    assert passthrough.entries([named], pci_ids=[])[0].resource_name == "nvidia.com/NVIDIA_FUTURE_GPU"
+    [e] = passthrough.entries([named])
+    assert (e.resource_name, e.name_source, e.device_name) == ("nvidia.com/2bff", "device-id", "NVIDIA Future GPU")

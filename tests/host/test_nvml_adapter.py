@@ -62,6 +62,7 @@ def test_reads_a_real_h200_as_its_capture_says(tmp_path, nvml):
     assert g.pci == device["pci"]["busId"].lower()[4:]
     assert (g.name, g.uuid, g.minor) == (device["name"], device["uuid"], device["minor"])
     assert g.memory_mb == device["memory"]["total"] >> 20
+    assert list(g.compute_capability) == device["cc"]
     assert (g.mig_capable, [g.mig_mode, g.mig_pending], g.instances) == (True, device["mig_mode"], ())
     answered = [p for p in capture["gpu_instance_profiles"].values() if "id" in p]
     assert sorted(p.id for p in g.profiles) == sorted(p["id"] for p in answered)

@@ -131,3 +131,15 @@ def test_raw_nvml_answers_match_the_probe(sim_host):
         assert N.nvmlSystemGetCudaDriverVersion() == PROBE["cuda_driver"]
     finally:
         N.nvmlShutdown()
+
+
+def test_compute_capability_and_cuda_version_as_captured(sim_host):
+    """GFD's gpu.family / compute labels and CUDA version labels come from these two calls."""
+    sim_host("h200")
+    N.nvmlInit()
+    try:
+        h = N.nvmlDeviceGetHandleByIndex(0)
+        assert list(N.nvmlDeviceGetCudaComputeCapability(h)) == PROBE["device"]["cc"]
+        assert N.nvmlSystemGetCudaDriverVersion() == PROBE["cuda_driver"]
+    finally:
+        N.nvmlShutdown()

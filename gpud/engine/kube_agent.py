@@ -1,0 +1,410 @@
+"""The GPU Operator's node-label protocol, spoken by gpud in place of mig-manager and
+vgpu-device-manager (`gpud --kube-node NAME`).
+
+The contract (NVIDIA/mig-parted pkg/mig/reconfigure/reconfigure.go, cmd/nvidia-mig-manager;
+NVIDIA/vgpu-device-manager cmd/nvidia-k8s-vgpu-dm), as gpud follows it:
+
+1. The node label `nvidia.com/mig.config` names the layout in force (an entry of `layouts` in
+   layout.yaml, as mig-manager's names a mig-parted config); `nvidia.com/vgpu.config` likewise for a
+   vGPU node. Both set to different names is an error: gpud has one layout in force.
+2. A pass that changes something: `<label>.state=pending`; each `nvidia.com/gpu.deploy.<operand>`
+   label of the operands the change disrupts that is `true` becomes `paused-for-mig-change`
+   (container operands) or `paused-for-vgpu-change` (sandbox operands); `false` or absent stays as it
+   is; gpud waits until their pods have left the node and removes the validator pods.
+3. Apply. A mode change only a reboot can settle: with `policy.reboot: allow` the engine asks for
+   one reboot and `before_reboot` sets `state=rebooting` first (operands stay paused across it);
+   after the reboot, if the change is still not settled, `failed` (the engine's reboot marker
+   refuses a second reboot).
+4. Restore exactly what is still paused to `true` (a label someone set to `false` meanwhile stays
+   `false`), remove the operator-validator pod so it re-validates, `state=success` or `failed`.
+
+The engine calls `operands_paused(impact)` around every pass that changes hardware, whoever
+started it (a label, an edit of the file, a udev event), so gpud pauses only what a change
+disrupts: a pass that changes nothing, or only GPUs no running operand sees, pauses nothing.
+Container operands see the GPUs on nvidia, sandbox operands (KubeVirt's device plugin) those on
+vfio-pci (`gpud.plan.operand_impact`). Paused labels found at start (a crash in the middle of a
+change, gpud's or mig-manager's) are restored after the first settled pass.
+`nvidia.com/mig.capable` is published (the operator reads it to decide what to deploy).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+from msgspec import Struct
+
+from gpud.engine.operands import OperandsNotPaused
+from gpud.host.kube import Conflict, Gone, KubeError, NodeView, PodView
+from gpud.plan.operand_impact import Impact
+
+log = logging.getLogger(__name__)
+
+MIG_CONFIG = "nvidia.com/mig.config"
+MIG_STATE = "nvidia.com/mig.config.state"
+VGPU_CONFIG = "nvidia.com/vgpu.config"
+VGPU_STATE = "nvidia.com/vgpu.config.state"
+MIG_CAPABLE = "nvidia.com/mig.capable"
+PAUSED_MIG = "paused-for-mig-change"
+PAUSED_VGPU = "paused-for-vgpu-change"
+PAUSED = (PAUSED_MIG, PAUSED_VGPU)
+DEFAULT_NAMESPACE = "gpu-operator"
+CLIENT = "*client*"  # the operand whose pods are any DaemonSet's that select on its label
+
+
+class Operand(Struct, frozen=True):
+    label: str  # nvidia.com/gpu.deploy.<name>
+    app: str | None  # pods' `app` label in the operator's namespace; None: not waited for; CLIENT
+    side: str  # "container" | "sandbox"
+
+    @property
+    def paused(self) -> str:
+        return PAUSED_MIG if self.side == "container" else PAUSED_VGPU
+
+
+OPERANDS = (
+    Operand("nvidia.com/gpu.deploy.device-plugin", "nvidia-device-plugin-daemonset", "container"),
+    Operand("nvidia.com/gpu.deploy.gpu-feature-discovery", "gpu-feature-discovery", "container"),
+    Operand("nvidia.com/gpu.deploy.dcgm-exporter", "nvidia-dcgm-exporter", "container"),
+    Operand("nvidia.com/gpu.deploy.dcgm", "nvidia-dcgm", "container"),
+    Operand("nvidia.com/gpu.deploy.nvsm", None, "container"),
+    Operand("nvidia.com/gpu.deploy.client", CLIENT, "container"),
+    Operand("nvidia.com/gpu.deploy.sandbox-device-plugin", "nvidia-sandbox-device-plugin-daemonset", "sandbox"),
+    Operand("nvidia.com/gpu.deploy.sandbox-validator", "nvidia-sandbox-validator", "sandbox"),
+)
+BY_LABEL = {op.label: op for op in OPERANDS}
+VALIDATORS_BEFORE = ("nvidia-cuda-validator", "nvidia-device-plugin-validator")
+VALIDATOR_AFTER = "nvidia-operator-validator"
+
+
+class Outcome(Struct, frozen=True):
+    """How the passes for a layout ended once settled."""
+
+    state: str  # "success" | "failed" | "rebooting" (the engine asked for a reboot)
+    message: str = ""
+
+
+class Applier(Protocol):
+    """What the agent needs from the engine (gpud's reconciler, in the daemon). The engine's passes
+    call the agent's `operands_paused` around every change, and `before_reboot` before a reboot."""
+
+    def layouts(self) -> Sequence[str]: ...
+    async def apply(self, layout: str | None) -> Outcome: ...  # select it (None: the file's) and settle
+    def mig_capable(self) -> bool: ...
+
+
+class Selection(Struct, frozen=True):
+    layout: str | None  # None: no label selects; the file's own `selected` stays in force
+    state_labels: tuple[str, ...]  # where the outcome is reported
+    error: str | None = None
+
+
+def selection(labels: dict[str, str]) -> Selection:
+    mig, vgpu = labels.get(MIG_CONFIG) or None, labels.get(VGPU_CONFIG) or None
+    states = tuple(s for s, v in ((MIG_STATE, mig), (VGPU_STATE, vgpu)) if v)
+    if mig and vgpu and mig != vgpu:
+        return Selection(None, states, f"{MIG_CONFIG}={mig} and {VGPU_CONFIG}={vgpu} name different layouts; "
+                                       "gpud has one layout in force: set them to the same name or remove one")
+    return Selection(mig or vgpu, states)
+
+
+class AgentStatus(Struct):
+    node: str
+    selected: str | None = None
+    state: str | None = None
+    message: str = ""
+    paused: list[str] = []
+    connected: bool = False
+
+
+class KubeAgent:
+    def __init__(self, api, applier: Applier, *, namespace: str = DEFAULT_NAMESPACE, pod_timeout: float = 300.0,
+                 on_event: Callable[[str, str], None] | None = None, retry_delay: float = 1.0,
+                 max_conflicts: int = 8) -> None:
+        self.api = api
+        self.applier = applier
+        self.namespace = namespace
+        self.pod_timeout = pod_timeout
+        self.on_event = on_event or (lambda kind, message: None)
+        self.retry_delay = retry_delay
+        self.max_conflicts = max_conflicts
+        self.status = AgentStatus(node=api.node_name)
+        self._paused: set[str] = set()  # operand labels this agent (or a crashed run) left paused
+        self._active: Selection | None = None  # the label selection in force (None: the file's)
+        self._changed = False  # a pass changed hardware since the state was last reported
+        self._rebooting = False
+        self._handling = False  # handle() is applying a selection (it reports the outcome itself)
+        # Set once the node's labels first chose what is in force (a layout, or the file's own
+        # `selected`); until then the daemon runs no pass, so a bad label at start touches nothing.
+        self.selected_once = asyncio.Event()
+        self._handled: tuple[str | None, str | None] | None = None
+        self._refresh = asyncio.Event()
+        self.conflicts = 0  # 409s met and retried (for status and tests)
+
+    # --- the loop ----------------------------------------------------------------------------
+    async def run(self) -> None:
+        """Follow the node until cancelled. API errors are reported and retried with backoff;
+        they never stop the daemon."""
+        delay = self.retry_delay
+        while True:
+            try:
+                node = await self.api.node()
+                self.status.connected = True
+                delay = self.retry_delay
+                self._paused |= {k for k, v in node.labels.items() if k in BY_LABEL and v in PAUSED}
+                node = await self._publish_capable(node)
+                await self._follow(node)
+            except Gone:
+                continue  # the watch fell behind the server's history: read the node again
+            except KubeError as e:
+                self.status.connected = False
+                self._event("kube", f"Kubernetes API: {e}; retrying in {delay:.0f}s")
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 60.0)
+
+    async def _follow(self, node: NodeView) -> None:
+        """Handle the node as it is, then each newer version its watch brings (only the newest of
+        those that piled up during a change); refresh() makes it read the node again."""
+        versions: asyncio.Queue[NodeView] = asyncio.Queue()
+        watcher = asyncio.create_task(self._pump(node.resource_version, versions))
+        try:
+            await self._maybe_handle(node)
+            while True:
+                nxt = asyncio.ensure_future(versions.get())
+                refresh = asyncio.ensure_future(self._refresh.wait())
+                done, _ = await asyncio.wait({nxt, refresh, watcher}, return_when=asyncio.FIRST_COMPLETED)
+                for t in (nxt, refresh):
+                    if t not in done:
+                        t.cancel()
+                if watcher in done:
+                    watcher.result()  # the watch failed (Gone, KubeError): run() reads the node again
+                if nxt in done:
+                    node = nxt.result()
+                    while not versions.empty():
+                        node = versions.get_nowait()
+                    await self._maybe_handle(node)
+                if refresh in done:
+                    self._refresh.clear()
+                    self._handled = None
+                    await self._maybe_handle(await self.api.node())
+        finally:
+            watcher.cancel()
+            with contextlib.suppress(asyncio.CancelledError, KubeError):
+                await watcher
+
+    async def _pump(self, rv: str, versions: asyncio.Queue) -> None:
+        async with contextlib.aclosing(self.api.watch_node(rv)) as stream:
+            async for node in stream:
+                versions.put_nowait(node)
+
+    def refresh(self) -> None:
+        """Handle the current selection again (the layout file changed under the same label)."""
+        self._refresh.set()
+
+    async def _maybe_handle(self, node: NodeView) -> None:
+        key = (node.labels.get(MIG_CONFIG), node.labels.get(VGPU_CONFIG))
+        if key != self._handled:
+            await self.handle(node)  # an API error propagates: run() reads the node again and retries
+            self._handled = key
+
+    # --- one selection -----------------------------------------------------------------------
+    async def handle(self, node: NodeView) -> str | None:
+        """Apply what the node's labels select, following the protocol; returns the state reported."""
+        sel = selection(node.labels)
+        self.status.selected = sel.layout
+        if sel.error:
+            self._active = None
+            return await self._finish(sel, "failed", sel.error)
+        if sel.layout is None:
+            self._active = None
+            self.selected_once.set()
+            await self.applier.apply(None)
+            await self._restore_quietly()
+            return None
+        layouts = list(self.applier.layouts())
+        if sel.layout not in layouts:
+            self._active = None
+            return await self._finish(sel, "failed", f"no layout named {sel.layout!r} in layout.yaml "
+                                                     f"(layouts: {', '.join(layouts) or 'none'})")
+        self._active = sel
+        after_reboot = any(node.labels.get(s) == "rebooting" for s in sel.state_labels)
+        self._rebooting = False
+        self._handling = True
+        self.selected_once.set()
+        try:
+            outcome = await self.applier.apply(sel.layout)
+            return await self._settle(sel, outcome, after_reboot=after_reboot)
+        finally:
+            self._handling = False
+
+    async def settled(self, outcome: Outcome) -> str | None:
+        """A pass the agent did not start (file edit, udev, a holder that exited) has settled: report
+        it on the active selection's state labels."""
+        if self._active is None or not self._changed or self._handling:
+            return None
+        try:
+            return await self._settle(self._active, outcome, after_reboot=False)
+        except KubeError as e:  # reported again once the API answers: the next pass or label change
+            self._event("kube", f"could not report the outcome on the node: {e}")
+            return None
+
+    async def _settle(self, sel: Selection, outcome: Outcome, *, after_reboot: bool) -> str:
+        self._changed = False
+        if outcome.state == "rebooting":
+            return "rebooting"  # before_reboot reported it; operands stay paused until after the reboot
+        message = outcome.message
+        if outcome.state != "success" and after_reboot:
+            message = f"{message}; still not settled after the reboot gpud asked for"
+        await self._restore_quietly()  # what a crash or the reboot left paused
+        return await self._finish(sel, "success" if outcome.state == "success" else "failed", message)
+
+    # --- what the engine calls around its passes -------------------------------------------
+    @contextlib.asynccontextmanager
+    async def operands_paused(self, impact: Impact):
+        """Around a pass's changes: pending, pause the operands that see a changing GPU and wait for
+        their pods to go; afterwards restore them (not when a reboot was asked for). Raises
+        OperandsNotPaused (restoring what it paused) when the operands cannot be taken off the
+        node: the engine must not change the GPUs under them then."""
+        if not impact.changed:
+            yield
+            return
+        self._changed = True
+        if self._active is not None:
+            await self._set_state(self._active, "pending",
+                                  f"{len(impact.changed)} GPU(s) change: {', '.join(impact.changed)}")
+        sides = impact.sides()
+        if sides:
+            try:
+                await self._pause(sides)
+            except (KubeError, TimeoutError) as e:
+                await self._restore_quietly()
+                reason = "they did not leave in time" if isinstance(e, TimeoutError) else str(e)
+                raise OperandsNotPaused(f"could not take the GPU operands off the node: {reason}") from e
+        try:
+            yield
+        finally:
+            if not self._rebooting:
+                await self._restore_quietly()
+
+    async def before_reboot(self, reason: str) -> None:
+        """The engine is about to ask for a reboot: say so on the node first; keep operands paused."""
+        self._rebooting = True
+        if self._active is not None:
+            await self._set_state(self._active, "rebooting", reason)
+
+    def reboot_cancelled(self) -> None:
+        """The reboot was not requested after all: the pass restores the operands as usual."""
+        self._rebooting = False
+
+    async def _finish(self, sel: Selection, state: str, message: str) -> str:
+        await self._set_state(sel, state, message)
+        return state
+
+    async def _set_state(self, sel: Selection, state: str, message: str) -> None:
+        self.status.state, self.status.message = state, message
+        self._event("kube-state", f"{'/'.join(sel.state_labels) or 'state'}={state}" + (f": {message}" if message else ""))
+        if sel.state_labels:
+            await self.api.patch_labels({label: state for label in sel.state_labels})
+
+    async def _publish_capable(self, node: NodeView) -> NodeView:
+        value = "true" if self.applier.mig_capable() else "false"
+        if node.labels.get(MIG_CAPABLE) != value:
+            node = await self.api.patch_labels({MIG_CAPABLE: value})
+        return node
+
+    # --- operands ----------------------------------------------------------------------------
+    async def _patch_from_fresh(self, compute: Callable[[NodeView], dict[str, str]]) -> dict[str, str]:
+        """Read the node, compute a label change from it, write it only if the node is still at the
+        version read; on 409 read again and recompute."""
+        for _ in range(self.max_conflicts):
+            node = await self.api.node()
+            change = compute(node)
+            if not change:
+                return {}
+            try:
+                await self.api.patch_labels(change, resource_version=node.resource_version)
+                return change
+            except Conflict:
+                self.conflicts += 1
+        raise KubeError(409, "Conflict", f"node {self.api.node_name} kept changing under {self.max_conflicts} attempts")
+
+    async def _pause(self, sides: set[str]) -> None:
+        def compute(node: NodeView) -> dict[str, str]:
+            return {op.label: op.paused for op in OPERANDS if op.side in sides and node.labels.get(op.label) == "true"}
+
+        paused = await self._patch_from_fresh(compute)
+        self._paused |= set(paused)
+        self.status.paused = sorted(self._paused)
+        if paused:
+            self._event("kube-pause", f"paused {', '.join(sorted(paused))}")
+        waiting = {BY_LABEL[label] for label in self._paused}
+        await asyncio.wait_for(self._pods_gone(waiting), self.pod_timeout)
+        if "container" in sides:
+            await self._delete_pods(VALIDATORS_BEFORE)
+
+    async def _restore(self) -> None:
+        def compute(node: NodeView) -> dict[str, str]:
+            return {label: "true" for label in self._paused if node.labels.get(label) in PAUSED}
+
+        restored = await self._patch_from_fresh(compute)
+        was = set(self._paused)
+        self._paused.clear()
+        self.status.paused = []
+        if restored:
+            self._event("kube-pause", f"restored {', '.join(sorted(restored))}")
+        if any(BY_LABEL[label].side == "container" for label in was):
+            await self._delete_pods((VALIDATOR_AFTER,))
+
+    async def _restore_quietly(self) -> None:
+        try:
+            await self._restore()
+        except KubeError as e:  # the labels stay paused; the next pass restores them
+            self._event("kube", f"could not restore the operand labels yet: {e}")
+
+    def _is_operand_pod(self, pod: PodView, operands: set[Operand]) -> bool:
+        for op in operands:
+            if op.app == CLIENT:
+                if pod.controller_kind == "DaemonSet" and op.label in pod.node_selector:
+                    return True
+            elif op.app is not None and pod.namespace == self.namespace and pod.labels.get("app") == op.app:
+                return True
+        return False
+
+    async def _pods_gone(self, operands: set[Operand]) -> None:
+        """Until no pod of `operands` is left on the node: one list, then its watch."""
+        if not operands:
+            return
+        while True:
+            pods, rv = await self.api.pods()
+            left = {(p.namespace, p.name) for p in pods if self._is_operand_pod(p, operands)}
+            if not left:
+                return
+            self._event("kube-pause", f"waiting for {len(left)} operand pod(s) to leave: "
+                                      f"{', '.join(f'{ns}/{n}' for ns, n in sorted(left))}")
+            try:
+                async with contextlib.aclosing(self.api.watch_pods(rv)) as events:
+                    async for kind, pod in events:
+                        key = (pod.namespace, pod.name)
+                        if kind == "DELETED":
+                            left.discard(key)
+                        elif self._is_operand_pod(pod, operands):
+                            left.add(key)
+                        if not left:
+                            return
+            except Gone:
+                continue
+
+    async def _delete_pods(self, apps: Sequence[str]) -> None:
+        pods, _ = await self.api.pods()
+        for p in pods:
+            if p.namespace == self.namespace and p.labels.get("app") in apps:
+                if await self.api.delete_pod(p.namespace, p.name):
+                    self._event("kube-pause", f"removed {p.namespace}/{p.name}")
+
+    def _event(self, kind: str, message: str) -> None:
+        log.info("%s", message)
+        self.on_event(kind, message)
+

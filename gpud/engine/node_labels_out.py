@@ -1,0 +1,88 @@
+"""After every pass: the node's labels, from what the engine last observed, into NFD's feature file.
+
+The labels themselves are pure (`gpud.plan.node_labels`); this module gathers their inputs from
+the engine's state (observation, the layout in force and how far it got, NVML's versions) and
+hands them to the NFD adapter. A failed write is reported, never a reason to fail the pass.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from msgspec import Struct
+
+from gpud.host import nfd
+from gpud.model import Gpu
+from gpud.plan.node_labels import LabelInputs, NodeLabels, node_labels
+
+log = logging.getLogger(__name__)
+
+# What the reconciler's phase means for `nvidia.com/gpud.layout.state` (mig.config.state's values).
+_STATE = {
+    "converged": "success",
+    "starting": "pending", "applying": "pending", "waiting": "pending", "read-only": "pending",
+    "failed": "failed", "stuck": "failed", "reset-required": "failed", "reboot-required": "failed",
+    "invalid-layout": "failed",
+}
+
+LABEL_SETS = ("all", "gpud")  # --nfd-labels: GFD's set + gpud's, or gpud's only
+
+
+def layout_state(phase: str, *, rebooting: bool = False) -> str:
+    """success | pending | failed | rebooting for an engine phase (`rebooting`: a reboot gpud asked
+    for is under way)."""
+    if phase == "reboot-required" and rebooting:
+        return "rebooting"
+    return _STATE.get(phase, "pending")
+
+
+class Versions(Struct, frozen=True):
+    driver: str | None = None
+    cuda: int | None = None
+
+
+class LabelsOut:
+    """Writes the node's labels to `path` after each pass (`path` None: labels are only computed,
+    for `gpudctl status`). `exclude`: labels another writer owns (with --kube-node, gpud patches
+    nvidia.com/mig.capable on the node itself)."""
+
+    def __init__(self, path: str | None, *, label_set: str = "all", mig_strategy: str = "mixed",
+                 exclude: tuple[str, ...] = (), on_event: Callable[[str, str], None] | None = None) -> None:
+        if label_set not in LABEL_SETS:
+            raise ValueError(f"label set {label_set!r}: expected one of {', '.join(LABEL_SETS)}")
+        self.path = path
+        self.gfd = label_set == "all"
+        self.mig_strategy = mig_strategy
+        self.exclude = exclude
+        self.on_event = on_event or (lambda kind, message: None)
+        self.last: NodeLabels | None = None
+        self.last_result: str | None = None  # written | unchanged | no-directory | error: ...
+
+    def inputs(self, gpus: tuple[Gpu, ...], *, workloads: dict[str, str], layout: str | None, state: str,
+               versions: Versions) -> LabelInputs:
+        compute = {g.pci: g.nvml.compute_capability for g in gpus
+                   if g.nvml is not None and g.nvml.compute_capability is not None}
+        return LabelInputs(gpus=gpus, driver_version=versions.driver, cuda_driver_version=versions.cuda,
+                           compute=compute, workloads=workloads, layout=layout, state=state,
+                           mig_strategy=self.mig_strategy)
+
+    def compute(self, inputs: LabelInputs) -> NodeLabels:
+        out = node_labels(inputs, gfd=self.gfd)
+        labels = {k: v for k, v in out.labels.items() if k not in self.exclude}
+        self.last = NodeLabels(labels, out.warnings)
+        return self.last
+
+    def write(self, inputs: LabelInputs) -> NodeLabels:
+        labels = self.compute(inputs)
+        if self.path is None:
+            return labels
+        try:
+            result = nfd.write_features(self.path, labels.labels)
+        except (nfd.NfdError, OSError) as e:
+            result = f"error: {e}"
+            self.on_event("labels", f"node labels not written: {e}")
+        if result == "written":
+            self.on_event("labels", f"{self.path}: {len(labels.labels)} node labels written")
+        self.last_result = result
+        return labels

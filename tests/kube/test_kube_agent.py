@@ -1,0 +1,415 @@
+"""The operator's label protocol through the real client (lightkube) against the API emulator.
+
+What is checked is the node as the API server stored it, version by version (its watch log), and
+the pods on it: not the agent's own account. The DaemonSet controller stand-in removes an
+operand's pod only when its deploy label stops matching, so "the pods are gone before the apply"
+holds only if the agent really paused and waited.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import kmock
+import pytest
+
+from gpud.engine.kube_agent import (
+    MIG_CAPABLE, MIG_CONFIG, MIG_STATE, PAUSED_MIG, PAUSED_VGPU, VGPU_CONFIG, VGPU_STATE, Impact, KubeAgent, Outcome,
+)
+from gpud.engine.operands import OperandsNotPaused
+from gpud.host.kube import KubeApi, load_config
+from tests.kube.apiserver import ApiServer
+from tests.kube.cluster import NODE, OPERATOR_NS, DaemonSet, DaemonSetController, client_for, until, write_kubeconfig
+
+DP = "nvidia.com/gpu.deploy.device-plugin"
+GFD = "nvidia.com/gpu.deploy.gpu-feature-discovery"
+DCGM_EXP = "nvidia.com/gpu.deploy.dcgm-exporter"
+DCGM = "nvidia.com/gpu.deploy.dcgm"
+NVSM = "nvidia.com/gpu.deploy.nvsm"
+CLIENT = "nvidia.com/gpu.deploy.client"
+SANDBOX_DP = "nvidia.com/gpu.deploy.sandbox-device-plugin"
+SANDBOX_VAL = "nvidia.com/gpu.deploy.sandbox-validator"
+CONTAINER = (DP, GFD, DCGM_EXP, DCGM, CLIENT)
+
+SETS = [
+    DaemonSet("nvidia-device-plugin-daemonset", OPERATOR_NS, "nvidia-device-plugin-daemonset", {DP: "true"}),
+    DaemonSet("gpu-feature-discovery", OPERATOR_NS, "gpu-feature-discovery", {GFD: "true"}),
+    DaemonSet("nvidia-dcgm-exporter", OPERATOR_NS, "nvidia-dcgm-exporter", {DCGM_EXP: "true"}),
+    DaemonSet("nvidia-dcgm", OPERATOR_NS, "nvidia-dcgm", {DCGM: "true"}),
+    DaemonSet("inference-sidecar", "apps", "inference-sidecar", {CLIENT: "true"}),  # a third-party GPU client
+    DaemonSet("nvidia-sandbox-device-plugin-daemonset", OPERATOR_NS, "nvidia-sandbox-device-plugin-daemonset",
+              {SANDBOX_DP: "true"}),
+    DaemonSet("nvidia-sandbox-validator", OPERATOR_NS, "nvidia-sandbox-validator", {SANDBOX_VAL: "true"}),
+]
+VALIDATORS = ("nvidia-cuda-validator", "nvidia-device-plugin-validator", "nvidia-operator-validator")
+
+BASE_LABELS = {DP: "true", GFD: "true", DCGM_EXP: "true", DCGM: "true", NVSM: "false", CLIENT: "true",
+               SANDBOX_DP: "true", SANDBOX_VAL: "true", "kubernetes.io/hostname": NODE}
+
+
+class EngineStandIn:
+    """The engine's side of the contract, as the reconciler keeps it, scripted per layout: a pass
+    for a layout runs its changes inside the agent's `operands_paused(impact)`; a pass that needs a
+    reboot calls `before_reboot` and returns "rebooting" when the reboot is allowed and not yet
+    tried. At each change it records what the API server holds at that moment."""
+
+    def __init__(self, api: ApiServer, impacts: dict[str, Impact], *, needs_reboot: set[str] = frozenset(),
+                 reboot: bool = False, rebooted_before: bool = False, mig_capable: bool = True) -> None:
+        self.api, self.impacts, self.needs_reboot = api, impacts, needs_reboot
+        self.allow_reboot, self.rebooted_before, self.capable = reboot, rebooted_before, mig_capable
+        self.agent: KubeAgent | None = None
+        self.applied: list[tuple[str, list[str], dict[str, str]]] = []
+        self.selected: list[str | None] = []
+        self.reboots: list[str] = []
+
+    def layouts(self):
+        return list(self.impacts)
+
+    async def apply(self, layout):
+        self.selected.append(layout)
+        if layout is None:
+            return Outcome("success")
+        impact = self.impacts[layout]
+        try:
+            return await self._pass(layout, impact)
+        except OperandsNotPaused as e:  # the reconciler fails the pass's GPUs with the reason
+            return Outcome("failed", str(e))
+
+    async def _pass(self, layout, impact):
+        async with self.agent.operands_paused(impact):
+            if impact.changed:
+                pods = sorted(f"{ns}/{name}" for (p, ns, name), o in self.api._store.items()
+                              if p == "pods" and o["spec"].get("nodeName") == NODE)
+                self.applied.append((layout, pods, dict(self.api.get("nodes", NODE)["metadata"]["labels"])))
+            if layout in self.needs_reboot:
+                if self.allow_reboot and not self.rebooted_before:  # the engine's reboot policy and marker
+                    await self.agent.before_reboot("GPU 0: MIG mode change pending until a reboot")
+                    self.reboots.append(layout)
+                    return Outcome("rebooting", "reboot requested")
+                why = "an earlier reboot did not settle it" if self.rebooted_before else "policy.reboot is never"
+                return Outcome("failed", f"GPU 0: reboot required; {why}")
+        return Outcome("success", "converged")
+
+    def mig_capable(self):
+        return self.capable
+
+
+@pytest.fixture
+async def cluster(tmp_path):
+    async with ApiServer() as api, kmock.Server(api):
+        kubeconfig = write_kubeconfig(tmp_path / "kubeconfig", str(api.url))
+        try:
+            yield api, kubeconfig
+        finally:
+            await api.end_watches()
+
+
+async def _node(api: ApiServer, labels: dict[str, str]) -> None:
+    await api.put_object("nodes", {"metadata": {"name": NODE, "labels": labels}})
+    for app in VALIDATORS:
+        await api.put_object("pods", {"metadata": {"name": f"{app}-x1", "namespace": OPERATOR_NS, "labels": {"app": app}},
+                                      "spec": {"nodeName": NODE, "containers": [{"name": "v"}]}})
+
+
+def _labels(api: ApiServer) -> dict[str, str]:
+    return api.get("nodes", NODE)["metadata"]["labels"]
+
+
+def _pods(api: ApiServer) -> list[str]:
+    return sorted(f"{ns}/{name}" for (p, ns, name) in api._store if p == "pods")
+
+
+@contextlib.asynccontextmanager
+async def running(agent: KubeAgent):
+    task = asyncio.create_task(agent.run())
+    try:
+        yield task
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
+def _agent(kubeconfig: str, engine, **kw) -> KubeAgent:
+    agent = KubeAgent(KubeApi(NODE, load_config(kubeconfig)), engine, **kw)
+    engine.agent = agent
+    return agent
+
+
+def _changes(history: list[dict[str, str]], key: str) -> list[str | None]:
+    """The successive distinct values of one label over the node's versions."""
+    out: list[str | None] = []
+    for labels in history:
+        v = labels.get(key)
+        if not out or out[-1] != v:
+            out.append(v)
+    return out
+
+
+async def test_mig_change_pauses_container_operands_waits_applies_restores(cluster):
+    api, kubeconfig = cluster
+    await _node(api, {**BASE_LABELS, MIG_CONFIG: "partial-mig"})
+    engine = EngineStandIn(api, {"partial-mig": Impact(changed=("0000:18:00.0",), container=("0000:18:00.0",)),
+                                 "all-disabled": Impact()})
+    controller_client = client_for(kubeconfig)
+    async with DaemonSetController(controller_client, NODE, SETS) as dsc:
+        dsc.terminating.clear()  # hold every pod's termination until the agent is seen waiting
+        events: list[str] = []
+        waiting = asyncio.Event()
+
+        def on_event(kind, message):
+            events.append(message)
+            if message.startswith("waiting for"):
+                waiting.set()
+
+        agent = _agent(kubeconfig, engine, on_event=on_event)
+        async with running(agent):
+            await asyncio.wait_for(waiting.wait(), 20)
+            assert engine.applied == []  # pods still there: nothing applied yet
+            dsc.terminating.set()
+            await until(api, lambda: _labels(api).get(MIG_STATE) == "success", "state success")
+        await agent.api.close()
+        # the controller brings every operand back once its label is true again
+        await until(api, lambda: all(f"{ds.namespace}/{ds.name}-{NODE}" in _pods(api) for ds in SETS), "operands back")
+    await controller_client.close()
+
+    history = api.node_history(NODE)
+    assert _changes(history, MIG_STATE) == [None, "pending", "success"]
+    for label in CONTAINER:
+        assert _changes(history, label) == ["true", PAUSED_MIG, "true"], label
+    for label in (NVSM, SANDBOX_DP, SANDBOX_VAL):  # false stays false; the sandbox side is not touched
+        assert len(_changes(history, label)) == 1, label
+    assert _labels(api)[MIG_CAPABLE] == "true"
+    # at the apply: every container operand pod and both pre-change validators gone, sandbox pods kept
+    (layout, pods_at_apply, labels_at_apply), = engine.applied
+    assert layout == "partial-mig"
+    assert pods_at_apply == [f"{OPERATOR_NS}/nvidia-operator-validator-x1",
+                             f"{OPERATOR_NS}/nvidia-sandbox-device-plugin-daemonset-{NODE}",
+                             f"{OPERATOR_NS}/nvidia-sandbox-validator-{NODE}"]
+    assert labels_at_apply[MIG_STATE] == "pending"
+    # after: operands back (the controller re-created them), the operator validator removed to re-run
+    assert f"{OPERATOR_NS}/nvidia-operator-validator-x1" not in _pods(api)
+    assert f"{OPERATOR_NS}/nvidia-device-plugin-daemonset-{NODE}" in _pods(api)
+    assert "apps/inference-sidecar-" + NODE in _pods(api)
+
+
+async def test_a_pass_that_changes_nothing_pauses_nothing(cluster):
+    api, kubeconfig = cluster
+    await _node(api, {**BASE_LABELS, MIG_CONFIG: "all-disabled"})
+    engine = EngineStandIn(api, {"all-disabled": Impact()})
+    agent = _agent(kubeconfig, engine)
+    async with running(agent):
+        await until(api, lambda: _labels(api).get(MIG_STATE) == "success", "state success")
+    await agent.api.close()
+    history = api.node_history(NODE)
+    assert _changes(history, MIG_STATE) == [None, "success"]
+    for label in BASE_LABELS:
+        assert len(_changes(history, label)) == 1, label
+    assert engine.selected == ["all-disabled"] and engine.applied == []
+    assert all(f"{OPERATOR_NS}/{v}-x1" in _pods(api) for v in VALIDATORS)  # no validator removed either
+
+
+async def test_passthrough_change_pauses_only_the_sandbox_operands(cluster):
+    api, kubeconfig = cluster
+    await _node(api, {**BASE_LABELS, VGPU_CONFIG: "vms"})
+    engine = EngineStandIn(api, {"vms": Impact(changed=("0000:2a:00.0",), sandbox=("0000:2a:00.0",))})
+    controller_client = client_for(kubeconfig)
+    async with DaemonSetController(controller_client, NODE, SETS):
+        agent = _agent(kubeconfig, engine)
+        async with running(agent):
+            await until(api, lambda: _labels(api).get(VGPU_STATE) == "success", "vgpu state success")
+        await agent.api.close()
+    await controller_client.close()
+    history = api.node_history(NODE)
+    assert _changes(history, VGPU_STATE) == [None, "pending", "success"]
+    assert MIG_STATE not in _labels(api)
+    for label in (SANDBOX_DP, SANDBOX_VAL):
+        assert _changes(history, label) == ["true", PAUSED_VGPU, "true"], label
+    for label in CONTAINER:
+        assert len(_changes(history, label)) == 1, label
+    (_, pods_at_apply, _), = engine.applied
+    assert not any("sandbox" in p for p in pods_at_apply)
+    assert f"{OPERATOR_NS}/nvidia-device-plugin-daemonset-{NODE}" in pods_at_apply
+
+
+async def test_stale_patch_gets_409_and_a_concurrent_false_is_kept(cluster):
+    api, kubeconfig = cluster
+    await _node(api, {**BASE_LABELS, MIG_CONFIG: "partial-mig"})
+    engine = EngineStandIn(api, {"partial-mig": Impact(changed=("0000:18:00.0",), container=("0000:18:00.0",))})
+    raced = []
+
+    async def admin_turns_dcgm_off(verb, plural, name, body):
+        meta = (body or {}).get("metadata", {}) if isinstance(body, dict) else {}
+        if not raced and plural == "nodes" and "resourceVersion" in meta and PAUSED_MIG in meta["labels"].values():
+            raced.append(meta["resourceVersion"])  # the agent read the node at this version
+            await api.put_object("nodes", {"metadata": {"name": NODE, "labels": {DCGM: "false"}}})
+
+    api.before_write = admin_turns_dcgm_off
+    controller_client = client_for(kubeconfig)
+    async with DaemonSetController(controller_client, NODE, SETS):
+        agent = _agent(kubeconfig, engine)
+        async with running(agent):
+            await until(api, lambda: _labels(api).get(MIG_STATE) == "success", "state success")
+        await agent.api.close()
+    await controller_client.close()
+    assert len(api.conflicts) == 1 and api.conflicts[0]["metadata"]["resourceVersion"] == raced[0]
+    assert agent.conflicts == 1
+    history = api.node_history(NODE)
+    assert _changes(history, DCGM) == ["true", "false"]  # never paused, never restored to true
+    for label in (DP, GFD, DCGM_EXP, CLIENT):
+        assert _changes(history, label) == ["true", PAUSED_MIG, "true"], label
+
+
+async def test_reboot_once_then_failed_never_a_second_reboot(cluster):
+    api, kubeconfig = cluster
+    await _node(api, {**BASE_LABELS, MIG_CONFIG: "all-balanced"})
+    impact = {"all-balanced": Impact(changed=("0000:18:00.0",), container=("0000:18:00.0",))}
+    engine = EngineStandIn(api, impact, needs_reboot={"all-balanced"}, reboot=True)
+    agent = _agent(kubeconfig, engine)
+    async with running(agent):
+        await until(api, lambda: _labels(api).get(MIG_STATE) == "rebooting", "state rebooting")
+    await agent.api.close()
+    assert engine.reboots == ["all-balanced"]
+    assert all(_labels(api)[label] == PAUSED_MIG for label in CONTAINER)  # stay paused across the reboot
+
+    # the node comes back: a new gpud process; the change is still not settled, and the engine's
+    # reboot marker refuses a second reboot
+    engine2 = EngineStandIn(api, impact, needs_reboot={"all-balanced"}, reboot=True, rebooted_before=True)
+    agent2 = _agent(kubeconfig, engine2)
+    async with running(agent2):
+        await until(api, lambda: _labels(api).get(MIG_STATE) == "failed", "state failed")
+    await agent2.api.close()
+    assert engine2.reboots == []
+    assert "still not settled after the reboot" in agent2.status.message
+    assert all(_labels(api)[label] == "true" for label in CONTAINER)  # the leftover pause is restored
+    # after the reboot: pending again while gpud re-applies, then failed
+    assert _changes(api.node_history(NODE), MIG_STATE) == [None, "pending", "rebooting", "pending", "failed"]
+
+
+async def test_reboot_settles_it(cluster):
+    api, kubeconfig = cluster
+    await _node(api, {**BASE_LABELS, MIG_CONFIG: "all-balanced", MIG_STATE: "rebooting",
+                      **{label: PAUSED_MIG for label in CONTAINER}})
+    engine = EngineStandIn(api, {"all-balanced": Impact(changed=("0000:18:00.0",), container=("0000:18:00.0",))},
+                           reboot=True, rebooted_before=True)
+    agent = _agent(kubeconfig, engine)
+    async with running(agent):
+        await until(api, lambda: _labels(api).get(MIG_STATE) == "success", "state success")
+    await agent.api.close()
+    assert engine.reboots == []
+    assert all(_labels(api)[label] == "true" for label in CONTAINER)
+
+
+async def test_reboot_not_allowed_fails_and_restores(cluster):
+    api, kubeconfig = cluster
+    await _node(api, {**BASE_LABELS, MIG_CONFIG: "x"})
+    engine = EngineStandIn(api, {"x": Impact(changed=("0000:18:00.0",), container=("0000:18:00.0",))},
+                           needs_reboot={"x"}, reboot=False)
+    agent = _agent(kubeconfig, engine)
+    async with running(agent):
+        await until(api, lambda: _labels(api).get(MIG_STATE) == "failed", "state failed")
+    await agent.api.close()
+    assert engine.reboots == [] and "policy.reboot is never" in agent.status.message
+    assert all(_labels(api)[label] == "true" for label in CONTAINER)
+    assert _changes(api.node_history(NODE), MIG_STATE) == [None, "pending", "failed"]
+
+
+async def test_a_pass_the_agent_did_not_start_is_reported_too(cluster):
+    """An edit of the file under the same label: the engine's pass pauses through the guard and
+    the agent reports the settled outcome on the active selection."""
+    api, kubeconfig = cluster
+    await _node(api, {**BASE_LABELS, MIG_CONFIG: "a"})
+    engine = EngineStandIn(api, {"a": Impact()})
+    agent = _agent(kubeconfig, engine)
+    controller_client = client_for(kubeconfig)
+    async with DaemonSetController(controller_client, NODE, SETS), running(agent):
+        await until(api, lambda: _labels(api).get(MIG_STATE) == "success", "first success")
+        engine.impacts["a"] = Impact(changed=("g",), container=("g",))  # the file now asks for more
+        assert await engine.apply("a") == Outcome("success", "converged")  # the engine's own pass
+        assert await agent.settled(Outcome("success", "converged")) == "success"
+        assert await agent.settled(Outcome("success", "converged")) is None  # nothing changed since
+    await agent.api.close()
+    await controller_client.close()
+    history = api.node_history(NODE)
+    assert _changes(history, MIG_STATE) == [None, "success", "pending", "success"]
+    assert _changes(history, DP) == ["true", PAUSED_MIG, "true"]
+    (_, pods_at_apply, _), = engine.applied
+    assert f"{OPERATOR_NS}/nvidia-device-plugin-daemonset-{NODE}" not in pods_at_apply
+    assert f"{OPERATOR_NS}/nvidia-sandbox-device-plugin-daemonset-{NODE}" in pods_at_apply
+
+
+@pytest.mark.parametrize(("labels", "message"), [
+    ({MIG_CONFIG: "nope"}, "no layout named 'nope' in layout.yaml (layouts: a)"),
+    ({MIG_CONFIG: "a", VGPU_CONFIG: "b"}, "name different layouts"),
+])
+async def test_bad_selection_fails_without_touching_anything(cluster, labels, message):
+    api, kubeconfig = cluster
+    await _node(api, {**BASE_LABELS, **labels})
+    engine = EngineStandIn(api, {"a": Impact(changed=("x",), container=("x",))})
+    agent = _agent(kubeconfig, engine)
+    async with running(agent):
+        await until(api, lambda: _labels(api).get(MIG_STATE) == "failed", "state failed")
+    await agent.api.close()
+    assert message in agent.status.message
+    assert engine.selected == [] and engine.applied == []
+    for label in BASE_LABELS:
+        assert len(_changes(api.node_history(NODE), label)) == 1
+
+
+async def test_label_change_is_followed_through_the_watch_even_after_410(cluster):
+    api, kubeconfig = cluster
+    api.history = 5  # a short history: the agent's watch will fall behind it and get 410 Gone
+    await _node(api, {**BASE_LABELS, MIG_CONFIG: "a"})
+    engine = EngineStandIn(api, {"a": Impact(), "b": Impact(changed=("g",), container=("g",))})
+    events = []
+    agent = _agent(kubeconfig, engine, on_event=lambda k, m: events.append(m))
+    async with running(agent):
+        await until(api, lambda: _labels(api).get(MIG_STATE) == "success" and len(engine.selected) == 1, "first")
+        # the connection drops; while it is down, others' writes push the version the agent saw last
+        # out of the retained history, and the label changes
+        await api.interrupt_watches()
+        for i in range(12):
+            await api.put_object("nodes", {"metadata": {"name": NODE, "labels": {"noise": str(i)}}})
+        await api.put_object("nodes", {"metadata": {"name": NODE, "labels": {MIG_CONFIG: "b"}}})
+        api.resume_watches()
+        await until(api, lambda: len(engine.applied) == 1 and _labels(api).get(MIG_STATE) == "success", "second")
+    await agent.api.close()
+    assert api.gone >= 1  # the agent's watch really came back too late and was told 410
+    assert engine.selected == ["a", "b"]
+
+
+async def test_operand_pods_that_never_leave_fail_the_change(cluster):
+    api, kubeconfig = cluster
+    await _node(api, {**BASE_LABELS, MIG_CONFIG: "a"})
+    engine = EngineStandIn(api, {"a": Impact(changed=("g",), container=("g",))})
+    controller_client = client_for(kubeconfig)
+    async with DaemonSetController(controller_client, NODE, SETS) as dsc:
+        dsc.terminating.clear()  # the pods hang in termination
+        agent = _agent(kubeconfig, engine, pod_timeout=0.5)
+        async with running(agent):
+            await until(api, lambda: _labels(api).get(MIG_STATE) == "failed", "state failed")
+        await agent.api.close()
+        dsc.terminating.set()
+    await controller_client.close()
+    assert engine.applied == []  # the engine never changed the GPUs under the operands
+    assert "could not take the GPU operands off the node: they did not leave in time" in agent.status.message
+    assert all(_labels(api)[label] == "true" for label in CONTAINER)
+
+
+async def test_unreachable_api_is_retried_not_fatal(tmp_path):
+    kubeconfig = write_kubeconfig(tmp_path / "kubeconfig", "http://127.0.0.1:9")  # discard port: refused
+    events = []
+    agent = KubeAgent(KubeApi(NODE, load_config(kubeconfig)), EngineStandIn(None, {}),
+                      on_event=lambda k, m: events.append(m), retry_delay=0.01)
+    task = asyncio.create_task(agent.run())
+    try:
+        while len(events) < 2:
+            await asyncio.sleep(0.01)
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        await agent.api.close()
+    assert not agent.status.connected
+    assert all("Kubernetes API" in e and "retrying" in e for e in events)

@@ -1,0 +1,58 @@
+"""The engine's rebooter with --kube-node: the node says `rebooting` before logind is asked, and
+nothing is said when the reboot marker refuses a second reboot for the same cause."""
+
+from __future__ import annotations
+
+import json
+
+from gpud.engine.kube_applier import KubeRebooter
+from gpud.host.logind import REBOOT_MARKER, current_boot_id
+
+
+class AgentRecorder:
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    async def before_reboot(self, reason):
+        self.calls.append(f"before_reboot {reason}")
+
+    def reboot_cancelled(self):
+        self.calls.append("reboot_cancelled")
+
+
+class ApplierFlag:
+    reboot_requested = False
+
+
+def _logind(answer: bool, calls: list[str]):
+    async def reboot(state_dir, reason):
+        calls.append(f"logind {reason}")
+        return answer
+    return reboot
+
+
+async def test_rebooting_is_said_before_logind_is_asked(tmp_path):
+    agent, applier = AgentRecorder(), ApplierFlag()
+    rebooter = KubeRebooter(agent, applier, _logind(True, agent.calls))
+    assert await rebooter(str(tmp_path), "GPU 0: mode pending") is True
+    assert agent.calls == ["before_reboot GPU 0: mode pending", "logind GPU 0: mode pending"]
+    assert applier.reboot_requested
+
+
+async def test_a_refused_request_takes_the_rebooting_back(tmp_path):
+    agent, applier = AgentRecorder(), ApplierFlag()
+    rebooter = KubeRebooter(agent, applier, _logind(False, agent.calls))
+    assert await rebooter(str(tmp_path), "r") is False
+    assert agent.calls == ["before_reboot r", "logind r", "reboot_cancelled"]
+    assert not applier.reboot_requested
+
+
+async def test_after_a_reboot_for_the_same_cause_the_node_is_not_told_rebooting(tmp_path):
+    (tmp_path / REBOOT_MARKER).write_text(json.dumps({
+        "reason": "r", "boot_id": "a-boot-before-this-one", "requested_at": 1.0, "rebooted": False}))
+    assert current_boot_id() != "a-boot-before-this-one"
+    agent, applier = AgentRecorder(), ApplierFlag()
+    rebooter = KubeRebooter(agent, applier, _logind(False, agent.calls))  # the real one refuses here
+    assert await rebooter(str(tmp_path), "r") is False
+    assert agent.calls == ["logind r"]
+    assert not applier.reboot_requested

@@ -1,0 +1,65 @@
+"""The engine's label writer: phases to mig.config.state-style values, the label set setting, and
+the file NFD reads (read back with the NFD-side reader of test_nfd_features)."""
+
+from __future__ import annotations
+
+import pytest
+
+from gpud.engine.node_labels_out import LabelsOut, Versions, layout_state
+from gpud.engine.observe import observe
+from gpud.host.nvml import Nvml
+from gpud.host.sysfs import Sysfs
+from gpud.layout.match import DEFAULT_MATCH
+from tests.kube.test_nfd_features import nfd_read
+
+
+@pytest.mark.parametrize(("phase", "rebooting", "state"), [
+    ("converged", False, "success"), ("applying", False, "pending"), ("waiting", False, "pending"),
+    ("starting", False, "pending"), ("failed", False, "failed"), ("stuck", False, "failed"),
+    ("invalid-layout", False, "failed"), ("reboot-required", False, "failed"),
+    ("reboot-required", True, "rebooting"),
+])
+def test_phase_to_state(phase, rebooting, state):
+    assert layout_state(phase, rebooting=rebooting) == state
+
+
+def _gpus(sim_host):
+    host = sim_host("h200:2")
+    nvml = Nvml()
+    nvml.open()
+    try:
+        return observe(Sysfs(host.sys_root, store=host.store), nvml, DEFAULT_MATCH).gpus, nvml.driver_version()
+    finally:
+        nvml.close()
+
+
+@pytest.mark.parametrize("label_set", ["all", "gpud"])
+def test_written_labels_follow_the_label_set(sim_host, tmp_path, label_set):
+    gpus, driver = _gpus(sim_host)
+    d = tmp_path / "features.d"
+    d.mkdir()
+    out = LabelsOut(str(d / "gpud"), label_set=label_set, exclude=("nvidia.com/mig.capable",))
+    labels = out.write(out.inputs(gpus, workloads={}, layout="whole", state="success",
+                                  versions=Versions(driver=driver, cuda=13000)))
+    assert out.last_result == "written"
+    read = nfd_read(str(d))
+    assert read == labels.labels
+    assert read["nvidia.com/gpud.layout"] == "whole" and read["nvidia.com/gpud.workload.container.count"] == "2"
+    assert "nvidia.com/mig.capable" not in read
+    if label_set == "all":
+        assert read["nvidia.com/gpu.count"] == "2" and read["nvidia.com/cuda.driver-version.full"] == driver
+    else:
+        assert all(k.startswith("nvidia.com/gpud.") for k in read)
+
+
+def test_without_nfd_directory_nothing_is_written(sim_host, tmp_path):
+    gpus, _ = _gpus(sim_host)
+    out = LabelsOut(str(tmp_path / "absent" / "gpud"))
+    out.write(out.inputs(gpus, workloads={}, layout=None, state="pending", versions=Versions()))
+    assert out.last_result == "no-directory" and not (tmp_path / "absent").exists()
+    assert out.last.labels["nvidia.com/gpud.layout.state"] == "pending"
+
+
+def test_unknown_label_set_is_refused():
+    with pytest.raises(ValueError, match="label set 'gfd'"):
+        LabelsOut(None, label_set="gfd")
