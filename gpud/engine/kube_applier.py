@@ -35,7 +35,9 @@ class ReconcilerApplier:
         if not await self.rec.choose_layout_async(layout):
             errors = self.rec.layout_issues[0]
             return Outcome("failed", "; ".join(errors[:3]) + (f" (and {len(errors) - 3} more)" if len(errors) > 3 else ""))
-        await self.rec.wait_for(self.rec.kick(f"layout {layout!r} selected by node label"))
+        ticket = self.rec.kick(f"layout {layout!r} selected by node label")
+        self.rec.mark_pending()  # as for a reload: status must not call the new layout in place yet
+        await self.rec.wait_for(ticket)
         while self.rec.phase in SETTLING_PHASES and not self.reboot_requested:
             self._changed.clear()
             await self._changed.wait()
