@@ -24,6 +24,7 @@ def rig(tmp_path):
 async def test_status_is_answered_while_a_large_check_is_parsed(rig):
     rig.config.write_text("version: v1\nlayouts:\n  a:\n    - {devices: all, mig-enabled: false}\n")
     assert rig.rec.load_config()
+    rig.rec.refresh()  # status answers from the observation in memory: take the first one
     handler = RequestHandler(rig.rec)
     # ~250 KB of YAML: seconds of parsing on any machine, against milliseconds for a status
     big = "version: v1\nlayouts:\n  a:\n    - devices: [" + ", ".join(["0"] * 40_000) + "]\n      mig-enabled: false\n"
