@@ -366,8 +366,9 @@ class _Parser:
         if not isinstance(text, str):
             self.error(None, "", f"expected text, got {type(text).__name__}")
             return None
-        loader = _CountingLoader(text)
+        loader: _CountingLoader | None = None
         try:
+            loader = _CountingLoader(text)  # its reader already refuses control characters
             root = loader.get_single_node()
         except yaml.MarkedYAMLError as exc:
             mark = exc.problem_mark or exc.context_mark
@@ -381,8 +382,9 @@ class _Parser:
             self.error(None, "", "invalid YAML: nested too deeply")
             return None
         finally:
-            self.aliases = loader.aliases
-            loader.dispose()
+            if loader is not None:
+                self.aliases = loader.aliases
+                loader.dispose()
         if root is None:
             self.error(None, "", 'the file is empty; expected a mapping starting with "version: v1"')
             return None
