@@ -6,7 +6,9 @@ STAMP  := $(VENV)/.installed
 
 .PHONY: demo test test-fast sysdeps bench bench-update reliability deb clean
 
+# A fresh Debian 12 has no python3 venv module: install-sysdeps --base brings it (as root).
 $(STAMP): pyproject.toml
+	scripts/install-sysdeps --base
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[test]'

@@ -3,7 +3,9 @@
 `systemd-nspawn -D / --volatile=...` boots the host's own /usr, so no image is needed. Readiness
 is an event, not a guess: nspawn runs with --notify-ready=yes and a NOTIFY_SOCKET of ours, and
 forwards READY=1 once the container's systemd has finished starting up. Commands run inside with
-`nsenter -t <container PID 1> -a`.
+`nsenter -t <container PID 1> -a -r -w`: its root and working directory too, since entering the
+mount namespace alone lands in that namespace's first root, which is not the container's when
+the tests themselves run chrooted (scripts/fresh-check).
 """
 
 from __future__ import annotations
@@ -162,7 +164,7 @@ class Container:
         if self.pid1 is None:
             raise RuntimeError("container not running")
         argv = ["sh", "-c", cmd] if isinstance(cmd, str) else list(cmd)
-        r = subprocess.run(["nsenter", "-t", str(self.pid1), "-a", "--", *argv], input=input,
+        r = subprocess.run(["nsenter", "-t", str(self.pid1), "-a", "-r", "-w", "--", *argv], input=input,
                            capture_output=True, text=True, timeout=timeout, env=dict(CLEAN_ENV, **(env or {})))
         if check and r.returncode != 0:
             raise AssertionError(f"in container: {argv} exited {r.returncode}\nstdout: {r.stdout}\nstderr: {r.stderr}")
@@ -200,7 +202,7 @@ class Container:
         """Block until a journal line of `unit` (after the cursor `after`) contains `needle`
         (journalctl -f: an event, not a poll); returns that line."""
         since = [f"--after-cursor={after}"] if after else ["-n", "all"]
-        p = subprocess.Popen(["nsenter", "-t", str(self.pid1), "-a", "--", "journalctl", "-f", *since,
+        p = subprocess.Popen(["nsenter", "-t", str(self.pid1), "-a", "-r", "-w", "--", "journalctl", "-f", *since,
                               "-o", "cat", "-u", unit], stdout=subprocess.PIPE, env=CLEAN_ENV,
                              start_new_session=True)
         try:

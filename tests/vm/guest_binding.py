@@ -314,7 +314,13 @@ async def run_daemon(out_dir: str) -> None:
         return out
 
     try:
-        up = await until(lambda: ctl("version").returncode == 0, 30)
+        # Up once its socket answers; a daemon that died fails at once. The socket's existence is
+        # checked first so that the wait does not start a gpudctl interpreter every 0.2 s: under TCG
+        # on a loaded host those starts took the guest's CPUs from the daemon's own start-up, which
+        # then missed a 30 s bound (seen in a fresh Debian 12 root: the log stopped after the NVML line).
+        up = await until(lambda: proc.poll() is not None or (os.path.exists(sock) and ctl("version").returncode == 0),
+                         120)
+        up = up and proc.poll() is None
         applied = ctl("apply", "--wait", "--timeout", "90")
         record("daemon", up=bool(up), apply_rc=applied.returncode, apply_out=applied.stdout + applied.stderr)
         st = ctl("status", "--json")
