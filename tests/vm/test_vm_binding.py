@@ -14,7 +14,9 @@ import pytest
 
 from tests.vm import vm
 
-pytestmark = pytest.mark.vm
+# The session's one boot bounds itself (vm.boot: 900 s); pytest's per-test 300 s would cut a slow
+# TCG boot short in the fixture's setup and report nine errors instead of the boot's own outcome.
+pytestmark = [pytest.mark.vm, pytest.mark.timeout(1200)]
 
 NIC0, AUDIO, NIC1 = "0000:00:10.0", "0000:00:10.1", "0000:00:11.0"
 
