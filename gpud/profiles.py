@@ -55,6 +55,9 @@ PROFILE_FIELDS = ("id", "memory_mb", "sms", "instance_count", "placements", "ci_
 
 
 _COMPUTE = {"ampere": (8, 0), "ada": (8, 9), "hopper": (9, 0)}
+# Blackwell boards differ by die (NVIDIA's CUDA GPUs list): B200/GB200 (GB100) 10.0, RTX PRO 6000
+# Blackwell Server Edition (GB202) 12.0.
+_COMPUTE_BY_MODEL = {"b200": (10, 0), "gb200": (10, 0), "rtx-pro-6000": (12, 0)}
 
 
 class ModelInfo(Struct, frozen=True):
@@ -78,7 +81,7 @@ class ModelInfo(Struct, frozen=True):
         """CUDA compute capability (what nvmlDeviceGetCudaComputeCapability answers): the table's
         Ampere models are GA100 (8.0), its Ada ones AD102 (8.9); Hopper GH100 is 9.0 (the H200
         capture says 9.0)."""
-        return _COMPUTE[self.arch]
+        return _COMPUTE_BY_MODEL.get(self.key) or _COMPUTE[self.arch]
 
     @property
     def mode_change_needs_reset(self) -> bool:

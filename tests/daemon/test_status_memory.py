@@ -57,9 +57,13 @@ def test_udev_event_reaches_status_without_fresh(daemon):
     assert d.ctl("apply", "--wait").returncode == 0
     pci = d.status()["gpus"][1]["pci"]
     assert d.sim("unplug", pci).returncode == 0
-    wait_until(lambda: pci not in [g["pci"] for g in d.status()["gpus"]], what="the unplugged GPU gone from status")
+    def state_of(st: dict) -> str | None:
+        return next((g["state"] for g in st["gpus"] if g["pci"] == pci), None)
+
+    # a removed GPU keeps its row (and its index), marked `gone`
+    wait_until(lambda: state_of(d.status()) == "gone", what="the unplugged GPU shown gone in status")
     assert d.sim("plug", pci).returncode == 0
-    wait_until(lambda: pci in [g["pci"] for g in d.status()["gpus"]], what="the plugged GPU back in status")
+    wait_until(lambda: state_of(d.status()) not in (None, "gone"), what="the plugged GPU back in status")
 
 
 def test_holder_exit_reaches_status_without_fresh(daemon):
