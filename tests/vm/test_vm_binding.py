@@ -71,10 +71,13 @@ def test_inventory_for_vm_managers(guest):
     e = {x["pci"]: x for x in p["entries"]}
     assert set(e) == {NIC0, NIC1}
     assert e[NIC0]["vendor_device"] == "8086:100E"
-    assert e[NIC0]["resource_name"] == "nvidia.com/82540EM_GIGABIT_ETHERNET_CONTROLLER"
+    # kubevirt-gpu-device-plugin advertises NVIDIA functions only (its names come from its own
+    # pci.ids, gpud/kubevirt_names.py): the guest's Intel stand-ins get no resource name and no
+    # permittedHostDevices entry, while libvirt's <hostdev> and the vfio node are theirs as for a GPU
+    assert e[NIC0]["resource_name"] == "" and e[NIC1]["resource_name"] == ""
     assert e[NIC0]["vfio_device"].startswith("/dev/vfio/") and e[NIC0]["companions"] == [AUDIO]
     assert "slot='0x10' function='0x0'" in e[NIC0]["libvirt"]
-    assert 'pciVendorSelector: "8086:100E"' in p["kubevirt"]
+    assert "pciHostDevices: []" in p["kubevirt"] and "8086:100E" not in p["kubevirt"]
 
 
 def test_remove_rescan_udev_rule_restores_override_and_gpud_reconciles(guest):
