@@ -24,7 +24,7 @@ import pynvml
 
 from gpud.pci import normalize_pci
 from gpud.sim import catalog
-from gpud.sim.state import LOCK_FILE, SimProcess, SimState, locked, save, state_path
+from gpud.sim.state import SimProcess, SimState, locked, state_path
 
 
 class SimCliError(Exception):
@@ -33,17 +33,13 @@ class SimCliError(Exception):
 
 def create(host_dir: str | os.PathLike, gpu_specs: list[str], mig_on: list[int] = ()) -> SimState:
     """Write DIR/state.json for a new host and render its sysfs/dev/proc trees."""
-    from gpud.sim.sysfs_tree import render
+    from gpud.sim.sysfs_tree import lay_out
 
     d = Path(host_dir)
     if state_path(d).exists():
         raise SimCliError(f"{d}: already a simulated host")
     state = catalog.build(catalog.parse_gpu_specs(gpu_specs), mig_on)
-    (d / "run").mkdir(parents=True, exist_ok=True)
-    (d / LOCK_FILE).touch()
-    save(d, state)
-    with locked(d) as st:
-        render(d, st)
+    lay_out(d, state)
     return state
 
 

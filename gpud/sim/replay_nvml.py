@@ -357,8 +357,8 @@ def host(capture_path: str | os.PathLike, host_dir: str | os.PathLike) -> Path:
     """Lay out DIR as a simulated host holding only the captured PCI function, as its sysfs read
     showed it, for `gpud --sim DIR --replay CAPTURE`. The simulator's NVML state (state.json) gets
     the captured UUID and minor so its /proc and /dev entries name the same GPU."""
-    from gpud.sim.state import LOCK_FILE, SimFunction, SimGpu, SimState, locked, save, state_path
-    from gpud.sim.sysfs_tree import render
+    from gpud.sim.state import SimFunction, SimGpu, SimState, state_path
+    from gpud.sim.sysfs_tree import lay_out
 
     capture = Capture(capture_path)
     sysfs = capture.data["sysfs_pci_device"]
@@ -382,11 +382,7 @@ def host(capture_path: str | os.PathLike, host_dir: str | os.PathLike) -> Path:
     state = SimState(functions={capture.address: function}, gpus={capture.address: gpu},
                      loaded_modules=[m for m in ("nvidia",) if driver == "nvidia"],
                      driver_version=capture.data["driver"], cuda_version=capture.data["cuda_driver"])
-    (d / "run").mkdir(parents=True, exist_ok=True)
-    (d / LOCK_FILE).touch()
-    save(d, state)
-    with locked(d) as st:
-        render(d, st)
+    lay_out(d, state)
     return d
 
 

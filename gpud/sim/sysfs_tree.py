@@ -17,7 +17,7 @@ import shutil
 from pathlib import Path
 
 from gpud import profiles
-from gpud.sim.state import SimFunction, SimState
+from gpud.sim.state import LOCK_FILE, SimFunction, SimState, locked, save
 
 PCI_ROOT = "devices/pci0000:00"
 NVIDIA = "nvidia"
@@ -316,6 +316,17 @@ def _remove(path: Path, kind: str) -> None:
 
 def _tmp(path: Path) -> Path:
     return path.with_name(f".{path.name}.tmp{os.getpid()}")
+
+
+def lay_out(host_dir: str | os.PathLike, state: SimState) -> None:
+    """A new simulated host in `host_dir`: its state file, its lock, and the trees rendered from it
+    (gpud-sim create, and the replay of a capture)."""
+    d = Path(host_dir)
+    (d / "run").mkdir(parents=True, exist_ok=True)
+    (d / LOCK_FILE).touch()
+    save(d, state)
+    with locked(d) as st:
+        render(d, st)
 
 
 def render(host_dir: str | os.PathLike, state: SimState) -> None:
