@@ -62,6 +62,10 @@ class ReplayedDaemon:
         wait_until(lambda: self.ctl("version").returncode == 0 or self.proc.poll() is not None, what="gpud to answer")
         if self.proc.poll() is not None:
             raise AssertionError("gpud exited:\n" + self.log.read_text())
+        # gpud answers before its first pass has concluded (phase `starting`); the real run's outputs
+        # were taken after it, as every output compared here is
+        wait_until(lambda: json.loads(self.ok("status", "--json"))["phase"] != "starting",
+                   what="gpud's first pass to conclude")
 
     def ctl(self, *args: str) -> subprocess.CompletedProcess:
         return subprocess.run([sys.executable, "-m", "gpud.cli.gpudctl", "--socket", str(self.socket), *args],
