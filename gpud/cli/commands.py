@@ -7,9 +7,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import sys
-import threading
 from typing import Any
 
 from gpud.api import wire
@@ -46,6 +44,21 @@ def _layout_exit(valid: bool, errors: list[str]) -> int:
     return EXIT_OK if valid and not errors else EXIT_INVALID
 
 
+def _terminal_width() -> int:
+    """The terminal's width (COLUMNS when set); piped output gets a wide page, not a cut one.
+    What shutil.get_terminal_size does, without importing shutil (and its archive modules) per run."""
+    try:
+        columns = int(os.environ.get("COLUMNS", "0"))
+    except ValueError:
+        columns = 0
+    if columns > 0:
+        return columns
+    try:
+        return os.get_terminal_size(sys.stdout.fileno()).columns or 160
+    except (AttributeError, ValueError, OSError):
+        return 160
+
+
 def cmd_status(c: Client, a: argparse.Namespace) -> int:
     r: wire.StatusReply = c.request("status", {"fresh": True} if a.fresh else None)
     if a.gpu is not None:
@@ -55,8 +68,7 @@ def cmd_status(c: Client, a: argparse.Namespace) -> int:
                              f"({', '.join(str(x.index) for x in r.gpus) or 'no GPUs managed'})")
         print(to_json(g) if a.json else render_gpu(g))
         return EXIT_OK
-    # the terminal's width (COLUMNS when set); piped output gets a wide page, not a cut one
-    width = shutil.get_terminal_size((160, 24)).columns
+    width = _terminal_width()
     if a.json:
         print(to_json(r))
     elif a.kube:
@@ -174,6 +186,8 @@ def _apply_following(c: Client, a: argparse.Namespace, args: dict[str, Any], dea
             except BaseException as e:  # re-raised in the caller's thread
                 done["error"] = e
 
+        import threading  # only `apply --wait` needs a thread: not paid by every run
+
         worker = threading.Thread(target=send, name="apply", daemon=True)
         worker.start()
         tty = sys.stdout.isatty()
@@ -249,48 +263,104 @@ def cmd_passthrough(c: Client, a: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="gpudctl", description="Query and drive gpud, the GPU layout daemon.")
-    p.add_argument("--socket", default=os.environ.get("GPUD_SOCKET") or DEFAULT_SOCKET,
-                   help=f"gpud socket (default: $GPUD_SOCKET or {DEFAULT_SOCKET})")
-    sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    js = argparse.ArgumentParser(add_help=False)
-    js.add_argument("--json", action="store_true", help="print the reply as JSON")
-
+def _add_status(sub: Any, js: argparse.ArgumentParser) -> None:
     s = sub.add_parser("status", parents=[js], help="GPUs, their state and the layout")
     s.add_argument("gpu", nargs="?", metavar="GPU", help="one GPU in detail: index, PCI address or UUID")
     s.add_argument("--fresh", action="store_true",
                    help="wait for a new read of the host (default: gpud's current observation, at once)")
     s.add_argument("--kube", action="store_true", help="what Kubernetes will advertise, and the label protocol")
     s.set_defaults(func=cmd_status)
+
+
+def _add_check(sub: Any, js: argparse.ArgumentParser) -> None:
     s = sub.add_parser("check", parents=[js], help="validate a layout file against this host")
     s.add_argument("file", nargs="?", metavar="FILE",
                    help=f"layout file, '-' for stdin (default: the daemon's, else {DEFAULT_LAYOUT})")
     s.add_argument("--all-layouts", action="store_true",
                    help="check every layout of the file, not only the selected one (a node label may pick any)")
     s.set_defaults(func=cmd_check)
+
+
+def _add_labels(sub: Any, js: argparse.ArgumentParser) -> None:
     s = sub.add_parser("labels", parents=[js], help="the node labels in NFD's feature file")
     s.set_defaults(func=cmd_labels)
+
+
+def _add_plan(sub: Any, js: argparse.ArgumentParser) -> None:
     s = sub.add_parser("plan", parents=[js], help="what apply would do, and what it would disrupt")
     s.add_argument("file", nargs="?", metavar="FILE", help="plan this file instead of the loaded layout")
     s.set_defaults(func=cmd_plan)
+
+
+def _add_apply(sub: Any, js: argparse.ArgumentParser) -> None:
     s = sub.add_parser("apply", parents=[js], help="converge now")
     s.add_argument("--wait", action="store_true", help="wait until converged, blocked or failed")
     s.add_argument("--timeout", type=float, metavar="S", help="give up waiting after S seconds")
     s.set_defaults(func=cmd_apply)
+
+
+def _add_reload(sub: Any, js: argparse.ArgumentParser) -> None:
     s = sub.add_parser("reload", parents=[js], help="re-read the layout file")
     s.set_defaults(func=cmd_reload)
+
+
+def _add_events(sub: Any, js: argparse.ArgumentParser) -> None:
     s = sub.add_parser("events", parents=[js], help="recent events")
     s.add_argument("-f", "--follow", action="store_true", help="keep printing new events")
     s.set_defaults(func=cmd_events)
+
+
+def _add_version(sub: Any, js: argparse.ArgumentParser) -> None:
     s = sub.add_parser("version", parents=[js], help="versions of gpudctl, gpud, driver and NVML")
     s.set_defaults(func=cmd_version)
+
+
+def _add_mig(sub: Any, js: argparse.ArgumentParser) -> None:
     s = sub.add_parser("mig", help="MIG information")
     mig = s.add_subparsers(dest="mig_command", metavar="COMMAND", required=True)
     s = mig.add_parser("profiles", parents=[js], help="GPU instance profiles and placements")
     s.add_argument("--gpu", metavar="SEL", help="index, PCI address or UUID")
     s.set_defaults(func=cmd_mig_profiles)
+
+
+def _add_passthrough(sub: Any, js: argparse.ArgumentParser) -> None:
     s = sub.add_parser("passthrough", parents=[js], help="GPUs on vfio-pci, for libvirt/KubeVirt")
     s.set_defaults(func=cmd_passthrough)
-    return p
 
+
+# Each command's sub-parser, in the order `gpudctl --help` lists them.
+COMMANDS = {"status": _add_status, "check": _add_check, "labels": _add_labels, "plan": _add_plan,
+            "apply": _add_apply, "reload": _add_reload, "events": _add_events, "version": _add_version,
+            "mig": _add_mig, "passthrough": _add_passthrough}
+
+
+def _command_named(argv: list[str]) -> str | None:
+    """The command an argument list names, when that is certain before parsing: the first word
+    that is not an option (or --socket's value), unless help is asked for before it."""
+    words = iter(argv)
+    for w in words:
+        if w in ("-h", "--help"):
+            return None
+        if w == "--socket":
+            next(words, None)
+        elif not w.startswith("-"):
+            return w if w in COMMANDS else None
+    return None
+
+
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The parser for this run. Each sub-parser costs argparse's gettext look-ups (a few stat calls
+    apiece), which add up to more than the rest of a `gpudctl status`; so when `argv` names its
+    command, only that command's sub-parser is built. `gpudctl --help`, or a word that is no
+    command, gets all of them (the full list, or argparse's "invalid choice")."""
+    only = _command_named(argv) if argv is not None else None
+    p = argparse.ArgumentParser(prog="gpudctl", description="Query and drive gpud, the GPU layout daemon.")
+    p.add_argument("--socket", default=os.environ.get("GPUD_SOCKET") or DEFAULT_SOCKET,
+                   help=f"gpud socket (default: $GPUD_SOCKET or {DEFAULT_SOCKET})")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    js = argparse.ArgumentParser(add_help=False)
+    js.add_argument("--json", action="store_true", help="print the reply as JSON")
+    for name, add in COMMANDS.items():
+        if only is None or name == only:
+            add(sub, js)
+    return p

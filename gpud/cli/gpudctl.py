@@ -39,7 +39,9 @@ def _err(msg: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    if argv is None:
+        argv = sys.argv[1:]
+    parser = build_parser(argv)
     try:
         a = parser.parse_args(argv)
     except SystemExit as e:  # argparse: 2 on usage errors, 0 for --help
