@@ -145,7 +145,8 @@ class Gpud:
         self.config = tmp / "layout.yaml"
         self.config.write_text(WHOLE)
         self.socket = str(tmp / "gpud.sock")
-        env = dict(os.environ, PYTHONPATH=str(REPO))
+        # the checkout first; a PYTHONPATH already set (dependencies installed with --target) kept after it
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
         env.pop("NOTIFY_SOCKET", None)
         self.log = (tmp / "gpud.log").open("w")
         self.proc = subprocess.Popen(

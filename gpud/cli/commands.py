@@ -44,9 +44,9 @@ def _layout_exit(valid: bool, errors: list[str]) -> int:
     return EXIT_OK if valid and not errors else EXIT_INVALID
 
 
-def _terminal_width() -> int:
-    """The terminal's width (COLUMNS when set); piped output gets a wide page, not a cut one.
-    What shutil.get_terminal_size does, without importing shutil (and its archive modules) per run."""
+def _terminal_width(fallback: int = 160) -> int:
+    """The terminal's width (COLUMNS when set), else `fallback` (status: a wide page for piped
+    output, not a cut one). What shutil.get_terminal_size does, without importing shutil per run."""
     try:
         columns = int(os.environ.get("COLUMNS", "0"))
     except ValueError:
@@ -54,9 +54,9 @@ def _terminal_width() -> int:
     if columns > 0:
         return columns
     try:
-        return os.get_terminal_size(sys.stdout.fileno()).columns or 160
+        return os.get_terminal_size(sys.stdout.fileno()).columns or fallback
     except (AttributeError, ValueError, OSError):
-        return 160
+        return fallback
 
 
 def cmd_status(c: Client, a: argparse.Namespace) -> int:
@@ -263,8 +263,29 @@ def cmd_passthrough(c: Client, a: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _add_status(sub: Any, js: argparse.ArgumentParser) -> None:
-    s = sub.add_parser("status", parents=[js], help="GPUs, their state and the layout")
+class _Formatter(argparse.HelpFormatter):
+    """argparse's help formatter with its width given: argparse builds one per add_argument, and
+    without a width each imports shutil (and its archive modules) to ask the terminal's size."""
+
+    def __init__(self, prog: str) -> None:
+        super().__init__(prog, width=_terminal_width(80) - 2)  # argparse's own default: columns - 2
+
+
+class _Parser(argparse.ArgumentParser):
+    """The parser class of gpudctl and, through add_subparsers, of each command's sub-parser."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", _Formatter)
+        super().__init__(**kwargs)
+
+
+def _with_json(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    parser.add_argument("--json", action="store_true", help="print the reply as JSON")
+    return parser
+
+
+def _add_status(sub: Any) -> None:
+    s = _with_json(sub.add_parser("status", help="GPUs, their state and the layout"))
     s.add_argument("gpu", nargs="?", metavar="GPU", help="one GPU in detail: index, PCI address or UUID")
     s.add_argument("--fresh", action="store_true",
                    help="wait for a new read of the host (default: gpud's current observation, at once)")
@@ -272,8 +293,8 @@ def _add_status(sub: Any, js: argparse.ArgumentParser) -> None:
     s.set_defaults(func=cmd_status)
 
 
-def _add_check(sub: Any, js: argparse.ArgumentParser) -> None:
-    s = sub.add_parser("check", parents=[js], help="validate a layout file against this host")
+def _add_check(sub: Any) -> None:
+    s = _with_json(sub.add_parser("check", help="validate a layout file against this host"))
     s.add_argument("file", nargs="?", metavar="FILE",
                    help=f"layout file, '-' for stdin (default: the daemon's, else {DEFAULT_LAYOUT})")
     s.add_argument("--all-layouts", action="store_true",
@@ -281,50 +302,50 @@ def _add_check(sub: Any, js: argparse.ArgumentParser) -> None:
     s.set_defaults(func=cmd_check)
 
 
-def _add_labels(sub: Any, js: argparse.ArgumentParser) -> None:
-    s = sub.add_parser("labels", parents=[js], help="the node labels in NFD's feature file")
+def _add_labels(sub: Any) -> None:
+    s = _with_json(sub.add_parser("labels", help="the node labels in NFD's feature file"))
     s.set_defaults(func=cmd_labels)
 
 
-def _add_plan(sub: Any, js: argparse.ArgumentParser) -> None:
-    s = sub.add_parser("plan", parents=[js], help="what apply would do, and what it would disrupt")
+def _add_plan(sub: Any) -> None:
+    s = _with_json(sub.add_parser("plan", help="what apply would do, and what it would disrupt"))
     s.add_argument("file", nargs="?", metavar="FILE", help="plan this file instead of the loaded layout")
     s.set_defaults(func=cmd_plan)
 
 
-def _add_apply(sub: Any, js: argparse.ArgumentParser) -> None:
-    s = sub.add_parser("apply", parents=[js], help="converge now")
+def _add_apply(sub: Any) -> None:
+    s = _with_json(sub.add_parser("apply", help="converge now"))
     s.add_argument("--wait", action="store_true", help="wait until converged, blocked or failed")
     s.add_argument("--timeout", type=float, metavar="S", help="give up waiting after S seconds")
     s.set_defaults(func=cmd_apply)
 
 
-def _add_reload(sub: Any, js: argparse.ArgumentParser) -> None:
-    s = sub.add_parser("reload", parents=[js], help="re-read the layout file")
+def _add_reload(sub: Any) -> None:
+    s = _with_json(sub.add_parser("reload", help="re-read the layout file"))
     s.set_defaults(func=cmd_reload)
 
 
-def _add_events(sub: Any, js: argparse.ArgumentParser) -> None:
-    s = sub.add_parser("events", parents=[js], help="recent events")
+def _add_events(sub: Any) -> None:
+    s = _with_json(sub.add_parser("events", help="recent events"))
     s.add_argument("-f", "--follow", action="store_true", help="keep printing new events")
     s.set_defaults(func=cmd_events)
 
 
-def _add_version(sub: Any, js: argparse.ArgumentParser) -> None:
-    s = sub.add_parser("version", parents=[js], help="versions of gpudctl, gpud, driver and NVML")
+def _add_version(sub: Any) -> None:
+    s = _with_json(sub.add_parser("version", help="versions of gpudctl, gpud, driver and NVML"))
     s.set_defaults(func=cmd_version)
 
 
-def _add_mig(sub: Any, js: argparse.ArgumentParser) -> None:
+def _add_mig(sub: Any) -> None:
     s = sub.add_parser("mig", help="MIG information")
     mig = s.add_subparsers(dest="mig_command", metavar="COMMAND", required=True)
-    s = mig.add_parser("profiles", parents=[js], help="GPU instance profiles and placements")
+    s = _with_json(mig.add_parser("profiles", help="GPU instance profiles and placements"))
     s.add_argument("--gpu", metavar="SEL", help="index, PCI address or UUID")
     s.set_defaults(func=cmd_mig_profiles)
 
 
-def _add_passthrough(sub: Any, js: argparse.ArgumentParser) -> None:
-    s = sub.add_parser("passthrough", parents=[js], help="GPUs on vfio-pci, for libvirt/KubeVirt")
+def _add_passthrough(sub: Any) -> None:
+    s = _with_json(sub.add_parser("passthrough", help="GPUs on vfio-pci, for libvirt/KubeVirt"))
     s.set_defaults(func=cmd_passthrough)
 
 
@@ -354,13 +375,11 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     command, only that command's sub-parser is built. `gpudctl --help`, or a word that is no
     command, gets all of them (the full list, or argparse's "invalid choice")."""
     only = _command_named(argv) if argv is not None else None
-    p = argparse.ArgumentParser(prog="gpudctl", description="Query and drive gpud, the GPU layout daemon.")
+    p = _Parser(prog="gpudctl", description="Query and drive gpud, the GPU layout daemon.")
     p.add_argument("--socket", default=os.environ.get("GPUD_SOCKET") or DEFAULT_SOCKET,
                    help=f"gpud socket (default: $GPUD_SOCKET or {DEFAULT_SOCKET})")
     sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    js = argparse.ArgumentParser(add_help=False)
-    js.add_argument("--json", action="store_true", help="print the reply as JSON")
     for name, add in COMMANDS.items():
         if only is None or name == only:
-            add(sub, js)
+            add(sub)
     return p
