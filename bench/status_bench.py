@@ -291,13 +291,19 @@ def main() -> int:
         "",
     ]
     for r in (rest, busy):
-        met = [("status p99 <= 2 ms", r["p99"] <= 2.0), (">= 2,000 answered/s", r["rate"] >= 2000),
+        # 2,000/s is asked of gpud at a steady pace; a window's edges cut a request or two, so
+        # "kept up" is answered >= 99% of asked with no error (the back-to-back row gives the ceiling)
+        kept_up = r["rate"] >= 0.99 * a.rate and not r["errors"]
+        met = [("status p99 <= 2 ms", r["p99"] <= 2.0), (f">= 2,000/s (kept up with {a.rate:,.0f}/s asked)", kept_up),
                ("loop lag p99 <= 10 ms", r["lag"].p99_ms <= 10.0)]
         lines.append(f"- {r['name']}: " + ", ".join(f"{what} {'met' if ok else 'NOT met'}" for what, ok in met)
                      + f"; gpud had {r['cpu_share'] * 100:.0f}% of one CPU and used {r['cpu_ms']:.3f} ms of CPU per "
                      f"answer, i.e. one CPU of its own would answer about {1000 / max(r['cpu_ms'], 1e-6):,.0f} requests/s.")
-    lines += [f"- RSS <= 40 MB: {'met' if max(rss_end, busy['peak']) <= 40 * mb else 'NOT met'} "
-              f"(peak {busy['peak'] / mb:.1f} MB).", ""]
+    lines += [f"- at rest, back to back: {flat_out['rate']:,.0f} answered/s, "
+              f"{'met' if flat_out['rate'] >= 2000 and not flat_out['errors'] else 'NOT met'} (>= 2,000/s).",
+              f"- RSS <= 40 MB: {'met' if max(rss_end, busy['peak']) <= 40 * mb else 'NOT met'} "
+              f"(peak {busy['peak'] / mb:.1f} MB, the simulated NVML library's own data included: it runs in "
+              "gpud's process, where the real libnvidia-ml.so would).", ""]
     text = "\n".join(lines)
     Path(a.o).parent.mkdir(parents=True, exist_ok=True)
     Path(a.o).write_text(text)
