@@ -10,6 +10,7 @@ Run: make reliability   (or .venv/bin/python -m bench.reliability [--scale ci])
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import platform
 import sys
 import tempfile
@@ -19,7 +20,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tests.reliability.trials import CI, FULL, TrialResult, run_all  # noqa: E402
+from dataclasses import replace  # noqa: E402
+
+from tests.reliability.trials import CI, FULL, TRIALS, Scale, TrialResult, run_all  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results" / "reliability.md"
 
@@ -54,16 +57,80 @@ def _cpus() -> int:
     return len(os.sched_getaffinity(0))
 
 
+Unit = tuple  # (scale, trials, seed): one simulated host's share of the soak
+
+
+def _units(scale: Scale, only: tuple[str, ...], jobs: int) -> list[Unit]:
+    """The soak cut into `jobs` shares: the quick trials on one host; the kill -9 and fault tries,
+    the long ones, dealt out among the others (each with its own seed, so no two repeat a try)."""
+    if jobs == 1:
+        return [(scale, only, 13)]
+    quick = tuple(t for t in only if t not in ("kill9", "faults"))
+    units: list[Unit] = [(scale, quick, 13)] if quick else []
+    long = [(t, {"kill9": "kills", "faults": "faults"}[t]) for t in ("faults", "kill9") if t in only]
+    slots = max(1, jobs - len(units))
+    for i, (trial, key) in enumerate(long):
+        share = max(1, slots // len(long) + (1 if i < slots % len(long) else 0))
+        total = getattr(scale, key)
+        for k in range(share):
+            count = total // share + (1 if k < total % share else 0)
+            if count:
+                units.append((replace(scale, **{key: count}), (trial,), 13 + 100 * (i + 1) + k))
+    return units
+
+
+def _run_unit(unit: Unit) -> list[TrialResult]:
+    scale, only, seed = unit
+    with tempfile.TemporaryDirectory(prefix="gpud-reliability-") as tmp:
+        return run_all(Path(tmp), scale, seed=seed, only=only)
+
+
+def _merge(results: list[TrialResult]) -> list[TrialResult]:
+    """One row per trial: tries, outcomes and broken promises summed over the hosts; its seconds
+    are the longest host's (they ran side by side)."""
+    merged: dict[str, TrialResult] = {}
+    for r in results:
+        m = merged.get(r.name)
+        if m is None:
+            merged[r.name] = r
+            continue
+        m.tries += r.tries
+        m.outcomes.update(r.outcomes)
+        m.failures += r.failures
+        m.seconds = max(m.seconds, r.seconds)
+    return list(merged.values())
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--scale", choices=("ci", "full"), default="full")
     ap.add_argument("--output", default=str(RESULTS))
+    ap.add_argument("--only", default=",".join(TRIALS), help=f"trials to run, of {','.join(TRIALS)}")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=N",
+                    help="override one count of the scale (e.g. kills=34)")
+    ap.add_argument("--jobs", type=int, default=1,
+                    help="simulated hosts run side by side: the kill -9 and NVML-fault tries are shared among them")
     args = ap.parse_args(argv)
     scale = FULL if args.scale == "full" else CI
+    only = tuple(t for t in args.only.split(",") if t)
+    unknown = [t for t in only if t not in TRIALS]
+    if unknown:
+        ap.error(f"unknown trial(s) {', '.join(unknown)}; known: {', '.join(TRIALS)}")
+    for item in args.set:
+        key, _, value = item.partition("=")
+        if not hasattr(scale, key) or not value.isdigit():
+            ap.error(f"--set {item}: expected KEY=N with KEY one of {', '.join(vars(scale))}")
+        scale = replace(scale, **{key: int(value)})
     t0 = time.monotonic()
-    with tempfile.TemporaryDirectory(prefix="gpud-reliability-") as tmp:
-        results = run_all(Path(tmp), scale)
-    text = report(results, args.scale, time.monotonic() - t0)
+    units = _units(scale, only, max(1, args.jobs))
+    if len(units) == 1:
+        results = _run_unit(units[0])
+    else:
+        with multiprocessing.get_context("spawn").Pool(len(units)) as pool:
+            results = _merge([r for part in pool.map(_run_unit, units) for r in part])
+    text = report(results, args.scale + ("" if only == TRIALS else f", trials {','.join(only)}")
+                  + "".join(f", {item}" for item in args.set)
+                  + (f", {len(units)} hosts side by side" if len(units) > 1 else ""), time.monotonic() - t0)
     Path(args.output).write_text(text)
     print(text)
     return 1 if any(r.failures for r in results) else 0

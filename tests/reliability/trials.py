@@ -450,6 +450,157 @@ def trial_event_storm(d: Daemon, per_gpu: list, pcis: list[str], rng: random.Ran
     return r
 
 
+# ---- issue 13's own numbers, measured again ---------------------------------------------------
+
+MB = 1024 * 1024
+
+
+def _stats(d: Daemon, reset: bool = False):
+    client = Client(str(d.socket), timeout=300)
+    try:
+        return client.request("stats", {"reset": reset})
+    finally:
+        client.close()
+
+
+def _root_status_ms(d: Daemon) -> float:
+    t0 = time.monotonic()
+    status(d)
+    return (time.monotonic() - t0) * 1000
+
+
+def _big_layout(size: int) -> str:
+    """A valid layout of about `size` bytes: one real entry, padded with YAML comments."""
+    head = "version: v1\nlayouts:\n  t:\n    - devices: [0]\n      mig-enabled: true\n      mig-devices: {3g.40gb: 2}\n"
+    line = "# " + "x" * 77 + "\n"
+    return head + line * max(0, (size - len(head)) // len(line))
+
+
+def trial_measured(d: Daemon, followers: int, checks: int) -> TrialResult:
+    """What issue 13 measured before its fixes, measured the same way after them. The numbers are
+    outcomes (the report shows them); a promise is broken only past bounds far from today's numbers:
+    memory held by stalled followers, the loop blocked by layout input for a watchdog's share."""
+    r = TrialResult("issue 13's numbers", "stalled followers cost bounded memory and root stays served; "
+                    "layout input never blocks the loop for long nor grows memory; replies fit their frame")
+    path = str(d.socket)
+    # 1. stalled followers (before the fix: 120 took RSS from 44 to 172 MB, not freed; root refused)
+    rss0 = _stats(d).rss_bytes
+    stalled = []
+    for _ in range(followers):
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        try:
+            s.connect(path)
+            s.sendall(_frame(__import__("msgspec").msgpack.encode({"id": 1, "op": "events", "args": {"follow": True}})))
+            stalled.append(s)
+        except OSError:
+            s.close()
+    good = d.config.read_text()
+    client = Client(path, timeout=300)
+    for n in range(10):  # events for the followers that never read: reloads of the same file
+        client.request("reload")
+    client.close()
+    r.tries += 1
+    ms = _root_status_ms(d)
+    rss1 = _stats(d).rss_bytes
+    for s in stalled:
+        s.close()
+    wait_until(lambda: serving(d), timeout=60, what="served after the followers closed")
+    rss2 = _stats(d).rss_bytes
+    r.outcomes[f"{len(stalled)} stalled followers, 10 reloads: RSS {rss0 / MB:.1f} -> {rss1 / MB:.1f} MB, "
+               f"{rss2 / MB:.1f} MB after they closed; root's status {ms:.0f} ms"] += 1
+    if rss1 - rss0 > 32 * MB:
+        r.fail(f"stalled followers grew RSS by {(rss1 - rss0) / MB:.0f} MB")
+    # 2. the largest layout gpud accepts, checked by several clients at once (before: 1 MiB blocked
+    # the loop 7-11 s per request, 5 at once 37 s, RSS 172 MB); then over the limit
+    text = _big_layout(512 * 1024 - 1024)
+    _stats(d, reset=True)
+    import threading
+
+    answers: list[str] = []
+
+    def check_once() -> None:
+        c = Client(path, timeout=300)
+        try:
+            answers.append("valid" if c.request("check", {"text": text, "path": "big.yaml"}).valid else "invalid")
+        except Exception as e:
+            answers.append(type(e).__name__)
+        finally:
+            c.close()
+
+    workers = [threading.Thread(target=check_once) for _ in range(checks)]
+    t0 = time.monotonic()
+    for w in workers:
+        w.start()
+    ms = _root_status_ms(d)
+    for w in workers:
+        w.join()
+    took = time.monotonic() - t0
+    st = _stats(d)
+    r.tries += 1
+    r.outcomes[f"{checks} checks of a 511 KiB layout at once: {took:.1f} s, {Counter(answers).most_common()}; "
+               f"root's status meanwhile {ms:.0f} ms; loop lag max {st.loop_lag.max_ms:.0f} ms; "
+               f"RSS {st.rss_bytes / MB:.1f} MB"] += 1
+    if st.loop_lag.max_ms > 10_000:
+        r.fail(f"the loop was blocked {st.loop_lag.max_ms:.0f} ms by layout checks (WatchdogSec is 30 s)")
+    if answers.count("valid") != checks:
+        r.fail(f"the padded layout was not valid for every check: {answers}")
+    # 3. what is not a layout at the layout's path (before: a FIFO hung the daemon; /dev/zero grew
+    # to 3.2 GB and was called valid; 50 MB of YAML blocked the loop ~205 s at 3.8 GB)
+    fifo = d.config.with_name("fifo.yaml")
+    os.mkfifo(fifo)
+    huge = d.config.with_name("huge.yaml")
+    huge.write_text(_big_layout(50 * MB))
+    for label, target in (("a FIFO", fifo), ("/dev/zero", Path("/dev/zero")), ("50 MB of YAML", huge),
+                          ("1 MiB of YAML", None)):
+        r.tries += 1
+        if target is None:
+            d.config.write_text(_big_layout(MB))
+        else:
+            d.config.unlink()
+            d.config.symlink_to(target)
+        _stats(d, reset=True)
+        t0 = time.monotonic()
+        c = Client(path, timeout=120)
+        try:
+            reply = c.request("reload")
+            valid, errors = reply.valid, reply.errors
+        except DaemonError as e:
+            valid, errors = False, [str(e)]
+        finally:
+            c.close()
+        took = (time.monotonic() - t0) * 1000
+        st = _stats(d)
+        r.outcomes[f"{label} as the layout: {'valid' if valid else 'refused'} in {took:.0f} ms, loop lag max "
+                   f"{st.loop_lag.max_ms:.0f} ms, RSS {st.rss_bytes / MB:.1f} MB"] += 1
+        if valid or not errors:
+            r.fail(f"{label} as the layout was not refused")
+        if st.rss_bytes - rss2 > 64 * MB:
+            r.fail(f"{label} as the layout grew RSS by {(st.rss_bytes - rss2) / MB:.0f} MB")
+        d.config.unlink()
+        d.config.write_text(good)
+    huge.unlink()
+    fifo.unlink()
+    # 4. 12,000 entries naming missing GPUs (before: every reply failed as a 1.6 MB frame)
+    many = "version: v1\nlayouts:\n  t:\n" + "".join(f"    - devices: [{n}]\n" for n in range(100, 12100))
+    r.tries += 1
+    c = Client(path, timeout=300)
+    try:
+        reply = c.request("check", {"text": many, "path": "many.yaml"})
+        r.outcomes[f"12,000 entries naming missing GPUs ({len(many) // 1024} KiB): check answered, "
+                   f"{len(reply.errors)} errors listed, {reply.errors_omitted} counted"] += 1
+        if reply.valid:
+            r.fail("12,000 entries naming missing GPUs were called valid")
+    except Exception as e:
+        r.fail(f"12,000 entries: {type(e).__name__}: {e}")
+    finally:
+        c.close()
+    c = Client(path, timeout=300)
+    c.request("reload")
+    c.close()
+    return r
+
+
 @dataclass
 class Scale:
     frames: int = 30
@@ -460,18 +611,27 @@ class Scale:
     faults: int = 4
     hot_removes: int = 1
     storm_events: int = 40
+    followers: int = 120
+    checks: int = 5
 
 
-CI = Scale(frames=24, flood=150, slow=20, bad_layouts=8, kills=1, faults=2, hot_removes=1, storm_events=20)
-FULL = Scale(frames=107, flood=500, slow=60, bad_layouts=34, kills=10, faults=22, hot_removes=4, storm_events=200)
+CI = Scale(frames=24, flood=150, slow=20, bad_layouts=8, kills=1, faults=2, hot_removes=1, storm_events=20,
+           followers=40, checks=2)
+FULL = Scale(frames=107, flood=500, slow=60, bad_layouts=34, kills=34, faults=48, hot_removes=4, storm_events=200,
+             followers=135, checks=5)  # the counts of issue 13's attack
 
 
-def run_all(tmp: Path, scale: Scale, seed: int = 13) -> list[TrialResult]:
-    """Every trial once, on two simulated hosts (8 x H100 for the MIG work, 2 x H100 for the socket)."""
+TRIALS = ("abuse", "bad", "measured", "hotremove", "storm", "faults", "kill9")
+
+
+def run_all(tmp: Path, scale: Scale, seed: int = 13, only: tuple[str, ...] = TRIALS) -> list[TrialResult]:
+    """Every trial in `only` once, in TRIALS' order, on one simulated 8 x H100 host."""
     rng = random.Random(seed)
     results: list[TrialResult] = []
 
-    def timed(fn, *args) -> None:
+    def timed(key: str, fn, *args) -> None:
+        if key not in only:
+            return
         t0 = time.monotonic()
         result = fn(*args)
         result.seconds = time.monotonic() - t0
@@ -483,12 +643,13 @@ def run_all(tmp: Path, scale: Scale, seed: int = 13) -> list[TrialResult]:
         res = Client(str(d.socket), timeout=300).request("apply", {"wait": True, "timeout": 240}, timeout=300)
         pcis = [g["pci"] for g in status(d)["gpus"]]
         assert res.converged and not hardware_mismatches(d, first, pcis), "the starting layout did not converge"
-        timed(trial_socket_abuse, d, rng, scale.frames, scale.flood, scale.slow)
-        timed(trial_bad_layouts, d, first, pcis, scale.bad_layouts)
-        timed(trial_hot_remove, d, first, pcis, rng, scale.hot_removes)
-        timed(trial_event_storm, d, first, pcis, rng, scale.storm_events)
-        timed(trial_nvml_faults, d, pcis, rng, scale.faults)
-        timed(trial_kill9, d, pcis, rng, scale.kills)
+        timed("abuse", trial_socket_abuse, d, rng, scale.frames, scale.flood, scale.slow)
+        timed("bad", trial_bad_layouts, d, first, pcis, scale.bad_layouts)
+        timed("measured", trial_measured, d, scale.followers, scale.checks)
+        timed("hotremove", trial_hot_remove, d, first, pcis, rng, scale.hot_removes)
+        timed("storm", trial_event_storm, d, first, pcis, rng, scale.storm_events)
+        timed("faults", trial_nvml_faults, d, pcis, rng, scale.faults)
+        timed("kill9", trial_kill9, d, pcis, rng, scale.kills)
     finally:
         d.stop()
     return results
