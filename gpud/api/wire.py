@@ -460,9 +460,8 @@ RESULTS: dict[str, type[msgspec.Struct]] = {
 # Framing
 
 _encoder = msgspec.msgpack.Encoder()
-_request_decoder = msgspec.msgpack.Decoder(Request)
-_response_decoder = msgspec.msgpack.Decoder(Response)
 _any_decoder = msgspec.msgpack.Decoder()
+_request_decoder: msgspec.msgpack.Decoder | None = None  # the daemon's, made at its first request
 
 
 def encode_frame(obj: Any, *, max_frame: int = MAX_FRAME) -> bytes:
@@ -483,6 +482,9 @@ def _guess_id(payload: bytes) -> int:
 
 
 def decode_request(payload: bytes) -> Request:
+    global _request_decoder
+    if _request_decoder is None:  # not at import: the client never decodes a request
+        _request_decoder = msgspec.msgpack.Decoder(Request)
     try:
         return _request_decoder.decode(payload)
     except msgspec.DecodeError as e:  # ValidationError is a DecodeError
