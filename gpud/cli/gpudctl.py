@@ -34,6 +34,21 @@ from gpud.cli.commands import (
 from gpud.cli.transport import Client, DaemonError, Unreachable, WaitTimeout
 
 
+def _as_written(message: str) -> str:
+    return message
+
+
+def _skip_argparse_translation() -> None:
+    """argparse passes each of its own words ("usage: ", "options"...) through gettext, whose
+    look-up imports `locale` and stats a catalog path per language for every parser built: about
+    2 ms of a run that is meant to take twice what `nvidia-smi -L` does. Python's own messages have
+    no catalogs in Debian's packages, so the look-up always ends in the words as written; gpudctl
+    (a process of its own) prints them so without asking."""
+    import argparse
+
+    argparse._ = _as_written
+
+
 def _err(msg: str) -> None:
     print(f"gpudctl: {msg}", file=sys.stderr)
 
@@ -41,6 +56,7 @@ def _err(msg: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     if argv is None:
         argv = sys.argv[1:]
+        _skip_argparse_translation()  # only as the program itself: not when imported by others
     parser = build_parser(argv)
     try:
         a = parser.parse_args(argv)

@@ -59,3 +59,27 @@ def test_launcher_answers_and_ignores_the_environment(daemon, tmp_path):
     r = subprocess.run([str(launcher), "--socket", str(tmp_path / "none.sock"), "status"], capture_output=True,
                        text=True, timeout=60, env=env, cwd=tmp_path)
     assert r.returncode == 3 and "cannot reach gpud" in r.stderr
+
+
+# Modules a `gpudctl status` has no use for, each costing a measurable share of its start-up on the
+# lent H200 host (bench/results/h200-status-timing.md): socket's enum wrappers, shutil (and its
+# archive modules, which argparse's help formatter imports for the terminal size), threading (only
+# `apply --wait`), locale (argparse's gettext look-ups), the daemon's side of gpud.
+NOT_IMPORTED = ("socket", "shutil", "threading", "locale", "bz2", "lzma", "gpud.engine", "gpud.host",
+                "gpud.sim", "gpud.plan", "gpud.layout", "yaml", "pynvml", "asyncio")
+
+
+def test_status_imports_only_what_it_uses(daemon, tmp_path):
+    """The launcher's run of `status`, with a last line added that prints the modules it loaded."""
+    launcher = _launcher(tmp_path)
+    text = launcher.read_text().replace(
+        "sys.exit(main())",
+        "code = main()\nprint('MODULES', ' '.join(sorted(sys.modules)), file=sys.stderr)\nsys.exit(code)")
+    launcher.write_text(text)
+    r = subprocess.run([str(launcher), "--socket", daemon.path, "status"], capture_output=True, text=True,
+                       timeout=60, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    loaded = set(r.stderr.split("MODULES ", 1)[1].split())
+    unwanted = sorted(m for m in loaded if m in NOT_IMPORTED or m.startswith(tuple(n + "." for n in NOT_IMPORTED)))
+    assert not unwanted, unwanted
+    assert "gpud.cli.render" in loaded and "msgspec" in loaded  # the check saw a real run
