@@ -141,7 +141,7 @@ def service_checks(services: HostServices) -> list[Check]:
 
 
 def _placements_text(p: MigProfile) -> str:
-    return f"{p.name} x{p.instance_count} at " + ",".join(f"{pl.start}:{pl.size}" for pl in p.placements)
+    return f"{p.name} (id {p.id}) x{p.instance_count} at " + ",".join(f"{pl.start}:{pl.size}" for pl in p.placements)
 
 
 def _table_differences(gpu: Gpu) -> list[str]:
