@@ -22,7 +22,7 @@ from tests.qualify.conftest import MUTATING, ROOT, checks, hardware_state, quali
 CAPTURES = ROOT / "tests" / "fixtures" / "captures"
 H200 = ROOT / "tests" / "fixtures" / "h200"
 PROBE = H200 / "nvml-sysfs-readonly.json"
-SMI_Q = ROOT / "tests" / "fixtures" / "h200-qualify" / "nvidia-smi-q.txt"
+SMI_Q = ROOT / "tests" / "fixtures" / "h200-qualify" / "nvidia-smi-q-2026-12-01.txt"
 _REPORTED = re.compile(r"\(id (\d+)\) x\d+ at ([\d:,]+)")
 
 
