@@ -8,13 +8,15 @@ to gpud.engine.qualify_checks (read-only) or gpud.engine.qualify_exercise (`--mu
 from __future__ import annotations
 
 import argparse
+import fcntl
 import logging
 import os
 import socket
 import sys
 import time
+from pathlib import Path
 
-from gpud.engine.qualify_report import Report, counts, render_text, to_json, verdict
+from gpud.engine.qualify_report import Check, Report, counts, render_text, to_json, verdict
 from gpud.host.host_services import HostServices
 from gpud.host.nvidia_smi import NvidiaSmi
 from gpud.layout.match import DEFAULT_MATCH
@@ -34,6 +36,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                     "(index, PCI address or UUID) and restore it; needs " + CONFIRM)
     ap.add_argument(CONFIRM, dest="confirmed", action="store_true",
                     help="confirm that --mutate may reconfigure the GPU (MIG on/off, resets, driver rebinds)")
+    ap.add_argument("--lock", help="with --mutate: gpud's host-wide apply lock, held while exercising "
+                    "(default /run/gpud/apply.lock, or DIR/apply.lock with --sim)")
     ap.add_argument("--unbind-timeout", type=float, default=30.0, help="seconds before an unbind is declared stuck")
     ap.add_argument("--log-level", default=os.environ.get("GPUD_LOG_LEVEL", "WARNING"))
     args = ap.parse_args(argv)
@@ -48,12 +52,37 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def _hardware(args: argparse.Namespace, read_only: bool):
+    """The adapters and the host-wide apply lock's path, chosen as the daemon chooses them."""
     from gpud.daemon import build_hardware
 
-    hw_args = argparse.Namespace(sim=args.sim, replay=args.replay, read_only=read_only, lock=None,
+    hw_args = argparse.Namespace(sim=args.sim, replay=args.replay, read_only=read_only, lock=args.lock,
                                  udev_rules=None, nfd_features=None)
-    hw, _events, _lock = build_hardware(hw_args)
-    return hw
+    hw, _events, lock = build_hardware(hw_args)
+    return hw, lock
+
+
+def _exercise_under_lock(hw, lock_path: str, args: argparse.Namespace) -> list[Check]:
+    """--mutate holds gpud's host-wide apply lock, so no gpud pass changes the host meanwhile; a
+    gpud that is applying now makes it refuse rather than wait."""
+    from gpud.engine.apply_lock import ApplyLockRefused, describe_holder, holder_record, open_lock_file
+    from gpud.engine.qualify_exercise import exercise
+
+    os.makedirs(os.path.dirname(lock_path) or ".", mode=0o700, exist_ok=True)
+    try:
+        fd = open_lock_file(Path(lock_path))
+    except ApplyLockRefused as e:
+        return [Check("exercise", "apply lock", "fail", str(e), "nothing was changed")]
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return [Check("exercise", "apply lock", "fail", f"{describe_holder(fd)} holds {lock_path}",
+                          "nothing was changed; stop gpud (systemctl stop gpud) and run it again")]
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, holder_record(os.getpid()), 0)
+        return exercise(hw, args.mutate, match=DEFAULT_MATCH, unbind_timeout=args.unbind_timeout)
+    finally:
+        os.close(fd)
 
 
 def _services(args: argparse.Namespace) -> HostServices:
@@ -73,15 +102,13 @@ def run(args: argparse.Namespace) -> Report:
     smi = NvidiaSmi(args.nvidia_smi or (os.path.join(args.sim, "bin", "nvidia-smi") if args.sim else None))
     services = _services(args)
     if args.mutate:
-        from gpud.engine.qualify_exercise import exercise
-
-        hw = _hardware(args, read_only=False)
-        checks = exercise(hw, args.mutate, match=DEFAULT_MATCH, unbind_timeout=args.unbind_timeout)
+        hw, lock = _hardware(args, read_only=False)
+        checks = _exercise_under_lock(hw, lock, args)
         mode = "mutate"
     else:
         from gpud.engine.qualify_checks import read_only_checks
 
-        hw = _hardware(args, read_only=True)
+        hw, _lock = _hardware(args, read_only=True)
         checks = read_only_checks(hw, services, smi, DEFAULT_MATCH)
         mode = "read-only"
     try:

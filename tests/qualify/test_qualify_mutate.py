@@ -131,3 +131,25 @@ def test_a_hardware_answer_gpud_did_not_predict_fails_the_run_and_the_gpu_is_res
     after = state(host)
     assert after["gpus"] == before["gpus"] and after["functions"] == before["functions"]
     assert report["verdict"]["status"] == "fail"
+
+
+def test_refused_while_a_gpud_holds_the_apply_lock(tmp_path):
+    import fcntl
+    import os
+
+    from gpud.engine.apply_lock import holder_record, open_lock_file
+
+    host = tmp_path / "host"
+    sim("create", str(host), "--gpu", "h100-80gb:1")
+    fd = open_lock_file(host / "apply.lock")  # where `gpud --sim DIR` takes it
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    os.pwrite(fd, holder_record(4321), 0)
+    try:
+        before = hardware_state(host)
+        r = qualify("--sim", str(host), "--mutate", "0", CONFIRM, "--json")
+    finally:
+        os.close(fd)
+    assert r.returncode == 3, r.stdout + r.stderr
+    lock = checks(json.loads(r.stdout), "exercise")["apply lock"]
+    assert "another gpud (pid 4321) holds" in lock["reason"]
+    assert hardware_state(host) == before
