@@ -28,6 +28,7 @@ HOLDING_SERVICES = {
     "nvidia-persistenced": "keeps every GPU initialised; it holds /dev/nvidia*, so an unbind or reset waits for it",
     "nv-hostengine": "DCGM's host engine; it holds the GPUs it watches",
     "nv-fabricmanager": "NVSwitch fabric manager; present on NVSwitch systems, where GPUs reset together",
+    "Xorg": "the X server holds the GPUs it drives (through nvidia_drm)",
 }
 
 
@@ -256,9 +257,13 @@ def _reset_check(group: str, gpu: Gpu, services: HostServices, query: SmiQuery |
         parts.append("nvidia-smi GPU Reset Status: " + ", ".join(f"{k} {v}" for k, v in status.items()))
     elif query is not None:
         parts.append("nvidia-smi -q prints no GPU Reset Status for it")
+    fabric = _smi_section(query, gpu.pci, "Fabric", "State")
+    on_fabric = isinstance(fabric, str) and fabric not in ("N/A", "")
+    if on_fabric:
+        parts.append(f"nvidia-smi Fabric State: {fabric} (the GPU is on an NVLink fabric)")
     reason = "; ".join(parts)
-    if nvswitch:
-        return Check(group, "reset", "warn", reason + "; NVSwitch system: no single-GPU reset",
+    if nvswitch or on_fabric:
+        return Check(group, "reset", "warn", reason + "; NVSwitch fabric: GPUs reset together, not one alone",
                      "mode changes needing a reset end reset-required (or reboot, policy.reboot)")
     required = isinstance(status, dict) and str(status.get("Reset Required", "")).lower() == "yes"
     if required:
