@@ -9,6 +9,7 @@ was found and what gpud does about it. Hardware facts and their sources: docs/qu
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Callable
 
 from gpud import profiles as model_tables
@@ -46,13 +47,34 @@ def _nvml_call(checks: list[Check], group: str, name: str, fn: Callable[[], obje
     return value
 
 
-def driver_checks(hw: Hardware, smi: NvidiaSmi) -> tuple[list[Check], SmiQuery | None]:
+_MODULE_VERSION = re.compile(r"\s(\d+\.\d+(?:\.\d+)?)\s")
+
+
+def module_check(services: HostServices, driver: object | None) -> Check:
+    """The loaded kernel module's version against NVML's: a mismatch (driver upgraded, module not
+    reloaded) makes nvmlInit fail with "Driver/library version mismatch" until a reboot."""
+    line = services.nvidia_kernel_module()
+    if line is None:
+        return Check("driver", "kernel module", "fail",
+                     f"{services.proc_root}/driver/nvidia/version missing: the nvidia module is not loaded",
+                     "no GPU can be on nvidia: containers and MIG are impossible until it is loaded")
+    found = _MODULE_VERSION.search(line + " ")
+    version = found.group(1) if found else None
+    if driver is not None and version is not None and version != driver:
+        return Check("driver", "kernel module", "fail", f"module {version}, NVML library {driver}",
+                     "reboot (or reload the nvidia modules) so the module and the library match")
+    return Check("driver", "kernel module", "ok", line)
+
+
+def driver_checks(hw: Hardware, smi: NvidiaSmi, services: HostServices) -> tuple[list[Check], SmiQuery | None]:
     group = "driver"
     checks: list[Check] = []
     no_mig = "without NVML gpud cannot read or change MIG; it can still bind GPUs to vfio-pci"
     driver = _nvml_call(checks, group, "NVML driver version", hw.nvml.driver_version,
                         lambda v: f"driver {v}", no_mig)
-    _nvml_call(checks, group, "NVML library version", hw.nvml.nvml_version, lambda v: f"NVML {v}", no_mig)
+    if driver is not None:
+        _nvml_call(checks, group, "NVML library version", hw.nvml.nvml_version, lambda v: f"NVML {v}", no_mig)
+    checks.append(module_check(services, driver))
     query: SmiQuery | None = None
     path = smi.find()
     if path is None:
@@ -293,7 +315,7 @@ def _iommu_check(group: str, gpu: Gpu, observation: Observation) -> Check:
 
 
 def read_only_checks(hw: Hardware, services: HostServices, smi: NvidiaSmi, match) -> list[Check]:
-    checks, query = driver_checks(hw, smi)
+    checks, query = driver_checks(hw, smi, services)
     observation = observe(hw.sysfs, hw.nvml, match)
     if observation.nvml_error:
         checks.append(Check("driver", "NVML devices", "fail", observation.nvml_error,

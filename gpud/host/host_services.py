@@ -115,6 +115,16 @@ class HostServices:
                 out[wanted[comm]].append(int(pid))
         return out
 
+    def nvidia_kernel_module(self) -> str | None:
+        """The first line of /proc/driver/nvidia/version ("NVRM version: NVIDIA UNIX Open Kernel
+        Module for x86_64  580.159.04  Release Build ..."), None when the module is not loaded."""
+        try:
+            with open(os.path.join(self.proc_root, "driver", "nvidia", "version"), encoding="utf-8",
+                      errors="replace") as f:
+                return f.readline().strip()
+        except OSError:
+            return None
+
     def kernel_cmdline(self) -> str | None:
         try:
             with open(os.path.join(self.proc_root, "cmdline"), encoding="utf-8", errors="replace") as f:

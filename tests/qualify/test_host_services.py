@@ -70,3 +70,17 @@ def test_an_nvidia_bridge_other_function_is_an_nvswitch(tmp_path):
     hgx = host_checks(Observation(gpus=(), functions=(_fn("0000:05:00.0", 0x10DE, 0x068000),)), hs)
     switch = {c.name: c for c in hgx}["NVSwitch"]
     assert switch.status == "warn" and "0000:05:00.0" in switch.reason and "single-GPU reset" in switch.action
+
+
+def test_kernel_module_against_nvml_driver_version(tmp_path):
+    from gpud.engine.qualify_checks import module_check
+
+    hs = _services(tmp_path)
+    assert module_check(hs, "580.159.04").status == "fail"  # no /proc/driver/nvidia: not loaded
+    (tmp_path / "proc/driver/nvidia").mkdir(parents=True)
+    # the first line as the real H200 host's module printed it (tests/fixtures/h200/nvml-sysfs-readonly.json)
+    line = "NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  580.159.04  Release Build  (nixbld@)  \n"
+    (tmp_path / "proc/driver/nvidia/version").write_text(line + "GCC version:  gcc version 15.3.0 (GCC) \n")
+    assert module_check(hs, "580.159.04").status == "ok"
+    stale = module_check(hs, "580.95.05")  # library upgraded, old module still loaded
+    assert stale.status == "fail" and stale.reason == "module 580.159.04, NVML library 580.95.05"

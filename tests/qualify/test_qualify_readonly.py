@@ -109,6 +109,7 @@ def test_replay_of_the_real_h200_reports_what_the_capture_says(tmp_path):
     driver = checks(report, "driver")
     assert driver["NVML driver version"]["reason"] == f"driver {probe['driver']}"
     assert driver["NVML library version"]["reason"] == f"NVML {probe['nvml_version']}"
+    assert driver["kernel module"]["status"] == "ok"
     assert driver["nvidia-smi"]["status"] == "ok"
     assert driver["nvidia-smi"]["reason"] == f"{smi}: driver 580.159.04, CUDA 13.0"  # nvidia-smi -q's header
     pci = "0000:00:06.0"
