@@ -24,7 +24,7 @@ from gpud.layout.desired import DesiredGpu
 from gpud.model import Gpu, Holder, MigProfile, NvmlGpu, Placement
 from gpud.pci import normalize_pci
 from gpud.plan.binding import plan_binding
-from gpud.plan.mig import full_ci, plan_gpu
+from gpud.plan.mig import GpuPlan, Step, full_ci, plan_gpu
 
 SLICES = 8  # memory slices of every MIG GPU gpud knows (placements are in these units)
 
@@ -140,14 +140,14 @@ class _Exercise:
 
     # ---- reset and binding
     def reset(self) -> None:
+        """A reset through gpud's MIG executor, the path a pass takes to settle a pending mode."""
         before = self.nvml_gpu()
-        busy = self.device_holders(self.pci)
-        if busy:
-            raise _Abort("held during the reset: " + ", ".join(f"pid {h.pid} {h.name}" for h in busy))
-        self.hw.sysfs.reset(self.pci)
+        plan = GpuPlan(pci=self.pci, index=self.index, steps=[Step("reset", self.pci)], reset=True)
+        outcome = mig_executor.execute(self.hw.nvml, plan, sysfs=self.hw.sysfs, holders=self.device_holders)
         after = self.nvml_gpu()
-        self.record("reset", f"back on nvidia, {before.uuid}, MIG {before.mig_mode}",
-                    f"back on {self.gpu().function.driver}, {after.uuid}, MIG {after.mig_mode}",
+        self.record("reset", f"converged; back on nvidia, {before.uuid}, MIG {before.mig_mode}",
+                    f"{outcome.state}; back on {self.gpu().function.driver}, {after.uuid}, MIG {after.mig_mode}"
+                    + ("" if outcome.state == "converged" else f" ({outcome.message})"),
                     "the GPU did not come back as it was after a reset")
 
     def bind(self, workload: str, name: str) -> None:
