@@ -29,11 +29,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "Check what gpud needs on this host and what may stop it. Read-only unless --mutate."))
     ap.add_argument("--json", action="store_true", help="print the report as JSON")
     ap.add_argument("--output", metavar="PATH", help="also write the report here (PATH.json gets the JSON)")
-    ap.add_argument("--nvidia-smi", metavar="PATH", help="nvidia-smi to run (default: the one on PATH)")
+    ap.add_argument("--nvidia-smi", metavar="PATH", help="nvidia-smi to run (default: the one on PATH; "
+                    "with --sim, DIR/bin/nvidia-smi)")
     ap.add_argument("--sim", metavar="DIR", help="qualify the simulated host in DIR")
     ap.add_argument("--replay", metavar="CAPTURE", help="with --sim DIR: NVML answers from a real GPU's capture")
     ap.add_argument("--mutate", metavar="GPU", help="exercise every hardware path once on this idle GPU "
-                    "(index, PCI address or UUID) and restore it; needs " + CONFIRM)
+                    "(PCI address, UUID, or index in PCI-address order of the GPUs present) and restore it; needs " + CONFIRM)
     ap.add_argument(CONFIRM, dest="confirmed", action="store_true",
                     help="confirm that --mutate may reconfigure the GPU (MIG on/off, resets, driver rebinds)")
     ap.add_argument("--lock", help="with --mutate: gpud's host-wide apply lock, held while exercising "
