@@ -59,7 +59,7 @@ class _Exercise:
     def record(self, name: str, expected: str, observed: str, action: str = "") -> None:
         ok = expected == observed
         self.checks.append(Check(self.group, name, "ok" if ok else "fail",
-                                 observed if ok else f"differs from gpud's prediction",
+                                 observed if ok else "differs from gpud's prediction",
                                  action if not ok else "", expected=expected, observed=observed))
         if not ok:
             raise _Abort(f"{name}: expected {expected}, observed {observed}")
