@@ -84,3 +84,20 @@ def test_kernel_module_against_nvml_driver_version(tmp_path):
     assert module_check(hs, "580.159.04").status == "ok"
     stale = module_check(hs, "580.95.05")  # library upgraded, old module still loaded
     assert stale.status == "fail" and stale.reason == "module 580.159.04, NVML library 580.95.05"
+
+
+def test_nvidia_smi_q_of_the_real_h200_parses_into_nested_sections():
+    from pathlib import Path
+
+    from gpud.host.nvidia_smi import parse_query
+
+    text = (Path(__file__).resolve().parents[1] / "fixtures/h200-qualify/nvidia-smi-q-2026-12-01.txt").read_text()
+    top, gpus = parse_query(text)
+    assert (top["Driver Version"], top["CUDA Version"], top["Attached GPUs"]) == ("580.159.04", "13.0", "1")
+    gpu = gpus["0000:00:06.0"]  # "GPU 00000000:00:06.0" normalised as gpud writes addresses
+    assert gpu["Product Name"] == "NVIDIA H200"
+    assert gpu["MIG Mode"] == {"Current": "Disabled", "Pending": "Disabled"}
+    assert gpu["GPU Virtualization Mode"]["Virtualization Mode"] == "Pass-Through"
+    assert gpu["Fabric"]["State"] == "N/A" and gpu["Fabric"]["Health"]["Summary"] == "N/A"
+    assert gpu["Processes"] == "None" and gpu["Capabilities"] == {"EGM": "disabled"}
+    assert "GPU Reset Status" not in gpu  # driver 580 on this host prints no such section
