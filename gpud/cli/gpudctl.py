@@ -97,5 +97,23 @@ def main(argv: list[str] | None = None) -> int:
         client.close()
 
 
+def run() -> None:
+    """gpudctl as a program: main(), its output flushed, then the process ends at once. The
+    interpreter's normal exit tears down every module and object one by one (msgspec, typing,
+    the reply), about 6 ms on the lent H200 host (bench/results/h200-status-timing.md): a sixth
+    of a `gpudctl status`, for memory the kernel frees anyway. gpudctl registers no atexit work
+    and leaves no file open for writing, so nothing is lost by skipping it."""
+    code = main()
+    try:
+        sys.stdout.flush()
+    except BrokenPipeError:  # `gpudctl status | head`: the reader left; nothing more to say
+        pass
+    try:
+        sys.stderr.flush()
+    except BrokenPipeError:
+        pass
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

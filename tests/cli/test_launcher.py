@@ -73,8 +73,7 @@ def test_status_imports_only_what_it_uses(daemon, tmp_path):
     """The launcher's run of `status`, with a last line added that prints the modules it loaded."""
     launcher = _launcher(tmp_path)
     text = launcher.read_text().replace(
-        "sys.exit(main())",
-        "code = main()\nprint('MODULES', ' '.join(sorted(sys.modules)), file=sys.stderr)\nsys.exit(code)")
+        "\nrun()", "\nfrom gpud.cli.gpudctl import main\ncode = main()\nprint('MODULES', ' '.join(sorted(sys.modules)), file=sys.stderr)\nsys.exit(code)")
     launcher.write_text(text)
     r = subprocess.run([str(launcher), "--socket", daemon.path, "status"], capture_output=True, text=True,
                        timeout=60, cwd=tmp_path)
