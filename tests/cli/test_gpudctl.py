@@ -202,7 +202,10 @@ def test_events_follow_until_interrupted(daemon):
     daemon.call(daemon.handler.publish, "layout", "loaded")
     proc = subprocess.Popen([sys.executable, "-m", "gpud.cli.gpudctl", "--socket", daemon.path, "events", "-f"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
-                            env={**os.environ, "PYTHONPATH": str(REPO)})
+                            env={**os.environ, "PYTHONPATH": str(REPO)},
+                            # a test run started in the background (`make test &`) inherits SIGINT
+                            # ignored, and Python then never turns it into KeyboardInterrupt
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         assert proc.stdout.readline().rstrip().endswith("layout: loaded")  # history: now subscribed
         daemon.call(daemon.handler.publish, "wait", "pid 4121 python holds /dev/nvidia1", "0000:5c:00.0")
