@@ -446,3 +446,52 @@ print(n.value)
     n = c_uint()
     N.nvmlDeviceGetGpuInstances(handle(0), 9, (N.c_nvmlGpuInstance_t * 2)(), byref(n))
     assert n.value == 1
+
+
+# --- compute-instance placements (docs/hardware/mig-ids.md) --------------------------------------
+
+
+def ci_place(gi, ci_profile_id: int, start: int, size: int):
+    pl = N.c_nvmlComputeInstancePlacement_t(start, size)
+    return N.nvmlGpuInstanceCreateComputeInstanceWithPlacement(gi, ci_profile_id, byref(pl))
+
+
+def ci_possible(gi, ci_profile_id: int) -> list[tuple[int, int]]:
+    count = c_uint(0)
+    N.nvmlGpuInstanceGetComputeInstancePossiblePlacements(gi, ci_profile_id, None, byref(count))
+    arr = (N.c_nvmlComputeInstancePlacement_t * count.value)()
+    N.nvmlGpuInstanceGetComputeInstancePossiblePlacements(gi, ci_profile_id, arr, byref(count))
+    return [(arr[i].start, arr[i].size) for i in range(count.value)]
+
+
+def test_ci_possible_placements_two_call_pattern(h200):
+    gi = place(handle(0), 9, 0, 4)  # 3g: 3 compute slices
+    assert ci_possible(gi, 0) == [(0, 1), (1, 1), (2, 1)]
+    assert ci_possible(gi, 1) == [(0, 2)]
+    assert ci_possible(gi, 2) == [(0, 3)]
+    small = (N.c_nvmlComputeInstancePlacement_t * 2)()
+    count = c_uint(2)
+    assert code_of(N.nvmlGpuInstanceGetComputeInstancePossiblePlacements, gi, 0, small,
+                   byref(count)) == N.NVML_ERROR_INSUFFICIENT_SIZE
+    assert count.value == 3
+    assert code_of(ci_possible, gi, 3) == N.NVML_ERROR_NOT_SUPPORTED  # a 3g has no 4c
+
+
+def test_ci_create_with_placement_is_as_strict_as_nvml(h200):
+    gi = place(handle(0), 9, 0, 4)
+    assert code_of(ci_place, gi, 1, 1, 2) == N.NVML_ERROR_INVALID_ARGUMENT  # a 2c only sits at 0
+    assert code_of(ci_place, gi, 0, 1, 2) == N.NVML_ERROR_INVALID_ARGUMENT  # wrong size
+    one = ci_place(gi, 0, 1, 1)
+    assert code_of(ci_place, gi, 1, 0, 2) == N.NVML_ERROR_INSUFFICIENT_RESOURCES  # overlaps the 1c at 1
+    assert code_of(ci_place, gi, 0, 1, 1) == N.NVML_ERROR_INSUFFICIENT_RESOURCES  # taken
+    two = ci_place(gi, 0, 2, 1)
+    info = [N.nvmlComputeInstanceGetInfo(c) for c in (one, two)]
+    assert [(i.id, i.placement.start, i.placement.size) for i in info] == [(0, 1, 1), (1, 2, 1)]
+    assert N.nvmlGpuInstanceGetComputeInstanceRemainingCapacity(gi, 1) == 0
+    assert N.nvmlGpuInstanceGetComputeInstanceRemainingCapacity(gi, 0) == 1
+    with pytest.raises(TypeError, match="by value"):
+        N.nvmlGpuInstanceCreateComputeInstanceWithPlacement(gi, 0, N.c_nvmlComputeInstancePlacement_t(0, 1))
+    # Without a placement the lowest free slot is taken; the state file records every slot.
+    N.nvmlGpuInstanceCreateComputeInstance(gi, 0)
+    (sim_gi,) = load(h200.host_dir).gpus["0000:18:00.0"].gis
+    assert sorted(c.start for c in sim_gi.cis) == [0, 1, 2]
