@@ -22,7 +22,6 @@ executor decides.
 
 from __future__ import annotations
 
-from collections import Counter
 
 import msgspec
 from msgspec import Struct, field
@@ -198,6 +197,7 @@ def _existing(gi: GpuInstance) -> ExistingGi:
         id=gi.id, profile_id=gi.profile_id, placement=gi.placement,
         cis=tuple(sorted(c.profile_id for c in gi.cis)),
         busy_cis=tuple(sorted(c.profile_id for c in gi.cis if c.holders)),
+        ci_slots=tuple(ExistingCi(c.id, c.profile_id, c.start, bool(c.holders)) for c in gi.cis),
     )
 
 

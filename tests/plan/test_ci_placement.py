@@ -109,3 +109,22 @@ def test_sim_keeps_the_surviving_ci(sim_host):
     after = sorted((c.start, c.profile_id, c.uuid) for c in sim_gi.cis)
     assert [(s, pid) for s, pid, _ in after] == [(0, 1), (2, 0)]
     assert after[1][2] == before[2]
+
+
+def test_gi_choice_counts_only_cis_whose_slot_survives():
+    """Two 3g GIs, each with one 1c: at slot 2 in the GI at 0, at slot 0 (busy) in the GI at 4.
+    `2c + 1c` in one GI and `3 x 1c` in the other: per-profile counting sees a tie and may put the
+    2c where the busy 1c sits (slot 0 is the 2c's only one); with slots, each GI keeps its 1c."""
+    hw = make_hw()
+    ci1 = next(c for c in H100["3g.40gb"].ci_profiles if c.slices == 1)
+    at0, at4 = hw.create_gi(9, 0), hw.create_gi(9, 4)
+    hw.create_ci(at0, ci1.id, 2)
+    busy_id = hw.create_ci(at4, ci1.id, 0)
+    holder = hold(hw, 4)
+    busy_uuid = hw.gis[at4].cis[busy_id].uuid
+    p = plan(hw, {"2c.3g.40gb": 1, "1c.3g.40gb": 4})
+    assert p.infeasible is None and p.blocked_by == [], (p.infeasible, p.blocked_by)
+    assert sorted(p.kept) == sorted([hw.gis[at0].cis[0].uuid, busy_uuid])
+    apply_steps(hw, p.steps)
+    assert ci_slots(hw) == [(0, [(1, 2), (2, 0)]), (4, [(1, 0), (1, 1), (1, 2)])]
+    assert hw.gis[at4].cis[busy_id].holders == (holder,)
