@@ -16,7 +16,8 @@ from gpud.sim.state import SimFault, SimProcess, load, locked
 GPU0, GPU1 = "0000:18:00.0", "0000:2a:00.0"
 PROBE = Path(__file__).resolve().parents[1] / "fixtures" / "h200" / "nvml-sysfs-readonly.json"
 MUTATING = ("nvmlDeviceSetMigMode", "nvmlDeviceCreateGpuInstance", "nvmlDeviceCreateGpuInstanceWithPlacement",
-            "nvmlGpuInstanceCreateComputeInstance", "nvmlComputeInstanceDestroy", "nvmlGpuInstanceDestroy")
+            "nvmlGpuInstanceCreateComputeInstance", "nvmlGpuInstanceCreateComputeInstanceWithPlacement",
+            "nvmlComputeInstanceDestroy", "nvmlGpuInstanceDestroy")
 
 
 @pytest.fixture
@@ -169,7 +170,8 @@ def test_read_only_refuses_before_touching_nvml(sim_host):
     g = ro.gpu(GPU0)
     assert len(g.instances) == 1
     for call in (lambda: ro.set_mig_mode(GPU0, False), lambda: ro.create_gpu_instance(GPU0, 9, 4),
-                 lambda: ro.create_compute_instance(GPU0, gi, 0), lambda: ro.destroy_compute_instance(GPU0, gi, 0),
+                 lambda: ro.create_compute_instance(GPU0, gi, 0), lambda: ro.create_compute_instance(GPU0, gi, 0, 0),
+                 lambda: ro.destroy_compute_instance(GPU0, gi, 0),
                  lambda: ro.destroy_gpu_instance(GPU0, gi)):
         with pytest.raises(ReadOnlyError, match="read-only mode"):
             call()
