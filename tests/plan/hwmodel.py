@@ -1,7 +1,8 @@
 """A pure model of a MIG GPU that enforces NVML's rules, and a fake Nvml adapter on top of it.
 
-Written from docs/hardware/mig-nvml.md (not from the planner and not the product simulator) so tests judge the
-planner and executor against an independent statement of the hardware rules:
+Written from docs/hardware/mig-nvml.md and docs/hardware/mig-ids.md (not from the planner and not
+the product simulator) so tests judge the planner and executor against an independent statement of
+the hardware rules:
 - GI create: MIG must be on (NOT_SUPPORTED 3), start in the profile's list (INVALID_ARGUMENT 2),
   no memory-slice overlap and per-profile count (INSUFFICIENT_RESOURCES 23);
 - CI create: the CI profile must belong to the GI profile (2), compute slices and the CI profile's
