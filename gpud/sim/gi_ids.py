@@ -6,8 +6,8 @@ tree over the GPU's memory slices: 0 is the whole GPU, 1-2 the halves, 3-6 the q
 the eighths (on 8-memory-slice GPUs). A GI spanning `size` slices at `start` has the id of that
 node. Real GPUs come in two kinds (both seen on one host, NVIDIA/DCGM#138): on some, NVML's
 placement numbering and the tree agree ("tree"); on others the two halves are the other way round
-("tree-halves-swapped": a 3g at 4:4 is GI 1, a 1g at 0:1 is GI 11). Nothing a program can read
-beforehand says which kind a GPU is, so gpud never derives an id from a placement: it reads ids back.
+("tree-halves-swapped": a 3g at 4:4 is GI 1, a 1g at 0:1 is GI 11). No capture shows what tells
+the kinds apart, so gpud never derives an id from a placement: it reads ids back.
 
 The simulator gives each GPU one of the two kinds (`SimGpu.gi_id_order`).
 """
