@@ -22,7 +22,6 @@ executor decides.
 
 from __future__ import annotations
 
-
 import msgspec
 from msgspec import Struct, field
 
@@ -172,23 +171,20 @@ def _pack(gi: MigProfile, cis: list[int]) -> list[list[int]]:
 
 def _packing_note(mig_devices: dict[str, int], profiles: tuple[MigProfile, ...]) -> str:
     """How `Nc.` keys turned into GIs, so an over-count message can be traced to the lines written."""
-    keys: dict[str, list[str]] = {}
+    keys: dict[str, dict[str, int]] = {}  # GI profile name -> its `Nc.` keys and counts
     for name, count in sorted(mig_devices.items()):
         found = find_profile(name, profiles)
         if not found or found[1] is None or found[1].slices == found[0].slices or count <= 0:
             continue
-        keys.setdefault(found[0].name, []).append(f"{name}: {count}")
+        keys.setdefault(found[0].name, {})[name] = count
     notes = []
-    for gi_name, lines in keys.items():
-        gi = next(p for p in profiles if p.name == gi_name)
-        asked = {k.split(": ")[0]: int(k.split(": ")[1]) for k in lines}
-        n = len(desired_specs(asked, profiles, ""))
-        if len(lines) == 1:
-            (name, count), = asked.items()
-            per = len(desired_specs({name: count}, profiles, "")[0].cis)
-            notes.append(f"{lines[0]} packs into {n} x {gi_name} ({per} per GI)")
+    for gi_name, asked in keys.items():
+        specs = desired_specs(asked, profiles, "")
+        written = ", ".join(f"{name}: {count}" for name, count in asked.items())
+        if len(asked) == 1:
+            notes.append(f"{written} packs into {len(specs)} x {gi_name} ({len(specs[0].cis)} per GI)")
         else:
-            notes.append(f"{', '.join(lines)} pack into {n} x {gi_name}")
+            notes.append(f"{written} pack into {len(specs)} x {gi_name}")
     return f" ({'; '.join(notes)})" if notes else ""
 
 
