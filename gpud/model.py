@@ -29,6 +29,9 @@ class CiProfile(Struct, frozen=True):
     slices: int  # compute slices (the `1c` in `1c.3g.40gb`)
     instance_count: int
     sms: int
+    # Where a CI of this profile may sit inside its GI, in compute slices (NVML's
+    # nvmlGpuInstanceGetComputeInstancePossiblePlacements; each placement is `slices` wide).
+    starts: tuple[int, ...] = ()
 
 
 class MigProfile(Struct, frozen=True):
@@ -63,6 +66,7 @@ class ComputeInstance(Struct, frozen=True):
     slices: int
     uuid: str  # "MIG-..." UUID of the MIG device this CI forms
     holders: tuple[Holder, ...] = ()
+    start: int | None = None  # placement inside its GI, in compute slices (None: not read)
 
 
 class GpuInstance(Struct, frozen=True):

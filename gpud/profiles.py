@@ -135,6 +135,7 @@ def _ci_profiles(gi_slices: int, sms_per_slice: int, gi_sms: int) -> tuple[CiPro
             slices=c,
             instance_count=gi_slices // c,
             sms=gi_sms if c == gi_slices else sms_per_slice * c,
+            starts=tuple(range(0, (gi_slices // c) * c, c)),
         )
         for c in _CI_SPLITS[gi_slices]
     )

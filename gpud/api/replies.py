@@ -64,8 +64,10 @@ def _instances(gpu: Gpu) -> list[wire.InstanceStatus]:
     out = []
     for gi in sorted(nv.instances, key=lambda g: (g.placement.start, g.id)):
         for ci in gi.cis:
+            slot = wire.Placement(start=ci.start, size=ci.slices) if ci.start is not None else None
             out.append(wire.InstanceStatus(profile=mig_device_name(nv, gi, ci.slices), placement=placement(gi.placement),
-                                           gi=gi.id, ci=ci.id, uuid=ci.uuid, holders=holders(ci.holders)))
+                                           gi=gi.id, ci=ci.id, uuid=ci.uuid, holders=holders(ci.holders),
+                                           ci_placement=slot))
         if not gi.cis:  # no compute instance yet: the GI's own name
             out.append(wire.InstanceStatus(profile=mig_device_name(nv, gi, None), placement=placement(gi.placement),
                                            gi=gi.id, ci=None, uuid=None, holders=[]))
@@ -196,7 +198,8 @@ def labels_reply(out: LabelsOut) -> wire.LabelsReply:
 def mig_step(step: Step) -> wire.StepInfo:
     return wire.StepInfo(action=step.action, pci=step.pci, profile=step.profile,
                          placement=placement(step.placement) if step.placement is not None else None,
-                         gi=step.gi, ci=step.ci, uuid=step.uuid, enabled=step.enabled)
+                         gi=step.gi, ci=step.ci, uuid=step.uuid, enabled=step.enabled,
+                         ci_placement=placement(step.ci_placement) if step.ci_placement is not None else None)
 
 
 def bind_step(step: BindStep) -> wire.StepInfo:

@@ -178,6 +178,7 @@ class InstanceStatus(msgspec.Struct, kw_only=True):
     ci: int | None = None  # None: a GPU instance without a compute instance (no MIG device yet)
     uuid: str | None = None
     holders: list[HolderInfo] = []
+    ci_placement: Placement | None = None  # the CI's slot in its GI, in compute slices
 
 
 class MigStatus(msgspec.Struct, kw_only=True):
@@ -288,6 +289,7 @@ class StepInfo(msgspec.Struct, kw_only=True):
     module: str | None = None  # load-module
     group: int | None = None  # verify of /dev/vfio/<group>
     message: str = ""
+    ci_placement: Placement | None = None  # create-ci: the CI's slot in its GI, in compute slices
 
 
 class GpuPlanInfo(msgspec.Struct, kw_only=True):

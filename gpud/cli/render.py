@@ -120,6 +120,8 @@ def _describe_step(s: wire.StepInfo) -> str:
             parts.append(f"gi {s.gi}")
         if s.ci is not None:
             parts.append(f"ci {s.ci}")
+        if s.ci_placement is not None and _subdivided(s.profile):
+            parts.append(f"at compute {s.ci_placement.start}:{s.ci_placement.size}")
         if s.pci:
             parts.append(s.pci)
         if s.driver:
@@ -251,6 +253,8 @@ def render_gpu(g: wire.GpuStatus) -> str:
     for inst in sorted(g.mig.instances, key=lambda i: (i.placement.start, i.gi, i.ci or 0)):
         held = (" held by " + ", ".join(_holder(h) for h in inst.holders)) if inst.holders else ""
         ci = f" ci {inst.ci}" if inst.ci is not None else ""
+        if inst.ci_placement is not None and _subdivided(inst.profile):
+            ci += f" at compute {inst.ci_placement.start}:{inst.ci_placement.size}"
         out.append(f"    {inst.profile:<12} {_placement(inst.placement):<6} gi {inst.gi}{ci}  {inst.uuid or '-'}{held}")
     for m in g.group:
         if m.pci != g.pci:
@@ -346,3 +350,8 @@ def to_json(obj: Any) -> str:
     """What `--json` prints: the reply struct with every field, indented."""
     return msgspec.json.format(msgspec.json.encode(obj), indent=2).decode()
 
+
+def _subdivided(profile: str | None) -> bool:
+    """A MIG device smaller than its GPU instance (`1c.3g.40gb`): only those show their slot."""
+    head = (profile or "").split(".", 1)[0]
+    return head.endswith("c") and head[:-1].isdigit()

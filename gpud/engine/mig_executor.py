@@ -252,13 +252,27 @@ class _Run:
         gi = self.find_gi(g, step)
         if gi is None or (step.gi is not None and gi.id != step.gi):
             raise _Stop("failed", f"{what}: the GI is not there; the GPU changed since planning")
+        start = step.ci_placement.start if step.ci_placement is not None else None
+        if start is not None:
+            what += f" at compute slice {start}"
+            if any(c.profile_id == step.ci_profile_id and c.start == start for c in gi.cis):
+                return g  # a retry of an earlier pass
         before = sum(c.profile_id == step.ci_profile_id for c in gi.cis)
 
         def made(g2: NvmlGpu) -> bool:
-            gi2 = next((x for x in g2.instances if x.id == gi.id), None)
-            return gi2 is not None and sum(c.profile_id == step.ci_profile_id for c in gi2.cis) > before
+            # The GI is found again by placement and profile, never by an id assumed from them.
+            gi2 = self.find_gi(g2, step)
+            if gi2 is None:
+                return False
+            if start is not None:
+                return any(c.profile_id == step.ci_profile_id and c.start == start for c in gi2.cis)
+            return sum(c.profile_id == step.ci_profile_id for c in gi2.cis) > before
 
-        return self.call(what, lambda: self.nvml.create_compute_instance(self.pci, gi.id, step.ci_profile_id), made)
+        if start is None:
+            return self.call(what, lambda: self.nvml.create_compute_instance(self.pci, gi.id, step.ci_profile_id),
+                             made)
+        return self.call(what, lambda: self.nvml.create_compute_instance(self.pci, gi.id, step.ci_profile_id, start),
+                         made)
 
     def set_mode(self, step: Step) -> NvmlGpu:
         want = 1 if step.enabled else 0
@@ -311,6 +325,12 @@ class _Run:
             have = _layout(g)
             if have != target:
                 raise _Stop("failed", f"after the steps {self.pci} shows {_fmt(have)}, the plan wanted {_fmt(target)}")
+            for t in self.plan.target:
+                gi = next(x for x in g.instances if x.placement == t.placement and x.profile_id == t.profile_id)
+                placed = tuple(sorted((c.profile_id, c.start) for c in gi.cis))
+                if t.ci_placements and all(c.start is not None for c in gi.cis) and placed != t.ci_placements:
+                    raise _Stop("failed", f"after the steps the CIs of the GI at {t.placement.start} on {self.pci} "
+                                          f"sit at {list(placed)}, the plan wanted {list(t.ci_placements)}")
 
 
 def _fmt(layout: list[tuple[Any, int, tuple[int, ...]]]) -> str:

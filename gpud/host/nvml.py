@@ -267,9 +267,28 @@ class Nvml:
                 if e.value in _SKIP:
                     continue
                 raise NvmlError(e.value, "nvmlGpuInstanceGetComputeInstanceProfileInfo", pci) from e
-            out.setdefault(info.id, CiProfile(id=info.id, slices=info.sliceCount,
-                                              instance_count=info.instanceCount, sms=info.multiprocessorCount))
+            if info.id not in out:
+                out[info.id] = CiProfile(id=info.id, slices=info.sliceCount, instance_count=info.instanceCount,
+                                         sms=info.multiprocessorCount,
+                                         starts=self._ci_starts(pci, gi_handle, info.id))
         return out
+
+    def _ci_starts(self, pci: str, gi_handle: Any, ci_profile_id: int) -> tuple[int, ...]:
+        """Where CIs of a profile may sit in this GI (compute slices), caller-allocated like the GI
+        call. A driver without the call answers nothing: the planner then uses the model's table."""
+        fn = "nvmlGpuInstanceGetComputeInstancePossiblePlacements"
+        count = c_uint(0)
+        try:
+            pynvml.nvmlGpuInstanceGetComputeInstancePossiblePlacements(gi_handle, ci_profile_id, None, byref(count))
+            if count.value == 0:
+                return ()
+            arr = (pynvml.c_nvmlComputeInstancePlacement_t * count.value)()
+            pynvml.nvmlGpuInstanceGetComputeInstancePossiblePlacements(gi_handle, ci_profile_id, arr, byref(count))
+        except pynvml.NVMLError as e:
+            if e.value in _SKIP or e.value == pynvml.NVML_ERROR_FUNCTION_NOT_FOUND:
+                return ()
+            raise NvmlError(e.value, fn, pci) from e
+        return tuple(sorted(arr[i].start for i in range(count.value)))
 
     def _instances(self, pci: str, h: Any, raw: dict[int, Any]) -> tuple[GpuInstance, ...]:
         """GIs with their CIs (uuids and holders are filled in by `_attach_ci_details`)."""
@@ -298,7 +317,8 @@ class Nvml:
                        gi_handle, ci_prof.id, arr, byref(count))
             for i in range(count.value):
                 info = self._call("nvmlComputeInstanceGetInfo", pci, pynvml.nvmlComputeInstanceGetInfo, arr[i])
-                cis.append(ComputeInstance(id=info.id, profile_id=info.profileId, slices=ci_prof.slices, uuid=""))
+                cis.append(ComputeInstance(id=info.id, profile_id=info.profileId, slices=ci_prof.slices, uuid="",
+                                           start=info.placement.start))
         return tuple(sorted(cis, key=lambda c: c.id))
 
     def _attach_ci_details(self, pci: str, h: Any, gis: tuple[GpuInstance, ...]) -> tuple[GpuInstance, ...]:
@@ -327,7 +347,7 @@ class Nvml:
             for ci in gi.cis:
                 uuid, holders = details.get((gi.id, ci.id), ("", ()))
                 cis.append(ComputeInstance(id=ci.id, profile_id=ci.profile_id, slices=ci.slices,
-                                           uuid=uuid, holders=holders))
+                                           uuid=uuid, holders=holders, start=ci.start))
             out.append(GpuInstance(id=gi.id, profile_id=gi.profile_id, placement=gi.placement, cis=tuple(cis)))
         return tuple(out)
 
@@ -364,11 +384,23 @@ class Nvml:
                         pynvml.nvmlDeviceCreateGpuInstanceWithPlacement, h, profile_id, byref(placement))
         return int(self._call("nvmlGpuInstanceGetInfo", pci, pynvml.nvmlGpuInstanceGetInfo, gi).id)
 
-    def create_compute_instance(self, pci: str, gi_id: int, ci_profile_id: int) -> int:
+    def create_compute_instance(self, pci: str, gi_id: int, ci_profile_id: int, start: int | None = None) -> int:
+        """Creates a CI in GI `gi_id` and returns its id: at compute slice `start` when given (the
+        placement goes `byref`, as for GIs), else where the driver chooses."""
         refuse_if(self.read_only, "create_compute_instance", pci)
         gi = self._gi(pci, gi_id)
-        ci = self._call("nvmlGpuInstanceCreateComputeInstance", pci,
-                        pynvml.nvmlGpuInstanceCreateComputeInstance, gi, ci_profile_id)
+        if start is None:
+            ci = self._call("nvmlGpuInstanceCreateComputeInstance", pci,
+                            pynvml.nvmlGpuInstanceCreateComputeInstance, gi, ci_profile_id)
+        else:
+            prof = self._gi_ci_profiles(pci, gi).get(ci_profile_id)
+            if prof is None:
+                raise NvmlError(pynvml.NVML_ERROR_NOT_SUPPORTED, "nvmlGpuInstanceGetComputeInstanceProfileInfo",
+                                pci, f"GI {gi_id} offers no compute instance profile id {ci_profile_id}")
+            placement = pynvml.c_nvmlComputeInstancePlacement_t(start, prof.slices)
+            ci = self._call("nvmlGpuInstanceCreateComputeInstanceWithPlacement", pci,
+                            pynvml.nvmlGpuInstanceCreateComputeInstanceWithPlacement, gi, ci_profile_id,
+                            byref(placement))
         return int(self._call("nvmlComputeInstanceGetInfo", pci, pynvml.nvmlComputeInstanceGetInfo, ci).id)
 
     def destroy_compute_instance(self, pci: str, gi_id: int, ci_id: int) -> None:

@@ -4,10 +4,13 @@ Pure: no I/O, so every plan can be shown before it runs (`gpudctl plan`) and tes
 
 How `mig-devices` is read (it counts MIG devices, i.e. compute instances, like mig-parted):
 - a plain GI name, `3g.40gb: 2`, asks for 2 GIs of profile 3g.40gb, each with one full-size CI;
-- `Nc.Mg.XXgb: k` asks for k CIs of N compute slices inside GIs of profile Mg.XXgb, packed into as
-  few GIs as fit (Mg slices // N per GI, bounded by the CI profile's instance count); the last GI
-  takes the remainder. Each key packs on its own: two keys never share a GI;
+- `Nc.Mg.XXgb: k` asks for k CIs of N compute slices inside GIs of profile Mg.XXgb. All `Nc.` keys of
+  one GI profile pack together into as few GIs as their CI placements allow, largest CIs first
+  (`2c.3g.40gb: 1, 1c.3g.40gb: 1` is one 3g GI: the 2c at compute slice 0, the 1c at 2);
 - `Nc` equal to the GI's size (`3c.3g.40gb`) is the same as the plain name.
+
+Every CI is planned at an explicit placement inside its GI (ci_placement), so a kept GI keeps each
+CI whose placement survives and only the others are destroyed and created.
 
 Unlike mig-parted, which destroys and recreates every instance of a changed GPU, the plan keeps each
 GI that can stay at its placement (see placement.solve) and, inside a kept GI, touches only the CIs
@@ -18,8 +21,6 @@ executor decides.
 """
 
 from __future__ import annotations
-
-from collections import Counter
 
 import msgspec
 from msgspec import Struct, field
@@ -35,6 +36,7 @@ from gpud.model import (
     MigProfile,
     Placement,
 )
+from gpud.plan.ci_placement import CiLayout, ExistingCi, fits, place_cis
 from gpud.plan.placement import Assignment, ExistingGi, GiSpec, Infeasible, solve
 from gpud.profiles import CI_PROFILE_ID, by_device, model_name, with_model_ci_profiles
 
@@ -53,6 +55,7 @@ class Step(Struct, frozen=True):
     ci_profile_id: int | None = None
     uuid: str | None = None  # MIG device destroyed by a destroy-ci
     enabled: bool | None = None  # set-mig-mode
+    ci_placement: Placement | None = None  # of the CI inside its GI, in compute slices
 
     def __str__(self) -> str:
         """One line a person reads in `gpudctl events`: the action, then what it acts on, with the
@@ -66,9 +69,17 @@ class Step(Struct, frozen=True):
             parts.append(f"gi {self.gi}")
         if self.ci is not None:
             parts.append(f"ci {self.ci}")
+        if self.ci_placement is not None and _subdivided(self.profile):
+            parts.append(f"at compute {self.ci_placement.start}:{self.ci_placement.size}")
         if self.uuid:
             parts.append(self.uuid)
         return " ".join(parts)
+
+
+def _subdivided(name: str | None) -> bool:
+    """A MIG device name of a CI smaller than its GI (`1c.3g.40gb`): only those show their slot."""
+    head = (name or "").split(".", 1)[0]
+    return head.endswith("c") and head[:-1].isdigit()
 
 
 class Destroyed(Struct, frozen=True):
@@ -89,6 +100,7 @@ class TargetGi(Struct, frozen=True, order=True):
     profile: str
     ci_profile_ids: tuple[int, ...]
     gi: int | None = None  # id when the GI exists already and is kept
+    ci_placements: tuple[tuple[int, int], ...] = ()  # (CI profile id, start) when placements are known
 
 
 class GpuPlan(Struct, frozen=True):
@@ -122,6 +134,8 @@ def ci_name(gi: MigProfile | None, ci_profile_id: int, gi_profile_id: int) -> st
 def desired_specs(mig_devices: dict[str, int], profiles: tuple[MigProfile, ...], where: str) -> list[GiSpec]:
     """Turn `mig-devices` into GI specs (see the module docstring). Raises Infeasible."""
     specs: list[GiSpec] = []
+    shared: dict[int, list[int]] = {}  # GI profile id -> CI profile ids of its `Nc.` keys
+    by_id = {p.id: p for p in profiles}
     for name, count in sorted(mig_devices.items()):
         if count < 0:
             raise Infeasible(f"{name}: {count} is not a number of MIG devices")
@@ -132,25 +146,45 @@ def desired_specs(mig_devices: dict[str, int], profiles: tuple[MigProfile, ...],
             known = ", ".join(p.name for p in profiles)
             raise Infeasible(f"{name} is not a MIG profile of {where} (it offers {known})")
         gi, ci = found
-        ci = ci or full_ci(gi)
-        per_gi = max(1, min(gi.slices // ci.slices, ci.instance_count))
-        full, rest = divmod(count, per_gi)
-        specs += [GiSpec(gi.id, (ci.id,) * per_gi)] * full
-        if rest:
-            specs.append(GiSpec(gi.id, (ci.id,) * rest))
+        if ci is None or ci.slices == gi.slices:
+            specs += [GiSpec(gi.id, ((ci or full_ci(gi)).id,))] * count
+        else:
+            shared.setdefault(gi.id, []).extend([ci.id] * count)
+    for gi_id, cis in sorted(shared.items()):
+        specs += [GiSpec(gi_id, tuple(sorted(b))) for b in _pack(by_id[gi_id], cis)]
     return specs
 
 
+def _pack(gi: MigProfile, cis: list[int]) -> list[list[int]]:
+    """First-fit decreasing of CIs into GIs of profile `gi`, each GI's CIs checked to have
+    non-overlapping placements (ci_placement.fits)."""
+    slices = {c.id: c.slices for c in gi.ci_profiles}
+    bins: list[list[int]] = []
+    for pid in sorted(cis, key=lambda p: (-slices.get(p, 0), p)):
+        target = next((b for b in bins if fits(gi.ci_profiles, b + [pid], gi.slices)), None)
+        if target is None:
+            bins.append([pid])
+        else:
+            target.append(pid)
+    return bins
+
+
 def _packing_note(mig_devices: dict[str, int], profiles: tuple[MigProfile, ...]) -> str:
-    """How `Nc.` keys turned into GIs, so an over-count message can be traced to the line written."""
-    notes = []
+    """How `Nc.` keys turned into GIs, so an over-count message can be traced to the lines written."""
+    keys: dict[str, dict[str, int]] = {}  # GI profile name -> its `Nc.` keys and counts
     for name, count in sorted(mig_devices.items()):
         found = find_profile(name, profiles)
         if not found or found[1] is None or found[1].slices == found[0].slices or count <= 0:
             continue
-        gi, ci = found
-        per_gi = max(1, min(gi.slices // ci.slices, ci.instance_count))
-        notes.append(f"{name}: {count} packs into {-(-count // per_gi)} x {gi.name} ({per_gi} per GI)")
+        keys.setdefault(found[0].name, {})[name] = count
+    notes = []
+    for gi_name, asked in keys.items():
+        specs = desired_specs(asked, profiles, "")
+        written = ", ".join(f"{name}: {count}" for name, count in asked.items())
+        if len(asked) == 1:
+            notes.append(f"{written} packs into {len(specs)} x {gi_name} ({len(specs[0].cis)} per GI)")
+        else:
+            notes.append(f"{written} pack into {len(specs)} x {gi_name}")
     return f" ({'; '.join(notes)})" if notes else ""
 
 
@@ -159,23 +193,18 @@ def _existing(gi: GpuInstance) -> ExistingGi:
         id=gi.id, profile_id=gi.profile_id, placement=gi.placement,
         cis=tuple(sorted(c.profile_id for c in gi.cis)),
         busy_cis=tuple(sorted(c.profile_id for c in gi.cis if c.holders)),
+        ci_slots=tuple(ExistingCi(c.id, c.profile_id, c.start, bool(c.holders)) for c in gi.cis),
     )
 
 
-def _split_cis(gi: GpuInstance, want: tuple[int, ...]
-               ) -> tuple[list[ComputeInstance], list[ComputeInstance], list[int]]:
-    """(kept, doomed, to-create CI profile ids) turning gi's CIs into `want` in place; busy CIs are
-    the ones kept when only some of a profile survive (same rule as placement.kept_cis)."""
-    need = Counter(want)
-    kept, doomed = [], []
-    for c in sorted(gi.cis, key=lambda c: (not c.holders, c.id)):
-        if need[c.profile_id] > 0:
-            need[c.profile_id] -= 1
-            kept.append(c)
-        else:
-            doomed.append(c)
-    create = sorted(pid for pid, n in need.items() for _ in range(n))
-    return sorted(kept, key=lambda c: c.id), sorted(doomed, key=lambda c: c.id), create
+def _ci_layout(gi_profile: MigProfile | None, gi: GpuInstance | None, want: tuple[int, ...]) -> CiLayout:
+    """Where the CIs `want` go in a GI (kept GI: keeping every CI whose placement survives)."""
+    existing = [ExistingCi(c.id, c.profile_id, c.start, bool(c.holders)) for c in (gi.cis if gi else ())]
+    ci_profiles = gi_profile.ci_profiles if gi_profile else ()
+    layout = place_cis(ci_profiles, want, existing, gi_slices=gi_profile.slices if gi_profile else None)
+    if layout is None:  # the GI spec was packed with fits(), so only an unknown GI profile gets here
+        return CiLayout((), tuple(c.id for c in existing), tuple((p, None) for p in want))
+    return layout
 
 
 def plan_gpu(gpu: Gpu, desired: DesiredGpu) -> GpuPlan:
@@ -219,6 +248,8 @@ def plan_gpu(gpu: Gpu, desired: DesiredGpu) -> GpuPlan:
     destroyed: list[Destroyed] = []
     kept_uuids: list[str] = []
     blockers: set[Holder] = set()
+    layouts: dict[int, CiLayout] = {}  # kept GI id -> its CIs' layout
+    new_layouts: dict[Placement, CiLayout] = {}  # new GI placement -> its CIs' layout
 
     def doom_ci(gi: GpuInstance, c: ComputeInstance) -> None:
         name = ci_name(by_id.get(gi.profile_id), c.profile_id, gi.profile_id)
@@ -237,22 +268,26 @@ def plan_gpu(gpu: Gpu, desired: DesiredGpu) -> GpuPlan:
                 destroyed.append(Destroyed(gpu.pci, gname, gi.placement, None, []))
             destroy_gi.append(Step("destroy-gi", gpu.pci, gname, gi.profile_id, gi.placement, gi.id))
             continue
-        kept, doomed, create = _split_cis(gi, a.spec.cis)
-        kept_uuids += [c.uuid for c in kept]
-        for c in doomed:
-            doom_ci(gi, c)
-        for pid in create:
+        layout = layouts[gi.id] = _ci_layout(by_id.get(gi.profile_id), gi, a.spec.cis)
+        kept_uuids += [c.uuid for c in sorted(gi.cis, key=lambda c: c.id) if c.id in layout.kept]
+        for c in sorted(gi.cis, key=lambda c: c.id):
+            if c.id in layout.doomed:
+                doom_ci(gi, c)
+        for pid, start in layout.create:
             create_ci.append(Step("create-ci", gpu.pci, ci_name(by_id[gi.profile_id], pid, gi.profile_id),
-                                  gi.profile_id, gi.placement, gi.id, None, pid))
+                                  gi.profile_id, gi.placement, gi.id, None, pid,
+                                  ci_placement=_ci_placement(by_id[gi.profile_id], pid, start)))
 
     for a in sorted(assignments, key=lambda a: a.placement):
         if a.keep is not None:
             continue
         p = by_id[a.spec.profile_id]
         create_gi.append(Step("create-gi", gpu.pci, p.name, p.id, a.placement))
-        for pid in a.spec.cis:
-            create_ci.append(Step("create-ci", gpu.pci, ci_name(p, pid, p.id), p.id, a.placement, None, None, pid))
-    create_ci.sort(key=lambda s: (s.placement, s.ci_profile_id))
+        layout = new_layouts[a.placement] = _ci_layout(p, None, a.spec.cis)
+        for pid, start in layout.create:
+            create_ci.append(Step("create-ci", gpu.pci, ci_name(p, pid, p.id), p.id, a.placement, None, None, pid,
+                                  ci_placement=_ci_placement(p, pid, start)))
+    create_ci.sort(key=lambda s: (s.placement, s.ci_placement or Placement(-1, 0), s.ci_profile_id))
 
     mode_steps = [Step("set-mig-mode", gpu.pci, enabled=want)] if mode_change else []
     # The mode in effect is already the wanted one and only the opposite is pending (an earlier
@@ -268,14 +303,24 @@ def plan_gpu(gpu: Gpu, desired: DesiredGpu) -> GpuPlan:
         already_pending or (arch is not None and arch.mode_change_needs_reset))
     target = None
     if want:
-        target = sorted(TargetGi(a.placement, a.spec.profile_id, by_id[a.spec.profile_id].name, a.spec.cis, a.keep)
-                        for a in assignments)
+        target = sorted(
+            TargetGi(a.placement, a.spec.profile_id, by_id[a.spec.profile_id].name, a.spec.cis, a.keep,
+                     (layouts.get(a.keep) if a.keep is not None else new_layouts.get(a.placement)
+                      or CiLayout((), (), ())).placed)
+            for a in assignments)
     return GpuPlan(
         pci=gpu.pci, index=gpu.index,
         steps=destroy_ci + destroy_gi + mode_steps + create_gi + create_ci,
         destroyed=destroyed, kept=kept_uuids, mode_change=mode_change, reset=reset,
         blocked_by=sorted(blockers), target=target, mig_enabled=want,
     )
+
+
+def _ci_placement(gi: MigProfile, ci_profile_id: int, start: int | None) -> Placement | None:
+    if start is None:
+        return None
+    ci = next((c for c in gi.ci_profiles if c.id == ci_profile_id), None)
+    return Placement(start, ci.slices) if ci is not None else None
 
 
 def _replace(plan: GpuPlan, **kw) -> GpuPlan:

@@ -18,6 +18,7 @@ from collections.abc import Iterable, Sequence
 from msgspec import Struct
 
 from gpud.model import MigProfile, Placement
+from gpud.plan.ci_placement import ExistingCi, place_cis
 
 # Objective weights (lexicographic in one integer): a kept busy MIG device beats any number of idle
 # ones (destroying it blocks the plan), a kept MIG device beats any number of kept empty GIs.
@@ -42,6 +43,7 @@ class ExistingGi(Struct, frozen=True):
     placement: Placement
     cis: tuple[int, ...] = ()
     busy_cis: tuple[int, ...] = ()
+    ci_slots: tuple[ExistingCi, ...] = ()  # its CIs with their placements, when read
 
 
 class Assignment(Struct, frozen=True, order=True):
@@ -68,11 +70,20 @@ def kept_cis(have: Iterable[int], busy: Iterable[int], want: Iterable[int]) -> t
     return kept, busy_kept
 
 
-def keep_score(spec: GiSpec, gi: ExistingGi) -> int:
-    """What reusing `gi` for `spec` saves (0 when the profile differs: it cannot be reused)."""
+def keep_score(spec: GiSpec, gi: ExistingGi, profile: MigProfile | None = None) -> int:
+    """What reusing `gi` for `spec` saves (0 when the profile differs: it cannot be reused). With
+    the CIs' placements known, only CIs whose slot survives count (ci_placement.place_cis);
+    otherwise per-profile counts do."""
     if gi.profile_id != spec.profile_id:
         return 0
-    kept, busy = kept_cis(gi.cis, gi.busy_cis, spec.cis)
+    layout = None
+    if profile is not None and gi.ci_slots:
+        layout = place_cis(profile.ci_profiles, spec.cis, gi.ci_slots, gi_slices=profile.slices)
+    if layout is not None:
+        kept = len(layout.kept)
+        busy = sum(1 for c in gi.ci_slots if c.busy and c.id in layout.kept)
+    else:
+        kept, busy = kept_cis(gi.cis, gi.busy_cis, spec.cis)
     return W_BUSY * busy + W_CI * kept + W_GI
 
 
@@ -129,7 +140,8 @@ def solve(
         for pl in sorted(by_id[s.profile_id].placements):
             g = at.get((s.profile_id, pl.start))
             keep = g if g is not None and g.placement == pl else None
-            opts.append((pl, _mask(pl), keep_score(s, keep) if keep else 0, keep.id if keep else None))
+            opts.append((pl, _mask(pl), keep_score(s, keep, by_id[s.profile_id]) if keep else 0,
+                         keep.id if keep else None))
         options.append(opts)
     twin = [i > 0 and items[i] == items[i - 1] for i in range(len(items))]
     memo: dict[tuple[int, int, int], tuple[int, tuple[int, ...]] | None] = {}

@@ -12,6 +12,7 @@ import uuid
 from collections.abc import Iterable, Sequence
 
 from gpud.profiles import MODELS, NVIDIA, ModelInfo
+from gpud.sim import gi_ids
 from gpud.sim.state import SimFunction, SimGpu, SimState
 
 _BUSES = (0x18, 0x2A, 0x3A, 0x5D, 0x9A, 0xAB, 0xBA, 0xDB)
@@ -111,8 +112,11 @@ def build(models: Sequence[str], mig_on: Iterable[int] = ()) -> SimState:
             raise CatalogError(f"--mig-on {i}: {m.name} is not MIG capable")
         mode = 1 if i in mig_on else 0
         u = gpu_uuid(address)
+        # Both GI numberings real GPUs show (gpud.sim.gi_ids), side by side as on the DCGM#138
+        # host: even ordinals "tree", odd ones "tree-halves-swapped".
         state.gpus[address] = SimGpu(address=address, model=key, uuid=u, minor=i,
                                      serial=f"16{int(u[4:12], 16) % 10**11:011d}",
-                                     mig_mode=mode, mig_pending=mode)
+                                     mig_mode=mode, mig_pending=mode,
+                                     gi_id_order=gi_ids.ORDERS[i % 2])
     state.functions = dict(sorted(state.functions.items()))
     return state

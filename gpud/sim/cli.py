@@ -153,10 +153,12 @@ def summary(state: SimState) -> dict:
             "index": index, "pci": address, "model": g.model, "name": m.name, "uuid": g.uuid,
             "driver": f.driver if f else None, "present": f.present if f else False,
             "iommu_group": f.iommu_group if f else None,
-            "mig": None if not m.mig_capable else {"current": g.mig_mode, "pending": g.mig_pending},
+            "mig": None if not m.mig_capable else {"current": g.mig_mode, "pending": g.mig_pending,
+                                                    "gi_id_order": g.gi_id_order},
             "instances": [{"gi": gi.id, "profile": names.get(gi.profile_id, str(gi.profile_id)),
                            "placement": f"{gi.start}:{gi.size}",
-                           "cis": [{"ci": ci.id, "profile_id": ci.profile_id, "uuid": ci.uuid} for ci in gi.cis]}
+                           "cis": [{"ci": ci.id, "profile_id": ci.profile_id, "uuid": ci.uuid, "start": ci.start}
+                                   for ci in gi.cis]}
                           for gi in sorted(g.gis, key=lambda x: x.id)],
         })
     others = [{"pci": f.address, "id": f"{f.vendor:04x}:{f.device:04x}", "class": f"0x{f.class_code:06x}",
@@ -171,11 +173,12 @@ def summary(state: SimState) -> dict:
 def _print_show(s: dict) -> None:
     print(f"driver {s['driver_version']}; modules: {', '.join(s['modules']) or '-'}")
     for g in s["gpus"]:
-        mig = "n/a" if g["mig"] is None else f"{g['mig']['current']} (pending {g['mig']['pending']})"
+        mig = "n/a" if g["mig"] is None else (f"{g['mig']['current']} (pending {g['mig']['pending']}; "
+                                               f"GI ids: {g['mig']['gi_id_order']})")
         state = g["driver"] or "unbound" if g["present"] else "unplugged"
         print(f"GPU {g['index']} {g['pci']} {g['name']} [{state}] group {g['iommu_group']} MIG {mig}  {g['uuid']}")
         for i in g["instances"]:
-            cis = ", ".join(f"CI {c['ci']} {c['uuid']}" for c in i["cis"]) or "no CI"
+            cis = ", ".join(f"CI {c['ci']} at {c['start']} {c['uuid']}" for c in i["cis"]) or "no CI"
             print(f"    GI {i['gi']} {i['profile']} @{i['placement']}: {cis}")
     for f in s["functions"]:
         print(f"    {f['pci']} {f['id']} class {f['class']} [{f['driver'] or 'unbound'}]")

@@ -21,8 +21,9 @@ from typing import Any
 import pynvml
 
 from gpud.layout.names import device_name
-from gpud.model import MigProfile
+from gpud.model import CiProfile, MigProfile
 from gpud.profiles import MODELS, NOT_IN_MIG_INSTANCE, ModelInfo
+from gpud.sim import gi_ids
 from gpud.sim.state import SimCi, SimGi, SimGpu, SimProcess, SimState, locked
 
 SUCCESS = pynvml.NVML_SUCCESS
@@ -187,6 +188,11 @@ def _profile(model: ModelInfo, profile_id: int) -> MigProfile | None:
 
 def _used_slices(gpu: SimGpu, skip: SimGi | None = None) -> set[int]:
     return {s for g in gpu.gis if g is not skip for s in range(g.start, g.start + g.size)}
+
+
+def _memory_slices(model: ModelInfo) -> int:
+    """The GPU's memory slices: the end of its farthest-reaching placement (8 on A100/H100/H200)."""
+    return max(pl.start + pl.size for p in model.profiles for pl in p.placements)
 
 
 def _free(gpu: SimGpu, start: int, size: int) -> bool:
@@ -809,8 +815,8 @@ def _create_gi(lib: FakeNvmlLib, gpu: SimGpu, model: ModelInfo, profile_id: Any,
     elif not _free(gpu, start, pl_size):
         raise _Ret(pynvml.NVML_ERROR_INSUFFICIENT_RESOURCES)
     out = _deref(out_ref)
-    ids = {g.id for g in gpu.gis}
-    gi_id = next(i for i in range(1, len(ids) + 2) if i not in ids)
+    # The id follows the memory placement, as the driver numbers it (gpud.sim.gi_ids).
+    gi_id = gi_ids.gi_id(gpu.gi_id_order, start, pl_size, _memory_slices(model))
     gi = SimGi(id=gi_id, profile_id=prof.id, start=start, size=pl_size)
     gpu.gis.append(gi)
     _set_ptr(out, lib.gi_handle(gpu, gi))
@@ -914,14 +920,34 @@ def _ci_profile_info(lib, state, gi_handle, index, eng_profile, ref):
         info.name = f"MIG {device_name(prof, ci_prof.slices)}".encode()
 
 
-def _ci_capacity(model: ModelInfo, gi: SimGi, ci_profile_id: int) -> int:
-    prof = _gi_profile(model, gi)
-    ci_prof = next((c for c in prof.ci_profiles if c.id == ci_profile_id), None)
+def _ci_profile(model: ModelInfo, gi: SimGi, ci_profile_id: int) -> CiProfile:
+    ci_prof = next((c for c in _gi_profile(model, gi).ci_profiles if c.id == ci_profile_id), None)
     if ci_prof is None:
         raise _Ret(pynvml.NVML_ERROR_NOT_SUPPORTED)
-    used = sum(_ci_slices(model, gi, c) for c in gi.cis)
+    return ci_prof
+
+
+def _ci_used(model: ModelInfo, gi: SimGi) -> set[int]:
+    """Compute slices of `gi` its CIs occupy (each CI at its placement)."""
+    return {s for c in gi.cis for s in range(c.start, c.start + _ci_slices(model, gi, c))}
+
+
+def _ci_free_starts(model: ModelInfo, gi: SimGi, ci_prof: CiProfile) -> list[int]:
+    used = _ci_used(model, gi)
+    return [s for s in ci_prof.starts if not used & set(range(s, s + ci_prof.slices))]
+
+
+def _ci_capacity(model: ModelInfo, gi: SimGi, ci_profile_id: int) -> int:
+    """Free placements that do not overlap, bounded by the profile's instance count (as for GIs)."""
+    ci_prof = _ci_profile(model, gi, ci_profile_id)
     same = sum(1 for c in gi.cis if c.profile_id == ci_profile_id)
-    return max(0, min((prof.slices - used) // ci_prof.slices, ci_prof.instance_count - same))
+    free, taken = 0, set()
+    for start in _ci_free_starts(model, gi, ci_prof):
+        slots = set(range(start, start + ci_prof.slices))
+        if not slots & taken:
+            free += 1
+            taken |= slots
+    return max(0, min(free, ci_prof.instance_count - same))
 
 
 @_nvml()
@@ -931,7 +957,34 @@ def nvmlGpuInstanceGetComputeInstanceRemainingCapacity(lib, state, gi_handle, ci
 
 
 @_nvml()
-def nvmlGpuInstanceCreateComputeInstance(lib, state, gi_handle, ci_profile_id, out_ref):
+def nvmlGpuInstanceGetComputeInstancePossiblePlacements(lib, state, gi_handle, ci_profile_id, placements, count_ref):
+    """Caller-allocated two-call pattern, like the GI call: NULL array -> count only. Every
+    placement of the profile, taken or not (NVML API reference: "only returns all the possible
+    placements"), in compute slices."""
+    gpu, gi = lib.gi(state, gi_handle)
+    pid = _int(ci_profile_id)
+    if pid >= pynvml.NVML_COMPUTE_INSTANCE_PROFILE_COUNT:
+        raise _Ret(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+    ci_prof = _ci_profile(model_of(gpu), gi, pid)
+    count = _deref(count_ref)
+    if placements is None:
+        count.value = len(ci_prof.starts)
+        return SUCCESS
+    arr = _deref(placements)
+    if count.value < len(ci_prof.starts):
+        count.value = len(ci_prof.starts)
+        raise _Ret(pynvml.NVML_ERROR_INSUFFICIENT_SIZE)
+    for i, start in enumerate(ci_prof.starts):
+        arr[i].start = start
+        arr[i].size = ci_prof.slices
+    count.value = len(ci_prof.starts)
+    return SUCCESS
+
+
+def _create_ci(lib: FakeNvmlLib, state: SimState, gi_handle: Any, ci_profile_id: Any, start: int | None,
+               size: int | None, out_ref: Any) -> None:
+    """Both CI creates. A placement must be one the profile offers (else INVALID_ARGUMENT, as a GI
+    start outside its list); a taken slot, or no free one, is INSUFFICIENT_RESOURCES."""
     import uuid as _uuid
 
     gpu, gi = lib.gi(state, gi_handle)
@@ -939,14 +992,37 @@ def nvmlGpuInstanceCreateComputeInstance(lib, state, gi_handle, ci_profile_id, o
     pid = _int(ci_profile_id)
     if pid >= pynvml.NVML_COMPUTE_INSTANCE_PROFILE_COUNT:
         raise _Ret(pynvml.NVML_ERROR_INVALID_ARGUMENT)
-    if _ci_capacity(model_of(gpu), gi, pid) < 1:
+    model = model_of(gpu)
+    ci_prof = _ci_profile(model, gi, pid)
+    if start is not None and (start not in ci_prof.starts or size != ci_prof.slices):
+        raise _Ret(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+    if _ci_capacity(model, gi, pid) < 1:
+        raise _Ret(pynvml.NVML_ERROR_INSUFFICIENT_RESOURCES)
+    free = _ci_free_starts(model, gi, ci_prof)
+    if start is None:
+        start = free[0]  # lowest free slot (inferred: docs/hardware/mig-ids.md)
+    elif start not in free:
         raise _Ret(pynvml.NVML_ERROR_INSUFFICIENT_RESOURCES)
     out = _deref(out_ref)
     ids = {c.id for c in gi.cis}
     ci = SimCi(id=next(i for i in range(len(ids) + 1) if i not in ids), profile_id=pid,
-               uuid=f"MIG-{_uuid.uuid4()}")
+               uuid=f"MIG-{_uuid.uuid4()}", start=start)
     gi.cis.append(ci)
     _set_ptr(out, lib.ci_handle(gpu, gi, ci))
+
+
+@_nvml()
+def nvmlGpuInstanceCreateComputeInstance(lib, state, gi_handle, ci_profile_id, out_ref):
+    _create_ci(lib, state, gi_handle, ci_profile_id, None, None, out_ref)
+
+
+@_nvml()
+def nvmlGpuInstanceCreateComputeInstanceWithPlacement(lib, state, gi_handle, ci_profile_id, placement, out_ref):
+    if isinstance(placement, ctypes.Structure):
+        raise TypeError("placement passed by value: the real libnvidia-ml reads a pointer here and crashes; "
+                        "pass byref(placement)")
+    pl = _deref(placement)
+    _create_ci(lib, state, gi_handle, ci_profile_id, int(pl.start), int(pl.size), out_ref)
 
 
 @_nvml()
@@ -984,7 +1060,7 @@ def _ci_info(lib, state, ci_handle, ref):
     _set_ptr(info, lib.gi_handle(gpu, gi), offset=type(info).gpuInstance.offset)
     info.id = ci.id
     info.profileId = ci.profile_id
-    info.placement.start = sum(_ci_slices(model, gi, c) for c in gi.cis if c.id < ci.id)
+    info.placement.start = ci.start
     info.placement.size = _ci_slices(model, gi, ci)
 
 

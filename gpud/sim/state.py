@@ -23,6 +23,7 @@ class SimCi(msgspec.Struct):
     id: int
     profile_id: int
     uuid: str
+    start: int = 0  # placement inside its GI, in compute slices (the size is the CI profile's)
 
 
 class SimGi(msgspec.Struct):
@@ -83,6 +84,8 @@ class SimGpu(msgspec.Struct):
     serial: str = ""
     mig_mode: int = 0
     mig_pending: int = 0
+    # How the driver numbers this GPU's GIs (gpud.sim.gi_ids): "tree" or "tree-halves-swapped".
+    gi_id_order: str = "tree"
     gis: list[SimGi] = msgspec.field(default_factory=list)
 
 

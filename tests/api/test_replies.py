@@ -40,7 +40,10 @@ def test_plan_steps_keep_their_wire_field_names():
     assert msgspec.to_builtins(replies.mig_step(mig)) == {
         "action": "create-gi", "profile": "3g.71gb", "placement": {"start": 4, "size": 4}, "uuid": None,
         "gi": None, "ci": None, "enabled": None, "driver": None, "pci": GPU0, "module": None, "group": None,
-        "message": ""}
+        "message": "", "ci_placement": None}
+    ci = Step(action="create-ci", pci=GPU0, profile="1c.3g.71gb", profile_id=9, placement=Placement(4, 4),
+              ci_profile_id=0, ci_placement=Placement(2, 1))
+    assert msgspec.to_builtins(replies.mig_step(ci))["ci_placement"] == {"start": 2, "size": 1}
     bind = replies.bind_step(BindStep(action="bind", pci=GPU0, driver="vfio-pci"))
     assert (bind.action, bind.pci, bind.driver, bind.group) == ("bind", GPU0, "vfio-pci", None)
     gone = Destroyed(pci=GPU0, profile="1g.18gb", placement=Placement(0, 1), uuid="MIG-1",

@@ -75,7 +75,7 @@ def test_status_json_shape(daemon):
     assert {"index", "pci", "uuid", "model", "pci_id", "driver", "workload", "iommu_group", "numa_node", "mig",
             "converged", "state", "message", "holders", "group", "vfio_device"} == set(g0)
     assert g0["mig"]["instances"][0] == {"profile": "1g.18gb", "placement": {"start": 4, "size": 1}, "gi": 11,
-                                         "ci": 0, "uuid": MIG_UUIDS[4], "holders": []}
+                                         "ci": 0, "uuid": MIG_UUIDS[4], "holders": [], "ci_placement": None}
     assert g0["group"][0]["class"] == "0x030200"
     assert doc["gpus"][1]["holders"] == [{"pid": 4121, "name": "python", "device": "/dev/nvidia1"}]
 
@@ -395,3 +395,19 @@ def test_check_refuses_a_layout_over_gpuds_limit_before_sending(daemon, tmp_path
     assert r.stderr.strip() == (f"gpudctl: cannot check {big}: the layout is over {MAX_LAYOUT_BYTES} bytes; "
                                 f"a layout may be at most {MAX_LAYOUT_BYTES} bytes (512 KiB)")
     assert calls(daemon, "check") == []
+
+
+def test_a_subdivided_ci_step_and_instance_show_their_compute_slot():
+    from gpud.api import wire as w
+    from gpud.cli.render import _describe_step, render_gpu
+
+    step = w.StepInfo(action="create-ci", profile="1c.3g.71gb", placement=w.Placement(start=4, size=4),
+                      ci_placement=w.Placement(start=2, size=1))
+    assert _describe_step(step) == "create-ci 1c.3g.71gb@4:4 at compute 2:1"
+    whole = w.StepInfo(action="create-ci", profile="3g.71gb", placement=w.Placement(start=4, size=4),
+                       ci_placement=w.Placement(start=0, size=3))
+    assert _describe_step(whole) == "create-ci 3g.71gb@4:4"
+    inst = w.InstanceStatus(profile="2c.3g.71gb", placement=w.Placement(start=4, size=4), gi=1, ci=1,
+                            uuid="MIG-x", ci_placement=w.Placement(start=0, size=2))
+    gpu = w.GpuStatus(index=0, pci="0000:3b:00.0", mig=w.MigStatus(capable=True, mode="enabled", instances=[inst]))
+    assert "2c.3g.71gb   {4}:4  gi 1 ci 1 at compute 0:2  MIG-x" in render_gpu(gpu)

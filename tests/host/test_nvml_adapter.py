@@ -16,7 +16,8 @@ from gpud.sim.state import SimFault, SimProcess, load, locked
 GPU0, GPU1 = "0000:18:00.0", "0000:2a:00.0"
 PROBE = Path(__file__).resolve().parents[1] / "fixtures" / "h200" / "nvml-sysfs-readonly.json"
 MUTATING = ("nvmlDeviceSetMigMode", "nvmlDeviceCreateGpuInstance", "nvmlDeviceCreateGpuInstanceWithPlacement",
-            "nvmlGpuInstanceCreateComputeInstance", "nvmlComputeInstanceDestroy", "nvmlGpuInstanceDestroy")
+            "nvmlGpuInstanceCreateComputeInstance", "nvmlGpuInstanceCreateComputeInstanceWithPlacement",
+            "nvmlComputeInstanceDestroy", "nvmlGpuInstanceDestroy")
 
 
 @pytest.fixture
@@ -169,7 +170,8 @@ def test_read_only_refuses_before_touching_nvml(sim_host):
     g = ro.gpu(GPU0)
     assert len(g.instances) == 1
     for call in (lambda: ro.set_mig_mode(GPU0, False), lambda: ro.create_gpu_instance(GPU0, 9, 4),
-                 lambda: ro.create_compute_instance(GPU0, gi, 0), lambda: ro.destroy_compute_instance(GPU0, gi, 0),
+                 lambda: ro.create_compute_instance(GPU0, gi, 0), lambda: ro.create_compute_instance(GPU0, gi, 0, 0),
+                 lambda: ro.destroy_compute_instance(GPU0, gi, 0),
                  lambda: ro.destroy_gpu_instance(GPU0, gi)):
         with pytest.raises(ReadOnlyError, match="read-only mode"):
             call()
@@ -217,3 +219,25 @@ def test_driver_not_loaded_is_an_nvml_error(sim_host):
     with pytest.raises(NvmlError) as e:
         Nvml().gpus()
     assert e.value.code == 9 and e.value.function == "nvmlInit"
+
+
+def test_ci_placements_are_read_and_created_as_the_state_file_holds_them(sim_host, nvml):
+    host = sim_host("h100-80gb", mig_on=[0])
+    gi = nvml.create_gpu_instance(GPU0, 0, 0)  # 7g: 7 compute slices
+    made = {nvml.create_compute_instance(GPU0, gi, 2, 3), nvml.create_compute_instance(GPU0, gi, 1, 0),
+            nvml.create_compute_instance(GPU0, gi, 0, 6)}
+    assert made == {0, 1, 2}
+    (sim_gi,) = load(host.host_dir).gpus[GPU0].gis
+    (read,) = nvml.gpu(GPU0).instances
+    assert sorted((c.id, c.profile_id, c.start) for c in read.cis) == \
+        sorted((c.id, c.profile_id, c.start) for c in sim_gi.cis) == [(0, 2, 3), (1, 1, 0), (2, 0, 6)]
+    starts = {c.slices: c.starts for c in read_profiles(nvml, 0)}
+    assert starts[1] == (0, 1, 2, 3, 4, 5, 6) and starts[3] == (0, 3) and starts[7] == (0,)
+    with pytest.raises(NvmlError) as e:  # a 2c may start at 0, 2 or 4, never at 1
+        nvml.create_compute_instance(GPU0, gi, 1, 1)
+    assert e.value.code == 2 and e.value.function == "nvmlGpuInstanceCreateComputeInstanceWithPlacement"
+
+
+def read_profiles(nvml, profile_id):
+    """CI profiles of GI profile `profile_id` as the adapter read them from the live GI."""
+    return next(p for p in nvml.gpu(GPU0).profiles if p.id == profile_id).ci_profiles

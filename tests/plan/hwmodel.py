@@ -1,11 +1,14 @@
 """A pure model of a MIG GPU that enforces NVML's rules, and a fake Nvml adapter on top of it.
 
-Written from docs/hardware/mig-nvml.md (not from the planner and not the product simulator) so tests judge the
-planner and executor against an independent statement of the hardware rules:
+Written from docs/hardware/mig-nvml.md and docs/hardware/mig-ids.md (not from the planner and not
+the product simulator) so tests judge the planner and executor against an independent statement of
+the hardware rules:
 - GI create: MIG must be on (NOT_SUPPORTED 3), start in the profile's list (INVALID_ARGUMENT 2),
   no memory-slice overlap and per-profile count (INSUFFICIENT_RESOURCES 23);
 - CI create: the CI profile must belong to the GI profile (2), compute slices and the CI profile's
-  count must fit (23); ids are the lowest free ones, so ids are reused;
+  count must fit (23); ids are the lowest free ones, so ids are reused; a CI of c slices may sit at
+  0, c, 2c ... (as many slots as its instance count); an explicit start off that list is 2, a taken
+  slot 23; without a start the lowest free slot is taken;
 - destroy: unknown id NOT_FOUND 6; a CI with processes, or a GI with CIs, IN_USE 19;
 - set MIG mode: Hopper applies at once when idle (else pending, activation IN_USE); Ampere stays
   pending until a reset; disabling with instances present is IN_USE.
@@ -47,6 +50,7 @@ class HwCi:
     slices: int
     uuid: str
     holders: tuple[Holder, ...] = ()
+    start: int = 0
 
 
 @dataclass
@@ -114,8 +118,8 @@ class HwGpu:
         self.gis[gid] = HwGi(pid, pl)
         return gid
 
-    def create_ci(self, gid: int, ci_pid: int) -> int:
-        fn = "nvmlGpuInstanceCreateComputeInstance"
+    def create_ci(self, gid: int, ci_pid: int, start: int | None = None) -> int:
+        fn = "nvmlGpuInstanceCreateComputeInstance" + ("WithPlacement" if start is not None else "")
         if self.mode != 1:
             raise HwError(NOT_SUPPORTED, fn, self.pci)
         gi = self.gis.get(gid)
@@ -126,12 +130,20 @@ class HwGpu:
         cp = next((c for c in gp.ci_profiles if c.id == ci_pid), None)
         if cp is None:
             raise HwError(INVALID_ARGUMENT, fn, self.pci)
-        if (sum(c.slices for c in gi.cis.values()) + cp.slices > gp.slices
-                or sum(c.profile_id == ci_pid for c in gi.cis.values()) >= cp.instance_count):
+        slots = [i * cp.slices for i in range(cp.instance_count)]
+        if start is not None and start not in slots:
+            raise HwError(INVALID_ARGUMENT, fn, self.pci)
+        used = {s for c in gi.cis.values() for s in range(c.start, c.start + c.slices)}
+        free = [s for s in slots if not used & set(range(s, s + cp.slices))]
+        if sum(c.profile_id == ci_pid for c in gi.cis.values()) >= cp.instance_count or not free:
+            raise HwError(INSUFFICIENT, fn, self.pci)
+        if start is None:
+            start = free[0]
+        elif start not in free:
             raise HwError(INSUFFICIENT, fn, self.pci)
         cid = next(i for i in itertools.count(0) if i not in gi.cis)
         self.serial += 1
-        gi.cis[cid] = HwCi(ci_pid, cp.slices, f"MIG-{self.pci}-{self.serial:04d}")
+        gi.cis[cid] = HwCi(ci_pid, cp.slices, f"MIG-{self.pci}-{self.serial:04d}", start=start)
         return cid
 
     def destroy_ci(self, gid: int, cid: int) -> None:
@@ -156,7 +168,7 @@ class HwGpu:
     def snapshot(self) -> NvmlGpu:
         insts = tuple(
             GpuInstance(gid, g.profile_id, g.placement,
-                        tuple(ComputeInstance(cid, c.profile_id, c.slices, c.uuid, c.holders)
+                        tuple(ComputeInstance(cid, c.profile_id, c.slices, c.uuid, c.holders, c.start)
                               for cid, c in sorted(g.cis.items())))
             for gid, g in sorted(self.gis.items())
         ) if self.mode == 1 else ()
@@ -188,7 +200,7 @@ def apply_steps(hw: HwGpu, steps: Sequence) -> None:
             gid = next(i for i, g in hw.gis.items() if g.placement == s.placement and g.profile_id == s.profile_id)
             if s.gi is not None:
                 assert gid == s.gi
-            hw.create_ci(gid, s.ci_profile_id)
+            hw.create_ci(gid, s.ci_profile_id, s.ci_placement.start if s.ci_placement is not None else None)
         else:
             raise AssertionError(s.action)
 
@@ -231,8 +243,10 @@ class FakeNvml:
     def create_gpu_instance(self, pci: str, profile_id: int, start: int) -> int:
         return self._do("create_gpu_instance", pci, self.hw[pci].create_gi, profile_id, start)
 
-    def create_compute_instance(self, pci: str, gi_id: int, ci_profile_id: int) -> int:
-        return self._do("create_compute_instance", pci, self.hw[pci].create_ci, gi_id, ci_profile_id)
+    def create_compute_instance(self, pci: str, gi_id: int, ci_profile_id: int, start: int | None = None) -> int:
+        if start is None:
+            return self._do("create_compute_instance", pci, self.hw[pci].create_ci, gi_id, ci_profile_id)
+        return self._do("create_compute_instance", pci, self.hw[pci].create_ci, gi_id, ci_profile_id, start)
 
     def destroy_compute_instance(self, pci: str, gi_id: int, ci_id: int) -> None:
         return self._do("destroy_compute_instance", pci, self.hw[pci].destroy_ci, gi_id, ci_id)

@@ -146,7 +146,8 @@ def test_show(host, capsys):
     s = json.loads(out)
     assert rc == 0
     assert [g["pci"] for g in s["gpus"]] == [GPU0, GPU1, "0000:3a:00.0"]
-    assert s["gpus"][0]["mig"] == {"current": 1, "pending": 1} and s["gpus"][2]["mig"] is None
+    assert s["gpus"][0]["mig"] == {"current": 1, "pending": 1, "gi_id_order": "tree"} and s["gpus"][2]["mig"] is None
+    assert s["gpus"][1]["mig"]["gi_id_order"] == "tree-halves-swapped"  # odd ordinals: the other numbering
     rc, out, _ = run(capsys, "show", host)
     assert rc == 0 and "NVIDIA H200" in out and "mlx5_core" in out
 

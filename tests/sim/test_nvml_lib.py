@@ -191,7 +191,8 @@ def test_create_with_placement_rules(h200):
     place(h, 20, 0, 1)
     assert code_of(place, h, 20, 1, 1) == N.NVML_ERROR_INSUFFICIENT_RESOURCES  # only one +me
     info = N.nvmlGpuInstanceGetInfo(gi)
-    assert (info.id, info.profileId, info.placement.start, info.placement.size) == (1, 9, 4, 4)
+    # GPU 0 numbers its GIs as the tree (gpud.sim.gi_ids): the 3g at 4:4 is the second half, GI 2.
+    assert (info.id, info.profileId, info.placement.start, info.placement.size) == (2, 9, 4, 4)
 
 
 def test_placement_passed_by_value_is_the_crash_it_would_be(h200):
@@ -294,11 +295,11 @@ def test_mig_device_handles_ordered_by_gi_then_ci(h200):
     h = handle(0)
     assert N.nvmlDeviceGetMaxMigDeviceCount(h) == 7
     assert N.nvmlDeviceGetMaxMigDeviceCount(handle(1)) == 0
-    g_late = place(h, 9, 4, 4)  # GI 1
-    g_early = place(h, 19, 0, 1)  # GI 2
-    N.nvmlGpuInstanceCreateComputeInstance(g_early, 0)
-    N.nvmlGpuInstanceCreateComputeInstance(g_late, 0)
-    N.nvmlGpuInstanceCreateComputeInstance(g_late, 1)
+    g_low = place(h, 9, 4, 4)  # GI 2: ids follow the placement (GPU 0 numbers as the tree)
+    g_high = place(h, 19, 0, 1)  # GI 7, created later and listed later all the same
+    N.nvmlGpuInstanceCreateComputeInstance(g_high, 0)
+    N.nvmlGpuInstanceCreateComputeInstance(g_low, 1)  # 2c: its one placement is 0:2
+    N.nvmlGpuInstanceCreateComputeInstance(g_low, 0)  # 1c: the lowest free slot, 2:1
     seen = []
     for i in range(3):
         m = N.nvmlDeviceGetMigDeviceHandleByIndex(h, i)
@@ -306,8 +307,8 @@ def test_mig_device_handles_ordered_by_gi_then_ci(h200):
         seen.append((N.nvmlDeviceGetGpuInstanceId(m), N.nvmlDeviceGetComputeInstanceId(m), N.nvmlDeviceGetName(m)))
         parent = N.nvmlDeviceGetDeviceHandleFromMigDeviceHandle(m)
         assert N.nvmlDeviceGetUUID(parent) == N.nvmlDeviceGetUUID(h)
-    assert seen == [(1, 0, "NVIDIA H200 MIG 1c.3g.71gb"), (1, 1, "NVIDIA H200 MIG 2c.3g.71gb"),
-                    (2, 0, "NVIDIA H200 MIG 1g.18gb")]
+    assert seen == [(2, 0, "NVIDIA H200 MIG 2c.3g.71gb"), (2, 1, "NVIDIA H200 MIG 1c.3g.71gb"),
+                    (7, 0, "NVIDIA H200 MIG 1g.18gb")]
     assert code_of(N.nvmlDeviceGetMigDeviceHandleByIndex, h, 3) == N.NVML_ERROR_NOT_FOUND
     assert code_of(N.nvmlDeviceGetMigDeviceHandleByIndex, h, 7) == N.NVML_ERROR_INVALID_ARGUMENT
     is_mig = N.nvmlDeviceIsMigDeviceHandle(h)
@@ -323,7 +324,7 @@ def test_mig_uuid_is_stable_for_the_life_of_the_ci(h200):
     assert uuid.startswith("MIG-")
     place(h, 9, 4, 4)  # more devices do not change it
     assert N.nvmlDeviceGetUUID(N.nvmlDeviceGetMigDeviceHandleByIndex(h, 0)) == uuid
-    assert N.nvmlDeviceGetGpuInstanceId(N.nvmlDeviceGetHandleByUUID(uuid)) == 1
+    assert N.nvmlDeviceGetGpuInstanceId(N.nvmlDeviceGetHandleByUUID(uuid)) == 10  # 1g at 3:1 on a "tree" GPU
     assert load(h200.host_dir).gpus["0000:18:00.0"].gis[0].cis[0].uuid == uuid
 
 
@@ -340,7 +341,7 @@ def test_processes_per_gpu_and_per_mig_device(h200):
     assert sorted(p.pid for p in procs) == [11, 12]
     assert procs[0].gpuInstanceId == 0xFFFFFFFF and procs[0].usedGpuMemory == 256 * 2**20
     (mp,) = N.nvmlDeviceGetComputeRunningProcesses(m)
-    assert (mp.pid, mp.gpuInstanceId, mp.computeInstanceId) == (10, 1, 0)
+    assert (mp.pid, mp.gpuInstanceId, mp.computeInstanceId) == (10, 7, 0)  # 1g at 0:1: GI 7
     assert N.nvmlSystemGetProcessName(10) == "mig-job"
     assert code_of(N.nvmlSystemGetProcessName, 99) == N.NVML_ERROR_NOT_FOUND
 
@@ -445,3 +446,52 @@ print(n.value)
     n = c_uint()
     N.nvmlDeviceGetGpuInstances(handle(0), 9, (N.c_nvmlGpuInstance_t * 2)(), byref(n))
     assert n.value == 1
+
+
+# --- compute-instance placements (docs/hardware/mig-ids.md) --------------------------------------
+
+
+def ci_place(gi, ci_profile_id: int, start: int, size: int):
+    pl = N.c_nvmlComputeInstancePlacement_t(start, size)
+    return N.nvmlGpuInstanceCreateComputeInstanceWithPlacement(gi, ci_profile_id, byref(pl))
+
+
+def ci_possible(gi, ci_profile_id: int) -> list[tuple[int, int]]:
+    count = c_uint(0)
+    N.nvmlGpuInstanceGetComputeInstancePossiblePlacements(gi, ci_profile_id, None, byref(count))
+    arr = (N.c_nvmlComputeInstancePlacement_t * count.value)()
+    N.nvmlGpuInstanceGetComputeInstancePossiblePlacements(gi, ci_profile_id, arr, byref(count))
+    return [(arr[i].start, arr[i].size) for i in range(count.value)]
+
+
+def test_ci_possible_placements_two_call_pattern(h200):
+    gi = place(handle(0), 9, 0, 4)  # 3g: 3 compute slices
+    assert ci_possible(gi, 0) == [(0, 1), (1, 1), (2, 1)]
+    assert ci_possible(gi, 1) == [(0, 2)]
+    assert ci_possible(gi, 2) == [(0, 3)]
+    small = (N.c_nvmlComputeInstancePlacement_t * 2)()
+    count = c_uint(2)
+    assert code_of(N.nvmlGpuInstanceGetComputeInstancePossiblePlacements, gi, 0, small,
+                   byref(count)) == N.NVML_ERROR_INSUFFICIENT_SIZE
+    assert count.value == 3
+    assert code_of(ci_possible, gi, 3) == N.NVML_ERROR_NOT_SUPPORTED  # a 3g has no 4c
+
+
+def test_ci_create_with_placement_is_as_strict_as_nvml(h200):
+    gi = place(handle(0), 9, 0, 4)
+    assert code_of(ci_place, gi, 1, 1, 2) == N.NVML_ERROR_INVALID_ARGUMENT  # a 2c only sits at 0
+    assert code_of(ci_place, gi, 0, 1, 2) == N.NVML_ERROR_INVALID_ARGUMENT  # wrong size
+    one = ci_place(gi, 0, 1, 1)
+    assert code_of(ci_place, gi, 1, 0, 2) == N.NVML_ERROR_INSUFFICIENT_RESOURCES  # overlaps the 1c at 1
+    assert code_of(ci_place, gi, 0, 1, 1) == N.NVML_ERROR_INSUFFICIENT_RESOURCES  # taken
+    two = ci_place(gi, 0, 2, 1)
+    info = [N.nvmlComputeInstanceGetInfo(c) for c in (one, two)]
+    assert [(i.id, i.placement.start, i.placement.size) for i in info] == [(0, 1, 1), (1, 2, 1)]
+    assert N.nvmlGpuInstanceGetComputeInstanceRemainingCapacity(gi, 1) == 0
+    assert N.nvmlGpuInstanceGetComputeInstanceRemainingCapacity(gi, 0) == 1
+    with pytest.raises(TypeError, match="by value"):
+        N.nvmlGpuInstanceCreateComputeInstanceWithPlacement(gi, 0, N.c_nvmlComputeInstancePlacement_t(0, 1))
+    # Without a placement the lowest free slot is taken; the state file records every slot.
+    N.nvmlGpuInstanceCreateComputeInstance(gi, 0)
+    (sim_gi,) = load(h200.host_dir).gpus["0000:18:00.0"].gis
+    assert sorted(c.start for c in sim_gi.cis) == [0, 1, 2]
