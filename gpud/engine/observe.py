@@ -43,7 +43,9 @@ def observe(sysfs: Sysfs, nvml: Nvml | None, match) -> Observation:
     nvml_error = None
     if nvml is not None and any(f.driver == "nvidia" for f in managed(functions, match)):
         try:
-            nvml_gpus = {g.pci: g for g in nvml.gpus()}
+            # NVML enumerates at nvmlInit: the GPUs on nvidia per sysfs tell it when to look again
+            on_nvidia = [f.address for f in functions if f.driver == "nvidia"]
+            nvml_gpus = {g.pci: g for g in nvml.gpus(on_nvidia=on_nvidia)}
         except NvmlError as e:
             nvml_error = str(e)
             log.warning("NVML unavailable: %s", e)
