@@ -249,7 +249,8 @@ class FakeNvmlLib:
         self._keys: dict[int, tuple] = {}  # address -> identity
         self._fns: dict[str, Callable[..., Any]] = {}
         self._mutex = threading.Lock()
-        self.enumerated: tuple[str, ...] = ()  # PCI addresses the open session enumerated at nvmlInit
+        # PCI address -> which nvidia probe of it the open session enumerated at nvmlInit (index order)
+        self.enumerated: dict[str, int] = {}
 
     def __getattr__(self, name: str) -> Callable[..., Any]:
         if name.startswith("_") or name not in _IMPLS:
@@ -331,7 +332,7 @@ class FakeNvmlLib:
     def _visible(self, state: SimState, address: str) -> SimGpu:
         """A GPU this session enumerated that is still on nvidia; one that left is lost to it."""
         gpu = next((g for g in visible_gpus(state) if g.address == address), None)
-        if gpu is None or address not in self.enumerated:
+        if gpu is None or self.enumerated.get(address) != state.functions[address].nvidia_probes:
             raise _Ret(pynvml.NVML_ERROR_GPU_IS_LOST)
         return gpu
 
@@ -341,12 +342,12 @@ class FakeNvmlLib:
         index order. A GPU that comes to nvidia later stays unknown until nvmlShutdown + nvmlInit
         (docs/hardware/nvml-enumeration.md)."""
         if self._inits == 0:
-            self.enumerated = tuple(g.address for g in visible_gpus(state))
+            self.enumerated = {g.address: state.functions[g.address].nvidia_probes for g in visible_gpus(state)}
 
     def forget_devices(self) -> None:
         """At the last nvmlShutdown: the session's device list goes with it."""
         if self._inits <= 0:
-            self.enumerated = ()
+            self.enumerated = {}
 
     @staticmethod
     def _find_ci(gpu: SimGpu, gi_id: int, uuid: str) -> tuple[SimGi, SimCi]:
@@ -450,7 +451,7 @@ def _by_index(lib, state, index, ref):
     i = _int(index)
     if i >= len(lib.enumerated):
         raise _Ret(pynvml.NVML_ERROR_INVALID_ARGUMENT)
-    _set_ptr(_deref(ref), lib.gpu_handle(lib._visible(state, lib.enumerated[i])))
+    _set_ptr(_deref(ref), lib.gpu_handle(lib._visible(state, list(lib.enumerated)[i])))
 
 
 def _norm_bus_id(text: str) -> str:
@@ -487,7 +488,7 @@ def nvmlDeviceGetHandleByUUID(lib, state, uuid, ref):
         raise _Ret(pynvml.NVML_ERROR_INVALID_ARGUMENT)
     text = text.decode() if isinstance(text, bytes) else text
     for gpu in visible_gpus(state):
-        if gpu.address not in lib.enumerated:
+        if lib.enumerated.get(gpu.address) != state.functions[gpu.address].nvidia_probes:
             continue
         if gpu.uuid == text:
             _set_ptr(_deref(ref), lib.gpu_handle(gpu))
@@ -502,7 +503,7 @@ def nvmlDeviceGetHandleByUUID(lib, state, uuid, ref):
 @_nvml()
 def nvmlDeviceGetIndex(lib, state, handle, ref):
     gpu, _ = lib.gpu(state, handle)
-    _deref(ref).value = lib.enumerated.index(gpu.address)
+    _deref(ref).value = list(lib.enumerated).index(gpu.address)
 
 
 @_nvml()

@@ -71,6 +71,9 @@ class SimFunction(msgspec.Struct):
     iommu_group: int | None = None
     numa_node: int = -1
     present: bool = True
+    # times the nvidia driver has probed this function: an NVML session that enumerated an
+    # earlier probe has lost the GPU, even when it is bound again at the same address
+    nvidia_probes: int = 0
 
 
 class SimGpu(msgspec.Struct):

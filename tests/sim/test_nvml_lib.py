@@ -110,11 +110,18 @@ def test_a_gpu_coming_to_nvidia_is_seen_only_by_a_new_session(h200):
 
 
 def test_a_handle_of_a_gpu_that_left_is_lost(h200):
+    from gpud.sim import kernel
+
     h = N.nvmlDeviceGetHandleByPciBusId(b"0000:3a:00.0")
-    with locked(h200.host_dir) as st:
-        st.functions["0000:3a:00.0"].present = False
+    kernel.unplug(h200.host_dir, "0000:3a:00.0")
     assert code_of(N.nvmlDeviceGetUUID, h) == N.NVML_ERROR_GPU_IS_LOST
     assert code_of(N.nvmlDeviceGetHandleByPciBusId, b"0000:3a:00.0") == N.NVML_ERROR_GPU_IS_LOST
+    kernel.plug(h200.host_dir, "0000:3a:00.0")  # back at the same address: a new device to the driver
+    assert load(h200.host_dir).functions["0000:3a:00.0"].driver == "nvidia"
+    assert code_of(N.nvmlDeviceGetUUID, h) == N.NVML_ERROR_GPU_IS_LOST
+    N.nvmlShutdown()
+    N.nvmlInit()
+    assert N.nvmlDeviceGetUUID(N.nvmlDeviceGetHandleByPciBusId(b"0000:3a:00.0")).startswith("GPU-")
 
 
 def test_identity_queries_match_the_fixture_formats(h200):
