@@ -602,15 +602,23 @@ class Reconciler:
         self.kick(f"pid {pid} exited")
 
     def summary(self) -> str:
-        """One line for systemd's STATUS=."""
-        states = list(self.gpu_states.values())
-        n = len(self.observation.gpus)
+        """One line for systemd's STATUS=: the GPUs on the bus by state ("3/3 GPUs converged" when
+        all are), then the GPUs gone from it, which are not counted against those present."""
+        present = {g.pci for g in self.observation.gpus}
+        states = [s for pci, s in self.gpu_states.items() if pci in present]
+        gone = sum(1 for pci, s in self.gpu_states.items() if pci not in present and s.state == "gone")
+        n = len(present)
         counts: dict[str, int] = {}
         for s in states:
             counts[s.state] = counts.get(s.state, 0) + 1
         parts = [f"{v} {k}" for k, v in sorted(counts.items())]
         waiting = next((s for s in states if s.state == "waiting" and s.holders), None)
-        line = f"{n} GPUs: " + (", ".join(parts) if parts else "starting")
+        if n and counts == {"converged": n}:
+            line = f"{n}/{n} GPUs converged"
+        else:
+            line = f"{n} GPUs: " + (", ".join(parts) if parts else "starting")
+        if gone:
+            line += f", {gone} gone"
         if waiting:
             line += f" (waiting for pid {waiting.holders[0].pid})"
         if self.layout_issues[0]:
