@@ -35,8 +35,10 @@ from gpud.engine.observe import Observation, observe
 from gpud.engine.observer import DEFAULT_MAX_AGE, Observer
 from gpud.engine.operands import OperandGuard, OperandsNotPaused
 from gpud.engine.ports import BootOverrides, Drainer, Rebooter
+from gpud.engine.boot_rebuild import BootRebuild
 from gpud.engine.reboot_policy import RebootPolicy
 from gpud.engine.scheduler import PassScheduler
+from gpud.host.logind import BOOT_ID_PATH, current_boot_id
 from gpud.host.nvml import Nvml
 from gpud.host.procs import Procs
 from gpud.host.sysfs import Sysfs
@@ -77,6 +79,7 @@ class Reconciler:
         state_dir: str | None = None,
         rebooter: Rebooter | None = None,
         max_status_age: float = DEFAULT_MAX_AGE,
+        boot_id_path: str | None = None,
     ) -> None:
         self.hw = hardware
         self.config_path = config_path
@@ -86,7 +89,10 @@ class Reconciler:
         self.drainer = drainer  # None: no system bus (the daemon may connect one later)
         self.binder_timeout = binder_timeout
         self.udev_rules = udev_rules  # boot-time vfio overrides
-        self.reboot_policy = RebootPolicy(rebooter=rebooter, state_dir=state_dir, read_only=read_only, bus=bus)
+        self.reboot_policy = RebootPolicy(rebooter=rebooter, state_dir=state_dir, read_only=read_only, bus=bus,
+                                          boot_id_path=boot_id_path or BOOT_ID_PATH)
+        # boot_id_path None: this boot is not told apart from the last (tests without a host's boot id)
+        self.boot_rebuild = BootRebuild(state_dir, _boot_id(boot_id_path), bus, read_only=read_only)
         self.layout_file = LayoutKeeper(config_path, bus, self._observe)
         self.operand_guard: OperandGuard | None = None  # --kube-node: the kube agent
         self.scheduler = PassScheduler()
@@ -386,6 +392,7 @@ class Reconciler:
             await self.refresh_async()
         self.phase = _phase(self.gpu_states.values())
         self.reboot_policy.after_pass(self.phase)
+        self.boot_rebuild.pass_ended(self.gpu_states, self.phase)
         self.completed_passes += 1
         self._notify()
 
@@ -402,6 +409,7 @@ class Reconciler:
             if self.udev_rules.sync(self.observation.gpus, resolution.desired):
                 self.bus.publish("udev-rules", f"{self.udev_rules.path} updated for the layout")
         todo = self._preview(resolution)
+        self.boot_rebuild.will_change({g.pci: f"GPU {g.index} ({g.pci})" for g in self.observation.gpus if g.pci in todo})
         for gpu in self.observation.gpus:
             if gpu.pci not in resolution.desired:
                 self._set(gpu.pci, GpuState("unmanaged", "not in the selected layout: left untouched"))
@@ -632,6 +640,17 @@ def _phase(states: Iterable[GpuState]) -> str:
         if phase in states:
             return phase
     return "converged"
+
+
+def _boot_id(path: str | None) -> str | None:
+    """This boot's id, or None when it cannot be read (nothing is then claimed about a reboot)."""
+    if path is None:
+        return None
+    try:
+        return current_boot_id(path)
+    except OSError as e:
+        log.warning("boot id unreadable at %s: %s", path, e)
+        return None
 
 
 def _gone_message(known: KnownGpu) -> str:
