@@ -27,6 +27,9 @@ class Observation(Struct, frozen=True):
     functions: tuple[PciFunction, ...]  # every PCI function, for companions and the inventory
     nvml_error: str | None = None  # NVML unusable (driver gone, no GPU bound): said in status
     gone: tuple[KnownGpu, ...] = ()  # GPUs numbered before and missing from the bus now (gpu_index)
+    # NVML was closed for a rebind during the read: the GPUs' NVML parts are the last good view,
+    # fine to show, not to plan MIG steps from (engine/reconciler.py re-reads before it does)
+    nvml_stale: bool = False
 
 
 def companions_of(function: PciFunction, functions: Sequence[PciFunction]) -> tuple[PciFunction, ...]:

@@ -199,7 +199,7 @@ class Reconciler:
         obs = observe(self.hw.sysfs, None, match)
         gpus = tuple(msgspec.structs.replace(g, nvml=self._last_nvml.get(g.pci)) if g.function.driver == "nvidia"
                      else g for g in obs.gpus)
-        return msgspec.structs.replace(obs, gpus=gpus)
+        return msgspec.structs.replace(obs, gpus=gpus, nvml_stale=True)
 
     def reload(self, reason: str) -> bool:
         """Re-read the file; a valid one starts a pass. False when the file was refused."""
@@ -485,7 +485,8 @@ class Reconciler:
                 names = ", ".join(f"pid {h.pid} {h.name} on {h.device}" for h in action.plan.blocked_by)
                 return self._busy(GpuState("waiting", f"waiting for {names}", tuple(action.plan.blocked_by)))
             self._set(pci, GpuState("applying", action.summary), steps=len(action.plan.steps))
-            outcome = await (self._run_mig(gpu, action.plan) if action.kind == "mig" else self._run_bind(gpu, action.plan))
+            outcome = await (self._run_mig(gpu, action.plan, desired) if action.kind == "mig"
+                             else self._run_bind(gpu, action.plan))
             if outcome.state != "converged":
                 return self._busy(outcome) if outcome.state == "waiting" else outcome
             await self.refresh_async()
@@ -500,7 +501,7 @@ class Reconciler:
         self.holder_watch.watch(waiting.holders)
         return waiting
 
-    async def _run_mig(self, gpu: Gpu, plan: GpuPlan) -> GpuState:
+    async def _run_mig(self, gpu: Gpu, plan: GpuPlan, desired: DesiredGpu) -> GpuState:
         from gpud.engine import mig_executor
         from gpud.host.deadline_write import DeadlineSysfs
 
@@ -511,6 +512,20 @@ class Reconciler:
             loop.call_soon_threadsafe(lambda: self.bus.publish("step", msg, gpu=gpu.pci, step=event_fields(step)))
 
         async with self.nvml_gate.hold("open"), self._drained(gpu):
+            if self.observation.nvml_stale:
+                # Planned from the view another GPU's rebind left while NVML was closed: steps done
+                # since would be planned again (a second create fails INSUFFICIENT_RESOURCES).
+                # No unbind runs while this hold is held, so NVML can be read now: plan again.
+                await self.refresh_async()
+                fresh = next((g for g in self.observation.gpus if g.pci == gpu.pci), None)
+                if fresh is None:
+                    return GpuState("gone", "the GPU disappeared from the PCI bus")
+                action = self.next_action(fresh, desired)
+                if isinstance(action, GpuState):
+                    return action
+                if not isinstance(action, MigAction):  # nothing left for MIG: the caller's next round decides
+                    return GpuState("converged", "re-read")
+                plan = action.plan
             outcome = await self._in_worker(
                 mig_executor.execute, self.hw.nvml, plan, sysfs=DeadlineSysfs(self.hw.sysfs, self.binder_timeout),
                 policy_reset=self.policy.reset if self.policy else "per-gpu", on_step=on_step,
