@@ -104,6 +104,7 @@ class Nvml:
         """nvmlShutdown: our own NVML client must not be what keeps a GPU busy during an unbind."""
         with self._session:
             self._sizes.clear()  # a GPU may be swapped (unplug/plug) before the next session
+            self._reopened_for = None  # the next session enumerates afresh
             if self._open:
                 self._open = False
                 self._call("nvmlShutdown", None, pynvml.nvmlShutdown)

@@ -20,16 +20,18 @@ async def test_a_gpu_back_from_vfio_pci_gets_its_mig_layout_and_identity(tmp_pat
     rig = SimRig(tmp_path, ("h100-80gb:2",))
     try:
         pci = rig.rec.refresh().gpus[1].pci
-        assert await rig.apply(layout({"devices": [1], "workload": "vm-passthrough"}))
-        assert simstate.load(rig.dir).functions[pci].driver == "vfio-pci"
-        assert await rig.apply(layout(mig([1], {"3g.40gb": 2})))
-        assert rig.rec.gpu_states[pci].state == "converged", rig.rec.gpu_states[pci]
-        uuid, mode, gis = _truth(rig, pci)
-        assert (mode, gis) == (1, 2)
-        seen = next(g for g in rig.rec.observation.gpus if g.pci == pci)
-        assert seen.function.driver == "nvidia"
-        assert seen.nvml is not None and seen.nvml.uuid == uuid
-        assert seen.nvml.mig_mode == 1 and len(seen.nvml.instances) == 2
+        for layout_back in (layout(mig([1], {"3g.40gb": 2})), layout(mig([1], {"4g.40gb": 1}))):
+            # twice: the second trip must be seen as well as the first
+            assert await rig.apply(layout({"devices": [1], "workload": "vm-passthrough"}))
+            assert simstate.load(rig.dir).functions[pci].driver == "vfio-pci"
+            assert await rig.apply(layout_back)
+            assert rig.rec.gpu_states[pci].state == "converged", rig.rec.gpu_states[pci]
+            uuid, mode, gis = _truth(rig, pci)
+            seen = next(g for g in rig.rec.observation.gpus if g.pci == pci)
+            assert seen.function.driver == "nvidia" and mode == 1
+            assert seen.nvml is not None and seen.nvml.uuid == uuid
+            assert seen.nvml.mig_mode == 1 and len(seen.nvml.instances) == gis
+        assert gis == 1
     finally:
         rig.close()
 
