@@ -86,9 +86,6 @@ class Nvml:
         # (pci, GI profile id) -> size in memory slices, learned from the possible placements
         self._sizes: dict[tuple[str, int], int] = {}
         self._users = SessionUsers()
-        # the GPUs on nvidia (sysfs) that a re-open was last made for: one NVML still cannot see
-        # after it (a broken GPU) must not make every read re-open the session again
-        self._reopened_for: frozenset[str] | None = None
 
     # session ------------------------------------------------------------------------------------
     def open(self) -> None:
@@ -104,7 +101,6 @@ class Nvml:
         """nvmlShutdown: our own NVML client must not be what keeps a GPU busy during an unbind."""
         with self._session:
             self._sizes.clear()  # a GPU may be swapped (unplug/plug) before the next session
-            self._reopened_for = None  # the next session enumerates afresh
             if self._open:
                 self._open = False
                 self._call("nvmlShutdown", None, pynvml.nvmlShutdown)
@@ -164,18 +160,20 @@ class Nvml:
         """Every GPU NVML sees, in NVML index order (PCI-address order).
 
         `on_nvidia`: the PCI addresses sysfs shows bound to nvidia now. NVML enumerates at nvmlInit
-        only, so when the GPUs read differ from those, the session is re-opened (once per such set)
-        and read again: a GPU rebound from vfio-pci, hot-added or back after a driver reload is
-        seen right away, and one that left is no longer a lost handle."""
+        only, so when the GPUs read differ from those, the session is re-opened and read again: a
+        GPU rebound from vfio-pci, hot-added or back after a driver reload is seen right away, and
+        one that left is no longer a lost handle. At most one re-open per read; a GPU NVML cannot
+        read even then (a broken GPU) costs one nvmlShutdown + nvmlInit per read. Remembering "already
+        re-opened for this set" instead was wrong: a GPU unplugged and plugged back between the
+        sysfs read and the re-open leaves the same set with the new GPU unknown to NVML for good."""
         gpus = self._gpus()
         if on_nvidia is None:
             return gpus
         bound = frozenset(on_nvidia)
-        if frozenset(g.pci for g in gpus) == bound or self._reopened_for == bound:
+        if frozenset(g.pci for g in gpus) == bound:
             return gpus
         if not self._reopen():
             return gpus
-        self._reopened_for = bound
         log.info("NVML re-initialised: the GPUs on nvidia changed (now %s)", ", ".join(sorted(bound)) or "none")
         return self._gpus()
 
