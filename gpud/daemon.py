@@ -28,6 +28,7 @@ from gpud.engine.node_labels_out import LabelsOut, Versions, layout_state
 from gpud.engine.observer import DEFAULT_MAX_AGE
 from gpud.engine.reconciler import Hardware, Reconciler
 from gpud.engine.udev_rules import UdevRules
+from gpud.host.logind import BOOT_ID_PATH
 from gpud.host.nvml import Nvml, NvmlError
 from gpud.host.procs import Procs
 from gpud.host.sysfs import Sysfs
@@ -100,10 +101,12 @@ def build_hardware(args: argparse.Namespace) -> tuple[Hardware, DeviceEventSourc
         args.udev_rules = args.udev_rules or str(Path(args.sim) / "etc/udev/rules.d/70-gpud-vfio.rules")
         args.nfd_features = args.nfd_features or str(Path(args.sim) / NFD_FEATURES.lstrip("/"))
         args.dev_root = str(host.dev_root)
+        args.boot_id_path = str(Path(host.proc_root) / "sys/kernel/random/boot_id")
         return hw, partial(SimEvents, socket_path=host.uevent_socket), args.lock or str(Path(args.sim) / "apply.lock")
     args.udev_rules = args.udev_rules or "/etc/udev/rules.d/70-gpud-vfio.rules"
     args.nfd_features = args.nfd_features or NFD_FEATURES
     args.dev_root = "/dev"
+    args.boot_id_path = BOOT_ID_PATH
     hw = Hardware(sysfs=Sysfs("/sys", read_only=args.read_only), nvml=Nvml(read_only=args.read_only), procs=Procs(read_only=args.read_only))
     from gpud.host.udev import UdevEvents
 
@@ -119,13 +122,14 @@ class Daemon:
         self.notifier = Notifier()
         self.bus = EventBus()
         self.hw, self.device_events, lock_path = build_hardware(args)
+        Path(args.state_dir).mkdir(parents=True, exist_ok=True)
         self.rec = Reconciler(
             self.hw, config_path=args.config, apply_lock=ApplyLock(lock_path), bus=self.bus,
             read_only=args.read_only, binder_timeout=args.unbind_timeout,
             udev_rules=UdevRules(args.udev_rules, modules_load_path=None, read_only=args.read_only),
-            state_dir=args.state_dir, rebooter=request_reboot, max_status_age=args.status_max_age,
+            state_dir=args.state_dir, rebooter=partial(request_reboot, boot_id_path=args.boot_id_path),
+            max_status_age=args.status_max_age, boot_id_path=args.boot_id_path,
         )
-        Path(args.state_dir).mkdir(parents=True, exist_ok=True)
         self.stopping = asyncio.Event()
         self._reload_timer: asyncio.TimerHandle | None = None
         self._metrics_key: tuple | None = None
@@ -140,7 +144,7 @@ class Daemon:
         self._kube_passes = 0
         self._labels_passes = -1
         if args.kube_node:
-            self._start_kube(request_reboot)
+            self._start_kube(partial(request_reboot, boot_id_path=args.boot_id_path))
 
     def _start_kube(self, reboot) -> None:
         """--kube-node: the operator's label protocol. Its client library is imported here only."""

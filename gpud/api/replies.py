@@ -162,7 +162,7 @@ def status_reply(rec: Reconciler, *, kubernetes: wire.KubernetesStatus | None = 
     gpus += [gone_gpu_status(k, rec.gpu_states.get(k.pci)) for k in rec.observation.gone]
     gpus.sort(key=lambda g: g.index)
     return wire.StatusReply(phase=rec.phase_now(), layout=layout_status(rec), gpus=gpus, read_only=rec.read_only,
-                            version=VERSION, kubernetes=kubernetes)
+                            version=VERSION, kubernetes=kubernetes, rebuilt_after_boot=rec.boot_rebuild.summary)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -26,7 +26,8 @@ def _made_of(rec: Reconciler) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
     """(records compared by identity, values compared by equality) that status_reply reads."""
     states = rec.gpu_states
     return ((rec.observation, rec.resolution, rec.layout, *states.values()),
-            (rec.phase, rec.layout_issues, tuple(states), rec.config_path, rec.read_only))
+            (rec.phase, rec.layout_issues, tuple(states), rec.config_path, rec.read_only,
+             rec.boot_rebuild.summary))
 
 
 class StatusSnapshot:

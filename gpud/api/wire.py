@@ -263,6 +263,8 @@ class StatusReply(msgspec.Struct, kw_only=True):
     observed_at: float = 0.0
     observation_age: float = 0.0
     kubernetes: KubernetesStatus | None = None
+    # after a reboot, what gpud's first pass rebuilt ("rebuilt after boot: GPU 0 (...): MIG on, ...")
+    rebuilt_after_boot: str | None = None
 
 
 class CheckReply(msgspec.Struct, kw_only=True):

@@ -94,6 +94,8 @@ def render_status(r: wire.StatusReply, width: int | None = None) -> str:
     out += ["", f"layout: {lay.path}  {selected}  {validity}"]
     out += [f"  error: {e}" for e in lay.errors]
     out += [f"  warning: {w}" for w in lay.warnings]
+    if r.rebuilt_after_boot:
+        out += ["", r.rebuilt_after_boot]
     migs = [g for g in r.gpus if g.mig.instances]
     if migs:
         out += ["", "MIG devices:"]

@@ -27,6 +27,9 @@ class Observation(Struct, frozen=True):
     functions: tuple[PciFunction, ...]  # every PCI function, for companions and the inventory
     nvml_error: str | None = None  # NVML unusable (driver gone, no GPU bound): said in status
     gone: tuple[KnownGpu, ...] = ()  # GPUs numbered before and missing from the bus now (gpu_index)
+    # NVML was closed for a rebind during the read: the GPUs' NVML parts are the last good view,
+    # fine to show, not to plan MIG steps from (engine/reconciler.py re-reads before it does)
+    nvml_stale: bool = False
 
 
 def companions_of(function: PciFunction, functions: Sequence[PciFunction]) -> tuple[PciFunction, ...]:
@@ -43,7 +46,9 @@ def observe(sysfs: Sysfs, nvml: Nvml | None, match) -> Observation:
     nvml_error = None
     if nvml is not None and any(f.driver == "nvidia" for f in managed(functions, match)):
         try:
-            nvml_gpus = {g.pci: g for g in nvml.gpus()}
+            # NVML enumerates at nvmlInit: the GPUs on nvidia per sysfs tell it when to look again
+            on_nvidia = [f.address for f in functions if f.driver == "nvidia"]
+            nvml_gpus = {g.pci: g for g in nvml.gpus(on_nvidia=on_nvidia)}
         except NvmlError as e:
             nvml_error = str(e)
             log.warning("NVML unavailable: %s", e)

@@ -35,8 +35,10 @@ from gpud.engine.observe import Observation, observe
 from gpud.engine.observer import DEFAULT_MAX_AGE, Observer
 from gpud.engine.operands import OperandGuard, OperandsNotPaused
 from gpud.engine.ports import BootOverrides, Drainer, Rebooter
+from gpud.engine.boot_rebuild import BootRebuild
 from gpud.engine.reboot_policy import RebootPolicy
 from gpud.engine.scheduler import PassScheduler
+from gpud.host.logind import BOOT_ID_PATH, current_boot_id
 from gpud.host.nvml import Nvml
 from gpud.host.procs import Procs
 from gpud.host.sysfs import Sysfs
@@ -77,6 +79,7 @@ class Reconciler:
         state_dir: str | None = None,
         rebooter: Rebooter | None = None,
         max_status_age: float = DEFAULT_MAX_AGE,
+        boot_id_path: str | None = None,
     ) -> None:
         self.hw = hardware
         self.config_path = config_path
@@ -86,7 +89,10 @@ class Reconciler:
         self.drainer = drainer  # None: no system bus (the daemon may connect one later)
         self.binder_timeout = binder_timeout
         self.udev_rules = udev_rules  # boot-time vfio overrides
-        self.reboot_policy = RebootPolicy(rebooter=rebooter, state_dir=state_dir, read_only=read_only, bus=bus)
+        self.reboot_policy = RebootPolicy(rebooter=rebooter, state_dir=state_dir, read_only=read_only, bus=bus,
+                                          boot_id_path=boot_id_path or BOOT_ID_PATH)
+        # boot_id_path None: this boot is not told apart from the last (tests without a host's boot id)
+        self.boot_rebuild = BootRebuild(state_dir, _boot_id(boot_id_path), bus, read_only=read_only)
         self.layout_file = LayoutKeeper(config_path, bus, self._observe)
         self.operand_guard: OperandGuard | None = None  # --kube-node: the kube agent
         self.scheduler = PassScheduler()
@@ -193,7 +199,7 @@ class Reconciler:
         obs = observe(self.hw.sysfs, None, match)
         gpus = tuple(msgspec.structs.replace(g, nvml=self._last_nvml.get(g.pci)) if g.function.driver == "nvidia"
                      else g for g in obs.gpus)
-        return msgspec.structs.replace(obs, gpus=gpus)
+        return msgspec.structs.replace(obs, gpus=gpus, nvml_stale=True)
 
     def reload(self, reason: str) -> bool:
         """Re-read the file; a valid one starts a pass. False when the file was refused."""
@@ -386,6 +392,7 @@ class Reconciler:
             await self.refresh_async()
         self.phase = _phase(self.gpu_states.values())
         self.reboot_policy.after_pass(self.phase)
+        self.boot_rebuild.pass_ended(self.gpu_states, self.phase)
         self.completed_passes += 1
         self._notify()
 
@@ -402,6 +409,7 @@ class Reconciler:
             if self.udev_rules.sync(self.observation.gpus, resolution.desired):
                 self.bus.publish("udev-rules", f"{self.udev_rules.path} updated for the layout")
         todo = self._preview(resolution)
+        self.boot_rebuild.will_change({g.pci: f"GPU {g.index} ({g.pci})" for g in self.observation.gpus if g.pci in todo})
         for gpu in self.observation.gpus:
             if gpu.pci not in resolution.desired:
                 self._set(gpu.pci, GpuState("unmanaged", "not in the selected layout: left untouched"))
@@ -477,7 +485,8 @@ class Reconciler:
                 names = ", ".join(f"pid {h.pid} {h.name} on {h.device}" for h in action.plan.blocked_by)
                 return self._busy(GpuState("waiting", f"waiting for {names}", tuple(action.plan.blocked_by)))
             self._set(pci, GpuState("applying", action.summary), steps=len(action.plan.steps))
-            outcome = await (self._run_mig(gpu, action.plan) if action.kind == "mig" else self._run_bind(gpu, action.plan))
+            outcome = await (self._run_mig(gpu, action.plan, desired) if action.kind == "mig"
+                             else self._run_bind(gpu, action.plan))
             if outcome.state != "converged":
                 return self._busy(outcome) if outcome.state == "waiting" else outcome
             await self.refresh_async()
@@ -492,7 +501,7 @@ class Reconciler:
         self.holder_watch.watch(waiting.holders)
         return waiting
 
-    async def _run_mig(self, gpu: Gpu, plan: GpuPlan) -> GpuState:
+    async def _run_mig(self, gpu: Gpu, plan: GpuPlan, desired: DesiredGpu) -> GpuState:
         from gpud.engine import mig_executor
         from gpud.host.deadline_write import DeadlineSysfs
 
@@ -503,6 +512,20 @@ class Reconciler:
             loop.call_soon_threadsafe(lambda: self.bus.publish("step", msg, gpu=gpu.pci, step=event_fields(step)))
 
         async with self.nvml_gate.hold("open"), self._drained(gpu):
+            if self.observation.nvml_stale:
+                # Planned from the view another GPU's rebind left while NVML was closed: steps done
+                # since would be planned again (a second create fails INSUFFICIENT_RESOURCES).
+                # No unbind runs while this hold is held, so NVML can be read now: plan again.
+                await self.refresh_async()
+                fresh = next((g for g in self.observation.gpus if g.pci == gpu.pci), None)
+                if fresh is None:
+                    return GpuState("gone", "the GPU disappeared from the PCI bus")
+                action = self.next_action(fresh, desired)
+                if isinstance(action, GpuState):
+                    return action
+                if not isinstance(action, MigAction):  # nothing left for MIG: the caller's next round decides
+                    return GpuState("converged", "re-read")
+                plan = action.plan
             outcome = await self._in_worker(
                 mig_executor.execute, self.hw.nvml, plan, sysfs=DeadlineSysfs(self.hw.sysfs, self.binder_timeout),
                 policy_reset=self.policy.reset if self.policy else "per-gpu", on_step=on_step,
@@ -602,15 +625,23 @@ class Reconciler:
         self.kick(f"pid {pid} exited")
 
     def summary(self) -> str:
-        """One line for systemd's STATUS=."""
-        states = list(self.gpu_states.values())
-        n = len(self.observation.gpus)
+        """One line for systemd's STATUS=: the GPUs on the bus by state ("3/3 GPUs converged" when
+        all are), then the GPUs gone from it, which are not counted against those present."""
+        present = {g.pci for g in self.observation.gpus}
+        states = [s for pci, s in self.gpu_states.items() if pci in present]
+        gone = sum(1 for pci, s in self.gpu_states.items() if pci not in present and s.state == "gone")
+        n = len(present)
         counts: dict[str, int] = {}
         for s in states:
             counts[s.state] = counts.get(s.state, 0) + 1
         parts = [f"{v} {k}" for k, v in sorted(counts.items())]
         waiting = next((s for s in states if s.state == "waiting" and s.holders), None)
-        line = f"{n} GPUs: " + (", ".join(parts) if parts else "starting")
+        if n and counts == {"converged": n}:
+            line = f"{n}/{n} GPUs converged"
+        else:
+            line = f"{n} GPUs: " + (", ".join(parts) if parts else "starting")
+        if gone:
+            line += f", {gone} gone"
         if waiting:
             line += f" (waiting for pid {waiting.holders[0].pid})"
         if self.layout_issues[0]:
@@ -624,6 +655,17 @@ def _phase(states: Iterable[GpuState]) -> str:
         if phase in states:
             return phase
     return "converged"
+
+
+def _boot_id(path: str | None) -> str | None:
+    """This boot's id, or None when it cannot be read (nothing is then claimed about a reboot)."""
+    if path is None:
+        return None
+    try:
+        return current_boot_id(path)
+    except OSError as e:
+        log.warning("boot id unreadable at %s: %s", path, e)
+        return None
 
 
 def _gone_message(known: KnownGpu) -> str:

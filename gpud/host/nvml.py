@@ -11,13 +11,16 @@ host even through a bug further down.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
+from collections.abc import Callable, Iterable
 from ctypes import byref, c_uint
-from typing import Any
+from typing import Any, TypeVar
 
 import pynvml
 
+from gpud.host.nvml_users import SessionUsers
 from gpud.host.procs import process_name
 from gpud.host.readonly import refuse_if
 from gpud.model import (
@@ -57,6 +60,20 @@ def _error_string(code: int) -> str:
         return f"NVML error {code}"
 
 
+_Method = TypeVar("_Method", bound=Callable[..., Any])
+
+
+def _in_session(method: _Method) -> _Method:
+    """A public NVML operation: a re-open of the session waits until it is done (host/nvml_users)."""
+
+    @functools.wraps(method)
+    def wrapper(self: Nvml, *args: Any, **kwargs: Any) -> Any:
+        with self._users.use():
+            return method(self, *args, **kwargs)
+
+    return wrapper  # type: ignore[return-value]
+
+
 class Nvml:
     """NVML session. `proc_root` is where process names are looked up (DIR/proc on the simulator)."""
 
@@ -68,6 +85,7 @@ class Nvml:
         self._session = threading.RLock()  # open/close/suspend from the loop and worker threads
         # (pci, GI profile id) -> size in memory slices, learned from the possible placements
         self._sizes: dict[tuple[str, int], int] = {}
+        self._users = SessionUsers()
 
     # session ------------------------------------------------------------------------------------
     def open(self) -> None:
@@ -121,21 +139,60 @@ class Nvml:
             self.open()
 
     # reads --------------------------------------------------------------------------------------
+    @_in_session
     def driver_version(self) -> str:
         self._ensure_open()
         return self._call("nvmlSystemGetDriverVersion", None, pynvml.nvmlSystemGetDriverVersion)
 
+    @_in_session
     def cuda_driver_version(self) -> int:
         """The CUDA version the driver supports, NVML's way: 12040 is CUDA 12.4."""
         self._ensure_open()
         return self._call("nvmlSystemGetCudaDriverVersion", None, pynvml.nvmlSystemGetCudaDriverVersion)
 
+    @_in_session
     def nvml_version(self) -> str:
         self._ensure_open()
         return self._call("nvmlSystemGetNVMLVersion", None, pynvml.nvmlSystemGetNVMLVersion)
 
-    def gpus(self) -> list[NvmlGpu]:
-        """Every GPU NVML sees, in NVML index order (PCI-address order)."""
+    @_in_session
+    def gpus(self, *, on_nvidia: Iterable[str] | None = None) -> list[NvmlGpu]:
+        """Every GPU NVML sees, in NVML index order (PCI-address order).
+
+        `on_nvidia`: the PCI addresses sysfs shows bound to nvidia now. NVML enumerates at nvmlInit
+        only, so when the GPUs read differ from those, the session is re-opened and read again: a
+        GPU rebound from vfio-pci, hot-added or back after a driver reload is seen right away, and
+        one that left is no longer a lost handle. At most one re-open per read; a GPU NVML cannot
+        read even then (a broken GPU) costs one nvmlShutdown + nvmlInit per read. Remembering "already
+        re-opened for this set" instead was wrong: a GPU unplugged and plugged back between the
+        sysfs read and the re-open leaves the same set with the new GPU unknown to NVML for good."""
+        gpus = self._gpus()
+        if on_nvidia is None:
+            return gpus
+        bound = frozenset(on_nvidia)
+        if frozenset(g.pci for g in gpus) == bound:
+            return gpus
+        if not self._reopen():
+            return gpus
+        log.info("NVML re-initialised: the GPUs on nvidia changed (now %s)", ", ".join(sorted(bound)) or "none")
+        return self._gpus()
+
+    def _reopen(self) -> bool:
+        """nvmlShutdown + nvmlInit, once no other thread is inside an NVML operation; never while a
+        rebind keeps NVML closed."""
+
+        def close_and_open() -> None:
+            with self._session:
+                if self._suspended or not self._open:
+                    return
+                self.close()
+                self.open()
+
+        if self._suspended:
+            return False
+        return self._users.reopen(close_and_open)
+
+    def _gpus(self) -> list[NvmlGpu]:
         self._ensure_open()
         n = self._call("nvmlDeviceGetCount", None, pynvml.nvmlDeviceGetCount)
         out = []
@@ -149,6 +206,7 @@ class Nvml:
                 log.warning("NVML GPU %d unreadable: %s", i, e)
         return out
 
+    @_in_session
     def gpu(self, pci: str) -> NvmlGpu | None:
         handle = self._handle(pci, missing_ok=True)
         return None if handle is None else self._read(handle)
@@ -361,6 +419,7 @@ class Nvml:
             return "?"
 
     # mutations ----------------------------------------------------------------------------------
+    @_in_session
     def set_mig_mode(self, pci: str, enabled: bool) -> int:
         """Returns NVML's activation status: 0 applied, IN_USE / RESET_REQUIRED when left pending."""
         refuse_if(self.read_only, "set_mig_mode", pci)
@@ -368,6 +427,7 @@ class Nvml:
         mode = pynvml.NVML_DEVICE_MIG_ENABLE if enabled else pynvml.NVML_DEVICE_MIG_DISABLE
         return int(self._call("nvmlDeviceSetMigMode", pci, pynvml.nvmlDeviceSetMigMode, h, mode))
 
+    @_in_session
     def create_gpu_instance(self, pci: str, profile_id: int, start: int) -> int:
         """Creates a GI at an explicit placement (never by preference order) and returns its id."""
         refuse_if(self.read_only, "create_gpu_instance", pci)
@@ -384,6 +444,7 @@ class Nvml:
                         pynvml.nvmlDeviceCreateGpuInstanceWithPlacement, h, profile_id, byref(placement))
         return int(self._call("nvmlGpuInstanceGetInfo", pci, pynvml.nvmlGpuInstanceGetInfo, gi).id)
 
+    @_in_session
     def create_compute_instance(self, pci: str, gi_id: int, ci_profile_id: int, start: int | None = None) -> int:
         """Creates a CI in GI `gi_id` and returns its id: at compute slice `start` when given (the
         placement goes `byref`, as for GIs), else where the driver chooses."""
@@ -403,6 +464,7 @@ class Nvml:
                             byref(placement))
         return int(self._call("nvmlComputeInstanceGetInfo", pci, pynvml.nvmlComputeInstanceGetInfo, ci).id)
 
+    @_in_session
     def destroy_compute_instance(self, pci: str, gi_id: int, ci_id: int) -> None:
         refuse_if(self.read_only, "destroy_compute_instance", pci)
         gi = self._gi(pci, gi_id)
@@ -410,6 +472,7 @@ class Nvml:
                         pynvml.nvmlGpuInstanceGetComputeInstanceById, gi, ci_id)
         self._call("nvmlComputeInstanceDestroy", pci, pynvml.nvmlComputeInstanceDestroy, ci)
 
+    @_in_session
     def destroy_gpu_instance(self, pci: str, gi_id: int) -> None:
         refuse_if(self.read_only, "destroy_gpu_instance", pci)
         gi = self._gi(pci, gi_id)

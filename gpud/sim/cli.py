@@ -6,6 +6,7 @@ Other tools script against this syntax; keep it stable:
   gpud-sim release DIR DEVICE --pid PID
   gpud-sim fault DIR NVML_FUNCTION --nth N --error CODE
   gpud-sim hang DIR PCI | unplug DIR PCI | plug DIR PCI
+  gpud-sim reboot DIR                                   what a host reboot does (gpud/sim/reboot.py)
   gpud-sim stats DIR [--json]
   gpud-sim show DIR [--json]
 Exit status: 0 done, 1 the host refused (unknown device, nothing to release), 2 usage error.
@@ -215,6 +216,8 @@ def _parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=what)
         p.add_argument("dir")
         p.add_argument("pci")
+    p = sub.add_parser("reboot", help="reboot the host: instances and overrides gone, udev rules applied")
+    p.add_argument("dir")
     for name in ("stats", "show"):
         p = sub.add_parser(name)
         p.add_argument("dir")
@@ -242,6 +245,11 @@ def main(argv: list[str] | None = None) -> int:
 
             pci = _norm_pci(args.pci)
             getattr(kernel, args.cmd)(args.dir, pci)
+        elif args.cmd == "reboot":
+            from gpud.sim.reboot import reboot
+
+            for note in reboot(args.dir):
+                print(note)
         elif args.cmd == "stats":
             s = stats(args.dir)
             if args.json:

@@ -106,6 +106,7 @@ def _attach(st: SimState, f: SimFunction, drv: str, path: str, events: list[Ueve
                  and st.functions[a].driver == NVIDIA and st.functions[a].present}
         if gpu.minor in taken:  # minors can change across a rebind
             gpu.minor = min(set(range(len(st.gpus) + 1)) - taken)
+        f.nvidia_probes += 1
     f.driver = drv
     events.append(Uevent("bind", "pci", f.address, drv))
 

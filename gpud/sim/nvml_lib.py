@@ -255,6 +255,8 @@ class FakeNvmlLib:
         self._keys: dict[int, tuple] = {}  # address -> identity
         self._fns: dict[str, Callable[..., Any]] = {}
         self._mutex = threading.Lock()
+        # PCI address -> which nvidia probe of it the open session enumerated at nvmlInit (index order)
+        self.enumerated: dict[str, int] = {}
 
     def __getattr__(self, name: str) -> Callable[..., Any]:
         if name.startswith("_") or name not in _IMPLS:
@@ -333,12 +335,25 @@ class FakeNvmlLib:
             return gpu, (gi, ci)
         raise _Ret(pynvml.NVML_ERROR_INVALID_ARGUMENT)
 
-    @staticmethod
-    def _visible(state: SimState, address: str) -> SimGpu:
+    def _visible(self, state: SimState, address: str) -> SimGpu:
+        """A GPU this session enumerated that is still on nvidia; one that left is lost to it."""
         gpu = next((g for g in visible_gpus(state) if g.address == address), None)
-        if gpu is None:
+        if gpu is None or self.enumerated.get(address) != state.functions[address].nvidia_probes:
             raise _Ret(pynvml.NVML_ERROR_GPU_IS_LOST)
         return gpu
+
+    # enumeration: a snapshot per session, as the real library takes at nvmlInit -----------------
+    def enumerate_devices(self, state: SimState) -> None:
+        """At the session's first nvmlInit: the GPUs on nvidia now are the session's devices, in
+        index order. A GPU that comes to nvidia later stays unknown until nvmlShutdown + nvmlInit
+        (docs/hardware/nvml-enumeration.md)."""
+        if self._inits == 0:
+            self.enumerated = {g.address: state.functions[g.address].nvidia_probes for g in visible_gpus(state)}
+
+    def forget_devices(self) -> None:
+        """At the last nvmlShutdown: the session's device list goes with it."""
+        if self._inits <= 0:
+            self.enumerated = {}
 
     @staticmethod
     def _find_ci(gpu: SimGpu, gi_id: int, uuid: str) -> tuple[SimGi, SimCi]:
@@ -389,6 +404,7 @@ class FakeNvmlLib:
 def _init(lib: FakeNvmlLib, state: SimState, flags: Any = 0) -> int:
     if "nvidia" not in state.loaded_modules:
         return pynvml.NVML_ERROR_DRIVER_NOT_LOADED
+    lib.enumerate_devices(state)
     lib._inits += 1
     return SUCCESS
 
@@ -396,6 +412,7 @@ def _init(lib: FakeNvmlLib, state: SimState, flags: Any = 0) -> int:
 @_nvml()
 def nvmlShutdown(lib: FakeNvmlLib, state: SimState) -> int:
     lib._inits -= 1
+    lib.forget_devices()
     return SUCCESS
 
 
@@ -432,16 +449,15 @@ def nvmlSystemGetProcessName(lib, state, pid, buf, length):
 
 @_nvml("nvmlDeviceGetCount", "nvmlDeviceGetCount_v2")
 def _count(lib, state, ref):
-    _deref(ref).value = len(visible_gpus(state))
+    _deref(ref).value = len(lib.enumerated)
 
 
 @_nvml("nvmlDeviceGetHandleByIndex", "nvmlDeviceGetHandleByIndex_v2")
 def _by_index(lib, state, index, ref):
-    gpus = visible_gpus(state)
     i = _int(index)
-    if i >= len(gpus):
+    if i >= len(lib.enumerated):
         raise _Ret(pynvml.NVML_ERROR_INVALID_ARGUMENT)
-    _set_ptr(_deref(ref), lib.gpu_handle(gpus[i]))
+    _set_ptr(_deref(ref), lib.gpu_handle(lib._visible(state, list(lib.enumerated)[i])))
 
 
 def _norm_bus_id(text: str) -> str:
@@ -466,10 +482,9 @@ def _by_pci(lib, state, bus_id, ref):
     if not text:
         raise _Ret(pynvml.NVML_ERROR_INVALID_ARGUMENT)
     address = _norm_bus_id(text.decode() if isinstance(text, bytes) else text)
-    gpu = next((g for g in visible_gpus(state) if g.address == address), None)
-    if gpu is None:
+    if address not in lib.enumerated:
         raise _Ret(pynvml.NVML_ERROR_NOT_FOUND)
-    _set_ptr(_deref(ref), lib.gpu_handle(gpu))
+    _set_ptr(_deref(ref), lib.gpu_handle(lib._visible(state, address)))
 
 
 @_nvml()
@@ -479,6 +494,8 @@ def nvmlDeviceGetHandleByUUID(lib, state, uuid, ref):
         raise _Ret(pynvml.NVML_ERROR_INVALID_ARGUMENT)
     text = text.decode() if isinstance(text, bytes) else text
     for gpu in visible_gpus(state):
+        if lib.enumerated.get(gpu.address) != state.functions[gpu.address].nvidia_probes:
+            continue
         if gpu.uuid == text:
             _set_ptr(_deref(ref), lib.gpu_handle(gpu))
             return
@@ -492,7 +509,7 @@ def nvmlDeviceGetHandleByUUID(lib, state, uuid, ref):
 @_nvml()
 def nvmlDeviceGetIndex(lib, state, handle, ref):
     gpu, _ = lib.gpu(state, handle)
-    _deref(ref).value = [g.address for g in visible_gpus(state)].index(gpu.address)
+    _deref(ref).value = list(lib.enumerated).index(gpu.address)
 
 
 @_nvml()

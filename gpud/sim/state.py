@@ -16,6 +16,7 @@ from pathlib import Path
 import msgspec
 
 STATE_FILE = "state.json"
+FIRST_BOOT_ID = "00000000-0000-4000-8000-000000000001"
 LOCK_FILE = "state.lock"
 
 
@@ -72,6 +73,9 @@ class SimFunction(msgspec.Struct):
     iommu_group: int | None = None
     numa_node: int = -1
     present: bool = True
+    # times the nvidia driver has probed this function: an NVML session that enumerated an
+    # earlier probe has lost the GPU, even when it is bound again at the same address
+    nvidia_probes: int = 0
 
 
 class SimGpu(msgspec.Struct):
@@ -108,6 +112,9 @@ class SimState(msgspec.Struct):
     calls: dict[str, int] = msgspec.field(default_factory=dict)  # NVML function -> count
     resets: dict[str, int] = msgspec.field(default_factory=dict)  # PCI address -> GPU resets done
     driver_version: str = "580.159.04"
+    # /proc/sys/kernel/random/boot_id of the simulated host: `gpud-sim reboot` draws a new one
+    boot_id: str = FIRST_BOOT_ID
+    boots: int = 0  # reboots since `gpud-sim create`
     cuda_version: int = 13000
 
 

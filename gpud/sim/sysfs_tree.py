@@ -191,6 +191,9 @@ def desired_tree(host_dir: str | os.PathLike, state: SimState) -> dict[str, tupl
     for p in ("sys", "sys/devices", f"sys/{PCI_ROOT}", "sys/bus", "sys/bus/pci", "sys/bus/pci/devices",
               "sys/bus/pci/drivers", "sys/kernel", "sys/kernel/iommu_groups", "sys/module", "dev", "proc"):
         d(p)
+    for p in ("proc/sys", "proc/sys/kernel", "proc/sys/kernel/random"):
+        d(p)
+    f("proc/sys/kernel/random/boot_id", state.boot_id + "\n")
     f("sys/bus/pci/drivers_probe", "", 0o200)
     f("sys/bus/pci/rescan", "", 0o200)
 

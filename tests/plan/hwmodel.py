@@ -230,7 +230,7 @@ class FakeNvml:
             raise HwError(code, name, pci)
         return fn(*args)
 
-    def gpus(self) -> list[NvmlGpu]:
+    def gpus(self, *, on_nvidia=None) -> list[NvmlGpu]:  # a model without NVML's enumeration at init
         return [g.snapshot() for g in self.hw.values()]
 
     def gpu(self, pci: str) -> NvmlGpu | None:

@@ -75,8 +75,53 @@ def test_enumerates_nvidia_bound_present_gpus_in_pci_order(h200):
     with locked(h200.host_dir) as st:
         st.functions["0000:18:00.0"].driver = "vfio-pci"
         st.functions["0000:3a:00.0"].present = False
+    # the session keeps what it enumerated at nvmlInit; the two that left are lost to it
+    assert N.nvmlDeviceGetCount() == 3
+    assert code_of(N.nvmlDeviceGetHandleByIndex, 0) == N.NVML_ERROR_GPU_IS_LOST
+    assert code_of(N.nvmlDeviceGetHandleByIndex, 2) == N.NVML_ERROR_GPU_IS_LOST
+    N.nvmlShutdown()
+    N.nvmlInit()
     assert N.nvmlDeviceGetCount() == 1
     assert N.nvmlDeviceGetPciInfo(handle(0)).busId == "00000000:2A:00.0"
+
+
+def test_a_gpu_coming_to_nvidia_is_seen_only_by_a_new_session(h200):
+    """NVML enumerates at nvmlInit (docs/hardware/nvml-enumeration.md): a GPU rebound to nvidia
+    later is unknown to the open session, by index, bus id and UUID, until shutdown + init."""
+    with locked(h200.host_dir) as st:
+        st.functions["0000:2a:00.0"].driver = "vfio-pci"
+        uuid = st.gpus["0000:2a:00.0"].uuid
+    N.nvmlShutdown()
+    N.nvmlInit()
+    assert N.nvmlDeviceGetCount() == 2
+    with locked(h200.host_dir) as st:
+        st.functions["0000:2a:00.0"].driver = "nvidia"
+    assert N.nvmlDeviceGetCount() == 2
+    assert code_of(N.nvmlDeviceGetHandleByPciBusId, b"0000:2a:00.0") == N.NVML_ERROR_NOT_FOUND
+    assert code_of(N.nvmlDeviceGetHandleByUUID, uuid.encode()) == N.NVML_ERROR_NOT_FOUND
+    N.nvmlInit()  # a nested init is counted, not a new enumeration
+    assert N.nvmlDeviceGetCount() == 2
+    N.nvmlShutdown()
+    N.nvmlShutdown()
+    N.nvmlInit()
+    assert N.nvmlDeviceGetCount() == 3
+    assert N.nvmlDeviceGetUUID(N.nvmlDeviceGetHandleByPciBusId(b"0000:2a:00.0")) == uuid
+    assert N.nvmlDeviceGetIndex(N.nvmlDeviceGetHandleByUUID(uuid.encode())) == 1
+
+
+def test_a_handle_of_a_gpu_that_left_is_lost(h200):
+    from gpud.sim import kernel
+
+    h = N.nvmlDeviceGetHandleByPciBusId(b"0000:3a:00.0")
+    kernel.unplug(h200.host_dir, "0000:3a:00.0")
+    assert code_of(N.nvmlDeviceGetUUID, h) == N.NVML_ERROR_GPU_IS_LOST
+    assert code_of(N.nvmlDeviceGetHandleByPciBusId, b"0000:3a:00.0") == N.NVML_ERROR_GPU_IS_LOST
+    kernel.plug(h200.host_dir, "0000:3a:00.0")  # back at the same address: a new device to the driver
+    assert load(h200.host_dir).functions["0000:3a:00.0"].driver == "nvidia"
+    assert code_of(N.nvmlDeviceGetUUID, h) == N.NVML_ERROR_GPU_IS_LOST
+    N.nvmlShutdown()
+    N.nvmlInit()
+    assert N.nvmlDeviceGetUUID(N.nvmlDeviceGetHandleByPciBusId(b"0000:3a:00.0")).startswith("GPU-")
 
 
 def test_identity_queries_match_the_fixture_formats(h200):

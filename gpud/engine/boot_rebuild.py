@@ -1,0 +1,83 @@
+"""After a reboot: what gpud's first pass rebuilt, said once in an event and kept in status.
+
+Why: nothing gpud builds survives a reboot (GPU and compute instances, a Hopper GPU's MIG mode,
+driver_override; docs/hardware/reboot.md), so the first pass after a boot rebuilds the layout
+before the GPUs' consumers start, and an operator must be able to see that it did and what. A
+restart of gpud within the same boot is not a reboot: the boot id (/proc/sys/kernel/random/boot_id)
+of the last start whose first pass ended is kept in STATE_DIR/boot.json, and only a different one
+means the host rebooted since. A first start ever (no file) claims nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Mapping
+from pathlib import Path
+
+from gpud.engine.events import EventBus
+from gpud.engine.gpu_state import GpuState
+from gpud.host.atomic_file import replace_file
+
+log = logging.getLogger(__name__)
+
+BOOT_FILE = "boot.json"
+
+
+class BootRebuild:
+    """`boot_id` is this boot's id (None: unknown, nothing is claimed)."""
+
+    def __init__(self, state_dir: str | None, boot_id: str | None, bus: EventBus, *, read_only: bool = False):
+        self.bus = bus
+        self.boot_id = boot_id
+        self.read_only = read_only
+        self.path = Path(state_dir) / BOOT_FILE if state_dir and boot_id else None
+        previous = self._previous()
+        self.after_boot = previous is not None and previous != boot_id
+        self.summary: str | None = None  # "rebuilt after boot: ..." once the first pass ended
+        self._changed: dict[str, str] = {}  # pci -> "GPU <index> (<pci>)" of GPUs the passes changed
+        if previous is None:
+            self._remember()
+
+    def _previous(self) -> str | None:
+        if self.path is None:
+            return None
+        try:
+            return str(json.loads(self.path.read_text())["boot_id"])
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            log.error("%s unreadable (%s): not claiming a reboot", self.path, e)
+            return self.boot_id
+
+    def _remember(self) -> None:
+        if self.path is None or self.read_only:
+            return
+        try:
+            replace_file(str(self.path), json.dumps({"boot_id": self.boot_id}).encode() + b"\n")
+        except OSError as e:
+            log.error("cannot record the boot id in %s: %s", self.path, e)
+
+    def will_change(self, gpus: Mapping[str, str]) -> None:
+        """The GPUs a pass is about to change (pci -> how status names it)."""
+        if self.after_boot:
+            self._changed.update(gpus)
+
+    def pass_ended(self, states: Mapping[str, GpuState], phase: str) -> None:
+        """After a pass: the first one that settles after a boot (any phase but applying/pending)
+        is reported; the boot id is then remembered, so a restart in this boot claims nothing."""
+        if not self.after_boot or phase in ("applying", "pending", "starting"):
+            return
+        if self._changed:
+            parts = []
+            for pci in sorted(self._changed):
+                st = states.get(pci)
+                what = st.message if st is not None and st.converged else (
+                    f"{st.state}: {st.message}" if st is not None else "no result")
+                parts.append(f"{self._changed[pci]}: {what}")
+            self.summary = "rebuilt after boot: " + "; ".join(parts)
+        else:
+            self.summary = "rebuilt after boot: nothing, the host came up as the layout wants"
+        self.after_boot = False
+        self.bus.publish("rebuilt-after-boot", self.summary)
+        self._remember()
