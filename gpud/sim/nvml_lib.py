@@ -14,6 +14,7 @@ identity (PCI address, GI, CI / MIG device).
 from __future__ import annotations
 
 import ctypes
+import os
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -23,7 +24,7 @@ import pynvml
 from gpud.layout.names import device_name
 from gpud.model import MigProfile
 from gpud.profiles import MODELS, NOT_IN_MIG_INSTANCE, ModelInfo
-from gpud.sim.state import SimCi, SimGi, SimGpu, SimProcess, SimState, locked
+from gpud.sim.state import SimCi, SimGi, SimGpu, SimProcess, SimSession, SimState, locked
 
 SUCCESS = pynvml.NVML_SUCCESS
 MIB = 1 << 20
@@ -384,13 +385,36 @@ def _init(lib: FakeNvmlLib, state: SimState, flags: Any = 0) -> int:
     if "nvidia" not in state.loaded_modules:
         return pynvml.NVML_ERROR_DRIVER_NOT_LOADED
     lib._inits += 1
+    if lib._inits == 1:
+        open_session(lib, state)
     return SUCCESS
 
 
 @_nvml()
 def nvmlShutdown(lib: FakeNvmlLib, state: SimState) -> int:
     lib._inits -= 1
+    if lib._inits == 0:
+        close_session(lib, state)
     return SUCCESS
+
+
+# Session tracking (issue 9): what this library's open session holds, kept in the state file so
+# the simulated kernel and nvidia-smi see it from other processes.
+def _session_owner(lib: FakeNvmlLib) -> str:
+    return f"{os.getpid()}:{id(lib):x}"
+
+
+def open_session(lib: FakeNvmlLib, state: SimState) -> None:
+    """The first nvmlInit of this library opens the device node of every GPU on nvidia."""
+    gpus = sorted(a for a, f in state.functions.items() if f.present and f.driver == "nvidia" and a in state.gpus)
+    owner = _session_owner(lib)
+    state.sessions = [s for s in state.sessions if s.owner != owner]
+    state.sessions.append(SimSession(owner=owner, pid=os.getpid(), gpus=gpus))
+
+
+def close_session(lib: FakeNvmlLib, state: SimState) -> None:
+    owner = _session_owner(lib)
+    state.sessions = [s for s in state.sessions if s.owner != owner]
 
 
 @_nvml()

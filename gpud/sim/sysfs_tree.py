@@ -100,6 +100,12 @@ def gpu_holders(state: SimState, address: str) -> list:
     return [p for p in state.processes if p.device in ids]
 
 
+def session_holders(state: SimState, address: str) -> list:
+    """Open NVML sessions holding the GPU at `address` (gpud's own included): an nvmlInit opens
+    the device node of every GPU on nvidia at that moment (docs/hardware/gpu-reset.md)."""
+    return [s for s in state.sessions if address in s.gpus]
+
+
 def vfio_holders(state: SimState, group: int | None) -> list:
     """SimProcesses with /dev/vfio/<group> open: holders of a vfio-bound endpoint of the group."""
     if group is None:
