@@ -409,12 +409,28 @@ def open_session(lib: FakeNvmlLib, state: SimState) -> None:
     gpus = sorted(a for a, f in state.functions.items() if f.present and f.driver == "nvidia" and a in state.gpus)
     owner = _session_owner(lib)
     state.sessions = [s for s in state.sessions if s.owner != owner]
-    state.sessions.append(SimSession(owner=owner, pid=os.getpid(), gpus=gpus))
+    state.sessions.append(SimSession(owner=owner, pid=os.getpid(), name=_comm(), gpus=gpus))
+    _render(lib, state)
 
 
 def close_session(lib: FakeNvmlLib, state: SimState) -> None:
     owner = _session_owner(lib)
     state.sessions = [s for s in state.sessions if s.owner != owner]
+    _render(lib, state)
+
+
+def _comm() -> str:
+    try:
+        with open("/proc/self/comm") as f:
+            return f.read().strip()
+    except OSError:
+        return "python3"
+
+
+def _render(lib: FakeNvmlLib, state: SimState) -> None:
+    from gpud.sim.sysfs_tree import render  # the session's open nodes show in DIR/proc
+
+    render(lib.host_dir, state)
 
 
 @_nvml()

@@ -94,6 +94,7 @@ class SimSession(msgspec.Struct):
 
     owner: str  # "<pid>:<library instance>": one process may load the library more than once
     pid: int
+    name: str = ""  # the process's comm, shown in DIR/proc with the nodes it holds
     gpus: list[str] = msgspec.field(default_factory=list)  # PCI addresses whose nodes it holds
 
 
