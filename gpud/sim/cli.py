@@ -258,6 +258,8 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 for fn, n in s["calls"].items():
                     print(f"{n:8d}  {fn}")
+                for pci, by_method in s["resets"].items():
+                    print(f"reset {pci}: " + ", ".join(f"{m} {n}" for m, n in by_method.items()))
         elif args.cmd == "show":
             with locked(args.dir, write=False) as st:
                 s = summary(st)

@@ -46,13 +46,19 @@ class SimProcess(msgspec.Struct):
 
 
 def _alive(pid: int) -> bool:
+    """A live process of this machine. A zombie is not: the kernel closed its files at exit, so it
+    holds no device node and NVML no longer lists it."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except (OSError, IndexError):
+        return True
 
 
 class SimFunction(msgspec.Struct):

@@ -109,3 +109,31 @@ async def test_nvswitch_refusal_under_reboot_allow_is_left_to_the_reboot_policy(
         assert resets(rig) == {}
     finally:
         rig.close()
+
+
+async def test_a_reset_that_claims_success_but_changes_nothing_asks_for_a_reboot(tmp_path):
+    """mig-parted #9/#18: a reset that 'worked' and left the mode pending. Here a stand-in tool that
+    exits 0 with the success words and touches nothing; gpud re-reads and says reboot-required."""
+    rig = SimRig(tmp_path, ("a100-80gb",))
+    inert = tmp_path / "inert-nvidia-smi"
+    inert.write_text("#!/bin/sh\necho \"GPU 00000000:18:00.0 was successfully reset.\"\n")
+    inert.chmod(0o755)
+    rig.hw.reset.command = [str(inert)]
+    try:
+        assert await rig.apply(MIG_ON)
+        st = rig.rec.gpu_states[GPU0]
+        assert st.state == "reboot-required" and "did not apply" in st.message, st.message
+        assert load(rig.dir).gpus[GPU0].mig_mode == 0 and resets(rig) == {}
+    finally:
+        rig.close()
+
+
+async def test_policy_reset_never_leaves_the_reset_to_the_operator(tmp_path):
+    rig = SimRig(tmp_path, ("a100-80gb",))
+    try:
+        assert await rig.apply(layout(mig([0], {"7g.80gb": 1}), policy={"reset": "never"}))
+        st = rig.rec.gpu_states[GPU0]
+        assert st.state == "reset-required" and "policy reset is 'never'" in st.message, st.message
+        assert resets(rig) == {}
+    finally:
+        rig.close()
