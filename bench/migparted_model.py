@@ -21,7 +21,7 @@ from ctypes import byref, c_uint
 
 import pynvml as N
 
-from gpud.layout.names import find_profile
+from gpud.layout.names import parse_mig_name
 from gpud.profiles import CI_PROFILE_ID, GI_PROFILE_INDEX
 
 MAX_ORDERS = 5040  # 7!: mig-parted gives up after trying every order
@@ -117,8 +117,13 @@ def apply(rig, desired: dict[str, tuple[bool, dict[str, int]]]) -> dict[str, int
             h = _handle(p)
             items = []
             for name, count in sorted(want.items()):
-                gi, ci = find_profile(name, gpus[p].nvml.profiles)
-                items += [(gi.id, ci.slices if ci else gi.slices)] * count
+                # the GI profile from the GPU's table; a `Nc.` prefix gives the CI's slices (NVML
+                # lists CI profiles only once a GI exists, so they cannot be looked up beforehand)
+                parsed = parse_mig_name(name)
+                gi = next((x for x in gpus[p].nvml.profiles if parsed and x.name == parsed.gi_name), None)
+                if gi is None:
+                    raise MigPartedFailed(f"{name}: not a MIG profile of this GPU")
+                items += [(gi.id, parsed.ci_slices or gi.slices)] * count
             _clear(h)
             for order in itertools.islice(dict.fromkeys(itertools.permutations(items)), MAX_ORDERS):
                 stats["orders_tried"] += 1

@@ -174,7 +174,6 @@ def summary(state: SimState) -> dict:
     return {"gpus": gpus, "functions": others,
             "processes": [msgspec.to_builtins(p) for p in state.processes],
             "faults": [msgspec.to_builtins(x) for x in state.faults], "hangs": list(state.hangs),
-            "nvml_sessions": [msgspec.to_builtins(x) for x in state.sessions],
             "modules": list(state.loaded_modules), "driver_version": state.driver_version}
 
 
