@@ -2,7 +2,8 @@
 
 From shared/reference (anchors.md, mig-facts.md) and mig-parted's documented behaviour:
 1. Mode: if any GPU in the config needs a MIG mode change, every MIG-enabled GPU in the config is
-   cleared (all CIs and GIs destroyed), the modes are set, and *all* GPUs in the config are reset.
+   cleared (all CIs and GIs destroyed), the modes are set, and *all* GPUs in the config are reset
+   (NVML shut down, one `nvidia-smi -r -i <ids>`: the simulated host's, which refuses while held).
 2. Per GPU whose current MIG devices (counted by name) differ from the config: destroy every CI
    and GI, then create the devices one at a time *without placements* (the driver picks the slot
    by its preference order), trying permutations of the creation order until one succeeds
@@ -14,12 +15,13 @@ From shared/reference (anchors.md, mig-facts.md) and mig-parted's documented beh
 from __future__ import annotations
 
 import itertools
+import subprocess
 from collections import Counter
 from ctypes import byref, c_uint
 
 import pynvml as N
 
-from gpud.layout.names import find_profile
+from gpud.layout.names import parse_mig_name
 from gpud.profiles import CI_PROFILE_ID, GI_PROFILE_INDEX
 
 MAX_ORDERS = 5040  # 7!: mig-parted gives up after trying every order
@@ -93,11 +95,17 @@ def apply(rig, desired: dict[str, tuple[bool, dict[str, int]]]) -> dict[str, int
                     _clear(_handle(p))
             for p in mode_changes:
                 N.nvmlDeviceSetMigMode(_handle(p), int(desired[p][0]))
-            for p in desired:  # reset every GPU of the config, changed or not
-                rig.hw.sysfs.reset(p)
-                stats["resets"] += 1
+            # reset every GPU of the config, changed or not, as mig-parted does with the nvidia
+            # module loaded: NVML shut down, then one `nvidia-smi -r -i <ids>` (the host's own)
             rig.hw.nvml.close()
-            rig.hw.nvml.open()
+            try:
+                argv = [*rig.hw.reset.command, "-r", "-i", ",".join(desired)]
+                done = subprocess.run(argv, capture_output=True, text=True, timeout=120, check=False)
+            finally:
+                rig.hw.nvml.open()
+            if done.returncode != 0:
+                raise MigPartedFailed(f"nvidia-smi -r failed (exit {done.returncode}): {done.stdout.strip()}")
+            stats["resets"] += len(desired)
             rig.rec.refresh()
             gpus = {g.pci: g for g in rig.rec.observation.gpus}
         for p, (on, devices) in desired.items():
@@ -109,8 +117,13 @@ def apply(rig, desired: dict[str, tuple[bool, dict[str, int]]]) -> dict[str, int
             h = _handle(p)
             items = []
             for name, count in sorted(want.items()):
-                gi, ci = find_profile(name, gpus[p].nvml.profiles)
-                items += [(gi.id, ci.slices if ci else gi.slices)] * count
+                # the GI profile from the GPU's table; a `Nc.` prefix gives the CI's slices (NVML
+                # lists CI profiles only once a GI exists, so they cannot be looked up beforehand)
+                parsed = parse_mig_name(name)
+                gi = next((x for x in gpus[p].nvml.profiles if parsed and x.name == parsed.gi_name), None)
+                if gi is None:
+                    raise MigPartedFailed(f"{name}: not a MIG profile of this GPU")
+                items += [(gi.id, parsed.ci_slices or gi.slices)] * count
             _clear(h)
             for order in itertools.islice(dict.fromkeys(itertools.permutations(items)), MAX_ORDERS):
                 stats["orders_tried"] += 1

@@ -29,6 +29,7 @@ from gpud.engine.observer import DEFAULT_MAX_AGE
 from gpud.engine.reconciler import Hardware, Reconciler
 from gpud.engine.udev_rules import UdevRules
 from gpud.host.logind import BOOT_ID_PATH
+from gpud.host.nvidia_smi import GpuReset
 from gpud.host.nvml import Nvml, NvmlError
 from gpud.host.procs import Procs
 from gpud.host.sysfs import Sysfs
@@ -55,6 +56,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--metrics-textfile", help="write Prometheus metrics to this file (node exporter's "
                     "textfile collector, e.g. /var/lib/prometheus/node-exporter/gpud.prom)")
     ap.add_argument("--unbind-timeout", type=float, default=30.0, help="seconds before an unbind is declared stuck")
+    ap.add_argument("--nvidia-smi", metavar="PATH", help="the nvidia-smi that resets a GPU bound to nvidia "
+                    "(`-r -i <PCI>`; default nvidia-smi from PATH, or DIR/bin/nvidia-smi with --sim)")
     ap.add_argument("--status-max-age", type=float, default=DEFAULT_MAX_AGE, metavar="S",
                     help="while clients ask for status, re-read the host when the observation is older "
                     f"than S seconds (default {DEFAULT_MAX_AGE:g}); changes gpud makes or hears of are "
@@ -97,6 +100,7 @@ def build_hardware(args: argparse.Namespace) -> tuple[Hardware, DeviceEventSourc
             sysfs=Sysfs(str(host.sys_root), read_only=args.read_only, store=host.store, modprobe=host.modprobe),
             nvml=Nvml(read_only=args.read_only, proc_root=str(host.proc_root)),
             procs=Procs(str(host.proc_root), str(host.dev_root), read_only=args.read_only, store=host.store),
+            reset=GpuReset(args.nvidia_smi or _sim_nvidia_smi(args.sim), read_only=args.read_only),
         )
         args.udev_rules = args.udev_rules or str(Path(args.sim) / "etc/udev/rules.d/70-gpud-vfio.rules")
         args.nfd_features = args.nfd_features or str(Path(args.sim) / NFD_FEATURES.lstrip("/"))
@@ -107,10 +111,20 @@ def build_hardware(args: argparse.Namespace) -> tuple[Hardware, DeviceEventSourc
     args.nfd_features = args.nfd_features or NFD_FEATURES
     args.dev_root = "/dev"
     args.boot_id_path = BOOT_ID_PATH
-    hw = Hardware(sysfs=Sysfs("/sys", read_only=args.read_only), nvml=Nvml(read_only=args.read_only), procs=Procs(read_only=args.read_only))
+    hw = Hardware(sysfs=Sysfs("/sys", read_only=args.read_only), nvml=Nvml(read_only=args.read_only),
+                  procs=Procs(read_only=args.read_only),
+                  reset=GpuReset(args.nvidia_smi or "nvidia-smi", read_only=args.read_only))
     from gpud.host.udev import UdevEvents
 
     return hw, UdevEvents, args.lock or "/run/gpud/apply.lock"
+
+
+def _sim_nvidia_smi(host_dir: str) -> str | list[str]:
+    """The simulated host's nvidia-smi: the wrapper gpud-sim create wrote, or the module itself."""
+    wrapper = Path(host_dir) / "bin" / "nvidia-smi"
+    if wrapper.is_file():
+        return str(wrapper)
+    return [sys.executable, "-m", "gpud.sim.nvidia_smi", "--sim", os.path.abspath(host_dir)]
 
 
 class Daemon:

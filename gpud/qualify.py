@@ -18,7 +18,7 @@ from pathlib import Path
 
 from gpud.engine.qualify_report import Check, Report, counts, render_text, to_json, verdict
 from gpud.host.host_services import HostServices
-from gpud.host.nvidia_smi import NvidiaSmi
+from gpud.host.nvidia_smi_query import NvidiaSmi
 from gpud.layout.match import DEFAULT_MATCH
 
 CONFIRM = "--yes-i-understand-this-reconfigures-GPU"

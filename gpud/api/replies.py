@@ -25,6 +25,7 @@ from gpud.host.nfd import read_features
 from gpud.model import Gpu, Holder, KnownGpu, MigProfile, Placement
 from gpud.plan.binding import BindingPlan, BindStep, plan_binding
 from gpud.plan.mig import Destroyed, GpuPlan, Step
+from gpud.plan.reset_scope import reset_takes_along
 from gpud.plan.node_labels import advertised
 from gpud.profiles import GI_PROFILE_INDEX, NVIDIA, ModelInfo, by_device, model_name
 
@@ -225,6 +226,8 @@ def _gpu_plan(rec: Reconciler, gpu: Gpu, desired: DesiredGpu, disruption: wire.D
             disruption.mode_changes.append(gpu.pci)
         if plan.reset:
             disruption.resets.append(gpu.pci)
+            along = reset_takes_along(gpu.pci, rec.observation.functions)
+            disruption.reset_with = sorted(set(disruption.reset_with) | set(along))
         if desired.workload == "vm-passthrough":
             entry.steps.append(wire.StepInfo(action="bind", driver="vfio-pci"))
             then = plan_binding(gpu, desired.workload, drivers=frozenset(rec.hw.sysfs.drivers()))

@@ -327,6 +327,8 @@ class Disruption(msgspec.Struct, kw_only=True):
     destroyed: list[DestroyedInfo] = []
     mode_changes: list[str] = []  # PCI addresses
     resets: list[str] = []  # PCI addresses
+    # NVSwitch system: GPUs a planned reset would take with it (the system resets them together)
+    reset_with: list[str] = []
     rebinds: list[RebindInfo] = []  # GPUs (and their IOMMU groups) leaving their driver
 
 

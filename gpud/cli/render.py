@@ -178,6 +178,8 @@ def render_plan(r: wire.PlanReply) -> str:
             out.append("  MIG mode changes: " + ", ".join(d.mode_changes))
         if d.resets:
             out.append("  GPU resets: " + ", ".join(d.resets))
+        if d.reset_with:
+            out.append("  NVSwitch system: a reset takes these GPUs with it: " + ", ".join(d.reset_with))
     else:
         out += ["", "disruption: none"]
     out += [f"warning: {w}" for w in r.warnings]

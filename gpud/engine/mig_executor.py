@@ -21,8 +21,10 @@ Error handling (NVML return codes):
   "failed", naming the NVML function, the code and its message.
 
 A mode change that stays pending is settled by resetting that GPU alone (policy reset: per-gpu)
-when nothing holds it; otherwise the outcome is "reset-required" and the create steps, which need
-MIG on, are not attempted.
+when nothing holds it: the run stops with `reset_due` and the caller resets the GPU (NVML closed,
+`nvidia-smi -r`), then plans the rest again. Holders make it "waiting" (the caller's on-busy
+policy applies); policy reset: never makes it "reset-required". The create steps, which need MIG
+on, are not attempted before the reset.
 """
 
 from __future__ import annotations
@@ -51,12 +53,15 @@ class Outcome(Struct, frozen=True):
     message: str
     holders: list[Holder] = field(default_factory=list)
     done: int = 0  # steps completed
+    reset_due: bool = False  # the run stopped for a reset of this GPU, which the caller carries out
 
 
 class _Stop(Exception):
-    def __init__(self, state: GpuStateName, message: str, holders: Sequence[Holder] = ()) -> None:
+    def __init__(self, state: GpuStateName, message: str, holders: Sequence[Holder] = (),
+                 reset_due: bool = False) -> None:
         super().__init__(message)
         self.outcome = (state, message, sorted(set(holders)))
+        self.reset_due = reset_due
 
 
 class _NobodyHolds(Exception):
@@ -93,12 +98,12 @@ def _layout(g: NvmlGpu) -> list[tuple[Any, int, tuple[int, ...]]]:
 
 
 class _Run:
-    def __init__(self, nvml: Any, plan: GpuPlan, sysfs: Any, policy_reset: str, retries: int,
+    def __init__(self, nvml: Any, plan: GpuPlan, policy_reset: str, retries: int,
                  sleep: Callable[[float], None], backoff_s: float,
                  holders: Callable[[str], Sequence[Holder]] | None, in_use_window_s: float) -> None:
         self.nvml, self.plan, self.pci = nvml, plan, plan.pci
         self.in_use_window_s = in_use_window_s
-        self.sysfs, self.policy_reset, self.retries = sysfs, policy_reset, retries
+        self.policy_reset, self.retries = policy_reset, retries
         self.sleep, self.backoff_s, self.holders = sleep, backoff_s, holders
 
     # ---- reading ------------------------------------------------------------------------------
@@ -291,27 +296,18 @@ class _Run:
         return self.reset(g, want, f"MIG mode {'on' if want else 'off'} is pending on {self.pci}{note}")
 
     def reset(self, g: NvmlGpu, want: int | None, why: str = "") -> NvmlGpu:
-        """Reset this GPU only (never its neighbours: mig-parted #357) when policy and holders allow."""
+        """Stop here for a reset of this GPU only (never its neighbours: mig-parted #357), when
+        policy and holders allow. The reset itself is not done here: it needs gpud's NVML session
+        closed, which only the caller can do once no other GPU's NVML work runs (see
+        Reconciler._run_reset); the steps after it are planned again from what the GPU then shows."""
         why = why or f"a reset of {self.pci} was planned"
         if self.policy_reset != "per-gpu":
             raise _Stop("reset-required", f"{why}; policy reset is {self.policy_reset!r}, so the reset is left to you")
-        if self.sysfs is None:
-            raise _Stop("reset-required", f"{why}; no sysfs access to reset it")
         busy = _all_holders(g) + list(self.holders(self.pci) if self.holders else ())
         if busy:
             names = ", ".join(f"pid {h.pid} {h.name}" for h in sorted(set(busy)))
-            raise _Stop("reset-required", f"{why}; the reset waits for {names}", busy)
-        try:
-            self.sysfs.reset(self.pci)
-        except ReadOnlyError as e:
-            raise _Stop("failed", str(e)) from e
-        except OSError as e:
-            raise _Stop("reset-required", f"{why}; resetting {self.pci} failed: {e}") from e
-        g = self.read()
-        if want is not None and g.mig_mode != want:
-            raise _Stop("reboot-required", f"{why}; the reset of {self.pci} did not apply it "
-                                           f"(mode {g.mig_mode}, pending {g.mig_pending}): reboot the host")
-        return g
+            raise _Stop("waiting", f"{why}; the reset waits for {names}", busy)
+        raise _Stop("reset-required", f"{why}; a reset of {self.pci} is due", reset_due=True)
 
     def verify(self, g: NvmlGpu) -> None:
         """The end state is the plan's target, not just 'no call failed'."""
@@ -349,7 +345,6 @@ def execute(
     nvml: Any,
     plan: GpuPlan,
     *,
-    sysfs: Any = None,
     policy_reset: str = "per-gpu",
     on_step: Callable[..., None] | None = None,
     retries: int = 3,
@@ -358,7 +353,7 @@ def execute(
     holders: Callable[[str], Sequence[Holder]] | None = None,
     in_use_window_s: float = 15.0,
 ) -> Outcome:
-    """Run `plan` on its GPU. `nvml` follows gpud.host.nvml.Nvml, `sysfs` gpud.host.sysfs.Sysfs.
+    """Run `plan` on its GPU. `nvml` follows gpud.host.nvml.Nvml.
     `on_step(step, result)` is called after each step ("done") and on the step that stops the run.
     `holders(pci)` may add device-node holders (from /proc) to what blocks a reset."""
     if plan.infeasible:
@@ -366,7 +361,7 @@ def execute(
     if plan.blocked_by:
         names = ", ".join(f"pid {h.pid} {h.name} on {h.device}" for h in plan.blocked_by)
         return Outcome("waiting", f"waiting for {names}", list(plan.blocked_by))
-    run = _Run(nvml, plan, sysfs, policy_reset, retries, sleep, backoff_s, holders, in_use_window_s)
+    run = _Run(nvml, plan, policy_reset, retries, sleep, backoff_s, holders, in_use_window_s)
     done = 0
     step: Step | None = None
     try:
@@ -381,8 +376,8 @@ def execute(
     except _Stop as stop:
         state, message, hs = stop.outcome
         if on_step is not None and step is not None:
-            on_step(step, state)
-        return Outcome(state, message, hs, done)
+            on_step(step, "reset-due" if stop.reset_due else state)
+        return Outcome(state, message, hs, done, stop.reset_due)
     n = len(plan.steps)
     return Outcome("converged", f"{n} MIG step{'' if n == 1 else 's'} applied" if n else "nothing to do", [], done)
 

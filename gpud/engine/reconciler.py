@@ -39,6 +39,7 @@ from gpud.engine.boot_rebuild import BootRebuild
 from gpud.engine.reboot_policy import RebootPolicy
 from gpud.engine.scheduler import PassScheduler
 from gpud.host.logind import BOOT_ID_PATH, current_boot_id
+from gpud.host.nvidia_smi import KNOWN_HOLDERS, GpuReset
 from gpud.host.nvml import Nvml
 from gpud.host.procs import Procs
 from gpud.host.sysfs import Sysfs
@@ -62,6 +63,7 @@ class Hardware(msgspec.Struct):
     sysfs: Sysfs
     nvml: Nvml
     procs: Procs
+    reset: GpuReset | None = None  # nvidia-smi -r for nvidia-bound GPUs; None: resets are left to the operator
 
 
 class Reconciler:
@@ -503,7 +505,6 @@ class Reconciler:
 
     async def _run_mig(self, gpu: Gpu, plan: GpuPlan, desired: DesiredGpu) -> GpuState:
         from gpud.engine import mig_executor
-        from gpud.host.deadline_write import DeadlineSysfs
 
         loop = asyncio.get_running_loop()
 
@@ -527,13 +528,67 @@ class Reconciler:
                     return GpuState("converged", "re-read")
                 plan = action.plan
             outcome = await self._in_worker(
-                mig_executor.execute, self.hw.nvml, plan, sysfs=DeadlineSysfs(self.hw.sysfs, self.binder_timeout),
+                mig_executor.execute, self.hw.nvml, plan,
                 policy_reset=self.policy.reset if self.policy else "per-gpu", on_step=on_step,
                 holders=self._device_holders,
             )
         if outcome.done:
             self._mig_changed.add(gpu.pci)
+        if outcome.reset_due:
+            return await self._run_reset(gpu, outcome.message)
         return GpuState(outcome.state, outcome.message, tuple(outcome.holders))
+
+    async def _run_reset(self, gpu: Gpu, why: str) -> GpuState:
+        """Reset one GPU the way the driver supports (gpud.host.nvidia_smi): policy.drain-units
+        stopped, gpud's NVML session closed (no other GPU's NVML work runs meanwhile), `nvidia-smi
+        -r -i <PCI>`, NVML open again and the GPU re-read. "converged" here means "go on": the
+        caller plans the GPU again from what it shows now."""
+        from gpud.host.deadline_write import DeadlineSysfs
+
+        if self.hw.reset is None:
+            return GpuState("reset-required", f"{why}; no reset tool is configured (--nvidia-smi)")
+        resetter = self.hw.reset
+        if resetter.sysfs is None:  # a function off nvidia is reset through sysfs, with a deadline
+            resetter.sysfs = DeadlineSysfs(self.hw.sysfs, self.binder_timeout)
+
+        def reset_with_nvml_closed():
+            self.hw.nvml.suspend()  # nvidia-smi refuses while our own session holds the GPU
+            try:
+                return resetter.reset(gpu.pci, gpu.function.driver)
+            finally:
+                self.hw.nvml.resume()
+
+        self.bus.publish("step", f"reset {gpu.pci}: {' '.join(resetter.argv(gpu.pci))}", gpu=gpu.pci)
+        async with self.nvml_gate.hold("closed"), self._drained(gpu):
+            result = await self._in_worker(reset_with_nvml_closed)
+        self.bus.publish("reset", f"{'done' if result.ok else 'refused'} ({result.method}): {result.summary()}",
+                         gpu=gpu.pci)
+        if not result.ok:
+            return self._reset_refused(gpu, why, result)
+        self._mig_changed.add(gpu.pci)
+        await self.refresh_async()
+        after = next((g for g in self.observation.gpus if g.pci == gpu.pci), None)
+        nv = after.nvml if after is not None else None
+        if nv is not None and nv.mig_mode is not None and nv.mig_pending is not None and nv.mig_mode != nv.mig_pending:
+            return GpuState("reboot-required", f"{why}; the reset of {gpu.pci} did not apply it "
+                                               f"(mode {nv.mig_mode}, pending {nv.mig_pending}): reboot the host")
+        return GpuState("converged", f"reset {gpu.pci} ({result.method})")
+
+    def _reset_refused(self, gpu: Gpu, why: str, result) -> GpuState:
+        """A refused reset: in use -> name the holders (waiting/failed per on-busy, never killed);
+        refused for another reason (an NVSwitch system that resets GPUs only together, a driver
+        that cannot) -> reset-required with the tool's words, or the reboot policy."""
+        if result.in_use:
+            holders = self._device_holders(gpu.pci)
+            seen = {h.pid for h in holders}
+            holders += [h for h in self.hw.procs.running(KNOWN_HOLDERS) if h.pid not in seen]
+            if holders:
+                names = ", ".join(f"pid {h.pid} {h.name}" for h in holders)
+                return self._busy(GpuState("waiting", f"{why}; {result.summary()}; held by {names}", tuple(holders)))
+            return GpuState("failed", f"{why}; {result.summary()}; no process holding it was found "
+                                      f"(a kernel client such as nvidia_drm may hold it)")
+        state = "reboot-required" if self.policy is not None and self.policy.reboot == "allow" else "reset-required"
+        return GpuState(state, f"{why}; the reset was refused: {result.summary()}")
 
     def _device_holders(self, pci: str) -> list[Holder]:
         """Processes with the GPU's device node open (persistenced, DCGM, X, CUDA): a reset must

@@ -1,99 +1,87 @@
-"""nvidia-smi, asked read-only: `nvidia-smi -q` for what NVML does not say as plainly.
+"""GPU reset the way the driver supports it: `nvidia-smi -r -i <PCI>` while nvidia is bound.
 
-gpud runs nvidia-smi only to read: the driver version it prints, and per GPU the sections a
-qualification reads (`Persistence Mode`, `MIG Mode`, `GPU Reset Status` where the driver prints it,
-`Fabric`). `-q` prints a tree of `Key : Value` lines indented by four spaces per level, one
-`GPU 00000000:00:06.0` section per GPU (tests/fixtures/h200-qualify/nvidia-smi-q.txt is a real
-H200 answer, driver 580.159.04). A section the driver does not print is absent, never guessed.
+Why not sysfs `reset`: with the nvidia module bound, NVIDIA's tools never reset through sysfs;
+mig-parted shuts NVML down and runs `nvidia-smi -r -i <ids>`, and only uses a PCI reset when the
+module is not loaded (docs/hardware/gpu-reset.md). A sysfs reset under a bound nvidia driver resets
+the function behind the driver's back. So: nvidia-bound GPUs go through nvidia-smi, whose exit
+status and words say whether it worked and why not; a function no nvidia driver is bound to is
+reset through sysfs (with the deadline the caller's sysfs adapter gives it).
+
+The caller must close its own NVML session first: nvidia-smi refuses ("In use by another client")
+while any client, gpud included, holds the GPU's device node.
 """
 
 from __future__ import annotations
 
-import os
-import re
-import shutil
 import subprocess
 from typing import Any
 
 from msgspec import Struct
 
-from gpud.pci import normalize_pci
+from gpud.host.readonly import refuse_if
 
-_GPU_HEADING = re.compile(r"^GPU ([0-9A-Fa-f]+:[0-9A-Fa-f]{2}:[0-9A-Fa-f]{2}\.[0-7])$")
-Tree = dict[str, Any]  # key -> str value or a nested Tree
-
-
-class SmiQuery(Struct, frozen=True):
-    path: str
-    driver_version: str | None
-    cuda_version: str | None
-    gpus: dict[str, Tree]  # normalized PCI address -> that GPU's section
+IN_USE_WORDS = "In use by another client"
+IN_USE_WORDS_OLD = "is currently in use by another process"  # older drivers (gpu-operator#118)
+# Services that commonly keep a GPU open and block a reset (gpu-operator#118, DCGM#276,
+# mig-parted#181): named in the GPU's state when they run, whether or not gpud could see their fds.
+KNOWN_HOLDERS = ("nvidia-persistenced", "nv-hostengine", "nv-fabricmanager", "nvidia-fabricmanager", "Xorg")
 
 
-class NvidiaSmiError(Exception):
-    pass
+class ResetResult(Struct, frozen=True):
+    ok: bool
+    method: str  # "nvidia-smi" | "sysfs"
+    exit_status: int | None  # nvidia-smi's; None for sysfs or when it could not run
+    output: str  # nvidia-smi's stdout + stderr, or the error
+
+    @property
+    def in_use(self) -> bool:
+        return IN_USE_WORDS in self.output or IN_USE_WORDS_OLD in self.output
+
+    def summary(self) -> str:
+        """One line for a GPU's state: the tool's first meaningful words."""
+        lines = [ln.strip() for ln in self.output.splitlines() if ln.strip()]
+        text = "; ".join(lines[:2]) if lines else "no output"
+        if self.method == "nvidia-smi" and self.exit_status is not None:
+            return f"nvidia-smi exit {self.exit_status}: {text}"
+        return text
 
 
-def parse_query(text: str) -> tuple[Tree, dict[str, Tree]]:
-    """`nvidia-smi -q` text -> (top-level keys, {pci: GPU section}). The first of a repeated key wins."""
-    top: Tree = {}
-    gpus: dict[str, Tree] = {}
-    stack: list[tuple[int, Tree]] = [(-1, top)]
-    for raw in text.splitlines():
-        if not raw.strip() or raw.lstrip().startswith("="):
-            continue
-        indent = len(raw) - len(raw.lstrip(" "))
-        line = raw.strip()
-        while stack and stack[-1][0] >= indent:
-            stack.pop()
-        parent = stack[-1][1] if stack else top
-        key, sep, value = line.partition(":")
-        heading = _GPU_HEADING.match(line)
-        if heading and indent == 0:
-            section: Tree = {}
-            gpus[normalize_pci(heading.group(1)) or heading.group(1).lower()] = section
-            stack = [(-1, top), (indent, section)]
-            continue
-        if sep and value.strip():
-            parent.setdefault(key.strip(), value.strip())
-        elif sep and not value.strip() and key.strip() and not line.endswith(":"):
-            parent.setdefault(key.strip(), "")
-        else:
-            section = {}
-            name = key.strip() if sep else line
-            if name not in parent:
-                parent[name] = section
-            stack.append((indent, section))
-    return top, gpus
+class GpuReset:
+    """Resets one GPU: `command` is nvidia-smi (a path, or an argv list for a wrapper)."""
 
-
-class NvidiaSmi:
-    def __init__(self, path: str | None = None, *, timeout: float = 60.0):
-        self.configured = path
+    def __init__(self, command: str | list[str] = "nvidia-smi", *, sysfs: Any = None, timeout: float = 120.0,
+                 read_only: bool = False) -> None:
+        self.command = [command] if isinstance(command, str) else list(command)
+        self.sysfs = sysfs  # used only for a function no nvidia driver is bound to
         self.timeout = timeout
+        self.read_only = read_only
 
-    def find(self) -> str | None:
-        if self.configured:
-            return self.configured if os.access(self.configured, os.X_OK) else None
-        return shutil.which("nvidia-smi")
+    def argv(self, pci: str) -> list[str]:
+        return [*self.command, "-r", "-i", pci]
 
-    def query(self) -> SmiQuery:
-        """Run `nvidia-smi -q` (reads only); NvidiaSmiError with its message when it fails."""
-        path = self.find()
-        if path is None:
-            raise NvidiaSmiError(f"nvidia-smi not found ({self.configured or 'not on PATH'})")
+    def reset(self, pci: str, driver: str | None) -> ResetResult:
+        refuse_if(self.read_only, "reset", pci)
+        if driver != "nvidia":
+            return self._sysfs_reset(pci)
+        argv = self.argv(pci)
         try:
-            r = subprocess.run([path, "-q"], capture_output=True, text=True, timeout=self.timeout,
-                               errors="replace")
-        except subprocess.TimeoutExpired as e:
-            raise NvidiaSmiError(f"{path} -q did not answer within {self.timeout:g} s") from e
+            done = subprocess.run(argv, capture_output=True, text=True, timeout=self.timeout, check=False,
+                                  stdin=subprocess.DEVNULL)
+        except FileNotFoundError:
+            return ResetResult(False, "nvidia-smi", None, f"{argv[0]} not found (set --nvidia-smi)")
+        except subprocess.TimeoutExpired:
+            return ResetResult(False, "nvidia-smi", None, f"{' '.join(argv)} did not finish in {self.timeout:g}s")
+        output = (done.stdout + ("\n" if done.stdout and done.stderr else "") + done.stderr).strip()
+        return ResetResult(done.returncode == 0, "nvidia-smi", done.returncode, output)
+
+    def _sysfs_reset(self, pci: str) -> ResetResult:
+        if self.sysfs is None:
+            return ResetResult(False, "sysfs", None, "no sysfs access to reset it")
+        try:
+            self.sysfs.reset(pci)
         except OSError as e:
-            raise NvidiaSmiError(f"{path} -q: {e}") from e
-        if r.returncode != 0:
-            msg = (r.stdout.strip() or r.stderr.strip()).splitlines()
-            raise NvidiaSmiError(f"{path} -q exited {r.returncode}: {msg[0] if msg else 'no output'}")
-        top, gpus = parse_query(r.stdout)
-        driver = top.get("Driver Version")
-        cuda = top.get("CUDA Version")
-        return SmiQuery(path=path, driver_version=driver if isinstance(driver, str) else None,
-                        cuda_version=cuda if isinstance(cuda, str) else None, gpus=gpus)
+            return ResetResult(False, "sysfs", None, f"sysfs reset of {pci} failed: {e}")
+        return ResetResult(True, "sysfs", None, "")
+
+
+__all__ = ["GpuReset", "ResetResult", "KNOWN_HOLDERS"]

@@ -80,6 +80,21 @@ class Procs:
                 out |= {Holder(pid=int(pid), name=comm, device=d) for d in found}
         return sorted(out)
 
+    def running(self, names: Iterable[str]) -> list[Holder]:
+        """Processes whose name is one of `names` (host services known to keep GPUs open, named
+        when a reset is refused even if their descriptors are not readable to us)."""
+        wanted = {n[:15] for n in names}  # comm is cut at 15 characters
+        try:
+            pids = sorted((n for n in os.listdir(self.proc_root) if n.isdigit()), key=int)
+        except FileNotFoundError:
+            return []
+        out = []
+        for pid in pids:
+            comm = process_name(self.proc_root, pid)
+            if comm is not None and comm in wanted:
+                out.append(Holder(pid=int(pid), name=comm, device="/dev/nvidiactl"))
+        return out
+
     def _gpu_file(self, bdf: str, name: str) -> str:
         return os.path.join(self.proc_root, "driver", "nvidia", "gpus", bdf, name)
 

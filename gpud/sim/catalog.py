@@ -26,6 +26,20 @@ NIC = SimFunction(address="0000:0c:00.0", vendor=0x15B3, device=0x101D, subsyste
                   driver="mlx5_core", iommu_group=1, numa_node=0)
 
 
+# NVSwitch PCI functions of an HGX baseboard (`gpud-sim create --nvswitch`): NVIDIA bridges (class
+# 0x0680) with the device ids pci.ids gives (gpud/data/kubevirt-nvidia-pci.ids: 1af1 "GA100 [A100
+# NVSwitch]", 22a3 "GH100 [H100 NVSwitch]"), bound to nvidia-nvswitch. Their presence is what makes
+# the simulated nvidia-smi refuse a single-GPU reset (docs/hardware/gpu-reset.md).
+CLASS_BRIDGE_OTHER = 0x068000
+NVSWITCH_DEVICE = {"ampere": 0x1AF1, "hopper": 0x22A3}
+NVSWITCHES_PER_BASEBOARD = {"ampere": 6, "hopper": 4}
+_NVSWITCH_BUS = 0xC0
+
+
+def is_nvswitch(f: SimFunction) -> bool:
+    return f.vendor == NVIDIA and f.class_code == CLASS_BRIDGE_OTHER and f.device in NVSWITCH_DEVICE.values()
+
+
 class CatalogError(ValueError):
     pass
 
@@ -80,6 +94,22 @@ def gpu_address(ordinal: int) -> str:
 
 def gpu_uuid(address: str) -> str:
     return f"GPU-{uuid.uuid5(_SEED, address)}"
+
+
+def add_nvswitches(state: SimState, arch: str) -> None:
+    """The NVSwitches of an HGX baseboard of `arch` ("ampere": HGX A100, six switches; "hopper":
+    HGX H100/H200, four), on their own buses, each in its own IOMMU group."""
+    if arch not in NVSWITCH_DEVICE:
+        raise CatalogError(f"--nvswitch: no NVSwitch baseboard is known for {arch} GPUs (known: ampere, hopper)")
+    for i in range(NVSWITCHES_PER_BASEBOARD[arch]):
+        address = f"0000:{_NVSWITCH_BUS + i:02x}:00.0"
+        state.functions[address] = SimFunction(
+            address=address, vendor=NVIDIA, device=NVSWITCH_DEVICE[arch], subsystem_vendor=NVIDIA,
+            subsystem_device=0, class_code=CLASS_BRIDGE_OTHER, native_driver="nvidia-nvswitch",
+            driver="nvidia-nvswitch", iommu_group=100 + i, numa_node=-1)
+    if "nvidia_nvswitch" not in state.loaded_modules:
+        state.loaded_modules.append("nvidia_nvswitch")
+    state.functions = dict(sorted(state.functions.items()))
 
 
 def build(models: Sequence[str], mig_on: Iterable[int] = ()) -> SimState:

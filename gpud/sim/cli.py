@@ -1,7 +1,7 @@
 """`gpud-sim`: make and drive a simulated GPU host directory.
 
 Other tools script against this syntax; keep it stable:
-  gpud-sim create DIR --gpu MODEL[:COUNT] ... [--mig-on INDEX ...]
+  gpud-sim create DIR --gpu MODEL[:COUNT] ... [--mig-on INDEX ...] [--nvswitch]
   gpud-sim hold DIR DEVICE --pid PID [--name NAME]      DEVICE: PCI address, GPU UUID or MIG UUID
   gpud-sim release DIR DEVICE --pid PID
   gpud-sim fault DIR NVML_FUNCTION --nth N --error CODE
@@ -32,15 +32,23 @@ class SimCliError(Exception):
     pass
 
 
-def create(host_dir: str | os.PathLike, gpu_specs: list[str], mig_on: list[int] = ()) -> SimState:
-    """Write DIR/state.json for a new host and render its sysfs/dev/proc trees."""
+def create(host_dir: str | os.PathLike, gpu_specs: list[str], mig_on: list[int] = (),
+           nvswitch: bool = False) -> SimState:
+    """Write DIR/state.json for a new host, render its sysfs/dev/proc trees and write its
+    nvidia-smi (DIR/bin/nvidia-smi). `nvswitch`: the GPUs sit on an HGX baseboard with NVSwitches
+    (of the first GPU's architecture), where a GPU cannot be reset alone."""
+    from gpud.sim.nvidia_smi import write_wrapper
     from gpud.sim.sysfs_tree import lay_out
 
     d = Path(host_dir)
     if state_path(d).exists():
         raise SimCliError(f"{d}: already a simulated host")
-    state = catalog.build(catalog.parse_gpu_specs(gpu_specs), mig_on)
+    models = catalog.parse_gpu_specs(gpu_specs)
+    state = catalog.build(models, mig_on)
+    if nvswitch:
+        catalog.add_nvswitches(state, catalog.model(models[0]).arch)
     lay_out(d, state)
+    write_wrapper(d)
     return state
 
 
@@ -137,7 +145,8 @@ def fault(host_dir: str | os.PathLike, function: str, nth: int, error: int) -> N
 
 def stats(host_dir: str | os.PathLike) -> dict:
     with locked(host_dir, write=False) as st:
-        return {"calls": dict(sorted(st.calls.items())), "resets": dict(sorted(st.resets.items()))}
+        return {"calls": dict(sorted(st.calls.items())),
+                "resets": {pci: dict(sorted(by_method.items())) for pci, by_method in sorted(st.resets.items())}}
 
 
 def summary(state: SimState) -> dict:
@@ -199,6 +208,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--gpu", action="append", required=True, metavar="MODEL[:COUNT]",
                    help=f"models: {', '.join(catalog.offered())}")
     p.add_argument("--mig-on", type=int, nargs="+", action="extend", default=[], metavar="INDEX")
+    p.add_argument("--nvswitch", action="store_true",
+                   help="an HGX baseboard with NVSwitches: nvidia-smi refuses to reset one GPU alone")
     for name in ("hold", "release"):
         p = sub.add_parser(name, help=f"{name} a GPU or MIG device as a process would")
         p.add_argument("dir")
@@ -230,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.cmd == "create":
             try:
-                create(args.dir, args.gpu, args.mig_on)
+                create(args.dir, args.gpu, args.mig_on, args.nvswitch)
             except catalog.CatalogError as e:
                 print(f"gpud-sim: {e}", file=sys.stderr)
                 return 2
@@ -257,6 +268,8 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 for fn, n in s["calls"].items():
                     print(f"{n:8d}  {fn}")
+                for pci, by_method in s["resets"].items():
+                    print(f"reset {pci}: " + ", ".join(f"{m} {n}" for m, n in by_method.items()))
         elif args.cmd == "show":
             with locked(args.dir, write=False) as st:
                 s = summary(st)

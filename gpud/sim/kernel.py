@@ -30,7 +30,7 @@ from collections.abc import Callable
 from msgspec import Struct
 
 from gpud.sim import uevents
-from gpud.sim.state import SimFunction, SimState, locked
+from gpud.sim.state import SimFunction, SimState, count_reset, locked
 from gpud.sim.sysfs_tree import (
     NVIDIA,
     PCI_ROOT,
@@ -40,6 +40,7 @@ from gpud.sim.sysfs_tree import (
     loaded_drivers,
     module_name,
     render,
+    session_holders,
     vfio_groups,
     vfio_holders,
 )
@@ -133,7 +134,7 @@ def _blocked(st: SimState, f: SimFunction, drv: str) -> bool:
     if f.address in st.hangs:
         return True
     if drv == NVIDIA:
-        return bool(gpu_holders(st, f.address))
+        return bool(gpu_holders(st, f.address) or session_holders(st, f.address))
     if drv == VFIO_PCI:
         return f.iommu_group in vfio_groups(st) and bool(vfio_holders(st, f.iommu_group))
     return False
@@ -260,7 +261,7 @@ class Store:
                 raise _err(errno.EBUSY, path)
             if addr in st.gpus:
                 _reset_gpu(st, addr)
-            st.resets[addr] = st.resets.get(addr, 0) + 1
+            count_reset(st, addr, "sysfs")
 
         self._change(reset)
 
@@ -337,7 +338,7 @@ class Store:
             f = _find(st, addr)
             if f is None or f.driver != NVIDIA:
                 raise _err(errno.ENOENT, path)
-            granted = want == 1 and not gpu_holders(st, addr)
+            granted = want == 1 and not gpu_holders(st, addr) and not session_holders(st, addr)
             tmp = f"{path}.tmp{os.getpid()}"
             with open(tmp, "wb") as fh:
                 fh.write(b"1\n" if granted else b"0\n")

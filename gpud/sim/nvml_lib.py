@@ -14,6 +14,7 @@ identity (PCI address, GI, CI / MIG device).
 from __future__ import annotations
 
 import ctypes
+import os
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -24,7 +25,7 @@ from gpud.layout.names import device_name
 from gpud.model import CiProfile, MigProfile
 from gpud.profiles import MODELS, NOT_IN_MIG_INSTANCE, ModelInfo
 from gpud.sim import gi_ids
-from gpud.sim.state import SimCi, SimGi, SimGpu, SimProcess, SimState, locked
+from gpud.sim.state import SimCi, SimGi, SimGpu, SimProcess, SimSession, SimState, locked
 
 SUCCESS = pynvml.NVML_SUCCESS
 MIB = 1 << 20
@@ -406,6 +407,8 @@ def _init(lib: FakeNvmlLib, state: SimState, flags: Any = 0) -> int:
         return pynvml.NVML_ERROR_DRIVER_NOT_LOADED
     lib.enumerate_devices(state)
     lib._inits += 1
+    if lib._inits == 1:
+        open_session(lib, state)
     return SUCCESS
 
 
@@ -413,7 +416,44 @@ def _init(lib: FakeNvmlLib, state: SimState, flags: Any = 0) -> int:
 def nvmlShutdown(lib: FakeNvmlLib, state: SimState) -> int:
     lib._inits -= 1
     lib.forget_devices()
+    if lib._inits == 0:
+        close_session(lib, state)
     return SUCCESS
+
+
+# Session tracking (issue 9): what this library's open session holds, kept in the state file so
+# the simulated kernel and nvidia-smi see it from other processes.
+def _session_owner(lib: FakeNvmlLib) -> str:
+    return f"{os.getpid()}:{id(lib):x}"
+
+
+def open_session(lib: FakeNvmlLib, state: SimState) -> None:
+    """The first nvmlInit of this library opens the device node of every GPU on nvidia."""
+    gpus = sorted(a for a, f in state.functions.items() if f.present and f.driver == "nvidia" and a in state.gpus)
+    owner = _session_owner(lib)
+    state.sessions = [s for s in state.sessions if s.owner != owner]
+    state.sessions.append(SimSession(owner=owner, pid=os.getpid(), name=_comm(), gpus=gpus))
+    _render(lib, state)
+
+
+def close_session(lib: FakeNvmlLib, state: SimState) -> None:
+    owner = _session_owner(lib)
+    state.sessions = [s for s in state.sessions if s.owner != owner]
+    _render(lib, state)
+
+
+def _comm() -> str:
+    try:
+        with open("/proc/self/comm") as f:
+            return f.read().strip()
+    except OSError:
+        return "python3"
+
+
+def _render(lib: FakeNvmlLib, state: SimState) -> None:
+    from gpud.sim.sysfs_tree import render  # the session's open nodes show in DIR/proc
+
+    render(lib.host_dir, state)
 
 
 @_nvml()

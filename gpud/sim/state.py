@@ -48,13 +48,19 @@ class SimProcess(msgspec.Struct):
 
 
 def _alive(pid: int) -> bool:
+    """A live process of this machine. A zombie is not: the kernel closed its files at exit, so it
+    holds no device node and NVML no longer lists it."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except (OSError, IndexError):
+        return True
 
 
 class SimFunction(msgspec.Struct):
@@ -93,6 +99,18 @@ class SimGpu(msgspec.Struct):
     gis: list[SimGi] = msgspec.field(default_factory=list)
 
 
+class SimSession(msgspec.Struct):
+    """An open NVML session (nvmlInit .. nvmlShutdown) of one process: like the real library it
+    holds /dev/nvidiactl and the device nodes of the GPUs on nvidia when it opened, so an unbind of
+    nvidia, the unbindLock and `nvidia-smi -r` see it as a user of those GPUs. A session of a pid
+    that has exited is dropped, as the kernel closes a dead process's files."""
+
+    owner: str  # "<pid>:<library instance>": one process may load the library more than once
+    pid: int
+    name: str = ""  # the process's comm, shown in DIR/proc with the nodes it holds
+    gpus: list[str] = msgspec.field(default_factory=list)  # PCI addresses whose nodes it holds
+
+
 class SimFault(msgspec.Struct):
     """`gpud-sim fault`: the nth call (counted from when it was set) of `function` fails."""
 
@@ -110,12 +128,19 @@ class SimState(msgspec.Struct):
     hangs: list[str] = msgspec.field(default_factory=list)  # PCI addresses whose next unbind hangs
     loaded_modules: list[str] = msgspec.field(default_factory=list)
     calls: dict[str, int] = msgspec.field(default_factory=dict)  # NVML function -> count
-    resets: dict[str, int] = msgspec.field(default_factory=dict)  # PCI address -> GPU resets done
+    # PCI address -> reset method ("nvidia-smi" | "sysfs") -> GPU resets done
+    resets: dict[str, dict[str, int]] = msgspec.field(default_factory=dict)
+    sessions: list[SimSession] = msgspec.field(default_factory=list)
     driver_version: str = "580.159.04"
     # /proc/sys/kernel/random/boot_id of the simulated host: `gpud-sim reboot` draws a new one
     boot_id: str = FIRST_BOOT_ID
     boots: int = 0  # reboots since `gpud-sim create`
     cuda_version: int = 13000
+
+
+def count_reset(state: SimState, address: str, method: str) -> None:
+    per_method = state.resets.setdefault(address, {})
+    per_method[method] = per_method.get(method, 0) + 1
 
 
 def state_path(host_dir: str | os.PathLike) -> Path:
@@ -143,6 +168,7 @@ def locked(host_dir: str | os.PathLike, *, write: bool = True) -> Iterator[SimSt
         fcntl.flock(fd, fcntl.LOCK_EX if write else fcntl.LOCK_SH)
         state = load(host_dir)
         state.processes = [p for p in state.processes if not p.real or _alive(p.pid)]
+        state.sessions = [s for s in state.sessions if _alive(s.pid)]
         yield state
         if write:
             save(host_dir, state)

@@ -100,6 +100,12 @@ def gpu_holders(state: SimState, address: str) -> list:
     return [p for p in state.processes if p.device in ids]
 
 
+def session_holders(state: SimState, address: str) -> list:
+    """Open NVML sessions holding the GPU at `address` (gpud's own included): an nvmlInit opens
+    the device node of every GPU on nvidia at that moment (docs/hardware/gpu-reset.md)."""
+    return [s for s in state.sessions if address in s.gpus]
+
+
 def vfio_holders(state: SimState, group: int | None) -> list:
     """SimProcesses with /dev/vfio/<group> open: holders of a vfio-bound endpoint of the group."""
     if group is None:
@@ -280,12 +286,19 @@ def desired_tree(host_dir: str | os.PathLike, state: SimState) -> dict[str, tupl
         d("dev/vfio")
         f(f"dev/vfio/{g}", "", 0o600)
 
+    opened: dict[int, tuple[str, list[str]]] = {}  # pid -> (comm, device nodes open)
     for proc in state.processes:
-        base = f"proc/{proc.pid}"
+        opened.setdefault(proc.pid, (proc.name, []))[1].extend(process_devices(state, proc))
+    for session in state.sessions:  # an open NVML session holds nvidiactl and its GPUs' nodes
+        nodes = ["nvidiactl"] + [f"nvidia{state.gpus[a].minor}" for a in session.gpus
+                                 if a in state.gpus and _nvidia_bound(state, a)]
+        opened.setdefault(session.pid, (session.name, []))[1].extend(nodes)
+    for pid, (name, devs) in sorted(opened.items()):
+        base = f"proc/{pid}"
         d(base)
-        f(f"{base}/comm", proc.name[:15] + "\n", 0o644)
+        f(f"{base}/comm", name[:15] + "\n", 0o644)
         d(f"{base}/fd")
-        for n, dev in enumerate(process_devices(state, proc), start=3):
+        for n, dev in enumerate(dict.fromkeys(devs), start=3):
             ln(f"{base}/fd/{n}", f"{root}/dev/{dev}")
     return t
 

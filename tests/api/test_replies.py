@@ -56,7 +56,7 @@ def test_plan_steps_keep_their_wire_field_names():
 def test_plan_with_errors_is_empty_and_says_why():
     reply = replies.plan_reply(None, errors=["layout.yaml:1 version: must be v1"])  # type: ignore[arg-type]
     assert msgspec.to_builtins(reply) == {
-        "gpus": [], "disruption": {"destroyed": [], "mode_changes": [], "resets": [], "rebinds": []},
+        "gpus": [], "disruption": {"destroyed": [], "mode_changes": [], "resets": [], "reset_with": [], "rebinds": []},
         "errors": ["layout.yaml:1 version: must be v1"], "warnings": [], "errors_omitted": 0,
         "warnings_omitted": 0}
     assert isinstance(reply, wire.RESULTS["plan"])

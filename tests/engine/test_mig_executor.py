@@ -9,7 +9,7 @@ from gpud.engine.mig_executor import execute
 from gpud.layout.desired import DesiredGpu
 from gpud.model import Holder
 from gpud.plan.mig import GpuPlan, Step, plan_gpu
-from tests.plan.hwmodel import FakeNvml, FakeSysfs, build, gpu_of, hold, make_hw
+from tests.plan.hwmodel import FakeNvml, build, gpu_of, hold, make_hw
 
 PCI = "0000:3b:00.0"
 OTHER = "0000:5e:00.0"
@@ -169,62 +169,38 @@ def test_reused_ids_are_not_destroyed():
 
 def test_hopper_mode_change_when_idle_needs_no_reset():
     hw = make_hw(mode=0)
-    nvml, sysfs = FakeNvml([hw]), None
-    out, _, _ = run(nvml, plan_for(hw, {"3g.40gb": 2}), sysfs=sysfs)
-    assert out.state == "converged" and hw.resets == 0
+    out, _, _ = run(FakeNvml([hw]), plan_for(hw, {"3g.40gb": 2}))
+    assert out.state == "converged" and not out.reset_due and hw.resets == 0
 
 
-def test_ampere_pending_mode_resets_only_that_gpu():
+def test_ampere_pending_mode_stops_for_a_reset_before_creates():
+    """The executor never resets (that needs NVML closed, which only the reconciler can arrange):
+    it stops with reset_due once the mode is pending, having created nothing."""
     hw, other = make_hw("a100-40gb", PCI, mode=0), make_hw("a100-40gb", OTHER, mode=1)
     build(other, [("7g.40gb", 0)])
     nvml = FakeNvml([hw, other])
-    sysfs = FakeSysfs(nvml)
-    out, _, _ = run(nvml, plan_for(hw, {"1g.5gb": 7}), sysfs=sysfs)
-    assert out.state == "converged", out.message
-    assert sysfs.resets == [PCI] and other.resets == 0 and other.layout() == [(0, (4,))]
+    out, _, _ = run(nvml, plan_for(hw, {"1g.5gb": 7}))
+    assert out.state == "reset-required" and out.reset_due, out.message
+    assert (hw.mode, hw.pending) == (0, 1) and hw.resets == 0 and other.resets == 0
+    assert out.done == 0  # set-mig-mode itself ends in the reset
+    assert not any(c[0].startswith("create") for c in nvml.calls)
 
 
 def test_pending_mode_with_reset_policy_off_stops_before_creates():
     hw = make_hw("a100-80gb", mode=0)
     nvml = FakeNvml([hw])
-    sysfs = FakeSysfs(nvml)
-    out, _, _ = run(nvml, plan_for(hw, {"7g.80gb": 1}), sysfs=sysfs, policy_reset="never")
-    assert out.state == "reset-required" and "pending" in out.message and out.done == 0
-    assert sysfs.resets == [] and not any(c[0].startswith("create") for c in nvml.calls)
+    out, _, _ = run(nvml, plan_for(hw, {"7g.80gb": 1}), policy_reset="never")
+    assert out.state == "reset-required" and "pending" in out.message and out.done == 0 and not out.reset_due
+    assert not any(c[0].startswith("create") for c in nvml.calls)
 
 
-def test_pending_mode_without_sysfs_requires_reset():
-    hw = make_hw("a100-80gb", mode=0)
-    out, _, _ = run(FakeNvml([hw]), plan_for(hw, {"7g.80gb": 1}))
-    assert out.state == "reset-required"
-
-
-def test_pending_mode_with_device_holder_does_not_reset():
+def test_pending_mode_with_device_holder_waits_naming_it():
     hw = make_hw("a100-80gb", mode=0)
     nvml = FakeNvml([hw])
-    sysfs = FakeSysfs(nvml)
     persistenced = Holder(900, "nvidia-persistenced", "/dev/nvidia0")
-    out, _, _ = run(nvml, plan_for(hw, {"7g.80gb": 1}), sysfs=sysfs, holders=lambda pci: [persistenced])
-    assert out.state == "reset-required" and out.holders == [persistenced]
-    assert "nvidia-persistenced" in out.message and sysfs.resets == []
-
-
-def test_reset_that_does_nothing_asks_for_a_reboot():
-    hw = make_hw("a100-80gb", mode=0)
-    nvml = FakeNvml([hw])
-    sysfs = FakeSysfs(nvml, inert=True)
-    out, _, _ = run(nvml, plan_for(hw, {"7g.80gb": 1}), sysfs=sysfs)
-    assert out.state == "reboot-required" and sysfs.resets == [PCI]
-
-
-def test_reset_error_is_reported():
-    class Broken:
-        def reset(self, address):
-            raise OSError(25, "Inappropriate ioctl for device")
-
-    hw = make_hw("a100-80gb", mode=0)
-    out, _, _ = run(FakeNvml([hw]), plan_for(hw, {"7g.80gb": 1}), sysfs=Broken())
-    assert out.state == "reset-required" and "Inappropriate ioctl" in out.message
+    out, _, _ = run(nvml, plan_for(hw, {"7g.80gb": 1}), holders=lambda pci: [persistenced])
+    assert out.state == "waiting" and out.holders == [persistenced] and not out.reset_due
+    assert "nvidia-persistenced" in out.message
 
 
 def test_disable_then_verify_mode_off():

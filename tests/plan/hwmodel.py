@@ -255,19 +255,6 @@ class FakeNvml:
         return self._do("destroy_gpu_instance", pci, self.hw[pci].destroy_gi, gi_id)
 
 
-class FakeSysfs:
-    """Only what the executor uses: reset(pci). `inert` models a reset that silently does nothing."""
-
-    def __init__(self, nvml: FakeNvml, *, inert: bool = False) -> None:
-        self.nvml, self.inert = nvml, inert
-        self.resets: list[str] = []
-
-    def reset(self, address: str) -> None:
-        self.resets.append(address)
-        if not self.inert:
-            self.nvml.hw[address].reset()
-
-
 def clone(hw: HwGpu) -> HwGpu:
     return copy.deepcopy(hw)
 

@@ -14,6 +14,7 @@ from gpud import sim
 from gpud.engine.apply_lock import ApplyLock
 from gpud.engine.events import EventBus
 from gpud.engine.reconciler import Hardware, Reconciler
+from gpud.host.nvidia_smi import GpuReset
 from gpud.host.nvml import Nvml
 from gpud.host.procs import Procs
 from gpud.host.sysfs import Sysfs
@@ -43,7 +44,7 @@ class _Resets:
         self.dir, self.base = host_dir, Counter()
 
     def _now(self) -> Counter[str]:
-        return Counter(simstate.load(self.dir).resets)
+        return Counter({pci: sum(by_method.values()) for pci, by_method in simstate.load(self.dir).resets.items()})
 
     def clear(self) -> None:
         self.base = self._now()
@@ -56,9 +57,9 @@ class _Resets:
 
 
 class SimRig:
-    def __init__(self, tmp: Path, gpus: tuple[str, ...], **reconciler_kw) -> None:
+    def __init__(self, tmp: Path, gpus: tuple[str, ...], *, nvswitch: bool = False, **reconciler_kw) -> None:
         self.dir = tmp / "host"
-        simcli.create(self.dir, list(gpus))
+        simcli.create(self.dir, list(gpus), nvswitch=nvswitch)
         self.host = sim.install(self.dir)
         self.config = tmp / "layout.yaml"
         self.resets = _Resets(self.dir)
@@ -67,6 +68,7 @@ class SimRig:
             sysfs=sysfs,
             nvml=Nvml(proc_root=str(self.host.proc_root)),
             procs=Procs(str(self.host.proc_root), str(self.host.dev_root), store=self.host.store),
+            reset=GpuReset(str(self.dir / "bin" / "nvidia-smi")),
         )
         self.hw.nvml.open()
         self.bus = EventBus()

@@ -1,0 +1,171 @@
+"""The simulator's `nvidia-smi`, for the one thing gpud runs it for: `-r -i <GPU>` (a GPU reset).
+
+    python -m gpud.sim.nvidia_smi --sim DIR -r -i <PCI address | UUID | index>[,...]
+
+`gpud-sim create` writes DIR/bin/nvidia-smi, a wrapper that runs this with `--sim DIR`, and the
+daemon started with `--sim DIR` runs that wrapper. It is as strict as the real tool, as far as its
+captured output shows (docs/hardware/gpu-reset.md has the sources):
+
+- a GPU is found by NVML index, PCI bus id (`0000:18:00.0` or `00000000:18:00.0`) or UUID, among
+  the GPUs bound to nvidia only (one on vfio-pci or unbound is invisible to NVML): else exit 6;
+- nvidia not loaded: the real tool's "couldn't communicate with the NVIDIA driver", exit 9;
+- refused while anything holds the GPU: a process (`gpud-sim hold`, a process on one of its MIG
+  devices) or an open NVML session of another process (gpud's own, if it did not shut NVML down
+  first). The wording and exit status 255 are the real tool's; like the real tool it does not name
+  the holders (gpud must find them itself);
+- on an NVSwitch system (`gpud-sim create --nvswitch`) a reset that leaves out a GPU of the NVLink
+  fabric is refused (exit 3), naming the GPUs that must be reset with it, as nvidia-smi's manual says
+  it does where a GPU cannot be reset alone;
+- otherwise each GPU is reset as the driver would (a pending MIG mode takes effect; MIG off drops
+  the GPU instances), counted in the state's `resets[<pci>]["nvidia-smi"]`, and the real tool's
+  "GPU 00000000:18:00.0 was successfully reset." is printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from gpud.sim.state import SimState, count_reset, locked
+
+EXIT_OK = 0
+EXIT_INVALID_ARGUMENT = 2
+EXIT_NOT_AVAILABLE = 3  # "The requested operation is not available on target device"
+EXIT_NOT_FOUND = 6
+EXIT_DRIVER_NOT_LOADED = 9
+EXIT_OTHER = 255  # what the real tool returns for "In use by another client" (NVSentinel#1690, mig-parted#181)
+
+NO_DRIVER = ("NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver. "
+             "Make sure that the latest NVIDIA driver is installed and running.")
+
+
+def bus_id(address: str) -> str:
+    """nvidia-smi's PCI bus id: an 8-digit domain, upper case (`00000000:1A:00.0`)."""
+    domain, rest = address.split(":", 1)
+    return f"{int(domain, 16):08X}:{rest.upper()}"
+
+
+def nvml_gpus(state: SimState) -> list[str]:
+    """PCI addresses of the GPUs NVML would list, in NVML index order (PCI order)."""
+    return sorted(a for a, f in state.functions.items() if f.present and f.driver == "nvidia" and a in state.gpus)
+
+
+def nvswitches(state: SimState) -> list[str]:
+    from gpud.sim.catalog import is_nvswitch
+
+    return sorted(a for a, f in state.functions.items() if f.present and is_nvswitch(f))
+
+
+def resolve(state: SimState, ident: str) -> str | None:
+    gpus = nvml_gpus(state)
+    ident = ident.strip()
+    if ident.isdigit():
+        i = int(ident)
+        return gpus[i] if i < len(gpus) else None
+    for a in gpus:
+        if ident == state.gpus[a].uuid or ident.lower() in (a.lower(), bus_id(a).lower()):
+            return a
+    return None
+
+
+def holders_of(state: SimState, address: str, own_pid: int) -> list[str]:
+    """What keeps the GPU in use: processes holding it or its MIG devices, and other processes'
+    open NVML sessions that hold its device node."""
+    from gpud.sim.sysfs_tree import gpu_holders, session_holders
+
+    out = [f"pid {p.pid} {p.name}" for p in gpu_holders(state, address)]
+    out += [f"pid {s.pid} (NVML session)" for s in session_holders(state, address) if s.pid != own_pid]
+    return out
+
+
+def in_use_message(addresses: list[str]) -> str:
+    n = len(addresses)
+    lines = ["The following GPUs could not be reset:"]
+    lines += [f"  GPU {bus_id(a)}: In use by another client" for a in addresses]
+    these, device = ("this device", "device") if n == 1 else ("these devices", "devices")
+    lines += ["", f"{n} {device} {'is' if n == 1 else 'are'} currently being used by one or more other processes "
+              "(e.g., Fabric Manager, CUDA application, graphics application such as an X server, or a "
+              "monitoring application such as another instance of nvidia-smi). Please first kill all "
+              f"processes using {these} and all compute applications running in the system."]
+    return "\n".join(lines)
+
+
+def reset(host_dir: str | os.PathLike, ids: list[str] | None, out=sys.stdout, err=sys.stderr) -> int:
+    """`nvidia-smi -r [-i ids]` on the simulated host; returns the exit status."""
+    from gpud.sim.nvml_lib import reset_gpu
+
+    with locked(host_dir) as state:
+        if "nvidia" not in state.loaded_modules:
+            print(NO_DRIVER, file=out)
+            return EXIT_DRIVER_NOT_LOADED
+        if ids is None:
+            targets = nvml_gpus(state)
+        else:
+            targets = []
+            for ident in ids:
+                a = resolve(state, ident)
+                if a is None:
+                    print(f"No devices were found matching {ident!r}", file=err)
+                    return EXIT_NOT_FOUND
+                if a not in targets:
+                    targets.append(a)
+        if not targets:
+            print("No devices were found", file=out)
+            return EXIT_NOT_FOUND
+        if nvswitches(state):
+            left_out = [a for a in nvml_gpus(state) if a not in targets]
+            if left_out:
+                print(f"Unable to reset GPU {', '.join(bus_id(a) for a in targets)}: it is NVLink-connected "
+                      f"through NVSwitch to GPUs that must be reset in the same command: "
+                      f"{', '.join(bus_id(a) for a in left_out)}", file=out)
+                return EXIT_NOT_AVAILABLE
+        busy = [a for a in targets if holders_of(state, a, os.getpid())]
+        if busy:
+            print(in_use_message(busy), file=out)
+            return EXIT_OTHER
+        for a in targets:
+            reset_gpu(state, a)
+            count_reset(state, a, "nvidia-smi")
+        from gpud.sim.sysfs_tree import render
+
+        render(host_dir, state)
+    for a in targets:
+        print(f"GPU {bus_id(a)} was successfully reset.", file=out)
+    return EXIT_OK
+
+
+def write_wrapper(host_dir: str | os.PathLike) -> Path:
+    """DIR/bin/nvidia-smi: what `gpud --sim DIR` runs (and `--nvidia-smi` may name)."""
+    d = Path(os.path.abspath(host_dir))
+    path = d / "bin" / "nvidia-smi"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    root = Path(__file__).resolve().parents[2]
+    path.write_text("#!/bin/sh\n# The simulated host's nvidia-smi (gpud.sim.nvidia_smi).\n"
+                    f"PYTHONPATH='{root}'${{PYTHONPATH:+:$PYTHONPATH}} exec '{sys.executable}' "
+                    f"-m gpud.sim.nvidia_smi --sim '{d}' \"$@\"\n")
+    path.chmod(0o755)
+    return path
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="nvidia-smi", description="The simulated host's nvidia-smi (reset only).")
+    ap.add_argument("--sim", required=True, metavar="DIR")
+    ap.add_argument("-r", "--gpu-reset", action="store_true")
+    ap.add_argument("-i", "--id", metavar="ID[,ID...]")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, rest = _parser().parse_known_args(argv)
+    if rest or not args.gpu_reset:
+        print(f"nvidia-smi (simulated): only -r [-i ID] is implemented; got {' '.join(rest) or 'no -r'}",
+              file=sys.stderr)
+        return EXIT_INVALID_ARGUMENT
+    ids = [i for i in args.id.split(",") if i] if args.id else None
+    return reset(args.sim, ids)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
