@@ -57,7 +57,7 @@ def _hardware(args: argparse.Namespace, read_only: bool):
     from gpud.daemon import build_hardware
 
     hw_args = argparse.Namespace(sim=args.sim, replay=args.replay, read_only=read_only, lock=args.lock,
-                                 udev_rules=None, nfd_features=None)
+                                 udev_rules=None, nfd_features=None, nvidia_smi=args.nvidia_smi)
     hw, _events, lock = build_hardware(hw_args)
     return hw, lock
 

@@ -24,7 +24,7 @@ from gpud.layout.desired import DesiredGpu
 from gpud.model import Gpu, Holder, MigProfile, NvmlGpu, Placement
 from gpud.pci import normalize_pci
 from gpud.plan.binding import plan_binding
-from gpud.plan.mig import GpuPlan, Step, full_ci, plan_gpu
+from gpud.plan.mig import full_ci, plan_gpu
 
 SLICES = 8  # memory slices of every MIG GPU gpud knows (placements are in these units)
 
@@ -78,7 +78,15 @@ class _Exercise:
             self.checks.append(Check(self.group, name, "fail", f"gpud's planner: {plan.infeasible}"))
             raise _Abort(plan.infeasible)
         before = {ci.uuid for gi in (gpu.nvml.instances if gpu.nvml else ()) for ci in gi.cis}
-        outcome = mig_executor.execute(self.hw.nvml, plan, sysfs=self.hw.sysfs, holders=self.device_holders)
+        outcome = mig_executor.execute(self.hw.nvml, plan, holders=self.device_holders)
+        if outcome.reset_due:  # a pending mode to settle: the reset a pass makes, then the rest of the plan
+            result = self.reset_gpu()
+            if not result.ok:
+                self.checks.append(Check(self.group, name, "fail", f"reset refused: {result.summary()}"))
+                raise _Abort(result.summary())
+            plan = plan_gpu(self.gpu(), DesiredGpu(self.pci, self.index, "qualify", mig_enabled=enabled,
+                                                   mig_devices=devices))
+            outcome = mig_executor.execute(self.hw.nvml, plan, holders=self.device_holders)
         n = self.nvml_gpu()
         want = ("on " + _layout_text(sorted((t.placement, t.profile, len(t.ci_profile_ids)) for t in plan.target or ()))
                 if enabled else "off, no instances")
@@ -139,15 +147,28 @@ class _Exercise:
         return wrong
 
     # ---- reset and binding
+    def reset_gpu(self):
+        """gpud's reset, as a pass makes it (gpud.host.nvidia_smi): gpud's own NVML session closed,
+        `nvidia-smi -r -i <PCI>` for a GPU on nvidia (sysfs otherwise), NVML opened again."""
+        resetter = self.hw.reset
+        if resetter.sysfs is None:
+            resetter.sysfs = self.hw.sysfs
+        self.hw.nvml.suspend()
+        try:
+            return resetter.reset(self.pci, self.gpu().function.driver)
+        finally:
+            self.hw.nvml.resume()
+
     def reset(self) -> None:
-        """A reset through gpud's MIG executor, the path a pass takes to settle a pending mode."""
+        """A reset through gpud's reset path, the one a pass takes to settle a pending mode."""
         before = self.nvml_gpu()
-        plan = GpuPlan(pci=self.pci, index=self.index, steps=[Step("reset", self.pci)], reset=True)
-        outcome = mig_executor.execute(self.hw.nvml, plan, sysfs=self.hw.sysfs, holders=self.device_holders)
+        method = "nvidia-smi" if self.gpu().function.driver == "nvidia" else "sysfs"  # gpud's rule
+        result = self.reset_gpu()
         after = self.nvml_gpu()
-        self.record("reset", f"converged; back on nvidia, {before.uuid}, MIG {before.mig_mode}",
-                    f"{outcome.state}; back on {self.gpu().function.driver}, {after.uuid}, MIG {after.mig_mode}"
-                    + ("" if outcome.state == "converged" else f" ({outcome.message})"),
+        self.record("reset", f"done ({method}); back on nvidia, {before.uuid}, MIG {before.mig_mode}",
+                    f"{'done' if result.ok else 'refused'} ({result.method}); back on "
+                    f"{self.gpu().function.driver}, {after.uuid}, MIG {after.mig_mode}"
+                    + ("" if result.ok else f" ({result.summary()})"),
                     "the GPU did not come back as it was after a reset")
 
     def bind(self, workload: str, name: str) -> None:
