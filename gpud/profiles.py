@@ -52,7 +52,7 @@ class ModelInfo(Struct, frozen=True):
     device: int  # PCI device id
     subsystem_device: int
     memory_mb: int  # NVML total memory in MiB
-    arch: str  # "ampere" | "hopper" | "ada"
+    arch: str  # "turing" | "ampere" | "hopper" | "ada"
     profiles: tuple[MigProfile, ...] = ()  # empty: not MIG capable
     audio_device: int | None = None  # PCI id of an HD-audio function on the same card
 
@@ -127,6 +127,9 @@ MODELS: dict[str, ModelInfo] = {
         ModelInfo("a100-40gb", "NVIDIA A100-SXM4-40GB", 0x20B0, 0x134F, 40960, "ampere",
                   _seven_slice("1g.5gb", 4864, "1g.10gb", 9856, "2g.10gb", "3g.20gb", "4g.20gb", 19968,
                                "7g.40gb", 40192, _AMPERE_SMS)),
+        ModelInfo("a100-pcie-40gb", "NVIDIA A100-PCIE-40GB", 0x20F1, 0x145F, 40960, "ampere",
+                  _seven_slice("1g.5gb", 4864, "1g.10gb", 9856, "2g.10gb", "3g.20gb", "4g.20gb", 19968,
+                               "7g.40gb", 40192, _AMPERE_SMS)),
         ModelInfo("a100-80gb", "NVIDIA A100-SXM4-80GB", 0x20B2, 0x1463, 81920, "ampere",
                   _seven_slice("1g.10gb", 9728, "1g.20gb", 19968, "2g.20gb", "3g.40gb", "4g.40gb", 40192,
                                "7g.80gb", 81152, _AMPERE_SMS)),
@@ -143,6 +146,7 @@ MODELS: dict[str, ModelInfo] = {
                   _seven_slice("1g.18gb", 16384, "1g.35gb", 33280, "2g.35gb", "3g.71gb", "4g.71gb", 71424,
                                "7g.141gb", 143360, _HOPPER_SMS)),
         ModelInfo("l40s", "NVIDIA L40S", 0x26B9, 0x1851, 46068, "ada"),
+        ModelInfo("t4", "Tesla T4", 0x1EB8, 0x12A2, 15360, "turing"),
         ModelInfo("rtx6000-ada", "NVIDIA RTX 6000 Ada Generation", 0x26B1, 0x16A1, 49140, "ada",
                   audio_device=0x22BA),
     )

@@ -252,7 +252,7 @@ def test_version_missing() -> None:
 
 def test_layouts_missing() -> None:
     assert only_error("version: v1\n") == (
-        'layout.yaml:1 layouts: missing; expected "layouts" (or its synonym "mig-configs")')
+        'layout.yaml:1 layouts: missing; expected "layouts" (or its synonym "mig-configs" or "vgpu-configs")')
 
 
 def test_layouts_and_mig_configs() -> None:
