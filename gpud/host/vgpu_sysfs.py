@@ -140,6 +140,16 @@ class VgpuSysfs:
     def _dev(self, *parts: str) -> str:
         return os.path.join(self.sysfs.root, "bus/pci/devices", *parts)
 
+    def _parent_rel(self, parent: str) -> str:
+        """sysfs path (relative to the root) of an mdev parent: `class/mdev_bus/<parent>` lists every
+        registered parent, PCI or not (the kernel's mtty sample registers a virtual one)."""
+        if os.path.exists(os.path.join(self.sysfs.root, "class/mdev_bus", parent)):
+            return f"class/mdev_bus/{parent}"
+        return f"bus/pci/devices/{parent}"
+
+    def _parent(self, parent: str, *parts: str) -> str:
+        return os.path.join(self.sysfs.root, self._parent_rel(parent), *parts)
+
     def vfs(self, pf: str) -> list[str]:
         try:
             entries = os.listdir(self._dev(pf))
@@ -150,7 +160,7 @@ class VgpuSysfs:
 
     def interface(self, pf: str, vfs: list[str] | None = None) -> str | None:
         vfs = self.vfs(pf) if vfs is None else vfs
-        if os.path.isdir(self._dev(pf, "mdev_supported_types")):
+        if os.path.isdir(self._parent(pf, "mdev_supported_types")):
             return "mdev"
         if vfs:
             if os.path.exists(self._dev(vfs[0], "nvidia", "creatable_vgpu_types")):
@@ -198,9 +208,9 @@ class VgpuSysfs:
                 for type_id, name in pairs:
                     counts.setdefault(name, [type_id, 0])[1] += 1
         elif interface == "mdev":
-            parents = [pf] if os.path.isdir(self._dev(pf, "mdev_supported_types")) else vfs
+            parents = [pf] if os.path.isdir(self._parent(pf, "mdev_supported_types")) else vfs
             for parent in parents:
-                tdir = self._dev(parent, "mdev_supported_types")
+                tdir = self._parent(parent, "mdev_supported_types")
                 try:
                     type_dirs = sorted(os.listdir(tdir))
                 except OSError:
@@ -211,10 +221,10 @@ class VgpuSysfs:
                     self._learn(key, [(type_id, name)])
                     entry = counts.setdefault(name, [type_id, 0])
                     entry[1] += _int(_read(os.path.join(tdir, t, "available_instances")))
-                for e in sorted(os.listdir(self._dev(parent))):
+                for e in sorted(os.listdir(self._parent(parent))):
                     if not _UUID.fullmatch(e):
                         continue
-                    mpath = self._dev(parent, e)
+                    mpath = self._parent(parent, e)
                     try:
                         tname = os.path.basename(os.readlink(os.path.join(mpath, "mdev_type")))
                     except OSError:
@@ -261,7 +271,7 @@ class VgpuSysfs:
 
     def mdev_types(self, parent: str) -> dict[str, tuple[str, int]]:
         """bare type name -> (type directory, available_instances) on one mdev parent."""
-        tdir = self._dev(parent, "mdev_supported_types")
+        tdir = self._parent(parent, "mdev_supported_types")
         out = {}
         try:
             entries = sorted(os.listdir(tdir))
@@ -273,7 +283,7 @@ class VgpuSysfs:
         return out
 
     def create_mdev(self, parent: str, type_dir: str, uuid: str) -> None:
-        self._write(f"bus/pci/devices/{parent}/mdev_supported_types/{type_dir}/create", uuid)
+        self._write(f"{self._parent_rel(parent)}/mdev_supported_types/{type_dir}/create", uuid)
 
     def remove_mdev(self, uuid: str) -> None:
         """Remove an mdev. The caller checks holders first: on a 6.1 kernel the write blocks until a

@@ -93,10 +93,16 @@ def check_rules(want: dict[str, int], model: VgpuModel | None, state: VgpuState,
         return (f"{where} shows no vGPU interface (no mdev_supported_types, no SR-IOV): is NVIDIA's vGPU "
                 "manager driver loaded?")
     parsed = {name: parse_vgpu_name(name) for name in want}
-    bad = [n for n, p in parsed.items() if p is None]
-    if bad:
-        return f"{', '.join(bad)}: not vGPU type names"
-    time_sliced = sorted(n for n, p in parsed.items() if p is not None and not p.mig_backed)
+    # For a model gpud has no table for, the driver's list is the truth: read on a GPU without vGPUs
+    # (later the lists shrink to what fits beside the vGPUs placed) and for time-sliced types (a
+    # MIG-backed type is listed only once its GPU instance exists). A name outside NVIDIA's grammar
+    # counts as time-sliced.
+    if model is None and state.offers and not state.devices:
+        offered = {o.type for o in state.offers}
+        for name in want:
+            if name not in offered and not (parsed[name] is not None and parsed[name].mig_backed):
+                return f"{name} is not offered by {where}; it offers {', '.join(o.type for o in state.offers)}"
+    time_sliced = sorted(n for n, p in parsed.items() if p is None or not p.mig_backed)
     mig_backed = sorted(n for n, p in parsed.items() if p is not None and p.mig_backed)
     if time_sliced and mig_backed:
         return (f"{time_sliced[0]} is time-sliced and {mig_backed[0]} is MIG-backed: one GPU runs one kind, "

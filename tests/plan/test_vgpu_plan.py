@@ -12,7 +12,7 @@ from gpud.host.procs import Procs
 from gpud.host.sysfs import Sysfs
 from gpud.host.vgpu_sysfs import VgpuSysfs
 from gpud.layout.desired import DesiredGpu
-from gpud.model import Holder, VgpuDevice, VgpuState
+from gpud.model import Holder, VgpuDevice, VgpuOffer, VgpuState
 from gpud.plan.vgpu import VgpuRecord, check_rules, derived_uuid, plan_vgpu
 from gpud.sim import host as sim_paths
 from gpud.sim import vgpu as sim_vgpu
@@ -37,7 +37,7 @@ def want(pci: str, types: dict[str, int], workload: str = "vm-vgpu") -> DesiredG
     ({"L40S-1Q": 33}, "the type fits at most 32"),
     ({"H200X-4C": 1}, "H200X-4C is not a vGPU type of NVIDIA L40S 0000:18:00.0; valid: L40S-1B, L40S-1Q"),
     ({"L40S-12Q": 1, "H200X-1-18C": 1}, "one GPU runs one kind"),
-    ({"BOGUS-TYPE": 1}, "BOGUS-TYPE: not vGPU type names"),
+    ({"BOGUS-TYPE": 1}, "BOGUS-TYPE is not a vGPU type of NVIDIA L40S 0000:18:00.0; valid: L40S-1B"),
 ])
 def test_impossible_layouts_are_infeasible(types, reason) -> None:
     state = VgpuState(interface="vfio", total_vfs=32, vfs=tuple(f"0000:18:00.{i}" for i in range(4, 8)))
@@ -54,6 +54,14 @@ def test_mig_backed_needs_instances() -> None:
     assert reason == "3 MIG-backed vGPUs need 3 GPU instances 1g.18gb on H200; the MIG layout has 2"
     assert check_rules({"H200X-1-18C": 2}, h200, state, "H200", free_gis={"1g.18gb": 2}) is None
     assert "one GPU runs one kind" in check_rules({"H200X-1-18C": 1, "H200X-4C": 1}, h200, state, "H200")
+
+
+def test_the_drivers_offer_is_the_truth() -> None:
+    """A GPU gpud has no table for: the driver's offered names decide (here the kernel mtty sample's)."""
+    state = VgpuState(interface="mdev", offers=(VgpuOffer("Single port serial", 1, 24), VgpuOffer("Dual port serial", 2, 12)))
+    assert check_rules({"Quad port serial": 1}, None, state, "mtty") == (
+        "Quad port serial is not offered by mtty; it offers Single port serial, Dual port serial")
+    assert check_rules({"Dual port serial": 2}, None, state, "mtty") is None
 
 
 def test_one_vgpu_per_vf() -> None:

@@ -20,7 +20,10 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 VNG_BIN = "/opt/vng/bin"
 QEMU_OPTS = ("-machine q35,kernel-irqchip=split -device intel-iommu,intremap=on "
              "-device e1000,addr=0x10.0,multifunction=on -device ich9-intel-hda,addr=0x10.1 "
-             "-device e1000,addr=0x11.0")
+             "-device e1000,addr=0x11.0 "
+             # an SR-IOV capable function for the vGPU phase (QEMU 7.2's nvme: sriov_max_vfs)
+             "-device nvme-subsys,id=gpudsubsys -device nvme,serial=gpudsriov,subsys=gpudsubsys,addr=0x12.0,"
+             "sriov_max_vfs=2,sriov_vq_flexible=4,sriov_vi_flexible=2")
 
 
 def find_kernel() -> str | None:
