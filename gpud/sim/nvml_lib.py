@@ -23,6 +23,7 @@ import pynvml as N
 from gpud.layout.names import device_name
 from gpud.model import MigProfile
 from gpud.profiles import GI_PROFILE_INDEX, MODELS, ModelInfo
+from gpud.sim import vgpu as sim_vgpu
 from gpud.sim.state import SimCi, SimGi, SimGpu, SimProcess, SimState, locked
 
 SUCCESS = N.NVML_SUCCESS
@@ -615,6 +616,8 @@ def nvmlDeviceSetMigMode(lib, state, handle, mode, status_ref):
     status = _deref(status_ref)
     if mode == 0 and gpu.gis:
         raise _Ret(N.NVML_ERROR_IN_USE)
+    if mode != gpu.mig_mode and sim_vgpu.placed(state, gpu.address):
+        raise _Ret(N.NVML_ERROR_IN_USE)  # vGPUs on the GPU: no mode change under them
     gpu.mig_pending = mode
     if mode == gpu.mig_mode:
         status.value = SUCCESS
@@ -867,8 +870,8 @@ def nvmlGpuInstanceGetInfo(lib, state, gi_handle, ref):
 @_nvml()
 def nvmlGpuInstanceDestroy(lib, state, gi_handle):
     gpu, gi = lib.gi(state, gi_handle)
-    if gi.cis:
-        raise _Ret(N.NVML_ERROR_IN_USE)
+    if gi.cis or any(on_gi == gi.id for _, on_gi in sim_vgpu.placed(state, gpu.address)):
+        raise _Ret(N.NVML_ERROR_IN_USE)  # compute instances, or a MIG-backed vGPU, live on it
     gpu.gis.remove(gi)
 
 

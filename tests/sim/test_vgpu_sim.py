@@ -242,3 +242,38 @@ def test_hold_names_mdevs_and_vfs(vfio_host, capsys) -> None:
     procs = json.loads(open(os.path.join(vfio_host, "state.json")).read())["processes"]
     assert procs == [{"pid": 31337, "name": "qemu-system-x86", "device": MDEV_UUID, "used_mb": 256, "real": False,
                       "vm": "win-7"}]
+
+
+def test_nvml_refuses_mig_changes_under_vgpus(tmp_path) -> None:
+    """A GPU instance carrying a MIG-backed vGPU cannot be destroyed, and MIG mode does not change
+    under vGPUs: the fake NVML answers IN_USE, as it does for compute instances."""
+    import pynvml
+
+    from gpud import sim
+
+    d = tmp_path / "nvml-host"
+    create(d, ["h200", "l40s"], vgpu="vfio")
+    fs = sysfs(d)
+    fs.write("bus/pci/devices/0000:18:00.0/sriov_numvfs", "2")
+    with locked(d) as st:
+        gpu = st.gpus["0000:18:00.0"]
+        gpu.mig_mode = gpu.mig_pending = 1
+        gpu.gis = [SimGi(id=1, profile_id=19, start=0, size=1), SimGi(id=2, profile_id=19, start=1, size=1)]
+        render(d, st)
+    fs.write("bus/pci/devices/0000:18:00.4/nvidia/current_vgpu_type", "1414")
+    sim.install(d)
+    try:
+        pynvml.nvmlInit()
+        h = pynvml.nvmlDeviceGetHandleByIndex(0)
+        placed_gi = load(d).vgpu["0000:18:00.0"].vfs[0].gpu_instance_id
+        for gi_id, expect_in_use in ((placed_gi, True), (3 - placed_gi, False)):
+            gi = pynvml.nvmlDeviceGetGpuInstanceById(h, gi_id)
+            if expect_in_use:
+                with pytest.raises(pynvml.NVMLError_InUse):
+                    pynvml.nvmlGpuInstanceDestroy(gi)
+            else:
+                pynvml.nvmlGpuInstanceDestroy(gi)
+        assert [g.id for g in load(d).gpus["0000:18:00.0"].gis] == [placed_gi]
+        pynvml.nvmlShutdown()
+    finally:
+        sim.uninstall()
