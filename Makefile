@@ -30,6 +30,7 @@ test-fast: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) -m bench.mig_bench
+	$(PY) -m bench.vgpu_bench
 	$(PY) bench/client_startup.py
 
 deb:

@@ -268,7 +268,7 @@ async def main(out_dir: str) -> None:
         await phase(name, fn())
     events_udev.stop()  # the daemon below has its own monitor
     await phase("daemon", run_daemon(out_dir))
-    await phase("vgpu", asyncio.to_thread(guest_vgpu.run, record, HOLDER))  # mdev core + SR-IOV
+    await phase("vgpu", asyncio.to_thread(guest_vgpu.run, record, HOLDER, out_dir))  # mdev core + SR-IOV
     await asyncio.sleep(0.5)  # let late kernel-source events in before reporting
     ticker.cancel()
     events_kernel.stop()

@@ -2,7 +2,7 @@
 vGPU adapter, planner and executor against the kernel's own mdev core and SR-IOV code.
 
 - mdev: the kernel's sample parent driver mtty (built on the host by scripts/build-mtty against
-  the guest kernel's headers; the guest sees the host's /var/cache read-only) registers a parent
+  the guest kernel's headers, staged into the results directory) registers a parent
   `mtty` with two types. gpud lists them, plans and creates two mdevs with UUIDs of its choosing,
   hears EEXIST/EINVAL from the kernel, sees a VM-like holder (a process with the mdev's VFIO device
   fd open) and refuses to remove that mdev, while a raw `echo 1 > remove` blocks in the kernel until
@@ -49,9 +49,8 @@ def _plan(v: VgpuSysfs, count: int, record: VgpuRecord):
                      desired=desired, model=None, record=record)
 
 
-def run_mdev(record, holder_src: str) -> None:
-    kver = os.uname().release
-    module = os.environ.get("GPUD_MTTY", f"/var/cache/gpud-mtty/{kver}/mtty.ko")
+def run_mdev(record, holder_src: str, out_dir: str) -> None:
+    module = os.path.join(out_dir, "mtty.ko")  # staged there by tests/vm/vm.py:stage_mtty
     deps = subprocess.run(["modprobe", "-a", "vfio", "vfio_iommu_type1", "mdev"], capture_output=True, text=True)
     ins = subprocess.run(["insmod", module], capture_output=True, text=True)
     record("mdev", module=module, module_exists=os.path.exists(module), modprobe_rc=deps.returncode,
@@ -144,11 +143,32 @@ def run_sriov(record) -> None:
            offset=open(f"{base}/sriov_offset").read().strip(), stride=open(f"{base}/sriov_stride").read().strip())
 
 
-def run(record, holder_src: str) -> None:
-    for name, fn in (("mdev", lambda: run_mdev(record, holder_src)), ("sriov", lambda: run_sriov(record))):
+def run(record, holder_src: str, out_dir: str) -> None:
+    for name, fn in (("mdev", lambda: run_mdev(record, holder_src, out_dir)), ("sriov", lambda: run_sriov(record))):
         try:
             fn()
         except Exception as e:  # noqa: BLE001 - recorded for the host to judge
             import traceback
 
             record(name, error=f"{type(e).__name__}: {e}", trace=traceback.format_exc()[-2000:])
+
+
+if __name__ == "__main__":  # a boot of its own, for working on this phase alone: python -m tests.vm.vm --vgpu-only
+    import json
+    import traceback
+
+    from tests.vm.guest_binding import HOLDER
+
+    out_dir = sys.argv[1]
+    results: dict = {"phases": {}}
+
+    def record_alone(name: str, **data) -> None:
+        results["phases"].setdefault(name, {}).update(data)
+
+    try:
+        run(record_alone, HOLDER, out_dir)
+    except BaseException:  # noqa: BLE001
+        results["fatal"] = traceback.format_exc()[-4000:]
+    with open(os.path.join(out_dir, "results.json"), "w") as fh:
+        json.dump(results, fh, indent=1, default=str)
+    print("GUEST-DONE", flush=True)

@@ -4,7 +4,8 @@ The guest sees the host's filesystem read-only (writes go to tmpfs overlays), so
 venv run unchanged inside; results come back through a --rwdir. q35 + an emulated intel-iommu
 puts 00:10.0 (e1000) and 00:10.1 (ich9 HD audio: the class of a GPU's audio function) in one
 IOMMU group and 00:11.0 (e1000) alone in another.
-Usage outside pytest: `python -m tests.vm.vm OUT_DIR` (what scripts/vm-run does).
+Usage outside pytest: `python -m tests.vm.vm OUT_DIR` (what scripts/vm-run does); `--vgpu-only`
+boots for the vGPU phase alone (tests/vm/guest_vgpu.py).
 """
 
 from __future__ import annotations
@@ -57,6 +58,20 @@ def ensure_tools() -> list[str]:
     return missing()
 
 
+def stage_mtty(out_dir: str) -> dict:
+    """Build the kernel's mtty sample for the kernel the VM boots (scripts/build-mtty, cached under
+    /var/cache) and copy it into the results directory, the one host directory the guest sees as it
+    is (virtme-ng mounts fresh tmpfs over parts of /var)."""
+    kernel = find_kernel() or ""
+    kver = os.path.basename(kernel).removeprefix("vmlinuz-")
+    r = subprocess.run([os.path.join(REPO, "scripts", "build-mtty"), kver], capture_output=True, text=True,
+                       timeout=1800, check=False)
+    built = r.stdout.strip().splitlines()[-1] if r.returncode == 0 and r.stdout.strip() else ""
+    if built and os.path.exists(built):
+        shutil.copyfile(built, os.path.join(out_dir, "mtty.ko"))
+    return {"rc": r.returncode, "module": built, "out": (r.stdout + r.stderr)[-2000:]}
+
+
 def boot(out_dir: str, guest_script: str, *, timeout: float = 900.0, python: str | None = None) -> tuple[int, str, float]:
     """One boot: run `guest_script out_dir` as root in the guest. Returns (rc, console, seconds)."""
     python = python or sys.executable
@@ -77,12 +92,15 @@ def boot(out_dir: str, guest_script: str, *, timeout: float = 900.0, python: str
 
 
 if __name__ == "__main__":
-    out = os.path.abspath(sys.argv[1] if len(sys.argv) > 1 else "vm-out")
+    args = [a for a in sys.argv[1:] if not a.startswith("--")]
+    out = os.path.abspath(args[0] if args else "vm-out")
     os.makedirs(out, exist_ok=True)
     still = ensure_tools()
     if still:
         sys.exit("cannot boot the test VM, missing: " + "; ".join(still))
-    rc, console, secs = boot(out, os.path.join(REPO, "tests", "vm", "guest_binding.py"))
+    guest = "guest_vgpu.py" if "--vgpu-only" in sys.argv else "guest_binding.py"
+    print("mtty:", stage_mtty(out))
+    rc, console, secs = boot(out, os.path.join(REPO, "tests", "vm", guest))
     print(console[-6000:])
     print(f"vm: rc={rc} in {secs:.0f}s; results in {out}/results.json")
     sys.exit(rc)
