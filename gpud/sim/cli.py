@@ -180,14 +180,28 @@ def summary(state: SimState) -> dict:
                            "placement": f"{gi.start}:{gi.size}",
                            "cis": [{"ci": ci.id, "profile_id": ci.profile_id, "uuid": ci.uuid} for ci in gi.cis]}
                           for gi in sorted(g.gis, key=lambda x: x.id)],
+            "vgpu": _vgpu_summary(state, address),
         })
+    vfs = {vf.address for v in state.vgpu.values() for vf in v.vfs}
     others = [{"pci": f.address, "id": f"{f.vendor:04x}:{f.device:04x}", "class": f"0x{f.class_code:06x}",
                "driver": f.driver, "present": f.present}
-              for a, f in sorted(state.functions.items()) if a not in state.gpus]
+              for a, f in sorted(state.functions.items()) if a not in state.gpus and a not in vfs]
     return {"gpus": gpus, "functions": others,
             "processes": [msgspec.to_builtins(p) for p in state.processes],
             "faults": [msgspec.to_builtins(x) for x in state.faults], "hangs": list(state.hangs),
             "modules": list(state.loaded_modules), "driver_version": state.driver_version}
+
+
+def _vgpu_summary(state: SimState, address: str) -> dict | None:
+    from gpud.sim import vgpu as sim_vgpu
+
+    v = state.vgpu.get(address)
+    if v is None:
+        return None
+    return {"interface": v.interface, "vfs": len(v.vfs),
+            "devices": [{"type": t.name, "gi": gi if gi >= 0 else None} for t, gi in sim_vgpu.placed(state, address)],
+            "vf_types": {vf.address: vf.vgpu_type for vf in v.vfs if vf.vgpu_type},
+            "mdevs": [{"uuid": m.uuid, "parent": m.parent, "type": f"nvidia-{m.type_id}"} for m in v.mdevs]}
 
 
 def _print_show(s: dict) -> None:
@@ -196,6 +210,9 @@ def _print_show(s: dict) -> None:
         mig = "n/a" if g["mig"] is None else f"{g['mig']['current']} (pending {g['mig']['pending']})"
         state = g["driver"] or "unbound" if g["present"] else "unplugged"
         print(f"GPU {g['index']} {g['pci']} {g['name']} [{state}] group {g['iommu_group']} MIG {mig}  {g['uuid']}")
+        if g["vgpu"] is not None:
+            kinds = ", ".join(d["type"] for d in g["vgpu"]["devices"]) or "no vGPUs"
+            print(f"  vGPU ({g['vgpu']['interface']}, {g['vgpu']['vfs']} VFs): {kinds}")
         for i in g["instances"]:
             cis = ", ".join(f"CI {c['ci']} {c['uuid']}" for c in i["cis"]) or "no CI"
             print(f"    GI {i['gi']} {i['profile']} @{i['placement']}: {cis}")
