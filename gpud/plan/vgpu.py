@@ -235,3 +235,11 @@ def _with(plan: VgpuPlan, **changes) -> VgpuPlan:
     fields = {f: getattr(plan, f) for f in plan.__struct_fields__}
     fields.update(changes)
     return VgpuPlan(**fields)
+
+
+def gi_profiles_of(nvml) -> dict[int, str] | None:
+    """GI id -> profile name of an NvmlGpu's GPU instances (None when MIG is off or unknown)."""
+    if nvml is None or not nvml.mig_capable or not nvml.mig_mode:
+        return None
+    names = {p.id: p.name for p in nvml.profiles}
+    return {gi.id: names.get(gi.profile_id, str(gi.profile_id)) for gi in nvml.instances}
