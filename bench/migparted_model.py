@@ -75,7 +75,7 @@ def _create(h, gi_profile_id: int, ci_slices: int) -> None:
 
 
 def _current_names(gpu) -> Counter:
-    from gpud.engine.status import mig_device_name
+    from gpud.layout.names import mig_device_name
 
     return Counter(mig_device_name(gpu.nvml, gi, ci.slices) for gi in gpu.nvml.instances for ci in gi.cis)
 

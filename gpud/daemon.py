@@ -15,13 +15,15 @@ import os
 import signal
 import sys
 import threading
+from functools import partial
 from pathlib import Path
 
 from gpud import VERSION
+from gpud.api.handlers import RequestHandler
+from gpud.engine.apply_lock import ApplyLock
+from gpud.device_events import DeviceEventSourceFactory
 from gpud.engine.events import EventBus
-from gpud.engine.passthrough import inventory
-from gpud.engine.reconciler import ApplyLock, Hardware, Reconciler
-from gpud.engine.requests import RequestHandler
+from gpud.engine.reconciler import Hardware, Reconciler
 from gpud.engine.udev_rules import UdevRules
 from gpud.host.nvml import Nvml, NvmlError
 from gpud.host.procs import Procs
@@ -37,6 +39,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--state-dir", default="/var/lib/gpud")
     ap.add_argument("--sim", metavar="DIR", help="drive the simulated host in DIR (made by gpud-sim create)")
     ap.add_argument("--read-only", action="store_true", help="observe and plan; refuse every mutating call")
+    ap.add_argument("--replay", metavar="CAPTURE", help="with --sim DIR --read-only: NVML answers from a real "
+                    "GPU's capture (DIR laid out by python -m gpud.sim.replay_nvml CAPTURE DIR)")
     ap.add_argument("--lock", help="host-wide apply lock (default /run/lock/gpud-apply.lock, or DIR/apply.lock with --sim)")
     ap.add_argument("--socket-group", default="gpud", help="group allowed to read status (default gpud)")
     ap.add_argument("--udev-rules", help="udev rules file that keeps passthrough GPUs off nvidia at boot "
@@ -46,16 +50,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--unbind-timeout", type=float, default=30.0, help="seconds before an unbind is declared stuck")
     ap.add_argument("--log-level", default=os.environ.get("GPUD_LOG_LEVEL", "INFO"))
     ap.add_argument("--version", action="version", version=f"gpud {VERSION}")
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    if args.replay and not (args.sim and args.read_only):
+        ap.error("--replay needs --sim DIR and --read-only: a capture can be read, not changed")
+    return args
 
 
-def build_hardware(args: argparse.Namespace) -> tuple[Hardware, str | None, str]:
-    """Returns the adapters, the simulator's event socket (None on a real host) and the lock path;
-    fills in the defaults that differ between a real host and the simulator."""
+def build_hardware(args: argparse.Namespace) -> tuple[Hardware, DeviceEventSourceFactory, str]:
+    """The one seam between a real host and the simulator: returns the adapters, the device event
+    source to start (udev, or the simulator's datagram socket) and the lock path; fills in the
+    defaults that differ between a real host and the simulator."""
     if args.sim:
         from gpud import sim
+        from gpud.sim.uevents import SimEvents
 
         host = sim.install(args.sim)
+        if args.replay:
+            from gpud.sim import replay_nvml
+
+            replay_nvml.install(args.replay)
         hw = Hardware(
             sysfs=Sysfs(str(host.sys_root), read_only=args.read_only, store=host.store, modprobe=host.modprobe),
             nvml=Nvml(read_only=args.read_only, proc_root=str(host.proc_root)),
@@ -63,21 +76,24 @@ def build_hardware(args: argparse.Namespace) -> tuple[Hardware, str | None, str]
         )
         args.udev_rules = args.udev_rules or str(Path(args.sim) / "etc/udev/rules.d/70-gpud-vfio.rules")
         args.dev_root = str(host.dev_root)
-        return hw, str(host.uevent_socket), args.lock or str(Path(args.sim) / "apply.lock")
+        return hw, partial(SimEvents, socket_path=host.uevent_socket), args.lock or str(Path(args.sim) / "apply.lock")
     args.udev_rules = args.udev_rules or "/etc/udev/rules.d/70-gpud-vfio.rules"
     args.dev_root = "/dev"
     hw = Hardware(sysfs=Sysfs("/sys", read_only=args.read_only), nvml=Nvml(read_only=args.read_only), procs=Procs(read_only=args.read_only))
-    return hw, None, args.lock or "/run/lock/gpud-apply.lock"
+    from gpud.host.udev import UdevEvents
+
+    return hw, UdevEvents, args.lock or "/run/lock/gpud-apply.lock"
 
 
 class Daemon:
     def __init__(self, args: argparse.Namespace) -> None:
-        from gpud.host.systemd import Notifier, request_reboot
+        from gpud.host.logind import request_reboot
+        from gpud.host.sd_notify import Notifier
 
         self.args = args
         self.notifier = Notifier()
         self.bus = EventBus()
-        self.hw, self.sim_socket, lock_path = build_hardware(args)
+        self.hw, self.device_events, lock_path = build_hardware(args)
         self.rec = Reconciler(
             self.hw, config_path=args.config, apply_lock=ApplyLock(lock_path), bus=self.bus,
             read_only=args.read_only, binder_timeout=args.unbind_timeout,
@@ -130,11 +146,11 @@ class Daemon:
         key = (self.rec.passes, self.rec.phase, tuple(self.rec.layout_issues[0]))
         if self.args.metrics_textfile and key != self._metrics_key:  # after a pass or a layout change
             self._metrics_key = key
-            from gpud.engine.metrics import render
-            from gpud.engine.status import build_status
+            from gpud.api.metrics import render
+            from gpud.api.replies import status_reply
 
             try:
-                render(build_status(self.rec), self.rec.passes, self.args.metrics_textfile)
+                render(status_reply(self.rec), self.rec.passes, self.args.metrics_textfile)
             except OSError as e:
                 log.warning("metrics not written to %s: %s", self.args.metrics_textfile, e)
 
@@ -147,8 +163,7 @@ class Daemon:
     # ---- life cycle --------------------------------------------------------------------------
     async def run(self) -> int:
         from gpud.api.server import serve
-        from gpud.host.systemd import listen_socket
-        from gpud.host.udev import DeviceEvents
+        from gpud.host.sd_notify import listen_socket
 
         loop = asyncio.get_running_loop()
         self.rec.drainer = await _connect_drainer(self.bus)
@@ -158,13 +173,12 @@ class Daemon:
         except NvmlError as e:  # no nvidia driver (every GPU on vfio-pci, or none yet): serve anyway
             log.warning("NVML not available: %s", e)
         self.rec.load_config()
-        handler = RequestHandler(self.rec, notifier=self.notifier,
-                                 passthrough=lambda obs: inventory(obs, dev_root=self.args.dev_root))
+        handler = RequestHandler(self.rec, notifier=self.notifier, dev_root=self.args.dev_root)
         try:
             server = await serve(handler, self.args.socket, sock=listen_socket(), group=self.args.socket_group)
         except OSError as e:
             raise RuntimeError(f"cannot serve on {self.args.socket}: {e.strerror or e}") from e
-        events = DeviceEvents(self.on_device_event, sim_socket=self.sim_socket)
+        events = self.device_events(self.on_device_event)
         try:
             events.start(loop)
         except Exception as e:  # no libudev, no netlink (some containers): serve anyway, say so
@@ -221,7 +235,7 @@ class Daemon:
 async def _connect_drainer(bus: EventBus):
     """The system bus is where GPU client units are stopped and started; without one (a dev
     machine, a container) policy.drain-units cannot be honoured and says so when used."""
-    from gpud.host.systemd import UnitDrainer
+    from gpud.host.unit_drain import UnitDrainer
 
     try:
         return await asyncio.wait_for(UnitDrainer.connect(on_event=lambda m: bus.publish("drain", str(m))), 5)

@@ -29,3 +29,14 @@ def pci_sort_key(address: str) -> tuple[int, ...]:
         return (int(domain, 16), int(bus, 16), int(dev, 16), int(fn, 16))
     except ValueError:
         return (1 << 32,)
+
+
+# Classes (base << 8 | sub) that sit in an IOMMU group without being endpoints (host bridge, PCI
+# bridge): vfio-pci accepts them as they are (pcieport or no driver), so they are never rebound
+# and never listed for vfio-pci at boot.
+BRIDGE_CLASSES = (0x0600, 0x0604)
+
+
+def is_bridge(class_code: int) -> bool:
+    """`class_code` is sysfs's 24-bit `class` (base, sub, prog-if)."""
+    return (class_code >> 8) in BRIDGE_CLASSES

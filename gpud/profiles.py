@@ -3,14 +3,15 @@
 NVML is the source of truth for a GPU it can see. This table serves where NVML cannot be asked
 (a GPU on vfio-pci must still have its layout validated against its own model, mig-parted #157)
 and is what the simulator serves through its fake NVML. Figures come from `nvidia-smi mig -lgip`
-/ `-lgipp` of each model (the H200 row was captured on a real host: shared/fixtures/h200).
+/ `-lgipp` of each model (the H200 row was captured on a real host: tests/fixtures/h200; docs/hardware/mig-nvml.md).
 """
 
 from __future__ import annotations
 
 from msgspec import Struct
+from msgspec.structs import replace
 
-from gpud.model import CiProfile, MigProfile, Placement
+from gpud.model import CiProfile, Gpu, MigProfile, Placement
 
 NVIDIA = 0x10DE
 
@@ -28,6 +29,9 @@ _GEOMETRY: dict[int, tuple[int, int, int, tuple[int, ...]]] = {
 
 # NVML GI profile *index* constant for each id (what nvmlDeviceGetGpuInstanceProfileInfo takes).
 GI_PROFILE_INDEX: dict[int, int] = {19: 0, 14: 1, 9: 2, 5: 3, 0: 4, 20: 7, 15: 9}
+
+# gpuInstanceId / computeInstanceId NVML reports for a process running outside any MIG instance.
+NOT_IN_MIG_INSTANCE = 0xFFFFFFFF
 
 # Compute-instance profile ids (NVML_COMPUTE_INSTANCE_PROFILE_<n>_SLICE) by compute slices.
 CI_PROFILE_ID: dict[int, int] = {1: 0, 2: 1, 3: 2, 4: 3, 7: 4}
@@ -155,3 +159,30 @@ MODELS: dict[str, ModelInfo] = {
 
 def by_device(device_id: int) -> ModelInfo | None:
     return next((m for m in MODELS.values() if m.device == device_id), None)
+
+
+def known_model_name(gpu: Gpu) -> str | None:
+    """The GPU's model name as NVML reports it, else from this table; None when neither knows it."""
+    if gpu.nvml is not None and gpu.nvml.name:
+        return gpu.nvml.name
+    model = by_device(gpu.function.device) if gpu.function.vendor == NVIDIA else None
+    return model.name if model is not None else None
+
+
+def model_name(gpu: Gpu) -> str:
+    """What every message, status line and plan calls the GPU's model: "NVIDIA H200", or
+    "GPU 10de:2335" for a model neither NVML nor this table names."""
+    return known_model_name(gpu) or f"GPU {gpu.pci_id}"
+
+
+def with_model_ci_profiles(observed: tuple[MigProfile, ...], device_id: int) -> tuple[MigProfile, ...]:
+    """The GI profiles NVML reported, for planning: NVML answers a GI profile's CI profiles only
+    through a live GPU instance of it, so a profile without one came back with none; it takes
+    them from the known model's table (the ids and sizes NVML gives through a live GI of that
+    profile). Profiles NVML did describe, and unknown models, stay as they are."""
+    model = by_device(device_id)
+    if model is None:
+        return observed
+    table = {p.id: p.ci_profiles for p in model.profiles}
+    return tuple(p if p.ci_profiles or p.id not in table else replace(p, ci_profiles=table[p.id])
+                 for p in observed)

@@ -1,12 +1,12 @@
-"""The daemon's Unix-socket API server: framing, authorisation by peer credentials, limits.
+"""The daemon's Unix-socket API server: connections, framing, limits (one concern: serving the socket).
 
 A root daemon that takes commands over a socket is a privilege boundary, so the socket is never
 world-writable (0660 root:gpud, or 0600 without the group), every connection is authorised from
 the kernel's SO_PEERCRED record rather than anything the client says, and each connection is
 bounded (frame size, idle time, event queue) so no local user can stall the daemon or other clients.
 
-Who may do what: uid 0 everything; members of the `gpud` group the read ops (`wire.READ_OPS`);
-nobody else anything. A refused request gets a `forbidden` error and the connection is closed, as
+Who may do what is decided in `gpud.api.peers` (uid 0 everything, the `gpud` group the read
+ops, nobody else anything). A refused request gets a `forbidden` error and the connection is closed, as
 after a malformed or oversized frame or an unknown op.
 """
 
@@ -14,38 +14,20 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import grp
 import logging
 import os
 import socket
 import stat
-import struct
-import time
-from collections import deque
 from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
 import msgspec
 
 from gpud.api import wire
+from gpud.api.peers import Peer, authorize, group_id, may_connect, peer_credentials
+from gpud.engine.events import EventQueue
 
 log = logging.getLogger("gpud.api")
-
-_UCRED = struct.Struct("iII")  # struct ucred: pid_t pid; uid_t uid; gid_t gid
-# SO_PEERGROUPS (Linux 4.13): the peer's supplementary groups as of connect(), race-free. 59 on
-# the asm-generic architectures; elsewhere fall back to /proc.
-_SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", None) or (
-    59 if os.uname().machine in ("x86_64", "aarch64", "i686", "riscv64", "s390x", "ppc64le") else None
-)
-
-
-class Peer(msgspec.Struct, frozen=True):
-    """Who is on the other end, as the kernel says. `groups` includes the primary gid."""
-
-    pid: int
-    uid: int
-    gid: int
-    groups: frozenset[int] = frozenset()
 
 
 class ApiError(Exception):
@@ -64,86 +46,18 @@ class ServerError(RuntimeError):
 class Handler(Protocol):
     """What the daemon gives the server.
 
-    `handle` answers every op but `events` with a reply struct (or a dict of the same shape).
-    `subscribe` returns an asyncio.Queue or an async iterator of events (wire.Event or dicts of
-    its shape) that starts collecting immediately; `recent_events` the history, oldest first.
-    If the handler has `unsubscribe(source)`, it is called when the subscriber goes away.
+    `handle` answers every op but `events` with the op's reply struct (`wire.RESULTS`).
+    `subscribe` returns an `EventQueue` (the engine's bounded queue, sent from as it is), an
+    asyncio.Queue or an async iterator of events (wire.Event or dicts of its shape) that starts
+    collecting immediately; `recent_events` the history, oldest first. If the handler has
+    `unsubscribe(source)`, it is called when the subscriber goes away.
     """
 
     async def handle(self, op: str, args: dict[str, Any], peer: Peer) -> Any: ...
 
-    def subscribe(self) -> asyncio.Queue | AsyncIterator[Any]: ...
+    def subscribe(self) -> EventQueue | asyncio.Queue | AsyncIterator[Any]: ...
 
     def recent_events(self) -> list[Any]: ...
-
-
-# ---------------------------------------------------------------------------------------------
-# Credentials and authorisation
-
-
-def read_proc_groups(pid: int, euid: int, proc_root: str = "/proc") -> set[int] | None:
-    """Supplementary groups from /proc/<pid>/status, or None if unknown.
-
-    The pid may have exited and been reused since connect(): the effective uid must still match
-    the one SO_PEERCRED reported, else the groups are not trusted.
-    """
-    try:
-        with open(f"{proc_root}/{pid}/status", encoding="ascii", errors="replace") as f:
-            text = f.read()
-    except OSError:
-        return None
-    uid_ok = False
-    groups: set[int] | None = None
-    for line in text.splitlines():
-        key, _, value = line.partition(":")
-        if key == "Uid":
-            fields = value.split()
-            uid_ok = len(fields) >= 2 and fields[1] == str(euid)
-        elif key == "Groups":
-            try:
-                groups = {int(g) for g in value.split()}
-            except ValueError:
-                return None
-    return groups if uid_ok else None
-
-
-def _peer_groups(sock: socket.socket) -> set[int] | None:
-    if _SO_PEERGROUPS is None:
-        return None
-    try:
-        raw = sock.getsockopt(socket.SOL_SOCKET, _SO_PEERGROUPS, 1024)  # 256 groups; ERANGE above
-    except OSError:
-        return None
-    n = len(raw) // 4
-    return set(struct.unpack(f"={n}I", raw[: n * 4]))
-
-
-def peer_credentials(sock: socket.socket, proc_root: str = "/proc") -> Peer:
-    pid, uid, gid = _UCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
-    groups = _peer_groups(sock)
-    if groups is None:
-        groups = read_proc_groups(pid, uid, proc_root) or set()
-    return Peer(pid=pid, uid=uid, gid=gid, groups=frozenset(groups | {gid}))
-
-
-def may_connect(peer: Peer, gpud_gid: int | None) -> bool:
-    return peer.uid == 0 or (gpud_gid is not None and gpud_gid in peer.groups)
-
-
-def authorize(peer: Peer, op: str, gpud_gid: int | None) -> bool:
-    """uid 0: any op; `gpud` group members: read ops only; everyone else: nothing."""
-    if peer.uid == 0:
-        return True
-    return op in wire.READ_OPS and may_connect(peer, gpud_gid)
-
-
-def group_id(group: str | None) -> int | None:
-    if not group:
-        return None
-    try:
-        return grp.getgrnam(group).gr_gid
-    except KeyError:
-        return None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -207,58 +121,7 @@ def bind_socket(path: str, gpud_gid: int | None) -> socket.socket:
 
 
 # ---------------------------------------------------------------------------------------------
-# Per-subscriber bounded queue
-
-
-class _Dropped:
-    __slots__ = ("count",)
-
-    def __init__(self) -> None:
-        self.count = 1
-
-
-class Outbox:
-    """Bounded FIFO of events for one subscriber: put never blocks; when full, events are
-    dropped and one marker in their place says how many, so the client learns of the gap."""
-
-    def __init__(self, size: int) -> None:
-        self._q: deque[Any] = deque()
-        self._size = max(1, size)
-        self._ready = asyncio.Event()
-        self.closed = False
-        self.dropped = 0
-
-    def put(self, item: Any) -> None:
-        if len(self._q) >= self._size:
-            self.dropped += 1
-            if self._q and isinstance(self._q[-1], _Dropped):
-                self._q[-1].count += 1
-            else:
-                self._q.append(_Dropped())  # one over the bound, at most
-        else:
-            self._q.append(item)
-        self._ready.set()
-
-    def close(self) -> None:
-        self.closed = True
-        self._ready.set()
-
-    async def get(self) -> Any:
-        """Next item (a `_Dropped` marker becomes an "overflow" event); None once closed and empty."""
-        while not self._q:
-            if self.closed:
-                return None
-            self._ready.clear()
-            await self._ready.wait()
-        item = self._q.popleft()
-        if isinstance(item, _Dropped):
-            return wire.Event(
-                time=time.time(),
-                kind="overflow",
-                message=f"{item.count} events dropped: this client reads too slowly",
-                data={"dropped": item.count},
-            )
-        return item
+# Events
 
 
 def _as_event(ev: Any) -> wire.Event:
@@ -425,17 +288,16 @@ class ApiServer:
     async def _call(self, req: wire.Request, args: dict[str, Any], peer: Peer) -> wire.Response:
         try:
             result = await self.handler.handle(req.op, args, peer)
-            typ = wire.RESULTS.get(req.op)
-            if typ is not None and not isinstance(result, msgspec.Struct):
-                result = msgspec.convert(result, typ)
         except ApiError as e:
             return self._error(req.id, e.code, e.message)
-        except msgspec.ValidationError as e:
-            log.error("handler returned a malformed %s reply: %s", req.op, e)
-            return self._error(req.id, wire.E_INTERNAL, f"malformed {req.op} reply: {e}")
         except Exception as e:
             log.exception("handler failed on %s", req.op)
             return self._error(req.id, wire.E_INTERNAL, f"{type(e).__name__}: {e}")
+        typ = wire.RESULTS[req.op]
+        if not isinstance(result, typ):  # a handler bug: the client would misread anything else
+            log.error("handler answered %s with %s, not %s", req.op, type(result).__name__, typ.__name__)
+            return self._error(req.id, wire.E_INTERNAL,
+                               f"malformed {req.op} reply: {type(result).__name__}, not {typ.__name__}")
         return wire.Response(id=req.id, ok=True, result=result)
 
     def _history(self, rid: int, recent: list[Any], *, following: bool) -> wire.Response:
@@ -459,8 +321,11 @@ class ApiServer:
         # subscribe and snapshot the history with no await in between: no event is lost or doubled
         source = self.handler.subscribe()
         history = self._recent()
-        outbox = Outbox(self.event_queue)
-        pump = asyncio.create_task(self._pump(source, outbox))
+        if isinstance(source, EventQueue):  # already bounded, with its overflow marker
+            outbox, pump = source, None
+        else:
+            outbox = EventQueue(self.event_queue)
+            pump = asyncio.create_task(self._pump(source, outbox))
         eof = asyncio.create_task(reader.read(1))  # the client never sends more; data or EOF ends it
         try:
             await self._send(writer, self._history(rid, history, following=True))
@@ -487,9 +352,10 @@ class ApiServer:
                     return
                 drain.result()
         finally:
-            pump.cancel()
+            if pump is not None:
+                pump.cancel()
             eof.cancel()
-            await asyncio.gather(pump, eof, return_exceptions=True)
+            await asyncio.gather(*(t for t in (pump, eof) if t is not None), return_exceptions=True)
             unsubscribe = getattr(self.handler, "unsubscribe", None)
             if unsubscribe is not None:
                 unsubscribe(source)
@@ -498,7 +364,7 @@ class ApiServer:
                     await source.aclose()
 
     @staticmethod
-    async def _pump(source: Any, outbox: Outbox) -> None:
+    async def _pump(source: Any, outbox: EventQueue) -> None:
         try:
             if isinstance(source, asyncio.Queue):
                 while True:
@@ -540,13 +406,8 @@ __all__ = [
     "ApiError",
     "ApiServer",
     "Handler",
-    "Outbox",
     "Peer",
     "ServerError",
-    "authorize",
     "bind_socket",
-    "may_connect",
-    "peer_credentials",
-    "read_proc_groups",
     "serve",
 ]

@@ -1,5 +1,7 @@
 """The gpud socket protocol: frames, requests, responses, events and the typed replies.
 
+One concern, the protocol: this module is the one definition of every message on the socket.
+
 Shared by the daemon (asyncio) and `gpudctl` (a blocking socket), so this module imports only the
 standard library and msgspec: the client's start-up time is a product feature, and every import
 here is paid by every `gpudctl` run.

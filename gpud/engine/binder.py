@@ -9,10 +9,11 @@ even a driver_override write or read of that device can then block. Hence:
   nothing has been written yet;
 - the caller's own NVML handle is closed through `before_unbind`, then nvidia's unbindLock is
   asked for (refused -> "waiting": a user /proc cannot show, e.g. nvidia-persistenced or DRM);
-- every write runs in a forked child with a deadline; on expiry the outcome is "stuck" with what
-  the kernel says (/proc/<child>/wchan, stack, state, the last matching /dev/kmsg line) and the
-  child is abandoned to a reaper thread: the caller's thread returns, the event loop keeps serving,
-  and later plans touching that device answer "stuck" without touching it until the write ends;
+- every write runs in a helper process with a deadline (gpud.host.deadline_write); on expiry the
+  outcome is "stuck" with what the kernel says (/proc/<helper>/wchan, stack, state, the last
+  matching /dev/kmsg line) and the helper is abandoned to a reaper thread: the caller's thread
+  returns, the event loop keeps serving, and later plans touching that device answer "stuck"
+  without touching it until the write ends;
 - every rebind is verified (drivers_probe succeeds even when nothing binds), and /dev/vfio/<group>
   is awaited with bounded backoff because udev creates and removes it asynchronously.
 """
@@ -23,27 +24,22 @@ import asyncio
 import collections
 import errno as errno_mod
 import glob
-import json
 import os
 import re
-import select
-import signal
-import struct
-import threading
 import time
 from collections.abc import Callable, Iterable
-from typing import Any
 
 from msgspec import Struct
 
+from gpud.host.deadline_write import WriteFailed, WriteStuck, stuck_writes, write_with_deadline
+from gpud.host.kmsg import read_text
 from gpud.host.readonly import ReadOnlyError, refuse_if
-from gpud.host.sysfs import meaning
+from gpud.host.sysfs import describe_error
 from gpud.model import Holder
-from gpud.plan import binding as B
-
-_MAX_FD = os.sysconf("SC_OPEN_MAX") if hasattr(os, "sysconf") else 65536
+from gpud.plan import binding
 
 CONVERGED, WAITING, FAILED, STUCK = "converged", "waiting", "failed", "stuck"
+
 
 class BindOutcome(Struct, frozen=True):
     pci: str
@@ -56,214 +52,10 @@ class BindOutcome(Struct, frozen=True):
     stuck_pid: int | None = None
 
 
-class _WriteError(Exception):
-    def __init__(self, path: str, err: int | None, meaning: str) -> None:
-        super().__init__(meaning)
-        self.path, self.errno, self.meaning = path, err, meaning
+class _BindingRun:
+    """One execution of one binding plan: its steps done so far and the unbindLocks it holds."""
 
-
-class _Stuck(Exception):
-    def __init__(self, pid: int, path: str, reason: str) -> None:
-        super().__init__(reason)
-        self.pid, self.path, self.reason = pid, path, reason
-
-
-class StuckWrite(Struct):
-    pid: int
-    pci: str
-    path: str
-    value: str
-    started: float  # time.monotonic()
-    reason: str
-    exit_status: int | None = None  # set by the reaper when the write finally returned
-
-
-# pci -> the abandoned write still blocked in the kernel. Module-wide: one kernel, one registry.
-_stuck: dict[str, StuckWrite] = {}
-_stuck_lock = threading.Lock()
-
-
-def stuck_writes() -> list[StuckWrite]:
-    with _stuck_lock:
-        return list(_stuck.values())
-
-
-def _reap(sw: StuckWrite) -> None:
-    """Waits for an abandoned child in its own daemon thread: a process in D state cannot be
-    killed, but when the kernel lets the write return it exits and must not stay a zombie."""
-    try:
-        _, status = os.waitpid(sw.pid, 0)
-    except ChildProcessError:
-        status = -1
-    with _stuck_lock:
-        sw.exit_status = status
-        if _stuck.get(sw.pci) is sw:
-            del _stuck[sw.pci]
-
-
-def _describe(e: OSError) -> str:
-    """The errno and what it means for that attribute (the sysfs adapter's table, one home)."""
-    if getattr(e, "meaning", None):
-        return e.meaning
-    if e.errno is None:
-        return str(e)
-    return f"{errno_mod.errorcode.get(e.errno, e.errno)}: {meaning(e.filename or '', e.errno)}"
-
-
-def _read(path: str, limit: int = 4096) -> str | None:
-    try:
-        with open(path, "rb") as f:
-            return f.read(limit).decode(errors="replace").strip()
-    except OSError:
-        return None
-
-
-def kernel_reason(pid: int, needles: Iterable[str], *, kmsg: str = "/dev/kmsg") -> str:
-    """What the kernel says about a blocked writer: its state, wait channel, stack and the last
-    kernel log line naming the device (or NVRM)."""
-    parts = []
-    stat = _read(f"/proc/{pid}/stat")
-    if stat and ")" in stat:
-        state = stat.rsplit(")", 1)[1].split()[0]
-        parts.append(f"state {state}" + (" (uninterruptible)" if state == "D" else ""))
-    wchan = _read(f"/proc/{pid}/wchan")
-    if wchan and wchan != "0":
-        parts.append(f"wchan {wchan}")
-    stack = _read(f"/proc/{pid}/stack")
-    if stack:
-        frames = [re.sub(r"^\[<[0-9a-f]+>\]\s*", "", ln).split("+")[0] for ln in stack.splitlines()[:6]]
-        parts.append("stack " + " < ".join(f for f in frames if f))
-    line = last_kmsg_line(needles, kmsg=kmsg)
-    if line:
-        parts.append(f"kernel: {line}")
-    return "; ".join(parts) or "no kernel detail readable"
-
-
-def last_kmsg_line(needles: Iterable[str], *, kmsg: str = "/dev/kmsg", max_records: int = 50000) -> str | None:
-    needles = [n for n in needles if n]
-    try:
-        fd = os.open(kmsg, os.O_RDONLY | os.O_NONBLOCK)
-    except OSError:
-        return None
-    last = None
-    try:
-        for _ in range(max_records):
-            try:
-                rec = os.read(fd, 8192)
-            except BlockingIOError:
-                break
-            except OSError as e:
-                if e.errno == errno_mod.EPIPE:  # overwritten while reading: go on with the next
-                    continue
-                break
-            if not rec:
-                break
-            text = rec.decode(errors="replace").split(";", 1)[-1].split("\n", 1)[0]
-            if any(n in text for n in needles):
-                last = text
-    finally:
-        os.close(fd)
-    return last
-
-
-def _child_write(sysfs, relpath: str, value: str, pci: str, timeout: float, kmsg: str) -> None:
-    """One sysfs write in a forked child with a deadline. The child does nothing but the adapter's
-    single os.write and reports errno through a length-prefixed message (not EOF: a sibling fork
-    from another thread may inherit the pipe's write end)."""
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # child
-        code = 0
-        try:
-            # Keep nothing of the parent's: an inherited fd would keep its flocks (apply lock,
-            # the simulator's state lock) held for as long as the kernel keeps this child blocked.
-            os.closerange(3, w)
-            os.closerange(w + 1, _MAX_FD)
-            for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-                signal.signal(sig, signal.SIG_DFL)
-            try:
-                sysfs.write(relpath, value)
-                msg: dict[str, Any] = {"ok": True}
-            except ReadOnlyError as e:
-                msg = {"ok": False, "errno": None, "meaning": str(e)}
-            except OSError as e:
-                msg = {"ok": False, "errno": e.errno, "meaning": _describe(e)}
-            except BaseException as e:  # noqa: BLE001 - anything must be reported, not lost
-                msg = {"ok": False, "errno": None, "meaning": f"{type(e).__name__}: {e}"}
-            data = json.dumps(msg).encode()
-            os.write(w, struct.pack("!I", len(data)) + data)
-        except BaseException:  # noqa: BLE001 - the child must reach os._exit whatever happens
-            code = 1
-        finally:
-            os._exit(code)
-    os.close(w)
-    try:
-        data = _read_framed(r, timeout)
-    finally:
-        os.close(r)
-    if data is None:
-        path = os.path.join(sysfs.root, relpath)
-        reason = kernel_reason(pid, [pci, "NVRM"], kmsg=kmsg)
-        sw = StuckWrite(pid=pid, pci=pci, path=path, value=value.strip(), started=time.monotonic(), reason=reason)
-        with _stuck_lock:
-            _stuck[pci] = sw
-        threading.Thread(target=_reap, args=(sw,), name=f"gpud-reap-{pid}", daemon=True).start()
-        raise _Stuck(pid, path, reason)
-    os.waitpid(pid, 0)  # it exits right after writing its answer
-    msg = json.loads(data)
-    if not msg["ok"]:
-        raise _WriteError(os.path.join(sysfs.root, relpath), msg["errno"], msg["meaning"])
-
-
-class DeadlineSysfs:
-    """The sysfs adapter with `reset` done like an unbind: in a child with a deadline. A reset
-    waits on the device lock, which a stuck unbind holds; a reset stuck in the kernel must not
-    hang the pass (the watchdog would not see it: the event loop stays healthy)."""
-
-    def __init__(self, sysfs, timeout: float, kmsg: str = "/dev/kmsg") -> None:
-        self._sysfs, self._timeout, self._kmsg = sysfs, timeout, kmsg
-
-    def __getattr__(self, name: str):
-        return getattr(self._sysfs, name)
-
-    def reset(self, address: str) -> None:
-        refuse_if(getattr(self._sysfs, "read_only", False), "reset", address)
-        with _stuck_lock:
-            earlier = _stuck.get(address)
-        if earlier is not None:
-            raise TimeoutError(errno_mod.ETIMEDOUT, f"an earlier write to {earlier.path} is still blocked: "
-                                                    f"{earlier.reason}")
-        try:
-            _child_write(self._sysfs, f"bus/pci/devices/{address}/reset", "1", address, self._timeout, self._kmsg)
-        except _Stuck as e:
-            raise TimeoutError(errno_mod.ETIMEDOUT, f"reset still blocked after {self._timeout:g}s "
-                                                    f"(pid {e.pid} left to finish): {e.reason}") from e
-        except _WriteError as e:
-            raise OSError(e.errno, e.meaning, e.path) from e
-
-
-def _read_framed(fd: int, timeout: float) -> bytes | None:
-    """The child's answer, or None when the deadline passed first."""
-    deadline = time.monotonic() + timeout
-    buf = b""
-    poller = select.poll()
-    poller.register(fd, select.POLLIN)
-    while True:
-        if len(buf) >= 4 and len(buf) >= 4 + struct.unpack("!I", buf[:4])[0]:
-            return buf[4 : 4 + struct.unpack("!I", buf[:4])[0]]
-        left = deadline - time.monotonic()
-        if left <= 0 or not poller.poll(left * 1000):
-            return None
-        chunk = os.read(fd, 65536)
-        if not chunk:  # the child died without answering (killed, or crashed before its write)
-            return json.dumps({"ok": False, "errno": None, "meaning": "the writer process died"}).encode()
-        buf += chunk
-
-
-class _Run:
-    """One execution of one plan."""
-
-    def __init__(self, sysfs, procs, plan: B.BindingPlan, *, before_unbind, timeout, verify_timeout, dev_root,
+    def __init__(self, sysfs, procs, plan: binding.BindingPlan, *, before_unbind, timeout, verify_timeout, dev_root,
                  check_holders, kmsg, sleep, on_step) -> None:
         self.sysfs, self.procs, self.plan = sysfs, procs, plan
         self.before_unbind = before_unbind
@@ -286,7 +78,7 @@ class _Run:
             return os.path.basename(os.readlink(self.dev(pci, "driver")))
         except FileNotFoundError:
             if not os.path.exists(self.dev(pci)):
-                raise _WriteError(self.dev(pci), errno_mod.ENODEV, f"{pci} is gone from the bus") from None
+                raise WriteFailed(self.dev(pci), errno_mod.ENODEV, f"{pci} is gone from the bus") from None
             return None
 
     def vfio_node(self, group: int) -> str:
@@ -299,7 +91,7 @@ class _Run:
         for pci in self.plan.endpoints:
             try:
                 drv = self.driver(pci)
-            except _WriteError:
+            except WriteFailed:
                 continue
             if drv == "nvidia":
                 minor = self.procs.nvidia_minor(pci)
@@ -319,7 +111,7 @@ class _Run:
         proc_root = getattr(self.procs, "proc_root", "/proc")
         prefix = f"gpu{minor}/"
         minors: list[str] = []
-        text = _read(os.path.join(proc_root, "driver", "nvidia-caps", "mig-minors"), limit=1 << 20)
+        text = read_text(os.path.join(proc_root, "driver", "nvidia-caps", "mig-minors"), limit=1 << 20)
         if text:
             for line in text.splitlines():
                 name, _, n = line.strip().rpartition(" ")
@@ -329,7 +121,7 @@ class _Run:
             base = os.path.join(proc_root, "driver", "nvidia", "capabilities", f"gpu{minor}", "mig")
             for access in sorted(glob.glob(os.path.join(base, "gi*", "access"))
                                  + glob.glob(os.path.join(base, "gi*", "ci*", "access"))):
-                m = re.search(r"DeviceFileMinor:\s*(\d+)", _read(access) or "")
+                m = re.search(r"DeviceFileMinor:\s*(\d+)", read_text(access) or "")
                 if m:
                     minors.append(m.group(1))
         return [f"/dev/nvidia-caps/nvidia-cap{n}" for n in minors]
@@ -342,7 +134,7 @@ class _Run:
     # ---- steps -------------------------------------------------------------------------------
     def write(self, relpath: str, value: str, pci: str) -> None:
         refuse_if(getattr(self.sysfs, "read_only", False), f"sysfs write {value.strip()!r}", relpath)
-        _child_write(self.sysfs, relpath, value, pci, self.timeout, self.kmsg)
+        write_with_deadline(self.sysfs, relpath, value, pci, self.timeout, self.kmsg)
 
     def wait_until(self, cond: Callable[[], bool]) -> bool:
         """Bounded re-check with exponential backoff: probes and udev may finish asynchronously."""
@@ -356,47 +148,47 @@ class _Run:
             self.sleep(min(delay, max(0.0, deadline - time.monotonic())))
             delay = min(delay * 2, 0.25)
 
-    def step(self, s: B.BindStep) -> None:
+    def step(self, s: binding.BindStep) -> None:
         a = s.action
-        if a == B.LOAD_MODULE:
+        if a == binding.LOAD_MODULE:
             if not os.path.isdir(os.path.join(self.sysfs.root, "bus", "pci", "drivers", s.driver or s.module)):
                 self.sysfs.load_module(s.module)
                 if not self.wait_until(lambda: os.path.isdir(os.path.join(self.sysfs.root, "bus", "pci", "drivers", s.driver))):
-                    raise _WriteError("", None, f"module {s.module} loaded but driver {s.driver} did not register")
-        elif a == B.SET_OVERRIDE:
+                    raise WriteFailed("", None, f"module {s.module} loaded but driver {s.driver} did not register")
+        elif a == binding.SET_OVERRIDE:
             self.write(f"bus/pci/devices/{s.pci}/driver_override", s.driver, s.pci)
-        elif a == B.CLEAR_OVERRIDE:
+        elif a == binding.CLEAR_OVERRIDE:
             self.write(f"bus/pci/devices/{s.pci}/driver_override", "\n", s.pci)
-        elif a == B.UNBIND:
+        elif a == binding.UNBIND:
             self.unbind(s.pci)
-        elif a == B.PROBE:
+        elif a == binding.PROBE:
             self.write("bus/pci/drivers_probe", s.pci, s.pci)
-        elif a == B.VERIFY_DRIVER:
+        elif a == binding.VERIFY_DRIVER:
             if not self.wait_until(lambda: self.driver(s.pci) == s.driver):
-                raise _WriteError(self.dev(s.pci, "driver"), None,
+                raise WriteFailed(self.dev(s.pci, "driver"), None,
                                   f"{s.pci} is on {self.driver(s.pci) or 'no driver'} after probe, expected {s.driver}")
-        elif a == B.VERIFY_NATIVE:
-            if not self.wait_until(lambda: self.driver(s.pci) not in (None, B.VFIO)):
-                raise _WriteError(self.dev(s.pci, "driver"), None,
+        elif a == binding.VERIFY_NATIVE:
+            if not self.wait_until(lambda: self.driver(s.pci) not in (None, binding.VFIO)):
+                raise WriteFailed(self.dev(s.pci, "driver"), None,
                                   f"{s.pci} is on {self.driver(s.pci) or 'no driver'} after probe, expected its native driver")
-        elif a == B.VERIFY_RELEASED:
-            if not self.wait_until(lambda: self.driver(s.pci) != B.VFIO):
-                raise _WriteError(self.dev(s.pci, "driver"), None, f"{s.pci} is still on vfio-pci")
-        elif a == B.VERIFY_VFIO_NODE:
+        elif a == binding.VERIFY_RELEASED:
+            if not self.wait_until(lambda: self.driver(s.pci) != binding.VFIO):
+                raise WriteFailed(self.dev(s.pci, "driver"), None, f"{s.pci} is still on vfio-pci")
+        elif a == binding.VERIFY_VFIO_NODE:
             node = self.vfio_node(s.group)
             if not self.wait_until(lambda: os.path.exists(node)):
-                raise _WriteError(node, None, f"{node} did not appear within {self.verify_timeout:g}s (udev?)")
-        elif a == B.VERIFY_NO_VFIO_NODE:
+                raise WriteFailed(node, None, f"{node} did not appear within {self.verify_timeout:g}s (udev?)")
+        elif a == binding.VERIFY_NO_VFIO_NODE:
             node = self.vfio_node(s.group)
             if not self.wait_until(lambda: not os.path.exists(node)):
-                raise _WriteError(node, None, f"{node} is still there: another device of group {s.group} is on vfio-pci")
+                raise WriteFailed(node, None, f"{node} is still there: another device of group {s.group} is on vfio-pci")
         else:
-            raise _WriteError("", None, f"unknown step {a!r}")
+            raise WriteFailed("", None, f"unknown step {a!r}")
 
     def preflight(self) -> None:
         """Everything that can say "not now" runs before the first write, so a waiting outcome
         leaves the host as it was: other holders, our own NVML handle, nvidia's unbindLock."""
-        unbinds = [s.pci for s in self.plan.steps if s.action == B.UNBIND]
+        unbinds = [s.pci for s in self.plan.steps if s.action == binding.UNBIND]
         if not unbinds:
             return
         if self.check_holders:
@@ -444,7 +236,7 @@ class _Run:
             self.take_lock(pci)
         try:
             self.write(f"bus/pci/drivers/{live}/unbind", pci, pci)
-        except _WriteError as e:
+        except WriteFailed as e:
             if e.errno == errno_mod.ENODEV and self.driver(pci) is None:
                 return  # it left on its own between the read and the write
             if pci in self.locked:
@@ -486,7 +278,7 @@ def _holders_text(holders: Iterable[Holder]) -> str:
 def execute(
     sysfs,
     procs,
-    plan: B.BindingPlan,
+    plan: binding.BindingPlan,
     *,
     before_unbind: Callable[[], None] | None = None,
     timeout: float = 30.0,
@@ -495,7 +287,7 @@ def execute(
     check_holders: bool = True,
     kmsg: str = "/dev/kmsg",
     sleep: Callable[[float], None] = time.sleep,
-    on_step: Callable[[B.BindStep, str], None] | None = None,
+    on_step: Callable[[binding.BindStep, str], None] | None = None,
 ) -> BindOutcome:
     """Carry out `plan`; returns converged / waiting(holders) / failed(reason) / stuck(reason).
     Blocks the calling thread at most about `timeout` per write plus `verify_timeout` per check:
@@ -506,8 +298,8 @@ def execute(
     pci = plan.pci
     if plan.infeasible:
         return BindOutcome(pci, FAILED, plan.infeasible)
-    with _stuck_lock:
-        blocked = [(_stuck[p]) for p in plan.endpoints if p in _stuck]
+    stuck_now = {sw.pci: sw for sw in stuck_writes()}
+    blocked = [stuck_now[p] for p in plan.endpoints if p in stuck_now]
     if blocked:
         sw = blocked[0]
         return BindOutcome(pci, STUCK, f"an earlier write of {sw.value!r} to {sw.path} (pid {sw.pid}, "
@@ -516,9 +308,9 @@ def execute(
                            step="unbind", stuck_pid=sw.pid)
     if not plan.steps:
         return BindOutcome(pci, CONVERGED, "already in place")
-    run = _Run(sysfs, procs, plan, before_unbind=before_unbind, timeout=timeout, verify_timeout=verify_timeout,
+    run = _BindingRun(sysfs, procs, plan, before_unbind=before_unbind, timeout=timeout, verify_timeout=verify_timeout,
                dev_root=dev_root, check_holders=check_holders, kmsg=kmsg, sleep=sleep, on_step=on_step)
-    pre = B.BindStep("preflight", pci=pci)
+    pre = binding.BindStep("preflight", pci=pci)
     for s in (pre, *plan.steps):
         try:
             if s is pre:
@@ -528,11 +320,11 @@ def execute(
         except _Waiting as e:
             run.release_locks()
             return BindOutcome(pci, WAITING, e.message, holders=e.holders, done=tuple(run.done), step=str(s))
-        except _Stuck as e:
+        except WriteStuck as e:
             return BindOutcome(pci, STUCK, f"{s}: write to {e.path} still blocked after {timeout:g}s "
                                            f"(pid {e.pid} left to finish): {e.reason}",
                                done=tuple(run.done), step=str(s), stuck_pid=e.pid)
-        except _WriteError as e:
+        except WriteFailed as e:
             run.release_locks()
             what = f"{s}: {e.meaning}" + (f" [errno {e.errno}]" if e.errno is not None else "")
             return BindOutcome(pci, FAILED, what, done=tuple(run.done), step=str(s), errno=e.errno)
@@ -544,7 +336,7 @@ def execute(
             return BindOutcome(pci, FAILED, str(e), done=tuple(run.done), step=str(s))
         except OSError as e:  # load_module, holders scan
             run.release_locks()  # an unbindLock left taken would refuse every new open of the GPU
-            return BindOutcome(pci, FAILED, f"{s}: {_describe(e)}",
+            return BindOutcome(pci, FAILED, f"{s}: {describe_error(e)}",
                                done=tuple(run.done), step=str(s), errno=e.errno)
         except Exception as e:  # e.g. before_unbind (closing our NVML session) failed
             run.release_locks()
@@ -552,10 +344,10 @@ def execute(
         run.done.append(str(s))
         if on_step is not None:
             on_step(s, "done")
-    target = "vfio-pci" if plan.target == B.VFIO else (plan.native_driver or "native drivers")
+    target = "vfio-pci" if plan.target == binding.VFIO else (plan.native_driver or "native drivers")
     return BindOutcome(pci, CONVERGED, f"{len(plan.endpoints)} endpoint(s) on {target}", done=tuple(run.done))
 
 
-async def execute_async(sysfs, procs, plan: B.BindingPlan, **kw) -> BindOutcome:
+async def execute_async(sysfs, procs, plan: binding.BindingPlan, **kw) -> BindOutcome:
     """execute() on a worker thread: the loop keeps serving while a write waits on the kernel."""
     return await asyncio.to_thread(execute, sysfs, procs, plan, **kw)

@@ -5,10 +5,12 @@
     pre-apply-config  before MIG instances change         (failure aborts the apply)
     apply-exit        after the apply, success or failure (failures are only logged)
 
-Hooks run without a shell, in their own process group, with the service-only variables
-(NOTIFY_SOCKET, WATCHDOG_*, LISTEN_*) removed, and every output line goes to `log` so an
-operator sees what a hook did in the journal and in `gpudctl events`; mig-parted's hooks being
-skipped silently under systemd was one of its worst failure modes.
+The hooks are the layout's records (`gpud.layout.schema.Hook`, checked with line numbers by
+`gpud.layout.parse`); this module only runs them. Hooks run without a shell, in their own process
+group, with the service-only variables (NOTIFY_SOCKET, WATCHDOG_*, LISTEN_*) removed, and every
+output line goes to `log` so an operator sees what a hook did in the journal and in `gpudctl
+events`; mig-parted's hooks being skipped silently under systemd was one of its worst failure
+modes. When the phases run around the GPUs of a pass is `gpud.engine.hooked_apply`'s business.
 """
 
 from __future__ import annotations
@@ -18,37 +20,19 @@ import contextlib
 import os
 import signal
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
 
-from gpud.host.systemd import child_env
+from gpud.engine.ports import Drainer
+from gpud.host.sd_notify import child_env
+from gpud.layout.schema import HOOK_PHASES, Hook, HookPhase, Hooks
 
-PHASES = ("apply-start", "pre-apply-mode", "pre-apply-config", "apply-exit")
-BEFORE_PHASES = frozenset(PHASES[:3])
+BEFORE_PHASES: frozenset[HookPhase] = frozenset(HOOK_PHASES[:3])
 CDI_REFRESH_UNIT = "nvidia-cdi-refresh.service"
 MAX_LINE = 4096  # longer output lines are cut: a hook cannot make us buffer without bound
 DEFAULT_TIMEOUT = 60.0  # seconds, for a hook that names none
 KILL_GRACE = 3.0  # seconds between SIGTERM and SIGKILL to a timed-out hook's process group
 DRAIN_AFTER_EXIT = 2.0  # bound on reading output left by processes that escaped the group
-
-
-@dataclass(frozen=True)
-class Hook:
-    command: str  # absolute path, executed directly (no shell)
-    args: tuple[str, ...] = ()
-    env: Mapping[str, str] = field(default_factory=dict)
-    timeout: float = DEFAULT_TIMEOUT
-
-    def __post_init__(self) -> None:
-        if not os.path.isabs(self.command):
-            raise ValueError(f"hook command must be an absolute path: {self.command!r}")
-        if not self.timeout > 0:
-            raise ValueError(f"hook timeout must be positive: {self.timeout!r}")
-        if not all(isinstance(a, str) for a in self.args):
-            raise ValueError(f"hook args must be strings: {self.args!r}")
-        if not all(isinstance(k, str) and isinstance(v, str) for k, v in self.env.items()):
-            raise ValueError(f"hook env must map strings to strings: {dict(self.env)!r}")
 
 
 @dataclass
@@ -64,7 +48,7 @@ class ApplyInfo:
     result: str = ""  # apply-exit only: success | failure
     error: str = ""  # apply-exit only: one line, why it failed
 
-    def env(self, phase: str) -> dict[str, str]:
+    def env(self, phase: HookPhase) -> dict[str, str]:
         e = {
             "GPUD_PHASE": phase,
             "GPUD_LAYOUT": self.layout,
@@ -82,7 +66,7 @@ class ApplyInfo:
 class HookFailed(Exception):
     """A hook exited non-zero, was killed, timed out or could not be started."""
 
-    def __init__(self, phase: str, command: str, exit_code: int | None, output: Sequence[str],
+    def __init__(self, phase: HookPhase, command: str, exit_code: int | None, output: Sequence[str],
                  *, timed_out: bool = False, reason: str = "") -> None:
         self.phase = phase
         self.command = command
@@ -104,63 +88,21 @@ class HookFailed(Exception):
         super().__init__(f"{phase} hook {command} {reason}" + (f": {tail}" if tail else ""))
 
 
-def parse_hooks(section: Any) -> dict[str, list[Hook]]:
-    """The layout's `hooks:` section (a mapping or msgspec struct) -> hooks by phase.
-    Raises ValueError naming the offending key; unknown phases are an error, not ignored."""
-    if section is None:
-        return {}
-    if not isinstance(section, Mapping):
-        import msgspec
+class HookRunner:
+    """Runs the layout's hooks (as `gpud.layout.parse` checked them); `log(line)` receives every
+    line they print and what happened to them (start, exit code, timeout)."""
 
-        section = msgspec.to_builtins(section)
-        section = {k.replace("_", "-"): v for k, v in section.items() if v is not None}
-    out: dict[str, list[Hook]] = {}
-    for phase, entries in section.items():
-        if phase not in PHASES:
-            raise ValueError(f"hooks.{phase}: unknown phase (known: {', '.join(PHASES)})")
-        hooks = []
-        for i, h in enumerate(entries or []):
-            if not isinstance(h, Mapping):
-                raise ValueError(f"hooks.{phase}[{i}]: expected a mapping")
-            unknown = set(h) - {"command", "args", "env", "timeout"}
-            if unknown:
-                raise ValueError(f"hooks.{phase}[{i}]: unknown keys {sorted(unknown)}")
-            try:
-                timeout = h.get("timeout")
-                hooks.append(Hook(command=h["command"], args=tuple(h.get("args") or ()),
-                                  env=dict(h.get("env") or {}),
-                                  timeout=DEFAULT_TIMEOUT if timeout is None else float(timeout)))
-            except (KeyError, TypeError, ValueError) as e:
-                raise ValueError(f"hooks.{phase}[{i}]: {e}") from None
-        out[phase] = hooks
-    return out
-
-
-class Hooks:
-    """Runs the configured hooks; `log(line)` receives every line they print and what
-    happened to them (start, exit code, timeout)."""
-
-    def __init__(self, hooks: Mapping[str, Sequence[Hook]], *, log: Callable[[str], None],
-                 tail_lines: int = 20) -> None:
-        for phase in hooks:
-            if phase not in PHASES:
-                raise ValueError(f"unknown hook phase {phase!r}")
-        self.hooks = {p: list(hooks.get(p, ())) for p in PHASES}
+    def __init__(self, hooks: Hooks, *, log: Callable[[str], None], tail_lines: int = 20) -> None:
+        self.hooks = hooks
         self.log = log
         self.tail_lines = tail_lines
 
-    @classmethod
-    def from_config(cls, section: Any, *, log: Callable[[str], None]) -> Hooks:
-        return cls(parse_hooks(section), log=log)
-
-    async def run(self, phase: str, info: ApplyInfo) -> list[HookFailed]:
+    async def run(self, phase: HookPhase, info: ApplyInfo) -> list[HookFailed]:
         """Run the hooks of one phase in order. In a before-phase the first failure raises
         HookFailed (the apply must not go on); in apply-exit every hook runs and the failures
         are returned."""
-        if phase not in PHASES:
-            raise ValueError(f"unknown hook phase {phase!r}")
         failures: list[HookFailed] = []
-        for hook in self.hooks[phase]:
+        for hook in self.hooks.for_phase(phase):
             try:
                 await self._run_one(phase, hook, info)
             except HookFailed as e:
@@ -186,7 +128,7 @@ class Hooks:
             info.result = info.result or "success"
             await self.run("apply-exit", info)
 
-    async def _run_one(self, phase: str, hook: Hook, info: ApplyInfo) -> None:
+    async def _run_one(self, phase: HookPhase, hook: Hook, info: ApplyInfo) -> None:
         name = " ".join([hook.command, *hook.args])
         env = child_env()
         env.update(hook.env)
@@ -216,7 +158,7 @@ class Hooks:
         timed_out = False
         try:
             try:
-                async with asyncio.timeout(hook.timeout):
+                async with asyncio.timeout(DEFAULT_TIMEOUT if hook.timeout is None else hook.timeout):
                     await proc.wait()
             except TimeoutError:
                 timed_out = True
@@ -313,7 +255,7 @@ async def _kill_group(proc: asyncio.subprocess.Process) -> None:
     await proc.wait()
 
 
-async def refresh_cdi(drainer, *, log: Callable[[str], None] | None = None,
+async def refresh_cdi(drainer: Drainer | None, *, log: Callable[[str], None] | None = None,
                       unit: str = CDI_REFRESH_UNIT) -> bool:
     """After an apply that changed MIG devices, regenerate the CDI spec (the container toolkit
     does not notice on its own: nvidia-container-toolkit #1828). Restarts the unit through

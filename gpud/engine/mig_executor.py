@@ -25,10 +25,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 from msgspec import Struct, field
 
+from gpud.engine.gpu_state import GpuStateName
 from gpud.host.readonly import ReadOnlyError
 from gpud.model import GpuInstance, Holder, NvmlGpu
 from gpud.plan.mig import GpuPlan, Step
@@ -38,18 +39,28 @@ NVML_ERROR_IN_USE = 19
 NVML_ERROR_UNKNOWN = 999
 TRANSIENT = frozenset({NVML_ERROR_TIMEOUT, NVML_ERROR_UNKNOWN})
 
+T = TypeVar("T")
+
 
 class Outcome(Struct, frozen=True):
-    state: str  # converged | waiting | failed | reset-required | reboot-required
+    state: GpuStateName  # converged | waiting | failed | reset-required | reboot-required
     message: str
     holders: list[Holder] = field(default_factory=list)
     done: int = 0  # steps completed
 
 
 class _Stop(Exception):
-    def __init__(self, state: str, message: str, holders: Sequence[Holder] = ()) -> None:
+    def __init__(self, state: GpuStateName, message: str, holders: Sequence[Holder] = ()) -> None:
         super().__init__(message)
         self.outcome = (state, message, sorted(set(holders)))
+
+
+class _Retry(Exception):
+    """A transient failure inside one attempt: try again, or end with `final` when no tries are left."""
+
+    def __init__(self, final: _Stop) -> None:
+        super().__init__(str(final))
+        self.final = final
 
 
 def _code(e: BaseException) -> int | None:
@@ -78,9 +89,22 @@ class _Run:
         self.sleep, self.backoff_s, self.holders = sleep, backoff_s, holders
 
     # ---- reading ------------------------------------------------------------------------------
+    def with_retries(self, attempt: Callable[[], T]) -> T:
+        """The one retry loop: `attempt` runs up to `retries + 1` times with exponential backoff
+        between tries. An attempt that raises _Retry is tried again while tries remain; after the
+        last one the outcome it carries is final."""
+        for n in range(self.retries + 1):
+            try:
+                return attempt()
+            except _Retry as again:
+                if n == self.retries:
+                    raise again.final from again.__cause__
+                self.sleep(self.backoff_s * 2**n)
+        raise AssertionError("unreachable")
+
     def read(self) -> NvmlGpu:
         """The GPU as NVML sees it now; transient errors and a briefly missing GPU (just reset) are retried."""
-        for attempt in range(self.retries + 1):
+        def attempt() -> NvmlGpu:
             try:
                 g = self.nvml.gpu(self.pci)
             except ReadOnlyError as e:
@@ -89,19 +113,18 @@ class _Run:
                 code = _code(e)
                 if code is None:
                     raise
-                if code not in TRANSIENT or attempt == self.retries:
-                    raise _Stop("failed", f"reading {self.pci}: {_describe(e)}") from e
-                g = None
-            if g is not None:
-                return g
-            if attempt < self.retries:
-                self.sleep(self.backoff_s * 2**attempt)
-        raise _Stop("failed", f"{self.pci} is no longer visible to NVML")
+                stop = _Stop("failed", f"reading {self.pci}: {_describe(e)}")
+                raise (_Retry(stop) if code in TRANSIENT else stop) from e
+            if g is None:
+                raise _Retry(_Stop("failed", f"{self.pci} is no longer visible to NVML"))
+            return g
+
+        return self.with_retries(attempt)
 
     # ---- one NVML call, judged by the state after it ---------------------------------------------
     def call(self, what: str, fn: Callable[[], Any], done: Callable[[NvmlGpu], bool],
              busy: Callable[[NvmlGpu], list[Holder]] = lambda g: []) -> NvmlGpu:
-        for attempt in range(self.retries + 1):
+        def attempt() -> NvmlGpu:
             try:
                 fn()
             except ReadOnlyError as e:
@@ -116,15 +139,14 @@ class _Run:
                 if code == NVML_ERROR_IN_USE:
                     hs = busy(g) or _all_holders(g)
                     raise _Stop("waiting", f"{what}: in use ({_describe(e)})", hs) from e
-                if code in TRANSIENT and attempt < self.retries:
-                    self.sleep(self.backoff_s * 2**attempt)
-                    continue
-                raise _Stop("failed", f"{what}: {_describe(e)}") from e
+                stop = _Stop("failed", f"{what}: {_describe(e)}")
+                raise (_Retry(stop) if code in TRANSIENT else stop) from e
             g = self.read()
             if done(g):
                 return g
             raise _Stop("failed", f"{what}: NVML reported success but the GPU does not show the change")
-        raise AssertionError("unreachable")
+
+        return self.with_retries(attempt)
 
     # ---- steps --------------------------------------------------------------------------------
     def find_gi(self, g: NvmlGpu, step: Step) -> GpuInstance | None:

@@ -16,7 +16,8 @@ from functools import lru_cache
 
 from msgspec import Struct
 
-from gpud.model import Gpu, PciFunction
+from gpud.model import Gpu
+from gpud.profiles import known_model_name
 
 PCI_IDS_PATHS = ("/usr/share/misc/pci.ids", "/usr/share/hwdata/pci.ids", "/usr/pci.ids")
 RESOURCE_PREFIX = "nvidia.com/"
@@ -34,14 +35,6 @@ class PassthroughEntry(Struct, frozen=True):
     companions: tuple[str, ...]  # other endpoints of the group (all must go to the same VM or none)
     libvirt_hostdev: str
     name_source: str  # "pci.ids" | "model" | "device-id"
-
-    def wire(self) -> dict:
-        """The fields of gpud.api.wire.PassthroughDevice."""
-        return {
-            "pci": self.pci, "vendor_device": self.vendor_device, "resource_name": self.resource_name,
-            "iommu_group": self.iommu_group, "vfio_device": self.vfio_device, "numa_node": self.numa_node,
-            "libvirt_hostdev": self.libvirt_hostdev, "kubevirt": kubevirt_entry(self),
-        }
 
 
 def plugin_device_name(name: str) -> str:
@@ -88,18 +81,6 @@ def pci_ids_name(vendor: int, device: int, paths: Iterable[str] = PCI_IDS_PATHS)
     return None
 
 
-def model_name(f: PciFunction, gpu: Gpu | None = None) -> str | None:
-    if gpu is not None and gpu.nvml is not None and gpu.nvml.name:
-        return gpu.nvml.name
-    try:
-        from gpud import profiles
-
-        info = profiles.by_device(f.device) if f.vendor == profiles.NVIDIA else None
-    except Exception:  # noqa: BLE001 - the table is a convenience here, never a reason to fail the listing
-        info = None
-    return info.name if info is not None else None
-
-
 def libvirt_hostdev(address: str, *, comment: str | None = None) -> str:
     """A <hostdev> for `virsh attach-device`; managed='no' because gpud, not libvirt, owns the
     binding (managed='yes' would rebind to the native driver when the VM stops)."""
@@ -121,7 +102,7 @@ def entry_for(gpu: Gpu, *, dev_root: str = "/dev", pci_ids: Iterable[str] = PCI_
     name = pci_ids_name(f.vendor, f.device, pci_ids)
     source = "pci.ids"
     if not name:
-        name, source = model_name(f, gpu), "model"
+        name, source = known_model_name(gpu), "model"
     if not name:
         name, source = f"{f.device:04X}", "device-id"
     group = f.iommu_group
@@ -171,8 +152,3 @@ def kubevirt_yaml(items: Iterable[PassthroughEntry]) -> str:
             "    externalResourceProvider: true",
         ]
     return "\n".join(lines) + "\n"
-
-
-def inventory(observation, *, dev_root: str = "/dev", pci_ids: Iterable[str] = PCI_IDS_PATHS) -> list[dict]:
-    """The daemon's `passthrough` request: wire dicts for each GPU on vfio-pci."""
-    return [e.wire() for e in entries(observation.gpus, dev_root=dev_root, pci_ids=pci_ids)]

@@ -9,8 +9,8 @@ goes back to containers.
 
 Known race (also driverctl's): if the nvidia module is already loaded (initramfs, or loaded by
 another GPU's add event processed first) it may bind before the rule runs; gpud's first pass after
-start rebinds such a GPU. vfio-pci must be loadable early: ship MODULES_LOAD_PATH (and keep nvidia
-out of the initramfs).
+start rebinds such a GPU. vfio-pci must be loadable early: the package ships MODULES_LOAD_PATH
+(packaging/modules-load.d/gpud.conf), and each rule also loads it (keep nvidia out of the initramfs).
 """
 
 from __future__ import annotations
@@ -21,9 +21,12 @@ from collections.abc import Iterable, Mapping, Sequence
 from gpud.host.atomic_file import remove_file, replace_file
 from gpud.host.readonly import refuse_if
 from gpud.model import Gpu
+from gpud.pci import is_bridge
 
 DEFAULT_PATH = "/etc/udev/rules.d/70-gpud-vfio.rules"
-MODULES_LOAD_PATH = "/etc/modules-load.d/gpud-vfio.conf"
+# Installed by the package (packaging/build-deb.sh); gpud itself writes a modules-load file only
+# when told where (a host without the package).
+MODULES_LOAD_PATH = "/usr/lib/modules-load.d/gpud.conf"
 MODULES_LOAD_CONTENT = "# Written by gpud: vfio-pci must be there before passthrough GPUs are probed.\nvfio-pci\n"
 
 _HEADER = """\
@@ -32,8 +35,6 @@ _HEADER = """\
 # claims a vm-passthrough GPU or another endpoint of its IOMMU group. vfio-pci must be loadable
 # early: {modules_load} lists it.
 """
-
-_BRIDGE_CLASSES = (0x0600, 0x0604)
 
 
 def passthrough_endpoints(gpus: Sequence[Gpu], desired: Mapping[str, object]) -> list[str]:
@@ -45,7 +46,7 @@ def passthrough_endpoints(gpus: Sequence[Gpu], desired: Mapping[str, object]) ->
     for gpu in gpus:
         if gpu.pci not in wanted:
             continue
-        out.update(c.address for c in gpu.companions if (c.class_code >> 8) not in _BRIDGE_CLASSES)
+        out.update(c.address for c in gpu.companions if not is_bridge(c.class_code))
     return sorted(out)
 
 
@@ -100,7 +101,7 @@ def write_if_changed(path: str, content: str, *, read_only: bool = False, mode: 
 class UdevRules:
     """Keeps the rules file (and the modules-load.d hint) in step with the layout."""
 
-    def __init__(self, path: str = DEFAULT_PATH, *, modules_load_path: str | None = MODULES_LOAD_PATH,
+    def __init__(self, path: str = DEFAULT_PATH, *, modules_load_path: str | None = None,
                  read_only: bool = False) -> None:
         self.path = path
         self.modules_load_path = modules_load_path

@@ -14,7 +14,7 @@ def replace_file(path: str, data: bytes, *, mode: int = 0o644) -> None:
     os.makedirs(d, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".gpud-", dir=d)
     try:
-        os.write(fd, data)
+        _write_all(fd, data)
         os.fchmod(fd, mode)
         os.fsync(fd)
         os.close(fd)
@@ -27,6 +27,17 @@ def replace_file(path: str, data: bytes, *, mode: int = 0o644) -> None:
             os.unlink(tmp)
         raise
     fsync_dir(d)
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    """os.write may write less than asked (a signal, a full disk mid-way, some filesystems):
+    a short write fsynced and renamed in would be a truncated file taken for a whole one."""
+    view = memoryview(data)
+    while view:
+        n = os.write(fd, view)
+        if n <= 0:
+            raise OSError(f"write wrote {n} bytes")
+        view = view[n:]
 
 
 def remove_file(path: str) -> None:

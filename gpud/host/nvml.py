@@ -1,7 +1,7 @@
 """NVML adapter: the only module in gpud that imports pynvml.
 
 Reads every GPU NVML can see into `gpud.model.NvmlGpu` records and performs the five MIG mutations
-the executor needs. Traps handled here, once (shared/reference/mig-facts.md):
+the executor needs. Traps handled here, once (docs/hardware/mig-nvml.md):
 - GI profiles are queried by *index* constant but everything is keyed by the returned `.id`;
 - placements are caller-allocated (two calls) and the create placement goes `byref`;
 - `nvmlDeviceIsMigDeviceHandle` returns a c_uint object, so it is tested with bool().
@@ -30,12 +30,11 @@ from gpud.model import (
     Placement,
 )
 from gpud.pci import normalize_pci
-from gpud.profiles import by_device
+from gpud.profiles import NOT_IN_MIG_INSTANCE
 
 log = logging.getLogger(__name__)
 
 _MIB = 1 << 20
-_NO_ID = 0xFFFFFFFF
 _SKIP = (pynvml.NVML_ERROR_NOT_SUPPORTED, pynvml.NVML_ERROR_INVALID_ARGUMENT)
 
 
@@ -161,11 +160,10 @@ class Nvml:
         info = self._call("nvmlDeviceGetPciInfo", None, pynvml.nvmlDeviceGetPciInfo, h)
         bus_id = info.busId.decode() if isinstance(info.busId, bytes) else info.busId
         pci = normalize_pci(bus_id) or bus_id.lower()
-        c = lambda name, *args: self._call(name, pci, getattr(pynvml, name), h, *args)  # noqa: E731
-        uuid = c("nvmlDeviceGetUUID")
-        name = c("nvmlDeviceGetName")
+        uuid = self._query(pci, h, "nvmlDeviceGetUUID")
+        name = self._query(pci, h, "nvmlDeviceGetName")
         minor = self._optional(pci, "nvmlDeviceGetMinorNumber", h)
-        memory_mb = c("nvmlDeviceGetMemoryInfo").total // _MIB
+        memory_mb = self._query(pci, h, "nvmlDeviceGetMemoryInfo").total // _MIB
         mode = self._optional(pci, "nvmlDeviceGetMigMode", h)
         current, pending = (mode if mode is not None else (None, None))
         profiles: tuple[MigProfile, ...] = ()
@@ -174,15 +172,19 @@ class Nvml:
             raw = self._raw_profiles(pci, h)
             if current == 1:
                 instances = self._attach_ci_details(pci, h, self._instances(pci, h, raw))
-            profiles = self._profiles(pci, h, raw, info.pciDeviceId >> 16, instances)
+            profiles = self._profiles(pci, h, raw, instances)
         processes = tuple(
             Holder(pid=p.pid, name=self._process_name(p.pid), device=pci)
-            for p in c("nvmlDeviceGetComputeRunningProcesses")
-            if p.gpuInstanceId in (_NO_ID, None)  # processes inside MIG devices are listed per device
+            for p in self._query(pci, h, "nvmlDeviceGetComputeRunningProcesses")
+            if p.gpuInstanceId in (NOT_IN_MIG_INSTANCE, None)  # processes inside MIG devices are listed per device
         )
         return NvmlGpu(pci=pci, uuid=uuid, name=name, minor=minor, memory_mb=memory_mb,
                        mig_capable=mode is not None, mig_mode=current, mig_pending=pending,
                        profiles=profiles, instances=instances, processes=processes)
+
+    def _query(self, pci: str, h: Any, name: str) -> Any:
+        """pynvml.<name>(h) for GPU `pci`; NvmlError naming the call on failure."""
+        return self._call(name, pci, getattr(pynvml, name), h)
 
     def _optional(self, pci: str, name: str, *args: Any) -> Any:
         """A query a GPU may not support: None on NOT_SUPPORTED."""
@@ -206,9 +208,8 @@ class Nvml:
             out.setdefault(info.id, info)
         return out
 
-    def _profiles(self, pci: str, h: Any, raw: dict[int, Any], device_id: int,
+    def _profiles(self, pci: str, h: Any, raw: dict[int, Any],
                   instances: tuple[GpuInstance, ...]) -> tuple[MigProfile, ...]:
-        static = by_device(device_id)
         out = []
         for info in raw.values():
             placements = self._placements(pci, h, info.id)
@@ -219,7 +220,7 @@ class Nvml:
                 id=info.id, name=name.removeprefix("MIG "), slices=info.sliceCount,
                 memory_mb=info.memorySizeMB, sms=info.multiprocessorCount,
                 instance_count=info.instanceCount, placements=placements,
-                ci_profiles=self._ci_profiles_for(pci, h, info.id, instances, static),
+                ci_profiles=self._ci_profiles_for(pci, h, info.id, instances),
                 copy_engines=info.copyEngineCount, decoders=info.decoderCount,
                 encoders=info.encoderCount, jpegs=info.jpegCount, ofas=info.ofaCount))
         return tuple(out)
@@ -234,19 +235,16 @@ class Nvml:
         self._call(fn, pci, pynvml.nvmlDeviceGetGpuInstancePossiblePlacements, h, profile_id, arr, byref(count))
         return tuple(sorted(Placement(arr[i].start, arr[i].size) for i in range(count.value)))
 
-    def _ci_profiles_for(self, pci: str, h: Any, profile_id: int, instances: tuple[GpuInstance, ...],
-                         static: Any) -> tuple[CiProfile, ...]:
-        """NVML answers CI profiles only through an existing GI; without one, the static table of
-        the model (gpud.profiles) stands in."""
+    def _ci_profiles_for(self, pci: str, h: Any, profile_id: int,
+                         instances: tuple[GpuInstance, ...]) -> tuple[CiProfile, ...]:
+        """What NVML says about the CI profiles of GI profile `profile_id`. NVML answers only
+        through a live GI of that profile; without one they are absent (the planner fills them
+        from the model's table: gpud.profiles.with_model_ci_profiles)."""
         gi = next((g for g in instances if g.profile_id == profile_id), None)
-        if gi is not None:
-            gi_handle = self._call("nvmlDeviceGetGpuInstanceById", pci, pynvml.nvmlDeviceGetGpuInstanceById, h, gi.id)
-            return tuple(self._gi_ci_profiles(pci, gi_handle).values())
-        if static is not None:
-            prof = next((p for p in static.profiles if p.id == profile_id), None)
-            if prof is not None:
-                return prof.ci_profiles
-        return ()
+        if gi is None:
+            return ()
+        gi_handle = self._call("nvmlDeviceGetGpuInstanceById", pci, pynvml.nvmlDeviceGetGpuInstanceById, h, gi.id)
+        return tuple(self._gi_ci_profiles(pci, gi_handle).values())
 
     def _gi_ci_profiles(self, pci: str, gi_handle: Any) -> dict[int, CiProfile]:
         out: dict[int, CiProfile] = {}

@@ -6,7 +6,7 @@ a helper thread with a deadline; on timeout the last value seen is reported and 
 listed in `Sysfs.stuck` (the read thread is left behind, never piled up).
 Writes are one `os.write` on an fd opened O_WRONLY (a buffered file object would report the
 kernel's error only at close), or the simulator's `store(abs_path, bytes)`; errors come back as
-SysfsError with the errno and what it means for that attribute (shared/reference/binding-facts.md).
+SysfsError with the errno and what it means for that attribute (docs/hardware/driver-binding.md).
 """
 
 from __future__ import annotations
@@ -46,6 +46,15 @@ MEANINGS: dict[tuple[str, int], str] = {
 def meaning(path: str, code: int) -> str:
     name = os.path.basename(path)
     return MEANINGS.get((name, code)) or MEANINGS.get(("*", code)) or os.strerror(code)
+
+
+def describe_error(e: OSError) -> str:
+    """The errno's name and what it means for that attribute (one home for the wording)."""
+    if getattr(e, "meaning", None):
+        return e.meaning
+    if e.errno is None:
+        return str(e)
+    return f"{errno.errorcode.get(e.errno, e.errno)}: {meaning(e.filename or '', e.errno)}"
 
 
 class SysfsError(OSError):
@@ -93,6 +102,11 @@ class Sysfs:
 
     def _p(self, *parts: str) -> str:
         return os.path.join(self.root, *parts)
+
+    @property
+    def store(self) -> Callable[[str, bytes], int] | None:
+        """The replacement for os.write (the simulator's kernel), or None on a real host."""
+        return self._store
 
     # ---- reading
     def functions(self) -> list[PciFunction]:

@@ -14,7 +14,7 @@ from functools import lru_cache
 
 from msgspec import Struct
 
-from gpud.model import CiProfile, MigProfile
+from gpud.model import CiProfile, GpuInstance, MigProfile, NvmlGpu
 
 # `[Nc.]Ng.NNgb[suffix]`. Suffixes are NVML's profile attributes: `+me` (media extensions) today;
 # `-me`, `+me.all`, `+gfx` appear on Blackwell. The table lookup decides which a model has.
@@ -90,3 +90,10 @@ def sorted_names(profiles: Sequence[MigProfile]) -> list[str]:
 def ci_names(profile: MigProfile) -> list[str]:
     """Every `Nc.<gi>` name a GI profile can be split into, smallest first."""
     return [f"{c.slices}c.{profile.name}" for c in sorted(profile.ci_profiles, key=lambda c: c.slices)]
+
+
+def mig_device_name(nvml: NvmlGpu, gi: GpuInstance, ci_slices: int | None) -> str:
+    """An existing MIG device's name from its GPU's own profile table (`ci_slices` None: the GI
+    without a compute instance, named as the GI)."""
+    prof = nvml.profile(gi.profile_id)
+    return device_name(prof, ci_slices) if prof is not None else f"profile-{gi.profile_id}"

@@ -25,7 +25,7 @@ from gpud.layout.desired import LayoutIssue
 from gpud.layout.names import SYNTAX, parse_mig_name
 from gpud.layout.schema import (
     DEFAULT_MATCH,
-    HOOK_POINTS,
+    HOOK_PHASES,
     ON_BUSY,
     REBOOT,
     RESET,
@@ -690,7 +690,7 @@ class _Parser:
         return tuple(dict.fromkeys(out))
 
     def hooks(self, node: Node) -> Hooks:
-        keys = self.mapping(node, "hooks", HOOK_POINTS)
+        keys = self.mapping(node, "hooks", HOOK_PHASES)
         if keys is None:
             return Hooks()
         values: dict[str, tuple[Hook, ...]] = {}

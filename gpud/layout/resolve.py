@@ -23,9 +23,9 @@ from gpud.layout.parse import (
 )
 from gpud.layout.schema import Layout, PciId
 from gpud.model import Gpu, MigProfile
-from gpud.profiles import NVIDIA, by_device
-from gpud.vgpu_types import parse_vgpu_name, strip_prefix
+from gpud.profiles import NVIDIA, by_device, model_name, with_model_ci_profiles
 from gpud.vgpu_types import by_device as vgpu_model_of
+from gpud.vgpu_types import parse_vgpu_name, strip_prefix
 
 
 class Resolution(Struct):
@@ -48,19 +48,11 @@ def gpu_profiles(gpu: Gpu) -> tuple[MigProfile, ...] | None:
     MIG capable, None when nobody can tell (an unknown model on vfio-pci)."""
     if gpu.nvml is not None:
         if gpu.nvml.profiles:
-            return gpu.nvml.profiles
+            return with_model_ci_profiles(gpu.nvml.profiles, gpu.function.device)
         if not gpu.nvml.mig_capable:
             return ()
     model = by_device(gpu.function.device) if gpu.function.vendor == NVIDIA else None
     return model.profiles if model is not None else None
-
-
-def gpu_model(gpu: Gpu) -> str:
-    """What to call the GPU's model in messages: "NVIDIA H200"."""
-    if gpu.nvml is not None and gpu.nvml.name:
-        return gpu.nvml.name
-    model = by_device(gpu.function.device) if gpu.function.vendor == NVIDIA else None
-    return model.name if model is not None else f"GPU {gpu.pci_id}"
 
 
 def _at(pcis: list[str]) -> str:
@@ -155,7 +147,7 @@ def resolve(parsed: ParsedLayout, gpus: Sequence[Gpu]) -> Resolution:
         lpath = key_path(layout.layouts_key, selected)
         for gpu in gpus:
             if gpu.pci not in claimed:
-                warnings.add(lpath, f"GPU {gpu.index} ({gpu.pci}, {gpu_model(gpu)}) is not in layout "
+                warnings.add(lpath, f"GPU {gpu.index} ({gpu.pci}, {model_name(gpu)}) is not in layout "
                                     f"{selected}; left untouched")
 
     all_errors = sorted([*parsed.errors, *errors.done()], key=lambda e: e.line or 0)
@@ -198,7 +190,7 @@ def _no_such_gpu(selector: int | str, gpus: Sequence[Gpu]) -> str:
 def _check_mig(parsed: ParsedLayout, mig_devices: dict[str, int], epath: str, gpu: Gpu,
                errors: _Collector, warnings: _Collector) -> None:
     """MIG names against this GPU's own table; the message names the model and the valid names."""
-    model = gpu_model(gpu)
+    model = model_name(gpu)
     profiles = gpu_profiles(gpu)
     mpath = key_path(epath, "mig-enabled")
     if profiles is None:

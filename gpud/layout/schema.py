@@ -9,7 +9,7 @@ messages use, so these records stay plain data.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, get_args
 
 from msgspec import Struct, field
 
@@ -17,7 +17,9 @@ WORKLOADS = ("container", "vm-passthrough", "vm-vgpu")
 ON_BUSY = ("wait", "fail")
 RESET = ("per-gpu", "never")
 REBOOT = ("never", "allow")
-HOOK_POINTS = ("apply-start", "pre-apply-mode", "pre-apply-config", "apply-exit")
+# The hook phases, in the order an apply passes them (mig-parted's names); the engine runs them.
+HookPhase = Literal["apply-start", "pre-apply-mode", "pre-apply-config", "apply-exit"]
+HOOK_PHASES: tuple[HookPhase, ...] = get_args(HookPhase)
 UNIT_SUFFIXES = (
     ".service", ".socket", ".device", ".mount", ".automount", ".swap", ".target", ".path", ".timer",
     ".slice", ".scope",
@@ -78,6 +80,9 @@ class Policy(Struct, frozen=True, rename="kebab"):
 
 
 class Hook(Struct, frozen=True):
+    """One operator command of a hook phase, as the parser checked it (absolute path, string args
+    and env, a positive timeout)."""
+
     command: str  # absolute path; run without a shell
     args: tuple[str, ...] = ()
     env: dict[str, str] = field(default_factory=dict)
@@ -89,6 +94,12 @@ class Hooks(Struct, frozen=True, rename="kebab"):
     pre_apply_mode: tuple[Hook, ...] = ()
     pre_apply_config: tuple[Hook, ...] = ()
     apply_exit: tuple[Hook, ...] = ()  # always runs, even after a failed apply
+
+    def for_phase(self, phase: HookPhase) -> tuple[Hook, ...]:
+        """The hooks of one phase, by the phase's name as written in the file."""
+        if phase not in HOOK_PHASES:
+            raise ValueError(f"unknown hook phase {phase!r} (known: {', '.join(HOOK_PHASES)})")
+        return getattr(self, phase.replace("-", "_"))
 
 
 class Layout(Struct, frozen=True):

@@ -13,16 +13,15 @@ from __future__ import annotations
 
 from msgspec import Struct, field
 
+from gpud.layout.schema import WORKLOADS
 from gpud.model import Gpu, Holder, PciFunction
-from gpud.pci import pci_sort_key
+from gpud.pci import is_bridge, pci_sort_key
 
 VFIO = "vfio-pci"
 VFIO_MODULE = "vfio-pci"  # modprobe name (module vfio_pci, driver directory vfio-pci)
 NVIDIA_VENDOR = 0x10DE
 
 AUTO = object()  # native_driver default: derive it from the function
-
-WORKLOADS = ("container", "vm-passthrough", "vm-vgpu")
 
 # Step actions, in the order they can appear for one endpoint.
 LOAD_MODULE = "load-module"  # module: load it unless /sys/bus/pci/drivers/<driver> exists
@@ -35,10 +34,6 @@ VERIFY_NATIVE = "verify-native"  # pci: bound to some driver other than vfio-pci
 VERIFY_RELEASED = "verify-released"  # pci: not on vfio-pci (a companion may stay unbound)
 VERIFY_VFIO_NODE = "verify-vfio-node"  # group: /dev/vfio/<group> exists (udev may lag)
 VERIFY_NO_VFIO_NODE = "verify-no-vfio-node"  # group: /dev/vfio/<group> is gone
-
-# Classes (base << 8 | sub) that sit in an IOMMU group without being endpoints: vfio accepts them
-# as they are (pcieport or no driver), so they are never rebound.
-_BRIDGE_CLASSES = (0x0600, 0x0604)
 
 
 class BindStep(Struct, frozen=True, omit_defaults=True):
@@ -104,7 +99,7 @@ def target_for(workload: str) -> str | None:
 
 
 def _is_bridge(f: PciFunction) -> bool:
-    return (f.class_code >> 8) in _BRIDGE_CLASSES
+    return is_bridge(f.class_code)
 
 
 def plan_binding(

@@ -36,7 +36,7 @@ from gpud.model import (
     Placement,
 )
 from gpud.plan.placement import Assignment, ExistingGi, GiSpec, Infeasible, solve
-from gpud.profiles import CI_PROFILE_ID, by_device
+from gpud.profiles import CI_PROFILE_ID, by_device, model_name, with_model_ci_profiles
 
 
 class Step(Struct, frozen=True):
@@ -162,16 +162,7 @@ def _split_cis(gi: GpuInstance, want: tuple[int, ...]
     return sorted(kept, key=lambda c: c.id), sorted(doomed, key=lambda c: c.id), create
 
 
-def _model_name(gpu: Gpu, model_name: str | None) -> str:
-    if model_name:
-        return model_name
-    if gpu.nvml is not None and gpu.nvml.name:
-        return gpu.nvml.name
-    m = by_device(gpu.function.device)
-    return m.name if m else f"GPU {gpu.pci_id}"
-
-
-def plan_gpu(gpu: Gpu, desired: DesiredGpu, *, model_name: str | None = None) -> GpuPlan:
+def plan_gpu(gpu: Gpu, desired: DesiredGpu) -> GpuPlan:
     """The MIG steps that take `gpu` to `desired`. Order: destroy CIs (of doomed GIs and the
     differing CIs of kept GIs), destroy doomed GIs, set-mig-mode, create GIs at explicit
     placements, create CIs. Observed == desired gives zero steps."""
@@ -179,7 +170,7 @@ def plan_gpu(gpu: Gpu, desired: DesiredGpu, *, model_name: str | None = None) ->
     want = desired.mig_enabled
     if want is None:
         return base
-    where = f"{_model_name(gpu, model_name)} {gpu.pci}"
+    where = f"{model_name(gpu)} {gpu.pci}"
     nv = gpu.nvml
     if nv is None:
         return _replace(base, infeasible=f"MIG on {where} cannot be managed: NVML does not see the GPU "
@@ -194,15 +185,16 @@ def plan_gpu(gpu: Gpu, desired: DesiredGpu, *, model_name: str | None = None) ->
     mode_change = mode != int(want) or pending != int(want)
     existing = list(nv.instances) if mode == 1 else []
 
+    profiles = with_model_ci_profiles(nv.profiles, gpu.function.device)
     assignments: list[Assignment] = []
     if want:
         try:
-            specs = desired_specs(desired.mig_devices, nv.profiles, where)
-            assignments = solve(nv.profiles, specs, [_existing(g) for g in existing], where=where)
+            specs = desired_specs(desired.mig_devices, profiles, where)
+            assignments = solve(profiles, specs, [_existing(g) for g in existing], where=where)
         except Infeasible as e:
-            return _replace(base, infeasible=str(e) + _packing_note(desired.mig_devices, nv.profiles))
+            return _replace(base, infeasible=str(e) + _packing_note(desired.mig_devices, profiles))
 
-    by_id = {p.id: p for p in nv.profiles}
+    by_id = {p.id: p for p in profiles}
     keep = {a.keep: a for a in assignments if a.keep is not None}
     destroy_ci: list[Step] = []
     destroy_gi: list[Step] = []
@@ -247,12 +239,17 @@ def plan_gpu(gpu: Gpu, desired: DesiredGpu, *, model_name: str | None = None) ->
     create_ci.sort(key=lambda s: (s.placement, s.ci_profile_id))
 
     mode_steps = [Step("set-mig-mode", gpu.pci, enabled=want)] if mode_change else []
-    if mode_change:
+    # The mode in effect is already the wanted one and only the opposite is pending (an earlier
+    # flip that never got its reset): setting the mode back cancels the flip. Nothing changes
+    # under running processes, so they do not block it and no reset follows.
+    cancel_pending = mode == int(want) and pending != int(want)
+    if mode_change and not cancel_pending:
         blockers.update(nv.processes)
         blockers.update(h for g in existing for h in g.holders)
     arch = by_device(gpu.function.device)
     already_pending = pending == int(want) and mode != int(want)
-    reset = mode_change and (already_pending or (arch is not None and arch.mode_change_needs_reset))
+    reset = mode_change and not cancel_pending and (
+        already_pending or (arch is not None and arch.mode_change_needs_reset))
     target = None
     if want:
         target = sorted(TargetGi(a.placement, a.spec.profile_id, by_id[a.spec.profile_id].name, a.spec.cis, a.keep)

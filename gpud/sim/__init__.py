@@ -27,6 +27,10 @@ class _Store:
             self._impl = Store(self.host_dir)
         return self._impl(abs_path, data)
 
+    def child_spec(self) -> tuple[str, str]:
+        """How the sysfs writer process rebuilds this store (gpud.host.deadline_write)."""
+        return "gpud.sim.kernel:Store", str(self.host_dir)
+
 
 class _Modprobe:
     """`modprobe(name)` on the simulated host (loads the module, its driver claims devices)."""

@@ -2,7 +2,7 @@
 
 `Store(host_dir)` is the `store(abs_path, data)` callable the sysfs adapter writes through on the
 simulator. It reproduces what drivers/base/{bus,dd}.c and drivers/pci/pci-{driver,sysfs}.c do for
-each attribute, with the same errno values (shared/reference/binding-facts.md), including the part
+each attribute, with the same errno values (docs/hardware/driver-binding.md), including the part
 that makes driver rebinding dangerous: an `unbind` of a busy nvidia GPU (or of a vfio-pci device a
 VM holds) does not fail, it *blocks* until the holders are gone. Every state change happens under
 the host lock, re-renders the tree, and emits the uevents the kernel would, after the state is
@@ -27,6 +27,8 @@ import os
 import time
 from collections.abc import Callable
 
+from msgspec import Struct
+
 from gpud.sim import uevents, vgpu
 from gpud.sim.state import SimFunction, SimState, locked
 from gpud.sim.sysfs_tree import (
@@ -45,7 +47,14 @@ from gpud.sim.sysfs_tree import (
 PAGE_SIZE = 4096
 UEVENT_ACTIONS = ("add", "remove", "change", "move", "online", "offline", "bind", "unbind")
 
-Event = dict
+class Uevent(Struct, frozen=True):
+    """One simulated kernel uevent, sent (gpud.sim.uevents) once the state change that caused it
+    is saved, as the kernel sends its uevents after the change is visible in sysfs."""
+
+    action: str  # one of UEVENT_ACTIONS
+    subsystem: str  # pci, vfio, module, drivers
+    address: str | None = None  # the kernel's name: BDF, group number, module or driver name
+    driver: str | None = None  # DRIVER= on bind
 
 
 def _err(code: int, path: str) -> OSError:
@@ -72,10 +81,6 @@ def _ulong(data: bytes, path: str) -> int:
     return v
 
 
-def _ev(action: str, subsystem: str, address: str | None = None, driver: str | None = None, **props) -> Event:
-    return {"action": action, "subsystem": subsystem, "address": address, "driver": driver, **props}
-
-
 def matches(f: SimFunction, drv: str) -> bool:
     """driver_match_device for PCI: driver_override decides alone when set; vfio-pci has no ids."""
     if f.driver_override:
@@ -83,7 +88,7 @@ def matches(f: SimFunction, drv: str) -> bool:
     return drv != VFIO_PCI and f.native_driver == drv
 
 
-def _attach(st: SimState, f: SimFunction, drv: str, path: str, events: list[Event]) -> None:
+def _attach(st: SimState, f: SimFunction, drv: str, path: str, events: list[Uevent]) -> None:
     """really_probe: bind `f` (known unbound and matching) to `drv`, or raise the probe's errno."""
     if f.driver is not None:
         raise _err(errno.EBUSY, path)
@@ -102,10 +107,10 @@ def _attach(st: SimState, f: SimFunction, drv: str, path: str, events: list[Even
         if gpu.minor in taken:  # minors can change across a rebind
             gpu.minor = min(set(range(len(st.gpus) + 1)) - taken)
     f.driver = drv
-    events.append(_ev("bind", "pci", f.address, drv))
+    events.append(Uevent("bind", "pci", f.address, drv))
 
 
-def _probe(st: SimState, f: SimFunction, events: list[Event]) -> None:
+def _probe(st: SimState, f: SimFunction, events: list[Uevent]) -> None:
     """device_attach: bind override (or native driver) if loaded; failures just leave it unbound."""
     if f.driver is not None:
         return
@@ -133,9 +138,9 @@ def _blocked(st: SimState, f: SimFunction, drv: str) -> bool:
     return False
 
 
-def _detach(st: SimState, f: SimFunction, events: list[Event]) -> None:
+def _detach(st: SimState, f: SimFunction, events: list[Uevent]) -> None:
     f.driver = None
-    events.append(_ev("unbind", "pci", f.address))
+    events.append(Uevent("unbind", "pci", f.address))
 
 
 class Store:
@@ -149,19 +154,19 @@ class Store:
         self.on_block = on_block  # called with the address each time an unbind finds itself waiting
 
     # ---- plumbing
-    def _change(self, fn: Callable[[SimState, list[Event]], object]) -> object:
+    def _change(self, fn: Callable[[SimState, list[Uevent]], object]) -> object:
         """Run `fn` on the locked state; re-render; emit its events once the state is saved."""
-        events: list[Event] = []
+        events: list[Uevent] = []
         with locked(self.dir) as st:
             groups = vfio_groups(st)
             result = fn(st, events)
             after = vfio_groups(st)
-            vfio = [_ev("remove", "vfio", str(g)) for g in sorted(groups - after)]
-            vfio += [_ev("add", "vfio", str(g)) for g in sorted(after - groups)]
+            vfio = [Uevent("remove", "vfio", str(g)) for g in sorted(groups - after)]
+            vfio += [Uevent("add", "vfio", str(g)) for g in sorted(after - groups)]
             events[:0] = vfio
             render(self.dir, st)
         for e in events:
-            uevents.emit(self.dir, **e)
+            uevents.emit(self.dir, e.action, e.subsystem, e.address, e.driver)
         return result
 
     def _route(self, abs_path: str) -> tuple[str, list[str], str]:
@@ -223,7 +228,7 @@ class Store:
                 raise _err(errno.EINVAL, path)
             value = _name(data) or None
 
-            def set_override(st: SimState, events: list[Event]) -> None:
+            def set_override(st: SimState, events: list[Uevent]) -> None:
                 f = _find(st, addr)
                 if f is None:
                     raise _err(errno.ENOENT, path)
@@ -254,7 +259,7 @@ class Store:
             raise _err(errno.EACCES, path)
 
     def _reset(self, addr: str, path: str) -> None:
-        def reset(st: SimState, events: list[Event]) -> None:
+        def reset(st: SimState, events: list[Uevent]) -> None:
             f = _find(st, addr)
             if f is None:
                 raise _err(errno.ENOENT, path)
@@ -268,7 +273,7 @@ class Store:
 
     # ---- driver attributes
     def _bind(self, drv: str, name: str, path: str) -> None:
-        def bind(st: SimState, events: list[Event]) -> None:
+        def bind(st: SimState, events: list[Uevent]) -> None:
             if drv not in loaded_drivers(st):
                 raise _err(errno.ENOENT, path)
             f = _find(st, name)
@@ -292,7 +297,7 @@ class Store:
                     return  # someone else unbound it meanwhile: the kernel's detach is a no-op
                 blocked = _blocked(st, f, drv)
             if not blocked:
-                def unbind(st: SimState, events: list[Event]) -> bool:
+                def unbind(st: SimState, events: list[Uevent]) -> bool:
                     f = _find(st, name)
                     if f is None or f.driver != drv:
                         return True
@@ -311,7 +316,7 @@ class Store:
     def _new_id(self, drv: str, data: bytes, path: str) -> None:
         vendor, device = _ids(data, path)
 
-        def new_id(st: SimState, events: list[Event]) -> None:
+        def new_id(st: SimState, events: list[Uevent]) -> None:
             for a in sorted(st.functions):
                 f = st.functions[a]
                 if f.present and f.driver is None and f.vendor == vendor and f.device == device \
@@ -324,7 +329,7 @@ class Store:
         self._change(new_id)
 
     def _drivers_probe(self, name: str, path: str) -> None:
-        def probe(st: SimState, events: list[Event]) -> None:
+        def probe(st: SimState, events: list[Uevent]) -> None:
             f = _find(st, name)
             if f is None:
                 raise _err(errno.ENODEV, path)
@@ -335,7 +340,7 @@ class Store:
     def _unbind_lock(self, addr: str, data: bytes, path: str) -> None:
         want = _ulong(data, path)
 
-        def take(st: SimState, events: list[Event]) -> None:
+        def take(st: SimState, events: list[Uevent]) -> None:
             f = _find(st, addr)
             if f is None or f.driver != NVIDIA:
                 raise _err(errno.ENOENT, path)
@@ -350,12 +355,12 @@ class Store:
     # ---- bus-wide operations (also used by plug/unplug)
     def rescan(self) -> None:
         """Re-add removed functions (driver_override forgotten) and probe them."""
-        def rescan(st: SimState, events: list[Event]) -> None:
+        def rescan(st: SimState, events: list[Uevent]) -> None:
             for a in sorted(st.functions):
                 f = st.functions[a]
                 if not f.present:
                     f.present, f.driver, f.driver_override = True, None, None
-                    events.append(_ev("add", "pci", a))
+                    events.append(Uevent("add", "pci", a))
                     _probe(st, f, events)
 
         self._change(rescan)
@@ -368,14 +373,14 @@ class Store:
         if drv:
             self._unbind(drv, addr, path)
 
-        def remove(st: SimState, events: list[Event]) -> None:
+        def remove(st: SimState, events: list[Uevent]) -> None:
             f = _find(st, addr)
             if f is None:
                 return
             if f.driver:
                 _detach(st, f, events)
             f.present, f.driver_override = False, None
-            events.append(_ev("remove", "pci", addr))
+            events.append(Uevent("remove", "pci", addr))
 
         self._change(remove)
 
@@ -404,12 +409,12 @@ def modprobe(host_dir: str | os.PathLike, name: str) -> None:
     mod = module_name(name)
     drv = driver_of_module(mod)
 
-    def load(st: SimState, events: list[Event]) -> None:
+    def load(st: SimState, events: list[Uevent]) -> None:
         if mod in {module_name(m) for m in st.loaded_modules}:
             return
         st.loaded_modules.append(mod)
-        events.append(_ev("add", "module", mod))
-        events.append(_ev("add", "drivers", drv))
+        events.append(Uevent("add", "module", mod))
+        events.append(Uevent("add", "drivers", drv))
         for a in sorted(st.functions):
             f = st.functions[a]
             if f.present and f.driver is None and matches(f, drv):
@@ -430,24 +435,24 @@ def _slot(st: SimState, pci: str) -> list[SimFunction]:
 
 def unplug(host_dir: str | os.PathLike, pci: str) -> None:
     """Surprise hot removal of the card holding `pci`: drivers detached without waiting."""
-    def out(st: SimState, events: list[Event]) -> None:
+    def out(st: SimState, events: list[Uevent]) -> None:
         for f in _slot(st, pci):
             if f.present:
                 if f.driver:
                     _detach(st, f, events)
                 f.present, f.driver_override = False, None
-                events.append(_ev("remove", "pci", f.address))
+                events.append(Uevent("remove", "pci", f.address))
 
     Store(host_dir)._change(out)
 
 
 def plug(host_dir: str | os.PathLike, pci: str) -> None:
     """Hot add of the card holding `pci`: add events, then native drivers probe."""
-    def add(st: SimState, events: list[Event]) -> None:
+    def add(st: SimState, events: list[Uevent]) -> None:
         for f in _slot(st, pci):
             if not f.present:
                 f.present, f.driver, f.driver_override = True, None, None
-                events.append(_ev("add", "pci", f.address))
+                events.append(Uevent("add", "pci", f.address))
                 _probe(st, f, events)
 
     Store(host_dir)._change(add)
@@ -455,7 +460,7 @@ def plug(host_dir: str | os.PathLike, pci: str) -> None:
 
 def hang(host_dir: str | os.PathLike, pci: str) -> None:
     """Wedge the device: every unbind of it blocks until `unhang`."""
-    def mark(st: SimState, events: list[Event]) -> None:
+    def mark(st: SimState, events: list[Uevent]) -> None:
         if pci not in st.functions:
             raise LookupError(f"no PCI function {pci} on the simulated host")
         if pci not in st.hangs:
@@ -465,7 +470,7 @@ def hang(host_dir: str | os.PathLike, pci: str) -> None:
 
 
 def unhang(host_dir: str | os.PathLike, pci: str) -> None:
-    def clear(st: SimState, events: list[Event]) -> None:
+    def clear(st: SimState, events: list[Uevent]) -> None:
         if pci in st.hangs:
             st.hangs.remove(pci)
 

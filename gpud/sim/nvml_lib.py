@@ -18,17 +18,16 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-import pynvml as N
+import pynvml
 
 from gpud.layout.names import device_name
 from gpud.model import MigProfile
-from gpud.profiles import GI_PROFILE_INDEX, MODELS, ModelInfo
+from gpud.profiles import GI_PROFILE_INDEX, MODELS, NOT_IN_MIG_INSTANCE, ModelInfo
 from gpud.sim import vgpu as sim_vgpu
 from gpud.sim.state import SimCi, SimGi, SimGpu, SimProcess, SimState, locked
 
-SUCCESS = N.NVML_SUCCESS
+SUCCESS = pynvml.NVML_SUCCESS
 MIB = 1 << 20
-_NO_ID = 0xFFFFFFFF  # gpuInstanceId / computeInstanceId of a process outside MIG
 _MAX_MIG_DEVICES = 7
 
 _ERROR_STRINGS = {
@@ -52,9 +51,9 @@ _ERROR_STRINGS = {
 
 _PROFILE_ID_BY_INDEX = {index: pid for pid, index in GI_PROFILE_INDEX.items()}
 # Index constants the real H200 answers with INVALID_ARGUMENT rather than NOT_SUPPORTED (fixture).
-_INVALID_GI_INDEXES = {N.NVML_GPU_INSTANCE_PROFILE_3_SLICE_GFX}
+_INVALID_GI_INDEXES = {pynvml.NVML_GPU_INSTANCE_PROFILE_3_SLICE_GFX}
 
-# Where the driver puts a GI created without a placement (mig-facts.md, inferred): first free start
+# Where the driver puts a GI created without a placement (inferred, not documented: docs/hardware/mig-nvml.md): first free start
 # in this order. Profiles not listed take their allowed starts in ascending order.
 _PREFERENCE: dict[int, tuple[int, ...]] = {
     19: (6, 4, 5, 0, 1, 2, 3),
@@ -88,12 +87,12 @@ def _int(x: Any) -> int:
 def _deref(ref: Any) -> Any:
     """The ctypes object an output/input pointer argument refers to (byref or pointer())."""
     if ref is None:
-        raise _Ret(N.NVML_ERROR_INVALID_ARGUMENT)
+        raise _Ret(pynvml.NVML_ERROR_INVALID_ARGUMENT)
     if isinstance(ref, _CArgObject):
         return ref._obj
     if isinstance(ref, ctypes._Pointer):
         if not ref:
-            raise _Ret(N.NVML_ERROR_INVALID_ARGUMENT)
+            raise _Ret(pynvml.NVML_ERROR_INVALID_ARGUMENT)
         return ref.contents
     if isinstance(ref, ctypes.Array):
         return ref
@@ -118,15 +117,15 @@ def _set_ptr(obj: Any, addr: int, offset: int = 0) -> None:
 def _write_str(buf: Any, length: Any, text: str) -> None:
     data = text.encode() + b"\0"
     if buf is None:
-        raise _Ret(N.NVML_ERROR_INVALID_ARGUMENT)
+        raise _Ret(pynvml.NVML_ERROR_INVALID_ARGUMENT)
     if len(data) > _int(length):
-        raise _Ret(N.NVML_ERROR_INSUFFICIENT_SIZE)
+        raise _Ret(pynvml.NVML_ERROR_INSUFFICIENT_SIZE)
     ctypes.memmove(buf, data, len(data))
 
 
 def _check_version(info: Any, expected: int) -> None:
     if any(f[0] == "version" for f in type(info)._fields_) and info.version != expected:
-        raise _Ret(N.NVML_ERROR_ARGUMENT_VERSION_MISMATCH)
+        raise _Ret(pynvml.NVML_ERROR_ARGUMENT_VERSION_MISMATCH)
 
 
 # --- state helpers ------------------------------------------------------------------------------
@@ -281,7 +280,7 @@ class FakeNvmlLib:
         addr = _addr(handle)
         key = self._keys.get(addr) if addr else None
         if key is None:
-            raise _Ret(N.NVML_ERROR_INVALID_ARGUMENT)
+            raise _Ret(pynvml.NVML_ERROR_INVALID_ARGUMENT)
         return key
 
     # dispatch --------------------------------------------------------------------------------
@@ -298,7 +297,7 @@ class FakeNvmlLib:
                         state.faults.remove(fault)
                         return fault.error
             if name not in _NO_INIT and self._inits <= 0:
-                return N.NVML_ERROR_UNINITIALIZED
+                return pynvml.NVML_ERROR_UNINITIALIZED
             try:
                 ret = impl(self, state, *args)
                 result = SUCCESS if ret is None else ret
@@ -324,17 +323,17 @@ class FakeNvmlLib:
             return gpu, None
         if key[0] == "mig":
             if not allow_mig:
-                raise _Ret(N.NVML_ERROR_NOT_SUPPORTED)
+                raise _Ret(pynvml.NVML_ERROR_NOT_SUPPORTED)
             gpu = self._visible(state, key[1])
             gi, ci = self._find_ci(gpu, key[2], key[3])
             return gpu, (gi, ci)
-        raise _Ret(N.NVML_ERROR_INVALID_ARGUMENT)
+        raise _Ret(pynvml.NVML_ERROR_INVALID_ARGUMENT)
 
     @staticmethod
     def _visible(state: SimState, address: str) -> SimGpu:
         gpu = next((g for g in visible_gpus(state) if g.address == address), None)
         if gpu is None:
-            raise _Ret(N.NVML_ERROR_GPU_IS_LOST)
+            raise _Ret(pynvml.NVML_ERROR_GPU_IS_LOST)
         return gpu
 
     @staticmethod
@@ -344,24 +343,24 @@ class FakeNvmlLib:
                 for ci in gi.cis:
                     if ci.uuid == uuid:
                         return gi, ci
-        raise _Ret(N.NVML_ERROR_NOT_FOUND)
+        raise _Ret(pynvml.NVML_ERROR_NOT_FOUND)
 
     def gi(self, state: SimState, handle: Any) -> tuple[SimGpu, SimGi]:
         key = self.key(handle)
         if key[0] != "gi":
-            raise _Ret(N.NVML_ERROR_INVALID_ARGUMENT)
+            raise _Ret(pynvml.NVML_ERROR_INVALID_ARGUMENT)
         gpu = self._visible(state, key[1])
         if gpu.mig_mode != 1:
-            raise _Ret(N.NVML_ERROR_NOT_SUPPORTED)
+            raise _Ret(pynvml.NVML_ERROR_NOT_SUPPORTED)
         for gi in gpu.gis:
             if (gi.id, gi.profile_id, gi.start) == key[2:]:
                 return gpu, gi
-        raise _Ret(N.NVML_ERROR_NOT_FOUND)
+        raise _Ret(pynvml.NVML_ERROR_NOT_FOUND)
 
     def ci(self, state: SimState, handle: Any) -> tuple[SimGpu, SimGi, SimCi]:
         key = self.key(handle)
         if key[0] != "ci":
-            raise _Ret(N.NVML_ERROR_INVALID_ARGUMENT)
+            raise _Ret(pynvml.NVML_ERROR_INVALID_ARGUMENT)
         gpu = self._visible(state, key[1])
         gi, ci = self._find_ci(gpu, key[2], key[3])
         return gpu, gi, ci
@@ -385,7 +384,7 @@ class FakeNvmlLib:
 @_nvml("nvmlInit", "nvmlInit_v2", "nvmlInitWithFlags")
 def _init(lib: FakeNvmlLib, state: SimState, flags: Any = 0) -> int:
     if "nvidia" not in state.loaded_modules:
-        return N.NVML_ERROR_DRIVER_NOT_LOADED
+        return pynvml.NVML_ERROR_DRIVER_NOT_LOADED
     lib._inits += 1
     return SUCCESS
 
@@ -420,7 +419,7 @@ def _cuda_version(lib, state, ref):
 def nvmlSystemGetProcessName(lib, state, pid, buf, length):
     proc = next((p for p in state.processes if p.pid == _int(pid)), None)
     if proc is None:
-        raise _Ret(N.NVML_ERROR_NOT_FOUND)
+        raise _Ret(pynvml.NVML_ERROR_NOT_FOUND)
     _write_str(buf, length, proc.name)
 
 
@@ -437,7 +436,7 @@ def _by_index(lib, state, index, ref):
     gpus = visible_gpus(state)
     i = _int(index)
     if i >= len(gpus):
-        raise _Ret(N.NVML_ERROR_INVALID_ARGUMENT)
+        raise _Ret(pynvml.NVML_ERROR_INVALID_ARGUMENT)
     _set_ptr(_deref(ref), lib.gpu_handle(gpus[i]))
 
 
@@ -447,25 +446,25 @@ def _norm_bus_id(text: str) -> str:
     if len(parts) == 2:
         parts.insert(0, "0")
     if len(parts) != 3:
-        raise _Ret(N.NVML_ERROR_INVALID_ARGUMENT)
+        raise _Ret(pynvml.NVML_ERROR_INVALID_ARGUMENT)
     try:
         domain = int(parts[0], 16)
         bus = int(parts[1], 16)
         dev, fn = parts[2].split(".")
         return f"{domain:04x}:{bus:02x}:{int(dev, 16):02x}.{int(fn, 16)}"
     except ValueError:
-        raise _Ret(N.NVML_ERROR_INVALID_ARGUMENT) from None
+        raise _Ret(pynvml.NVML_ERROR_INVALID_ARGUMENT) from None
 
 
 @_nvml("nvmlDeviceGetHandleByPciBusId", "nvmlDeviceGetHandleByPciBusId_v2")
 def _by_pci(lib, state, bus_id, ref):
     text = bus_id.value if isinstance(bus_id, ctypes.c_char_p) else bus_id
     if not text:
-        raise _Ret(N.NVML_ERROR_INVALID_ARGUMENT)
+        raise _Ret(pynvml.NVML_ERROR_INVALID_ARGUMENT)
     address = _norm_bus_id(text.decode() if isinstance(text, bytes) else text)
     gpu = next((g for g in visible_gpus(state) if g.address == address), None)
     if gpu is None:
-        raise _Ret(N.NVML_ERROR_NOT_FOUND)
+        raise _Ret(pynvml.NVML_ERROR_NOT_FOUND)
     _set_ptr(_deref(ref), lib.gpu_handle(gpu))
 
 
@@ -473,7 +472,7 @@ def _by_pci(lib, state, bus_id, ref):
 def nvmlDeviceGetHandleByUUID(lib, state, uuid, ref):
     text = uuid.value if isinstance(uuid, ctypes.c_char_p) else uuid
     if not text:
-        raise _Ret(N.NVML_ERROR_INVALID_ARGUMENT)
+        raise _Ret(pynvml.NVML_ERROR_INVALID_ARGUMENT)
     text = text.decode() if isinstance(text, bytes) else text
     for gpu in visible_gpus(state):
         if gpu.uuid == text:
@@ -483,7 +482,7 @@ def nvmlDeviceGetHandleByUUID(lib, state, uuid, ref):
             if ci.uuid == text:
                 _set_ptr(_deref(ref), lib.mig_handle(gpu, gi, ci))
                 return
-    raise _Ret(N.NVML_ERROR_NOT_FOUND)
+    raise _Ret(pynvml.NVML_ERROR_NOT_FOUND)
 
 
 @_nvml()
@@ -510,7 +509,7 @@ def nvmlDeviceGetUUID(lib, state, handle, buf, length):
 def nvmlDeviceGetSerial(lib, state, handle, buf, length):
     gpu, _ = lib.gpu(state, handle)
     if not gpu.serial:
-        raise _Ret(N.NVML_ERROR_NOT_SUPPORTED)
+        raise _Ret(pynvml.NVML_ERROR_NOT_SUPPORTED)
     _write_str(buf, length, gpu.serial)
 
 
@@ -547,7 +546,7 @@ def _memory(lib, state, handle, ref):
     gpu, mig = lib.gpu(state, handle, allow_mig=True)
     info = _deref(ref)
     if any(f[0] == "version" for f in type(info)._fields_):
-        _check_version(info, N.nvmlMemory_v2)
+        _check_version(info, pynvml.nvmlMemory_v2)
     model = model_of(gpu)
     if mig is None:
         total = model.memory_mb * MIB
@@ -569,14 +568,14 @@ def _memory(lib, state, handle, ref):
 def _processes(lib, state, handle, count_ref, infos):
     gpu, mig = lib.gpu(state, handle, allow_mig=True)
     if mig is None:
-        rows = [(p, _NO_ID, _NO_ID) for p in gpu_processes(state, gpu)]
+        rows = [(p, NOT_IN_MIG_INSTANCE, NOT_IN_MIG_INSTANCE) for p in gpu_processes(state, gpu)]
     else:
         gi, ci = mig
         rows = [(p, gi.id, ci.id) for p in mig_processes(state, ci)]
     count = _deref(count_ref)
     if infos is None or count.value < len(rows):
         count.value = len(rows)
-        return SUCCESS if not rows else N.NVML_ERROR_INSUFFICIENT_SIZE
+        return SUCCESS if not rows else pynvml.NVML_ERROR_INSUFFICIENT_SIZE
     for i, (p, gi_id, ci_id) in enumerate(rows):
         infos[i].pid = p.pid
         infos[i].usedGpuMemory = p.used_mb * MIB
@@ -593,7 +592,7 @@ def _processes(lib, state, handle, count_ref, infos):
 def nvmlDeviceGetMigMode(lib, state, handle, current_ref, pending_ref):
     gpu, _ = lib.gpu(state, handle)
     if not model_of(gpu).mig_capable:
-        raise _Ret(N.NVML_ERROR_NOT_SUPPORTED)
+        raise _Ret(pynvml.NVML_ERROR_NOT_SUPPORTED)
     current, pending = _deref(current_ref), _deref(pending_ref)
     current.value = gpu.mig_mode
     pending.value = gpu.mig_pending
@@ -609,22 +608,22 @@ def nvmlDeviceSetMigMode(lib, state, handle, mode, status_ref):
     gpu, _ = lib.gpu(state, handle)
     model = model_of(gpu)
     if not model.mig_capable:
-        raise _Ret(N.NVML_ERROR_NOT_SUPPORTED)
+        raise _Ret(pynvml.NVML_ERROR_NOT_SUPPORTED)
     mode = _int(mode)
     if mode not in (0, 1):
-        raise _Ret(N.NVML_ERROR_INVALID_ARGUMENT)
+        raise _Ret(pynvml.NVML_ERROR_INVALID_ARGUMENT)
     status = _deref(status_ref)
     if mode == 0 and gpu.gis:
-        raise _Ret(N.NVML_ERROR_IN_USE)
+        raise _Ret(pynvml.NVML_ERROR_IN_USE)
     if mode != gpu.mig_mode and sim_vgpu.placed(state, gpu.address):
-        raise _Ret(N.NVML_ERROR_IN_USE)  # vGPUs on the GPU: no mode change under them
+        raise _Ret(pynvml.NVML_ERROR_IN_USE)  # vGPUs on the GPU: no mode change under them
     gpu.mig_pending = mode
     if mode == gpu.mig_mode:
         status.value = SUCCESS
     elif busy(state, gpu):
-        status.value = N.NVML_ERROR_IN_USE
+        status.value = pynvml.NVML_ERROR_IN_USE
     elif model.mode_change_needs_reset:
-        status.value = N.NVML_ERROR_RESET_REQUIRED
+        status.value = pynvml.NVML_ERROR_RESET_REQUIRED
     else:
         gpu.mig_mode = mode
         status.value = SUCCESS
@@ -634,7 +633,7 @@ def nvmlDeviceSetMigMode(lib, state, handle, mode, status_ref):
 def nvmlDeviceGetMaxMigDeviceCount(lib, state, handle, ref):
     gpu, _ = lib.gpu(state, handle)
     if not model_of(gpu).mig_capable:
-        raise _Ret(N.NVML_ERROR_NOT_SUPPORTED)
+        raise _Ret(pynvml.NVML_ERROR_NOT_SUPPORTED)
     _deref(ref).value = _MAX_MIG_DEVICES if gpu.mig_mode == 1 else 0
 
 
@@ -642,13 +641,13 @@ def nvmlDeviceGetMaxMigDeviceCount(lib, state, handle, ref):
 def nvmlDeviceGetMigDeviceHandleByIndex(lib, state, handle, index, ref):
     gpu, _ = lib.gpu(state, handle)
     if not model_of(gpu).mig_capable:
-        raise _Ret(N.NVML_ERROR_NOT_SUPPORTED)
+        raise _Ret(pynvml.NVML_ERROR_NOT_SUPPORTED)
     i = _int(index)
     if gpu.mig_mode != 1 or i >= _MAX_MIG_DEVICES:
-        raise _Ret(N.NVML_ERROR_INVALID_ARGUMENT)
+        raise _Ret(pynvml.NVML_ERROR_INVALID_ARGUMENT)
     devices = mig_devices(gpu)
     if i >= len(devices):
-        raise _Ret(N.NVML_ERROR_NOT_FOUND)
+        raise _Ret(pynvml.NVML_ERROR_NOT_FOUND)
     _set_ptr(_deref(ref), lib.mig_handle(gpu, *devices[i]))
 
 
@@ -656,7 +655,7 @@ def nvmlDeviceGetMigDeviceHandleByIndex(lib, state, handle, index, ref):
 def nvmlDeviceIsMigDeviceHandle(lib, state, handle, ref):
     key = lib.key(handle)
     if key[0] not in ("gpu", "mig"):
-        raise _Ret(N.NVML_ERROR_INVALID_ARGUMENT)
+        raise _Ret(pynvml.NVML_ERROR_INVALID_ARGUMENT)
     _deref(ref).value = 1 if key[0] == "mig" else 0
 
 
@@ -664,7 +663,7 @@ def nvmlDeviceIsMigDeviceHandle(lib, state, handle, ref):
 def nvmlDeviceGetGpuInstanceId(lib, state, handle, ref):
     _, mig = lib.gpu(state, handle, allow_mig=True)
     if mig is None:
-        raise _Ret(N.NVML_ERROR_NOT_SUPPORTED)
+        raise _Ret(pynvml.NVML_ERROR_NOT_SUPPORTED)
     _deref(ref).value = mig[0].id
 
 
@@ -672,7 +671,7 @@ def nvmlDeviceGetGpuInstanceId(lib, state, handle, ref):
 def nvmlDeviceGetComputeInstanceId(lib, state, handle, ref):
     _, mig = lib.gpu(state, handle, allow_mig=True)
     if mig is None:
-        raise _Ret(N.NVML_ERROR_NOT_SUPPORTED)
+        raise _Ret(pynvml.NVML_ERROR_NOT_SUPPORTED)
     _deref(ref).value = mig[1].id
 
 
@@ -680,7 +679,7 @@ def nvmlDeviceGetComputeInstanceId(lib, state, handle, ref):
 def nvmlDeviceGetDeviceHandleFromMigDeviceHandle(lib, state, handle, ref):
     gpu, mig = lib.gpu(state, handle, allow_mig=True)
     if mig is None:
-        raise _Ret(N.NVML_ERROR_INVALID_ARGUMENT)
+        raise _Ret(pynvml.NVML_ERROR_INVALID_ARGUMENT)
     _set_ptr(_deref(ref), lib.gpu_handle(gpu))
 
 
@@ -691,7 +690,7 @@ def _mig_model(lib, state, handle) -> tuple[SimGpu, ModelInfo]:
     gpu, _ = lib.gpu(state, handle)
     model = model_of(gpu)
     if not model.mig_capable:
-        raise _Ret(N.NVML_ERROR_NOT_SUPPORTED)
+        raise _Ret(pynvml.NVML_ERROR_NOT_SUPPORTED)
     return gpu, model
 
 
@@ -712,39 +711,40 @@ def _fill_gi_profile(info: Any, prof: MigProfile) -> None:
 
 
 def _profile_by_index(model: ModelInfo, index: int) -> MigProfile:
-    if index >= N.NVML_GPU_INSTANCE_PROFILE_COUNT or index in _INVALID_GI_INDEXES:
-        raise _Ret(N.NVML_ERROR_INVALID_ARGUMENT)
+    if index >= pynvml.NVML_GPU_INSTANCE_PROFILE_COUNT or index in _INVALID_GI_INDEXES:
+        raise _Ret(pynvml.NVML_ERROR_INVALID_ARGUMENT)
     pid = _PROFILE_ID_BY_INDEX.get(index)
     prof = _profile(model, pid) if pid is not None else None
     if prof is None:
-        raise _Ret(N.NVML_ERROR_NOT_SUPPORTED)
+        raise _Ret(pynvml.NVML_ERROR_NOT_SUPPORTED)
     return prof
+
+
+def _answer_gi_profile(lib, state, handle, ref, find: Callable[[ModelInfo], MigProfile]) -> None:
+    """Both GI profile info calls: MIG-capable GPU, versioned struct, then the profile `find`
+    picks from the model (it raises NVML's error when there is none)."""
+    _, model = _mig_model(lib, state, handle)
+    info = _deref(ref)
+    _check_version(info, pynvml.nvmlGpuInstanceProfileInfo_v2)
+    _fill_gi_profile(info, find(model))
 
 
 @_nvml("nvmlDeviceGetGpuInstanceProfileInfo", "nvmlDeviceGetGpuInstanceProfileInfoV")
 def _gi_profile_info(lib, state, handle, index, ref):
     """Takes the profile *index* constant; answers with MIG disabled too (as the H200 does)."""
-    _, model = _mig_model(lib, state, handle)
-    info = _deref(ref)
-    _check_version(info, N.nvmlGpuInstanceProfileInfo_v2)
-    _fill_gi_profile(info, _profile_by_index(model, _int(index)))
+    _answer_gi_profile(lib, state, handle, ref, lambda model: _profile_by_index(model, _int(index)))
 
 
 @_nvml()
 def nvmlDeviceGetGpuInstanceProfileInfoByIdV(lib, state, handle, profile_id, ref):
-    _, model = _mig_model(lib, state, handle)
-    info = _deref(ref)
-    _check_version(info, N.nvmlGpuInstanceProfileInfo_v2)
-    prof = _profile(model, _int(profile_id))
-    if prof is None:
-        raise _Ret(N.NVML_ERROR_INVALID_ARGUMENT)
-    _fill_gi_profile(info, prof)
+    """Takes the profile *id*; an id the model does not have is INVALID_ARGUMENT."""
+    _answer_gi_profile(lib, state, handle, ref, lambda model: _known_profile(model, profile_id))
 
 
 def _known_profile(model: ModelInfo, profile_id: Any) -> MigProfile:
     prof = _profile(model, _int(profile_id))
     if prof is None:
-        raise _Ret(N.NVML_ERROR_INVALID_ARGUMENT)
+        raise _Ret(pynvml.NVML_ERROR_INVALID_ARGUMENT)
     return prof
 
 
@@ -760,7 +760,7 @@ def _possible_placements(lib, state, handle, profile_id, placements, count_ref):
     arr = _deref(placements)
     if count.value < len(prof.placements):
         count.value = len(prof.placements)
-        raise _Ret(N.NVML_ERROR_INSUFFICIENT_SIZE)
+        raise _Ret(pynvml.NVML_ERROR_INSUFFICIENT_SIZE)
     for i, pl in enumerate(prof.placements):
         arr[i].start = pl.start
         arr[i].size = pl.size
@@ -783,7 +783,7 @@ def nvmlDeviceGetGpuInstanceRemainingCapacity(lib, state, handle, profile_id, re
 
 def _require_mig_on(gpu: SimGpu) -> None:
     if gpu.mig_mode != 1 or gpu.mig_pending != 1:
-        raise _Ret(N.NVML_ERROR_NOT_SUPPORTED)
+        raise _Ret(pynvml.NVML_ERROR_NOT_SUPPORTED)
 
 
 def _create_gi(lib: FakeNvmlLib, gpu: SimGpu, model: ModelInfo, profile_id: Any, start: int | None,
@@ -793,16 +793,16 @@ def _create_gi(lib: FakeNvmlLib, gpu: SimGpu, model: ModelInfo, profile_id: Any,
     pl_size = prof.placements[0].size
     starts = [pl.start for pl in prof.placements]
     if start is not None and (start not in starts or size != pl_size):
-        raise _Ret(N.NVML_ERROR_INVALID_ARGUMENT)
+        raise _Ret(pynvml.NVML_ERROR_INVALID_ARGUMENT)
     if sum(1 for g in gpu.gis if g.profile_id == prof.id) >= prof.instance_count:
-        raise _Ret(N.NVML_ERROR_INSUFFICIENT_RESOURCES)
+        raise _Ret(pynvml.NVML_ERROR_INSUFFICIENT_RESOURCES)
     if start is None:
         order = _PREFERENCE.get(prof.id, tuple(starts))
         start = next((s for s in order if s in starts and _free(gpu, s, pl_size)), None)
         if start is None:
-            raise _Ret(N.NVML_ERROR_INSUFFICIENT_RESOURCES)
+            raise _Ret(pynvml.NVML_ERROR_INSUFFICIENT_RESOURCES)
     elif not _free(gpu, start, pl_size):
-        raise _Ret(N.NVML_ERROR_INSUFFICIENT_RESOURCES)
+        raise _Ret(pynvml.NVML_ERROR_INSUFFICIENT_RESOURCES)
     out = _deref(out_ref)
     ids = {g.id for g in gpu.gis}
     gi_id = next(i for i in range(1, len(ids) + 2) if i not in ids)
@@ -836,11 +836,11 @@ def nvmlDeviceGetGpuInstances(lib, state, handle, profile_id, arr, count_ref):
     count = _deref(count_ref)
     gis = sorted((g for g in gpu.gis if g.profile_id == prof.id), key=lambda g: g.id)
     if arr is None:
-        raise _Ret(N.NVML_ERROR_INVALID_ARGUMENT)
+        raise _Ret(pynvml.NVML_ERROR_INVALID_ARGUMENT)
     out = _deref(arr)
     if isinstance(out, ctypes.Array) and len(out) < len(gis):
         count.value = len(gis)
-        raise _Ret(N.NVML_ERROR_INSUFFICIENT_SIZE)
+        raise _Ret(pynvml.NVML_ERROR_INSUFFICIENT_SIZE)
     for i, gi in enumerate(gis):
         _set_ptr(out, lib.gi_handle(gpu, gi), offset=i * ctypes.sizeof(ctypes.c_void_p))
     count.value = len(gis)
@@ -852,7 +852,7 @@ def nvmlDeviceGetGpuInstanceById(lib, state, handle, gi_id, out_ref):
     _require_mig_on(gpu)
     gi = next((g for g in gpu.gis if g.id == _int(gi_id)), None)
     if gi is None:
-        raise _Ret(N.NVML_ERROR_NOT_FOUND)
+        raise _Ret(pynvml.NVML_ERROR_NOT_FOUND)
     _set_ptr(_deref(out_ref), lib.gi_handle(gpu, gi))
 
 
@@ -871,7 +871,7 @@ def nvmlGpuInstanceGetInfo(lib, state, gi_handle, ref):
 def nvmlGpuInstanceDestroy(lib, state, gi_handle):
     gpu, gi = lib.gi(state, gi_handle)
     if gi.cis or any(on_gi == gi.id for _, on_gi in sim_vgpu.placed(state, gpu.address)):
-        raise _Ret(N.NVML_ERROR_IN_USE)  # compute instances, or a MIG-backed vGPU, live on it
+        raise _Ret(pynvml.NVML_ERROR_IN_USE)  # compute instances, or a MIG-backed vGPU, live on it
     gpu.gis.remove(gi)
 
 
@@ -888,14 +888,14 @@ def _gi_profile(model: ModelInfo, gi: SimGi) -> MigProfile:
 def _ci_profile_info(lib, state, gi_handle, index, eng_profile, ref):
     gpu, gi = lib.gi(state, gi_handle)
     idx, eng = _int(index), _int(eng_profile)
-    if idx >= N.NVML_COMPUTE_INSTANCE_PROFILE_COUNT or eng >= N.NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_COUNT:
-        raise _Ret(N.NVML_ERROR_INVALID_ARGUMENT)
+    if idx >= pynvml.NVML_COMPUTE_INSTANCE_PROFILE_COUNT or eng >= pynvml.NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_COUNT:
+        raise _Ret(pynvml.NVML_ERROR_INVALID_ARGUMENT)
     prof = _gi_profile(model_of(gpu), gi)
     ci_prof = next((c for c in prof.ci_profiles if c.id == idx), None)  # CI ids equal their index
     if ci_prof is None:
-        raise _Ret(N.NVML_ERROR_NOT_SUPPORTED)
+        raise _Ret(pynvml.NVML_ERROR_NOT_SUPPORTED)
     info = _deref(ref)
-    _check_version(info, N.nvmlComputeInstanceProfileInfo_v2)
+    _check_version(info, pynvml.nvmlComputeInstanceProfileInfo_v2)
     info.id = ci_prof.id
     info.sliceCount = ci_prof.slices
     info.instanceCount = ci_prof.instance_count
@@ -913,7 +913,7 @@ def _ci_capacity(model: ModelInfo, gi: SimGi, ci_profile_id: int) -> int:
     prof = _gi_profile(model, gi)
     ci_prof = next((c for c in prof.ci_profiles if c.id == ci_profile_id), None)
     if ci_prof is None:
-        raise _Ret(N.NVML_ERROR_NOT_SUPPORTED)
+        raise _Ret(pynvml.NVML_ERROR_NOT_SUPPORTED)
     used = sum(_ci_slices(model, gi, c) for c in gi.cis)
     same = sum(1 for c in gi.cis if c.profile_id == ci_profile_id)
     return max(0, min((prof.slices - used) // ci_prof.slices, ci_prof.instance_count - same))
@@ -932,10 +932,10 @@ def nvmlGpuInstanceCreateComputeInstance(lib, state, gi_handle, ci_profile_id, o
     gpu, gi = lib.gi(state, gi_handle)
     _require_mig_on(gpu)
     pid = _int(ci_profile_id)
-    if pid >= N.NVML_COMPUTE_INSTANCE_PROFILE_COUNT:
-        raise _Ret(N.NVML_ERROR_INVALID_ARGUMENT)
+    if pid >= pynvml.NVML_COMPUTE_INSTANCE_PROFILE_COUNT:
+        raise _Ret(pynvml.NVML_ERROR_INVALID_ARGUMENT)
     if _ci_capacity(model_of(gpu), gi, pid) < 1:
-        raise _Ret(N.NVML_ERROR_INSUFFICIENT_RESOURCES)
+        raise _Ret(pynvml.NVML_ERROR_INSUFFICIENT_RESOURCES)
     out = _deref(out_ref)
     ids = {c.id for c in gi.cis}
     ci = SimCi(id=next(i for i in range(len(ids) + 1) if i not in ids), profile_id=pid,
@@ -948,14 +948,14 @@ def nvmlGpuInstanceCreateComputeInstance(lib, state, gi_handle, ci_profile_id, o
 def nvmlGpuInstanceGetComputeInstances(lib, state, gi_handle, ci_profile_id, arr, count_ref):
     gpu, gi = lib.gi(state, gi_handle)
     pid = _int(ci_profile_id)
-    if pid >= N.NVML_COMPUTE_INSTANCE_PROFILE_COUNT or arr is None:
-        raise _Ret(N.NVML_ERROR_INVALID_ARGUMENT)
+    if pid >= pynvml.NVML_COMPUTE_INSTANCE_PROFILE_COUNT or arr is None:
+        raise _Ret(pynvml.NVML_ERROR_INVALID_ARGUMENT)
     count = _deref(count_ref)
     cis = sorted((c for c in gi.cis if c.profile_id == pid), key=lambda c: c.id)
     out = _deref(arr)
     if isinstance(out, ctypes.Array) and len(out) < len(cis):
         count.value = len(cis)
-        raise _Ret(N.NVML_ERROR_INSUFFICIENT_SIZE)
+        raise _Ret(pynvml.NVML_ERROR_INSUFFICIENT_SIZE)
     for i, ci in enumerate(cis):
         _set_ptr(out, lib.ci_handle(gpu, gi, ci), offset=i * ctypes.sizeof(ctypes.c_void_p))
     count.value = len(cis)
@@ -966,7 +966,7 @@ def nvmlGpuInstanceGetComputeInstanceById(lib, state, gi_handle, ci_id, out_ref)
     gpu, gi = lib.gi(state, gi_handle)
     ci = next((c for c in gi.cis if c.id == _int(ci_id)), None)
     if ci is None:
-        raise _Ret(N.NVML_ERROR_NOT_FOUND)
+        raise _Ret(pynvml.NVML_ERROR_NOT_FOUND)
     _set_ptr(_deref(out_ref), lib.ci_handle(gpu, gi, ci))
 
 
@@ -987,7 +987,7 @@ def _ci_info(lib, state, ci_handle, ref):
 def nvmlComputeInstanceDestroy(lib, state, ci_handle):
     _, gi, ci = lib.ci(state, ci_handle)
     if mig_processes(state, ci):
-        raise _Ret(N.NVML_ERROR_IN_USE)
+        raise _Ret(pynvml.NVML_ERROR_IN_USE)
     gi.cis.remove(ci)
 
 
@@ -999,16 +999,16 @@ _saved: list[Any] = []
 def install(host_dir: str) -> FakeNvmlLib:
     """Make pynvml talk to the simulated host in `host_dir` (restored by `uninstall`)."""
     lib = FakeNvmlLib(host_dir)
-    _saved.append(N.nvmlLib)
-    N.nvmlLib = lib
-    N._nvmlGetFunctionPointer_cache.clear()
+    _saved.append(pynvml.nvmlLib)
+    pynvml.nvmlLib = lib
+    pynvml._nvmlGetFunctionPointer_cache.clear()
     return lib
 
 
 def uninstall() -> None:
     if not _saved:
         return
-    N.nvmlLib = _saved.pop()
-    N._nvmlGetFunctionPointer_cache.clear()
-    if N.nvmlLib is None:
-        N._nvmlLib_refcount = 0
+    pynvml.nvmlLib = _saved.pop()
+    pynvml._nvmlGetFunctionPointer_cache.clear()
+    if pynvml.nvmlLib is None:
+        pynvml._nvmlLib_refcount = 0

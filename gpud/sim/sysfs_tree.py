@@ -1,7 +1,7 @@
 """Render the simulated host's DIR/sys, DIR/dev and DIR/proc from its SimState.
 
 The tree is what `gpud.host` reads on the simulator, so it mirrors the kernel's layout and the
-attribute formats of a real H200 (shared/fixtures/h200). It is derived state: `render` recomputes
+attribute formats of a real H200 (tests/fixtures/h200; docs/hardware/driver-binding.md). It is derived state: `render` recomputes
 the whole desired tree and changes only what differs, each file and link replaced atomically
 (temp name + rename), so readers never see a half-written attribute. Call it with the host lock held
 (`gpud.sim.state.locked`) so two renders never interleave.

@@ -6,17 +6,24 @@ gone too, and (like ENOBUFS on a netlink socket) the receiver learns that it los
 loss is recorded by appending a byte to DIR/run/uevent.overflow *before* trying to send an
 {"action": "overflow"} marker: either the marker gets through, or the queue is still full, in
 which case the receiver drains it and then sees the counter grew. Either way it rescans.
+
+`SimEvents` is the receiving end: the daemon's device event source on a simulated host, with the
+same callback interface as gpud.host.udev.UdevEvents (gpud.device_events).
 """
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import itertools
 import os
 import socket
+import stat
 from pathlib import Path
 
 import msgspec
+
+from gpud.device_events import RESCAN, SUBSYSTEMS, Delivery, DeviceEvent, DeviceEventCallback
 
 SOCKET = "run/uevent.sock"
 OVERFLOW = "run/uevent.overflow"
@@ -76,3 +83,84 @@ def emit(host_dir: str | os.PathLike, action: str, subsystem: str, address: str 
             _send(sock, path, msgspec.json.encode({"action": OVERFLOW_ACTION, "subsystem": None, "address": None,
                                                     "driver": None, "seq": next(_seq), "pid": os.getpid()}))
         return bool(sent)
+
+
+class SimEvents:
+    """Receives the simulated kernel's datagrams on `socket_path` (DIR/run/uevent.sock, bound here and
+    removed on stop) and delivers DeviceEvent; RESCAN after an overflow marker or when the
+    overflow counter next to the socket grew."""
+
+    def __init__(self, callback: DeviceEventCallback, socket_path: str | os.PathLike, *,
+                 subsystems: tuple[str, ...] = SUBSYSTEMS):
+        self.deliver = Delivery(callback)
+        self.socket_path = os.fspath(socket_path)
+        self.subsystems = subsystems
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._sock: socket.socket | None = None
+        self._overflow_seen = 0
+
+    @property
+    def _overflow_file(self) -> str:
+        return os.path.join(os.path.dirname(self.socket_path), os.path.basename(OVERFLOW))
+
+    def _overflow_count(self) -> int:
+        try:
+            return os.stat(self._overflow_file).st_size
+        except OSError:
+            return 0
+
+    def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        self._loop = self.deliver.loop = loop or asyncio.get_running_loop()
+        path = self.socket_path
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        try:
+            if stat.S_ISSOCK(os.lstat(path).st_mode):
+                os.unlink(path)  # stale: datagram sockets have no listener to detect
+        except FileNotFoundError:
+            pass
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
+        sock.bind(path)
+        sock.setblocking(False)
+        self._sock = sock
+        self._overflow_seen = self._overflow_count()
+        self._loop.add_reader(sock.fileno(), self._on_readable)
+
+    def stop(self) -> None:
+        if self._sock is None:
+            return
+        if self._loop is not None:
+            self._loop.remove_reader(self._sock.fileno())
+        self._sock.close()
+        self._sock = None
+        try:
+            os.unlink(self.socket_path)
+        except OSError:
+            pass
+
+    def _on_readable(self) -> None:
+        rescan = False
+        while self._sock is not None:
+            try:
+                data = self._sock.recv(65536)
+            except (BlockingIOError, InterruptedError):
+                break
+            except OSError:
+                rescan = True
+                break
+            try:
+                ev = msgspec.json.decode(data)
+            except msgspec.DecodeError:
+                continue
+            if not isinstance(ev, dict):
+                continue
+            if ev.get("action") == OVERFLOW_ACTION:
+                rescan = True
+            elif ev.get("subsystem") in self.subsystems:
+                self.deliver(DeviceEvent(str(ev.get("action")), ev.get("subsystem"), ev.get("address"),
+                                         ev.get("driver")))
+        n = self._overflow_count()
+        if n > self._overflow_seen:
+            self._overflow_seen = n
+            rescan = True
+        if rescan:
+            self.deliver(RESCAN)

@@ -65,6 +65,13 @@ def vf_address(pf: str, index: int) -> str:
     return f"{domain}:{bus}:{devfn >> 3:02x}.{devfn & 7}"
 
 
+def _event(action: str, subsystem: str, address: str | None, driver: str | None):
+    """A kernel uevent (gpud.sim.kernel.Uevent, imported here: the kernel model imports this one)."""
+    from gpud.sim.kernel import Uevent
+
+    return Uevent(action, subsystem, address, driver)
+
+
 def _err(code: int, path: str) -> OSError:
     return OSError(code, os.strerror(code), path)
 
@@ -344,8 +351,8 @@ def sriov_numvfs(st: SimState, pf: str, data: bytes, path: str, events: list) ->
         for vf in v.vfs:
             vfn = st.functions.pop(vf.address, None)
             if vfn is not None and vfn.driver:
-                events.append({"action": "unbind", "subsystem": "pci", "address": vf.address, "driver": None})
-            events.append({"action": "remove", "subsystem": "pci", "address": vf.address, "driver": None})
+                events.append(_event("unbind", "pci", vf.address, None))
+            events.append(_event("remove", "pci", vf.address, None))
         v.vfs = []
         return
     if v.vfs:
@@ -358,8 +365,8 @@ def sriov_numvfs(st: SimState, pf: str, data: bytes, path: str, events: list) ->
             native_driver="nvidia", driver="nvidia", iommu_group=_next_group(st), numa_node=fn.numa_node,
             physfn=pf)
         v.vfs.append(SimVf(address=address))
-        events.append({"action": "add", "subsystem": "pci", "address": address, "driver": None})
-        events.append({"action": "bind", "subsystem": "pci", "address": address, "driver": "nvidia"})
+        events.append(_event("add", "pci", address, None))
+        events.append(_event("bind", "pci", address, "nvidia"))
     st.functions = dict(sorted(st.functions.items()))
 
 
@@ -377,7 +384,7 @@ def current_vgpu_type(st: SimState, vf_addr: str, data: bytes, path: str, events
         if vf.vgpu_type and holders_of(st, vf_addr):
             raise _err(errno.EBUSY, path)
         vf.vgpu_type, vf.gpu_instance_id = 0, -1
-        events.append({"action": "change", "subsystem": "pci", "address": vf_addr, "driver": "nvidia"})
+        events.append(_event("change", "pci", vf_addr, "nvidia"))
         return
     if vf.vgpu_type:
         raise _err(errno.EBUSY, path)
@@ -386,7 +393,7 @@ def current_vgpu_type(st: SimState, vf_addr: str, data: bytes, path: str, events
         raise _err(errno.EINVAL, path)
     vf.gpu_instance_id = _free_gi(st, pf, stype) if stype.profile else -1
     vf.vgpu_type = type_id
-    events.append({"action": "change", "subsystem": "pci", "address": vf_addr, "driver": "nvidia"})
+    events.append(_event("change", "pci", vf_addr, "nvidia"))
 
 
 def mdev_create(st: SimState, parent: str, type_dir: str, data: bytes, path: str, events: list) -> None:
@@ -413,8 +420,8 @@ def mdev_create(st: SimState, parent: str, type_dir: str, data: bytes, path: str
     gi = _free_gi(st, pf, stype) if stype.profile else -1
     v.mdevs.append(SimMdev(uuid=uuid, parent=parent, type_id=stype.mdev_id, iommu_group=_next_group(st),
                            gpu_instance_id=gi if gi is not None else -1))
-    events.append({"action": "add", "subsystem": "mdev", "address": uuid, "driver": None})
-    events.append({"action": "bind", "subsystem": "mdev", "address": uuid, "driver": "nvidia-vgpu-vfio"})
+    events.append(_event("add", "mdev", uuid, None))
+    events.append(_event("bind", "mdev", uuid, "nvidia-vgpu-vfio"))
 
 
 def mdev_remove_now(st: SimState, uuid: str, events: list) -> bool:
@@ -426,8 +433,8 @@ def mdev_remove_now(st: SimState, uuid: str, events: list) -> bool:
     if holders_of(st, m.uuid):
         return False
     st.vgpu[pf].mdevs.remove(m)
-    events.append({"action": "unbind", "subsystem": "mdev", "address": m.uuid, "driver": None})
-    events.append({"action": "remove", "subsystem": "mdev", "address": m.uuid, "driver": None})
+    events.append(_event("unbind", "mdev", m.uuid, None))
+    events.append(_event("remove", "mdev", m.uuid, None))
     return True
 
 

@@ -109,7 +109,7 @@ class FakeHandler:
             "plan": plan_reply(),
             "apply": wire.ApplyReply(phase="converged", converged=True, message="all GPUs converged"),
             "reload": wire.LayoutStatus(path="/etc/gpud/layout.yaml", selected="partial-mig", valid=True),
-            "version": {"version": "0.1.0", "driver": "550.90.07", "nvml": "12.550.90.07"},
+            "version": wire.VersionReply(version="0.1.0", driver="550.90.07", nvml="12.550.90.07"),
             "mig-profiles": wire.MigProfilesReply(gpus=[wire.GpuProfiles(
                 index=0, pci="0000:3b:00.0", model="NVIDIA H200", profiles=h200_profiles())]),
             "passthrough": wire.PassthroughReply(devices=[wire.PassthroughDevice(

@@ -19,16 +19,9 @@ import msgspec
 import pytest
 
 from gpud.api import wire
-from gpud.api.server import (
-    ApiError,
-    Outbox,
-    Peer,
-    ServerError,
-    authorize,
-    peer_credentials,
-    read_proc_groups,
-    serve,
-)
+from gpud.api.peers import Peer, authorize, peer_credentials, read_proc_groups
+from gpud.api.server import ApiError, ServerError, serve
+from gpud.engine.events import EventBus, EventQueue
 from tests.api.fakes import FakeHandler, status_reply
 
 GUARD = 10.0  # seconds: only a bound on a hung test, never a timing assertion
@@ -106,8 +99,7 @@ async def test_requests_are_answered_in_order_on_one_connection(running):
     ids = [await c.send("version"), await c.send("check", {"text": "x", "path": "/l.yaml"})]
     first, second = await c.recv(), await c.recv()
     assert [first.id, second.id] == ids
-    # a dict reply is typed and completed with defaults before it is sent
-    assert first.result["protocol"] == wire.PROTOCOL
+    assert first.result["protocol"] == wire.PROTOCOL  # the struct's default, sent as a field
     assert second.result["valid"] is True
     # args reach the handler validated, with defaults filled in
     handler.replies["apply"] = lambda args: wire.ApplyReply(phase="applying", message=repr(args))
@@ -119,7 +111,7 @@ async def test_handler_errors(running):
     handler, server = running
     handler.errors["reload"] = ApiError("invalid-layout", "layout.yaml:3 layouts: expected a map")
     handler.errors["plan"] = RuntimeError("boom")
-    handler.replies["status"] = {"phase": "converged"}  # missing `layout`: a handler bug
+    handler.replies["status"] = {"phase": "converged"}  # not the StatusReply struct: a handler bug
     c = await Conn.open(server.path)
     resp = await c.call("reload")
     assert (resp.ok, resp.error.code, resp.error.message) == (False, "invalid-layout",
@@ -127,7 +119,7 @@ async def test_handler_errors(running):
     resp = await c.call("plan")
     assert resp.error.code == wire.E_INTERNAL and "boom" in resp.error.message
     resp = await c.call("status")
-    assert resp.error.code == wire.E_INTERNAL and "layout" in resp.error.message
+    assert resp.error.code == wire.E_INTERNAL and "StatusReply" in resp.error.message
     assert (await c.call("version")).ok  # handler errors do not end the connection
     c.close()
 
@@ -524,15 +516,62 @@ async def test_slow_follower_loses_events_with_a_marker_and_does_not_stall_other
         fast.close()
 
 
-async def test_outbox_marks_the_gap_where_events_were_lost():
-    box = Outbox(2)
+class BusHandler(FakeHandler):
+    """Events from the engine's own EventBus: the server sends from the bus's bounded queue."""
+
+    def __init__(self, queue_size: int) -> None:
+        super().__init__()
+        self.bus = EventBus(queue_size=queue_size)
+
+    def subscribe(self) -> EventQueue:
+        return self.bus.subscribe()
+
+    def unsubscribe(self, queue: EventQueue) -> None:
+        self.bus.unsubscribe(queue)
+        self.unsubscribed += 1
+        self.gone.set()
+
+    def recent_events(self) -> list[dict]:
+        return self.bus.recent()
+
+    def publish(self, kind: str, message: str, gpu: str | None = None, **data):
+        return self.bus.publish(kind, message, gpu, **data)
+
+
+async def test_engine_bus_queue_is_the_one_bound_between_engine_and_client(sockdir):
+    handler = BusHandler(queue_size=8)
+    server = await serve(handler, f"{sockdir}/s", group=None, event_queue=10_000)  # not the bound used
+    async with server:
+        slow, fast = await Conn.open(server.path), await Conn.open(server.path)
+        await slow.call("events", {"follow": True})
+        await fast.call("events", {"follow": True})
+        blob = "x" * 65536
+        n = 200
+        for i in range(n):
+            handler.publish("step", str(i), blob=blob)
+            assert (await fast.recv()).event.message == str(i)
+        got: list[int] = []
+        while True:
+            ev = (await slow.recv()).event
+            if ev.kind == "overflow":
+                break
+            got.append(int(ev.message))
+        assert got == list(range(len(got))) and len(got) < n
+        assert ev.data["dropped"] >= 1 and f"{ev.data['dropped']} events dropped" in ev.message
+        slow.close()
+        fast.close()
+        await asyncio.wait_for(handler.gone.wait(), GUARD)
+
+
+async def test_event_queue_marks_the_gap_where_events_were_lost():
+    box = EventQueue(2)
     for x in "abc":
         box.put(x)
     assert await box.get() == "a"
     box.put("d")  # still full (b + marker): counted in the marker
     assert await box.get() == "b"
     marker = await box.get()
-    assert (marker.kind, marker.data) == ("overflow", {"dropped": 2})
+    assert (marker["kind"], marker["data"]) == ("overflow", {"dropped": 2})
     box.put("e")
     assert await box.get() == "e"
     box.close()

@@ -15,7 +15,7 @@ import pytest
 
 from gpud.api import wire
 from gpud.api.server import ApiError
-from gpud.cli import gpudctl
+from gpud.cli import render
 from tests.api.fakes import GPU0_UUID, MIG_UUIDS, ThreadedServer
 
 REPO = Path(__file__).resolve().parents[2]
@@ -271,10 +271,19 @@ def test_daemon_hanging_up_without_answer_exits_3(tmp_path):
     assert r.returncode == 3 and "closed the connection" in r.stderr
 
 
+CLI_MODULES = sorted(f"gpud.cli.{p.stem}" for p in (REPO / "gpud" / "cli").glob("*.py") if p.stem != "__init__")
+
+
 def test_client_imports_nothing_heavy():
+    """Every module of the client package, imported in a fresh interpreter, pulls in no heavy
+    dependency and of gpud itself only the package markers and gpud.api.wire."""
+    assert {"gpud.cli.gpudctl", "gpud.cli.transport", "gpud.cli.render", "gpud.cli.commands"} <= set(CLI_MODULES)
     banned = ["pynvml", "yaml", "pyudev", "dbus_fast", "asyncinotify", "prometheus_client", "asyncio"]
-    code = ("import sys, json; import gpud.cli.gpudctl; "
-            f"print(json.dumps([m for m in {banned!r} if m in sys.modules]))")
+    allowed = ["gpud", "gpud.api", "gpud.api.wire", "gpud.cli", *CLI_MODULES]
+    code = ("import importlib, sys, json\n"
+            f"for name in {CLI_MODULES!r}: importlib.import_module(name)\n"
+            f"print(json.dumps([m for m in sys.modules if m in {banned!r} "
+            f"or (m.split('.')[0] == 'gpud' and m not in {allowed!r})]))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO,
                          env={**os.environ, "PYTHONPATH": str(REPO)}).stdout
     assert json.loads(out) == []
@@ -283,12 +292,12 @@ def test_client_imports_nothing_heavy():
 def test_state_and_mig_columns():
     g = wire.GpuStatus(index=0, pci="p", state="failed", message="NVML_ERROR_IN_USE creating 3g.71gb",
                        mig=wire.MigStatus(capable=True, mode="disabled", pending="enabled"))
-    assert gpudctl._state_column(g) == "failed: NVML_ERROR_IN_USE creating 3g.71gb"
-    assert gpudctl._mig_column(g.mig) == "pending(on)"
-    assert gpudctl._mig_column(wire.MigStatus()) == "-"
+    assert render.state_column(g) == "failed: NVML_ERROR_IN_USE creating 3g.71gb"
+    assert render.mig_column(g.mig) == "pending(on)"
+    assert render.mig_column(wire.MigStatus()) == "-"
     many = wire.GpuStatus(index=0, pci="p", state="waiting", holders=[
         wire.HolderInfo(pid=1, name="a"), wire.HolderInfo(pid=2, name="b")])
-    assert gpudctl._state_column(many) == "waiting: pid 1 a (+1 more)"
+    assert render.state_column(many) == "waiting: pid 1 a (+1 more)"
 
 
 def test_check_of_a_binary_file_fails_locally(daemon, tmp_path):

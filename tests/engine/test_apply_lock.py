@@ -6,7 +6,7 @@ import asyncio
 import subprocess
 import sys
 
-from gpud.engine.reconciler import ApplyLock
+from gpud.engine.apply_lock import ApplyLock
 
 HOLD = """
 import fcntl, os, sys

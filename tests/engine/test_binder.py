@@ -17,6 +17,8 @@ import pytest
 
 from gpud.engine import binder
 from gpud.engine.observe import companions_of
+from gpud.host.deadline_write import stuck_writes
+from gpud.host.kmsg import kernel_reason
 from gpud.host.procs import Procs
 from gpud.host.sysfs import Sysfs
 from gpud.model import Gpu
@@ -47,7 +49,7 @@ def sim(tmp_path):
         st.hangs.clear()
         st.processes.clear()
         render(d, st)
-    _wait_for(lambda: not binder.stuck_writes(), what="abandoned writers to finish")
+    _wait_for(lambda: not stuck_writes(), what="abandoned writers to finish")
 
 
 def _wait_for(cond, *, what: str, limit: float = 20.0) -> None:
@@ -181,7 +183,7 @@ def test_held_nvidia_unbind_blocks_and_becomes_stuck_without_blocking_caller(sim
     again = binder.execute(sysfs, procs, plan_binding(gpu(sysfs, H200), "vm-passthrough"), timeout=0.5)
     assert again.state == "stuck" and "still blocked" in again.message and again.stuck_pid == out.stuck_pid
     release(sim, 4243)
-    _wait_for(lambda: not binder.stuck_writes(), what="the abandoned unbind to finish")
+    _wait_for(lambda: not stuck_writes(), what="the abandoned unbind to finish")
     assert sysfs.function(H200).driver is None  # the kernel finished the unbind on its own
     out = binder.execute(sysfs, procs, plan_binding(gpu(sysfs, H200), "vm-passthrough"), timeout=10)
     assert out.state == "converged", out
@@ -189,29 +191,31 @@ def test_held_nvidia_unbind_blocks_and_becomes_stuck_without_blocking_caller(sim
 
 
 async def test_hang_is_stuck_while_the_event_loop_keeps_serving(sim):
-    """`hang`: the unbind never returns. The caller's loop answers requests throughout."""
+    """`hang`: the unbind never returns. The caller's loop answers requests while the plan runs:
+    after each step the binder's thread waits for the loop to serve one, so a loop blocked by the
+    binder would fail this test instead of passing it by luck of timing."""
     sysfs, procs = adapters(sim)
     simkernel.hang(sim.host_dir, H200)
     plan = plan_binding(gpu(sysfs, H200), "vm-passthrough")
-    task = asyncio.create_task(binder.execute_async(sysfs, procs, plan, timeout=1.0))
-    served = 0
+    loop = asyncio.get_running_loop()
+    served: list[str] = []
 
-    async def request():  # what the API server does meanwhile: small bits of loop work
+    async def request(step):  # what the API server does meanwhile: small bits of loop work
         await asyncio.sleep(0)
+        served.append(str(step))
         return "pong"
 
-    while not task.done():
-        assert await asyncio.wait_for(request(), timeout=5) == "pong"
-        served += 1
-        await asyncio.sleep(0.01)
-    out = task.result()
+    def on_step(step, result):  # the binder's worker thread, mid-plan
+        assert asyncio.run_coroutine_threadsafe(request(step), loop).result(timeout=30) == "pong"
+
+    out = await binder.execute_async(sysfs, procs, plan, timeout=1.0, on_step=on_step)
     assert out.state == "stuck", out
-    assert served > 1  # the loop answered while the write was blocked
+    assert served == list(out.done) and served  # the loop answered while the plan was running
     assert "wchan" in out.message or "state" in out.message
     pid = out.stuck_pid
     assert os.path.exists(f"/proc/{pid}")  # abandoned, not killed, not waited on
     simkernel.unhang(sim.host_dir, H200)
-    _wait_for(lambda: not binder.stuck_writes(), what="the hung writer to resume")
+    _wait_for(lambda: not stuck_writes(), what="the hung writer to resume")
 
 
 def test_stuck_writer_from_a_thread_does_not_block_other_threads(sim):
@@ -303,7 +307,7 @@ def test_kernel_reason_reads_state_and_wchan_of_a_sleeping_child():
                 return f.read().rsplit(")", 1)[1].split()[0] == "S"
 
         _wait_for(asleep, what="child asleep")
-        reason = binder.kernel_reason(pid, ["nothing-matches-this"], kmsg="/nonexistent")
+        reason = kernel_reason(pid, ["nothing-matches-this"], kmsg="/nonexistent")
         assert reason.startswith("state S")
     finally:
         os.kill(pid, signal.SIGKILL)

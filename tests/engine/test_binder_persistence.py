@@ -37,7 +37,20 @@ def test_rules_cover_group_endpoints_but_not_bridges():
     assert lines == [
         f'ACTION=="add", SUBSYSTEM=="pci", KERNEL=="{a}", ATTR{{driver_override}}="vfio-pci", '
         f'RUN{{builtin}}+="kmod load vfio-pci"' for a in eps]
-    assert "modules-load.d" in text
+    assert f"{udev_rules.MODULES_LOAD_PATH} lists it" in text
+
+
+def test_header_names_the_modules_load_file_the_package_installs():
+    """The rules' header tells a reader which file loads vfio-pci early: it must be one that exists
+    on a packaged host, i.e. one the package build installs, and that file must list vfio-pci."""
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    build = (repo / "packaging/build-deb.sh").read_text()
+    assert f'"$STAGE{udev_rules.MODULES_LOAD_PATH}"' in build
+    shipped = (repo / "packaging/modules-load.d/gpud.conf").read_text().split()
+    assert "vfio-pci" in shipped
+    assert udev_rules.UdevRules("/nonexistent/rules").modules_load_path is None  # gpud writes none itself
 
 
 def test_absent_desired_gpu_keeps_its_entry():
@@ -106,9 +119,9 @@ def test_inventory_lists_only_vfio_gpus_with_pci_ids_name(tmp_path):
     assert "managed='no'" in e.libvirt_hostdev
     yaml = passthrough.kubevirt_yaml([e])
     assert 'pciVendorSelector: "10DE:2331"' in yaml and "resourceName: nvidia.com/GH100_H100_PCIE" in yaml
-    wire = e.wire()
-    assert wire["kubevirt"] == {"pciVendorSelector": "10DE:2331", "resourceName": "nvidia.com/GH100_H100_PCIE",
-                                "externalResourceProvider": True}
+    assert passthrough.kubevirt_entry(e) == {"pciVendorSelector": "10DE:2331",
+                                             "resourceName": "nvidia.com/GH100_H100_PCIE",
+                                             "externalResourceProvider": True}
 
 
 def test_name_falls_back_to_model_then_device_id(tmp_path):
@@ -125,15 +138,3 @@ def test_name_falls_back_to_model_then_device_id(tmp_path):
     named = Gpu(index=0, function=fn(GPU0, device=0x9999, driver="vfio-pci"),
                 nvml=NvmlGpu(pci=GPU0, uuid="GPU-x", name="NVIDIA Future GPU"))
     assert passthrough.entries([named], pci_ids=[])[0].resource_name == "nvidia.com/NVIDIA_FUTURE_GPU"
-
-
-def test_inventory_from_observation_matches_wire_struct():
-    import msgspec
-
-    from gpud.api.wire import PassthroughDevice
-
-    class Obs:
-        gpus = (Gpu(index=0, function=fn(GPU0, driver="vfio-pci")),)
-
-    [d] = passthrough.inventory(Obs(), dev_root="/nonexistent")
-    msgspec.convert(d, PassthroughDevice)  # every field the client decodes is there, typed right

@@ -10,14 +10,9 @@ import stat
 import pytest
 
 from gpud.engine import hooks as hooks_mod
-from gpud.engine.hooks import (
-    ApplyInfo,
-    Hook,
-    HookFailed,
-    Hooks,
-    parse_hooks,
-    refresh_cdi,
-)
+from gpud.engine.hooks import ApplyInfo, HookFailed, HookRunner, refresh_cdi
+from gpud.layout.parse import parse_layout
+from gpud.layout.schema import Hook, Hooks
 
 
 def script(tmp_path, name: str, body: str) -> str:
@@ -46,7 +41,7 @@ def test_environment_is_child_env_plus_hook_env_plus_gpud_vars(tmp_path, monkeyp
     monkeypatch.setenv("LISTEN_FDS", "1")
     monkeypatch.setenv("KEEP_ME", "yes")
     cmd = script(tmp_path, "env.sh", "env | sort\n")
-    h = Hooks({"pre-apply-mode": [Hook(cmd, env={"FOO": "bar", "GPUD_PHASE": "spoofed"})]}, log=lines.append)
+    h = HookRunner(Hooks(pre_apply_mode=(Hook(cmd, env={"FOO": "bar", "GPUD_PHASE": "spoofed"}),)), log=lines.append)
 
     async def go():
         return await h.run("pre-apply-mode", info())
@@ -67,8 +62,8 @@ def test_environment_is_child_env_plus_hook_env_plus_gpud_vars(tmp_path, monkeyp
 
 
 async def test_arguments_reach_the_command_without_a_shell(lines):
-    h = Hooks({"apply-start": [Hook("/usr/bin/printf", args=("%s\\n", "$HOME; touch /tmp/x", "`id`"))]},
-              log=lines.append)
+    h = HookRunner(Hooks(apply_start=(Hook("/usr/bin/printf", args=("%s\\n", "$HOME; touch /tmp/x", "`id`")),)),
+                   log=lines.append)
     await h.run("apply-start", info())
     printed = [l.split(": ", 1)[1] for l in lines if l.startswith("apply-start hook printf: ")]
     assert printed == ["$HOME; touch /tmp/x", "`id`"]
@@ -78,7 +73,7 @@ async def test_failing_before_hook_raises_and_skips_the_rest(tmp_path, lines):
     bad = script(tmp_path, "bad.sh", "echo draining kubelet\necho cannot drain >&2\nexit 3\n")
     after = tmp_path / "after-ran"
     good = script(tmp_path, "good.sh", f"touch {after}\n")
-    h = Hooks({"pre-apply-config": [Hook(bad), Hook(good)]}, log=lines.append)
+    h = HookRunner(Hooks(pre_apply_config=(Hook(bad), Hook(good))), log=lines.append)
     with pytest.raises(HookFailed) as ei:
         await h.run("pre-apply-config", info())
     e = ei.value
@@ -93,7 +88,7 @@ async def test_apply_exit_runs_after_failed_apply_start_and_reports_failure(tmp_
     record = tmp_path / "exit-env"
     start = script(tmp_path, "start.sh", "exit 1\n")
     exit_hook = script(tmp_path, "exit.sh", f'echo "$GPUD_RESULT|$GPUD_ERROR|$GPUD_CHANGED_MIG" > {record}\n')
-    h = Hooks({"apply-start": [Hook(start)], "apply-exit": [Hook(exit_hook)]}, log=lines.append)
+    h = HookRunner(Hooks(apply_start=(Hook(start),), apply_exit=(Hook(exit_hook),)), log=lines.append)
     body_ran = False
     with pytest.raises(HookFailed):
         async with h.around_apply(info()):
@@ -107,7 +102,7 @@ async def test_apply_exit_runs_after_failed_body_and_its_failures_do_not_raise(t
     marks = tmp_path / "marks"
     failing_exit = script(tmp_path, "exit1.sh", f'echo one >> {marks}\nexit 7\n')
     second_exit = script(tmp_path, "exit2.sh", f'echo "two $GPUD_RESULT $GPUD_CHANGED_MIG" >> {marks}\n')
-    h = Hooks({"apply-exit": [Hook(failing_exit), Hook(second_exit)]}, log=lines.append)
+    h = HookRunner(Hooks(apply_exit=(Hook(failing_exit), Hook(second_exit))), log=lines.append)
     i = info()
     with pytest.raises(RuntimeError, match="nvml exploded"):
         async with h.around_apply(i) as cur:
@@ -130,7 +125,7 @@ async def test_timeout_kills_the_whole_process_group(tmp_path, lines):
                  f"sh -c 'trap \"\" TERM; echo $$ > {pidfile}.tmp; mv {pidfile}.tmp {pidfile}; "
                  f"while :; do sleep 1; done' &\n"
                  f"while [ ! -e {pidfile} ]; do sleep 0.05; done\necho started\nexec sleep 1000\n")
-    h = Hooks({"apply-start": [Hook(cmd, timeout=1)]}, log=lines.append)
+    h = HookRunner(Hooks(apply_start=(Hook(cmd, timeout=1),)), log=lines.append)
     with pytest.raises(HookFailed) as ei:
         await h.run("apply-start", info())
     assert ei.value.timed_out and ei.value.output == ["started"]
@@ -148,7 +143,7 @@ async def test_timeout_kills_the_whole_process_group(tmp_path, lines):
 async def test_processes_left_behind_do_not_hang_the_apply(tmp_path, lines):
     pidfile = tmp_path / "bg.pid"
     cmd = script(tmp_path, "bg.sh", f"sleep 1000 &\necho $! > {pidfile}\necho hi\n")
-    h = Hooks({"apply-start": [Hook(cmd, timeout=60)]}, log=lines.append)
+    h = HookRunner(Hooks(apply_start=(Hook(cmd, timeout=60),)), log=lines.append)
     await h.run("apply-start", info())  # would wait for EOF forever if the sleep kept our pipe
     bg = int(pidfile.read_text())
     try:
@@ -164,34 +159,41 @@ async def test_processes_left_behind_do_not_hang_the_apply(tmp_path, lines):
 
 async def test_long_output_without_newline_is_cut(tmp_path, lines):
     cmd = script(tmp_path, "long.sh", "head -c 100000 /dev/zero | tr '\\0' x\necho\necho after\nprintf tail\n")
-    h = Hooks({"apply-start": [Hook(cmd)]}, log=lines.append)
+    h = HookRunner(Hooks(apply_start=(Hook(cmd),)), log=lines.append)
     await h.run("apply-start", info())
     out = [l.split(": ", 1)[1] for l in lines if l.startswith("apply-start hook long.sh: ")]
     assert out == ["x" * hooks_mod.MAX_LINE + " [cut]", "after", "tail"]
 
 
 async def test_missing_command_is_a_hook_failure(tmp_path, lines):
-    h = Hooks({"pre-apply-mode": [Hook(str(tmp_path / "nope"))]}, log=lines.append)
+    h = HookRunner(Hooks(pre_apply_mode=(Hook(str(tmp_path / "nope")),)), log=lines.append)
     with pytest.raises(HookFailed, match="could not be started") as ei:
         await h.run("pre-apply-mode", info())
     assert ei.value.exit_code is None
 
 
-def test_parse_hooks_validates_and_accepts_the_layout_struct():
-    with pytest.raises(ValueError, match="absolute"):
-        parse_hooks({"apply-start": [{"command": "drain.sh"}]})
-    with pytest.raises(ValueError, match="unknown phase"):
-        parse_hooks({"post-apply": [{"command": "/bin/true"}]})
-    with pytest.raises(ValueError, match=r"hooks.apply-exit\[0\]: unknown keys \['shell'\]"):
-        parse_hooks({"apply-exit": [{"command": "/bin/true", "shell": True}]})
-    parsed = parse_hooks({"apply-exit": [{"command": "/bin/true", "args": ["a"], "env": {"K": "V"}, "timeout": 5}]})
-    assert parsed == {"apply-exit": [Hook("/bin/true", ("a",), {"K": "V"}, 5.0)]}
-    from gpud.layout import schema
-
-    section = schema.Hooks(pre_apply_mode=(schema.Hook(command="/bin/true", args=("x",)),))
-    got = parse_hooks(section)
-    assert got["pre-apply-mode"] == [Hook("/bin/true", ("x",), {}, hooks_mod.DEFAULT_TIMEOUT)]
-    assert got["apply-start"] == [] and got["apply-exit"] == []
+async def test_runs_the_hooks_as_the_layout_parser_read_them(tmp_path, lines, monkeypatch):
+    """The runner takes the parsed layout's records: phases by their file names, args and env as
+    written, and the runner's default timeout where the file names none."""
+    cmd = script(tmp_path, "show.sh", 'echo "$1 $K"\n')
+    parsed = parse_layout(f"""
+version: v1
+layouts:
+  whole: [{{devices: all, workload: container}}]
+hooks:
+  pre-apply-mode:
+    - {{command: {cmd}, args: [first], env: {{K: V}}}}
+""")
+    assert parsed.ok, parsed.errors
+    timeouts = []
+    real_timeout = hooks_mod.asyncio.timeout
+    monkeypatch.setattr(hooks_mod.asyncio, "timeout", lambda s: timeouts.append(s) or real_timeout(s))
+    await HookRunner(parsed.layout.hooks, log=lines.append).run("pre-apply-mode", info())
+    assert "pre-apply-mode hook show.sh: first V" in lines
+    assert timeouts[0] == hooks_mod.DEFAULT_TIMEOUT
+    assert await HookRunner(parsed.layout.hooks, log=lines.append).run("apply-exit", info()) == []
+    with pytest.raises(ValueError, match="unknown hook phase 'post-apply'"):
+        await HookRunner(parsed.layout.hooks, log=lines.append).run("post-apply", info())
 
 
 class FakeDrainer:
@@ -225,7 +227,7 @@ async def test_cancelling_an_apply_kills_the_running_hook(tmp_path):
             started.set()
 
     cmd = script(tmp_path, "long.sh", "echo started $$\nexec sleep 1000\n")
-    h = Hooks({"pre-apply-mode": [Hook(cmd, timeout=600)]}, log=log)
+    h = HookRunner(Hooks(pre_apply_mode=(Hook(cmd, timeout=600),)), log=log)
     task = asyncio.create_task(h.run("pre-apply-mode", info()))
     await asyncio.wait_for(started.wait(), 30)
     fd = os.pidfd_open(pids[0])

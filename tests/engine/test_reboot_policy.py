@@ -9,7 +9,7 @@ import pytest
 
 from gpud.engine import mig_executor
 from gpud.engine.mig_executor import Outcome
-from gpud.host import systemd
+from gpud.host import logind
 from tests.scenarios.definitions import layout, mig
 from tests.scenarios.harness import SimRig
 
@@ -20,11 +20,11 @@ def rig(tmp_path, monkeypatch):
 
     async def fake_logind(state_dir: str, reason: str) -> bool:
         # the real request_reboot, minus the D-Bus call: the marker logic is what is under test
-        prior = systemd.reboot_outcome(state_dir)
+        prior = logind.reboot_outcome(state_dir)
         if prior is not None and prior.rebooted:
             return False
         asked.append(reason)
-        (tmp_path / "state" / systemd.REBOOT_MARKER).write_text(json.dumps(
+        (tmp_path / "state" / logind.REBOOT_MARKER).write_text(json.dumps(
             {"reason": reason, "boot_id": "boot-before", "requested_at": 1.0}))
         return True
 
@@ -52,7 +52,7 @@ async def test_allow_reboots_once_and_not_again_after_a_reboot_that_did_not_help
     assert len(rig.asked) == 1 and "reboot requested" in rig.rec.gpu_states[pci].message
     # the machine "rebooted" (another boot id) and the mode is still pending
     (tmp_path / "boot_id").write_text("boot-after\n")
-    monkeypatch.setattr(systemd.reboot_outcome, "__kwdefaults__", {"boot_id_path": str(tmp_path / "boot_id")})
+    monkeypatch.setattr(logind.reboot_outcome, "__kwdefaults__", {"boot_id_path": str(tmp_path / "boot_id")})
     await rig.rec.converge()
     assert len(rig.asked) == 1, "a second reboot for the same change"
     assert "not rebooting again" in rig.rec.gpu_states[pci].message
@@ -61,10 +61,10 @@ async def test_allow_reboots_once_and_not_again_after_a_reboot_that_did_not_help
 
 async def test_marker_cleared_once_the_host_converged_after_the_reboot(rig, tmp_path, monkeypatch):
     await rig.apply(layout(mig([0], {"7g.40gb": 1}), policy={"reboot": "allow"}))
-    marker = tmp_path / "state" / systemd.REBOOT_MARKER
+    marker = tmp_path / "state" / logind.REBOOT_MARKER
     assert marker.exists()
     (tmp_path / "boot_id").write_text("boot-after\n")
-    monkeypatch.setattr(systemd.reboot_outcome, "__kwdefaults__", {"boot_id_path": str(tmp_path / "boot_id")})
+    monkeypatch.setattr(logind.reboot_outcome, "__kwdefaults__", {"boot_id_path": str(tmp_path / "boot_id")})
     await rig.apply(layout(mig([0, 1], None), policy={"reboot": "allow"}))  # nothing left to do
     assert rig.rec.phase == "converged"
     assert not marker.exists()

@@ -9,25 +9,16 @@ import signal
 
 import pytest
 
-from gpud.engine import binder
-from gpud.engine.binder import DeadlineSysfs
+from gpud.host import deadline_write
+from gpud.host.deadline_write import DeadlineSysfs
 from gpud.host.readonly import ReadOnlyError
 from gpud.host.sysfs import Sysfs
-
-
-class _BlockingStore:
-    """A kernel whose reset never returns (the write blocks on the device lock)."""
-
-    def __call__(self, path: str, data: bytes) -> int:
-        if path.endswith("/reset"):
-            import time
-            time.sleep(3600)
-        raise OSError(errno.EINVAL, "Invalid argument", path)
+from tests.engine.kernel_stores import NeverFinishingReset, RefusingKernel
 
 
 def test_reset_that_never_returns_times_out(tmp_path):
     pci = "0000:fe:00.0"  # an address no other test uses: the stuck-writes registry is per process
-    sysfs = Sysfs(str(tmp_path), store=_BlockingStore())
+    sysfs = Sysfs(str(tmp_path), store=NeverFinishingReset())
     try:
         with pytest.raises(TimeoutError) as e:
             DeadlineSysfs(sysfs, timeout=0.5, kmsg=str(tmp_path / "kmsg")).reset(pci)
@@ -35,17 +26,14 @@ def test_reset_that_never_returns_times_out(tmp_path):
         with pytest.raises(TimeoutError, match="still blocked"):  # a second reset does not pile up
             DeadlineSysfs(sysfs, timeout=0.5, kmsg=str(tmp_path / "kmsg")).reset(pci)
     finally:
-        stuck = binder._stuck.get(pci)
+        stuck = deadline_write.stuck_write_for(pci)
         if stuck is not None:  # the simulated kernel never returns: end the abandoned writer
             os.kill(stuck.pid, signal.SIGKILL)
 
 
 def test_reset_errors_keep_their_errno(tmp_path):
-    def store(path: str, data: bytes) -> int:
-        raise OSError(errno.ENOTTY, "Inappropriate ioctl for device", path)
-
     with pytest.raises(OSError) as e:
-        DeadlineSysfs(Sysfs(str(tmp_path), store=store), timeout=5).reset("0000:3b:00.1")
+        DeadlineSysfs(Sysfs(str(tmp_path), store=RefusingKernel("ENOTTY")), timeout=5).reset("0000:3b:00.1")
     assert e.value.errno == errno.ENOTTY
 
 

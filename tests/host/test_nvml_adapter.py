@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
 from gpud.host.nvml import Nvml, NvmlError, normalize_pci
@@ -11,6 +14,7 @@ from gpud.profiles import MODELS
 from gpud.sim.state import SimFault, SimProcess, load, locked
 
 GPU0, GPU1 = "0000:18:00.0", "0000:2a:00.0"
+PROBE = Path(__file__).resolve().parents[1] / "fixtures" / "h200" / "nvml-sysfs-readonly.json"
 MUTATING = ("nvmlDeviceSetMigMode", "nvmlDeviceCreateGpuInstance", "nvmlDeviceCreateGpuInstanceWithPlacement",
             "nvmlGpuInstanceCreateComputeInstance", "nvmlComputeInstanceDestroy", "nvmlGpuInstanceDestroy")
 
@@ -28,19 +32,56 @@ def test_normalize_pci():
 
 
 @pytest.mark.parametrize("model", ["a100-40gb", "h100-80gb", "h200", "l40s"])
-def test_reads_each_model_like_its_table(sim_host, nvml, model):
-    sim_host(f"{model}:2")
-    m = MODELS[model]
+def test_reads_each_simulated_gpu_as_its_state_file_holds_it(sim_host, nvml, model):
+    host = sim_host(f"{model}:2", mig_on=[1] if model != "l40s" else [])
+    state = load(host.host_dir)
     gpus = nvml.gpus()
-    assert [g.pci for g in gpus] == [GPU0, GPU1]
-    g = gpus[0]
-    assert (g.name, g.memory_mb, g.minor, g.mig_capable) == (m.name, m.memory_mb, 0, m.mig_capable)
-    assert g.uuid.startswith("GPU-") and g.uuid != gpus[1].uuid
-    if m.mig_capable:
-        assert (g.mig_mode, g.mig_pending) == (0, 0)
-        assert sorted(g.profiles, key=lambda p: p.id) == sorted(m.profiles, key=lambda p: p.id)
-    else:
-        assert (g.mig_mode, g.mig_pending, g.profiles, g.instances) == (None, None, (), ())
+    assert [g.pci for g in gpus] == sorted(state.gpus) == [GPU0, GPU1]
+    for g in gpus:
+        sim = state.gpus[g.pci]
+        assert (g.uuid, g.minor) == (sim.uuid, sim.minor)
+        if g.mig_capable:
+            assert (g.mig_mode, g.mig_pending) == (sim.mig_mode, sim.mig_pending)
+        else:
+            assert model == "l40s" and (g.mig_mode, g.mig_pending, g.profiles, g.instances) == (None, None, (), ())
+
+
+def test_reads_a_real_h200_as_its_capture_says(tmp_path, nvml):
+    """The adapter on a replay of a real H200's NVML answers (gpud.sim.replay_nvml): every field it
+    reports is checked against the capture, read here straight from the JSON."""
+    from gpud.sim import replay_nvml
+
+    capture = json.loads(PROBE.read_text())
+    device = capture["device"]
+    replay_nvml.install(PROBE)
+    try:
+        (g,) = nvml.gpus()
+    finally:
+        nvml.close()
+        replay_nvml.uninstall()
+    assert g.pci == device["pci"]["busId"].lower()[4:]
+    assert (g.name, g.uuid, g.minor) == (device["name"], device["uuid"], device["minor"])
+    assert g.memory_mb == device["memory"]["total"] >> 20
+    assert (g.mig_capable, [g.mig_mode, g.mig_pending], g.instances) == (True, device["mig_mode"], ())
+    answered = [p for p in capture["gpu_instance_profiles"].values() if "id" in p]
+    assert sorted(p.id for p in g.profiles) == sorted(p["id"] for p in answered)
+    for p in g.profiles:
+        real = next(r for r in answered if r["id"] == p.id)
+        assert (f"MIG {p.name}", p.slices, p.memory_mb, p.sms, p.instance_count) == \
+            (real["name"], real["sliceCount"], real["memorySizeMB"], real["multiprocessorCount"], real["instanceCount"])
+        assert (p.copy_engines, p.decoders, p.encoders, p.jpegs, p.ofas) == \
+            (real["copyEngineCount"], real["decoderCount"], real["encoderCount"], real["jpegCount"], real["ofaCount"])
+        assert [(pl.start, pl.size) for pl in p.placements] == \
+            sorted((r["start"], r["size"]) for r in capture["gpu_instance_possible_placements"][str(p.id)])
+
+
+def test_observed_profiles_hold_no_ci_profiles_without_a_gpu_instance(sim_host, nvml):
+    """Observed state is what NVML said: NVML describes a GI profile's CI profiles only through a
+    live GPU instance of it, so with MIG on and no instance none are reported."""
+    sim_host("h200:1", mig_on=[0])
+    (g,) = nvml.gpus()
+    assert g.mig_mode == 1 and g.instances == ()
+    assert g.profiles and all(p.ci_profiles == () for p in g.profiles)
 
 
 def test_only_nvidia_bound_gpus_are_read(sim_host, nvml):

@@ -10,11 +10,11 @@ from hypothesis import strategies as st
 
 from gpud.layout import check_text, parse_layout
 from gpud.layout.parse import ENTRY_KEYS, HOOK_KEYS, MATCH_KEYS, POLICY_KEYS, TOP_KEYS
-from gpud.layout.schema import HOOK_POINTS
+from gpud.layout.schema import HOOK_PHASES
 from tests.layout.conftest import host, make_gpu
 
 GPUS = host("h100-80gb", "h200", "l40s") + [make_gpu("a100-40gb", 3, nvml=False)]
-KEYS = sorted({*TOP_KEYS, *ENTRY_KEYS, *MATCH_KEYS, *POLICY_KEYS, *HOOK_KEYS, *HOOK_POINTS,
+KEYS = sorted({*TOP_KEYS, *ENTRY_KEYS, *MATCH_KEYS, *POLICY_KEYS, *HOOK_KEYS, *HOOK_PHASES,
                "partial-mig", "a", "b", "1g.10gb", "1g.18gb", "3g.40gb", "1c.3g.40gb", "H200X-1-18C", "<<", "LANG"})
 VALUES = ["all", "v1", "0x233010DE", "10de:2335", "0x10de", "0x0302", "1g.10gb", "3b:00.0", "0000:28:00.0",
           "container", "vm-passthrough", "vm-vgpu", "wait", "fail", "per-gpu", "never", "allow",

@@ -7,7 +7,8 @@ import textwrap
 import pytest
 
 from gpud.layout import DesiredGpu, check_text, parse_layout, resolve
-from gpud.layout.resolve import Resolution, gpu_model, gpu_profiles
+from gpud.layout.resolve import Resolution, gpu_profiles
+from gpud.profiles import model_name
 from gpud.model import Gpu, NvmlGpu, PciFunction
 from gpud.profiles import MODELS
 from tests.layout.conftest import gpu_uuid, host, make_gpu
@@ -347,12 +348,12 @@ def test_gpu_profiles_and_model_fallbacks() -> None:
     assert gpu_profiles(make_gpu("l40s", 0, nvml=False)) == ()
     assert gpu_profiles(_unknown_gpu(0)) is None
     assert gpu_profiles(_unknown_gpu(0, device=0x2335, vendor=0x1234)) is None
-    assert gpu_model(_unknown_gpu(0)) == "GPU 10de:9999"
-    assert gpu_model(make_gpu("h200", 0, nvml=False)) == "NVIDIA H200"
+    assert model_name(_unknown_gpu(0)) == "GPU 10de:9999"
+    assert model_name(make_gpu("h200", 0, nvml=False)) == "NVIDIA H200"
     nvml_without_table = Gpu(index=0, function=make_gpu("h200", 0).function,
                              nvml=NvmlGpu(pci="0000:18:00.0", uuid="GPU-x", name="", mig_capable=True))
     assert gpu_profiles(nvml_without_table) == MODELS["h200"].profiles
-    assert gpu_model(nvml_without_table) == "NVIDIA H200"
+    assert model_name(nvml_without_table) == "NVIDIA H200"
 
 
 def test_layouts_not_selected_are_not_checked_against_the_host() -> None:

@@ -1,6 +1,6 @@
 """A pure model of a MIG GPU that enforces NVML's rules, and a fake Nvml adapter on top of it.
 
-Written from docs/mig-facts (not from the planner and not the product simulator) so tests judge the
+Written from docs/hardware/mig-nvml.md (not from the planner and not the product simulator) so tests judge the
 planner and executor against an independent statement of the hardware rules:
 - GI create: MIG must be on (NOT_SUPPORTED 3), start in the profile's list (INVALID_ARGUMENT 2),
   no memory-slice overlap and per-profile count (INSUFFICIENT_RESOURCES 23);

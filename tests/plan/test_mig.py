@@ -201,6 +201,22 @@ def test_pending_mode_is_repeated_and_flags_reset():
     assert actions(p)[0] == "set-mig-mode" and p.reset
 
 
+def test_cancelling_a_pending_flip_is_no_mode_change_under_a_job():
+    """A100 at mode 0 / pending 1 (MIG on was asked, the reset never came) with a running job, and
+    the layout now says MIG off: one set-mig-mode(off) clears the pending flip. The job does not
+    block it and no reset is planned (issue 9: it used to plan a blocked reset)."""
+    hw = make_hw("a100-80gb", mode=0)
+    hw.pending = 1
+    job = Holder(77, "train", PCI)
+    hw.processes = (job,)
+    p = plan(hw, enabled=False)
+    assert actions(p) == ["set-mig-mode"] and p.steps[0].enabled is False
+    assert p.reset is False and p.blocked_by == []
+    apply_steps(hw, p.steps)
+    assert (hw.mode, hw.pending) == (0, 0)
+    assert plan(hw, enabled=False).steps == []
+
+
 def test_non_mig_gpu():
     from gpud.model import Gpu, NvmlGpu, PciFunction
 

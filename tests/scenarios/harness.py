@@ -8,13 +8,16 @@ import subprocess
 from collections import Counter
 from pathlib import Path
 
+import pynvml
+
 from gpud import sim
+from gpud.engine.apply_lock import ApplyLock
 from gpud.engine.events import EventBus
-from gpud.engine.reconciler import ApplyLock, Hardware, Reconciler
-from gpud.engine.status import mig_device_name
+from gpud.engine.reconciler import Hardware, Reconciler
 from gpud.host.nvml import Nvml
 from gpud.host.procs import Procs
 from gpud.host.sysfs import Sysfs
+from gpud.profiles import MODELS
 from gpud.sim import cli as simcli
 from gpud.sim import state as simstate
 
@@ -27,6 +30,10 @@ MUTATING = (
     "nvmlComputeInstanceDestroy",
     "nvmlGpuInstanceDestroy",
 )
+
+# NVML's compute instance profile constants -> slices (NVML_COMPUTE_INSTANCE_PROFILE_<N>_SLICE).
+_CI_SLICES = {getattr(pynvml, n): int(n.split("_")[-2]) for n in dir(pynvml)
+              if n.startswith("NVML_COMPUTE_INSTANCE_PROFILE_") and n.endswith("_SLICE")}
 
 
 class _Resets:
@@ -89,21 +96,31 @@ class SimRig:
         return sum(after[f] - before[f] for f in MUTATING)
 
     def mig_devices(self) -> dict[int, dict[str, tuple[str, int, int]]]:
-        """GPU index -> {MIG UUID: (device name, GI start, CI id)}; {} for a GPU with MIG off."""
-        self.rec.refresh()
+        """GPU index -> {MIG UUID: (device name, GI start, CI id)}; {} for a GPU with MIG off.
+
+        Read from the simulator's own state file, not through gpud's NVML adapter, so a scenario
+        checks what the (simulated) hardware holds, not what gpud believes it holds. GPU indices
+        are PCI-address order over every GPU; the GI name is the catalog's name of its profile id,
+        a CI's slice count is NVML's CI profile constant (nvml.h NVML_COMPUTE_INSTANCE_PROFILE_*)."""
+        state = simstate.load(self.dir)
         out: dict[int, dict[str, tuple[str, int, int]]] = {}
-        for g in self.rec.observation.gpus:
+        for index, address in enumerate(sorted(state.gpus)):
+            gpu = state.gpus[address]
+            names = {p.id: (p.name, p.slices) for p in MODELS[gpu.model].profiles}
             devs: dict[str, tuple[str, int, int]] = {}
-            if g.nvml is not None:
-                for gi in g.nvml.instances:
-                    for ci in gi.cis:
-                        devs[ci.uuid] = (mig_device_name(g.nvml, gi, ci.slices), gi.placement.start, ci.id)
-            out[g.index] = devs
+            for gi in gpu.gis if gpu.mig_mode == 1 else ():
+                gi_name, gi_slices = names[gi.profile_id]
+                for ci in gi.cis:
+                    ci_slices = _CI_SLICES[ci.profile_id]
+                    name = gi_name if ci_slices >= gi_slices else f"{ci_slices}c.{gi_name}"
+                    devs[ci.uuid] = (name, gi.start, ci.id)
+            out[index] = devs
         return out
 
-    def mig_mode(self, index: int) -> int | None:
-        g = self.rec.observation.gpus[index]
-        return g.nvml.mig_mode if g.nvml else None
+    def mig_mode(self, index: int) -> int:
+        """The current MIG mode of the GPU at `index`, from the simulator's state file."""
+        state = simstate.load(self.dir)
+        return state.gpus[sorted(state.gpus)[index]].mig_mode
 
     def hold(self, mig_uuid: str, name: str = "train.py") -> subprocess.Popen:
         """A real process, registered as the holder of a MIG device: when it exits, NVML stops

@@ -2,7 +2,8 @@
 gpud's reconciler through the fake NVML library (not the planner's own pure model).
 
 Always: a feasible target is reached exactly; an infeasible one is reported and changes nothing
-(feasibility cross-checked by brute force over every placement combination); no instance that sits
+(feasibility cross-checked by an oracle that shares no code with the planner: a brute-force
+search over every placement combination); no instance that sits
 at the same place with the same profile before and after was destroyed (its MIG UUID is unchanged);
 and applying the result again makes no NVML mutating call.
 """
@@ -18,10 +19,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gpud.plan.mig import desired_specs
-from gpud.plan.placement import Infeasible
 from gpud.profiles import MODELS
-from tests.plan.test_mig_props import brute_best, names_of
+from tests.plan.test_mig_props import names_of
 from tests.scenarios.definitions import layout, mig
 from tests.scenarios.harness import SimRig
 
@@ -34,11 +33,36 @@ def targets(model: str):
 
 
 def feasible(model: str, devices: dict[str, int]) -> bool:
-    try:
-        specs = desired_specs(devices, MODELS[model].profiles, "test")
-    except Infeasible:
+    """Independent oracle (no gpud.plan code): pack each `mig-devices` entry into GPU instances as
+    the README's layout.yaml section defines it (`Nc.<gi>`: as many per GI as its slices and the CI
+    profile's instance count allow), then search every placement combination of the profile table
+    for one without overlapping memory slices and within each profile's instance count."""
+    profiles = {p.name: p for p in MODELS[model].profiles}
+    needed: list = []
+    for name, count in devices.items():
+        ci_part, _, gi_name = name.partition("c.") if name.split(".")[0].endswith("c") else ("", "", name)
+        gi = profiles[gi_name]
+        if ci_part:
+            ci = next(c for c in gi.ci_profiles if c.slices == int(ci_part))
+            per_gi = max(1, min(gi.slices // ci.slices, ci.instance_count))
+        else:
+            per_gi = 1
+        needed += [gi] * -(-count // per_gi)
+    needed.sort(key=lambda p: -max(pl.size for pl in p.placements))
+
+    def place(i: int, used: frozenset, counts: Counter) -> bool:
+        if i == len(needed):
+            return True
+        gi = needed[i]
+        if counts[gi.id] >= gi.instance_count:
+            return False
+        for pl in gi.placements:
+            cells = frozenset(range(pl.start, pl.start + pl.size))
+            if not cells & used and place(i + 1, used | cells, counts + Counter({gi.id: 1})):
+                return True
         return False
-    return brute_best(model, specs, []) is not None
+
+    return place(0, frozenset(), Counter())
 
 
 async def _run(model: str, before: dict[str, int], after: dict[str, int]) -> None:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from ctypes import byref, c_uint
+from pathlib import Path
 
 import pynvml as N
 import pytest
@@ -13,6 +15,9 @@ from gpud.sim import nvml_lib
 from gpud.sim.state import SimProcess, load, locked
 
 H200_GPUS = ("0000:18:00.0", "0000:2a:00.0")
+# What a real H200 answered (read-only probe): the independent source for placements.
+PROBE = json.loads((Path(__file__).resolve().parents[1] / "fixtures/h200/nvml-sysfs-readonly.json").read_text())
+PROBE_1G = PROBE["gpu_instance_profiles"]["NVML_GPU_INSTANCE_PROFILE_1_SLICE"]
 
 
 def code_of(fn, *args) -> int:
@@ -195,11 +200,21 @@ def test_placement_passed_by_value_is_the_crash_it_would_be(h200):
         N.nvmlDeviceCreateGpuInstanceWithPlacement(handle(0), 19, pl)
 
 
-def test_create_without_placement_follows_driver_preference(h200):
+def test_create_without_placement_takes_only_real_placements(h200):
+    """The driver's choice of slot without a placement is not documented (the order the simulator
+    uses is inferred), so what is checked is what a real H200 does say: every start is one of the
+    possible placements the real GPU listed, instances never overlap, state.json records exactly
+    what NVML answered, and when no placement is left the call fails with INSUFFICIENT_RESOURCES."""
     h = handle(0)
-    starts = [N.nvmlGpuInstanceGetInfo(N.nvmlDeviceCreateGpuInstance(h, 19)).placement.start for _ in range(4)]
-    assert starts == [6, 4, 5, 0]
+    real_starts = {p["start"] for p in PROBE["gpu_instance_possible_placements"]["19"]}
+    gis = [N.nvmlDeviceCreateGpuInstance(h, 19) for _ in range(PROBE_1G["instanceCount"])]
+    infos = [N.nvmlGpuInstanceGetInfo(gi) for gi in gis]
+    starts = [i.placement.start for i in infos]
+    assert set(starts) == real_starts and len(starts) == len(real_starts)
+    assert code_of(N.nvmlDeviceCreateGpuInstance, h, 19) == N.NVML_ERROR_INSUFFICIENT_RESOURCES
     assert code_of(N.nvmlDeviceCreateGpuInstance, h, 9) == N.NVML_ERROR_INSUFFICIENT_RESOURCES
+    recorded = {(gi.id, gi.profile_id, gi.start, gi.size) for gi in load(h200.host_dir).gpus[H200_GPUS[0]].gis}
+    assert recorded == {(i.id, i.profileId, i.placement.start, i.placement.size) for i in infos}
 
 
 def test_3g_first_then_four_1g_fits(h200):
@@ -210,18 +225,27 @@ def test_3g_first_then_four_1g_fits(h200):
     assert starts == [0, 1, 2, 3]
 
 
-def test_gi_ids_are_lowest_free_positive_and_listing_is_per_profile(h200):
+def test_gi_ids_match_the_state_file_and_listing_is_per_profile(h200):
+    """Which id the driver hands out is not a documented rule (real captures differ from any simple
+    one), so ids are checked against the simulator's state file: each GI NVML names is the one
+    state.json holds under that id, ids stay unique, and a destroyed GI's handle is NOT_FOUND."""
     h = handle(0)
     a, b, c = place(h, 19, 0, 1), place(h, 19, 1, 1), place(h, 14, 2, 2)
-    assert [N.nvmlGpuInstanceGetInfo(x).id for x in (a, b, c)] == [1, 2, 3]
     N.nvmlGpuInstanceDestroy(b)
-    assert N.nvmlGpuInstanceGetInfo(place(h, 9, 4, 4)).id == 2
+    d = place(h, 9, 4, 4)
+    live = {N.nvmlGpuInstanceGetInfo(x).id: (N.nvmlGpuInstanceGetInfo(x).profileId,
+                                            N.nvmlGpuInstanceGetInfo(x).placement.start) for x in (a, c, d)}
+    assert len(live) == 3
+    recorded = {gi.id: (gi.profile_id, gi.start) for gi in load(h200.host_dir).gpus[H200_GPUS[0]].gis}
+    assert recorded == live and set(live.values()) == {(19, 0), (14, 2), (9, 4)}
     count = c_uint(0)
     arr = (N.c_nvmlGpuInstance_t * 7)()
     N.nvmlDeviceGetGpuInstances(h, 19, arr, byref(count))
     assert count.value == 1 and N.nvmlGpuInstanceGetInfo(arr[0]).placement.start == 0
-    assert N.nvmlGpuInstanceGetInfo(N.nvmlDeviceGetGpuInstanceById(h, 3)).profileId == 14
-    assert code_of(N.nvmlDeviceGetGpuInstanceById, h, 6) == N.NVML_ERROR_NOT_FOUND
+    for gi_id, (profile_id, _) in recorded.items():
+        assert N.nvmlGpuInstanceGetInfo(N.nvmlDeviceGetGpuInstanceById(h, gi_id)).profileId == profile_id
+    unused = next(i for i in range(1, 9) if i not in recorded)
+    assert code_of(N.nvmlDeviceGetGpuInstanceById, h, unused) == N.NVML_ERROR_NOT_FOUND
     assert code_of(N.nvmlGpuInstanceGetInfo, b) == N.NVML_ERROR_NOT_FOUND  # handle of a destroyed GI
 
 
@@ -405,6 +429,7 @@ def test_two_processes_share_one_host(h200):
     code = f"""
 import pynvml as N
 from ctypes import byref, c_uint
+from pathlib import Path
 from gpud import sim
 sim.install({str(h200.host_dir)!r})
 N.nvmlInit()

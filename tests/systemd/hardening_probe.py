@@ -64,7 +64,7 @@ def other_users_fds(pid):
 
 def drain(unit):
     def f():
-        from gpud.host.systemd import UnitDrainer
+        from gpud.host.unit_drain import UnitDrainer
 
         async def go():
             async with UnitDrainer(job_timeout=30) as d:

@@ -1,4 +1,4 @@
-"""gpud.host.systemd without a service manager: the notify protocol on a socket of our own,
+"""gpud.host.sd_notify, unit_drain and logind without a service manager: the notify protocol on a socket of our own,
 socket activation through systemd-socket-activate, the JobRemoved buffer, the reboot marker."""
 
 from __future__ import annotations
@@ -16,8 +16,9 @@ import time
 
 import pytest
 
-from gpud.host import systemd as sd
-from gpud.host.systemd import Notifier, _JobTracker, child_env, watchdog_interval
+from gpud.host import logind, sd_notify
+from gpud.host.sd_notify import Notifier, child_env, watchdog_interval
+from gpud.host.unit_drain import SystemdError, _JobTracker
 from tests.systemd.nspawn import REPO
 
 
@@ -113,7 +114,7 @@ def test_child_env_and_watchdog_interval():
 @pytest.mark.skipif(shutil.which("systemd-socket-activate") is None, reason="systemd-socket-activate missing")
 def test_listen_socket_from_socket_activation(tmp_path):
     sock_path = str(tmp_path / "gpud.sock")
-    child = ("import os, sys; from gpud.host.systemd import listen_socket; s = listen_socket(); "
+    child = ("import os, sys; from gpud.host.sd_notify import listen_socket; s = listen_socket(); "
              "assert s is not None and 'LISTEN_FDS' not in os.environ; c, _ = s.accept(); "
              "c.sendall(b'served by fd %d' % s.fileno())")
     p = subprocess.Popen(["systemd-socket-activate", "-l", sock_path, sys.executable, "-c", child],
@@ -132,8 +133,8 @@ def test_listen_socket_from_socket_activation(tmp_path):
     finally:
         p.terminate()
         p.wait(10)
-    assert sd.listen_socket({}) is None
-    assert sd.listen_socket({"LISTEN_PID": "1", "LISTEN_FDS": "1"}) is None
+    assert sd_notify.listen_socket({}) is None
+    assert sd_notify.listen_socket({"LISTEN_PID": "1", "LISTEN_FDS": "1"}) is None
 
 
 async def test_job_removed_before_the_reply_is_not_lost():
@@ -162,20 +163,20 @@ async def test_reboot_marker_prevents_a_loop(tmp_path):
     boot.write_text("bbbb\n")
     state = tmp_path / "state"
     state.mkdir()
-    assert sd.reboot_outcome(str(state), boot_id_path=str(boot)) is None
-    (state / sd.REBOOT_MARKER).write_text(json.dumps({"reason": "mode change", "boot_id": "aaaa", "requested_at": 1.0}))
-    rec = sd.reboot_outcome(str(state), boot_id_path=str(boot))
-    assert rec == sd.RebootRecord(reason="mode change", boot_id="aaaa", requested_at=1.0, rebooted=True)
+    assert logind.reboot_outcome(str(state), boot_id_path=str(boot)) is None
+    (state / logind.REBOOT_MARKER).write_text(json.dumps({"reason": "mode change", "boot_id": "aaaa", "requested_at": 1.0}))
+    rec = logind.reboot_outcome(str(state), boot_id_path=str(boot))
+    assert rec == logind.RebootRecord(reason="mode change", boot_id="aaaa", requested_at=1.0, rebooted=True)
     # a reboot already happened for a marked change: no second one (and no bus is touched)
-    assert await sd.request_reboot(str(state), "mode change", boot_id_path=str(boot),
+    assert await logind.request_reboot(str(state), "mode change", boot_id_path=str(boot),
                                    bus_address="unix:path=/nonexistent") is False
-    sd.clear_reboot_request(str(state))
-    assert sd.reboot_outcome(str(state), boot_id_path=str(boot)) is None
+    logind.clear_reboot_request(str(state))
+    assert logind.reboot_outcome(str(state), boot_id_path=str(boot)) is None
     # the logind call fails: the marker is removed again and the error says why
-    with pytest.raises(sd.SystemdError, match="logind refused the reboot"):
-        await sd.request_reboot(str(state), "mode change", boot_id_path=str(boot),
+    with pytest.raises(SystemdError, match="logind refused the reboot"):
+        await logind.request_reboot(str(state), "mode change", boot_id_path=str(boot),
                                 bus_address=f"unix:path={tmp_path}/no-bus", call_timeout=5)
-    assert not (state / sd.REBOOT_MARKER).exists()
+    assert not (state / logind.REBOOT_MARKER).exists()
     # a corrupt marker counts as a past reboot
-    (state / sd.REBOOT_MARKER).write_text("{")
-    assert sd.reboot_outcome(str(state), boot_id_path=str(boot)).rebooted is True
+    (state / logind.REBOOT_MARKER).write_text("{")
+    assert logind.reboot_outcome(str(state), boot_id_path=str(boot)).rebooted is True

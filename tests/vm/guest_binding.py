@@ -21,9 +21,11 @@ import traceback
 
 from gpud.engine import binder, passthrough, udev_rules
 from gpud.engine.observe import observe
+from gpud.host.deadline_write import stuck_writes
+from gpud.host.kmsg import last_kmsg_line
 from gpud.host.procs import Procs
 from gpud.host.sysfs import Sysfs
-from gpud.host.udev import DeviceEvents
+from gpud.host.udev import UdevEvents
 from gpud.layout.parse import parse_layout
 from gpud.layout.resolve import resolve
 from gpud.plan.binding import plan_binding
@@ -152,8 +154,8 @@ async def main(out_dir: str) -> None:
            udevd=bool(sh("pidof systemd-udevd || pgrep -f systemd-udevd")),
            vfio_loaded=os.path.isdir("/sys/bus/pci/drivers/vfio-pci"), before=g.snapshot())
 
-    events_udev = DeviceEvents(g.on_event, source="udev")
-    events_kernel = DeviceEvents(lambda ev: g.kernel_events.append([ev.action, ev.subsystem, ev.address, ev.driver]),
+    events_udev = UdevEvents(g.on_event, source="udev")
+    events_kernel = UdevEvents(lambda ev: g.kernel_events.append([ev.action, ev.subsystem, ev.address, ev.driver]),
                                  source="kernel")
     for name, src in (("udev", events_udev), ("kernel", events_kernel)):
         try:
@@ -230,14 +232,14 @@ async def main(out_dir: str) -> None:
         holder.stdin.close()  # release the device: the abandoned unbind can finish
         await loop.run_in_executor(None, holder.wait)
         deadline = time.monotonic() + 60
-        while binder.stuck_writes() and time.monotonic() < deadline:
+        while stuck_writes() and time.monotonic() < deadline:
             await asyncio.sleep(0.1)
-        released = not binder.stuck_writes()
+        released = not stuck_writes()
         final = await g.converge("container", only=NIC1)
         record("holder", ready=ready.strip(), holder_pid=holder.pid, waiting=waiting, stuck=stuck,
                ticks_during_stuck=ticks_during, while_stuck=again, wchan_while_stuck=wchan,
                abandoned_write_finished=released, final=final, after=g.snapshot(),
-               kmsg=binder.last_kmsg_line([NIC1]))
+               kmsg=last_kmsg_line([NIC1]))
 
     # E: everything back to native drivers; /dev/vfio/N goes away.
     async def e():

@@ -2,7 +2,8 @@
 
 Bare-metal hosts already run prometheus-node-exporter; its textfile collector picks up
 `*.prom` files from a directory, so gpud needs no listening port (its unit allows no IP at all).
-The file is rewritten atomically after every pass and layout change.
+The file is rewritten atomically after every pass and layout change, from the same
+`wire.StatusReply` that `gpudctl status` reads, so the two never disagree.
 """
 
 from __future__ import annotations
@@ -11,12 +12,14 @@ from collections import Counter
 
 from prometheus_client import CollectorRegistry, Gauge, write_to_textfile
 
+from gpud.api import wire
+
 STATES = ("converged", "applying", "waiting", "failed", "stuck", "reset-required", "reboot-required",
           "read-only", "unmanaged", "gone")
 
 
-def render(status: dict, passes: int, path: str) -> None:
-    """Write the metrics of one `build_status` snapshot to `path`."""
+def render(status: wire.StatusReply, passes: int, path: str) -> None:
+    """Write the metrics of one status snapshot to `path`."""
     reg = CollectorRegistry()
     layout_valid = Gauge("gpud_layout_valid", "1 when the layout file in place is valid", registry=reg)
     gpus = Gauge("gpud_gpus", "Managed GPUs", registry=reg)
@@ -26,16 +29,16 @@ def render(status: dict, passes: int, path: str) -> None:
     mode = Gauge("gpud_mig_enabled", "1 when MIG mode is enabled", ["pci"], registry=reg)
     driver = Gauge("gpud_gpu_driver", "1 for the driver the GPU is bound to", ["pci", "driver"], registry=reg)
     runs = Gauge("gpud_reconcile_passes", "Reconcile passes since start", registry=reg)
-    layout_valid.set(1 if status["layout"]["valid"] else 0)
-    gpus.set(len(status["gpus"]))
+    layout_valid.set(1 if status.layout.valid else 0)
+    gpus.set(len(status.gpus))
     runs.set(passes)
-    for g in status["gpus"]:
+    for g in status.gpus:
         for s in STATES:
-            state.labels(g["pci"], str(g["index"]), g["model"], s).set(1 if g["state"] == s else 0)
-        holders.labels(g["pci"]).set(len(g["holders"]))
-        driver.labels(g["pci"], g["driver"] or "none").set(1)
-        if g["mig"]["capable"]:
-            mode.labels(g["pci"]).set(1 if g["mig"]["mode"] == "enabled" else 0)
-        for profile, n in Counter(i["profile"] for i in g["mig"]["instances"]).items():
-            mig.labels(g["pci"], profile).set(n)
+            state.labels(g.pci, str(g.index), g.model, s).set(1 if g.state == s else 0)
+        holders.labels(g.pci).set(len(g.holders))
+        driver.labels(g.pci, g.driver or "none").set(1)
+        if g.mig.capable:
+            mode.labels(g.pci).set(1 if g.mig.mode == "enabled" else 0)
+        for profile, n in Counter(i.profile for i in g.mig.instances).items():
+            mig.labels(g.pci, profile).set(n)
     write_to_textfile(path, reg)

@@ -1,0 +1,233 @@
+"""The socket's replies, built from the engine's typed records straight into `gpud.api.wire`'s structs.
+
+The engine keeps domain objects (Gpu, GpuState, GpuPlan, BindingPlan, PassthroughEntry); this
+module is the one place they become what a client reads. Every reply is constructed as its wire
+struct here, so a renamed or mistyped field fails a type check (and msgspec at construction),
+never a user parsing `--json`.
+"""
+
+from __future__ import annotations
+
+from gpud import VERSION
+from gpud.api import wire
+from gpud.engine.observe import Observation
+from gpud.engine.passthrough import PassthroughEntry, kubevirt_entry
+from gpud.engine.queries import remaining_capacity
+from gpud.engine.gpu_state import BindAction, GpuState, MigAction
+from gpud.engine.reconciler import Reconciler
+from gpud.layout.desired import DesiredGpu
+from gpud.layout.names import mig_device_name
+from gpud.layout.resolve import Resolution
+from gpud.model import Gpu, Holder, MigProfile, Placement
+from gpud.plan.binding import BindStep
+from gpud.plan.mig import Destroyed, GpuPlan, Step
+from gpud.profiles import GI_PROFILE_INDEX, by_device, model_name
+
+# ---------------------------------------------------------------------------------------------
+# Small records
+
+
+def placement(p: Placement) -> wire.Placement:
+    return wire.Placement(start=p.start, size=p.size)
+
+
+def holders(items: tuple[Holder, ...] | list[Holder]) -> list[wire.HolderInfo]:
+    return [wire.HolderInfo(pid=h.pid, name=h.name, device=h.device) for h in items]
+
+
+def _mode(value: int | None) -> str | None:
+    return None if value is None else ("enabled" if value else "disabled")
+
+
+# ---------------------------------------------------------------------------------------------
+# status / reload
+
+
+def _instances(gpu: Gpu) -> list[wire.InstanceStatus]:
+    nv = gpu.nvml
+    if nv is None:
+        return []
+    out = []
+    for gi in sorted(nv.instances, key=lambda g: (g.placement.start, g.id)):
+        for ci in gi.cis:
+            out.append(wire.InstanceStatus(profile=mig_device_name(nv, gi, ci.slices), placement=placement(gi.placement),
+                                           gi=gi.id, ci=ci.id, uuid=ci.uuid, holders=holders(ci.holders)))
+        if not gi.cis:  # no compute instance yet: the GI's own name
+            out.append(wire.InstanceStatus(profile=mig_device_name(nv, gi, None), placement=placement(gi.placement),
+                                           gi=gi.id, ci=None, uuid=None, holders=[]))
+    return out
+
+
+def gpu_status(gpu: Gpu, desired: DesiredGpu | None, state: GpuState | None) -> wire.GpuStatus:
+    nv = gpu.nvml
+    known = by_device(gpu.function.device)
+    driver = gpu.function.driver
+    if desired is not None:
+        workload = desired.workload
+    else:
+        workload = {"nvidia": "container", "vfio-pci": "vm-passthrough"}.get(driver or "", "unmanaged")
+    group = gpu.function.iommu_group
+    return wire.GpuStatus(
+        index=gpu.index,
+        pci=gpu.pci,
+        uuid=nv.uuid if nv else None,
+        model=model_name(gpu),
+        pci_id=gpu.pci_id,
+        driver=driver,
+        workload=workload,
+        iommu_group=group,
+        numa_node=gpu.function.numa_node,
+        mig=wire.MigStatus(
+            capable=nv.mig_capable if nv is not None else bool(known and known.mig_capable),
+            mode=_mode(nv.mig_mode) if nv else None,
+            pending=_mode(nv.mig_pending) if nv and nv.mig_pending != nv.mig_mode else None,
+            instances=_instances(gpu),
+        ),
+        converged=state.converged if state else False,
+        state=state.state if state else "starting",
+        message=state.message if state else "",
+        holders=holders(state.holders) if state else [],
+        group=[wire.GroupMember(pci=c.address, driver=c.driver, class_=f"0x{c.class_code:06x}")
+               for c in gpu.companions],
+        vfio_device=f"/dev/vfio/{group}" if driver == "vfio-pci" and group is not None else None,
+    )
+
+
+def layout_status(rec: Reconciler) -> wire.LayoutStatus:
+    """The file in force and what is wrong with it now, resolved against the host as it is."""
+    errors, warnings = rec.layout_issues
+    res = rec.resolution
+    if res is not None:
+        warnings = list(dict.fromkeys(warnings + [str(w) for w in res.warnings]))
+        errors = list(dict.fromkeys(errors + [str(e) for e in res.errors]))
+    return wire.LayoutStatus(path=rec.config_path, selected=rec.layout.layout.selected if rec.layout else None,
+                             valid=not errors, errors=errors, warnings=warnings)
+
+
+def status_reply(rec: Reconciler) -> wire.StatusReply:
+    """What the engine last observed and concluded, never what it intended."""
+    res = rec.resolution
+    gpus = [gpu_status(g, res.desired.get(g.pci) if res else None, rec.gpu_states.get(g.pci))
+            for g in rec.observation.gpus]
+    return wire.StatusReply(phase=rec.phase, layout=layout_status(rec), gpus=gpus, read_only=rec.read_only,
+                            version=VERSION)
+
+
+# ---------------------------------------------------------------------------------------------
+# plan
+
+
+def mig_step(step: Step) -> wire.StepInfo:
+    return wire.StepInfo(action=step.action, pci=step.pci, profile=step.profile,
+                         placement=placement(step.placement) if step.placement is not None else None,
+                         gi=step.gi, ci=step.ci, uuid=step.uuid, enabled=step.enabled)
+
+
+def bind_step(step: BindStep) -> wire.StepInfo:
+    return wire.StepInfo(action=step.action, pci=step.pci, driver=step.driver, module=step.module, group=step.group)
+
+
+def destroyed(item: Destroyed) -> wire.DestroyedInfo:
+    return wire.DestroyedInfo(pci=item.pci, profile=item.profile, placement=placement(item.placement),
+                              uuid=item.uuid, holders=holders(item.holders))
+
+
+def _gpu_plan(rec: Reconciler, gpu: Gpu, desired: DesiredGpu, disruption: wire.Disruption) -> wire.GpuPlanInfo:
+    entry = wire.GpuPlanInfo(index=gpu.index, pci=gpu.pci)
+    action = rec.next_action(gpu, desired)
+    if isinstance(action, GpuState):
+        entry.infeasible = action.message
+    elif isinstance(action, MigAction):
+        plan: GpuPlan = action.plan
+        entry.steps = [mig_step(s) for s in plan.steps]
+        entry.blocked_by = holders(plan.blocked_by)
+        disruption.destroyed += [destroyed(x) for x in plan.destroyed]
+        if plan.mode_change:
+            disruption.mode_changes.append(gpu.pci)
+        if plan.reset:
+            disruption.resets.append(gpu.pci)
+        if desired.workload == "vm-passthrough":
+            entry.steps.append(wire.StepInfo(action="bind", driver="vfio-pci"))
+    elif isinstance(action, BindAction):
+        entry.steps = [bind_step(s) for s in action.plan.steps]
+        if desired.workload == "container" and desired.mig_enabled is not None:
+            entry.steps.append(wire.StepInfo(action="then-mig", message="MIG is planned once nvidia has the GPU"))
+    return entry
+
+
+def plan_reply(rec: Reconciler, resolution: Resolution | None = None, observation: Observation | None = None,
+               *, errors: list[str] | None = None) -> wire.PlanReply:
+    """What a pass would do now, without doing it (`gpudctl plan`). A candidate file is planned
+    against the GPUs its own `match:` selects (`observation` from `Reconciler.evaluate`).
+    With `errors`, the plan is empty and says why."""
+    if errors:
+        return wire.PlanReply(errors=errors)
+    resolution = resolution or rec.resolution
+    if resolution is None:
+        return wire.PlanReply()
+    reply = wire.PlanReply(warnings=[str(w) for w in resolution.warnings])
+    for gpu in (observation or rec.observation).gpus:
+        desired = resolution.desired.get(gpu.pci)
+        if desired is not None:
+            reply.gpus.append(_gpu_plan(rec, gpu, desired, reply.disruption))
+    return reply
+
+
+# ---------------------------------------------------------------------------------------------
+# apply
+
+
+def apply_reply(rec: Reconciler, finished: bool) -> wire.ApplyReply:
+    states = rec.gpu_states
+    gpus = [wire.GpuApplyInfo(pci=g.pci, state=states[g.pci].state if g.pci in states else "starting",
+                              message=states[g.pci].message if g.pci in states else "")
+            for g in rec.observation.gpus]
+    if not finished:
+        return wire.ApplyReply(phase="timeout", converged=False, message="timed out waiting for the apply", gpus=gpus)
+    not_ok = [g for g in gpus if not (states[g.pci].converged if g.pci in states else False)]
+    message = "; ".join(f"{g.pci}: {g.state}: {g.message}" for g in not_ok) or "converged"
+    return wire.ApplyReply(phase=rec.phase, converged=not not_ok, message=message, gpus=gpus)
+
+
+# ---------------------------------------------------------------------------------------------
+# mig profiles
+
+
+def profile_info(gpu: Gpu, profile: MigProfile) -> wire.ProfileInfo:
+    assert gpu.nvml is not None
+    existing = [gi for gi in gpu.nvml.instances if gi.profile_id == profile.id]
+    used = [gi.placement for gi in gpu.nvml.instances]
+    return wire.ProfileInfo(
+        id=profile.id, name=profile.name, memory_mb=profile.memory_mb, sms=profile.sms, slices=profile.slices,
+        free=remaining_capacity(profile, used, len(existing)),  # NVML answers this with MIG off too
+        total=profile.instance_count, placements=[placement(p) for p in profile.placements],
+        ce=profile.copy_engines, dec=profile.decoders, enc=profile.encoders, jpg=profile.jpegs, ofa=profile.ofas,
+    )
+
+
+def mig_profiles_reply(gpus: list[Gpu]) -> wire.MigProfilesReply:
+    reply = wire.MigProfilesReply()
+    for g in gpus:
+        if g.nvml is None or not g.nvml.mig_capable:
+            continue
+        # nvidia-smi's order: by size, then NVML's profile index (1g, 1g+me, 1g double memory, 2g ...)
+        ordered = sorted(g.nvml.profiles, key=lambda p: (p.slices, GI_PROFILE_INDEX.get(p.id, p.id)))
+        reply.gpus.append(wire.GpuProfiles(index=g.index, pci=g.pci, model=model_name(g),
+                                           profiles=[profile_info(g, p) for p in ordered]))
+    return reply
+
+
+# ---------------------------------------------------------------------------------------------
+# passthrough
+
+
+def passthrough_device(entry: PassthroughEntry) -> wire.PassthroughDevice:
+    return wire.PassthroughDevice(
+        pci=entry.pci, vendor_device=entry.vendor_device, resource_name=entry.resource_name,
+        iommu_group=entry.iommu_group, vfio_device=entry.vfio_device, numa_node=entry.numa_node,
+        libvirt_hostdev=entry.libvirt_hostdev, kubevirt=kubevirt_entry(entry),
+    )
+
+
+def passthrough_reply(entries: list[PassthroughEntry]) -> wire.PassthroughReply:
+    return wire.PassthroughReply(devices=[passthrough_device(e) for e in entries])

@@ -1,0 +1,197 @@
+"""gpudctl's commands: parsed arguments in, one request (or a stream) to gpud, text out, exit code back.
+
+Exit codes are stable for scripts; gpudctl.py documents them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Any
+
+from gpud.api import wire
+from gpud.cli.render import (
+    event_json,
+    render_event,
+    render_mig_profiles,
+    render_passthrough,
+    render_plan,
+    render_status,
+    to_json,
+)
+from gpud.cli.transport import DEFAULT_SOCKET, DEFAULT_TIMEOUT, NO_LIMIT, Client
+
+DEFAULT_LAYOUT = "/etc/gpud/layout.yaml"
+
+EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_UNREACHABLE, EXIT_INVALID, EXIT_NOT_CONVERGED = 0, 1, 2, 3, 4, 5
+
+
+class UsageError(Exception):
+    """Bad combination of arguments (exit 2)."""
+
+
+class LocalError(Exception):
+    """A local failure before gpud was asked (exit 1)."""
+
+
+def _layout_exit(valid: bool, errors: list[str]) -> int:
+    return EXIT_OK if valid and not errors else EXIT_INVALID
+
+
+def cmd_status(c: Client, a: argparse.Namespace) -> int:
+    r: wire.StatusReply = c.request("status")
+    print(to_json(r) if a.json else render_status(r))
+    return EXIT_OK
+
+
+def _read_layout(path: str) -> tuple[str, str]:
+    """The layout text as the client sees it, with the path errors should name."""
+    try:
+        if path == "-":
+            return sys.stdin.read(), "<stdin>"
+        with open(path, encoding="utf-8") as f:
+            return f.read(), os.path.abspath(path)
+    except UnicodeDecodeError as e:
+        raise LocalError(f"cannot read {path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    except OSError as e:
+        raise LocalError(f"cannot read {path}: {e.strerror or e}") from None
+
+
+def cmd_check(c: Client, a: argparse.Namespace) -> int:
+    text, path = _read_layout(a.file)
+    r: wire.CheckReply = c.request("check", {"text": text, "path": path})
+    if a.json:
+        print(to_json(r))
+    else:
+        lines = [f"{path}: " + (f"valid (selected: {r.selected})" if r.valid and r.selected
+                                else "valid" if r.valid else "INVALID")]
+        lines += [f"error: {e}" for e in r.errors] + [f"warning: {w}" for w in r.warnings]
+        print("\n".join(lines))
+    return _layout_exit(r.valid, r.errors)
+
+
+def cmd_plan(c: Client, a: argparse.Namespace) -> int:
+    args: dict[str, Any] = {}
+    if a.file:
+        args["text"], args["path"] = _read_layout(a.file)
+    r: wire.PlanReply = c.request("plan", args)
+    print(to_json(r) if a.json else render_plan(r))
+    infeasible = any(g.infeasible for g in r.gpus)
+    return EXIT_INVALID if r.errors or infeasible else EXIT_OK
+
+
+def cmd_apply(c: Client, a: argparse.Namespace) -> int:
+    if a.timeout is not None and not a.wait:
+        raise UsageError("--timeout needs --wait")
+    if a.timeout is not None and a.timeout <= 0:
+        raise UsageError("--timeout must be positive")
+    # the daemon enforces the timeout; the client waits a little longer to hear its answer
+    if not a.wait:
+        deadline = DEFAULT_TIMEOUT
+    else:
+        deadline = NO_LIMIT if a.timeout is None else a.timeout + 30.0
+    r: wire.ApplyReply = c.request("apply", {"wait": a.wait, "timeout": a.timeout}, timeout=deadline)
+    if a.json:
+        print(to_json(r))
+    else:
+        head = f"apply: {r.phase}" + (f": {r.message}" if r.message else "")
+        rows = [f"  {g.pci}  {g.state}" + (f": {g.message}" if g.message else "") for g in r.gpus]
+        print("\n".join([head, *rows]))
+    if a.wait and not r.converged:
+        return EXIT_NOT_CONVERGED
+    return EXIT_OK
+
+
+def cmd_reload(c: Client, a: argparse.Namespace) -> int:
+    r: wire.LayoutStatus = c.request("reload")
+    if a.json:
+        print(to_json(r))
+    else:
+        state = "valid" if r.valid else "INVALID (gpud keeps converging to the last valid layout)"
+        selected = f" (selected: {r.selected})" if r.selected else ""
+        lines = [f"reloaded {r.path}: {state}{selected}"]
+        lines += [f"error: {e}" for e in r.errors] + [f"warning: {w}" for w in r.warnings]
+        print("\n".join(lines))
+    return _layout_exit(r.valid, r.errors)
+
+
+def cmd_events(c: Client, a: argparse.Namespace) -> int:
+    show = event_json if a.json else render_event
+    if not a.follow:
+        r: wire.EventsReply = c.request("events", {"follow": False})
+        for e in r.events:
+            print(show(e))
+        return EXIT_OK
+    try:
+        for e in c.events():
+            print(show(e), flush=True)
+    except KeyboardInterrupt:
+        return EXIT_OK
+    return EXIT_OK  # not reached: the stream ends with Unreachable
+
+
+def cmd_version(c: Client, a: argparse.Namespace) -> int:
+    mine = getattr(sys.modules.get("gpud"), "VERSION", "?")
+    r: wire.VersionReply = c.request("version")
+    if a.json:
+        print(to_json(r))
+        return EXIT_OK
+    lines = [f"gpudctl {mine} (protocol {wire.PROTOCOL})", f"gpud    {r.version} (protocol {r.protocol})",
+             f"driver  {r.driver or '-'}", f"NVML    {r.nvml or '-'}"]
+    print("\n".join(lines))
+    if r.protocol != wire.PROTOCOL:
+        print(f"gpudctl: warning: gpud speaks protocol {r.protocol}, this client {wire.PROTOCOL}",
+              file=sys.stderr)
+    return EXIT_OK
+
+
+def cmd_mig_profiles(c: Client, a: argparse.Namespace) -> int:
+    r: wire.MigProfilesReply = c.request("mig-profiles", {"gpu": a.gpu} if a.gpu is not None else {})
+    print(to_json(r) if a.json else render_mig_profiles(r))
+    return EXIT_OK
+
+
+def cmd_passthrough(c: Client, a: argparse.Namespace) -> int:
+    r: wire.PassthroughReply = c.request("passthrough")
+    print(to_json(r) if a.json else render_passthrough(r))
+    return EXIT_OK
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="gpudctl", description="Query and drive gpud, the GPU layout daemon.")
+    p.add_argument("--socket", default=os.environ.get("GPUD_SOCKET") or DEFAULT_SOCKET,
+                   help=f"gpud socket (default: $GPUD_SOCKET or {DEFAULT_SOCKET})")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    js = argparse.ArgumentParser(add_help=False)
+    js.add_argument("--json", action="store_true", help="print the reply as JSON")
+
+    s = sub.add_parser("status", parents=[js], help="GPUs, their state and the layout")
+    s.set_defaults(func=cmd_status)
+    s = sub.add_parser("check", parents=[js], help="validate a layout file against this host")
+    s.add_argument("file", nargs="?", default=DEFAULT_LAYOUT, metavar="FILE",
+                   help=f"layout file, '-' for stdin (default: {DEFAULT_LAYOUT})")
+    s.set_defaults(func=cmd_check)
+    s = sub.add_parser("plan", parents=[js], help="what apply would do, and what it would disrupt")
+    s.add_argument("file", nargs="?", metavar="FILE", help="plan this file instead of the loaded layout")
+    s.set_defaults(func=cmd_plan)
+    s = sub.add_parser("apply", parents=[js], help="converge now")
+    s.add_argument("--wait", action="store_true", help="wait until converged, blocked or failed")
+    s.add_argument("--timeout", type=float, metavar="S", help="give up waiting after S seconds")
+    s.set_defaults(func=cmd_apply)
+    s = sub.add_parser("reload", parents=[js], help="re-read the layout file")
+    s.set_defaults(func=cmd_reload)
+    s = sub.add_parser("events", parents=[js], help="recent events")
+    s.add_argument("-f", "--follow", action="store_true", help="keep printing new events")
+    s.set_defaults(func=cmd_events)
+    s = sub.add_parser("version", parents=[js], help="versions of gpudctl, gpud, driver and NVML")
+    s.set_defaults(func=cmd_version)
+    s = sub.add_parser("mig", help="MIG information")
+    mig = s.add_subparsers(dest="mig_command", metavar="COMMAND", required=True)
+    s = mig.add_parser("profiles", parents=[js], help="GPU instance profiles and placements")
+    s.add_argument("--gpu", metavar="SEL", help="index, PCI address or UUID")
+    s.set_defaults(func=cmd_mig_profiles)
+    s = sub.add_parser("passthrough", parents=[js], help="GPUs on vfio-pci, for libvirt/KubeVirt")
+    s.set_defaults(func=cmd_passthrough)
+    return p
+

@@ -1,0 +1,209 @@
+"""gpudctl's rendering: a reply struct in, text for a person out. Pure: no socket, no printing.
+
+The tables follow nvidia-smi's where one exists (`mig profiles` is `nvidia-smi mig -lgip` and
+`-lgipp`), so people and their scripts read familiar shapes.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import msgspec
+
+from gpud.api import wire
+
+
+def _table(rows: list[list[str]]) -> str:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join(
+        "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows
+    )
+
+
+def _holder(h: wire.HolderInfo, *, device: bool = False) -> str:
+    text = f"pid {h.pid} {h.name}"
+    return f"{text} ({h.device})" if device and h.device else text
+
+
+def _placement(p: wire.Placement | None) -> str:
+    return f"{{{p.start}}}:{p.size}" if p is not None else ""
+
+
+def _profile_order(name: str) -> tuple[int, str]:
+    head = name.split(".", 1)[0].rstrip("cg")
+    return (int(head) if head.isdigit() else 99, name)
+
+
+def mig_column(m: wire.MigStatus) -> str:
+    if not m.capable or m.mode is None:  # not capable, or not visible to NVML (e.g. on vfio-pci)
+        return "-"
+    words = {"enabled": "on", "disabled": "off"}
+    if m.pending and m.pending != m.mode:
+        return f"pending({words.get(m.pending, '?')})"  # takes effect at the next GPU reset
+    return words.get(m.mode, "?")
+
+
+def _instances_column(m: wire.MigStatus) -> str:
+    counts: dict[str, int] = {}
+    for inst in m.instances:
+        counts[inst.profile] = counts.get(inst.profile, 0) + 1
+    if not counts:
+        return "-"
+    return " ".join(f"{counts[p]}x{p}" for p in sorted(counts, key=_profile_order))
+
+
+def state_column(g: wire.GpuStatus) -> str:
+    holders = g.holders or [h for i in g.mig.instances for h in i.holders]
+    if g.state in ("waiting", "stuck") and holders:
+        more = f" (+{len(holders) - 1} more)" if len(holders) > 1 else ""
+        return f"{g.state}: {_holder(holders[0])}{more}"
+    return f"{g.state}: {g.message}" if g.message else g.state
+
+
+def render_status(r: wire.StatusReply) -> str:
+    head = f"gpud {r.version}: {r.phase}" if r.version else f"gpud: {r.phase}"
+    out = [head + ("  [read-only]" if r.read_only else "")]
+    if r.gpus:
+        rows = [["GPU", "PCI", "MODEL", "DRIVER", "WORKLOAD", "MIG", "INSTANCES", "STATE"]]
+        for g in r.gpus:
+            rows.append([str(g.index), g.pci, g.model or "-", g.driver or "-", g.workload,
+                         mig_column(g.mig), _instances_column(g.mig), state_column(g)])
+        out += ["", _table(rows)]
+    else:
+        out += ["", "no GPUs managed"]
+    lay = r.layout
+    validity = "valid" if lay.valid else "INVALID"
+    selected = f"selected: {lay.selected}" if lay.selected else "no layout selected"
+    out += ["", f"layout: {lay.path}  {selected}  {validity}"]
+    out += [f"  error: {e}" for e in lay.errors]
+    out += [f"  warning: {w}" for w in lay.warnings]
+    migs = [g for g in r.gpus if g.mig.instances]
+    if migs:
+        out += ["", "MIG devices:"]
+        for g in migs:
+            out.append(f"GPU {g.index}: {g.model or g.pci} (UUID: {g.uuid or '-'})")
+            insts = sorted(g.mig.instances, key=lambda i: (i.placement.start, i.gi, i.ci))
+            for n, inst in enumerate(insts):
+                out.append(f"  MIG {inst.profile:<12} Device {n:>2}: (UUID: {inst.uuid})")
+    return "\n".join(out)
+
+
+def _describe_step(s: wire.StepInfo) -> str:
+    if s.action == "set-mig-mode":
+        text = f"set MIG mode {'on' if s.enabled else 'off'}"
+    else:
+        parts = [s.action]
+        if s.profile:
+            parts.append(s.profile)
+        if s.placement is not None:
+            parts.append(_placement(s.placement))
+        if s.gi is not None:
+            parts.append(f"gi {s.gi}")
+        if s.ci is not None:
+            parts.append(f"ci {s.ci}")
+        for v in (s.pci, s.driver, s.module):
+            if v:
+                parts.append(v)
+        if s.group is not None:
+            parts.append(f"/dev/vfio/{s.group}")
+        if s.uuid:
+            parts.append(s.uuid)
+        text = "  ".join(parts)
+    return f"{text}  ({s.message})" if s.message else text
+
+
+def render_plan(r: wire.PlanReply) -> str:
+    out: list[str] = []
+    for g in r.gpus:
+        if g.infeasible:
+            out.append(f"GPU {g.index} {g.pci}: INFEASIBLE: {g.infeasible}")
+        elif not g.steps:
+            out.append(f"GPU {g.index} {g.pci}: nothing to do")
+        else:
+            out.append(f"GPU {g.index} {g.pci}:")
+        out += [f"  {n}. {_describe_step(s)}" for n, s in enumerate(g.steps, 1)]
+        if g.blocked_by:
+            out.append("  blocked by: " + ", ".join(_holder(h, device=True) for h in g.blocked_by))
+    if not r.gpus:
+        out.append("no GPUs managed")
+    d = r.disruption
+    if d.destroyed or d.mode_changes or d.resets:
+        out += ["", "disruption:"]
+        for x in d.destroyed:
+            held = (" held by " + ", ".join(_holder(h) for h in x.holders)) if x.holders else ""
+            uuid = f" {x.uuid}" if x.uuid else ""
+            out.append(f"  destroys {x.profile} {_placement(x.placement)} on {x.pci}{uuid}{held}")
+        if d.mode_changes:
+            out.append("  MIG mode changes: " + ", ".join(d.mode_changes))
+        if d.resets:
+            out.append("  GPU resets: " + ", ".join(d.resets))
+    else:
+        out += ["", "disruption: none"]
+    out += [f"error: {e}" for e in r.errors]
+    out += [f"warning: {w}" for w in r.warnings]
+    return "\n".join(out)
+
+
+def render_mig_profiles(r: wire.MigProfilesReply) -> str:
+    """`nvidia-smi mig -lgip` followed by `nvidia-smi mig -lgipp`."""
+    bar = "+" + "-" * 79 + "+"
+    out = [bar,
+           "| GPU instance profiles:".ljust(80) + "|",
+           "| GPU   Name               ID    Instances   Memory     P2P    SM    DEC   ENC  |",
+           "|                                Free/Total   GiB              CE    JPEG  OFA  |",
+           "|" + "=" * 79 + "|"]
+    for g in r.gpus:
+        for p in g.profiles:
+            mem = f"{p.memory_mb / 1024:.2f}"
+            first = (f"|{g.index:>4}  {'MIG ' + p.name:<18}{p.id:>4}{p.free:>6}/{p.total:<9}"
+                     f"{mem:<11}{'Yes' if p.p2p else 'No':<7}{p.sms:<7}{p.dec:<6}{p.enc:<4}")
+            out.append(first.ljust(80) + "|")
+            out.append(f"|{'':<63}{p.ce:<6}{p.jpg:<6}{p.ofa:<4}".ljust(80) + "|")
+            out.append(bar)
+    if not any(g.profiles for g in r.gpus):
+        out.append("| No MIG-capable GPU found".ljust(80) + "|")
+        out.append(bar)
+    for g in r.gpus:
+        for p in g.profiles:
+            size = p.placements[0].size if p.placements else 0
+            starts = ",".join(str(pl.start) for pl in p.placements)
+            word = "Placements:" if len(p.placements) > 1 else "Placement :"
+            out.append(f"GPU {g.index:>2} Profile ID {p.id:>2} {word} {{{starts}}}:{size}")
+    return "\n".join(out)
+
+
+def render_passthrough(r: wire.PassthroughReply) -> str:
+    if not r.devices:
+        return "no GPU is bound for passthrough"
+    rows = [["PCI", "ID", "IOMMU", "VFIO", "NUMA", "RESOURCE"]]
+    for d in r.devices:
+        rows.append([d.pci, d.vendor_device, "-" if d.iommu_group is None else str(d.iommu_group),
+                     d.vfio_device or "-", "-" if d.numa_node is None else str(d.numa_node),
+                     d.resource_name or "-"])
+    out = [_table(rows)]
+    for d in r.devices:
+        if d.libvirt_hostdev:
+            out += ["", f"libvirt <hostdev> for {d.pci}:"]
+            out += ["  " + line for line in d.libvirt_hostdev.strip().splitlines()]
+        if d.kubevirt:
+            out += ["", f"KubeVirt permittedHostDevices.pciHostDevices entry for {d.pci}:",
+                    "  - " + msgspec.json.encode(d.kubevirt).decode()]
+    return "\n".join(out)
+
+
+def render_event(e: wire.Event) -> str:
+    stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(e.time))
+    where = f" {e.gpu}" if e.gpu else ""
+    return f"{stamp} {e.kind}{where}: {e.message}"
+
+
+def event_json(e: wire.Event) -> str:
+    """One event per line for `events --json`: compact, so a follower can read it line by line."""
+    return msgspec.json.encode(e).decode()
+
+
+def to_json(obj: Any) -> str:
+    """What `--json` prints: the reply struct with every field, indented."""
+    return msgspec.json.format(msgspec.json.encode(obj), indent=2).decode()
+

@@ -1,0 +1,62 @@
+"""What the engine concludes about one GPU, and the next step it takes on one: the vocabulary the
+reconcile loop, its helpers and the status reply share. The state names are the strings the
+socket API and `gpudctl status` show, so they are a Literal of exactly those strings."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+from gpud.model import Holder
+from gpud.plan.binding import BindingPlan
+from gpud.plan.mig import GpuPlan
+
+GpuStateName = Literal[
+    "converged",  # matches its entry
+    "applying",  # a step is running
+    "waiting",  # processes hold what must change (policy on-busy: wait)
+    "failed",  # cannot get there; the message says why
+    "stuck",  # a driver write did not return in time
+    "reset-required",  # a mode change needs a GPU reset that policy or holders prevent
+    "reboot-required",  # only a reboot settles the mode change
+    "unmanaged",  # not in the selected layout: left untouched
+    "read-only",  # read-only mode: would apply something
+    "gone",  # the GPU left the PCI bus
+]
+
+# The states a whole pass reports as its phase, most urgent first (none of them: "converged").
+PHASE_ORDER: tuple[GpuStateName, ...] = (
+    "failed", "stuck", "reset-required", "reboot-required", "waiting", "read-only", "applying",
+)
+
+
+class GpuState(msgspec.Struct, frozen=True):
+    """What the engine last concluded about one GPU."""
+
+    state: GpuStateName
+    message: str = ""
+    holders: tuple[Holder, ...] = ()
+
+    @property
+    def converged(self) -> bool:
+        return self.state in ("converged", "unmanaged")
+
+
+class MigAction(msgspec.Struct, frozen=True):
+    """Change the GPU's MIG mode or devices (it is on nvidia)."""
+
+    plan: GpuPlan
+    summary: str
+    kind: Literal["mig"] = "mig"
+
+
+class BindAction(msgspec.Struct, frozen=True):
+    """Move the GPU to another driver (nvidia <-> vfio-pci)."""
+
+    plan: BindingPlan
+    summary: str
+    kind: Literal["bind"] = "bind"
+
+
+Action = MigAction | BindAction

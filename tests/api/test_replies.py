@@ -1,0 +1,57 @@
+"""Replies built from the engine's typed records (gpud.api.replies), compared with what the wire
+format promises clients: field names and values written out here by hand, not derived from the code."""
+
+from __future__ import annotations
+
+import msgspec
+
+from gpud.api import replies, wire
+from gpud.engine import passthrough
+from gpud.model import Gpu, Holder, PciFunction, Placement
+from gpud.plan.binding import BindStep
+from gpud.plan.mig import Destroyed, Step
+
+GPU0 = "0000:3b:00.0"
+
+
+def _fn(addr, device=0x2335, cls=0x030200, driver="vfio-pci", group=7, numa=1):
+    return PciFunction(addr, 0x10DE, device, 0x10DE, 0x18BF, cls, driver=driver, iommu_group=group, numa_node=numa)
+
+
+def test_passthrough_device_as_clients_read_it(tmp_path):
+    (tmp_path / "vfio").mkdir()
+    (tmp_path / "vfio" / "7").touch()
+    gpu = Gpu(index=0, function=_fn(GPU0), companions=(_fn("0000:3b:00.1", device=0x22BA, cls=0x040300),))
+    reply = replies.passthrough_reply(passthrough.entries([gpu], dev_root=str(tmp_path), pci_ids=[]))
+    as_json = msgspec.json.decode(msgspec.json.encode(reply))
+    [device] = as_json["devices"]
+    assert {k: v for k, v in device.items() if k != "libvirt_hostdev"} == {
+        "pci": GPU0, "vendor_device": "10DE:2335", "resource_name": "nvidia.com/NVIDIA_H200",
+        "iommu_group": 7, "vfio_device": "/dev/vfio/7", "numa_node": 1,
+        "kubevirt": {"pciVendorSelector": "10DE:2335", "resourceName": "nvidia.com/NVIDIA_H200",
+                     "externalResourceProvider": True},
+    }
+    assert "0000:3b:00.1" in device["libvirt_hostdev"]  # the companion is named in the comment
+
+
+def test_plan_steps_keep_their_wire_field_names():
+    mig = Step(action="create-gi", pci=GPU0, profile="3g.71gb", profile_id=9, placement=Placement(4, 4))
+    assert msgspec.to_builtins(replies.mig_step(mig)) == {
+        "action": "create-gi", "profile": "3g.71gb", "placement": {"start": 4, "size": 4}, "uuid": None,
+        "gi": None, "ci": None, "enabled": None, "driver": None, "pci": GPU0, "module": None, "group": None,
+        "message": ""}
+    bind = replies.bind_step(BindStep(action="bind", pci=GPU0, driver="vfio-pci"))
+    assert (bind.action, bind.pci, bind.driver, bind.group) == ("bind", GPU0, "vfio-pci", None)
+    gone = Destroyed(pci=GPU0, profile="1g.18gb", placement=Placement(0, 1), uuid="MIG-1",
+                     holders=[Holder(pid=7, name="python3", device="MIG-1")])
+    assert msgspec.to_builtins(replies.destroyed(gone)) == {
+        "pci": GPU0, "profile": "1g.18gb", "placement": {"start": 0, "size": 1}, "uuid": "MIG-1",
+        "holders": [{"pid": 7, "name": "python3", "device": "MIG-1"}]}
+
+
+def test_plan_with_errors_is_empty_and_says_why():
+    reply = replies.plan_reply(None, errors=["layout.yaml:1 version: must be v1"])  # type: ignore[arg-type]
+    assert msgspec.to_builtins(reply) == {
+        "gpus": [], "disruption": {"destroyed": [], "mode_changes": [], "resets": []},
+        "errors": ["layout.yaml:1 version: must be v1"], "warnings": []}
+    assert isinstance(reply, wire.RESULTS["plan"])

@@ -1,0 +1,84 @@
+"""The hook phases a pass runs around the GPUs it changes, driven by the reconciler on a simulated
+host. What the hooks were told is compared with the simulator's own state file: the GPUs whose MIG
+state changed there are the ones the hooks were named, and a failing before-hook leaves that file's
+GPUs exactly as they were."""
+
+from __future__ import annotations
+
+import stat
+
+import msgspec
+import pytest
+import yaml
+
+from gpud.sim import state as simstate
+from tests.scenarios.definitions import layout, mig
+from tests.scenarios.harness import SimRig
+
+PHASES = ("apply-start", "pre-apply-mode", "pre-apply-config", "apply-exit")
+
+
+@pytest.fixture
+def rig(tmp_path):
+    r = SimRig(tmp_path, ("a100-40gb:2",))
+    yield r
+    r.close()
+
+
+def recorder(tmp_path, exit_code: int = 0) -> str:
+    """A hook that appends what it was told to tmp_path/told, then exits with `exit_code`."""
+    p = tmp_path / f"record-{exit_code}.sh"
+    p.write_text('#!/bin/sh\necho "$GPUD_PHASE|$GPUD_GPUS|$GPUD_MODE_CHANGE|$GPUD_CHANGED_MIG|$GPUD_RESULT"'
+                 f' >> {tmp_path}/told\nexit {exit_code}\n')
+    p.chmod(p.stat().st_mode | stat.S_IXUSR)
+    return str(p)
+
+
+def with_hooks(text: str, hooks: dict[str, str]) -> str:
+    doc = yaml.safe_load(text)
+    doc["hooks"] = {phase: [{"command": cmd}] for phase, cmd in hooks.items()}
+    return yaml.safe_dump(doc, sort_keys=False)
+
+
+def gpus_on_file(rig: SimRig) -> dict[str, bytes]:
+    """Each simulated GPU's MIG mode and instances, as the simulator's state file holds them."""
+    return {a: msgspec.json.encode((g.mig_mode, g.mig_pending, g.gis)) for a, g in simstate.load(rig.dir).gpus.items()}
+
+
+def told(tmp_path) -> list[list[str]]:
+    path = tmp_path / "told"
+    return [line.split("|") for line in path.read_text().splitlines()] if path.exists() else []
+
+
+async def test_phases_in_order_naming_the_gpus_that_changed(rig, tmp_path):
+    cmd = recorder(tmp_path)
+    before = gpus_on_file(rig)
+    assert await rig.apply(with_hooks(layout(mig([0], {"3g.20gb": 2})), dict.fromkeys(PHASES, cmd)))
+    after = gpus_on_file(rig)
+    changed = sorted(a for a in before if before[a] != after[a])
+    assert len(changed) == 1
+    assert told(tmp_path) == [
+        ["apply-start", changed[0], "1", "0", ""],
+        ["pre-apply-mode", changed[0], "1", "0", ""],
+        ["pre-apply-config", changed[0], "1", "0", ""],
+        ["apply-exit", changed[0], "1", "1", "success"],
+    ]
+    # nothing left to change: no hook runs at all
+    (tmp_path / "told").unlink()
+    await rig.rec.converge()
+    assert told(tmp_path) == [] and gpus_on_file(rig) == after
+
+
+async def test_a_failing_before_hook_changes_nothing_and_apply_exit_still_runs(rig, tmp_path):
+    before = gpus_on_file(rig)
+    hooks = {"pre-apply-config": recorder(tmp_path, exit_code=3), "apply-exit": recorder(tmp_path)}
+    assert await rig.apply(with_hooks(layout(mig("all", {"7g.40gb": 1})), hooks))
+    assert gpus_on_file(rig) == before
+    states = {pci: st for pci, st in rig.rec.gpu_states.items()}
+    assert sorted(states) == sorted(before)
+    for st in states.values():
+        assert st.state == "failed" and "hook aborted the apply, nothing changed" in st.message
+        assert "pre-apply-config hook" in st.message and "exited 3" in st.message
+    phases = [(t[0], t[4]) for t in told(tmp_path)]
+    assert phases == [("pre-apply-config", ""), ("apply-exit", "failure")]
+    assert told(tmp_path)[0][1].split() == sorted(before)

@@ -1,0 +1,53 @@
+"""The import rules of the package, read from the source (every import statement, also the ones
+inside functions): the pure core knows no adapter, the engine knows no edge, only start-up knows
+the simulator."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+GPUD = Path(__file__).resolve().parents[1] / "gpud"
+
+# package -> packages of gpud it must never import
+FORBIDDEN = {
+    "layout": ("gpud.host", "gpud.engine", "gpud.api", "gpud.cli", "gpud.sim"),
+    "plan": ("gpud.host", "gpud.engine", "gpud.api", "gpud.cli", "gpud.sim"),
+    "host": ("gpud.engine", "gpud.api", "gpud.cli", "gpud.sim"),
+    "engine": ("gpud.api", "gpud.cli", "gpud.sim"),
+    "api": ("gpud.cli", "gpud.sim"),
+}
+
+
+def _imports(path: Path) -> set[str]:
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+            names |= {f"{node.module}.{a.name}" for a in node.names}
+    return names
+
+
+def _within(name: str, package: str) -> bool:
+    return name == package or name.startswith(package + ".")
+
+
+@pytest.mark.parametrize("package", sorted(FORBIDDEN))
+def test_package_imports_follow_the_layering(package):
+    bad = [f"{path.relative_to(GPUD.parent)} imports {name}"
+           for path in sorted((GPUD / package).rglob("*.py"))
+           for name in sorted(_imports(path))
+           if any(_within(name, banned) for banned in FORBIDDEN[package])]
+    assert bad == []
+
+
+def test_client_imports_of_gpud_are_only_the_wire_module():
+    bad = [f"{path.name} imports {name}" for path in sorted((GPUD / "cli").glob("*.py"))
+           for name in sorted(_imports(path))
+           if _within(name, "gpud") and not (_within(name, "gpud.cli") or _within(name, "gpud.api.wire")
+                                             or name in ("gpud.api", "gpud"))]
+    assert bad == []
