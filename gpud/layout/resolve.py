@@ -239,7 +239,7 @@ def _check_vgpu(entry, epath: str, gpu: Gpu, errors: _Collector, warnings: _Coll
     same names once the driver is asked); the message names the model and the valid types. Returns
     the bare names -> counts, or None when something is wrong."""
     vpath = key_path(epath, "vgpu-devices")
-    model = gpu_model(gpu)
+    model = model_name(gpu)
     table = vgpu_model_of(gpu.function.device) if gpu.function.vendor == NVIDIA else None
     out: dict[str, int] = {}
     ok = True
