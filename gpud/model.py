@@ -130,6 +130,7 @@ class Gpu(Struct, frozen=True):
     nvml: NvmlGpu | None = None
     holders: tuple[Holder, ...] = ()  # processes with its device nodes open (from /proc)
     present: bool = True
+    vgpu: VgpuState | None = None  # its vGPU side, when it shows a vGPU interface (on nvidia)
 
     @property
     def pci(self) -> str:

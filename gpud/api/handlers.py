@@ -115,4 +115,9 @@ class RequestHandler:
 
     async def op_passthrough(self) -> wire.PassthroughReply:
         self.rec.refresh()
-        return replies.passthrough_reply(passthrough.entries(self.rec.observation.gpus, dev_root=self.dev_root))
+        return replies.passthrough_reply(passthrough.entries(self.rec.observation.gpus, dev_root=self.dev_root),
+                                         self.rec.observation.gpus)
+
+    async def op_vgpu_types(self, gpu: str | None = None) -> wire.VgpuTypesReply:
+        self.rec.refresh()
+        return replies.vgpu_types_reply(select_gpus(self.rec.observation.gpus, gpu))

@@ -29,21 +29,27 @@ def wait_until(cond, timeout: float = 30.0, what: str = "condition"):
 
 
 class Daemon:
-    def __init__(self, tmp: Path, gpus: list[str], layout: str, extra_args: list[str] = ()) -> None:
+    def __init__(self, tmp: Path, gpus: list[str], layout: str, extra_args: list[str] = (),
+                 vgpu: str | None = None) -> None:
         self.tmp = tmp
         self.host = tmp / "host"
-        simcli.create(self.host, gpus)
+        simcli.create(self.host, gpus, vgpu=vgpu)
         self.config = tmp / "etc" / "layout.yaml"
         self.config.parent.mkdir()
         self.config.write_text(layout)
         self.socket = tmp / "gpud.sock"
         self.log = tmp / "gpud.log"
+        self.extra_args = list(extra_args)
+        self.start()
+
+    def start(self) -> None:
+        """Start gpud on the host (again, after `stop`: a daemon restart keeps its state dir)."""
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         env.pop("NOTIFY_SOCKET", None)
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "gpud.daemon", "--sim", str(self.host), "--config", str(self.config),
-             "--socket", str(self.socket), "--state-dir", str(tmp / "state"), *extra_args],
-            stdout=self.log.open("w"), stderr=subprocess.STDOUT, env=env, cwd=ROOT,
+             "--socket", str(self.socket), "--state-dir", str(self.tmp / "state"), *self.extra_args],
+            stdout=self.log.open("a"), stderr=subprocess.STDOUT, env=env, cwd=ROOT,
         )
         wait_until(lambda: self.ctl("version").returncode == 0 or self.proc.poll() is not None, what="gpud to answer")
         if self.proc.poll() is not None:
@@ -83,8 +89,8 @@ class Daemon:
 def daemon(tmp_path):
     made: list[Daemon] = []
 
-    def make(gpus: list[str], layout: str, *extra: str) -> Daemon:
-        d = Daemon(tmp_path / f"d{len(made)}", gpus, layout, list(extra))
+    def make(gpus: list[str], layout: str, *extra: str, vgpu: str | None = None) -> Daemon:
+        d = Daemon(tmp_path / f"d{len(made)}", gpus, layout, list(extra), vgpu=vgpu)
         made.append(d)
         return d
 
