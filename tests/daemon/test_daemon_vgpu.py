@@ -126,3 +126,41 @@ def test_leaving_vm_vgpu_removes_vgpus_and_vfs(daemon) -> None:
     wait_until(lambda: not load(d.host).vgpu[L40S].vfs, 60, "VFs disabled")
     assert sim_vgpus(d.host, L40S) == []
     wait_until(lambda: next(g for g in d.status()["gpus"] if g["pci"] == L40S)["state"] == "converged", 60, "converged")
+
+
+H200_LAYOUT = """\
+version: v1
+layouts:
+  vms:
+    - devices: [0]
+      workload: vm-vgpu
+      vgpu-devices: {"H200X-1-18C": 3, "H200X-3-71C": 1}
+"""
+
+
+def test_mig_backed_vgpus_get_their_instances_first(daemon) -> None:
+    d = daemon(["h200"], H200_LAYOUT, vgpu="vfio")
+    r = d.ctl("apply", "--wait", "--timeout", "180")
+    assert r.returncode == 0, r.stdout + r.stderr + d.log.read_text()[-3000:]
+    st = load(d.host)
+    gpu = st.gpus["0000:18:00.0"]
+    assert gpu.mig_mode == 1
+    profile_of = {gi.id: gi.profile_id for gi in gpu.gis}
+    on = sorted(profile_of[vf.gpu_instance_id] for vf in st.vgpu["0000:18:00.0"].vfs if vf.vgpu_type)
+    assert on == [9, 19, 19, 19]  # each vGPU on a GPU instance of its profile (3g = 9, 1g = 19)
+    assert sorted(profile_of.values()) == [9, 19, 19, 19]
+
+
+def test_vm_vgpu_to_passthrough_undoes_vgpus_then_binds(daemon) -> None:
+    d = daemon(["l40s"], LAYOUT.replace("""    - devices: [1]
+      workload: vm-vgpu
+      vgpu-devices: {"GRID T4-4Q": 2}
+""", ""), vgpu="vfio")
+    assert d.ctl("apply", "--wait", "--timeout", "120").returncode == 0
+    (d.tmp / "pt.yaml").write_text(d.config.read_text().replace("""      workload: vm-vgpu
+      vgpu-devices: {"L40S-12Q": 4}""", "      workload: vm-passthrough"))
+    plan = json.loads(d.ctl("plan", "--json", str(d.tmp / "pt.yaml")).stdout)
+    assert len(plan["disruption"]["vgpus_removed"]) == 4 and plan["disruption"]["vfs_disabled"] == [L40S]
+    d.config.write_text((d.tmp / "pt.yaml").read_text())
+    wait_until(lambda: load(d.host).functions[L40S].driver == "vfio-pci", 90, "L40S on vfio-pci")
+    assert load(d.host).vgpu[L40S].vfs == []
