@@ -120,3 +120,15 @@ def test_vgpu_device_manager_file_loads_unchanged() -> None:
         "0000:2a:00.0": ("vm-vgpu", {"A100-1-5C": 7}, {"1g.5gb": 7}),
         "0000:5d:00.0": ("vm-vgpu", {"T4-1Q": 16}, {}),
     }
+
+
+def test_shipped_vgpu_example_resolves_on_an_h200() -> None:
+    from pathlib import Path
+
+    from tests.layout.test_example import _uncommented
+
+    assert Path(__file__).resolve().parents[2].joinpath("etc/gpud/layout.yaml").exists()
+    r = check_text(_uncommented(), "layout.yaml", [GPUS[2]], select="vgpu")
+    assert r.errors == []
+    (d,) = r.desired.values()
+    assert (d.mig_enabled, d.mig_devices) == (True, {"1g.18gb": 4, "3g.71gb": 1})
