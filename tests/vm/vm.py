@@ -13,6 +13,7 @@ from __future__ import annotations
 import glob
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -82,12 +83,16 @@ def boot(out_dir: str, guest_script: str, *, timeout: float = 900.0, python: str
            f"--rwdir={out_dir}", "--append", "intel_iommu=on", f"--qemu-opts={QEMU_OPTS}",
            "--exec", guest_cmd]
     t0 = time.monotonic()
+    # its own session: on a timeout the whole tree goes (vng's QEMU child would outlive vng)
+    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env, cwd=out_dir, start_new_session=True)
     try:
-        r = subprocess.run(cmd, check=False, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=timeout, env=env,
-                           cwd=out_dir)
-        rc, console = r.returncode, r.stdout + r.stderr
-    except subprocess.TimeoutExpired as e:
-        rc, console = 124, f"{e.stdout or ''}{e.stderr or ''}\nTIMEOUT after {timeout}s"
+        out, err = proc.communicate(timeout=timeout)
+        rc, console = proc.returncode, out + err
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        rc, console = 124, f"{out or ''}{err or ''}\nTIMEOUT after {timeout}s"
     return rc, console, time.monotonic() - t0
 
 
