@@ -159,9 +159,11 @@ class VgpuSysfs:
         return [os.path.basename(os.readlink(self._dev(pf, e))) for _, e in found]
 
     def interface(self, pf: str, vfs: list[str] | None = None) -> str | None:
-        vfs = self.vfs(pf) if vfs is None else vfs
         if os.path.isdir(self._parent(pf, "mdev_supported_types")):
             return "mdev"
+        if not os.path.exists(self._dev(pf, "sriov_totalvfs")):
+            return None  # neither interface: two stat calls for every GPU without vGPUs
+        vfs = self.vfs(pf) if vfs is None else vfs
         if vfs:
             if os.path.exists(self._dev(vfs[0], "nvidia", "creatable_vgpu_types")):
                 return "vfio"
@@ -185,6 +187,8 @@ class VgpuSysfs:
                             vm=qemu_vm_name(self.procs.proc_root, h.pid)) for h in found)
 
     def read(self, pf: str) -> VgpuState:
+        if self.interface(pf, []) is None:
+            return VgpuState(interface=None)
         device = _int(_read(self._dev(pf, "device")))
         key = f"10de:{device:04x}"
         vfs = self.vfs(pf)
