@@ -104,6 +104,7 @@ class Daemon:
         self.stopping = asyncio.Event()
         self._reload_timer: asyncio.TimerHandle | None = None
         self._metrics_key: tuple | None = None
+        self._background: set[asyncio.Future] = set()  # tasks nothing else references
 
     # ---- event sources ---------------------------------------------------------------------
     async def watch_config(self) -> None:
@@ -154,6 +155,13 @@ class Daemon:
             except OSError as e:
                 log.warning("metrics not written to %s: %s", self.args.metrics_textfile, e)
 
+    def _reload_on_sighup(self, handler: RequestHandler) -> None:
+        """`kill -HUP`: re-read the file. The loop keeps only weak references to tasks, so the
+        reload task is held here until it ends, or it could be collected half-way."""
+        task = asyncio.ensure_future(handler.op_reload())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
     async def watchdog(self, interval: float) -> None:
         """Pinged from the loop itself, so a stuck loop stops the pings and systemd restarts us."""
         while True:
@@ -198,7 +206,7 @@ class Daemon:
             # Fault injection for the simulated host only: a stalled event loop, as a hung driver
             # call would cause, so the systemd watchdog can be seen to restart us.
             loop.add_signal_handler(signal.SIGUSR2, _stall_forever)
-        loop.add_signal_handler(signal.SIGHUP, lambda: asyncio.ensure_future(handler.op_reload()))
+        loop.add_signal_handler(signal.SIGHUP, self._reload_on_sighup, handler)
         self.rec.kick("start")
         self._update_status()
         self.notifier.ready()

@@ -1,9 +1,18 @@
-"""Known NVIDIA GPU models and their MIG profile tables.
+"""Known NVIDIA GPU models and their MIG profile tables, each figure from a named source.
 
 NVML is the source of truth for a GPU it can see. This table serves where NVML cannot be asked
 (a GPU on vfio-pci must still have its layout validated against its own model, mig-parted #157)
-and is what the simulator serves through its fake NVML. Figures come from `nvidia-smi mig -lgip`
-/ `-lgipp` of each model (the H200 row was captured on a real host: tests/fixtures/h200; docs/hardware/mig-nvml.md).
+and is what the simulator serves through its fake NVML. Every row is copied from one real
+`nvidia-smi mig -lgip` / `-lgipp` capture of the model (committed under
+tests/fixtures/captures/<model>/ with driver version and source) or from NVIDIA's MIG user guide;
+docs/hardware/mig-profiles.md names each source. Where no source gives a value the model lists it
+in `unknown` and the table holds a placeholder that nothing may present as fact: such a model is
+known by name (layouts naming its profiles validate) but the simulator does not offer it.
+
+Memory: `nvidia-smi` prints GiB with two decimals; every MIG memory size seen in a source is a
+multiple of 64 MiB (the H200 NVML probe in tests/fixtures/h200; MIG device sizes in the A30 and
+H100 NVL captures), and 64 MiB steps are wider than the printed precision, so each printed figure
+names exactly one MiB value (`_mib`). NVML semantics behind the tables: docs/hardware/mig-nvml.md.
 """
 
 from __future__ import annotations
@@ -15,19 +24,19 @@ from gpud.model import CiProfile, Gpu, MigProfile, Placement
 
 NVIDIA = 0x10DE
 
-# GI profile id -> (memory slices, compute slices, instance count, allowed starts): identical on every
-# 7-slice GPU (A100, H100, H100 NVL, H200).
-_GEOMETRY: dict[int, tuple[int, int, int, tuple[int, ...]]] = {
-    19: (1, 1, 7, (0, 1, 2, 3, 4, 5, 6)),
-    20: (1, 1, 1, (0, 1, 2, 3, 4, 5, 6)),
-    15: (2, 1, 4, (0, 2, 4, 6)),
-    14: (2, 2, 3, (0, 2, 4)),
-    9: (4, 3, 2, (0, 4)),
-    5: (4, 4, 1, (0,)),
-    0: (8, 7, 1, (0,)),
+# NVML GI profile *index* constants (nvml.h NVML_GPU_INSTANCE_PROFILE_*): what
+# nvmlDeviceGetGpuInstanceProfileInfo takes. The *id* it answers with differs per model (the A30's
+# 1-slice profile is id 14, an H100's id 19), so each model maps its own ids (`ModelInfo.gi_index`).
+SLICE_INDEX = {1: 0x0, 2: 0x1, 3: 0x2, 4: 0x3, 7: 0x4, 8: 0x5, 6: 0x6}
+_SUFFIX_INDEX = {  # (compute slices, name suffix) -> index constant
+    (1, "+me"): 0x7, (2, "+me"): 0x8,          # *_REV1: media extensions
+    (1, "+gfx"): 0xA, (2, "+gfx"): 0xB, (4, "+gfx"): 0xC, (3, "+gfx"): 0x11,
+    (1, "-me"): 0xD, (2, "-me"): 0xE,          # *_NO_ME
+    (1, "+me.all"): 0xF, (2, "+me.all"): 0x10,  # *_ALL_ME
 }
+INDEX_1_SLICE_REV2 = 0x9  # a 1-slice profile with twice the memory slices (1g.20gb on an H100)
 
-# NVML GI profile *index* constant for each id (what nvmlDeviceGetGpuInstanceProfileInfo takes).
+# GI profile id -> index constant on the 7-slice Ampere/Hopper GPUs (what `nvidia-smi` orders by).
 GI_PROFILE_INDEX: dict[int, int] = {19: 0, 14: 1, 9: 2, 5: 3, 0: 4, 20: 7, 15: 9}
 
 # gpuInstanceId / computeInstanceId NVML reports for a process running outside any MIG instance.
@@ -38,27 +47,24 @@ CI_PROFILE_ID: dict[int, int] = {1: 0, 2: 1, 3: 2, 4: 3, 7: 4}
 # CI sizes each GI size can be divided into (4g cannot hold a 3c).
 _CI_SPLITS: dict[int, tuple[int, ...]] = {1: (1,), 2: (1, 2), 3: (1, 2, 3), 4: (1, 2, 4), 7: (1, 2, 3, 4, 7)}
 
-# Engines per GI profile id (copy, decoder, encoder, jpeg, ofa), as the H200 reports them.
-_ENGINES: dict[int, tuple[int, int, int, int, int]] = {
-    19: (1, 1, 0, 1, 0),
-    20: (1, 1, 0, 1, 1),
-    15: (1, 1, 0, 1, 0),
-    14: (2, 2, 0, 2, 0),
-    9: (3, 3, 0, 3, 0),
-    5: (4, 4, 0, 4, 0),
-    0: (8, 7, 0, 7, 1),
-}
+WHOLE_GPU = "(GPU)"  # `unknown` key for the GPU's own fields (its total memory)
+
+# Field names a table may mark unknown (MigProfile attribute names, plus "placements" starts).
+PROFILE_FIELDS = ("id", "memory_mb", "sms", "instance_count", "placements", "ci_profiles",
+                  "copy_engines", "decoders", "encoders", "jpegs", "ofas")
 
 
 class ModelInfo(Struct, frozen=True):
     key: str  # simulator model name: "h200"
     name: str  # NVML name: "NVIDIA H200"
     device: int  # PCI device id
-    subsystem_device: int
+    subsystem_device: int | None  # None: no source names it (the simulator then serves 0)
     memory_mb: int  # NVML total memory in MiB
-    arch: str  # "turing" | "ampere" | "hopper" | "ada"
+    arch: str  # "turing" | "ampere" | "hopper" | "blackwell" | "ada"
     profiles: tuple[MigProfile, ...] = ()  # empty: not MIG capable
     audio_device: int | None = None  # PCI id of an HD-audio function on the same card
+    source: str = ""  # where the MIG table comes from (capture directory or document)
+    unknown: tuple[tuple[str, tuple[str, ...]], ...] = ()  # (profile name, fields no source gives)
 
     @property
     def mig_capable(self) -> bool:
@@ -68,6 +74,45 @@ class ModelInfo(Struct, frozen=True):
     def mode_change_needs_reset(self) -> bool:
         """Ampere keeps a MIG mode change pending until a GPU reset; Hopper applies it when idle."""
         return self.arch == "ampere"
+
+    @property
+    def complete(self) -> bool:
+        """Every value of the MIG table comes from a source: NVML could be answered from it."""
+        return not self.unknown
+
+    def unknown_fields(self, profile_name: str) -> tuple[str, ...]:
+        return next((fields for name, fields in self.unknown if name == profile_name), ())
+
+    @property
+    def gi_index(self) -> dict[int, int]:
+        """Profile id -> the NVML index constant that answers it (rows whose id is known)."""
+        known = [p for p in self.profiles if "id" not in self.unknown_fields(p.name)]
+        plain_1g = [p.memory_mb for p in known if p.slices == 1 and _suffix(p.name) == ""]
+        return {p.id: index_constant(p, min(plain_1g, default=0)) for p in known}
+
+
+def _suffix(name: str) -> str:
+    return name[name.index("gb") + 2:]
+
+
+def index_constant(p: MigProfile, smallest_1g_mb: int) -> int:
+    """The NVML index constant of a profile, from what its name says (nvml.h's naming): the suffix
+    picks the variant; a plain 1-slice profile with more memory than the GPU's smallest plain
+    1-slice one is the double-memory REV2 profile (1g.20gb next to 1g.10gb on an H100)."""
+    suffix = _suffix(p.name)
+    if suffix:
+        return _SUFFIX_INDEX[(p.slices, suffix)]
+    if p.slices == 1 and p.memory_mb > smallest_1g_mb:
+        return INDEX_1_SLICE_REV2
+    return SLICE_INDEX[p.slices]
+
+
+def _mib(gib: str) -> int:
+    """`nvidia-smi`'s two-decimal GiB figure -> the one multiple of 64 MiB that prints so."""
+    sixteenths = round(float(gib) * 16)
+    if f"{sixteenths / 16:.2f}" != gib:
+        raise ValueError(f"{gib} GiB is not a printed multiple of 1/16 GiB")
+    return sixteenths * 64
 
 
 def _ci_profiles(gi_slices: int, sms_per_slice: int, gi_sms: int) -> tuple[CiProfile, ...]:
@@ -82,73 +127,190 @@ def _ci_profiles(gi_slices: int, sms_per_slice: int, gi_sms: int) -> tuple[CiPro
     )
 
 
-def _table(rows: dict[int, tuple[str, int, int]]) -> tuple[MigProfile, ...]:
-    """rows: GI profile id -> (name, memory MiB, SMs)."""
-    sms_per_slice = rows[19][2]
+# One `nvidia-smi mig -lgip` row plus its `-lgipp` line:
+# (id, name, GiB, instances, SM, DEC, ENC, CE, JPEG, OFA, starts, memory slices per instance)
+Row = tuple[int, str, str, int, int, int, int, int, int, int, tuple[int, ...], int]
+
+
+def _table(rows: tuple[Row, ...]) -> tuple[MigProfile, ...]:
+    """A complete table from capture rows. CI profiles follow the CI-split rule (docs)."""
+    plain_1g = [r for r in rows if r[1].startswith("1g.") and "+" not in r[1] and "-" not in r[1]]
+    sms_per_slice = min((r[4] for r in plain_1g), default=0)
     out = []
-    for pid, (name, mem, sms) in rows.items():
-        mem_slices, slices, count, starts = _GEOMETRY[pid]
-        ce, dec, enc, jpg, ofa = _ENGINES[pid]
-        out.append(
-            MigProfile(
-                id=pid,
-                name=name,
-                slices=slices,
-                memory_mb=mem,
-                sms=sms,
-                instance_count=count,
-                placements=tuple(Placement(s, mem_slices) for s in starts),
-                ci_profiles=_ci_profiles(slices, sms_per_slice, sms),
-                copy_engines=ce,
-                decoders=dec,
-                encoders=enc,
-                jpegs=jpg,
-                ofas=ofa,
-            )
-        )
+    for pid, name, gib, count, sms, dec, enc, ce, jpeg, ofa, starts, size in rows:
+        slices = int(name.split("g.", 1)[0])
+        out.append(MigProfile(
+            id=pid, name=name, slices=slices, memory_mb=_mib(gib), sms=sms, instance_count=count,
+            placements=tuple(Placement(s, size) for s in starts),
+            ci_profiles=_ci_profiles(slices, sms_per_slice, sms),
+            copy_engines=ce, decoders=dec, encoders=enc, jpegs=jpeg, ofas=ofa))
     return tuple(out)
 
 
-def _seven_slice(g1: str, g1mem: int, g1b: str, g2mem: int, g2: str, g3: str, g4: str, g4mem: int, g7: str, g7mem: int,
-                 sms: tuple[int, int, int, int, int, int, int]) -> tuple[MigProfile, ...]:
-    return _table({
-        19: (g1, g1mem, sms[0]),
-        20: (g1 + "+me", g1mem, sms[1]),
-        15: (g1b, g2mem, sms[2]),
-        14: (g2, g2mem, sms[3]),
-        9: (g3, g4mem, sms[4]),
-        5: (g4, g4mem, sms[5]),
-        0: (g7, g7mem, sms[6]),
-    })
+def _partial(rows: tuple[Row, ...], names_only: tuple[tuple[str, int], ...],
+             cut_off: tuple[tuple[str, tuple[str, ...]], ...] = ()
+             ) -> tuple[tuple[MigProfile, ...], tuple[tuple[str, tuple[str, ...]], ...]]:
+    """Captured `-lgip` rows (complete but for placements and CI profiles: no `-lgipp` or `-lcip` of
+    these models was published) plus profiles
+    known by name and instance count only (NVIDIA's default MIG config / MIG user guide). A
+    name-only profile gets a negative placeholder id that no NVML call ever sees: the simulator
+    refuses such a model, and on a real GPU NVML's own table replaces this one. `cut_off`: fields of
+    a captured row the published text does not show (their row values are ignored)."""
+    missing = dict(cut_off)
+    captured = tuple(replace(p, placements=(), ci_profiles=(), **{f: 0 for f in missing.get(p.name, ())})
+                     for p in _table(rows))
+    unknown = [(p.name, ("placements", "ci_profiles", *missing.get(p.name, ()))) for p in captured]
+    named = []
+    for n, (name, count) in enumerate(names_only, start=1):
+        named.append(MigProfile(id=-n, name=name, slices=int(name.split("g.", 1)[0]), memory_mb=0, sms=0,
+                                instance_count=count, placements=()))
+        fields = [f for f in PROFILE_FIELDS if not (f == "instance_count" and count)]
+        unknown.append((name, tuple(fields)))
+    return captured + tuple(named), tuple(unknown)
 
 
-_HOPPER_SMS = (16, 16, 26, 32, 60, 64, 132)
-_AMPERE_SMS = (14, 14, 14, 28, 42, 56, 98)
+# --- tables: one real capture per model (tests/fixtures/captures/<key>/README.md names it) -------
+
+_SEVEN_SLICE_STARTS = {19: (0, 1, 2, 3, 4, 5, 6), 20: (0, 1, 2, 3, 4, 5, 6), 15: (0, 2, 4, 6),
+                       14: (0, 2, 4), 9: (0, 4), 5: (0,), 0: (0,)}
+_SEVEN_SLICE_SIZE = {19: 1, 20: 1, 15: 2, 14: 2, 9: 4, 5: 4, 0: 8}
+
+
+def _seven(pid: int, name: str, gib: str, count: int, sms: int, dec: int, enc: int, ce: int, jpeg: int,
+           ofa: int) -> Row:
+    """A 7-slice GPU's row; its `-lgipp` line is the one every 7-slice capture shows for that id."""
+    return (pid, name, gib, count, sms, dec, enc, ce, jpeg, ofa, _SEVEN_SLICE_STARTS[pid], _SEVEN_SLICE_SIZE[pid])
+
+
+# A100-SXM4-40GB: NVIDIA MIG user guide, "Getting started with MIG" (-lgip and -lgipp).
+A100_40GB = _table((
+    _seven(19, "1g.5gb", "4.75", 7, 14, 0, 0, 1, 0, 0),
+    _seven(20, "1g.5gb+me", "4.75", 1, 14, 1, 0, 1, 1, 1),
+    _seven(15, "1g.10gb", "9.62", 4, 14, 1, 0, 1, 0, 0),
+    _seven(14, "2g.10gb", "9.62", 3, 28, 1, 0, 2, 0, 0),
+    _seven(9, "3g.20gb", "19.50", 2, 42, 2, 0, 3, 0, 0),
+    _seven(5, "4g.20gb", "19.50", 1, 56, 2, 0, 4, 0, 0),
+    _seven(0, "7g.40gb", "39.25", 1, 98, 5, 0, 7, 1, 1),
+))
+# A100 80GB PCIe, driver 515.86.01: this driver has no 1g.20gb (id 15) profile.
+A100_80GB = _table((
+    _seven(19, "1g.10gb", "9.50", 7, 14, 0, 0, 1, 0, 0),
+    _seven(20, "1g.10gb+me", "9.50", 1, 14, 1, 0, 1, 1, 1),
+    _seven(14, "2g.20gb", "19.50", 3, 28, 1, 0, 2, 0, 0),
+    _seven(9, "3g.40gb", "39.25", 2, 42, 2, 0, 3, 0, 0),
+    _seven(5, "4g.40gb", "39.25", 1, 56, 2, 0, 4, 0, 0),
+    _seven(0, "7g.80gb", "79.00", 1, 98, 5, 0, 7, 1, 1),
+))
+# H100 80GB HBM3 (driver not stated by the capture).
+H100_80GB = _table((
+    _seven(19, "1g.10gb", "9.75", 7, 16, 1, 0, 1, 1, 0),
+    _seven(20, "1g.10gb+me", "9.75", 1, 16, 1, 0, 1, 1, 1),
+    _seven(15, "1g.20gb", "19.62", 4, 26, 1, 0, 1, 1, 0),
+    _seven(14, "2g.20gb", "19.62", 3, 32, 2, 0, 2, 2, 0),
+    _seven(9, "3g.40gb", "39.50", 2, 60, 3, 0, 3, 3, 0),
+    _seven(5, "4g.40gb", "39.50", 1, 64, 4, 0, 4, 4, 0),
+    _seven(0, "7g.80gb", "79.25", 1, 132, 7, 0, 8, 7, 1),
+))
+# H100 NVL, driver 560.35.03.
+H100_NVL = _table((
+    _seven(19, "1g.12gb", "10.75", 7, 16, 1, 0, 1, 1, 0),
+    _seven(20, "1g.12gb+me", "10.75", 1, 16, 1, 0, 1, 1, 1),
+    _seven(15, "1g.24gb", "21.62", 4, 26, 1, 0, 1, 1, 0),
+    _seven(14, "2g.24gb", "21.62", 3, 32, 2, 0, 2, 2, 0),
+    _seven(9, "3g.47gb", "46.38", 2, 60, 3, 0, 3, 3, 0),
+    _seven(5, "4g.47gb", "46.38", 1, 64, 4, 0, 4, 4, 0),
+    _seven(0, "7g.94gb", "93.12", 1, 132, 7, 0, 8, 7, 1),
+))
+# H200 141GB, driver 580.159.04: this project's own read-only capture (tests/fixtures/h200).
+H200 = _table((
+    _seven(19, "1g.18gb", "16.00", 7, 16, 1, 0, 1, 1, 0),
+    _seven(20, "1g.18gb+me", "16.00", 1, 16, 1, 0, 1, 1, 1),
+    _seven(15, "1g.35gb", "32.50", 4, 26, 1, 0, 1, 1, 0),
+    _seven(14, "2g.35gb", "32.50", 3, 32, 2, 0, 2, 2, 0),
+    _seven(9, "3g.71gb", "69.75", 2, 60, 3, 0, 3, 3, 0),
+    _seven(5, "4g.71gb", "69.75", 1, 64, 4, 0, 4, 4, 0),
+    _seven(0, "7g.141gb", "140.00", 1, 132, 7, 0, 8, 7, 1),
+))
+# A30 24GB (4 memory slices, 4 compute slices); a pre-R525 driver: no 2g.12gb+me yet.
+A30 = _table((
+    (14, "1g.6gb", "5.81", 4, 14, 1, 0, 1, 0, 0, (0, 1, 2, 3), 1),
+    (21, "1g.6gb+me", "5.81", 1, 14, 1, 0, 1, 1, 1, (0, 1, 2, 3), 1),
+    (5, "2g.12gb", "11.69", 2, 28, 2, 0, 2, 0, 0, (0, 2), 2),
+    (0, "4g.24gb", "23.50", 1, 56, 4, 0, 4, 1, 1, (0,), 4),
+))
+# RTX PRO 6000 Blackwell Server Edition 96GB, driver 610.43.02 (12 memory slices, 4 compute slices).
+RTX_PRO_6000 = _table((
+    (14, "1g.24gb", "23.62", 4, 46, 1, 1, 1, 1, 0, (0, 3, 6, 9), 3),
+    (21, "1g.24gb+me", "23.62", 1, 46, 1, 1, 1, 1, 1, (0, 3, 6, 9), 3),
+    (47, "1g.24gb+gfx", "23.62", 4, 46, 1, 1, 1, 1, 0, (0, 3, 6, 9), 3),
+    (65, "1g.24gb+me.all", "23.62", 1, 46, 4, 4, 1, 4, 1, (0, 3, 6, 9), 3),
+    (67, "1g.24gb-me", "23.62", 4, 46, 0, 0, 1, 0, 0, (0, 3, 6, 9), 3),
+    (5, "2g.48gb", "47.38", 2, 94, 2, 2, 2, 2, 0, (0, 6), 6),
+    (35, "2g.48gb+gfx", "47.38", 2, 94, 2, 2, 2, 2, 0, (0, 6), 6),
+    (64, "2g.48gb+me.all", "47.38", 1, 94, 4, 4, 2, 4, 1, (0, 6), 6),
+    (66, "2g.48gb-me", "47.38", 2, 94, 0, 0, 2, 0, 0, (0, 6), 6),
+    (0, "4g.96gb", "95.12", 1, 188, 4, 4, 4, 4, 1, (0,), 12),
+    (32, "4g.96gb+gfx", "95.12", 1, 188, 4, 4, 4, 4, 1, (0,), 12),
+))
+
+# Partial tables: the rows of a real -lgip capture (no -lgipp was published), plus profiles NVIDIA's
+# default MIG config names for the model with no published row. Instance counts of name-only rows:
+# MIG user guide (B200 table); 0 where no source gives one.
+B200, _B200_UNKNOWN = _partial((
+    _seven(19, "1g.23gb", "20.50", 7, 18, 1, 0, 2, 1, 0),
+    _seven(20, "1g.23gb+me", "20.50", 1, 18, 1, 0, 2, 1, 1),
+    _seven(15, "1g.45gb", "44.25", 4, 30, 1, 0, 2, 1, 0),
+    _seven(14, "2g.45gb", "44.25", 3, 36, 2, 0, 4, 2, 0),
+), (("3g.90gb", 2), ("4g.90gb", 1), ("7g.180gb", 1)))
+GB200, _GB200_UNKNOWN = _partial((
+    _seven(19, "1g.23gb", "22.00", 7, 18, 1, 0, 2, 1, 0),
+    _seven(20, "1g.23gb+me", "22.00", 1, 18, 1, 0, 2, 1, 1),
+    _seven(15, "1g.47gb", "45.50", 4, 32, 1, 0, 2, 1, 0),
+    _seven(14, "2g.47gb", "45.50", 3, 38, 2, 0, 0, 0, 0),  # its CE/JPEG/OFA line is cut off
+), (("3g.93gb", 0), ("4g.93gb", 0), ("7g.186gb", 0)),
+    cut_off=(("2g.47gb", ("copy_engines", "jpegs", "ofas")),))
+GH200_144GB, _GH200_144GB_UNKNOWN = _partial((
+    _seven(19, "1g.18gb", "17.50", 7, 16, 1, 0, 1, 1, 0),
+    _seven(20, "1g.18gb+me", "17.50", 1, 16, 1, 0, 1, 1, 1),
+    _seven(15, "1g.36gb", "35.25", 4, 26, 1, 0, 1, 1, 0),
+    _seven(14, "2g.36gb", "35.25", 3, 32, 2, 0, 2, 2, 0),
+), (("3g.72gb", 0), ("4g.72gb", 0), ("7g.144gb", 0)))
+GH200_96GB, _GH200_96GB_UNKNOWN = _partial((), (
+    ("1g.12gb", 0), ("1g.12gb+me", 0), ("1g.24gb", 0), ("2g.24gb", 0), ("3g.48gb", 0), ("4g.48gb", 0),
+    ("7g.96gb", 0)))
+
+_CAPTURES = "tests/fixtures/captures/"
 
 MODELS: dict[str, ModelInfo] = {
     m.key: m
     for m in (
-        ModelInfo("a100-40gb", "NVIDIA A100-SXM4-40GB", 0x20B0, 0x134F, 40960, "ampere",
-                  _seven_slice("1g.5gb", 4864, "1g.10gb", 9856, "2g.10gb", "3g.20gb", "4g.20gb", 19968,
-                               "7g.40gb", 40192, _AMPERE_SMS)),
-        ModelInfo("a100-pcie-40gb", "NVIDIA A100-PCIE-40GB", 0x20F1, 0x145F, 40960, "ampere",
-                  _seven_slice("1g.5gb", 4864, "1g.10gb", 9856, "2g.10gb", "3g.20gb", "4g.20gb", 19968,
-                               "7g.40gb", 40192, _AMPERE_SMS)),
-        ModelInfo("a100-80gb", "NVIDIA A100-SXM4-80GB", 0x20B2, 0x1463, 81920, "ampere",
-                  _seven_slice("1g.10gb", 9728, "1g.20gb", 19968, "2g.20gb", "3g.40gb", "4g.40gb", 40192,
-                               "7g.80gb", 81152, _AMPERE_SMS)),
-        ModelInfo("h100-80gb", "NVIDIA H100 80GB HBM3", 0x2330, 0x16C1, 81559, "hopper",
-                  _seven_slice("1g.10gb", 9984, "1g.20gb", 20096, "2g.20gb", "3g.40gb", "4g.40gb", 40448,
-                               "7g.80gb", 81152, _HOPPER_SMS)),
-        ModelInfo("h100-pcie", "NVIDIA H100 PCIe", 0x2331, 0x1626, 81559, "hopper",
-                  _seven_slice("1g.10gb", 9984, "1g.20gb", 20096, "2g.20gb", "3g.40gb", "4g.40gb", 40448,
-                               "7g.80gb", 81152, (14, 14, 14, 30, 46, 62, 114))),
-        ModelInfo("h100-nvl", "NVIDIA H100 NVL", 0x2321, 0x1839, 95830, "hopper",
-                  _seven_slice("1g.12gb", 11008, "1g.24gb", 22144, "2g.24gb", "3g.47gb", "4g.47gb", 44544,
-                               "7g.94gb", 89088, _HOPPER_SMS)),
-        ModelInfo("h200", "NVIDIA H200", 0x2335, 0x18BF, 143771, "hopper",
-                  _seven_slice("1g.18gb", 16384, "1g.35gb", 33280, "2g.35gb", "3g.71gb", "4g.71gb", 71424,
-                               "7g.141gb", 143360, _HOPPER_SMS)),
+        ModelInfo("a100-40gb", "NVIDIA A100-SXM4-40GB", 0x20B0, 0x134F, 40960, "ampere", A100_40GB,
+                  source=_CAPTURES + "a100-40gb"),
+        ModelInfo("a100-pcie-40gb", "NVIDIA A100-PCIE-40GB", 0x20F1, 0x145F, 40960, "ampere", A100_40GB,
+                  source=_CAPTURES + "a100-40gb (the SXM4 card's capture: the same GA100 and 40 GB; no capture "
+                                     "of the PCIe card; here for its vGPU types, A100-*)"),
+        ModelInfo("a100-80gb", "NVIDIA A100 80GB PCIe", 0x20B5, None, 81920, "ampere", A100_80GB,
+                  source=_CAPTURES + "a100-80gb"),
+        ModelInfo("h100-80gb", "NVIDIA H100 80GB HBM3", 0x2330, 0x16C1, 81559, "hopper", H100_80GB,
+                  source=_CAPTURES + "h100-80gb"),
+        ModelInfo("h100-nvl", "NVIDIA H100 NVL", 0x2321, 0x1839, 95830, "hopper", H100_NVL,
+                  source=_CAPTURES + "h100-nvl"),
+        ModelInfo("h200", "NVIDIA H200", 0x2335, 0x18BF, 143771, "hopper", H200, source="tests/fixtures/h200"),
+        ModelInfo("a30", "NVIDIA A30", 0x20B7, None, 24576, "ampere", A30, source=_CAPTURES + "a30"),
+        ModelInfo("rtx-pro-6000", "NVIDIA RTX PRO 6000 Blackwell Server Edition", 0x2BB5, None, 97887,
+                  "blackwell", RTX_PRO_6000, source=_CAPTURES + "rtx-pro-6000"),
+        ModelInfo("b200", "NVIDIA B200", 0x2901, None, 0, "blackwell", B200,
+                  source="github.com/NVIDIA/mig-parted/pull/187 (-lgip, first four rows)",
+                  unknown=_B200_UNKNOWN + ((WHOLE_GPU, ("memory_mb",)),)),
+        ModelInfo("gb200", "NVIDIA GB200", 0x2941, None, 0, "blackwell", GB200,
+                  source="github.com/NVIDIA/mig-parted/issues/227 (-lgip, first four rows)",
+                  unknown=_GB200_UNKNOWN + ((WHOLE_GPU, ("memory_mb",)),)),
+        ModelInfo("gh200-144gb", "NVIDIA GH200 144G HBM3e", 0x2348, None, 0, "hopper", GH200_144GB,
+                  source="github.com/NVIDIA/mig-parted/pull/139 (-lgip, first four rows)",
+                  unknown=_GH200_144GB_UNKNOWN + ((WHOLE_GPU, ("memory_mb",)),)),
+        ModelInfo("gh200-96gb", "NVIDIA GH200 96GB", 0x2342, None, 0, "hopper", GH200_96GB,
+                  source="names only: NVIDIA gpu-operator default MIG config",
+                  unknown=_GH200_96GB_UNKNOWN + ((WHOLE_GPU, ("memory_mb",)),)),
         ModelInfo("l40s", "NVIDIA L40S", 0x26B9, 0x1851, 46068, "ada"),
         ModelInfo("t4", "Tesla T4", 0x1EB8, 0x12A2, 15360, "turing"),
         ModelInfo("rtx6000-ada", "NVIDIA RTX 6000 Ada Generation", 0x26B1, 0x16A1, 49140, "ada",

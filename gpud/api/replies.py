@@ -23,7 +23,7 @@ from gpud.model import Gpu, Holder, MigProfile, Placement, VgpuDevice
 from gpud.plan.binding import BindStep
 from gpud.plan.mig import Destroyed, GpuPlan, Step
 from gpud.plan.vgpu import VgpuStep
-from gpud.profiles import GI_PROFILE_INDEX, by_device, model_name
+from gpud.profiles import GI_PROFILE_INDEX, NVIDIA, ModelInfo, by_device, model_name
 from gpud.vgpu_types import by_device as vgpu_model_of
 from gpud.vgpu_types import parse_vgpu_name
 
@@ -243,15 +243,47 @@ def profile_info(gpu: Gpu, profile: MigProfile) -> wire.ProfileInfo:
     )
 
 
+# gpud.profiles field names -> the ProfileInfo fields that carry them.
+_WIRE_FIELD = {"id": "id", "memory_mb": "memory_mb", "sms": "sms", "instance_count": "total",
+               "placements": "placements", "copy_engines": "ce", "decoders": "dec", "encoders": "enc",
+               "jpegs": "jpg", "ofas": "ofa"}
+
+
+def table_profile_info(model: ModelInfo, profile: MigProfile) -> wire.ProfileInfo:
+    """A row of gpud's table of known models, for a GPU NVML cannot see: what no source gives is
+    marked unknown; how many instances are free is unknown too (nothing can count them)."""
+    fields = model.unknown_fields(profile.name)
+    unknown = [_WIRE_FIELD[f] for f in fields if f in _WIRE_FIELD]
+    if "id" in fields:  # a profile known by name only: no listing shows even its P2P flag
+        unknown.append("p2p")
+    return wire.ProfileInfo(
+        id=profile.id, name=profile.name, memory_mb=profile.memory_mb, sms=profile.sms, slices=profile.slices,
+        free=0, total=profile.instance_count, placements=[placement(p) for p in profile.placements],
+        ce=profile.copy_engines, dec=profile.decoders, enc=profile.encoders, jpg=profile.jpegs, ofa=profile.ofas,
+        unknown=["free", *unknown],
+    )
+
+
+def _nvidia_smi_order(profiles: tuple[MigProfile, ...]) -> list[MigProfile]:
+    """nvidia-smi's order: by size, then NVML's profile index (1g, 1g+me, 1g double memory, 2g ...)."""
+    return sorted(profiles, key=lambda p: (p.slices, GI_PROFILE_INDEX.get(p.id, p.id)))
+
+
 def mig_profiles_reply(gpus: list[Gpu]) -> wire.MigProfilesReply:
+    """NVML's table of each MIG-capable GPU; for a GPU NVML cannot see, gpud's table of its model."""
     reply = wire.MigProfilesReply()
     for g in gpus:
-        if g.nvml is None or not g.nvml.mig_capable:
+        if g.nvml is not None:
+            if g.nvml.mig_capable:
+                reply.gpus.append(wire.GpuProfiles(
+                    index=g.index, pci=g.pci, model=model_name(g),
+                    profiles=[profile_info(g, p) for p in _nvidia_smi_order(g.nvml.profiles)]))
             continue
-        # nvidia-smi's order: by size, then NVML's profile index (1g, 1g+me, 1g double memory, 2g ...)
-        ordered = sorted(g.nvml.profiles, key=lambda p: (p.slices, GI_PROFILE_INDEX.get(p.id, p.id)))
-        reply.gpus.append(wire.GpuProfiles(index=g.index, pci=g.pci, model=model_name(g),
-                                           profiles=[profile_info(g, p) for p in ordered]))
+        model = by_device(g.function.device) if g.function.vendor == NVIDIA else None
+        if model is not None and model.mig_capable:
+            reply.gpus.append(wire.GpuProfiles(
+                index=g.index, pci=g.pci, model=model.name, source="table",
+                profiles=[table_profile_info(model, p) for p in _nvidia_smi_order(model.profiles)]))
     return reply
 
 

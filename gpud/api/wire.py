@@ -332,6 +332,9 @@ class ProfileInfo(msgspec.Struct, kw_only=True):
     jpg: int = 0
     ofa: int = 0
     p2p: bool = False
+    # Fields of this row no source gives ("memory_mb", "sms", "placements", "free", ...): their
+    # values above are placeholders a client must show as unknown, never as numbers.
+    unknown: list[str] = []
 
 
 class GpuProfiles(msgspec.Struct, kw_only=True):
@@ -339,6 +342,9 @@ class GpuProfiles(msgspec.Struct, kw_only=True):
     pci: str
     model: str = ""
     profiles: list[ProfileInfo] = []
+    # "nvml": the GPU's own answer; "table": gpud's table of known models (NVML cannot see the
+    # GPU, e.g. it sits on vfio-pci), with its sources in docs/hardware/mig-profiles.md.
+    source: str = "nvml"
 
 
 class MigProfilesReply(msgspec.Struct, kw_only=True):

@@ -177,7 +177,9 @@ def render_plan(r: wire.PlanReply) -> str:
 
 
 def render_mig_profiles(r: wire.MigProfilesReply) -> str:
-    """`nvidia-smi mig -lgip` followed by `nvidia-smi mig -lgipp`."""
+    """`nvidia-smi mig -lgip` followed by `nvidia-smi mig -lgipp`. A GPU NVML cannot see is listed
+    from gpud's table of its model, after a note saying so; a value that table has no source for
+    is printed as `?`."""
     bar = "+" + "-" * 79 + "+"
     out = [bar,
            "| GPU instance profiles:".ljust(80) + "|",
@@ -186,21 +188,32 @@ def render_mig_profiles(r: wire.MigProfilesReply) -> str:
            "|" + "=" * 79 + "|"]
     for g in r.gpus:
         for p in g.profiles:
-            mem = f"{p.memory_mb / 1024:.2f}"
-            first = (f"|{g.index:>4}  {'MIG ' + p.name:<18}{p.id:>4}{p.free:>6}/{p.total:<9}"
-                     f"{mem:<11}{'Yes' if p.p2p else 'No':<7}{p.sms:<7}{p.dec:<6}{p.enc:<4}")
+            def shown(field: str, value: object) -> str:
+                return "?" if field in p.unknown else str(value)
+            mem = shown("memory_mb", f"{p.memory_mb / 1024:.2f}")
+            first = (f"|{g.index:>4}  {'MIG ' + p.name:<18}{shown('id', p.id):>4}{shown('free', p.free):>6}/"
+                     f"{shown('total', p.total):<9}{mem:<11}{shown('p2p', 'Yes' if p.p2p else 'No'):<7}{shown('sms', p.sms):<7}"
+                     f"{shown('dec', p.dec):<6}{shown('enc', p.enc):<4}")
             out.append(first.ljust(80) + "|")
-            out.append(f"|{'':<63}{p.ce:<6}{p.jpg:<6}{p.ofa:<4}".ljust(80) + "|")
+            out.append(f"|{'':<63}{shown('ce', p.ce):<6}{shown('jpg', p.jpg):<6}{shown('ofa', p.ofa):<4}".ljust(80) + "|")
             out.append(bar)
     if not any(g.profiles for g in r.gpus):
         out.append("| No MIG-capable GPU found".ljust(80) + "|")
         out.append(bar)
     for g in r.gpus:
         for p in g.profiles:
+            pid = "?" if "id" in p.unknown else p.id
+            if "placements" in p.unknown:
+                out.append(f"GPU {g.index:>2} Profile ID {pid:>2} Placements: unknown")
+                continue
             size = p.placements[0].size if p.placements else 0
             starts = ",".join(str(pl.start) for pl in p.placements)
             word = "Placements:" if len(p.placements) > 1 else "Placement :"
-            out.append(f"GPU {g.index:>2} Profile ID {p.id:>2} {word} {{{starts}}}:{size}")
+            out.append(f"GPU {g.index:>2} Profile ID {pid:>2} {word} {{{starts}}}:{size}")
+    tables = [g for g in r.gpus if g.source == "table" and g.profiles]
+    for g in tables:
+        out.append(f"GPU {g.index:>2} ({g.pci}, {g.model}): NVML cannot see it; gpud's table of the model "
+                   "(sources: docs/hardware/mig-profiles.md), ? where no source gives the value")
     return "\n".join(out)
 
 

@@ -16,11 +16,15 @@ from msgspec import Struct
 
 from gpud.model import CiProfile, GpuInstance, MigProfile, NvmlGpu
 
-# `[Nc.]Ng.NNgb[suffix]`. Suffixes are NVML's profile attributes: `+me` (media extensions) today;
-# `-me`, `+me.all`, `+gfx` appear on Blackwell. The table lookup decides which a model has.
-_NAME = re.compile(r"(?:([1-9][0-9]?)c\.)?([1-9][0-9]?)g\.([1-9][0-9]{0,3})gb((?:[+-][a-z]+(?:\.[a-z]+)?)?)")
+# `[Nc.]Ng.NNgb[suffix]`. The suffixes are the GI profile variants NVML names (nvml.h
+# NVML_GPU_INSTANCE_PROFILE_*_REV1 / _GFX / _NO_ME / _ALL_ME): `+me` media extensions (A30, A100,
+# Hopper, Blackwell), `+gfx` graphics, `-me` no media engines, `+me.all` all of them (RTX PRO
+# Blackwell; docs/hardware/mig-profiles.md). Which ones a GPU has is its table's business.
+SUFFIXES = ("+me", "+me.all", "-me", "+gfx")
+_NAME = re.compile(r"(?:([1-9][0-9]?)c\.)?([1-9][0-9]?)g\.([1-9][0-9]{0,3})gb(\+me\.all|\+me|-me|\+gfx|)")
 
-SYNTAX = "[Nc.]Ng.NNgb[+me], e.g. 1g.10gb, 1g.10gb+me, 1c.3g.40gb"
+SYNTAX = ("[Nc.]Ng.NNgb[+me|+me.all|-me|+gfx], e.g. 1g.10gb, 1g.10gb+me, 1c.3g.40gb, 1g.24gb+gfx, "
+          "2g.48gb-me")
 
 
 class MigName(Struct, frozen=True):

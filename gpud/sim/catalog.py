@@ -29,11 +29,25 @@ class CatalogError(ValueError):
     pass
 
 
+def offered() -> list[str]:
+    """Model keys the simulator can stand in for: those whose whole table comes from a source.
+
+    A model known only in part (gpud.profiles lists what no source gives) is refused: the fake
+    NVML would have to answer questions (a profile's memory, SMs, placements) that no capture or
+    NVIDIA document answers, and an invented answer would make tests pass against fiction."""
+    return sorted(k for k, m in MODELS.items() if m.complete)
+
+
 def model(key: str) -> ModelInfo:
-    try:
-        return MODELS[key]
-    except KeyError:
-        raise CatalogError(f"unknown GPU model {key!r}; known: {', '.join(sorted(MODELS))}") from None
+    m = MODELS.get(key)
+    if m is None:
+        raise CatalogError(f"unknown GPU model {key!r}; known: {', '.join(offered())}")
+    if not m.complete:
+        missing = sorted({f for _, fields in m.unknown for f in fields})
+        raise CatalogError(f"GPU model {key!r} ({m.name}) cannot be simulated: no source gives its "
+                           f"MIG table whole ({', '.join(missing)} unknown; see docs/hardware/mig-profiles.md); "
+                           f"simulated models: {', '.join(offered())}")
+    return m
 
 
 def vgpu_capable() -> list[str]:
@@ -57,6 +71,11 @@ def parse_gpu_specs(specs: Iterable[str]) -> list[str]:
             raise CatalogError(f"bad GPU count in {spec!r}")
         out.extend([key] * n)
     return out
+
+
+def _subsystem(m: ModelInfo) -> int:
+    """The board's PCI subsystem id; 0 where no source names it (gpud only reads it, never keys on it)."""
+    return m.subsystem_device if m.subsystem_device is not None else 0
 
 
 def gpu_address(ordinal: int) -> str:
@@ -85,13 +104,13 @@ def build(models: Sequence[str], mig_on: Iterable[int] = ()) -> SimState:
         numa = 0 if i < (n + 1) // 2 else 1
         state.functions[address] = SimFunction(
             address=address, vendor=NVIDIA, device=m.device, subsystem_vendor=NVIDIA,
-            subsystem_device=m.subsystem_device, class_code=CLASS_VGA if m.audio_device else CLASS_3D,
+            subsystem_device=_subsystem(m), class_code=CLASS_VGA if m.audio_device else CLASS_3D,
             native_driver="nvidia", driver="nvidia", iommu_group=group, numa_node=numa)
         if m.audio_device is not None:
             audio = address[:-1] + "1"
             state.functions[audio] = SimFunction(
                 address=audio, vendor=NVIDIA, device=m.audio_device, subsystem_vendor=NVIDIA,
-                subsystem_device=m.subsystem_device, class_code=CLASS_AUDIO, native_driver="snd_hda_intel",
+                subsystem_device=_subsystem(m), class_code=CLASS_AUDIO, native_driver="snd_hda_intel",
                 driver="snd_hda_intel", iommu_group=group, numa_node=numa)
             if "snd_hda_intel" not in state.loaded_modules:
                 state.loaded_modules.append("snd_hda_intel")

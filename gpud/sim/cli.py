@@ -232,7 +232,7 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("create", help="make a host directory")
     p.add_argument("dir")
     p.add_argument("--gpu", action="append", required=True, metavar="MODEL[:COUNT]",
-                   help=f"models: {', '.join(sorted(catalog.MODELS))}")
+                   help=f"models: {', '.join(catalog.offered())}")
     p.add_argument("--mig-on", type=int, nargs="+", action="extend", default=[], metavar="INDEX")
     p.add_argument("--vgpu", choices=("vfio", "mdev"),
                    help="vGPU host interface of the vGPU-capable GPUs (cards without SR-IOV get mdev)")

@@ -22,7 +22,7 @@ import pynvml
 
 from gpud.layout.names import device_name
 from gpud.model import MigProfile
-from gpud.profiles import GI_PROFILE_INDEX, MODELS, NOT_IN_MIG_INSTANCE, ModelInfo
+from gpud.profiles import MODELS, NOT_IN_MIG_INSTANCE, ModelInfo
 from gpud.sim import vgpu as sim_vgpu
 from gpud.sim.state import SimCi, SimGi, SimGpu, SimProcess, SimState, locked
 
@@ -49,7 +49,6 @@ _ERROR_STRINGS = {
     999: "Unknown Error",
 }
 
-_PROFILE_ID_BY_INDEX = {index: pid for pid, index in GI_PROFILE_INDEX.items()}
 # Index constants the real H200 answers with INVALID_ARGUMENT rather than NOT_SUPPORTED (fixture).
 _INVALID_GI_INDEXES = {pynvml.NVML_GPU_INSTANCE_PROFILE_3_SLICE_GFX}
 
@@ -713,7 +712,8 @@ def _fill_gi_profile(info: Any, prof: MigProfile) -> None:
 def _profile_by_index(model: ModelInfo, index: int) -> MigProfile:
     if index >= pynvml.NVML_GPU_INSTANCE_PROFILE_COUNT or index in _INVALID_GI_INDEXES:
         raise _Ret(pynvml.NVML_ERROR_INVALID_ARGUMENT)
-    pid = _PROFILE_ID_BY_INDEX.get(index)
+    # Each model answers an index constant with its own profile id (the A30's 1-slice is id 14).
+    pid = next((p for p, i in model.gi_index.items() if i == index), None)
     prof = _profile(model, pid) if pid is not None else None
     if prof is None:
         raise _Ret(pynvml.NVML_ERROR_NOT_SUPPORTED)
@@ -996,12 +996,18 @@ def nvmlComputeInstanceDestroy(lib, state, ci_handle):
 _saved: list[Any] = []
 
 
-def install(host_dir: str) -> FakeNvmlLib:
-    """Make pynvml talk to the simulated host in `host_dir` (restored by `uninstall`)."""
-    lib = FakeNvmlLib(host_dir)
+def swap_in(lib: Any) -> None:
+    """Put `lib` where pynvml keeps its C library object, so all of pynvml's own marshalling runs
+    against it; `uninstall` puts back what was there. Shared by the simulator and the replay."""
     _saved.append(pynvml.nvmlLib)
     pynvml.nvmlLib = lib
     pynvml._nvmlGetFunctionPointer_cache.clear()
+
+
+def install(host_dir: str) -> FakeNvmlLib:
+    """Make pynvml talk to the simulated host in `host_dir` (restored by `uninstall`)."""
+    lib = FakeNvmlLib(host_dir)
+    swap_in(lib)
     return lib
 
 

@@ -32,7 +32,8 @@ from typing import Any
 import pynvml
 
 from gpud.pci import normalize_pci
-from gpud.sim.nvml_lib import _ERROR_STRINGS, _deref, _int, _Ret, _write_str
+from gpud.sim.nvml_lib import _ERROR_STRINGS, _deref, _int, _Ret, _write_str, swap_in
+from gpud.sim.nvml_lib import uninstall as uninstall  # the one restore, re-exported for callers of install
 
 _REQUIRED = {
     "driver": str, "nvml_version": str, "cuda_driver": int, "device": dict,
@@ -331,23 +332,11 @@ def nvmlDeviceGetGpuInstanceRemainingCapacity(lib: ReplayNvmlLib, handle: Any, p
 
 # --- install and host tree ----------------------------------------------------------------------
 
-_saved: list[Any] = []
-
-
 def install(capture_path: str | os.PathLike) -> ReplayNvmlLib:
     """Make pynvml talk to the capture (restored by `uninstall`)."""
     lib = ReplayNvmlLib(Capture(capture_path))
-    _saved.append(pynvml.nvmlLib)
-    pynvml.nvmlLib = lib
-    pynvml._nvmlGetFunctionPointer_cache.clear()
+    swap_in(lib)
     return lib
-
-
-def uninstall() -> None:
-    if not _saved:
-        return
-    pynvml.nvmlLib = _saved.pop()
-    pynvml._nvmlGetFunctionPointer_cache.clear()
 
 
 def _hex(capture: Capture, attr: str) -> int:

@@ -56,3 +56,23 @@ def test_plan_with_errors_is_empty_and_says_why():
                                    "resets": []},
         "errors": ["layout.yaml:1 version: must be v1"], "warnings": []}
     assert isinstance(reply, wire.RESULTS["plan"])
+
+
+def test_mig_profiles_of_a_gpu_nvml_cannot_see_come_from_the_table_with_unknowns_named():
+    """An RTX PRO 6000 (complete table) and a B200 (partial table) on vfio-pci, an L40S (no MIG):
+    the table's rows are sent with `source: table`, free counts unknown, and the B200's rows name
+    exactly the fields gpud.profiles has no source for."""
+    from gpud.profiles import MODELS
+
+    gpus = [Gpu(0, _fn("0000:18:00.0", device=0x2BB5)), Gpu(1, _fn("0000:2a:00.0", device=0x2901)),
+            Gpu(2, _fn("0000:3a:00.0", device=0x26B9))]
+    reply = msgspec.convert(msgspec.to_builtins(replies.mig_profiles_reply(gpus)), wire.MigProfilesReply)
+    assert [(g.index, g.source, g.model) for g in reply.gpus] == [
+        (0, "table", "NVIDIA RTX PRO 6000 Blackwell Server Edition"), (1, "table", "NVIDIA B200")]
+    rtx, b200 = reply.gpus
+    assert {p.name: p.unknown for p in rtx.profiles} == {p.name: ["free"] for p in MODELS["rtx-pro-6000"].profiles}
+    row = {p.name: p for p in b200.profiles}
+    assert row["1g.23gb"].unknown == ["free", "placements"] and row["1g.23gb"].memory_mb == 20992
+    assert set(row["3g.90gb"].unknown) == {"free", "id", "memory_mb", "sms", "placements", "ce", "dec", "enc",
+                                           "jpg", "ofa", "p2p"}
+    assert row["3g.90gb"].total == 2  # the instance count NVIDIA's MIG user guide gives

@@ -20,7 +20,7 @@ def make_gpu(model: str, index: int, address: str | None = None, *, nvml: bool =
         vendor=NVIDIA,
         device=info.device,
         subsystem_vendor=NVIDIA,
-        subsystem_device=info.subsystem_device,
+        subsystem_device=info.subsystem_device or 0,
         class_code=0x030200,
         driver="nvidia" if nvml else "vfio-pci",
     )

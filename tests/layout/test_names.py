@@ -29,6 +29,11 @@ A100_40 = MODELS["a100-40gb"].profiles
         ("1g.24gb+me.all", MigName(None, 1, 24, True, "+me.all")),
         ("1g.24gb-me", MigName(None, 1, 24, False, "-me")),
         ("1g.24gb+gfx", MigName(None, 1, 24, False, "+gfx")),
+        ("2g.48gb+gfx", MigName(None, 2, 48, False, "+gfx")),
+        ("2g.48gb+me.all", MigName(None, 2, 48, True, "+me.all")),
+        ("2g.48gb-me", MigName(None, 2, 48, False, "-me")),
+        ("1c.2g.48gb-me", MigName(1, 2, 48, False, "-me")),
+        ("2g.12gb+me", MigName(None, 2, 12, True, "+me")),
     ],
 )
 def test_parse_valid(name: str, expected: MigName) -> None:
@@ -40,7 +45,8 @@ def test_parse_valid(name: str, expected: MigName) -> None:
     "name",
     ["", "1g", "1g.10", "1g10gb", "g.10gb", "0g.10gb", "1g.0gb", "1G.10GB", "1g.10gb+", "1g.10gb+ME",
      "4c.3g.40gb", "0c.3g.40gb", "c.3g.40gb", "1c3g.40gb", " 1g.10gb", "1g.10gb ", "1g.10gib",
-     "MIG 1g.10gb", "1g.10gb++me", "100g.10gb", "1g.10000gb"],
+     "MIG 1g.10gb", "1g.10gb++me", "100g.10gb", "1g.10000gb", "1g.24gb+foo", "1g.24gb+me.al",
+     "1g.24gb-gfx", "1g.24gb+me.all.x", "1g.24gb.me", "2g.48gb+gfx+me"],
 )
 def test_parse_invalid(name: str) -> None:
     assert parse_mig_name(name) is None

@@ -543,7 +543,8 @@ def test_mig_devices_names_kept_as_written() -> None:
 def test_mig_device_name_syntax() -> None:
     assert only_error(entry('- devices: all\n  mig-enabled: true\n  mig-devices: {"1g10gb": 1}')) == (
         'layout.yaml:6 layouts.a[0].mig-devices.1g10gb: "1g10gb" is not a MIG device name; '
-        "expected [Nc.]Ng.NNgb[+me], e.g. 1g.10gb, 1g.10gb+me, 1c.3g.40gb")
+        "expected [Nc.]Ng.NNgb[+me|+me.all|-me|+gfx], e.g. 1g.10gb, 1g.10gb+me, 1c.3g.40gb, 1g.24gb+gfx, "
+        "2g.48gb-me")
 
 
 @pytest.mark.parametrize(("value", "got"), [("-1", "-1"), ("1.5", "1.5"), ('"2"', '"2"'), ("~", "nothing"), ("[1]", "a list")])

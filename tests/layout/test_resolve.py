@@ -184,13 +184,13 @@ def test_one_entry_naming_a_gpu_twice_is_fine(h100x8: list[Gpu]) -> None:
 
 
 def test_device_filter_narrows_all() -> None:
-    gpus = host("h100-80gb", "h200", "h100-pcie", "l40s")
+    gpus = host("h100-80gb", "h200", "a100-80gb", "l40s")
     text = """
     version: v1
     layouts:
       a:
         - devices: all
-          device-filter: ["0x233010DE", "10de:2331"]
+          device-filter: ["0x233010DE", "10de:20b5"]
           mig-enabled: true
           mig-devices: {"1g.10gb": 7}
         - devices: all

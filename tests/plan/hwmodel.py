@@ -258,7 +258,9 @@ def clone(hw: HwGpu) -> HwGpu:
     return copy.deepcopy(hw)
 
 
-SEVEN_SLICE = ("a100-40gb", "a100-80gb", "h100-80gb", "h100-pcie", "h100-nvl", "h200")
+SEVEN_SLICE = ("a100-40gb", "a100-80gb", "h100-80gb", "h100-nvl", "h200")
+# Every MIG model the simulator offers, 4-slice A30 and 12-memory-slice RTX PRO 6000 included.
+MIG_MODELS = SEVEN_SLICE + ("a30", "rtx-pro-6000")
 
 
 def make_hw(model: str = "h100-80gb", pci: str = "0000:3b:00.0", *, mode: int = 1) -> HwGpu:
@@ -274,7 +276,7 @@ def gpu_of(hw: HwGpu, index: int = 0, *, model: str | None = None):
     from gpud.profiles import MODELS
 
     m = MODELS[model] if model else next(x for x in MODELS.values() if x.name == hw.name)
-    fn = PciFunction(hw.pci, 0x10DE, m.device, 0x10DE, m.subsystem_device, 0x030200, "nvidia")
+    fn = PciFunction(hw.pci, 0x10DE, m.device, 0x10DE, m.subsystem_device or 0, 0x030200, "nvidia")
     return Gpu(index, fn, nvml=hw.snapshot())
 
 

@@ -19,7 +19,7 @@ from gpud.model import Holder, MigProfile, Placement
 from gpud.plan.mig import ci_name, desired_specs, plan_gpu
 from gpud.plan.placement import W_BUSY, W_CI, W_GI, ExistingGi, GiSpec
 from gpud.profiles import MODELS
-from tests.plan.hwmodel import SEVEN_SLICE, HwError, HwGpu, apply_steps, gpu_of, make_hw
+from tests.plan.hwmodel import MIG_MODELS, HwError, HwGpu, apply_steps, gpu_of, make_hw
 
 PCI = "0000:3b:00.0"
 SETTINGS = settings(derandomize=True, max_examples=200, deadline=None,
@@ -36,10 +36,12 @@ def layouts(model: str) -> dict[tuple[tuple[int, int], ...], list[tuple[tuple[in
     for p in profiles:
         for pl in p.placements:
             by_start.setdefault(pl.start, []).append((p.id, pl))
+    # Memory slices of the GPU: 8 on the 7-slice GPUs, 4 on the A30, 12 on the RTX PRO 6000.
+    n_slices = max(pl.start + pl.size for p in profiles for pl in p.placements)
     out: dict = {}
 
     def rec(s: int, used: frozenset[int], acc: tuple) -> None:
-        if s == 8:
+        if s == n_slices:
             c = Counter(pid for pid, _ in acc)
             if all(n <= count[pid] for pid, n in c.items()):
                 out.setdefault(tuple(sorted(c.items())), []).append(acc)
@@ -171,7 +173,7 @@ def mig_devices(hw: HwGpu) -> Counter[str]:
 
 
 # ---- properties --------------------------------------------------------------------------------
-@pytest.mark.parametrize("model", SEVEN_SLICE)
+@pytest.mark.parametrize("model", MIG_MODELS)
 @SETTINGS
 @given(data=st.data())
 def test_plan_reaches_desired_keeps_optimum_and_is_idempotent(model: str, data) -> None:
@@ -219,7 +221,7 @@ def test_plan_reaches_desired_keeps_optimum_and_is_idempotent(model: str, data) 
     assert plan_gpu(gpu_of(hw), desired).steps == []
 
 
-@pytest.mark.parametrize("model", SEVEN_SLICE)
+@pytest.mark.parametrize("model", MIG_MODELS)
 @SETTINGS
 @given(data=st.data())
 def test_disable_always_clears_and_is_idempotent(model: str, data) -> None:
@@ -234,7 +236,7 @@ def test_disable_always_clears_and_is_idempotent(model: str, data) -> None:
     assert plan_gpu(gpu_of(hw), desired).steps == []
 
 
-@pytest.mark.parametrize("model", SEVEN_SLICE)
+@pytest.mark.parametrize("model", MIG_MODELS)
 @settings(derandomize=True, max_examples=400, deadline=None)
 @given(data=st.data())
 def test_feasibility_matches_brute_force_on_empty_gpu(model: str, data) -> None:

@@ -1,0 +1,199 @@
+"""Fidelity per model: the MIG table gpud reads through NVML from a simulated GPU equals a real
+`nvidia-smi mig -lgip` / `-lgipp` capture of that model, field by field.
+
+The references are text files published from real GPUs (tests/fixtures/captures/<model>/, each
+with a README naming source and driver; the H200 one is this project's own capture). They are read
+by the small parser below, which shares no code with gpud: a mistake in gpud's tables cannot
+cancel out against the same mistake in the test.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from gpud.api.replies import mig_profiles_reply
+from gpud.cli.render import render_mig_profiles
+from gpud.host.nvml import Nvml
+from gpud.model import Gpu, PciFunction
+from gpud.profiles import MODELS
+from gpud.sim import catalog
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
+CAPTURES = FIXTURES / "captures"
+GPU = "0000:18:00.0"
+
+# model -> (directory of the -lgip capture, directory of the -lgipp capture)
+SOURCES = {
+    "a100-40gb": (CAPTURES / "a100-40gb", CAPTURES / "a100-40gb"),
+    # No A100 80GB -lgipp was published: the GA100 placements of NVIDIA's guide (README there).
+    "a100-80gb": (CAPTURES / "a100-80gb", CAPTURES / "a100-40gb"),
+    "h100-80gb": (CAPTURES / "h100-80gb", CAPTURES / "h100-80gb"),
+    "h100-nvl": (CAPTURES / "h100-nvl", CAPTURES / "h100-nvl"),
+    "h200": (FIXTURES / "h200", FIXTURES / "h200"),
+    "a30": (CAPTURES / "a30", CAPTURES / "a30"),
+    "rtx-pro-6000": (CAPTURES / "rtx-pro-6000", CAPTURES / "rtx-pro-6000"),
+}
+
+# A number, or `?` where gpudctl prints a value no source gives (nvidia-smi itself never does).
+_N = r"(?:\d+|\?)"
+_FIRST = re.compile(rf"^\|\s*\d+\s+MIG\s+(?P<name>\S+)\s+(?P<id>{_N})\s+(?P<free>{_N})/(?P<total>{_N})\s+"
+                    rf"(?P<gib>\d+\.\d\d|\?)\s+(?P<p2p>Yes|No|\?)\s+(?P<sm>{_N})\s+(?P<dec>{_N})\s+(?P<enc>{_N})\s*\|$")
+_SECOND = re.compile(rf"^\|\s+(?P<ce>{_N})\s+(?P<jpeg>{_N})\s+(?P<ofa>{_N})\s*\|$")
+_PLACEMENTS = re.compile(r"^GPU\s+\d+\s+Profile ID\s+(\d+)\s+Placements?\s*:\s*\{([\d,]+)\}:(\d+)\s*$")
+
+
+def _value(key: str, v: str) -> object:
+    return v if key in ("name", "gib", "p2p") or v == "?" else int(v)
+
+
+def read_lgip(text: str) -> list[dict]:
+    """Every profile row, in listed order, with the fields of its two table lines (a second line
+    cut off in the source leaves ce/jpeg/ofa out)."""
+    rows: list[dict] = []
+    lines = text.splitlines()
+    for i, line in enumerate(lines):
+        first = _FIRST.match(line)
+        if first is None:
+            continue
+        row = {k: _value(k, v) for k, v in first.groupdict().items()}
+        second = _SECOND.match(lines[i + 1]) if i + 1 < len(lines) else None
+        if second is not None:
+            row.update({k: int(v) if v != "?" else v for k, v in second.groupdict().items()})
+        else:
+            assert i + 1 == len(lines), f"second line of {first['name']}: {lines[i + 1]!r}"
+        rows.append(row)
+    return rows
+
+
+def by_id(rows: list[dict]) -> dict[int, dict]:
+    out = {r["id"]: r for r in rows}
+    assert len(out) == len(rows), "a profile id listed twice"
+    return out
+
+
+def read_lgipp(text: str) -> dict[int, list[tuple[int, int]]]:
+    """Profile id -> [(start, size)] in the listed order."""
+    out: dict[int, list[tuple[int, int]]] = {}
+    for line in text.splitlines():
+        m = _PLACEMENTS.match(line)
+        assert m is not None, f"not a placement line: {line!r}"
+        out[int(m[1])] = [(int(s), int(m[3])) for s in m[2].split(",")]
+    return out
+
+
+def capture(model: str) -> tuple[dict[int, dict], dict[int, list[tuple[int, int]]]]:
+    lgip_dir, lgipp_dir = SOURCES[model]
+    return (by_id(read_lgip((lgip_dir / "nvidia-smi-mig-lgip.txt").read_text())),
+            read_lgipp((lgipp_dir / "nvidia-smi-mig-lgipp.txt").read_text()))
+
+
+def test_every_simulated_mig_model_has_a_capture():
+    """A model the simulator offers with a MIG table must be listed here, with its files."""
+    mig_models = {k for k in catalog.offered() if MODELS[k].mig_capable}
+    assert mig_models == set(SOURCES)
+    for lgip_dir, lgipp_dir in SOURCES.values():
+        assert (lgip_dir / "nvidia-smi-mig-lgip.txt").is_file() and (lgipp_dir / "nvidia-smi-mig-lgipp.txt").is_file()
+    for model in SOURCES:
+        if model != "h200":
+            assert "Driver:" in (CAPTURES / model / "README.md").read_text(), model
+
+
+@pytest.mark.parametrize("model", sorted(SOURCES))
+def test_the_parser_reads_every_row_of_the_capture(model):
+    """Guards the parser itself: as many rows as the capture has profile lines, ids agreeing."""
+    lgip_dir, lgipp_dir = SOURCES[model]
+    text = (lgip_dir / "nvidia-smi-mig-lgip.txt").read_text()
+    lgip, lgipp = capture(model)
+    assert len(lgip) == text.count(" MIG ") > 0
+    if lgip_dir == lgipp_dir:
+        assert set(lgipp) == set(lgip)
+    else:  # borrowed placements (a100-80gb): they cover every captured profile
+        assert set(lgip) <= set(lgipp)
+
+
+def read_through_nvml(model: str, sim_host):
+    sim_host(model)
+    nvml = Nvml()
+    try:
+        return nvml.gpu(GPU)
+    finally:
+        nvml.close()
+
+
+@pytest.mark.parametrize("model", sorted(SOURCES))
+def test_gpud_reads_the_captured_table_from_the_simulator(model, sim_host):
+    lgip, lgipp = capture(model)
+    gpu = read_through_nvml(model, sim_host)
+    ours = {p.id: p for p in gpu.profiles}
+    assert set(ours) == set(lgip), "profile ids"
+    for pid, row in lgip.items():
+        p = ours[pid]
+        where = f"{model} profile {pid} ({row['name']})"
+        assert p.name == row["name"], where
+        assert f"{p.memory_mb / 1024:.2f}" == row["gib"], where
+        assert (p.instance_count, p.sms, p.decoders, p.encoders) == (
+            row["total"], row["sm"], row["dec"], row["enc"]), where
+        assert (p.copy_engines, p.jpegs, p.ofas) == (row["ce"], row["jpeg"], row["ofa"]), where
+        assert row["p2p"] == "No"  # the simulator reports isPpSupported 0 for every profile
+        assert [(pl.start, pl.size) for pl in p.placements] == lgipp[pid], where
+        assert p.slices == int(row["name"].split("g.", 1)[0]), where
+
+
+@pytest.mark.parametrize("model", ["b200", "gb200", "gh200-144gb", "gh200-96gb"])
+def test_a_model_known_only_in_part_is_not_simulated(model, tmp_path):
+    from gpud.sim.cli import create
+
+    with pytest.raises(catalog.CatalogError, match="cannot be simulated: no source gives its MIG table whole"):
+        create(tmp_path / "host", [model], [])
+    assert not (tmp_path / "host").exists() or not any((tmp_path / "host").iterdir())
+
+
+def _gpu(model: str, nvml=None) -> Gpu:
+    m = MODELS[model]
+    driver = "nvidia" if nvml is not None else "vfio-pci"
+    return Gpu(0, PciFunction(GPU, 0x10DE, m.device, 0x10DE, 0, 0x030200, driver), nvml=nvml)
+
+
+@pytest.mark.parametrize("model", sorted(SOURCES))
+def test_gpudctl_mig_profiles_prints_the_captured_table(model, sim_host):
+    """`gpudctl mig profiles` (the daemon's reply, rendered by the client) read back with the
+    capture's own parser: every row and placement line equals the real listing."""
+    lgip, lgipp = capture(model)
+    printed = render_mig_profiles(mig_profiles_reply([_gpu(model, read_through_nvml(model, sim_host))]))
+    rows = by_id(read_lgip(printed))
+    placements = read_lgipp("\n".join(line for line in printed.splitlines() if line.startswith("GPU ")))
+    assert set(rows) == set(lgip)
+    for pid, want in lgip.items():
+        got = rows[pid]
+        assert {k: v for k, v in got.items() if k != "free"} == {k: v for k, v in want.items() if k != "free"}, pid
+        assert got["free"] == got["total"]  # a fresh simulated GPU: every instance free
+        assert placements[pid] == lgipp[pid], pid
+
+
+PARTIAL = {"b200": "b200", "gb200": "gb200", "gh200-144gb": "gh200-144gb"}
+
+
+@pytest.mark.parametrize("model", sorted(PARTIAL))
+def test_a_gpu_nvml_cannot_see_is_listed_from_the_table_with_unknowns_marked(model):
+    """A B200 on vfio-pci: gpudctl shows gpud's table of it. The published rows read back equal to
+    the published capture; what no source gives is printed `?`, never a number."""
+    published = by_id(read_lgip((CAPTURES / "partial" / PARTIAL[model] / "nvidia-smi-mig-lgip.txt").read_text()))
+    printed = render_mig_profiles(mig_profiles_reply([_gpu(model)]))
+    rows = read_lgip(printed)
+    assert sorted(r["name"] for r in rows) == sorted(p.name for p in MODELS[model].profiles)
+    for row in rows:
+        assert row["free"] == "?"  # nothing can count free instances without NVML
+        want = next((w for w in published.values() if w["name"] == row["name"]), None)
+        if want is None:  # a name from NVIDIA's config, no published row
+            assert (row["id"], row["gib"], row["p2p"], row["sm"], row["dec"], row["enc"]) == ("?",) * 6, row
+            assert (row["ce"], row["jpeg"], row["ofa"]) == ("?",) * 3, row
+            continue
+        for key in ("id", "total", "gib", "p2p", "sm", "dec", "enc"):
+            assert row[key] == want[key], (row["name"], key)
+        for key in ("ce", "jpeg", "ofa"):
+            assert row[key] == want.get(key, "?"), (row["name"], key)
+    assert "Placements: unknown" in printed and "NVML cannot see it" in printed
+    assert not any(_PLACEMENTS.match(line) for line in printed.splitlines())  # no -lgipp was published
