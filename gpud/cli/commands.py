@@ -25,6 +25,7 @@ from gpud.cli.render import (
     render_passthrough,
     render_plan,
     render_status,
+    render_vgpu_types,
     to_json,
 )
 from gpud.cli.transport import DEFAULT_SOCKET, DEFAULT_TIMEOUT, NO_LIMIT, Client, Unreachable
@@ -243,6 +244,12 @@ def cmd_mig_profiles(c: Client, a: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_vgpu_types(c: Client, a: argparse.Namespace) -> int:
+    r: wire.VgpuTypesReply = c.request("vgpu-types", {"gpu": a.gpu} if a.gpu is not None else {})
+    print(to_json(r) if a.json else render_vgpu_types(r))
+    return EXIT_OK
+
+
 def cmd_passthrough(c: Client, a: argparse.Namespace) -> int:
     r: wire.PassthroughReply = c.request("passthrough")
     print(to_json(r) if a.json else render_passthrough(r))
@@ -290,7 +297,13 @@ def build_parser() -> argparse.ArgumentParser:
     s = mig.add_parser("profiles", parents=[js], help="GPU instance profiles and placements")
     s.add_argument("--gpu", metavar="SEL", help="index, PCI address or UUID")
     s.set_defaults(func=cmd_mig_profiles)
-    s = sub.add_parser("passthrough", parents=[js], help="GPUs on vfio-pci, for libvirt/KubeVirt")
+    s = sub.add_parser("vgpu", help="vGPU information")
+    vgpu = s.add_subparsers(dest="vgpu_command", metavar="COMMAND", required=True)
+    s = vgpu.add_parser("types", parents=[js], help="vGPU types each GPU offers, with how many still fit")
+    s.add_argument("--gpu", metavar="SEL", help="index, PCI address or UUID")
+    s.set_defaults(func=cmd_vgpu_types)
+    s = sub.add_parser("passthrough", parents=[js],
+                       help="GPUs on vfio-pci and vGPUs (mdev by UUID, VF vGPUs), for libvirt/KubeVirt")
     s.set_defaults(func=cmd_passthrough)
     return p
 

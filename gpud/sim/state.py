@@ -43,6 +43,7 @@ class SimProcess(msgspec.Struct):
     # The pid was a live process of this machine when registered: like NVML, the simulator stops
     # listing it once it exits, so waiting on a holder's exit can be tested end to end.
     real: bool = False
+    vm: str | None = None  # a VM's name: the process shows a qemu command line with `-name guest=<vm>`
 
 
 def _alive(pid: int) -> bool:
@@ -71,6 +72,7 @@ class SimFunction(msgspec.Struct):
     iommu_group: int | None = None
     numa_node: int = -1
     present: bool = True
+    physfn: str | None = None  # an SR-IOV virtual function: the address of its physical function
 
 
 class SimGpu(msgspec.Struct):
@@ -84,6 +86,32 @@ class SimGpu(msgspec.Struct):
     mig_mode: int = 0
     mig_pending: int = 0
     gis: list[SimGi] = msgspec.field(default_factory=list)
+
+
+class SimVf(msgspec.Struct):
+    """One SR-IOV virtual function of a vGPU-capable GPU, by index (virtfn<index>)."""
+
+    address: str
+    vgpu_type: int = 0  # vendor VFIO `nvidia/current_vgpu_type`; 0 = no vGPU
+    gpu_instance_id: int = -1  # the GI a MIG-backed vGPU sits on (driver's choice at creation)
+
+
+class SimMdev(msgspec.Struct):
+    """A mediated device: `/sys/bus/mdev/devices/<uuid>`, child of its parent PCI function."""
+
+    uuid: str
+    parent: str  # PCI address: the GPU itself, or one of its VFs on SR-IOV GPUs
+    type_id: int  # mdev_supported_types/nvidia-<type_id>
+    iommu_group: int  # vfio gives each mdev its own group: /dev/vfio/<group>
+    gpu_instance_id: int = -1
+
+
+class SimVgpu(msgspec.Struct):
+    """The vGPU side of one physical GPU (keyed by its PCI address in SimState.vgpu)."""
+
+    interface: str  # "vfio" (vendor-specific VFIO on SR-IOV VFs) | "mdev"
+    vfs: list[SimVf] = msgspec.field(default_factory=list)  # enabled VFs (sriov_numvfs == len)
+    mdevs: list[SimMdev] = msgspec.field(default_factory=list)
 
 
 class SimFault(msgspec.Struct):
@@ -102,6 +130,7 @@ class SimState(msgspec.Struct):
     faults: list[SimFault] = msgspec.field(default_factory=list)
     hangs: list[str] = msgspec.field(default_factory=list)  # PCI addresses whose next unbind hangs
     loaded_modules: list[str] = msgspec.field(default_factory=list)
+    vgpu: dict[str, SimVgpu] = msgspec.field(default_factory=dict)  # PF address -> its vGPU state
     calls: dict[str, int] = msgspec.field(default_factory=dict)  # NVML function -> count
     resets: dict[str, int] = msgspec.field(default_factory=dict)  # PCI address -> GPU resets done
     driver_version: str = "580.159.04"

@@ -110,6 +110,11 @@ def vfio_holders(state: SimState, group: int | None) -> list:
 
 def process_devices(state: SimState, proc) -> list[str]:
     """Device paths (relative to DIR/dev) a SimProcess has open, as the kernel would show them."""
+    from gpud.sim import vgpu
+
+    held_vgpu = vgpu.process_devices(state, proc)
+    if held_vgpu is not None:
+        return held_vgpu
     fn = state.functions.get(proc.device)
     if fn is not None and fn.present and fn.driver == VFIO_PCI:
         if fn.iommu_group in vfio_groups(state):
@@ -237,6 +242,12 @@ def desired_tree(host_dir: str | os.PathLike, state: SimState) -> dict[str, tupl
             d(f"sys/kernel/iommu_groups/{g}/devices")
             ln(f"sys/kernel/iommu_groups/{g}/devices/{addr}", f"../../../../{PCI_ROOT}/{addr}")
         ln(f"sys/bus/pci/devices/{addr}", f"../../../{PCI_ROOT}/{addr}")
+        if fn.physfn is not None:
+            ln(f"{base}/physfn", f"../{fn.physfn}")
+
+    from gpud.sim import vgpu
+
+    vgpu.render(state, PCI_ROOT, d, f, ln)
 
     # nvidia: control node, caps, per-GPU node and /proc entries
     if NVIDIA in drivers:
@@ -281,6 +292,8 @@ def desired_tree(host_dir: str | os.PathLike, state: SimState) -> dict[str, tupl
         base = f"proc/{proc.pid}"
         d(base)
         f(f"{base}/comm", proc.name[:15] + "\n", 0o644)
+        if (line := vgpu.cmdline(proc)) is not None:
+            f(f"{base}/cmdline", line)
         d(f"{base}/fd")
         for n, dev in enumerate(process_devices(state, proc), start=3):
             ln(f"{base}/fd/{n}", f"{root}/dev/{dev}")

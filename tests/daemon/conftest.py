@@ -29,10 +29,11 @@ def wait_until(cond, timeout: float = 30.0, what: str = "condition"):
 
 
 class Daemon:
-    def __init__(self, tmp: Path, gpus: list[str], layout: str, extra_args: list[str] = ()) -> None:
+    def __init__(self, tmp: Path, gpus: list[str], layout: str, extra_args: list[str] = (),
+                 vgpu: str | None = None) -> None:
         self.tmp = tmp
         self.host = tmp / "host"
-        simcli.create(self.host, gpus)
+        simcli.create(self.host, gpus, vgpu=vgpu)
         self.config = tmp / "etc" / "layout.yaml"
         self.config.parent.mkdir()
         self.config.write_text(layout)
@@ -98,8 +99,8 @@ class Daemon:
 def daemon(tmp_path):
     made: list[Daemon] = []
 
-    def make(gpus: list[str], layout: str, *extra: str) -> Daemon:
-        d = Daemon(tmp_path / f"d{len(made)}", gpus, layout, list(extra))
+    def make(gpus: list[str], layout: str, *extra: str, vgpu: str | None = None) -> Daemon:
+        d = Daemon(tmp_path / f"d{len(made)}", gpus, layout, list(extra), vgpu=vgpu)
         made.append(d)
         return d
 
