@@ -458,12 +458,17 @@ def mdev_remove(store, uuid: str, data: bytes, path: str) -> None:
 
 
 def clear_for_reboot(st: SimState) -> None:
-    """What a reboot or a driver reload does: VFs disabled, every vGPU and mdev gone."""
+    """What a reboot or a driver reload does to the vGPU side (cozystack/ansible-cozystack#70 in
+    docs/vgpu.md): VFs disabled (sriov_numvfs 0, their PCI functions gone), every vendor-VFIO type
+    and every mdev gone, and the VMs that held them with them. Called on a locked state; the caller
+    renders the trees (`gpud-sim reboot` does the rest of a reboot)."""
+    vgpu_devices = {vf.address for v in st.vgpu.values() for vf in v.vfs} | {
+        m.uuid for v in st.vgpu.values() for m in v.mdevs}
+    st.processes = [p for p in st.processes if p.device.lower() not in vgpu_devices]
     for v in st.vgpu.values():
         for vf in v.vfs:
             st.functions.pop(vf.address, None)
         v.vfs, v.mdevs = [], []
-    st.processes = [p for p in st.processes if owner(st, p.device) is None]
 
 
 def setup(st: SimState, interface: str) -> None:

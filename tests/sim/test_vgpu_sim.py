@@ -277,3 +277,35 @@ def test_nvml_refuses_mig_changes_under_vgpus(tmp_path) -> None:
         pynvml.nvmlShutdown()
     finally:
         sim.uninstall()
+
+
+def test_clear_for_reboot_drops_vfs_vgpus_and_their_vms(vfio_host) -> None:
+    """What `gpud-sim reboot` calls: every VF, vendor-VFIO type and mdev gone, with the VMs that held
+    them; a process on the GPU itself and the GPUs' MIG state are not the vGPU side's to clear.
+    Checked on the state file and on the rendered sysfs tree the adapter reads."""
+    from gpud.sim import vgpu as sim_vgpu
+
+    fs = sysfs(vfio_host)
+    fs.write(f"bus/pci/devices/{L40S}/sriov_numvfs", "2")
+    vf = load(vfio_host).vgpu[L40S].vfs[0].address
+    type_id = next(i for i, n in creatable(vfio_host, vf) if n == "NVIDIA L40S-24Q")
+    fs.write(f"bus/pci/devices/{vf}/nvidia/current_vgpu_type", str(type_id))
+    fs.write(f"bus/pci/devices/{T4}/mdev_supported_types/nvidia-232/create", MDEV_UUID)
+    hold(vfio_host, vf, 4242, vm="web-1")
+    hold(vfio_host, MDEV_UUID, 4343, vm="db-1")
+    hold(vfio_host, H200, 4444, name="cuda-app")
+    with locked(vfio_host) as st:
+        sim_vgpu.clear_for_reboot(st)
+        render(vfio_host, st)
+    raw = json.loads(open(os.path.join(vfio_host, "state.json")).read())
+    assert all(v["vfs"] == [] and v["mdevs"] == [] for v in raw["vgpu"].values())
+    assert vf not in raw["functions"] and L40S in raw["functions"]
+    assert [(p["pid"], p["device"]) for p in raw["processes"]] == [(4444, H200)]
+    assert read(vfio_host, f"bus/pci/devices/{L40S}/sriov_numvfs") == "0\n"
+    assert not os.path.exists(os.path.join(vfio_host, "sys/bus/pci/devices", vf))
+    assert not os.path.exists(os.path.join(vfio_host, "sys/bus/pci/devices", L40S, "virtfn0"))
+    assert not os.path.exists(os.path.join(vfio_host, "sys/bus/mdev/devices", MDEV_UUID))
+    # the host works on after it: VFs come back empty, the T4 offers every type again
+    fs.write(f"bus/pci/devices/{L40S}/sriov_numvfs", "2")
+    assert [v.vgpu_type for v in load(vfio_host).vgpu[L40S].vfs] == [0, 0]
+    assert read(vfio_host, f"bus/pci/devices/{T4}/mdev_supported_types/nvidia-230/available_instances") == "16\n"
