@@ -169,3 +169,10 @@ MODELS: dict[int, VgpuModel] = {
 
 def by_device(device_id: int) -> VgpuModel | None:
     return MODELS.get(device_id)
+
+
+def printed_name(device_id: int, vtype: str) -> str:
+    """The type name as the driver prints it in an mdev type's `name` (`GRID ` on Turing and older,
+    else `NVIDIA `): what KubeVirt's mdevNameSelector matches and the device plugin names."""
+    model = by_device(device_id)
+    return f"{model.prefix if model else 'NVIDIA '}{vtype}"

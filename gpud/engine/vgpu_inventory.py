@@ -15,10 +15,9 @@ from __future__ import annotations
 
 from msgspec import Struct
 
+from gpud.kubevirt_names import vgpu_resource
 from gpud.model import VgpuDevice
-from gpud.vgpu_types import by_device
-
-RESOURCE_PREFIX = "nvidia.com/"
+from gpud.vgpu_types import printed_name
 
 
 class VgpuEntry(Struct, frozen=True):
@@ -31,16 +30,6 @@ class VgpuEntry(Struct, frozen=True):
     resource_name: str
     libvirt_hostdev: str
     kubevirt: dict
-
-
-def driver_name(device_id: int, vtype: str) -> str:
-    """The type name with the prefix the driver prints (`GRID ` on Turing and older, else `NVIDIA `)."""
-    model = by_device(device_id)
-    return f"{model.prefix if model else 'NVIDIA '}{vtype}"
-
-
-def resource_name(name: str) -> str:
-    return RESOURCE_PREFIX + name.replace(" ", "_")
 
 
 def mdev_hostdev(uuid: str) -> str:
@@ -57,8 +46,8 @@ def pci_hostdev(address: str) -> str:
 
 
 def entry(gpu: str, device_id: int, dev: VgpuDevice) -> VgpuEntry:
-    name = driver_name(device_id, dev.type)
-    resource = resource_name(name)
+    name = printed_name(device_id, dev.type)
+    resource = vgpu_resource(name)
     vfio = f"/dev/vfio/{dev.vfio_group}" if dev.vfio_group is not None else None
     if dev.uuid is not None:
         return VgpuEntry(gpu=gpu, type=dev.type, driver_name=name, uuid=dev.uuid, vf=None, vfio_device=vfio,
