@@ -350,6 +350,23 @@ class Reconciler:
         for cb in self._listeners:
             cb()
 
+    def vgpus_missing(self) -> list[str]:
+        """vm-vgpu GPUs of the layout in force that have fewer vGPUs than it asks for (after a
+        reboot or a driver reload: all of them, since neither VFs nor vGPUs survive one). The
+        daemon holds READY=1 back until its first pass has made them, so VM managers ordered after
+        gpud start with their mdev UUIDs and VFs in place."""
+        if self.resolution is None or self.read_only:
+            return []
+        missing = []
+        for gpu in self.observation.gpus:
+            desired = self.resolution.desired.get(gpu.pci)
+            if desired is None or desired.workload != "vm-vgpu" or not desired.vgpu_devices:
+                continue
+            have = len(gpu.vgpu.devices) if gpu.vgpu is not None else 0
+            if have < sum(desired.vgpu_devices.values()):
+                missing.append(gpu.pci)
+        return missing
+
     def desired_for(self, gpu: Gpu) -> DesiredGpu | None:
         return self.resolution.desired.get(gpu.pci) if self.resolution is not None else None
 

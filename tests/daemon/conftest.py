@@ -43,10 +43,13 @@ class Daemon:
         self.extra_args = list(extra_args)
         self.start(mode="w")
 
-    def start(self, mode: str = "a") -> None:
-        """Start gpud on this host (again: same state directory, socket and log)."""
+    def start(self, mode: str = "a", notify_socket: str | None = None) -> None:
+        """Start gpud on this host (again: same state directory, socket and log); `notify_socket`:
+        where it sends sd_notify messages (a datagram socket the test reads), else nowhere."""
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         env.pop("NOTIFY_SOCKET", None)
+        if notify_socket is not None:
+            env["NOTIFY_SOCKET"] = notify_socket
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "gpud.daemon", "--sim", str(self.host), "--config", str(self.config),
              "--socket", str(self.socket), "--state-dir", str(self.state_dir), *self.extra_args],
