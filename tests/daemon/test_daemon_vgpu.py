@@ -4,6 +4,8 @@ driven by the real gpudctl; results compared with the simulator's state file."""
 from __future__ import annotations
 
 import json
+import socket
+import time
 
 from gpud.sim import vgpu as sim_vgpu
 from gpud.sim.state import load, locked
@@ -53,6 +55,9 @@ def test_vm_vgpu_converges_and_reports(daemon) -> None:
     assert status_vgpus(st, T4) == sim_vgpus(d.host, T4) == [("T4-4Q", u) for _, u in sim_vgpus(d.host, T4)]
     table = d.ctl("status").stdout
     assert "4xL40S-12Q" in table and "2xT4-4Q" in table
+    detail = d.ctl("status", "1").stdout  # one GPU in detail: each vGPU by its mdev UUID
+    assert all(f"T4-4Q          mdev {u}" in detail for _, u in sim_vgpus(d.host, T4)), detail
+    assert all(f"VF {vf}" in d.ctl("status", L40S).stdout for _, vf in sim_vgpus(d.host, L40S))
     events = d.ctl("events").stdout
     for vtype, ident in sim_vgpus(d.host, L40S) + sim_vgpus(d.host, T4):
         assert f"vGPU created: {vtype} {ident}" in events
@@ -164,3 +169,66 @@ def test_vm_vgpu_to_passthrough_undoes_vgpus_then_binds(daemon) -> None:
     d.config.write_text((d.tmp / "pt.yaml").read_text())
     wait_until(lambda: load(d.host).functions[L40S].driver == "vfio-pci", 90, "L40S on vfio-pci")
     assert load(d.host).vgpu[L40S].vfs == []
+
+
+def test_check_reports_vgpu_problems_with_exit_4(daemon) -> None:
+    """`check` plans every GPU: a vGPU count the GPU cannot hold (L40S-12Q: 48 GB / 12 GB = 4, NVIDIA's
+    L40S vGPU table) and a type the GPU does not offer are errors, exit 4, and nothing changes."""
+    d = daemon(["l40s", "t4"], LAYOUT, vgpu="vfio")
+    assert d.ctl("apply", "--wait", "--timeout", "120").returncode == 0
+    before = sim_vgpus(d.host, L40S), sim_vgpus(d.host, T4)
+    too_many = d.tmp / "too-many.yaml"
+    too_many.write_text(LAYOUT.replace('{"L40S-12Q": 4}', '{"L40S-12Q": 5}'))
+    r = d.ctl("check", str(too_many))
+    assert r.returncode == 4, r.stdout + r.stderr
+    assert "5 x L40S-12Q" in r.stdout + r.stderr and "at most 4" in r.stdout + r.stderr
+    bogus = d.tmp / "bogus.yaml"
+    bogus.write_text(LAYOUT.replace('{"GRID T4-4Q": 2}', '{"BOGUS-TYPE": 1}'))
+    r = d.ctl("check", str(bogus))
+    assert r.returncode == 4 and "BOGUS-TYPE is not a vGPU type" in r.stdout + r.stderr
+    mixed = d.tmp / "mixed.yaml"
+    mixed.write_text(LAYOUT.replace('{"L40S-12Q": 4}', '{"L40S-12Q": 2, "L40S-24Q": 1}'))
+    r = d.ctl("check", str(mixed))
+    assert r.returncode == 4 and "must all be one type" in r.stdout + r.stderr
+    assert (sim_vgpus(d.host, L40S), sim_vgpus(d.host, T4)) == before
+
+
+def test_kubevirt_device_plugin_resources_for_mdev_vgpus(daemon) -> None:
+    """kubevirt-gpu-device-plugin advertises each mdev as `nvidia.com/` + its type's name with spaces
+    as `_` (KubeVirt's docs: "GRID T4-1Q" -> nvidia.com/GRID_T4-1Q); it reads only
+    /sys/bus/mdev/devices, so the L40S's VF vGPUs are not its to advertise."""
+    d = daemon(["l40s", "t4"], LAYOUT, vgpu="vfio")
+    assert d.ctl("apply", "--wait", "--timeout", "120").returncode == 0
+    mdevs = [u for _, u in sim_vgpus(d.host, T4)]
+    sandbox = d.status()["kubernetes"]["advertised"]["sandbox"]
+    assert sandbox == {"nvidia.com/GRID_T4-4Q": len(mdevs)} and len(mdevs) == 2
+    assert "nvidia.com/GRID_T4-4Q: 2" in d.ctl("status", "--kube").stdout
+
+
+def test_ready_waits_for_the_vgpus_a_reboot_took(daemon) -> None:
+    """After a reboot (VFs and mdevs gone), READY=1 (what starts units ordered after gpud, such as
+    libvirtd) comes only once the first pass has put every vGPU back with its identity: read from
+    the simulator's state file when the READY datagram arrives."""
+    d = daemon(["l40s", "t4"], LAYOUT, vgpu="vfio")
+    assert d.ctl("apply", "--wait", "--timeout", "120").returncode == 0
+    before = sim_vgpus(d.host, L40S), sim_vgpus(d.host, T4)
+    d.stop()
+    with locked(d.host) as st:
+        sim_vgpu.clear_for_reboot(st)
+        render(d.host, st)
+    path = str(d.tmp / "notify.sock")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+        sock.bind(path)
+        sock.settimeout(5)
+        d.start(notify_socket=path)
+        messages: list[str] = []
+        deadline = time.monotonic() + 150
+        while not any("READY=1" in m.split("\n") for m in messages):
+            assert time.monotonic() < deadline, f"no READY=1; got {messages}\n" + d.log.read_text()[-2000:]
+            try:
+                messages.append(sock.recv(4096).decode())
+            except TimeoutError:
+                continue
+        at_ready = sim_vgpus(d.host, L40S), sim_vgpus(d.host, T4)
+    assert at_ready == before
+    assert any("STATUS=rebuilding vGPUs of 2 GPU(s)" in m for m in messages)
