@@ -285,6 +285,17 @@ def render_gpu(g: wire.GpuStatus) -> str:
         held = (" held by " + ", ".join(_holder(h) for h in inst.holders)) if inst.holders else ""
         ci = f" ci {inst.ci}" if inst.ci is not None else ""
         out.append(f"    {inst.profile:<12} {_placement(inst.placement):<6} gi {inst.gi}{ci}  {inst.uuid or '-'}{held}")
+    v = g.vgpu
+    if v is not None:
+        vfs = f", {v.vfs} VFs" if v.vfs else ""
+        out.append(f"  vGPU:        {v.interface or 'no interface yet'}{vfs}; {len(v.devices)} vGPU(s)")
+        for d in sorted(v.devices, key=lambda d: (d.type, d.vf or "", d.uuid or "")):
+            held = (" held by " + ", ".join(_holder(h) for h in d.holders)) if d.holders else ""
+            where = f"VF {d.vf}" if d.vf else f"mdev {d.uuid}"
+            gi = f" gi {d.gi}" if d.gi is not None else ""
+            out.append(f"    {d.type:<14} {where}{gi}{held}")
+        if v.rebuilt:
+            out.append("  rebuilt:     " + ", ".join(v.rebuilt))
     for m in g.group:
         if m.pci != g.pci:
             out.append(f"  group:       {m.pci} {m.class_} on {m.driver or 'no driver'}")
