@@ -9,7 +9,8 @@ import pytest
 from gpud.plan.vgpu import derived_uuid
 from tests.vm.conftest import phase
 
-pytestmark = pytest.mark.vm
+# The session's one boot bounds itself (vm.boot); this module may be the first to ask for it.
+pytestmark = [pytest.mark.vm, pytest.mark.timeout(1200)]
 
 TYPE = "Dual port serial"
 
