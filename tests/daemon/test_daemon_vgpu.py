@@ -232,3 +232,42 @@ def test_ready_waits_for_the_vgpus_a_reboot_took(daemon) -> None:
         at_ready = sim_vgpus(d.host, L40S), sim_vgpus(d.host, T4)
     assert at_ready == before
     assert any("STATUS=rebuilding vGPUs of 2 GPU(s)" in m for m in messages)
+
+
+def test_moves_container_mig_to_mig_backed_vgpus_and_back(daemon) -> None:
+    """container with MIG -> vm-vgpu on MIG-backed types -> plain container. The GPU instances the
+    vGPUs need are the ones the container layout already had, so they stay (same GI ids and starts
+    in the simulator's state file); leaving vm-vgpu removes the vGPUs and disables the VFs before MIG
+    goes off (the fake NVML refuses a mode change or a GI destruction under a vGPU, so a wrong order
+    fails the pass)."""
+    container_mig = """\
+version: v1
+layouts:
+  c:
+    - devices: [0]
+      mig-enabled: true
+      mig-devices: {"1g.18gb": 3, "3g.71gb": 1}
+"""
+    d = daemon(["h200"], container_mig, vgpu="vfio")
+    assert d.ctl("apply", "--wait", "--timeout", "180").returncode == 0
+    pf = "0000:18:00.0"
+    gis_before = sorted((gi.id, gi.profile_id, gi.start) for gi in load(d.host).gpus[pf].gis)
+    assert [p for _, p, _ in gis_before].count(19) == 3 and len(gis_before) == 4
+    d.config.write_text(H200_LAYOUT)
+    r = d.ctl("apply", "--wait", "--timeout", "180")
+    assert r.returncode == 0, r.stdout + r.stderr
+    st = load(d.host)
+    assert sorted((gi.id, gi.profile_id, gi.start) for gi in st.gpus[pf].gis) == gis_before  # kept
+    carried = sorted(vf.gpu_instance_id for vf in st.vgpu[pf].vfs if vf.vgpu_type)
+    assert carried == sorted(gi for gi, _, _ in gis_before)
+    d.config.write_text(container_mig.replace("""      mig-enabled: true
+      mig-devices: {"1g.18gb": 3, "3g.71gb": 1}""", "      mig-enabled: false"))
+    r = d.ctl("apply", "--wait", "--timeout", "180")
+    assert r.returncode == 0, r.stdout + r.stderr + d.log.read_text()[-3000:]
+    st = load(d.host)
+    assert st.vgpu[pf].vfs == [] and st.gpus[pf].gis == [] and st.gpus[pf].mig_mode == 0
+    # the last move's order, from the events: every vGPU step (removals, VFs off) before its MIG steps
+    kinds = [e["kind"] for e in d.events() if e.get("gpu") == pf and e["kind"] in ("vgpu", "step")]
+    first_vgpu, last_vgpu = kinds.index("vgpu"), max(i for i, k in enumerate(kinds) if k == "vgpu")
+    mig_after_vgpus = [i for i, k in enumerate(kinds) if k == "step" and i > first_vgpu]
+    assert mig_after_vgpus and min(mig_after_vgpus) > last_vgpu, kinds
