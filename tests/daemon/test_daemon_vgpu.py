@@ -271,3 +271,21 @@ layouts:
     first_vgpu, last_vgpu = kinds.index("vgpu"), max(i for i, k in enumerate(kinds) if k == "vgpu")
     mig_after_vgpus = [i for i, k in enumerate(kinds) if k == "step" and i > first_vgpu]
     assert mig_after_vgpus and min(mig_after_vgpus) > last_vgpu, kinds
+
+
+def test_busy_vgpu_with_on_busy_fail_fails_that_gpu_only(daemon) -> None:
+    """`policy.on-busy: fail`: a held vGPU the new layout would remove fails its GPU (naming the VM)
+    and nothing is removed; the other GPU's change still applies."""
+    layout = LAYOUT + "policy: {on-busy: fail}\n"
+    d = daemon(["l40s", "t4"], layout, vgpu="vfio")
+    assert d.ctl("apply", "--wait", "--timeout", "120").returncode == 0
+    held = sim_vgpus(d.host, T4)[0][1]
+    assert d.sim("hold", held, "--pid", "4242", "--vm", "web-1").returncode == 0
+    d.config.write_text(layout.replace('{"GRID T4-4Q": 2}', '{"T4-8Q": 2}').replace('{"L40S-12Q": 4}', '{"L40S-12Q": 2}'))
+    r = d.ctl("apply", "--wait", "--timeout", "120")
+    assert r.returncode == 5, r.stdout + r.stderr
+    g = next(g for g in d.status()["gpus"] if g["pci"] == T4)
+    assert g["state"] == "failed" and "on-busy: fail" in g["message"] and "web-1" in g["message"]
+    assert [t for t, _ in sim_vgpus(d.host, T4)] == ["T4-4Q", "T4-4Q"] and held in dict(
+        (u, t) for t, u in sim_vgpus(d.host, T4))
+    assert [t for t, _ in sim_vgpus(d.host, L40S)] == ["L40S-12Q", "L40S-12Q"]
