@@ -11,9 +11,9 @@ import pytest
 
 from tests.vm.conftest import phase
 
-# The session's one boot bounds itself (vm.boot: 900 s); pytest's per-test 300 s would cut a slow
+# The session's one boot bounds itself (vm.boot: 1500 s, the binding and vGPU phases together); pytest's per-test 300 s would cut a slow
 # TCG boot short in the fixture's setup and report nine errors instead of the boot's own outcome.
-pytestmark = [pytest.mark.vm, pytest.mark.timeout(1200)]
+pytestmark = [pytest.mark.vm, pytest.mark.timeout(1800)]
 
 NIC0, AUDIO, NIC1 = "0000:00:10.0", "0000:00:10.1", "0000:00:11.0"
 

@@ -10,7 +10,7 @@ from gpud.plan.vgpu import derived_uuid
 from tests.vm.conftest import phase
 
 # The session's one boot bounds itself (vm.boot); this module may be the first to ask for it.
-pytestmark = [pytest.mark.vm, pytest.mark.timeout(1200)]
+pytestmark = [pytest.mark.vm, pytest.mark.timeout(1800)]
 
 TYPE = "Dual port serial"
 

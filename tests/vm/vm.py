@@ -73,7 +73,7 @@ def stage_mtty(out_dir: str) -> dict:
     return {"rc": r.returncode, "module": built, "out": (r.stdout + r.stderr)[-2000:]}
 
 
-def boot(out_dir: str, guest_script: str, *, timeout: float = 900.0, python: str | None = None) -> tuple[int, str, float]:
+def boot(out_dir: str, guest_script: str, *, timeout: float = 1500.0, python: str | None = None) -> tuple[int, str, float]:
     """One boot: run `guest_script out_dir` as root in the guest. Returns (rc, console, seconds)."""
     python = python or sys.executable
     kernel = find_kernel()
