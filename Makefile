@@ -36,6 +36,7 @@ BENCH_OUT ?= out
 bench: $(STAMP)
 	mkdir -p $(BENCH_OUT)
 	$(PY) -m bench.mig_bench -o $(BENCH_OUT)/mig.md
+	$(PY) -m bench.vgpu_bench -o $(BENCH_OUT)/vgpu.md
 	$(PY) bench/client_startup.py -o $(BENCH_OUT)/client_startup.md
 	$(PY) -m bench.status_bench -o $(BENCH_OUT)/status.md
 

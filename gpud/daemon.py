@@ -36,6 +36,7 @@ from gpud.host.sysfs import Sysfs
 from gpud.loop_lag import LoopLagProbe
 
 log = logging.getLogger("gpud")
+VGPU_REBUILD_S = 60  # at most this long READY=1 waits for vGPUs to be rebuilt at start (TimeoutStartSec=90s)
 SWITCH_INTERVAL = 0.0005  # seconds a worker thread may keep the GIL while the loop wants it
 NFD_FEATURES = "/etc/kubernetes/node-feature-discovery/features.d/gpud"
 
@@ -318,7 +319,8 @@ class Daemon:
             loop.add_signal_handler(signal.SIGUSR2, _stall_forever)
         loop.add_signal_handler(signal.SIGHUP, self._reload_on_sighup, handler)
         if self.kube is None:
-            self.rec.kick("start")  # with --kube-node, the node's label picks the layout first
+            ticket = self.rec.kick("start")  # with --kube-node, the node's label picks the layout first
+            await self._rebuild_vgpus_before_ready(ticket)
         self._update_status()
         self.notifier.ready()
         log.info("gpud %s ready: socket %s, %d GPU(s)%s", VERSION, self.args.socket,
@@ -344,6 +346,28 @@ class Daemon:
             await self.kube.api.close()
         log.info("gpud stopped; hardware left as it is")
         return 0 if stopped else 1
+
+    async def _rebuild_vgpus_before_ready(self, ticket: int) -> None:
+        """After a reboot VFs and vGPUs are gone, and libvirt domains name their mdev UUIDs and VFs:
+        when the layout in force asks for vGPUs a GPU lacks, READY=1 waits for the first pass (at
+        most VGPU_REBUILD_S, the start timeout extended meanwhile), so VM managers ordered after
+        gpud.service (Before= in the unit) find them. The socket answers meanwhile."""
+        missing = self.rec.vgpus_missing()
+        if not missing:
+            return
+        log.info("rebuilding vGPUs of %s before READY", ", ".join(missing))
+        self.notifier.status(f"rebuilding vGPUs of {len(missing)} GPU(s)")
+        self.notifier.extend_timeout(int((VGPU_REBUILD_S + 30) * 1e6))
+        rebuilt = asyncio.ensure_future(self.rec.wait_for(ticket, VGPU_REBUILD_S))
+        stop = asyncio.ensure_future(self.stopping.wait())  # a stop meanwhile is not held up
+        await asyncio.wait({rebuilt, stop}, return_when=asyncio.FIRST_COMPLETED)
+        stop.cancel()
+        if not rebuilt.done():
+            rebuilt.cancel()
+            return
+        if not rebuilt.result():
+            log.warning("vGPUs not rebuilt within %d s; ready anyway, the pass goes on", VGPU_REBUILD_S)
+            self.bus.publish("warning", f"vGPUs not rebuilt within {VGPU_REBUILD_S} s of start; ready anyway")
 
     async def _wait_stop_or_failure(self, tasks: list[asyncio.Task]) -> bool:
         """True on a requested stop; False when an event source died (systemd then restarts us,

@@ -104,3 +104,10 @@ def kubevirt_name(device: int, *, lines: Iterable[str] | None = None, version: s
     if not name:  # createDevicePlugins: `if deviceName == "" { deviceName = k }`
         return KubevirtName(f"{RESOURCE_NAMESPACE}/{ident}", ident, None, "device-id")
     return KubevirtName(f"{RESOURCE_NAMESPACE}/{name}", name, raw.strip(), f"pci.ids {version or '?'}")
+
+
+def vgpu_resource(printed: str) -> str:
+    """The plugin's resource for an mdev vGPU: `nvidia.com/` + the mdev type's name with spaces
+    turned into `_` (`NVIDIA L40S-12Q` -> `nvidia.com/NVIDIA_L40S-12Q`; docs/kubernetes.md). The
+    plugin lists only /sys/bus/mdev/devices, so a vendor-VFIO vGPU (a VF) gets no resource from it."""
+    return f"{RESOURCE_NAMESPACE}/{printed.replace(' ', '_')}"

@@ -58,6 +58,7 @@ class Holder(Struct, frozen=True, order=True):
     pid: int
     name: str
     device: str  # "/dev/nvidia0", a MIG UUID, or a PCI address
+    vm: str | None = None  # the VM this process runs (qemu's `-name guest=<vm>`), when it is one
 
 
 class ComputeInstance(Struct, frozen=True):
@@ -134,6 +135,7 @@ class Gpu(Struct, frozen=True):
     nvml: NvmlGpu | None = None
     holders: tuple[Holder, ...] = ()  # processes with its device nodes open (from /proc)
     present: bool = True
+    vgpu: VgpuState | None = None  # its vGPU side, when it shows a vGPU interface (on nvidia)
 
     @property
     def pci(self) -> str:
@@ -160,3 +162,41 @@ class KnownGpu(Struct, frozen=True):
     @property
     def pci_id(self) -> str:
         return f"{self.vendor:04x}:{self.device:04x}"
+
+
+class VgpuDevice(Struct, frozen=True):
+    """One vGPU on a GPU: an mdev (by UUID) or a VF carrying a vendor-VFIO vGPU type."""
+
+    type: str  # bare type name: "L40S-12Q"
+    parent: str  # PCI address the vGPU hangs off: a VF, or the GPU itself (mdev on T4)
+    uuid: str | None = None  # mdev UUID (the libvirt domain's handle); None for a VF vGPU
+    vf: str | None = None  # VF PCI address for a vendor-VFIO vGPU
+    type_id: int | None = None  # current_vgpu_type id / the N of nvidia-N
+    gi: int | None = None  # GPU instance of a MIG-backed vGPU
+    vfio_group: int | None = None  # /dev/vfio/<group> a VM opens
+    holders: tuple[Holder, ...] = ()
+
+
+class VgpuOffer(Struct, frozen=True):
+    """A type the GPU offers now, with how many more could be created (0: offered but full)."""
+
+    type: str
+    type_id: int | None
+    creatable: int
+
+
+class VgpuState(Struct, frozen=True):
+    """The vGPU side of one GPU as sysfs shows it. `interface` is None when the GPU shows neither
+    interface yet: an SR-IOV GPU before its VFs are enabled says `sriov` (which stack it runs is
+    known only once VFs exist)."""
+
+    interface: str | None  # "vfio" | "mdev" | "sriov" (VFs not enabled yet) | None
+    total_vfs: int = 0
+    vfs: tuple[str, ...] = ()  # enabled VFs, in virtfn order
+    offers: tuple[VgpuOffer, ...] = ()
+    devices: tuple[VgpuDevice, ...] = ()
+
+    @property
+    def free_parents(self) -> tuple[str, ...]:
+        used = {d.parent for d in self.devices}
+        return tuple(v for v in self.vfs if v not in used)

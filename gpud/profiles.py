@@ -54,7 +54,9 @@ PROFILE_FIELDS = ("id", "memory_mb", "sms", "instance_count", "placements", "ci_
                   "copy_engines", "decoders", "encoders", "jpegs", "ofas")
 
 
-_COMPUTE = {"ampere": (8, 0), "ada": (8, 9), "hopper": (9, 0)}
+# Compute capability per architecture, from NVIDIA's CUDA GPUs list (developer.nvidia.com/cuda-gpus):
+# T4 (Turing) 7.5, A100 8.0, L40S (Ada) 8.9, H100/H200 9.0.
+_COMPUTE = {"turing": (7, 5), "ampere": (8, 0), "ada": (8, 9), "hopper": (9, 0)}
 # Blackwell boards differ by die (NVIDIA's CUDA GPUs list): B200/GB200 (GB100) 10.0, RTX PRO 6000
 # Blackwell Server Edition (GB202) 12.0.
 _COMPUTE_BY_MODEL = {"b200": (10, 0), "gb200": (10, 0), "rtx-pro-6000": (12, 0)}
@@ -66,7 +68,7 @@ class ModelInfo(Struct, frozen=True):
     device: int  # PCI device id
     subsystem_device: int | None  # None: no source names it (the simulator then serves 0)
     memory_mb: int  # NVML total memory in MiB
-    arch: str  # "ampere" | "hopper" | "blackwell" | "ada"
+    arch: str  # "turing" | "ampere" | "hopper" | "blackwell" | "ada"
     profiles: tuple[MigProfile, ...] = ()  # empty: not MIG capable
     audio_device: int | None = None  # PCI id of an HD-audio function on the same card
     source: str = ""  # where the MIG table comes from (capture directory or document)
@@ -300,6 +302,9 @@ MODELS: dict[str, ModelInfo] = {
     for m in (
         ModelInfo("a100-40gb", "NVIDIA A100-SXM4-40GB", 0x20B0, 0x134F, 40960, "ampere", A100_40GB,
                   source=_CAPTURES + "a100-40gb"),
+        ModelInfo("a100-pcie-40gb", "NVIDIA A100-PCIE-40GB", 0x20F1, 0x145F, 40960, "ampere", A100_40GB,
+                  source=_CAPTURES + "a100-40gb (the SXM4 card's capture: the same GA100 and 40 GB; no capture "
+                                     "of the PCIe card; here for its vGPU types, A100-*)"),
         ModelInfo("a100-80gb", "NVIDIA A100 80GB PCIe", 0x20B5, None, 81920, "ampere", A100_80GB,
                   source=_CAPTURES + "a100-80gb"),
         ModelInfo("h100-80gb", "NVIDIA H100 80GB HBM3", 0x2330, 0x16C1, 81559, "hopper", H100_80GB,
@@ -323,6 +328,7 @@ MODELS: dict[str, ModelInfo] = {
                   source="names only: NVIDIA gpu-operator default MIG config",
                   unknown=_GH200_96GB_UNKNOWN + ((WHOLE_GPU, ("memory_mb",)),)),
         ModelInfo("l40s", "NVIDIA L40S", 0x26B9, 0x1851, 46068, "ada"),
+        ModelInfo("t4", "Tesla T4", 0x1EB8, 0x12A2, 15360, "turing"),
         ModelInfo("rtx6000-ada", "NVIDIA RTX 6000 Ada Generation", 0x26B1, 0x16A1, 49140, "ada",
                   audio_device=0x22BA),
     )

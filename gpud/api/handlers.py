@@ -174,7 +174,14 @@ class RequestHandler:
 
     async def op_passthrough(self) -> wire.PassthroughReply:
         await self.rec.refresh_async()
-        return replies.passthrough_reply(passthrough.entries(self.rec.observation.gpus, dev_root=self.dev_root))
+        return replies.passthrough_reply(passthrough.entries(self.rec.observation.gpus, dev_root=self.dev_root),
+                                         self.rec.observation.gpus)
+
+    async def op_vgpu_types(self, gpu: str | None = None) -> wire.VgpuTypesReply:
+        """The vGPU types each GPU offers, with how many are still creatable: read fresh, as the
+        counts move with every vGPU created anywhere on the GPU."""
+        await self.rec.refresh_async()
+        return replies.vgpu_types_reply(select_gpus(self.rec.observation.gpus, gpu))
 
     async def op_stats(self, reset: bool = False) -> wire.StatsReply:
         """The daemon's own health since start or the last reset (for benchmarks and operators)."""

@@ -16,18 +16,22 @@ from gpud.engine.node_labels_out import LabelsOut
 from gpud.engine.observe import Observation
 from gpud.engine.passthrough import PassthroughEntry, kubevirt_entry
 from gpud.engine.queries import remaining_capacity
-from gpud.engine.gpu_state import BindAction, GpuState, MigAction
+from gpud.engine.gpu_state import BindAction, GpuState, MigAction, VgpuAction
+from gpud.engine.vgpu_inventory import entry as vgpu_entry
 from gpud.engine.reconciler import Reconciler
 from gpud.layout.desired import DesiredGpu
 from gpud.layout.names import mig_device_name
 from gpud.layout.resolve import Resolution
 from gpud.host.nfd import read_features
-from gpud.model import Gpu, Holder, KnownGpu, MigProfile, Placement
+from gpud.model import Gpu, Holder, KnownGpu, MigProfile, Placement, VgpuDevice
 from gpud.plan.binding import BindingPlan, BindStep, plan_binding
 from gpud.plan.mig import Destroyed, GpuPlan, Step
 from gpud.plan.reset_scope import reset_takes_along
 from gpud.plan.node_labels import advertised
+from gpud.plan.vgpu import VgpuStep
 from gpud.profiles import GI_PROFILE_INDEX, NVIDIA, ModelInfo, by_device, model_name
+from gpud.vgpu_types import by_device as vgpu_model_of
+from gpud.vgpu_types import parse_vgpu_name
 
 # ---------------------------------------------------------------------------------------------
 # Small records
@@ -47,7 +51,7 @@ def placement(p: Placement) -> wire.Placement:
 
 
 def holders(items: tuple[Holder, ...] | list[Holder]) -> list[wire.HolderInfo]:
-    return [wire.HolderInfo(pid=h.pid, name=h.name, device=h.device) for h in items]
+    return [wire.HolderInfo(pid=h.pid, name=h.name, device=h.device, vm=h.vm) for h in items]
 
 
 def _mode(value: int | None) -> str | None:
@@ -75,7 +79,19 @@ def _instances(gpu: Gpu) -> list[wire.InstanceStatus]:
     return out
 
 
-def gpu_status(gpu: Gpu, desired: DesiredGpu | None, state: GpuState | None) -> wire.GpuStatus:
+def vgpu_status(gpu: Gpu, rebuilt: list[str]) -> wire.VgpuStatus | None:
+    v = gpu.vgpu
+    if v is None:
+        return None
+    return wire.VgpuStatus(
+        interface=v.interface, offered=[o.type for o in v.offers if o.creatable > 0], vfs=len(v.vfs),
+        devices=[wire.VgpuDeviceStatus(type=d.type, uuid=d.uuid, vf=d.vf, parent=d.parent, gi=d.gi,
+                                       holders=holders(d.holders)) for d in v.devices],
+        rebuilt=list(rebuilt))
+
+
+def gpu_status(gpu: Gpu, desired: DesiredGpu | None, state: GpuState | None,
+               rebuilt: list[str] | None = None) -> wire.GpuStatus:
     nv = gpu.nvml
     known = by_device(gpu.function.device)
     driver = gpu.function.driver
@@ -107,6 +123,7 @@ def gpu_status(gpu: Gpu, desired: DesiredGpu | None, state: GpuState | None) -> 
         group=[wire.GroupMember(pci=c.address, driver=c.driver, class_=f"0x{c.class_code:06x}")
                for c in gpu.companions],
         vfio_device=f"/dev/vfio/{group}" if driver == "vfio-pci" and group is not None else None,
+        vgpu=vgpu_status(gpu, rebuilt or []),
     )
 
 
@@ -158,7 +175,8 @@ def check_reply(resolution: Resolution, infeasible: list[str] | None = None, *,
 def status_reply(rec: Reconciler, *, kubernetes: wire.KubernetesStatus | None = None) -> wire.StatusReply:
     """What the engine last observed and concluded, never what it intended."""
     res = rec.resolution
-    gpus = [gpu_status(g, res.desired.get(g.pci) if res else None, rec.gpu_states.get(g.pci))
+    gpus = [gpu_status(g, res.desired.get(g.pci) if res else None, rec.gpu_states.get(g.pci),
+                       rec.vgpus.rebuilt.get(g.pci))
             for g in rec.observation.gpus]
     gpus += [gone_gpu_status(k, rec.gpu_states.get(k.pci)) for k in rec.observation.gone]
     gpus.sort(key=lambda g: g.index)
@@ -207,6 +225,15 @@ def bind_step(step: BindStep) -> wire.StepInfo:
     return wire.StepInfo(action=step.action, pci=step.pci, driver=step.driver, module=step.module, group=step.group)
 
 
+def vgpu_step(step: VgpuStep) -> wire.StepInfo:
+    return wire.StepInfo(action=step.action, pci=step.parent or step.pci, type=step.type, uuid=step.uuid, vf=step.vf,
+                         count=step.count)
+
+
+def vgpu_removed(pci: str, dev: VgpuDevice) -> wire.VgpuRemovedInfo:
+    return wire.VgpuRemovedInfo(pci=pci, type=dev.type, uuid=dev.uuid, vf=dev.vf, holders=holders(dev.holders))
+
+
 def destroyed(item: Destroyed) -> wire.DestroyedInfo:
     return wire.DestroyedInfo(pci=item.pci, profile=item.profile, placement=placement(item.placement),
                               uuid=item.uuid, holders=holders(item.holders))
@@ -230,6 +257,20 @@ def _gpu_plan(rec: Reconciler, gpu: Gpu, desired: DesiredGpu, disruption: wire.D
             disruption.reset_with = sorted(set(disruption.reset_with) | set(along))
         if desired.workload == "vm-passthrough":
             entry.steps.append(wire.StepInfo(action="bind", driver="vfio-pci"))
+            then = plan_binding(gpu, desired.workload, drivers=frozenset(rec.hw.sysfs.drivers()))
+            _add_rebind(rec, gpu, then, disruption)
+        if desired.workload == "vm-vgpu" and desired.vgpu_devices:
+            entry.steps.append(wire.StepInfo(action="then-vgpu", message="vGPUs are created once the MIG layout is in place"))
+    elif isinstance(action, VgpuAction):
+        vplan = action.plan
+        entry.steps = [vgpu_step(s) for s in vplan.steps]
+        entry.blocked_by = holders(vplan.blocked_by)
+        disruption.vgpus_removed += [vgpu_removed(gpu.pci, d) for d in vplan.removed]
+        if any(s.action == "disable-vfs" for s in vplan.steps):
+            disruption.vfs_disabled.append(gpu.pci)
+        if desired.workload != "vm-vgpu":
+            entry.steps.append(wire.StepInfo(action="then-workload", message=f"then {desired.workload}"))
+        if desired.workload == "vm-passthrough":
             then = plan_binding(gpu, desired.workload, drivers=frozenset(rec.hw.sysfs.drivers()))
             _add_rebind(rec, gpu, then, disruption)
     elif isinstance(action, BindAction):
@@ -363,5 +404,41 @@ def passthrough_device(entry: PassthroughEntry) -> wire.PassthroughDevice:
     )
 
 
-def passthrough_reply(entries: list[PassthroughEntry]) -> wire.PassthroughReply:
-    return wire.PassthroughReply(devices=[passthrough_device(e) for e in entries])
+def passthrough_reply(entries: list[PassthroughEntry], gpus: tuple[Gpu, ...] = ()) -> wire.PassthroughReply:
+    vgpus = []
+    for g in gpus:
+        for d in g.vgpu.devices if g.vgpu is not None else ():
+            e = vgpu_entry(g.pci, g.function.device, d)
+            vgpus.append(wire.VgpuPassthrough(gpu=e.gpu, type=e.type, driver_name=e.driver_name, uuid=e.uuid, vf=e.vf,
+                                              vfio_device=e.vfio_device, resource_name=e.resource_name,
+                                              libvirt_hostdev=e.libvirt_hostdev, kubevirt=e.kubevirt))
+    return wire.PassthroughReply(devices=[passthrough_device(e) for e in entries], vgpus=vgpus)
+
+
+# ---------------------------------------------------------------------------------------------
+# vgpu types
+
+
+def vgpu_types_reply(gpus: list[Gpu]) -> wire.VgpuTypesReply:
+    """The types each GPU offers (the driver's lists), with how many more fit now; gpud's table
+    adds the per-GPU maximum, and lists its types for a GPU whose VFs are not enabled yet."""
+    reply = wire.VgpuTypesReply()
+    for g in gpus:
+        if g.vgpu is None:
+            continue
+        table = vgpu_model_of(g.function.device)
+        offers = {o.type: o for o in g.vgpu.offers}
+        names = list(offers) or (table.names() if table is not None else [])
+        types = []
+        for name in names:
+            o = offers.get(name)
+            parsed = parse_vgpu_name(name)
+            known = table.find(name) if table is not None else None
+            types.append(wire.VgpuTypeInfo(
+                name=name, id=o.type_id if o is not None else None,
+                mig_profile=parsed.mig_profile if parsed is not None else None,
+                framebuffer_gb=parsed.framebuffer_gb if parsed is not None else 0,
+                creatable=o.creatable if o is not None else 0, max=known.max_instances if known else None))
+        reply.gpus.append(wire.GpuVgpuTypes(index=g.index, pci=g.pci, model=model_name(g), interface=g.vgpu.interface,
+                                            types=types))
+    return reply

@@ -25,9 +25,10 @@ from gpud.engine.reconciler import Reconciler
 def _made_of(rec: Reconciler) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
     """(records compared by identity, values compared by equality) that status_reply reads."""
     states = rec.gpu_states
+    rebuilt = tuple((pci, tuple(what)) for pci, what in rec.vgpus.rebuilt.items())  # a small, edited dict
     return ((rec.observation, rec.resolution, rec.layout, *states.values()),
             (rec.phase, rec.layout_issues, tuple(states), rec.config_path, rec.read_only,
-             rec.boot_rebuild.summary))
+             rec.boot_rebuild.summary, rebuilt))
 
 
 class StatusSnapshot:

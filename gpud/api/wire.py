@@ -47,7 +47,7 @@ E_TIMEOUT = "timeout"
 E_READ_ONLY = "read-only"
 
 READ_OPS = frozenset({"status", "check", "plan", "events", "version", "mig-profiles", "passthrough", "stats",
-                      "labels"})
+                      "labels", "vgpu-types"})
 WRITE_OPS = frozenset({"apply", "reload"})
 OPS = READ_OPS | WRITE_OPS
 
@@ -153,6 +153,7 @@ ARGS: dict[str, type[msgspec.Struct]] = {
     "passthrough": NoArgs,
     "stats": StatsArgs,
     "labels": NoArgs,
+    "vgpu-types": MigProfilesArgs,
 }
 
 
@@ -168,7 +169,8 @@ class Placement(msgspec.Struct, kw_only=True):
 class HolderInfo(msgspec.Struct, kw_only=True):
     pid: int
     name: str
-    device: str = ""  # "/dev/nvidia0", a MIG UUID or a PCI address
+    device: str = ""  # "/dev/nvidia0", a MIG UUID, a PCI address (GPU or VF) or an mdev UUID
+    vm: str | None = None  # the VM a qemu holder runs (its `-name guest=...`)
 
 
 class InstanceStatus(msgspec.Struct, kw_only=True):
@@ -186,6 +188,23 @@ class MigStatus(msgspec.Struct, kw_only=True):
     mode: str | None = None  # "enabled" | "disabled" | None (not capable / not visible to NVML)
     pending: str | None = None  # the mode after the next reset, when it differs from `mode`
     instances: list[InstanceStatus] = []
+
+
+class VgpuDeviceStatus(msgspec.Struct, kw_only=True):
+    type: str  # "L40S-12Q"
+    uuid: str | None = None  # mdev UUID (mdev interface)
+    vf: str | None = None  # VF PCI address (vendor-VFIO interface)
+    parent: str = ""  # the VF or GPU the vGPU hangs off
+    gi: int | None = None  # GPU instance of a MIG-backed vGPU
+    holders: list[HolderInfo] = []
+
+
+class VgpuStatus(msgspec.Struct, kw_only=True):
+    interface: str | None = None  # "vfio" | "mdev" | "sriov" (VFs not enabled yet)
+    offered: list[str] = []  # type names the GPU offers now (creatable somewhere on it)
+    vfs: int = 0  # VFs enabled
+    devices: list[VgpuDeviceStatus] = []
+    rebuilt: list[str] = []  # vGPUs gpud recreated from its record since it started ("T4-4Q <uuid>")
 
 
 class GroupMember(msgspec.Struct, kw_only=True):
@@ -213,6 +232,7 @@ class GpuStatus(msgspec.Struct, kw_only=True):
     holders: list[HolderInfo] = []
     group: list[GroupMember] = []
     vfio_device: str | None = None  # "/dev/vfio/42" when bound to vfio-pci
+    vgpu: VgpuStatus | None = None  # None: the GPU shows no vGPU interface
 
 
 class LayoutStatus(msgspec.Struct, kw_only=True):
@@ -290,6 +310,9 @@ class StepInfo(msgspec.Struct, kw_only=True):
     pci: str | None = None  # binding steps: the endpoint of the IOMMU group the step acts on
     module: str | None = None  # load-module
     group: int | None = None  # verify of /dev/vfio/<group>
+    type: str | None = None  # vGPU steps: the vGPU type
+    vf: str | None = None  # vGPU steps: the VF (vendor VFIO)
+    count: int | None = None  # enable-vfs
     message: str = ""
     ci_placement: Placement | None = None  # create-ci: the CI's slot in its GI, in compute slices
 
@@ -323,8 +346,18 @@ class RebindInfo(msgspec.Struct, kw_only=True):
     summary: str = ""
 
 
+class VgpuRemovedInfo(msgspec.Struct, kw_only=True):
+    pci: str  # the GPU
+    type: str
+    uuid: str | None = None
+    vf: str | None = None
+    holders: list[HolderInfo] = []
+
+
 class Disruption(msgspec.Struct, kw_only=True):
     destroyed: list[DestroyedInfo] = []
+    vgpus_removed: list[VgpuRemovedInfo] = []  # vGPUs the plan removes (a VM using one would lose it)
+    vfs_disabled: list[str] = []  # GPUs whose SR-IOV VFs go
     mode_changes: list[str] = []  # PCI addresses
     resets: list[str] = []  # PCI addresses
     # NVSwitch system: GPUs a planned reset would take with it (the system resets them together)
@@ -407,8 +440,42 @@ class PassthroughDevice(msgspec.Struct, kw_only=True):
     kubevirt: dict[str, Any] = {}  # permittedHostDevices.pciHostDevices entry
 
 
+class VgpuPassthrough(msgspec.Struct, kw_only=True):
+    gpu: str  # PCI address of the physical GPU
+    type: str  # "L40S-12Q"
+    driver_name: str = ""  # as the driver prints it: "NVIDIA L40S-12Q"
+    uuid: str | None = None  # mdev UUID
+    vf: str | None = None  # VF PCI address
+    vfio_device: str | None = None
+    resource_name: str = ""  # "nvidia.com/NVIDIA_L40S-12Q"
+    libvirt_hostdev: str = ""  # mdev by UUID, or the VF as an unmanaged PCI hostdev
+    kubevirt: dict[str, Any] = {}  # permittedHostDevices: mediatedDevices or pciHostDevices entry
+
+
 class PassthroughReply(msgspec.Struct, kw_only=True):
     devices: list[PassthroughDevice] = []
+    vgpus: list[VgpuPassthrough] = []
+
+
+class VgpuTypeInfo(msgspec.Struct, kw_only=True):
+    name: str  # "L40S-12Q"
+    id: int | None = None  # the driver's id (creatable list / nvidia-N)
+    mig_profile: str | None = None  # GPU instance profile a MIG-backed type needs
+    framebuffer_gb: int = 0
+    creatable: int = 0  # how many more the GPU can take now
+    max: int | None = None  # per GPU, from gpud's table; None for a model it has no table for
+
+
+class GpuVgpuTypes(msgspec.Struct, kw_only=True):
+    index: int
+    pci: str
+    model: str = ""
+    interface: str | None = None
+    types: list[VgpuTypeInfo] = []
+
+
+class VgpuTypesReply(msgspec.Struct, kw_only=True):
+    gpus: list[GpuVgpuTypes] = []
 
 
 class LabelsReply(msgspec.Struct, kw_only=True):
@@ -459,6 +526,7 @@ RESULTS: dict[str, type[msgspec.Struct]] = {
     "passthrough": PassthroughReply,
     "stats": StatsReply,
     "labels": LabelsReply,
+    "vgpu-types": VgpuTypesReply,
 }
 
 

@@ -23,6 +23,7 @@ from gpud.cli.render import (
     render_passthrough,
     render_plan,
     render_status,
+    render_vgpu_types,
     to_json,
 )
 from gpud.cli.transport import DEFAULT_SOCKET, DEFAULT_TIMEOUT, NO_LIMIT, Client, Unreachable
@@ -257,6 +258,12 @@ def cmd_mig_profiles(c: Client, a: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_vgpu_types(c: Client, a: argparse.Namespace) -> int:
+    r: wire.VgpuTypesReply = c.request("vgpu-types", {"gpu": a.gpu} if a.gpu is not None else {})
+    print(to_json(r) if a.json else render_vgpu_types(r))
+    return EXIT_OK
+
+
 def cmd_passthrough(c: Client, a: argparse.Namespace) -> int:
     r: wire.PassthroughReply = c.request("passthrough")
     print(to_json(r) if a.json else render_passthrough(r))
@@ -344,15 +351,24 @@ def _add_mig(sub: Any) -> None:
     s.set_defaults(func=cmd_mig_profiles)
 
 
+def _add_vgpu(sub: Any) -> None:
+    s = sub.add_parser("vgpu", help="vGPU information")
+    vgpu = s.add_subparsers(dest="vgpu_command", metavar="COMMAND", required=True)
+    s = _with_json(vgpu.add_parser("types", help="vGPU types each GPU offers, with how many still fit"))
+    s.add_argument("--gpu", metavar="SEL", help="index, PCI address or UUID")
+    s.set_defaults(func=cmd_vgpu_types)
+
+
 def _add_passthrough(sub: Any) -> None:
-    s = _with_json(sub.add_parser("passthrough", help="GPUs on vfio-pci, for libvirt/KubeVirt"))
+    s = _with_json(sub.add_parser("passthrough",
+                                  help="GPUs on vfio-pci and vGPUs (mdev by UUID, VF vGPUs), for libvirt/KubeVirt"))
     s.set_defaults(func=cmd_passthrough)
 
 
 # Each command's sub-parser, in the order `gpudctl --help` lists them.
 COMMANDS = {"status": _add_status, "check": _add_check, "labels": _add_labels, "plan": _add_plan,
             "apply": _add_apply, "reload": _add_reload, "events": _add_events, "version": _add_version,
-            "mig": _add_mig, "passthrough": _add_passthrough}
+            "mig": _add_mig, "vgpu": _add_vgpu, "passthrough": _add_passthrough}
 
 
 def _command_named(argv: list[str]) -> str | None:

@@ -23,6 +23,8 @@ def _table(rows: list[list[str]]) -> str:
 
 def _holder(h: wire.HolderInfo, *, device: bool = False) -> str:
     text = f"pid {h.pid} {h.name}"
+    if h.vm:
+        text += f" (VM {h.vm})"
     return f"{text} ({h.device})" if device and h.device else text
 
 
@@ -44,9 +46,15 @@ def mig_column(m: wire.MigStatus) -> str:
     return words.get(m.mode, "?")
 
 
-def _instances_column(m: wire.MigStatus) -> str:
+def _instances_column(g: wire.GpuStatus) -> str:
+    """MIG devices (`4x1g.10gb 1x3g.40gb`), or a vm-vgpu GPU's vGPUs (`4xL40S-12Q`)."""
+    if g.vgpu is not None and g.vgpu.devices:
+        vcounts: dict[str, int] = {}
+        for d in g.vgpu.devices:
+            vcounts[d.type] = vcounts.get(d.type, 0) + 1
+        return " ".join(f"{n}x{t}" for t, n in sorted(vcounts.items()))
     counts: dict[str, int] = {}
-    for inst in m.instances:
+    for inst in g.mig.instances:
         counts[inst.profile] = counts.get(inst.profile, 0) + 1
     if not counts:
         return "-"
@@ -54,7 +62,8 @@ def _instances_column(m: wire.MigStatus) -> str:
 
 
 def state_column(g: wire.GpuStatus) -> str:
-    holders = g.holders or [h for i in g.mig.instances for h in i.holders]
+    holders = g.holders or [h for i in g.mig.instances for h in i.holders] or \
+        [h for d in (g.vgpu.devices if g.vgpu is not None else []) for h in d.holders]
     if g.state in ("waiting", "stuck") and holders:
         more = f" (+{len(holders) - 1} more)" if len(holders) > 1 else ""
         return f"{g.state}: {_holder(holders[0])}{more}"
@@ -80,7 +89,7 @@ def render_status(r: wire.StatusReply, width: int | None = None) -> str:
         rows = [["GPU", "PCI", "MODEL", "DRIVER", "WORKLOAD", "MIG", "INSTANCES", "STATE"]]
         for g in r.gpus:
             rows.append([str(g.index), g.pci, g.model or "-", g.driver or "-", g.workload,
-                         mig_column(g.mig), _instances_column(g.mig), state_column(g)])
+                         mig_column(g.mig), _instances_column(g), state_column(g)])
         if width is not None:
             left = sum(max(len(row[i]) for row in rows) + 2 for i in range(len(rows[0]) - 1))
             room = max(MIN_STATE, width - left)
@@ -104,6 +113,19 @@ def render_status(r: wire.StatusReply, width: int | None = None) -> str:
             insts = sorted(g.mig.instances, key=lambda i: (i.placement.start, i.gi, i.ci))
             for n, inst in enumerate(insts):
                 out.append(f"  MIG {inst.profile:<12} Device {n:>2}: (UUID: {inst.uuid})")
+    vgpus = [g for g in r.gpus if g.vgpu is not None and (g.vgpu.devices or g.vgpu.rebuilt)]
+    if vgpus:
+        out += ["", "vGPUs:"]
+        for g in vgpus:
+            v = g.vgpu
+            out.append(f"GPU {g.index}: {g.model or g.pci} ({v.interface}, {v.vfs} VFs)")
+            for d in v.devices:
+                where = f"mdev {d.uuid} on {d.parent}" if d.uuid else f"VF {d.vf}"
+                gi = f" GI {d.gi}" if d.gi is not None else ""
+                held = ("  held by " + ", ".join(_holder(h) for h in d.holders)) if d.holders else ""
+                out.append(f"  {d.type:<14} {where}{gi}{held}")
+            if v.rebuilt:
+                out.append(f"  rebuilt from gpud's record: {', '.join(v.rebuilt)}")
     return "\n".join(out)
 
 
@@ -133,6 +155,12 @@ def _describe_step(s: wire.StepInfo) -> str:
             parts.append(s.module)
         if s.group is not None:
             parts.append(f"/dev/vfio/{s.group}")
+        if s.type:
+            parts.append(s.type)
+        if s.vf:
+            parts.append(f"VF {s.vf}")
+        if s.count is not None:
+            parts.append(f"{s.count} VFs")
         if s.uuid:
             parts.append(s.uuid)
         text = " ".join(parts)
@@ -156,7 +184,7 @@ def render_plan(r: wire.PlanReply) -> str:
     if not r.gpus:
         out.append("no GPUs managed")
     d = r.disruption
-    if d.destroyed or d.mode_changes or d.resets or d.rebinds:
+    if d.destroyed or d.mode_changes or d.resets or d.rebinds or d.vgpus_removed or d.vfs_disabled:
         out += ["", "disruption:"]
         for b in d.rebinds:
             target = "vfio-pci" if b.to == "vfio-pci" else "its native driver"
@@ -170,6 +198,11 @@ def render_plan(r: wire.PlanReply) -> str:
             if b.holders:
                 out.append("    held by " + ", ".join(_holder(h, device=True) for h in b.holders)
                            + " (gpud waits for them, never kills)")
+        for v in d.vgpus_removed:
+            held = (" held by " + ", ".join(_holder(h) for h in v.holders)) if v.holders else ""
+            out.append(f"  removes vGPU {v.type} {v.uuid or 'VF ' + (v.vf or '?')} on {v.pci}{held}")
+        if d.vfs_disabled:
+            out.append("  SR-IOV VFs disabled: " + ", ".join(d.vfs_disabled))
         for x in d.destroyed:
             held = (" held by " + ", ".join(_holder(h) for h in x.holders)) if x.holders else ""
             uuid = f" {x.uuid}" if x.uuid else ""
@@ -260,6 +293,17 @@ def render_gpu(g: wire.GpuStatus) -> str:
         if inst.ci_placement is not None and _subdivided(inst.profile):
             ci += f" at compute {inst.ci_placement.start}:{inst.ci_placement.size}"
         out.append(f"    {inst.profile:<12} {_placement(inst.placement):<6} gi {inst.gi}{ci}  {inst.uuid or '-'}{held}")
+    v = g.vgpu
+    if v is not None:
+        vfs = f", {v.vfs} VFs" if v.vfs else ""
+        out.append(f"  vGPU:        {v.interface or 'no interface yet'}{vfs}; {len(v.devices)} vGPU(s)")
+        for d in sorted(v.devices, key=lambda d: (d.type, d.vf or "", d.uuid or "")):
+            held = (" held by " + ", ".join(_holder(h) for h in d.holders)) if d.holders else ""
+            where = f"VF {d.vf}" if d.vf else f"mdev {d.uuid}"
+            gi = f" gi {d.gi}" if d.gi is not None else ""
+            out.append(f"    {d.type:<14} {where}{gi}{held}")
+        if v.rebuilt:
+            out.append("  rebuilt:     " + ", ".join(v.rebuilt))
     for m in g.group:
         if m.pci != g.pci:
             out.append(f"  group:       {m.pci} {m.class_} on {m.driver or 'no driver'}")
@@ -268,9 +312,26 @@ def render_gpu(g: wire.GpuStatus) -> str:
     return "\n".join(out)
 
 
+def render_vgpu_types(r: wire.VgpuTypesReply) -> str:
+    """`gpudctl vgpu types`: the mig-profiles sibling: each type a GPU offers, how many still fit."""
+    if not r.gpus:
+        return "no GPU shows a vGPU interface"
+    out = []
+    for g in r.gpus:
+        out.append(f"GPU {g.index} {g.pci} {g.model} ({g.interface})")
+        rows = [["TYPE", "ID", "FB GB", "MIG PROFILE", "CREATABLE", "MAX"]]
+        for t in g.types:
+            rows.append([t.name, "-" if t.id is None else str(t.id), str(t.framebuffer_gb), t.mig_profile or "-",
+                         str(t.creatable), "-" if t.max is None else str(t.max)])
+        out += ["  " + line for line in _table(rows).splitlines()]
+    return "\n".join(out)
+
+
 def render_passthrough(r: wire.PassthroughReply) -> str:
+    if not r.devices and not r.vgpus:
+        return "no GPU is bound for passthrough, and no vGPU exists"
     if not r.devices:
-        return "no GPU is bound for passthrough"
+        return _render_vgpus(r)
     rows = [["PCI", "ID", "IOMMU", "VFIO", "NUMA", "RESOURCE"]]
     for d in r.devices:
         rows.append([d.pci, d.vendor_device, "-" if d.iommu_group is None else str(d.iommu_group),
@@ -284,6 +345,19 @@ def render_passthrough(r: wire.PassthroughReply) -> str:
         if d.kubevirt:
             out += ["", f"KubeVirt permittedHostDevices.pciHostDevices entry for {d.pci}:",
                     "  - " + msgspec.json.encode(d.kubevirt).decode()]
+    if r.vgpus:
+        out += ["", _render_vgpus(r)]
+    return "\n".join(out)
+
+
+def _render_vgpus(r: wire.PassthroughReply) -> str:
+    rows = [["GPU", "TYPE", "MDEV UUID / VF", "VFIO", "RESOURCE"]]
+    for v in r.vgpus:
+        rows.append([v.gpu, v.type, v.uuid or v.vf or "-", v.vfio_device or "-", v.resource_name])
+    out = [_table(rows)]
+    for v in r.vgpus:
+        out += ["", f"libvirt <hostdev> for {v.type} {v.uuid or v.vf}:", "  " + v.libvirt_hostdev,
+                "KubeVirt permittedHostDevices entry:", "  " + msgspec.json.encode(v.kubevirt).decode()]
     return "\n".join(out)
 
 
@@ -295,7 +369,7 @@ def render_progress(e: wire.Event, totals: dict[str, int], done: dict[str, int])
     if e.kind == "applying" and isinstance(e.data.get("steps"), int):
         totals[e.gpu], done[e.gpu] = e.data["steps"], 0
         return None
-    if e.kind != "step":
+    if e.kind not in ("step", "vgpu"):  # a MIG or binding step, or one vGPU created or removed
         return None
     done[e.gpu] = done.get(e.gpu, 0) + 1
     total = totals.get(e.gpu)

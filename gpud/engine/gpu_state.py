@@ -11,6 +11,7 @@ import msgspec
 from gpud.model import Holder
 from gpud.plan.binding import BindingPlan
 from gpud.plan.mig import GpuPlan
+from gpud.plan.vgpu import VgpuPlan
 
 GpuStateName = Literal[
     "converged",  # matches its entry
@@ -62,4 +63,14 @@ class BindAction(msgspec.Struct, frozen=True):
     kind: Literal["bind"] = "bind"
 
 
-Action = MigAction | BindAction
+class VgpuAction(msgspec.Struct, frozen=True):
+    """Remove vGPUs (before any MIG change: an instance carrying one cannot go) or create them
+    (once the MIG layout and the driver are right), or enable/disable the GPU's VFs."""
+
+    plan: VgpuPlan
+    phase: Literal["removals", "creations"]
+    summary: str
+    kind: Literal["vgpu"] = "vgpu"
+
+
+Action = MigAction | BindAction | VgpuAction

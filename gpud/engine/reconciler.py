@@ -26,7 +26,7 @@ from gpud.engine.apply_lock import ApplyLock, ApplyLockRefused
 from gpud.engine.events import EventBus, event_fields
 from gpud.engine.gpu_index import GpuIndex, SetChange, index_path
 from gpud.engine.gpu_tasks import NvmlSessionGate, SharedDrain, for_each_gpu
-from gpud.engine.gpu_state import PHASE_ORDER, Action, BindAction, GpuState, MigAction
+from gpud.engine.gpu_state import PHASE_ORDER, Action, BindAction, GpuState, MigAction, VgpuAction
 from gpud.engine.holder_watch import HolderWatch
 from gpud.engine.hooked_apply import apply_with_hooks
 from gpud.engine.hooks import HookFailed
@@ -40,9 +40,11 @@ from gpud.engine.reboot_policy import RebootPolicy
 from gpud.engine.scheduler import PassScheduler
 from gpud.host.logind import BOOT_ID_PATH, current_boot_id
 from gpud.host.nvidia_smi import KNOWN_HOLDERS, GpuReset
+from gpud.engine.vgpu_keeper import NAMES_FILE, VgpuKeeper, step_event
 from gpud.host.nvml import Nvml
 from gpud.host.procs import Procs
 from gpud.host.sysfs import Sysfs
+from gpud.host.vgpu_sysfs import VgpuSysfs
 from gpud.layout.desired import DesiredGpu
 from gpud.layout.parse import ParsedLayout
 from gpud.layout.resolve import Resolution, resolve
@@ -54,7 +56,7 @@ from gpud.plan.operand_impact import impact
 
 log = logging.getLogger(__name__)
 
-MAX_ROUNDS = 4  # MIG off -> rebind -> MIG on is three; one spare
+MAX_ROUNDS = 8  # vGPUs off -> MIG off -> rebind -> MIG on -> VFs on -> vGPUs on is six; spares
 
 
 class Hardware(msgspec.Struct):
@@ -118,6 +120,9 @@ class Reconciler:
         self.passes = 0  # passes started
         self.completed_passes = 0  # passes finished (phase says how they ended)
         self._listeners: list[Callable[[], None]] = []
+        self.vgpus = VgpuKeeper(VgpuSysfs(hardware.sysfs, hardware.procs,
+                                          names_file=os.path.join(state_dir, NAMES_FILE) if state_dir else None),
+                                state_dir if not read_only else None)
         # the one current observation: read off the loop, re-read on change and while clients ask
         self.observer = Observer(self._read_host, self._install, max_age=max_status_age,
                                  busy=lambda: bool(self._inflight))
@@ -195,13 +200,17 @@ class Reconciler:
                 break
             if obs.nvml_error is None:
                 self._last_nvml = {g.pci: g.nvml for g in obs.gpus if g.nvml is not None}
-                return obs
+                return self._with_vgpus(obs)
         else:
             return obs  # NVML is really unavailable (no driver): status says so
         obs = observe(self.hw.sysfs, None, match)
         gpus = tuple(msgspec.structs.replace(g, nvml=self._last_nvml.get(g.pci)) if g.function.driver == "nvidia"
                      else g for g in obs.gpus)
-        return msgspec.structs.replace(obs, gpus=gpus, nvml_stale=True)
+        return self._with_vgpus(msgspec.structs.replace(obs, gpus=gpus, nvml_stale=True))
+
+    def _with_vgpus(self, obs: Observation) -> Observation:
+        """Each GPU's vGPU side, from sysfs (either interface, found per GPU)."""
+        return msgspec.structs.replace(obs, gpus=tuple(self.vgpus.observe(g) for g in obs.gpus))
 
     def reload(self, reason: str) -> bool:
         """Re-read the file; a valid one starts a pass. False when the file was refused."""
@@ -349,6 +358,23 @@ class Reconciler:
         for cb in self._listeners:
             cb()
 
+    def vgpus_missing(self) -> list[str]:
+        """vm-vgpu GPUs of the layout in force that have fewer vGPUs than it asks for (after a
+        reboot or a driver reload: all of them, since neither VFs nor vGPUs survive one). The
+        daemon holds READY=1 back until its first pass has made them, so VM managers ordered after
+        gpud start with their mdev UUIDs and VFs in place."""
+        if self.resolution is None or self.read_only:
+            return []
+        missing = []
+        for gpu in self.observation.gpus:
+            desired = self.resolution.desired.get(gpu.pci)
+            if desired is None or desired.workload != "vm-vgpu" or not desired.vgpu_devices:
+                continue
+            have = len(gpu.vgpu.devices) if gpu.vgpu is not None else 0
+            if have < sum(desired.vgpu_devices.values()):
+                missing.append(gpu.pci)
+        return missing
+
     def desired_for(self, gpu: Gpu) -> DesiredGpu | None:
         return self.resolution.desired.get(gpu.pci) if self.resolution is not None else None
 
@@ -358,6 +384,11 @@ class Reconciler:
         when it cannot go on (infeasible, unknown model)."""
         target_driver = "vfio-pci" if desired.workload == "vm-passthrough" else "nvidia"
         if gpu.function.driver == "nvidia":
+            # vGPUs (and VFs) the layout no longer has go first: before a MIG change under them,
+            # before the GPU leaves nvidia; a held one stops everything here.
+            removal = self.vgpus.removals(gpu, desired)
+            if removal is not None:
+                return removal
             if gpu.nvml is None:
                 return GpuState("failed", "bound to nvidia but NVML does not see it"
                                 + (f" ({self.observation.nvml_error})" if self.observation.nvml_error else ""))
@@ -376,7 +407,7 @@ class Reconciler:
             return GpuState("failed", bplan.infeasible)
         if bplan.steps:
             return BindAction(bplan, f"bind to {target_driver}")
-        return None
+        return self.vgpus.creations(gpu, desired)
 
     # ---- execution ----------------------------------------------------------------------------
     async def converge(self) -> None:
@@ -475,20 +506,21 @@ class Reconciler:
                 return GpuState("gone", "the GPU disappeared from the PCI bus")
             action = self.next_action(gpu, desired)
             if action is None:
-                if desired.workload == "vm-vgpu":
-                    return GpuState("failed", "vm-vgpu: the GPU is on nvidia, but creating vGPU types is not "
-                                              "supported by this version of gpud")
                 return GpuState("converged", _converged_message(gpu, desired))
             if isinstance(action, GpuState):
                 return action
             if self.read_only:
                 return GpuState("read-only", f"read-only mode: would apply {action.summary}")
-            if action.kind == "mig" and action.plan.blocked_by:  # nothing is touched while busy
-                names = ", ".join(f"pid {h.pid} {h.name} on {h.device}" for h in action.plan.blocked_by)
+            if action.kind in ("mig", "vgpu") and action.plan.blocked_by:  # nothing is touched while busy
+                names = ", ".join(f"pid {h.pid} {h.name}{f' (VM {h.vm})' if h.vm else ''} on {h.device}"
+                                  for h in action.plan.blocked_by)
                 return self._busy(GpuState("waiting", f"waiting for {names}", tuple(action.plan.blocked_by)))
-            self._set(pci, GpuState("applying", action.summary), steps=len(action.plan.steps))
-            outcome = await (self._run_mig(gpu, action.plan, desired) if action.kind == "mig"
-                             else self._run_bind(gpu, action.plan))
+            self._set(pci, GpuState("applying", action.summary), steps=_step_count(action))
+            if action.kind == "vgpu":
+                outcome = await self._run_vgpu(gpu, action)
+            else:
+                outcome = await (self._run_mig(gpu, action.plan, desired) if action.kind == "mig"
+                                 else self._run_bind(gpu, action.plan))
             if outcome.state != "converged":
                 return self._busy(outcome) if outcome.state == "waiting" else outcome
             await self.refresh_async()
@@ -589,6 +621,15 @@ class Reconciler:
                                       f"(a kernel client such as nvidia_drm may hold it)")
         state = "reboot-required" if self.policy is not None and self.policy.reboot == "allow" else "reset-required"
         return GpuState(state, f"{why}; the reset was refused: {result.summary()}")
+
+    async def _run_vgpu(self, gpu: Gpu, action: VgpuAction) -> GpuState:
+        loop = asyncio.get_running_loop()
+
+        def on_step(step) -> None:  # called from the worker thread: one event per vGPU
+            line, data = step_event(step)
+            loop.call_soon_threadsafe(lambda: self.bus.publish("vgpu", line, gpu=gpu.pci, step=data))
+
+        return await self._in_worker(self.vgpus.run, gpu, action, on_step)
 
     def _device_holders(self, pci: str) -> list[Holder]:
         """Processes with the GPU's device node open (persistenced, DCGM, X, CUDA): a reset must
@@ -729,9 +770,23 @@ def _gone_message(known: KnownGpu) -> str:
             + f") is gone from the PCI bus; it keeps index {known.index} and no other GPU takes its entry")
 
 
+def _step_count(action: Action) -> int:
+    """How many steps this action runs (apply --wait's `[3/7]`): a vGPU action runs one phase."""
+    if isinstance(action, VgpuAction):
+        return len({"removals": action.plan.removals, "creations": action.plan.creations}[action.phase])
+    return len(action.plan.steps)
+
+
 def _converged_message(gpu: Gpu, desired: DesiredGpu) -> str:
     if desired.workload == "vm-passthrough":
         return f"on vfio-pci (IOMMU group {gpu.function.iommu_group})"
+    if desired.workload == "vm-vgpu":
+        devices = gpu.vgpu.devices if gpu.vgpu is not None else ()
+        counts: dict[str, int] = {}
+        for d in devices:
+            counts[d.type] = counts.get(d.type, 0) + 1
+        kinds = " ".join(f"{n}x{t}" for t, n in sorted(counts.items())) or "none"
+        return f"vGPUs ({gpu.vgpu.interface if gpu.vgpu else 'no interface'}): {kinds}"
     if gpu.nvml is not None and gpu.nvml.mig_mode:
         n = len(gpu.nvml.instances)
         return f"MIG on, {n} GPU instance{'' if n == 1 else 's'}"

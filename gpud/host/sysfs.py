@@ -110,9 +110,11 @@ class Sysfs:
 
     # ---- reading
     def functions(self) -> list[PciFunction]:
-        """All PCI functions, in PCI-address order."""
+        """All physical PCI functions, in PCI-address order. SR-IOV virtual functions (a `physfn`
+        link) are left out: a vGPU GPU's VFs share its vendor and class but are not GPUs to manage."""
         try:
-            names = [n for n in os.listdir(self._p("bus/pci/devices")) if not n.startswith(".")]
+            names = [n for n in os.listdir(self._p("bus/pci/devices"))
+                     if not n.startswith(".") and not os.path.islink(self._p("bus/pci/devices", n, "physfn"))]
         except FileNotFoundError:
             return []
         out = [f for f in (self.function(n) for n in sorted(names, key=pci_sort_key)) if f is not None]

@@ -15,6 +15,9 @@ class DesiredGpu(msgspec.Struct, frozen=True):
     workload: str = "container"  # container | vm-passthrough | vm-vgpu
     mig_enabled: bool | None = None  # None: the entry says nothing about MIG; leave it as it is
     mig_devices: dict[str, int] = msgspec.field(default_factory=dict)  # names as written
+    # vm-vgpu: type name (bare, no "NVIDIA " prefix) -> count. MIG-backed types also fill
+    # mig_enabled / mig_devices with the GPU instances they need.
+    vgpu_devices: dict[str, int] = msgspec.field(default_factory=dict)
 
 
 class LayoutIssue(msgspec.Struct, frozen=True):

@@ -40,11 +40,15 @@ from gpud.layout.schema import (
     Policy,
 )
 from gpud.pci import normalize_pci
+from gpud.vgpu_types import strip_prefix
 
 _TAG = "tag:yaml.org,2002:"
 _STR, _INT, _FLOAT, _BOOL, _NULL, _MERGE = (_TAG + t for t in ("str", "int", "float", "bool", "null", "merge"))
 
-TOP_KEYS = ("version", "selected", "layouts", "mig-configs", "match", "policy", "hooks")
+TOP_KEYS = ("version", "selected", "layouts", "mig-configs", "vgpu-configs", "match", "policy", "hooks")
+# Synonyms of `layouts`, so mig-parted and vgpu-device-manager files load unchanged. Entries under
+# `vgpu-configs` default to `workload: vm-vgpu`, as that is all vgpu-device-manager configures.
+LAYOUTS_SYNONYMS = ("mig-configs", "vgpu-configs")
 ENTRY_KEYS = ("devices", "device-filter", "workload", "mig-enabled", "mig-devices", "vgpu-devices")
 MATCH_KEYS = ("vendor", "device", "class")
 POLICY_KEYS = ("drain-units", "on-busy", "reset", "reboot")
@@ -209,6 +213,7 @@ class _Parser:
         self.warnings: list[LayoutIssue] = []
         self.lines: dict[str, int] = {}
         self.origins: dict[str, str] = {}
+        self.default_workload = "container"
 
     # -- reporting -------------------------------------------------------------------------------
 
@@ -405,15 +410,18 @@ class _Parser:
                 self.expected(node, "version", '"v1"')
 
         layouts_key = "layouts"
-        if "layouts" in top and "mig-configs" in top:
-            key = max(top["layouts"][0], top["mig-configs"][0], key=_line)
-            self.error(key, key.value, 'use either "layouts" or its synonym "mig-configs", not both')
-        elif "mig-configs" in top:
-            layouts_key = "mig-configs"
+        given = [k for k in ("layouts", *LAYOUTS_SYNONYMS) if k in top]
+        if len(given) > 1:
+            key = max((top[k][0] for k in given), key=_line)
+            self.error(key, key.value, f'use either "{given[0]}" or its synonym "{given[1]}", not both'
+                       if len(given) == 2 else 'use one of "layouts", "mig-configs" and "vgpu-configs", not all three')
+        elif given:
+            layouts_key = given[0]
+        self.default_workload = "vm-vgpu" if layouts_key == "vgpu-configs" else "container"
         layouts: dict[str, tuple[DeviceEntry, ...]] = {}
         layouts_node: Node | None = None
         if layouts_key not in top:
-            self.error(root, "layouts", 'missing; expected "layouts" (or its synonym "mig-configs")')
+            self.error(root, "layouts", 'missing; expected "layouts" (or its synonym "mig-configs" or "vgpu-configs")')
         else:
             layouts_node = top[layouts_key][1]
             layouts = self.layouts(layouts_node, layouts_key)
@@ -502,9 +510,9 @@ class _Parser:
         if (n := get("device-filter")) is not None:
             device_filter = self.device_filter(n, key_path(path, "device-filter"))
 
-        workload = "container"
+        workload = self.default_workload
         if (n := get("workload")) is not None:
-            workload = self.enum(n, key_path(path, "workload"), WORKLOADS) or "container"
+            workload = self.enum(n, key_path(path, "workload"), WORKLOADS) or self.default_workload
 
         mig_enabled = None
         if (n := get("mig-enabled")) is not None:
@@ -639,7 +647,7 @@ class _Parser:
         out: dict[str, int] = {}
         for name, key, value in self.free_mapping(node, path, "a mapping of vGPU type name -> count"):
             kpath = key_path(path, name)
-            if not _VGPU_NAME.fullmatch(name):
+            if not _VGPU_NAME.fullmatch(strip_prefix(name)):
                 self.error(key, kpath, f'{_quote(name)} is not a vGPU type name; expected e.g. "H200X-1-18C"')
                 continue
             count = self.count(value, kpath)

@@ -25,6 +25,8 @@ from gpud.layout.parse import (
 from gpud.layout.schema import Layout, PciId
 from gpud.model import Gpu, KnownGpu, MigProfile
 from gpud.profiles import NVIDIA, by_device, model_name, with_model_ci_profiles
+from gpud.vgpu_types import by_device as vgpu_model_of
+from gpud.vgpu_types import parse_vgpu_name, strip_prefix
 
 
 class Resolution(Struct):
@@ -147,15 +149,22 @@ def resolve(parsed: ParsedLayout, gpus: Sequence[Gpu], gone: Sequence[KnownGpu] 
                                   "a GPU may be in one entry only")
                 continue
             claimed[gpu.pci] = epath
-            if entry.mig_enabled:
-                _check_mig(parsed, entry.mig_devices, epath, gpu, errors, warnings)
+            mig_enabled, mig_devices, vgpu_devices = entry.mig_enabled, dict(entry.mig_devices), {}
+            if entry.workload == "vm-vgpu":
+                vgpu_devices = _check_vgpu(entry, epath, gpu, errors, warnings)
+                if vgpu_devices is not None:
+                    mig_enabled, mig_devices = vgpu_mig_layout(vgpu_devices, entry)
+                vgpu_devices = vgpu_devices or {}
+            if mig_enabled:
+                _check_mig(parsed, mig_devices, epath, gpu, errors, warnings)
             desired[gpu.pci] = DesiredGpu(
                 pci=gpu.pci,
                 index=gpu.index,
                 entry=epath,
                 workload=entry.workload,
-                mig_enabled=entry.mig_enabled,
-                mig_devices=dict(entry.mig_devices),
+                mig_enabled=mig_enabled,
+                mig_devices=mig_devices,
+                vgpu_devices=vgpu_devices,
             )
 
     if parsed.ok:  # with parse errors, entries may be missing from the draft: no false alarms
@@ -239,3 +248,68 @@ def _check_mig(parsed: ParsedLayout, mig_devices: dict[str, int], epath: str, gp
         else:
             template = f"{name} is not a MIG profile of {model} at {_AT}; valid: {', '.join(sorted_names(profiles))}"
         errors.per_gpu(npath, template, gpu.pci)
+
+
+VGPU_SYNTAX = "<GPU>-<GB><A|B|C|Q> (time-sliced, e.g. L40S-12Q) or <GPU>-<G>-<GB><A|B|C|Q>[ME] (MIG-backed, e.g. A100-1-5C)"
+
+
+def vgpu_mig_layout(vgpu_devices: dict[str, int], entry) -> tuple[bool | None, dict[str, int]]:
+    """The MIG layout vGPU types imply (vgpu-device-manager's ToMigConfigSpecSlice): MIG-backed types
+    need MIG on with one GPU instance of their profile each (`A100-1-5C: 4` -> `1g.5gb: 4`);
+    time-sliced types need MIG off; no types leave MIG as the entry says."""
+    needed: dict[str, int] = {}
+    for name, count in vgpu_devices.items():
+        parsed = parse_vgpu_name(name)
+        if parsed is None:
+            continue
+        if parsed.mig_profile is None:
+            return False, {}
+        needed[parsed.mig_profile] = needed.get(parsed.mig_profile, 0) + count
+    if needed:
+        return True, needed
+    return entry.mig_enabled, dict(entry.mig_devices)
+
+
+def _check_vgpu(entry, epath: str, gpu: Gpu, errors: _Collector, warnings: _Collector) -> dict[str, int] | None:
+    """vGPU type names against the types this GPU's model offers (gpud.vgpu_types; sysfs shows the
+    same names once the driver is asked); the message names the model and the valid types. Returns
+    the bare names -> counts, or None when something is wrong."""
+    vpath = key_path(epath, "vgpu-devices")
+    model = model_name(gpu)
+    table = vgpu_model_of(gpu.function.device) if gpu.function.vendor == NVIDIA else None
+    out: dict[str, int] = {}
+    ok = True
+    kinds: dict[bool, str] = {}
+    for name, count in entry.vgpu_devices.items():
+        npath = key_path(vpath, name)
+        parsed = parse_vgpu_name(name)
+        if parsed is None:
+            if table is not None:
+                errors.per_gpu(npath, f"{name} is not a vGPU type of {model} at {_AT}; valid: {', '.join(table.names())}",
+                               gpu.pci)
+            else:
+                errors.per_gpu(npath, f"{name} is not a vGPU type name; expected {VGPU_SYNTAX}", gpu.pci)
+            ok = False
+            continue
+        bare = strip_prefix(name)
+        if table is None:
+            warnings.per_gpu(vpath, f"cannot check vGPU types of {model} at {_AT}: its model is not known to gpud; "
+                                    "the driver decides", gpu.pci)
+        elif table.find(bare) is None:
+            errors.per_gpu(npath, f"{name} is not a vGPU type of {model} at {_AT}; valid: {', '.join(table.names())}",
+                           gpu.pci)
+            ok = False
+            continue
+        kinds.setdefault(parsed.mig_backed, bare)
+        out[bare] = out.get(bare, 0) + count
+    if len(kinds) == 2:
+        errors.per_gpu(vpath, f"{kinds[False]} is time-sliced and {kinds[True]} is MIG-backed: one GPU runs one kind "
+                              f"(MIG off or on), not both ({model} at {_AT})", gpu.pci)
+        ok = False
+    if out and (entry.mig_enabled is not None or entry.mig_devices):
+        errors.per_gpu(key_path(epath, "mig-enabled"),
+                       "vgpu-devices decide the MIG layout (MIG-backed types turn MIG on with their GPU instances, "
+                       f"time-sliced ones turn it off); leave out mig-enabled and mig-devices ({model} at {_AT})",
+                       gpu.pci)
+        ok = False
+    return out if ok else None

@@ -26,9 +26,10 @@ from collections.abc import Mapping, Sequence
 from msgspec import Struct
 
 from gpud import profiles
-from gpud.kubevirt_names import kubevirt_name
+from gpud.kubevirt_names import kubevirt_name, vgpu_resource
 from gpud.layout.names import device_name
 from gpud.model import CiProfile, Gpu, GpuInstance, MigProfile, NvmlGpu
+from gpud.vgpu_types import printed_name
 
 PREFIX = "nvidia.com/"
 GPU_RESOURCE = "nvidia.com/gpu"
@@ -362,7 +363,7 @@ def node_labels(inputs: LabelInputs, *, gfd: bool = True) -> NodeLabels:
 
 def advertised(gpus: Sequence[Gpu], *, mig_strategy: str = "mixed") -> Advertised:
     """k8s-device-plugin's resources for the GPUs on nvidia, kubevirt-gpu-device-plugin's for the
-    NVIDIA functions on vfio-pci."""
+    NVIDIA functions on vfio-pci and the mdev vGPUs (one resource per type)."""
     if mig_strategy not in STRATEGIES:
         raise ValueError(f"mig strategy {mig_strategy!r}: expected one of {', '.join(STRATEGIES)}")
     visible = _visible(gpus)
@@ -401,5 +402,9 @@ def advertised(gpus: Sequence[Gpu], *, mig_strategy: str = "mixed") -> Advertise
         for f in (g.function, *g.companions):
             if f.vendor == profiles.NVIDIA and f.driver in ("vfio-pci", "nvgrace_gpu_vfio_pci"):
                 name = kubevirt_name(f.device).resource
+                sandbox[name] = sandbox.get(name, 0) + 1
+        for d in g.vgpu.devices if g.vgpu is not None else ():
+            if d.uuid is not None:  # an mdev: the plugin lists /sys/bus/mdev/devices (a VF vGPU: not)
+                name = vgpu_resource(printed_name(g.function.device, d.type))
                 sandbox[name] = sandbox.get(name, 0) + 1
     return Advertised(dict(sorted(resources.items())), dict(sorted(sandbox.items())), tuple(problems))

@@ -65,6 +65,13 @@ def model(key: str) -> ModelInfo:
     return m
 
 
+def vgpu_capable() -> list[str]:
+    """Model keys whose GPUs offer vGPU types (gpud.vgpu_types)."""
+    from gpud.vgpu_types import by_device
+
+    return sorted(k for k, m in MODELS.items() if by_device(m.device) is not None)
+
+
 def parse_gpu_specs(specs: Iterable[str]) -> list[str]:
     """["h200:2", "l40s"] -> ["h200", "h200", "l40s"] (one model key per GPU, in order)."""
     out: list[str] = []

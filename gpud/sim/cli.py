@@ -1,8 +1,9 @@
 """`gpud-sim`: make and drive a simulated GPU host directory.
 
 Other tools script against this syntax; keep it stable:
-  gpud-sim create DIR --gpu MODEL[:COUNT] ... [--mig-on INDEX ...] [--nvswitch]
-  gpud-sim hold DIR DEVICE --pid PID [--name NAME]      DEVICE: PCI address, GPU UUID or MIG UUID
+  gpud-sim create DIR --gpu MODEL[:COUNT] ... [--mig-on INDEX ...] [--nvswitch] [--vgpu vfio|mdev]
+  gpud-sim hold DIR DEVICE --pid PID [--name NAME] [--vm NAME]
+                                DEVICE: PCI address (a GPU, or a VF), GPU UUID, MIG UUID or mdev UUID
   gpud-sim release DIR DEVICE --pid PID
   gpud-sim fault DIR NVML_FUNCTION --nth N --error CODE
   gpud-sim hang DIR PCI | unplug DIR PCI | plug DIR PCI
@@ -33,10 +34,11 @@ class SimCliError(Exception):
 
 
 def create(host_dir: str | os.PathLike, gpu_specs: list[str], mig_on: list[int] = (),
-           nvswitch: bool = False) -> SimState:
+           nvswitch: bool = False, vgpu: str | None = None) -> SimState:
     """Write DIR/state.json for a new host, render its sysfs/dev/proc trees and write its
     nvidia-smi (DIR/bin/nvidia-smi). `nvswitch`: the GPUs sit on an HGX baseboard with NVSwitches
-    (of the first GPU's architecture), where a GPU cannot be reset alone."""
+    (of the first GPU's architecture), where a GPU cannot be reset alone. `vgpu`: the host
+    interface ("vfio" or "mdev") of its vGPU-capable GPUs."""
     from gpud.sim.nvidia_smi import write_wrapper
     from gpud.sim.sysfs_tree import lay_out
 
@@ -47,6 +49,16 @@ def create(host_dir: str | os.PathLike, gpu_specs: list[str], mig_on: list[int] 
     state = catalog.build(models, mig_on)
     if nvswitch:
         catalog.add_nvswitches(state, catalog.model(models[0]).arch)
+    if vgpu is not None:
+        from gpud.sim import vgpu as sim_vgpu
+
+        try:
+            sim_vgpu.setup(state, vgpu)
+        except ValueError as exc:
+            raise SimCliError(str(exc)) from None
+        if not state.vgpu:
+            raise SimCliError(f"--vgpu {vgpu}: none of these GPUs offers vGPU types; vGPU-capable models: "
+                              f"{', '.join(catalog.vgpu_capable())}")
     lay_out(d, state)
     write_wrapper(d)
     return state
@@ -61,6 +73,11 @@ def resolve_device(state: SimState, device: str) -> tuple[str, str]:
             for ci in gi.cis:
                 if device == ci.uuid:
                     return ci.uuid, gpu.address
+    from gpud.sim import vgpu as sim_vgpu
+
+    mdev = sim_vgpu.find_mdev(state, device)
+    if mdev is not None:
+        return mdev[1].uuid, mdev[0]
     try:
         address = _norm_pci(device)
     except ValueError:
@@ -69,7 +86,7 @@ def resolve_device(state: SimState, device: str) -> tuple[str, str]:
         return address, address
     if address in state.functions:  # a vfio-bound non-GPU endpoint can be held through its group
         return address, address
-    raise SimCliError(f"no GPU, MIG device or PCI function {device!r} on this host")
+    raise SimCliError(f"no GPU, MIG device, mdev or PCI function {device!r} on this host")
 
 
 def _norm_pci(text: str) -> str:
@@ -92,13 +109,14 @@ def _emit_change(host_dir: Path, state: SimState, address: str) -> None:
     uevents.emit(host_dir, "change", "pci", address, driver=f.driver if f else None)
 
 
-def hold(host_dir: str | os.PathLike, device: str, pid: int, name: str | None = None) -> str:
+def hold(host_dir: str | os.PathLike, device: str, pid: int, name: str | None = None,
+         vm: str | None = None) -> str:
     d = Path(host_dir)
     with locked(d) as st:
         stored, gpu = resolve_device(st, device)
         if not any(p.pid == pid and p.device == stored for p in st.processes):
-            st.processes.append(SimProcess(pid=pid, name=name or f"proc{pid}", device=stored,
-                                           real=os.path.exists(f"/proc/{pid}")))
+            st.processes.append(SimProcess(pid=pid, name=name or ("qemu-system-x86" if vm else f"proc{pid}"),
+                                           device=stored, real=os.path.exists(f"/proc/{pid}"), vm=vm))
         _after_holder_change(d, st, gpu)
     _emit_change(d, st, gpu)
     return stored
@@ -170,14 +188,28 @@ def summary(state: SimState) -> dict:
                            "cis": [{"ci": ci.id, "profile_id": ci.profile_id, "uuid": ci.uuid, "start": ci.start}
                                    for ci in gi.cis]}
                           for gi in sorted(g.gis, key=lambda x: x.id)],
+            "vgpu": _vgpu_summary(state, address),
         })
+    vfs = {vf.address for v in state.vgpu.values() for vf in v.vfs}
     others = [{"pci": f.address, "id": f"{f.vendor:04x}:{f.device:04x}", "class": f"0x{f.class_code:06x}",
                "driver": f.driver, "present": f.present}
-              for a, f in sorted(state.functions.items()) if a not in state.gpus]
+              for a, f in sorted(state.functions.items()) if a not in state.gpus and a not in vfs]
     return {"gpus": gpus, "functions": others,
             "processes": [msgspec.to_builtins(p) for p in state.processes],
             "faults": [msgspec.to_builtins(x) for x in state.faults], "hangs": list(state.hangs),
             "modules": list(state.loaded_modules), "driver_version": state.driver_version}
+
+
+def _vgpu_summary(state: SimState, address: str) -> dict | None:
+    from gpud.sim import vgpu as sim_vgpu
+
+    v = state.vgpu.get(address)
+    if v is None:
+        return None
+    return {"interface": v.interface, "vfs": len(v.vfs),
+            "devices": [{"type": t.name, "gi": gi if gi >= 0 else None} for t, gi in sim_vgpu.placed(state, address)],
+            "vf_types": {vf.address: vf.vgpu_type for vf in v.vfs if vf.vgpu_type},
+            "mdevs": [{"uuid": m.uuid, "parent": m.parent, "type": f"nvidia-{m.type_id}"} for m in v.mdevs]}
 
 
 def _print_show(s: dict) -> None:
@@ -187,6 +219,9 @@ def _print_show(s: dict) -> None:
                                                f"GI ids: {g['mig']['gi_id_order']})")
         state = g["driver"] or "unbound" if g["present"] else "unplugged"
         print(f"GPU {g['index']} {g['pci']} {g['name']} [{state}] group {g['iommu_group']} MIG {mig}  {g['uuid']}")
+        if g["vgpu"] is not None:
+            kinds = ", ".join(d["type"] for d in g["vgpu"]["devices"]) or "no vGPUs"
+            print(f"  vGPU ({g['vgpu']['interface']}, {g['vgpu']['vfs']} VFs): {kinds}")
         for i in g["instances"]:
             cis = ", ".join(f"CI {c['ci']} at {c['start']} {c['uuid']}" for c in i["cis"]) or "no CI"
             print(f"    GI {i['gi']} {i['profile']} @{i['placement']}: {cis}")
@@ -210,13 +245,16 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--mig-on", type=int, nargs="+", action="extend", default=[], metavar="INDEX")
     p.add_argument("--nvswitch", action="store_true",
                    help="an HGX baseboard with NVSwitches: nvidia-smi refuses to reset one GPU alone")
+    p.add_argument("--vgpu", choices=("vfio", "mdev"),
+                   help="vGPU host interface of the vGPU-capable GPUs (cards without SR-IOV get mdev)")
     for name in ("hold", "release"):
         p = sub.add_parser(name, help=f"{name} a GPU or MIG device as a process would")
         p.add_argument("dir")
-        p.add_argument("device", help="PCI address, GPU UUID or MIG UUID")
+        p.add_argument("device", help="PCI address (GPU or VF), GPU UUID, MIG UUID or mdev UUID")
         p.add_argument("--pid", type=int, required=True)
         if name == "hold":
             p.add_argument("--name")
+            p.add_argument("--vm", help="the holder is a VM of this name (qemu command line -name guest=NAME)")
     p = sub.add_parser("fault", help="make the nth next call of an NVML function fail")
     p.add_argument("dir")
     p.add_argument("function")
@@ -241,12 +279,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.cmd == "create":
             try:
-                create(args.dir, args.gpu, args.mig_on, args.nvswitch)
+                create(args.dir, args.gpu, args.mig_on, args.nvswitch, args.vgpu)
             except catalog.CatalogError as e:
                 print(f"gpud-sim: {e}", file=sys.stderr)
                 return 2
         elif args.cmd == "hold":
-            hold(args.dir, args.device, args.pid, args.name)
+            hold(args.dir, args.device, args.pid, args.name, args.vm)
         elif args.cmd == "release":
             release(args.dir, args.device, args.pid)
         elif args.cmd == "fault":

@@ -29,7 +29,7 @@ from collections.abc import Callable
 
 from msgspec import Struct
 
-from gpud.sim import uevents
+from gpud.sim import uevents, vgpu
 from gpud.sim.state import SimFunction, SimState, count_reset, locked
 from gpud.sim.sysfs_tree import (
     NVIDIA,
@@ -205,8 +205,16 @@ class Store:
                     raise _err(errno.ENODEV, abs_path)
                 else:
                     raise _err(errno.EACCES, abs_path)
+            elif len(p) == 4 and p[:2] == PCI_ROOT.split("/") and p[3] == "sriov_numvfs":
+                self._change(lambda st, events: vgpu.sriov_numvfs(st, p[2], data, abs_path, events))
             elif len(p) == 4 and p[:2] == PCI_ROOT.split("/"):
                 self._device_attr(p[2], p[3], data, abs_path)
+            elif p[:2] == PCI_ROOT.split("/") and p[3:] == ["nvidia", "current_vgpu_type"]:
+                self._change(lambda st, events: vgpu.current_vgpu_type(st, p[2], data, abs_path, events))
+            elif p[:2] == PCI_ROOT.split("/") and len(p) == 6 and p[3] == "mdev_supported_types" and p[5] == "create":
+                self._change(lambda st, events: vgpu.mdev_create(st, p[2], p[4], data, abs_path, events))
+            elif p[:2] == PCI_ROOT.split("/") and len(p) == 5 and p[4] == "remove":
+                vgpu.mdev_remove(self, p[3], data, abs_path)
             else:
                 raise _err(errno.EACCES, abs_path)
         elif top == "proc" and len(p) == 5 and p[:3] == ["driver", "nvidia", "gpus"] and p[4] == "unbindLock":

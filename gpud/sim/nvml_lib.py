@@ -25,6 +25,7 @@ from gpud.layout.names import device_name
 from gpud.model import CiProfile, MigProfile
 from gpud.profiles import MODELS, NOT_IN_MIG_INSTANCE, ModelInfo
 from gpud.sim import gi_ids
+from gpud.sim import vgpu as sim_vgpu
 from gpud.sim.state import SimCi, SimGi, SimGpu, SimProcess, SimSession, SimState, locked
 
 SUCCESS = pynvml.NVML_SUCCESS
@@ -684,6 +685,8 @@ def nvmlDeviceSetMigMode(lib, state, handle, mode, status_ref):
     status = _deref(status_ref)
     if mode == 0 and gpu.gis:
         raise _Ret(pynvml.NVML_ERROR_IN_USE)
+    if mode != gpu.mig_mode and sim_vgpu.placed(state, gpu.address):
+        raise _Ret(pynvml.NVML_ERROR_IN_USE)  # vGPUs on the GPU: no mode change under them
     gpu.mig_pending = mode
     if mode == gpu.mig_mode:
         status.value = SUCCESS
@@ -938,8 +941,8 @@ def nvmlGpuInstanceGetInfo(lib, state, gi_handle, ref):
 @_nvml()
 def nvmlGpuInstanceDestroy(lib, state, gi_handle):
     gpu, gi = lib.gi(state, gi_handle)
-    if gi.cis:
-        raise _Ret(pynvml.NVML_ERROR_IN_USE)
+    if gi.cis or any(on_gi == gi.id for _, on_gi in sim_vgpu.placed(state, gpu.address)):
+        raise _Ret(pynvml.NVML_ERROR_IN_USE)  # compute instances, or a MIG-backed vGPU, live on it
     gpu.gis.remove(gi)
 
 

@@ -7,8 +7,7 @@ step a function of the state that says what it cleared:
 - MIG: GPU and compute instances never survive; a pending mode becomes current; the mode itself
   persists on Ampere and is lost on Hopper and later (NVIDIA MIG user guide, "Deployment
   Considerations");
-- vGPU / SR-IOV: VFs and vGPU (mdev) devices are gone. `VGPU_STEP` is where gpud/sim/vgpu.py's
-  clearing function goes once the simulator has vGPUs;
+- vGPU / SR-IOV: VFs and vGPU (mdev) devices are gone (gpud/sim/vgpu.py's clear_for_reboot);
 - PCI: `driver_override` lives on the kernel's device object and is lost, every function starts
   unbound and no driver module is loaded;
 - boot: the devices are added again in PCI-address order; the udev rules under DIR/etc/udev/rules.d
@@ -73,9 +72,17 @@ def _mig(state: SimState) -> list[str]:
 
 
 def _vgpu(state: SimState) -> list[str]:
-    """SR-IOV VFs and vGPU devices do not survive a reboot. The simulator has none yet:
-    gpud/sim/vgpu.py will provide the function that clears them; it replaces this one in STEPS."""
-    return []
+    """SR-IOV VFs and vGPU devices do not survive a reboot (gpud/sim/vgpu.py: clear_for_reboot)."""
+    from gpud.sim.vgpu import clear_for_reboot
+
+    notes = []
+    for address, v in sorted(state.vgpu.items()):
+        if v.vfs:
+            notes.append(f"{address}: {len(v.vfs)} VF(s) gone")
+        if v.mdevs:
+            notes.append(f"{address}: {len(v.mdevs)} mdev vGPU(s) gone")
+    clear_for_reboot(state)
+    return notes
 
 
 VGPU_STEP: Step = _vgpu

@@ -45,6 +45,7 @@ class SimProcess(msgspec.Struct):
     # The pid was a live process of this machine when registered: like NVML, the simulator stops
     # listing it once it exits, so waiting on a holder's exit can be tested end to end.
     real: bool = False
+    vm: str | None = None  # a VM's name: the process shows a qemu command line with `-name guest=<vm>`
 
 
 def _alive(pid: int) -> bool:
@@ -82,6 +83,7 @@ class SimFunction(msgspec.Struct):
     # times the nvidia driver has probed this function: an NVML session that enumerated an
     # earlier probe has lost the GPU, even when it is bound again at the same address
     nvidia_probes: int = 0
+    physfn: str | None = None  # an SR-IOV virtual function: the address of its physical function
 
 
 class SimGpu(msgspec.Struct):
@@ -111,6 +113,32 @@ class SimSession(msgspec.Struct):
     gpus: list[str] = msgspec.field(default_factory=list)  # PCI addresses whose nodes it holds
 
 
+class SimVf(msgspec.Struct):
+    """One SR-IOV virtual function of a vGPU-capable GPU, by index (virtfn<index>)."""
+
+    address: str
+    vgpu_type: int = 0  # vendor VFIO `nvidia/current_vgpu_type`; 0 = no vGPU
+    gpu_instance_id: int = -1  # the GI a MIG-backed vGPU sits on (driver's choice at creation)
+
+
+class SimMdev(msgspec.Struct):
+    """A mediated device: `/sys/bus/mdev/devices/<uuid>`, child of its parent PCI function."""
+
+    uuid: str
+    parent: str  # PCI address: the GPU itself, or one of its VFs on SR-IOV GPUs
+    type_id: int  # mdev_supported_types/nvidia-<type_id>
+    iommu_group: int  # vfio gives each mdev its own group: /dev/vfio/<group>
+    gpu_instance_id: int = -1
+
+
+class SimVgpu(msgspec.Struct):
+    """The vGPU side of one physical GPU (keyed by its PCI address in SimState.vgpu)."""
+
+    interface: str  # "vfio" (vendor-specific VFIO on SR-IOV VFs) | "mdev"
+    vfs: list[SimVf] = msgspec.field(default_factory=list)  # enabled VFs (sriov_numvfs == len)
+    mdevs: list[SimMdev] = msgspec.field(default_factory=list)
+
+
 class SimFault(msgspec.Struct):
     """`gpud-sim fault`: the nth call (counted from when it was set) of `function` fails."""
 
@@ -127,6 +155,7 @@ class SimState(msgspec.Struct):
     faults: list[SimFault] = msgspec.field(default_factory=list)
     hangs: list[str] = msgspec.field(default_factory=list)  # PCI addresses whose next unbind hangs
     loaded_modules: list[str] = msgspec.field(default_factory=list)
+    vgpu: dict[str, SimVgpu] = msgspec.field(default_factory=dict)  # PF address -> its vGPU state
     calls: dict[str, int] = msgspec.field(default_factory=dict)  # NVML function -> count
     # PCI address -> reset method ("nvidia-smi" | "sysfs") -> GPU resets done
     resets: dict[str, dict[str, int]] = msgspec.field(default_factory=dict)

@@ -116,6 +116,11 @@ def vfio_holders(state: SimState, group: int | None) -> list:
 
 def process_devices(state: SimState, proc) -> list[str]:
     """Device paths (relative to DIR/dev) a SimProcess has open, as the kernel would show them."""
+    from gpud.sim import vgpu
+
+    held_vgpu = vgpu.process_devices(state, proc)
+    if held_vgpu is not None:
+        return held_vgpu
     fn = state.functions.get(proc.device)
     if fn is not None and fn.present and fn.driver == VFIO_PCI:
         if fn.iommu_group in vfio_groups(state):
@@ -246,6 +251,12 @@ def desired_tree(host_dir: str | os.PathLike, state: SimState) -> dict[str, tupl
             d(f"sys/kernel/iommu_groups/{g}/devices")
             ln(f"sys/kernel/iommu_groups/{g}/devices/{addr}", f"../../../../{PCI_ROOT}/{addr}")
         ln(f"sys/bus/pci/devices/{addr}", f"../../../{PCI_ROOT}/{addr}")
+        if fn.physfn is not None:
+            ln(f"{base}/physfn", f"../{fn.physfn}")
+
+    from gpud.sim import vgpu
+
+    vgpu.render(state, PCI_ROOT, d, f, ln)
 
     # nvidia: control node, caps, per-GPU node and /proc entries
     if NVIDIA in drivers:
@@ -287,8 +298,11 @@ def desired_tree(host_dir: str | os.PathLike, state: SimState) -> dict[str, tupl
         f(f"dev/vfio/{g}", "", 0o600)
 
     opened: dict[int, tuple[str, list[str]]] = {}  # pid -> (comm, device nodes open)
+    cmdlines: dict[int, str] = {}  # pid -> /proc/PID/cmdline, for a simulated VM (qemu -name guest=...)
     for proc in state.processes:
         opened.setdefault(proc.pid, (proc.name, []))[1].extend(process_devices(state, proc))
+        if (line := vgpu.cmdline(proc)) is not None:
+            cmdlines[proc.pid] = line
     for session in state.sessions:  # an open NVML session holds nvidiactl and its GPUs' nodes
         nodes = ["nvidiactl"] + [f"nvidia{state.gpus[a].minor}" for a in session.gpus
                                  if a in state.gpus and _nvidia_bound(state, a)]
@@ -297,6 +311,8 @@ def desired_tree(host_dir: str | os.PathLike, state: SimState) -> dict[str, tupl
         base = f"proc/{pid}"
         d(base)
         f(f"{base}/comm", name[:15] + "\n", 0o644)
+        if pid in cmdlines:
+            f(f"{base}/cmdline", cmdlines[pid])
         d(f"{base}/fd")
         for n, dev in enumerate(dict.fromkeys(devs), start=3):
             ln(f"{base}/fd/{n}", f"{root}/dev/{dev}")

@@ -40,7 +40,7 @@ def test_plan_steps_keep_their_wire_field_names():
     assert msgspec.to_builtins(replies.mig_step(mig)) == {
         "action": "create-gi", "profile": "3g.71gb", "placement": {"start": 4, "size": 4}, "uuid": None,
         "gi": None, "ci": None, "enabled": None, "driver": None, "pci": GPU0, "module": None, "group": None,
-        "message": "", "ci_placement": None}
+        "message": "", "ci_placement": None, "type": None, "vf": None, "count": None}
     ci = Step(action="create-ci", pci=GPU0, profile="1c.3g.71gb", profile_id=9, placement=Placement(4, 4),
               ci_profile_id=0, ci_placement=Placement(2, 1))
     assert msgspec.to_builtins(replies.mig_step(ci))["ci_placement"] == {"start": 2, "size": 1}
@@ -50,13 +50,14 @@ def test_plan_steps_keep_their_wire_field_names():
                      holders=[Holder(pid=7, name="python3", device="MIG-1")])
     assert msgspec.to_builtins(replies.destroyed(gone)) == {
         "pci": GPU0, "profile": "1g.18gb", "placement": {"start": 0, "size": 1}, "uuid": "MIG-1",
-        "holders": [{"pid": 7, "name": "python3", "device": "MIG-1"}]}
+        "holders": [{"pid": 7, "name": "python3", "device": "MIG-1", "vm": None}]}
 
 
 def test_plan_with_errors_is_empty_and_says_why():
     reply = replies.plan_reply(None, errors=["layout.yaml:1 version: must be v1"])  # type: ignore[arg-type]
     assert msgspec.to_builtins(reply) == {
-        "gpus": [], "disruption": {"destroyed": [], "mode_changes": [], "resets": [], "reset_with": [], "rebinds": []},
+        "gpus": [], "disruption": {"destroyed": [], "vgpus_removed": [], "vfs_disabled": [], "mode_changes": [],
+                                   "resets": [], "reset_with": [], "rebinds": []},
         "errors": ["layout.yaml:1 version: must be v1"], "warnings": [], "errors_omitted": 0,
         "warnings_omitted": 0}
     assert isinstance(reply, wire.RESULTS["plan"])

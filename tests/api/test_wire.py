@@ -70,10 +70,13 @@ def test_every_result_struct_is_json_able_with_a_stable_shape():
         "apply": wire.ApplyReply(phase="failed"), "reload": wire.LayoutStatus(path="/l"),
         "events": wire.EventsReply(events=[wire.Event(time=0.0, kind="k")]),
         "version": wire.VersionReply(version="0.1.0"), "mig-profiles": wire.MigProfilesReply(),
-        "passthrough": wire.PassthroughReply(devices=[wire.PassthroughDevice(pci="p", vendor_device="10de:2335")]),
+        "passthrough": wire.PassthroughReply(devices=[wire.PassthroughDevice(pci="p", vendor_device="10de:2335")],
+                                             vgpus=[wire.VgpuPassthrough(gpu="p", type="L40S-12Q", vf="v")]),
         "stats": wire.StatsReply(window_s=1.5, loop_lag=wire.LoopLag(samples=3, p99_ms=2.5), requests={"status": 2}),
         "labels": wire.LabelsReply(path="/f", result="written", file={"nvidia.com/gpu.count": "8"},
                                    labels={"nvidia.com/gpu.count": "8"}),
+        "vgpu-types": wire.VgpuTypesReply(gpus=[wire.GpuVgpuTypes(index=0, pci="p", types=[
+            wire.VgpuTypeInfo(name="H200X-1-18C", id=1414, mig_profile="1g.18gb", creatable=7, max=7)])]),
     }
     assert set(samples) == set(wire.RESULTS)
     for op, obj in samples.items():

@@ -10,7 +10,7 @@ from gpud.cli.commands import COMMANDS, build_parser
 LINES = [
     ["status"], ["status", "3", "--json"], ["--socket", "/tmp/s", "status", "--fresh"],
     ["--socket=/tmp/s", "check", "-", "--all-layouts"], ["plan", "f.yaml"], ["apply", "--wait", "--timeout", "5"],
-    ["events", "-f"], ["version"], ["mig", "profiles", "--gpu", "0"], ["passthrough", "--json"], ["labels"],
+    ["events", "-f"], ["version"], ["mig", "profiles", "--gpu", "0"], ["vgpu", "types", "--gpu", "1"], ["passthrough", "--json"], ["labels"],
     ["reload"],
 ]
 

@@ -30,10 +30,10 @@ def wait_until(cond, timeout: float = 30.0, what: str = "condition"):
 
 class Daemon:
     def __init__(self, tmp: Path, gpus: list[str], layout: str, extra_args: list[str] = (),
-                 nvswitch: bool = False) -> None:
+                 nvswitch: bool = False, vgpu: str | None = None) -> None:
         self.tmp = tmp
         self.host = tmp / "host"
-        simcli.create(self.host, gpus, nvswitch=nvswitch)
+        simcli.create(self.host, gpus, nvswitch=nvswitch, vgpu=vgpu)
         self.config = tmp / "etc" / "layout.yaml"
         self.config.parent.mkdir()
         self.config.write_text(layout)
@@ -43,10 +43,13 @@ class Daemon:
         self.extra_args = list(extra_args)
         self.start(mode="w")
 
-    def start(self, mode: str = "a") -> None:
-        """Start gpud on this host (again: same state directory, socket and log)."""
+    def start(self, mode: str = "a", notify_socket: str | None = None) -> None:
+        """Start gpud on this host (again: same state directory, socket and log); `notify_socket`:
+        where it sends sd_notify messages (a datagram socket the test reads), else nowhere."""
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         env.pop("NOTIFY_SOCKET", None)
+        if notify_socket is not None:
+            env["NOTIFY_SOCKET"] = notify_socket
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "gpud.daemon", "--sim", str(self.host), "--config", str(self.config),
              "--socket", str(self.socket), "--state-dir", str(self.state_dir), *self.extra_args],
@@ -99,8 +102,8 @@ class Daemon:
 def daemon(tmp_path):
     made: list[Daemon] = []
 
-    def make(gpus: list[str], layout: str, *extra: str, nvswitch: bool = False) -> Daemon:
-        d = Daemon(tmp_path / f"d{len(made)}", gpus, layout, list(extra), nvswitch=nvswitch)
+    def make(gpus: list[str], layout: str, *extra: str, nvswitch: bool = False, vgpu: str | None = None) -> Daemon:
+        d = Daemon(tmp_path / f"d{len(made)}", gpus, layout, list(extra), nvswitch=nvswitch, vgpu=vgpu)
         made.append(d)
         return d
 

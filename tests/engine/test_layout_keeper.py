@@ -54,7 +54,7 @@ def test_gpuds_own_file_is_quoted_as_before(tmp_path):
     k, _ = keeper(path)
     assert not k.load()
     assert k.issues[0] == [f'{path}:2 secret-token: unknown key "secret-token"; allowed: version, selected, '
-                           f"layouts, mig-configs, match, policy, hooks"]
+                           f"layouts, mig-configs, vgpu-configs, match, policy, hooks"]
 
 
 def test_unreadable_files_are_errors_and_never_valid(tmp_path):

@@ -37,6 +37,9 @@ PLUGIN_TABLE = {
     0x2941: ("GB100 [HGX GB200]", "nvidia.com/GB100_HGX_GB200"),
     0x2BB5: ("GB202GL [RTX PRO 6000 Blackwell Server Edition]",
              "nvidia.com/GB202GL_RTX_PRO_6000_BLACKWELL_SERVER_EDITION"),
+    # the vGPU work's models (same file, same rule by hand)
+    0x1EB8: ("TU104GL [Tesla T4]", "nvidia.com/TU104GL_TESLA_T4"),
+    0x20F1: ("GA100 [A100 PCIe 40GB]", "nvidia.com/GA100_A100_PCIE_40GB"),
 }
 
 

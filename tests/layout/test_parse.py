@@ -228,9 +228,9 @@ def test_null_key() -> None:
 def test_unknown_top_level_key() -> None:
     assert only_error("version: v1\nlayouts: {a: []}\nlayout: {}\n") == (
         'layout.yaml:3 layout: unknown key "layout"; did you mean "layouts"? '
-        "allowed: version, selected, layouts, mig-configs, match, policy, hooks")
+        "allowed: version, selected, layouts, mig-configs, vgpu-configs, match, policy, hooks")
     assert only_error("version: v1\nlayouts: {a: []}\nzzz: 1\n") == (
-        'layout.yaml:3 zzz: unknown key "zzz"; allowed: version, selected, layouts, mig-configs, match, policy, hooks')
+        'layout.yaml:3 zzz: unknown key "zzz"; allowed: version, selected, layouts, mig-configs, vgpu-configs, match, policy, hooks')
 
 
 def test_unknown_key_path_is_quoted_when_needed() -> None:
@@ -252,7 +252,7 @@ def test_version_missing() -> None:
 
 def test_layouts_missing() -> None:
     assert only_error("version: v1\n") == (
-        'layout.yaml:1 layouts: missing; expected "layouts" (or its synonym "mig-configs")')
+        'layout.yaml:1 layouts: missing; expected "layouts" (or its synonym "mig-configs" or "vgpu-configs")')
 
 
 def test_layouts_and_mig_configs() -> None:

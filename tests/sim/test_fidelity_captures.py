@@ -28,6 +28,8 @@ GPU = "0000:18:00.0"
 # model -> (directory of the -lgip capture, directory of the -lgipp capture)
 SOURCES = {
     "a100-40gb": (CAPTURES / "a100-40gb", CAPTURES / "a100-40gb"),
+    # No capture of the A100 PCIe 40GB (simulated for its vGPU types): the SXM4 40GB one, same GA100.
+    "a100-pcie-40gb": (CAPTURES / "a100-40gb", CAPTURES / "a100-40gb"),
     # No A100 80GB -lgipp was published: the GA100 placements of NVIDIA's guide (README there).
     "a100-80gb": (CAPTURES / "a100-80gb", CAPTURES / "a100-40gb"),
     "h100-80gb": (CAPTURES / "h100-80gb", CAPTURES / "h100-80gb"),
@@ -96,9 +98,9 @@ def test_every_simulated_mig_model_has_a_capture():
     assert mig_models == set(SOURCES)
     for lgip_dir, lgipp_dir in SOURCES.values():
         assert (lgip_dir / "nvidia-smi-mig-lgip.txt").is_file() and (lgipp_dir / "nvidia-smi-mig-lgipp.txt").is_file()
-    for model in SOURCES:
+    for model, (lgip_dir, _) in SOURCES.items():
         if model != "h200":
-            assert "Driver:" in (CAPTURES / model / "README.md").read_text(), model
+            assert "Driver:" in (lgip_dir / "README.md").read_text(), model
 
 
 @pytest.mark.parametrize("model", sorted(SOURCES))

@@ -89,3 +89,31 @@ def test_the_command_line(host):
                          capture_output=True, text=True, check=True).stdout
     assert f"{H100}: MIG mode lost (hopper)" in out
     assert load(host).boots == 1
+
+
+def test_vfs_and_vgpus_are_gone_after_a_reboot(tmp_path):
+    """VFs (their PCI functions too) and mdev vGPUs do not survive a reboot (docs/vgpu.md): a host
+    with a vendor-VFIO L40S (4 VFs, one with a vGPU type) and an mdev T4 (one vGPU) comes back
+    with sriov_numvfs 0 and no mdev, as its state file and sysfs tree show."""
+    from gpud.host.sysfs import Sysfs
+    from gpud.sim import host as sim_host_paths
+
+    d = tmp_path / "host"
+    simcli.create(d, ["l40s", "t4"], vgpu="vfio")
+    l40s, t4 = sorted(load(d).gpus)
+    h = sim_host_paths(d)
+    fs = Sysfs(str(h.sys_root), store=h.store, dev_root=str(h.dev_root))
+    fs.write(f"bus/pci/devices/{l40s}/sriov_numvfs", "4")
+    vfs = [vf.address for vf in load(d).vgpu[l40s].vfs]
+    fs.write(f"bus/pci/devices/{vfs[0]}/nvidia/current_vgpu_type", "1145")
+    uuid = "5d7c1b0e-2c8a-4a55-8a52-0c3d6c9e1f01"
+    fs.write(f"bus/pci/devices/{t4}/mdev_supported_types/nvidia-230/create", uuid)
+    st = load(d)
+    assert len(st.vgpu[l40s].vfs) == 4 and len(st.vgpu[t4].mdevs) == 1 and vfs[0] in st.functions
+
+    reboot(d)
+    st = load(d)
+    assert st.vgpu[l40s].vfs == [] and st.vgpu[t4].mdevs == []
+    assert not any(vf in st.functions for vf in vfs)
+    assert (d / "sys" / "bus" / "pci" / "devices" / l40s / "sriov_numvfs").read_text() == "0\n"
+    assert not (d / "sys" / "bus" / "mdev" / "devices" / uuid).exists()

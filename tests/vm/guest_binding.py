@@ -29,6 +29,7 @@ from gpud.host.udev import UdevEvents
 from gpud.layout.parse import parse_layout
 from gpud.layout.resolve import resolve
 from gpud.plan.binding import plan_binding
+from tests.vm import guest_vgpu
 
 NIC0, AUDIO, NIC1 = "0000:00:10.0", "0000:00:10.1", "0000:00:11.0"
 LAYOUT = textwrap.dedent("""\
@@ -269,6 +270,7 @@ async def main(out_dir: str) -> None:
         await phase(name, fn())
     events_udev.stop()  # the daemon below has its own monitor
     await phase("daemon", run_daemon(out_dir))
+    await phase("vgpu", asyncio.to_thread(guest_vgpu.run, record, HOLDER, out_dir))  # mdev core + SR-IOV
     await asyncio.sleep(0.5)  # let late kernel-source events in before reporting
     ticker.cancel()
     events_kernel.stop()

@@ -7,41 +7,15 @@ a kernel or virtme-ng is missing and cannot be installed.
 
 from __future__ import annotations
 
-import json
-import os
-
 import pytest
 
-from tests.vm import vm
+from tests.vm.conftest import phase
 
-# The session's one boot bounds itself (vm.boot: 900 s); pytest's per-test 300 s would cut a slow
+# The session's one boot bounds itself (vm.boot: 1500 s, the binding and vGPU phases together); pytest's per-test 300 s would cut a slow
 # TCG boot short in the fixture's setup and report nine errors instead of the boot's own outcome.
-pytestmark = [pytest.mark.vm, pytest.mark.timeout(1200)]
+pytestmark = [pytest.mark.vm, pytest.mark.timeout(1800)]
 
 NIC0, AUDIO, NIC1 = "0000:00:10.0", "0000:00:10.1", "0000:00:11.0"
-
-
-@pytest.fixture(scope="session")
-def guest(tmp_path_factory):
-    still = vm.ensure_tools()
-    if still:
-        pytest.skip("cannot boot the test VM, and installing failed; missing: " + "; ".join(still))
-    out = tmp_path_factory.mktemp("vm")
-    rc, console, secs = vm.boot(str(out), os.path.join(vm.REPO, "tests", "vm", "guest_binding.py"))
-    path = out / "results.json"
-    assert path.exists(), f"guest wrote no results (vng rc={rc}, {secs:.0f}s):\n{console[-6000:]}"
-    res = json.loads(path.read_text())
-    res["boot_seconds"] = secs
-    print(f"\nvm: booted and ran in {secs:.0f}s (guest part {res.get('elapsed')}s)")
-    assert "fatal" not in res, res["fatal"]
-    return res
-
-
-def phase(guest, name):
-    p = guest["phases"].get(name)
-    assert p is not None, f"phase {name} did not run"
-    assert "error" not in p, f"phase {name}: {p['error']}\n{p.get('trace', '')}"
-    return p
 
 
 def test_guest_topology_is_the_one_the_checks_assume(guest):
