@@ -343,20 +343,23 @@ def _add_version(sub: Any) -> None:
     s.set_defaults(func=cmd_version)
 
 
-def _add_mig(sub: Any) -> None:
-    s = sub.add_parser("mig", help="MIG information")
-    mig = s.add_subparsers(dest="mig_command", metavar="COMMAND", required=True)
-    s = _with_json(mig.add_parser("profiles", help="GPU instance profiles and placements"))
+def _add_per_gpu_listing(sub: Any, group: str, group_help: str, name: str, name_help: str, func: Any) -> None:
+    """`gpudctl GROUP NAME [--gpu SEL] [--json]`: a per-GPU table (mig profiles, vgpu types)."""
+    s = sub.add_parser(group, help=group_help)
+    listings = s.add_subparsers(dest=f"{group}_command", metavar="COMMAND", required=True)
+    s = _with_json(listings.add_parser(name, help=name_help))
     s.add_argument("--gpu", metavar="SEL", help="index, PCI address or UUID")
-    s.set_defaults(func=cmd_mig_profiles)
+    s.set_defaults(func=func)
+
+
+def _add_mig(sub: Any) -> None:
+    _add_per_gpu_listing(sub, "mig", "MIG information", "profiles", "GPU instance profiles and placements",
+                         cmd_mig_profiles)
 
 
 def _add_vgpu(sub: Any) -> None:
-    s = sub.add_parser("vgpu", help="vGPU information")
-    vgpu = s.add_subparsers(dest="vgpu_command", metavar="COMMAND", required=True)
-    s = _with_json(vgpu.add_parser("types", help="vGPU types each GPU offers, with how many still fit"))
-    s.add_argument("--gpu", metavar="SEL", help="index, PCI address or UUID")
-    s.set_defaults(func=cmd_vgpu_types)
+    _add_per_gpu_listing(sub, "vgpu", "vGPU information", "types",
+                         "vGPU types each GPU offers, with how many still fit", cmd_vgpu_types)
 
 
 def _add_passthrough(sub: Any) -> None:

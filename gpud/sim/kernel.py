@@ -30,6 +30,7 @@ from collections.abc import Callable
 from msgspec import Struct
 
 from gpud.sim import uevents, vgpu
+from gpud.sim.kstrto import kstrtou, sysfs_error
 from gpud.sim.state import SimFunction, SimState, count_reset, locked
 from gpud.sim.sysfs_tree import (
     NVIDIA,
@@ -58,28 +59,10 @@ class Uevent(Struct, frozen=True):
     driver: str | None = None  # DRIVER= on bind
 
 
-def _err(code: int, path: str) -> OSError:
-    return OSError(code, os.strerror(code), path)
-
-
 def _name(data: bytes) -> str:
     """A device name as bus_find_device_by_name compares it (sysfs_streq: one trailing \\n ignored)."""
     s = data.decode("utf-8", "surrogateescape")
     return s[:-1] if s.endswith("\n") else s
-
-
-def _ulong(data: bytes, path: str) -> int:
-    """kstrtoul(buf, 0): base prefix allowed, a single trailing newline allowed."""
-    s = _name(data)
-    try:
-        if s != s.strip() or not s:
-            raise ValueError
-        v = int(s, 0)
-    except ValueError:
-        raise _err(errno.EINVAL, path) from None
-    if v < 0:
-        raise _err(errno.EINVAL, path)
-    return v
 
 
 def matches(f: SimFunction, drv: str) -> bool:
@@ -92,16 +75,16 @@ def matches(f: SimFunction, drv: str) -> bool:
 def _attach(st: SimState, f: SimFunction, drv: str, path: str, events: list[Uevent]) -> None:
     """really_probe: bind `f` (known unbound and matching) to `drv`, or raise the probe's errno."""
     if f.driver is not None:
-        raise _err(errno.EBUSY, path)
+        raise sysfs_error(errno.EBUSY, path)
     if drv != VFIO_PCI and f.iommu_group is not None and f.iommu_group in vfio_groups(st) \
             and vfio_holders(st, f.iommu_group):
-        raise _err(errno.EBUSY, path)  # DMA ownership: the group is owned by a user (VM)
+        raise sysfs_error(errno.EBUSY, path)  # DMA ownership: the group is owned by a user (VM)
     if drv == VFIO_PCI and f.iommu_group is None:
-        raise _err(errno.EINVAL, path)
+        raise sysfs_error(errno.EINVAL, path)
     if drv == NVIDIA:
         gpu = st.gpus.get(f.address)
         if gpu is None:
-            raise _err(errno.EPERM, path)
+            raise sysfs_error(errno.EPERM, path)
         taken = {g.minor for a, g in st.gpus.items()
                  if a != f.address and st.functions.get(a) is not None
                  and st.functions[a].driver == NVIDIA and st.functions[a].present}
@@ -176,9 +159,9 @@ class Store:
         rel = os.path.relpath(real, os.path.realpath(self.dir))
         parts = rel.split(os.sep)
         if not os.path.lexists(real):
-            raise _err(errno.ENOENT, abs_path)
+            raise sysfs_error(errno.ENOENT, abs_path)
         if os.path.isdir(real):
-            raise _err(errno.EISDIR, abs_path)
+            raise sysfs_error(errno.EISDIR, abs_path)
         return parts[0], parts[1:], real
 
     def __call__(self, abs_path: str | os.PathLike, data: bytes) -> int:
@@ -190,7 +173,7 @@ class Store:
             if p == ["bus", "pci", "drivers_probe"]:
                 self._drivers_probe(_name(data), abs_path)
             elif p == ["bus", "pci", "rescan"]:
-                if _ulong(data, abs_path):
+                if kstrtou(data, abs_path):
                     self.rescan()
             elif len(p) == 5 and p[:3] == ["bus", "pci", "drivers"]:
                 drv, attr = p[3], p[4]
@@ -202,9 +185,9 @@ class Store:
                     self._new_id(drv, data, abs_path)
                 elif attr == "remove_id":
                     _ids(data, abs_path)
-                    raise _err(errno.ENODEV, abs_path)
+                    raise sysfs_error(errno.ENODEV, abs_path)
                 else:
-                    raise _err(errno.EACCES, abs_path)
+                    raise sysfs_error(errno.EACCES, abs_path)
             elif len(p) == 4 and p[:2] == PCI_ROOT.split("/") and p[3] == "sriov_numvfs":
                 self._change(lambda st, events: vgpu.sriov_numvfs(st, p[2], data, abs_path, events))
             elif len(p) == 4 and p[:2] == PCI_ROOT.split("/"):
@@ -216,57 +199,57 @@ class Store:
             elif p[:2] == PCI_ROOT.split("/") and len(p) == 5 and p[4] == "remove":
                 vgpu.mdev_remove(self, p[3], data, abs_path)
             else:
-                raise _err(errno.EACCES, abs_path)
+                raise sysfs_error(errno.EACCES, abs_path)
         elif top == "proc" and len(p) == 5 and p[:3] == ["driver", "nvidia", "gpus"] and p[4] == "unbindLock":
             self._unbind_lock(p[3], data, abs_path)
         else:
-            raise _err(errno.EACCES, abs_path)
+            raise sysfs_error(errno.EACCES, abs_path)
         return len(data)
 
     # ---- per-device attributes
     def _device_attr(self, addr: str, attr: str, data: bytes, path: str) -> None:
         if attr == "driver_override":
             if len(data) >= PAGE_SIZE:
-                raise _err(errno.EINVAL, path)
+                raise sysfs_error(errno.EINVAL, path)
             value = _name(data) or None
 
             def set_override(st: SimState, events: list[Uevent]) -> None:
                 f = _find(st, addr)
                 if f is None:
-                    raise _err(errno.ENOENT, path)
+                    raise sysfs_error(errno.ENOENT, path)
                 f.driver_override = value  # no event, no rebind
 
             self._change(set_override)
         elif attr == "remove":
-            if _ulong(data, path):
+            if kstrtou(data, path):
                 self.remove(addr, path)
         elif attr == "rescan":
-            if _ulong(data, path):
+            if kstrtou(data, path):
                 self.rescan()
         elif attr == "reset":
-            if _ulong(data, path) != 1:
-                raise _err(errno.EINVAL, path)
+            if kstrtou(data, path) != 1:
+                raise sysfs_error(errno.EINVAL, path)
             self._reset(addr, path)
         elif attr in ("enable", "d3cold_allowed"):
-            _ulong(data, path)  # accepted, not modelled
+            kstrtou(data, path)  # accepted, not modelled
         elif attr == "uevent":
             action = _name(data).split(" ")[0]
             if action not in UEVENT_ACTIONS:
-                raise _err(errno.EINVAL, path)
+                raise sysfs_error(errno.EINVAL, path)
             with locked(self.dir, write=False) as st:
                 f = _find(st, addr)
                 drv = f.driver if f else None
             uevents.emit(self.dir, action, "pci", addr, drv, synthetic=True)
         else:
-            raise _err(errno.EACCES, path)
+            raise sysfs_error(errno.EACCES, path)
 
     def _reset(self, addr: str, path: str) -> None:
         def reset(st: SimState, events: list[Uevent]) -> None:
             f = _find(st, addr)
             if f is None:
-                raise _err(errno.ENOENT, path)
+                raise sysfs_error(errno.ENOENT, path)
             if f.driver == NVIDIA and gpu_holders(st, addr):
-                raise _err(errno.EBUSY, path)
+                raise sysfs_error(errno.EBUSY, path)
             if addr in st.gpus:
                 _reset_gpu(st, addr)
             count_reset(st, addr, "sysfs")
@@ -277,10 +260,10 @@ class Store:
     def _bind(self, drv: str, name: str, path: str) -> None:
         def bind(st: SimState, events: list[Uevent]) -> None:
             if drv not in loaded_drivers(st):
-                raise _err(errno.ENOENT, path)
+                raise sysfs_error(errno.ENOENT, path)
             f = _find(st, name)
             if f is None or not matches(f, drv):
-                raise _err(errno.ENODEV, path)
+                raise sysfs_error(errno.ENODEV, path)
             _attach(st, f, drv, path, events)
 
         self._change(bind)
@@ -295,7 +278,7 @@ class Store:
                 bound = f is not None and f.driver == drv
                 if not bound:
                     if first:
-                        raise _err(errno.ENODEV, path)
+                        raise sysfs_error(errno.ENODEV, path)
                     return  # someone else unbound it meanwhile: the kernel's detach is a no-op
                 blocked = _blocked(st, f, drv)
             if not blocked:
@@ -334,18 +317,18 @@ class Store:
         def probe(st: SimState, events: list[Uevent]) -> None:
             f = _find(st, name)
             if f is None:
-                raise _err(errno.ENODEV, path)
+                raise sysfs_error(errno.ENODEV, path)
             _probe(st, f, events)
 
         self._change(probe)
 
     def _unbind_lock(self, addr: str, data: bytes, path: str) -> None:
-        want = _ulong(data, path)
+        want = kstrtou(data, path)
 
         def take(st: SimState, events: list[Uevent]) -> None:
             f = _find(st, addr)
             if f is None or f.driver != NVIDIA:
-                raise _err(errno.ENOENT, path)
+                raise sysfs_error(errno.ENOENT, path)
             granted = want == 1 and not gpu_holders(st, addr) and not session_holders(st, addr)
             tmp = f"{path}.tmp{os.getpid()}"
             with open(tmp, "wb") as fh:
@@ -394,7 +377,7 @@ def _ids(data: bytes, path: str) -> tuple[int, int]:
             raise ValueError
         return int(parts[0], 16), int(parts[1], 16)
     except ValueError:
-        raise _err(errno.EINVAL, path) from None
+        raise sysfs_error(errno.EINVAL, path) from None
 
 
 def _reset_gpu(st: SimState, addr: str) -> None:

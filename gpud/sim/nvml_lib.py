@@ -819,24 +819,30 @@ def _known_profile(model: ModelInfo, profile_id: Any) -> MigProfile:
     return prof
 
 
+def _fill_placements(placements, count_ref, items: list[tuple[int, int]]) -> int:
+    """NVML's caller-allocated two-call pattern for placement lists (GI and CI alike): a NULL array
+    asks for the count; an array shorter than the list gets INSUFFICIENT_SIZE and the count."""
+    count = _deref(count_ref)
+    if placements is None:
+        count.value = len(items)
+        return SUCCESS
+    arr = _deref(placements)
+    if count.value < len(items):
+        count.value = len(items)
+        raise _Ret(pynvml.NVML_ERROR_INSUFFICIENT_SIZE)
+    for i, (start, size) in enumerate(items):
+        arr[i].start = start
+        arr[i].size = size
+    count.value = len(items)
+    return SUCCESS
+
+
 @_nvml("nvmlDeviceGetGpuInstancePossiblePlacements_v2", "nvmlDeviceGetGpuInstancePossiblePlacements")
 def _possible_placements(lib, state, handle, profile_id, placements, count_ref):
     """Caller-allocated two-call pattern: NULL array -> count only. Works with MIG disabled."""
     _, model = _mig_model(lib, state, handle)
     prof = _known_profile(model, profile_id)
-    count = _deref(count_ref)
-    if placements is None:
-        count.value = len(prof.placements)
-        return SUCCESS
-    arr = _deref(placements)
-    if count.value < len(prof.placements):
-        count.value = len(prof.placements)
-        raise _Ret(pynvml.NVML_ERROR_INSUFFICIENT_SIZE)
-    for i, pl in enumerate(prof.placements):
-        arr[i].start = pl.start
-        arr[i].size = pl.size
-    count.value = len(prof.placements)
-    return SUCCESS
+    return _fill_placements(placements, count_ref, [(pl.start, pl.size) for pl in prof.placements])
 
 
 def _free_placements(gpu: SimGpu, prof: MigProfile) -> list[int]:
@@ -1026,19 +1032,7 @@ def nvmlGpuInstanceGetComputeInstancePossiblePlacements(lib, state, gi_handle, c
     if pid >= pynvml.NVML_COMPUTE_INSTANCE_PROFILE_COUNT:
         raise _Ret(pynvml.NVML_ERROR_INVALID_ARGUMENT)
     ci_prof = _ci_profile(model_of(gpu), gi, pid)
-    count = _deref(count_ref)
-    if placements is None:
-        count.value = len(ci_prof.starts)
-        return SUCCESS
-    arr = _deref(placements)
-    if count.value < len(ci_prof.starts):
-        count.value = len(ci_prof.starts)
-        raise _Ret(pynvml.NVML_ERROR_INSUFFICIENT_SIZE)
-    for i, start in enumerate(ci_prof.starts):
-        arr[i].start = start
-        arr[i].size = ci_prof.slices
-    count.value = len(ci_prof.starts)
-    return SUCCESS
+    return _fill_placements(placements, count_ref, [(start, ci_prof.slices) for start in ci_prof.starts])
 
 
 def _create_ci(lib: FakeNvmlLib, state: SimState, gi_handle: Any, ci_profile_id: Any, start: int | None,

@@ -22,11 +22,11 @@ docs/vgpu.md.
 from __future__ import annotations
 
 import errno
-import os
 import re
 import time
 
 from gpud import profiles, vgpu_types
+from gpud.sim.kstrto import kstrtou, sysfs_error
 from gpud.sim.state import SimFunction, SimMdev, SimState, SimVf, SimVgpu
 from gpud.vgpu_types import SYNTHETIC_ID_BASE, VgpuModel, VgpuType
 
@@ -70,10 +70,6 @@ def _event(action: str, subsystem: str, address: str | None, driver: str | None)
     from gpud.sim.kernel import Uevent
 
     return Uevent(action, subsystem, address, driver)
-
-
-def _err(code: int, path: str) -> OSError:
-    return OSError(code, os.strerror(code), path)
 
 
 def _gi_profile_names(st: SimState, pf: str) -> dict[int, str]:
@@ -313,41 +309,24 @@ def _placement(st: SimState, pf: str, gi_id: int) -> int:
 
 # ---- kernel write semantics (called by gpud.sim.kernel.Store)
 
-def _u(data: bytes, path: str, bits: int) -> int:
-    """kstrtou16/kstrtouint: decimal (or 0x), one trailing newline, else EINVAL; too big ERANGE."""
-    text = data.decode("utf-8", "replace")
-    text = text[:-1] if text.endswith("\n") else text
-    try:
-        if not text or text != text.strip():
-            raise ValueError
-        value = int(text, 0)
-    except ValueError:
-        raise _err(errno.EINVAL, path) from None
-    if value < 0:
-        raise _err(errno.EINVAL, path)
-    if value >= 1 << bits:
-        raise _err(errno.ERANGE, path)
-    return value
-
-
 def sriov_numvfs(st: SimState, pf: str, data: bytes, path: str, events: list) -> None:
     """drivers/pci/iov.c sriov_numvfs_store with the nvidia driver's sriov_configure."""
-    n = _u(data, path, 16)
+    n = kstrtou(data, path, 16)
     fn = st.functions.get(pf)
     v = st.vgpu.get(pf)
     model = vgpu_model(st, pf)
     if fn is None or not fn.present or v is None or model is None or not model.sriov:
-        raise _err(errno.ENOENT, path)
+        raise sysfs_error(errno.ENOENT, path)
     if n > model.total_vfs:
-        raise _err(errno.ERANGE, path)
+        raise sysfs_error(errno.ERANGE, path)
     if n == len(v.vfs):
         return
     if fn.driver is None or fn.driver != "nvidia":
-        raise _err(errno.ENOENT, path)  # no driver, or one without sriov_configure in this model
+        raise sysfs_error(errno.ENOENT, path)  # no driver, or one without sriov_configure in this model
     if n == 0:
         # NVIDIA's choice (not the kernel's): VFs carrying vGPUs are not torn down.
         if any(vf.vgpu_type for vf in v.vfs) or v.mdevs:
-            raise _err(errno.EBUSY, path)
+            raise sysfs_error(errno.EBUSY, path)
         for vf in v.vfs:
             vfn = st.functions.pop(vf.address, None)
             if vfn is not None and vfn.driver:
@@ -356,7 +335,7 @@ def sriov_numvfs(st: SimState, pf: str, data: bytes, path: str, events: list) ->
         v.vfs = []
         return
     if v.vfs:
-        raise _err(errno.EBUSY, path)
+        raise sysfs_error(errno.EBUSY, path)
     for i in range(n):
         address = vf_address(pf, i)
         st.functions[address] = SimFunction(
@@ -374,23 +353,23 @@ def current_vgpu_type(st: SimState, vf_addr: str, data: bytes, path: str, events
     """`<VF>/nvidia/current_vgpu_type`: an id from the VF's creatable list creates, 0 frees.
     NVIDIA's choices, modelled: a VF that has a type must be freed first (EBUSY), an id not in its
     creatable list is EINVAL, and a VF a VM holds open cannot be freed (EBUSY)."""
-    type_id = _u(data, path, 32)
+    type_id = kstrtou(data, path, 32)
     found = owner(st, vf_addr)
     if found is None:
-        raise _err(errno.ENOENT, path)
+        raise sysfs_error(errno.ENOENT, path)
     pf, v = found
     vf = next(x for x in v.vfs if x.address == vf_addr)
     if type_id == 0:
         if vf.vgpu_type and holders_of(st, vf_addr):
-            raise _err(errno.EBUSY, path)
+            raise sysfs_error(errno.EBUSY, path)
         vf.vgpu_type, vf.gpu_instance_id = 0, -1
         events.append(_event("change", "pci", vf_addr, "nvidia"))
         return
     if vf.vgpu_type:
-        raise _err(errno.EBUSY, path)
+        raise sysfs_error(errno.EBUSY, path)
     stype = next((t for t in creatable(st, pf, vf_addr) if t.vfio_id == type_id), None)
     if stype is None:
-        raise _err(errno.EINVAL, path)
+        raise sysfs_error(errno.EINVAL, path)
     vf.gpu_instance_id = _free_gi(st, pf, stype) if stype.profile else -1
     vf.vgpu_type = type_id
     events.append(_event("change", "pci", vf_addr, "nvidia"))
@@ -400,23 +379,23 @@ def mdev_create(st: SimState, parent: str, type_dir: str, data: bytes, path: str
     """mdev_sysfs.c create_store + mdev_device_create; the vendor driver refuses a type with no
     available instance (ENOSPC, as the kernel's mtty sample does)."""
     if len(data) < 36 or len(data) > 37:
-        raise _err(errno.EINVAL, path)
+        raise sysfs_error(errno.EINVAL, path)
     text = data[:36].decode("ascii", "replace")
     if not _UUID.fullmatch(text):
-        raise _err(errno.EINVAL, path)
+        raise sysfs_error(errno.EINVAL, path)
     uuid = text.lower()
     found = owner(st, parent)
     if found is None or not type_dir.startswith("nvidia-"):
-        raise _err(errno.ENOENT, path)
+        raise sysfs_error(errno.ENOENT, path)
     pf, v = found
     if find_mdev(st, uuid) is not None:
-        raise _err(errno.EEXIST, path)
+        raise sysfs_error(errno.EEXIST, path)
     model = vgpu_model(st, pf)
     stype = next((t for t in sim_types(model) if f"nvidia-{t.mdev_id}" == type_dir), None) if model else None
     if stype is None:
-        raise _err(errno.ENOENT, path)
+        raise sysfs_error(errno.ENOENT, path)
     if available_instances(st, pf, parent, stype) < 1:
-        raise _err(errno.ENOSPC, path)
+        raise sysfs_error(errno.ENOSPC, path)
     gi = _free_gi(st, pf, stype) if stype.profile else -1
     v.mdevs.append(SimMdev(uuid=uuid, parent=parent, type_id=stype.mdev_id, iommu_group=_next_group(st),
                            gpu_instance_id=gi if gi is not None else -1))
@@ -443,7 +422,7 @@ def mdev_remove(store, uuid: str, data: bytes, path: str) -> None:
     open the write blocks (6.1: vfio_unregister_group_dev waits for the release)."""
     from gpud.sim.state import locked
 
-    value = _u(data, path, 64)
+    value = kstrtou(data, path, 64)
     if not value:
         return
     while True:
