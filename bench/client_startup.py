@@ -111,7 +111,9 @@ def main() -> int:
     tmp = tempfile.mkdtemp(prefix="gpud-bench", dir="/tmp")
     path = f"{tmp}/gpud.sock"
     loop, server, thread = start_server(path)
-    env = {**os.environ, "PYTHONPATH": str(REPO), "GPUD_SOCKET": path}
+    # the checkout first; a PYTHONPATH already set (dependencies installed with --target) kept after it
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+           "GPUD_SOCKET": path}
     py = sys.executable
     cases = [
         ("python -c pass (floor)", [py, "-c", "pass"]),
