@@ -23,13 +23,28 @@ import pynvml
 
 from gpud.layout.names import device_name
 from gpud.model import CiProfile, MigProfile
-from gpud.profiles import MODELS, NOT_IN_MIG_INSTANCE, ModelInfo
+from gpud.profiles import NOT_IN_MIG_INSTANCE, ModelInfo
 from gpud.sim import gi_ids
 from gpud.sim import vgpu as sim_vgpu
-from gpud.sim.state import SimCi, SimGi, SimGpu, SimProcess, SimSession, SimState, locked
+from gpud.sim.gpu_rules import (
+    MIB,
+    busy,
+    ci_slices,
+    gpu_processes,
+    is_free,
+    memory_slices,
+    mig_devices,
+    mig_name,
+    mig_processes,
+    model_of,
+    profile_of,
+    used_slices,
+    visible_gpus,
+)
+from gpud.sim.state import SimCi, SimGi, SimGpu, SimSession, SimState, locked
+from gpud.sim.sysfs_tree import render
 
 SUCCESS = pynvml.NVML_SUCCESS
-MIB = 1 << 20
 _MAX_MIG_DEVICES = 7
 
 _ERROR_STRINGS = {
@@ -129,91 +144,6 @@ def _check_version(info: Any, expected: int) -> None:
         raise _Ret(pynvml.NVML_ERROR_ARGUMENT_VERSION_MISMATCH)
 
 
-# --- state helpers ------------------------------------------------------------------------------
-
-
-def model_of(gpu: SimGpu) -> ModelInfo:
-    return MODELS[gpu.model]
-
-
-def visible_gpus(state: SimState) -> list[SimGpu]:
-    """GPUs NVML enumerates: bound to nvidia, present, with the nvidia module loaded."""
-    if "nvidia" not in state.loaded_modules:
-        return []
-    out = []
-    for address in sorted(state.gpus):
-        f = state.functions.get(address)
-        if f is not None and f.present and f.driver == "nvidia":
-            out.append(state.gpus[address])
-    return out
-
-
-def mig_devices(gpu: SimGpu) -> list[tuple[SimGi, SimCi]]:
-    """MIG devices in NVML's index order: by GI id, then CI id."""
-    if gpu.mig_mode != 1:
-        return []
-    return [(gi, ci) for gi in sorted(gpu.gis, key=lambda g: g.id) for ci in sorted(gi.cis, key=lambda c: c.id)]
-
-
-def gpu_processes(state: SimState, gpu: SimGpu) -> list[SimProcess]:
-    keys = {gpu.uuid, gpu.address.lower()}
-    return [p for p in state.processes if p.device.lower() in keys or p.device in keys]
-
-
-def mig_processes(state: SimState, ci: SimCi) -> list[SimProcess]:
-    return [p for p in state.processes if p.device == ci.uuid]
-
-
-def busy(state: SimState, gpu: SimGpu) -> bool:
-    """Anything running on the GPU or on one of its MIG devices."""
-    uuids = {ci.uuid for gi in gpu.gis for ci in gi.cis}
-    return bool(gpu_processes(state, gpu)) or any(p.device in uuids for p in state.processes)
-
-
-def reset_gpu(state: SimState, address: str) -> None:
-    """A GPU reset as the driver sees it: a pending MIG mode takes effect; disabling drops GIs.
-
-    Called by the simulated kernel (sysfs `reset` store) with the host lock held.
-    """
-    gpu = state.gpus.get(address)
-    if gpu is None:
-        return
-    if gpu.mig_pending != gpu.mig_mode:
-        gpu.mig_mode = gpu.mig_pending
-    if gpu.mig_mode == 0:
-        gpu.gis.clear()
-
-
-def _profile(model: ModelInfo, profile_id: int) -> MigProfile | None:
-    return next((p for p in model.profiles if p.id == profile_id), None)
-
-
-def _used_slices(gpu: SimGpu, skip: SimGi | None = None) -> set[int]:
-    return {s for g in gpu.gis if g is not skip for s in range(g.start, g.start + g.size)}
-
-
-def _memory_slices(model: ModelInfo) -> int:
-    """The GPU's memory slices: the end of its farthest-reaching placement (8 on A100/H100/H200)."""
-    return max(pl.start + pl.size for p in model.profiles for pl in p.placements)
-
-
-def _free(gpu: SimGpu, start: int, size: int) -> bool:
-    return not (_used_slices(gpu) & set(range(start, start + size)))
-
-
-def _mig_name(model: ModelInfo, gi: SimGi, ci: SimCi) -> str:
-    prof = _profile(model, gi.profile_id)
-    assert prof is not None
-    ci_prof = next((c for c in prof.ci_profiles if c.id == ci.profile_id), None)
-    return device_name(prof, ci_prof.slices if ci_prof is not None else None)
-
-
-def _ci_slices(model: ModelInfo, gi: SimGi, ci: SimCi) -> int:
-    prof = _profile(model, gi.profile_id)
-    assert prof is not None
-    return next((c.slices for c in prof.ci_profiles if c.id == ci.profile_id), 0)
-
-
 # --- the library object -------------------------------------------------------------------------
 
 _IMPLS: dict[str, Callable[..., Any]] = {}
@@ -311,8 +241,6 @@ class FakeNvmlLib:
                 result = SUCCESS if ret is None else ret
                 if result == SUCCESS and name in _CHANGES_DEVICES:
                     # MIG devices come and go as /dev/nvidia-caps nodes: keep the tree in step.
-                    from gpud.sim.sysfs_tree import render
-
                     render(self.host_dir, state)
             except _Ret as r:
                 result = r.code
@@ -452,9 +380,7 @@ def _comm() -> str:
 
 
 def _render(lib: FakeNvmlLib, state: SimState) -> None:
-    from gpud.sim.sysfs_tree import render  # the session's open nodes show in DIR/proc
-
-    render(lib.host_dir, state)
+    render(lib.host_dir, state)  # the session's open nodes show in DIR/proc
 
 
 @_nvml()
@@ -557,7 +483,7 @@ def nvmlDeviceGetIndex(lib, state, handle, ref):
 def nvmlDeviceGetName(lib, state, handle, buf, length):
     gpu, mig = lib.gpu(state, handle, allow_mig=True)
     model = model_of(gpu)
-    name = model.name if mig is None else f"{model.name} MIG {_mig_name(model, *mig)}"
+    name = model.name if mig is None else f"{model.name} MIG {mig_name(model, *mig)}"
     _write_str(buf, length, name)
 
 
@@ -622,7 +548,7 @@ def _memory(lib, state, handle, ref):
         total = model.memory_mb * MIB
         used = sum(p.used_mb for p in gpu_processes(state, gpu)) * MIB
     else:
-        prof = _profile(model, mig[0].profile_id)
+        prof = profile_of(model, mig[0].profile_id)
         total = (prof.memory_mb if prof else 0) * MIB
         used = sum(p.used_mb for p in mig_processes(state, mig[1])) * MIB
     info.total = total
@@ -785,7 +711,7 @@ def _profile_by_index(model: ModelInfo, index: int) -> MigProfile:
         raise _Ret(pynvml.NVML_ERROR_INVALID_ARGUMENT)
     # Each model answers an index constant with its own profile id (the A30's 1-slice is id 14).
     pid = next((p for p, i in model.gi_index.items() if i == index), None)
-    prof = _profile(model, pid) if pid is not None else None
+    prof = profile_of(model, pid) if pid is not None else None
     if prof is None:
         raise _Ret(pynvml.NVML_ERROR_NOT_SUPPORTED)
     return prof
@@ -813,7 +739,7 @@ def nvmlDeviceGetGpuInstanceProfileInfoByIdV(lib, state, handle, profile_id, ref
 
 
 def _known_profile(model: ModelInfo, profile_id: Any) -> MigProfile:
-    prof = _profile(model, _int(profile_id))
+    prof = profile_of(model, _int(profile_id))
     if prof is None:
         raise _Ret(pynvml.NVML_ERROR_INVALID_ARGUMENT)
     return prof
@@ -846,7 +772,7 @@ def _possible_placements(lib, state, handle, profile_id, placements, count_ref):
 
 
 def _free_placements(gpu: SimGpu, prof: MigProfile) -> list[int]:
-    used = _used_slices(gpu)
+    used = used_slices(gpu)
     return [pl.start for pl in prof.placements if not (used & pl.slices)]
 
 
@@ -875,14 +801,14 @@ def _create_gi(lib: FakeNvmlLib, gpu: SimGpu, model: ModelInfo, profile_id: Any,
         raise _Ret(pynvml.NVML_ERROR_INSUFFICIENT_RESOURCES)
     if start is None:
         order = _PREFERENCE.get(prof.id, tuple(starts))
-        start = next((s for s in order if s in starts and _free(gpu, s, pl_size)), None)
+        start = next((s for s in order if s in starts and is_free(gpu, s, pl_size)), None)
         if start is None:
             raise _Ret(pynvml.NVML_ERROR_INSUFFICIENT_RESOURCES)
-    elif not _free(gpu, start, pl_size):
+    elif not is_free(gpu, start, pl_size):
         raise _Ret(pynvml.NVML_ERROR_INSUFFICIENT_RESOURCES)
     out = _deref(out_ref)
     # The id follows the memory placement, as the driver numbers it (gpud.sim.gi_ids).
-    gi_id = gi_ids.gi_id(gpu.gi_id_order, start, pl_size, _memory_slices(model))
+    gi_id = gi_ids.gi_id(gpu.gi_id_order, start, pl_size, memory_slices(model))
     gi = SimGi(id=gi_id, profile_id=prof.id, start=start, size=pl_size)
     gpu.gis.append(gi)
     _set_ptr(out, lib.gi_handle(gpu, gi))
@@ -956,7 +882,7 @@ def nvmlGpuInstanceDestroy(lib, state, gi_handle):
 
 
 def _gi_profile(model: ModelInfo, gi: SimGi) -> MigProfile:
-    prof = _profile(model, gi.profile_id)
+    prof = profile_of(model, gi.profile_id)
     assert prof is not None
     return prof
 
@@ -995,7 +921,7 @@ def _ci_profile(model: ModelInfo, gi: SimGi, ci_profile_id: int) -> CiProfile:
 
 def _ci_used(model: ModelInfo, gi: SimGi) -> set[int]:
     """Compute slices of `gi` its CIs occupy (each CI at its placement)."""
-    return {s for c in gi.cis for s in range(c.start, c.start + _ci_slices(model, gi, c))}
+    return {s for c in gi.cis for s in range(c.start, c.start + ci_slices(model, gi, c))}
 
 
 def _ci_free_starts(model: ModelInfo, gi: SimGi, ci_prof: CiProfile) -> list[int]:
@@ -1115,7 +1041,7 @@ def _ci_info(lib, state, ci_handle, ref):
     info.id = ci.id
     info.profileId = ci.profile_id
     info.placement.start = ci.start
-    info.placement.size = _ci_slices(model, gi, ci)
+    info.placement.size = ci_slices(model, gi, ci)
 
 
 @_nvml()

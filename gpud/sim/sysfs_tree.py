@@ -17,6 +17,7 @@ import shutil
 from pathlib import Path
 
 from gpud import profiles
+from gpud.sim import vgpu
 from gpud.sim.state import LOCK_FILE, SimFunction, SimState, locked, save
 
 PCI_ROOT = "devices/pci0000:00"
@@ -116,8 +117,6 @@ def vfio_holders(state: SimState, group: int | None) -> list:
 
 def process_devices(state: SimState, proc) -> list[str]:
     """Device paths (relative to DIR/dev) a SimProcess has open, as the kernel would show them."""
-    from gpud.sim import vgpu
-
     held_vgpu = vgpu.process_devices(state, proc)
     if held_vgpu is not None:
         return held_vgpu
@@ -253,8 +252,6 @@ def desired_tree(host_dir: str | os.PathLike, state: SimState) -> dict[str, tupl
         ln(f"sys/bus/pci/devices/{addr}", f"../../../{PCI_ROOT}/{addr}")
         if fn.physfn is not None:
             ln(f"{base}/physfn", f"../{fn.physfn}")
-
-    from gpud.sim import vgpu
 
     vgpu.render(state, PCI_ROOT, d, f, ln)
 

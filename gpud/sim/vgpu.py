@@ -27,7 +27,8 @@ import time
 
 from gpud import profiles, vgpu_types
 from gpud.sim.kstrto import kstrtou, sysfs_error
-from gpud.sim.state import SimFunction, SimMdev, SimState, SimVf, SimVgpu
+from gpud.sim.state import SimFunction, SimMdev, SimState, SimVf, SimVgpu, locked
+from gpud.sim.uevents import Uevent
 from gpud.vgpu_types import SYNTHETIC_ID_BASE, VgpuModel, VgpuType
 
 INTERFACES = ("vfio", "mdev")
@@ -66,9 +67,7 @@ def vf_address(pf: str, index: int) -> str:
 
 
 def _event(action: str, subsystem: str, address: str | None, driver: str | None):
-    """A kernel uevent (gpud.sim.kernel.Uevent, imported here: the kernel model imports this one)."""
-    from gpud.sim.kernel import Uevent
-
+    """A kernel uevent, sent by the simulated kernel once the change is saved."""
     return Uevent(action, subsystem, address, driver)
 
 
@@ -420,7 +419,6 @@ def mdev_remove_now(st: SimState, uuid: str, events: list) -> bool:
 def mdev_remove(store, uuid: str, data: bytes, path: str) -> None:
     """mdev_sysfs.c remove_store: 0 does nothing; otherwise the device goes, and while a VM holds it
     open the write blocks (6.1: vfio_unregister_group_dev waits for the release)."""
-    from gpud.sim.state import locked
 
     value = kstrtou(data, path, 64)
     if not value:

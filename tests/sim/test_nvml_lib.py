@@ -11,7 +11,7 @@ from pathlib import Path
 import pynvml as N
 import pytest
 
-from gpud.sim import nvml_lib
+from gpud.sim import gpu_rules, nvml_lib
 from gpud.sim.state import SimProcess, load, locked
 
 H200_GPUS = ("0000:18:00.0", "0000:2a:00.0")
@@ -407,7 +407,7 @@ def test_hopper_busy_mode_change_stays_pending_until_reset(h200):
     assert N.nvmlDeviceSetMigMode(h, 1) == N.NVML_ERROR_IN_USE
     assert N.nvmlDeviceGetMigMode(h) == [0, 1]
     with locked(h200.host_dir) as st:
-        nvml_lib.reset_gpu(st, "0000:2a:00.0")
+        gpu_rules.reset_gpu(st, "0000:2a:00.0")
     assert N.nvmlDeviceGetMigMode(h) == [1, 1]
 
 
@@ -419,7 +419,7 @@ def test_ampere_mode_change_waits_for_reset(sim_host):
     assert N.nvmlDeviceGetMigMode(h) == [0, 1]
     assert code_of(place, h, 19, 0, 1) == N.NVML_ERROR_NOT_SUPPORTED
     with locked(host.host_dir) as st:
-        nvml_lib.reset_gpu(st, "0000:18:00.0")
+        gpu_rules.reset_gpu(st, "0000:18:00.0")
     assert N.nvmlDeviceGetMigMode(h) == [1, 1]
     place(h, 19, 0, 1)
 
@@ -430,7 +430,7 @@ def test_disabling_with_gis_is_in_use_and_reset_to_off_drops_gis(h200):
     assert code_of(N.nvmlDeviceSetMigMode, h, 0) == N.NVML_ERROR_IN_USE
     with locked(h200.host_dir) as st:
         st.gpus["0000:18:00.0"].mig_pending = 0
-        nvml_lib.reset_gpu(st, "0000:18:00.0")
+        gpu_rules.reset_gpu(st, "0000:18:00.0")
         assert st.gpus["0000:18:00.0"].gis == [] and st.gpus["0000:18:00.0"].mig_mode == 0
 
 
