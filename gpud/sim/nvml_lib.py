@@ -115,6 +115,16 @@ def _deref(ref: Any) -> Any:
     raise TypeError(f"expected a pointer argument, got {type(ref).__name__}")
 
 
+def _array(ref: Any) -> Any:
+    """A caller's array argument, indexable: a ctypes array (pynvml) or a pointer to its first
+    element (a C caller, through gpud.sim.nvmlc)."""
+    if ref is None:
+        raise _Ret(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+    if isinstance(ref, _CArgObject):
+        return ref._obj
+    return ref
+
+
 def _addr(handle: Any) -> int | None:
     if handle is None:
         return None
@@ -149,10 +159,17 @@ def _check_version(info: Any, expected: int) -> None:
 _IMPLS: dict[str, Callable[..., Any]] = {}
 
 
-def _nvml(*names: str):
+# C symbols whose work waits (an event wait): counted and checked for faults under the host lock,
+# run without it, so a wait never holds up other processes' NVML calls.
+_UNLOCKED: set[str] = set()
+
+
+def _nvml(*names: str, unlocked: bool = False):
     def deco(fn):
         for n in names or (fn.__name__,):
             _IMPLS[n] = fn
+            if unlocked:
+                _UNLOCKED.add(n)
         return fn
 
     return deco
@@ -187,6 +204,7 @@ class FakeNvmlLib:
         self._keys: dict[int, tuple] = {}  # address -> identity
         self._fns: dict[str, Callable[..., Any]] = {}
         self._mutex = threading.Lock()
+        self._event_sets: list[EventSet] = []
         # PCI address -> which nvidia probe of it the open session enumerated at nvmlInit (index order)
         self.enumerated: dict[str, int] = {}
 
@@ -224,6 +242,7 @@ class FakeNvmlLib:
     # dispatch --------------------------------------------------------------------------------
     def _call(self, name: str, impl: Callable[..., Any], args: tuple) -> Any:
         crash: BaseException | None = None
+        result: Any = None
         with locked(self.host_dir) as state:
             state.calls[name] = state.calls.get(name, 0) + 1
             if name == "nvmlErrorString":
@@ -236,18 +255,25 @@ class FakeNvmlLib:
                         return fault.error
             if name not in _NO_INIT and self._inits <= 0:
                 return pynvml.NVML_ERROR_UNINITIALIZED
-            try:
-                ret = impl(self, state, *args)
-                result = SUCCESS if ret is None else ret
-                if result == SUCCESS and name in _CHANGES_DEVICES:
-                    # MIG devices come and go as /dev/nvidia-caps nodes: keep the tree in step.
-                    render(self.host_dir, state)
-            except _Ret as r:
-                result = r.code
-            except (TypeError, ValueError) as e:  # what would be a crash or garbage in C
-                crash = e
+            if name not in _UNLOCKED:
+                try:
+                    ret = impl(self, state, *args)
+                    result = SUCCESS if ret is None else ret
+                    if result == SUCCESS and name in _CHANGES_DEVICES:
+                        # MIG devices come and go as /dev/nvidia-caps nodes: keep the tree in step.
+                        render(self.host_dir, state)
+                except _Ret as r:
+                    result = r.code
+                except (TypeError, ValueError) as e:  # what would be a crash or garbage in C
+                    crash = e
         if crash is not None:
             raise crash
+        if name in _UNLOCKED:
+            try:
+                ret = impl(self, None, *args)
+                result = SUCCESS if ret is None else ret
+            except _Ret as r:
+                result = r.code
         return result
 
     # resolution ------------------------------------------------------------------------------
@@ -313,6 +339,24 @@ class FakeNvmlLib:
         gpu = self._visible(state, key[1])
         gi, ci = self._find_ci(gpu, key[2], key[3])
         return gpu, gi, ci
+
+    def new_event_set(self) -> int:
+        with self._mutex:
+            self._event_sets.append(EventSet())
+            n = len(self._event_sets) - 1
+        return self.handle(("eventset", n))
+
+    def event_set(self, handle: Any) -> EventSet:
+        key = self.key(handle)
+        if key[0] != "eventset" or self._event_sets[key[1]].freed:
+            raise _Ret(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        return self._event_sets[key[1]]
+
+    def free_event_set(self, handle: Any) -> None:
+        es = self.event_set(handle)
+        with es.cond:
+            es.freed = True
+            es.cond.notify_all()
 
     def gpu_handle(self, gpu: SimGpu) -> int:
         return self.handle(("gpu", gpu.address))
@@ -581,6 +625,63 @@ def _processes(lib, state, handle, count_ref, infos):
     return SUCCESS
 
 
+# --- events -------------------------------------------------------------------------------------
+
+# What the real H200 answers to nvmlDeviceGetSupportedEventTypes (0xff9f: nvml-and-files.json);
+# served for every simulated GPU, no other model's answer having been captured.
+SUPPORTED_EVENT_TYPES = 0xFF9F
+
+
+class EventSet:
+    """An nvmlEventSet_t: the GPUs and event types registered on it. The simulated host raises no
+    events (no XIDs, no ECC errors), so a wait always ends at its timeout, waking only early when
+    the set is freed; waiters sleep on a condition, never poll."""
+
+    def __init__(self) -> None:
+        self.registered: dict[str, int] = {}  # PCI address -> event type mask
+        self.freed = False
+        self.cond = threading.Condition()
+
+
+@_nvml()
+def nvmlEventSetCreate(lib, state, ref):
+    _set_ptr(_deref(ref), lib.new_event_set())
+
+
+@_nvml()
+def nvmlDeviceGetSupportedEventTypes(lib, state, handle, ref):
+    lib.gpu(state, handle)
+    _deref(ref).value = SUPPORTED_EVENT_TYPES
+
+
+@_nvml()
+def nvmlDeviceRegisterEvents(lib, state, handle, event_types, set_handle):
+    """Types the GPU does not support are NOT_SUPPORTED, as NVML's reference says of this call."""
+    gpu, _ = lib.gpu(state, handle)
+    types = _int(event_types)
+    if types & ~SUPPORTED_EVENT_TYPES:
+        raise _Ret(pynvml.NVML_ERROR_NOT_SUPPORTED)
+    es = lib.event_set(set_handle)
+    es.registered[gpu.address] = es.registered.get(gpu.address, 0) | types
+
+
+@_nvml("nvmlEventSetWait_v2", "nvmlEventSetWait", unlocked=True)
+def _event_wait(lib, state, set_handle, data_ref, timeout_ms):
+    """Blocks for the timeout (no event ever comes), then NVML_ERROR_TIMEOUT."""
+    es = lib.event_set(set_handle)
+    _deref(data_ref)
+    with es.cond:
+        es.cond.wait_for(lambda: es.freed, _int(timeout_ms) / 1000)
+        if es.freed:
+            raise _Ret(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+    raise _Ret(pynvml.NVML_ERROR_TIMEOUT)
+
+
+@_nvml()
+def nvmlEventSetFree(lib, state, set_handle):
+    lib.free_event_set(set_handle)
+
+
 # --- MIG mode -----------------------------------------------------------------------------------
 
 
@@ -635,11 +736,13 @@ def nvmlDeviceGetMaxMigDeviceCount(lib, state, handle, ref):
 
 @_nvml()
 def nvmlDeviceGetMigDeviceHandleByIndex(lib, state, handle, index, ref):
+    """An index past the MIG devices that exist, or any index with MIG off, is NOT_FOUND (the real
+    H200 answers index 0 with MIG off so: tests/fixtures/h200/nvml-and-files.json)."""
     gpu, _ = lib.gpu(state, handle)
     if not model_of(gpu).mig_capable:
         raise _Ret(pynvml.NVML_ERROR_NOT_SUPPORTED)
     i = _int(index)
-    if gpu.mig_mode != 1 or i >= _MAX_MIG_DEVICES:
+    if gpu.mig_mode == 1 and i >= _MAX_MIG_DEVICES:
         raise _Ret(pynvml.NVML_ERROR_INVALID_ARGUMENT)
     devices = mig_devices(gpu)
     if i >= len(devices):
@@ -657,18 +760,45 @@ def nvmlDeviceIsMigDeviceHandle(lib, state, handle, ref):
 
 @_nvml()
 def nvmlDeviceGetGpuInstanceId(lib, state, handle, ref):
+    """A whole-GPU handle is INVALID_ARGUMENT (the real H200, MIG off: nvml-and-files.json)."""
     _, mig = lib.gpu(state, handle, allow_mig=True)
     if mig is None:
-        raise _Ret(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        raise _Ret(pynvml.NVML_ERROR_INVALID_ARGUMENT)
     _deref(ref).value = mig[0].id
 
 
 @_nvml()
 def nvmlDeviceGetComputeInstanceId(lib, state, handle, ref):
+    """A whole-GPU handle is INVALID_ARGUMENT (the real H200: nvml-and-files.json)."""
     _, mig = lib.gpu(state, handle, allow_mig=True)
     if mig is None:
-        raise _Ret(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        raise _Ret(pynvml.NVML_ERROR_INVALID_ARGUMENT)
     _deref(ref).value = mig[1].id
+
+
+@_nvml("nvmlDeviceGetAttributes_v2", "nvmlDeviceGetAttributes")
+def _attributes(lib, state, handle, ref):
+    """A MIG device's share of its GPU: its compute instance's SMs and slices, its GPU instance's
+    engines, slices and memory (the GI profile's, as NVML reports for the device). A whole GPU is
+    NOT_SUPPORTED (the real H200, MIG off: nvml-and-files.json)."""
+    gpu, mig = lib.gpu(state, handle, allow_mig=True)
+    if mig is None:
+        raise _Ret(pynvml.NVML_ERROR_NOT_SUPPORTED)
+    gi, ci = mig
+    model = model_of(gpu)
+    prof = profile_of(model, gi.profile_id)
+    assert prof is not None
+    ci_prof = next((c for c in prof.ci_profiles if c.id == ci.profile_id), None)
+    info = _deref(ref)
+    info.multiprocessorCount = ci_prof.sms if ci_prof is not None else prof.sms
+    info.sharedCopyEngineCount = prof.copy_engines
+    info.sharedDecoderCount = prof.decoders
+    info.sharedEncoderCount = prof.encoders
+    info.sharedJpegCount = prof.jpegs
+    info.sharedOfaCount = prof.ofas
+    info.gpuInstanceSliceCount = prof.slices
+    info.computeInstanceSliceCount = ci_prof.slices if ci_prof is not None else prof.slices
+    info.memorySizeMB = prof.memory_mb
 
 
 @_nvml()
@@ -752,7 +882,7 @@ def _fill_placements(placements, count_ref, items: list[tuple[int, int]]) -> int
     if placements is None:
         count.value = len(items)
         return SUCCESS
-    arr = _deref(placements)
+    arr = _array(placements)
     if count.value < len(items):
         count.value = len(items)
         raise _Ret(pynvml.NVML_ERROR_INSUFFICIENT_SIZE)
@@ -851,8 +981,8 @@ def nvmlDeviceGetGpuInstances(lib, state, handle, profile_id, arr, count_ref):
 
 @_nvml()
 def nvmlDeviceGetGpuInstanceById(lib, state, handle, gi_id, out_ref):
+    """No such GPU instance, MIG off included, is NOT_FOUND (the real H200: nvml-and-files.json)."""
     gpu, _ = _mig_model(lib, state, handle)
-    _require_mig_on(gpu)
     gi = next((g for g in gpu.gis if g.id == _int(gi_id)), None)
     if gi is None:
         raise _Ret(pynvml.NVML_ERROR_NOT_FOUND)
