@@ -10,6 +10,8 @@ Other tools script against this syntax; keep it stable:
   gpud-sim reboot DIR                                   what a host reboot does (gpud/sim/reboot.py)
   gpud-sim stats DIR [--json]
   gpud-sim show DIR [--json]
+  gpud-sim exec DIR [--no-namespace] [--header NVML_H] -- CMD [ARGS...]
+                                CMD on the simulated host (gpud/sim/host_exec.py); its exit status
 Exit status: 0 done, 1 the host refused (unknown device, nothing to release), 2 usage error.
 """
 
@@ -271,11 +273,25 @@ def _parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name)
         p.add_argument("dir")
         p.add_argument("--json", action="store_true")
+    p = sub.add_parser("exec", help="run a program against the simulated host (its NVML, nvidia-smi and, as root, sysfs)")
+    p.add_argument("dir")
+    p.add_argument("--no-namespace", action="store_true", help="no private mount namespace, even as root")
+    p.add_argument("--header", help="NVML's nvml.h to build the library from (default: go-nvml's, via Go)")
+    p.add_argument("command", nargs=argparse.REMAINDER, metavar="-- CMD [ARGS...]")
     return ap
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.cmd == "exec":
+        from gpud.sim import host_exec
+
+        command = args.command[1:] if args.command[:1] == ["--"] else args.command
+        try:
+            return host_exec.run(args.dir, command, namespace=False if args.no_namespace else None, header=args.header)
+        except host_exec.ExecError as e:
+            print(f"gpud-sim exec: {e}", file=sys.stderr)
+            return 125
     try:
         if args.cmd == "create":
             try:

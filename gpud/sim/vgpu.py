@@ -32,6 +32,8 @@ from gpud.sim.uevents import Uevent
 from gpud.vgpu_types import SYNTHETIC_ID_BASE, VgpuModel, VgpuType
 
 INTERFACES = ("vfio", "mdev")
+# The mdev driver NVIDIA's vGPU manager binds its mdevs to (the `nvidia_vgpu_vfio` module's).
+MDEV_DRIVER = "nvidia_vgpu_vfio"
 VF_OFFSET = 4  # first VF at function 4 of the PF's slot, stride 1 (as NVIDIA GPUs enumerate them)
 CREATABLE_HEADER = "ID    : vGPU Name"
 FIRST_VGPU_GROUP = 200  # IOMMU groups handed to VFs and mdevs
@@ -285,6 +287,7 @@ def render(st: SimState, pci_root: str, d, f, ln) -> None:
             f(f"{mbase}/remove", "", 0o200)
             ln(f"{mbase}/iommu_group", f"../../../../kernel/iommu_groups/{m.iommu_group}")
             ln(f"{mbase}/subsystem", "../../../../bus/mdev")
+            ln(f"{mbase}/driver", f"../../../../bus/mdev/drivers/{MDEV_DRIVER}")
             ln(f"sys/bus/mdev/devices/{m.uuid}", f"../../../{pci_root}/{m.parent}/{m.uuid}")
             d(f"sys/kernel/iommu_groups/{m.iommu_group}")
             d(f"sys/kernel/iommu_groups/{m.iommu_group}/devices")
@@ -294,7 +297,8 @@ def render(st: SimState, pci_root: str, d, f, ln) -> None:
             f("dev/vfio/vfio", "", 0o666)
             f(f"dev/vfio/{m.iommu_group}", "", 0o600)
     if any_mdev:
-        for p in ("sys/class", "sys/class/mdev_bus", "sys/bus/mdev", "sys/bus/mdev/devices"):
+        for p in ("sys/class", "sys/class/mdev_bus", "sys/bus/mdev", "sys/bus/mdev/devices", "sys/bus/mdev/drivers",
+                  f"sys/bus/mdev/drivers/{MDEV_DRIVER}"):
             d(p)
 
 
