@@ -41,6 +41,17 @@ _SCALARS: dict[str, type] = {
 # nvidia-ml-py classes whose names do not follow its c_<C type> rule.
 _ALIASES = {"nvmlDeviceAttributes_t": "c_nvmlDeviceAttributes"}
 
+
+class _ProcessInfoV1(ctypes.Structure):
+    """nvmlProcessInfo_v1_t (the unversioned nvmlDeviceGetComputeRunningProcesses's), which
+    nvidia-ml-py no longer defines: its fields as NVML's header declares them."""
+
+    _fields_ = [("pid", ctypes.c_uint), ("usedGpuMemory", ctypes.c_ulonglong)]
+
+
+# Header types nvidia-ml-py has no class for.
+_OWN: dict[str, type] = {"nvmlProcessInfo_v1_t": _ProcessInfoV1}
+
 Maker = Callable[[int], Any]
 
 
@@ -61,7 +72,7 @@ def ctypes_type(ctype: str, c_sizes: dict[str, int]) -> tuple[type | None, str |
     if ctype in _SCALARS:
         return _SCALARS[ctype], None
     names = [_ALIASES[ctype]] if ctype in _ALIASES else [f"c_{ctype}", ctype]
-    cls = next((getattr(pynvml, n) for n in names if hasattr(pynvml, n)), None)
+    cls = _OWN.get(ctype) or next((getattr(pynvml, n) for n in names if hasattr(pynvml, n)), None)
     size = c_sizes.get(ctype)
     if cls is None:
         # An enum or integer typedef: nvidia-ml-py passes those as c_uint / c_ulonglong.
