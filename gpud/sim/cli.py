@@ -286,7 +286,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "exec":
         from gpud.sim import host_exec
 
-        command = args.command[1:] if args.command[:1] == ["--"] else args.command
+        command = list(args.command)
+        if "--" in command:  # exec options given after DIR, before the `--`
+            cut = command.index("--")
+            args = _parser().parse_args(["exec", *command[:cut], args.dir, "--", *command[cut + 1:]])
+            command = list(args.command)
+        if command[:1] == ["--"]:
+            command = command[1:]
         try:
             return host_exec.run(args.dir, command, namespace=False if args.no_namespace else None, header=args.header)
         except host_exec.ExecError as e:
