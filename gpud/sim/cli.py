@@ -21,6 +21,7 @@ import argparse
 import json
 import os
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 import msgspec
@@ -35,7 +36,7 @@ class SimCliError(Exception):
     pass
 
 
-def create(host_dir: str | os.PathLike, gpu_specs: list[str], mig_on: list[int] = (),
+def create(host_dir: str | os.PathLike, gpu_specs: list[str], mig_on: Sequence[int] = (),
            nvswitch: bool = False, vgpu: str | None = None) -> SimState:
     """Write DIR/state.json for a new host, render its sysfs/dev/proc trees and write its
     nvidia-smi (DIR/bin/nvidia-smi). `nvswitch`: the GPUs sit on an HGX baseboard with NVSwitches

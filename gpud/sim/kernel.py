@@ -268,6 +268,7 @@ class Store:
                     if first:
                         raise sysfs_error(errno.ENODEV, path)
                     return  # someone else unbound it meanwhile: the kernel's detach is a no-op
+                assert f is not None
                 blocked = _blocked(st, f, drv)
             if not blocked:
                 def unbind(st: SimState, events: list[Uevent]) -> bool:

@@ -105,7 +105,7 @@ def _deref(ref: Any) -> Any:
     if ref is None:
         raise _Ret(pynvml.NVML_ERROR_INVALID_ARGUMENT)
     if isinstance(ref, _CArgObject):
-        return ref._obj
+        return ref._obj  # type: ignore[attr-defined]
     if isinstance(ref, ctypes._Pointer):
         if not ref:
             raise _Ret(pynvml.NVML_ERROR_INVALID_ARGUMENT)
@@ -121,7 +121,7 @@ def _array(ref: Any) -> Any:
     if ref is None:
         raise _Ret(pynvml.NVML_ERROR_INVALID_ARGUMENT)
     if isinstance(ref, _CArgObject):
-        return ref._obj
+        return ref._obj  # type: ignore[attr-defined]
     return ref
 
 
@@ -394,7 +394,7 @@ def nvmlShutdown(lib: FakeNvmlLib, state: SimState) -> int:
     return SUCCESS
 
 
-# Session tracking (issue 9): what this library's open session holds, kept in the state file so
+# Session tracking: what this library's open session holds, kept in the state file so
 # the simulated kernel and nvidia-smi see it from other processes.
 def _session_owner(lib: FakeNvmlLib) -> str:
     return f"{os.getpid()}:{id(lib):x}"
@@ -1063,7 +1063,7 @@ def _ci_capacity(model: ModelInfo, gi: SimGi, ci_profile_id: int) -> int:
     """Free placements that do not overlap, bounded by the profile's instance count (as for GIs)."""
     ci_prof = _ci_profile(model, gi, ci_profile_id)
     same = sum(1 for c in gi.cis if c.profile_id == ci_profile_id)
-    free, taken = 0, set()
+    free, taken = 0, set[int]()
     for start in _ci_free_starts(model, gi, ci_prof):
         slots = set(range(start, start + ci_prof.slices))
         if not slots & taken:

@@ -283,9 +283,9 @@ def desired_tree(host_dir: str | os.PathLike, state: SimState) -> dict[str, tupl
         top = max((g.minor for g in state.gpus.values()), default=-1)
         lines = ["config 1", "monitor 2"]
         for m in range(top + 1):
-            for gi in range(GIS_PER_GPU):
-                lines.append(f"gpu{m}/gi{gi}/access {cap_minor(m, gi)}")
-                lines += [f"gpu{m}/gi{gi}/ci{ci}/access {cap_minor(m, gi, ci)}" for ci in range(8)]
+            for g in range(GIS_PER_GPU):
+                lines.append(f"gpu{m}/gi{g}/access {cap_minor(m, g)}")
+                lines += [f"gpu{m}/gi{g}/ci{c}/access {cap_minor(m, g, c)}" for c in range(8)]
         f("proc/driver/nvidia-caps/mig-minors", "\n".join(lines) + "\n")
         for addr, gpu in state.gpus.items():
             if not _nvidia_bound(state, addr):

@@ -373,7 +373,8 @@ def current_vgpu_type(st: SimState, vf_addr: str, data: bytes, path: str, events
     stype = next((t for t in creatable(st, pf, vf_addr) if t.vfio_id == type_id), None)
     if stype is None:
         raise sysfs_error(errno.EINVAL, path)
-    vf.gpu_instance_id = _free_gi(st, pf, stype) if stype.profile else -1
+    gi_id = _free_gi(st, pf, stype) if stype.profile else None
+    vf.gpu_instance_id = -1 if gi_id is None else gi_id
     vf.vgpu_type = type_id
     events.append(_event("change", "pci", vf_addr, "nvidia"))
 

@@ -44,7 +44,7 @@ _ALIASES = {"nvmlDeviceAttributes_t": "c_nvmlDeviceAttributes"}
 
 class _ProcessInfoV1(ctypes.Structure):
     """nvmlProcessInfo_v1_t (the unversioned nvmlDeviceGetComputeRunningProcesses's), which
-    nvidia-ml-py no longer defines: its fields as NVML's header declares them."""
+    nvidia-ml-py does not define: its fields as NVML's header declares them."""
 
     _fields_ = [("pid", ctypes.c_uint), ("usedGpuMemory", ctypes.c_ulonglong)]
 
@@ -99,7 +99,7 @@ def _maker(ctype: str, c_sizes: dict[str, int]) -> tuple[Maker, str | None]:
     cls, problem = ctypes_type(base, c_sizes)
     if cls is None:
         return (lambda v: None), problem
-    ptr = ctypes.POINTER(cls)
+    ptr: Any = ctypes.POINTER(cls)
     return (lambda v: ctypes.cast(v, ptr) if v else None), None
 
 
