@@ -22,6 +22,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import os
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -182,3 +183,19 @@ def run(host_dir: str | os.PathLike, argv: list[str], *, namespace: bool | None 
         print(f"gpud-sim exec: {argv[0]}: {e.strerror}", file=sys.stderr)
         return 127
     return 127  # not reached
+
+
+def run_counted(host_dir: str | os.PathLike, argv: list[str], *, timeout: float | None = None,
+                namespace: bool | None = None) -> tuple[subprocess.CompletedProcess, dict[str, int]]:
+    """Run `argv` under `gpud-sim exec` and return its result with the NVML calls it made (the
+    host's call counters after minus before, per C function): what a benchmark of a real tool on
+    the simulated host reads. Nothing else may use the host meanwhile."""
+    from gpud.sim.state import load
+
+    before = load(host_dir).calls
+    cmd = [sys.executable, "-m", "gpud.sim.cli", "exec", str(host_dir)]
+    if namespace is False:
+        cmd.append("--no-namespace")
+    res = subprocess.run([*cmd, "--", *argv], capture_output=True, text=True, timeout=timeout)
+    after = load(host_dir).calls
+    return res, {k: n - before.get(k, 0) for k, n in sorted(after.items()) if n != before.get(k, 0)}

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from gpud.sim import pci_files
+from gpud.sim.state import load
 from tests.nvmlc.conftest import gpud_sim_exec
 
 REAL = json.loads((Path(__file__).resolve().parents[1] / "fixtures" / "h200" / "nvml-and-files.json").read_text())
@@ -79,3 +80,13 @@ def test_without_the_namespace_the_real_sys_stays(sim_dir, nvml_so):
     res = gpud_sim_exec(host, "sh", "-c", "ls /sys/bus/pci/devices", namespace=False)
     assert res.returncode == 0 and "no mount namespace" in res.stderr
     assert sorted(res.stdout.split()) == sorted(os.listdir("/sys/bus/pci/devices"))
+
+
+def test_a_tools_nvml_calls_are_counted(goprobe, sim_dir, nvml_so):
+    from gpud.sim.host_exec import run_counted
+
+    host = sim_dir("h100-80gb", mig_on=[0])
+    res, calls = run_counted(host, [str(goprobe), "create", "0", "0"])
+    assert res.returncode == 0, res.stderr
+    assert calls["nvmlDeviceCreateGpuInstance"] == 1 and calls["nvmlGpuInstanceCreateComputeInstance"] == 1
+    assert calls["nvmlInit_v2"] == 1 and len(load(host).gpus["0000:18:00.0"].gis) == 1
