@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test test-fast sysdeps bench bench-update reliability deb clean
+.PHONY: demo test test-fast sysdeps anchors nvmlc bench bench-update reliability deb clean
 
 # A fresh Debian 12 has no python3 venv module: install-sysdeps --base brings it (as root).
 $(STAMP): pyproject.toml
@@ -23,17 +23,28 @@ demo: $(STAMP)
 sysdeps:
 	scripts/install-sysdeps
 
-test: $(STAMP) sysdeps
+# NVIDIA's own tools the tests run on the simulated host (scripts/install-anchors: pinned, go install,
+# into $(GPUD_ANCHORS)/bin; what the module proxy refuses is recorded there, and those tests say so).
+GPUD_ANCHORS ?= /var/cache/gpud-anchors
+export GPUD_ANCHORS
+anchors:
+	scripts/install-anchors
+
+# The simulator's libnvidia-ml.so.1 (built into the gpud-sim cache; `gpud-sim exec` builds it on first use too).
+nvmlc: $(STAMP)
+	$(PY) -m gpud.sim.nvmlc.build
+
+test: $(STAMP) sysdeps anchors nvmlc
 	$(PY) -m pytest -q -p no:cacheprovider
 
 # Everything but the VM and nspawn boots: the inner loop while developing.
-test-fast: $(STAMP)
+test-fast: $(STAMP) anchors nvmlc
 	$(PY) -m pytest -q -p no:cacheprovider -m "not vm and not nspawn"
 
 # Benchmarks write to out/ (untracked); `make bench-update` refreshes the committed bench/results/
 # that the README links and quotes.
 BENCH_OUT ?= out
-bench: $(STAMP)
+bench: $(STAMP) anchors nvmlc
 	mkdir -p $(BENCH_OUT)
 	$(PY) -m bench.mig_bench -o $(BENCH_OUT)/mig.md
 	$(PY) -m bench.vgpu_bench -o $(BENCH_OUT)/vgpu.md

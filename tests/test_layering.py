@@ -18,6 +18,7 @@ FORBIDDEN = {
     "host": ("gpud.engine", "gpud.api", "gpud.cli", "gpud.sim"),
     "engine": ("gpud.api", "gpud.cli", "gpud.sim"),
     "api": ("gpud.cli", "gpud.sim"),
+    "sim": ("gpud.engine", "gpud.api", "gpud.cli", "gpud.host", "gpud.daemon", "gpud.qualify"),
 }
 
 
@@ -51,3 +52,29 @@ def test_client_imports_of_gpud_are_only_the_wire_module():
            if _within(name, "gpud") and not (_within(name, "gpud.cli") or _within(name, "gpud.api.wire")
                                              or name in ("gpud.api", "gpud"))]
     assert bad == []
+
+
+def _sim_graph() -> dict[str, set[str]]:
+    """gpud.sim module -> the gpud.sim modules it imports (at any depth of its code)."""
+    mods = {f"gpud.sim.{'.'.join(p.relative_to(GPUD / 'sim').with_suffix('').parts)}": p
+            for p in (GPUD / "sim").rglob("*.py") if p.name != "__init__.py"}
+    return {m: {n for name in _imports(p) for n in (name, name.rpartition(".")[0]) if n in mods and n != m}
+            for m, p in mods.items()}
+
+
+def test_no_import_circle_under_sim():
+    graph = _sim_graph()
+    done: set[str] = set()
+
+    def visit(m: str, path: list[str]) -> list[str] | None:
+        if m in path:
+            return path[path.index(m):] + [m]
+        if m in done:
+            return None
+        for n in sorted(graph[m]):
+            if (cycle := visit(n, path + [m])) is not None:
+                return cycle
+        done.add(m)
+        return None
+
+    assert [c for m in sorted(graph) if (c := visit(m, [])) is not None][:1] == []

@@ -18,7 +18,7 @@ class _Store:
 
     def __init__(self, host_dir: Path):
         self.host_dir = host_dir
-        self._impl: Callable[[str, bytes], int] | None = None
+        self._impl: Callable[[str | os.PathLike, bytes], int] | None = None
 
     def __call__(self, abs_path: str | os.PathLike, data: bytes) -> int:
         if self._impl is None:

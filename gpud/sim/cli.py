@@ -10,6 +10,8 @@ Other tools script against this syntax; keep it stable:
   gpud-sim reboot DIR                                   what a host reboot does (gpud/sim/reboot.py)
   gpud-sim stats DIR [--json]
   gpud-sim show DIR [--json]
+  gpud-sim exec DIR [--no-namespace] [--header NVML_H] -- CMD [ARGS...]
+                                CMD on the simulated host (gpud/sim/host_exec.py); its exit status
 Exit status: 0 done, 1 the host refused (unknown device, nothing to release), 2 usage error.
 """
 
@@ -19,6 +21,7 @@ import argparse
 import json
 import os
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 import msgspec
@@ -33,7 +36,7 @@ class SimCliError(Exception):
     pass
 
 
-def create(host_dir: str | os.PathLike, gpu_specs: list[str], mig_on: list[int] = (),
+def create(host_dir: str | os.PathLike, gpu_specs: list[str], mig_on: Sequence[int] = (),
            nvswitch: bool = False, vgpu: str | None = None) -> SimState:
     """Write DIR/state.json for a new host, render its sysfs/dev/proc trees and write its
     nvidia-smi (DIR/bin/nvidia-smi). `nvswitch`: the GPUs sit on an HGX baseboard with NVSwitches
@@ -271,11 +274,31 @@ def _parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name)
         p.add_argument("dir")
         p.add_argument("--json", action="store_true")
+    p = sub.add_parser("exec", help="run a program against the simulated host (its NVML, nvidia-smi and, as root, sysfs)")
+    p.add_argument("dir")
+    p.add_argument("--no-namespace", action="store_true", help="no private mount namespace, even as root")
+    p.add_argument("--header", help="NVML's nvml.h to build the library from (default: go-nvml's, via Go)")
+    p.add_argument("command", nargs=argparse.REMAINDER, metavar="-- CMD [ARGS...]")
     return ap
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.cmd == "exec":
+        from gpud.sim import host_exec
+
+        command = list(args.command)
+        if "--" in command:  # exec options given after DIR, before the `--`
+            cut = command.index("--")
+            args = _parser().parse_args(["exec", *command[:cut], args.dir, "--", *command[cut + 1:]])
+            command = list(args.command)
+        if command[:1] == ["--"]:
+            command = command[1:]
+        try:
+            return host_exec.run(args.dir, command, namespace=False if args.no_namespace else None, header=args.header)
+        except host_exec.ExecError as e:
+            print(f"gpud-sim exec: {e}", file=sys.stderr)
+            return 125
     try:
         if args.cmd == "create":
             try:

@@ -11,7 +11,7 @@ saved (a listener that re-reads on the event then sees the new state).
 Choices where the kernel depends on the driver:
 - `<dev>/reset` on an nvidia-bound GPU with holders fails with EBUSY (the driver refuses to reset a
   GPU with clients, as `nvidia-smi --gpu-reset` does); otherwise it applies a pending MIG mode
-  through `gpud.sim.nvml_lib.reset_gpu`.
+  through `gpud.sim.gpu_rules.reset_gpu`.
 - vfio-pci probe of a device without an IOMMU group fails with EINVAL (no noiommu mode).
 - nvidia probe of an NVIDIA function the simulator has no GPU record for fails with EPERM.
 - `new_id` grabs every unbound matching device at once (the trap it is), but the id is not
@@ -27,9 +27,8 @@ import os
 import time
 from collections.abc import Callable
 
-from msgspec import Struct
-
 from gpud.sim import uevents, vgpu
+from gpud.sim.gpu_rules import reset_gpu
 from gpud.sim.kstrto import kstrtou, sysfs_error
 from gpud.sim.state import SimFunction, SimState, count_reset, locked
 from gpud.sim.sysfs_tree import (
@@ -45,20 +44,9 @@ from gpud.sim.sysfs_tree import (
     vfio_groups,
     vfio_holders,
 )
+from gpud.sim.uevents import UEVENT_ACTIONS, Uevent
 
 PAGE_SIZE = 4096
-UEVENT_ACTIONS = ("add", "remove", "change", "move", "online", "offline", "bind", "unbind")
-
-class Uevent(Struct, frozen=True):
-    """One simulated kernel uevent, sent (gpud.sim.uevents) once the state change that caused it
-    is saved, as the kernel sends its uevents after the change is visible in sysfs."""
-
-    action: str  # one of UEVENT_ACTIONS
-    subsystem: str  # pci, vfio, module, drivers
-    address: str | None = None  # the kernel's name: BDF, group number, module or driver name
-    driver: str | None = None  # DRIVER= on bind
-
-
 def _name(data: bytes) -> str:
     """A device name as bus_find_device_by_name compares it (sysfs_streq: one trailing \\n ignored)."""
     s = data.decode("utf-8", "surrogateescape")
@@ -251,7 +239,7 @@ class Store:
             if f.driver == NVIDIA and gpu_holders(st, addr):
                 raise sysfs_error(errno.EBUSY, path)
             if addr in st.gpus:
-                _reset_gpu(st, addr)
+                reset_gpu(st, addr)
             count_reset(st, addr, "sysfs")
 
         self._change(reset)
@@ -280,6 +268,7 @@ class Store:
                     if first:
                         raise sysfs_error(errno.ENODEV, path)
                     return  # someone else unbound it meanwhile: the kernel's detach is a no-op
+                assert f is not None
                 blocked = _blocked(st, f, drv)
             if not blocked:
                 def unbind(st: SimState, events: list[Uevent]) -> bool:
@@ -378,14 +367,6 @@ def _ids(data: bytes, path: str) -> tuple[int, int]:
         return int(parts[0], 16), int(parts[1], 16)
     except ValueError:
         raise sysfs_error(errno.EINVAL, path) from None
-
-
-def _reset_gpu(st: SimState, addr: str) -> None:
-    from gpud.sim.nvml_lib import (
-        reset_gpu,  # lazily: the kernel model must not need pynvml to load
-    )
-
-    reset_gpu(st, addr)
 
 
 # ---- hardware-side actions (gpud-sim)

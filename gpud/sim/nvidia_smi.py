@@ -28,6 +28,7 @@ import os
 import sys
 from pathlib import Path
 
+from gpud.sim.gpu_rules import reset_gpu
 from gpud.sim.state import SimState, count_reset, locked
 
 EXIT_OK = 0
@@ -94,8 +95,6 @@ def in_use_message(addresses: list[str]) -> str:
 
 def reset(host_dir: str | os.PathLike, ids: list[str] | None, out=sys.stdout, err=sys.stderr) -> int:
     """`nvidia-smi -r [-i ids]` on the simulated host; returns the exit status."""
-    from gpud.sim.nvml_lib import reset_gpu
-
     with locked(host_dir) as state:
         if "nvidia" not in state.loaded_modules:
             print(NO_DRIVER, file=out)

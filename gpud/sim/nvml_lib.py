@@ -23,13 +23,28 @@ import pynvml
 
 from gpud.layout.names import device_name
 from gpud.model import CiProfile, MigProfile
-from gpud.profiles import MODELS, NOT_IN_MIG_INSTANCE, ModelInfo
+from gpud.profiles import NOT_IN_MIG_INSTANCE, ModelInfo
 from gpud.sim import gi_ids
 from gpud.sim import vgpu as sim_vgpu
-from gpud.sim.state import SimCi, SimGi, SimGpu, SimProcess, SimSession, SimState, locked
+from gpud.sim.gpu_rules import (
+    MIB,
+    busy,
+    ci_slices,
+    gpu_processes,
+    is_free,
+    memory_slices,
+    mig_devices,
+    mig_name,
+    mig_processes,
+    model_of,
+    profile_of,
+    used_slices,
+    visible_gpus,
+)
+from gpud.sim.state import SimCi, SimGi, SimGpu, SimSession, SimState, locked
+from gpud.sim.sysfs_tree import render
 
 SUCCESS = pynvml.NVML_SUCCESS
-MIB = 1 << 20
 _MAX_MIG_DEVICES = 7
 
 _ERROR_STRINGS = {
@@ -90,7 +105,7 @@ def _deref(ref: Any) -> Any:
     if ref is None:
         raise _Ret(pynvml.NVML_ERROR_INVALID_ARGUMENT)
     if isinstance(ref, _CArgObject):
-        return ref._obj
+        return ref._obj  # type: ignore[attr-defined]
     if isinstance(ref, ctypes._Pointer):
         if not ref:
             raise _Ret(pynvml.NVML_ERROR_INVALID_ARGUMENT)
@@ -98,6 +113,16 @@ def _deref(ref: Any) -> Any:
     if isinstance(ref, ctypes.Array):
         return ref
     raise TypeError(f"expected a pointer argument, got {type(ref).__name__}")
+
+
+def _array(ref: Any) -> Any:
+    """A caller's array argument, indexable: a ctypes array (pynvml) or a pointer to its first
+    element (a C caller, through gpud.sim.nvmlc)."""
+    if ref is None:
+        raise _Ret(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+    if isinstance(ref, _CArgObject):
+        return ref._obj  # type: ignore[attr-defined]
+    return ref
 
 
 def _addr(handle: Any) -> int | None:
@@ -129,100 +154,22 @@ def _check_version(info: Any, expected: int) -> None:
         raise _Ret(pynvml.NVML_ERROR_ARGUMENT_VERSION_MISMATCH)
 
 
-# --- state helpers ------------------------------------------------------------------------------
-
-
-def model_of(gpu: SimGpu) -> ModelInfo:
-    return MODELS[gpu.model]
-
-
-def visible_gpus(state: SimState) -> list[SimGpu]:
-    """GPUs NVML enumerates: bound to nvidia, present, with the nvidia module loaded."""
-    if "nvidia" not in state.loaded_modules:
-        return []
-    out = []
-    for address in sorted(state.gpus):
-        f = state.functions.get(address)
-        if f is not None and f.present and f.driver == "nvidia":
-            out.append(state.gpus[address])
-    return out
-
-
-def mig_devices(gpu: SimGpu) -> list[tuple[SimGi, SimCi]]:
-    """MIG devices in NVML's index order: by GI id, then CI id."""
-    if gpu.mig_mode != 1:
-        return []
-    return [(gi, ci) for gi in sorted(gpu.gis, key=lambda g: g.id) for ci in sorted(gi.cis, key=lambda c: c.id)]
-
-
-def gpu_processes(state: SimState, gpu: SimGpu) -> list[SimProcess]:
-    keys = {gpu.uuid, gpu.address.lower()}
-    return [p for p in state.processes if p.device.lower() in keys or p.device in keys]
-
-
-def mig_processes(state: SimState, ci: SimCi) -> list[SimProcess]:
-    return [p for p in state.processes if p.device == ci.uuid]
-
-
-def busy(state: SimState, gpu: SimGpu) -> bool:
-    """Anything running on the GPU or on one of its MIG devices."""
-    uuids = {ci.uuid for gi in gpu.gis for ci in gi.cis}
-    return bool(gpu_processes(state, gpu)) or any(p.device in uuids for p in state.processes)
-
-
-def reset_gpu(state: SimState, address: str) -> None:
-    """A GPU reset as the driver sees it: a pending MIG mode takes effect; disabling drops GIs.
-
-    Called by the simulated kernel (sysfs `reset` store) with the host lock held.
-    """
-    gpu = state.gpus.get(address)
-    if gpu is None:
-        return
-    if gpu.mig_pending != gpu.mig_mode:
-        gpu.mig_mode = gpu.mig_pending
-    if gpu.mig_mode == 0:
-        gpu.gis.clear()
-
-
-def _profile(model: ModelInfo, profile_id: int) -> MigProfile | None:
-    return next((p for p in model.profiles if p.id == profile_id), None)
-
-
-def _used_slices(gpu: SimGpu, skip: SimGi | None = None) -> set[int]:
-    return {s for g in gpu.gis if g is not skip for s in range(g.start, g.start + g.size)}
-
-
-def _memory_slices(model: ModelInfo) -> int:
-    """The GPU's memory slices: the end of its farthest-reaching placement (8 on A100/H100/H200)."""
-    return max(pl.start + pl.size for p in model.profiles for pl in p.placements)
-
-
-def _free(gpu: SimGpu, start: int, size: int) -> bool:
-    return not (_used_slices(gpu) & set(range(start, start + size)))
-
-
-def _mig_name(model: ModelInfo, gi: SimGi, ci: SimCi) -> str:
-    prof = _profile(model, gi.profile_id)
-    assert prof is not None
-    ci_prof = next((c for c in prof.ci_profiles if c.id == ci.profile_id), None)
-    return device_name(prof, ci_prof.slices if ci_prof is not None else None)
-
-
-def _ci_slices(model: ModelInfo, gi: SimGi, ci: SimCi) -> int:
-    prof = _profile(model, gi.profile_id)
-    assert prof is not None
-    return next((c.slices for c in prof.ci_profiles if c.id == ci.profile_id), 0)
-
-
 # --- the library object -------------------------------------------------------------------------
 
 _IMPLS: dict[str, Callable[..., Any]] = {}
 
 
-def _nvml(*names: str):
+# C symbols whose work waits (an event wait): counted and checked for faults under the host lock,
+# run without it, so a wait never holds up other processes' NVML calls.
+_UNLOCKED: set[str] = set()
+
+
+def _nvml(*names: str, unlocked: bool = False):
     def deco(fn):
         for n in names or (fn.__name__,):
             _IMPLS[n] = fn
+            if unlocked:
+                _UNLOCKED.add(n)
         return fn
 
     return deco
@@ -257,6 +204,7 @@ class FakeNvmlLib:
         self._keys: dict[int, tuple] = {}  # address -> identity
         self._fns: dict[str, Callable[..., Any]] = {}
         self._mutex = threading.Lock()
+        self._event_sets: list[EventSet] = []
         # PCI address -> which nvidia probe of it the open session enumerated at nvmlInit (index order)
         self.enumerated: dict[str, int] = {}
 
@@ -294,6 +242,7 @@ class FakeNvmlLib:
     # dispatch --------------------------------------------------------------------------------
     def _call(self, name: str, impl: Callable[..., Any], args: tuple) -> Any:
         crash: BaseException | None = None
+        result: Any = None
         with locked(self.host_dir) as state:
             state.calls[name] = state.calls.get(name, 0) + 1
             if name == "nvmlErrorString":
@@ -306,20 +255,25 @@ class FakeNvmlLib:
                         return fault.error
             if name not in _NO_INIT and self._inits <= 0:
                 return pynvml.NVML_ERROR_UNINITIALIZED
-            try:
-                ret = impl(self, state, *args)
-                result = SUCCESS if ret is None else ret
-                if result == SUCCESS and name in _CHANGES_DEVICES:
-                    # MIG devices come and go as /dev/nvidia-caps nodes: keep the tree in step.
-                    from gpud.sim.sysfs_tree import render
-
-                    render(self.host_dir, state)
-            except _Ret as r:
-                result = r.code
-            except (TypeError, ValueError) as e:  # what would be a crash or garbage in C
-                crash = e
+            if name not in _UNLOCKED:
+                try:
+                    ret = impl(self, state, *args)
+                    result = SUCCESS if ret is None else ret
+                    if result == SUCCESS and name in _CHANGES_DEVICES:
+                        # MIG devices come and go as /dev/nvidia-caps nodes: keep the tree in step.
+                        render(self.host_dir, state)
+                except _Ret as r:
+                    result = r.code
+                except (TypeError, ValueError) as e:  # what would be a crash or garbage in C
+                    crash = e
         if crash is not None:
             raise crash
+        if name in _UNLOCKED:
+            try:
+                ret = impl(self, None, *args)
+                result = SUCCESS if ret is None else ret
+            except _Ret as r:
+                result = r.code
         return result
 
     # resolution ------------------------------------------------------------------------------
@@ -386,6 +340,24 @@ class FakeNvmlLib:
         gi, ci = self._find_ci(gpu, key[2], key[3])
         return gpu, gi, ci
 
+    def new_event_set(self) -> int:
+        with self._mutex:
+            self._event_sets.append(EventSet())
+            n = len(self._event_sets) - 1
+        return self.handle(("eventset", n))
+
+    def event_set(self, handle: Any) -> EventSet:
+        key = self.key(handle)
+        if key[0] != "eventset" or self._event_sets[key[1]].freed:
+            raise _Ret(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        return self._event_sets[key[1]]
+
+    def free_event_set(self, handle: Any) -> None:
+        es = self.event_set(handle)
+        with es.cond:
+            es.freed = True
+            es.cond.notify_all()
+
     def gpu_handle(self, gpu: SimGpu) -> int:
         return self.handle(("gpu", gpu.address))
 
@@ -422,7 +394,7 @@ def nvmlShutdown(lib: FakeNvmlLib, state: SimState) -> int:
     return SUCCESS
 
 
-# Session tracking (issue 9): what this library's open session holds, kept in the state file so
+# Session tracking: what this library's open session holds, kept in the state file so
 # the simulated kernel and nvidia-smi see it from other processes.
 def _session_owner(lib: FakeNvmlLib) -> str:
     return f"{os.getpid()}:{id(lib):x}"
@@ -452,9 +424,7 @@ def _comm() -> str:
 
 
 def _render(lib: FakeNvmlLib, state: SimState) -> None:
-    from gpud.sim.sysfs_tree import render  # the session's open nodes show in DIR/proc
-
-    render(lib.host_dir, state)
+    render(lib.host_dir, state)  # the session's open nodes show in DIR/proc
 
 
 @_nvml()
@@ -557,7 +527,7 @@ def nvmlDeviceGetIndex(lib, state, handle, ref):
 def nvmlDeviceGetName(lib, state, handle, buf, length):
     gpu, mig = lib.gpu(state, handle, allow_mig=True)
     model = model_of(gpu)
-    name = model.name if mig is None else f"{model.name} MIG {_mig_name(model, *mig)}"
+    name = model.name if mig is None else f"{model.name} MIG {mig_name(model, *mig)}"
     _write_str(buf, length, name)
 
 
@@ -622,7 +592,7 @@ def _memory(lib, state, handle, ref):
         total = model.memory_mb * MIB
         used = sum(p.used_mb for p in gpu_processes(state, gpu)) * MIB
     else:
-        prof = _profile(model, mig[0].profile_id)
+        prof = profile_of(model, mig[0].profile_id)
         total = (prof.memory_mb if prof else 0) * MIB
         used = sum(p.used_mb for p in mig_processes(state, mig[1])) * MIB
     info.total = total
@@ -653,6 +623,63 @@ def _processes(lib, state, handle, count_ref, infos):
         infos[i].computeInstanceId = ci_id
     count.value = len(rows)
     return SUCCESS
+
+
+# --- events -------------------------------------------------------------------------------------
+
+# What the real H200 answers to nvmlDeviceGetSupportedEventTypes (0xff9f: nvml-and-files.json);
+# served for every simulated GPU, no other model's answer having been captured.
+SUPPORTED_EVENT_TYPES = 0xFF9F
+
+
+class EventSet:
+    """An nvmlEventSet_t: the GPUs and event types registered on it. The simulated host raises no
+    events (no XIDs, no ECC errors), so a wait always ends at its timeout, waking only early when
+    the set is freed; waiters sleep on a condition, never poll."""
+
+    def __init__(self) -> None:
+        self.registered: dict[str, int] = {}  # PCI address -> event type mask
+        self.freed = False
+        self.cond = threading.Condition()
+
+
+@_nvml()
+def nvmlEventSetCreate(lib, state, ref):
+    _set_ptr(_deref(ref), lib.new_event_set())
+
+
+@_nvml()
+def nvmlDeviceGetSupportedEventTypes(lib, state, handle, ref):
+    lib.gpu(state, handle)
+    _deref(ref).value = SUPPORTED_EVENT_TYPES
+
+
+@_nvml()
+def nvmlDeviceRegisterEvents(lib, state, handle, event_types, set_handle):
+    """Types the GPU does not support are NOT_SUPPORTED, as NVML's reference says of this call."""
+    gpu, _ = lib.gpu(state, handle)
+    types = _int(event_types)
+    if types & ~SUPPORTED_EVENT_TYPES:
+        raise _Ret(pynvml.NVML_ERROR_NOT_SUPPORTED)
+    es = lib.event_set(set_handle)
+    es.registered[gpu.address] = es.registered.get(gpu.address, 0) | types
+
+
+@_nvml("nvmlEventSetWait_v2", "nvmlEventSetWait", unlocked=True)
+def _event_wait(lib, state, set_handle, data_ref, timeout_ms):
+    """Blocks for the timeout (no event ever comes), then NVML_ERROR_TIMEOUT."""
+    es = lib.event_set(set_handle)
+    _deref(data_ref)
+    with es.cond:
+        es.cond.wait_for(lambda: es.freed, _int(timeout_ms) / 1000)
+        if es.freed:
+            raise _Ret(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+    raise _Ret(pynvml.NVML_ERROR_TIMEOUT)
+
+
+@_nvml()
+def nvmlEventSetFree(lib, state, set_handle):
+    lib.free_event_set(set_handle)
 
 
 # --- MIG mode -----------------------------------------------------------------------------------
@@ -709,11 +736,13 @@ def nvmlDeviceGetMaxMigDeviceCount(lib, state, handle, ref):
 
 @_nvml()
 def nvmlDeviceGetMigDeviceHandleByIndex(lib, state, handle, index, ref):
+    """An index past the MIG devices that exist, or any index with MIG off, is NOT_FOUND (the real
+    H200 answers index 0 with MIG off so: tests/fixtures/h200/nvml-and-files.json)."""
     gpu, _ = lib.gpu(state, handle)
     if not model_of(gpu).mig_capable:
         raise _Ret(pynvml.NVML_ERROR_NOT_SUPPORTED)
     i = _int(index)
-    if gpu.mig_mode != 1 or i >= _MAX_MIG_DEVICES:
+    if gpu.mig_mode == 1 and i >= _MAX_MIG_DEVICES:
         raise _Ret(pynvml.NVML_ERROR_INVALID_ARGUMENT)
     devices = mig_devices(gpu)
     if i >= len(devices):
@@ -731,18 +760,45 @@ def nvmlDeviceIsMigDeviceHandle(lib, state, handle, ref):
 
 @_nvml()
 def nvmlDeviceGetGpuInstanceId(lib, state, handle, ref):
+    """A whole-GPU handle is INVALID_ARGUMENT (the real H200, MIG off: nvml-and-files.json)."""
     _, mig = lib.gpu(state, handle, allow_mig=True)
     if mig is None:
-        raise _Ret(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        raise _Ret(pynvml.NVML_ERROR_INVALID_ARGUMENT)
     _deref(ref).value = mig[0].id
 
 
 @_nvml()
 def nvmlDeviceGetComputeInstanceId(lib, state, handle, ref):
+    """A whole-GPU handle is INVALID_ARGUMENT (the real H200: nvml-and-files.json)."""
     _, mig = lib.gpu(state, handle, allow_mig=True)
     if mig is None:
-        raise _Ret(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        raise _Ret(pynvml.NVML_ERROR_INVALID_ARGUMENT)
     _deref(ref).value = mig[1].id
+
+
+@_nvml("nvmlDeviceGetAttributes_v2", "nvmlDeviceGetAttributes")
+def _attributes(lib, state, handle, ref):
+    """A MIG device's share of its GPU: its compute instance's SMs and slices, its GPU instance's
+    engines, slices and memory (the GI profile's, as NVML reports for the device). A whole GPU is
+    NOT_SUPPORTED (the real H200, MIG off: nvml-and-files.json)."""
+    gpu, mig = lib.gpu(state, handle, allow_mig=True)
+    if mig is None:
+        raise _Ret(pynvml.NVML_ERROR_NOT_SUPPORTED)
+    gi, ci = mig
+    model = model_of(gpu)
+    prof = profile_of(model, gi.profile_id)
+    assert prof is not None
+    ci_prof = next((c for c in prof.ci_profiles if c.id == ci.profile_id), None)
+    info = _deref(ref)
+    info.multiprocessorCount = ci_prof.sms if ci_prof is not None else prof.sms
+    info.sharedCopyEngineCount = prof.copy_engines
+    info.sharedDecoderCount = prof.decoders
+    info.sharedEncoderCount = prof.encoders
+    info.sharedJpegCount = prof.jpegs
+    info.sharedOfaCount = prof.ofas
+    info.gpuInstanceSliceCount = prof.slices
+    info.computeInstanceSliceCount = ci_prof.slices if ci_prof is not None else prof.slices
+    info.memorySizeMB = prof.memory_mb
 
 
 @_nvml()
@@ -785,7 +841,7 @@ def _profile_by_index(model: ModelInfo, index: int) -> MigProfile:
         raise _Ret(pynvml.NVML_ERROR_INVALID_ARGUMENT)
     # Each model answers an index constant with its own profile id (the A30's 1-slice is id 14).
     pid = next((p for p, i in model.gi_index.items() if i == index), None)
-    prof = _profile(model, pid) if pid is not None else None
+    prof = profile_of(model, pid) if pid is not None else None
     if prof is None:
         raise _Ret(pynvml.NVML_ERROR_NOT_SUPPORTED)
     return prof
@@ -813,7 +869,7 @@ def nvmlDeviceGetGpuInstanceProfileInfoByIdV(lib, state, handle, profile_id, ref
 
 
 def _known_profile(model: ModelInfo, profile_id: Any) -> MigProfile:
-    prof = _profile(model, _int(profile_id))
+    prof = profile_of(model, _int(profile_id))
     if prof is None:
         raise _Ret(pynvml.NVML_ERROR_INVALID_ARGUMENT)
     return prof
@@ -826,7 +882,7 @@ def _fill_placements(placements, count_ref, items: list[tuple[int, int]]) -> int
     if placements is None:
         count.value = len(items)
         return SUCCESS
-    arr = _deref(placements)
+    arr = _array(placements)
     if count.value < len(items):
         count.value = len(items)
         raise _Ret(pynvml.NVML_ERROR_INSUFFICIENT_SIZE)
@@ -846,7 +902,7 @@ def _possible_placements(lib, state, handle, profile_id, placements, count_ref):
 
 
 def _free_placements(gpu: SimGpu, prof: MigProfile) -> list[int]:
-    used = _used_slices(gpu)
+    used = used_slices(gpu)
     return [pl.start for pl in prof.placements if not (used & pl.slices)]
 
 
@@ -875,14 +931,14 @@ def _create_gi(lib: FakeNvmlLib, gpu: SimGpu, model: ModelInfo, profile_id: Any,
         raise _Ret(pynvml.NVML_ERROR_INSUFFICIENT_RESOURCES)
     if start is None:
         order = _PREFERENCE.get(prof.id, tuple(starts))
-        start = next((s for s in order if s in starts and _free(gpu, s, pl_size)), None)
+        start = next((s for s in order if s in starts and is_free(gpu, s, pl_size)), None)
         if start is None:
             raise _Ret(pynvml.NVML_ERROR_INSUFFICIENT_RESOURCES)
-    elif not _free(gpu, start, pl_size):
+    elif not is_free(gpu, start, pl_size):
         raise _Ret(pynvml.NVML_ERROR_INSUFFICIENT_RESOURCES)
     out = _deref(out_ref)
     # The id follows the memory placement, as the driver numbers it (gpud.sim.gi_ids).
-    gi_id = gi_ids.gi_id(gpu.gi_id_order, start, pl_size, _memory_slices(model))
+    gi_id = gi_ids.gi_id(gpu.gi_id_order, start, pl_size, memory_slices(model))
     gi = SimGi(id=gi_id, profile_id=prof.id, start=start, size=pl_size)
     gpu.gis.append(gi)
     _set_ptr(out, lib.gi_handle(gpu, gi))
@@ -925,8 +981,8 @@ def nvmlDeviceGetGpuInstances(lib, state, handle, profile_id, arr, count_ref):
 
 @_nvml()
 def nvmlDeviceGetGpuInstanceById(lib, state, handle, gi_id, out_ref):
+    """No such GPU instance, MIG off included, is NOT_FOUND (the real H200: nvml-and-files.json)."""
     gpu, _ = _mig_model(lib, state, handle)
-    _require_mig_on(gpu)
     gi = next((g for g in gpu.gis if g.id == _int(gi_id)), None)
     if gi is None:
         raise _Ret(pynvml.NVML_ERROR_NOT_FOUND)
@@ -956,7 +1012,7 @@ def nvmlGpuInstanceDestroy(lib, state, gi_handle):
 
 
 def _gi_profile(model: ModelInfo, gi: SimGi) -> MigProfile:
-    prof = _profile(model, gi.profile_id)
+    prof = profile_of(model, gi.profile_id)
     assert prof is not None
     return prof
 
@@ -995,7 +1051,7 @@ def _ci_profile(model: ModelInfo, gi: SimGi, ci_profile_id: int) -> CiProfile:
 
 def _ci_used(model: ModelInfo, gi: SimGi) -> set[int]:
     """Compute slices of `gi` its CIs occupy (each CI at its placement)."""
-    return {s for c in gi.cis for s in range(c.start, c.start + _ci_slices(model, gi, c))}
+    return {s for c in gi.cis for s in range(c.start, c.start + ci_slices(model, gi, c))}
 
 
 def _ci_free_starts(model: ModelInfo, gi: SimGi, ci_prof: CiProfile) -> list[int]:
@@ -1007,7 +1063,7 @@ def _ci_capacity(model: ModelInfo, gi: SimGi, ci_profile_id: int) -> int:
     """Free placements that do not overlap, bounded by the profile's instance count (as for GIs)."""
     ci_prof = _ci_profile(model, gi, ci_profile_id)
     same = sum(1 for c in gi.cis if c.profile_id == ci_profile_id)
-    free, taken = 0, set()
+    free, taken = 0, set[int]()
     for start in _ci_free_starts(model, gi, ci_prof):
         slots = set(range(start, start + ci_prof.slices))
         if not slots & taken:
@@ -1115,7 +1171,7 @@ def _ci_info(lib, state, ci_handle, ref):
     info.id = ci.id
     info.profileId = ci.profile_id
     info.placement.start = ci.start
-    info.placement.size = _ci_slices(model, gi, ci)
+    info.placement.size = ci_slices(model, gi, ci)
 
 
 @_nvml()

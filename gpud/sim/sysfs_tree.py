@@ -17,6 +17,7 @@ import shutil
 from pathlib import Path
 
 from gpud import profiles
+from gpud.sim import pci_files, vgpu
 from gpud.sim.state import LOCK_FILE, SimFunction, SimState, locked, save
 
 PCI_ROOT = "devices/pci0000:00"
@@ -116,8 +117,6 @@ def vfio_holders(state: SimState, group: int | None) -> list:
 
 def process_devices(state: SimState, proc) -> list[str]:
     """Device paths (relative to DIR/dev) a SimProcess has open, as the kernel would show them."""
-    from gpud.sim import vgpu
-
     held_vgpu = vgpu.process_devices(state, proc)
     if held_vgpu is not None:
         return held_vgpu
@@ -164,6 +163,16 @@ def uevent(f: SimFunction) -> str:
     return "\n".join(lines) + "\n"
 
 
+def proc_modules(state: SimState) -> str:
+    """/proc/modules: one line per loaded module, in the real H200 host's format (name, size, no
+    use count or dependencies shown, Live, address, taint: tests/fixtures/h200/nvml-and-files.json)."""
+    lines = []
+    for i, mod in enumerate(dict.fromkeys(module_name(m) for m in state.loaded_modules)):
+        size = 14299136 if mod == "nvidia" else 65536
+        lines.append(f"{mod} {size} - - Live 0x{0xffffffffc0400000 + i * 0x1000000:x} (O)")
+    return "".join(line + "\n" for line in lines)
+
+
 def information(state: SimState, address: str) -> str:
     """/proc/driver/nvidia/gpus/<BDF>/information, in the driver's format (tabs included)."""
     gpu = state.gpus[address]
@@ -193,8 +202,8 @@ def desired_tree(host_dir: str | os.PathLike, state: SimState) -> dict[str, tupl
     def d(p: str) -> None:
         t[p] = (_DIR, None, 0o755)
 
-    def f(p: str, data: str | None, mode: int = 0o444) -> None:
-        t[p] = (_FILE, None if data is None else data.encode(), mode)
+    def f(p: str, data: str | bytes | None, mode: int = 0o444) -> None:
+        t[p] = (_FILE, data.encode() if isinstance(data, str) else data, mode)
 
     def ln(p: str, target: str) -> None:
         t[p] = (_LINK, target, 0)
@@ -205,6 +214,7 @@ def desired_tree(host_dir: str | os.PathLike, state: SimState) -> dict[str, tupl
     for p in ("proc/sys", "proc/sys/kernel", "proc/sys/kernel/random"):
         d(p)
     f("proc/sys/kernel/random/boot_id", state.boot_id + "\n")
+    f("proc/modules", proc_modules(state))
     f("sys/bus/pci/drivers_probe", "", 0o200)
     f("sys/bus/pci/rescan", "", 0o200)
 
@@ -219,9 +229,13 @@ def desired_tree(host_dir: str | os.PathLike, state: SimState) -> dict[str, tupl
         f(f"sys/module/{mod}/initstate", "live\n")
 
     live = present(state)
+    positions = {a: i for i, a in enumerate(sorted(state.functions))}
     for addr, fn in live.items():
         base = f"sys/{PCI_ROOT}/{addr}"
         d(base)
+        is_gpu = addr in state.gpus
+        f(f"{base}/resource", pci_files.resource(positions[addr], is_gpu))
+        f(f"{base}/config", pci_files.config(fn, positions[addr], is_gpu), 0o644)
         f(f"{base}/vendor", f"0x{fn.vendor:04x}\n")
         f(f"{base}/device", f"0x{fn.device:04x}\n")
         f(f"{base}/subsystem_vendor", f"0x{fn.subsystem_vendor:04x}\n")
@@ -254,8 +268,6 @@ def desired_tree(host_dir: str | os.PathLike, state: SimState) -> dict[str, tupl
         if fn.physfn is not None:
             ln(f"{base}/physfn", f"../{fn.physfn}")
 
-    from gpud.sim import vgpu
-
     vgpu.render(state, PCI_ROOT, d, f, ln)
 
     # nvidia: control node, caps, per-GPU node and /proc entries
@@ -271,9 +283,9 @@ def desired_tree(host_dir: str | os.PathLike, state: SimState) -> dict[str, tupl
         top = max((g.minor for g in state.gpus.values()), default=-1)
         lines = ["config 1", "monitor 2"]
         for m in range(top + 1):
-            for gi in range(GIS_PER_GPU):
-                lines.append(f"gpu{m}/gi{gi}/access {cap_minor(m, gi)}")
-                lines += [f"gpu{m}/gi{gi}/ci{ci}/access {cap_minor(m, gi, ci)}" for ci in range(8)]
+            for g in range(GIS_PER_GPU):
+                lines.append(f"gpu{m}/gi{g}/access {cap_minor(m, g)}")
+                lines += [f"gpu{m}/gi{g}/ci{c}/access {cap_minor(m, g, c)}" for c in range(8)]
         f("proc/driver/nvidia-caps/mig-minors", "\n".join(lines) + "\n")
         for addr, gpu in state.gpus.items():
             if not _nvidia_bound(state, addr):

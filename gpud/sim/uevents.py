@@ -25,6 +25,18 @@ import msgspec
 
 from gpud.device_events import RESCAN, SUBSYSTEMS, Delivery, DeviceEvent, DeviceEventCallback
 
+UEVENT_ACTIONS = ("add", "remove", "change", "move", "online", "offline", "bind", "unbind")
+
+class Uevent(msgspec.Struct, frozen=True):
+    """One simulated kernel uevent, sent (emit) once the state change that caused it
+    is saved, as the kernel sends its uevents after the change is visible in sysfs."""
+
+    action: str  # one of UEVENT_ACTIONS
+    subsystem: str  # pci, vfio, module, drivers
+    address: str | None = None  # the kernel's name: BDF, group number, module or driver name
+    driver: str | None = None  # DRIVER= on bind
+
+
 SOCKET = "run/uevent.sock"
 OVERFLOW = "run/uevent.overflow"
 OVERFLOW_ACTION = "overflow"

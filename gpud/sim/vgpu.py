@@ -27,10 +27,13 @@ import time
 
 from gpud import profiles, vgpu_types
 from gpud.sim.kstrto import kstrtou, sysfs_error
-from gpud.sim.state import SimFunction, SimMdev, SimState, SimVf, SimVgpu
+from gpud.sim.state import SimFunction, SimMdev, SimState, SimVf, SimVgpu, locked
+from gpud.sim.uevents import Uevent
 from gpud.vgpu_types import SYNTHETIC_ID_BASE, VgpuModel, VgpuType
 
 INTERFACES = ("vfio", "mdev")
+# The mdev driver NVIDIA's vGPU manager binds its mdevs to (the `nvidia_vgpu_vfio` module's).
+MDEV_DRIVER = "nvidia_vgpu_vfio"
 VF_OFFSET = 4  # first VF at function 4 of the PF's slot, stride 1 (as NVIDIA GPUs enumerate them)
 CREATABLE_HEADER = "ID    : vGPU Name"
 FIRST_VGPU_GROUP = 200  # IOMMU groups handed to VFs and mdevs
@@ -66,9 +69,7 @@ def vf_address(pf: str, index: int) -> str:
 
 
 def _event(action: str, subsystem: str, address: str | None, driver: str | None):
-    """A kernel uevent (gpud.sim.kernel.Uevent, imported here: the kernel model imports this one)."""
-    from gpud.sim.kernel import Uevent
-
+    """A kernel uevent, sent by the simulated kernel once the change is saved."""
     return Uevent(action, subsystem, address, driver)
 
 
@@ -286,6 +287,7 @@ def render(st: SimState, pci_root: str, d, f, ln) -> None:
             f(f"{mbase}/remove", "", 0o200)
             ln(f"{mbase}/iommu_group", f"../../../../kernel/iommu_groups/{m.iommu_group}")
             ln(f"{mbase}/subsystem", "../../../../bus/mdev")
+            ln(f"{mbase}/driver", f"../../../../bus/mdev/drivers/{MDEV_DRIVER}")
             ln(f"sys/bus/mdev/devices/{m.uuid}", f"../../../{pci_root}/{m.parent}/{m.uuid}")
             d(f"sys/kernel/iommu_groups/{m.iommu_group}")
             d(f"sys/kernel/iommu_groups/{m.iommu_group}/devices")
@@ -295,7 +297,8 @@ def render(st: SimState, pci_root: str, d, f, ln) -> None:
             f("dev/vfio/vfio", "", 0o666)
             f(f"dev/vfio/{m.iommu_group}", "", 0o600)
     if any_mdev:
-        for p in ("sys/class", "sys/class/mdev_bus", "sys/bus/mdev", "sys/bus/mdev/devices"):
+        for p in ("sys/class", "sys/class/mdev_bus", "sys/bus/mdev", "sys/bus/mdev/devices", "sys/bus/mdev/drivers",
+                  f"sys/bus/mdev/drivers/{MDEV_DRIVER}"):
             d(p)
 
 
@@ -370,7 +373,8 @@ def current_vgpu_type(st: SimState, vf_addr: str, data: bytes, path: str, events
     stype = next((t for t in creatable(st, pf, vf_addr) if t.vfio_id == type_id), None)
     if stype is None:
         raise sysfs_error(errno.EINVAL, path)
-    vf.gpu_instance_id = _free_gi(st, pf, stype) if stype.profile else -1
+    gi_id = _free_gi(st, pf, stype) if stype.profile else None
+    vf.gpu_instance_id = -1 if gi_id is None else gi_id
     vf.vgpu_type = type_id
     events.append(_event("change", "pci", vf_addr, "nvidia"))
 
@@ -420,7 +424,6 @@ def mdev_remove_now(st: SimState, uuid: str, events: list) -> bool:
 def mdev_remove(store, uuid: str, data: bytes, path: str) -> None:
     """mdev_sysfs.c remove_store: 0 does nothing; otherwise the device goes, and while a VM holds it
     open the write blocks (6.1: vfio_unregister_group_dev waits for the release)."""
-    from gpud.sim.state import locked
 
     value = kstrtou(data, path, 64)
     if not value:

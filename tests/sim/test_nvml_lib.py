@@ -11,13 +11,15 @@ from pathlib import Path
 import pynvml as N
 import pytest
 
-from gpud.sim import nvml_lib
+from gpud.sim import gpu_rules, nvml_lib
 from gpud.sim.state import SimProcess, load, locked
 
 H200_GPUS = ("0000:18:00.0", "0000:2a:00.0")
 # What a real H200 answered (read-only probe): the independent source for placements.
 PROBE = json.loads((Path(__file__).resolve().parents[1] / "fixtures/h200/nvml-sysfs-readonly.json").read_text())
 PROBE_1G = PROBE["gpu_instance_profiles"]["NVML_GPU_INSTANCE_PROFILE_1_SLICE"]
+# What a real H200 answered to the calls NVIDIA's tools make, MIG off (2026-12-01 capture).
+REAL_H200 = json.loads((Path(__file__).resolve().parents[1] / "fixtures/h200/nvml-and-files.json").read_text())
 
 
 def code_of(fn, *args) -> int:
@@ -219,7 +221,8 @@ def test_create_gi_needs_mig_enabled_and_not_pending(h200):
     with locked(h200.host_dir) as st:
         st.gpus["0000:18:00.0"].mig_pending = 0
     assert code_of(place, handle(0), 19, 0, 1) == N.NVML_ERROR_NOT_SUPPORTED
-    assert code_of(N.nvmlDeviceGetGpuInstanceById, h1, 1) == N.NVML_ERROR_NOT_SUPPORTED
+    # MIG off: no such GPU instance, as the real H200 answers (tests/fixtures/h200/nvml-and-files.json)
+    assert code_of(N.nvmlDeviceGetGpuInstanceById, h1, 1) == REAL_H200["nvmlDeviceGetGpuInstanceById(1) MIG off"]["error"]
     count = c_uint(5)
     N.nvmlDeviceGetGpuInstances(h1, 19, (N.c_nvmlGpuInstance_t * 7)(), byref(count))  # listing answers (probe)
     assert count.value == 0
@@ -358,7 +361,15 @@ def test_mig_device_handles_ordered_by_gi_then_ci(h200):
     assert code_of(N.nvmlDeviceGetMigDeviceHandleByIndex, h, 7) == N.NVML_ERROR_INVALID_ARGUMENT
     is_mig = N.nvmlDeviceIsMigDeviceHandle(h)
     assert isinstance(is_mig, c_uint) and not is_mig
-    assert code_of(N.nvmlDeviceGetGpuInstanceId, h) == N.NVML_ERROR_NOT_SUPPORTED
+    # a whole-GPU handle, as the real H200 answers (tests/fixtures/h200/nvml-and-files.json)
+    assert code_of(N.nvmlDeviceGetGpuInstanceId, h) == REAL_H200["nvmlDeviceGetGpuInstanceId (MIG off, full GPU)"]["error"]
+    assert code_of(N.nvmlDeviceGetComputeInstanceId, h) == REAL_H200["nvmlDeviceGetComputeInstanceId (full GPU)"]["error"]
+    with pytest.raises(N.NVMLError) as e:
+        N.nvmlDeviceGetAttributes_v2(h)
+    assert e.value.value == REAL_H200["nvmlDeviceGetAttributes_v2 (full GPU)"]["error"]
+    with pytest.raises(N.NVMLError) as e:
+        N.nvmlDeviceGetMigDeviceHandleByIndex(handle(1), 0)  # MIG off
+    assert e.value.value == REAL_H200["nvmlDeviceGetMigDeviceHandleByIndex(0) MIG off"]["error"]
 
 
 def test_mig_uuid_is_stable_for_the_life_of_the_ci(h200):
@@ -407,7 +418,7 @@ def test_hopper_busy_mode_change_stays_pending_until_reset(h200):
     assert N.nvmlDeviceSetMigMode(h, 1) == N.NVML_ERROR_IN_USE
     assert N.nvmlDeviceGetMigMode(h) == [0, 1]
     with locked(h200.host_dir) as st:
-        nvml_lib.reset_gpu(st, "0000:2a:00.0")
+        gpu_rules.reset_gpu(st, "0000:2a:00.0")
     assert N.nvmlDeviceGetMigMode(h) == [1, 1]
 
 
@@ -419,7 +430,7 @@ def test_ampere_mode_change_waits_for_reset(sim_host):
     assert N.nvmlDeviceGetMigMode(h) == [0, 1]
     assert code_of(place, h, 19, 0, 1) == N.NVML_ERROR_NOT_SUPPORTED
     with locked(host.host_dir) as st:
-        nvml_lib.reset_gpu(st, "0000:18:00.0")
+        gpu_rules.reset_gpu(st, "0000:18:00.0")
     assert N.nvmlDeviceGetMigMode(h) == [1, 1]
     place(h, 19, 0, 1)
 
@@ -430,7 +441,7 @@ def test_disabling_with_gis_is_in_use_and_reset_to_off_drops_gis(h200):
     assert code_of(N.nvmlDeviceSetMigMode, h, 0) == N.NVML_ERROR_IN_USE
     with locked(h200.host_dir) as st:
         st.gpus["0000:18:00.0"].mig_pending = 0
-        nvml_lib.reset_gpu(st, "0000:18:00.0")
+        gpu_rules.reset_gpu(st, "0000:18:00.0")
         assert st.gpus["0000:18:00.0"].gis == [] and st.gpus["0000:18:00.0"].mig_mode == 0
 
 
