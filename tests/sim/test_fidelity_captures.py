@@ -229,3 +229,14 @@ def test_the_production_gb200_names_its_1g_profile_differently_from_the_earlier_
     ours = {p.name for p in MODELS["gb200"].profiles}
     assert "1g.23gb" in ours and "1g.24gb" not in ours
     assert MODELS["gb200"].unknown_fields("2g.47gb") == ("placements", "ci_profiles", "copy_engines", "jpegs", "ofas")
+
+
+def test_another_rtx_pro_6000_driver_prints_other_1g_memory():
+    """bigstack-oss/cubecos#312's host prints 23.12 GiB where driver 610.43.02 prints 23.62; the
+    simulator serves the 610.43.02 capture's."""
+    served = by_id(read_lgip((CAPTURES / "rtx-pro-6000" / "nvidia-smi-mig-lgip.txt").read_text()))
+    other = by_id(read_lgip((CAPTURES / "rtx-pro-6000" / "nvidia-smi-mig-lgip.cubecos-312.txt").read_text()))
+    assert _differences(other, {pid: served[pid] for pid in other}) == {
+        (pid, "gib"): ("23.12", "23.62") for pid in (14, 21, 47)}
+    ours = {p.id: p for p in MODELS["rtx-pro-6000"].profiles}
+    assert {f"{ours[pid].memory_mb / 1024:.2f}" for pid in other} == {"23.62"}
