@@ -6,6 +6,7 @@ the model's capture), eight DC-1-3Q on one instance (NVIDIA's 32 per GPU over 4 
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 
 from gpud.sim import vgpu as sim_vgpu
@@ -41,3 +42,6 @@ def test_mig_backed_vgpus_share_gfx_instances(daemon) -> None:
     assert g["state"] == "converged", g
     assert sorted(dev["type"] for dev in g["vgpu"]["devices"]) == ["DC-1-24Q"] + ["DC-1-3Q"] * 9
     assert "9xDC-1-3Q" in d.ctl("status").stdout
+    types = json.loads(d.ctl("vgpu", "types", "--json").stdout)["gpus"][0]["types"]
+    dc13 = next(t for t in types if t["name"] == "DC-1-3Q")
+    assert dc13["mig_profile"] == "1g.24gb+gfx" and dc13["max"] == 32
