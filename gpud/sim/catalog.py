@@ -11,8 +11,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import Iterable, Sequence
 
-from gpud import profiles
-from gpud.profiles import MODELS, NVIDIA, ModelInfo
+from gpud.profiles import MODELS, NVIDIA, WHOLE_GPU, ModelInfo
 from gpud.sim import gi_ids
 from gpud.sim.state import SimFunction, SimGpu, SimState
 
@@ -73,7 +72,7 @@ def missing_parts(m: ModelInfo) -> str:
         groups.setdefault(fields, []).append(name)
     parts = []
     for fields, names in groups.items():
-        if names == [profiles.WHOLE_GPU]:
+        if names == [WHOLE_GPU]:
             parts.append("the GPU's total memory unknown")
         elif "id" in fields:
             known = "name only" if "instance_count" in fields else "name and instance count only"

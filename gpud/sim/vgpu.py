@@ -12,10 +12,11 @@ Two host interfaces exist and gpud must find out which one a GPU has (docs/vgpu.
 What fits on one GPU follows NVIDIA's rules: time-sliced vGPUs on one GPU are all of one type, at
 most the type's per-GPU count; MIG-backed vGPUs need MIG on and a GPU instance of their profile,
 as many to an instance as the type allows (`VgpuType.per_gi`: one on Ampere and Hopper, eight
-DC-1-3Q on an RTX PRO 6000's 1g.24gb+gfx), one type per instance. Kernel semantics are the 6.1 kernel's where the kernel decides
-(`sriov_numvfs_store` in drivers/pci/iov.c; `create_store`/`remove_store` in drivers/vfio/mdev):
-ERANGE above sriov_totalvfs, EBUSY to change a non-zero VF count, EEXIST for a UUID in use, and a
-`remove` of an mdev a VM holds open *blocks* until it is closed (vfio_unregister_group_dev waits).
+DC-1-3Q on an RTX PRO 6000's 1g.24gb+gfx), one type per instance. Kernel semantics are the 6.1
+kernel's where the kernel decides (`sriov_numvfs_store` in drivers/pci/iov.c;
+`create_store`/`remove_store` in drivers/vfio/mdev): ERANGE above sriov_totalvfs, EBUSY to change
+a non-zero VF count, EEXIST for a UUID in use, and a `remove` of an mdev a VM holds open *blocks*
+until it is closed (vfio_unregister_group_dev waits).
 Where only NVIDIA's closed driver decides, the choice is written next to the code and in
 docs/vgpu.md.
 """

@@ -30,7 +30,8 @@ WHERE = f"NVIDIA RTX PRO 6000 Blackwell Server Edition {RTX}"
 def test_the_per_gpu_maximum_holds_for_mig_backed_types() -> None:
     state = VgpuState(interface="vfio", total_vfs=48, vfs=tuple(f"0000:18:0{i // 8}.{i % 8}" for i in range(48)))
     assert check_rules({"DC-1-3Q": 32}, MODEL, state, WHERE) is None
-    assert check_rules({"DC-1-3Q": 33}, MODEL, state, WHERE) == f"33 x DC-1-3Q on {WHERE}: the type fits at most 32 on one GPU"
+    assert check_rules({"DC-1-3Q": 33}, MODEL, state, WHERE) == (
+        f"33 x DC-1-3Q on {WHERE}: the type fits at most 32 on one GPU")
     assert check_rules({"DC-1-2Q": 48}, MODEL, state, WHERE) is None  # 48 VFs, one vGPU each
 
 
