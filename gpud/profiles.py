@@ -269,9 +269,12 @@ RTX_PRO_6000 = _table((
     (32, "4g.96gb+gfx", "95.12", 1, 188, 4, 4, 4, 4, 1, (0,), 12),
 ))
 
-# Partial tables: the rows of a real -lgip capture (no -lgipp was published), plus profiles NVIDIA's
-# default MIG config names for the model with no published row. Instance counts of name-only rows:
-# MIG user guide (B200 table); 0 where no source gives one.
+# Partial tables: the first four rows of a real -lgip capture (tests/fixtures/captures/<key>/: no
+# fuller copy and no -lgipp or -lcip of these models was found), plus profiles NVIDIA's default MIG
+# config names for the model with no readable row. Instance counts of name-only rows: MIG user
+# guide (B200 table); 0 where no source gives one. Drivers: not stated by any of the captures.
+# B200: mig-parted#187 (March 2025, 1g.23gb 20.50 GiB); #166 (January 2025) printed 22.00 GiB for
+# the same rows, so the driver changed the figure: the table is #187's alone.
 B200, _B200_UNKNOWN = _partial((
     _seven(19, "1g.23gb", "20.50", 7, 18, 1, 0, 2, 1, 0),
     _seven(20, "1g.23gb+me", "20.50", 1, 18, 1, 0, 2, 1, 1),
@@ -316,13 +319,15 @@ MODELS: dict[str, ModelInfo] = {
         ModelInfo("rtx-pro-6000", "NVIDIA RTX PRO 6000 Blackwell Server Edition", 0x2BB5, None, 97887,
                   "blackwell", RTX_PRO_6000, source=_CAPTURES + "rtx-pro-6000"),
         ModelInfo("b200", "NVIDIA B200", 0x2901, None, 0, "blackwell", B200,
-                  source="github.com/NVIDIA/mig-parted/pull/187 (-lgip, first four rows)",
+                  source=_CAPTURES + "b200: github.com/NVIDIA/mig-parted/pull/187 (-lgip, first four rows; "
+                                     "#166's earlier listing differs in the 1g memory)",
                   unknown=_B200_UNKNOWN + ((WHOLE_GPU, ("memory_mb",)),)),
         ModelInfo("gb200", "NVIDIA GB200", 0x2941, None, 0, "blackwell", GB200,
-                  source="github.com/NVIDIA/mig-parted/issues/227 (-lgip, first four rows)",
+                  source=_CAPTURES + "gb200: github.com/NVIDIA/mig-parted/issues/227 (-lgip of a production "
+                                     "board, first four rows)",
                   unknown=_GB200_UNKNOWN + ((WHOLE_GPU, ("memory_mb",)),)),
         ModelInfo("gh200-144gb", "NVIDIA GH200 144G HBM3e", 0x2348, None, 0, "hopper", GH200_144GB,
-                  source="github.com/NVIDIA/mig-parted/pull/139 (-lgip, first four rows)",
+                  source=_CAPTURES + "gh200-144gb: github.com/NVIDIA/mig-parted/pull/139 (-lgip, first four rows)",
                   unknown=_GH200_144GB_UNKNOWN + ((WHOLE_GPU, ("memory_mb",)),)),
         ModelInfo("gh200-96gb", "NVIDIA GH200 96GB", 0x2342, None, 0, "hopper", GH200_96GB,
                   source="names only: NVIDIA gpu-operator default MIG config",

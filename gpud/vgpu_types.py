@@ -6,12 +6,19 @@ vgpu-device-manager parses (pkg/types/vgpu_type.go), so its configs mean the sam
 a slice count is MIG-backed and needs the GPU instance profile `<G>g.<GB>gb` (`ME` -> `+me`, `NOME`
 -> `-me`, `MEALL` -> `+me.all`, `GFX` -> `+gfx`); the others are time-sliced.
 
+A name as the driver prints it carries a product prefix of one or more words (`GRID T4-1Q`,
+`NVIDIA L40S-12Q`, `NVIDIA RTX Pro 6000 Blackwell DC-1-24Q`); the type is its last
+whitespace-separated token, the way NVIDIA's tools key it (go-nvlib pkg/nvmdev/nvmdev.go
+`parseMdevTypeName`, vendored in vgpu-device-manager v0.5.0: "NVIDIA RTX Pro 6000 Blackwell DC-48C"
+-> "DC-48C"; vgpu-device-manager's vendor-VFIO work, pkg/vgpu/vfio/types.go `shortName()`).
+
 The table (`MODELS`) is what gpud checks a layout against where the driver cannot be asked (the
 simulator serves it; on a host, sysfs shows the offered types and wins). Every row names its source
 in `docs/vgpu.md`; where no public source gives a value the field is None and the simulator says it
 invented one (`SYNTHETIC_ID_BASE`). Counts are the per-GPU maxima of NVIDIA's vGPU documentation as
 vgpu-device-manager's examples/config-example.yaml spells them (one config per type with the count
-that fills one GPU).
+that fills one GPU). A MIG-backed type's GPU instance holds `per_gi` vGPUs of it: one on Ampere and
+Hopper, several on the RTX PRO 6000 Blackwell (DC-1-3Q: 8 on one 1g.24gb+gfx instance).
 """
 
 from __future__ import annotations
@@ -20,9 +27,6 @@ import re
 
 from msgspec import Struct
 
-# Prefixes the driver prints before a type name (`GRID T4-1Q` on Turing and older, `NVIDIA L40S-12Q`
-# from Ampere on); layouts may write them or not.
-NAME_PREFIXES = ("NVIDIA ", "GRID ")
 
 _TIME_SLICED = re.compile(r"(?P<gpu>[A-Z0-9]+(?:-[a-zA-Z]+)*)-(?P<gb>0|[1-9][0-9]*)(?P<series>[ABCQ])")
 _MIG_BACKED = re.compile(
@@ -55,11 +59,15 @@ class VgpuName(Struct, frozen=True):
 
 
 def strip_prefix(name: str) -> str:
-    """`NVIDIA L40S-12Q` / `GRID T4-1Q` -> the bare type name."""
-    for prefix in NAME_PREFIXES:
-        if name.startswith(prefix):
-            return name[len(prefix):]
-    return name
+    """The bare type name: the last whitespace-separated token of what the driver prints
+    (`GRID T4-1Q` -> `T4-1Q`, `NVIDIA RTX Pro 6000 Blackwell DC-1-24Q` -> `DC-1-24Q`), as
+    go-nvlib's parseMdevTypeName keys it, when that token is an NVIDIA type name. Any other name
+    stays whole: another vendor's mdev parent (the kernel's mtty sample: `Dual port serial`,
+    `Single port serial`) would otherwise fold two types into one."""
+    words = name.split()
+    if len(words) > 1 and (_TIME_SLICED.fullmatch(words[-1]) or _MIG_BACKED.fullmatch(words[-1])):
+        return words[-1]
+    return " ".join(words) if words else name
 
 
 def parse_vgpu_name(name: str) -> VgpuName | None:
@@ -79,9 +87,11 @@ class VgpuType(Struct, frozen=True):
     """One vGPU type of one GPU model."""
 
     name: str  # bare name: "L40S-12Q"
-    max_instances: int  # per physical GPU (MIG-backed: instances of its GI profile that fit)
+    max_instances: int  # per physical GPU (MIG-backed: per_gi x the GI profile's instance count)
     vfio_id: int | None = None  # id in `creatable_vgpu_types`; None where no public source numbers it
     mdev_id: int | None = None  # the N of `mdev_supported_types/nvidia-N`; None likewise
+    per_gi: int = 1  # MIG-backed: vGPUs of this type one GPU instance holds
+    gi_profile: str | None = None  # MIG-backed: the GI profile it sits on, where the name does not say it
 
     @property
     def parsed(self) -> VgpuName:
@@ -93,19 +103,36 @@ class VgpuType(Struct, frozen=True):
     def mig_backed(self) -> bool:
         return self.parsed.mig_backed
 
+    @property
+    def mig_profile(self) -> str | None:
+        """The GPU-instance profile a vGPU of this type needs (None: time-sliced)."""
+        return self.gi_profile or self.parsed.mig_profile
+
 
 class VgpuModel(Struct, frozen=True):
     """The vGPU side of one GPU model (keyed by PCI device id in MODELS)."""
 
     device: int  # PCI device id of the physical function (VFs report the same id)
-    prefix: str  # what the driver prints before type names: "NVIDIA " or "GRID "
+    prefix: str  # what the driver prints before type names: "NVIDIA ", "GRID ", "NVIDIA RTX Pro 6000 Blackwell "
     sriov: bool  # has SR-IOV virtual functions (vendor VFIO; on mdev the VFs are the parents)
     total_vfs: int  # sriov_totalvfs (0 when not SR-IOV)
     types: tuple[VgpuType, ...]
+    mdev: bool = True  # the driver can also offer the mdev interface (False: vendor-specific VFIO only)
 
     def find(self, name: str) -> VgpuType | None:
+        """The type a layout's name means: the bare name, or vgpu-device-manager's spelling with the
+        GI attribute appended where the driver's name lacks it (`DC-1-24QGFX` is `DC-1-24Q` on a
+        `+gfx` instance; vgpu-device-manager v0.5.0 pkg/vgpu/config.go strips the suffix the same way)."""
         bare = strip_prefix(name.strip())
-        return next((t for t in self.types if t.name == bare), None)
+        found = next((t for t in self.types if t.name == bare), None)
+        if found is not None:
+            return found
+        for attribute, suffix in MIG_ATTRIBUTES.items():
+            if bare.endswith(attribute):
+                t = next((t for t in self.types if t.name == bare[:-len(attribute)]), None)
+                if t is not None and t.gi_profile is not None and t.gi_profile.endswith(suffix):
+                    return t
+        return None
 
     def names(self) -> list[str]:
         return [t.name for t in self.types]
@@ -120,9 +147,22 @@ def _series(board: str, sizes: dict[int, int], series: str, ids: dict[int, int] 
 
 
 def _mig(board: str, rows: dict[str, int], ids: dict[str, int] | None = None) -> list[VgpuType]:
-    """MIG-backed types `<board>-<rest>` -> per-GPU maxima."""
+    """MIG-backed types `<board>-<rest>` -> per-GPU maxima, one vGPU per GPU instance."""
     ids = ids or {}
     return [VgpuType(f"{board}-{rest}", n, ids.get(rest)) for rest, n in rows.items()]
+
+
+def _mig_shared(board: str, rows: dict[str, int], instances: dict[int, tuple[str, int]], series: str) -> list[VgpuType]:
+    """MIG-backed types of a GPU whose instances hold several vGPUs each: `<G>-<GB>` -> per-GPU
+    maximum, for each series letter. `instances`: slices -> (the GI profile the types of that size
+    sit on, its instances per GPU); one instance holds the per-GPU maximum over that count."""
+    out = []
+    for rest, n in rows.items():
+        profile, count = instances[int(rest.split("-", 1)[0])]
+        per_gi, left = divmod(n, count)
+        assert per_gi and not left, (board, rest, n, count)
+        out += [VgpuType(f"{board}-{rest}{s}", n, per_gi=per_gi, gi_profile=profile) for s in series]
+    return out
 
 
 # L40S (48 GB, Ada, SR-IOV). Counts: config-example.yaml; 1B: hypeman PR #52 shows 32 free on a
@@ -152,6 +192,30 @@ _T4 = (
     + _series("T4", {4: 4, 8: 2, 16: 1}, "C", mdev_ids={4: 319, 8: 320, 16: 321})
 )
 
+# RTX PRO 6000 Blackwell Server Edition 96 GB (GB202; 4 MIG compute slices), vendor-specific VFIO.
+# Names as the driver prints them: "NVIDIA RTX Pro 6000 Blackwell DC-1-24Q" (bigstack-oss/cubecos#312,
+# a real host's listings). Per-GPU maxima: vgpu-device-manager v0.5.0 examples/config-example.yaml
+# (the DC-* entries added for vGPU 19.0, commit b61f3842); they equal 96 GB (time-sliced) or the
+# GPU instance's framebuffer (MIG-backed) divided by the type's. The A-series types are those the
+# cubecos#312 listings name, with the count of the Q type of the same size (its time-sliced listing
+# shows DC-4A, DC-6A, DC-8A with the counts of DC-4Q, DC-6Q, DC-8Q). MIG-backed types sit only on
+# `+gfx` instances (vgpu-device-manager v0.5.0 pkg/vgpu/config.go; cubecos#1223: profile 47,
+# 1g.24gb+gfx, carries them); instances per GPU from the MIG capture (tests/fixtures/captures/
+# rtx-pro-6000): 1g.24gb+gfx 4, 2g.48gb+gfx 2, 4g.96gb+gfx 1. Ids 1521-1528: cubecos#312.
+_DC_IDS = {"4Q": 1521, "4A": 1522, "6Q": 1523, "6A": 1524, "8Q": 1525, "8A": 1526, "8C": 1527, "12Q": 1528}
+_DC_TS = {3: 32, 4: 24, 6: 16, 8: 12, 12: 8, 16: 6, 24: 4, 32: 3, 48: 2, 96: 1}
+_DC_GIS = {1: ("1g.24gb+gfx", 4), 2: ("2g.48gb+gfx", 2), 4: ("4g.96gb+gfx", 1)}
+_RTX_PRO_6000 = (
+    _series("DC", _DC_TS, "Q", ids={gb: _DC_IDS[f"{gb}Q"] for gb in (4, 6, 8, 12)})
+    + _series("DC", {4: 24, 6: 16, 8: 12}, "A", ids={gb: _DC_IDS[f"{gb}A"] for gb in (4, 6, 8)})
+    + _series("DC", {gb: n for gb, n in _DC_TS.items() if gb >= 8}, "C", ids={8: _DC_IDS["8C"]})
+    + _mig_shared("DC", {"1-2": 48}, _DC_GIS, "Q")
+    + _mig_shared("DC", {"1-3": 32, "1-4": 24, "1-6": 16}, _DC_GIS, "QA")
+    + _mig_shared("DC", {"1-8": 12, "1-12": 8, "1-24": 4, "2-12": 8, "2-16": 6, "2-24": 4, "2-48": 2,
+                         "4-24": 4}, _DC_GIS, "QAC")
+    + _mig_shared("DC", {"4-32": 3, "4-48": 2, "4-96": 1}, _DC_GIS, "QC")
+)
+
 MODELS: dict[int, VgpuModel] = {
     m.device: m
     for m in (
@@ -163,12 +227,27 @@ MODELS: dict[int, VgpuModel] = {
         VgpuModel(0x2335, "NVIDIA ", True, 32,
                   tuple(_series("H200X", _H200X_TS, "C") + _mig("H200X", _H200X_MIG, {"1-18C": 1414}))),
         VgpuModel(0x1EB8, "GRID ", False, 0, tuple(_T4)),
+        VgpuModel(0x2BB5, "NVIDIA RTX Pro 6000 Blackwell ", True, 48, tuple(_RTX_PRO_6000), mdev=False),
     )
 }
 
 
 def by_device(device_id: int) -> VgpuModel | None:
     return MODELS.get(device_id)
+
+
+def mig_need(name: str, model: VgpuModel | None) -> tuple[str, int] | None:
+    """(GI profile, vGPUs one instance of it holds) for a MIG-backed type; None when time-sliced or
+    not a type name. The model's table decides where it knows the type (the RTX PRO 6000's DC-1-3Q
+    sits eight to a 1g.24gb+gfx instance); else the name's grammar, one vGPU per instance."""
+    known = model.find(name) if model is not None else None
+    if known is not None:
+        profile = known.mig_profile
+        return (profile, known.per_gi) if profile is not None else None
+    parsed = parse_vgpu_name(name)
+    if parsed is None or parsed.mig_profile is None:
+        return None
+    return parsed.mig_profile, 1
 
 
 def printed_name(device_id: int, vtype: str) -> str:

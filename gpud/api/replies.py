@@ -436,7 +436,8 @@ def vgpu_types_reply(gpus: list[Gpu]) -> wire.VgpuTypesReply:
             known = table.find(name) if table is not None else None
             types.append(wire.VgpuTypeInfo(
                 name=name, id=o.type_id if o is not None else None,
-                mig_profile=parsed.mig_profile if parsed is not None else None,
+                mig_profile=(known.mig_profile if known is not None else parsed.mig_profile if parsed is not None
+                             else None),
                 framebuffer_gb=parsed.framebuffer_gb if parsed is not None else 0,
                 creatable=o.creatable if o is not None else 0, max=known.max_instances if known else None))
         reply.gpus.append(wire.GpuVgpuTypes(index=g.index, pci=g.pci, model=model_name(g), interface=g.vgpu.interface,

@@ -26,7 +26,7 @@ from gpud.layout.schema import Layout, PciId
 from gpud.model import Gpu, KnownGpu, MigProfile
 from gpud.profiles import NVIDIA, by_device, model_name, with_model_ci_profiles
 from gpud.vgpu_types import by_device as vgpu_model_of
-from gpud.vgpu_types import parse_vgpu_name, strip_prefix
+from gpud.vgpu_types import VgpuModel, mig_need, parse_vgpu_name, strip_prefix
 
 
 class Resolution(Struct):
@@ -151,9 +151,10 @@ def resolve(parsed: ParsedLayout, gpus: Sequence[Gpu], gone: Sequence[KnownGpu] 
             claimed[gpu.pci] = epath
             mig_enabled, mig_devices, vgpu_devices = entry.mig_enabled, dict(entry.mig_devices), {}
             if entry.workload == "vm-vgpu":
-                vgpu_devices = _check_vgpu(entry, epath, gpu, errors, warnings)
+                table = vgpu_model_of(gpu.function.device) if gpu.function.vendor == NVIDIA else None
+                vgpu_devices = _check_vgpu(entry, epath, gpu, table, errors, warnings)
                 if vgpu_devices is not None:
-                    mig_enabled, mig_devices = vgpu_mig_layout(vgpu_devices, entry)
+                    mig_enabled, mig_devices = vgpu_mig_layout(vgpu_devices, entry, table)
                 vgpu_devices = vgpu_devices or {}
             if mig_enabled:
                 _check_mig(parsed, mig_devices, epath, gpu, errors, warnings)
@@ -253,30 +254,33 @@ def _check_mig(parsed: ParsedLayout, mig_devices: dict[str, int], epath: str, gp
 VGPU_SYNTAX = "<GPU>-<GB><A|B|C|Q> (time-sliced, e.g. L40S-12Q) or <GPU>-<G>-<GB><A|B|C|Q>[ME] (MIG-backed, e.g. A100-1-5C)"
 
 
-def vgpu_mig_layout(vgpu_devices: dict[str, int], entry) -> tuple[bool | None, dict[str, int]]:
+def vgpu_mig_layout(vgpu_devices: dict[str, int], entry, table: VgpuModel | None = None
+                    ) -> tuple[bool | None, dict[str, int]]:
     """The MIG layout vGPU types imply (vgpu-device-manager's ToMigConfigSpecSlice): MIG-backed types
-    need MIG on with one GPU instance of their profile each (`A100-1-5C: 4` -> `1g.5gb: 4`);
-    time-sliced types need MIG off; no types leave MIG as the entry says."""
+    need MIG on with as many GPU instances of their profile as their count fills, one type per
+    instance (`A100-1-5C: 4` -> `1g.5gb: 4`; on an RTX PRO 6000 `DC-1-3Q: 9` -> `1g.24gb+gfx: 2`,
+    eight to an instance); time-sliced types need MIG off; no types leave MIG as the entry says."""
     needed: dict[str, int] = {}
     for name, count in vgpu_devices.items():
-        parsed = parse_vgpu_name(name)
-        if parsed is None:
+        if parse_vgpu_name(name) is None:
             continue
-        if parsed.mig_profile is None:
+        need = mig_need(name, table)
+        if need is None:
             return False, {}
-        needed[parsed.mig_profile] = needed.get(parsed.mig_profile, 0) + count
+        profile, per_gi = need
+        needed[profile] = needed.get(profile, 0) + -(-count // per_gi)
     if needed:
         return True, needed
     return entry.mig_enabled, dict(entry.mig_devices)
 
 
-def _check_vgpu(entry, epath: str, gpu: Gpu, errors: _Collector, warnings: _Collector) -> dict[str, int] | None:
+def _check_vgpu(entry, epath: str, gpu: Gpu, table: VgpuModel | None, errors: _Collector,
+                warnings: _Collector) -> dict[str, int] | None:
     """vGPU type names against the types this GPU's model offers (gpud.vgpu_types; sysfs shows the
     same names once the driver is asked); the message names the model and the valid types. Returns
     the bare names -> counts, or None when something is wrong."""
     vpath = key_path(epath, "vgpu-devices")
     model = model_name(gpu)
-    table = vgpu_model_of(gpu.function.device) if gpu.function.vendor == NVIDIA else None
     out: dict[str, int] = {}
     ok = True
     kinds: dict[bool, str] = {}
@@ -291,15 +295,18 @@ def _check_vgpu(entry, epath: str, gpu: Gpu, errors: _Collector, warnings: _Coll
                 errors.per_gpu(npath, f"{name} is not a vGPU type name; expected {VGPU_SYNTAX}", gpu.pci)
             ok = False
             continue
-        bare = strip_prefix(name)
+        known = table.find(name) if table is not None else None
         if table is None:
             warnings.per_gpu(vpath, f"cannot check vGPU types of {model} at {_AT}: its model is not known to gpud; "
                                     "the driver decides", gpu.pci)
-        elif table.find(bare) is None:
+            bare = strip_prefix(name)
+        elif known is None:
             errors.per_gpu(npath, f"{name} is not a vGPU type of {model} at {_AT}; valid: {', '.join(table.names())}",
                            gpu.pci)
             ok = False
             continue
+        else:
+            bare = known.name  # the driver's name: `DC-1-24QGFX` (vgpu-device-manager's spelling) is DC-1-24Q
         kinds.setdefault(parsed.mig_backed, bare)
         out[bare] = out.get(bare, 0) + count
     if len(kinds) == 2:

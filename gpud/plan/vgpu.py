@@ -9,8 +9,10 @@ change one; a VM's libvirt domain names its mdev by UUID, so that breaks every d
 - the hardware's rules are checked before any change, so an impossible layout changes nothing:
   time-sliced vGPUs on one GPU are all of one type (the classic equal-size rule; the mixed-size
   mode of newer branches is not modelled), at most the type's per-GPU count, one vGPU per VF on
-  SR-IOV GPUs; MIG-backed vGPUs need a free GPU instance of their profile each (the MIG layout they
-  imply is planned first by gpud.plan.mig, so this plan only counts instances);
+  SR-IOV GPUs; MIG-backed vGPUs sit on GPU instances of their profile, as many to an instance as
+  the type allows (one on Ampere and Hopper, up to eight DC-1-3Q on an RTX PRO 6000's 1g.24gb+gfx),
+  all vGPUs of one instance of one type (the equal-size rule, per instance); the MIG layout they
+  imply is planned first by gpud.plan.mig, so this plan only counts instances and their room;
 - identities are stable: a new mdev reuses the UUID recorded for that type on that GPU (what the
   daemon persisted before a reboot), else a UUID derived from the GPU and the type, so the same
   layout rebuilt after a reboot gives the same UUIDs; a VF gets back the type it had.
@@ -28,7 +30,7 @@ from msgspec import Struct, field
 
 from gpud.layout.desired import DesiredGpu
 from gpud.model import Holder, VgpuDevice, VgpuState
-from gpud.vgpu_types import VgpuModel, parse_vgpu_name, strip_prefix
+from gpud.vgpu_types import VgpuModel, mig_need, parse_vgpu_name, strip_prefix
 
 VgpuAction = Literal["remove", "free-vf", "disable-vfs", "enable-vfs", "create-mdev", "set-vf-type"]
 _UUID_NAMESPACE = uuidlib.UUID("8d2f0a6c-47f1-4b55-9e0c-4a8c0f3f6b21")  # fixed: derived UUIDs are stable
@@ -83,10 +85,9 @@ def wanted_types(desired: DesiredGpu | None) -> dict[str, int]:
     return out
 
 
-def check_rules(want: dict[str, int], model: VgpuModel | None, state: VgpuState, where: str,
-                free_gis: dict[str, int] | None = None) -> str | None:
-    """Why `want` cannot exist on this GPU, or None. `free_gis`: MIG profile -> GPU instances the
-    MIG layout provides (None: not known yet, not checked here)."""
+def check_rules(want: dict[str, int], model: VgpuModel | None, state: VgpuState, where: str) -> str | None:
+    """Why `want` cannot exist on this GPU, or None (the rules that need no GPU instances; those
+    are `check_instances`)."""
     if not want:
         return None
     if state.interface is None:
@@ -114,23 +115,51 @@ def check_rules(want: dict[str, int], model: VgpuModel | None, state: VgpuState,
             vtype = model.find(name)
             if vtype is None:
                 return f"{name} is not a vGPU type of {where}; valid: {', '.join(model.names())}"
-            if not vtype.mig_backed and n > vtype.max_instances:
+            if n > vtype.max_instances:
                 return f"{n} x {name} on {where}: the type fits at most {vtype.max_instances} on one GPU"
     total = sum(want.values())
     vfs = state.total_vfs or (model.total_vfs if model is not None else 0)
     if state.interface in ("vfio", "sriov") or (state.interface == "mdev" and state.vfs):
         if vfs and total > vfs:
             return f"{total} vGPUs on {where}: one vGPU per VF and the GPU has {vfs} VFs"
-    if free_gis is not None:
-        need: dict[str, int] = {}
-        for name, n in want.items():
-            p = parsed[name]
-            if p is not None and p.mig_profile is not None:
-                need[p.mig_profile] = need.get(p.mig_profile, 0) + n
-        for profile, n in need.items():
-            if free_gis.get(profile, 0) < n:
-                return (f"{n} MIG-backed vGPUs need {n} GPU instances {profile} on {where}; "
-                        f"the MIG layout has {free_gis.get(profile, 0)}")
+    return None
+
+
+def check_instances(want: dict[str, int], model: VgpuModel | None, kept: list[VgpuDevice],
+                    gi_profiles: dict[int, str], where: str) -> str | None:
+    """Why the MIG-backed vGPUs of `want` do not fit on the GPU's instances (GI id -> profile name,
+    as NVML lists them) beside the vGPUs kept, or None. An instance holds vGPUs of one type only, up
+    to the type's per-instance count; a new vGPU goes where its type has room, else onto an
+    instance without vGPUs (after the removals, the doomed vGPUs' instances are free)."""
+    on: dict[int, tuple[str, int]] = {}  # GI id -> (type, vGPUs kept on it)
+    for d in kept:
+        if d.gi is not None:
+            t, n = on.get(d.gi, (d.type, 0))
+            on[d.gi] = (t, n + 1)
+    by_profile: dict[str, list[tuple[str, int]]] = {}  # profile -> [(type, missing)]
+    per_gi: dict[str, int] = {}
+    for name, n in want.items():
+        need = mig_need(name, model)
+        if need is None:
+            continue
+        profile, per_gi[name] = need
+        missing = n - sum(1 for d in kept if d.type == name)
+        by_profile.setdefault(profile, []).append((name, missing))
+    for profile, types in sorted(by_profile.items()):
+        gis = [gi for gi, p in gi_profiles.items() if p == profile]
+        empty = sum(1 for gi in gis if gi not in on)
+        carrying = {t: sum(1 for gi in gis if on.get(gi, ("", 0))[0] == t) for t, _ in types}
+        needed = 0
+        for name, missing in types:
+            room = sum(per_gi[name] - on[gi][1] for gi in gis if gi in on and on[gi][0] == name)
+            needed += -(-max(0, missing - room) // per_gi[name])
+        if needed > empty:
+            total = sum(n for t, n in want.items() if t in dict(types))
+            have = empty + sum(carrying.values())
+            shared = [f"{t}: {per_gi[t]}" for t, _ in types if per_gi[t] > 1]
+            note = f" (vGPUs to an instance: {', '.join(shared)})" if shared else ""
+            return (f"{total} MIG-backed vGPUs need {needed + sum(carrying.values())} GPU instances {profile} on "
+                    f"{where}{note}; the MIG layout has {have}")
     return None
 
 
@@ -143,18 +172,7 @@ def plan_vgpu(*, pci: str, index: int, gpu_key: str, where: str, state: VgpuStat
     record = record or VgpuRecord()
     want = wanted_types(desired)
     base = VgpuPlan(pci=pci, index=index, interface=state.interface)
-    free_gis = None
-    if gi_profiles is not None:
-        used = {d.gi for d in state.devices if d.gi is not None}
-        free_gis = {}
-        for gi, profile in gi_profiles.items():
-            if gi not in used:
-                free_gis[profile] = free_gis.get(profile, 0) + 1
-        for d in state.devices:  # a kept MIG-backed vGPU keeps its instance: count it as available to it
-            p = parse_vgpu_name(d.type)
-            if d.gi is not None and p is not None and p.mig_profile and want.get(d.type):
-                free_gis[p.mig_profile] = free_gis.get(p.mig_profile, 0) + 1
-    reason = check_rules(want, model, state, where, free_gis)
+    reason = check_rules(want, model, state, where)
     if reason is not None:
         return _with(base, infeasible=reason)
 
@@ -171,6 +189,10 @@ def plan_vgpu(*, pci: str, index: int, gpu_key: str, where: str, state: VgpuStat
         n = want.get(vtype, 0)
         kept += order[:n]
         doomed += order[n:]
+    if gi_profiles is not None:
+        reason = check_instances(want, model, kept, gi_profiles, where)
+        if reason is not None:
+            return _with(base, infeasible=reason)
     busy = sorted({h for d in doomed for h in d.holders})
     if busy:
         return _with(base, kept=kept, removed=doomed, blocked_by=busy)

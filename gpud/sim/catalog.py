@@ -11,7 +11,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import Iterable, Sequence
 
-from gpud.profiles import MODELS, NVIDIA, ModelInfo
+from gpud.profiles import MODELS, NVIDIA, WHOLE_GPU, ModelInfo
 from gpud.sim import gi_ids
 from gpud.sim.state import SimFunction, SimGpu, SimState
 
@@ -58,11 +58,28 @@ def model(key: str) -> ModelInfo:
     if m is None:
         raise CatalogError(f"unknown GPU model {key!r}; known: {', '.join(offered())}")
     if not m.complete:
-        missing = sorted({f for _, fields in m.unknown for f in fields})
         raise CatalogError(f"GPU model {key!r} ({m.name}) cannot be simulated: no source gives its "
-                           f"MIG table whole ({', '.join(missing)} unknown; see docs/hardware/mig-profiles.md); "
+                           f"MIG table whole ({missing_parts(m)}; see docs/hardware/mig-profiles.md); "
                            f"simulated models: {', '.join(offered())}")
     return m
+
+
+def missing_parts(m: ModelInfo) -> str:
+    """What no source gives for a model, grouped: `1g.23gb: placements, ci_profiles unknown;
+    3g.90gb, 4g.90gb: name and instance count only; the GPU's total memory unknown`."""
+    groups: dict[tuple[str, ...], list[str]] = {}
+    for name, fields in m.unknown:
+        groups.setdefault(fields, []).append(name)
+    parts = []
+    for fields, names in groups.items():
+        if names == [WHOLE_GPU]:
+            parts.append("the GPU's total memory unknown")
+        elif "id" in fields:
+            known = "name only" if "instance_count" in fields else "name and instance count only"
+            parts.append(f"{', '.join(names)}: {known}")
+        else:
+            parts.append(f"{', '.join(names)}: {', '.join(fields)} unknown")
+    return "; ".join(parts)
 
 
 def vgpu_capable() -> list[str]:

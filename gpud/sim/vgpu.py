@@ -11,10 +11,12 @@ Two host interfaces exist and gpud must find out which one a GPU has (docs/vgpu.
 
 What fits on one GPU follows NVIDIA's rules: time-sliced vGPUs on one GPU are all of one type, at
 most the type's per-GPU count; MIG-backed vGPUs need MIG on and a GPU instance of their profile,
-one vGPU per instance. Kernel semantics are the 6.1 kernel's where the kernel decides
-(`sriov_numvfs_store` in drivers/pci/iov.c; `create_store`/`remove_store` in drivers/vfio/mdev):
-ERANGE above sriov_totalvfs, EBUSY to change a non-zero VF count, EEXIST for a UUID in use, and a
-`remove` of an mdev a VM holds open *blocks* until it is closed (vfio_unregister_group_dev waits).
+as many to an instance as the type allows (`VgpuType.per_gi`: one on Ampere and Hopper, eight
+DC-1-3Q on an RTX PRO 6000's 1g.24gb+gfx), one type per instance. Kernel semantics are the 6.1
+kernel's where the kernel decides (`sriov_numvfs_store` in drivers/pci/iov.c;
+`create_store`/`remove_store` in drivers/vfio/mdev): ERANGE above sriov_totalvfs, EBUSY to change
+a non-zero VF count, EEXIST for a UUID in use, and a `remove` of an mdev a VM holds open *blocks*
+until it is closed (vfio_unregister_group_dev waits).
 Where only NVIDIA's closed driver decides, the choice is written next to the code and in
 docs/vgpu.md.
 """
@@ -49,7 +51,8 @@ class SimType:
         self.name = vtype.name
         self.vfio_id = vtype.vfio_id if vtype.vfio_id is not None else SYNTHETIC_ID_BASE + position
         self.mdev_id = vtype.mdev_id if vtype.mdev_id is not None else SYNTHETIC_ID_BASE + position
-        self.profile = vtype.parsed.mig_profile
+        self.profile = vtype.mig_profile
+        self.per_gi = vtype.per_gi
 
 
 def vgpu_model(st: SimState, pf: str) -> VgpuModel | None:
@@ -101,11 +104,27 @@ def placed(st: SimState, pf: str) -> list[tuple[SimType, int]]:
     return out
 
 
+def _gi_room(st: SimState, pf: str, stype: SimType) -> dict[int, int]:
+    """GI id -> how many more vGPUs of this type each instance of its profile takes: an instance
+    holds one type, up to the type's per-instance count."""
+    on: dict[int, list[str]] = {}
+    for t, gi in placed(st, pf):
+        on.setdefault(gi, []).append(t.name)
+    room = {}
+    for gi, name in _gi_profile_names(st, pf).items():
+        types = on.get(gi, [])
+        if name == stype.profile and all(t == stype.name for t in types):
+            room[gi] = max(0, stype.per_gi - len(types))
+    return room
+
+
 def _free_gi(st: SimState, pf: str, stype: SimType) -> int | None:
-    """The lowest-id GPU instance of the type's profile without a vGPU (the driver's choice)."""
-    taken = {gi for _, gi in placed(st, pf)}
-    for gi, name in sorted(_gi_profile_names(st, pf).items()):
-        if name == stype.profile and gi not in taken:
+    """The instance a new vGPU of this type goes onto (the driver's choice, modelled): the
+    lowest-id instance already carrying the type with room, else the lowest-id empty one."""
+    room = _gi_room(st, pf, stype)
+    carrying = {gi for t, gi in placed(st, pf) if t.name == stype.name}
+    for gi in sorted(room, key=lambda g: (g not in carrying, g)):
+        if room[gi] > 0:
             return gi
     return None
 
@@ -120,8 +139,7 @@ def room(st: SimState, pf: str, stype: SimType) -> int:
     if gpu.mig_mode:
         if stype.profile is None:
             return 0
-        taken = {gi for _, gi in now}
-        return sum(1 for gi, name in _gi_profile_names(st, pf).items() if name == stype.profile and gi not in taken)
+        return sum(_gi_room(st, pf, stype).values())
     if stype.profile is not None:
         return 0
     if now and now[0][0].name != stype.name:
@@ -454,11 +472,12 @@ def clear_for_reboot(st: SimState) -> None:
 
 
 def setup(st: SimState, interface: str) -> None:
-    """`gpud-sim create --vgpu vfio|mdev`: every vGPU-capable GPU gets that interface (a card without
-    SR-IOV, e.g. T4, has only mdev)."""
+    """`gpud-sim create --vgpu vfio|mdev`: every vGPU-capable GPU gets that interface where it has
+    it (a card without SR-IOV, e.g. T4, has only mdev; the RTX PRO 6000 Blackwell only vfio)."""
     if interface not in INTERFACES:
         raise ValueError(f"--vgpu {interface!r}: expected one of {', '.join(INTERFACES)}")
     for address, gpu in st.gpus.items():
         model = vgpu_model(st, address)
         if model is not None:
-            st.vgpu[address] = SimVgpu(interface=interface if model.sriov else "mdev")
+            shown = interface if model.sriov else "mdev"
+            st.vgpu[address] = SimVgpu(interface=shown if model.mdev else "vfio")

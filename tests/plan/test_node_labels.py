@@ -183,6 +183,26 @@ def test_media_extension_profile_and_sub_divided_compute_instance(sim_host):
     assert len(ad.problems) == 3 and all("1c.3g.71gb" in p and "refuses to start" in p for p in ad.problems)
 
 
+def test_suffixed_blackwell_profiles_name_their_resources_as_the_device_plugin_does(sim_host):
+    """RTX PRO 6000 instances of 1g.24gb+gfx, +me.all, -me and plain (profile ids 47, 65, 67, 14 of the
+    capture). k8s-device-plugin internal/rm/rm.go names a MIG resource
+    strings.ReplaceAll("mig-"+p.String(), "+", "."), where go-nvlib's MigProfileInfo.String() writes
+    "+gfx", "+me.all" (one attribute) and "-me" (a negative one); api/config/v1 NewResourceName then
+    requires a DNS subdomain, which all four are."""
+    host = sim_host("rtx-pro-6000")
+    _mig(GPU0, [(47, 0, 1), (65, 3, 1), (67, 6, 1), (14, 9, 1)])
+    gpus, _ = _observe(host)
+    ad = advertised(gpus)
+    assert ad.resources == {"nvidia.com/mig-1g.24gb.gfx": 1, "nvidia.com/mig-1g.24gb.me.all": 1,
+                            "nvidia.com/mig-1g.24gb-me": 1, "nvidia.com/mig-1g.24gb": 1}
+    assert ad.problems == ()
+    labels = gfd_labels(LabelInputs(gpus=tuple(gpus)))
+    assert labels["nvidia.com/mig-1g.24gb.me.all.count"] == "1"
+    assert labels["nvidia.com/mig-1g.24gb-me.engines.decoder"] == "0"  # the capture's -me row: 0 DEC
+    assert labels["nvidia.com/mig-1g.24gb.me.all.engines.decoder"] == "4"  # +me.all: all four
+    assert all(label_problem(k, v) is None for k, v in labels.items())
+
+
 def test_single_strategy_uniform_and_invalid(sim_host):
     host = sim_host("h200:2")
     _mig(GPU0, [(19, 0, 1), (19, 1, 1)])

@@ -13,7 +13,7 @@ from gpud.host.sysfs import Sysfs
 from gpud.host.vgpu_sysfs import VgpuSysfs
 from gpud.layout.desired import DesiredGpu
 from gpud.model import Holder, VgpuDevice, VgpuOffer, VgpuState
-from gpud.plan.vgpu import VgpuRecord, check_rules, derived_uuid, plan_vgpu
+from gpud.plan.vgpu import VgpuRecord, check_instances, check_rules, derived_uuid, plan_vgpu
 from gpud.sim import host as sim_paths
 from gpud.sim import vgpu as sim_vgpu
 from gpud.sim.cli import create, hold, release
@@ -50,9 +50,10 @@ def test_impossible_layouts_are_infeasible(types, reason) -> None:
 def test_mig_backed_needs_instances() -> None:
     h200 = by_device(0x2335)
     state = VgpuState(interface="vfio", total_vfs=32, vfs=("0000:3a:00.4",))
-    reason = check_rules({"H200X-1-18C": 3}, h200, state, "H200", free_gis={"1g.18gb": 2})
+    two = {1: "1g.18gb", 2: "1g.18gb"}
+    reason = check_instances({"H200X-1-18C": 3}, h200, [], two, "H200")
     assert reason == "3 MIG-backed vGPUs need 3 GPU instances 1g.18gb on H200; the MIG layout has 2"
-    assert check_rules({"H200X-1-18C": 2}, h200, state, "H200", free_gis={"1g.18gb": 2}) is None
+    assert check_instances({"H200X-1-18C": 2}, h200, [], two, "H200") is None
     assert "one GPU runs one kind" in check_rules({"H200X-1-18C": 1, "H200X-4C": 1}, h200, state, "H200")
 
 

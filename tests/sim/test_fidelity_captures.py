@@ -175,14 +175,14 @@ def test_gpudctl_mig_profiles_prints_the_captured_table(model, sim_host):
         assert placements[pid] == lgipp[pid], pid
 
 
-PARTIAL = {"b200": "b200", "gb200": "gb200", "gh200-144gb": "gh200-144gb"}
+PARTIAL = ("b200", "gb200", "gh200-144gb")
 
 
-@pytest.mark.parametrize("model", sorted(PARTIAL))
+@pytest.mark.parametrize("model", PARTIAL)
 def test_a_gpu_nvml_cannot_see_is_listed_from_the_table_with_unknowns_marked(model):
     """A B200 on vfio-pci: gpudctl shows gpud's table of it. The published rows read back equal to
     the published capture; what no source gives is printed `?`, never a number."""
-    published = by_id(read_lgip((CAPTURES / "partial" / PARTIAL[model] / "nvidia-smi-mig-lgip.txt").read_text()))
+    published = by_id(read_lgip((CAPTURES / model / "nvidia-smi-mig-lgip.txt").read_text()))
     printed = render_mig_profiles(mig_profiles_reply([_gpu(model)]))
     rows = read_lgip(printed)
     assert sorted(r["name"] for r in rows) == sorted(p.name for p in MODELS[model].profiles)
@@ -199,3 +199,44 @@ def test_a_gpu_nvml_cannot_see_is_listed_from_the_table_with_unknowns_marked(mod
             assert row[key] == want.get(key, "?"), (row["name"], key)
     assert "Placements: unknown" in printed and "NVML cannot see it on its current driver" in printed
     assert not any(_PLACEMENTS.match(line) for line in printed.splitlines())  # no -lgipp was published
+
+
+def _differences(a: dict[int, dict], b: dict[int, dict]) -> dict[tuple[int, str], tuple]:
+    """(profile id, field) -> (a's value, b's value) where two listings of one model differ."""
+    assert set(a) == set(b)
+    return {(pid, k): (a[pid].get(k), b[pid].get(k)) for pid in a for k in sorted(set(a[pid]) | set(b[pid]))
+            if a[pid].get(k) != b[pid].get(k)}
+
+
+def test_two_b200_drivers_print_different_1g_memory_and_gpud_names_the_one_it_copies():
+    """mig-parted#166 (January 2025) and #187 (March 2025) list one B200 table but for the 1-slice
+    memory; gpud's table is #187's and says so: a table is one capture, never a mix of two."""
+    later = by_id(read_lgip((CAPTURES / "b200" / "nvidia-smi-mig-lgip.txt").read_text()))
+    earlier = by_id(read_lgip((CAPTURES / "b200" / "nvidia-smi-mig-lgip.mig-parted-166.txt").read_text()))
+    assert _differences(earlier, later) == {(19, "gib"): ("22.00", "20.50"), (20, "gib"): ("22.00", "20.50")}
+    ours = {p.id: p for p in MODELS["b200"].profiles}
+    assert {pid: f"{ours[pid].memory_mb / 1024:.2f}" for pid in later} == {pid: r["gib"] for pid, r in later.items()}
+    assert "mig-parted/pull/187" in MODELS["b200"].source
+
+
+def test_the_production_gb200_names_its_1g_profile_differently_from_the_earlier_board():
+    production = by_id(read_lgip((CAPTURES / "gb200" / "nvidia-smi-mig-lgip.txt").read_text()))
+    earlier = by_id(read_lgip((CAPTURES / "gb200" / "nvidia-smi-mig-lgip.gpu-operator-1303.txt").read_text()))
+    diff = _differences(earlier, production)
+    assert diff == {(19, "name"): ("1g.24gb", "1g.23gb"), (19, "gib"): ("20.00", "22.00"),
+                    (20, "name"): ("1g.24gb+me", "1g.23gb+me"), (20, "gib"): ("20.00", "22.00"),
+                    (14, "ce"): (4, None), (14, "jpeg"): (2, None), (14, "ofa"): (0, None)}  # cut off in #227
+    ours = {p.name for p in MODELS["gb200"].profiles}
+    assert "1g.23gb" in ours and "1g.24gb" not in ours
+    assert MODELS["gb200"].unknown_fields("2g.47gb") == ("placements", "ci_profiles", "copy_engines", "jpegs", "ofas")
+
+
+def test_another_rtx_pro_6000_driver_prints_other_1g_memory():
+    """bigstack-oss/cubecos#312's host prints 23.12 GiB where driver 610.43.02 prints 23.62; the
+    simulator serves the 610.43.02 capture's."""
+    served = by_id(read_lgip((CAPTURES / "rtx-pro-6000" / "nvidia-smi-mig-lgip.txt").read_text()))
+    other = by_id(read_lgip((CAPTURES / "rtx-pro-6000" / "nvidia-smi-mig-lgip.cubecos-312.txt").read_text()))
+    assert _differences(other, {pid: served[pid] for pid in other}) == {
+        (pid, "gib"): ("23.12", "23.62") for pid in (14, 21, 47)}
+    ours = {p.id: p for p in MODELS["rtx-pro-6000"].profiles}
+    assert {f"{ours[pid].memory_mb / 1024:.2f}" for pid in other} == {"23.62"}
