@@ -482,9 +482,14 @@ def _norm_bus_id(text: str) -> str:
         domain = int(parts[0], 16)
         bus = int(parts[1], 16)
         dev, fn = parts[2].split(".")
-        return f"{domain:04x}:{bus:02x}:{int(dev, 16):02x}.{int(fn, 16)}"
+        device, function = int(dev, 16), int(fn, 16)
     except ValueError:
         raise _Ret(pynvml.NVML_ERROR_INVALID_ARGUMENT) from None
+    # A GPU is function 0: the real H200 answers INVALID_ARGUMENT for any other function, and
+    # NOT_FOUND for a well-formed address no GPU has (tests/fixtures/h200-goprobe/handle-lookups.txt).
+    if function != 0:
+        raise _Ret(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+    return f"{domain:04x}:{bus:02x}:{device:02x}.{function}"
 
 
 @_nvml("nvmlDeviceGetHandleByPciBusId", "nvmlDeviceGetHandleByPciBusId_v2")
@@ -501,7 +506,7 @@ def _by_pci(lib, state, bus_id, ref):
 @_nvml()
 def nvmlDeviceGetHandleByUUID(lib, state, uuid, ref):
     text = uuid.value if isinstance(uuid, ctypes.c_char_p) else uuid
-    if not text:
+    if text is None:  # a NULL string; an empty one is only a UUID no GPU has (the real H200: NOT_FOUND)
         raise _Ret(pynvml.NVML_ERROR_INVALID_ARGUMENT)
     text = text.decode() if isinstance(text, bytes) else text
     for gpu in visible_gpus(state):
