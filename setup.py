@@ -40,6 +40,7 @@ class BuildGpudctl(Command):
     def run(self) -> None:
         with open(os.path.join(ROOT, TEMPLATE), encoding="utf-8") as f:
             text = f.read().replace("@SOURCE@", repr(ROOT) if self.editable_mode else "None")
+        assert self.build_dir is not None  # finalize_options took it from `build`
         self.mkpath(self.build_dir)
         out = os.path.join(self.build_dir, "gpudctl")
         with open(out, "w", encoding="utf-8") as f:

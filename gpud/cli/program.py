@@ -16,7 +16,9 @@ import sys
 
 
 def run() -> None:
-    sys.modules.setdefault("typing_extensions", None)  # None in sys.modules: `import` raises ImportError
+    if "typing_extensions" not in sys.modules:
+        # None in sys.modules: `import typing_extensions` raises ModuleNotFoundError (the import system's rule)
+        sys.modules["typing_extensions"] = None  # type: ignore[assignment]
     from gpud.cli.gpudctl import run as run_gpudctl
 
     run_gpudctl()

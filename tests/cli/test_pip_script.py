@@ -22,8 +22,8 @@ from tests.api.fakes import ThreadedServer
 
 # Each leaves a line in the file $GPUD_TEST_MARK names, when it runs.
 MARK_PTH = 'import os; p = os.environ.get("GPUD_TEST_MARK"); p and open(p, "a").write("site\\n")\n'
-MARK_TYPING_EXTENSIONS = ('import os\np = os.environ.get("GPUD_TEST_MARK")\np and open(p, "a").write("typing_extensions\\n")\n'
-                          'raise ImportError("a stand-in")\n')
+MARK_TYPING_EXTENSIONS = ('import os\np = os.environ.get("GPUD_TEST_MARK")\n'
+                          'p and open(p, "a").write("typing_extensions\\n")\nraise ImportError("a stand-in")\n')
 
 
 def _site_packages(bin_dir: Path) -> Path:
@@ -58,7 +58,8 @@ def daemon():
     srv.stop()
 
 
-def _run(script: Path, *args: str, tmp: Path, env: dict[str, str] | None = None) -> tuple[subprocess.CompletedProcess, bool]:
+def _run(script: Path, *args: str, tmp: Path,
+         env: dict[str, str] | None = None) -> tuple[subprocess.CompletedProcess[str], bool]:
     """Runs the script; also says whether `site` ran (the venv's .pth left its mark). Whatever the
     path, typing_extensions is never imported."""
     mark = tmp / "marks"
