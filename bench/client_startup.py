@@ -204,8 +204,11 @@ def main() -> int:
         lines.append(f"| {name} | {statistics.median(xs):.1f} | {pct(xs, 95):.1f} | {min(xs):.1f} | {max(xs):.1f} "
                      f"| {statistics.median(cpu):.1f} |")
     lines += ["", "The package installs the launcher as /usr/bin/gpudctl (packaging/gpudctl.in, filled in by "
-              "packaging/build-deb.sh); pip installs packaging/gpudctl-pip.in (setup.py). Against `nvidia-smi -L` "
-              "on a real GPU host: [scripts/h200-status-timing](../../scripts/h200-status-timing).", ""]
+              "packaging/build-deb.sh); pip installs packaging/gpudctl-pip.in (setup.py), which pays one /bin/sh "
+              "start before Python, since a wheel cannot carry -I -S. An entry point's console script pays `site` "
+              "instead, whose cost grows with what the venv holds (.pth files, an editable install's finder). "
+              "Against `nvidia-smi -L` on a real GPU host: "
+              "[scripts/h200-status-timing](../../scripts/h200-status-timing).", ""]
     Path(a.o).parent.mkdir(parents=True, exist_ok=True)
     Path(a.o).write_text("\n".join(lines))
     print("\n".join(lines))
