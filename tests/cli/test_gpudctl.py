@@ -11,8 +11,6 @@ import sys
 import threading
 from pathlib import Path
 
-import pytest
-
 from gpud.api import wire
 from gpud.api.server import ApiError
 from gpud.cli import render
@@ -20,13 +18,6 @@ from tests.api.fakes import GPU0_UUID, MIG_UUIDS, ThreadedServer
 
 REPO = Path(__file__).resolve().parents[2]
 FIXTURES = REPO / "tests" / "fixtures" / "h200"
-
-
-@pytest.fixture
-def daemon():
-    srv = ThreadedServer(group=None).start()
-    yield srv
-    srv.stop()
 
 
 def run(srv_or_path, *args: str, env: dict | None = None, stdin: str | None = None) -> subprocess.CompletedProcess:

@@ -11,9 +11,6 @@ import sys
 from pathlib import Path
 
 import msgspec
-import pytest
-
-from tests.api.fakes import ThreadedServer
 
 REPO = Path(__file__).resolve().parents[2]
 TEMPLATE = REPO / "packaging" / "gpudctl.in"
@@ -28,13 +25,6 @@ def _launcher(tmp: Path) -> Path:
     path.write_text(text)
     path.chmod(0o755)
     return path
-
-
-@pytest.fixture
-def daemon():
-    srv = ThreadedServer(group=None).start()
-    yield srv
-    srv.stop()
 
 
 def test_template_starts_python_isolated_without_site():

@@ -18,7 +18,6 @@ from pathlib import Path
 import pytest
 
 from bench import venvs
-from tests.api.fakes import ThreadedServer
 
 # Each leaves a line in the file $GPUD_TEST_MARK names, when it runs.
 MARK_PTH = 'import os; p = os.environ.get("GPUD_TEST_MARK"); p and open(p, "a").write("site\\n")\n'
@@ -49,13 +48,6 @@ def installs(tmp_path_factory):
         _prepare(out[kind])
     out["source"] = source
     return out
-
-
-@pytest.fixture
-def daemon():
-    srv = ThreadedServer(group=None).start()
-    yield srv
-    srv.stop()
 
 
 def _run(script: Path, *args: str, tmp: Path,
