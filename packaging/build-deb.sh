@@ -65,8 +65,8 @@ grep -rl --null "$STAGE" "$STAGE$PREFIX" 2>/dev/null | xargs -0 -r sed -i "s|$ST
 if grep -rq "$STAGE" "$STAGE$PREFIX"; then
   echo "build-deb: staging path left in:" >&2; grep -rl "$STAGE" "$STAGE$PREFIX" >&2; exit 1
 fi
-# gpudctl: a launcher that starts the interpreter with only what the client imports (-I -S and
-# the one site-packages directory), instead of pip's console script (which runs `site`).
+# gpudctl: a launcher with the interpreter and the one site-packages directory written in (-I -S),
+# over the script pip installed (packaging/gpudctl-pip.in, which finds both at run time, through sh).
 SITE=$PREFIX/lib/python$PYVER/site-packages
 sed -e "s|@PYTHON@|$PYTHON|" -e "s|@PATHS@|['$SITE']|" "$REPO/packaging/gpudctl.in" >"$STAGE$PREFIX/bin/gpudctl"
 chmod 0755 "$STAGE$PREFIX/bin/gpudctl"

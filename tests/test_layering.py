@@ -5,6 +5,7 @@ the simulator."""
 from __future__ import annotations
 
 import ast
+import sys
 from pathlib import Path
 
 import pytest
@@ -78,3 +79,33 @@ def test_no_import_circle_under_sim():
         return None
 
     assert [c for m in sorted(graph) if (c := visit(m, [])) is not None][:1] == []
+
+
+def _module_file(name: str) -> Path | None:
+    rel = Path(*name.split("."))
+    for candidate in (GPUD.parent / rel.with_suffix(".py"), GPUD.parent / rel / "__init__.py"):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def test_everything_the_client_loads_is_the_standard_library_and_msgspec():
+    """Followed through every gpud module the client reaches (the wire module's own imports too):
+    nothing outside the standard library and msgspec is ever loaded by a gpudctl run."""
+    seen: set[Path] = set()
+    todo = sorted((GPUD / "cli").glob("*.py"))
+    outside: set[str] = set()
+    while todo:
+        path = todo.pop()
+        if path in seen:
+            continue
+        seen.add(path)
+        for name in _imports(path):
+            if _within(name, "gpud"):
+                found = _module_file(name)
+                if found is not None:
+                    todo.append(found)
+            else:
+                outside.add(name.split(".")[0])
+    assert GPUD / "mig_text.py" in seen  # the walk reached through the wire module
+    assert outside - set(sys.stdlib_module_names) - {"msgspec"} == set()

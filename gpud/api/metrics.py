@@ -9,13 +9,15 @@ The file is rewritten atomically after every pass and layout change, from the sa
 from __future__ import annotations
 
 from collections import Counter
+from typing import get_args
 
 from prometheus_client import CollectorRegistry, Gauge, write_to_textfile
 
 from gpud.api import wire
+from gpud.engine.gpu_state import GpuStateName
 
-STATES = ("converged", "applying", "waiting", "failed", "stuck", "reset-required", "reboot-required",
-          "read-only", "unmanaged", "gone")
+# Every GPU gets one `gpud_gpu_state` row per state the engine can report, exactly one of them 1.
+STATES: tuple[str, ...] = get_args(GpuStateName)
 
 
 def render(status: wire.StatusReply, passes: int, path: str) -> None:

@@ -3,8 +3,8 @@
 One concern, the protocol: this module is the one definition of every message on the socket.
 
 Shared by the daemon (asyncio) and `gpudctl` (a blocking socket), so this module imports only the
-standard library and msgspec: the client's start-up time is a product feature, and every import
-here is paid by every `gpudctl` run.
+standard library, msgspec and gpud.mig_text (itself standard library only): the client's start-up
+time is a product feature, and every import here is paid by every `gpudctl` run.
 
 Wire format (protocol 1): each frame is a 4-byte big-endian unsigned payload length followed by
 one MessagePack map. Client -> daemon: `Request {id, op, args}`. Daemon -> client: one
@@ -23,6 +23,10 @@ import struct
 from typing import Any
 
 import msgspec
+
+# The MIG device names every `profile` field carries, and the words of a MIG step: one definition
+# with the planner's (gpud/mig_text.py says why it lives outside gpud.api).
+from gpud.mig_text import MIG_ACTIONS, step_text, subdivided  # noqa: F401  (the client's through wire)
 
 PROTOCOL = 1
 MAX_FRAME = 1 << 20  # 1 MiB: a status of a 16-GPU host with every instance is ~40 KiB

@@ -130,22 +130,14 @@ def render_status(r: wire.StatusReply, width: int | None = None) -> str:
 
 
 def _describe_step(s: wire.StepInfo) -> str:
-    """One step, single-spaced: the action, then what it acts on, each named once."""
-    if s.action == "set-mig-mode":
-        text = f"set MIG mode {'on' if s.enabled else 'off'}"
+    """One step, single-spaced: the action, then what it acts on, each named once. A MIG step reads
+    as the daemon's events name it (wire.step_text)."""
+    if s.action in wire.MIG_ACTIONS:
+        text = wire.step_text(s)
     elif s.action == "load-module":
         text = f"load-module {s.module or s.driver}"
     else:
         parts = [s.action]
-        if s.profile:
-            where = f"@{s.placement.start}:{s.placement.size}" if s.placement is not None else ""
-            parts.append(s.profile + where)
-        if s.gi is not None:
-            parts.append(f"gi {s.gi}")
-        if s.ci is not None:
-            parts.append(f"ci {s.ci}")
-        if s.ci_placement is not None and _subdivided(s.profile):
-            parts.append(f"at compute {s.ci_placement.start}:{s.ci_placement.size}")
         if s.pci:
             parts.append(s.pci)
         if s.driver:
@@ -290,7 +282,7 @@ def render_gpu(g: wire.GpuStatus) -> str:
     for inst in sorted(g.mig.instances, key=lambda i: (i.placement.start, i.gi, i.ci or 0)):
         held = (" held by " + ", ".join(_holder(h) for h in inst.holders)) if inst.holders else ""
         ci = f" ci {inst.ci}" if inst.ci is not None else ""
-        if inst.ci_placement is not None and _subdivided(inst.profile):
+        if inst.ci_placement is not None and wire.subdivided(inst.profile):
             ci += f" at compute {inst.ci_placement.start}:{inst.ci_placement.size}"
         out.append(f"    {inst.profile:<12} {_placement(inst.placement):<6} gi {inst.gi}{ci}  {inst.uuid or '-'}{held}")
     v = g.vgpu
@@ -428,8 +420,3 @@ def to_json(obj: Any) -> str:
     """What `--json` prints: the reply struct with every field, indented."""
     return msgspec.json.format(msgspec.json.encode(obj), indent=2).decode()
 
-
-def _subdivided(profile: str | None) -> bool:
-    """A MIG device smaller than its GPU instance (`1c.3g.40gb`): only those show their slot."""
-    head = (profile or "").split(".", 1)[0]
-    return head.endswith("c") and head[:-1].isdigit()

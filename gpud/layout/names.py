@@ -8,23 +8,13 @@ the one GPU being planned). Both are pure and cheap: the planner calls them in i
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
 from functools import lru_cache
 
 from msgspec import Struct
 
+from gpud.mig_text import split_name
 from gpud.model import CiProfile, GpuInstance, MigProfile, NvmlGpu
-
-# `[Nc.]Ng.NNgb[suffix]`. The suffixes are the GI profile variants NVML names (nvml.h
-# NVML_GPU_INSTANCE_PROFILE_*_REV1 / _GFX / _NO_ME / _ALL_ME): `+me` media extensions (A30, A100,
-# Hopper, Blackwell), `+gfx` graphics, `-me` no media engines, `+me.all` all of them (RTX PRO
-# Blackwell; docs/hardware/mig-profiles.md). Which ones a GPU has is its table's business.
-SUFFIXES = ("+me", "+me.all", "-me", "+gfx")
-_NAME = re.compile(r"(?:([1-9][0-9]?)c\.)?([1-9][0-9]?)g\.([1-9][0-9]{0,3})gb(\+me\.all|\+me|-me|\+gfx|)")
-
-SYNTAX = ("[Nc.]Ng.NNgb[+me|+me.all|-me|+gfx], e.g. 1g.10gb, 1g.10gb+me, 1c.3g.40gb, 1g.24gb+gfx, "
-          "2g.48gb-me")
 
 
 class MigName(Struct, frozen=True):
@@ -48,15 +38,13 @@ class MigName(Struct, frozen=True):
 
 @lru_cache(maxsize=1024)
 def parse_mig_name(name: str) -> MigName | None:
-    """Split a MIG device name into its parts; None when it is not one (no table is consulted)."""
-    m = _NAME.fullmatch(name) if isinstance(name, str) else None
-    if m is None:
+    """Split a MIG device name into its parts; None when it is not one (no table is consulted).
+    The grammar is gpud.mig_text's, shared with the client."""
+    parts = split_name(name)
+    if parts is None:
         return None
-    ci, gi, mem, suffix = m.groups()
-    ci_slices = int(ci) if ci is not None else None
-    if ci_slices is not None and ci_slices > int(gi):
-        return None  # a compute instance cannot be larger than its GPU instance
-    return MigName(ci_slices, int(gi), int(mem), suffix.startswith("+me"), suffix)
+    ci_slices, gi_slices, memory_gb, suffix = parts
+    return MigName(ci_slices, gi_slices, memory_gb, suffix.startswith("+me"), suffix)
 
 
 def find_profile(name: str, profiles: Sequence[MigProfile]) -> tuple[MigProfile, CiProfile | None] | None:

@@ -22,7 +22,7 @@ from yaml.constructor import SafeConstructor
 from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 
 from gpud.layout.desired import LayoutIssue
-from gpud.layout.names import SYNTAX, parse_mig_name
+from gpud.layout.names import parse_mig_name
 from gpud.layout.schema import (
     DEFAULT_MATCH,
     HOOK_PHASES,
@@ -39,6 +39,7 @@ from gpud.layout.schema import (
     PciId,
     Policy,
 )
+from gpud.mig_text import SYNTAX
 from gpud.pci import normalize_pci
 from gpud.vgpu_types import strip_prefix
 

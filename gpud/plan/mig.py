@@ -27,6 +27,7 @@ from msgspec import Struct, field
 
 from gpud.layout.desired import DesiredGpu
 from gpud.layout.names import device_name, find_profile
+from gpud.mig_text import step_text
 from gpud.model import (
     CiProfile,
     ComputeInstance,
@@ -58,28 +59,8 @@ class Step(Struct, frozen=True):
     ci_placement: Placement | None = None  # of the CI inside its GI, in compute slices
 
     def __str__(self) -> str:
-        """One line a person reads in `gpudctl events`: the action, then what it acts on, with the
-        placement as NVML and nvidia-smi write it (`create-gi 3g.40gb@4:4`)."""
-        if self.action == "set-mig-mode":
-            return f"set-mig-mode {'on' if self.enabled else 'off'}"
-        parts = [self.action]
-        if self.profile:
-            parts.append(self.profile + (f"@{self.placement.start}:{self.placement.size}" if self.placement else ""))
-        if self.gi is not None:
-            parts.append(f"gi {self.gi}")
-        if self.ci is not None:
-            parts.append(f"ci {self.ci}")
-        if self.ci_placement is not None and _subdivided(self.profile):
-            parts.append(f"at compute {self.ci_placement.start}:{self.ci_placement.size}")
-        if self.uuid:
-            parts.append(self.uuid)
-        return " ".join(parts)
-
-
-def _subdivided(name: str | None) -> bool:
-    """A MIG device name of a CI smaller than its GI (`1c.3g.40gb`): only those show their slot."""
-    head = (name or "").split(".", 1)[0]
-    return head.endswith("c") and head[:-1].isdigit()
+        """The step's line in `gpudctl events` and `gpudctl plan` (gpud.mig_text: one wording)."""
+        return step_text(self)
 
 
 class Destroyed(Struct, frozen=True):

@@ -11,8 +11,6 @@ import sys
 import threading
 from pathlib import Path
 
-import pytest
-
 from gpud.api import wire
 from gpud.api.server import ApiError
 from gpud.cli import render
@@ -20,13 +18,6 @@ from tests.api.fakes import GPU0_UUID, MIG_UUIDS, ThreadedServer
 
 REPO = Path(__file__).resolve().parents[2]
 FIXTURES = REPO / "tests" / "fixtures" / "h200"
-
-
-@pytest.fixture
-def daemon():
-    srv = ThreadedServer(group=None).start()
-    yield srv
-    srv.stop()
 
 
 def run(srv_or_path, *args: str, env: dict | None = None, stdin: str | None = None) -> subprocess.CompletedProcess:
@@ -116,7 +107,7 @@ def test_plan_output_and_exit_codes(daemon, tmp_path):
     assert out[0] == "GPU 0 0000:3b:00.0:"
     assert out[1] == f"  1. destroy-ci 1g.18gb@6:1 gi 13 ci 0 {MIG_UUIDS[6]}"  # single-spaced
     assert "  3. create-gi 1g.35gb@6:2" in out
-    assert "  1. set MIG mode on" in out and "  2. reset" in out
+    assert "  1. set-mig-mode on" in out and "  2. reset" in out
     assert "GPU 2 0000:9a:00.0: nothing to do" in out
     assert (f"  destroys 1g.18gb {{6}}:1 on 0000:3b:00.0 {MIG_UUIDS[6]} held by pid 31337 jupyter") in out
     assert "  MIG mode changes: 0000:5c:00.0" in out and "  GPU resets: 0000:5c:00.0" in out
@@ -280,10 +271,11 @@ CLI_MODULES = sorted(f"gpud.cli.{p.stem}" for p in (REPO / "gpud" / "cli").glob(
 
 def test_client_imports_nothing_heavy():
     """Every module of the client package, imported in a fresh interpreter, pulls in no heavy
-    dependency and of gpud itself only the package markers and gpud.api.wire."""
+    dependency and of gpud itself only the package markers, gpud.api.wire and the standard-library
+    module of MIG words it re-exports."""
     assert {"gpud.cli.gpudctl", "gpud.cli.transport", "gpud.cli.render", "gpud.cli.commands"} <= set(CLI_MODULES)
     banned = ["pynvml", "yaml", "pyudev", "dbus_fast", "asyncinotify", "prometheus_client", "asyncio"]
-    allowed = ["gpud", "gpud.api", "gpud.api.wire", "gpud.cli", *CLI_MODULES]
+    allowed = ["gpud", "gpud.api", "gpud.api.wire", "gpud.mig_text", "gpud.cli", *CLI_MODULES]
     code = ("import importlib, sys, json\n"
             f"for name in {CLI_MODULES!r}: importlib.import_module(name)\n"
             f"print(json.dumps([m for m in sys.modules if m in {banned!r} "
@@ -411,3 +403,24 @@ def test_a_subdivided_ci_step_and_instance_show_their_compute_slot():
                             uuid="MIG-x", ci_placement=w.Placement(start=0, size=2))
     gpu = w.GpuStatus(index=0, pci="0000:3b:00.0", mig=w.MigStatus(capable=True, mode="enabled", instances=[inst]))
     assert "2c.3g.71gb   {4}:4  gi 1 ci 1 at compute 0:2  MIG-x" in render_gpu(gpu)
+
+
+def test_a_plan_step_reads_as_the_daemon_names_it_in_events():
+    """`gpudctl plan` prints each MIG step with the words the daemon's events use for it (str of the
+    planner's Step), after the trip through the wire's StepInfo."""
+    from gpud.api.replies import mig_step
+    from gpud.cli.render import _describe_step
+    from gpud.model import Placement
+    from gpud.plan.mig import Step
+
+    pci = "0000:3b:00.0"
+    steps = [Step("set-mig-mode", pci, enabled=True), Step("set-mig-mode", pci, enabled=False),
+             Step("destroy-ci", pci, "1g.18gb", 19, Placement(6, 1), 13, 0, uuid=MIG_UUIDS[6]),
+             Step("destroy-gi", pci, "1g.18gb", 19, Placement(6, 1), 13),
+             Step("create-gi", pci, "3g.71gb", 9, Placement(4, 4)),
+             Step("create-ci", pci, "1c.3g.71gb", 9, Placement(4, 4), None, None, 0, ci_placement=Placement(2, 1)),
+             Step("create-ci", pci, "3g.71gb", 9, Placement(4, 4), None, None, 2, ci_placement=Placement(0, 3))]
+    lines = [_describe_step(mig_step(s)) for s in steps]
+    assert lines == [str(s) for s in steps]
+    assert lines[0] == "set-mig-mode on" and lines[5] == "create-ci 1c.3g.71gb@4:4 at compute 2:1"
+    assert all(pci not in line for line in lines)  # the plan's header names the GPU

@@ -11,9 +11,6 @@ import sys
 from pathlib import Path
 
 import msgspec
-import pytest
-
-from tests.api.fakes import ThreadedServer
 
 REPO = Path(__file__).resolve().parents[2]
 TEMPLATE = REPO / "packaging" / "gpudctl.in"
@@ -28,13 +25,6 @@ def _launcher(tmp: Path) -> Path:
     path.write_text(text)
     path.chmod(0o755)
     return path
-
-
-@pytest.fixture
-def daemon():
-    srv = ThreadedServer(group=None).start()
-    yield srv
-    srv.stop()
 
 
 def test_template_starts_python_isolated_without_site():
@@ -64,16 +54,21 @@ def test_launcher_answers_and_ignores_the_environment(daemon, tmp_path):
 # Modules a `gpudctl status` has no use for, each costing a measurable share of its start-up on the
 # lent H200 host (bench/results/h200-status-timing.md): socket's enum wrappers, shutil (and its
 # archive modules, which argparse's help formatter imports for the terminal size), threading (only
-# `apply --wait`), locale (argparse's gettext look-ups), the daemon's side of gpud.
-NOT_IMPORTED = ("socket", "shutil", "threading", "locale", "bz2", "lzma", "gpud.engine", "gpud.host",
-                "gpud.sim", "gpud.plan", "gpud.layout", "yaml", "pynvml", "asyncio")
+# `apply --wait`), locale (argparse's gettext look-ups), typing_extensions and the inspect it pulls
+# in (msgspec takes typing's answers instead: gpud/cli/program.py), the daemon's side of gpud.
+NOT_IMPORTED = ("socket", "shutil", "threading", "locale", "bz2", "lzma", "typing_extensions", "inspect",
+                "gpud.engine", "gpud.host", "gpud.sim", "gpud.plan", "gpud.layout", "yaml", "pynvml", "asyncio")
 
 
 def test_status_imports_only_what_it_uses(daemon, tmp_path):
-    """The launcher's run of `status`, with a last line added that prints the modules it loaded."""
+    """The launcher's run of `status`, printing the modules it loaded as the process ends (gpudctl
+    ends it with os._exit)."""
     launcher = _launcher(tmp_path)
     text = launcher.read_text().replace(
-        "\nrun()", "\nfrom gpud.cli.gpudctl import main\ncode = main()\nprint('MODULES', ' '.join(sorted(sys.modules)), file=sys.stderr)\nsys.exit(code)")
+        "\nrun()", "\nimport os\nend = os._exit\n"
+        "def _exit(code):\n    print('MODULES', ' '.join(sorted(k for k, v in sys.modules.items() if v is not None)), file=sys.stderr)\n    sys.stderr.flush()\n"
+        "    end(code)\nos._exit = _exit\nrun()")
+    assert text != launcher.read_text()
     launcher.write_text(text)
     r = subprocess.run([str(launcher), "--socket", daemon.path, "status"], capture_output=True, text=True,
                        timeout=60, cwd=tmp_path)

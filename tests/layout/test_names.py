@@ -100,3 +100,12 @@ def test_sorted_names() -> None:
 def test_ci_names() -> None:
     four_g = find_profile("4g.40gb", H100)[0]
     assert ci_names(four_g) == ["1c.4g.40gb", "2c.4g.40gb", "4c.4g.40gb"]
+
+
+@pytest.mark.parametrize(("name", "smaller"), [("1c.3g.40gb", True), ("2c.7g.80gb+me", True), ("3c.3g.40gb", False),
+                                               ("3g.40gb", False), ("4c.3g.40gb", False), ("profile-9", False),
+                                               ("", False), (None, False)])
+def test_a_name_is_subdivided_only_when_its_ci_is_smaller_than_its_gi(name, smaller):
+    from gpud.mig_text import subdivided
+
+    assert subdivided(name) is smaller

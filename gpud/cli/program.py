@@ -1,0 +1,24 @@
+"""gpudctl started as a program of its own: what the installed scripts run (pip's, from
+packaging/gpudctl-pip.in, and the package's launcher, packaging/gpudctl.in).
+
+One thing happens before the client is imported, and only in a process that is gpudctl alone:
+typing_extensions is marked absent. msgspec's `_utils` (imported by its C core at every import of
+msgspec, 0.18 to 0.23) takes `get_type_hints`, `Required` and `NotRequired` from typing_extensions
+when it can and from `typing` otherwise; typing_extensions itself imports `inspect` (with ast, dis
+and tokenize), about 12 ms of a gpudctl run on a 2-core host when some other package of the
+environment installed it. The client's types use `typing` alone (it imports only the standard
+library, msgspec and gpud.api.wire: tests/test_layering.py), so `typing`'s answers are the same.
+"""
+
+from __future__ import annotations
+
+import sys
+
+
+def run() -> None:
+    if "typing_extensions" not in sys.modules:
+        # None in sys.modules: `import typing_extensions` raises ModuleNotFoundError (the import system's rule)
+        sys.modules["typing_extensions"] = None  # type: ignore[assignment]
+    from gpud.cli.gpudctl import run as run_gpudctl
+
+    run_gpudctl()

@@ -1,0 +1,32 @@
+"""The textfile metrics against the engine's own vocabulary of GPU states, read back with
+prometheus_client's text parser (not with the code that wrote them)."""
+
+from __future__ import annotations
+
+from typing import get_args
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from gpud.api import metrics, wire
+from gpud.engine.gpu_state import GpuStateName
+
+PCI = "0000:18:00.0"
+
+
+def _samples(path) -> dict[str, list]:
+    families = text_string_to_metric_families(path.read_text())
+    return {f.name: f.samples for f in families}
+
+
+@pytest.mark.parametrize("state", get_args(GpuStateName))
+def test_each_gpu_state_is_exported_as_the_one_set_state(state, tmp_path):
+    gpu = wire.GpuStatus(index=0, pci=PCI, uuid="GPU-0", model="NVIDIA H100 80GB HBM3", pci_id="10de:2330",
+                         driver="nvidia", workload="container", state=state, message="")
+    status = wire.StatusReply(phase="converged", layout=wire.LayoutStatus(path="/etc/gpud/layout.yaml",
+                                                                          selected="all", valid=True), gpus=[gpu])
+    prom = tmp_path / "gpud.prom"
+    metrics.render(status, passes=1, path=str(prom))
+    rows = [s for s in _samples(prom)["gpud_gpu_state"] if s.labels["pci"] == PCI]
+    assert [s.labels["state"] for s in rows if s.value == 1.0] == [state]
+    assert sorted(s.labels["state"] for s in rows) == sorted(get_args(GpuStateName))
