@@ -17,7 +17,7 @@ import asyncio
 from collections.abc import Awaitable, Callable
 
 from gpud.engine.events import EventBus
-from gpud.engine.observe import Observation
+from gpud.engine.observe.discovery import Observation
 from gpud.host.layout_source import LayoutSource, LayoutUnreadable, check_text_size, read_layout
 from gpud.layout.desired import LayoutIssue
 from gpud.layout.match import DEFAULT_MATCH

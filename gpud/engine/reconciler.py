@@ -24,23 +24,23 @@ import msgspec
 
 from gpud.engine.apply_lock import ApplyLock, ApplyLockRefused
 from gpud.engine.events import EventBus, event_fields
-from gpud.engine.gpu_index import GpuIndex, SetChange, index_path
+from gpud.engine.observe.gpu_index import GpuIndex, SetChange, index_path
 from gpud.engine.gpu_tasks import NvmlSessionGate, SharedDrain, for_each_gpu
 from gpud.engine.gpu_state import PHASE_ORDER, Action, BindAction, GpuState, MigAction, VgpuAction
-from gpud.engine.holder_watch import HolderWatch
-from gpud.engine.hooked_apply import apply_with_hooks
-from gpud.engine.hooks import HookFailed
+from gpud.engine.observe.holder_watch import HolderWatch
+from gpud.engine.hooks.phases import apply_with_hooks
+from gpud.engine.hooks.runner import HookFailed
 from gpud.engine.layout_keeper import LayoutKeeper
-from gpud.engine.observe import Observation, observe
-from gpud.engine.observer import DEFAULT_MAX_AGE, Observer
-from gpud.engine.operands import OperandGuard, OperandsNotPaused
+from gpud.engine.observe.discovery import Observation, observe
+from gpud.engine.observe.observer import DEFAULT_MAX_AGE, Observer
+from gpud.engine.kube.operands import OperandGuard, OperandsNotPaused
 from gpud.engine.ports import BootOverrides, Drainer, Rebooter
-from gpud.engine.boot_rebuild import BootRebuild
-from gpud.engine.reboot_policy import RebootPolicy
+from gpud.engine.boot.rebuild import BootRebuild
+from gpud.engine.boot.reboot_policy import RebootPolicy
 from gpud.engine.scheduler import PassScheduler
 from gpud.host.logind import BOOT_ID_PATH, current_boot_id
 from gpud.host.nvidia_smi import KNOWN_HOLDERS, GpuReset
-from gpud.engine.vgpu_keeper import NAMES_FILE, VgpuKeeper, step_event
+from gpud.engine.vgpu.keeper import NAMES_FILE, VgpuKeeper, step_event
 from gpud.host.nvml import Nvml
 from gpud.host.procs import Procs
 from gpud.host.sysfs import Sysfs
@@ -101,7 +101,7 @@ class Reconciler:
         self.operand_guard: OperandGuard | None = None  # --kube-node: the kube agent
         self.scheduler = PassScheduler()
         self.holder_watch = HolderWatch(self._holder_exited)
-        # PCI address -> kept index: a GPU leaving the bus shifts nobody (gpud.engine.gpu_index)
+        # PCI address -> kept index: a GPU leaving the bus shifts nobody (gpud.engine.observe.gpu_index)
         self.gpu_index = GpuIndex(index_path(state_dir), on_problem=lambda m: bus.publish("error", m))
         self.gpu_set_notes: dict[str, str] = {}  # PCI -> what changed in the GPU set, for status
         self._set_changes: list[SetChange] = []  # seen by a read in a worker thread, said by _install
@@ -178,7 +178,7 @@ class Reconciler:
         return await asyncio.to_thread(self._observe, match)
 
     def _observe(self, match: tuple[MatchRule, ...], *, commit: bool = False) -> Observation:
-        """The host as `match` selects it, each GPU with its kept index (gpud.engine.gpu_index) and
+        """The host as `match` selects it, each GPU with its kept index (gpud.engine.observe.gpu_index) and
         the known GPUs missing from the bus in `gone`. Only `commit` (the observer's reads of the
         layout in force) makes the index map take new GPUs; a `check` of a candidate file remembers
         nothing. A change of the GPU set is reported on the loop, by `_install`."""
@@ -473,7 +473,7 @@ class Reconciler:
 
     async def _apply_guarded(self, todo: dict[str, Action], resolution: Resolution) -> None:
         """With --kube-node, the cluster's GPU operands that see a changing GPU leave the node
-        first and come back after (gpud.engine.operands); if they cannot, nothing is changed."""
+        first and come back after (gpud.engine.kube.operands); if they cannot, nothing is changed."""
         if self.operand_guard is None:
             await self._apply_with_hooks(todo, resolution)
             return
@@ -485,7 +485,7 @@ class Reconciler:
                 self._set(pci, GpuState("failed", f"{e}; nothing changed"))
 
     async def _apply_with_hooks(self, todo: dict[str, Action], resolution: Resolution) -> None:
-        """The GPUs that change, inside the layout's hook phases (see gpud.engine.hooked_apply)."""
+        """The GPUs that change, inside the layout's hook phases (see gpud.engine.hooks.phases)."""
         self._mig_changed.clear()
 
         def abort(pci: str, failure: HookFailed) -> None:
@@ -536,7 +536,7 @@ class Reconciler:
         return waiting
 
     async def _run_mig(self, gpu: Gpu, plan: GpuPlan, desired: DesiredGpu) -> GpuState:
-        from gpud.engine import mig_executor
+        from gpud.engine.mig import executor as mig_executor
 
         loop = asyncio.get_running_loop()
 
@@ -674,7 +674,7 @@ class Reconciler:
         return not pending
 
     async def _run_bind(self, gpu: Gpu, plan: BindingPlan) -> GpuState:
-        from gpud.engine import binder
+        from gpud.engine.binding import binder
 
         suspended: list[bool] = []
 
