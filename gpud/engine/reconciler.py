@@ -47,7 +47,7 @@ from gpud.host.sysfs import Sysfs
 from gpud.host.vgpu_sysfs import VgpuSysfs
 from gpud.layout.desired import DesiredGpu
 from gpud.layout.parse import ParsedLayout
-from gpud.layout.resolve import Resolution, resolve
+from gpud.layout.resolve import Resolution
 from gpud.layout.schema import MatchRule, Policy
 from gpud.model import Gpu, Holder, KnownGpu, NvmlGpu
 from gpud.plan.binding import BindingPlan, plan_binding
@@ -141,11 +141,15 @@ class Reconciler:
     def load_config(self) -> bool:
         """Read and parse the file; a bad file never replaces the last good layout. Reads the
         host on the calling thread (start-up, tests); the daemon uses `load_config_async`."""
-        return self._ack_new_gpus(self.layout_file.load())
+        return self._taken(self.layout_file.load())
 
-    def _ack_new_gpus(self, ok: bool) -> bool:
-        """A good file read after a new GPU joined acknowledges it: its note leaves status."""
+    def _taken(self, ok: bool) -> bool:
+        """After a good file is taken, `resolution` is the new layout's at once (the load's own
+        resolution when it read this observation), so status never shows the old layout's
+        workloads beside GPU states pending the new one. A good file read after a new GPU joined
+        acknowledges it: its note leaves status."""
         if ok:
+            self.resolution = self.layout_file.resolve(self.observation)
             present = {g.pci for g in self.observation.gpus}
             for pci in [p for p in self.gpu_set_notes if p in present]:
                 del self.gpu_set_notes[pci]
@@ -153,12 +157,12 @@ class Reconciler:
 
     async def load_config_async(self) -> bool:
         """`load_config` with the host read off the event loop."""
-        return self._ack_new_gpus(await self.layout_file.load_async(self._observe_async))
+        return self._taken(await self.layout_file.load_async(self._observe_async))
 
     async def choose_layout_async(self, name: str | None) -> bool:
         """Put layout `name` of the file in force instead of its `selected` (a node label's
         choice; None: the file's own again), read and checked off the event loop."""
-        return self._ack_new_gpus(await self.layout_file.choose_async(name, self._observe_async))
+        return self._taken(await self.layout_file.choose_async(name, self._observe_async))
 
     def evaluate(self, text: str, path: str, *, select: str | None = None) -> tuple[ParsedLayout, Resolution, Observation]:
         """Parse a layout text and resolve it against this host as that layout's own `match:` sees it
@@ -214,7 +218,13 @@ class Reconciler:
 
     def reload(self, reason: str) -> bool:
         """Re-read the file; a valid one starts a pass. False when the file was refused."""
-        ok = self.load_config()
+        return self._reloaded(self.load_config(), reason)
+
+    async def reload_async(self, reason: str) -> bool:
+        """`reload` with the host read off the event loop."""
+        return self._reloaded(await self.load_config_async(), reason)
+
+    def _reloaded(self, ok: bool, reason: str) -> bool:
         if ok:
             self.kick(reason)
             self.mark_pending()
@@ -226,8 +236,8 @@ class Reconciler:
         against the last observation (no hardware read); the pass re-plans from a fresh one."""
         if self.layout is None or self.scheduler.running:
             return  # a running pass sets each GPU's state itself
-        resolution = resolve(self.layout, self.observation.gpus, gone=self.observation.gone)
-        if resolution.errors:
+        resolution = self.resolution = self.layout_file.resolve(self.observation)
+        if resolution is None or resolution.errors:
             return
         changed = False
         for gpu in self.observation.gpus:
@@ -256,14 +266,6 @@ class Reconciler:
             if live in states:
                 return live
         return self.phase
-
-    async def reload_async(self, reason: str) -> bool:
-        """`reload` with the host read off the event loop."""
-        ok = await self.load_config_async()
-        if ok:
-            self.kick(reason)
-            self.mark_pending()
-        return ok
 
     @property
     def policy(self) -> Policy | None:
@@ -318,7 +320,7 @@ class Reconciler:
             self._report_set_change(self._set_changes.pop(0))
         self.observation = observation
         if self.layout is not None:
-            self.resolution = resolve(self.layout, self.observation.gpus, gone=self.observation.gone)
+            self.resolution = self.layout_file.resolve(observation)
         present = {g.pci for g in self.observation.gpus}
         for known in self.observation.gone:
             if self.gpu_states.get(known.pci, GpuState("unmanaged")).state != "gone":
@@ -374,9 +376,6 @@ class Reconciler:
             if have < sum(desired.vgpu_devices.values()):
                 missing.append(gpu.pci)
         return missing
-
-    def desired_for(self, gpu: Gpu) -> DesiredGpu | None:
-        return self.resolution.desired.get(gpu.pci) if self.resolution is not None else None
 
     # ---- planning -----------------------------------------------------------------------------
     def next_action(self, gpu: Gpu, desired: DesiredGpu) -> Action | GpuState | None:
