@@ -21,24 +21,20 @@ from pathlib import Path
 from gpud import VERSION
 from gpud.api.handlers import RequestHandler
 from gpud.engine.apply_lock import ApplyLock
-from gpud.device_events import DeviceEventSourceFactory, describe_device_event
+from gpud.device_events import describe_device_event
 from gpud.engine.events import EventBus
 from gpud.engine.gpu_state import SETTLING_PHASES
 from gpud.engine.node_labels_out import LabelsOut, Versions, layout_state
 from gpud.engine.observer import DEFAULT_MAX_AGE
-from gpud.engine.reconciler import Hardware, Reconciler
+from gpud.engine.reconciler import Reconciler
 from gpud.engine.udev_rules import UdevRules
-from gpud.host.logind import BOOT_ID_PATH
-from gpud.host.nvidia_smi import GpuReset
-from gpud.host.nvml import Nvml, NvmlError
-from gpud.host.procs import Procs
-from gpud.host.sysfs import Sysfs
+from gpud.hardware import HostConfig, build_hardware
+from gpud.host.nvml import NvmlError
 from gpud.loop_lag import LoopLagProbe
 
 log = logging.getLogger("gpud")
 VGPU_REBUILD_S = 60  # at most this long READY=1 waits for vGPUs to be rebuilt at start (TimeoutStartSec=90s)
 SWITCH_INTERVAL = 0.0005  # seconds a worker thread may keep the GIL while the loop wants it
-NFD_FEATURES = "/etc/kubernetes/node-feature-discovery/features.d/gpud"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -84,48 +80,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def build_hardware(args: argparse.Namespace) -> tuple[Hardware, DeviceEventSourceFactory, str]:
-    """The one seam between a real host and the simulator: returns the adapters, the device event
-    source to start (udev, or the simulator's datagram socket) and the lock path; fills in the
-    defaults that differ between a real host and the simulator."""
-    if args.sim:
-        from gpud import sim
-        from gpud.sim.uevents import SimEvents
-
-        host = sim.install(args.sim)
-        if args.replay:
-            from gpud.sim import replay_nvml
-
-            replay_nvml.install(args.replay)
-        hw = Hardware(
-            sysfs=Sysfs(str(host.sys_root), read_only=args.read_only, store=host.store, modprobe=host.modprobe),
-            nvml=Nvml(read_only=args.read_only, proc_root=str(host.proc_root)),
-            procs=Procs(str(host.proc_root), str(host.dev_root), read_only=args.read_only, store=host.store),
-            reset=GpuReset(args.nvidia_smi or _sim_nvidia_smi(args.sim), read_only=args.read_only),
-        )
-        args.udev_rules = args.udev_rules or str(Path(args.sim) / "etc/udev/rules.d/70-gpud-vfio.rules")
-        args.nfd_features = args.nfd_features or str(Path(args.sim) / NFD_FEATURES.lstrip("/"))
-        args.dev_root = str(host.dev_root)
-        args.boot_id_path = str(Path(host.proc_root) / "sys/kernel/random/boot_id")
-        return hw, partial(SimEvents, socket_path=host.uevent_socket), args.lock or str(Path(args.sim) / "apply.lock")
-    args.udev_rules = args.udev_rules or "/etc/udev/rules.d/70-gpud-vfio.rules"
-    args.nfd_features = args.nfd_features or NFD_FEATURES
-    args.dev_root = "/dev"
-    args.boot_id_path = BOOT_ID_PATH
-    hw = Hardware(sysfs=Sysfs("/sys", read_only=args.read_only), nvml=Nvml(read_only=args.read_only),
-                  procs=Procs(read_only=args.read_only),
-                  reset=GpuReset(args.nvidia_smi or "nvidia-smi", read_only=args.read_only))
-    from gpud.host.udev import UdevEvents
-
-    return hw, UdevEvents, args.lock or "/run/gpud/apply.lock"
-
-
-def _sim_nvidia_smi(host_dir: str) -> str | list[str]:
-    """The simulated host's nvidia-smi: the wrapper gpud-sim create wrote, or the module itself."""
-    wrapper = Path(host_dir) / "bin" / "nvidia-smi"
-    if wrapper.is_file():
-        return str(wrapper)
-    return [sys.executable, "-m", "gpud.sim.nvidia_smi", "--sim", os.path.abspath(host_dir)]
+def host_config(args: argparse.Namespace) -> HostConfig:
+    """The host the command line names; the daemon's arguments themselves stay as parsed."""
+    return HostConfig(sim=args.sim, replay=args.replay, read_only=args.read_only, lock=args.lock,
+                      udev_rules=args.udev_rules, nfd_features=args.nfd_features, nvidia_smi=args.nvidia_smi)
 
 
 class Daemon:
@@ -136,21 +94,22 @@ class Daemon:
         self.args = args
         self.notifier = Notifier()
         self.bus = EventBus()
-        self.hw, self.device_events, lock_path = build_hardware(args)
+        self.host = build_hardware(host_config(args))
+        self.hw, self.device_events = self.host.hw, self.host.device_events
         Path(args.state_dir).mkdir(parents=True, exist_ok=True)
         self.rec = Reconciler(
-            self.hw, config_path=args.config, apply_lock=ApplyLock(lock_path), bus=self.bus,
+            self.hw, config_path=args.config, apply_lock=ApplyLock(self.host.lock_path), bus=self.bus,
             read_only=args.read_only, binder_timeout=args.unbind_timeout,
-            udev_rules=UdevRules(args.udev_rules, modules_load_path=None, read_only=args.read_only),
-            state_dir=args.state_dir, rebooter=partial(request_reboot, boot_id_path=args.boot_id_path),
-            max_status_age=args.status_max_age, boot_id_path=args.boot_id_path,
+            udev_rules=UdevRules(self.host.udev_rules, modules_load_path=None, read_only=args.read_only),
+            state_dir=args.state_dir, rebooter=partial(request_reboot, boot_id_path=self.host.boot_id_path),
+            max_status_age=args.status_max_age, boot_id_path=self.host.boot_id_path,
         )
         self.stopping = asyncio.Event()
         self._reload_timer: asyncio.TimerHandle | None = None
         self._metrics_key: tuple | None = None
         self._background: set[asyncio.Future] = set()  # tasks nothing else references
         self.loop_lag = LoopLagProbe()
-        self.labels = LabelsOut(args.nfd_features, label_set=args.nfd_labels, mig_strategy=args.mig_strategy,
+        self.labels = LabelsOut(self.host.nfd_features, label_set=args.nfd_labels, mig_strategy=args.mig_strategy,
                                 exclude=("nvidia.com/mig.capable",) if args.kube_node else (),
                                 on_event=lambda kind, message: self.bus.publish(kind, message))
         self._versions: Versions | None = None
@@ -159,7 +118,7 @@ class Daemon:
         self._kube_passes = 0
         self._labels_passes = -1
         if args.kube_node:
-            self._start_kube(partial(request_reboot, boot_id_path=args.boot_id_path))
+            self._start_kube(partial(request_reboot, boot_id_path=self.host.boot_id_path))
 
     def _start_kube(self, reboot) -> None:
         """--kube-node: the operator's label protocol. Its client library is imported here only."""
@@ -287,7 +246,7 @@ class Daemon:
         except NvmlError as e:  # no nvidia driver (every GPU on vfio-pci, or none yet): serve anyway
             log.warning("NVML not available: %s", e)
         await self.rec.load_config_async()
-        handler = RequestHandler(self.rec, notifier=self.notifier, dev_root=self.args.dev_root,
+        handler = RequestHandler(self.rec, notifier=self.notifier, dev_root=self.host.dev_root,
                                  loop_lag=self.loop_lag, labels=self.labels, kube_agent=self.kube)
         try:
             server = await serve(handler, self.args.socket, sock=listen_socket(), group=self.args.socket_group)

@@ -1,7 +1,7 @@
 """`gpud qualify`: the entry point of a host's qualification (read-only by default).
 
 Wiring only, like daemon.py: it takes the real host or, with `--sim DIR` (and `--replay CAPTURE`),
-the simulator through daemon.build_hardware, the one seam between the two, and hands the adapters
+the simulator through gpud.hardware.build_hardware, the one seam between the two, and hands the adapters
 to gpud.engine.qualify_checks (read-only) or gpud.engine.qualify_exercise (`--mutate`).
 """
 
@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 from gpud.engine.qualify_report import Check, Report, counts, render_text, to_json, verdict
+from gpud.hardware import Host, HostConfig, build_hardware
 from gpud.host.host_services import HostServices
 from gpud.host.nvidia_smi_query import NvidiaSmi
 from gpud.layout.match import DEFAULT_MATCH
@@ -52,14 +53,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
-def _hardware(args: argparse.Namespace, read_only: bool):
+def _hardware(args: argparse.Namespace, read_only: bool) -> Host:
     """The adapters and the host-wide apply lock's path, chosen as the daemon chooses them."""
-    from gpud.daemon import build_hardware
-
-    hw_args = argparse.Namespace(sim=args.sim, replay=args.replay, read_only=read_only, lock=args.lock,
-                                 udev_rules=None, nfd_features=None, nvidia_smi=args.nvidia_smi)
-    hw, _events, lock = build_hardware(hw_args)
-    return hw, lock
+    return build_hardware(HostConfig(sim=args.sim, replay=args.replay, read_only=read_only, lock=args.lock,
+                                     nvidia_smi=args.nvidia_smi))
 
 
 def _exercise_under_lock(hw, lock_path: str, args: argparse.Namespace) -> list[Check]:
@@ -103,13 +100,14 @@ def run(args: argparse.Namespace) -> Report:
     smi = NvidiaSmi(args.nvidia_smi or (os.path.join(args.sim, "bin", "nvidia-smi") if args.sim else None))
     services = _services(args)
     if args.mutate:
-        hw, lock = _hardware(args, read_only=False)
-        checks = _exercise_under_lock(hw, lock, args)
+        opened = _hardware(args, read_only=False)
+        hw = opened.hw
+        checks = _exercise_under_lock(hw, opened.lock_path, args)
         mode = "mutate"
     else:
         from gpud.engine.qualify_checks import read_only_checks
 
-        hw, _lock = _hardware(args, read_only=True)
+        hw = _hardware(args, read_only=True).hw
         checks = read_only_checks(hw, services, smi, DEFAULT_MATCH)
         mode = "read-only"
     try:
