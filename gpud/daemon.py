@@ -348,12 +348,7 @@ def _stall_forever() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["qualify"]:  # `gpud qualify ...`: the host's qualification, not the daemon
-        from gpud.qualify import main as qualify_main
-
-        return qualify_main(argv[1:])
-    args = parse_args(argv)
+    args = parse_args(sys.argv[1:] if argv is None else argv)
     faulthandler.enable()  # a watchdog SIGABRT then prints every thread's stack to the journal
     # Host reads and hardware steps run in worker threads; while one runs Python code (pynvml's
     # wrappers, the simulator's NVML), the loop thread waits for the GIL up to the switch

@@ -16,12 +16,15 @@ from functools import partial
 from pathlib import Path
 
 from gpud.device_events import DeviceEventSourceFactory
-from gpud.engine.reconciler import Hardware
+from gpud.engine.reconciler import Hardware  # re-exported: the adapters' record
 from gpud.host.logind import BOOT_ID_PATH
 from gpud.host.nvidia_smi import GpuReset
 from gpud.host.nvml import Nvml
 from gpud.host.procs import Procs
 from gpud.host.sysfs import Sysfs
+
+__all__ = ["APPLY_LOCK", "NFD_FEATURES", "UDEV_RULES", "Hardware", "Host", "HostConfig", "build_hardware",
+           "sim_nvidia_smi"]
 
 NFD_FEATURES = "/etc/kubernetes/node-feature-discovery/features.d/gpud"
 UDEV_RULES = "/etc/udev/rules.d/70-gpud-vfio.rules"

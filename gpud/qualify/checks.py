@@ -14,8 +14,8 @@ from collections.abc import Callable
 
 from gpud import profiles as model_tables
 from gpud.engine.observe import Observation, observe
-from gpud.engine.qualify_report import Check
-from gpud.engine.reconciler import Hardware
+from gpud.hardware import Hardware
+from gpud.qualify.report import Check
 from gpud.host.host_services import HostServices
 from gpud.host.nvidia_smi_query import NvidiaSmi, NvidiaSmiError, SmiQuery
 from gpud.host.nvml import NvmlError

@@ -18,8 +18,8 @@ from collections.abc import Callable
 from gpud import profiles as model_tables
 from gpud.engine import binder, mig_executor
 from gpud.engine.observe import observe
-from gpud.engine.qualify_report import Check
-from gpud.engine.reconciler import Hardware
+from gpud.hardware import Hardware
+from gpud.qualify.report import Check
 from gpud.layout.desired import DesiredGpu
 from gpud.model import Gpu, Holder, MigProfile, NvmlGpu, Placement
 from gpud.pci import normalize_pci
