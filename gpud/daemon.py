@@ -17,11 +17,12 @@ import sys
 import threading
 from functools import partial
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from gpud import VERSION
 from gpud.api.handlers import RequestHandler
-from gpud.engine.apply_lock import ApplyLock
 from gpud.device_events import describe_device_event
+from gpud.engine.apply_lock import ApplyLock
 from gpud.engine.events import EventBus
 from gpud.engine.gpu_state import SETTLING_PHASES
 from gpud.engine.node_labels_out import LabelsOut, Versions, layout_state
@@ -31,6 +32,10 @@ from gpud.engine.udev_rules import UdevRules
 from gpud.hardware import HostConfig, build_hardware
 from gpud.host.nvml import NvmlError
 from gpud.loop_lag import LoopLagProbe
+
+if TYPE_CHECKING:  # imported with --kube-node only (they need gpud[kube])
+    from gpud.engine.kube_agent import KubeAgent
+    from gpud.engine.kube_applier import ReconcilerApplier
 
 log = logging.getLogger("gpud")
 VGPU_REBUILD_S = 60  # at most this long READY=1 waits for vGPUs to be rebuilt at start (TimeoutStartSec=90s)
@@ -46,7 +51,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--read-only", action="store_true", help="observe and plan; refuse every mutating call")
     ap.add_argument("--replay", metavar="CAPTURE", help="with --sim DIR --read-only: NVML answers from a real "
                     "GPU's capture (DIR laid out by python -m gpud.sim.replay_nvml CAPTURE DIR)")
-    ap.add_argument("--lock", help="host-wide apply lock (default /run/gpud/apply.lock, or DIR/apply.lock with --sim; its directory must be writable only by gpud's user)")
+    ap.add_argument("--lock", help="host-wide apply lock (default /run/gpud/apply.lock, or DIR/apply.lock with --sim; "
+                    "its directory must be writable only by gpud's user)")
     ap.add_argument("--socket-group", default="gpud", help="group allowed to read status (default gpud)")
     ap.add_argument("--udev-rules", help="udev rules file that keeps passthrough GPUs off nvidia at boot "
                     "(default /etc/udev/rules.d/70-gpud-vfio.rules, or DIR/etc/udev/rules.d/... with --sim)")
@@ -111,10 +117,10 @@ class Daemon:
         self.loop_lag = LoopLagProbe()
         self.labels = LabelsOut(self.host.nfd_features, label_set=args.nfd_labels, mig_strategy=args.mig_strategy,
                                 exclude=("nvidia.com/mig.capable",) if args.kube_node else (),
-                                on_event=lambda kind, message: self.bus.publish(kind, message))
+                                on_event=self._publish)
         self._versions: Versions | None = None
-        self.kube = None  # gpud.engine.kube_agent.KubeAgent with --kube-node
-        self.kube_applier = None
+        self.kube: KubeAgent | None = None  # with --kube-node
+        self.kube_applier: ReconcilerApplier | None = None
         self._kube_passes = 0
         self._labels_passes = -1
         if args.kube_node:
@@ -132,11 +138,14 @@ class Daemon:
             api = KubeApi(self.args.kube_node, load_config(self.args.kubeconfig))
         except KubeError as e:
             raise RuntimeError(f"--kube-node {self.args.kube_node}: {e}") from e
-        self.kube_applier = ReconcilerApplier(self.rec)
-        self.kube = KubeAgent(api, self.kube_applier, namespace=self.args.kube_namespace,
-                              on_event=lambda kind, message: self.bus.publish(kind, message))
-        self.rec.operand_guard = self.kube
-        self.rec.reboot_policy.rebooter = KubeRebooter(self.kube, self.kube_applier, reboot)
+        applier = ReconcilerApplier(self.rec)
+        agent = KubeAgent(api, applier, namespace=self.args.kube_namespace, on_event=self._publish)
+        self.kube, self.kube_applier = agent, applier
+        self.rec.operand_guard = agent
+        self.rec.reboot_policy.rebooter = KubeRebooter(agent, applier, reboot)
+
+    def _publish(self, kind: str, message: str) -> None:
+        self.bus.publish(kind, message)
     # ---- event sources ---------------------------------------------------------------------
     async def watch_config(self) -> None:
         """Editors save in place, by atomic rename, or delete and re-create: watch the directory."""
@@ -196,6 +205,7 @@ class Daemon:
             self._write_labels()
         if self.kube is not None and done != self._kube_passes and self.rec.phase not in SETTLING_PHASES:
             self._kube_passes = done  # report a pass the agent did not start itself on the node
+            assert self.kube_applier is not None  # made with the agent
             self._spawn(self.kube.settled(self.kube_applier.outcome()))
 
     def _write_labels(self) -> None:
@@ -216,6 +226,7 @@ class Daemon:
     async def _run_after_selection(self) -> None:
         """--kube-node: no pass before the node's label has chosen the layout (a file edit or a
         device event meanwhile is remembered and runs then)."""
+        assert self.kube is not None  # only with --kube-node
         await self.kube.selected_once.wait()
         await self.rec.run()
 
@@ -234,12 +245,11 @@ class Daemon:
     async def run(self) -> int:
         from gpud.api.server import serve
         from gpud.host.sd_notify import listen_socket
-
         from gpud.host.unit_drain import OnDemandDrainer
 
         loop = asyncio.get_running_loop()
         # D-Bus is imported and connected only when a layout first drains units or MIG changes
-        self.rec.drainer = OnDemandDrainer(on_event=lambda m: self.bus.publish("drain", str(m)))
+        self.rec.drainer = OnDemandDrainer(on_event=lambda m: self._publish("drain", str(m)))
         self.rec.on_change(self._update_status)
         try:
             self.hw.nvml.open()

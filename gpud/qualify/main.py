@@ -13,6 +13,7 @@ import os
 import socket
 import sys
 import time
+from typing import Literal
 
 from gpud.engine.apply_lock import ApplyLock, ApplyLockBusy, ApplyLockRefused
 from gpud.hardware import Hardware, Host, HostConfig, build_hardware
@@ -93,7 +94,7 @@ def run(args: argparse.Namespace) -> Report:
         opened = _hardware(args, read_only=False)
         hw = opened.hw
         checks = _exercise_under_lock(hw, opened.lock_path, args)
-        mode = "mutate"
+        mode: Literal["read-only", "mutate"] = "mutate"
     else:
         from gpud.qualify.checks import read_only_checks
 

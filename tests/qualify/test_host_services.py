@@ -7,9 +7,9 @@ from __future__ import annotations
 import socket
 
 from gpud.engine.observe import Observation
-from gpud.qualify.checks import host_checks
 from gpud.host.host_services import HostServices
 from gpud.model import PciFunction
+from gpud.qualify.checks import host_checks
 
 
 def _services(tmp_path, **kw) -> HostServices:
