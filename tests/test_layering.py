@@ -25,8 +25,10 @@ FORBIDDEN = {
     "api": ("gpud.cli", "gpud.sim", *ABOVE),
     "sim": ("gpud.engine", "gpud.api", "gpud.cli", "gpud.host", *ABOVE),
     "hardware": ("gpud.api", "gpud.cli", "gpud.daemon", "gpud.qualify", "gpud.main"),
-    "qualify": ("gpud.api", "gpud.cli", "gpud.daemon", "gpud.main"),
-    "daemon": ("gpud.cli", "gpud.qualify", "gpud.main"),
+    # only hardware.py knows the simulator: the entry points drive whatever host it opened
+    "qualify": ("gpud.api", "gpud.cli", "gpud.sim", "gpud.daemon", "gpud.main"),
+    "daemon": ("gpud.cli", "gpud.sim", "gpud.qualify", "gpud.main"),
+    "main": ("gpud.sim",),
 }
 
 
