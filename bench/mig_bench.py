@@ -1,9 +1,11 @@
-"""MIG benchmark: the scenario suite applied by gpud and by a model of mig-parted's strategy
-(bench/migparted_model.py), on the same simulated hosts, plus gpud's planning time for 8 x H200.
+"""MIG benchmark: the scenario suite applied by gpud and by the real nvidia-mig-parted
+(bench/migparted_real.py: the binary the anchors' status.json names, run through `gpud-sim exec`) on
+the same simulated hosts, plus gpud's planning time for 8 x H200. Where the real tool is absent the
+other column is a model of its strategy (bench/migparted_model.py), and the results say so.
 
 Per scenario and in total: NVML mutating calls, instances destroyed that the target also contains
-(instances that could have been kept), GPUs reset, wall time of planning, and whether the result is
-what the layout asks. Writes out/mig.md (`-o PATH`; `make bench-update` refreshes bench/results/mig.md).
+(instances that could have been kept), GPUs reset, busy instances destroyed or failed on, wall time,
+and whether the result is what the layout asks. Writes out/mig.md (`-o PATH`; `make bench-update` refreshes bench/results/mig.md).
 
 Run: make bench   (or .venv/bin/python -m bench.mig_bench [-o PATH])
 """
@@ -21,7 +23,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench import migparted_model, plan_time  # noqa: E402
+from bench import migparted_model, migparted_real, plan_time  # noqa: E402
 from gpud.plan.mig import ci_name, plan_gpu  # noqa: E402
 from gpud.sim import cli as simcli  # noqa: E402
 from tests.scenarios.definitions import SCENARIOS, Scenario  # noqa: E402
@@ -70,14 +72,18 @@ def _ok(rig: SimRig, sc: Scenario, before, after, failed: int) -> bool:
     return not failed if sc.state == "converged" else True
 
 
-async def run(sc: Scenario, strategy: str, tmp: Path) -> dict:
+async def run(sc: Scenario, strategy: str, tmp: Path, tool: Path | None = None) -> dict:
+    """One scenario by one strategy: "gpud", "mig-parted" (the real binary `tool`) or "model"."""
     rig = SimRig(tmp, sc.gpus)
     try:
         if sc.before:
             await rig.apply(sc.before)
         before = rig.mig_devices()
+        held = set()
         for i, h in enumerate(sc.holds):
-            simcli.hold(rig.dir, _pick(before[h.gpu], h.profile, h.nth), 40000 + i, "train.py")
+            uuid = _pick(before[h.gpu], h.profile, h.nth)
+            held.add(uuid)
+            simcli.hold(rig.dir, uuid, 40000 + i, "train.py")
         rig.config.write_text(sc.after)
         rig.rec.load_config()
         rig.rec.refresh()
@@ -90,21 +96,37 @@ async def run(sc: Scenario, strategy: str, tmp: Path) -> dict:
             if d is not None and g.nvml is not None and g.nvml.mig_capable and d.mig_enabled is not None:
                 plan_gpu(g, d)
         plan_ms = (time.perf_counter() - t) * 1000
+        t = time.perf_counter()
         if strategy == "gpud":
             await rig.rec.converge()
             failed = int(any(s.state not in ("converged", "unmanaged") for s in rig.rec.gpu_states.values()))
             extra = {}
-        else:
+        elif strategy == "mig-parted":
+            # the tool's own NVML session and `nvidia-smi -r` must not meet ours
+            rig.hw.nvml.close()
+            try:
+                out = migparted_real.apply(tool, rig.dir, sc.after, tmp)
+            finally:
+                rig.hw.nvml.open()
+            failed = int(out["rc"] != 0)
+            extra = {"output": out["output"]}
+            plan_ms = 0.0
+        else:  # "model"
             desired = {p: (bool(d.mig_enabled), dict(d.mig_devices)) for p, d in rig.rec.resolution.desired.items()
                        if d.mig_enabled is not None}
             extra = migparted_model.apply(rig, desired)
             failed = extra["failed"]
             plan_ms = 0.0
+        wall_s = time.perf_counter() - t
         after = rig.mig_devices()
+        gone_uuids = {u for devs in before.values() for u in devs} - {u for devs in after.values() for u in devs}
+        busy_destroyed = len(held & gone_uuids)
+        busy_failed = len(held - gone_uuids) if failed else 0  # busy instances the apply failed on
         gone = [(idx, v) for idx, devs in before.items() for u, v in devs.items() if u not in after.get(idx, {})]
         needless = sum(1 for idx, (name, start, _) in gone if (idx, name, start) in target)
         return {"mutating": rig.mutating(calls0), "needless": needless, "resets": sum(rig.resets.values()),
-                "plan_ms": plan_ms, "ok": _ok(rig, sc, before, after, failed),
+                "plan_ms": plan_ms, "ok": _ok(rig, sc, before, after, failed), "wall_s": wall_s,
+                "busy_destroyed": busy_destroyed, "busy_failed": busy_failed,
                 "failed": failed, **extra}
     finally:
         rig.close()
@@ -115,48 +137,84 @@ def main() -> int:
     ap.add_argument("-o", type=Path, default=RESULTS, help="where to write the results (default out/mig.md)")
     results = ap.parse_args().o.absolute()
     results.parent.mkdir(parents=True, exist_ok=True)
+    tool, version = migparted_real.binary()
+    other = "mig-parted" if tool else "model"
+    if tool is None:
+        print(f"the real nvidia-mig-parted is absent ({version}): comparing with the MODEL "
+              f"(bench/migparted_model.py) instead", flush=True)
     rows = []
     for sc in SCENARIOS:
         if sc.faults or any(h.release_after for h in sc.holds):
             continue  # retry and wake-up behaviour: nothing to compare
         with tempfile.TemporaryDirectory() as tmp:
             g = asyncio.run(run(sc, "gpud", Path(tmp) / "g"))
-            m = asyncio.run(run(sc, "mig-parted", Path(tmp) / "m"))
+            m = asyncio.run(run(sc, other, Path(tmp) / "m", tool))
         rows.append((sc, g, m))
         print(f"{sc.name:40s} gpud {g['mutating']:3d} calls {g['needless']} needless {g['resets']} resets | "
-              f"mig-parted {m['mutating']:3d} calls {m['needless']} needless {m['resets']} resets", flush=True)
+              f"{other} {m['mutating']:3d} calls {m['needless']} needless {m['resets']} resets "
+              f"{m['wall_s']:.1f}s ok={m['ok']}", flush=True)
+        if m.get("output") and m["failed"]:
+            print("    " + m["output"].splitlines()[-1][:200], flush=True)
     times = plan_time.measure()
-    write(rows, times, results)
+    label = f"nvidia-mig-parted {version}" if tool else "a MODEL of mig-parted (the real tool is absent: " + version + ")"
+    write(rows, times, results, label, bool(tool))
     worst_p99 = max(p99 for _, p99, _ in times.values())
     ok = all(g["needless"] == 0 for _, g, _ in rows) and worst_p99 < 50
     print(f"written {results}; targets {'met' if ok else 'MISSED'}")
     return 0 if ok else 1
 
 
-def write(rows, times, results: Path) -> None:
-    tot = {k: [0, 0] for k in ("mutating", "needless", "resets")}
+KEYS = ("mutating", "needless", "resets", "busy_destroyed", "busy_failed")
+
+
+def _row(r: dict) -> list[str]:
+    return [str(r[k]) for k in KEYS] + [f"{r['wall_s']:.2f}", "yes" if r["ok"] else "no"]
+
+
+def write(rows, times, results: Path, label: str, real: bool) -> None:
+    tot = {k: [sum(g[k] for _, g, _ in rows), sum(m[k] for _, _, m in rows)] for k in KEYS}
+    wall = [sum(g["wall_s"] for _, g, _ in rows), sum(m["wall_s"] for _, _, m in rows)]
+    oks = [sum(g["ok"] for _, g, _ in rows), sum(m["ok"] for _, _, m in rows)]
+    o = "mig-parted" if real else "model"
+    cols = ("calls", "needless", "resets", "busy destroyed", "busy failed", "wall s", "ok")
+    how = (["The other column is the real tool, built by hand from NVIDIA's source (github.com/NVIDIA/mig-parted,",
+            "git tag v0.15.0, its vendored dependencies, `go build -ldflags=-extldflags=-Wl,-z,lazy` as its",
+            "Makefile does): the Go module proxy refuses NVIDIA's modules (403), so `scripts/install-anchors`",
+            "could not install it. It ran as `nvidia-mig-parted apply -f F -c NAME` under `gpud-sim exec`",
+            "on the simulated host (the simulator's `libnvidia-ml.so.1` and `nvidia-smi`), F written from the",
+            "scenario's target layout (`bench/migparted_real.py`; gpud's `policy` has no mig-parted",
+            "counterpart and is dropped). Its NVML calls and resets are the simulator's counters, its end",
+            "state the simulator's state file. Why it behaves as it does, with source paths: docs/mig-parted.md."]
+           if real else
+           ["**The other column is a MODEL** of mig-parted's strategy (`bench/migparted_model.py`), not the",
+            "real tool, which was absent on this machine; install it (`make anchors`) and rerun."])
     lines = [
-        "# MIG benchmark: gpud vs a model of mig-parted",
+        f"# MIG benchmark: gpud vs {label}",
         "",
         "Generated by `make bench` (`bench/mig_bench.py`) on the simulated hosts of the scenario suite",
-        "(`tests/scenarios/definitions.py`). *needless* = instances destroyed that the target layout also",
-        "contains (same profile, same placement): work a careful tool would have kept. *ok* = the host ends",
-        "as the scenario expects (where the layout must be refused: nothing changed).",
-        "The mig-parted model is documented in `bench/migparted_model.py`.",
+        "(`tests/scenarios/definitions.py`), both tools on fresh, identical hosts per scenario.",
+        *how,
         "",
-        "| scenario | gpud calls | gpud needless | gpud resets | gpud plan ms | gpud ok | mig-parted calls | mig-parted needless | mig-parted resets | mig-parted orders tried | mig-parted ok |",
-        "|---|---:|---:|---:|---:|:-:|---:|---:|---:|---:|:-:|",
+        "*calls* = NVML mutating calls (create/destroy GI and CI, set MIG mode; failed ones included).",
+        "*needless* = instances destroyed that the target layout also contains (same profile, same",
+        "placement): work a careful tool would have kept. *resets* = GPU resets the simulated host carried",
+        "out. *busy destroyed* = instances holding a process that were destroyed; *busy failed* = busy",
+        "instances the apply failed on. *wall s* = the apply's wall time (gpud in process; mig-parted",
+        "including its process start and the simulator's embedded Python). *ok* = the host ends as the",
+        "scenario expects (where the layout must be refused: nothing changed).",
+        "",
+        "| scenario | " + " | ".join(f"gpud {c}" for c in cols) + " | " + " | ".join(f"{o} {c}" for c in cols) + " |",
+        "|---|" + "---:|" * 6 + ":-:|" + "---:|" * 6 + ":-:|",
     ]
     for sc, g, m in rows:
-        for k in tot:
-            tot[k][0] += g[k]
-            tot[k][1] += m[k]
-        lines.append(f"| {sc.name} | {g['mutating']} | {g['needless']} | {g['resets']} | {g['plan_ms']:.1f} | "
-                     f"{'yes' if g['ok'] else 'no'} | {m['mutating']} | {m['needless']} | {m['resets']} | "
-                     f"{m.get('orders_tried', 0)} | {'yes' if m['ok'] else 'no'} |")
-    lines.append(f"| **total** | **{tot['mutating'][0]}** | **{tot['needless'][0]}** | **{tot['resets'][0]}** | | "
-                 f"{sum(g['ok'] for _, g, _ in rows)}/{len(rows)} | **{tot['mutating'][1]}** | **{tot['needless'][1]}** | "
-                 f"**{tot['resets'][1]}** | | {sum(m['ok'] for _, _, m in rows)}/{len(rows)} |")
+        lines.append(f"| {sc.name} | " + " | ".join(_row(g)) + " | " + " | ".join(_row(m)) + " |")
+    tg = [f"**{tot[k][0]}**" for k in KEYS] + [f"{wall[0]:.1f}", f"{oks[0]}/{len(rows)}"]
+    tm = [f"**{tot[k][1]}**" for k in KEYS] + [f"{wall[1]:.1f}", f"{oks[1]}/{len(rows)}"]
+    lines.append("| **total** | " + " | ".join(tg) + " | " + " | ".join(tm) + " |")
+    failed = [(sc.name, m["output"].splitlines()[-1]) for sc, _, m in rows if m.get("failed") and m.get("output")]
+    if failed:
+        lines += ["", f"Where {o} exited non-zero, its last line:", ""]
+        lines += [f"- {n}: `{msg[:240]}`" for n, msg in failed]
     lines += ["", "## Planning time, 8 x H200 (all GPUs planned, 300 rounds)", "",
               "| layout | p50 ms | p99 ms | max ms |", "|---|---:|---:|---:|"]
     lines += [f"| {k} | {a:.2f} | {b:.2f} | {c:.2f} |" for k, (a, b, c) in times.items()]
