@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test test-fast sysdeps anchors nvmlc bench bench-update reliability deb clean
+.PHONY: demo test test-fast lint sysdeps anchors nvmlc bench bench-update reliability deb clean
 
 # A fresh Debian 12 has no python3 venv module: install-sysdeps --base brings it (as root).
 $(STAMP): pyproject.toml
@@ -34,11 +34,16 @@ anchors:
 nvmlc: $(STAMP)
 	$(PY) -m gpud.sim.nvmlc.build
 
-test: $(STAMP) sysdeps anchors nvmlc
+# The linter and the type checker (configured in pyproject.toml), before any test runs.
+lint: $(STAMP)
+	$(VENV)/bin/ruff check gpud tests bench setup.py
+	$(VENV)/bin/mypy
+
+test: $(STAMP) lint sysdeps anchors nvmlc
 	$(PY) -m pytest -q -p no:cacheprovider
 
 # Everything but the VM and nspawn boots: the inner loop while developing.
-test-fast: $(STAMP) anchors nvmlc
+test-fast: $(STAMP) lint anchors nvmlc
 	$(PY) -m pytest -q -p no:cacheprovider -m "not vm and not nspawn"
 
 # Benchmarks write to out/ (untracked); `make bench-update` refreshes the committed bench/results/

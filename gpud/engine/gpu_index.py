@@ -78,7 +78,7 @@ class GpuIndex:
     """The map, in memory and (when `path` is set) in the state directory. `problem` says why the
     file could not be used, for status; the map then starts from the GPUs present."""
 
-    def __init__(self, path: str | None, *, on_problem: Callable[[str], None] | None = None) -> None:
+    def __init__(self, path: str | None, *, on_problem: Callable[[str], object] | None = None) -> None:
         self.path = path
         self.known: dict[str, KnownGpu] = {}
         self.problem: str | None = None

@@ -26,7 +26,7 @@ async def apply_with_hooks(
     changed_mig: Callable[[], bool],
     abort: Callable[[str, HookFailed], None],
     drainer: Drainer | None,
-    log: Callable[[str], None],
+    log: Callable[[str], object],
 ) -> None:
     """Run `apply_one(pci)` for each GPU of `todo` inside the hook phases. After the GPUs,
     `converged(pci)` says whether a GPU got there and `changed_mig()` whether MIG devices were

@@ -92,7 +92,7 @@ class HookRunner:
     """Runs the layout's hooks (as `gpud.layout.parse` checked them); `log(line)` receives every
     line they print and what happened to them (start, exit code, timeout)."""
 
-    def __init__(self, hooks: Hooks, *, log: Callable[[str], None], tail_lines: int = 20) -> None:
+    def __init__(self, hooks: Hooks, *, log: Callable[[str], object], tail_lines: int = 20) -> None:
         self.hooks = hooks
         self.log = log
         self.tail_lines = tail_lines
@@ -255,7 +255,7 @@ async def _kill_group(proc: asyncio.subprocess.Process) -> None:
     await proc.wait()
 
 
-async def refresh_cdi(drainer: Drainer | None, *, log: Callable[[str], None] | None = None,
+async def refresh_cdi(drainer: Drainer | None, *, log: Callable[[str], object] | None = None,
                       unit: str = CDI_REFRESH_UNIT) -> bool:
     """After an apply that changed MIG devices, regenerate the CDI spec (the container toolkit
     does not notice on its own: nvidia-container-toolkit #1828). Restarts the unit through

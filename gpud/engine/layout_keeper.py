@@ -113,6 +113,7 @@ class LayoutKeeper:
                              errors=errors[:EVENT_ERRORS], errors_omitted=max(0, len(errors) - EVENT_ERRORS))
             return False
         # `apply` re-reads the file too: the same text again is not a new layout, and says nothing
+        assert parsed.layout is not None  # a file that did not parse has errors
         if source.text != self._text or self.issues[0]:
             self.bus.publish("layout-loaded", f"{self.path}: selected {parsed.layout.selected!r}")
         self.layout, self._text = parsed, source.text

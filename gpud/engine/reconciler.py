@@ -18,15 +18,16 @@ import contextlib
 import logging
 import os
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Literal
 
 import msgspec
 
 from gpud.engine.apply_lock import ApplyLock, ApplyLockRefused
+from gpud.engine.boot_rebuild import BootRebuild
 from gpud.engine.events import EventBus, event_fields
 from gpud.engine.gpu_index import GpuIndex, SetChange, index_path
+from gpud.engine.gpu_state import PHASE_ORDER, Action, BindAction, GpuState, GpuStateName, MigAction, VgpuAction
 from gpud.engine.gpu_tasks import NvmlSessionGate, SharedDrain, for_each_gpu
-from gpud.engine.gpu_state import PHASE_ORDER, Action, BindAction, GpuState, MigAction, VgpuAction
 from gpud.engine.holder_watch import HolderWatch
 from gpud.engine.hooked_apply import apply_with_hooks
 from gpud.engine.hooks import HookFailed
@@ -35,12 +36,11 @@ from gpud.engine.observe import Observation, observe
 from gpud.engine.observer import DEFAULT_MAX_AGE, Observer
 from gpud.engine.operands import OperandGuard, OperandsNotPaused
 from gpud.engine.ports import BootOverrides, Drainer, Rebooter
-from gpud.engine.boot_rebuild import BootRebuild
 from gpud.engine.reboot_policy import RebootPolicy
 from gpud.engine.scheduler import PassScheduler
+from gpud.engine.vgpu_keeper import NAMES_FILE, VgpuKeeper, step_event
 from gpud.host.logind import BOOT_ID_PATH, current_boot_id
 from gpud.host.nvidia_smi import KNOWN_HOLDERS, GpuReset
-from gpud.engine.vgpu_keeper import NAMES_FILE, VgpuKeeper, step_event
 from gpud.host.nvml import Nvml
 from gpud.host.procs import Procs
 from gpud.host.sysfs import Sysfs
@@ -487,12 +487,14 @@ class Reconciler:
     async def _apply_with_hooks(self, todo: dict[str, Action], resolution: Resolution) -> None:
         """The GPUs that change, inside the layout's hook phases (see gpud.engine.hooked_apply)."""
         self._mig_changed.clear()
+        layout = self._pass_layout.layout if self._pass_layout is not None else None
+        assert layout is not None  # a pass runs only under a layout that parsed (run() set it)
 
         def abort(pci: str, failure: HookFailed) -> None:
             self._set(pci, GpuState("failed", f"hook aborted the apply, nothing changed: {failure}"))
 
         await apply_with_hooks(
-            todo, resolution.desired, layout=self._pass_layout.layout, layout_path=self.config_path,
+            todo, resolution.desired, layout=layout, layout_path=self.config_path,
             apply_one=lambda pci: self._converge_one(pci, resolution.desired[pci]),
             converged=lambda pci: self.gpu_states[pci].converged,
             changed_mig=lambda: bool(self._mig_changed), abort=abort, drainer=self.drainer,
@@ -619,7 +621,8 @@ class Reconciler:
                 return self._busy(GpuState("waiting", f"{why}; {result.summary()}; held by {names}", tuple(holders)))
             return GpuState("failed", f"{why}; {result.summary()}; no process holding it was found "
                                       f"(a kernel client such as nvidia_drm may hold it)")
-        state = "reboot-required" if self.policy is not None and self.policy.reboot == "allow" else "reset-required"
+        state: GpuStateName = (
+            "reboot-required" if self.policy is not None and self.policy.reboot == "allow" else "reset-required")
         return GpuState(state, f"{why}; the reset was refused: {result.summary()}")
 
     async def _run_vgpu(self, gpu: Gpu, action: VgpuAction) -> GpuState:
@@ -683,7 +686,7 @@ class Reconciler:
             suspended.append(True)
 
         # Leaving nvidia needs NVML closed: wait for NVML work on other GPUs, and keep it off meanwhile.
-        use = "closed" if gpu.function.driver == "nvidia" else None
+        use: Literal["closed"] | None = "closed" if gpu.function.driver == "nvidia" else None
         async with (self.nvml_gate.hold(use) if use else contextlib.nullcontext()), self._drained(gpu):
             try:
                 outcome = await self._in_worker(
@@ -746,9 +749,9 @@ class Reconciler:
 
 
 def _phase(states: Iterable[GpuState]) -> str:
-    states = [s.state for s in states]
+    names = {s.state for s in states}
     for phase in PHASE_ORDER:
-        if phase in states:
+        if phase in names:
             return phase
     return "converged"
 

@@ -20,6 +20,16 @@ from gpud.model import Holder
 from gpud.plan.vgpu import VgpuPlan, VgpuRecord, VgpuStep
 
 
+class _Malformed(Exception):
+    """A step without the field its action needs: it fails before it writes."""
+
+
+def _needs(value: str | None, name: str) -> str:
+    if value is None:
+        raise _Malformed(f"the step has no {name}")
+    return value
+
+
 class VgpuOutcome(Struct):
     state: str  # "done" | "blocked" | "failed"
     message: str = ""
@@ -45,44 +55,48 @@ def execute(vgpu: VgpuSysfs, plan: VgpuPlan, record: VgpuRecord, *, phase: str =
     for step in steps:
         try:
             if step.action == "remove":
+                uuid = _needs(step.uuid, "uuid")
                 now = vgpu.read(plan.pci)
-                dev = next((d for d in now.devices if d.uuid == step.uuid), None)
+                dev = next((d for d in now.devices if d.uuid == uuid), None)
                 if dev is not None and dev.holders:
-                    return VgpuOutcome("blocked", f"mdev {step.uuid} is in use", holders=list(dev.holders))
+                    return VgpuOutcome("blocked", f"mdev {uuid} is in use", holders=list(dev.holders))
                 if dev is not None:
-                    vgpu.remove_mdev(step.uuid)
+                    vgpu.remove_mdev(uuid)
                 out.removed.append(_describe(step))
             elif step.action == "free-vf":
+                vf = _needs(step.vf, "vf")
                 now = vgpu.read(plan.pci)
-                dev = next((d for d in now.devices if d.vf == step.vf), None)
+                dev = next((d for d in now.devices if d.vf == vf), None)
                 if dev is not None and dev.holders:
-                    return VgpuOutcome("blocked", f"VF {step.vf} is in use", holders=list(dev.holders))
-                vgpu.set_vf_type(step.vf, 0)
-                record.vfs.pop(step.vf, None)
+                    return VgpuOutcome("blocked", f"VF {vf} is in use", holders=list(dev.holders))
+                vgpu.set_vf_type(vf, 0)
+                record.vfs.pop(vf, None)
                 out.removed.append(_describe(step))
             elif step.action == "disable-vfs":
                 vgpu.set_num_vfs(plan.pci, 0)
             elif step.action == "enable-vfs":
                 vgpu.set_num_vfs(plan.pci, step.count or 0)
             elif step.action == "set-vf-type":
-                ids = [i for i, name in vgpu.creatable_on(step.vf) if name == step.type]
+                vf, vtype = _needs(step.vf, "vf"), _needs(step.type, "type")
+                ids = [i for i, name in vgpu.creatable_on(vf) if name == vtype]
                 if not ids:
-                    return VgpuOutcome("failed", f"{step.type} is not creatable on VF {step.vf} now "
+                    return VgpuOutcome("failed", f"{vtype} is not creatable on VF {vf} now "
                                                  "(its creatable_vgpu_types does not list it)")
-                vgpu.set_vf_type(step.vf, ids[0])
-                record.vfs[step.vf] = step.type
+                vgpu.set_vf_type(vf, ids[0])
+                record.vfs[vf] = vtype
                 out.created.append(_describe(step))
             elif step.action == "create-mdev":
-                types = vgpu.mdev_types(step.parent)
-                found = types.get(step.type)
+                parent, vtype, uuid = _needs(step.parent, "parent"), _needs(step.type, "type"), _needs(step.uuid, "uuid")
+                types = vgpu.mdev_types(parent)
+                found = types.get(vtype)
                 if found is None or found[1] < 1:
-                    return VgpuOutcome("failed", f"{step.type} has no available instance on {step.parent}")
-                vgpu.create_mdev(step.parent, found[0], step.uuid)
-                uuids = record.uuids.setdefault(step.type, [])
-                if step.uuid not in uuids:
-                    uuids.append(step.uuid)
+                    return VgpuOutcome("failed", f"{vtype} has no available instance on {parent}")
+                vgpu.create_mdev(parent, found[0], uuid)
+                uuids = record.uuids.setdefault(vtype, [])
+                if uuid not in uuids:
+                    uuids.append(uuid)
                 out.created.append(_describe(step))
-        except SysfsError as e:
+        except (SysfsError, _Malformed) as e:
             return VgpuOutcome("failed", f"{step.action} {_describe(step)}: {e}", created=out.created,
                                removed=out.removed)
         if on_step is not None:

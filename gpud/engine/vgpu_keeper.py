@@ -107,6 +107,7 @@ class VgpuKeeper:
                                           "mdev_supported_types, no SR-IOV VFs): is NVIDIA's vGPU manager driver loaded?")
             return None
         plan = self.plan(gpu, desired, with_instances=True)
+        assert plan is not None  # the GPU has a vGPU side (above)
         if plan.infeasible:
             return GpuState("failed", plan.infeasible)
         if plan.blocked_by or plan.steps:
