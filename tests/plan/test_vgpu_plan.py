@@ -13,7 +13,7 @@ from gpud.host.sysfs import Sysfs
 from gpud.host.vgpu_sysfs import VgpuSysfs
 from gpud.layout.desired import DesiredGpu
 from gpud.model import Holder, VgpuDevice, VgpuOffer, VgpuState
-from gpud.plan.vgpu import VgpuRecord, check_instances, check_rules, derived_uuid, plan_vgpu
+from gpud.plan.vgpu import VgpuPlan, VgpuRecord, VgpuStep, check_instances, check_rules, derived_uuid, plan_vgpu
 from gpud.sim import host as sim_paths
 from gpud.sim import vgpu as sim_vgpu
 from gpud.sim.cli import create, hold, release
@@ -226,3 +226,14 @@ def test_mig_backed_vgpus_sit_on_instances(vfio) -> None:
     assert [gi for _, gi in on] == [1, 2, 3, 4] and on[0][0] == 1414
     plan = host.apply({"H200X-1-18C": 4}, mig=True)
     assert plan.infeasible == (f"4 MIG-backed vGPUs need 4 GPU instances 1g.18gb on {H200}; the MIG layout has 3")
+
+
+@pytest.mark.parametrize("bad", [VgpuStep("create-mdev", T4, type="T4-4Q", parent=T4),  # no uuid
+                                 VgpuStep("set-vf-type", L40S, type="L40S-12Q"),  # no VF
+                                 VgpuStep("remove", T4)])  # no uuid
+def test_a_step_without_the_field_its_action_needs_fails_before_any_write(mdev, bad) -> None:
+    host = Host(mdev, bad.pci)
+    before = load(mdev).vgpu
+    out = execute(host.vgpu, VgpuPlan(pci=bad.pci, index=0, creations=[bad]), host.record)
+    assert out.state == "failed" and "the step has no" in out.message, out
+    assert load(mdev).vgpu == before and host.record == VgpuRecord()
