@@ -23,19 +23,19 @@ from gpud import VERSION
 from gpud.api.handlers import RequestHandler
 from gpud.device_events import describe_device_event
 from gpud.engine.apply_lock import ApplyLock
+from gpud.engine.binding.udev_rules import UdevRules
 from gpud.engine.events import EventBus
 from gpud.engine.gpu_state import SETTLING_PHASES
-from gpud.engine.node_labels_out import LabelsOut, Versions, layout_state
-from gpud.engine.observer import DEFAULT_MAX_AGE
+from gpud.engine.kube.node_labels_out import LabelsOut, Versions, layout_state
+from gpud.engine.observe.observer import DEFAULT_MAX_AGE
 from gpud.engine.reconciler import Reconciler
-from gpud.engine.udev_rules import UdevRules
 from gpud.hardware import HostConfig, build_hardware
 from gpud.host.nvml import NvmlError
 from gpud.loop_lag import LoopLagProbe
 
 if TYPE_CHECKING:  # imported with --kube-node only (they need gpud[kube])
-    from gpud.engine.kube_agent import KubeAgent
-    from gpud.engine.kube_applier import ReconcilerApplier
+    from gpud.engine.kube.agent import KubeAgent
+    from gpud.engine.kube.applier import ReconcilerApplier
 
 log = logging.getLogger("gpud")
 VGPU_REBUILD_S = 60  # at most this long READY=1 waits for vGPUs to be rebuilt at start (TimeoutStartSec=90s)
@@ -129,8 +129,8 @@ class Daemon:
     def _start_kube(self, reboot) -> None:
         """--kube-node: the operator's label protocol. Its client library is imported here only."""
         try:
-            from gpud.engine.kube_agent import KubeAgent
-            from gpud.engine.kube_applier import KubeRebooter, ReconcilerApplier
+            from gpud.engine.kube.agent import KubeAgent
+            from gpud.engine.kube.applier import KubeRebooter, ReconcilerApplier
             from gpud.host.kube import KubeApi, KubeError, load_config
         except ImportError as e:
             raise RuntimeError(f"--kube-node needs the Kubernetes client: pip install 'gpud[kube]' ({e})") from e

@@ -14,7 +14,7 @@ import contextlib
 import kmock
 import pytest
 
-from gpud.engine.kube_agent import (
+from gpud.engine.kube.agent import (
     MIG_CAPABLE,
     MIG_CONFIG,
     MIG_STATE,
@@ -26,7 +26,7 @@ from gpud.engine.kube_agent import (
     KubeAgent,
     Outcome,
 )
-from gpud.engine.operands import OperandsNotPaused
+from gpud.engine.kube.operands import OperandsNotPaused
 from gpud.host.kube import KubeApi, load_config
 from tests.kube.apiserver import ApiServer
 from tests.kube.cluster import NODE, OPERATOR_NS, DaemonSet, DaemonSetController, client_for, until, write_kubeconfig

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import socket
 
-from gpud.engine.observe import Observation
+from gpud.engine.observe.discovery import Observation
 from gpud.host.host_services import HostServices
 from gpud.model import PciFunction
 from gpud.qualify.checks import host_checks
