@@ -16,7 +16,7 @@ from msgspec import Struct, field
 
 from gpud.host.sysfs import SysfsError
 from gpud.host.vgpu_sysfs import VgpuSysfs
-from gpud.model import Holder
+from gpud.model import Holder, VgpuDevice
 from gpud.plan.vgpu import VgpuPlan, VgpuRecord, VgpuStep
 
 
@@ -38,6 +38,11 @@ class VgpuOutcome(Struct):
     removed: list[str] = field(default_factory=list)
 
 
+def _now(vgpu: VgpuSysfs, pci: str, which: Callable[[VgpuDevice], bool]) -> VgpuDevice | None:
+    """The vGPU a removal takes, as the host shows it now, holders re-read (None: already gone)."""
+    return next((d for d in vgpu.read(pci).devices if which(d)), None)
+
+
 def _describe(step: VgpuStep) -> str:
     where = step.uuid or step.vf or step.parent or ""
     return f"{step.type} {where}".strip()
@@ -56,8 +61,7 @@ def execute(vgpu: VgpuSysfs, plan: VgpuPlan, record: VgpuRecord, *, phase: str =
         try:
             if step.action == "remove":
                 uuid = _needs(step.uuid, "uuid")
-                now = vgpu.read(plan.pci)
-                dev = next((d for d in now.devices if d.uuid == uuid), None)
+                dev = _now(vgpu, plan.pci, lambda d: d.uuid == uuid)
                 if dev is not None and dev.holders:
                     return VgpuOutcome("blocked", f"mdev {uuid} is in use", holders=list(dev.holders))
                 if dev is not None:
@@ -65,8 +69,7 @@ def execute(vgpu: VgpuSysfs, plan: VgpuPlan, record: VgpuRecord, *, phase: str =
                 out.removed.append(_describe(step))
             elif step.action == "free-vf":
                 vf = _needs(step.vf, "vf")
-                now = vgpu.read(plan.pci)
-                dev = next((d for d in now.devices if d.vf == vf), None)
+                dev = _now(vgpu, plan.pci, lambda d: d.vf == vf)
                 if dev is not None and dev.holders:
                     return VgpuOutcome("blocked", f"VF {vf} is in use", holders=list(dev.holders))
                 vgpu.set_vf_type(vf, 0)
