@@ -30,6 +30,8 @@ from gpud.engine.reconciler import Hardware, Reconciler
 from gpud.engine.udev_rules import UdevRules
 from gpud.host.logind import BOOT_ID_PATH
 from gpud.host.nvidia_smi import GpuReset
+from gpud.host.sriov_manage import DEFAULT_PATH as SRIOV_MANAGE
+from gpud.host.sriov_manage import SriovManage
 from gpud.host.nvml import Nvml, NvmlError
 from gpud.host.procs import Procs
 from gpud.host.sysfs import Sysfs
@@ -59,6 +61,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--unbind-timeout", type=float, default=30.0, help="seconds before an unbind is declared stuck")
     ap.add_argument("--nvidia-smi", metavar="PATH", help="the nvidia-smi that resets a GPU bound to nvidia "
                     "(`-r -i <PCI>`; default nvidia-smi from PATH, or DIR/bin/nvidia-smi with --sim)")
+    ap.add_argument("--sriov-manage", metavar="PATH", help="NVIDIA's tool that enables and disables a GPU's "
+                    f"SR-IOV VFs (`-e|-d <PCI>`; default {SRIOV_MANAGE}, or DIR/bin/sriov-manage with --sim)")
     ap.add_argument("--status-max-age", type=float, default=DEFAULT_MAX_AGE, metavar="S",
                     help="while clients ask for status, re-read the host when the observation is older "
                     f"than S seconds (default {DEFAULT_MAX_AGE:g}); changes gpud makes or hears of are "
@@ -102,6 +106,8 @@ def build_hardware(args: argparse.Namespace) -> tuple[Hardware, DeviceEventSourc
             nvml=Nvml(read_only=args.read_only, proc_root=str(host.proc_root)),
             procs=Procs(str(host.proc_root), str(host.dev_root), read_only=args.read_only, store=host.store),
             reset=GpuReset(args.nvidia_smi or _sim_nvidia_smi(args.sim), read_only=args.read_only),
+            vf_tool=SriovManage(args.sriov_manage or _sim_tool(args.sim, "sriov-manage", "gpud.sim.sriov_manage"),
+                                read_only=args.read_only),
         )
         args.udev_rules = args.udev_rules or str(Path(args.sim) / "etc/udev/rules.d/70-gpud-vfio.rules")
         args.nfd_features = args.nfd_features or str(Path(args.sim) / NFD_FEATURES.lstrip("/"))
@@ -114,10 +120,19 @@ def build_hardware(args: argparse.Namespace) -> tuple[Hardware, DeviceEventSourc
     args.boot_id_path = BOOT_ID_PATH
     hw = Hardware(sysfs=Sysfs("/sys", read_only=args.read_only), nvml=Nvml(read_only=args.read_only),
                   procs=Procs(read_only=args.read_only),
-                  reset=GpuReset(args.nvidia_smi or "nvidia-smi", read_only=args.read_only))
+                  reset=GpuReset(args.nvidia_smi or "nvidia-smi", read_only=args.read_only),
+                  vf_tool=SriovManage(args.sriov_manage or SRIOV_MANAGE, read_only=args.read_only))
     from gpud.host.udev import UdevEvents
 
     return hw, UdevEvents, args.lock or "/run/gpud/apply.lock"
+
+
+def _sim_tool(host_dir: str, name: str, module: str) -> str | list[str]:
+    """A simulated host's tool: the wrapper gpud-sim create wrote, or the module itself."""
+    wrapper = Path(host_dir) / "bin" / name
+    if wrapper.is_file():
+        return str(wrapper)
+    return [sys.executable, "-m", module, "--sim", os.path.abspath(host_dir)]
 
 
 def _sim_nvidia_smi(host_dir: str) -> str | list[str]:

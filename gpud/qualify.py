@@ -31,6 +31,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--output", metavar="PATH", help="also write the report here (PATH.json gets the JSON)")
     ap.add_argument("--nvidia-smi", metavar="PATH", help="nvidia-smi to run (default: the one on PATH; "
                     "with --sim, DIR/bin/nvidia-smi)")
+    ap.add_argument("--sriov-manage", metavar="PATH", help="NVIDIA's tool that enables a GPU's SR-IOV VFs "
+                    "(default /usr/lib/nvidia/sriov-manage; with --sim, DIR/bin/sriov-manage)")
     ap.add_argument("--sim", metavar="DIR", help="qualify the simulated host in DIR")
     ap.add_argument("--replay", metavar="CAPTURE", help="with --sim DIR: NVML answers from a real GPU's capture")
     ap.add_argument("--mutate", metavar="GPU", help="exercise every hardware path once on this idle GPU "
@@ -57,7 +59,8 @@ def _hardware(args: argparse.Namespace, read_only: bool):
     from gpud.daemon import build_hardware
 
     hw_args = argparse.Namespace(sim=args.sim, replay=args.replay, read_only=read_only, lock=args.lock,
-                                 udev_rules=None, nfd_features=None, nvidia_smi=args.nvidia_smi)
+                                 udev_rules=None, nfd_features=None, nvidia_smi=args.nvidia_smi,
+                                 sriov_manage=args.sriov_manage)
     hw, _events, lock = build_hardware(hw_args)
     return hw, lock
 

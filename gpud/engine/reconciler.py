@@ -40,7 +40,8 @@ from gpud.engine.reboot_policy import RebootPolicy
 from gpud.engine.scheduler import PassScheduler
 from gpud.host.logind import BOOT_ID_PATH, current_boot_id
 from gpud.host.nvidia_smi import KNOWN_HOLDERS, GpuReset
-from gpud.engine.vgpu_keeper import NAMES_FILE, VgpuKeeper, step_event
+from gpud.engine.vgpu_keeper import NAMES_FILE, VgpuKeeper, changes_vfs, step_event
+from gpud.host.sriov_manage import SriovManage
 from gpud.host.nvml import Nvml
 from gpud.host.procs import Procs
 from gpud.host.sysfs import Sysfs
@@ -66,6 +67,7 @@ class Hardware(msgspec.Struct):
     nvml: Nvml
     procs: Procs
     reset: GpuReset | None = None  # nvidia-smi -r for nvidia-bound GPUs; None: resets are left to the operator
+    vf_tool: SriovManage | None = None  # NVIDIA's sriov-manage: VFs on and off; None: VFs are not changed
 
 
 class Reconciler:
@@ -122,7 +124,7 @@ class Reconciler:
         self._listeners: list[Callable[[], None]] = []
         self.vgpus = VgpuKeeper(VgpuSysfs(hardware.sysfs, hardware.procs,
                                           names_file=os.path.join(state_dir, NAMES_FILE) if state_dir else None),
-                                state_dir if not read_only else None)
+                                state_dir if not read_only else None, vf_tool=hardware.vf_tool)
         # the one current observation: read off the loop, re-read on change and while clients ask
         self.observer = Observer(self._read_host, self._install, max_age=max_status_age,
                                  busy=lambda: bool(self._inflight))
@@ -629,7 +631,24 @@ class Reconciler:
             line, data = step_event(step)
             loop.call_soon_threadsafe(lambda: self.bus.publish("vgpu", line, gpu=gpu.pci, step=data))
 
-        return await self._in_worker(self.vgpus.run, gpu, action, on_step)
+        if not changes_vfs(action):
+            return await self._in_worker(self.vgpus.run, gpu, action, on_step)
+
+        def run_with_nvml_closed() -> GpuState:
+            self.hw.nvml.suspend()  # sriov-manage's unbind lock is refused while our session holds the GPU
+            try:
+                return self.vgpus.run(gpu, action, on_step, holders=self._lock_holders)
+            finally:
+                self.hw.nvml.resume()
+
+        async with self.nvml_gate.hold("closed"), self._drained(gpu):
+            return await self._in_worker(run_with_nvml_closed)
+
+    def _lock_holders(self, pci: str) -> list[Holder]:
+        """What keeps the driver's unbind lock from gpud: device node holders, else known services."""
+        holders = self._device_holders(pci)
+        seen = {h.pid for h in holders}
+        return holders + [h for h in self.hw.procs.running(KNOWN_HOLDERS) if h.pid not in seen]
 
     def _device_holders(self, pci: str) -> list[Holder]:
         """Processes with the GPU's device node open (persistenced, DCGM, X, CUDA): a reset must

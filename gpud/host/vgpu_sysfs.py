@@ -35,7 +35,8 @@ _VIRTFN = re.compile(r"virtfn(\d+)")
 MEANINGS: dict[tuple[str, int], str] = {
     ("sriov_numvfs", errno.ERANGE): "more VFs than the GPU's sriov_totalvfs",
     ("sriov_numvfs", errno.EBUSY): "VFs are enabled already (the count changes only from 0), or a VF still carries a vGPU",
-    ("sriov_numvfs", errno.ENOENT): "no driver bound to the GPU that can enable SR-IOV",
+    ("sriov_numvfs", errno.ENOENT): "the GPU's driver cannot enable SR-IOV through sysfs (nvidia has no "
+                                    "sriov_configure: NVIDIA's sriov-manage does it), or no driver is bound",
     ("current_vgpu_type", errno.EINVAL): "this type is not creatable on this VF now (its creatable list lacks it)",
     ("current_vgpu_type", errno.EBUSY): "the VF already carries a vGPU, or a VM holds it",
     ("create", errno.EEXIST): "an mdev with this UUID exists already",
@@ -264,6 +265,8 @@ class VgpuSysfs:
             raise VgpuError(e.errno or 0, text, e.path) from e
 
     def set_num_vfs(self, pf: str, count: int) -> None:
+        """The raw kernel write: refused (ENOENT) while nvidia is bound; gpud enables an NVIDIA GPU's
+        VFs through gpud.host.sriov_manage instead."""
         self._write(f"bus/pci/devices/{pf}/sriov_numvfs", str(count))
 
     def set_vf_type(self, vf: str, type_id: int) -> None:

@@ -64,6 +64,9 @@ def create(host_dir: str | os.PathLike, gpu_specs: list[str], mig_on: Sequence[i
                               f"{', '.join(catalog.vgpu_capable())}")
     lay_out(d, state)
     write_wrapper(d)
+    from gpud.sim.sriov_manage import write_wrapper as write_sriov_manage
+
+    write_sriov_manage(d)
     return state
 
 

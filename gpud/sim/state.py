@@ -165,6 +165,11 @@ class SimState(msgspec.Struct):
     boot_id: str = FIRST_BOOT_ID
     boots: int = 0  # reboots since `gpud-sim create`
     cuda_version: int = 13000
+    # Persistence mode: "off", "legacy" (`nvidia-smi -pm 1`, a driver flag per GPU) or "daemon"
+    # (nvidia-persistenced keeps the device nodes of the GPUs it persists open). `persistent`: the
+    # GPUs it is on for. Either way it counts as an attachment: `nvidia-smi -r` is refused.
+    persistence: str = "off"
+    persistent: list[str] = msgspec.field(default_factory=list)
 
 
 def count_reset(state: SimState, address: str, method: str) -> None:

@@ -24,7 +24,8 @@ PCI_ROOT = "devices/pci0000:00"
 NVIDIA = "nvidia"
 VFIO_PCI = "vfio-pci"
 # module name -> PCI driver name, where they differ (module names use "_", modprobe accepts both).
-MODULE_DRIVERS = {"vfio_pci": VFIO_PCI, "xhci_pci": "xhci_hcd", "nvidia_nvswitch": "nvidia-nvswitch"}
+MODULE_DRIVERS = {"vfio_pci": VFIO_PCI, "xhci_pci": "xhci_hcd", "nvidia_nvswitch": "nvidia-nvswitch",
+                  "pci_pf_stub": "pci-pf-stub"}
 # nvidia-caps minors (/proc/driver/nvidia-caps/mig-minors): 1 config, 2 monitor, then per GPU minor
 # 15 GIs x (GI access + 8 CI access).
 CAPS_PER_GI = 9

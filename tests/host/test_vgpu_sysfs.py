@@ -12,6 +12,7 @@ from gpud.host.vgpu_sysfs import VgpuSysfs, parse_creatable, qemu_vm_name
 from gpud.sim import host as sim_paths
 from gpud.sim.cli import create, hold
 from gpud.sim.state import load
+from tests.sim.vfs import set_vfs
 
 L40S, A100, T4 = "0000:18:00.0", "0000:2a:00.0", "0000:5d:00.0"
 
@@ -43,7 +44,7 @@ def test_reads_agree_with_the_state_file(tmp_path) -> None:
     create(d, ["l40s", "a100-pcie-40gb", "h200", "t4"], vgpu="vfio")
     a = adapter(d)
     assert [a.interface(p) for p in (L40S, A100, T4)] == ["sriov", "sriov", "mdev"]
-    a.set_num_vfs(L40S, 8)
+    set_vfs(d, L40S, 8)
     assert a.interface(L40S) == "vfio"
     vfs = [vf.address for vf in load(d).vgpu[L40S].vfs]
     first = a.read(L40S)
