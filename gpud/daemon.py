@@ -37,6 +37,8 @@ from gpud.host.procs import Procs
 from gpud.host.sysfs import Sysfs
 from gpud.loop_lag import LoopLagProbe
 
+PERSISTENCE_INTENT = "persistence-restore.json"  # in the state dir: GPUs whose persistence a reset left off
+
 log = logging.getLogger("gpud")
 VGPU_REBUILD_S = 60  # at most this long READY=1 waits for vGPUs to be rebuilt at start (TimeoutStartSec=90s)
 SWITCH_INTERVAL = 0.0005  # seconds a worker thread may keep the GIL while the loop wants it
@@ -153,6 +155,12 @@ class Daemon:
         self.bus = EventBus()
         self.hw, self.device_events, lock_path = build_hardware(args)
         Path(args.state_dir).mkdir(parents=True, exist_ok=True)
+        if self.hw.reset is not None and not args.read_only:
+            # persistence mode a previous gpud turned off for a reset and did not live to turn on again
+            self.hw.reset.intent_path = str(Path(args.state_dir) / PERSISTENCE_INTENT)
+            for pci in self.hw.reset.restore_pending():
+                self.bus.publish("persistence", f"persistence mode on again for {pci} (left off by an "
+                                                "interrupted reset)", gpu=pci)
         self.rec = Reconciler(
             self.hw, config_path=args.config, apply_lock=ApplyLock(lock_path), bus=self.bus,
             read_only=args.read_only, binder_timeout=args.unbind_timeout,

@@ -39,7 +39,7 @@ from gpud.engine.boot_rebuild import BootRebuild
 from gpud.engine.reboot_policy import RebootPolicy
 from gpud.engine.scheduler import PassScheduler
 from gpud.host.logind import BOOT_ID_PATH, current_boot_id
-from gpud.host.nvidia_smi import KNOWN_HOLDERS, GpuReset
+from gpud.host.nvidia_smi import KNOWN_HOLDERS, PERSISTENCED, GpuReset
 from gpud.engine.vgpu_keeper import NAMES_FILE, VgpuKeeper, changes_vfs, step_event
 from gpud.host.sriov_manage import SriovManage
 from gpud.host.nvml import Nvml
@@ -564,7 +564,7 @@ class Reconciler:
             outcome = await self._in_worker(
                 mig_executor.execute, self.hw.nvml, plan,
                 policy_reset=self.policy.reset if self.policy else "per-gpu", on_step=on_step,
-                holders=self._device_holders,
+                holders=self._reset_holders,
             )
         if outcome.done:
             self._mig_changed.add(gpu.pci)
@@ -657,6 +657,11 @@ class Reconciler:
         if minor is None:
             return []
         return [h for h in self.hw.procs.holders([f"/dev/nvidia{minor}"]) if h.pid != os.getpid()]
+
+    def _reset_holders(self, pci: str) -> list[Holder]:
+        """Holders a reset waits for: not nvidia-persistenced, whose hold on this GPU ends when the
+        reset turns persistence off for it (`nvidia-smi -pm 0 -i <PCI>`, gpud.host.nvidia_smi)."""
+        return [h for h in self._device_holders(pci) if not PERSISTENCED.startswith(h.name or "-")]
 
     def rebind_holders(self, gpu: Gpu) -> tuple[Holder, ...]:
         """Who loses the GPU when it leaves its driver (for `gpudctl plan`): processes with its

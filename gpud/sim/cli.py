@@ -29,7 +29,7 @@ import pynvml
 
 from gpud.pci import normalize_pci
 from gpud.sim import catalog
-from gpud.sim.state import SimProcess, SimState, locked, state_path
+from gpud.sim.state import PERSISTENCE_MODES, SimProcess, SimState, locked, state_path
 
 
 class SimCliError(Exception):
@@ -37,11 +37,12 @@ class SimCliError(Exception):
 
 
 def create(host_dir: str | os.PathLike, gpu_specs: list[str], mig_on: Sequence[int] = (),
-           nvswitch: bool = False, vgpu: str | None = None) -> SimState:
+           nvswitch: bool = False, vgpu: str | None = None, persistence: str = "legacy") -> SimState:
     """Write DIR/state.json for a new host, render its sysfs/dev/proc trees and write its
     nvidia-smi (DIR/bin/nvidia-smi). `nvswitch`: the GPUs sit on an HGX baseboard with NVSwitches
     (of the first GPU's architecture), where a GPU cannot be reset alone. `vgpu`: the host
-    interface ("vfio" or "mdev") of its vGPU-capable GPUs."""
+    interface ("vfio" or "mdev") of its vGPU-capable GPUs. `persistence`: "legacy" (`nvidia-smi -pm 1`,
+    as many hosts and the lent H200 run), "daemon" (nvidia-persistenced) or "off"; on for every GPU."""
     from gpud.sim.nvidia_smi import write_wrapper
     from gpud.sim.sysfs_tree import lay_out
 
@@ -62,6 +63,10 @@ def create(host_dir: str | os.PathLike, gpu_specs: list[str], mig_on: Sequence[i
         if not state.vgpu:
             raise SimCliError(f"--vgpu {vgpu}: none of these GPUs offers vGPU types; vGPU-capable models: "
                               f"{', '.join(catalog.vgpu_capable())}")
+    if persistence not in PERSISTENCE_MODES:
+        raise SimCliError(f"--persistence {persistence!r}: expected one of {', '.join(PERSISTENCE_MODES)}")
+    state.persistence = persistence
+    state.persistent = sorted(state.gpus) if persistence != "off" else []
     lay_out(d, state)
     write_wrapper(d)
     from gpud.sim.sriov_manage import write_wrapper as write_sriov_manage
@@ -253,6 +258,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="an HGX baseboard with NVSwitches: nvidia-smi refuses to reset one GPU alone")
     p.add_argument("--vgpu", choices=("vfio", "mdev"),
                    help="vGPU host interface of the vGPU-capable GPUs (cards without SR-IOV get mdev)")
+    p.add_argument("--persistence", choices=PERSISTENCE_MODES, default="legacy",
+                   help="persistence mode on every GPU: legacy (nvidia-smi -pm 1, the default), daemon "
+                   "(nvidia-persistenced holds the GPUs), off; while on, nvidia-smi -r is refused")
     for name in ("hold", "release"):
         p = sub.add_parser(name, help=f"{name} a GPU or MIG device as a process would")
         p.add_argument("dir")
@@ -305,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.cmd == "create":
             try:
-                create(args.dir, args.gpu, args.mig_on, args.nvswitch, args.vgpu)
+                create(args.dir, args.gpu, args.mig_on, args.nvswitch, args.vgpu, args.persistence)
             except catalog.CatalogError as e:
                 print(f"gpud-sim: {e}", file=sys.stderr)
                 return 2

@@ -16,6 +16,8 @@ from pathlib import Path
 import msgspec
 
 STATE_FILE = "state.json"
+PERSISTENCED_PID = 870  # the simulated nvidia-persistenced (`gpud-sim create --persistence daemon`)
+PERSISTENCE_MODES = ("off", "legacy", "daemon")
 FIRST_BOOT_ID = "00000000-0000-4000-8000-000000000001"
 LOCK_FILE = "state.lock"
 

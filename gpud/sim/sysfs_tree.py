@@ -18,7 +18,7 @@ from pathlib import Path
 
 from gpud import profiles
 from gpud.sim import pci_files, vgpu
-from gpud.sim.state import LOCK_FILE, SimFunction, SimState, locked, save
+from gpud.sim.state import LOCK_FILE, PERSISTENCED_PID, SimFunction, SimProcess, SimState, locked, save
 
 PCI_ROOT = "devices/pci0000:00"
 NVIDIA = "nvidia"
@@ -99,7 +99,15 @@ def gpu_holders(state: SimState, address: str) -> list:
     if gpu is not None:
         ids.add(gpu.uuid)
         ids |= {ci.uuid for gi in gpu.gis for ci in gi.cis}
-    return [p for p in state.processes if p.device in ids]
+    out = [p for p in state.processes if p.device in ids]
+    return out + persistenced_holders(state, address)
+
+
+def persistenced_holders(state: SimState, address: str) -> list:
+    """nvidia-persistenced, in daemon mode, keeps the device node of each GPU it persists open."""
+    if state.persistence != "daemon" or address not in state.persistent or not _nvidia_bound(state, address):
+        return []
+    return [SimProcess(pid=PERSISTENCED_PID, name="nvidia-persistenced", device=address)]
 
 
 def session_holders(state: SimState, address: str) -> list:
@@ -316,6 +324,10 @@ def desired_tree(host_dir: str | os.PathLike, state: SimState) -> dict[str, tupl
         opened.setdefault(proc.pid, (proc.name, []))[1].extend(process_devices(state, proc))
         if (line := vgpu.cmdline(proc)) is not None:
             cmdlines[proc.pid] = line
+    persisted = [a for a in state.persistent if persistenced_holders(state, a)]
+    if state.persistence == "daemon":
+        opened.setdefault(PERSISTENCED_PID, ("nvidia-persistenced", []))[1].extend(
+            ["nvidiactl"] + [f"nvidia{state.gpus[a].minor}" for a in persisted])
     for session in state.sessions:  # an open NVML session holds nvidiactl and its GPUs' nodes
         nodes = ["nvidiactl"] + [f"nvidia{state.gpus[a].minor}" for a in session.gpus
                                  if a in state.gpus and _nvidia_bound(state, a)]
