@@ -26,7 +26,7 @@ from gpud.host.nfd import read_features
 from gpud.model import Gpu, Holder, KnownGpu, MigProfile, Placement, VgpuDevice
 from gpud.plan.binding import BindingPlan, BindStep, plan_binding
 from gpud.plan.mig import Destroyed, GpuPlan, Step
-from gpud.plan.reset_scope import reset_takes_along
+from gpud.plan.reset_scope import FABRIC_MANAGER, nvswitches, reset_takes_along
 from gpud.plan.node_labels import advertised
 from gpud.plan.vgpu import VgpuStep
 from gpud.profiles import GI_PROFILE_INDEX, NVIDIA, ModelInfo, by_device, model_name
@@ -253,7 +253,10 @@ def _gpu_plan(rec: Reconciler, gpu: Gpu, desired: DesiredGpu, disruption: wire.D
             disruption.mode_changes.append(gpu.pci)
         if plan.reset:
             disruption.resets.append(gpu.pci)
-            along = reset_takes_along(gpu.pci, rec.observation.functions)
+            info = by_device(gpu.function.device)
+            fm = bool(rec.hw.procs.running((FABRIC_MANAGER,))) if nvswitches(rec.observation.functions) else None
+            along = reset_takes_along(gpu.pci, rec.observation.functions, arch=info.arch if info else None,
+                                      fabric_manager=fm)
             disruption.reset_with = sorted(set(disruption.reset_with) | set(along))
         if desired.workload == "vm-passthrough":
             entry.steps.append(wire.StepInfo(action="bind", driver="vfio-pci"))

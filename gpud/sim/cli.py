@@ -29,7 +29,7 @@ import pynvml
 
 from gpud.pci import normalize_pci
 from gpud.sim import catalog
-from gpud.sim.state import PERSISTENCE_MODES, SimProcess, SimState, locked, state_path
+from gpud.sim.state import FABRIC_MANAGER_STATES, PERSISTENCE_MODES, SimProcess, SimState, locked, state_path
 
 
 class SimCliError(Exception):
@@ -37,10 +37,12 @@ class SimCliError(Exception):
 
 
 def create(host_dir: str | os.PathLike, gpu_specs: list[str], mig_on: Sequence[int] = (),
-           nvswitch: bool = False, vgpu: str | None = None, persistence: str = "legacy") -> SimState:
+           nvswitch: bool = False, vgpu: str | None = None, persistence: str = "legacy",
+           fabric_manager: str = "running") -> SimState:
     """Write DIR/state.json for a new host, render its sysfs/dev/proc trees and write its
     nvidia-smi (DIR/bin/nvidia-smi). `nvswitch`: the GPUs sit on an HGX baseboard with NVSwitches
-    (of the first GPU's architecture), where a GPU cannot be reset alone. `vgpu`: the host
+    (of the first GPU's architecture) and `fabric_manager` ("running" or "stopped") says whether
+    nvidia-fabricmanager runs: on Ampere a GPU resets alone only while it does. `vgpu`: the host
     interface ("vfio" or "mdev") of its vGPU-capable GPUs. `persistence`: "legacy" (`nvidia-smi -pm 1`,
     as many hosts and the lent H200 run), "daemon" (nvidia-persistenced) or "off"; on for every GPU."""
     from gpud.sim.nvidia_smi import write_wrapper
@@ -66,6 +68,9 @@ def create(host_dir: str | os.PathLike, gpu_specs: list[str], mig_on: Sequence[i
     if persistence not in PERSISTENCE_MODES:
         raise SimCliError(f"--persistence {persistence!r}: expected one of {', '.join(PERSISTENCE_MODES)}")
     state.persistence = persistence
+    if fabric_manager not in FABRIC_MANAGER_STATES:
+        raise SimCliError(f"--fabric-manager {fabric_manager!r}: expected one of {', '.join(FABRIC_MANAGER_STATES)}")
+    state.fabric_manager = fabric_manager
     state.persistent = sorted(state.gpus) if persistence != "off" else []
     lay_out(d, state)
     write_wrapper(d)
@@ -255,7 +260,10 @@ def _parser() -> argparse.ArgumentParser:
                    help=f"models: {', '.join(catalog.offered())}")
     p.add_argument("--mig-on", type=int, nargs="+", action="extend", default=[], metavar="INDEX")
     p.add_argument("--nvswitch", action="store_true",
-                   help="an HGX baseboard with NVSwitches: nvidia-smi refuses to reset one GPU alone")
+                   help="an HGX baseboard with NVSwitches (and nvidia-fabricmanager, see --fabric-manager)")
+    p.add_argument("--fabric-manager", choices=FABRIC_MANAGER_STATES,
+                   help="with --nvswitch: nvidia-fabricmanager running (default) or stopped; on Ampere a GPU "
+                   "resets alone only while it runs, Hopper and later do not depend on it")
     p.add_argument("--vgpu", choices=("vfio", "mdev"),
                    help="vGPU host interface of the vGPU-capable GPUs (cards without SR-IOV get mdev)")
     p.add_argument("--persistence", choices=PERSISTENCE_MODES, default="legacy",
@@ -313,7 +321,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.cmd == "create":
             try:
-                create(args.dir, args.gpu, args.mig_on, args.nvswitch, args.vgpu, args.persistence)
+                if args.fabric_manager and not args.nvswitch:
+                    raise SimCliError("--fabric-manager needs --nvswitch (Fabric Manager runs on NVSwitch hosts)")
+                create(args.dir, args.gpu, args.mig_on, args.nvswitch, args.vgpu, args.persistence,
+                       args.fabric_manager or "running")
             except catalog.CatalogError as e:
                 print(f"gpud-sim: {e}", file=sys.stderr)
                 return 2

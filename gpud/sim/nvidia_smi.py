@@ -19,9 +19,10 @@ captured output shows (docs/hardware/gpu-reset.md has the sources):
   legacy mode (`-pm 1`, a driver flag) as with nvidia-persistenced (which holds the device node);
   `-pm 0 -i <GPU>` turns it off ("Disabled persistence mode for GPU ...", "All done."), through the
   daemon when one runs;
-- on an NVSwitch system (`gpud-sim create --nvswitch`) a reset that leaves out a GPU of the NVLink
-  fabric is refused (exit 3), naming the GPUs that must be reset with it, as nvidia-smi's manual says
-  it does where a GPU cannot be reset alone;
+- on an NVSwitch system (`gpud-sim create --nvswitch`) nvidia-smi(1)'s `-r` rule by architecture:
+  Ampere with Fabric Manager running resets each GPU on its own; Ampere with Fabric Manager stopped
+  (`--fabric-manager stopped`) refuses a reset that leaves out an NVLink peer (exit 3), naming the
+  GPUs that must be reset with it; Hopper and later have no such dependency;
 - otherwise each GPU is reset as the driver would (a pending MIG mode takes effect; MIG off drops
   the GPU instances), counted in the state's `resets[<pci>]["nvidia-smi"]`, and the real tool's
   "GPU 00000000:18:00.0 was successfully reset." is printed.
@@ -63,6 +64,12 @@ def nvswitches(state: SimState) -> list[str]:
     from gpud.sim.catalog import is_nvswitch
 
     return sorted(a for a, f in state.functions.items() if f.present and is_nvswitch(f))
+
+
+def catalog_arch(state: SimState, address: str) -> str:
+    from gpud.profiles import MODELS
+
+    return MODELS[state.gpus[address].model].arch
 
 
 def resolve(state: SimState, ident: str) -> str | None:
@@ -119,7 +126,8 @@ def reset(host_dir: str | os.PathLike, ids: list[str] | None, out=sys.stdout, er
         if not targets:
             print("No devices were found", file=out)
             return EXIT_NOT_FOUND
-        if nvswitches(state):
+        if nvswitches(state) and state.fabric_manager != "running" and any(
+                catalog_arch(state, a) == "ampere" for a in targets):
             left_out = [a for a in nvml_gpus(state) if a not in targets]
             if left_out:
                 print(f"Unable to reset GPU {', '.join(bus_id(a) for a in targets)}: it is NVLink-connected "

@@ -18,6 +18,8 @@ import msgspec
 STATE_FILE = "state.json"
 PERSISTENCED_PID = 870  # the simulated nvidia-persistenced (`gpud-sim create --persistence daemon`)
 PERSISTENCE_MODES = ("off", "legacy", "daemon")
+FABRIC_MANAGER_PID = 871  # the simulated nv-fabricmanager process (NVSwitch hosts, when running)
+FABRIC_MANAGER_STATES = ("running", "stopped")
 FIRST_BOOT_ID = "00000000-0000-4000-8000-000000000001"
 LOCK_FILE = "state.lock"
 
@@ -171,6 +173,9 @@ class SimState(msgspec.Struct):
     # (nvidia-persistenced keeps the device nodes of the GPUs it persists open). `persistent`: the
     # GPUs it is on for. Either way it counts as an attachment: `nvidia-smi -r` is refused.
     persistence: str = "off"
+    # nvidia-fabricmanager on an NVSwitch host (`--fabric-manager running|stopped`): on Ampere it
+    # decides whether a GPU resets alone (nvidia-smi(1), -r)
+    fabric_manager: str = "running"
     persistent: list[str] = msgspec.field(default_factory=list)
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from gpud import profiles
 from gpud.sim import pci_files, vgpu
-from gpud.sim.state import LOCK_FILE, PERSISTENCED_PID, SimFunction, SimProcess, SimState, locked, save
+from gpud.sim.state import FABRIC_MANAGER_PID, LOCK_FILE, PERSISTENCED_PID, SimFunction, SimProcess, SimState, locked, save
 
 PCI_ROOT = "devices/pci0000:00"
 NVIDIA = "nvidia"
@@ -108,6 +108,12 @@ def persistenced_holders(state: SimState, address: str) -> list:
     if state.persistence != "daemon" or address not in state.persistent or not _nvidia_bound(state, address):
         return []
     return [SimProcess(pid=PERSISTENCED_PID, name="nvidia-persistenced", device=address)]
+
+
+def fabric_manager_runs(state: SimState) -> bool:
+    from gpud.sim.catalog import is_nvswitch
+
+    return state.fabric_manager == "running" and any(f.present and is_nvswitch(f) for f in state.functions.values())
 
 
 def session_holders(state: SimState, address: str) -> list:
@@ -324,6 +330,8 @@ def desired_tree(host_dir: str | os.PathLike, state: SimState) -> dict[str, tupl
         opened.setdefault(proc.pid, (proc.name, []))[1].extend(process_devices(state, proc))
         if (line := vgpu.cmdline(proc)) is not None:
             cmdlines[proc.pid] = line
+    if fabric_manager_runs(state):  # it opens the NVSwitches' nodes, no GPU's (not modelled here)
+        opened.setdefault(FABRIC_MANAGER_PID, ("nv-fabricmanager", []))
     persisted = [a for a in state.persistent if persistenced_holders(state, a)]
     if state.persistence == "daemon":
         opened.setdefault(PERSISTENCED_PID, ("nvidia-persistenced", []))[1].extend(

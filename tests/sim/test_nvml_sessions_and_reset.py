@@ -225,9 +225,9 @@ def test_reset_of_a_gpu_off_nvidia_is_not_found(tmp_path):
     assert r.returncode == 6 and resets(d) == {}
 
 
-def test_nvswitch_system_refuses_a_single_gpu_reset(tmp_path):
+def test_ampere_nvswitch_system_without_fabric_manager_refuses_a_single_gpu_reset(tmp_path):
     d = tmp_path / "host"
-    create(d, ["a100-80gb:2"], nvswitch=True, persistence="off")
+    create(d, ["a100-80gb:2"], nvswitch=True, persistence="off", fabric_manager="stopped")
     switches = [f for f in load(d).functions.values() if f.class_code == 0x068000]
     assert len(switches) == 6 and {f.device for f in switches} == {0x1AF1}  # pci.ids: GA100 [A100 NVSwitch]
     pend_mig_on(d, GPU0)
@@ -238,3 +238,16 @@ def test_nvswitch_system_refuses_a_single_gpu_reset(tmp_path):
     assert r.returncode == 0 and load(d).gpus[GPU0].mig_mode == 1
     assert resets(d) == {GPU0: {"nvidia-smi": 1}, GPU1: {"nvidia-smi": 1}}
 
+
+
+@pytest.mark.parametrize(("model", "fm"), [("a100-80gb", "running"), ("h100-80gb", "running"), ("h100-80gb", "stopped")])
+def test_nvswitch_gpu_resets_alone_with_fabric_manager_or_on_hopper(tmp_path, model, fm):
+    """nvidia-smi(1) -r: Ampere with Fabric Manager running, and Hopper whatever it does."""
+    d = tmp_path / "host"
+    create(d, [f"{model}:2"], nvswitch=True, persistence="off", fabric_manager=fm)
+    comm = d / "proc" / "871" / "comm"
+    assert (comm.exists() and comm.read_text() == "nv-fabricmanage\n") == (fm == "running")
+    pend_mig_on(d, GPU0)
+    r = nvidia_smi(d, "-r", "-i", GPU0)
+    assert r.returncode == 0, r.stdout
+    assert resets(d) == {GPU0: {"nvidia-smi": 1}} and load(d).gpus[GPU0].mig_mode == 1
