@@ -45,7 +45,7 @@ from gpud.host.sriov_manage import SriovManage
 from gpud.host.nvml import Nvml
 from gpud.host.procs import Procs
 from gpud.host.sysfs import Sysfs
-from gpud.host.vgpu_sysfs import VgpuSysfs
+from gpud.host.vgpu_sysfs import VgpuSysfs, vfio_cdevs
 from gpud.layout.desired import DesiredGpu
 from gpud.layout.parse import ParsedLayout
 from gpud.layout.resolve import Resolution, resolve
@@ -672,8 +672,11 @@ class Reconciler:
         minor = self.hw.procs.nvidia_minor(gpu.pci) if gpu.function.driver == "nvidia" else None
         if minor is not None:
             paths.append(f"/dev/nvidia{minor}")
-        if gpu.function.driver == "vfio-pci" and gpu.function.iommu_group is not None:
-            paths.append(f"/dev/vfio/{gpu.function.iommu_group}")
+        if gpu.function.driver == "vfio-pci":
+            if gpu.function.iommu_group is not None:
+                paths.append(f"/dev/vfio/{gpu.function.iommu_group}")
+            device_dir = os.path.join(self.hw.sysfs.root, "bus/pci/devices", gpu.pci)
+            paths += [f"/dev/vfio/devices/{n}" for n in vfio_cdevs(device_dir)]  # an iommufd VMM's
         listed = list(self.hw.procs.holders(paths)) if paths else []
         if gpu.nvml is not None:
             listed += list(gpu.nvml.processes) + [h for gi in gpu.nvml.instances for h in gi.holders]

@@ -82,6 +82,14 @@ def parse_creatable(text: str) -> list[tuple[int, str]]:
     return out
 
 
+def vfio_cdevs(device_dir: str) -> list[str]:
+    """The vfio cdev names (`vfioN`) a device's sysfs directory lists under `vfio-dev/`."""
+    try:
+        return sorted(e for e in os.listdir(os.path.join(device_dir, "vfio-dev")) if e.startswith("vfio"))
+    except OSError:
+        return []
+
+
 def qemu_vm_name(proc_root: str, pid: int) -> str | None:
     """The guest name of a qemu process: `-name guest=web-1,debug-threads=on` or `-name web-1`."""
     try:
@@ -180,10 +188,16 @@ class VgpuSysfs:
         except (OSError, ValueError):
             return None
 
-    def _holders(self, group: int | None, device: str) -> tuple[Holder, ...]:
-        if group is None:
+    def _holders(self, group: int | None, device: str, path: str | None = None) -> tuple[Holder, ...]:
+        """Processes with the vGPU open: through /dev/vfio/<group>, or through its vfio cdev
+        (`<dev>/vfio-dev/vfioN` -> /dev/vfio/devices/vfioN, kernels 6.8+), which an iommufd VMM
+        opens instead of the group."""
+        paths = [f"/dev/vfio/{group}"] if group is not None else []
+        if path is not None:
+            paths += [f"/dev/vfio/devices/{n}" for n in vfio_cdevs(path)]
+        if not paths:
             return ()
-        found = self.procs.holders([f"/dev/vfio/{group}"])
+        found = self.procs.holders(paths)
         return tuple(Holder(pid=h.pid, name=h.name, device=device,
                             vm=qemu_vm_name(self.procs.proc_root, h.pid)) for h in found)
 
@@ -208,7 +222,7 @@ class VgpuSysfs:
                     group = self._group(self._dev(vf))
                     devices.append(VgpuDevice(type=self._name_of(device, current), parent=vf, vf=vf,
                                               type_id=current, gi=gi if gi >= 0 else None, vfio_group=group,
-                                              holders=self._holders(group, vf)))
+                                              holders=self._holders(group, vf, self._dev(vf))))
                     continue
                 for type_id, name in pairs:
                     counts.setdefault(name, [type_id, 0])[1] += 1
@@ -237,7 +251,7 @@ class VgpuSysfs:
                     name = strip_prefix(_read(os.path.join(tdir, tname, "name")) or tname)
                     group = self._group(mpath)
                     devices.append(VgpuDevice(type=name, parent=parent, uuid=e, type_id=_int(tname.rpartition("-")[2], -1),
-                                              vfio_group=group, holders=self._holders(group, e),
+                                              vfio_group=group, holders=self._holders(group, e, mpath),
                                               gi=self._mdev_gi(mpath)))
         offers = []
         for name, (type_id, n) in counts.items():

@@ -126,13 +126,20 @@ def _emit_change(host_dir: Path, state: SimState, address: str) -> None:
 
 
 def hold(host_dir: str | os.PathLike, device: str, pid: int, name: str | None = None,
-         vm: str | None = None) -> str:
+         vm: str | None = None, cdev: bool = False) -> str:
+    """A process opens DEVICE; `cdev`: through its vfio cdev (/dev/vfio/devices/vfioN, as an
+    iommufd VMM does) instead of /dev/vfio/<group>."""
+    from gpud.sim.sysfs_tree import vfio_cdevs
+
     d = Path(host_dir)
     with locked(d) as st:
         stored, gpu = resolve_device(st, device)
+        if cdev and stored not in vfio_cdevs(st):
+            raise SimCliError(f"{device} has no vfio cdev (only a function on vfio-pci, a VF with a vGPU type "
+                              "or an mdev has one)")
         if not any(p.pid == pid and p.device == stored for p in st.processes):
             st.processes.append(SimProcess(pid=pid, name=name or ("qemu-system-x86" if vm else f"proc{pid}"),
-                                           device=stored, real=os.path.exists(f"/proc/{pid}"), vm=vm))
+                                           device=stored, real=os.path.exists(f"/proc/{pid}"), vm=vm, cdev=cdev))
         _after_holder_change(d, st, gpu)
     _emit_change(d, st, gpu)
     return stored
@@ -277,6 +284,8 @@ def _parser() -> argparse.ArgumentParser:
         if name == "hold":
             p.add_argument("--name")
             p.add_argument("--vm", help="the holder is a VM of this name (qemu command line -name guest=NAME)")
+            p.add_argument("--cdev", action="store_true",
+                           help="open the vfio device's cdev (/dev/vfio/devices/vfioN, iommufd) instead of its group")
     p = sub.add_parser("fault", help="make the nth next call of an NVML function fail")
     p.add_argument("dir")
     p.add_argument("function")
@@ -329,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"gpud-sim: {e}", file=sys.stderr)
                 return 2
         elif args.cmd == "hold":
-            hold(args.dir, args.device, args.pid, args.name, args.vm)
+            hold(args.dir, args.device, args.pid, args.name, args.vm, args.cdev)
         elif args.cmd == "release":
             release(args.dir, args.device, args.pid)
         elif args.cmd == "fault":

@@ -50,6 +50,7 @@ class SimProcess(msgspec.Struct):
     # listing it once it exits, so waiting on a holder's exit can be tested end to end.
     real: bool = False
     vm: str | None = None  # a VM's name: the process shows a qemu command line with `-name guest=<vm>`
+    cdev: bool = False  # holds a vfio device through /dev/vfio/devices/vfioN (iommufd), not its group
 
 
 def _alive(pid: int) -> bool:

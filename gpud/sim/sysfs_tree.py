@@ -130,8 +130,30 @@ def vfio_holders(state: SimState, group: int | None) -> list:
     return [p for p in state.processes if p.device in addrs]
 
 
+VFIO_CDEV_MAJOR = 511  # dynamic; the number is not what a reader keys on
+
+
+def vfio_cdevs(state: SimState) -> dict[str, tuple[str, int]]:
+    """Kernels 6.8+ (CONFIG_VFIO_DEVICE_CDEV) give every vfio device a cdev besides its group:
+    `<dev>/vfio-dev/vfioN` and `/dev/vfio/devices/vfioN`; an iommufd VMM opens only that. The vfio
+    devices: PCI functions on vfio-pci, VFs carrying a vGPU type, mdevs. Device (PCI address or
+    mdev UUID) -> (its sysfs directory under sys/, N), N in device order."""
+    found: list[tuple[str, str]] = []
+    for a, fn in sorted(present(state).items()):
+        if fn.driver == VFIO_PCI:
+            found.append((a, f"{PCI_ROOT}/{a}"))
+    for v in state.vgpu.values():
+        found += [(vf.address, f"{PCI_ROOT}/{vf.address}") for vf in v.vfs if vf.vgpu_type]
+        found += [(m.uuid, f"{PCI_ROOT}/{m.parent}/{m.uuid}") for m in v.mdevs]
+    return {dev: (sysdir, n) for n, (dev, sysdir) in enumerate(sorted(found))}
+
+
 def process_devices(state: SimState, proc) -> list[str]:
-    """Device paths (relative to DIR/dev) a SimProcess has open, as the kernel would show them."""
+    """Device paths (relative to DIR/dev) a SimProcess has open, as the kernel would show them: a
+    VMM holding a vfio device through its cdev (`gpud-sim hold --cdev`) has only that open."""
+    if proc.cdev:
+        got = vfio_cdevs(state).get(proc.device)
+        return [f"vfio/devices/vfio{got[1]}"] if got is not None else []
     held_vgpu = vgpu.process_devices(state, proc)
     if held_vgpu is not None:
         return held_vgpu
@@ -316,6 +338,13 @@ def desired_tree(host_dir: str | os.PathLike, state: SimState) -> dict[str, tupl
                     for ci in gi.cis:
                         f(f"dev/nvidia-caps/nvidia-cap{cap_minor(gpu.minor, gi.id, ci.id)}", "", 0o444)
 
+    for device, (sysdir, n) in vfio_cdevs(state).items():  # iommufd: one cdev per vfio device
+        d(f"sys/{sysdir}/vfio-dev")
+        d(f"sys/{sysdir}/vfio-dev/vfio{n}")
+        f(f"sys/{sysdir}/vfio-dev/vfio{n}/dev", f"{VFIO_CDEV_MAJOR}:{n}\n")
+        d("dev/vfio")
+        d("dev/vfio/devices")
+        f(f"dev/vfio/devices/vfio{n}", "", 0o600)
     groups = vfio_groups(state)
     if VFIO_PCI in drivers:
         d("dev/vfio")

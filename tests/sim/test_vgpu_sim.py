@@ -12,7 +12,7 @@ import pytest
 
 from gpud.host.sysfs import Sysfs, SysfsError
 from gpud.sim import host as sim_host_paths
-from gpud.sim.cli import create, hold, main, release
+from gpud.sim.cli import SimCliError, create, hold, main, release
 from gpud.sim.kernel import Store
 from gpud.sim.state import SimGi, load, locked
 from gpud.sim.sysfs_tree import render
@@ -284,7 +284,7 @@ def test_hold_names_mdevs_and_vfs(vfio_host, capsys) -> None:
     assert main(["hold", str(vfio_host), MDEV_UUID.upper(), "--pid", "31337", "--vm", "win-7"]) == 0
     procs = json.loads(open(os.path.join(vfio_host, "state.json")).read())["processes"]
     assert procs == [{"pid": 31337, "name": "qemu-system-x86", "device": MDEV_UUID, "used_mb": 256, "real": False,
-                      "vm": "win-7"}]
+                      "vm": "win-7", "cdev": False}]
 
 
 def test_nvml_refuses_mig_changes_under_vgpus(tmp_path) -> None:
@@ -352,3 +352,21 @@ def test_clear_for_reboot_drops_vfs_vgpus_and_their_vms(vfio_host) -> None:
     set_vfs(vfio_host, L40S, 2)
     assert [v.vgpu_type for v in load(vfio_host).vgpu[L40S].vfs] == [0, 0]
     assert read(vfio_host, f"bus/pci/devices/{T4}/mdev_supported_types/nvidia-230/available_instances") == "16\n"
+
+
+def test_vfio_devices_have_a_cdev_and_hold_cdev_opens_only_it(vfio_host) -> None:
+    """Kernels 6.8+: `<dev>/vfio-dev/vfioN` and /dev/vfio/devices/vfioN beside the group node."""
+    fs = sysfs(vfio_host)
+    set_vfs(vfio_host, L40S, 2)
+    vf = load(vfio_host).vgpu[L40S].vfs[1].address
+    assert not os.path.exists(os.path.join(vfio_host, "sys/bus/pci/devices", vf, "vfio-dev"))  # no type: no vfio device
+    with pytest.raises(SimCliError):
+        hold(vfio_host, vf, 4242, vm="web-1", cdev=True)
+    type_id = next(i for i, n in creatable(vfio_host, vf) if n == "NVIDIA L40S-24Q")
+    fs.write(f"bus/pci/devices/{vf}/nvidia/current_vgpu_type", str(type_id))
+    assert os.listdir(os.path.join(vfio_host, "sys/bus/pci/devices", vf, "vfio-dev")) == ["vfio0"]
+    assert os.path.exists(os.path.join(vfio_host, "dev/vfio/devices/vfio0"))
+    hold(vfio_host, vf, 4242, vm="web-1", cdev=True)
+    fd = os.path.join(vfio_host, "proc/4242/fd")
+    assert [os.readlink(os.path.join(fd, n)).rsplit("/dev/", 1)[1] for n in os.listdir(fd)] == ["vfio/devices/vfio0"]
+    assert write_err(fs, f"bus/pci/devices/{vf}/nvidia/current_vgpu_type", "0") == errno.EBUSY  # held all the same
