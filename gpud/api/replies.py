@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import msgspec
+
 from gpud import VERSION
 from gpud.api import wire
 from gpud.engine.node_labels_out import LabelsOut
@@ -274,7 +276,9 @@ def _gpu_plan(rec: Reconciler, gpu: Gpu, desired: DesiredGpu, disruption: wire.D
         if desired.workload != "vm-vgpu":
             entry.steps.append(wire.StepInfo(action="then-workload", message=f"then {desired.workload}"))
         if desired.workload == "vm-passthrough":
-            then = plan_binding(gpu, desired.workload, drivers=frozenset(rec.hw.sysfs.drivers()))
+            # the rebind comes after this plan's removals, which disable the VFs vfio-pci would refuse
+            after = msgspec.structs.replace(gpu, vgpu=None) if any(s.action == "disable-vfs" for s in vplan.steps) else gpu
+            then = plan_binding(after, desired.workload, drivers=frozenset(rec.hw.sysfs.drivers()))
             _add_rebind(rec, gpu, then, disruption)
     elif isinstance(action, BindAction):
         entry.steps = [bind_step(s) for s in action.plan.steps]

@@ -39,6 +39,12 @@ MEANINGS: dict[tuple[str, int], str] = {
                                     "sriov_configure: NVIDIA's sriov-manage does it), or no driver is bound",
     ("current_vgpu_type", errno.EINVAL): "this type is not creatable on this VF now (its creatable list lacks it)",
     ("current_vgpu_type", errno.EBUSY): "the VF already carries a vGPU, or a VM holds it",
+    ("current_vgpu_type", errno.EIO): "the driver failed to set up the vGPU: for a MIG-backed type check that its "
+                                      "GPU instance exists (enabling VFs through sriov-manage destroys every "
+                                      "GPU instance), then the kernel log (NVRM lines) and nvidia-vgpu-mgr",
+    ("current_vgpu_type", errno.EPERM): "the driver does not permit this change on this VF: check that the VF is "
+                                        "on nvidia, that the GPU's mode fits the type (MIG mode on for MIG-backed "
+                                        "types, off for time-sliced ones) and that nvidia-vgpu-mgr runs",
     ("create", errno.EEXIST): "an mdev with this UUID exists already",
     ("create", errno.EINVAL): "not a UUID",
     ("create", errno.ENOSPC): "no instance of this type is available on this parent",

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import os
 
+import pytest
+
 from gpud.host.procs import Procs
 from gpud.host.sysfs import Sysfs
 from gpud.host.vgpu_sysfs import VgpuSysfs, parse_creatable, qemu_vm_name
@@ -81,3 +83,24 @@ def test_mdev_devices_and_offers(tmp_path) -> None:
     assert {o.type: o.creatable for o in state.offers}["T4-1Q"] == 0
     a.remove_mdev("0b5e4c1a-7d0e-4f0a-9a3e-2d5f6a7b8c90")
     assert load(d).vgpu[pf].mdevs == []
+
+
+def test_current_vgpu_type_eio_and_eperm_say_what_to_check(tmp_path) -> None:
+    """Errors the simulator never makes, as hardware returns them: each has its own meaning."""
+    import errno as errno_mod
+
+    from gpud.host.vgpu_sysfs import VgpuError
+
+    d = tmp_path / "h"
+    create(d, ["l40s"], vgpu="vfio")
+    set_vfs(d, L40S, 2)
+    vf = load(d).vgpu[L40S].vfs[0].address
+    h = sim_paths(d)
+    for code, words in ((errno_mod.EIO, "GPU instance exists"), (errno_mod.EPERM, "MIG mode on")):
+        def store(path, data, code=code):
+            raise OSError(code, os.strerror(code), str(path))
+
+        a = VgpuSysfs(Sysfs(str(h.sys_root), store=store), Procs(str(h.proc_root), str(h.dev_root)))
+        with pytest.raises(VgpuError) as info:
+            a.set_vf_type(vf, 1145)
+        assert info.value.errno == code and words in str(info.value), str(info.value)

@@ -370,3 +370,16 @@ def test_vfio_devices_have_a_cdev_and_hold_cdev_opens_only_it(vfio_host) -> None
     fd = os.path.join(vfio_host, "proc/4242/fd")
     assert [os.readlink(os.path.join(fd, n)).rsplit("/dev/", 1)[1] for n in os.listdir(fd)] == ["vfio/devices/vfio0"]
     assert write_err(fs, f"bus/pci/devices/{vf}/nvidia/current_vgpu_type", "0") == errno.EBUSY  # held all the same
+
+
+def test_vfio_pci_refuses_a_pf_with_vfs_enabled(vfio_host) -> None:
+    """vfio_pci_probe: "Cannot bind to PF with SR-IOV enabled" -> EBUSY; with the VFs gone it binds."""
+    fs = sysfs(vfio_host)
+    set_vfs(vfio_host, L40S, 2)
+    fs.write(f"bus/pci/devices/{L40S}/driver_override", "vfio-pci")
+    fs.write("bus/pci/drivers/nvidia/unbind", L40S)
+    from gpud.sim.kernel import modprobe
+
+    modprobe(vfio_host, "vfio-pci")
+    assert load(vfio_host).functions[L40S].driver is None  # the module's probe did not take it
+    assert write_err(fs, "bus/pci/drivers/vfio-pci/bind", L40S) == errno.EBUSY
