@@ -209,10 +209,17 @@ def locked(host_dir: str | os.PathLike, *, write: bool = True) -> Iterator[SimSt
     try:
         fcntl.flock(fd, fcntl.LOCK_EX if write else fcntl.LOCK_SH)
         state = load(host_dir)
+        before = len(state.processes) + len(state.sessions)
         state.processes = [p for p in state.processes if not p.real or _alive(p.pid)]
         state.sessions = [s for s in state.sessions if _alive(s.pid)]
+        gone = len(state.processes) + len(state.sessions) != before
         yield state
         if write:
             save(host_dir, state)
+            if gone:
+                # the kernel closed a dead process's files: its DIR/proc entry goes with it
+                from gpud.sim.sysfs_tree import render
+
+                render(host_dir, state)
     finally:
         os.close(fd)

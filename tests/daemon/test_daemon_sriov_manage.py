@@ -48,3 +48,27 @@ def test_vfs_come_through_sriov_manage_and_a_holder_of_the_unbind_lock_is_named(
     events = d.ctl("events").stdout
     assert "enabled VFs" in events
 
+
+
+def test_a_vm_that_dies_without_release_lets_the_type_change_finish(daemon) -> None:
+    """The walk: a VM holds a vGPU, a type change waits and names it, the VM process is killed (no
+    `gpud-sim release`), the change finishes: its DIR/proc entry goes as the kernel closes its files."""
+    d = daemon(["l40s"], LAYOUT, vgpu="vfio")
+    assert d.ctl("apply", "--wait", "--timeout", "120").returncode == 0
+    vf = next(vf.address for vf in load(d.host).vgpu[L40S].vfs if vf.vgpu_type)
+    vm = subprocess.Popen(["sleep", "600"])
+    try:
+        assert d.sim("hold", vf, "--pid", str(vm.pid), "--vm", "web-1").returncode == 0
+        assert (d.host / "proc" / str(vm.pid)).is_dir()
+        d.config.write_text(LAYOUT.replace('"L40S-12Q": 4', '"L40S-24Q": 2'))
+        wait_until(lambda: _gpu(d)["state"] == "waiting", 60, "waiting on the VM")
+        assert "web-1" in _gpu(d)["message"] and vf in _gpu(d)["message"]
+        vm.kill()
+        vm.wait()
+        wait_until(lambda: _gpu(d)["state"] == "converged", 60, "the change finished after the VM died")
+    finally:
+        vm.kill()
+        vm.wait()
+    assert not (d.host / "proc" / str(vm.pid)).exists()
+    st = load(d.host)
+    assert sum(1 for x in st.vgpu[L40S].vfs if x.vgpu_type) == 2 and st.processes == []
