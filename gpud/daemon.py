@@ -30,8 +30,11 @@ from gpud.engine.observe.observer import DEFAULT_MAX_AGE
 from gpud.engine.reconciler import Reconciler
 from gpud.engine.binding.udev_rules import UdevRules
 from gpud.hardware import HostConfig, build_hardware
+from gpud.host.sriov_manage import DEFAULT_PATH as SRIOV_MANAGE
 from gpud.host.nvml import NvmlError
 from gpud.loop_lag import LoopLagProbe
+
+PERSISTENCE_INTENT = "persistence-restore.json"  # in the state dir: GPUs whose persistence a reset left off
 
 if TYPE_CHECKING:  # imported with --kube-node only (they need gpud[kube])
     from gpud.engine.kube.agent import KubeAgent
@@ -61,6 +64,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--unbind-timeout", type=float, default=30.0, help="seconds before an unbind is declared stuck")
     ap.add_argument("--nvidia-smi", metavar="PATH", help="the nvidia-smi that resets a GPU bound to nvidia "
                     "(`-r -i <PCI>`; default nvidia-smi from PATH, or DIR/bin/nvidia-smi with --sim)")
+    ap.add_argument("--sriov-manage", metavar="PATH", help="NVIDIA's tool that enables and disables a GPU's "
+                    f"SR-IOV VFs (`-e|-d <PCI>`; default {SRIOV_MANAGE}, or DIR/bin/sriov-manage with --sim)")
     ap.add_argument("--status-max-age", type=float, default=DEFAULT_MAX_AGE, metavar="S",
                     help="while clients ask for status, re-read the host when the observation is older "
                     f"than S seconds (default {DEFAULT_MAX_AGE:g}); changes gpud makes or hears of are "
@@ -89,7 +94,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def host_config(args: argparse.Namespace) -> HostConfig:
     """The host the command line names; the daemon's arguments themselves stay as parsed."""
     return HostConfig(sim=args.sim, replay=args.replay, read_only=args.read_only, lock=args.lock,
-                      udev_rules=args.udev_rules, nfd_features=args.nfd_features, nvidia_smi=args.nvidia_smi)
+                      udev_rules=args.udev_rules, nfd_features=args.nfd_features, nvidia_smi=args.nvidia_smi,
+                      sriov_manage=args.sriov_manage)
 
 
 class Daemon:
@@ -103,6 +109,12 @@ class Daemon:
         self.host = build_hardware(host_config(args))
         self.hw, self.device_events = self.host.hw, self.host.device_events
         Path(args.state_dir).mkdir(parents=True, exist_ok=True)
+        if self.hw.reset is not None and not args.read_only:
+            # persistence mode a previous gpud turned off for a reset and did not live to turn on again
+            self.hw.reset.intent_path = str(Path(args.state_dir) / PERSISTENCE_INTENT)
+            for pci in self.hw.reset.restore_pending():
+                self.bus.publish("persistence", f"persistence mode on again for {pci} (left off by an "
+                                                "interrupted reset)", gpu=pci)
         self.rec = Reconciler(
             self.hw, config_path=args.config, apply_lock=ApplyLock(self.host.lock_path), bus=self.bus,
             read_only=args.read_only, binder_timeout=args.unbind_timeout,

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import msgspec
+
 from gpud import VERSION
 from gpud.api import wire
 from gpud.engine.gpu_state import BindAction, GpuState, MigAction, VgpuAction
@@ -26,8 +28,8 @@ from gpud.layout.resolve import Resolution
 from gpud.model import Gpu, Holder, KnownGpu, MigProfile, Placement, VgpuDevice
 from gpud.plan.binding import BindingPlan, BindStep, plan_binding
 from gpud.plan.mig import Destroyed, GpuPlan, Step
+from gpud.plan.reset_scope import FABRIC_MANAGER, nvswitches, reset_takes_along
 from gpud.plan.node_labels import advertised
-from gpud.plan.reset_scope import reset_takes_along
 from gpud.plan.vgpu import VgpuStep
 from gpud.profiles import GI_PROFILE_INDEX, NVIDIA, ModelInfo, by_device, model_name
 from gpud.vgpu_types import by_device as vgpu_model_of
@@ -254,7 +256,10 @@ def _gpu_plan(rec: Reconciler, gpu: Gpu, desired: DesiredGpu, disruption: wire.D
             disruption.mode_changes.append(gpu.pci)
         if plan.reset:
             disruption.resets.append(gpu.pci)
-            along = reset_takes_along(gpu.pci, rec.observation.functions)
+            info = by_device(gpu.function.device)
+            fm = bool(rec.hw.procs.running((FABRIC_MANAGER,))) if nvswitches(rec.observation.functions) else None
+            along = reset_takes_along(gpu.pci, rec.observation.functions, arch=info.arch if info else None,
+                                      fabric_manager=fm)
             disruption.reset_with = sorted(set(disruption.reset_with) | set(along))
         if desired.workload == "vm-passthrough":
             entry.steps.append(wire.StepInfo(action="bind", driver="vfio-pci"))
@@ -272,7 +277,9 @@ def _gpu_plan(rec: Reconciler, gpu: Gpu, desired: DesiredGpu, disruption: wire.D
         if desired.workload != "vm-vgpu":
             entry.steps.append(wire.StepInfo(action="then-workload", message=f"then {desired.workload}"))
         if desired.workload == "vm-passthrough":
-            then = plan_binding(gpu, desired.workload, drivers=frozenset(rec.hw.sysfs.drivers()))
+            # the rebind comes after this plan's removals, which disable the VFs vfio-pci would refuse
+            after = msgspec.structs.replace(gpu, vgpu=None) if any(s.action == "disable-vfs" for s in vplan.steps) else gpu
+            then = plan_binding(after, desired.workload, drivers=frozenset(rec.hw.sysfs.drivers()))
             _add_rebind(rec, gpu, then, disruption)
     elif isinstance(action, BindAction):
         entry.steps = [bind_step(s) for s in action.plan.steps]

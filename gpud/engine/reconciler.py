@@ -18,33 +18,33 @@ import contextlib
 import logging
 import os
 from collections.abc import Callable, Iterable
-from typing import Any
 
 import msgspec
 
 from gpud.engine.apply_lock import ApplyLock, ApplyLockRefused
+from gpud.engine.boot.reboot_policy import RebootPolicy
+from gpud.engine.boot.rebuild import BootRebuild
 from gpud.engine.events import EventBus, event_fields
-from gpud.engine.observe.gpu_index import GpuIndex, SetChange, index_path
-from gpud.engine.gpu_tasks import NvmlSessionGate, SharedDrain, for_each_gpu
 from gpud.engine.gpu_state import PHASE_ORDER, Action, BindAction, GpuState, MigAction, VgpuAction
-from gpud.engine.observe.holder_watch import HolderWatch
+from gpud.engine.gpu_tasks import NvmlSessionGate, SharedDrain, for_each_gpu
 from gpud.engine.hooks.phases import apply_with_hooks
 from gpud.engine.hooks.runner import HookFailed
+from gpud.engine.kube.operands import OperandGuard, OperandsNotPaused
 from gpud.engine.layout_keeper import LayoutKeeper
 from gpud.engine.observe.discovery import Observation, observe
+from gpud.engine.observe.gpu_index import GpuIndex, SetChange, index_path
+from gpud.engine.observe.holder_watch import HolderWatch
 from gpud.engine.observe.observer import DEFAULT_MAX_AGE, Observer
-from gpud.engine.kube.operands import OperandGuard, OperandsNotPaused
 from gpud.engine.ports import BootOverrides, Drainer, Rebooter
-from gpud.engine.boot.rebuild import BootRebuild
-from gpud.engine.boot.reboot_policy import RebootPolicy
 from gpud.engine.scheduler import PassScheduler
+from gpud.engine.vgpu.keeper import NAMES_FILE, VgpuKeeper, changes_vfs, step_event
 from gpud.host.logind import BOOT_ID_PATH, current_boot_id
-from gpud.host.nvidia_smi import KNOWN_HOLDERS, GpuReset
-from gpud.engine.vgpu.keeper import NAMES_FILE, VgpuKeeper, step_event
+from gpud.host.nvidia_smi import KNOWN_HOLDERS, PERSISTENCED, GpuReset
 from gpud.host.nvml import Nvml
 from gpud.host.procs import Procs
+from gpud.host.sriov_manage import SriovManage
 from gpud.host.sysfs import Sysfs
-from gpud.host.vgpu_sysfs import VgpuSysfs
+from gpud.host.vgpu_sysfs import VgpuSysfs, vfio_cdevs
 from gpud.layout.desired import DesiredGpu
 from gpud.layout.parse import ParsedLayout
 from gpud.layout.resolve import Resolution
@@ -66,6 +66,7 @@ class Hardware(msgspec.Struct):
     nvml: Nvml
     procs: Procs
     reset: GpuReset | None = None  # nvidia-smi -r for nvidia-bound GPUs; None: resets are left to the operator
+    vf_tool: SriovManage | None = None  # NVIDIA's sriov-manage: VFs on and off; None: VFs are not changed
 
 
 class Reconciler:
@@ -122,7 +123,7 @@ class Reconciler:
         self._listeners: list[Callable[[], None]] = []
         self.vgpus = VgpuKeeper(VgpuSysfs(hardware.sysfs, hardware.procs,
                                           names_file=os.path.join(state_dir, NAMES_FILE) if state_dir else None),
-                                state_dir if not read_only else None)
+                                state_dir if not read_only else None, vf_tool=hardware.vf_tool)
         # the one current observation: read off the loop, re-read on change and while clients ask
         self.observer = Observer(self._read_host, self._install, max_age=max_status_age,
                                  busy=lambda: bool(self._inflight))
@@ -561,7 +562,7 @@ class Reconciler:
             outcome = await self._in_worker(
                 mig_executor.execute, self.hw.nvml, plan,
                 policy_reset=self.policy.reset if self.policy else "per-gpu", on_step=on_step,
-                holders=self._device_holders,
+                holders=self._reset_holders,
             )
         if outcome.done:
             self._mig_changed.add(gpu.pci)
@@ -628,7 +629,24 @@ class Reconciler:
             line, data = step_event(step)
             loop.call_soon_threadsafe(lambda: self.bus.publish("vgpu", line, gpu=gpu.pci, step=data))
 
-        return await self._in_worker(self.vgpus.run, gpu, action, on_step)
+        if not changes_vfs(action):
+            return await self._in_worker(self.vgpus.run, gpu, action, on_step)
+
+        def run_with_nvml_closed() -> GpuState:
+            self.hw.nvml.suspend()  # sriov-manage's unbind lock is refused while our session holds the GPU
+            try:
+                return self.vgpus.run(gpu, action, on_step, holders=self._lock_holders)
+            finally:
+                self.hw.nvml.resume()
+
+        async with self.nvml_gate.hold("closed"), self._drained(gpu):
+            return await self._in_worker(run_with_nvml_closed)
+
+    def _lock_holders(self, pci: str) -> list[Holder]:
+        """What keeps the driver's unbind lock from gpud: device node holders, else known services."""
+        holders = self._device_holders(pci)
+        seen = {h.pid for h in holders}
+        return holders + [h for h in self.hw.procs.running(KNOWN_HOLDERS) if h.pid not in seen]
 
     def _device_holders(self, pci: str) -> list[Holder]:
         """Processes with the GPU's device node open (persistenced, DCGM, X, CUDA): a reset must
@@ -637,6 +655,11 @@ class Reconciler:
         if minor is None:
             return []
         return [h for h in self.hw.procs.holders([f"/dev/nvidia{minor}"]) if h.pid != os.getpid()]
+
+    def _reset_holders(self, pci: str) -> list[Holder]:
+        """Holders a reset waits for: not nvidia-persistenced, whose hold on this GPU ends when the
+        reset turns persistence off for it (`nvidia-smi -pm 0 -i <PCI>`, gpud.host.nvidia_smi)."""
+        return [h for h in self._device_holders(pci) if not PERSISTENCED.startswith(h.name or "-")]
 
     def rebind_holders(self, gpu: Gpu) -> tuple[Holder, ...]:
         """Who loses the GPU when it leaves its driver (for `gpudctl plan`): processes with its
@@ -647,8 +670,11 @@ class Reconciler:
         minor = self.hw.procs.nvidia_minor(gpu.pci) if gpu.function.driver == "nvidia" else None
         if minor is not None:
             paths.append(f"/dev/nvidia{minor}")
-        if gpu.function.driver == "vfio-pci" and gpu.function.iommu_group is not None:
-            paths.append(f"/dev/vfio/{gpu.function.iommu_group}")
+        if gpu.function.driver == "vfio-pci":
+            if gpu.function.iommu_group is not None:
+                paths.append(f"/dev/vfio/{gpu.function.iommu_group}")
+            device_dir = os.path.join(self.hw.sysfs.root, "bus/pci/devices", gpu.pci)
+            paths += [f"/dev/vfio/devices/{n}" for n in vfio_cdevs(device_dir)]  # an iommufd VMM's
         listed = list(self.hw.procs.holders(paths)) if paths else []
         if gpu.nvml is not None:
             listed += list(gpu.nvml.processes) + [h for gi in gpu.nvml.instances for h in gi.holders]

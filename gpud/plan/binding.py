@@ -138,6 +138,15 @@ def plan_binding(
                 "amd_iommu=on, and VT-d/AMD-Vi in the firmware)",
                 **base,
             )
+        if gpu.vgpu is not None and gpu.vgpu.vfs and fn.driver != VFIO:
+            # vfio_pci_probe (drivers/vfio/pci/vfio_pci.c): "Cannot bind to PF with SR-IOV enabled",
+            # EBUSY; a drivers_probe would only leave the GPU unbound
+            return BindingPlan(
+                target=VFIO,
+                infeasible=f"the GPU has {len(gpu.vgpu.vfs)} SR-IOV VFs enabled and vfio-pci refuses a PF with "
+                "SR-IOV enabled (EBUSY): disable them first (sriov-manage -d, or a vm-vgpu layout's removal)",
+                **base,
+            )
         steps = _to_vfio(endpoints, fn.iommu_group, drivers)
         return BindingPlan(target=VFIO, steps=steps, disruption=_disruption_vfio(gpu, endpoints, steps), **base)
     steps = _to_native(fn, endpoints[1:], native)

@@ -219,3 +219,16 @@ def test_plan_reaches_a_fixed_point(gd, go, ad, ao, workload):
         assert all(c.driver != "vfio-pci" for c in after.companions)
         # a companion someone else pinned to pci-stub (and unbound) may legitimately be left alone
         assert [s for s in again.steps if s.pci == GPU] == []
+
+
+def test_a_pf_with_vfs_enabled_is_refused_for_vfio_with_the_kernels_reason():
+    """vfio_pci_probe: "Cannot bind to PF with SR-IOV enabled" (EBUSY)."""
+    import msgspec
+
+    from gpud.model import VgpuState
+
+    gpu = msgspec.structs.replace(h200(), vgpu=VgpuState(interface="vfio", total_vfs=16,
+                                                          vfs=("0000:18:00.4", "0000:18:00.5")))
+    plan = plan_binding(gpu, "vm-passthrough")
+    assert plan.steps == () and "2 SR-IOV VFs enabled" in plan.infeasible and "EBUSY" in plan.infeasible
+    assert plan_binding(h200(), "vm-passthrough").infeasible is None

@@ -29,8 +29,9 @@ NAMES_FILE = "vgpu-names.json"
 
 
 class VgpuKeeper:
-    def __init__(self, vgpu: VgpuSysfs, state_dir: str | None):
+    def __init__(self, vgpu: VgpuSysfs, state_dir: str | None, *, vf_tool=None):
         self.vgpu = vgpu
+        self.vf_tool = vf_tool  # gpud.host.sriov_manage.SriovManage: the only way VFs change
         self.state_dir = state_dir
         self.records: dict[str, VgpuRecord] = self._load()
         self.rebuilt: dict[str, list[str]] = {}  # GPU -> what gpud recreated from its record (status)
@@ -115,20 +116,29 @@ class VgpuKeeper:
         return None
 
     # ---- running (in a worker thread)
-    def run(self, gpu: Gpu, action: VgpuAction, on_step: Callable[[VgpuStep], None]) -> GpuState:
+    def run(self, gpu: Gpu, action: VgpuAction, on_step: Callable[[VgpuStep], None], holders=None) -> GpuState:
         record = self.record(gpu)
         restoring = {u for us in record.uuids.values() for u in us} | set(record.vfs)
-        outcome = execute(self.vgpu, action.plan, record, phase=action.phase, on_step=on_step)
+        outcome = execute(self.vgpu, action.plan, record, phase=action.phase, on_step=on_step,
+                          vf_tool=self.vf_tool, holders=holders)
         rebuilt = [s for s in action.plan.creations if (s.uuid or s.vf) in restoring]
         if rebuilt and action.phase == "creations":
             self.rebuilt[gpu.pci] = [f"{s.type} {s.uuid or s.vf}" for s in rebuilt]
         self._save()
         if outcome.state == "blocked":
             names = ", ".join(_holder_text(h) for h in outcome.holders)
-            return GpuState("waiting", f"waiting for {names}", tuple(outcome.holders))
+            why = f"{outcome.message}; " if outcome.message.startswith("sriov-manage") else ""
+            return GpuState("waiting", f"{why}waiting for {names}", tuple(outcome.holders))
         if outcome.state == "failed":
             return GpuState("failed", outcome.message)
         return GpuState("converged", "")
+
+
+def changes_vfs(action: VgpuAction) -> bool:
+    """Does this action enable or disable VFs (sriov-manage: NVML must be closed around it)?"""
+    steps = {"removals": action.plan.removals, "creations": action.plan.creations}.get(action.phase,
+                                                                                      action.plan.steps)
+    return any(s.action in ("enable-vfs", "disable-vfs") for s in steps)
 
 
 def _summary(steps: list[VgpuStep]) -> str:
