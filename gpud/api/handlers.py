@@ -7,6 +7,7 @@ each becomes a wire error code, and every reply is a `gpud.api.wire` struct buil
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections import Counter
 from typing import Any, Protocol
@@ -100,7 +101,7 @@ class RequestHandler:
     async def op_labels(self) -> wire.LabelsReply:
         if self.labels is None:
             return wire.LabelsReply()
-        return replies.labels_reply(self.labels)
+        return await asyncio.to_thread(replies.labels_reply, self.labels)  # reads the feature file
 
     async def op_version(self) -> wire.VersionReply:
         try:

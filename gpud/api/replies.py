@@ -22,7 +22,7 @@ from gpud.engine.reconciler import Reconciler
 from gpud.layout.desired import DesiredGpu
 from gpud.layout.names import mig_device_name
 from gpud.layout.resolve import Resolution
-from gpud.host.nfd import read_features
+from gpud.host.nfd import FeaturesRefused, read_features
 from gpud.model import Gpu, Holder, KnownGpu, MigProfile, Placement, VgpuDevice
 from gpud.plan.binding import BindingPlan, BindStep, plan_binding
 from gpud.plan.mig import Destroyed, GpuPlan, Step
@@ -203,10 +203,15 @@ def kubernetes_status(gpus: Sequence[Gpu], *, mig_strategy: str, agent=None) -> 
 
 
 def labels_reply(out: LabelsOut) -> wire.LabelsReply:
-    held = read_features(out.path) if out.path else None
+    """Called in a worker thread (the file is read)."""
+    held, refused = None, None
+    try:
+        held = read_features(out.path) if out.path else None
+    except FeaturesRefused as e:
+        refused = str(e)
     last = out.last
     return wire.LabelsReply(path=out.path, label_set="all" if out.gfd else "gpud", result=out.last_result,
-                            file=held, labels=dict(last.labels) if last else {},
+                            file=held, file_refused=refused, labels=dict(last.labels) if last else {},
                             warnings=list(last.warnings) if last else [])
 
 

@@ -488,7 +488,8 @@ class LabelsReply(msgspec.Struct, kw_only=True):
     path: str | None = None  # the NFD feature file (None: not written)
     label_set: str = "all"  # all (GFD's + gpud's) | gpud
     result: str | None = None  # of the last write: written | unchanged | no-directory | error: ...
-    file: dict[str, str] | None = None  # what the file holds (None: no file)
+    file: dict[str, str] | None = None  # what the file holds (None: no file, or refused)
+    file_refused: str | None = None  # why what is at the path is not shown (a link, a FIFO, not gpud's)
     labels: dict[str, str] = {}  # computed now
     warnings: list[str] = []  # labels left out, with why
 
