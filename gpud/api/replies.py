@@ -181,7 +181,16 @@ def status_reply(rec: Reconciler, *, kubernetes: wire.KubernetesStatus | None = 
     gpus += [gone_gpu_status(k, rec.gpu_states.get(k.pci)) for k in rec.observation.gone]
     gpus.sort(key=lambda g: g.index)
     return wire.StatusReply(phase=rec.phase_now(), layout=layout_status(rec), gpus=gpus, read_only=rec.read_only,
-                            version=VERSION, kubernetes=kubernetes, rebuilt_after_boot=rec.boot_rebuild.summary)
+                            version=VERSION, kubernetes=kubernetes, rebuilt_after_boot=rec.boot_rebuild.summary,
+                            state_files=state_file_problems(rec))
+
+
+def state_file_problems(rec: Reconciler) -> list[str]:
+    """What is wrong with gpud's state files (set aside, not written), each said once."""
+    out = rec.state_problems.list()
+    if rec.gpu_index.problem and rec.gpu_index.problem not in out:
+        out = [*(m for m in out if not rec.gpu_index.problem.startswith(m)), rec.gpu_index.problem]
+    return out
 
 
 # ---------------------------------------------------------------------------------------------

@@ -289,6 +289,9 @@ class StatusReply(msgspec.Struct, kw_only=True):
     kubernetes: KubernetesStatus | None = None
     # after a reboot, what gpud's first pass rebuilt ("rebuilt after boot: GPU 0 (...): MIG on, ...")
     rebuilt_after_boot: str | None = None
+    # gpud's state files that were set aside (not regular, not gpud's, not in its format) or could
+    # not be written, each with what it means
+    state_files: list[str] = []
 
 
 class CheckReply(msgspec.Struct, kw_only=True):

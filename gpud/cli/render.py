@@ -105,6 +105,7 @@ def render_status(r: wire.StatusReply, width: int | None = None) -> str:
     out += [f"  warning: {w}" for w in lay.warnings]
     if r.rebuilt_after_boot:
         out += ["", r.rebuilt_after_boot]
+    out += [f"state file: {m}" for m in r.state_files]
     migs = [g for g in r.gpus if g.mig.instances]
     if migs:
         out += ["", "MIG devices:"]

@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 import msgspec
 
-from gpud.host.atomic_file import replace_file
+from gpud.host import state_files
 from gpud.model import Gpu, KnownGpu
 from gpud.profiles import model_name
 
@@ -78,11 +78,12 @@ class GpuIndex:
     """The map, in memory and (when `path` is set) in the state directory. `problem` says why the
     file could not be used, for status; the map then starts from the GPUs present."""
 
-    def __init__(self, path: str | None, *, on_problem: Callable[[str], None] | None = None) -> None:
+    def __init__(self, path: str | None, *, on_problem: Callable[[str], None] | None = None,
+                 problems: state_files.Problems | None = None) -> None:
         self.path = path
         self.known: dict[str, KnownGpu] = {}
         self.problem: str | None = None
-        self._on_problem = on_problem
+        self._problems = problems if problems is not None else state_files.Problems(on_problem)
         self._writable = True
         self._seen_once = False  # the first committed observation compares with the file
         self._last_present: set[str] = set()
@@ -90,34 +91,17 @@ class GpuIndex:
             self._load(path)
 
     def _load(self, path: str) -> None:
-        try:
-            with open(path, "rb") as f:
-                data = f.read(1 << 20)
-        except FileNotFoundError:
-            return
-        except OSError as e:
-            self._fail(f"{path}: {e.strerror}; GPUs are numbered afresh in PCI-address order")
-            return
-        try:
-            parsed = msgspec.json.decode(data, type=IndexFile)
-            if parsed.version != FORMAT_VERSION:
-                raise ValueError(f"version {parsed.version}, expected {FORMAT_VERSION}")
-            if len({k.index for k in parsed.gpus}) != len(parsed.gpus) or \
-                    len({k.pci for k in parsed.gpus}) != len(parsed.gpus):
-                raise ValueError("an index or a PCI address appears twice")
-        except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as e:
-            # Kept as it is for a person to look at: never overwritten by a guess.
-            self._writable = False
-            self._fail(f"{path}: not a GPU index map ({e}); left as it is, GPUs are numbered in "
-                       "PCI-address order until it is fixed or removed")
+        parsed = state_files.load(path, _decode, self._problems, what="GPU index map")
+        if parsed is None:
+            aside = state_files.set_aside_before(path)
+            if aside:  # kept for a person to look at: the map is never rebuilt over a guess
+                self._writable = False
+                self.problem = (self._problems.by_file.get(path) or f"{path}: an earlier map was set aside") + (
+                    f"; GPUs are numbered in PCI-address order and the map is not rewritten until "
+                    f"{', '.join(aside)} is removed from {os.path.dirname(path)}")
+                log.error("%s", self.problem)
             return
         self.known = {k.pci: k for k in parsed.gpus}
-
-    def _fail(self, message: str) -> None:
-        self.problem = message
-        log.error("%s", message)
-        if self._on_problem is not None:
-            self._on_problem(message)
 
     def assign(self, gpus: Sequence[Gpu], present_functions: Iterable[str], *,
                commit: bool) -> tuple[tuple[Gpu, ...], tuple[KnownGpu, ...], SetChange]:
@@ -154,9 +138,22 @@ class GpuIndex:
         body = IndexFile(version=FORMAT_VERSION, gpus=sorted(self.known.values(), key=lambda k: k.index))
         text = json.dumps(msgspec.to_builtins(body), indent=1) + "\n"
         try:
-            replace_file(self.path, text.encode(), mode=0o644)
+            state_files.save(self.path, text.encode(), mode=0o644)
+            self._problems.clear(self.path)
         except OSError as e:
-            self._fail(f"{self.path}: not written ({e.strerror}); indices hold until gpud restarts")
+            self._problems.say(self.path, f"{self.path}: not written ({e}); indices hold until gpud restarts")
+
+
+def _decode(data: bytes) -> IndexFile:
+    parsed = msgspec.json.decode(data, type=IndexFile)
+    if parsed.version != FORMAT_VERSION:
+        raise state_files.BadStateFile(f"version {parsed.version}, expected {FORMAT_VERSION}")
+    if len({k.index for k in parsed.gpus}) != len(parsed.gpus) or \
+            len({k.pci for k in parsed.gpus}) != len(parsed.gpus):
+        raise state_files.BadStateFile("an index or a PCI address appears twice")
+    if any(k.index < 0 for k in parsed.gpus):
+        raise state_files.BadStateFile("a negative index")
+    return parsed
 
 
 def index_path(state_dir: str | None) -> str | None:

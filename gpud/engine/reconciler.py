@@ -25,6 +25,7 @@ import msgspec
 from gpud.engine.apply_lock import ApplyLock, ApplyLockRefused
 from gpud.engine.events import EventBus, event_fields
 from gpud.engine.gpu_index import GpuIndex, SetChange, index_path
+from gpud.host.state_files import Problems
 from gpud.engine.gpu_tasks import NvmlSessionGate, SharedDrain, for_each_gpu
 from gpud.engine.gpu_state import PHASE_ORDER, Action, BindAction, GpuState, MigAction, VgpuAction
 from gpud.engine.holder_watch import HolderWatch
@@ -93,16 +94,19 @@ class Reconciler:
         self.drainer = drainer  # None: no system bus (the daemon may connect one later)
         self.binder_timeout = binder_timeout
         self.udev_rules = udev_rules  # boot-time vfio overrides
+        # state files set aside or not written (gpud.host.state_files): an event each, and status
+        self.state_problems = Problems(lambda m: bus.publish("state-file", m))
         self.reboot_policy = RebootPolicy(rebooter=rebooter, state_dir=state_dir, read_only=read_only, bus=bus,
-                                          boot_id_path=boot_id_path or BOOT_ID_PATH)
+                                          boot_id_path=boot_id_path or BOOT_ID_PATH, problems=self.state_problems)
         # boot_id_path None: this boot is not told apart from the last (tests without a host's boot id)
-        self.boot_rebuild = BootRebuild(state_dir, _boot_id(boot_id_path), bus, read_only=read_only)
+        self.boot_rebuild = BootRebuild(state_dir, _boot_id(boot_id_path), bus, read_only=read_only,
+                                        problems=self.state_problems)
         self.layout_file = LayoutKeeper(config_path, bus, self._observe)
         self.operand_guard: OperandGuard | None = None  # --kube-node: the kube agent
         self.scheduler = PassScheduler()
         self.holder_watch = HolderWatch(self._holder_exited)
         # PCI address -> kept index: a GPU leaving the bus shifts nobody (gpud.engine.gpu_index)
-        self.gpu_index = GpuIndex(index_path(state_dir), on_problem=lambda m: bus.publish("error", m))
+        self.gpu_index = GpuIndex(index_path(state_dir), problems=self.state_problems)
         self.gpu_set_notes: dict[str, str] = {}  # PCI -> what changed in the GPU set, for status
         self._set_changes: list[SetChange] = []  # seen by a read in a worker thread, said by _install
         # GPUs converge side by side (gpud.engine.gpu_tasks): NVML work and unbinds from nvidia
@@ -122,7 +126,7 @@ class Reconciler:
         self._listeners: list[Callable[[], None]] = []
         self.vgpus = VgpuKeeper(VgpuSysfs(hardware.sysfs, hardware.procs,
                                           names_file=os.path.join(state_dir, NAMES_FILE) if state_dir else None),
-                                state_dir if not read_only else None)
+                                state_dir if not read_only else None, self.state_problems)
         # the one current observation: read off the loop, re-read on change and while clients ask
         self.observer = Observer(self._read_host, self._install, max_age=max_status_age,
                                  busy=lambda: bool(self._inflight))
