@@ -286,6 +286,13 @@ class Daemon:
             self.hw.nvml.open()
         except NvmlError as e:  # no nvidia driver (every GPU on vfio-pci, or none yet): serve anyway
             log.warning("NVML not available: %s", e)
+        if not self.args.read_only:  # no write of ours races a helper an earlier gpud left writing
+            from gpud.host.writer_leftovers import end_leftovers
+
+            for left in await asyncio.to_thread(end_leftovers, self.hw.sysfs.root):
+                what = f"the writer of {left.value} to {left.relpath} (pid {left.pid}) left by an earlier gpud"
+                fate = "ended" if left.ended else "still blocked in the kernel; its device waits for it"
+                self.bus.publish("warning", f"{what}: {fate}", gpu=left.pci)
         await self.rec.load_config_async()
         handler = RequestHandler(self.rec, notifier=self.notifier, dev_root=self.args.dev_root,
                                  loop_lag=self.loop_lag, labels=self.labels, kube_agent=self.kube)
