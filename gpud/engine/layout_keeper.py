@@ -160,7 +160,7 @@ class LayoutKeeper:
         `select` chooses a layout over the file's `selected`."""
         parsed = self._parse(text, path, select)
         obs = self.observe(self._match_of(parsed))
-        return parsed, resolve(parsed, obs.gpus, gone=obs.gone), obs
+        return parsed, resolve(parsed, obs.gpus, gone=obs.gone, index_problem=obs.index_problem), obs
 
     async def evaluate_async(self, text: str, path: str, observe: AsyncObserve | None = None, *,
                              select: str | None = None) -> tuple[ParsedLayout, Resolution, Observation]:
@@ -176,7 +176,8 @@ class LayoutKeeper:
         match = self._match_of(parsed)
         # without an async reader (tests, tools) the keeper's own `observe` reads on the loop
         obs = await observe(match) if observe is not None else self.observe(match)
-        return parsed, await asyncio.to_thread(resolve, parsed, obs.gpus, gone=obs.gone), obs
+        return parsed, await asyncio.to_thread(resolve, parsed, obs.gpus, gone=obs.gone,
+                                                      index_problem=obs.index_problem), obs
 
     @staticmethod
     def _parse(text: str, path: str, select: str | None = None) -> ParsedLayout:

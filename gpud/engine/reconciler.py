@@ -190,7 +190,7 @@ class Reconciler:
         gpus, gone, change = self.gpu_index.assign(obs.gpus, (f.address for f in obs.functions), commit=commit)
         if commit and change:
             self._set_changes.append(change)  # list.append is atomic: this runs in a worker thread
-        return msgspec.structs.replace(obs, gpus=gpus, gone=gone)
+        return msgspec.structs.replace(obs, gpus=gpus, gone=gone, index_problem=self.gpu_index.index_problem)
 
     def _read_functions(self, match: tuple[MatchRule, ...]) -> Observation:
         """While a rebind runs, NVML stays closed: opening it (nvmlInit opens every GPU) would make
@@ -230,7 +230,8 @@ class Reconciler:
         against the last observation (no hardware read); the pass re-plans from a fresh one."""
         if self.layout is None or self.scheduler.running:
             return  # a running pass sets each GPU's state itself
-        resolution = resolve(self.layout, self.observation.gpus, gone=self.observation.gone)
+        resolution = resolve(self.layout, self.observation.gpus, gone=self.observation.gone,
+                             index_problem=self.observation.index_problem)
         if resolution.errors:
             return
         changed = False
@@ -322,7 +323,8 @@ class Reconciler:
             self._report_set_change(self._set_changes.pop(0))
         self.observation = observation
         if self.layout is not None:
-            self.resolution = resolve(self.layout, self.observation.gpus, gone=self.observation.gone)
+            self.resolution = resolve(self.layout, self.observation.gpus, gone=self.observation.gone,
+                                      index_problem=self.observation.index_problem)
         present = {g.pci for g in self.observation.gpus}
         for known in self.observation.gone:
             if self.gpu_states.get(known.pci, GpuState("unmanaged")).state != "gone":
