@@ -19,10 +19,10 @@ from gpud.api.fair_share import FairShare, cost_error
 from gpud.api.peers import Peer
 from gpud.api.server import ApiError
 from gpud.api.status_snapshot import StatusSnapshot
-from gpud.engine import passthrough
+from gpud.engine.binding import passthrough
 from gpud.engine.events import EventQueue
-from gpud.engine.observe import Observation
-from gpud.engine.node_labels_out import LabelsOut
+from gpud.engine.kube.node_labels_out import LabelsOut
+from gpud.engine.observe.discovery import Observation
 from gpud.engine.queries import EngineError, InvalidLayout, NoSuchGpu, select_gpus, start_apply
 from gpud.engine.reconciler import Reconciler
 from gpud.host.nvml import NvmlError
@@ -44,9 +44,9 @@ def infeasible_text(g: wire.GpuPlanInfo) -> str:
 class Notifier(Protocol):
     """systemd's sd_notify: RELOADING=1 ... READY=1 around a reload."""
 
-    def reloading(self) -> None: ...
+    def reloading(self) -> object: ...
 
-    def ready(self) -> None: ...
+    def ready(self) -> object: ...
 
 
 class RequestHandler:
@@ -63,7 +63,7 @@ class RequestHandler:
         self.requests: Counter[str] = Counter()  # per op, in the stats window
         self._reads_at_reset = 0
         self.labels = labels  # the node labels written after each pass (None: not computed)
-        self.kube_agent = kube_agent  # gpud.engine.kube_agent.KubeAgent with --kube-node
+        self.kube_agent = kube_agent  # gpud.engine.kube.agent.KubeAgent with --kube-node
         # layout texts sent by clients are evaluated in per-user turns (gpud.api.fair_share)
         self.fair = FairShare()
         self._peer: contextvars.ContextVar[Peer | None] = contextvars.ContextVar("peer", default=None)
@@ -110,6 +110,8 @@ class RequestHandler:
         return await asyncio.to_thread(replies.labels_reply, self.labels)  # reads the feature file
 
     async def op_version(self) -> wire.VersionReply:
+        driver: str | None
+        nvml: str | None
         try:
             driver, nvml = self.rec.hw.nvml.driver_version(), self.rec.hw.nvml.nvml_version()
         except NvmlError:  # no driver, or closed during a rebind

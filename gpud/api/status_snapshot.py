@@ -12,13 +12,12 @@ them by identity is exact and costs nothing.
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import msgspec
 
 from gpud.api import replies, wire
-from gpud.engine.observer import Observer
+from gpud.engine.observe.observer import Observer
 from gpud.engine.reconciler import Reconciler
 
 

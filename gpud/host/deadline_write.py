@@ -216,6 +216,7 @@ def write_with_deadline(sysfs, relpath: str, value: str, pci: str, timeout: floa
     argv = [sys.executable, "-m", "gpud.host.sysfs_writer", "--root", sysfs.root, "--parent", str(os.getpid()),
             *store_spec(sysfs), "--", relpath, value]
     helper = _spawner.popen(argv)
+    assert helper.stdout is not None  # stdout=PIPE
     fd = helper.stdout.fileno()
     ready, data = _read_answer(fd, max(START_LIMIT, timeout), timeout)
     if data is None:

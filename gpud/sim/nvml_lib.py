@@ -149,6 +149,15 @@ def _write_str(buf: Any, length: Any, text: str) -> None:
     ctypes.memmove(buf, data, len(data))
 
 
+def _placement_arg(placement: Any) -> tuple[int, int]:
+    """(start, size) of a placement the caller passed by pointer, as NVML's C API takes it."""
+    if isinstance(placement, ctypes.Structure):
+        raise TypeError("placement passed by value: the real libnvidia-ml reads a pointer here and crashes; "
+                        "pass byref(placement)")
+    pl = _deref(placement)
+    return int(pl.start), int(pl.size)
+
+
 def _check_version(info: Any, expected: int) -> None:
     if any(f[0] == "version" for f in type(info)._fields_) and info.version != expected:
         raise _Ret(pynvml.NVML_ERROR_ARGUMENT_VERSION_MISMATCH)
@@ -935,7 +944,10 @@ def _create_gi(lib: FakeNvmlLib, gpu: SimGpu, model: ModelInfo, profile_id: Any,
     if sum(1 for g in gpu.gis if g.profile_id == prof.id) >= prof.instance_count:
         raise _Ret(pynvml.NVML_ERROR_INSUFFICIENT_RESOURCES)
     if start is None:
-        order = _PREFERENCE.get(prof.id, tuple(starts))
+        # The inferred order comes from 8-memory-slice GPUs (A100, H100, H200), where these ids are
+        # 1g, 2g and 3g; on 4-slice GPUs (A30, RTX PRO 6000) id 14 is 1g and the order does not apply.
+        preferred = _PREFERENCE.get(prof.id, ()) if memory_slices(model) == 8 else ()
+        order = tuple(preferred) + tuple(sorted(s for s in starts if s not in preferred))
         start = next((s for s in order if s in starts and is_free(gpu, s, pl_size)), None)
         if start is None:
             raise _Ret(pynvml.NVML_ERROR_INSUFFICIENT_RESOURCES)
@@ -959,11 +971,7 @@ def nvmlDeviceCreateGpuInstance(lib, state, handle, profile_id, out_ref):
 @_nvml()
 def nvmlDeviceCreateGpuInstanceWithPlacement(lib, state, handle, profile_id, placement, out_ref):
     gpu, model = _mig_model(lib, state, handle)
-    if isinstance(placement, ctypes.Structure):
-        raise TypeError("placement passed by value: the real libnvidia-ml reads a pointer here and crashes; "
-                        "pass byref(placement)")
-    pl = _deref(placement)
-    _create_gi(lib, gpu, model, profile_id, int(pl.start), int(pl.size), out_ref)
+    _create_gi(lib, gpu, model, profile_id, *_placement_arg(placement), out_ref)
 
 
 @_nvml()
@@ -1133,11 +1141,7 @@ def nvmlGpuInstanceCreateComputeInstance(lib, state, gi_handle, ci_profile_id, o
 
 @_nvml()
 def nvmlGpuInstanceCreateComputeInstanceWithPlacement(lib, state, gi_handle, ci_profile_id, placement, out_ref):
-    if isinstance(placement, ctypes.Structure):
-        raise TypeError("placement passed by value: the real libnvidia-ml reads a pointer here and crashes; "
-                        "pass byref(placement)")
-    pl = _deref(placement)
-    _create_ci(lib, state, gi_handle, ci_profile_id, int(pl.start), int(pl.size), out_ref)
+    _create_ci(lib, state, gi_handle, ci_profile_id, *_placement_arg(placement), out_ref)
 
 
 @_nvml()

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 
 from gpud.engine.gpu_state import VgpuAction
-from gpud.engine.vgpu_keeper import RECORD_FILE, VgpuKeeper
+from gpud.engine.vgpu.keeper import RECORD_FILE, VgpuKeeper
 from gpud.host import safe_file
 from gpud.layout.desired import DesiredGpu
 from gpud.plan.vgpu import plan_vgpu

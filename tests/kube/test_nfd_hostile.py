@@ -11,7 +11,7 @@ import pytest
 
 from gpud.api import replies
 from gpud.cli.render import render_labels
-from gpud.engine.node_labels_out import LabelsOut
+from gpud.engine.kube.node_labels_out import LabelsOut
 from gpud.host import nfd
 
 LABELS = {"nvidia.com/gpu.count": "8", "nvidia.com/gpud.layout.state": "success"}
