@@ -18,32 +18,31 @@ import contextlib
 import logging
 import os
 from collections.abc import Callable, Iterable
-from typing import Any
 
 import msgspec
 
 from gpud.engine.apply_lock import ApplyLock, ApplyLockRefused
+from gpud.engine.boot.reboot_policy import RebootPolicy
+from gpud.engine.boot.rebuild import BootRebuild
 from gpud.engine.events import EventBus, event_fields
-from gpud.engine.observe.gpu_index import GpuIndex, SetChange, index_path
-from gpud.host.state_files import Problems
-from gpud.engine.gpu_tasks import NvmlSessionGate, SharedDrain, for_each_gpu
 from gpud.engine.gpu_state import PHASE_ORDER, Action, BindAction, GpuState, MigAction, VgpuAction
-from gpud.engine.observe.holder_watch import HolderWatch
+from gpud.engine.gpu_tasks import NvmlSessionGate, SharedDrain, for_each_gpu
 from gpud.engine.hooks.phases import apply_with_hooks
 from gpud.engine.hooks.runner import HookFailed
+from gpud.engine.kube.operands import OperandGuard, OperandsNotPaused
 from gpud.engine.layout_keeper import LayoutKeeper
 from gpud.engine.observe.discovery import Observation, observe
+from gpud.engine.observe.gpu_index import GpuIndex, SetChange, index_path
+from gpud.engine.observe.holder_watch import HolderWatch
 from gpud.engine.observe.observer import DEFAULT_MAX_AGE, Observer
-from gpud.engine.kube.operands import OperandGuard, OperandsNotPaused
 from gpud.engine.ports import BootOverrides, Drainer, Rebooter
-from gpud.engine.boot.rebuild import BootRebuild
-from gpud.engine.boot.reboot_policy import RebootPolicy
 from gpud.engine.scheduler import PassScheduler
+from gpud.engine.vgpu.keeper import NAMES_FILE, VgpuKeeper, step_event
 from gpud.host.logind import BOOT_ID_PATH, current_boot_id
 from gpud.host.nvidia_smi import KNOWN_HOLDERS, GpuReset
-from gpud.engine.vgpu.keeper import NAMES_FILE, VgpuKeeper, step_event
 from gpud.host.nvml import Nvml
 from gpud.host.procs import Procs
+from gpud.host.state_files import Problems
 from gpud.host.sysfs import Sysfs
 from gpud.host.vgpu_sysfs import VgpuSysfs
 from gpud.layout.desired import DesiredGpu

@@ -36,7 +36,7 @@ class Problems:
     """What went wrong with state files since start: logged, given to `on_problem` (an event),
     and kept (last per file) for status."""
 
-    def __init__(self, on_problem: Callable[[str], None] | None = None) -> None:
+    def __init__(self, on_problem: Callable[[str], object] | None = None) -> None:
         self.on_problem = on_problem
         self.by_file: dict[str, str] = {}
 

@@ -23,7 +23,6 @@ from gpud.plan.binding import (
     VERIFY_DRIVER,
     VERIFY_NATIVE,
     VERIFY_NO_VFIO_NODE,
-    VERIFY_RELEASED,
     VERIFY_VFIO_NODE,
     plan_binding,
 )

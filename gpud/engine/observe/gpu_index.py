@@ -102,10 +102,6 @@ class GpuIndex:
         if path is not None:
             self._load(path)
 
-    @property
-    def copy_path(self) -> str | None:
-        return backup_path(self.path) if self.path else None
-
     def _load(self, path: str) -> None:
         parsed = state_files.load(path, _decode, self._problems, what="GPU index map")
         if parsed is not None:
@@ -117,10 +113,11 @@ class GpuIndex:
         # kept for a person to look at: the map is never rebuilt over a guess
         self._writable = False
         self.untrusted = self._problems.by_file.get(path) or f"{path}: an earlier map was set aside ({aside[0]})"
-        copy = state_files.load(self.copy_path, _decode, self._problems, what="GPU index map copy")
+        copy_path = backup_path(path)
+        copy = state_files.load(copy_path, _decode, self._problems, what="GPU index map copy")
         self._copy = {k.pci: k for k in copy.gpus} if copy is not None else None
         self.known = dict(self._copy or {})
-        self.problem = (f"{self.untrusted}; " + ("indices are taken from " + os.path.basename(self.copy_path)
+        self.problem = (f"{self.untrusted}; " + ("indices are taken from " + os.path.basename(copy_path)
                                                  if self._copy is not None else "no copy of the map either")
                         + f"; the map is not rewritten until {', '.join(aside)} is removed from "
                         f"{os.path.dirname(path)} or the GPUs are again those the copy lists")
@@ -133,7 +130,7 @@ class GpuIndex:
         if copy is not None and set(copy) == present:
             self.untrusted = self.index_problem = None
             self._writable = self._restored = True
-            self.problem = f"{self.path}: rebuilt from {os.path.basename(self.copy_path)} (the same GPUs)"
+            self.problem = f"{self.path}: rebuilt from its copy {os.path.basename(backup_path(str(self.path)))} (the same GPUs)"
             return
         if copy is None:
             why = "no copy of the map says which GPU had which index"
@@ -183,7 +180,7 @@ class GpuIndex:
         body = IndexFile(version=FORMAT_VERSION, gpus=sorted(self.known.values(), key=lambda k: k.index))
         text = json.dumps(msgspec.to_builtins(body), indent=1) + "\n"
         try:
-            state_files.save(self.copy_path, text.encode(), mode=0o644)  # the copy first: never newer than the map
+            state_files.save(backup_path(self.path), text.encode(), mode=0o644)  # the copy first: never newer than the map
             state_files.save(self.path, text.encode(), mode=0o644)
             self._problems.clear(self.path)
         except OSError as e:
