@@ -21,6 +21,8 @@ a root-only file. So, here:
   by its user with one link (a hard link a user made to a root-only file is not gpud's file).
   These calls do blocking I/O on regular files only; callers on the event loop run them in a
   worker thread.
+
+The kernel behaviours this relies on, with sources: docs/files-as-root.md.
 """
 
 from __future__ import annotations
