@@ -23,12 +23,12 @@ from gpud import VERSION
 from gpud.api.handlers import RequestHandler
 from gpud.device_events import describe_device_event
 from gpud.engine.apply_lock import ApplyLock
+from gpud.engine.binding.udev_rules import UdevRules
 from gpud.engine.events import EventBus
 from gpud.engine.gpu_state import SETTLING_PHASES
 from gpud.engine.kube.node_labels_out import LabelsOut, Versions, layout_state
 from gpud.engine.observe.observer import DEFAULT_MAX_AGE
 from gpud.engine.reconciler import Reconciler
-from gpud.engine.binding.udev_rules import UdevRules
 from gpud.hardware import HostConfig, build_hardware
 from gpud.host.sriov_manage import DEFAULT_PATH as SRIOV_MANAGE
 from gpud.host.nvml import NvmlError
@@ -267,6 +267,13 @@ class Daemon:
             self.hw.nvml.open()
         except NvmlError as e:  # no nvidia driver (every GPU on vfio-pci, or none yet): serve anyway
             log.warning("NVML not available: %s", e)
+        if not self.args.read_only:  # no write of ours races a helper an earlier gpud left writing
+            from gpud.host.writer_leftovers import end_leftovers
+
+            for left in await asyncio.to_thread(end_leftovers, self.hw.sysfs.root):
+                what = f"the writer of {left.value} to {left.relpath} (pid {left.pid}) left by an earlier gpud"
+                fate = "ended" if left.ended else "still blocked in the kernel; its device waits for it"
+                self.bus.publish("warning", f"{what}: {fate}", gpu=left.pci)
         await self.rec.load_config_async()
         handler = RequestHandler(self.rec, notifier=self.notifier, dev_root=self.host.dev_root,
                                  loop_lag=self.loop_lag, labels=self.labels, kube_agent=self.kube)

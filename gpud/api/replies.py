@@ -14,14 +14,14 @@ import msgspec
 
 from gpud import VERSION
 from gpud.api import wire
+from gpud.engine.binding.passthrough import PassthroughEntry, kubevirt_entry
 from gpud.engine.gpu_state import BindAction, GpuState, MigAction, VgpuAction
 from gpud.engine.kube.node_labels_out import LabelsOut
 from gpud.engine.observe.discovery import Observation
-from gpud.engine.binding.passthrough import PassthroughEntry, kubevirt_entry
 from gpud.engine.queries import remaining_capacity
 from gpud.engine.reconciler import Reconciler
 from gpud.engine.vgpu.inventory import entry as vgpu_entry
-from gpud.host.nfd import read_features
+from gpud.host.nfd import FeaturesRefused, read_features
 from gpud.layout.desired import DesiredGpu
 from gpud.layout.names import mig_device_name
 from gpud.layout.resolve import Resolution
@@ -184,7 +184,16 @@ def status_reply(rec: Reconciler, *, kubernetes: wire.KubernetesStatus | None = 
     gpus += [gone_gpu_status(k, rec.gpu_states.get(k.pci)) for k in rec.observation.gone]
     gpus.sort(key=lambda g: g.index)
     return wire.StatusReply(phase=rec.phase_now(), layout=layout_status(rec), gpus=gpus, read_only=rec.read_only,
-                            version=VERSION, kubernetes=kubernetes, rebuilt_after_boot=rec.boot_rebuild.summary)
+                            version=VERSION, kubernetes=kubernetes, rebuilt_after_boot=rec.boot_rebuild.summary,
+                            state_files=state_file_problems(rec))
+
+
+def state_file_problems(rec: Reconciler) -> list[str]:
+    """What is wrong with gpud's state files (set aside, not written), each said once."""
+    out = rec.state_problems.list()
+    if rec.gpu_index.problem and rec.gpu_index.problem not in out:
+        out = [*(m for m in out if not rec.gpu_index.problem.startswith(m)), rec.gpu_index.problem]
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -206,10 +215,15 @@ def kubernetes_status(gpus: Sequence[Gpu], *, mig_strategy: str, agent=None) -> 
 
 
 def labels_reply(out: LabelsOut) -> wire.LabelsReply:
-    held = read_features(out.path) if out.path else None
+    """Called in a worker thread (the file is read)."""
+    held, refused = None, None
+    try:
+        held = read_features(out.path) if out.path else None
+    except FeaturesRefused as e:
+        refused = str(e)
     last = out.last
     return wire.LabelsReply(path=out.path, label_set="all" if out.gfd else "gpud", result=out.last_result,
-                            file=held, labels=dict(last.labels) if last else {},
+                            file=held, file_refused=refused, labels=dict(last.labels) if last else {},
                             warnings=list(last.warnings) if last else [])
 
 

@@ -105,6 +105,7 @@ def render_status(r: wire.StatusReply, width: int | None = None) -> str:
     out += [f"  warning: {w}" for w in lay.warnings]
     if r.rebuilt_after_boot:
         out += ["", r.rebuilt_after_boot]
+    out += [f"state file: {m}" for m in r.state_files]
     migs = [g for g in r.gpus if g.mig.instances]
     if migs:
         out += ["", "MIG devices:"]
@@ -395,6 +396,9 @@ def render_kubernetes(k: wire.KubernetesStatus | None) -> str:
 def render_labels(r: wire.LabelsReply) -> str:
     if r.path is None:
         return "gpud writes no node labels"
+    if r.file_refused is not None:
+        head = f"{r.path}: not shown: {r.file_refused}"
+        return "\n".join([head, "labels gpud would write:", *[f"{k}={v}" for k, v in r.labels.items()]])
     if r.file is None:
         head = f"{r.path}: no file ({r.result or 'not written yet'})"
         return "\n".join([head, "labels gpud would write:", *[f"{k}={v}" for k, v in r.labels.items()]])

@@ -43,6 +43,7 @@ from gpud.host.nvidia_smi import KNOWN_HOLDERS, PERSISTENCED, GpuReset
 from gpud.host.nvml import Nvml
 from gpud.host.procs import Procs
 from gpud.host.sriov_manage import SriovManage
+from gpud.host.state_files import Problems
 from gpud.host.sysfs import Sysfs
 from gpud.host.vgpu_sysfs import VgpuSysfs, vfio_cdevs
 from gpud.layout.desired import DesiredGpu
@@ -94,16 +95,19 @@ class Reconciler:
         self.drainer = drainer  # None: no system bus (the daemon may connect one later)
         self.binder_timeout = binder_timeout
         self.udev_rules = udev_rules  # boot-time vfio overrides
+        # state files set aside or not written (gpud.host.state_files): an event each, and status
+        self.state_problems = Problems(lambda m: bus.publish("state-file", m))
         self.reboot_policy = RebootPolicy(rebooter=rebooter, state_dir=state_dir, read_only=read_only, bus=bus,
-                                          boot_id_path=boot_id_path or BOOT_ID_PATH)
+                                          boot_id_path=boot_id_path or BOOT_ID_PATH, problems=self.state_problems)
         # boot_id_path None: this boot is not told apart from the last (tests without a host's boot id)
-        self.boot_rebuild = BootRebuild(state_dir, _boot_id(boot_id_path), bus, read_only=read_only)
+        self.boot_rebuild = BootRebuild(state_dir, _boot_id(boot_id_path), bus, read_only=read_only,
+                                        problems=self.state_problems)
         self.layout_file = LayoutKeeper(config_path, bus, self._observe)
         self.operand_guard: OperandGuard | None = None  # --kube-node: the kube agent
         self.scheduler = PassScheduler()
         self.holder_watch = HolderWatch(self._holder_exited)
         # PCI address -> kept index: a GPU leaving the bus shifts nobody (gpud.engine.observe.gpu_index)
-        self.gpu_index = GpuIndex(index_path(state_dir), on_problem=lambda m: bus.publish("error", m))
+        self.gpu_index = GpuIndex(index_path(state_dir), problems=self.state_problems)
         self.gpu_set_notes: dict[str, str] = {}  # PCI -> what changed in the GPU set, for status
         self._set_changes: list[SetChange] = []  # seen by a read in a worker thread, said by _install
         # GPUs converge side by side (gpud.engine.gpu_tasks): NVML work and unbinds from nvidia
@@ -123,7 +127,8 @@ class Reconciler:
         self._listeners: list[Callable[[], None]] = []
         self.vgpus = VgpuKeeper(VgpuSysfs(hardware.sysfs, hardware.procs,
                                           names_file=os.path.join(state_dir, NAMES_FILE) if state_dir else None),
-                                state_dir if not read_only else None, vf_tool=hardware.vf_tool)
+                                state_dir if not read_only else None, self.state_problems,
+                                vf_tool=hardware.vf_tool)
         # the one current observation: read off the loop, re-read on change and while clients ask
         self.observer = Observer(self._read_host, self._install, max_age=max_status_age,
                                  busy=lambda: bool(self._inflight))
@@ -191,7 +196,7 @@ class Reconciler:
         gpus, gone, change = self.gpu_index.assign(obs.gpus, (f.address for f in obs.functions), commit=commit)
         if commit and change:
             self._set_changes.append(change)  # list.append is atomic: this runs in a worker thread
-        return msgspec.structs.replace(obs, gpus=gpus, gone=gone)
+        return msgspec.structs.replace(obs, gpus=gpus, gone=gone, index_problem=self.gpu_index.index_problem)
 
     def _read_functions(self, match: tuple[MatchRule, ...]) -> Observation:
         """While a rebind runs, NVML stays closed: opening it (nvmlInit opens every GPU) would make

@@ -21,13 +21,17 @@ from __future__ import annotations
 
 import errno
 import json
+import logging
 import os
 import re
 
+from gpud.host import state_files
 from gpud.host.procs import Procs
 from gpud.host.sysfs import Sysfs, SysfsError
 from gpud.model import Holder, VgpuDevice, VgpuOffer, VgpuState
 from gpud.vgpu_types import by_device, strip_prefix
+
+log = logging.getLogger(__name__)
 
 _UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
 _VIRTFN = re.compile(r"virtfn(\d+)")
@@ -125,12 +129,13 @@ class VgpuSysfs:
     def _load_names(self) -> dict[str, dict[int, str]]:
         if self.names_file is None:
             return {}
-        try:
-            with open(self.names_file, "rb") as f:
-                raw = json.load(f)
-            return {k: {int(i): n for i, n in v.items()} for k, v in raw.items()}
-        except (OSError, ValueError, AttributeError):
-            return {}
+        def decode(data: bytes) -> dict[str, dict[int, str]]:
+            raw = json.loads(data)
+            if not isinstance(raw, dict) or not all(isinstance(v, dict) and all(isinstance(n, str) for n in v.values())
+                                                    for v in raw.values()):
+                raise state_files.BadStateFile("expected {device: {type id: name}}")
+            return {str(k): {int(i): n for i, n in v.items()} for k, v in raw.items()}
+        return state_files.load(self.names_file, decode, what="vGPU type name table") or {}
 
     def _learn(self, device_key: str, pairs: list[tuple[int, str]]) -> None:
         known = self._names.setdefault(device_key, {})
@@ -139,11 +144,11 @@ class VgpuSysfs:
             return
         known.update(new)
         if self.names_file is not None:
-            tmp = f"{self.names_file}.tmp{os.getpid()}"
-            os.makedirs(os.path.dirname(self.names_file) or ".", exist_ok=True)
-            with open(tmp, "w") as f:
-                json.dump({k: {str(i): n for i, n in v.items()} for k, v in self._names.items()}, f)
-            os.replace(tmp, self.names_file)
+            body = json.dumps({k: {str(i): n for i, n in v.items()} for k, v in self._names.items()})
+            try:
+                state_files.save(self.names_file, body.encode())
+            except OSError as e:  # only a cache of names: the next read learns them again
+                log.warning("%s: not written (%s)", self.names_file, e)
 
     def _name_of(self, device: int, type_id: int) -> str:
         name = self._names.get(f"10de:{device:04x}", {}).get(type_id)

@@ -23,7 +23,6 @@ from gpud.plan.binding import (
     VERIFY_DRIVER,
     VERIFY_NATIVE,
     VERIFY_NO_VFIO_NODE,
-    VERIFY_RELEASED,
     VERIFY_VFIO_NODE,
     plan_binding,
 )
@@ -112,11 +111,19 @@ def test_vfio_back_to_container_verifies_nvidia_and_node_gone():
     assert actions(plan) == [
         (CLEAR_OVERRIDE, GPU), (UNBIND, GPU), (PROBE, GPU), (VERIFY_DRIVER, GPU),
         (CLEAR_OVERRIDE, "0000:3b:00.1"), (UNBIND, "0000:3b:00.1"), (PROBE, "0000:3b:00.1"),
-        (VERIFY_RELEASED, "0000:3b:00.1"),
+        (VERIFY_NATIVE, "0000:3b:00.1"),
         (VERIFY_NO_VFIO_NODE, 7),
     ]
     assert next(s for s in plan.steps if s.action == VERIFY_DRIVER).driver == "nvidia"
     assert plan.disruption.vfio_group == 7 and "/dev/vfio/7" in plan.disruption.summary
+
+
+def test_a_companion_left_on_no_driver_is_probed_and_must_end_on_one():
+    """A rebind cut short (gpud killed between the companion's unbind and its probe) leaves the
+    HD-audio function on no driver with no override: for containers that is not converged."""
+    plan = plan_binding(h200("nvidia", None, None, None), "container")
+    assert actions(plan) == [(PROBE, "0000:3b:00.1"), (VERIFY_NATIVE, "0000:3b:00.1")]
+    assert not plan.converged
 
 
 def test_vgpu_needs_the_native_driver_too():

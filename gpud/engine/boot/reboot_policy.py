@@ -9,6 +9,7 @@ from gpud.engine.events import EventBus
 from gpud.engine.gpu_state import GpuState
 from gpud.engine.ports import Rebooter
 from gpud.host.logind import BOOT_ID_PATH, clear_reboot_request, reboot_outcome
+from gpud.host.state_files import Problems
 from gpud.layout.schema import Policy
 
 
@@ -16,12 +17,13 @@ class RebootPolicy:
     """`rebooter` is None where logind is not reachable; `state_dir` holds the marker."""
 
     def __init__(self, *, rebooter: Rebooter | None, state_dir: str | None, read_only: bool,
-                 bus: EventBus, boot_id_path: str = BOOT_ID_PATH) -> None:
+                 bus: EventBus, boot_id_path: str = BOOT_ID_PATH, problems: Problems | None = None) -> None:
         self.rebooter = rebooter
         self.state_dir = state_dir
         self.read_only = read_only
         self.bus = bus
         self.boot_id_path = boot_id_path  # the simulator's own on a simulated host
+        self.problems = problems if problems is not None else Problems(lambda m: bus.publish("error", m))
         self._reported: tuple | None = None  # (request time, phase) last reported after a reboot
 
     async def settle(self, pci: str, st: GpuState, policy: Policy | None) -> GpuState:
@@ -42,7 +44,11 @@ class RebootPolicy:
         marker once the host converged, keep it (no second reboot) while it did not."""
         if self.state_dir is None or self.read_only:
             return
-        record = reboot_outcome(self.state_dir, boot_id_path=self.boot_id_path)
+        record = reboot_outcome(self.state_dir, boot_id_path=self.boot_id_path, problems=self.problems)
+        if record is not None and record.set_aside is not None:
+            self.bus.publish("reboot", "no reboot gpud asked for is on record (the marker was not gpud's and "
+                                       "was set aside): nothing is claimed about a reboot")
+            return
         if record is None or not record.rebooted or self._reported == (record.requested_at, phase):
             return
         self._reported = (record.requested_at, phase)
