@@ -174,6 +174,7 @@ class Daemon:
         except KubeError as e:
             raise RuntimeError(f"--kube-node {self.args.kube_node}: {e}") from e
         self.kube_applier = ReconcilerApplier(self.rec)
+        self.rec.layout_file.label_selects = True  # the node label chooses: `selected` may be absent
         self.kube = KubeAgent(api, self.kube_applier, namespace=self.args.kube_namespace,
                               on_event=lambda kind, message: self.bus.publish(kind, message))
         self.rec.operand_guard = self.kube

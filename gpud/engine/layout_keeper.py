@@ -57,6 +57,9 @@ class LayoutKeeper:
         self._parsing: asyncio.Semaphore | None = None  # one text parsed at a time (made on the loop)
         self._text: str | None = None  # the text of `layout`, to tell a new load from a re-read
         self.select: str | None = None  # a layout chosen over the file's `selected` (a node label)
+        # --kube-node: a node label chooses the layout, so a file without `selected` is valid
+        # (gpud.layout.parse.parse_layout's `label_selects`)
+        self.label_selects = False
 
     def choose(self, name: str | None) -> bool:
         """Put layout `name` of the file in force instead of the file's `selected` (None: the
@@ -145,12 +148,11 @@ class LayoutKeeper:
         obs = await observe(match) if observe is not None else self.observe(match)
         return parsed, await asyncio.to_thread(resolve, parsed, obs.gpus, gone=obs.gone), obs
 
-    @staticmethod
-    def _parse(text: str, path: str, select: str | None = None) -> ParsedLayout:
+    def _parse(self, text: str, path: str, select: str | None = None) -> ParsedLayout:
         too_large = check_text_size(text, path)
         if too_large is not None:  # refused before YAML sees it: the same bound as the file's
             return ParsedLayout(file=path, layout=None, errors=[LayoutIssue(path, None, "", too_large.split(": ", 1)[1])])
-        return parse_layout(text, path, select=select)
+        return parse_layout(text, path, select=select, label_selects=self.label_selects)
 
     @staticmethod
     def _match_of(parsed: ParsedLayout) -> tuple[MatchRule, ...]:
