@@ -258,6 +258,7 @@ class KubeAgentStatus(msgspec.Struct, kw_only=True):
     state: str | None = None  # what gpud last wrote to nvidia.com/mig.config.state
     message: str = ""
     paused: list[str] = []  # nvidia.com/gpu.deploy.* labels paused now
+    other_agents: list[str] = []  # pods of the operator's mig-manager & co. that kept gpud from changing GPUs
 
 
 class Advertised(msgspec.Struct, kw_only=True):

@@ -388,6 +388,9 @@ def render_kubernetes(k: wire.KubernetesStatus | None) -> str:
                 f"  mig.config.state: {state}"]
         if a.paused:
             out += [f"  paused: {', '.join(a.paused)}"]
+        if a.other_agents:
+            out += [f"  the operator's GPU agents on this node (gpud changes no GPU until they leave): "
+                    f"{', '.join(a.other_agents)}"]
     return "\n".join(out)
 
 

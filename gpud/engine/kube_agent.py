@@ -76,6 +76,21 @@ OPERANDS = (
     Operand("nvidia.com/gpu.deploy.sandbox-validator", "nvidia-sandbox-validator", "sandbox"),
 )
 BY_LABEL = {op.label: op for op in OPERANDS}
+
+class OtherAgent(Struct, frozen=True):
+    """An operator agent that reconfigures GPUs itself: gpud keeps its deploy label `false` on its
+    node (the operator keeps a value it finds: state_manager.go) and changes no GPU while one of its
+    pods is still on the node."""
+
+    label: str  # nvidia.com/gpu.deploy.<name>; its DaemonSet selects on `<label>=true`
+    app: str  # its pods' `app` label (gpu-operator assets/state-<name>/*_daemonset.yaml)
+
+
+OTHER_AGENTS = (
+    OtherAgent("nvidia.com/gpu.deploy.mig-manager", "nvidia-mig-manager"),
+    OtherAgent("nvidia.com/gpu.deploy.vgpu-device-manager", "nvidia-vgpu-device-manager"),
+    OtherAgent("nvidia.com/gpu.deploy.vfio-manager", "nvidia-vfio-manager"),
+)
 VALIDATORS_BEFORE = ("nvidia-cuda-validator", "nvidia-device-plugin-validator")
 VALIDATOR_AFTER = "nvidia-operator-validator"
 
@@ -118,6 +133,7 @@ class AgentStatus(Struct):
     message: str = ""
     paused: list[str] = []
     connected: bool = False
+    other_agents: list[str] = []  # pods of mig-manager & co. seen on the node at the last change
 
 
 class KubeAgent:
@@ -205,6 +221,7 @@ class KubeAgent:
         self._refresh.set()
 
     async def _maybe_handle(self, node: NodeView) -> None:
+        await self._keep_agents_off(node)  # someone set one back to true: false again
         key = (node.labels.get(MIG_CONFIG), node.labels.get(VGPU_CONFIG))
         if key != self._handled:
             await self.handle(node)  # an API error propagates: run() reads the node again and retries
@@ -275,6 +292,7 @@ class KubeAgent:
         if self._active is not None:
             await self._set_state(self._active, "pending",
                                   f"{len(impact.changed)} GPU(s) change: {', '.join(impact.changed)}")
+        await self._other_agents_gone()
         sides = impact.sides()
         if sides:
             try:
@@ -311,9 +329,24 @@ class KubeAgent:
 
     async def _publish_capable(self, node: NodeView) -> NodeView:
         value = "true" if self.applier.mig_capable() else "false"
-        if node.labels.get(MIG_CAPABLE) != value:
-            node = await self.api.patch_labels({MIG_CAPABLE: value})
+        change = {MIG_CAPABLE: value} if node.labels.get(MIG_CAPABLE) != value else {}
+        change |= self._agents_off(node)
+        if change:
+            node = await self.api.patch_labels(change)
         return node
+
+    def _agents_off(self, node: NodeView) -> dict[str, str]:
+        """The deploy labels of the operator's own GPU agents that are not `false` yet."""
+        change = {a.label: "false" for a in OTHER_AGENTS if node.labels.get(a.label) != "false"}
+        if change:
+            self._event("kube", f"set {', '.join(f'{k}=false' for k in sorted(change))}: gpud reconfigures "
+                                "this node's GPUs, the operator's agents must not")
+        return change
+
+    async def _keep_agents_off(self, node: NodeView) -> None:
+        change = self._agents_off(node)
+        if change:
+            await self.api.patch_labels(change)
 
     # --- operands ----------------------------------------------------------------------------
     async def _patch_from_fresh(self, compute: Callable[[NodeView], dict[str, str]]) -> dict[str, str]:
@@ -364,6 +397,37 @@ class KubeAgent:
         except KubeError as e:  # the labels stay paused; the next pass restores them
             self._event("kube", f"could not restore the operand labels yet: {e}")
 
+    def _is_other_agent_pod(self, pod: PodView) -> bool:
+        for a in OTHER_AGENTS:
+            if pod.namespace == self.namespace and pod.labels.get("app") == a.app:
+                return True
+            if pod.controller_kind == "DaemonSet" and a.label in pod.node_selector:
+                return True
+        return False
+
+    async def _other_agents_gone(self) -> None:
+        """Before any GPU changes: no pod of mig-manager, vgpu-device-manager or vfio-manager may
+        be on the node (their deploy labels are false, so their DaemonSets remove them; wait for
+        that). Raises OperandsNotPaused naming them when they stay: two agents must never
+        reconfigure the same GPUs."""
+        try:
+            await self._keep_agents_off(await self.api.node())
+            await asyncio.wait_for(self._pods_gone_where(self._is_other_agent_pod, "GPU agent"), self.pod_timeout)
+            self.status.other_agents = []
+        except (KubeError, TimeoutError) as e:
+            pods, _ = await self.api.pods() if isinstance(e, TimeoutError) else ([], "")
+            left = sorted(f"{p.namespace}/{p.name}" for p in pods if self._is_other_agent_pod(p))
+            self.status.other_agents = left
+            why = (f"the GPU Operator's own GPU agent(s) still run on this node: {', '.join(left)}; gpud changes "
+                   f"no GPU while another agent may (set {', '.join(a.label for a in OTHER_AGENTS)}=false, or "
+                   "migManager/vgpuDeviceManager/vfioManager.enabled=false in the ClusterPolicy)"
+                   if isinstance(e, TimeoutError) else f"could not check for the operator's GPU agents: {e}")
+            self._event("kube", why)
+            if self._active is not None:
+                with contextlib.suppress(KubeError):
+                    await self._set_state(self._active, "failed", why)
+            raise OperandsNotPaused(why) from e
+
     def _is_operand_pod(self, pod: PodView, operands: set[Operand]) -> bool:
         for op in operands:
             if op.app == CLIENT:
@@ -377,12 +441,15 @@ class KubeAgent:
         """Until no pod of `operands` is left on the node: one list, then its watch."""
         if not operands:
             return
+        await self._pods_gone_where(lambda pod: self._is_operand_pod(pod, operands), "operand")
+
+    async def _pods_gone_where(self, matches: Callable[[PodView], bool], what: str) -> None:
         while True:
             pods, rv = await self.api.pods()
-            left = {(p.namespace, p.name) for p in pods if self._is_operand_pod(p, operands)}
+            left = {(p.namespace, p.name) for p in pods if matches(p)}
             if not left:
                 return
-            self._event("kube-pause", f"waiting for {len(left)} operand pod(s) to leave: "
+            self._event("kube-pause", f"waiting for {len(left)} {what} pod(s) to leave: "
                                       f"{', '.join(f'{ns}/{n}' for ns, n in sorted(left))}")
             try:
                 async with contextlib.aclosing(self.api.watch_pods(rv)) as events:
@@ -390,7 +457,7 @@ class KubeAgent:
                         key = (pod.namespace, pod.name)
                         if kind == "DELETED":
                             left.discard(key)
-                        elif self._is_operand_pod(pod, operands):
+                        elif matches(pod):
                             left.add(key)
                         if not left:
                             return
