@@ -76,6 +76,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     k8s.add_argument("--kubeconfig", metavar="PATH", help="with --kube-node: credentials (default: in-cluster "
                      "service account, $KUBECONFIG, ~/.kube/config)")
     k8s.add_argument("--kube-namespace", default="gpu-operator", help="the GPU Operator's namespace (its operand pods)")
+    k8s.add_argument("--default-vgpu-config", metavar="NAME", default="default",
+                     help="with --kube-node: the layout a nvidia.com/gpu.workload.config=vm-vgpu node without "
+                     "nvidia.com/vgpu.config gets, when the file has it (vgpu-device-manager's DEFAULT_VGPU_CONFIG; "
+                     "default: default; '' for none)")
     ap.add_argument("--log-level", default=os.environ.get("GPUD_LOG_LEVEL", "INFO"))
     ap.add_argument("--version", action="version", version=f"gpud {VERSION}")
     args = ap.parse_args(argv)
@@ -176,6 +180,7 @@ class Daemon:
         self.kube_applier = ReconcilerApplier(self.rec)
         self.rec.layout_file.label_selects = True  # the node label chooses: `selected` may be absent
         self.kube = KubeAgent(api, self.kube_applier, namespace=self.args.kube_namespace,
+                              default_vgpu=self.args.default_vgpu_config or None,
                               on_event=lambda kind, message: self.bus.publish(kind, message))
         self.rec.operand_guard = self.kube
         self.rec.reboot_policy.rebooter = KubeRebooter(self.kube, self.kube_applier, reboot)

@@ -6,7 +6,9 @@ NVIDIA/vgpu-device-manager cmd/nvidia-k8s-vgpu-dm), as gpud follows it:
 
 1. The node label `nvidia.com/mig.config` names the layout in force (an entry of `layouts` in
    layout.yaml, as mig-manager's names a mig-parted config); `nvidia.com/vgpu.config` likewise for a
-   vGPU node. Both set to different names is an error: gpud has one layout in force.
+   vGPU node; `vgpu.config` wins over the operator's automatic `mig.config=all-disabled`, and on a
+   `gpu.workload.config=vm-vgpu` node without it the default vGPU layout applies
+   (gpud.engine.kube_selection). Two other, different names are an error: one layout is in force.
 2. A pass that changes something: `<label>.state=pending`; each `nvidia.com/gpu.deploy.<operand>`
    label of the operands the change disrupts that is `true` becomes `paused-for-mig-change`
    (container operands) or `paused-for-vgpu-change` (sandbox operands); `false` or absent stays as it
@@ -37,17 +39,16 @@ from typing import Protocol
 
 from msgspec import Struct
 
+from gpud.engine.kube_selection import (  # noqa: F401 - the protocol's names, re-exported
+    DEFAULT_VGPU_CONFIG, MIG_CAPABLE, MIG_CONFIG, MIG_STATE, VGPU_CONFIG, VGPU_STATE, WORKLOAD_CONFIG, Selection,
+    selection,
+)
 from gpud.engine.operands import OperandsNotPaused
 from gpud.host.kube import Conflict, Gone, KubeError, NodeView, PodView
 from gpud.plan.operand_impact import Impact
 
 log = logging.getLogger(__name__)
 
-MIG_CONFIG = "nvidia.com/mig.config"
-MIG_STATE = "nvidia.com/mig.config.state"
-VGPU_CONFIG = "nvidia.com/vgpu.config"
-VGPU_STATE = "nvidia.com/vgpu.config.state"
-MIG_CAPABLE = "nvidia.com/mig.capable"
 PAUSED_MIG = "paused-for-mig-change"
 PAUSED_VGPU = "paused-for-vgpu-change"
 PAUSED = (PAUSED_MIG, PAUSED_VGPU)
@@ -111,21 +112,6 @@ class Applier(Protocol):
     def mig_capable(self) -> bool: ...
 
 
-class Selection(Struct, frozen=True):
-    layout: str | None  # None: no label selects; the file's own `selected` stays in force
-    state_labels: tuple[str, ...]  # where the outcome is reported
-    error: str | None = None
-
-
-def selection(labels: dict[str, str]) -> Selection:
-    mig, vgpu = labels.get(MIG_CONFIG) or None, labels.get(VGPU_CONFIG) or None
-    states = tuple(s for s, v in ((MIG_STATE, mig), (VGPU_STATE, vgpu)) if v)
-    if mig and vgpu and mig != vgpu:
-        return Selection(None, states, f"{MIG_CONFIG}={mig} and {VGPU_CONFIG}={vgpu} name different layouts; "
-                                       "gpud has one layout in force: set them to the same name or remove one")
-    return Selection(mig or vgpu, states)
-
-
 class AgentStatus(Struct):
     node: str
     selected: str | None = None
@@ -139,7 +125,7 @@ class AgentStatus(Struct):
 class KubeAgent:
     def __init__(self, api, applier: Applier, *, namespace: str = DEFAULT_NAMESPACE, pod_timeout: float = 300.0,
                  on_event: Callable[[str, str], None] | None = None, retry_delay: float = 1.0,
-                 max_conflicts: int = 8) -> None:
+                 max_conflicts: int = 8, default_vgpu: str | None = DEFAULT_VGPU_CONFIG) -> None:
         self.api = api
         self.applier = applier
         self.namespace = namespace
@@ -147,6 +133,7 @@ class KubeAgent:
         self.on_event = on_event or (lambda kind, message: None)
         self.retry_delay = retry_delay
         self.max_conflicts = max_conflicts
+        self.default_vgpu = default_vgpu  # applied on a vm-vgpu node without vgpu.config (kube_selection)
         self.status = AgentStatus(node=api.node_name)
         self._paused: set[str] = set()  # operand labels this agent (or a crashed run) left paused
         self._active: Selection | None = None  # the label selection in force (None: the file's)
@@ -156,7 +143,7 @@ class KubeAgent:
         # Set once the node's labels first chose what is in force (a layout, or the file's own
         # `selected`); until then the daemon runs no pass, so a bad label at start touches nothing.
         self.selected_once = asyncio.Event()
-        self._handled: tuple[str | None, str | None] | None = None
+        self._handled: tuple[str | None, ...] | None = None
         self._refresh = asyncio.Event()
         self.conflicts = 0  # 409s met and retried (for status and tests)
 
@@ -222,7 +209,8 @@ class KubeAgent:
 
     async def _maybe_handle(self, node: NodeView) -> None:
         await self._keep_agents_off(node)  # someone set one back to true: false again
-        key = (node.labels.get(MIG_CONFIG), node.labels.get(VGPU_CONFIG))
+        chosen = selection(node.labels, layouts=self.applier.layouts(), default_vgpu=self.default_vgpu).layout
+        key = (node.labels.get(MIG_CONFIG), node.labels.get(VGPU_CONFIG), chosen)
         if key != self._handled:
             await self.handle(node)  # an API error propagates: run() reads the node again and retries
             self._handled = key
@@ -230,8 +218,10 @@ class KubeAgent:
     # --- one selection -----------------------------------------------------------------------
     async def handle(self, node: NodeView) -> str | None:
         """Apply what the node's labels select, following the protocol; returns the state reported."""
-        sel = selection(node.labels)
+        sel = selection(node.labels, layouts=self.applier.layouts(), default_vgpu=self.default_vgpu)
         self.status.selected = sel.layout
+        if sel.why:
+            self._event("kube", f"layout {sel.layout!r} selected: {sel.why}")
         if sel.error:
             self._active = None
             return await self._finish(sel, "failed", sel.error)
