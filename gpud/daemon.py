@@ -244,6 +244,8 @@ class Daemon:
         if self.kube is not None and done != self._kube_passes and self.rec.phase not in SETTLING_PHASES:
             self._kube_passes = done  # report a pass the agent did not start itself on the node
             self._spawn(self.kube.settled(self.kube_applier.outcome()))
+            desired = self.rec.resolution.desired if self.rec.resolution is not None else {}
+            self._spawn(self.kube.publish_workloads({p: d.workload for p, d in desired.items()}))
 
     def _write_labels(self) -> None:
         """The node's labels after every pass (the writer leaves an unchanged file alone)."""

@@ -43,6 +43,7 @@ from gpud.engine.kube_selection import (  # noqa: F401 - the protocol's names, r
     DEFAULT_VGPU_CONFIG, MIG_CAPABLE, MIG_CONFIG, MIG_STATE, VGPU_CONFIG, VGPU_STATE, WORKLOAD_CONFIG, Selection,
     selection,
 )
+from gpud.engine.kube_workload import plan_workload
 from gpud.engine.operands import OperandsNotPaused
 from gpud.host.kube import Conflict, Gone, KubeError, NodeView, PodView
 from gpud.plan.operand_impact import Impact
@@ -120,6 +121,8 @@ class AgentStatus(Struct):
     paused: list[str] = []
     connected: bool = False
     other_agents: list[str] = []  # pods of mig-manager & co. seen on the node at the last change
+    workload_config: str | None = None  # nvidia.com/gpu.workload.config as the operator applies it
+    unserved: list[str] = []  # GPUs of a mixed layout the operator's operands will not serve, and why
 
 
 class KubeAgent:
@@ -337,6 +340,28 @@ class KubeAgent:
         change = self._agents_off(node)
         if change:
             await self.api.patch_labels(change)
+
+    async def publish_workloads(self, workloads: dict[str, str]) -> None:
+        """After a pass: `nvidia.com/gpu.workload.config` from the layout in force when its GPUs
+        serve one workload, and gpud's `nvidia.com/gpud.workload.<w>.served` labels
+        (gpud.engine.kube_workload). API errors are reported; the next pass writes again."""
+        if not workloads:
+            return
+        try:
+            node = await self.api.node()
+            plan = plan_workload(workloads, node.labels.get(WORKLOAD_CONFIG))
+            change = {k: v for k, v in plan.served_labels().items() if node.labels.get(k) != v}
+            if plan.label is not None and node.labels.get(WORKLOAD_CONFIG) != plan.label:
+                change[WORKLOAD_CONFIG] = plan.label
+            if change:
+                await self.api.patch_labels(change)
+        except KubeError as e:
+            self._event("kube", f"could not publish the node's workload labels yet: {e}")
+            return
+        if plan.messages != self.status.unserved:
+            for m in plan.messages:
+                self._event("kube", m)
+        self.status.workload_config, self.status.unserved = plan.effective, plan.messages
 
     # --- operands ----------------------------------------------------------------------------
     async def _patch_from_fresh(self, compute: Callable[[NodeView], dict[str, str]]) -> dict[str, str]:
