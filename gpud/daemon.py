@@ -24,7 +24,7 @@ from gpud.engine.apply_lock import ApplyLock
 from gpud.device_events import DeviceEventSourceFactory, describe_device_event
 from gpud.engine.events import EventBus
 from gpud.engine.gpu_state import SETTLING_PHASES
-from gpud.engine.node_labels_out import LabelsOut, Versions, layout_state
+from gpud.engine.node_labels_out import LabelsOut, Versions, from_cluster, layout_state
 from gpud.engine.observer import DEFAULT_MAX_AGE
 from gpud.engine.reconciler import Hardware, Reconciler
 from gpud.engine.udev_rules import UdevRules
@@ -67,10 +67,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     k8s.add_argument("--nfd-features", metavar="PATH", help="node labels for Node Feature Discovery, written after "
                      "every pass when the directory exists (default /etc/kubernetes/node-feature-discovery/"
                      "features.d/gpud, or DIR/etc/kubernetes/... with --sim)")
-    k8s.add_argument("--nfd-labels", choices=("all", "gpud"), default="all",
-                     help="all: GFD's labels and gpud's own; gpud: only gpud's (a cluster that keeps running GFD)")
-    k8s.add_argument("--mig-strategy", choices=("mixed", "single"), default="mixed",
-                     help="the device plugin's and GFD's MIG strategy in this cluster (labels, advertised resources)")
+    k8s.add_argument("--nfd-labels", choices=("all", "gpud"),
+                     help="all: GFD's labels and gpud's own; gpud: only gpud's (a cluster that keeps running GFD). "
+                     "Default all; with --kube-node gpud, unless the node has "
+                     "nvidia.com/gpu.deploy.gpu-feature-discovery=false")
+    k8s.add_argument("--mig-strategy", choices=("mixed", "single"),
+                     help="the device plugin's and GFD's MIG strategy in this cluster (labels, advertised resources). "
+                     "Default mixed; with --kube-node the node's nvidia.com/mig.strategy where set")
     k8s.add_argument("--kube-node", metavar="NAME", help="follow the GPU Operator's node-label protocol for this "
                      "node (nvidia.com/mig.config selects the layout); needs gpud[kube]")
     k8s.add_argument("--kubeconfig", metavar="PATH", help="with --kube-node: credentials (default: in-cluster "
@@ -154,7 +157,10 @@ class Daemon:
         self._metrics_key: tuple | None = None
         self._background: set[asyncio.Future] = set()  # tasks nothing else references
         self.loop_lag = LoopLagProbe()
-        self.labels = LabelsOut(args.nfd_features, label_set=args.nfd_labels, mig_strategy=args.mig_strategy,
+        label_set, strategy = args.nfd_labels or "all", args.mig_strategy or "mixed"
+        if args.kube_node:  # until the node is read: as if GFD runs there
+            label_set, strategy = from_cluster({}, label_set=args.nfd_labels, mig_strategy=args.mig_strategy)
+        self.labels = LabelsOut(args.nfd_features, label_set=label_set, mig_strategy=strategy,
                                 exclude=("nvidia.com/mig.capable",) if args.kube_node else (),
                                 on_event=lambda kind, message: self.bus.publish(kind, message))
         self._versions: Versions | None = None
@@ -180,10 +186,17 @@ class Daemon:
         self.kube_applier = ReconcilerApplier(self.rec)
         self.rec.layout_file.label_selects = True  # the node label chooses: `selected` may be absent
         self.kube = KubeAgent(api, self.kube_applier, namespace=self.args.kube_namespace,
-                              default_vgpu=self.args.default_vgpu_config or None,
+                              default_vgpu=self.args.default_vgpu_config or None, on_node=self._on_node_labels,
                               on_event=lambda kind, message: self.bus.publish(kind, message))
         self.rec.operand_guard = self.kube
         self.rec.reboot_policy.rebooter = KubeRebooter(self.kube, self.kube_applier, reboot)
+    def _on_node_labels(self, labels: dict[str, str]) -> None:
+        """--kube-node: the cluster decides the label set and MIG strategy the flags left open."""
+        mode = from_cluster(labels, label_set=self.args.nfd_labels, mig_strategy=self.args.mig_strategy)
+        if self.labels.set_mode(*mode):
+            self.bus.publish("labels", f"node labels: {mode[0]} set, mig-strategy {mode[1]} (from the node's labels)")
+            self._write_labels()
+
     # ---- event sources ---------------------------------------------------------------------
     async def watch_config(self) -> None:
         """Editors save in place, by atomic rename, or delete and re-create: watch the directory."""

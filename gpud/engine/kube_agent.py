@@ -128,7 +128,8 @@ class AgentStatus(Struct):
 class KubeAgent:
     def __init__(self, api, applier: Applier, *, namespace: str = DEFAULT_NAMESPACE, pod_timeout: float = 300.0,
                  on_event: Callable[[str, str], None] | None = None, retry_delay: float = 1.0,
-                 max_conflicts: int = 8, default_vgpu: str | None = DEFAULT_VGPU_CONFIG) -> None:
+                 max_conflicts: int = 8, default_vgpu: str | None = DEFAULT_VGPU_CONFIG,
+                 on_node: Callable[[dict[str, str]], None] | None = None) -> None:
         self.api = api
         self.applier = applier
         self.namespace = namespace
@@ -137,6 +138,7 @@ class KubeAgent:
         self.retry_delay = retry_delay
         self.max_conflicts = max_conflicts
         self.default_vgpu = default_vgpu  # applied on a vm-vgpu node without vgpu.config (kube_selection)
+        self.on_node = on_node or (lambda labels: None)  # every version of the node's labels
         self.status = AgentStatus(node=api.node_name)
         self._paused: set[str] = set()  # operand labels this agent (or a crashed run) left paused
         self._active: Selection | None = None  # the label selection in force (None: the file's)
@@ -212,6 +214,7 @@ class KubeAgent:
 
     async def _maybe_handle(self, node: NodeView) -> None:
         await self._keep_agents_off(node)  # someone set one back to true: false again
+        self.on_node(node.labels)
         chosen = selection(node.labels, layouts=self.applier.layouts(), default_vgpu=self.default_vgpu).layout
         key = (node.labels.get(MIG_CONFIG), node.labels.get(VGPU_CONFIG), chosen)
         if key != self._handled:
