@@ -363,6 +363,7 @@ class Daemon:
             log.warning("the writer of %s (pid %d) is still blocked in the kernel; killed, it ends when "
                         "the kernel lets its write return", sw.path, sw.pid)
         await server.close()
+        self.labels.remove()  # labels describe a running gpud's work: they go with it
         if self.kube is not None:
             await self.kube.api.close()
         log.info("gpud stopped; hardware left as it is")

@@ -101,6 +101,18 @@ class LabelsOut:
         self.last = NodeLabels(labels, out.warnings)
         return self.last
 
+    def remove(self) -> None:
+        """gpud stops: remove the file this process wrote (stale labels would outlive the daemon;
+        a --read-only gpud that never wrote leaves the file of another alone)."""
+        if self.path is None or self.last_result not in ("written", "unchanged"):
+            return
+        try:
+            if nfd.remove_features(self.path):
+                log.info("%s removed: the node's labels go with gpud", self.path)
+        except OSError as e:
+            log.warning("node labels not removed from %s: %s", self.path, e)
+        self.last_result = None
+
     def write(self, inputs: LabelInputs) -> NodeLabels:
         labels = self.compute(inputs)
         if self.path is None:
