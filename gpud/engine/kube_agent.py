@@ -34,7 +34,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Protocol
 
 from msgspec import Struct
@@ -93,6 +93,7 @@ OTHER_AGENTS = (
     OtherAgent("nvidia.com/gpu.deploy.vgpu-device-manager", "nvidia-vgpu-device-manager"),
     OtherAgent("nvidia.com/gpu.deploy.vfio-manager", "nvidia-vfio-manager"),
 )
+LAST_ERROR = "nvidia.com/gpud.last-error"  # node annotation: the last failure, until a success
 VALIDATORS_BEFORE = ("nvidia-cuda-validator", "nvidia-device-plugin-validator")
 VALIDATOR_AFTER = "nvidia-operator-validator"
 
@@ -129,7 +130,8 @@ class KubeAgent:
     def __init__(self, api, applier: Applier, *, namespace: str = DEFAULT_NAMESPACE, pod_timeout: float = 300.0,
                  on_event: Callable[[str, str], None] | None = None, retry_delay: float = 1.0,
                  max_conflicts: int = 8, default_vgpu: str | None = DEFAULT_VGPU_CONFIG,
-                 on_node: Callable[[dict[str, str]], None] | None = None) -> None:
+                 on_node: Callable[[dict[str, str]], None] | None = None,
+                 after_change: Callable[[], Awaitable[str | None]] | None = None) -> None:
         self.api = api
         self.applier = applier
         self.namespace = namespace
@@ -139,6 +141,11 @@ class KubeAgent:
         self.max_conflicts = max_conflicts
         self.default_vgpu = default_vgpu  # applied on a vm-vgpu node without vgpu.config (kube_selection)
         self.on_node = on_node or (lambda labels: None)  # every version of the node's labels
+        # after GPUs changed, before the operands come back (the CDI spec regenerated); returns an
+        # error to report, or None
+        self.after_change = after_change
+        self._node_uid = ""
+        self._last_error_shown = False  # the node carries LAST_ERROR (a success removes it)
         self.status = AgentStatus(node=api.node_name)
         self._paused: set[str] = set()  # operand labels this agent (or a crashed run) left paused
         self._active: Selection | None = None  # the label selection in force (None: the file's)
@@ -160,6 +167,8 @@ class KubeAgent:
         while True:
             try:
                 node = await self.api.node()
+                self._node_uid = node.uid
+                self._last_error_shown = LAST_ERROR in node.annotations
                 self.status.connected = True
                 delay = self.retry_delay
                 self._paused |= {k for k, v in node.labels.items() if k in BY_LABEL and v in PAUSED}
@@ -301,6 +310,7 @@ class KubeAgent:
             yield
         finally:
             if not self._rebooting:
+                await self._after_change()
                 await self._restore_quietly()
 
     async def before_reboot(self, reason: str) -> None:
@@ -315,7 +325,30 @@ class KubeAgent:
 
     async def _finish(self, sel: Selection, state: str, message: str) -> str:
         await self._set_state(sel, state, message)
+        await self._describe(state, message)
         return state
+
+    async def _after_change(self) -> None:
+        if self.after_change is None:
+            return
+        error = await self.after_change()
+        if error:
+            self._event("kube", error)
+            with contextlib.suppress(KubeError):
+                await self.api.node_event("CDISpecNotRegenerated", error, uid=self._node_uid)
+
+    async def _describe(self, state: str, message: str) -> None:
+        """Where `kubectl describe node` shows it: a failure as a Warning Event on the Node and in
+        the annotation LAST_ERROR (removed on success). Best effort: the state label is the protocol."""
+        try:
+            if state == "failed":
+                await self.api.node_event("GPULayoutFailed", message or "failed", uid=self._node_uid)
+                await self.api.patch_annotations({LAST_ERROR: message or "failed"})
+            elif state == "success" and self._last_error_shown:
+                await self.api.patch_annotations({LAST_ERROR: None})
+            self._last_error_shown = state == "failed"
+        except KubeError as e:
+            self._event("kube", f"could not record the outcome as a node event/annotation: {e}")
 
     async def _set_state(self, sel: Selection, state: str, message: str) -> None:
         self.status.state, self.status.message = state, message

@@ -14,6 +14,7 @@ import logging
 from gpud.engine.gpu_state import SETTLING_PHASES
 from gpud.engine.kube_agent import KubeAgent, Outcome
 from gpud.engine.ports import Rebooter
+from gpud.engine.reboot_policy import RebootRefused
 from gpud.host.logind import reboot_outcome
 from gpud.profiles import by_device
 
@@ -77,8 +78,13 @@ class KubeRebooter:
             return await self.reboot(state_dir, reason)  # refuses: an earlier reboot did not settle it
         try:
             await self.agent.before_reboot(reason)
-        except Exception as e:  # noqa: BLE001 - an unreachable API server must not block the reboot
+        except Exception as e:  # noqa: BLE001 - whatever kept the state from the node
+            # mig-manager's contract: the node says `rebooting` before the reboot, or there is none
+            # (a node rebooting unannounced looks failed to the cluster, and its operands paused)
+            self.agent.reboot_cancelled()
             log.warning("could not mark the node rebooting: %s", e)
+            raise RebootRefused(f"nvidia.com/mig.config.state=rebooting could not be written ({e}); "
+                                "no reboot without it") from e
         try:
             ok = await self.reboot(state_dir, reason)
         except Exception:
