@@ -183,7 +183,7 @@ class Daemon:
             api = KubeApi(self.args.kube_node, load_config(self.args.kubeconfig))
         except KubeError as e:
             raise RuntimeError(f"--kube-node {self.args.kube_node}: {e}") from e
-        self.kube_applier = ReconcilerApplier(self.rec)
+        self.kube_applier = ReconcilerApplier(self.rec, None if self.args.read_only else self.args.state_dir)
         self.rec.layout_file.label_selects = True  # the node label chooses: `selected` may be absent
         self.kube = KubeAgent(api, self.kube_applier, namespace=self.args.kube_namespace,
                               default_vgpu=self.args.default_vgpu_config or None, on_node=self._on_node_labels,
@@ -275,6 +275,22 @@ class Daemon:
         self.labels.write(self.labels.inputs(rec.observation.gpus, workloads={p: d.workload for p, d in desired.items()},
                                              layout=selected, state=state, versions=self._versions or Versions()))
 
+    async def _start_with_remembered_layout(self) -> bool:
+        """--kube-node: the layout the node's label selected before this start is put in force at
+        once, so a reboot's MIG instances and vGPUs are rebuilt before the API server answers; the
+        label, once read, decides again (the same name: nothing to do)."""
+        name = self.kube_applier.remembered()
+        if name is None:
+            return False
+        if not await self.rec.choose_layout_async(name):
+            await self.rec.choose_layout_async(None)
+            self.bus.publish("kube", f"the node label's last layout {name!r} is not valid now; waiting for the label")
+            return False
+        self.kube.selected_once.set()
+        self.kube.boot_window = self.rec.boot_rebuild.after_boot
+        self.bus.publish("kube", f"layout {name!r} (the node label's before this start) in force until the label is read")
+        return True
+
     async def _run_after_selection(self) -> None:
         """--kube-node: no pass before the node's label has chosen the layout (a file edit or a
         device event meanwhile is remembered and runs then)."""
@@ -339,7 +355,7 @@ class Daemon:
             # call would cause, so the systemd watchdog can be seen to restart us.
             loop.add_signal_handler(signal.SIGUSR2, _stall_forever)
         loop.add_signal_handler(signal.SIGHUP, self._reload_on_sighup, handler)
-        if self.kube is None:
+        if self.kube is None or await self._start_with_remembered_layout():
             ticket = self.rec.kick("start")  # with --kube-node, the node's label picks the layout first
             await self._rebuild_vgpus_before_ready(ticket)
         self._update_status()

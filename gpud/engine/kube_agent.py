@@ -145,6 +145,10 @@ class KubeAgent:
         # error to report, or None
         self.after_change = after_change
         self._node_uid = ""
+        # First start after a reboot, the label's last layout in force: until the API server first
+        # answers, passes change GPUs without pausing operands. No operand pod can run yet: the
+        # kubelet starts after gpud (gpud.service is ordered Before=kubelet.service).
+        self.boot_window = False
         self._last_error_shown = False  # the node carries LAST_ERROR (a success removes it)
         self.status = AgentStatus(node=api.node_name)
         self._paused: set[str] = set()  # operand labels this agent (or a crashed run) left paused
@@ -168,6 +172,7 @@ class KubeAgent:
             try:
                 node = await self.api.node()
                 self._node_uid = node.uid
+                self.boot_window = False
                 self._last_error_shown = LAST_ERROR in node.annotations
                 self.status.connected = True
                 delay = self.retry_delay
@@ -291,6 +296,11 @@ class KubeAgent:
         OperandsNotPaused (restoring what it paused) when the operands cannot be taken off the
         node: the engine must not change the GPUs under them then."""
         if not impact.changed:
+            yield
+            return
+        if self.boot_window and not self.status.connected:
+            self._event("kube", f"{len(impact.changed)} GPU(s) rebuilt after the reboot before the API server answered "
+                                "(the kubelet starts after gpud: no operand runs yet)")
             yield
             return
         self._changed = True
