@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from gpud.engine.kube_applier import KubeRebooter
+from gpud.engine.kube.applier import KubeRebooter
 from gpud.host.logind import REBOOT_MARKER, current_boot_id
 
 
@@ -61,7 +61,7 @@ async def test_after_a_reboot_for_the_same_cause_the_node_is_not_told_rebooting(
 async def test_no_reboot_unless_the_node_was_told_rebooting(tmp_path):
     import pytest
 
-    from gpud.engine.reboot_policy import RebootRefused
+    from gpud.engine.boot.reboot_policy import RebootRefused
 
     class Unreachable(AgentRecorder):
         async def before_reboot(self, reason):
@@ -80,7 +80,7 @@ async def test_no_reboot_unless_the_node_was_told_rebooting(tmp_path):
 async def test_the_policy_reports_a_refused_reboot(tmp_path):
     from gpud.engine.events import EventBus
     from gpud.engine.gpu_state import GpuState
-    from gpud.engine.reboot_policy import RebootPolicy, RebootRefused
+    from gpud.engine.boot.reboot_policy import RebootPolicy, RebootRefused
     from gpud.layout.schema import Policy
 
     async def refuses(state_dir, reason):

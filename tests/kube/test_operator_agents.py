@@ -8,7 +8,7 @@ controller does, so "gone before the change" holds only if gpud really turned th
 
 from __future__ import annotations
 
-from gpud.engine.kube_agent import MIG_CONFIG, MIG_STATE, Impact
+from gpud.engine.kube.agent import MIG_CONFIG, MIG_STATE, Impact
 from tests.kube.cluster import NODE, OPERATOR_NS, DaemonSet, DaemonSetController, client_for, until
 from tests.kube.test_kube_agent import (  # noqa: F401 - `cluster` is a fixture
     BASE_LABELS, SETS, EngineStandIn, _agent, _changes, _labels, _node, _pods, cluster, running,

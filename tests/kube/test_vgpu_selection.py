@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import pytest
 
-from gpud.engine.kube_selection import (
+from gpud.engine.kube.selection import (
     MIG_CONFIG, MIG_STATE, VGPU_CONFIG, VGPU_STATE, WORKLOAD_CONFIG, Selection, selection,
 )
-from gpud.engine.kube_agent import Impact
+from gpud.engine.kube.agent import Impact
 from tests.kube.cluster import NODE, until
 from tests.kube.test_kube_agent import (  # noqa: F401 - `cluster` is a fixture
     BASE_LABELS, EngineStandIn, _agent, _changes, _labels, _node, cluster, running,

@@ -12,7 +12,7 @@ import json
 
 import pytest
 
-from gpud.engine.kube_workload import plan_workload
+from gpud.engine.kube.workload import plan_workload
 from tests.daemon.conftest import Daemon, wait_until
 from tests.kube.cluster import NODE, EmulatorThread, write_kubeconfig
 

@@ -8,7 +8,7 @@ NVIDIA/vgpu-device-manager cmd/nvidia-k8s-vgpu-dm), as gpud follows it:
    layout.yaml, as mig-manager's names a mig-parted config); `nvidia.com/vgpu.config` likewise for a
    vGPU node; `vgpu.config` wins over the operator's automatic `mig.config=all-disabled`, and on a
    `gpu.workload.config=vm-vgpu` node without it the default vGPU layout applies
-   (gpud.engine.kube_selection). Two other, different names are an error: one layout is in force.
+   (gpud.engine.kube.selection). Two other, different names are an error: one layout is in force.
 2. A pass that changes something: `<label>.state=pending`; each `nvidia.com/gpu.deploy.<operand>`
    label of the operands the change disrupts that is `true` becomes `paused-for-mig-change`
    (container operands) or `paused-for-vgpu-change` (sandbox operands); `false` or absent stays as it
@@ -39,12 +39,12 @@ from typing import Protocol
 
 from msgspec import Struct
 
-from gpud.engine.kube_selection import (  # noqa: F401 - the protocol's names, re-exported
+from gpud.engine.kube.operands import OperandsNotPaused
+from gpud.engine.kube.selection import (  # noqa: F401 - the protocol's names, re-exported
     DEFAULT_VGPU_CONFIG, MIG_CAPABLE, MIG_CONFIG, MIG_STATE, VGPU_CONFIG, VGPU_STATE, WORKLOAD_CONFIG, Selection,
     selection,
 )
-from gpud.engine.kube_workload import plan_workload
-from gpud.engine.operands import OperandsNotPaused
+from gpud.engine.kube.workload import plan_workload
 from gpud.host.kube import Conflict, Gone, KubeError, NodeView, PodView
 from gpud.plan.operand_impact import Impact
 
@@ -139,7 +139,7 @@ class KubeAgent:
         self.on_event = on_event or (lambda kind, message: None)
         self.retry_delay = retry_delay
         self.max_conflicts = max_conflicts
-        self.default_vgpu = default_vgpu  # applied on a vm-vgpu node without vgpu.config (kube_selection)
+        self.default_vgpu = default_vgpu  # applied on a vm-vgpu node without vgpu.config (kube.selection)
         self.on_node = on_node or (lambda labels: None)  # every version of the node's labels
         # after GPUs changed, before the operands come back (the CDI spec regenerated); returns an
         # error to report, or None
@@ -390,7 +390,7 @@ class KubeAgent:
     async def publish_workloads(self, workloads: dict[str, str]) -> None:
         """After a pass: `nvidia.com/gpu.workload.config` from the layout in force when its GPUs
         serve one workload, and gpud's `nvidia.com/gpud.workload.<w>.served` labels
-        (gpud.engine.kube_workload). API errors are reported; the next pass writes again."""
+        (gpud.engine.kube.workload). API errors are reported; the next pass writes again."""
         if not workloads:
             return
         try:

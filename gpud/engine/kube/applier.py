@@ -1,4 +1,4 @@
-"""The kube agent's view of the engine (`gpud.engine.kube_agent.Applier`), over the reconciler.
+"""The kube agent's view of the engine (`gpud.engine.kube.agent.Applier`), over the reconciler.
 
 A label selects a layout: the layout file is read again with that layout chosen (as `selected`
 would choose it, mig-parted's `-c`), checked against this host, and passes run until the GPUs
@@ -15,9 +15,9 @@ import logging
 import os
 
 from gpud.engine.gpu_state import SETTLING_PHASES
-from gpud.engine.kube_agent import KubeAgent, Outcome
+from gpud.engine.kube.agent import KubeAgent, Outcome
 from gpud.engine.ports import Rebooter
-from gpud.engine.reboot_policy import RebootRefused
+from gpud.engine.boot.reboot_policy import RebootRefused
 from gpud.host.atomic_file import replace_file
 from gpud.host.logind import reboot_outcome
 from gpud.profiles import by_device
