@@ -74,6 +74,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     k8s.add_argument("--mig-strategy", choices=("mixed", "single"),
                      help="the device plugin's and GFD's MIG strategy in this cluster (labels, advertised resources). "
                      "Default mixed; with --kube-node the node's nvidia.com/mig.strategy where set")
+    k8s.add_argument("--nvidia-ctk", metavar="PATH", help="NVIDIA Container Toolkit's nvidia-ctk: after MIG devices "
+                     "changed, `nvidia-ctk cdi generate --output=SPEC` when nvidia-cdi-refresh.service is not installed "
+                     "(default: nvidia-ctk from PATH; with --sim none unless given; '' for none)")
+    k8s.add_argument("--cdi-spec", metavar="SPEC", help="the CDI spec nvidia-ctk writes (default /var/run/cdi/nvidia.yaml, "
+                     "or DIR/var/run/cdi/nvidia.yaml with --sim)")
     k8s.add_argument("--kube-node", metavar="NAME", help="follow the GPU Operator's node-label protocol for this "
                      "node (nvidia.com/mig.config selects the layout); needs gpud[kube]")
     k8s.add_argument("--kubeconfig", metavar="PATH", help="with --kube-node: credentials (default: in-cluster "
@@ -112,11 +117,17 @@ def build_hardware(args: argparse.Namespace) -> tuple[Hardware, DeviceEventSourc
         )
         args.udev_rules = args.udev_rules or str(Path(args.sim) / "etc/udev/rules.d/70-gpud-vfio.rules")
         args.nfd_features = args.nfd_features or str(Path(args.sim) / NFD_FEATURES.lstrip("/"))
+        args.cdi_spec = args.cdi_spec or str(Path(args.sim) / "var/run/cdi/nvidia.yaml")
         args.dev_root = str(host.dev_root)
         args.boot_id_path = str(Path(host.proc_root) / "sys/kernel/random/boot_id")
         return hw, partial(SimEvents, socket_path=host.uevent_socket), args.lock or str(Path(args.sim) / "apply.lock")
     args.udev_rules = args.udev_rules or "/etc/udev/rules.d/70-gpud-vfio.rules"
     args.nfd_features = args.nfd_features or NFD_FEATURES
+    args.cdi_spec = args.cdi_spec or "/var/run/cdi/nvidia.yaml"
+    if args.nvidia_ctk is None:
+        import shutil
+
+        args.nvidia_ctk = shutil.which("nvidia-ctk") or ""
     args.dev_root = "/dev"
     args.boot_id_path = BOOT_ID_PATH
     hw = Hardware(sysfs=Sysfs("/sys", read_only=args.read_only), nvml=Nvml(read_only=args.read_only),
@@ -152,6 +163,10 @@ class Daemon:
             state_dir=args.state_dir, rebooter=partial(request_reboot, boot_id_path=args.boot_id_path),
             max_status_age=args.status_max_age, boot_id_path=args.boot_id_path,
         )
+        if args.nvidia_ctk and not args.read_only:
+            from gpud.host.cdi import CdiGenerator
+
+            self.rec.cdi_generate = CdiGenerator(args.nvidia_ctk, args.cdi_spec)
         self.stopping = asyncio.Event()
         self._reload_timer: asyncio.TimerHandle | None = None
         self._metrics_key: tuple | None = None

@@ -91,6 +91,9 @@ class Reconciler:
         self.bus = bus
         self.read_only = read_only
         self.drainer = drainer  # None: no system bus (the daemon may connect one later)
+        # `nvidia-ctk cdi generate` after MIG changes when the toolkit's refresh unit is absent
+        # (gpud.host.cdi.CdiGenerator; None: the toolkit is not installed)
+        self.cdi_generate = None
         self.binder_timeout = binder_timeout
         self.udev_rules = udev_rules  # boot-time vfio overrides
         self.reboot_policy = RebootPolicy(rebooter=rebooter, state_dir=state_dir, read_only=read_only, bus=bus,
@@ -495,7 +498,7 @@ class Reconciler:
             apply_one=lambda pci: self._converge_one(pci, resolution.desired[pci]),
             converged=lambda pci: self.gpu_states[pci].converged,
             changed_mig=lambda: bool(self._mig_changed), abort=abort, drainer=self.drainer,
-            log=lambda line: self.bus.publish("hook", line),
+            log=lambda line: self.bus.publish("hook", line), cdi_generate=self.cdi_generate,
         )
 
     async def _converge_gpu(self, pci: str, desired: DesiredGpu) -> GpuState:

@@ -34,7 +34,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from msgspec import Struct
@@ -130,8 +130,7 @@ class KubeAgent:
     def __init__(self, api, applier: Applier, *, namespace: str = DEFAULT_NAMESPACE, pod_timeout: float = 300.0,
                  on_event: Callable[[str, str], None] | None = None, retry_delay: float = 1.0,
                  max_conflicts: int = 8, default_vgpu: str | None = DEFAULT_VGPU_CONFIG,
-                 on_node: Callable[[dict[str, str]], None] | None = None,
-                 after_change: Callable[[], Awaitable[str | None]] | None = None) -> None:
+                 on_node: Callable[[dict[str, str]], None] | None = None) -> None:
         self.api = api
         self.applier = applier
         self.namespace = namespace
@@ -141,9 +140,6 @@ class KubeAgent:
         self.max_conflicts = max_conflicts
         self.default_vgpu = default_vgpu  # applied on a vm-vgpu node without vgpu.config (kube.selection)
         self.on_node = on_node or (lambda labels: None)  # every version of the node's labels
-        # after GPUs changed, before the operands come back (the CDI spec regenerated); returns an
-        # error to report, or None
-        self.after_change = after_change
         self._node_uid = ""
         # First start after a reboot, the label's last layout in force: until the API server first
         # answers, passes change GPUs without pausing operands. No operand pod can run yet: the
@@ -320,7 +316,6 @@ class KubeAgent:
             yield
         finally:
             if not self._rebooting:
-                await self._after_change()
                 await self._restore_quietly()
 
     async def before_reboot(self, reason: str) -> None:
@@ -337,15 +332,6 @@ class KubeAgent:
         await self._set_state(sel, state, message)
         await self._describe(state, message)
         return state
-
-    async def _after_change(self) -> None:
-        if self.after_change is None:
-            return
-        error = await self.after_change()
-        if error:
-            self._event("kube", error)
-            with contextlib.suppress(KubeError):
-                await self.api.node_event("CDISpecNotRegenerated", error, uid=self._node_uid)
 
     async def _describe(self, state: str, message: str) -> None:
         """Where `kubectl describe node` shows it: a failure as a Warning Event on the Node and in
