@@ -40,6 +40,7 @@ from typing import Protocol
 from msgspec import Struct
 
 from gpud.engine.kube.operands import OperandsNotPaused
+from gpud.engine.kube.other_agents import OTHER_AGENTS, OtherAgent, OtherAgentsOff  # noqa: F401 - re-exported
 from gpud.engine.kube.selection import (  # noqa: F401 - the protocol's names, re-exported
     DEFAULT_VGPU_CONFIG, MIG_CAPABLE, MIG_CONFIG, MIG_STATE, VGPU_CONFIG, VGPU_STATE, WORKLOAD_CONFIG, Selection,
     selection,
@@ -79,20 +80,6 @@ OPERANDS = (
 )
 BY_LABEL = {op.label: op for op in OPERANDS}
 
-class OtherAgent(Struct, frozen=True):
-    """An operator agent that reconfigures GPUs itself: gpud keeps its deploy label `false` on its
-    node (the operator keeps a value it finds: state_manager.go) and changes no GPU while one of its
-    pods is still on the node."""
-
-    label: str  # nvidia.com/gpu.deploy.<name>; its DaemonSet selects on `<label>=true`
-    app: str  # its pods' `app` label (gpu-operator assets/state-<name>/*_daemonset.yaml)
-
-
-OTHER_AGENTS = (
-    OtherAgent("nvidia.com/gpu.deploy.mig-manager", "nvidia-mig-manager"),
-    OtherAgent("nvidia.com/gpu.deploy.vgpu-device-manager", "nvidia-vgpu-device-manager"),
-    OtherAgent("nvidia.com/gpu.deploy.vfio-manager", "nvidia-vfio-manager"),
-)
 LAST_ERROR = "nvidia.com/gpud.last-error"  # node annotation: the last failure, until a success
 VALIDATORS_BEFORE = ("nvidia-cuda-validator", "nvidia-device-plugin-validator")
 VALIDATOR_AFTER = "nvidia-operator-validator"
@@ -126,7 +113,7 @@ class AgentStatus(Struct):
     unserved: list[str] = []  # GPUs of a mixed layout the operator's operands will not serve, and why
 
 
-class KubeAgent:
+class KubeAgent(OtherAgentsOff):
     def __init__(self, api, applier: Applier, *, namespace: str = DEFAULT_NAMESPACE, pod_timeout: float = 300.0,
                  on_event: Callable[[str, str], None] | None = None, retry_delay: float = 1.0,
                  max_conflicts: int = 8, default_vgpu: str | None = DEFAULT_VGPU_CONFIG,
@@ -360,19 +347,6 @@ class KubeAgent:
             node = await self.api.patch_labels(change)
         return node
 
-    def _agents_off(self, node: NodeView) -> dict[str, str]:
-        """The deploy labels of the operator's own GPU agents that are not `false` yet."""
-        change = {a.label: "false" for a in OTHER_AGENTS if node.labels.get(a.label) != "false"}
-        if change:
-            self._event("kube", f"set {', '.join(f'{k}=false' for k in sorted(change))}: gpud reconfigures "
-                                "this node's GPUs, the operator's agents must not")
-        return change
-
-    async def _keep_agents_off(self, node: NodeView) -> None:
-        change = self._agents_off(node)
-        if change:
-            await self.api.patch_labels(change)
-
     async def publish_workloads(self, workloads: dict[str, str]) -> None:
         """After a pass: `nvidia.com/gpu.workload.config` from the layout in force when its GPUs
         serve one workload, and gpud's `nvidia.com/gpud.workload.<w>.served` labels
@@ -443,37 +417,6 @@ class KubeAgent:
             await self._restore()
         except KubeError as e:  # the labels stay paused; the next pass restores them
             self._event("kube", f"could not restore the operand labels yet: {e}")
-
-    def _is_other_agent_pod(self, pod: PodView) -> bool:
-        for a in OTHER_AGENTS:
-            if pod.namespace == self.namespace and pod.labels.get("app") == a.app:
-                return True
-            if pod.controller_kind == "DaemonSet" and a.label in pod.node_selector:
-                return True
-        return False
-
-    async def _other_agents_gone(self) -> None:
-        """Before any GPU changes: no pod of mig-manager, vgpu-device-manager or vfio-manager may
-        be on the node (their deploy labels are false, so their DaemonSets remove them; wait for
-        that). Raises OperandsNotPaused naming them when they stay: two agents must never
-        reconfigure the same GPUs."""
-        try:
-            await self._keep_agents_off(await self.api.node())
-            await asyncio.wait_for(self._pods_gone_where(self._is_other_agent_pod, "GPU agent"), self.pod_timeout)
-            self.status.other_agents = []
-        except (KubeError, TimeoutError) as e:
-            pods, _ = await self.api.pods() if isinstance(e, TimeoutError) else ([], "")
-            left = sorted(f"{p.namespace}/{p.name}" for p in pods if self._is_other_agent_pod(p))
-            self.status.other_agents = left
-            why = (f"the GPU Operator's own GPU agent(s) still run on this node: {', '.join(left)}; gpud changes "
-                   f"no GPU while another agent may (set {', '.join(a.label for a in OTHER_AGENTS)}=false, or "
-                   "migManager/vgpuDeviceManager/vfioManager.enabled=false in the ClusterPolicy)"
-                   if isinstance(e, TimeoutError) else f"could not check for the operator's GPU agents: {e}")
-            self._event("kube", why)
-            if self._active is not None:
-                with contextlib.suppress(KubeError):
-                    await self._set_state(self._active, "failed", why)
-            raise OperandsNotPaused(why) from e
 
     def _is_operand_pod(self, pod: PodView, operands: set[Operand]) -> bool:
         for op in operands:
