@@ -7,14 +7,12 @@ read the way nfd-worker reads it, and the device plugins' naming rules.
 
 from __future__ import annotations
 
-import asyncio
 import json
 
 import pytest
 
 from tests.daemon.conftest import Daemon, wait_until
-from tests.kube.cluster import NODE, OPERATOR_NS, DaemonSet, DaemonSetController, EmulatorThread, client_for, \
-    write_kubeconfig
+from tests.kube.cluster import NODE, OPERATOR_NS, DaemonSet, DaemonSetController, EmulatorThread, client_for, write_kubeconfig
 from tests.kube.test_nfd_features import nfd_read
 
 DP = "nvidia.com/gpu.deploy.device-plugin"
