@@ -23,12 +23,12 @@ from gpud import VERSION
 from gpud.api.handlers import RequestHandler
 from gpud.device_events import describe_device_event
 from gpud.engine.apply_lock import ApplyLock
+from gpud.engine.binding.udev_rules import UdevRules
 from gpud.engine.events import EventBus
 from gpud.engine.gpu_state import SETTLING_PHASES
 from gpud.engine.kube.node_labels_out import LabelsOut, Versions, from_cluster, layout_state
 from gpud.engine.observe.observer import DEFAULT_MAX_AGE
 from gpud.engine.reconciler import Reconciler
-from gpud.engine.binding.udev_rules import UdevRules
 from gpud.hardware import HostConfig, build_hardware
 from gpud.host.nvml import NvmlError
 from gpud.loop_lag import LoopLagProbe
@@ -271,6 +271,7 @@ class Daemon:
         """--kube-node: the layout the node's label selected before this start is put in force at
         once, so a reboot's MIG instances and vGPUs are rebuilt before the API server answers; the
         label, once read, decides again (the same name: nothing to do)."""
+        assert self.kube is not None and self.kube_applier is not None  # --kube-node
         name = self.kube_applier.remembered()
         if name is None:
             return False

@@ -12,10 +12,10 @@ from collections.abc import Sequence
 
 from gpud import VERSION
 from gpud.api import wire
+from gpud.engine.binding.passthrough import PassthroughEntry, kubevirt_entry
 from gpud.engine.gpu_state import BindAction, GpuState, MigAction, VgpuAction
 from gpud.engine.kube.node_labels_out import LabelsOut
 from gpud.engine.observe.discovery import Observation
-from gpud.engine.binding.passthrough import PassthroughEntry, kubevirt_entry
 from gpud.engine.queries import remaining_capacity
 from gpud.engine.reconciler import Reconciler
 from gpud.engine.vgpu.inventory import entry as vgpu_entry

@@ -17,30 +17,29 @@ import asyncio
 import contextlib
 import logging
 import os
-from collections.abc import Callable, Iterable
-from typing import Any
+from collections.abc import Awaitable, Callable, Iterable
 
 import msgspec
 
 from gpud.engine.apply_lock import ApplyLock, ApplyLockRefused
+from gpud.engine.boot.reboot_policy import RebootPolicy
+from gpud.engine.boot.rebuild import BootRebuild
 from gpud.engine.events import EventBus, event_fields
-from gpud.engine.observe.gpu_index import GpuIndex, SetChange, index_path
-from gpud.engine.gpu_tasks import NvmlSessionGate, SharedDrain, for_each_gpu
 from gpud.engine.gpu_state import PHASE_ORDER, Action, BindAction, GpuState, MigAction, VgpuAction
-from gpud.engine.observe.holder_watch import HolderWatch
+from gpud.engine.gpu_tasks import NvmlSessionGate, SharedDrain, for_each_gpu
 from gpud.engine.hooks.phases import apply_with_hooks
 from gpud.engine.hooks.runner import HookFailed
+from gpud.engine.kube.operands import OperandGuard, OperandsNotPaused
 from gpud.engine.layout_keeper import LayoutKeeper
 from gpud.engine.observe.discovery import Observation, observe
+from gpud.engine.observe.gpu_index import GpuIndex, SetChange, index_path
+from gpud.engine.observe.holder_watch import HolderWatch
 from gpud.engine.observe.observer import DEFAULT_MAX_AGE, Observer
-from gpud.engine.kube.operands import OperandGuard, OperandsNotPaused
 from gpud.engine.ports import BootOverrides, Drainer, Rebooter
-from gpud.engine.boot.rebuild import BootRebuild
-from gpud.engine.boot.reboot_policy import RebootPolicy
 from gpud.engine.scheduler import PassScheduler
+from gpud.engine.vgpu.keeper import NAMES_FILE, VgpuKeeper, step_event
 from gpud.host.logind import BOOT_ID_PATH, current_boot_id
 from gpud.host.nvidia_smi import KNOWN_HOLDERS, GpuReset
-from gpud.engine.vgpu.keeper import NAMES_FILE, VgpuKeeper, step_event
 from gpud.host.nvml import Nvml
 from gpud.host.procs import Procs
 from gpud.host.sysfs import Sysfs
@@ -93,7 +92,7 @@ class Reconciler:
         self.drainer = drainer  # None: no system bus (the daemon may connect one later)
         # `nvidia-ctk cdi generate` after MIG changes when the toolkit's refresh unit is absent
         # (gpud.host.cdi.CdiGenerator; None: the toolkit is not installed)
-        self.cdi_generate = None
+        self.cdi_generate: Callable[[], Awaitable[str]] | None = None
         self.binder_timeout = binder_timeout
         self.udev_rules = udev_rules  # boot-time vfio overrides
         self.reboot_policy = RebootPolicy(rebooter=rebooter, state_dir=state_dir, read_only=read_only, bus=bus,

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 from collections.abc import AsyncIterator, Mapping
+from typing import cast
 
 import httpx2
 from lightkube import ALL_NS, ApiError, AsyncClient, ConfigError, KubeConfig
@@ -131,16 +132,16 @@ class KubeApi:
         """An Event about the node, where `kubectl describe node` lists it (core/v1 Event in the
         `default` namespace, involvedObject the Node, as the kubelet records node events)."""
         now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-        event = Event.from_dict({
+        event = cast(Event, Event.from_dict({
             "apiVersion": "v1", "kind": "Event",
             "metadata": {"generateName": f"{self.node_name}.gpud-", "namespace": "default"},
             "involvedObject": {"apiVersion": "v1", "kind": "Node", "name": self.node_name, "uid": uid or None},
             "reason": reason, "message": message[:1024], "type": "Warning" if warning else "Normal",
             "source": {"component": FIELD_MANAGER, "host": self.node_name}, "reportingComponent": FIELD_MANAGER,
             "firstTimestamp": now, "lastTimestamp": now, "count": 1,
-        })
+        }))
         with _translated():
-            await self._client.create(event, namespace="default")
+            await self._client.create(event)  # namespaced by its metadata
 
     async def watch_node(self, resource_version: str, *, server_timeout: int = 300) -> AsyncIterator[NodeView]:
         """The node's versions after `resource_version`; the client re-opens the watch from the last

@@ -6,8 +6,6 @@ Oracle: the simulator's own state file (what the hardware holds), with the API s
 
 from __future__ import annotations
 
-import json
-
 from tests.daemon.conftest import Daemon, wait_until
 from tests.kube.cluster import NODE, EmulatorThread, write_kubeconfig
 

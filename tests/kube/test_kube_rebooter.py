@@ -78,9 +78,9 @@ async def test_no_reboot_unless_the_node_was_told_rebooting(tmp_path):
 
 
 async def test_the_policy_reports_a_refused_reboot(tmp_path):
+    from gpud.engine.boot.reboot_policy import RebootPolicy, RebootRefused
     from gpud.engine.events import EventBus
     from gpud.engine.gpu_state import GpuState
-    from gpud.engine.boot.reboot_policy import RebootPolicy, RebootRefused
     from gpud.layout.schema import Policy
 
     async def refuses(state_dir, reason):

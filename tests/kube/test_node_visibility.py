@@ -9,8 +9,13 @@ from __future__ import annotations
 
 from gpud.engine.kube.agent import LAST_ERROR, MIG_CONFIG, MIG_STATE, Impact
 from tests.kube.cluster import NODE, until
-from tests.kube.test_kube_agent import (  # noqa: F401 - `cluster` is a fixture
-    BASE_LABELS, EngineStandIn, _agent, _labels, _node, cluster, running,
+from tests.kube.test_kube_agent import (
+    BASE_LABELS,
+    EngineStandIn,
+    _agent,
+    _labels,
+    _node,
+    running,
 )
 
 

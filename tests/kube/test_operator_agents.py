@@ -10,8 +10,16 @@ from __future__ import annotations
 
 from gpud.engine.kube.agent import MIG_CONFIG, MIG_STATE, Impact
 from tests.kube.cluster import NODE, OPERATOR_NS, DaemonSet, DaemonSetController, client_for, until
-from tests.kube.test_kube_agent import (  # noqa: F401 - `cluster` is a fixture
-    BASE_LABELS, SETS, EngineStandIn, _agent, _changes, _labels, _node, _pods, cluster, running,
+from tests.kube.test_kube_agent import (
+    BASE_LABELS,
+    SETS,
+    EngineStandIn,
+    _agent,
+    _changes,
+    _labels,
+    _node,
+    _pods,
+    running,
 )
 
 MIG_MANAGER = "nvidia.com/gpu.deploy.mig-manager"

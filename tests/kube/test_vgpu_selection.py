@@ -10,13 +10,25 @@ from __future__ import annotations
 
 import pytest
 
-from gpud.engine.kube.selection import (
-    MIG_CONFIG, MIG_STATE, VGPU_CONFIG, VGPU_STATE, WORKLOAD_CONFIG, Selection, selection,
-)
 from gpud.engine.kube.agent import Impact
+from gpud.engine.kube.selection import (
+    MIG_CONFIG,
+    MIG_STATE,
+    VGPU_CONFIG,
+    VGPU_STATE,
+    WORKLOAD_CONFIG,
+    Selection,
+    selection,
+)
 from tests.kube.cluster import NODE, until
-from tests.kube.test_kube_agent import (  # noqa: F401 - `cluster` is a fixture
-    BASE_LABELS, EngineStandIn, _agent, _changes, _labels, _node, cluster, running,
+from tests.kube.test_kube_agent import (
+    BASE_LABELS,
+    EngineStandIn,
+    _agent,
+    _changes,
+    _labels,
+    _node,
+    running,
 )
 
 CHANGE = Impact(changed=("0000:18:00.0",), sandbox=("0000:18:00.0",))

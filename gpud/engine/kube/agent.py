@@ -42,7 +42,14 @@ from msgspec import Struct
 from gpud.engine.kube.operands import OperandsNotPaused
 from gpud.engine.kube.other_agents import OTHER_AGENTS, OtherAgent, OtherAgentsOff  # noqa: F401 - re-exported
 from gpud.engine.kube.selection import (  # noqa: F401 - the protocol's names, re-exported
-    DEFAULT_VGPU_CONFIG, MIG_CAPABLE, MIG_CONFIG, MIG_STATE, VGPU_CONFIG, VGPU_STATE, WORKLOAD_CONFIG, Selection,
+    DEFAULT_VGPU_CONFIG,
+    MIG_CAPABLE,
+    MIG_CONFIG,
+    MIG_STATE,
+    VGPU_CONFIG,
+    VGPU_STATE,
+    WORKLOAD_CONFIG,
+    Selection,
     selection,
 )
 from gpud.engine.kube.workload import plan_workload

@@ -14,10 +14,10 @@ import json
 import logging
 import os
 
+from gpud.engine.boot.reboot_policy import RebootRefused
 from gpud.engine.gpu_state import SETTLING_PHASES
 from gpud.engine.kube.agent import KubeAgent, Outcome
 from gpud.engine.ports import Rebooter
-from gpud.engine.boot.reboot_policy import RebootRefused
 from gpud.host.atomic_file import replace_file
 from gpud.host.logind import reboot_outcome
 from gpud.profiles import by_device

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 from msgspec import Struct
 
@@ -36,8 +38,16 @@ OTHER_AGENTS = (
 
 
 class OtherAgentsOff:
-    """Mixed into KubeAgent: uses its api, namespace, pod_timeout, status, _active, _event,
-    _set_state and _pods_gone_where."""
+    """Mixed into KubeAgent, whose members these are."""
+
+    api: Any
+    namespace: str
+    pod_timeout: float
+    status: Any
+    _active: Any
+    _event: Callable[[str, str], None]
+    _set_state: Callable[..., Awaitable[None]]
+    _pods_gone_where: Callable[[Callable[[PodView], bool], str], Awaitable[None]]
 
     def _agents_off(self, node: NodeView) -> dict[str, str]:
         """The deploy labels of the operator's own GPU agents that are not `false` yet."""
