@@ -207,7 +207,9 @@ def kubernetes_status(gpus: Sequence[Gpu], *, mig_strategy: str, agent=None) -> 
     agent_status = None
     if agent is not None:
         agent_status = wire.KubeAgentStatus(node=agent.node, connected=agent.connected, selected=agent.selected,
-                                            state=agent.state, message=agent.message, paused=list(agent.paused))
+                                            state=agent.state, message=agent.message, paused=list(agent.paused),
+                                            other_agents=list(agent.other_agents),
+                                            workload_config=agent.workload_config, unserved=list(agent.unserved))
     return wire.KubernetesStatus(
         advertised=wire.Advertised(mig_strategy=mig_strategy, resources=ad.resources, sandbox=ad.sandbox,
                                    problems=list(ad.problems)),

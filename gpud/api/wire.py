@@ -258,6 +258,9 @@ class KubeAgentStatus(msgspec.Struct, kw_only=True):
     state: str | None = None  # what gpud last wrote to nvidia.com/mig.config.state
     message: str = ""
     paused: list[str] = []  # nvidia.com/gpu.deploy.* labels paused now
+    other_agents: list[str] = []  # pods of the operator's mig-manager & co. that kept gpud from changing GPUs
+    workload_config: str | None = None  # nvidia.com/gpu.workload.config: the operand family the operator runs
+    unserved: list[str] = []  # GPUs of a mixed layout that family does not serve, and which operands are missing
 
 
 class Advertised(msgspec.Struct, kw_only=True):

@@ -390,6 +390,12 @@ def render_kubernetes(k: wire.KubernetesStatus | None) -> str:
                 f"  mig.config.state: {state}"]
         if a.paused:
             out += [f"  paused: {', '.join(a.paused)}"]
+        if a.workload_config:
+            out += [f"  gpu.workload.config: {a.workload_config}"]
+        out += [f"  not served: {u}" for u in a.unserved]
+        if a.other_agents:
+            out += [f"  the operator's GPU agents on this node (gpud changes no GPU until they leave): "
+                    f"{', '.join(a.other_agents)}"]
     return "\n".join(out)
 
 

@@ -61,6 +61,9 @@ class LayoutKeeper:
         self.file_reads = 0  # loads of the file begun (observable: applies at once share one)
         self._text: str | None = None  # the text of `layout`, to tell a new load from a re-read
         self.select: str | None = None  # a layout chosen over the file's `selected` (a node label)
+        # --kube-node: a node label chooses the layout, so a file without `selected` is valid
+        # (gpud.layout.parse.parse_layout's `label_selects`)
+        self.label_selects = False
         # the one resolution of (layout in force, observation): a load's own is reused, not redone
         self._resolved: tuple[ParsedLayout, Observation, Resolution] | None = None
 
@@ -195,12 +198,11 @@ class LayoutKeeper:
         return parsed, await asyncio.to_thread(resolve, parsed, obs.gpus, gone=obs.gone,
                                                       index_problem=obs.index_problem), obs
 
-    @staticmethod
-    def _parse(text: str, path: str, select: str | None = None) -> ParsedLayout:
+    def _parse(self, text: str, path: str, select: str | None = None) -> ParsedLayout:
         too_large = check_text_size(text, path)
         if too_large is not None:  # refused before YAML sees it: the same bound as the file's
             return ParsedLayout(file=path, layout=None, errors=[LayoutIssue(path, None, "", too_large.split(": ", 1)[1])])
-        return parse_layout(text, path, select=select)
+        return parse_layout(text, path, select=select, label_selects=self.label_selects)
 
     @staticmethod
     def _match_of(parsed: ParsedLayout) -> tuple[MatchRule, ...]:

@@ -17,7 +17,7 @@ import asyncio
 import contextlib
 import logging
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 
 import msgspec
 
@@ -93,6 +93,9 @@ class Reconciler:
         self.bus = bus
         self.read_only = read_only
         self.drainer = drainer  # None: no system bus (the daemon may connect one later)
+        # `nvidia-ctk cdi generate` after MIG changes when the toolkit's refresh unit is absent
+        # (gpud.host.cdi.CdiGenerator; None: the toolkit is not installed)
+        self.cdi_generate: Callable[[], Awaitable[str]] | None = None
         self.binder_timeout = binder_timeout
         self.udev_rules = udev_rules  # boot-time vfio overrides
         # state files set aside or not written (gpud.host.state_files): an event each, and status
@@ -501,7 +504,7 @@ class Reconciler:
             apply_one=lambda pci: self._converge_one(pci, resolution.desired[pci]),
             converged=lambda pci: self.gpu_states[pci].converged,
             changed_mig=lambda: bool(self._mig_changed), abort=abort, drainer=self.drainer,
-            log=lambda line: self.bus.publish("hook", line),
+            log=lambda line: self.bus.publish("hook", line), cdi_generate=self.cdi_generate,
         )
 
     async def _converge_gpu(self, pci: str, desired: DesiredGpu) -> GpuState:

@@ -19,6 +19,7 @@ starting with "." ignored, the directory watched so a change shows within about 
 from __future__ import annotations
 
 import os
+import stat
 from collections.abc import Mapping
 
 from gpud.host import safe_file
@@ -76,6 +77,19 @@ def write_features(path: str, labels: Mapping[str, str]) -> str:
         pass  # whatever is there is replaced by the rename, never followed
     safe_file.write_file(path, data)
     return "written"
+
+
+def remove_features(path: str) -> bool:
+    """Remove the feature file (gpud stops: nfd-worker drops its labels at once, as GFD's file
+    goes when GFD exits). A link or non-regular file there is not gpud's and is left alone.
+    False when there was nothing to remove."""
+    try:
+        if not stat.S_ISREG(os.lstat(path).st_mode):
+            return False
+        os.unlink(path)
+    except FileNotFoundError:
+        return False
+    return True
 
 
 def read_features(path: str) -> dict[str, str] | None:

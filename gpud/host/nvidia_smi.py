@@ -128,12 +128,12 @@ class GpuReset:
     def _intend(self, pci: str, pending: bool) -> None:
         if self.intent_path is None:
             return
-        from gpud.host.atomic_file import remove_file, replace_file
+        from gpud.host.safe_file import remove_file, write_file
 
         now = [p for p in self._pending() if p != pci] + ([pci] if pending else [])
         if now:
             os.makedirs(os.path.dirname(self.intent_path) or ".", exist_ok=True)
-            replace_file(self.intent_path, json.dumps(now).encode(), mode=0o600)
+            write_file(self.intent_path, json.dumps(now).encode(), mode=0o600)
         else:
             try:
                 remove_file(self.intent_path)

@@ -259,11 +259,12 @@ class VgpuSysfs:
                         tname = os.path.basename(os.readlink(os.path.join(mpath, "mdev_type")))
                     except OSError:
                         continue
-                    name = strip_prefix(_read(os.path.join(tdir, tname, "name")) or tname)
+                    printed = (_read(os.path.join(mpath, "mdev_type", "name")) or "").strip() or None
+                    name = strip_prefix(printed or _read(os.path.join(tdir, tname, "name")) or tname)
                     group = self._group(mpath)
                     devices.append(VgpuDevice(type=name, parent=parent, uuid=e, type_id=_int(tname.rpartition("-")[2], -1),
                                               vfio_group=group, holders=self._holders(group, e, mpath),
-                                              gi=self._mdev_gi(mpath)))
+                                              gi=self._mdev_gi(mpath), driver_name=printed))
         offers = []
         for name, (type_id, n) in counts.items():
             vtype = model.find(name) if model is not None else None

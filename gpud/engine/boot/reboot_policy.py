@@ -13,6 +13,10 @@ from gpud.host.state_files import Problems
 from gpud.layout.schema import Policy
 
 
+class RebootRefused(Exception):
+    """The rebooter will not ask for the reboot (a precondition failed); the message says why."""
+
+
 class RebootPolicy:
     """`rebooter` is None where logind is not reachable; `state_dir` holds the marker."""
 
@@ -33,7 +37,12 @@ class RebootPolicy:
             return st
         if self.rebooter is None or self.state_dir is None or self.read_only:
             return GpuState(st.state, f"{st.message}; policy allows a reboot, but logind is not reachable", st.holders)
-        if await self.rebooter(self.state_dir, f"{pci}: {st.message}"):
+        try:
+            asked = await self.rebooter(self.state_dir, f"{pci}: {st.message}")
+        except RebootRefused as e:
+            self.bus.publish("reboot", f"reboot not requested: {e}", gpu=pci)
+            return GpuState(st.state, f"{st.message}; policy allows a reboot, but {e}", st.holders)
+        if asked:
             self.bus.publish("reboot", f"reboot requested from logind: {st.message}", gpu=pci)
             return GpuState(st.state, f"{st.message}; reboot requested", st.holders)
         return GpuState(st.state, f"{st.message}; an earlier reboot did not settle it, not rebooting again "
