@@ -17,7 +17,7 @@ import asyncio
 import contextlib
 import logging
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Literal
 
 import msgspec
@@ -38,13 +38,15 @@ from gpud.engine.observe.holder_watch import HolderWatch
 from gpud.engine.observe.observer import DEFAULT_MAX_AGE, Observer
 from gpud.engine.ports import BootOverrides, Drainer, Rebooter
 from gpud.engine.scheduler import PassScheduler
-from gpud.engine.vgpu.keeper import NAMES_FILE, VgpuKeeper, step_event
+from gpud.engine.vgpu.keeper import NAMES_FILE, VgpuKeeper, changes_vfs, step_event
 from gpud.host.logind import BOOT_ID_PATH, current_boot_id
-from gpud.host.nvidia_smi import KNOWN_HOLDERS, GpuReset
+from gpud.host.nvidia_smi import KNOWN_HOLDERS, PERSISTENCED, GpuReset
 from gpud.host.nvml import Nvml
 from gpud.host.procs import Procs
+from gpud.host.sriov_manage import SriovManage
+from gpud.host.state_files import Problems
 from gpud.host.sysfs import Sysfs
-from gpud.host.vgpu_sysfs import VgpuSysfs
+from gpud.host.vgpu_sysfs import VgpuSysfs, vfio_cdevs
 from gpud.layout.desired import DesiredGpu
 from gpud.layout.parse import ParsedLayout
 from gpud.layout.resolve import Resolution
@@ -66,6 +68,7 @@ class Hardware(msgspec.Struct):
     nvml: Nvml
     procs: Procs
     reset: GpuReset | None = None  # nvidia-smi -r for nvidia-bound GPUs; None: resets are left to the operator
+    vf_tool: SriovManage | None = None  # NVIDIA's sriov-manage: VFs on and off; None: VFs are not changed
 
 
 class Reconciler:
@@ -91,18 +94,24 @@ class Reconciler:
         self.bus = bus
         self.read_only = read_only
         self.drainer = drainer  # None: no system bus (the daemon may connect one later)
+        # `nvidia-ctk cdi generate` after MIG changes when the toolkit's refresh unit is absent
+        # (gpud.host.cdi.CdiGenerator; None: the toolkit is not installed)
+        self.cdi_generate: Callable[[], Awaitable[str]] | None = None
         self.binder_timeout = binder_timeout
         self.udev_rules = udev_rules  # boot-time vfio overrides
+        # state files set aside or not written (gpud.host.state_files): an event each, and status
+        self.state_problems = Problems(lambda m: bus.publish("state-file", m))
         self.reboot_policy = RebootPolicy(rebooter=rebooter, state_dir=state_dir, read_only=read_only, bus=bus,
-                                          boot_id_path=boot_id_path or BOOT_ID_PATH)
+                                          boot_id_path=boot_id_path or BOOT_ID_PATH, problems=self.state_problems)
         # boot_id_path None: this boot is not told apart from the last (tests without a host's boot id)
-        self.boot_rebuild = BootRebuild(state_dir, _boot_id(boot_id_path), bus, read_only=read_only)
+        self.boot_rebuild = BootRebuild(state_dir, _boot_id(boot_id_path), bus, read_only=read_only,
+                                        problems=self.state_problems)
         self.layout_file = LayoutKeeper(config_path, bus, self._observe)
         self.operand_guard: OperandGuard | None = None  # --kube-node: the kube agent
         self.scheduler = PassScheduler()
         self.holder_watch = HolderWatch(self._holder_exited)
         # PCI address -> kept index: a GPU leaving the bus shifts nobody (gpud.engine.observe.gpu_index)
-        self.gpu_index = GpuIndex(index_path(state_dir), on_problem=lambda m: bus.publish("error", m))
+        self.gpu_index = GpuIndex(index_path(state_dir), problems=self.state_problems)
         self.gpu_set_notes: dict[str, str] = {}  # PCI -> what changed in the GPU set, for status
         self._set_changes: list[SetChange] = []  # seen by a read in a worker thread, said by _install
         # GPUs converge side by side (gpud.engine.gpu_tasks): NVML work and unbinds from nvidia
@@ -122,7 +131,8 @@ class Reconciler:
         self._listeners: list[Callable[[], None]] = []
         self.vgpus = VgpuKeeper(VgpuSysfs(hardware.sysfs, hardware.procs,
                                           names_file=os.path.join(state_dir, NAMES_FILE) if state_dir else None),
-                                state_dir if not read_only else None)
+                                state_dir if not read_only else None, self.state_problems,
+                                vf_tool=hardware.vf_tool)
         # the one current observation: read off the loop, re-read on change and while clients ask
         self.observer = Observer(self._read_host, self._install, max_age=max_status_age,
                                  busy=lambda: bool(self._inflight))
@@ -190,7 +200,7 @@ class Reconciler:
         gpus, gone, change = self.gpu_index.assign(obs.gpus, (f.address for f in obs.functions), commit=commit)
         if commit and change:
             self._set_changes.append(change)  # list.append is atomic: this runs in a worker thread
-        return msgspec.structs.replace(obs, gpus=gpus, gone=gone)
+        return msgspec.structs.replace(obs, gpus=gpus, gone=gone, index_problem=self.gpu_index.index_problem)
 
     def _read_functions(self, match: tuple[MatchRule, ...]) -> Observation:
         """While a rebind runs, NVML stays closed: opening it (nvmlInit opens every GPU) would make
@@ -497,7 +507,7 @@ class Reconciler:
             apply_one=lambda pci: self._converge_one(pci, resolution.desired[pci]),
             converged=lambda pci: self.gpu_states[pci].converged,
             changed_mig=lambda: bool(self._mig_changed), abort=abort, drainer=self.drainer,
-            log=lambda line: self.bus.publish("hook", line),
+            log=lambda line: self.bus.publish("hook", line), cdi_generate=self.cdi_generate,
         )
 
     async def _converge_gpu(self, pci: str, desired: DesiredGpu) -> GpuState:
@@ -563,7 +573,7 @@ class Reconciler:
             outcome = await self._in_worker(
                 mig_executor.execute, self.hw.nvml, plan,
                 policy_reset=self.policy.reset if self.policy else "per-gpu", on_step=on_step,
-                holders=self._device_holders,
+                holders=self._reset_holders,
             )
         if outcome.done:
             self._mig_changed.add(gpu.pci)
@@ -631,7 +641,24 @@ class Reconciler:
             line, data = step_event(step)
             loop.call_soon_threadsafe(lambda: self.bus.publish("vgpu", line, gpu=gpu.pci, step=data))
 
-        return await self._in_worker(self.vgpus.run, gpu, action, on_step)
+        if not changes_vfs(action):
+            return await self._in_worker(self.vgpus.run, gpu, action, on_step)
+
+        def run_with_nvml_closed() -> GpuState:
+            self.hw.nvml.suspend()  # sriov-manage's unbind lock is refused while our session holds the GPU
+            try:
+                return self.vgpus.run(gpu, action, on_step, holders=self._lock_holders)
+            finally:
+                self.hw.nvml.resume()
+
+        async with self.nvml_gate.hold("closed"), self._drained(gpu):
+            return await self._in_worker(run_with_nvml_closed)
+
+    def _lock_holders(self, pci: str) -> list[Holder]:
+        """What keeps the driver's unbind lock from gpud: device node holders, else known services."""
+        holders = self._device_holders(pci)
+        seen = {h.pid for h in holders}
+        return holders + [h for h in self.hw.procs.running(KNOWN_HOLDERS) if h.pid not in seen]
 
     def _device_holders(self, pci: str) -> list[Holder]:
         """Processes with the GPU's device node open (persistenced, DCGM, X, CUDA): a reset must
@@ -640,6 +667,11 @@ class Reconciler:
         if minor is None:
             return []
         return [h for h in self.hw.procs.holders([f"/dev/nvidia{minor}"]) if h.pid != os.getpid()]
+
+    def _reset_holders(self, pci: str) -> list[Holder]:
+        """Holders a reset waits for: not nvidia-persistenced, whose hold on this GPU ends when the
+        reset turns persistence off for it (`nvidia-smi -pm 0 -i <PCI>`, gpud.host.nvidia_smi)."""
+        return [h for h in self._device_holders(pci) if not PERSISTENCED.startswith(h.name or "-")]
 
     def rebind_holders(self, gpu: Gpu) -> tuple[Holder, ...]:
         """Who loses the GPU when it leaves its driver (for `gpudctl plan`): processes with its
@@ -650,8 +682,11 @@ class Reconciler:
         minor = self.hw.procs.nvidia_minor(gpu.pci) if gpu.function.driver == "nvidia" else None
         if minor is not None:
             paths.append(f"/dev/nvidia{minor}")
-        if gpu.function.driver == "vfio-pci" and gpu.function.iommu_group is not None:
-            paths.append(f"/dev/vfio/{gpu.function.iommu_group}")
+        if gpu.function.driver == "vfio-pci":
+            if gpu.function.iommu_group is not None:
+                paths.append(f"/dev/vfio/{gpu.function.iommu_group}")
+            device_dir = os.path.join(self.hw.sysfs.root, "bus/pci/devices", gpu.pci)
+            paths += [f"/dev/vfio/devices/{n}" for n in vfio_cdevs(device_dir)]  # an iommufd VMM's
         listed = list(self.hw.procs.holders(paths)) if paths else []
         if gpu.nvml is not None:
             listed += list(gpu.nvml.processes) + [h for gi in gpu.nvml.instances for h in gi.holders]

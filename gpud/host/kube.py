@@ -2,7 +2,7 @@
 
 An adapter over lightkube's asyncio client (the optional `[kube]` extra): only the daemon's
 --kube-node mode imports this module, so a host without the extra runs gpud unchanged. What it
-needs from the API server (RBAC): nodes get, watch, patch; pods list, watch, delete.
+needs from the API server (RBAC): nodes get, watch, patch; pods list, watch, delete; events create.
 
 Writes are JSON merge patches of `metadata.labels`; one carrying the resourceVersion it was
 computed from fails with Conflict (409) when the node changed since, which is how the protocol
@@ -12,11 +12,13 @@ pauses and restores operand labels without overwriting a concurrent change by so
 from __future__ import annotations
 
 import contextlib
+import datetime
 from collections.abc import AsyncIterator, Mapping
+from typing import cast
 
 import httpx2
 from lightkube import ALL_NS, ApiError, AsyncClient, ConfigError, KubeConfig
-from lightkube.resources.core_v1 import Node, Pod
+from lightkube.resources.core_v1 import Event, Node, Pod
 from lightkube.types import PatchType
 from msgspec import Struct
 
@@ -43,6 +45,8 @@ class NodeView(Struct, frozen=True):
     name: str
     labels: dict[str, str]
     resource_version: str
+    uid: str = ""
+    annotations: dict[str, str] = {}
 
 
 class PodView(Struct, frozen=True):
@@ -81,7 +85,8 @@ def _translated():
 def _node(obj: Node) -> NodeView:
     meta = obj.metadata
     assert meta is not None and meta.name is not None  # the API server names every object it returns
-    return NodeView(name=meta.name, labels=dict(meta.labels or {}), resource_version=meta.resourceVersion or "")
+    return NodeView(name=meta.name, labels=dict(meta.labels or {}), resource_version=meta.resourceVersion or "",
+                    uid=meta.uid or "", annotations=dict(meta.annotations or {}))
 
 
 def _pod(obj: Pod) -> PodView:
@@ -116,6 +121,27 @@ class KubeApi:
         with _translated():
             return _node(await self._client.patch(Node, self.node_name, {"metadata": meta},
                                                   patch_type=PatchType.MERGE))
+
+    async def patch_annotations(self, annotations: Mapping[str, str | None]) -> NodeView:
+        """Merge `annotations` into the node's (None removes one)."""
+        with _translated():
+            return _node(await self._client.patch(Node, self.node_name, {"metadata": {"annotations": dict(annotations)}},
+                                                  patch_type=PatchType.MERGE))
+
+    async def node_event(self, reason: str, message: str, *, warning: bool = True, uid: str = "") -> None:
+        """An Event about the node, where `kubectl describe node` lists it (core/v1 Event in the
+        `default` namespace, involvedObject the Node, as the kubelet records node events)."""
+        now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        event = cast(Event, Event.from_dict({
+            "apiVersion": "v1", "kind": "Event",
+            "metadata": {"generateName": f"{self.node_name}.gpud-", "namespace": "default"},
+            "involvedObject": {"apiVersion": "v1", "kind": "Node", "name": self.node_name, "uid": uid or None},
+            "reason": reason, "message": message[:1024], "type": "Warning" if warning else "Normal",
+            "source": {"component": FIELD_MANAGER, "host": self.node_name}, "reportingComponent": FIELD_MANAGER,
+            "firstTimestamp": now, "lastTimestamp": now, "count": 1,
+        }))
+        with _translated():
+            await self._client.create(event)  # namespaced by its metadata
 
     async def watch_node(self, resource_version: str, *, server_timeout: int = 300) -> AsyncIterator[NodeView]:
         """The node's versions after `resource_version`; the client re-opens the watch from the last

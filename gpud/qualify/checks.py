@@ -18,6 +18,7 @@ from gpud.hardware import Hardware
 from gpud.host.host_services import HostServices
 from gpud.host.nvidia_smi_query import NvidiaSmi, NvidiaSmiError, SmiQuery
 from gpud.host.nvml import NvmlError
+from gpud.host.vgpu_sysfs import vfio_cdevs
 from gpud.model import Gpu, Holder, MigProfile
 from gpud.pci import is_bridge
 from gpud.qualify.report import Check
@@ -193,8 +194,11 @@ def _gpu_holders(hw: Hardware, gpu: Gpu) -> list[Holder]:
     minor = hw.procs.nvidia_minor(gpu.pci) if gpu.function.driver == "nvidia" else None
     if minor is not None:
         paths.append(f"/dev/nvidia{minor}")
-    if gpu.function.driver == "vfio-pci" and gpu.function.iommu_group is not None:
-        paths.append(f"/dev/vfio/{gpu.function.iommu_group}")
+    if gpu.function.driver == "vfio-pci":
+        if gpu.function.iommu_group is not None:
+            paths.append(f"/dev/vfio/{gpu.function.iommu_group}")
+        device_dir = os.path.join(hw.sysfs.root, "bus/pci/devices", gpu.pci)
+        paths += [f"/dev/vfio/devices/{n}" for n in vfio_cdevs(device_dir)]
     found = {h for h in hw.procs.holders(paths) if h.pid != os.getpid()}
     if gpu.nvml is not None:
         found |= set(gpu.nvml.processes) | {h for gi in gpu.nvml.instances for h in gi.holders}

@@ -77,7 +77,8 @@ def test_inventory_and_types(daemon) -> None:
     assert set(vfs) == {vf for _, vf in sim_vgpus(d.host, L40S)}
     some = next(iter(mdevs.values()))
     assert f"uuid='{some['uuid']}'" in some["libvirt_hostdev"]
-    assert some["kubevirt"] == {"mediatedDevices": [{"mdevNameSelector": "GRID T4-4Q", "resourceName": "nvidia.com/GRID_T4-4Q"}]}
+    assert some["kubevirt"] == {"mediatedDevices": [{"mdevNameSelector": "GRID T4-4Q", "resourceName": "nvidia.com/GRID_T4-4Q",
+                                                     "externalResourceProvider": True}]}
     types = json.loads(d.ctl("vgpu", "types", "--json").stdout)
     t4 = next(g for g in types["gpus"] if g["pci"] == T4)
     creatable = {t["name"]: t["creatable"] for t in t4["types"]}

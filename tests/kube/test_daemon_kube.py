@@ -111,7 +111,8 @@ def test_node_label_selects_the_layout_through_the_operator_protocol(cluster, tm
     features = tmp_path / "features.d"
     features.mkdir()
     d = Daemon(tmp_path / "d", ["h100-80gb:2"], LAYOUT, ["--kube-node", NODE, "--kubeconfig", kubeconfig,
-                                                          "--nfd-features", str(features / "gpud")])
+                                                          "--nfd-features", str(features / "gpud"),
+                                                          "--nfd-labels", "all"])  # GFD's labels too, though GFD runs
     try:
         wait_until(lambda: _labels(emu).get(STATE) == "success", timeout=120, what="state success for 'whole'")
         labels = _labels(emu)

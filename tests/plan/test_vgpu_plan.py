@@ -9,6 +9,7 @@ import pytest
 
 from gpud.engine.vgpu.executor import execute
 from gpud.host.procs import Procs
+from gpud.host.sriov_manage import SriovManage
 from gpud.host.sysfs import Sysfs
 from gpud.host.vgpu_sysfs import VgpuSysfs
 from gpud.layout.desired import DesiredGpu
@@ -114,7 +115,8 @@ class Host:
                              record=self.record, gi_profiles=self.gi_profiles() if mig else None)
             if plan.infeasible or plan.blocked_by or not plan.steps:
                 return plan
-            out = execute(self.vgpu, plan, self.record, on_step=lambda s: self._count())
+            out = execute(self.vgpu, plan, self.record, on_step=lambda s: self._count(),
+                          vf_tool=SriovManage(str(self.dir / "bin" / "sriov-manage")))
             assert out.state == "done", out.message
         return plan
 

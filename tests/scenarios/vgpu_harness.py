@@ -8,6 +8,7 @@ from pathlib import Path
 
 from gpud.engine.vgpu.executor import execute
 from gpud.host.procs import Procs
+from gpud.host.sriov_manage import SriovManage
 from gpud.host.sysfs import Sysfs
 from gpud.host.vgpu_sysfs import VgpuSysfs
 from gpud.layout.desired import DesiredGpu
@@ -105,7 +106,7 @@ class VgpuRig:
                              gi_profiles=gi_profiles)
             if plan.infeasible or plan.blocked_by or not plan.steps:
                 return plan
-            out = execute(self.vgpu, plan, self.record)
+            out = execute(self.vgpu, plan, self.record, vf_tool=SriovManage(str(self.dir / "bin" / "sriov-manage")))
             if out.state != "done":
                 raise AssertionError(f"{self.sc.name}: executor {out.state}: {out.message}")
         return plan

@@ -20,7 +20,7 @@ import contextlib
 import os
 import signal
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 from gpud.engine.ports import Drainer
@@ -256,15 +256,29 @@ async def _kill_group(proc: asyncio.subprocess.Process) -> None:
 
 
 async def refresh_cdi(drainer: Drainer | None, *, log: Callable[[str], object] | None = None,
-                      unit: str = CDI_REFRESH_UNIT) -> bool:
+                      unit: str = CDI_REFRESH_UNIT, generate: Callable[[], Awaitable[str]] | None = None) -> bool:
     """After an apply that changed MIG devices, regenerate the CDI spec (the container toolkit
     does not notice on its own: nvidia-container-toolkit #1828). Restarts the unit through
-    systemd when it is installed; False when it is not."""
-    if drainer is None:
+    systemd when it is installed; else runs `generate` (gpud.host.cdi: `nvidia-ctk cdi generate`)
+    when the toolkit is; False when neither could."""
+    done = False
+    if drainer is not None:
+        done = await drainer.restart_if_present(unit)
+    if done:
         if log:
-            log(f"cannot restart {unit}: no system bus")
-        return False
-    done = await drainer.restart_if_present(unit)
+            log(f"restarted {unit}")
+        return True
+    if generate is not None:
+        try:
+            message = await generate()
+        except Exception as e:  # noqa: BLE001 - reported; the apply itself is done
+            if log:
+                log(f"CDI spec not regenerated: {e}")
+            return False
+        if log:
+            log(message)
+        return True
     if log:
-        log(f"restarted {unit}" if done else f"{unit} not installed; CDI spec not refreshed")
-    return done
+        log(f"cannot restart {unit}: no system bus" if drainer is None
+            else f"{unit} not installed; CDI spec not refreshed")
+    return False

@@ -14,6 +14,7 @@ from collections.abc import Callable
 
 from msgspec import Struct, field
 
+from gpud.host.sriov_manage import SriovManage
 from gpud.host.sysfs import SysfsError
 from gpud.host.vgpu_sysfs import VgpuSysfs
 from gpud.model import Holder, VgpuDevice
@@ -48,9 +49,33 @@ def _describe(step: VgpuStep) -> str:
     return f"{step.type} {where}".strip()
 
 
+def _vfs(vgpu: VgpuSysfs, vf_tool: SriovManage | None, pf: str, enable: bool,
+         holders: Callable[[str], list[Holder]] | None) -> VgpuOutcome | None:
+    """VFs on or off through NVIDIA's sriov-manage (the caller closed its NVML session); None when done."""
+    if vf_tool is None:
+        return VgpuOutcome("failed", f"{'enabling' if enable else 'disabling'} the VFs of {pf} needs NVIDIA's "
+                                     "sriov-manage, and none is configured (--sriov-manage)")
+    result = vf_tool.enable(pf) if enable else vf_tool.disable(pf)
+    now = len(vgpu.vfs(pf))
+    if result.ok and (now > 0) == enable:
+        return None
+    if result.lock_refused:
+        found = holders(pf) if holders is not None else []
+        if found:
+            names = ", ".join(f"pid {h.pid} {h.name}" for h in found)
+            return VgpuOutcome("blocked", f"{result.summary()}; {pf} is held by {names}", holders=found)
+        return VgpuOutcome("failed", f"{result.summary()}; no process holding {pf} was found (a kernel client "
+                                     "such as nvidia_drm, or an NVML client that came and went)")
+    if result.ok:
+        return VgpuOutcome("failed", f"{result.summary()}; but {pf} has {now} VFs")
+    return VgpuOutcome("failed", result.summary())
+
+
 def execute(vgpu: VgpuSysfs, plan: VgpuPlan, record: VgpuRecord, *, phase: str = "all",
-            on_step: Callable[[VgpuStep], None] | None = None) -> VgpuOutcome:
-    """Run the plan's `removals`, `creations` or both (`phase`). Never removes a held vGPU."""
+            on_step: Callable[[VgpuStep], None] | None = None, vf_tool: SriovManage | None = None,
+            holders: Callable[[str], list[Holder]] | None = None) -> VgpuOutcome:
+    """Run the plan's `removals`, `creations` or both (`phase`). Never removes a held vGPU.
+    VFs change only through `vf_tool`; `holders(pf)` names what keeps a refused unbind lock."""
     if plan.infeasible:
         return VgpuOutcome("failed", plan.infeasible)
     if plan.blocked_by:
@@ -75,10 +100,11 @@ def execute(vgpu: VgpuSysfs, plan: VgpuPlan, record: VgpuRecord, *, phase: str =
                 vgpu.set_vf_type(vf, 0)
                 record.vfs.pop(vf, None)
                 out.removed.append(_describe(step))
-            elif step.action == "disable-vfs":
-                vgpu.set_num_vfs(plan.pci, 0)
-            elif step.action == "enable-vfs":
-                vgpu.set_num_vfs(plan.pci, step.count or 0)
+            elif step.action in ("disable-vfs", "enable-vfs"):
+                failed = _vfs(vgpu, vf_tool, plan.pci, step.action == "enable-vfs", holders)
+                if failed is not None:
+                    failed.created, failed.removed = out.created, out.removed
+                    return failed
             elif step.action == "set-vf-type":
                 vf, vtype = _needs(step.vf, "vf"), _needs(step.type, "type")
                 ids = [i for i, name in vgpu.creatable_on(vf) if name == vtype]
