@@ -140,7 +140,7 @@ class KubeAgent:
         # Set once the node's labels first chose what is in force (a layout, or the file's own
         # `selected`); until then the daemon runs no pass, so a bad label at start touches nothing.
         self.selected_once = asyncio.Event()
-        self._handled: tuple[str | None, str | None] | None = None
+        self._handled: tuple[str, str | None, str | None] | None = None
         self._refresh = asyncio.Event()
         self.conflicts = 0  # 409s met and retried (for status and tests)
 
@@ -161,6 +161,7 @@ class KubeAgent:
                 continue  # the watch fell behind the server's history: read the node again
             except KubeError as e:
                 self.status.connected = False
+                self.status.message = f"Kubernetes API: {e}"
                 self._event("kube", f"Kubernetes API: {e}; retrying in {delay:.0f}s")
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 60.0)
@@ -169,7 +170,10 @@ class KubeAgent:
         """Handle the node as it is, then each newer version its watch brings (only the newest of
         those that piled up during a change); refresh() makes it read the node again."""
         versions: asyncio.Queue[NodeView] = asyncio.Queue()
-        watcher = asyncio.create_task(self._pump(node.resource_version, versions))
+        # From the node as it is when the watch opens, not from `node`'s own resourceVersion: an
+        # object unchanged for long has a version older than the server's watch history (etcd
+        # compacted it, a restarted server's watch cache starts later), which gets 410 every time.
+        watcher = asyncio.create_task(self._pump(None, versions))
         try:
             await self._maybe_handle(node)
             while True:
@@ -195,7 +199,7 @@ class KubeAgent:
             with contextlib.suppress(asyncio.CancelledError, KubeError):
                 await watcher
 
-    async def _pump(self, rv: str, versions: asyncio.Queue) -> None:
+    async def _pump(self, rv: str | None, versions: asyncio.Queue) -> None:
         async with contextlib.aclosing(self.api.watch_node(rv)) as stream:
             async for node in stream:
                 versions.put_nowait(node)
@@ -205,8 +209,12 @@ class KubeAgent:
         self._refresh.set()
 
     async def _maybe_handle(self, node: NodeView) -> None:
-        key = (node.labels.get(MIG_CONFIG), node.labels.get(VGPU_CONFIG))
+        # The uid is part of the key: a node deleted and created again under this name is new to
+        # the protocol (no state label, no mig.capable) even when it carries the same selection.
+        key = (node.uid, node.labels.get(MIG_CONFIG), node.labels.get(VGPU_CONFIG))
         if key != self._handled:
+            if self._handled is not None and node.uid != self._handled[0]:
+                node = await self._publish_capable(node)
             await self.handle(node)  # an API error propagates: run() reads the node again and retries
             self._handled = key
 

@@ -43,6 +43,7 @@ class NodeView(Struct, frozen=True):
     name: str
     labels: dict[str, str]
     resource_version: str
+    uid: str = ""  # a node deleted and created again under the same name is another object
 
 
 class PodView(Struct, frozen=True):
@@ -80,7 +81,7 @@ def _translated():
 
 def _node(obj: Node) -> NodeView:
     return NodeView(name=obj.metadata.name, labels=dict(obj.metadata.labels or {}),
-                    resource_version=obj.metadata.resourceVersion or "")
+                    resource_version=obj.metadata.resourceVersion or "", uid=obj.metadata.uid or "")
 
 
 def _pod(obj: Pod) -> PodView:
@@ -114,9 +115,12 @@ class KubeApi:
             return _node(await self._client.patch(Node, self.node_name, {"metadata": meta},
                                                   patch_type=PatchType.MERGE))
 
-    async def watch_node(self, resource_version: str, *, server_timeout: int = 300) -> AsyncIterator[NodeView]:
-        """The node's versions after `resource_version`; the client re-opens the watch from the last
-        version seen whenever the server ends it. Raises Gone when that version is too old."""
+    async def watch_node(self, resource_version: str | None = None, *,
+                         server_timeout: int = 300) -> AsyncIterator[NodeView]:
+        """The node's versions after `resource_version`; None: the node as it is now (the server's
+        first event), then each change. The client re-opens the watch from the last version seen
+        whenever the server ends it. Raises Gone when that version is older than the server keeps
+        (an etcd compaction, a restarted API server's fresh watch cache)."""
         with _translated():
             async for _, obj in self._client.watch(Node, fields={"metadata.name": self.node_name},
                                                    resource_version=resource_version,

@@ -357,7 +357,7 @@ async def test_bad_selection_fails_without_touching_anything(cluster, labels, me
         assert len(_changes(api.node_history(NODE), label)) == 1
 
 
-async def test_label_change_is_followed_through_the_watch_even_after_410(cluster):
+async def test_label_change_is_followed_across_a_dropped_watch_and_a_short_history(cluster):
     api, kubeconfig = cluster
     api.history = 5  # a short history: the agent's watch will fall behind it and get 410 Gone
     await _node(api, {**BASE_LABELS, MIG_CONFIG: "a"})
@@ -375,7 +375,9 @@ async def test_label_change_is_followed_through_the_watch_even_after_410(cluster
         api.resume_watches()
         await until(api, lambda: len(engine.applied) == 1 and _labels(api).get(MIG_STATE) == "success", "second")
     await agent.api.close()
-    assert api.gone >= 1  # the agent's watch really came back too late and was told 410
+    # The agent watches from the node as it is when a watch opens, never from a version it read
+    # earlier, so a dropped watch does not leave it asking for history the server no longer has
+    # (the 410 path itself: tests/kube/test_real_apiserver.py, against etcd's compaction).
     assert engine.selected == ["a", "b"]
 
 
