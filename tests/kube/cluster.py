@@ -15,6 +15,7 @@ from tests.kube.apiserver import ApiServer
 
 NODE = "gpu-node-1"
 OPERATOR_NS = "gpu-operator"
+PAUSE_IMAGE = "registry.k8s.io/pause:3.10"  # never pulled (no kubelet); the API server requires an image
 
 
 def write_kubeconfig(path, server_url: str) -> str:
@@ -50,7 +51,7 @@ class DaemonSet:
             "metadata": {"name": f"{self.name}-{node}", "namespace": self.namespace, "labels": {"app": self.app},
                          "ownerReferences": [{"apiVersion": "apps/v1", "kind": "DaemonSet", "name": self.name,
                                               "uid": f"uid-{self.name}", "controller": True}]},
-            "spec": {"nodeName": node, "nodeSelector": dict(self.selector), "containers": [{"name": "main"}]},
+            "spec": {"nodeName": node, "nodeSelector": dict(self.selector), "containers": [{"name": "main", "image": PAUSE_IMAGE}]},
         }
 
 

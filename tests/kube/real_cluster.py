@@ -214,6 +214,11 @@ class RealNode:
     def wait(self, predicate: Callable[[dict[str, str]], bool], what: str, timeout: float = 120.0) -> None:
         self.recorder.wait(predicate, what, timeout)
 
+    def settle(self, timeout: float = 30.0) -> None:
+        """Until the recorder has the node's current version (call when nothing else writes)."""
+        now = self.labels()
+        self.wait(lambda labels: labels == now, "the node's history to catch up", timeout)
+
     async def until(self, predicate: Callable[[dict[str, str]], bool], what: str, timeout: float = 60.0) -> None:
         await asyncio.to_thread(self.wait, predicate, what, timeout)
 
@@ -228,6 +233,9 @@ class KmockNode:
         self.emu.call(self.emu.api.put_object("nodes", {"metadata": {"name": self.node, "labels": labels}}))
 
     merge_labels = put_node
+
+    def settle(self) -> None:
+        """The emulator's history is its own log: always current."""
 
     def labels(self) -> dict[str, str]:
         return self.emu.read(lambda: self.emu.api.get("nodes", self.node)["metadata"]["labels"])

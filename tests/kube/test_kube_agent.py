@@ -20,7 +20,7 @@ from gpud.engine.kube_agent import (
 from gpud.engine.operands import OperandsNotPaused
 from gpud.host.kube import KubeApi, load_config
 from tests.kube.apiserver import ApiServer
-from tests.kube.cluster import NODE, OPERATOR_NS, DaemonSet, DaemonSetController, client_for, until, write_kubeconfig
+from tests.kube.cluster import NODE, OPERATOR_NS, PAUSE_IMAGE, DaemonSet, DaemonSetController, client_for, until, write_kubeconfig
 
 DP = "nvidia.com/gpu.deploy.device-plugin"
 GFD = "nvidia.com/gpu.deploy.gpu-feature-discovery"
@@ -79,9 +79,7 @@ class EngineStandIn:
     async def _pass(self, layout, impact):
         async with self.agent.operands_paused(impact):
             if impact.changed:
-                pods = sorted(f"{ns}/{name}" for (p, ns, name), o in self.api._store.items()
-                              if p == "pods" and o["spec"].get("nodeName") == NODE)
-                self.applied.append((layout, pods, dict(self.api.get("nodes", NODE)["metadata"]["labels"])))
+                self.applied.append((layout, *self.snapshot()))
             if layout in self.needs_reboot:
                 if self.allow_reboot and not self.rebooted_before:  # the engine's reboot policy and marker
                     await self.agent.before_reboot("GPU 0: MIG mode change pending until a reboot")
@@ -93,6 +91,12 @@ class EngineStandIn:
 
     def mig_capable(self):
         return self.capable
+
+    def snapshot(self) -> tuple[list[str], dict[str, str]]:
+        """The pods on the node and its labels, as the API server holds them at this moment."""
+        pods = sorted(f"{ns}/{name}" for (p, ns, name), o in self.api._store.items()
+                      if p == "pods" and o["spec"].get("nodeName") == NODE)
+        return pods, dict(self.api.get("nodes", NODE)["metadata"]["labels"])
 
 
 @pytest.fixture
@@ -109,7 +113,7 @@ async def _node(api: ApiServer, labels: dict[str, str]) -> None:
     await api.put_object("nodes", {"metadata": {"name": NODE, "labels": labels}})
     for app in VALIDATORS:
         await api.put_object("pods", {"metadata": {"name": f"{app}-x1", "namespace": OPERATOR_NS, "labels": {"app": app}},
-                                      "spec": {"nodeName": NODE, "containers": [{"name": "v"}]}})
+                                      "spec": {"nodeName": NODE, "containers": [{"name": "v", "image": PAUSE_IMAGE}]}})
 
 
 def _labels(api: ApiServer) -> dict[str, str]:
