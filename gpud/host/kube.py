@@ -68,6 +68,17 @@ def _error(e: Exception) -> KubeError:
         st = e.status
         cls = {409: Conflict, 410: Gone}.get(st.code or 0, KubeError)
         return cls(st.code, st.reason or "", st.message or "")
+    if isinstance(e, httpx2.HTTPStatusError):
+        # A watch refused before it streamed (lightkube raises the bare HTTP error, its body
+        # unread): say what was refused, in the API server's words for RBAC.
+        code = e.response.status_code
+        url = e.request.url
+        parts = [p for p in url.path.split("/") if p]
+        resource = parts[-1] if parts else str(url)
+        verb = "watch" if url.params.get("watch") in ("true", "1") else e.request.method.lower()
+        cls = {409: Conflict, 410: Gone}.get(code, KubeError)
+        what = f'cannot {verb} resource "{resource}"' if code == 403 else f"{verb} {resource}"
+        return cls(code, e.response.reason_phrase or "", f"{what} ({url.path})")
     return KubeError(None, type(e).__name__, str(e) or repr(e))
 
 

@@ -54,16 +54,23 @@ class _Watcher:
         return self
 
     def _loop(self) -> None:
+        try:
+            self._follow()
+        finally:
+            self.client.close()  # here, never from another thread: a socket closed under a blocked
+            # read frees its descriptor for the next socket opened, and the read then eats that one's bytes
+
+    def _follow(self) -> None:
         rv = None
         while not self._stop.is_set():
             try:
                 if rv is None:
                     rv = self.relist()
                 for kind, obj in self.watch(rv):
+                    if self._stop.is_set():  # a stopped watcher must not act on a later test's objects
+                        return
                     rv = obj.metadata.resourceVersion
                     self.event(kind, obj)
-                    if self._stop.is_set():
-                        return
             except ApiError as e:
                 if e.status.code == 410:
                     rv = None
@@ -75,8 +82,8 @@ class _Watcher:
                 time.sleep(0.2)
 
     def stop(self) -> None:
+        """The thread ends at its watch's next event or server-side timeout (a few seconds)."""
         self._stop.set()
-        self.client.close()
 
 
 class NodeRecorder(_Watcher):
@@ -99,7 +106,7 @@ class NodeRecorder(_Watcher):
         return listing.resourceVersion
 
     def watch(self, rv):
-        return self.client.watch(Node, fields={"metadata.name": self.node}, resource_version=rv, server_timeout=30)
+        return self.client.watch(Node, fields={"metadata.name": self.node}, resource_version=rv, server_timeout=5)
 
     def event(self, kind, obj) -> None:
         with self.cond:
@@ -141,7 +148,7 @@ class Kubelet(_Watcher):
 
     def watch(self, rv):
         return self.client.watch(Pod, namespace="*", fields={"spec.nodeName": self.node}, resource_version=rv,
-                                 server_timeout=30)
+                                 server_timeout=5)
 
     def event(self, kind, pod) -> None:
         if kind == "DELETED" or pod.metadata.deletionTimestamp is None:

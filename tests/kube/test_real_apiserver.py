@@ -71,6 +71,16 @@ def _agent(kubeconfig: str, engine, api_cls=KubeApi, **kw) -> KubeAgent:
     return agent
 
 
+async def _until_true(predicate, what: str, limit: float = 60.0) -> None:
+    """Poll a fresh read of the server until `predicate` holds (fails only if it never does)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + limit
+    while not await asyncio.to_thread(predicate):
+        if loop.time() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.05)
+
+
 def _rbac_rules() -> set[tuple[str, str]]:
     role = next(d for d in yaml.safe_load_all(RBAC_YAML.read_text()) if d and d["kind"] == "ClusterRole")
     return {(res, verb) for rule in role["rules"] for res in rule["resources"] for verb in rule["verbs"]}
@@ -101,17 +111,16 @@ async def test_mig_change_under_the_documented_role_every_request_allowed(real_s
         agent = _agent(node.kubeconfig, engine, on_event=on_event)
         async with running(agent):
             await asyncio.wait_for(waiting.wait(), 60)
-            terminating = set(node.pods()) - set(node.pods(terminating=False))
-            assert f"{OPERATOR_NS}/nvidia-device-plugin-daemonset-{NODE}" in terminating
+            dp_pod = f"{OPERATOR_NS}/nvidia-device-plugin-daemonset-{NODE}"
+            await _until_true(lambda: dp_pod in set(node.pods()) - set(node.pods(terminating=False)),
+                              "the controller's graceful delete of the device plugin's pod")
             assert engine.applied == []  # marked for deletion is not gone: nothing applied yet
             node.kubelet.hold.set()
             await node.until(lambda labels: labels.get(MIG_STATE) == "success", "state success")
         # the controller brings the operands back once their labels are true again
         await node.until(lambda labels: all(labels.get(k) == "true" for k in CONTAINER), "labels restored")
-        for _ in range(200):
-            if all(f"{ds.namespace}/{ds.name}-{NODE}" in node.pods(terminating=False) for ds in SETS):
-                break
-            await asyncio.sleep(0.05)
+        await _until_true(lambda: all(f"{ds.namespace}/{ds.name}-{NODE}" in node.pods(terminating=False)
+                                      for ds in SETS), "the operands back")
     await controller.close()
 
     history = node.history()
@@ -258,11 +267,8 @@ async def test_a_watch_outliving_etcd_compaction_gets_410_and_relists(own_real_s
                 server.admin("POST", "/api/v1/namespaces/apps/configmaps",
                              {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": f"noise-{i}"}})
             server.compact()
-            for _ in range(200):  # until the client re-opened its watch (every 2 s) and was told 410
-                if ShortWatch.gone:
-                    break
-                await asyncio.sleep(0.05)
-            assert ShortWatch.gone >= 1
+            # until the client re-opened its watch (every 2 s) and was told 410
+            await _until_true(lambda: ShortWatch.gone >= 1, "a 410 on the re-opened node watch")
             node.merge_labels({MIG_CONFIG: "b"})
             await node.until(lambda labels: labels.get(MIG_STATE) == "success" and engine.selected[-1:] == ["b"],
                              "b followed after the relist")
