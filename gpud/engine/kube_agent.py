@@ -349,9 +349,14 @@ class KubeAgent:
         if paused:
             self._event("kube-pause", f"paused {', '.join(sorted(paused))}")
         waiting = {BY_LABEL[label] for label in self._paused}
-        await asyncio.wait_for(self._pods_gone(waiting), self.pod_timeout)
+        await asyncio.wait_for(self._pods_gone(lambda p: self._is_operand_pod(p, waiting)), self.pod_timeout)
         if "container" in sides:
-            await self._delete_pods(VALIDATORS_BEFORE)
+            # The validators run CUDA on the GPUs: deleted pods must be gone (a graceful delete only
+            # marks a pod until the kubelet stopped it) before the GPUs change, as `kubectl delete`
+            # waits in mig-manager's script.
+            removed = await self._delete_pods(VALIDATORS_BEFORE)
+            if removed:
+                await asyncio.wait_for(self._pods_gone(lambda p: (p.namespace, p.name) in removed), self.pod_timeout)
 
     async def _restore(self) -> None:
         def compute(node: NodeView) -> dict[str, str]:
@@ -381,13 +386,12 @@ class KubeAgent:
                 return True
         return False
 
-    async def _pods_gone(self, operands: set[Operand]) -> None:
-        """Until no pod of `operands` is left on the node: one list, then its watch."""
-        if not operands:
-            return
+    async def _pods_gone(self, wanted: Callable[[PodView], bool]) -> None:
+        """Until no pod `wanted` names is left on the node (deleted, not merely terminating): one
+        list, then its watch."""
         while True:
             pods, rv = await self.api.pods()
-            left = {(p.namespace, p.name) for p in pods if self._is_operand_pod(p, operands)}
+            left = {(p.namespace, p.name) for p in pods if wanted(p)}
             if not left:
                 return
             self._event("kube-pause", f"waiting for {len(left)} operand pod(s) to leave: "
@@ -398,19 +402,23 @@ class KubeAgent:
                         key = (pod.namespace, pod.name)
                         if kind == "DELETED":
                             left.discard(key)
-                        elif self._is_operand_pod(pod, operands):
+                        elif wanted(pod):
                             left.add(key)
                         if not left:
                             return
             except Gone:
                 continue
 
-    async def _delete_pods(self, apps: Sequence[str]) -> None:
+    async def _delete_pods(self, apps: Sequence[str]) -> set[tuple[str, str]]:
+        """Delete the operator's pods of `apps` on the node; returns those deleted."""
         pods, _ = await self.api.pods()
+        removed = set()
         for p in pods:
             if p.namespace == self.namespace and p.labels.get("app") in apps:
                 if await self.api.delete_pod(p.namespace, p.name):
+                    removed.add((p.namespace, p.name))
                     self._event("kube-pause", f"removed {p.namespace}/{p.name}")
+        return removed
 
     def _event(self, kind: str, message: str) -> None:
         log.info("%s", message)

@@ -83,11 +83,15 @@ class DaemonSetController:
                 await self.client.delete(Pod, name, namespace=ds.namespace)
 
     async def _run(self) -> None:
-        node = await self.client.get(Node, self.node)
-        await self._sync(node.metadata.labels or {})
-        async for _, node in self.client.watch(Node, fields={"metadata.name": self.node},
-                                               resource_version=node.metadata.resourceVersion):
-            await self._sync(node.metadata.labels or {})
+        while True:
+            try:
+                node = await self.client.get(Node, self.node)
+                await self._sync(node.metadata.labels or {})
+                async for _, node in self.client.watch(Node, fields={"metadata.name": self.node},
+                                                       resource_version=node.metadata.resourceVersion):
+                    await self._sync(node.metadata.labels or {})
+            except Exception:  # noqa: BLE001 - the API server restarting: read again, as an informer does
+                await asyncio.sleep(0.2)
 
     async def __aenter__(self):
         node = await self.client.get(Node, self.node)

@@ -125,7 +125,7 @@ class NodeRecorder(_Watcher):
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise AssertionError(f"timed out waiting for {what}; node labels: {self.versions[-1:]}")
-                self.cond.wait(left)
+                self.cond.wait(min(left, 0.1))  # the predicate may look beyond the node too
 
 
 class Kubelet(_Watcher):
