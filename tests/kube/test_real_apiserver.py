@@ -16,7 +16,9 @@ import contextlib
 import pytest
 import yaml
 
-from gpud.engine.kube_agent import MIG_CAPABLE, MIG_CONFIG, MIG_STATE, PAUSED_MIG, Impact, KubeAgent
+from gpud.engine.kube_agent import (
+    MIG_CAPABLE, MIG_CONFIG, MIG_STATE, PAUSED_MIG, PAUSED_VGPU, VGPU_CONFIG, VGPU_STATE, Impact, KubeAgent,
+)
 from gpud.host.kube import Gone, KubeApi, load_config
 from tests.kube.cluster import NODE, OPERATOR_NS, PAUSE_IMAGE, DaemonSetController, client_for
 from tests.kube.real_cluster import RealNode
@@ -309,3 +311,46 @@ async def test_api_server_restarted_mid_pass(own_real_server, tmp_path):
         assert f"{OPERATOR_NS}/nvidia-device-plugin-daemonset-{NODE}" not in pods_at_apply
     finally:
         node.close()
+
+
+async def test_vgpu_config_pauses_only_the_sandbox_operands(real_server, real_node):
+    node = real_node
+    _seed(node, {**BASE_LABELS, VGPU_CONFIG: "vms"})
+    engine = RealEngine(node, {"vms": Impact(changed=("0000:2a:00.0",), sandbox=("0000:2a:00.0",))})
+    controller = client_for(node.admin_kubeconfig)
+    async with DaemonSetController(controller, NODE, SETS):
+        agent = _agent(node.kubeconfig, engine)
+        async with running(agent):
+            await node.until(lambda labels: labels.get(VGPU_STATE) == "success", "vgpu state success")
+    await controller.close()
+    history = node.history()
+    assert _changes(history, VGPU_STATE) == [None, "pending", "success"]
+    assert MIG_STATE not in node.labels()
+    for label in (SANDBOX_DP, SANDBOX_VAL):
+        assert _changes(history, label) == ["true", PAUSED_VGPU, "true"], label
+    for label in CONTAINER:
+        assert len(_changes(history, label)) == 1, label
+    (_, pods_at_apply, _), = engine.applied
+    assert not any("sandbox" in p for p in pods_at_apply)
+    assert f"{OPERATOR_NS}/nvidia-device-plugin-daemonset-{NODE}" in pods_at_apply
+
+
+async def test_reboot_flow_rebooting_then_one_reboot_only(real_server, real_node):
+    node = real_node
+    _seed(node, {**BASE_LABELS, MIG_CONFIG: "all-balanced"})
+    impact = {"all-balanced": CHANGE}
+    engine = RealEngine(node, impact, needs_reboot={"all-balanced"}, reboot=True)
+    agent = _agent(node.kubeconfig, engine)
+    async with running(agent):
+        await node.until(lambda labels: labels.get(MIG_STATE) == "rebooting" and engine.reboots, "state rebooting")
+    assert engine.reboots == ["all-balanced"]
+    assert all(node.labels()[label] == PAUSED_MIG for label in CONTAINER)  # paused across the reboot
+    # the node is back: a new gpud; the change is still not settled and the marker refuses a second reboot
+    engine2 = RealEngine(node, impact, needs_reboot={"all-balanced"}, reboot=True, rebooted_before=True)
+    agent2 = _agent(node.kubeconfig, engine2)
+    async with running(agent2):
+        await node.until(lambda labels: labels.get(MIG_STATE) == "failed", "state failed")
+    assert engine2.reboots == [] and "still not settled after the reboot" in agent2.status.message
+    assert all(node.labels()[label] == "true" for label in CONTAINER)
+    node.settle()
+    assert _changes(node.history(), MIG_STATE) == [None, "pending", "rebooting", "pending", "failed"]
