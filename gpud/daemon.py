@@ -24,10 +24,10 @@ from gpud.engine.apply_lock import ApplyLock
 from gpud.device_events import DeviceEventSourceFactory, describe_device_event
 from gpud.engine.events import EventBus
 from gpud.engine.gpu_state import SETTLING_PHASES
-from gpud.engine.node_labels_out import LabelsOut, Versions, layout_state
-from gpud.engine.observer import DEFAULT_MAX_AGE
+from gpud.engine.kube.node_labels_out import LabelsOut, Versions, layout_state
+from gpud.engine.observe.observer import DEFAULT_MAX_AGE
 from gpud.engine.reconciler import Hardware, Reconciler
-from gpud.engine.udev_rules import UdevRules
+from gpud.engine.binding.udev_rules import UdevRules
 from gpud.host.logind import BOOT_ID_PATH
 from gpud.host.nvidia_smi import GpuReset
 from gpud.host.nvml import Nvml, NvmlError
@@ -154,7 +154,7 @@ class Daemon:
                                 exclude=("nvidia.com/mig.capable",) if args.kube_node else (),
                                 on_event=lambda kind, message: self.bus.publish(kind, message))
         self._versions: Versions | None = None
-        self.kube = None  # gpud.engine.kube_agent.KubeAgent with --kube-node
+        self.kube = None  # gpud.engine.kube.agent.KubeAgent with --kube-node
         self.kube_applier = None
         self._kube_passes = 0
         self._labels_passes = -1
@@ -164,8 +164,8 @@ class Daemon:
     def _start_kube(self, reboot) -> None:
         """--kube-node: the operator's label protocol. Its client library is imported here only."""
         try:
-            from gpud.engine.kube_agent import KubeAgent
-            from gpud.engine.kube_applier import KubeRebooter, ReconcilerApplier
+            from gpud.engine.kube.agent import KubeAgent
+            from gpud.engine.kube.applier import KubeRebooter, ReconcilerApplier
             from gpud.host.kube import KubeApi, KubeError, load_config
         except ImportError as e:
             raise RuntimeError(f"--kube-node needs the Kubernetes client: pip install 'gpud[kube]' ({e})") from e

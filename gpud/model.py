@@ -149,7 +149,7 @@ class Gpu(Struct, frozen=True):
 class KnownGpu(Struct, frozen=True):
     """A GPU gpud has numbered, as last seen: what an index names while the card is away.
 
-    Indices are kept per PCI address (gpud.engine.gpu_index), so a GPU missing from the bus keeps
+    Indices are kept per PCI address (gpud.engine.observe.gpu_index), so a GPU missing from the bus keeps
     its index and its last identity, and no other GPU ever takes that index over."""
 
     index: int

@@ -16,10 +16,10 @@ from gpud.api import replies, wire
 from gpud.api.peers import Peer
 from gpud.api.server import ApiError
 from gpud.api.status_snapshot import StatusSnapshot
-from gpud.engine import passthrough
+from gpud.engine.binding import passthrough
 from gpud.engine.events import EventQueue
-from gpud.engine.observe import Observation
-from gpud.engine.node_labels_out import LabelsOut
+from gpud.engine.observe.discovery import Observation
+from gpud.engine.kube.node_labels_out import LabelsOut
 from gpud.engine.queries import EngineError, InvalidLayout, NoSuchGpu, select_gpus, start_apply
 from gpud.engine.reconciler import Reconciler
 from gpud.host.nvml import NvmlError
@@ -60,7 +60,7 @@ class RequestHandler:
         self.requests: Counter[str] = Counter()  # per op, in the stats window
         self._reads_at_reset = 0
         self.labels = labels  # the node labels written after each pass (None: not computed)
-        self.kube_agent = kube_agent  # gpud.engine.kube_agent.KubeAgent with --kube-node
+        self.kube_agent = kube_agent  # gpud.engine.kube.agent.KubeAgent with --kube-node
 
     async def handle(self, op: str, args: dict[str, Any], peer: Peer) -> Any:
         answer = getattr(self, "op_" + op.replace("-", "_"), None)

@@ -12,12 +12,12 @@ from collections.abc import Sequence
 
 from gpud import VERSION
 from gpud.api import wire
-from gpud.engine.node_labels_out import LabelsOut
-from gpud.engine.observe import Observation
-from gpud.engine.passthrough import PassthroughEntry, kubevirt_entry
+from gpud.engine.kube.node_labels_out import LabelsOut
+from gpud.engine.observe.discovery import Observation
+from gpud.engine.binding.passthrough import PassthroughEntry, kubevirt_entry
 from gpud.engine.queries import remaining_capacity
 from gpud.engine.gpu_state import BindAction, GpuState, MigAction, VgpuAction
-from gpud.engine.vgpu_inventory import entry as vgpu_entry
+from gpud.engine.vgpu.inventory import entry as vgpu_entry
 from gpud.engine.reconciler import Reconciler
 from gpud.layout.desired import DesiredGpu
 from gpud.layout.names import mig_device_name
@@ -190,7 +190,7 @@ def status_reply(rec: Reconciler, *, kubernetes: wire.KubernetesStatus | None = 
 
 def kubernetes_status(gpus: Sequence[Gpu], *, mig_strategy: str, agent=None) -> wire.KubernetesStatus:
     """What the device plugins will advertise from the GPUs as observed; the label protocol's state
-    (`agent`: gpud.engine.kube_agent.AgentStatus, None without --kube-node)."""
+    (`agent`: gpud.engine.kube.agent.AgentStatus, None without --kube-node)."""
     ad = advertised(gpus, mig_strategy=mig_strategy)
     agent_status = None
     if agent is not None:

@@ -18,7 +18,7 @@ from typing import Any
 import msgspec
 
 from gpud.api import replies, wire
-from gpud.engine.observer import Observer
+from gpud.engine.observe.observer import Observer
 from gpud.engine.reconciler import Reconciler
 
 

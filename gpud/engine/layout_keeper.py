@@ -17,7 +17,7 @@ import asyncio
 from collections.abc import Awaitable, Callable
 
 from gpud.engine.events import EventBus
-from gpud.engine.observe import Observation
+from gpud.engine.observe.discovery import Observation
 from gpud.host.layout_source import LayoutSource, LayoutUnreadable, check_text_size, read_layout
 from gpud.layout.desired import LayoutIssue
 from gpud.layout.match import DEFAULT_MATCH
@@ -57,6 +57,8 @@ class LayoutKeeper:
         self._parsing: asyncio.Semaphore | None = None  # one text parsed at a time (made on the loop)
         self._text: str | None = None  # the text of `layout`, to tell a new load from a re-read
         self.select: str | None = None  # a layout chosen over the file's `selected` (a node label)
+        # the one resolution of (layout in force, observation): a load's own is reused, not redone
+        self._resolved: tuple[ParsedLayout, Observation, Resolution] | None = None
 
     def choose(self, name: str | None) -> bool:
         """Put layout `name` of the file in force instead of the file's `selected` (None: the
@@ -80,8 +82,8 @@ class LayoutKeeper:
             source = read_layout(self.path)
         except LayoutUnreadable as e:
             return self._unreadable(e)
-        parsed, resolution, _ = self.evaluate(source.text, self.path, select=self.select)
-        return self._take(parsed, resolution, source)
+        parsed, resolution, obs = self.evaluate(source.text, self.path, select=self.select)
+        return self._take(parsed, resolution, source, obs)
 
     async def load_async(self, observe: AsyncObserve | None = None) -> bool:
         """`load` with the read, parse and resolve in a worker thread and the host read by
@@ -91,15 +93,15 @@ class LayoutKeeper:
                 source = await asyncio.to_thread(read_layout, self.path)
             except LayoutUnreadable as e:
                 return self._unreadable(e)
-            parsed, resolution, _ = await self._evaluate_off_loop(source.text, self.path, observe, self.select)
-            return self._take(parsed, resolution, source)
+            parsed, resolution, obs = await self._evaluate_off_loop(source.text, self.path, observe, self.select)
+            return self._take(parsed, resolution, source, obs)
 
     def _unreadable(self, e: LayoutUnreadable) -> bool:
         self.issues = ([f"{e.message}; keeping the last good layout"], [])
         self.bus.publish("layout-invalid", self.issues[0][0])
         return False
 
-    def _take(self, parsed: ParsedLayout, resolution: Resolution, source: LayoutSource) -> bool:
+    def _take(self, parsed: ParsedLayout, resolution: Resolution, source: LayoutSource, obs: Observation) -> bool:
         errors = [str(i) for i in resolution.errors]  # parse errors included: one full report
         warnings = [str(i) for i in resolution.warnings]
         if not source.quotable:
@@ -116,8 +118,21 @@ class LayoutKeeper:
         if source.text != self._text or self.issues[0]:
             self.bus.publish("layout-loaded", f"{self.path}: selected {parsed.layout.selected!r}")
         self.layout, self._text = parsed, source.text
+        self._resolved = (parsed, obs, resolution)
         self.issues = ([], warnings)
         return True
+
+    def resolve(self, obs: Observation) -> Resolution | None:
+        """The layout in force resolved against `obs` (None before a good layout): computed once
+        per (layout, observation) pair, the load's own resolution included."""
+        if self.layout is None:
+            return None
+        done = self._resolved
+        if done is not None and done[0] is self.layout and done[1] is obs:
+            return done[2]
+        resolution = resolve(self.layout, obs.gpus, gone=obs.gone)
+        self._resolved = (self.layout, obs, resolution)
+        return resolution
 
     # ---- any text (check, plan) ---------------------------------------------------------------
     def evaluate(self, text: str, path: str, *, select: str | None = None,

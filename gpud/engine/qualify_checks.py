@@ -13,7 +13,7 @@ import re
 from collections.abc import Callable
 
 from gpud import profiles as model_tables
-from gpud.engine.observe import Observation, observe
+from gpud.engine.observe.discovery import Observation, observe
 from gpud.engine.qualify_report import Check
 from gpud.engine.reconciler import Hardware
 from gpud.host.host_services import HostServices

@@ -16,8 +16,9 @@ import os
 from collections.abc import Callable
 
 from gpud import profiles as model_tables
-from gpud.engine import binder, mig_executor
-from gpud.engine.observe import observe
+from gpud.engine.binding import binder
+from gpud.engine.mig import executor as mig_executor
+from gpud.engine.observe.discovery import observe
 from gpud.engine.qualify_report import Check
 from gpud.engine.reconciler import Hardware
 from gpud.layout.desired import DesiredGpu

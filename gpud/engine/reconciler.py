@@ -24,30 +24,30 @@ import msgspec
 
 from gpud.engine.apply_lock import ApplyLock, ApplyLockRefused
 from gpud.engine.events import EventBus, event_fields
-from gpud.engine.gpu_index import GpuIndex, SetChange, index_path
+from gpud.engine.observe.gpu_index import GpuIndex, SetChange, index_path
 from gpud.engine.gpu_tasks import NvmlSessionGate, SharedDrain, for_each_gpu
 from gpud.engine.gpu_state import PHASE_ORDER, Action, BindAction, GpuState, MigAction, VgpuAction
-from gpud.engine.holder_watch import HolderWatch
-from gpud.engine.hooked_apply import apply_with_hooks
-from gpud.engine.hooks import HookFailed
+from gpud.engine.observe.holder_watch import HolderWatch
+from gpud.engine.hooks.phases import apply_with_hooks
+from gpud.engine.hooks.runner import HookFailed
 from gpud.engine.layout_keeper import LayoutKeeper
-from gpud.engine.observe import Observation, observe
-from gpud.engine.observer import DEFAULT_MAX_AGE, Observer
-from gpud.engine.operands import OperandGuard, OperandsNotPaused
+from gpud.engine.observe.discovery import Observation, observe
+from gpud.engine.observe.observer import DEFAULT_MAX_AGE, Observer
+from gpud.engine.kube.operands import OperandGuard, OperandsNotPaused
 from gpud.engine.ports import BootOverrides, Drainer, Rebooter
-from gpud.engine.boot_rebuild import BootRebuild
-from gpud.engine.reboot_policy import RebootPolicy
+from gpud.engine.boot.rebuild import BootRebuild
+from gpud.engine.boot.reboot_policy import RebootPolicy
 from gpud.engine.scheduler import PassScheduler
 from gpud.host.logind import BOOT_ID_PATH, current_boot_id
 from gpud.host.nvidia_smi import KNOWN_HOLDERS, GpuReset
-from gpud.engine.vgpu_keeper import NAMES_FILE, VgpuKeeper, step_event
+from gpud.engine.vgpu.keeper import NAMES_FILE, VgpuKeeper, step_event
 from gpud.host.nvml import Nvml
 from gpud.host.procs import Procs
 from gpud.host.sysfs import Sysfs
 from gpud.host.vgpu_sysfs import VgpuSysfs
 from gpud.layout.desired import DesiredGpu
 from gpud.layout.parse import ParsedLayout
-from gpud.layout.resolve import Resolution, resolve
+from gpud.layout.resolve import Resolution
 from gpud.layout.schema import MatchRule, Policy
 from gpud.model import Gpu, Holder, KnownGpu, NvmlGpu
 from gpud.plan.binding import BindingPlan, plan_binding
@@ -101,7 +101,7 @@ class Reconciler:
         self.operand_guard: OperandGuard | None = None  # --kube-node: the kube agent
         self.scheduler = PassScheduler()
         self.holder_watch = HolderWatch(self._holder_exited)
-        # PCI address -> kept index: a GPU leaving the bus shifts nobody (gpud.engine.gpu_index)
+        # PCI address -> kept index: a GPU leaving the bus shifts nobody (gpud.engine.observe.gpu_index)
         self.gpu_index = GpuIndex(index_path(state_dir), on_problem=lambda m: bus.publish("error", m))
         self.gpu_set_notes: dict[str, str] = {}  # PCI -> what changed in the GPU set, for status
         self._set_changes: list[SetChange] = []  # seen by a read in a worker thread, said by _install
@@ -141,11 +141,15 @@ class Reconciler:
     def load_config(self) -> bool:
         """Read and parse the file; a bad file never replaces the last good layout. Reads the
         host on the calling thread (start-up, tests); the daemon uses `load_config_async`."""
-        return self._ack_new_gpus(self.layout_file.load())
+        return self._taken(self.layout_file.load())
 
-    def _ack_new_gpus(self, ok: bool) -> bool:
-        """A good file read after a new GPU joined acknowledges it: its note leaves status."""
+    def _taken(self, ok: bool) -> bool:
+        """After a good file is taken, `resolution` is the new layout's at once (the load's own
+        resolution when it read this observation), so status never shows the old layout's
+        workloads beside GPU states pending the new one. A good file read after a new GPU joined
+        acknowledges it: its note leaves status."""
         if ok:
+            self.resolution = self.layout_file.resolve(self.observation)
             present = {g.pci for g in self.observation.gpus}
             for pci in [p for p in self.gpu_set_notes if p in present]:
                 del self.gpu_set_notes[pci]
@@ -153,12 +157,12 @@ class Reconciler:
 
     async def load_config_async(self) -> bool:
         """`load_config` with the host read off the event loop."""
-        return self._ack_new_gpus(await self.layout_file.load_async(self._observe_async))
+        return self._taken(await self.layout_file.load_async(self._observe_async))
 
     async def choose_layout_async(self, name: str | None) -> bool:
         """Put layout `name` of the file in force instead of its `selected` (a node label's
         choice; None: the file's own again), read and checked off the event loop."""
-        return self._ack_new_gpus(await self.layout_file.choose_async(name, self._observe_async))
+        return self._taken(await self.layout_file.choose_async(name, self._observe_async))
 
     def evaluate(self, text: str, path: str, *, select: str | None = None) -> tuple[ParsedLayout, Resolution, Observation]:
         """Parse a layout text and resolve it against this host as that layout's own `match:` sees it
@@ -178,7 +182,7 @@ class Reconciler:
         return await asyncio.to_thread(self._observe, match)
 
     def _observe(self, match: tuple[MatchRule, ...], *, commit: bool = False) -> Observation:
-        """The host as `match` selects it, each GPU with its kept index (gpud.engine.gpu_index) and
+        """The host as `match` selects it, each GPU with its kept index (gpud.engine.observe.gpu_index) and
         the known GPUs missing from the bus in `gone`. Only `commit` (the observer's reads of the
         layout in force) makes the index map take new GPUs; a `check` of a candidate file remembers
         nothing. A change of the GPU set is reported on the loop, by `_install`."""
@@ -214,7 +218,13 @@ class Reconciler:
 
     def reload(self, reason: str) -> bool:
         """Re-read the file; a valid one starts a pass. False when the file was refused."""
-        ok = self.load_config()
+        return self._reloaded(self.load_config(), reason)
+
+    async def reload_async(self, reason: str) -> bool:
+        """`reload` with the host read off the event loop."""
+        return self._reloaded(await self.load_config_async(), reason)
+
+    def _reloaded(self, ok: bool, reason: str) -> bool:
         if ok:
             self.kick(reason)
             self.mark_pending()
@@ -226,8 +236,8 @@ class Reconciler:
         against the last observation (no hardware read); the pass re-plans from a fresh one."""
         if self.layout is None or self.scheduler.running:
             return  # a running pass sets each GPU's state itself
-        resolution = resolve(self.layout, self.observation.gpus, gone=self.observation.gone)
-        if resolution.errors:
+        resolution = self.resolution = self.layout_file.resolve(self.observation)
+        if resolution is None or resolution.errors:
             return
         changed = False
         for gpu in self.observation.gpus:
@@ -256,14 +266,6 @@ class Reconciler:
             if live in states:
                 return live
         return self.phase
-
-    async def reload_async(self, reason: str) -> bool:
-        """`reload` with the host read off the event loop."""
-        ok = await self.load_config_async()
-        if ok:
-            self.kick(reason)
-            self.mark_pending()
-        return ok
 
     @property
     def policy(self) -> Policy | None:
@@ -318,7 +320,7 @@ class Reconciler:
             self._report_set_change(self._set_changes.pop(0))
         self.observation = observation
         if self.layout is not None:
-            self.resolution = resolve(self.layout, self.observation.gpus, gone=self.observation.gone)
+            self.resolution = self.layout_file.resolve(observation)
         present = {g.pci for g in self.observation.gpus}
         for known in self.observation.gone:
             if self.gpu_states.get(known.pci, GpuState("unmanaged")).state != "gone":
@@ -374,9 +376,6 @@ class Reconciler:
             if have < sum(desired.vgpu_devices.values()):
                 missing.append(gpu.pci)
         return missing
-
-    def desired_for(self, gpu: Gpu) -> DesiredGpu | None:
-        return self.resolution.desired.get(gpu.pci) if self.resolution is not None else None
 
     # ---- planning -----------------------------------------------------------------------------
     def next_action(self, gpu: Gpu, desired: DesiredGpu) -> Action | GpuState | None:
@@ -473,7 +472,7 @@ class Reconciler:
 
     async def _apply_guarded(self, todo: dict[str, Action], resolution: Resolution) -> None:
         """With --kube-node, the cluster's GPU operands that see a changing GPU leave the node
-        first and come back after (gpud.engine.operands); if they cannot, nothing is changed."""
+        first and come back after (gpud.engine.kube.operands); if they cannot, nothing is changed."""
         if self.operand_guard is None:
             await self._apply_with_hooks(todo, resolution)
             return
@@ -485,7 +484,7 @@ class Reconciler:
                 self._set(pci, GpuState("failed", f"{e}; nothing changed"))
 
     async def _apply_with_hooks(self, todo: dict[str, Action], resolution: Resolution) -> None:
-        """The GPUs that change, inside the layout's hook phases (see gpud.engine.hooked_apply)."""
+        """The GPUs that change, inside the layout's hook phases (see gpud.engine.hooks.phases)."""
         self._mig_changed.clear()
 
         def abort(pci: str, failure: HookFailed) -> None:
@@ -536,7 +535,7 @@ class Reconciler:
         return waiting
 
     async def _run_mig(self, gpu: Gpu, plan: GpuPlan, desired: DesiredGpu) -> GpuState:
-        from gpud.engine import mig_executor
+        from gpud.engine.mig import executor as mig_executor
 
         loop = asyncio.get_running_loop()
 
@@ -674,7 +673,7 @@ class Reconciler:
         return not pending
 
     async def _run_bind(self, gpu: Gpu, plan: BindingPlan) -> GpuState:
-        from gpud.engine import binder
+        from gpud.engine.binding import binder
 
         suspended: list[bool] = []
 

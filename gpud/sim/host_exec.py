@@ -128,6 +128,25 @@ def _merge(m: _Mounts, target: str, entries: dict[str, str], stash_root: str) ->
     m.libc.mount(b"none", target.encode(), None, MS_REMOUNT | MS_RDONLY, None)
 
 
+def _proc_with(m: _Mounts, entries: dict[str, str], stash_root: str) -> None:
+    """A kernel built without a file of /proc (this project's CI kernel has no module support, so no
+    /proc/modules) cannot have one bound over it, and procfs takes no new files. So /proc becomes a
+    tmpfs whose every entry is a link into the real procfs, bound aside, plus `entries`. `self` and
+    `thread-self` link to the real procfs's own magic links, so each process still reads its own;
+    a process born later is missing from the listing but reachable through `self`."""
+    stash = tempfile.mkdtemp(prefix="proc.", dir=stash_root)
+    m.bind("/proc", stash, read_only=False)
+    m.tmpfs("/proc")
+    for name in sorted(os.listdir(stash)):
+        if name not in entries:
+            os.symlink(os.path.join(stash, name), os.path.join("/proc", name))
+    for name, src in sorted(entries.items()):
+        dst = os.path.join("/proc", name)
+        _placeholder(dst, src)
+        m.bind(src, dst)
+    m.libc.mount(b"none", b"/proc", None, MS_REMOUNT | MS_RDONLY, None)
+
+
 def enter_namespace(host_dir: Path, warn=print) -> None:
     """Unshare the mount namespace and put the simulated host's files in place (see BINDS)."""
     m = _Mounts()
@@ -143,7 +162,11 @@ def enter_namespace(host_dir: Path, warn=print) -> None:
                 m.bind(src, target)
             else:
                 _merge(m, target, {n: os.path.join(src, n) for n in os.listdir(src)}, stash_root)
-        elif os.path.isdir(os.path.dirname(target)) and os.path.dirname(target) not in ("/proc",):
+        elif os.path.dirname(target) == "/proc":
+            _proc_with(m, {os.path.basename(target): src}, stash_root)
+            warn(f"gpud-sim exec: {target} does not exist on this kernel: /proc is a tmpfs of links "
+                 f"into the real procfs, with the simulated host's {os.path.basename(target)} added")
+        elif os.path.isdir(os.path.dirname(target)):
             _merge(m, os.path.dirname(target), {os.path.basename(target): src}, stash_root)
         else:
             warn(f"gpud-sim exec: {target} does not exist on this kernel and cannot be made: "

@@ -935,7 +935,10 @@ def _create_gi(lib: FakeNvmlLib, gpu: SimGpu, model: ModelInfo, profile_id: Any,
     if sum(1 for g in gpu.gis if g.profile_id == prof.id) >= prof.instance_count:
         raise _Ret(pynvml.NVML_ERROR_INSUFFICIENT_RESOURCES)
     if start is None:
-        order = _PREFERENCE.get(prof.id, tuple(starts))
+        # The inferred order comes from 8-memory-slice GPUs (A100, H100, H200), where these ids are
+        # 1g, 2g and 3g; on 4-slice GPUs (A30, RTX PRO 6000) id 14 is 1g and the order does not apply.
+        preferred = _PREFERENCE.get(prof.id, ()) if memory_slices(model) == 8 else ()
+        order = tuple(preferred) + tuple(sorted(s for s in starts if s not in preferred))
         start = next((s for s in order if s in starts and is_free(gpu, s, pl_size)), None)
         if start is None:
             raise _Ret(pynvml.NVML_ERROR_INSUFFICIENT_RESOURCES)

@@ -107,7 +107,7 @@ STEPS: list[Step] = [_processes, _mig, VGPU_STEP, _pci]
 # ---- boot: devices added, udev rules applied, modules loaded ---------------------------------------
 def _parse_rule(text: str, where: str) -> tuple[dict[str, str], dict[str, str], list[str]]:
     """One rule line -> (matches, attribute assignments, modules to load). Only the forms gpud's
-    generator writes (engine/udev_rules.py) and plain matches are understood; anything else is an
+    generator writes (engine/binding/udev_rules.py) and plain matches are understood; anything else is an
     error naming the file and line, never skipped."""
     matches: dict[str, str] = {}
     assigns: dict[str, str] = {}

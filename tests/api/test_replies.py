@@ -6,7 +6,7 @@ from __future__ import annotations
 import msgspec
 
 from gpud.api import replies, wire
-from gpud.engine import passthrough
+from gpud.engine.binding import passthrough
 from gpud.model import Gpu, Holder, PciFunction, Placement
 from gpud.plan.binding import BindStep
 from gpud.plan.mig import Destroyed, Step

@@ -15,8 +15,8 @@ import time
 
 import pytest
 
-from gpud.engine import binder
-from gpud.engine.observe import companions_of
+from gpud.engine.binding import binder
+from gpud.engine.observe.discovery import companions_of
 from gpud.host.deadline_write import stuck_writes
 from gpud.host.kmsg import kernel_reason
 from gpud.host.procs import Procs

@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from gpud.engine import passthrough, udev_rules
+from gpud.engine.binding import passthrough, udev_rules
 from gpud.layout.desired import DesiredGpu
 from gpud.model import Gpu, NvmlGpu, PciFunction
 

@@ -1,4 +1,4 @@
-"""The kept index map (gpud.engine.gpu_index): expectations written out by hand from the rule in
+"""The kept index map (gpud.engine.observe.gpu_index): expectations written out by hand from the rule in
 the README (first start in PCI-address order; a missing GPU keeps its index; a new address takes
 the next free index; a returning GPU gets its old one), and the file it keeps."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 
-from gpud.engine.gpu_index import GpuIndex
+from gpud.engine.observe.gpu_index import GpuIndex
 from gpud.model import Gpu, NvmlGpu, PciFunction
 
 H100 = 0x2330

@@ -9,8 +9,8 @@ import stat
 
 import pytest
 
-from gpud.engine import hooks as hooks_mod
-from gpud.engine.hooks import ApplyInfo, HookFailed, HookRunner, refresh_cdi
+from gpud.engine.hooks import runner as hooks_mod
+from gpud.engine.hooks.runner import ApplyInfo, HookFailed, HookRunner, refresh_cdi
 from gpud.layout.parse import parse_layout
 from gpud.layout.schema import Hook, Hooks
 

@@ -7,7 +7,7 @@ import os
 
 from gpud.engine.events import EventBus
 from gpud.engine.layout_keeper import LayoutKeeper
-from gpud.engine.observe import Observation
+from gpud.engine.observe.discovery import Observation
 from gpud.host.layout_source import MAX_LAYOUT_BYTES
 
 NO_GPUS = Observation(gpus=(), functions=())

@@ -5,7 +5,7 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from gpud.engine.mig_executor import execute
+from gpud.engine.mig.executor import execute
 from gpud.layout.desired import DesiredGpu
 from gpud.model import Holder
 from gpud.plan.mig import GpuPlan, Step, plan_gpu

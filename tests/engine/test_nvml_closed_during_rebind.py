@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
-from gpud.engine import binder
+from gpud.engine.binding import binder
 from tests.scenarios.definitions import layout
 from tests.scenarios.harness import SimRig
 

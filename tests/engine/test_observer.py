@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from gpud.engine.observe import Observation
-from gpud.engine.observer import Observer
+from gpud.engine.observe.discovery import Observation
+from gpud.engine.observe.observer import Observer
 
 
 class Host:

@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from gpud.engine import mig_executor
-from gpud.engine.mig_executor import Outcome
+from gpud.engine.mig import executor as mig_executor
+from gpud.engine.mig.executor import Outcome
 from gpud.host import logind
 from tests.scenarios.definitions import layout, mig
 from tests.scenarios.harness import SimRig

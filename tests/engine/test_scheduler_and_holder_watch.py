@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import subprocess
 
-from gpud.engine.holder_watch import HolderWatch
+from gpud.engine.observe.holder_watch import HolderWatch
 from gpud.engine.scheduler import PassScheduler
 from gpud.model import Holder
 

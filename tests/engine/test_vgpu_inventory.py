@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import xml.etree.ElementTree as ET
 
-from gpud.engine.vgpu_inventory import entry
+from gpud.engine.vgpu.inventory import entry
 from gpud.model import VgpuDevice
 
 

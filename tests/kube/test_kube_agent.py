@@ -14,10 +14,10 @@ import contextlib
 import kmock
 import pytest
 
-from gpud.engine.kube_agent import (
+from gpud.engine.kube.agent import (
     MIG_CAPABLE, MIG_CONFIG, MIG_STATE, PAUSED_MIG, PAUSED_VGPU, VGPU_CONFIG, VGPU_STATE, Impact, KubeAgent, Outcome,
 )
-from gpud.engine.operands import OperandsNotPaused
+from gpud.engine.kube.operands import OperandsNotPaused
 from gpud.host.kube import KubeApi, load_config
 from tests.kube.apiserver import ApiServer
 from tests.kube.cluster import NODE, OPERATOR_NS, PAUSE_IMAGE, DaemonSet, DaemonSetController, client_for, until, write_kubeconfig

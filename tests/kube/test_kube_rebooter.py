@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from gpud.engine.kube_applier import KubeRebooter
+from gpud.engine.kube.applier import KubeRebooter
 from gpud.host.logind import REBOOT_MARKER, current_boot_id
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from gpud.engine.node_labels_out import LabelsOut, Versions, layout_state
-from gpud.engine.observe import observe
+from gpud.engine.kube.node_labels_out import LabelsOut, Versions, layout_state
+from gpud.engine.observe.discovery import observe
 from gpud.host.nvml import Nvml
 from gpud.host.sysfs import Sysfs
 from gpud.layout.match import DEFAULT_MATCH

@@ -75,6 +75,22 @@ def test_proc_modules_lists_nvidia_as_the_real_host_does(sim_dir):
     assert line.split()[:5] == real[:5] and line.split()[-1] == real[-1]
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="the mount namespace needs root")
+def test_a_program_under_exec_reads_the_hosts_proc_modules_and_its_own_proc(sim_dir, nvml_so):
+    """mig-parted refuses to apply unless /proc/modules lists nvidia. On a kernel without module
+    support (no /proc/modules at all, as on this project's CI machine) nothing can be bound over
+    it, so exec serves /proc as links into the real procfs plus the file; each process must still
+    see its own /proc/self."""
+    host = sim_dir("h200")
+    res = gpud_sim_exec(host, "sh", "-c", "cat /proc/modules; echo ---; cat /proc/self/comm; ls /proc/driver")
+    assert res.returncode == 0, res.stderr
+    modules, rest = res.stdout.split("---\n")
+    assert modules == (host / "proc/modules").read_text()
+    comm, *driver = rest.split()
+    assert comm == "cat"
+    assert "nvidia-caps" in driver
+
+
 def test_without_the_namespace_the_real_sys_stays(sim_dir, nvml_so):
     host = sim_dir("h200")
     res = gpud_sim_exec(host, "sh", "-c", "ls /sys/bus/pci/devices", namespace=False)

@@ -48,7 +48,7 @@ class DaemonOn(Daemon):
     def __init__(self, tmp: Path, host: Path, layout: str, extra_args: list[str] = ()) -> None:
         self.tmp, self.host = tmp, host
         self.config = tmp / "etc" / "layout.yaml"
-        self.config.parent.mkdir(exist_ok=True)
+        self.config.parent.mkdir(parents=True, exist_ok=True)
         self.config.write_text(layout)
         self.socket, self.log, self.state_dir = tmp / "gpud.sock", tmp / "gpud.log", tmp / "state"
         self.extra_args = list(extra_args)
@@ -131,6 +131,7 @@ def test_mig_parted_apply_converges_and_gpud_agrees(tmp_path, sim_dir, nvml_so, 
     try:
         plan = json.loads(d.ctl("plan", "--json").stdout)
         assert [g["steps"] for g in plan["gpus"]] == [[]]
+        wait_until(lambda: {g["state"] for g in d.status()["gpus"]} != {"starting"}, what="gpud's first look")
         assert {g["state"] for g in d.status()["gpus"]} == {"converged"}
     finally:
         d.stop()
@@ -201,7 +202,10 @@ def test_gfd_labels_equal_gpuds(tmp_path, sim_dir, nvml_so, model, strategy):
 
 def test_the_device_plugin_is_installed_by_name():
     """The device plugin's enumeration is not compared yet (docs/nvml-c-library.md says why); its
-    binary is still installed and must start far enough to print its version."""
+    binary is still installed and must start far enough to print its version line. The number in it
+    comes from the upstream Makefile's `-X .../info.version=` (internal/info/version.go), which
+    `go install` does not pass, so it reads "unknown" there; the module version is checked by
+    scripts/install-anchors through `go version -m`."""
     tool = anchor("nvidia-device-plugin")
     res = subprocess.run([str(tool), "--version"], capture_output=True, text=True, timeout=60)
-    assert res.returncode == 0 and "0.20.0" in res.stdout + res.stderr
+    assert res.returncode == 0 and "NVIDIA Device Plugin version" in res.stdout + res.stderr

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from gpud.engine.observe import observe
+from gpud.engine.observe.discovery import observe
 from gpud.host.nvml import Nvml
 from gpud.host.sysfs import Sysfs
 from gpud.layout.match import DEFAULT_MATCH

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from gpud.engine.vgpu_executor import execute
+from gpud.engine.vgpu.executor import execute
 from gpud.host.procs import Procs
 from gpud.host.sysfs import Sysfs
 from gpud.host.vgpu_sysfs import VgpuSysfs

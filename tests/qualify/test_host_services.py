@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import socket
 
-from gpud.engine.observe import Observation
+from gpud.engine.observe.discovery import Observation
 from gpud.engine.qualify_checks import host_checks
 from gpud.host.host_services import HostServices
 from gpud.model import PciFunction

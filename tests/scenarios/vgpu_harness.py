@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from gpud.engine.vgpu_executor import execute
+from gpud.engine.vgpu.executor import execute
 from gpud.host.procs import Procs
 from gpud.host.sysfs import Sysfs
 from gpud.host.vgpu_sysfs import VgpuSysfs

@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from gpud.engine.udev_rules import render as render_rules
+from gpud.engine.binding.udev_rules import render as render_rules
 from gpud.sim import cli as simcli
 from gpud.sim.reboot import RuleError, reboot
 from gpud.sim.state import SimCi, SimGi, SimProcess, load, locked

@@ -19,8 +19,8 @@ import textwrap
 import time
 import traceback
 
-from gpud.engine import binder, passthrough, udev_rules
-from gpud.engine.observe import observe
+from gpud.engine.binding import binder, passthrough, udev_rules
+from gpud.engine.observe.discovery import observe
 from gpud.host.deadline_write import stuck_writes
 from gpud.host.kmsg import last_kmsg_line
 from gpud.host.procs import Procs

@@ -22,7 +22,7 @@ import subprocess
 import sys
 import time
 
-from gpud.engine.vgpu_executor import execute
+from gpud.engine.vgpu.executor import execute
 from gpud.host.procs import Procs
 from gpud.host.sysfs import Sysfs, SysfsError
 from gpud.host.vgpu_sysfs import VgpuSysfs

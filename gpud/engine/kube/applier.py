@@ -1,4 +1,4 @@
-"""The kube agent's view of the engine (`gpud.engine.kube_agent.Applier`), over the reconciler.
+"""The kube agent's view of the engine (`gpud.engine.kube.agent.Applier`), over the reconciler.
 
 A label selects a layout: the layout file is read again with that layout chosen (as `selected`
 would choose it, mig-parted's `-c`), checked against this host, and passes run until the GPUs
@@ -12,7 +12,7 @@ import asyncio
 import logging
 
 from gpud.engine.gpu_state import SETTLING_PHASES
-from gpud.engine.kube_agent import KubeAgent, Outcome
+from gpud.engine.kube.agent import KubeAgent, Outcome
 from gpud.engine.ports import Rebooter
 from gpud.host.logind import reboot_outcome
 from gpud.profiles import by_device

@@ -3,7 +3,7 @@
 sysfs is the authority on which GPUs exist and which driver holds them (NVML cannot see a GPU on
 vfio-pci), so indices never shift with the binding: `observe` numbers the GPUs present in
 PCI-address order, and the reconciler replaces those numbers with the kept ones of
-gpud.engine.gpu_index, so that a GPU leaving the bus shifts nobody. NVML adds identity and MIG
+gpud.engine.observe.gpu_index, so that a GPU leaving the bus shifts nobody. NVML adds identity and MIG
 state for the GPUs it can see.
 """
 

@@ -25,7 +25,7 @@ import logging
 import time
 from collections.abc import Callable
 
-from gpud.engine.observe import Observation
+from gpud.engine.observe.discovery import Observation
 
 log = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ The hooks are the layout's records (`gpud.layout.schema.Hook`, checked with line
 group, with the service-only variables (NOTIFY_SOCKET, WATCHDOG_*, LISTEN_*) removed, and every
 output line goes to `log` so an operator sees what a hook did in the journal and in `gpudctl
 events`; mig-parted's hooks being skipped silently under systemd was one of its worst failure
-modes. When the phases run around the GPUs of a pass is `gpud.engine.hooked_apply`'s business.
+modes. When the phases run around the GPUs of a pass is `gpud.engine.hooks.phases`'s business.
 """
 
 from __future__ import annotations

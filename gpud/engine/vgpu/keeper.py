@@ -16,7 +16,7 @@ from collections.abc import Callable
 import msgspec
 
 from gpud.engine.gpu_state import GpuState, VgpuAction
-from gpud.engine.vgpu_executor import execute
+from gpud.engine.vgpu.executor import execute
 from gpud.host.vgpu_sysfs import VgpuSysfs
 from gpud.layout.desired import DesiredGpu
 from gpud.model import Gpu

@@ -37,7 +37,7 @@ from typing import Protocol
 
 from msgspec import Struct
 
-from gpud.engine.operands import OperandsNotPaused
+from gpud.engine.kube.operands import OperandsNotPaused
 from gpud.host.kube import Conflict, Gone, KubeError, NodeView, PodView
 from gpud.plan.operand_impact import Impact
 

@@ -1,6 +1,6 @@
 """The seam between a pass and the cluster's GPU operands: what the reconciler calls around the
 GPUs a pass changes, and how a refusal reaches it. Without Kubernetes there is no guard; with
-`--kube-node` it is the kube agent (gpud.engine.kube_agent), which this module does not import
+`--kube-node` it is the kube agent (gpud.engine.kube.agent), which this module does not import
 (that would pull in the Kubernetes client)."""
 
 from __future__ import annotations

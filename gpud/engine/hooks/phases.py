@@ -9,7 +9,7 @@ from collections.abc import Awaitable, Callable, Mapping
 
 from gpud.engine.gpu_state import Action
 from gpud.engine.gpu_tasks import for_each_gpu
-from gpud.engine.hooks import ApplyInfo, HookFailed, HookRunner, refresh_cdi
+from gpud.engine.hooks.runner import ApplyInfo, HookFailed, HookRunner, refresh_cdi
 from gpud.engine.ports import Drainer
 from gpud.layout.desired import DesiredGpu
 from gpud.layout.schema import Layout
