@@ -16,7 +16,7 @@ import contextlib
 import pytest
 import yaml
 
-from gpud.engine.kube_agent import (
+from gpud.engine.kube.agent import (
     MIG_CAPABLE, MIG_CONFIG, MIG_STATE, PAUSED_MIG, PAUSED_VGPU, VGPU_CONFIG, VGPU_STATE, Impact, KubeAgent,
 )
 from gpud.host.kube import Gone, KubeApi, load_config
