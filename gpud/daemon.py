@@ -17,28 +17,29 @@ import sys
 import threading
 from functools import partial
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from gpud import VERSION
 from gpud.api.handlers import RequestHandler
+from gpud.device_events import describe_device_event
 from gpud.engine.apply_lock import ApplyLock
-from gpud.device_events import DeviceEventSourceFactory, describe_device_event
 from gpud.engine.events import EventBus
 from gpud.engine.gpu_state import SETTLING_PHASES
 from gpud.engine.kube.node_labels_out import LabelsOut, Versions, layout_state
 from gpud.engine.observe.observer import DEFAULT_MAX_AGE
-from gpud.engine.reconciler import Hardware, Reconciler
+from gpud.engine.reconciler import Reconciler
 from gpud.engine.binding.udev_rules import UdevRules
-from gpud.host.logind import BOOT_ID_PATH
-from gpud.host.nvidia_smi import GpuReset
-from gpud.host.nvml import Nvml, NvmlError
-from gpud.host.procs import Procs
-from gpud.host.sysfs import Sysfs
+from gpud.hardware import HostConfig, build_hardware
+from gpud.host.nvml import NvmlError
 from gpud.loop_lag import LoopLagProbe
+
+if TYPE_CHECKING:  # imported with --kube-node only (they need gpud[kube])
+    from gpud.engine.kube.agent import KubeAgent
+    from gpud.engine.kube.applier import ReconcilerApplier
 
 log = logging.getLogger("gpud")
 VGPU_REBUILD_S = 60  # at most this long READY=1 waits for vGPUs to be rebuilt at start (TimeoutStartSec=90s)
 SWITCH_INTERVAL = 0.0005  # seconds a worker thread may keep the GIL while the loop wants it
-NFD_FEATURES = "/etc/kubernetes/node-feature-discovery/features.d/gpud"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -50,7 +51,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--read-only", action="store_true", help="observe and plan; refuse every mutating call")
     ap.add_argument("--replay", metavar="CAPTURE", help="with --sim DIR --read-only: NVML answers from a real "
                     "GPU's capture (DIR laid out by python -m gpud.sim.replay_nvml CAPTURE DIR)")
-    ap.add_argument("--lock", help="host-wide apply lock (default /run/gpud/apply.lock, or DIR/apply.lock with --sim; its directory must be writable only by gpud's user)")
+    ap.add_argument("--lock", help="host-wide apply lock (default /run/gpud/apply.lock, or DIR/apply.lock with --sim; "
+                    "its directory must be writable only by gpud's user)")
     ap.add_argument("--socket-group", default="gpud", help="group allowed to read status (default gpud)")
     ap.add_argument("--udev-rules", help="udev rules file that keeps passthrough GPUs off nvidia at boot "
                     "(default /etc/udev/rules.d/70-gpud-vfio.rules, or DIR/etc/udev/rules.d/... with --sim)")
@@ -84,48 +86,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def build_hardware(args: argparse.Namespace) -> tuple[Hardware, DeviceEventSourceFactory, str]:
-    """The one seam between a real host and the simulator: returns the adapters, the device event
-    source to start (udev, or the simulator's datagram socket) and the lock path; fills in the
-    defaults that differ between a real host and the simulator."""
-    if args.sim:
-        from gpud import sim
-        from gpud.sim.uevents import SimEvents
-
-        host = sim.install(args.sim)
-        if args.replay:
-            from gpud.sim import replay_nvml
-
-            replay_nvml.install(args.replay)
-        hw = Hardware(
-            sysfs=Sysfs(str(host.sys_root), read_only=args.read_only, store=host.store, modprobe=host.modprobe),
-            nvml=Nvml(read_only=args.read_only, proc_root=str(host.proc_root)),
-            procs=Procs(str(host.proc_root), str(host.dev_root), read_only=args.read_only, store=host.store),
-            reset=GpuReset(args.nvidia_smi or _sim_nvidia_smi(args.sim), read_only=args.read_only),
-        )
-        args.udev_rules = args.udev_rules or str(Path(args.sim) / "etc/udev/rules.d/70-gpud-vfio.rules")
-        args.nfd_features = args.nfd_features or str(Path(args.sim) / NFD_FEATURES.lstrip("/"))
-        args.dev_root = str(host.dev_root)
-        args.boot_id_path = str(Path(host.proc_root) / "sys/kernel/random/boot_id")
-        return hw, partial(SimEvents, socket_path=host.uevent_socket), args.lock or str(Path(args.sim) / "apply.lock")
-    args.udev_rules = args.udev_rules or "/etc/udev/rules.d/70-gpud-vfio.rules"
-    args.nfd_features = args.nfd_features or NFD_FEATURES
-    args.dev_root = "/dev"
-    args.boot_id_path = BOOT_ID_PATH
-    hw = Hardware(sysfs=Sysfs("/sys", read_only=args.read_only), nvml=Nvml(read_only=args.read_only),
-                  procs=Procs(read_only=args.read_only),
-                  reset=GpuReset(args.nvidia_smi or "nvidia-smi", read_only=args.read_only))
-    from gpud.host.udev import UdevEvents
-
-    return hw, UdevEvents, args.lock or "/run/gpud/apply.lock"
-
-
-def _sim_nvidia_smi(host_dir: str) -> str | list[str]:
-    """The simulated host's nvidia-smi: the wrapper gpud-sim create wrote, or the module itself."""
-    wrapper = Path(host_dir) / "bin" / "nvidia-smi"
-    if wrapper.is_file():
-        return str(wrapper)
-    return [sys.executable, "-m", "gpud.sim.nvidia_smi", "--sim", os.path.abspath(host_dir)]
+def host_config(args: argparse.Namespace) -> HostConfig:
+    """The host the command line names; the daemon's arguments themselves stay as parsed."""
+    return HostConfig(sim=args.sim, replay=args.replay, read_only=args.read_only, lock=args.lock,
+                      udev_rules=args.udev_rules, nfd_features=args.nfd_features, nvidia_smi=args.nvidia_smi)
 
 
 class Daemon:
@@ -136,30 +100,31 @@ class Daemon:
         self.args = args
         self.notifier = Notifier()
         self.bus = EventBus()
-        self.hw, self.device_events, lock_path = build_hardware(args)
+        self.host = build_hardware(host_config(args))
+        self.hw, self.device_events = self.host.hw, self.host.device_events
         Path(args.state_dir).mkdir(parents=True, exist_ok=True)
         self.rec = Reconciler(
-            self.hw, config_path=args.config, apply_lock=ApplyLock(lock_path), bus=self.bus,
+            self.hw, config_path=args.config, apply_lock=ApplyLock(self.host.lock_path), bus=self.bus,
             read_only=args.read_only, binder_timeout=args.unbind_timeout,
-            udev_rules=UdevRules(args.udev_rules, modules_load_path=None, read_only=args.read_only),
-            state_dir=args.state_dir, rebooter=partial(request_reboot, boot_id_path=args.boot_id_path),
-            max_status_age=args.status_max_age, boot_id_path=args.boot_id_path,
+            udev_rules=UdevRules(self.host.udev_rules, modules_load_path=None, read_only=args.read_only),
+            state_dir=args.state_dir, rebooter=partial(request_reboot, boot_id_path=self.host.boot_id_path),
+            max_status_age=args.status_max_age, boot_id_path=self.host.boot_id_path,
         )
         self.stopping = asyncio.Event()
         self._reload_timer: asyncio.TimerHandle | None = None
         self._metrics_key: tuple | None = None
         self._background: set[asyncio.Future] = set()  # tasks nothing else references
         self.loop_lag = LoopLagProbe()
-        self.labels = LabelsOut(args.nfd_features, label_set=args.nfd_labels, mig_strategy=args.mig_strategy,
+        self.labels = LabelsOut(self.host.nfd_features, label_set=args.nfd_labels, mig_strategy=args.mig_strategy,
                                 exclude=("nvidia.com/mig.capable",) if args.kube_node else (),
-                                on_event=lambda kind, message: self.bus.publish(kind, message))
+                                on_event=self._publish)
         self._versions: Versions | None = None
-        self.kube = None  # gpud.engine.kube.agent.KubeAgent with --kube-node
-        self.kube_applier = None
+        self.kube: KubeAgent | None = None  # with --kube-node
+        self.kube_applier: ReconcilerApplier | None = None
         self._kube_passes = 0
         self._labels_passes = -1
         if args.kube_node:
-            self._start_kube(partial(request_reboot, boot_id_path=args.boot_id_path))
+            self._start_kube(partial(request_reboot, boot_id_path=self.host.boot_id_path))
 
     def _start_kube(self, reboot) -> None:
         """--kube-node: the operator's label protocol. Its client library is imported here only."""
@@ -173,11 +138,14 @@ class Daemon:
             api = KubeApi(self.args.kube_node, load_config(self.args.kubeconfig))
         except KubeError as e:
             raise RuntimeError(f"--kube-node {self.args.kube_node}: {e}") from e
-        self.kube_applier = ReconcilerApplier(self.rec)
-        self.kube = KubeAgent(api, self.kube_applier, namespace=self.args.kube_namespace,
-                              on_event=lambda kind, message: self.bus.publish(kind, message))
-        self.rec.operand_guard = self.kube
-        self.rec.reboot_policy.rebooter = KubeRebooter(self.kube, self.kube_applier, reboot)
+        applier = ReconcilerApplier(self.rec)
+        agent = KubeAgent(api, applier, namespace=self.args.kube_namespace, on_event=self._publish)
+        self.kube, self.kube_applier = agent, applier
+        self.rec.operand_guard = agent
+        self.rec.reboot_policy.rebooter = KubeRebooter(agent, applier, reboot)
+
+    def _publish(self, kind: str, message: str) -> None:
+        self.bus.publish(kind, message)
     # ---- event sources ---------------------------------------------------------------------
     async def watch_config(self) -> None:
         """Editors save in place, by atomic rename, or delete and re-create: watch the directory."""
@@ -237,6 +205,7 @@ class Daemon:
             self._write_labels()
         if self.kube is not None and done != self._kube_passes and self.rec.phase not in SETTLING_PHASES:
             self._kube_passes = done  # report a pass the agent did not start itself on the node
+            assert self.kube_applier is not None  # made with the agent
             self._spawn(self.kube.settled(self.kube_applier.outcome()))
 
     def _write_labels(self) -> None:
@@ -257,6 +226,7 @@ class Daemon:
     async def _run_after_selection(self) -> None:
         """--kube-node: no pass before the node's label has chosen the layout (a file edit or a
         device event meanwhile is remembered and runs then)."""
+        assert self.kube is not None  # only with --kube-node
         await self.kube.selected_once.wait()
         await self.rec.run()
 
@@ -275,19 +245,18 @@ class Daemon:
     async def run(self) -> int:
         from gpud.api.server import serve
         from gpud.host.sd_notify import listen_socket
-
         from gpud.host.unit_drain import OnDemandDrainer
 
         loop = asyncio.get_running_loop()
         # D-Bus is imported and connected only when a layout first drains units or MIG changes
-        self.rec.drainer = OnDemandDrainer(on_event=lambda m: self.bus.publish("drain", str(m)))
+        self.rec.drainer = OnDemandDrainer(on_event=lambda m: self._publish("drain", str(m)))
         self.rec.on_change(self._update_status)
         try:
             self.hw.nvml.open()
         except NvmlError as e:  # no nvidia driver (every GPU on vfio-pci, or none yet): serve anyway
             log.warning("NVML not available: %s", e)
         await self.rec.load_config_async()
-        handler = RequestHandler(self.rec, notifier=self.notifier, dev_root=self.args.dev_root,
+        handler = RequestHandler(self.rec, notifier=self.notifier, dev_root=self.host.dev_root,
                                  loop_lag=self.loop_lag, labels=self.labels, kube_agent=self.kube)
         try:
             server = await serve(handler, self.args.socket, sock=listen_socket(), group=self.args.socket_group)
@@ -389,12 +358,7 @@ def _stall_forever() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["qualify"]:  # `gpud qualify ...`: the host's qualification, not the daemon
-        from gpud.qualify import main as qualify_main
-
-        return qualify_main(argv[1:])
-    args = parse_args(argv)
+    args = parse_args(sys.argv[1:] if argv is None else argv)
     faulthandler.enable()  # a watchdog SIGABRT then prints every thread's stack to the journal
     # Host reads and hardware steps run in worker threads; while one runs Python code (pynvml's
     # wrappers, the simulator's NVML), the loop thread waits for the GIL up to the switch

@@ -101,7 +101,7 @@ def kubevirt_name(device: int, *, lines: Iterable[str] | None = None, version: s
     ident = sysfs_device_id(device)
     raw = find_device(lines, ident)
     name = plugin_name(raw) if raw is not None else ""
-    if not name:  # createDevicePlugins: `if deviceName == "" { deviceName = k }`
+    if raw is None or not name:  # createDevicePlugins: `if deviceName == "" { deviceName = k }`
         return KubevirtName(f"{RESOURCE_NAMESPACE}/{ident}", ident, None, "device-id")
     return KubevirtName(f"{RESOURCE_NAMESPACE}/{name}", name, raw.strip(), f"pci.ids {version or '?'}")
 

@@ -27,7 +27,6 @@ import re
 
 from msgspec import Struct
 
-
 _TIME_SLICED = re.compile(r"(?P<gpu>[A-Z0-9]+(?:-[a-zA-Z]+)*)-(?P<gb>0|[1-9][0-9]*)(?P<series>[ABCQ])")
 _MIG_BACKED = re.compile(
     r"(?P<gpu>[A-Z0-9]+)-(?P<g>[1-9])-(?P<gb>0|[1-9][0-9]*)(?P<series>[ABCQ])(?P<attr>ME|NOME|MEALL|GFX)?")

@@ -18,8 +18,8 @@ from gpud.api.server import ApiError
 from gpud.api.status_snapshot import StatusSnapshot
 from gpud.engine.binding import passthrough
 from gpud.engine.events import EventQueue
-from gpud.engine.observe.discovery import Observation
 from gpud.engine.kube.node_labels_out import LabelsOut
+from gpud.engine.observe.discovery import Observation
 from gpud.engine.queries import EngineError, InvalidLayout, NoSuchGpu, select_gpus, start_apply
 from gpud.engine.reconciler import Reconciler
 from gpud.host.nvml import NvmlError
@@ -41,9 +41,9 @@ def infeasible_text(g: wire.GpuPlanInfo) -> str:
 class Notifier(Protocol):
     """systemd's sd_notify: RELOADING=1 ... READY=1 around a reload."""
 
-    def reloading(self) -> None: ...
+    def reloading(self) -> object: ...
 
-    def ready(self) -> None: ...
+    def ready(self) -> object: ...
 
 
 class RequestHandler:
@@ -103,6 +103,8 @@ class RequestHandler:
         return replies.labels_reply(self.labels)
 
     async def op_version(self) -> wire.VersionReply:
+        driver: str | None
+        nvml: str | None
         try:
             driver, nvml = self.rec.hw.nvml.driver_version(), self.rec.hw.nvml.nvml_version()
         except NvmlError:  # no driver, or closed during a rebind

@@ -12,22 +12,22 @@ from collections.abc import Sequence
 
 from gpud import VERSION
 from gpud.api import wire
+from gpud.engine.gpu_state import BindAction, GpuState, MigAction, VgpuAction
 from gpud.engine.kube.node_labels_out import LabelsOut
 from gpud.engine.observe.discovery import Observation
 from gpud.engine.binding.passthrough import PassthroughEntry, kubevirt_entry
 from gpud.engine.queries import remaining_capacity
-from gpud.engine.gpu_state import BindAction, GpuState, MigAction, VgpuAction
-from gpud.engine.vgpu.inventory import entry as vgpu_entry
 from gpud.engine.reconciler import Reconciler
+from gpud.engine.vgpu.inventory import entry as vgpu_entry
+from gpud.host.nfd import read_features
 from gpud.layout.desired import DesiredGpu
 from gpud.layout.names import mig_device_name
 from gpud.layout.resolve import Resolution
-from gpud.host.nfd import read_features
 from gpud.model import Gpu, Holder, KnownGpu, MigProfile, Placement, VgpuDevice
 from gpud.plan.binding import BindingPlan, BindStep, plan_binding
 from gpud.plan.mig import Destroyed, GpuPlan, Step
-from gpud.plan.reset_scope import reset_takes_along
 from gpud.plan.node_labels import advertised
+from gpud.plan.reset_scope import reset_takes_along
 from gpud.plan.vgpu import VgpuStep
 from gpud.profiles import GI_PROFILE_INDEX, NVIDIA, ModelInfo, by_device, model_name
 from gpud.vgpu_types import by_device as vgpu_model_of
@@ -147,7 +147,8 @@ def layout_status(rec: Reconciler) -> wire.LayoutStatus:
         errors = list(dict.fromkeys(errors + [str(e) for e in res.errors]))
     shown_errors, errors_omitted = capped(errors, "errors")
     shown_warnings, warnings_omitted = capped(warnings, "warnings")
-    return wire.LayoutStatus(path=rec.config_path, selected=rec.layout.layout.selected if rec.layout else None,
+    selected = rec.layout.layout.selected if rec.layout is not None and rec.layout.layout is not None else None
+    return wire.LayoutStatus(path=rec.config_path, selected=selected,
                              valid=not errors, errors=shown_errors, warnings=shown_warnings,
                              errors_omitted=errors_omitted, warnings_omitted=warnings_omitted)
 

@@ -298,7 +298,7 @@ class ApiServer:
         assert peer is not None
         others = [c for c in self._tasks.values() if c is not conn and c.peer is not None]
         if peer.uid != 0:
-            same = [c for c in others if c.peer.uid == peer.uid]
+            same = [c for c in others if c.peer is not None and c.peer.uid == peer.uid]
             if len(same) >= self.max_per_uid and not self._evict_oldest(same, f"uid {peer.uid} reached its limit"):
                 return f"too many connections to gpud from uid {peer.uid} (at most {self.max_per_uid})"
             non_root = [c for c in self._tasks.values() if c is not conn and c.peer is not None and c.peer.uid != 0]

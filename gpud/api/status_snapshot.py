@@ -12,7 +12,6 @@ them by identity is exact and costs nothing.
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import msgspec

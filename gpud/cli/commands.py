@@ -12,16 +12,16 @@ from typing import Any
 
 from gpud.api import wire
 from gpud.cli.render import (
-    pick_gpu,
     event_json,
+    pick_gpu,
     render_event,
     render_gpu,
     render_kubernetes,
     render_labels,
-    render_progress,
     render_mig_profiles,
     render_passthrough,
     render_plan,
+    render_progress,
     render_status,
     render_vgpu_types,
     to_json,

@@ -46,7 +46,7 @@ def _skip_argparse_translation() -> None:
     (a process of its own) prints them so without asking."""
     import argparse
 
-    argparse._ = _as_written
+    argparse._ = _as_written  # type: ignore[attr-defined]  # argparse's own gettext alias
 
 
 def _err(msg: str) -> None:

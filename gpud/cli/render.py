@@ -118,6 +118,7 @@ def render_status(r: wire.StatusReply, width: int | None = None) -> str:
         out += ["", "vGPUs:"]
         for g in vgpus:
             v = g.vgpu
+            assert v is not None  # chosen above for it
             out.append(f"GPU {g.index}: {g.model or g.pci} ({v.interface}, {v.vfs} VFs)")
             for d in v.devices:
                 where = f"mdev {d.uuid} on {d.parent}" if d.uuid else f"VF {d.vf}"

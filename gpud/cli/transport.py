@@ -7,9 +7,9 @@ one the daemon built, so client and daemon cannot disagree on a field.
 
 from __future__ import annotations
 
+import _socket  # the C module `socket` wraps: see Client._connect
 import math
 import select
-import _socket  # the C module `socket` wraps: see Client._connect
 from collections.abc import Iterator
 from typing import Any
 

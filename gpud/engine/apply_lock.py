@@ -20,15 +20,26 @@ import fcntl
 import os
 import re
 import stat
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
 # What gpud writes into the lock file, and the only text it will read back from it.
 _RECORD = re.compile(rb"gpud pid=([1-9][0-9]{0,9})\n")
 
 
+# A directory the lock creates (gpud's run directory, /run/gpud by default) is writable by its
+# owner only, which is what _check_directory demands; readable and searchable by all, because the
+# control socket lives there too and group gpud must reach it (the unit's RuntimeDirectoryMode,
+# gpud.socket's DirectoryMode, tmpfiles.d and the socket server all make it 0755).
+DIRECTORY_MODE = 0o755
+
+
 class ApplyLockRefused(RuntimeError):
     """The lock file or its directory is not safe to use; no apply runs until it is fixed."""
+
+
+class ApplyLockBusy(RuntimeError):
+    """Another process holds the lock now (a try that does not wait)."""
 
 
 def holder_record(pid: int) -> bytes:
@@ -50,7 +61,7 @@ def open_lock_file(path: Path) -> int:
     """Open (creating it 0600 if absent) the lock file safely; ApplyLockRefused when it is not ours."""
     euid = os.geteuid()
     if not path.parent.exists():
-        path.parent.mkdir(mode=0o755, parents=True)
+        path.parent.mkdir(mode=DIRECTORY_MODE, parents=True)
     _check_directory(path.parent, euid)
     flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
     try:
@@ -80,6 +91,11 @@ def describe_holder(fd: int) -> str:
     return f"another gpud (pid {int(found.group(1))})" if found else "another process (unrecognised lock record)"
 
 
+def _record_holder(fd: int) -> None:
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, holder_record(os.getpid()), 0)
+
+
 class ApplyLock:
     """Host-wide apply lock (flock): two daemons on one host must never both change it."""
 
@@ -95,11 +111,25 @@ class ApplyLock:
             except BlockingIOError:
                 on_wait(f"{describe_holder(fd)} is applying; waiting for {self.path}")
                 await self._wait(fd)
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, holder_record(os.getpid()), 0)
+            _record_holder(fd)
             yield
         finally:
             os.close(fd)  # releases the flock
+
+    @contextlib.contextmanager
+    def held_now(self) -> Iterator[None]:
+        """The lock at once or not at all, for a one-off run that must not queue behind a daemon
+        (`gpud qualify --mutate`): ApplyLockBusy, naming the holder, when another process holds it."""
+        fd = open_lock_file(self.path)
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise ApplyLockBusy(f"{describe_holder(fd)} holds {self.path}") from None
+            _record_holder(fd)
+            yield
+        finally:
+            os.close(fd)
 
     @staticmethod
     async def _wait(fd: int, interval: float = 0.5) -> None:

@@ -151,6 +151,7 @@ def write_with_deadline(sysfs, relpath: str, value: str, pci: str, timeout: floa
     argv = [sys.executable, "-m", "gpud.host.sysfs_writer", "--root", sysfs.root, *store_spec(sysfs), "--",
             relpath, value]
     helper = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, close_fds=True)
+    assert helper.stdout is not None  # stdout=PIPE
     fd = helper.stdout.fileno()
     ready, data = _read_answer(fd, max(START_LIMIT, timeout), timeout)
     if data is None:

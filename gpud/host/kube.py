@@ -91,15 +91,19 @@ def _translated():
 
 
 def _node(obj: Node) -> NodeView:
-    return NodeView(name=obj.metadata.name, labels=dict(obj.metadata.labels or {}),
-                    resource_version=obj.metadata.resourceVersion or "", uid=obj.metadata.uid or "")
+    meta = obj.metadata
+    assert meta is not None and meta.name is not None  # the API server names every object it returns
+    return NodeView(name=meta.name, labels=dict(meta.labels or {}), resource_version=meta.resourceVersion or "",
+                    uid=meta.uid or "")
 
 
 def _pod(obj: Pod) -> PodView:
-    owner = next((o.kind for o in obj.metadata.ownerReferences or () if o.controller), None)
-    return PodView(namespace=obj.metadata.namespace or "", name=obj.metadata.name,
-                   labels=dict(obj.metadata.labels or {}), node_selector=dict(obj.spec.nodeSelector or {}),
-                   controller_kind=owner)
+    meta = obj.metadata
+    assert meta is not None and meta.name is not None  # the API server names every object it returns
+    owner = next((o.kind for o in meta.ownerReferences or () if o.controller), None)
+    selector = obj.spec.nodeSelector if obj.spec is not None else None
+    return PodView(namespace=meta.namespace or "", name=meta.name, labels=dict(meta.labels or {}),
+                   node_selector=dict(selector or {}), controller_kind=owner)
 
 
 class KubeApi:

@@ -70,9 +70,9 @@ class Procs:
                     target = os.readlink(os.path.join(fd_dir, fd))
                 except OSError:
                     continue
-                dev = wanted.get(target)
-                if dev is not None:
-                    found.add(dev)
+                held = wanted.get(target)
+                if held is not None:
+                    found.add(held)
             if found:
                 comm = process_name(self.proc_root, pid)
                 if comm is None:

@@ -50,7 +50,7 @@ def meaning(path: str, code: int) -> str:
 
 def describe_error(e: OSError) -> str:
     """The errno's name and what it means for that attribute (one home for the wording)."""
-    if getattr(e, "meaning", None):
+    if isinstance(e, SysfsError):
         return e.meaning
     if e.errno is None:
         return str(e)
@@ -66,7 +66,7 @@ class SysfsError(OSError):
         self.meaning = meaning
 
     def __str__(self) -> str:
-        name = errno.errorcode.get(self.errno, str(self.errno))
+        name = errno.errorcode.get(self.errno or 0, str(self.errno))
         return f"{name}: {self.meaning} ({self.path})"
 
 
@@ -124,17 +124,18 @@ class Sysfs:
         base = self._p("bus/pci/devices", address)
         vals = {k: _read(os.path.join(base, k))
                 for k in ("vendor", "device", "subsystem_vendor", "subsystem_device", "class", "numa_node")}
-        if any(vals[k] is None for k in ("vendor", "device", "class")):
+        vendor, device, class_code = vals["vendor"], vals["device"], vals["class"]
+        if vendor is None or device is None or class_code is None:
             return None  # vanished (removed) or not a PCI device
         group = _link_name(os.path.join(base, "iommu_group"))
         try:
             return PciFunction(
                 address=address,
-                vendor=int(vals["vendor"], 16),
-                device=int(vals["device"], 16),
+                vendor=int(vendor, 16),
+                device=int(device, 16),
                 subsystem_vendor=int(vals["subsystem_vendor"] or "0", 16),
                 subsystem_device=int(vals["subsystem_device"] or "0", 16),
-                class_code=int(vals["class"], 16),
+                class_code=int(class_code, 16),
                 driver=_link_name(os.path.join(base, "driver")),
                 driver_override=self.driver_override(address),
                 iommu_group=int(group) if group is not None and group.isdigit() else None,

@@ -52,6 +52,7 @@ class UdevEvents:
         except Exception as e:  # keep the default buffer
             log.debug("udev receive buffer not enlarged: %s", e)
         mon.start()
+        assert self._loop is not None  # start() set it
         self._monitor = mon
         self._fd = mon.fileno()
         self._loop.add_reader(self._fd, self._on_readable)
@@ -67,6 +68,7 @@ class UdevEvents:
                     self.deliver(DeviceEvent(dev.action or "change", dev.subsystem, dev.sys_name, dev.driver))
         except OSError as e:  # ENOBUFS (events lost) or POLLERR: rebuild and rescan
             log.warning("udev monitor failed (%s): recreating it and rescanning", e)
+            assert self._loop is not None and self._fd is not None  # readable: the monitor runs
             self._loop.remove_reader(self._fd)
             self._fd = None
             self._monitor = None

@@ -8,8 +8,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 from collections.abc import AsyncIterator, Callable, Iterable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # dbus-fast is imported on the first drain, not at start
+    from dbus_fast.aio import MessageBus
 
 log = logging.getLogger("gpud.systemd")
 
@@ -95,7 +98,7 @@ class UnitDrainer:
         self.job_timeout = job_timeout
         self.call_timeout = call_timeout
         self.on_event = on_event
-        self._bus = None
+        self._bus: MessageBus | None = None
         self._jobs = _JobTracker()
         self._lock = asyncio.Lock()
 

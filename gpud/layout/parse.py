@@ -15,6 +15,7 @@ import json
 import math
 import re
 from collections.abc import Iterator
+from typing import Literal
 
 import yaml
 from msgspec import Struct, field
@@ -397,6 +398,7 @@ class _Parser:
         top = self.mapping(root, "", TOP_KEYS, 'a mapping with "version: v1" and "layouts"')
         if top is None:
             return None
+        assert isinstance(root, MappingNode)  # mapping() accepted it
         return self.layout(root, top)
 
     def layout(self, root: MappingNode, top: dict[str, tuple[Node, Node]]) -> Layout | None:
@@ -485,7 +487,7 @@ class _Parser:
             items = self.sequence(value, lpath, "a list of device entries")
             if items is None:
                 continue
-            kept = []
+            kept: list[DeviceEntry] = []
             for ipath, item in items:
                 if (entry := self.entry(item, ipath)) is not None:
                     self._renumbered(item_path(lpath, len(kept)), ipath)
@@ -501,7 +503,7 @@ class _Parser:
         def get(key: str) -> Node | None:  # a key with a null value counts as absent
             return keys[key][1] if key in keys and not _is_null(keys[key][1]) else None
 
-        devices: str | tuple[int | str, ...] | None = None
+        devices: Literal["all"] | tuple[int | str, ...] | None = None
         if (n := get("devices")) is None:
             self.error(node, path, 'missing key "devices" ("all" or a list of GPU indices, PCI addresses or GPU UUIDs)')
         else:
@@ -558,7 +560,7 @@ class _Parser:
             vgpu_devices=vgpu_devices or {},
         )
 
-    def devices(self, node: Node, path: str) -> str | tuple[int | str, ...] | None:
+    def devices(self, node: Node, path: str) -> Literal["all"] | tuple[int | str, ...] | None:
         what = '"all" or a list of GPU indices, PCI addresses or GPU UUIDs'
         if isinstance(node, ScalarNode):
             if node.tag == _STR and node.value == "all":
@@ -674,9 +676,8 @@ class _Parser:
             if "vendor" not in keys:
                 self.error(item, ipath, 'missing key "vendor" (e.g. "0x10de")')
             values = {k: self.hex16(keys[k][1], key_path(ipath, k)) for k in keys}
-            if "vendor" in keys and None not in values.values():
-                rules.append(
-                    MatchRule(vendor=values["vendor"], device=values.get("device"), class_=values.get("class")))
+            if (vendor := values.get("vendor")) is not None and None not in values.values():
+                rules.append(MatchRule(vendor=vendor, device=values.get("device"), class_=values.get("class")))
         return tuple(rules)
 
     def hex16(self, node: Node, path: str) -> int | None:

@@ -25,8 +25,8 @@ from gpud.layout.parse import (
 from gpud.layout.schema import Layout, PciId
 from gpud.model import Gpu, KnownGpu, MigProfile
 from gpud.profiles import NVIDIA, by_device, model_name, with_model_ci_profiles
-from gpud.vgpu_types import by_device as vgpu_model_of
 from gpud.vgpu_types import VgpuModel, mig_need, parse_vgpu_name, strip_prefix
+from gpud.vgpu_types import by_device as vgpu_model_of
 
 
 class Resolution(Struct):
@@ -149,13 +149,14 @@ def resolve(parsed: ParsedLayout, gpus: Sequence[Gpu], gone: Sequence[KnownGpu] 
                                   "a GPU may be in one entry only")
                 continue
             claimed[gpu.pci] = epath
-            mig_enabled, mig_devices, vgpu_devices = entry.mig_enabled, dict(entry.mig_devices), {}
+            mig_enabled, mig_devices = entry.mig_enabled, dict(entry.mig_devices)
+            vgpu_devices: dict[str, int] = {}
             if entry.workload == "vm-vgpu":
                 table = vgpu_model_of(gpu.function.device) if gpu.function.vendor == NVIDIA else None
-                vgpu_devices = _check_vgpu(entry, epath, gpu, table, errors, warnings)
-                if vgpu_devices is not None:
-                    mig_enabled, mig_devices = vgpu_mig_layout(vgpu_devices, entry, table)
-                vgpu_devices = vgpu_devices or {}
+                checked = _check_vgpu(entry, epath, gpu, table, errors, warnings)
+                if checked is not None:
+                    mig_enabled, mig_devices = vgpu_mig_layout(checked, entry, table)
+                vgpu_devices = checked or {}
             if mig_enabled:
                 _check_mig(parsed, mig_devices, epath, gpu, errors, warnings)
             desired[gpu.pci] = DesiredGpu(

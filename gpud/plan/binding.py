@@ -11,6 +11,8 @@ something twice.
 
 from __future__ import annotations
 
+from typing import Any, cast
+
 from msgspec import Struct, field
 
 from gpud.layout.schema import WORKLOADS
@@ -117,12 +119,12 @@ def plan_binding(
     to vfio-pci is needed and the binder skips it if the driver is already there.
     """
     fn = gpu.function
-    native = native_driver_for(fn) if native_driver is AUTO else native_driver
+    native = native_driver_for(fn) if native_driver is AUTO else cast("str | None", native_driver)
     companions = sorted((c for c in gpu.companions if c.address != fn.address), key=lambda c: pci_sort_key(c.address))
     endpoints = [fn] + [c for c in companions if not _is_bridge(c)]
     skipped = tuple(c.address for c in companions if _is_bridge(c))
     target = target_for(workload)
-    base = {
+    base: dict[str, Any] = {
         "pci": fn.address, "index": gpu.index, "workload": workload, "native_driver": native,
         "group": fn.iommu_group, "endpoints": tuple(e.address for e in endpoints), "skipped": skipped,
     }

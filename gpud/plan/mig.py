@@ -286,7 +286,7 @@ def plan_gpu(gpu: Gpu, desired: DesiredGpu) -> GpuPlan:
     if want:
         target = sorted(
             TargetGi(a.placement, a.spec.profile_id, by_id[a.spec.profile_id].name, a.spec.cis, a.keep,
-                     (layouts.get(a.keep) if a.keep is not None else new_layouts.get(a.placement)
+                     ((layouts.get(a.keep) if a.keep is not None else new_layouts.get(a.placement))
                       or CiLayout((), (), ())).placed)
             for a in assignments)
     return GpuPlan(

@@ -192,16 +192,15 @@ def _full_gpu_labels(inputs: LabelInputs) -> dict[str, str]:
     """newGPULabelers(): product/count/replicas/sharing/memory/architecture of nvidia.com/gpu."""
     visible = _visible(inputs.gpus)
     counts: dict[str, int] = {}
-    first: dict[tuple[bool, str], Gpu] = {}
+    first: dict[tuple[bool, str], tuple[Gpu, NvmlGpu]] = {}
     for gpu, nv in visible:
         counts[nv.name] = counts.get(nv.name, 0) + 1
-        first.setdefault((_mig_enabled(nv), nv.name), gpu)
+        first.setdefault((_mig_enabled(nv), nv.name), (gpu, nv))
     labels: dict[str, str] = {}
     # MIG-enabled models first, full GPUs override them; within each, the lowest index wins.
     for mig in (True, False):
         group = [(k, g) for k, g in first.items() if k[0] == mig]
-        for (_, name), gpu in sorted(group, key=lambda kv: -kv[1].index):
-            nv = gpu.nvml
+        for (_, name), (gpu, nv) in sorted(group, key=lambda kv: -kv[1][0].index):
             labels[GPU_RESOURCE + ".product"] = product(name)
             labels[GPU_RESOURCE + ".count"] = str(counts[name])
             labels[GPU_RESOURCE + ".replicas"] = "0" if mig else "1"
@@ -221,7 +220,7 @@ def _version_labels(inputs: LabelInputs) -> dict[str, str]:
     labels: dict[str, str] = {}
     v = inputs.driver_version
     parts = v.split(".") if v else []
-    if 2 <= len(parts) <= 3:
+    if v and 2 <= len(parts) <= 3:
         major, minor, rev = parts[0], parts[1], parts[2] if len(parts) > 2 else ""
         labels.update({
             PREFIX + "cuda.driver.major": major, PREFIX + "cuda.driver.minor": minor,
@@ -249,8 +248,10 @@ def _mode_label(visible: list[tuple[Gpu, NvmlGpu]]) -> str:
 
 def _mig_resource_labels(resource: str, dev: MigDevice, count: int, replicas: int = 1) -> dict[str, str]:
     """NewMIGResourceLabeler(): base labels + the MIG device's attributes under `resource`."""
+    nv = dev.gpu.nvml
+    assert nv is not None  # MIG devices are listed from the GPUs NVML reads
     labels = {
-        resource + ".product": product(dev.gpu.nvml.name, "MIG", dev.resource_suffix),
+        resource + ".product": product(nv.name, "MIG", dev.resource_suffix),
         resource + ".count": str(count),
         resource + ".replicas": str(replicas),
         resource + ".sharing-strategy": "none",
@@ -403,8 +404,8 @@ def advertised(gpus: Sequence[Gpu], *, mig_strategy: str = "mixed") -> Advertise
             if f.vendor == profiles.NVIDIA and f.driver in ("vfio-pci", "nvgrace_gpu_vfio_pci"):
                 name = kubevirt_name(f.device).resource
                 sandbox[name] = sandbox.get(name, 0) + 1
-        for d in g.vgpu.devices if g.vgpu is not None else ():
-            if d.uuid is not None:  # an mdev: the plugin lists /sys/bus/mdev/devices (a VF vGPU: not)
-                name = vgpu_resource(printed_name(g.function.device, d.type))
+        for vd in g.vgpu.devices if g.vgpu is not None else ():
+            if vd.uuid is not None:  # an mdev: the plugin lists /sys/bus/mdev/devices (a VF vGPU: not)
+                name = vgpu_resource(printed_name(g.function.device, vd.type))
                 sandbox[name] = sandbox.get(name, 0) + 1
     return Advertised(dict(sorted(resources.items())), dict(sorted(sandbox.items())), tuple(problems))

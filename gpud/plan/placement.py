@@ -170,8 +170,8 @@ def solve(
         raise Infeasible(_conflict(items, by_id, names, counts, where))
     out = []
     for i, (s, k) in enumerate(zip(items, found[1])):
-        pl, _, _, keep = options[i][k]
-        out.append(Assignment(s, pl, keep))
+        pl, _, _, keep_id = options[i][k]
+        out.append(Assignment(s, pl, keep_id))
     return out
 
 

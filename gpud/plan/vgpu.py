@@ -101,7 +101,7 @@ def check_rules(want: dict[str, int], model: VgpuModel | None, state: VgpuState,
     if model is None and state.offers and not state.devices:
         offered = {o.type for o in state.offers}
         for name in want:
-            if name not in offered and not (parsed[name] is not None and parsed[name].mig_backed):
+            if name not in offered and not ((p := parsed[name]) is not None and p.mig_backed):
                 return f"{name} is not offered by {where}; it offers {', '.join(o.type for o in state.offers)}"
     time_sliced = sorted(n for n, p in parsed.items() if p is None or not p.mig_backed)
     mig_backed = sorted(n for n, p in parsed.items() if p is not None and p.mig_backed)

@@ -149,6 +149,15 @@ def _write_str(buf: Any, length: Any, text: str) -> None:
     ctypes.memmove(buf, data, len(data))
 
 
+def _placement_arg(placement: Any) -> tuple[int, int]:
+    """(start, size) of a placement the caller passed by pointer, as NVML's C API takes it."""
+    if isinstance(placement, ctypes.Structure):
+        raise TypeError("placement passed by value: the real libnvidia-ml reads a pointer here and crashes; "
+                        "pass byref(placement)")
+    pl = _deref(placement)
+    return int(pl.start), int(pl.size)
+
+
 def _check_version(info: Any, expected: int) -> None:
     if any(f[0] == "version" for f in type(info)._fields_) and info.version != expected:
         raise _Ret(pynvml.NVML_ERROR_ARGUMENT_VERSION_MISMATCH)
@@ -962,11 +971,7 @@ def nvmlDeviceCreateGpuInstance(lib, state, handle, profile_id, out_ref):
 @_nvml()
 def nvmlDeviceCreateGpuInstanceWithPlacement(lib, state, handle, profile_id, placement, out_ref):
     gpu, model = _mig_model(lib, state, handle)
-    if isinstance(placement, ctypes.Structure):
-        raise TypeError("placement passed by value: the real libnvidia-ml reads a pointer here and crashes; "
-                        "pass byref(placement)")
-    pl = _deref(placement)
-    _create_gi(lib, gpu, model, profile_id, int(pl.start), int(pl.size), out_ref)
+    _create_gi(lib, gpu, model, profile_id, *_placement_arg(placement), out_ref)
 
 
 @_nvml()
@@ -1136,11 +1141,7 @@ def nvmlGpuInstanceCreateComputeInstance(lib, state, gi_handle, ci_profile_id, o
 
 @_nvml()
 def nvmlGpuInstanceCreateComputeInstanceWithPlacement(lib, state, gi_handle, ci_profile_id, placement, out_ref):
-    if isinstance(placement, ctypes.Structure):
-        raise TypeError("placement passed by value: the real libnvidia-ml reads a pointer here and crashes; "
-                        "pass byref(placement)")
-    pl = _deref(placement)
-    _create_ci(lib, state, gi_handle, ci_profile_id, int(pl.start), int(pl.size), out_ref)
+    _create_ci(lib, state, gi_handle, ci_profile_id, *_placement_arg(placement), out_ref)
 
 
 @_nvml()

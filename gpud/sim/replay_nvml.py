@@ -85,10 +85,11 @@ class Capture:
                                "captured, only their count (expected every count 0)")
         self.data = data
         self.device = data["device"]
-        self.address = normalize_pci(self.device["pci"].get("busId", ""))
-        if self.address is None:
+        address = normalize_pci(self.device["pci"].get("busId", ""))
+        if address is None:
             raise CaptureError(f"{path}: device.pci.busId: expected a PCI bus id, "
                                f"got {self.device['pci'].get('busId')!r}")
+        self.address: str = address
         self.gi_profiles: dict[int, dict] = {}  # profile index constant -> info or error
         for name, info in data["gpu_instance_profiles"].items():
             index = getattr(pynvml, name, None)

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from gpud.api import replies, wire
+from gpud.api import replies
 from gpud.api.handlers import RequestHandler
 from gpud.cli.render import render_plan
 from gpud.model import Gpu, PciFunction

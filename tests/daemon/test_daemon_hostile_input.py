@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import time
 
 from gpud.sim.kernel import unhang
 from tests.daemon.conftest import wait_until
@@ -74,7 +73,7 @@ def test_replies_for_a_layout_with_12000_missing_gpus_fit_and_say_what_was_left_
 
     r = d.ctl("check", str(candidate), timeout=300)
     assert r.returncode == 4, r.stdout + r.stderr  # invalid layout, not "frame exceeds the limit"
-    assert f"big.yaml:4 layouts.big[0].devices[0]: no GPU with index 100" in r.stdout and more in r.stdout
+    assert "big.yaml:4 layouts.big[0].devices[0]: no GPU with index 100" in r.stdout and more in r.stdout
     r = d.ctl("plan", "--json", str(candidate), timeout=300)
     assert r.returncode == 4, r.stdout + r.stderr
     plan = json.loads(r.stdout)

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from gpud.engine.apply_lock import ApplyLock, ApplyLockRefused
+from gpud.engine.apply_lock import ApplyLock, ApplyLockBusy, ApplyLockRefused
 
 # Another gpud, as far as the lock goes: flock, then its record in gpud's format.
 HOLD = """
@@ -129,3 +129,42 @@ async def test_old_0644_lock_file_is_narrowed_so_no_one_else_can_open_it(tmp_pat
     path.chmod(0o644)  # what gpud made before: any user could open it read-only and flock it
     async with ApplyLock(path).held(lambda m: None):
         assert stat.S_IMODE(path.stat().st_mode) == 0o600
+
+
+def test_a_missing_directory_is_made_writable_by_gpud_only_and_reachable_for_the_socket(tmp_path):
+    """gpud's run directory holds the control socket too: made 0755 (owner-writable, as the
+    lock demands; searchable, so group gpud reaches the socket), whatever the umask allowed."""
+    run = tmp_path / "run" / "gpud"
+    old = os.umask(0)
+    try:
+        with ApplyLock(run / "apply.lock").held_now():
+            pass
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(run.stat().st_mode) == 0o755
+    assert stat.S_IMODE((run / "apply.lock").stat().st_mode) == 0o600
+
+
+def test_a_try_now_takes_a_free_lock_and_records_itself(tmp_path):
+    path = tmp_path / "apply.lock"
+    with ApplyLock(path).held_now():
+        assert path.read_bytes() == f"gpud pid={os.getpid()}\n".encode()
+        other = subprocess.run([sys.executable, "-c", "import fcntl, os, sys; fd = os.open(sys.argv[1], os.O_RDWR); "
+                                "fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)", str(path)], capture_output=True)
+        assert other.returncode != 0 and b"BlockingIOError" in other.stderr  # held while inside
+    other = subprocess.run([sys.executable, "-c", "import fcntl, os, sys; fd = os.open(sys.argv[1], os.O_RDWR); "
+                            "fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)", str(path)], capture_output=True)
+    assert other.returncode == 0, other.stderr  # and let go after
+
+
+def test_a_try_now_refuses_at_once_naming_the_holder(tmp_path):
+    path = tmp_path / "apply.lock"
+    other = hold(path)
+    try:
+        with pytest.raises(ApplyLockBusy, match=rf"another gpud \(pid {other.pid}\) holds {path}"):
+            with ApplyLock(path).held_now():
+                pytest.fail("entered a lock another process holds")
+        assert path.read_bytes() == f"gpud pid={other.pid}\n".encode()  # its record left alone
+    finally:
+        other.kill()
+        other.wait()

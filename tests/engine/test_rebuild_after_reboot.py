@@ -23,7 +23,7 @@ from gpud.host import logind
 from gpud.sim import state as simstate
 from gpud.sim.reboot import reboot
 from tests.scenarios.definitions import layout, mig
-from tests.scenarios.harness import MUTATING, SimRig
+from tests.scenarios.harness import SimRig
 
 LAYOUT = layout(mig([0], {"3g.20gb": 2}), mig([1], {"1g.10gb": 4, "3g.40gb": 1}),
                 {"devices": [2], "workload": "vm-passthrough"})
@@ -62,7 +62,8 @@ async def test_rebuilt_with_the_fewest_calls_and_said(tmp_path):
         assert modes_off == 1  # the H100 lost its mode, the A100 kept it
 
         rec = _daemon_start(rig, tmp_path)
-        before, resets = rig.calls(), rig.resets.clear()
+        before = rig.calls()
+        rig.resets.clear()
         await rec.converge()
         assert rec.phase == "converged", rec.gpu_states
         done = simstate.load(rig.dir)

@@ -8,7 +8,6 @@ read the way nfd-worker reads it, and the device plugins' naming rules.
 
 from __future__ import annotations
 
-import asyncio
 import json
 
 import pytest

@@ -15,7 +15,16 @@ import kmock
 import pytest
 
 from gpud.engine.kube.agent import (
-    MIG_CAPABLE, MIG_CONFIG, MIG_STATE, PAUSED_MIG, PAUSED_VGPU, VGPU_CONFIG, VGPU_STATE, Impact, KubeAgent, Outcome,
+    MIG_CAPABLE,
+    MIG_CONFIG,
+    MIG_STATE,
+    PAUSED_MIG,
+    PAUSED_VGPU,
+    VGPU_CONFIG,
+    VGPU_STATE,
+    Impact,
+    KubeAgent,
+    Outcome,
 )
 from gpud.engine.kube.operands import OperandsNotPaused
 from gpud.host.kube import KubeApi, load_config

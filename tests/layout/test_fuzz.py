@@ -9,8 +9,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gpud.layout import check_text, parse_layout
-from gpud.layout.parse import ENTRY_KEYS, HOOK_KEYS, MATCH_KEYS, POLICY_KEYS, TOP_KEYS
 from gpud.layout import parse as parse_module
+from gpud.layout.parse import ENTRY_KEYS, HOOK_KEYS, MATCH_KEYS, POLICY_KEYS, TOP_KEYS
 from gpud.layout.schema import HOOK_PHASES
 from tests.layout.conftest import host, make_gpu
 

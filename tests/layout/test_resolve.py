@@ -8,9 +8,8 @@ import pytest
 
 from gpud.layout import DesiredGpu, check_text, parse_layout, resolve
 from gpud.layout.resolve import Resolution, gpu_profiles
-from gpud.profiles import model_name
 from gpud.model import Gpu, NvmlGpu, PciFunction
-from gpud.profiles import MODELS
+from gpud.profiles import MODELS, model_name
 from tests.layout.conftest import gpu_uuid, host, make_gpu
 
 H200_VALID = "1g.18gb, 1g.18gb+me, 1g.35gb, 2g.35gb, 3g.71gb, 4g.71gb, 7g.141gb"

@@ -17,7 +17,15 @@ from gpud.host.nvml import Nvml
 from gpud.host.sysfs import Sysfs
 from gpud.layout.match import DEFAULT_MATCH
 from gpud.plan.node_labels import (
-    LabelInputs, advertised, arch_family, gfd_labels, gpud_labels, label_problem, node_labels, product, sanitise,
+    LabelInputs,
+    advertised,
+    arch_family,
+    gfd_labels,
+    gpud_labels,
+    label_problem,
+    node_labels,
+    product,
+    sanitise,
 )
 from gpud.sim import catalog
 from gpud.sim import state as simstate

@@ -17,7 +17,7 @@ MUTATING = ("Set", "Create", "Destroy", "Reset")
 
 
 def qualify(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "gpud.daemon", "qualify", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "gpud.main", "qualify", *args], capture_output=True,
                           text=True, timeout=timeout, cwd=ROOT)
 
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 import socket
 
 from gpud.engine.observe.discovery import Observation
-from gpud.engine.qualify_checks import host_checks
 from gpud.host.host_services import HostServices
 from gpud.model import PciFunction
+from gpud.qualify.checks import host_checks
 
 
 def _services(tmp_path, **kw) -> HostServices:
@@ -73,7 +73,7 @@ def test_an_nvidia_bridge_other_function_is_an_nvswitch(tmp_path):
 
 
 def test_kernel_module_against_nvml_driver_version(tmp_path):
-    from gpud.engine.qualify_checks import module_check
+    from gpud.qualify.checks import module_check
 
     hs = _services(tmp_path)
     assert module_check(hs, "580.159.04").status == "fail"  # no /proc/driver/nvidia: not loaded

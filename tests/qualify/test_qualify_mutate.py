@@ -159,3 +159,20 @@ def test_refused_while_a_gpud_holds_the_apply_lock(tmp_path):
     lock = checks(json.loads(r.stdout), "exercise")["apply lock"]
     assert "another gpud (pid 4321) holds" in lock["reason"]
     assert hardware_state(host) == before
+
+
+def test_refused_when_the_lock_directory_is_writable_by_others(tmp_path):
+    """The daemon's own lock code decides: a lock in a directory others can write is refused
+    before any GPU is touched, and no lock file is made there."""
+    host = tmp_path / "host"
+    sim("create", str(host), "--gpu", "h100-80gb:1")
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o1777)
+    before = hardware_state(host)
+    r = qualify("--sim", str(host), "--mutate", "0", CONFIRM, "--json", "--lock", str(shared / "apply.lock"))
+    assert r.returncode == 3, r.stdout + r.stderr
+    lock = checks(json.loads(r.stdout), "exercise")["apply lock"]
+    assert lock["status"] == "fail" and "writable by others" in lock["reason"]
+    assert not (shared / "apply.lock").exists()
+    assert hardware_state(host) == before

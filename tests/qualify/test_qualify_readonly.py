@@ -9,7 +9,6 @@ and the real `nvidia-smi -q` text of the same host.
 from __future__ import annotations
 
 import json
-import os
 import re
 import stat
 import subprocess

@@ -4,7 +4,7 @@ bench/vgpu_bench.py (gpud beside a model of vgpu-device-manager)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass(frozen=True)

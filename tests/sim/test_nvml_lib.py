@@ -11,7 +11,7 @@ from pathlib import Path
 import pynvml as N
 import pytest
 
-from gpud.sim import gpu_rules, nvml_lib
+from gpud.sim import gpu_rules
 from gpud.sim.state import SimProcess, load, locked
 
 H200_GPUS = ("0000:18:00.0", "0000:2a:00.0")

@@ -17,7 +17,8 @@ import textwrap
 import pynvml as N
 import pytest
 
-from gpud.sim.cli import create, hold, main as sim_main
+from gpud.sim.cli import create, hold
+from gpud.sim.cli import main as sim_main
 from gpud.sim.kernel import Store
 from gpud.sim.state import load, locked
 
@@ -69,7 +70,7 @@ def resets(host_dir) -> dict:
 
 def test_init_opens_a_session_on_the_gpus_on_nvidia_and_shutdown_closes_it(sim_host):
     host = sim_host("h100-80gb:2")
-    Store(host.host_dir)(host.host_dir / f"sys/bus/pci/drivers/nvidia/unbind", GPU1.encode())
+    Store(host.host_dir)(host.host_dir / "sys/bus/pci/drivers/nvidia/unbind", GPU1.encode())
     N.nvmlInit()
     try:
         [s] = load(host.host_dir).sessions

@@ -105,7 +105,7 @@ def test_sriov_numvfs_kernel_rules(vfio_host) -> None:
 
 def test_sriov_numvfs_needs_the_driver(vfio_host) -> None:
     fs = sysfs(vfio_host)
-    fs.write(f"bus/pci/drivers/nvidia/unbind", L40S)
+    fs.write("bus/pci/drivers/nvidia/unbind", L40S)
     assert write_err(fs, f"bus/pci/devices/{L40S}/sriov_numvfs", "4") == errno.ENOENT
 
 

@@ -106,7 +106,7 @@ def test_reload_applies_the_changed_file_draining_the_client(gpud):
     c.follow_journal("gpu-client.service", "Started gpu-client.service", after=cursor, timeout=120)
     r = c.run(["gpudctl", "apply", "--wait", "--timeout", "120"], check=False, timeout=180)
     assert r.returncode == 0, r
-    gpu0 = next(l for l in sim_show(c).splitlines() if l.startswith("GPU 0 "))
+    gpu0 = next(ln for ln in sim_show(c).splitlines() if ln.startswith("GPU 0 "))
     assert "MIG 1" in gpu0, gpu0
     after = c.show("gpu-client.service", "ActiveState", "MainPID")
     assert after["ActiveState"] == "active" and after["MainPID"] != pid_before

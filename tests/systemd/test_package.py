@@ -82,7 +82,7 @@ SANDBOX_SKIP = re.compile(r"^(Type|ExecStart|ExecReload|WatchdogSec|Restart|Rest
 def sandbox_of_gpud_service(c) -> list[str]:
     text = c.path("/usr/lib/systemd/system/gpud.service").read_text()
     service = text.split("[Service]", 1)[1].split("[Install]", 1)[0]
-    return [l for l in service.splitlines() if l.strip() and not l.startswith("#") and not SANDBOX_SKIP.match(l)]
+    return [ln for ln in service.splitlines() if ln.strip() and not ln.startswith("#") and not SANDBOX_SKIP.match(ln)]
 
 
 def test_sandbox_allows_what_gpud_needs_and_nothing_it_does_not(installed):

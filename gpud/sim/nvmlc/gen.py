@@ -101,7 +101,8 @@ def emit(functions: list[Function]) -> str:
         proto = ", ".join(f"{p.ctype} {p.name}" if not p.ctype.endswith("*") else f"{p.ctype}{p.name}"
                           for p in f.params) or "void"
         if f.name == "nvmlErrorString":
-            lines.append(f"EXPORT const char *nvmlErrorString({proto}) {{ return gpud_nvmlc_error_string((int){f.params[0].name}); }}")
+            lines.append(f"EXPORT const char *nvmlErrorString({proto}) "
+                         f"{{ return gpud_nvmlc_error_string((int){f.params[0].name}); }}")
             continue
         n = len(f.params)
         body = [f"uint64_t gpud_slots[{max(n, 1)}];"] + [f"SLOT({i}, {p.name});" for i, p in enumerate(f.params)]

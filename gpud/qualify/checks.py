@@ -14,13 +14,13 @@ from collections.abc import Callable
 
 from gpud import profiles as model_tables
 from gpud.engine.observe.discovery import Observation, observe
-from gpud.engine.qualify_report import Check
-from gpud.engine.reconciler import Hardware
+from gpud.hardware import Hardware
 from gpud.host.host_services import HostServices
 from gpud.host.nvidia_smi_query import NvidiaSmi, NvidiaSmiError, SmiQuery
 from gpud.host.nvml import NvmlError
 from gpud.model import Gpu, Holder, MigProfile
 from gpud.pci import is_bridge
+from gpud.qualify.report import Check
 
 NVIDIA = 0x10DE
 PCI_CLASS_BRIDGE_OTHER = 0x0680  # class/subclass NVSwitch functions carry on HGX boards (docs/qualify.md)
@@ -112,8 +112,9 @@ def host_checks(observation: Observation, services: HostServices) -> list[Check]
     except ImportError as e:
         pyudev_note = f"pyudev missing: {e}"
     ok_udev = udev.present and pyudev_note == "pyudev importable"
-    checks.append(Check(group, "udev", "ok" if ok_udev else "warn",
-                        f"{'systemd-udevd listens at ' + udev.evidence if udev.present else udev.evidence + ' missing: udevd not running'}; {pyudev_note}",
+    listening = (f"systemd-udevd listens at {udev.evidence}" if udev.present
+                 else f"{udev.evidence} missing: udevd not running")
+    checks.append(Check(group, "udev", "ok" if ok_udev else "warn", f"{listening}; {pyudev_note}",
                         "without udev events gpud sees a driver change only on its next pass (file change, apply, start)"))
     groups = services.iommu_groups()
     cmdline = services.kernel_cmdline() or ""
@@ -156,7 +157,7 @@ def service_checks(services: HostServices) -> list[Check]:
         pids = running[name]
         if pids:
             checks.append(Check("services", name, "warn", f"running (pid {', '.join(map(str, pids))}): {why}",
-                                f"list its unit in policy.drain-units: gpud stops it around disruptive steps "
+                                "list its unit in policy.drain-units: gpud stops it around disruptive steps "
                                 "and starts it after; gpud never kills it"))
         else:
             checks.append(Check("services", name, "ok", "not running"))
@@ -305,8 +306,8 @@ def _iommu_check(group: str, gpu: Gpu, observation: Observation) -> Check:
     others = [f for f in members if f.address != fn.address]
     if not others:
         return Check(group, "IOMMU group", "ok", f"group {fn.iommu_group}: the GPU alone")
-    text = ", ".join(f"{f.address} {f.pci_id} on {f.driver or 'no driver'}{' (bridge, left alone)' if is_bridge(f.class_code) else ''}"
-                     for f in others)
+    text = ", ".join(f"{f.address} {f.pci_id} on {f.driver or 'no driver'}"
+                     + (" (bridge, left alone)" if is_bridge(f.class_code) else "") for f in others)
     foreign = [f for f in others if not is_bridge(f.class_code) and f.slot != fn.slot]
     return Check(group, "IOMMU group", "warn" if foreign else "ok", f"group {fn.iommu_group} shared with {text}",
                  "vm-passthrough moves every endpoint of the group to vfio-pci with the GPU: "

@@ -19,13 +19,13 @@ from gpud import profiles as model_tables
 from gpud.engine.binding import binder
 from gpud.engine.mig import executor as mig_executor
 from gpud.engine.observe.discovery import observe
-from gpud.engine.qualify_report import Check
-from gpud.engine.reconciler import Hardware
+from gpud.hardware import Hardware
 from gpud.layout.desired import DesiredGpu
 from gpud.model import Gpu, Holder, MigProfile, NvmlGpu, Placement
 from gpud.pci import normalize_pci
 from gpud.plan.binding import plan_binding
 from gpud.plan.mig import full_ci, plan_gpu
+from gpud.qualify.report import Check
 
 SLICES = 8  # memory slices of every MIG GPU gpud knows (placements are in these units)
 
@@ -152,6 +152,7 @@ class _Exercise:
         """gpud's reset, as a pass makes it (gpud.host.nvidia_smi): gpud's own NVML session closed,
         `nvidia-smi -r -i <PCI>` for a GPU on nvidia (sysfs otherwise), NVML opened again."""
         resetter = self.hw.reset
+        assert resetter is not None  # gpud.hardware gives every host one
         if resetter.sysfs is None:
             resetter.sysfs = self.hw.sysfs
         self.hw.nvml.suspend()
@@ -257,11 +258,13 @@ def exercise(hw: Hardware, ref: str, *, match, unbind_timeout: float = 30.0) -> 
     why = _refusal(gpu, run.device_holders)
     if why:
         return [Check(run.group, "refused", "fail", f"{gpu.pci}: {why}", "nothing was changed")]
-    start_mode = gpu.nvml.mig_mode
+    nv = gpu.nvml
+    assert nv is not None  # _refusal refuses a GPU NVML does not see
+    start_mode = nv.mig_mode
     model = model_tables.by_device(gpu.function.device)
     table = {p.id: p for p in model.profiles} if model is not None else {}
     try:
-        if gpu.nvml.mig_capable:
+        if nv.mig_capable:
             run.apply_mig("MIG on", True, {})
             n = run.nvml_gpu()
             for profile in sorted(n.profiles, key=lambda p: (p.slices, p.id)):

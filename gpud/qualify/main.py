@@ -1,25 +1,26 @@
 """`gpud qualify`: the entry point of a host's qualification (read-only by default).
 
 Wiring only, like daemon.py: it takes the real host or, with `--sim DIR` (and `--replay CAPTURE`),
-the simulator through daemon.build_hardware, the one seam between the two, and hands the adapters
-to gpud.engine.qualify_checks (read-only) or gpud.engine.qualify_exercise (`--mutate`).
+the simulator through gpud.hardware.build_hardware, the one seam between the two, and hands the adapters
+to gpud.qualify.checks (read-only) or gpud.qualify.exercise (`--mutate`).
 """
 
 from __future__ import annotations
 
 import argparse
-import fcntl
 import logging
 import os
 import socket
 import sys
 import time
-from pathlib import Path
+from typing import Literal
 
-from gpud.engine.qualify_report import Check, Report, counts, render_text, to_json, verdict
+from gpud.engine.apply_lock import ApplyLock, ApplyLockBusy, ApplyLockRefused
+from gpud.hardware import Hardware, Host, HostConfig, build_hardware
 from gpud.host.host_services import HostServices
 from gpud.host.nvidia_smi_query import NvidiaSmi
 from gpud.layout.match import DEFAULT_MATCH
+from gpud.qualify.report import Check, Report, counts, render_text, to_json, verdict
 
 CONFIRM = "--yes-i-understand-this-reconfigures-GPU"
 
@@ -52,38 +53,25 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
-def _hardware(args: argparse.Namespace, read_only: bool):
+def _hardware(args: argparse.Namespace, read_only: bool) -> Host:
     """The adapters and the host-wide apply lock's path, chosen as the daemon chooses them."""
-    from gpud.daemon import build_hardware
-
-    hw_args = argparse.Namespace(sim=args.sim, replay=args.replay, read_only=read_only, lock=args.lock,
-                                 udev_rules=None, nfd_features=None, nvidia_smi=args.nvidia_smi)
-    hw, _events, lock = build_hardware(hw_args)
-    return hw, lock
+    return build_hardware(HostConfig(sim=args.sim, replay=args.replay, read_only=read_only, lock=args.lock,
+                                     nvidia_smi=args.nvidia_smi))
 
 
-def _exercise_under_lock(hw, lock_path: str, args: argparse.Namespace) -> list[Check]:
+def _exercise_under_lock(hw: Hardware, lock_path: str, args: argparse.Namespace) -> list[Check]:
     """--mutate holds gpud's host-wide apply lock, so no gpud pass changes the host meanwhile; a
     gpud that is applying now makes it refuse rather than wait."""
-    from gpud.engine.apply_lock import ApplyLockRefused, describe_holder, holder_record, open_lock_file
-    from gpud.engine.qualify_exercise import exercise
+    from gpud.qualify.exercise import exercise
 
-    os.makedirs(os.path.dirname(lock_path) or ".", mode=0o700, exist_ok=True)
     try:
-        fd = open_lock_file(Path(lock_path))
+        with ApplyLock(lock_path).held_now():
+            return exercise(hw, args.mutate, match=DEFAULT_MATCH, unbind_timeout=args.unbind_timeout)
     except ApplyLockRefused as e:
         return [Check("exercise", "apply lock", "fail", str(e), "nothing was changed")]
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return [Check("exercise", "apply lock", "fail", f"{describe_holder(fd)} holds {lock_path}",
-                          "nothing was changed; stop gpud (systemctl stop gpud) and run it again")]
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, holder_record(os.getpid()), 0)
-        return exercise(hw, args.mutate, match=DEFAULT_MATCH, unbind_timeout=args.unbind_timeout)
-    finally:
-        os.close(fd)
+    except ApplyLockBusy as e:
+        return [Check("exercise", "apply lock", "fail", str(e),
+                      "nothing was changed; stop gpud (systemctl stop gpud) and run it again")]
 
 
 def _services(args: argparse.Namespace) -> HostServices:
@@ -103,13 +91,14 @@ def run(args: argparse.Namespace) -> Report:
     smi = NvidiaSmi(args.nvidia_smi or (os.path.join(args.sim, "bin", "nvidia-smi") if args.sim else None))
     services = _services(args)
     if args.mutate:
-        hw, lock = _hardware(args, read_only=False)
-        checks = _exercise_under_lock(hw, lock, args)
-        mode = "mutate"
+        opened = _hardware(args, read_only=False)
+        hw = opened.hw
+        checks = _exercise_under_lock(hw, opened.lock_path, args)
+        mode: Literal["read-only", "mutate"] = "mutate"
     else:
-        from gpud.engine.qualify_checks import read_only_checks
+        from gpud.qualify.checks import read_only_checks
 
-        hw, _lock = _hardware(args, read_only=True)
+        hw = _hardware(args, read_only=True).hw
         checks = read_only_checks(hw, services, smi, DEFAULT_MATCH)
         mode = "read-only"
     try:

@@ -1,0 +1,108 @@
+"""The one seam between a real host and the simulator: a typed HostConfig in, the adapters and
+every host path that differs between the two out.
+
+Both entry points (the daemon and `gpud qualify`) build their host here, so a simulated host is
+driven exactly as a real one is: only the adapters' roots differ. The config is a plain value and
+nothing here writes to it; the defaults a real host and the simulator disagree on are resolved
+into the returned Host, where the caller reads them.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+
+from gpud.device_events import DeviceEventSourceFactory
+from gpud.engine.reconciler import Hardware  # re-exported: the adapters' record
+from gpud.host.logind import BOOT_ID_PATH
+from gpud.host.nvidia_smi import GpuReset
+from gpud.host.nvml import Nvml
+from gpud.host.procs import Procs
+from gpud.host.sysfs import Sysfs
+
+__all__ = ["APPLY_LOCK", "NFD_FEATURES", "UDEV_RULES", "Hardware", "Host", "HostConfig", "build_hardware",
+           "sim_nvidia_smi"]
+
+NFD_FEATURES = "/etc/kubernetes/node-feature-discovery/features.d/gpud"
+UDEV_RULES = "/etc/udev/rules.d/70-gpud-vfio.rules"
+APPLY_LOCK = "/run/gpud/apply.lock"
+
+
+@dataclass(frozen=True)
+class HostConfig:
+    """Which host to drive and the paths a caller chose; None: the host's default."""
+
+    sim: str | None = None  # the simulated host's directory (gpud-sim create); None: this machine
+    replay: str | None = None  # with sim and read_only: NVML answers from a real GPU's capture
+    read_only: bool = False
+    lock: str | None = None
+    udev_rules: str | None = None
+    nfd_features: str | None = None
+    nvidia_smi: str | None = None
+
+
+@dataclass(frozen=True)
+class Host:
+    """The adapters and the resolved paths of one host (real or simulated)."""
+
+    hw: Hardware
+    device_events: DeviceEventSourceFactory  # udev, or the simulator's datagram socket
+    lock_path: str
+    udev_rules: str
+    nfd_features: str
+    dev_root: str
+    boot_id_path: str
+    root: str | None  # the simulated host's directory (absolute); None on a real host
+
+
+def build_hardware(config: HostConfig) -> Host:
+    """Open the host `config` names. A replay without the simulator, or on a writable host, is
+    refused here too (a capture can be read, not changed), whichever entry point asked."""
+    if config.replay and not (config.sim and config.read_only):
+        raise ValueError("a replay needs the simulated host and read-only: a capture can be read, not changed")
+    if config.sim:
+        return _simulated(config, config.sim)
+    from gpud.host.udev import UdevEvents
+
+    ro = config.read_only
+    hw = Hardware(sysfs=Sysfs("/sys", read_only=ro), nvml=Nvml(read_only=ro), procs=Procs(read_only=ro),
+                  reset=GpuReset(config.nvidia_smi or "nvidia-smi", read_only=ro))
+    return Host(hw=hw, device_events=UdevEvents, lock_path=config.lock or APPLY_LOCK,
+                udev_rules=config.udev_rules or UDEV_RULES, nfd_features=config.nfd_features or NFD_FEATURES,
+                dev_root="/dev", boot_id_path=BOOT_ID_PATH, root=None)
+
+
+def _simulated(config: HostConfig, sim_dir: str) -> Host:
+    from gpud import sim
+    from gpud.sim.uevents import SimEvents
+
+    host = sim.install(sim_dir)
+    if config.replay:
+        from gpud.sim import replay_nvml
+
+        replay_nvml.install(config.replay)
+    ro = config.read_only
+    hw = Hardware(
+        sysfs=Sysfs(str(host.sys_root), read_only=ro, store=host.store, modprobe=host.modprobe),
+        nvml=Nvml(read_only=ro, proc_root=str(host.proc_root)),
+        procs=Procs(str(host.proc_root), str(host.dev_root), read_only=ro, store=host.store),
+        reset=GpuReset(config.nvidia_smi or sim_nvidia_smi(sim_dir), read_only=ro),
+    )
+    d = Path(sim_dir)
+    return Host(hw=hw, device_events=partial(SimEvents, socket_path=host.uevent_socket),
+                lock_path=config.lock or str(d / "apply.lock"),
+                udev_rules=config.udev_rules or str(d / UDEV_RULES.lstrip("/")),
+                nfd_features=config.nfd_features or str(d / NFD_FEATURES.lstrip("/")),
+                dev_root=str(host.dev_root), boot_id_path=str(Path(host.proc_root) / "sys/kernel/random/boot_id"),
+                root=str(host.host_dir))
+
+
+def sim_nvidia_smi(host_dir: str) -> str | list[str]:
+    """The simulated host's nvidia-smi: the wrapper gpud-sim create wrote, or the module itself."""
+    wrapper = Path(host_dir) / "bin" / "nvidia-smi"
+    if wrapper.is_file():
+        return str(wrapper)
+    return [sys.executable, "-m", "gpud.sim.nvidia_smi", "--sim", os.path.abspath(host_dir)]
