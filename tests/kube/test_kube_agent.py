@@ -30,7 +30,14 @@ from gpud.engine.kube.operands import OperandsNotPaused
 from gpud.host.kube import KubeApi, load_config
 from tests.kube.apiserver import ApiServer
 from tests.kube.cluster import (
-    NODE, OPERATOR_NS, PAUSE_IMAGE, DaemonSet, DaemonSetController, client_for, until, write_kubeconfig,
+    NODE,
+    OPERATOR_NS,
+    PAUSE_IMAGE,
+    DaemonSet,
+    DaemonSetController,
+    client_for,
+    until,
+    write_kubeconfig,
 )
 
 DP = "nvidia.com/gpu.deploy.device-plugin"

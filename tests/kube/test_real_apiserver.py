@@ -17,14 +17,31 @@ import pytest
 import yaml
 
 from gpud.engine.kube.agent import (
-    MIG_CAPABLE, MIG_CONFIG, MIG_STATE, PAUSED_MIG, PAUSED_VGPU, VGPU_CONFIG, VGPU_STATE, Impact, KubeAgent,
+    MIG_CAPABLE,
+    MIG_CONFIG,
+    MIG_STATE,
+    PAUSED_MIG,
+    PAUSED_VGPU,
+    VGPU_CONFIG,
+    VGPU_STATE,
+    Impact,
+    KubeAgent,
 )
 from gpud.host.kube import Gone, KubeApi, load_config
 from tests.kube.cluster import NODE, OPERATOR_NS, PAUSE_IMAGE, DaemonSetController, client_for
 from tests.kube.real_cluster import RealNode
 from tests.kube.real_server import RBAC_YAML
-from tests.kube.test_kube_agent import BASE_LABELS, CONTAINER, DCGM, SANDBOX_DP, SANDBOX_VAL, SETS, VALIDATORS, \
-    EngineStandIn, _changes
+from tests.kube.test_kube_agent import (
+    BASE_LABELS,
+    CONTAINER,
+    DCGM,
+    SANDBOX_DP,
+    SANDBOX_VAL,
+    SETS,
+    VALIDATORS,
+    EngineStandIn,
+    _changes,
+)
 
 GPUD_USER = "system:serviceaccount:kube-system:gpud"
 CHANGE = Impact(changed=("0000:18:00.0",), container=("0000:18:00.0",))
