@@ -153,6 +153,8 @@ class KubeAgent:
             try:
                 node = await self.api.node()
                 self.status.connected = True
+                if self.status.message.startswith("Kubernetes API:"):
+                    self.status.message = ""  # answered again; the protocol's own messages stay
                 delay = self.retry_delay
                 self._paused |= {k for k, v in node.labels.items() if k in BY_LABEL and v in PAUSED}
                 node = await self._publish_capable(node)
