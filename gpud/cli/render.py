@@ -385,7 +385,10 @@ def render_kubernetes(k: wire.KubernetesStatus | None) -> str:
     a = k.agent
     if a is not None:
         state = f"{a.state}" + (f": {a.message}" if a.message else "") if a.state else "-"
-        out += ["", f"node {a.node}: API server {'connected' if a.connected else 'NOT REACHABLE'}",
+        # not connected: the API server's own answer when it gave one (a 403 names the missing verb)
+        api = "API server connected" if a.connected else (
+            a.message if a.message.startswith("Kubernetes API:") else "API server NOT REACHABLE")
+        out += ["", f"node {a.node}: {api}",
                 f"  layout selected by label: {a.selected or '- (the file chooses)'}",
                 f"  mig.config.state: {state}"]
         if a.paused:

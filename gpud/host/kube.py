@@ -45,7 +45,7 @@ class NodeView(Struct, frozen=True):
     name: str
     labels: dict[str, str]
     resource_version: str
-    uid: str = ""
+    uid: str = ""  # a node deleted and created again under the same name is another object
     annotations: dict[str, str] = {}
 
 
@@ -71,6 +71,17 @@ def _error(e: Exception) -> KubeError:
         st = e.status
         cls = {409: Conflict, 410: Gone}.get(st.code or 0, KubeError)
         return cls(st.code, st.reason or "", st.message or "")
+    if isinstance(e, httpx2.HTTPStatusError):
+        # A watch refused before it streamed (lightkube raises the bare HTTP error, its body
+        # unread): say what was refused, in the API server's words for RBAC.
+        code = e.response.status_code
+        url = e.request.url
+        parts = [p for p in url.path.split("/") if p]
+        resource = parts[-1] if parts else str(url)
+        verb = "watch" if url.params.get("watch") in ("true", "1") else e.request.method.lower()
+        cls = {409: Conflict, 410: Gone}.get(code, KubeError)
+        what = f'cannot {verb} resource "{resource}"' if code == 403 else f"{verb} {resource}"
+        return cls(code, e.response.reason_phrase or "", f"{what} ({url.path})")
     return KubeError(None, type(e).__name__, str(e) or repr(e))
 
 
@@ -143,9 +154,12 @@ class KubeApi:
         with _translated():
             await self._client.create(event)  # namespaced by its metadata
 
-    async def watch_node(self, resource_version: str, *, server_timeout: int = 300) -> AsyncIterator[NodeView]:
-        """The node's versions after `resource_version`; the client re-opens the watch from the last
-        version seen whenever the server ends it. Raises Gone when that version is too old."""
+    async def watch_node(self, resource_version: str | None = None, *,
+                         server_timeout: int = 300) -> AsyncIterator[NodeView]:
+        """The node's versions after `resource_version`; None: the node as it is now (the server's
+        first event), then each change. The client re-opens the watch from the last version seen
+        whenever the server ends it. Raises Gone when that version is older than the server keeps
+        (an etcd compaction, a restarted API server's fresh watch cache)."""
         with _translated():
             async for _, obj in self._client.watch(Node, fields={"metadata.name": self.node_name},
                                                    resource_version=resource_version,

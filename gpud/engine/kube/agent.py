@@ -165,6 +165,8 @@ class KubeAgent(OtherAgentsOff):
                 self.boot_window = False
                 self._last_error_shown = LAST_ERROR in node.annotations
                 self.status.connected = True
+                if self.status.message.startswith("Kubernetes API:"):
+                    self.status.message = ""  # answered again; the protocol's own messages stay
                 delay = self.retry_delay
                 self._paused |= {k for k, v in node.labels.items() if k in BY_LABEL and v in PAUSED}
                 node = await self._publish_capable(node)
@@ -173,6 +175,7 @@ class KubeAgent(OtherAgentsOff):
                 continue  # the watch fell behind the server's history: read the node again
             except KubeError as e:
                 self.status.connected = False
+                self.status.message = f"Kubernetes API: {e}"
                 self._event("kube", f"Kubernetes API: {e}; retrying in {delay:.0f}s")
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 60.0)
@@ -181,7 +184,10 @@ class KubeAgent(OtherAgentsOff):
         """Handle the node as it is, then each newer version its watch brings (only the newest of
         those that piled up during a change); refresh() makes it read the node again."""
         versions: asyncio.Queue[NodeView] = asyncio.Queue()
-        watcher = asyncio.create_task(self._pump(node.resource_version, versions))
+        # From the node as it is when the watch opens, not from `node`'s own resourceVersion: an
+        # object unchanged for long has a version older than the server's watch history (etcd
+        # compacted it, a restarted server's watch cache starts later), which gets 410 every time.
+        watcher = asyncio.create_task(self._pump(None, versions))
         try:
             await self._maybe_handle(node)
             while True:
@@ -207,7 +213,7 @@ class KubeAgent(OtherAgentsOff):
             with contextlib.suppress(asyncio.CancelledError, KubeError):
                 await watcher
 
-    async def _pump(self, rv: str, versions: asyncio.Queue) -> None:
+    async def _pump(self, rv: str | None, versions: asyncio.Queue) -> None:
         async with contextlib.aclosing(self.api.watch_node(rv)) as stream:
             async for node in stream:
                 versions.put_nowait(node)
@@ -220,8 +226,12 @@ class KubeAgent(OtherAgentsOff):
         await self._keep_agents_off(node)  # someone set one back to true: false again
         self.on_node(node.labels)
         chosen = selection(node.labels, layouts=self.applier.layouts(), default_vgpu=self.default_vgpu).layout
-        key = (node.labels.get(MIG_CONFIG), node.labels.get(VGPU_CONFIG), chosen)
+        # The uid is part of the key: a node deleted and created again under this name is new to
+        # the protocol (no state label, no mig.capable) even when it carries the same selection.
+        key = (node.uid, node.labels.get(MIG_CONFIG), node.labels.get(VGPU_CONFIG), chosen)
         if key != self._handled:
+            if self._handled is not None and node.uid != self._handled[0]:
+                node = await self._publish_capable(node)
             await self.handle(node)  # an API error propagates: run() reads the node again and retries
             self._handled = key
 
@@ -402,9 +412,15 @@ class KubeAgent(OtherAgentsOff):
         if paused:
             self._event("kube-pause", f"paused {', '.join(sorted(paused))}")
         waiting = {BY_LABEL[label] for label in self._paused}
-        await asyncio.wait_for(self._pods_gone(waiting), self.pod_timeout)
+        await asyncio.wait_for(self._pods_gone_where(lambda p: self._is_operand_pod(p, waiting), "operand"), self.pod_timeout)
         if "container" in sides:
-            await self._delete_pods(VALIDATORS_BEFORE)
+            # The validators run CUDA on the GPUs: deleted pods must be gone (a graceful delete only
+            # marks a pod until the kubelet stopped it) before the GPUs change, as `kubectl delete`
+            # waits in mig-manager's script.
+            removed = await self._delete_pods(VALIDATORS_BEFORE)
+            if removed:
+                await asyncio.wait_for(self._pods_gone_where(lambda p: (p.namespace, p.name) in removed, "validator"),
+                                       self.pod_timeout)
 
     async def _restore(self) -> None:
         def compute(node: NodeView) -> dict[str, str]:
@@ -434,13 +450,9 @@ class KubeAgent(OtherAgentsOff):
                 return True
         return False
 
-    async def _pods_gone(self, operands: set[Operand]) -> None:
-        """Until no pod of `operands` is left on the node: one list, then its watch."""
-        if not operands:
-            return
-        await self._pods_gone_where(lambda pod: self._is_operand_pod(pod, operands), "operand")
-
     async def _pods_gone_where(self, matches: Callable[[PodView], bool], what: str) -> None:
+        """Until no pod `matches` names is left on the node (deleted, not merely terminating): one
+        list, then its watch."""
         while True:
             pods, rv = await self.api.pods()
             left = {(p.namespace, p.name) for p in pods if matches(p)}
@@ -461,12 +473,16 @@ class KubeAgent(OtherAgentsOff):
             except Gone:
                 continue
 
-    async def _delete_pods(self, apps: Sequence[str]) -> None:
+    async def _delete_pods(self, apps: Sequence[str]) -> set[tuple[str, str]]:
+        """Delete the operator's pods of `apps` on the node; returns those deleted."""
         pods, _ = await self.api.pods()
+        removed = set()
         for p in pods:
             if p.namespace == self.namespace and p.labels.get("app") in apps:
                 if await self.api.delete_pod(p.namespace, p.name):
+                    removed.add((p.namespace, p.name))
                     self._event("kube-pause", f"removed {p.namespace}/{p.name}")
+        return removed
 
     def _event(self, kind: str, message: str) -> None:
         log.info("%s", message)
