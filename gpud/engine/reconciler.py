@@ -410,6 +410,13 @@ class Reconciler:
                 if plan.infeasible:
                     return GpuState("failed", plan.infeasible)
                 if plan.steps:
+                    if plan.mode_change and (off := self.vgpus.vfs_off_before_mode_change(gpu)) is not None:
+                        return off
+                    vfs = self.vgpus.vfs_before_instances(gpu, desired)
+                    if vfs is not None and not plan.mode_change:
+                        return vfs
+                    if vfs is not None and desired.mig_devices:  # the mode alone now, instances after the VFs
+                        plan = plan_gpu(gpu, msgspec.structs.replace(mig_desired, mig_devices={}))
                     return MigAction(plan, f"{len(plan.steps)} MIG step(s)")
         bplan = plan_binding(gpu, desired.workload, drivers=frozenset(self.hw.sysfs.drivers()))
         if bplan.infeasible:

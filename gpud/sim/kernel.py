@@ -83,6 +83,7 @@ def _attach(st: SimState, f: SimFunction, drv: str, path: str, events: list[Ueve
         if gpu.minor in taken:  # minors can change across a rebind
             gpu.minor = min(set(range(len(st.gpus) + 1)) - taken)
         f.nvidia_probes += 1
+        gpu.gis.clear()  # a new probe starts without GPU instances; MIG mode is the GPU's and stays
     f.driver = drv
     events.append(Uevent("bind", "pci", f.address, drv))
 

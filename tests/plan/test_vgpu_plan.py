@@ -21,6 +21,7 @@ from gpud.sim.cli import create, hold, release
 from gpud.sim.state import SimGi, load, locked
 from gpud.sim.sysfs_tree import render
 from gpud.vgpu_types import by_device
+from tests.sim.vfs import set_vfs
 
 L40S, A100, H200, T4 = "0000:18:00.0", "0000:2a:00.0", "0000:3a:00.0", "0000:5d:00.0"
 L40S_MODEL, T4_MODEL = by_device(0x26B9), by_device(0x1EB8)
@@ -216,9 +217,12 @@ def test_mdev_on_vfs_and_leaving_vgpu_disables_vfs(mdev) -> None:
 
 def test_mig_backed_vgpus_sit_on_instances(vfio) -> None:
     host = Host(vfio, H200)
+    with locked(vfio) as st:  # MIG mode first; the VFs next (their rebind destroys instances)
+        st.gpus[H200].mig_mode = st.gpus[H200].mig_pending = 1
+        render(vfio, st)
+    set_vfs(vfio, H200, 16)
     with locked(vfio) as st:  # the MIG layout gpud's MIG planner makes for H200X-1-18C: 3 + H200X-3-71C: 1
         gpu = st.gpus[H200]
-        gpu.mig_mode = gpu.mig_pending = 1
         gpu.gis = [SimGi(id=i + 1, profile_id=19, start=i, size=1) for i in range(3)] + \
             [SimGi(id=4, profile_id=9, start=4, size=4)]
         render(vfio, st)

@@ -48,17 +48,24 @@ def sim_devices(d: Path, pf: str) -> dict[str, str]:
 
 
 class VgpuRig:
+    def _place_gis(self) -> None:
+        """The scenario's MIG layer, as the engine's MIG steps leave it: mode on, its instances. The
+        engine makes the instances after the VFs (enabling them destroys instances), and so does this."""
+        if not self.sc.mig:
+            return
+        with locked(self.dir) as st:
+            gpu = st.gpus[self.pf]
+            gpu.mig_mode = gpu.mig_pending = 1
+            if not gpu.gis:
+                gpu.gis = [SimGi(id=i, profile_id=p, start=s, size=1 if p == 19 else 4) for i, p, s in self.sc.mig]
+            render(self.dir, st)
+
     def __init__(self, base: Path, sc: VgpuScenario):
         self.dir = base / sc.name
         self.sc = sc
         create(self.dir, list(sc.models), vgpu=sc.interface)
         self.pf = gpu_address(sc.gpu)
-        if sc.mig:
-            with locked(self.dir) as st:
-                gpu = st.gpus[self.pf]
-                gpu.mig_mode = gpu.mig_pending = 1
-                gpu.gis = [SimGi(id=i, profile_id=p, start=s, size=1 if p == 19 else 4) for i, p, s in sc.mig]
-                render(self.dir, st)
+        self._place_gis()
         h = sim_paths(self.dir)
         self.store = CountingStore(h.store)
         self.sysfs = Sysfs(str(h.sys_root), store=self.store, dev_root=str(h.dev_root))
@@ -107,6 +114,8 @@ class VgpuRig:
             if plan.infeasible or plan.blocked_by or not plan.steps:
                 return plan
             out = execute(self.vgpu, plan, self.record, vf_tool=SriovManage(str(self.dir / "bin" / "sriov-manage")))
+            if any(s.action == "enable-vfs" for s in plan.steps):
+                self._place_gis()
             if out.state != "done":
                 raise AssertionError(f"{self.sc.name}: executor {out.state}: {out.message}")
         return plan

@@ -383,3 +383,39 @@ def test_vfio_pci_refuses_a_pf_with_vfs_enabled(vfio_host) -> None:
     modprobe(vfio_host, "vfio-pci")
     assert load(vfio_host).functions[L40S].driver is None  # the module's probe did not take it
     assert write_err(fs, "bus/pci/drivers/vfio-pci/bind", L40S) == errno.EBUSY
+
+
+def test_sriov_manage_rebind_destroys_instances_and_mig_off_waits_for_the_vfs(tmp_path) -> None:
+    """The PF's rebind to nvidia is a new probe: no GPU instance survives it, MIG mode does; NVML
+    refuses to turn MIG off while VFs exist (as `nvidia-smi -mig 0` does)."""
+    import pynvml
+
+    from gpud import sim
+    from gpud.sim.sriov_manage import run
+
+    d = tmp_path / "host"
+    create(d, ["h200"], vgpu="vfio", persistence="off")
+    pf = "0000:18:00.0"
+    with locked(d) as st:
+        st.gpus[pf].mig_mode = st.gpus[pf].mig_pending = 1
+        st.gpus[pf].gis = [SimGi(id=1, profile_id=19, start=0, size=1)]
+        render(d, st)
+    assert run(d, "-e", pf) == 0
+    st = load(d)
+    assert st.gpus[pf].gis == [] and st.gpus[pf].mig_mode == 1 and len(st.vgpu[pf].vfs) == 32
+    sim.install(d)
+    try:
+        pynvml.nvmlInit()
+        h = pynvml.nvmlDeviceGetHandleByPciBusId(pf)
+        with pytest.raises(pynvml.NVMLError) as info:
+            pynvml.nvmlDeviceSetMigMode(h, 0)
+        assert info.value.value == pynvml.NVML_ERROR_IN_USE
+        pynvml.nvmlShutdown()
+        assert run(d, "-d", pf) == 0
+        pynvml.nvmlInit()
+        h = pynvml.nvmlDeviceGetHandleByPciBusId(pf)
+        pynvml.nvmlDeviceSetMigMode(h, 0)
+        pynvml.nvmlShutdown()
+    finally:
+        sim.uninstall()
+    assert load(d).gpus[pf].mig_pending == 0

@@ -118,6 +118,25 @@ class VgpuKeeper:
                               _summary(plan.steps) or "vGPUs in use")
         return None
 
+    def vfs_before_instances(self, gpu: Gpu, desired: DesiredGpu) -> VgpuAction | None:
+        """MIG-backed vGPUs: with MIG mode in place, VFs come before the GPU instances, because
+        enabling them (sriov-manage rebinds the GPU) destroys every instance."""
+        if desired.workload != "vm-vgpu" or gpu.vgpu is None or gpu.vgpu.vfs:
+            return None
+        plan = self.plan(gpu, desired, with_instances=False)
+        if plan is None or plan.infeasible or plan.removals or [s.action for s in plan.creations] != ["enable-vfs"]:
+            return None
+        return VgpuAction(plan, "creations", "enable-vfs (before the GPU instances)")
+
+    def vfs_off_before_mode_change(self, gpu: Gpu) -> VgpuAction | None:
+        """The driver refuses a MIG mode change while VFs exist: disable them first (their vGPUs
+        went in the removals already)."""
+        if gpu.vgpu is None or not gpu.vgpu.vfs or gpu.vgpu.devices:
+            return None
+        plan = VgpuPlan(pci=gpu.pci, index=gpu.index, interface=gpu.vgpu.interface,
+                        removals=[VgpuStep("disable-vfs", gpu.pci, count=0)])
+        return VgpuAction(plan, "removals", "disable-vfs (before the MIG mode change)")
+
     # ---- running (in a worker thread)
     def run(self, gpu: Gpu, action: VgpuAction, on_step: Callable[[VgpuStep], None], holders=None) -> GpuState:
         record = self.record(gpu)
