@@ -30,7 +30,8 @@ def test_vfs_come_through_sriov_manage_and_a_holder_of_the_unbind_lock_is_named(
         d = daemon(["l40s"], LAYOUT, vgpu="vfio")
         assert d.sim("hold", L40S, "--pid", str(holder.pid), "--name", "nv-hostengine").returncode == 0
         d.ctl("apply")
-        wait_until(lambda: _gpu(d)["state"] == "waiting", 90, "waiting on the unbind lock")
+        wait_until(lambda: _gpu(d)["state"] == "waiting" and "unbindLock" in _gpu(d)["message"], 90,
+                   "waiting on the unbind lock")
         msg = _gpu(d)["message"]
         assert "Cannot obtain unbindLock for 0000:18:00.0" in msg and f"pid {holder.pid} nv-hostengine" in msg, msg
         st = load(d.host)
