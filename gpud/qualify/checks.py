@@ -19,9 +19,9 @@ from gpud.host.host_services import HostServices
 from gpud.host.nvidia_smi_query import NvidiaSmi, NvidiaSmiError, SmiQuery
 from gpud.host.nvml import NvmlError
 from gpud.host.vgpu_sysfs import vfio_cdevs
-from gpud.plan.reset_scope import NO_FABRIC_DEPENDENCY
 from gpud.model import Gpu, Holder, MigProfile
 from gpud.pci import is_bridge
+from gpud.plan.reset_scope import NO_FABRIC_DEPENDENCY
 from gpud.qualify.report import Check
 
 NVIDIA = 0x10DE
