@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test test-fast sysdeps anchors nvmlc bench bench-update reliability deb clean
+.PHONY: demo test test-fast lint sysdeps anchors kube-apiserver nvmlc bench bench-update reliability deb clean
 
 # A fresh Debian 12 has no python3 venv module: install-sysdeps --base brings it (as root).
 $(STAMP): pyproject.toml
@@ -30,15 +30,26 @@ export GPUD_ANCHORS
 anchors:
 	scripts/install-anchors
 
+# A real kube-apiserver (v1.34.12) and etcd (v3.6.4) for the Kubernetes protocol tests, built once from
+# the Go module proxy into $(GPUD_ANCHORS)/kube/ (cached; a failed build is recorded there and those tests
+# skip with its reason).
+kube-apiserver:
+	scripts/install-kube-apiserver
+
 # The simulator's libnvidia-ml.so.1 (built into the gpud-sim cache; `gpud-sim exec` builds it on first use too).
 nvmlc: $(STAMP)
 	$(PY) -m gpud.sim.nvmlc.build
 
-test: $(STAMP) sysdeps anchors nvmlc
+# The linter and the type checker (configured in pyproject.toml), before any test runs.
+lint: $(STAMP)
+	$(VENV)/bin/ruff check gpud tests bench setup.py
+	$(VENV)/bin/mypy
+
+test: $(STAMP) lint sysdeps anchors kube-apiserver nvmlc
 	$(PY) -m pytest -q -p no:cacheprovider
 
 # Everything but the VM and nspawn boots: the inner loop while developing.
-test-fast: $(STAMP) anchors nvmlc
+test-fast: $(STAMP) lint anchors kube-apiserver nvmlc
 	$(PY) -m pytest -q -p no:cacheprovider -m "not vm and not nspawn"
 
 # Benchmarks write to out/ (untracked); `make bench-update` refreshes the committed bench/results/

@@ -23,15 +23,18 @@ from gpud import VERSION
 from gpud.api.handlers import RequestHandler
 from gpud.device_events import describe_device_event
 from gpud.engine.apply_lock import ApplyLock
+from gpud.engine.binding.udev_rules import UdevRules
 from gpud.engine.events import EventBus
 from gpud.engine.gpu_state import SETTLING_PHASES
-from gpud.engine.kube.node_labels_out import LabelsOut, Versions, layout_state
+from gpud.engine.kube.node_labels_out import LabelsOut, Versions, from_cluster, layout_state
 from gpud.engine.observe.observer import DEFAULT_MAX_AGE
 from gpud.engine.reconciler import Reconciler
-from gpud.engine.binding.udev_rules import UdevRules
 from gpud.hardware import HostConfig, build_hardware
 from gpud.host.nvml import NvmlError
+from gpud.host.sriov_manage import DEFAULT_PATH as SRIOV_MANAGE
 from gpud.loop_lag import LoopLagProbe
+
+PERSISTENCE_INTENT = "persistence-restore.json"  # in the state dir: GPUs whose persistence a reset left off
 
 if TYPE_CHECKING:  # imported with --kube-node only (they need gpud[kube])
     from gpud.engine.kube.agent import KubeAgent
@@ -61,6 +64,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--unbind-timeout", type=float, default=30.0, help="seconds before an unbind is declared stuck")
     ap.add_argument("--nvidia-smi", metavar="PATH", help="the nvidia-smi that resets a GPU bound to nvidia "
                     "(`-r -i <PCI>`; default nvidia-smi from PATH, or DIR/bin/nvidia-smi with --sim)")
+    ap.add_argument("--sriov-manage", metavar="PATH", help="NVIDIA's tool that enables and disables a GPU's "
+                    f"SR-IOV VFs (`-e|-d <PCI>`; default {SRIOV_MANAGE}, or DIR/bin/sriov-manage with --sim)")
     ap.add_argument("--status-max-age", type=float, default=DEFAULT_MAX_AGE, metavar="S",
                     help="while clients ask for status, re-read the host when the observation is older "
                     f"than S seconds (default {DEFAULT_MAX_AGE:g}); changes gpud makes or hears of are "
@@ -69,15 +74,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     k8s.add_argument("--nfd-features", metavar="PATH", help="node labels for Node Feature Discovery, written after "
                      "every pass when the directory exists (default /etc/kubernetes/node-feature-discovery/"
                      "features.d/gpud, or DIR/etc/kubernetes/... with --sim)")
-    k8s.add_argument("--nfd-labels", choices=("all", "gpud"), default="all",
-                     help="all: GFD's labels and gpud's own; gpud: only gpud's (a cluster that keeps running GFD)")
-    k8s.add_argument("--mig-strategy", choices=("mixed", "single"), default="mixed",
-                     help="the device plugin's and GFD's MIG strategy in this cluster (labels, advertised resources)")
+    k8s.add_argument("--nfd-labels", choices=("all", "gpud"),
+                     help="all: GFD's labels and gpud's own; gpud: only gpud's (a cluster that keeps running GFD). "
+                     "Default all; with --kube-node gpud, unless the node has "
+                     "nvidia.com/gpu.deploy.gpu-feature-discovery=false")
+    k8s.add_argument("--mig-strategy", choices=("mixed", "single"),
+                     help="the device plugin's and GFD's MIG strategy in this cluster (labels, advertised resources). "
+                     "Default mixed; with --kube-node the node's nvidia.com/mig.strategy where set")
+    k8s.add_argument("--nvidia-ctk", metavar="PATH", help="NVIDIA Container Toolkit's nvidia-ctk: after MIG devices "
+                     "changed, `nvidia-ctk cdi generate --output=SPEC` when nvidia-cdi-refresh.service is not installed "
+                     "(default: nvidia-ctk from PATH; with --sim none unless given; '' for none)")
+    k8s.add_argument("--cdi-spec", metavar="SPEC", help="the CDI spec nvidia-ctk writes (default /var/run/cdi/nvidia.yaml, "
+                     "or DIR/var/run/cdi/nvidia.yaml with --sim)")
     k8s.add_argument("--kube-node", metavar="NAME", help="follow the GPU Operator's node-label protocol for this "
                      "node (nvidia.com/mig.config selects the layout); needs gpud[kube]")
     k8s.add_argument("--kubeconfig", metavar="PATH", help="with --kube-node: credentials (default: in-cluster "
                      "service account, $KUBECONFIG, ~/.kube/config)")
     k8s.add_argument("--kube-namespace", default="gpu-operator", help="the GPU Operator's namespace (its operand pods)")
+    k8s.add_argument("--default-vgpu-config", metavar="NAME", default="default",
+                     help="with --kube-node: the layout a nvidia.com/gpu.workload.config=vm-vgpu node without "
+                     "nvidia.com/vgpu.config gets, when the file has it (vgpu-device-manager's DEFAULT_VGPU_CONFIG; "
+                     "default: default; '' for none)")
     ap.add_argument("--log-level", default=os.environ.get("GPUD_LOG_LEVEL", "INFO"))
     ap.add_argument("--version", action="version", version=f"gpud {VERSION}")
     args = ap.parse_args(argv)
@@ -89,7 +106,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def host_config(args: argparse.Namespace) -> HostConfig:
     """The host the command line names; the daemon's arguments themselves stay as parsed."""
     return HostConfig(sim=args.sim, replay=args.replay, read_only=args.read_only, lock=args.lock,
-                      udev_rules=args.udev_rules, nfd_features=args.nfd_features, nvidia_smi=args.nvidia_smi)
+                      udev_rules=args.udev_rules, nfd_features=args.nfd_features, nvidia_smi=args.nvidia_smi,
+                      sriov_manage=args.sriov_manage)
 
 
 class Daemon:
@@ -103,6 +121,12 @@ class Daemon:
         self.host = build_hardware(host_config(args))
         self.hw, self.device_events = self.host.hw, self.host.device_events
         Path(args.state_dir).mkdir(parents=True, exist_ok=True)
+        if self.hw.reset is not None and not args.read_only:
+            # persistence mode a previous gpud turned off for a reset and did not live to turn on again
+            self.hw.reset.intent_path = str(Path(args.state_dir) / PERSISTENCE_INTENT)
+            for pci in self.hw.reset.restore_pending():
+                self.bus.publish("persistence", f"persistence mode on again for {pci} (left off by an "
+                                                "interrupted reset)", gpu=pci)
         self.rec = Reconciler(
             self.hw, config_path=args.config, apply_lock=ApplyLock(self.host.lock_path), bus=self.bus,
             read_only=args.read_only, binder_timeout=args.unbind_timeout,
@@ -110,12 +134,16 @@ class Daemon:
             state_dir=args.state_dir, rebooter=partial(request_reboot, boot_id_path=self.host.boot_id_path),
             max_status_age=args.status_max_age, boot_id_path=self.host.boot_id_path,
         )
+        self._install_cdi(args)
         self.stopping = asyncio.Event()
         self._reload_timer: asyncio.TimerHandle | None = None
         self._metrics_key: tuple | None = None
         self._background: set[asyncio.Future] = set()  # tasks nothing else references
         self.loop_lag = LoopLagProbe()
-        self.labels = LabelsOut(self.host.nfd_features, label_set=args.nfd_labels, mig_strategy=args.mig_strategy,
+        label_set, strategy = args.nfd_labels or "all", args.mig_strategy or "mixed"
+        if args.kube_node:  # until the node is read: as if GFD runs there
+            label_set, strategy = from_cluster({}, label_set=args.nfd_labels, mig_strategy=args.mig_strategy)
+        self.labels = LabelsOut(self.host.nfd_features, label_set=label_set, mig_strategy=strategy,
                                 exclude=("nvidia.com/mig.capable",) if args.kube_node else (),
                                 on_event=self._publish)
         self._versions: Versions | None = None
@@ -138,14 +166,40 @@ class Daemon:
             api = KubeApi(self.args.kube_node, load_config(self.args.kubeconfig))
         except KubeError as e:
             raise RuntimeError(f"--kube-node {self.args.kube_node}: {e}") from e
-        applier = ReconcilerApplier(self.rec)
-        agent = KubeAgent(api, applier, namespace=self.args.kube_namespace, on_event=self._publish)
+        applier = ReconcilerApplier(self.rec, None if self.args.read_only else self.args.state_dir)
+        self.rec.layout_file.label_selects = True  # the node label chooses: `selected` may be absent
+        agent = KubeAgent(api, applier, namespace=self.args.kube_namespace,
+                          default_vgpu=self.args.default_vgpu_config or None, on_node=self._on_node_labels,
+                          on_event=self._publish)
         self.kube, self.kube_applier = agent, applier
         self.rec.operand_guard = agent
         self.rec.reboot_policy.rebooter = KubeRebooter(agent, applier, reboot)
 
+    def _install_cdi(self, args: argparse.Namespace) -> None:
+        """`nvidia-ctk cdi generate` after MIG changes (gpud.host.cdi): the toolkit from PATH on a
+        real host, only the one given on a simulated host (never the real host's from a test)."""
+        from gpud.host.cdi import DEFAULT_SPEC, CdiGenerator
+
+        root = self.host.root
+        ctk = args.nvidia_ctk
+        if ctk is None:
+            import shutil
+
+            ctk = "" if root else (shutil.which("nvidia-ctk") or "")
+        spec = args.cdi_spec or (str(Path(root) / DEFAULT_SPEC.lstrip("/")) if root else DEFAULT_SPEC)
+        if ctk and not args.read_only:
+            self.rec.cdi_generate = CdiGenerator(ctk, spec)
+
     def _publish(self, kind: str, message: str) -> None:
         self.bus.publish(kind, message)
+
+    def _on_node_labels(self, labels: dict[str, str]) -> None:
+        """--kube-node: the cluster decides the label set and MIG strategy the flags left open."""
+        mode = from_cluster(labels, label_set=self.args.nfd_labels, mig_strategy=self.args.mig_strategy)
+        if self.labels.set_mode(*mode):
+            self.bus.publish("labels", f"node labels: {mode[0]} set, mig-strategy {mode[1]} (from the node's labels)")
+            self._write_labels()
+
     # ---- event sources ---------------------------------------------------------------------
     async def watch_config(self) -> None:
         """Editors save in place, by atomic rename, or delete and re-create: watch the directory."""
@@ -207,6 +261,8 @@ class Daemon:
             self._kube_passes = done  # report a pass the agent did not start itself on the node
             assert self.kube_applier is not None  # made with the agent
             self._spawn(self.kube.settled(self.kube_applier.outcome()))
+            desired = self.rec.resolution.desired if self.rec.resolution is not None else {}
+            self._spawn(self.kube.publish_workloads({p: d.workload for p, d in desired.items()}))
 
     def _write_labels(self) -> None:
         """The node's labels after every pass (the writer leaves an unchanged file alone)."""
@@ -222,6 +278,23 @@ class Daemon:
         state = layout_state(rec.phase, rebooting=rebooting)
         self.labels.write(self.labels.inputs(rec.observation.gpus, workloads={p: d.workload for p, d in desired.items()},
                                              layout=selected, state=state, versions=self._versions or Versions()))
+
+    async def _start_with_remembered_layout(self) -> bool:
+        """--kube-node: the layout the node's label selected before this start is put in force at
+        once, so a reboot's MIG instances and vGPUs are rebuilt before the API server answers; the
+        label, once read, decides again (the same name: nothing to do)."""
+        assert self.kube is not None and self.kube_applier is not None  # --kube-node
+        name = self.kube_applier.remembered()
+        if name is None:
+            return False
+        if not await self.rec.choose_layout_async(name):
+            await self.rec.choose_layout_async(None)
+            self.bus.publish("kube", f"the node label's last layout {name!r} is not valid now; waiting for the label")
+            return False
+        self.kube.selected_once.set()
+        self.kube.boot_window = self.rec.boot_rebuild.after_boot
+        self.bus.publish("kube", f"layout {name!r} (the node label's before this start) in force until the label is read")
+        return True
 
     async def _run_after_selection(self) -> None:
         """--kube-node: no pass before the node's label has chosen the layout (a file edit or a
@@ -255,6 +328,13 @@ class Daemon:
             self.hw.nvml.open()
         except NvmlError as e:  # no nvidia driver (every GPU on vfio-pci, or none yet): serve anyway
             log.warning("NVML not available: %s", e)
+        if not self.args.read_only:  # no write of ours races a helper an earlier gpud left writing
+            from gpud.host.writer_leftovers import end_leftovers
+
+            for left in await asyncio.to_thread(end_leftovers, self.hw.sysfs.root):
+                what = f"the writer of {left.value} to {left.relpath} (pid {left.pid}) left by an earlier gpud"
+                fate = "ended" if left.ended else "still blocked in the kernel; its device waits for it"
+                self.bus.publish("warning", f"{what}: {fate}", gpu=left.pci)
         await self.rec.load_config_async()
         handler = RequestHandler(self.rec, notifier=self.notifier, dev_root=self.host.dev_root,
                                  loop_lag=self.loop_lag, labels=self.labels, kube_agent=self.kube)
@@ -287,7 +367,7 @@ class Daemon:
             # call would cause, so the systemd watchdog can be seen to restart us.
             loop.add_signal_handler(signal.SIGUSR2, _stall_forever)
         loop.add_signal_handler(signal.SIGHUP, self._reload_on_sighup, handler)
-        if self.kube is None:
+        if self.kube is None or await self._start_with_remembered_layout():
             ticket = self.rec.kick("start")  # with --kube-node, the node's label picks the layout first
             await self._rebuild_vgpus_before_ready(ticket)
         self._update_status()
@@ -311,6 +391,7 @@ class Daemon:
             log.warning("the writer of %s (pid %d) is still blocked in the kernel; killed, it ends when "
                         "the kernel lets its write return", sw.path, sw.pid)
         await server.close()
+        self.labels.remove()  # labels describe a running gpud's work: they go with it
         if self.kube is not None:
             await self.kube.api.close()
         log.info("gpud stopped; hardware left as it is")

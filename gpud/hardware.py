@@ -21,6 +21,8 @@ from gpud.host.logind import BOOT_ID_PATH
 from gpud.host.nvidia_smi import GpuReset
 from gpud.host.nvml import Nvml
 from gpud.host.procs import Procs
+from gpud.host.sriov_manage import DEFAULT_PATH as SRIOV_MANAGE
+from gpud.host.sriov_manage import SriovManage
 from gpud.host.sysfs import Sysfs
 
 __all__ = ["APPLY_LOCK", "NFD_FEATURES", "UDEV_RULES", "Hardware", "Host", "HostConfig", "build_hardware",
@@ -42,6 +44,7 @@ class HostConfig:
     udev_rules: str | None = None
     nfd_features: str | None = None
     nvidia_smi: str | None = None
+    sriov_manage: str | None = None  # NVIDIA's VF enabling script; None: its packaged path
 
 
 @dataclass(frozen=True)
@@ -69,7 +72,8 @@ def build_hardware(config: HostConfig) -> Host:
 
     ro = config.read_only
     hw = Hardware(sysfs=Sysfs("/sys", read_only=ro), nvml=Nvml(read_only=ro), procs=Procs(read_only=ro),
-                  reset=GpuReset(config.nvidia_smi or "nvidia-smi", read_only=ro))
+                  reset=GpuReset(config.nvidia_smi or "nvidia-smi", read_only=ro),
+                  vf_tool=SriovManage(config.sriov_manage or SRIOV_MANAGE, read_only=ro))
     return Host(hw=hw, device_events=UdevEvents, lock_path=config.lock or APPLY_LOCK,
                 udev_rules=config.udev_rules or UDEV_RULES, nfd_features=config.nfd_features or NFD_FEATURES,
                 dev_root="/dev", boot_id_path=BOOT_ID_PATH, root=None)
@@ -90,6 +94,8 @@ def _simulated(config: HostConfig, sim_dir: str) -> Host:
         nvml=Nvml(read_only=ro, proc_root=str(host.proc_root)),
         procs=Procs(str(host.proc_root), str(host.dev_root), read_only=ro, store=host.store),
         reset=GpuReset(config.nvidia_smi or sim_nvidia_smi(sim_dir), read_only=ro),
+        vf_tool=SriovManage(config.sriov_manage or _sim_tool(sim_dir, "sriov-manage", "gpud.sim.sriov_manage"),
+                            read_only=ro),
     )
     d = Path(sim_dir)
     return Host(hw=hw, device_events=partial(SimEvents, socket_path=host.uevent_socket),
@@ -100,9 +106,14 @@ def _simulated(config: HostConfig, sim_dir: str) -> Host:
                 root=str(host.host_dir))
 
 
-def sim_nvidia_smi(host_dir: str) -> str | list[str]:
-    """The simulated host's nvidia-smi: the wrapper gpud-sim create wrote, or the module itself."""
-    wrapper = Path(host_dir) / "bin" / "nvidia-smi"
+def _sim_tool(host_dir: str, name: str, module: str) -> str | list[str]:
+    """A simulated host's tool: the wrapper gpud-sim create wrote, or the module itself."""
+    wrapper = Path(host_dir) / "bin" / name
     if wrapper.is_file():
         return str(wrapper)
-    return [sys.executable, "-m", "gpud.sim.nvidia_smi", "--sim", os.path.abspath(host_dir)]
+    return [sys.executable, "-m", module, "--sim", os.path.abspath(host_dir)]
+
+
+def sim_nvidia_smi(host_dir: str) -> str | list[str]:
+    """The simulated host's nvidia-smi."""
+    return _sim_tool(host_dir, "nvidia-smi", "gpud.sim.nvidia_smi")

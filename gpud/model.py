@@ -175,6 +175,10 @@ class VgpuDevice(Struct, frozen=True):
     gi: int | None = None  # GPU instance of a MIG-backed vGPU
     vfio_group: int | None = None  # /dev/vfio/<group> a VM opens
     holders: tuple[Holder, ...] = ()
+    # The type as the driver prints it in the mdev's `mdev_type/name` ("GRID A100-10C"): what
+    # kubevirt-gpu-device-plugin reads for the resource name and KubeVirt's mdevNameSelector
+    # matches. None for a VF vGPU (no mdev_type) or a file that could not be read.
+    driver_name: str | None = None
 
 
 class VgpuOffer(Struct, frozen=True):

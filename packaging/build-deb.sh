@@ -89,6 +89,7 @@ if [ -d "$REPO/etc/gpud/examples" ]; then
   cp -r "$REPO/etc/gpud/examples" "$STAGE/usr/share/doc/gpud/examples"
 fi
 install -m 0644 "$REPO/README.md" "$STAGE/usr/share/doc/gpud/README.md"
+install -m 0644 "$REPO/packaging/kube/gpud-rbac.yaml" "$STAGE/usr/share/doc/gpud/gpud-rbac.yaml"   # kubectl apply -f (README: Kubernetes)
 cat > "$STAGE/usr/share/doc/gpud/copyright" <<EOF
 Format: https://www.debian.org/doc/packaging-manuals/copyright-format/1.0/
 Upstream-Name: gpud

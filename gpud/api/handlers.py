@@ -7,12 +7,15 @@ each becomes a wire error code, and every reply is a `gpud.api.wire` struct buil
 
 from __future__ import annotations
 
+import asyncio
+import contextvars
 import time
 from collections import Counter
 from typing import Any, Protocol
 
 from gpud import VERSION
 from gpud.api import replies, wire
+from gpud.api.fair_share import FairShare, cost_error
 from gpud.api.peers import Peer
 from gpud.api.server import ApiError
 from gpud.api.status_snapshot import StatusSnapshot
@@ -61,12 +64,16 @@ class RequestHandler:
         self._reads_at_reset = 0
         self.labels = labels  # the node labels written after each pass (None: not computed)
         self.kube_agent = kube_agent  # gpud.engine.kube.agent.KubeAgent with --kube-node
+        # layout texts sent by clients are evaluated in per-user turns (gpud.api.fair_share)
+        self.fair = FairShare()
+        self._peer: contextvars.ContextVar[Peer | None] = contextvars.ContextVar("peer", default=None)
 
     async def handle(self, op: str, args: dict[str, Any], peer: Peer) -> Any:
         answer = getattr(self, "op_" + op.replace("-", "_"), None)
         if answer is None:
             raise ApiError(wire.E_UNKNOWN_OP, f"unknown request {op!r}")
         self.requests[op] += 1
+        self._peer.set(peer)  # this request's task only: its evaluations take this uid's turns
         try:
             return await answer(**(args or {}))
         except EngineError as e:
@@ -100,7 +107,7 @@ class RequestHandler:
     async def op_labels(self) -> wire.LabelsReply:
         if self.labels is None:
             return wire.LabelsReply()
-        return replies.labels_reply(self.labels)
+        return await asyncio.to_thread(replies.labels_reply, self.labels)  # reads the feature file
 
     async def op_version(self) -> wire.VersionReply:
         driver: str | None
@@ -118,15 +125,24 @@ class RequestHandler:
         in the same words `plan` uses. `all_layouts`: every entry of `layouts` is checked so, as a
         node label may select any of them. Nothing is changed."""
         path = path or "layout.yaml"
-        parsed, res, observation = await self.rec.evaluate_async(text, path)
+        parsed, res, observation = await self._evaluate(text, path)
         others: list[tuple[str, Resolution, list[str]]] = []
         layout = parsed.layout or parsed.draft
         if all_layouts and layout is not None:
+            too_costly = cost_error(len(text.encode("utf-8", "surrogatepass")), len(layout.layouts))
+            if too_costly is not None:
+                raise ApiError(wire.E_BAD_ARGS, f"check --all-layouts: {too_costly}")
             for name in layout.layouts:
                 if name != res.selected:
-                    _, other, other_obs = await self.rec.evaluate_async(text, path, select=name)
+                    _, other, other_obs = await self._evaluate(text, path, select=name)
                     others.append((name, other, self._infeasible(other, other_obs)))
         return replies.check_reply(res, self._infeasible(res, observation), others=others)
+
+    async def _evaluate(self, text: str, path: str, *, select: str | None = None):
+        """One evaluation of a sent text, in the sender's turn (uid 0 without a peer: in-process)."""
+        peer = self._peer.get()
+        async with self.fair.turn(peer.uid if peer is not None else 0):
+            return await self.rec.evaluate_async(text, path, select=select)
 
     def _infeasible(self, res: Resolution, observation: Observation) -> list[str]:
         """The planner's words for the GPUs it cannot converge to a resolution without errors."""
@@ -141,7 +157,7 @@ class RequestHandler:
             observation = await self.rec.refresh_async()
             resolution, errors = self.rec.resolution, list(self.rec.layout_issues[0])
         else:
-            _, resolution, observation = await self.rec.evaluate_async(text, path or "layout.yaml")
+            _, resolution, observation = await self._evaluate(text, path or "layout.yaml")
             errors = []
         if resolution is not None:
             known = set(errors)

@@ -3,7 +3,11 @@
 Bare-metal hosts already run prometheus-node-exporter; its textfile collector picks up
 `*.prom` files from a directory, so gpud needs no listening port (its unit allows no IP at all).
 The file is rewritten atomically after every pass and layout change, from the same
-`wire.StatusReply` that `gpudctl status` reads, so the two never disagree.
+`wire.StatusReply` that `gpudctl status` reads, so the two never disagree. The text comes from
+prometheus_client (`generate_latest`), the write from `gpud.host.safe_file`: the textfile directory
+often belongs to the exporter's user, and prometheus_client's own `write_to_textfile` opens a
+predictable temp name with a plain open(), which follows a link planted there (root would
+overwrite any file). A directory others may write is refused (OSError naming the reason).
 """
 
 from __future__ import annotations
@@ -11,10 +15,11 @@ from __future__ import annotations
 from collections import Counter
 from typing import get_args
 
-from prometheus_client import CollectorRegistry, Gauge, write_to_textfile
+from prometheus_client import CollectorRegistry, Gauge, generate_latest
 
 from gpud.api import wire
 from gpud.engine.gpu_state import GpuStateName
+from gpud.host.safe_file import write_file
 
 # Every GPU gets one `gpud_gpu_state` row per state the engine can report, exactly one of them 1.
 STATES: tuple[str, ...] = get_args(GpuStateName)
@@ -43,4 +48,4 @@ def render(status: wire.StatusReply, passes: int, path: str) -> None:
             mode.labels(g.pci).set(1 if g.mig.mode == "enabled" else 0)
         for profile, n in Counter(i.profile for i in g.mig.instances).items():
             mig.labels(g.pci, profile).set(n)
-    write_to_textfile(path, reg)
+    write_file(path, generate_latest(reg), mode=0o644)

@@ -10,16 +10,18 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import msgspec
+
 from gpud import VERSION
 from gpud.api import wire
+from gpud.engine.binding.passthrough import PassthroughEntry, kubevirt_entry
 from gpud.engine.gpu_state import BindAction, GpuState, MigAction, VgpuAction
 from gpud.engine.kube.node_labels_out import LabelsOut
 from gpud.engine.observe.discovery import Observation
-from gpud.engine.binding.passthrough import PassthroughEntry, kubevirt_entry
 from gpud.engine.queries import remaining_capacity
 from gpud.engine.reconciler import Reconciler
 from gpud.engine.vgpu.inventory import entry as vgpu_entry
-from gpud.host.nfd import read_features
+from gpud.host.nfd import FeaturesRefused, read_features
 from gpud.layout.desired import DesiredGpu
 from gpud.layout.names import mig_device_name
 from gpud.layout.resolve import Resolution
@@ -27,7 +29,7 @@ from gpud.model import Gpu, Holder, KnownGpu, MigProfile, Placement, VgpuDevice
 from gpud.plan.binding import BindingPlan, BindStep, plan_binding
 from gpud.plan.mig import Destroyed, GpuPlan, Step
 from gpud.plan.node_labels import advertised
-from gpud.plan.reset_scope import reset_takes_along
+from gpud.plan.reset_scope import FABRIC_MANAGER, nvswitches, reset_takes_along
 from gpud.plan.vgpu import VgpuStep
 from gpud.profiles import GI_PROFILE_INDEX, NVIDIA, ModelInfo, by_device, model_name
 from gpud.vgpu_types import by_device as vgpu_model_of
@@ -182,7 +184,16 @@ def status_reply(rec: Reconciler, *, kubernetes: wire.KubernetesStatus | None = 
     gpus += [gone_gpu_status(k, rec.gpu_states.get(k.pci)) for k in rec.observation.gone]
     gpus.sort(key=lambda g: g.index)
     return wire.StatusReply(phase=rec.phase_now(), layout=layout_status(rec), gpus=gpus, read_only=rec.read_only,
-                            version=VERSION, kubernetes=kubernetes, rebuilt_after_boot=rec.boot_rebuild.summary)
+                            version=VERSION, kubernetes=kubernetes, rebuilt_after_boot=rec.boot_rebuild.summary,
+                            state_files=state_file_problems(rec))
+
+
+def state_file_problems(rec: Reconciler) -> list[str]:
+    """What is wrong with gpud's state files (set aside, not written), each said once."""
+    out = rec.state_problems.list()
+    if rec.gpu_index.problem and rec.gpu_index.problem not in out:
+        out = [*(m for m in out if not rec.gpu_index.problem.startswith(m)), rec.gpu_index.problem]
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -196,7 +207,9 @@ def kubernetes_status(gpus: Sequence[Gpu], *, mig_strategy: str, agent=None) -> 
     agent_status = None
     if agent is not None:
         agent_status = wire.KubeAgentStatus(node=agent.node, connected=agent.connected, selected=agent.selected,
-                                            state=agent.state, message=agent.message, paused=list(agent.paused))
+                                            state=agent.state, message=agent.message, paused=list(agent.paused),
+                                            other_agents=list(agent.other_agents),
+                                            workload_config=agent.workload_config, unserved=list(agent.unserved))
     return wire.KubernetesStatus(
         advertised=wire.Advertised(mig_strategy=mig_strategy, resources=ad.resources, sandbox=ad.sandbox,
                                    problems=list(ad.problems)),
@@ -204,10 +217,15 @@ def kubernetes_status(gpus: Sequence[Gpu], *, mig_strategy: str, agent=None) -> 
 
 
 def labels_reply(out: LabelsOut) -> wire.LabelsReply:
-    held = read_features(out.path) if out.path else None
+    """Called in a worker thread (the file is read)."""
+    held, refused = None, None
+    try:
+        held = read_features(out.path) if out.path else None
+    except FeaturesRefused as e:
+        refused = str(e)
     last = out.last
     return wire.LabelsReply(path=out.path, label_set="all" if out.gfd else "gpud", result=out.last_result,
-                            file=held, labels=dict(last.labels) if last else {},
+                            file=held, file_refused=refused, labels=dict(last.labels) if last else {},
                             warnings=list(last.warnings) if last else [])
 
 
@@ -254,7 +272,10 @@ def _gpu_plan(rec: Reconciler, gpu: Gpu, desired: DesiredGpu, disruption: wire.D
             disruption.mode_changes.append(gpu.pci)
         if plan.reset:
             disruption.resets.append(gpu.pci)
-            along = reset_takes_along(gpu.pci, rec.observation.functions)
+            info = by_device(gpu.function.device)
+            fm = bool(rec.hw.procs.running((FABRIC_MANAGER,))) if nvswitches(rec.observation.functions) else None
+            along = reset_takes_along(gpu.pci, rec.observation.functions, arch=info.arch if info else None,
+                                      fabric_manager=fm)
             disruption.reset_with = sorted(set(disruption.reset_with) | set(along))
         if desired.workload == "vm-passthrough":
             entry.steps.append(wire.StepInfo(action="bind", driver="vfio-pci"))
@@ -272,7 +293,9 @@ def _gpu_plan(rec: Reconciler, gpu: Gpu, desired: DesiredGpu, disruption: wire.D
         if desired.workload != "vm-vgpu":
             entry.steps.append(wire.StepInfo(action="then-workload", message=f"then {desired.workload}"))
         if desired.workload == "vm-passthrough":
-            then = plan_binding(gpu, desired.workload, drivers=frozenset(rec.hw.sysfs.drivers()))
+            # the rebind comes after this plan's removals, which disable the VFs vfio-pci would refuse
+            after = msgspec.structs.replace(gpu, vgpu=None) if any(s.action == "disable-vfs" for s in vplan.steps) else gpu
+            then = plan_binding(after, desired.workload, drivers=frozenset(rec.hw.sysfs.drivers()))
             _add_rebind(rec, gpu, then, disruption)
     elif isinstance(action, BindAction):
         entry.steps = [bind_step(s) for s in action.plan.steps]

@@ -13,7 +13,8 @@ Root must always be served, whatever other users do (`systemctl reload gpud` run
 reload` as root): each non-root uid may hold at most `max_per_uid` connections, non-root users
 together at most `max_connections - root_reserve`, and when a limit is reached the oldest
 *evictable* connection (waiting for a request, or following events) of the same class is closed
-to make room; a connection in the middle of a request is never evicted. A follower that does not
+to make room; a connection in the middle of a request is never evicted, nor one of a process
+with a request in progress on another connection (`apply --wait` follows events beside its apply). A follower that does not
 read is dropped once its queue overflows or a write to it stalls for `idle_timeout`, so a stalled
 client never holds more than one bounded queue and one frame of buffered output.
 """
@@ -278,8 +279,11 @@ class ApiServer:
     # -- limits ---------------------------------------------------------------------------------
 
     def _evict_oldest(self, among: list[_Conn], why: str) -> bool:
-        """Close the least recently active evictable connection of `among`; False if none is."""
-        candidates = [c for c in among if c.evictable]
+        """Close the least recently active evictable connection of `among`; False if none is.
+        A connection of a process that has a request in progress on another connection (the
+        event stream of `gpudctl apply --wait`) is part of that request: it is not evicted."""
+        waiting = {c.peer.pid for c in self._tasks.values() if c.state == "busy" and c.peer is not None}
+        candidates = [c for c in among if c.evictable and (c.peer is None or c.peer.pid not in waiting)]
         if not candidates:
             return False
         victim = min(candidates, key=lambda c: c.since)

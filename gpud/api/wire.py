@@ -258,6 +258,9 @@ class KubeAgentStatus(msgspec.Struct, kw_only=True):
     state: str | None = None  # what gpud last wrote to nvidia.com/mig.config.state
     message: str = ""
     paused: list[str] = []  # nvidia.com/gpu.deploy.* labels paused now
+    other_agents: list[str] = []  # pods of the operator's mig-manager & co. that kept gpud from changing GPUs
+    workload_config: str | None = None  # nvidia.com/gpu.workload.config: the operand family the operator runs
+    unserved: list[str] = []  # GPUs of a mixed layout that family does not serve, and which operands are missing
 
 
 class Advertised(msgspec.Struct, kw_only=True):
@@ -289,6 +292,9 @@ class StatusReply(msgspec.Struct, kw_only=True):
     kubernetes: KubernetesStatus | None = None
     # after a reboot, what gpud's first pass rebuilt ("rebuilt after boot: GPU 0 (...): MIG on, ...")
     rebuilt_after_boot: str | None = None
+    # gpud's state files that were set aside (not regular, not gpud's, not in its format) or could
+    # not be written, each with what it means
+    state_files: list[str] = []
 
 
 class CheckReply(msgspec.Struct, kw_only=True):
@@ -488,7 +494,8 @@ class LabelsReply(msgspec.Struct, kw_only=True):
     path: str | None = None  # the NFD feature file (None: not written)
     label_set: str = "all"  # all (GFD's + gpud's) | gpud
     result: str | None = None  # of the last write: written | unchanged | no-directory | error: ...
-    file: dict[str, str] | None = None  # what the file holds (None: no file)
+    file: dict[str, str] | None = None  # what the file holds (None: no file, or refused)
+    file_refused: str | None = None  # why what is at the path is not shown (a link, a FIFO, not gpud's)
     labels: dict[str, str] = {}  # computed now
     warnings: list[str] = []  # labels left out, with why
 

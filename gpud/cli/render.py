@@ -105,6 +105,7 @@ def render_status(r: wire.StatusReply, width: int | None = None) -> str:
     out += [f"  warning: {w}" for w in lay.warnings]
     if r.rebuilt_after_boot:
         out += ["", r.rebuilt_after_boot]
+    out += [f"state file: {m}" for m in r.state_files]
     migs = [g for g in r.gpus if g.mig.instances]
     if migs:
         out += ["", "MIG devices:"]
@@ -384,17 +385,29 @@ def render_kubernetes(k: wire.KubernetesStatus | None) -> str:
     a = k.agent
     if a is not None:
         state = f"{a.state}" + (f": {a.message}" if a.message else "") if a.state else "-"
-        out += ["", f"node {a.node}: API server {'connected' if a.connected else 'NOT REACHABLE'}",
+        # not connected: the API server's own answer when it gave one (a 403 names the missing verb)
+        api = "API server connected" if a.connected else (
+            a.message if a.message.startswith("Kubernetes API:") else "API server NOT REACHABLE")
+        out += ["", f"node {a.node}: {api}",
                 f"  layout selected by label: {a.selected or '- (the file chooses)'}",
                 f"  mig.config.state: {state}"]
         if a.paused:
             out += [f"  paused: {', '.join(a.paused)}"]
+        if a.workload_config:
+            out += [f"  gpu.workload.config: {a.workload_config}"]
+        out += [f"  not served: {u}" for u in a.unserved]
+        if a.other_agents:
+            out += [f"  the operator's GPU agents on this node (gpud changes no GPU until they leave): "
+                    f"{', '.join(a.other_agents)}"]
     return "\n".join(out)
 
 
 def render_labels(r: wire.LabelsReply) -> str:
     if r.path is None:
         return "gpud writes no node labels"
+    if r.file_refused is not None:
+        head = f"{r.path}: not shown: {r.file_refused}"
+        return "\n".join([head, "labels gpud would write:", *[f"{k}={v}" for k, v in r.labels.items()]])
     if r.file is None:
         head = f"{r.path}: no file ({r.result or 'not written yet'})"
         return "\n".join([head, "labels gpud would write:", *[f"{k}={v}" for k, v in r.labels.items()]])

@@ -103,7 +103,7 @@ class ApplyLock:
         self.path = Path(path)
 
     @contextlib.asynccontextmanager
-    async def held(self, on_wait: Callable[[str], None]) -> AsyncIterator[None]:
+    async def held(self, on_wait: Callable[[str], object]) -> AsyncIterator[None]:
         fd = open_lock_file(self.path)
         try:
             try:

@@ -54,9 +54,16 @@ class LayoutKeeper:
         self.observe = observe
         self.layout: ParsedLayout | None = None
         self.issues: tuple[list[str], list[str]] = ([], [])
-        self._parsing: asyncio.Semaphore | None = None  # one text parsed at a time (made on the loop)
+        self._parsing: asyncio.Semaphore | None = None  # one check/plan text parsed at a time (made on the loop)
+        self._file_slot: asyncio.Semaphore | None = None  # one load of the file at a time, apart from checks
+        self._next_load: asyncio.Future | None = None  # the shared load that has not begun reading yet
+        self._load_tasks: set[asyncio.Task] = set()
+        self.file_reads = 0  # loads of the file begun (observable: applies at once share one)
         self._text: str | None = None  # the text of `layout`, to tell a new load from a re-read
         self.select: str | None = None  # a layout chosen over the file's `selected` (a node label)
+        # --kube-node: a node label chooses the layout, so a file without `selected` is valid
+        # (gpud.layout.parse.parse_layout's `label_selects`)
+        self.label_selects = False
         # the one resolution of (layout in force, observation): a load's own is reused, not redone
         self._resolved: tuple[ParsedLayout, Observation, Resolution] | None = None
 
@@ -87,14 +94,44 @@ class LayoutKeeper:
 
     async def load_async(self, observe: AsyncObserve | None = None) -> bool:
         """`load` with the read, parse and resolve in a worker thread and the host read by
-        `observe` (off the event loop too: a reload must not stall every client)."""
-        async with self._slot():
-            try:
-                source = await asyncio.to_thread(read_layout, self.path)
-            except LayoutUnreadable as e:
-                return self._unreadable(e)
-            parsed, resolution, obs = await self._evaluate_off_loop(source.text, self.path, observe, self.select)
-            return self._take(parsed, resolution, source, obs)
+        `observe` (off the event loop too: a reload must not stall every client).
+
+        Loads of the file never queue behind `check`/`plan` texts (their own slot), and callers
+        share loads: one that arrives while no load has begun reading joins the next one, so
+        applies that arrive together read the file once; a load already reading when a caller
+        arrived may have read an older file, so that caller waits for the next."""
+        fut = self._next_load
+        if fut is None:
+            fut = self._next_load = asyncio.get_running_loop().create_future()
+            task = asyncio.create_task(self._run_load(fut, observe))
+            self._load_tasks.add(task)
+            task.add_done_callback(self._load_tasks.discard)
+        return await asyncio.shield(fut)  # a caller that gives up does not cancel the others' load
+
+    async def _run_load(self, fut: asyncio.Future, observe: AsyncObserve | None) -> None:
+        try:
+            if self._file_slot is None:
+                self._file_slot = asyncio.Semaphore(1)
+            async with self._file_slot:
+                if self._next_load is fut:
+                    self._next_load = None  # reading starts now: a newcomer needs the next load
+                self.file_reads += 1
+                try:
+                    source = await asyncio.to_thread(read_layout, self.path)
+                except LayoutUnreadable as e:
+                    result = self._unreadable(e)
+                else:
+                    parsed, resolution, obs = await self._evaluate_off_loop(source.text, self.path, observe,
+                                                                            self.select)
+                    result = self._take(parsed, resolution, source, obs)
+        except BaseException as e:  # noqa: BLE001 - handed to every caller that shares this load
+            if self._next_load is fut:
+                self._next_load = None
+            if not fut.done():
+                fut.set_exception(e)
+            return
+        if not fut.done():
+            fut.set_result(result)
 
     def _unreadable(self, e: LayoutUnreadable) -> bool:
         self.issues = ([f"{e.message}; keeping the last good layout"], [])
@@ -115,6 +152,7 @@ class LayoutKeeper:
                              errors=errors[:EVENT_ERRORS], errors_omitted=max(0, len(errors) - EVENT_ERRORS))
             return False
         # `apply` re-reads the file too: the same text again is not a new layout, and says nothing
+        assert parsed.layout is not None  # a file that did not parse has errors
         if source.text != self._text or self.issues[0]:
             self.bus.publish("layout-loaded", f"{self.path}: selected {parsed.layout.selected!r}")
         self.layout, self._text = parsed, source.text
@@ -130,7 +168,7 @@ class LayoutKeeper:
         done = self._resolved
         if done is not None and done[0] is self.layout and done[1] is obs:
             return done[2]
-        resolution = resolve(self.layout, obs.gpus, gone=obs.gone)
+        resolution = resolve(self.layout, obs.gpus, gone=obs.gone, index_problem=obs.index_problem)
         self._resolved = (self.layout, obs, resolution)
         return resolution
 
@@ -142,7 +180,7 @@ class LayoutKeeper:
         `select` chooses a layout over the file's `selected`."""
         parsed = self._parse(text, path, select)
         obs = self.observe(self._match_of(parsed))
-        return parsed, resolve(parsed, obs.gpus, gone=obs.gone), obs
+        return parsed, resolve(parsed, obs.gpus, gone=obs.gone, index_problem=obs.index_problem), obs
 
     async def evaluate_async(self, text: str, path: str, observe: AsyncObserve | None = None, *,
                              select: str | None = None) -> tuple[ParsedLayout, Resolution, Observation]:
@@ -158,14 +196,14 @@ class LayoutKeeper:
         match = self._match_of(parsed)
         # without an async reader (tests, tools) the keeper's own `observe` reads on the loop
         obs = await observe(match) if observe is not None else self.observe(match)
-        return parsed, await asyncio.to_thread(resolve, parsed, obs.gpus, gone=obs.gone), obs
+        return parsed, await asyncio.to_thread(resolve, parsed, obs.gpus, gone=obs.gone,
+                                                      index_problem=obs.index_problem), obs
 
-    @staticmethod
-    def _parse(text: str, path: str, select: str | None = None) -> ParsedLayout:
+    def _parse(self, text: str, path: str, select: str | None = None) -> ParsedLayout:
         too_large = check_text_size(text, path)
         if too_large is not None:  # refused before YAML sees it: the same bound as the file's
             return ParsedLayout(file=path, layout=None, errors=[LayoutIssue(path, None, "", too_large.split(": ", 1)[1])])
-        return parse_layout(text, path, select=select)
+        return parse_layout(text, path, select=select, label_selects=self.label_selects)
 
     @staticmethod
     def _match_of(parsed: ParsedLayout) -> tuple[MatchRule, ...]:

@@ -17,34 +17,36 @@ import asyncio
 import contextlib
 import logging
 import os
-from collections.abc import Callable, Iterable
-from typing import Any
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Literal
 
 import msgspec
 
 from gpud.engine.apply_lock import ApplyLock, ApplyLockRefused
+from gpud.engine.boot.reboot_policy import RebootPolicy
+from gpud.engine.boot.rebuild import BootRebuild
 from gpud.engine.events import EventBus, event_fields
-from gpud.engine.observe.gpu_index import GpuIndex, SetChange, index_path
+from gpud.engine.gpu_state import PHASE_ORDER, Action, BindAction, GpuState, GpuStateName, MigAction, VgpuAction
 from gpud.engine.gpu_tasks import NvmlSessionGate, SharedDrain, for_each_gpu
-from gpud.engine.gpu_state import PHASE_ORDER, Action, BindAction, GpuState, MigAction, VgpuAction
-from gpud.engine.observe.holder_watch import HolderWatch
 from gpud.engine.hooks.phases import apply_with_hooks
 from gpud.engine.hooks.runner import HookFailed
+from gpud.engine.kube.operands import OperandGuard, OperandsNotPaused
 from gpud.engine.layout_keeper import LayoutKeeper
 from gpud.engine.observe.discovery import Observation, observe
+from gpud.engine.observe.gpu_index import GpuIndex, SetChange, index_path
+from gpud.engine.observe.holder_watch import HolderWatch
 from gpud.engine.observe.observer import DEFAULT_MAX_AGE, Observer
-from gpud.engine.kube.operands import OperandGuard, OperandsNotPaused
 from gpud.engine.ports import BootOverrides, Drainer, Rebooter
-from gpud.engine.boot.rebuild import BootRebuild
-from gpud.engine.boot.reboot_policy import RebootPolicy
 from gpud.engine.scheduler import PassScheduler
+from gpud.engine.vgpu.keeper import NAMES_FILE, VgpuKeeper, changes_vfs, step_event
 from gpud.host.logind import BOOT_ID_PATH, current_boot_id
-from gpud.host.nvidia_smi import KNOWN_HOLDERS, GpuReset
-from gpud.engine.vgpu.keeper import NAMES_FILE, VgpuKeeper, step_event
+from gpud.host.nvidia_smi import KNOWN_HOLDERS, PERSISTENCED, GpuReset
 from gpud.host.nvml import Nvml
 from gpud.host.procs import Procs
+from gpud.host.sriov_manage import SriovManage
+from gpud.host.state_files import Problems
 from gpud.host.sysfs import Sysfs
-from gpud.host.vgpu_sysfs import VgpuSysfs
+from gpud.host.vgpu_sysfs import VgpuSysfs, vfio_cdevs
 from gpud.layout.desired import DesiredGpu
 from gpud.layout.parse import ParsedLayout
 from gpud.layout.resolve import Resolution
@@ -66,6 +68,7 @@ class Hardware(msgspec.Struct):
     nvml: Nvml
     procs: Procs
     reset: GpuReset | None = None  # nvidia-smi -r for nvidia-bound GPUs; None: resets are left to the operator
+    vf_tool: SriovManage | None = None  # NVIDIA's sriov-manage: VFs on and off; None: VFs are not changed
 
 
 class Reconciler:
@@ -91,18 +94,24 @@ class Reconciler:
         self.bus = bus
         self.read_only = read_only
         self.drainer = drainer  # None: no system bus (the daemon may connect one later)
+        # `nvidia-ctk cdi generate` after MIG changes when the toolkit's refresh unit is absent
+        # (gpud.host.cdi.CdiGenerator; None: the toolkit is not installed)
+        self.cdi_generate: Callable[[], Awaitable[str]] | None = None
         self.binder_timeout = binder_timeout
         self.udev_rules = udev_rules  # boot-time vfio overrides
+        # state files set aside or not written (gpud.host.state_files): an event each, and status
+        self.state_problems = Problems(lambda m: bus.publish("state-file", m))
         self.reboot_policy = RebootPolicy(rebooter=rebooter, state_dir=state_dir, read_only=read_only, bus=bus,
-                                          boot_id_path=boot_id_path or BOOT_ID_PATH)
+                                          boot_id_path=boot_id_path or BOOT_ID_PATH, problems=self.state_problems)
         # boot_id_path None: this boot is not told apart from the last (tests without a host's boot id)
-        self.boot_rebuild = BootRebuild(state_dir, _boot_id(boot_id_path), bus, read_only=read_only)
+        self.boot_rebuild = BootRebuild(state_dir, _boot_id(boot_id_path), bus, read_only=read_only,
+                                        problems=self.state_problems)
         self.layout_file = LayoutKeeper(config_path, bus, self._observe)
         self.operand_guard: OperandGuard | None = None  # --kube-node: the kube agent
         self.scheduler = PassScheduler()
         self.holder_watch = HolderWatch(self._holder_exited)
         # PCI address -> kept index: a GPU leaving the bus shifts nobody (gpud.engine.observe.gpu_index)
-        self.gpu_index = GpuIndex(index_path(state_dir), on_problem=lambda m: bus.publish("error", m))
+        self.gpu_index = GpuIndex(index_path(state_dir), problems=self.state_problems)
         self.gpu_set_notes: dict[str, str] = {}  # PCI -> what changed in the GPU set, for status
         self._set_changes: list[SetChange] = []  # seen by a read in a worker thread, said by _install
         # GPUs converge side by side (gpud.engine.gpu_tasks): NVML work and unbinds from nvidia
@@ -122,7 +131,8 @@ class Reconciler:
         self._listeners: list[Callable[[], None]] = []
         self.vgpus = VgpuKeeper(VgpuSysfs(hardware.sysfs, hardware.procs,
                                           names_file=os.path.join(state_dir, NAMES_FILE) if state_dir else None),
-                                state_dir if not read_only else None)
+                                state_dir if not read_only else None, self.state_problems,
+                                vf_tool=hardware.vf_tool)
         # the one current observation: read off the loop, re-read on change and while clients ask
         self.observer = Observer(self._read_host, self._install, max_age=max_status_age,
                                  busy=lambda: bool(self._inflight))
@@ -190,7 +200,7 @@ class Reconciler:
         gpus, gone, change = self.gpu_index.assign(obs.gpus, (f.address for f in obs.functions), commit=commit)
         if commit and change:
             self._set_changes.append(change)  # list.append is atomic: this runs in a worker thread
-        return msgspec.structs.replace(obs, gpus=gpus, gone=gone)
+        return msgspec.structs.replace(obs, gpus=gpus, gone=gone, index_problem=self.gpu_index.index_problem)
 
     def _read_functions(self, match: tuple[MatchRule, ...]) -> Observation:
         """While a rebind runs, NVML stays closed: opening it (nvmlInit opens every GPU) would make
@@ -400,6 +410,13 @@ class Reconciler:
                 if plan.infeasible:
                     return GpuState("failed", plan.infeasible)
                 if plan.steps:
+                    if plan.mode_change and (off := self.vgpus.vfs_off_before_mode_change(gpu)) is not None:
+                        return off
+                    vfs = self.vgpus.vfs_before_instances(gpu, desired)
+                    if vfs is not None and not plan.mode_change:
+                        return vfs
+                    if vfs is not None and desired.mig_devices:  # the mode alone now, instances after the VFs
+                        plan = plan_gpu(gpu, msgspec.structs.replace(mig_desired, mig_devices={}))
                     return MigAction(plan, f"{len(plan.steps)} MIG step(s)")
         bplan = plan_binding(gpu, desired.workload, drivers=frozenset(self.hw.sysfs.drivers()))
         if bplan.infeasible:
@@ -486,16 +503,18 @@ class Reconciler:
     async def _apply_with_hooks(self, todo: dict[str, Action], resolution: Resolution) -> None:
         """The GPUs that change, inside the layout's hook phases (see gpud.engine.hooks.phases)."""
         self._mig_changed.clear()
+        layout = self._pass_layout.layout if self._pass_layout is not None else None
+        assert layout is not None  # a pass runs only under a layout that parsed (run() set it)
 
         def abort(pci: str, failure: HookFailed) -> None:
             self._set(pci, GpuState("failed", f"hook aborted the apply, nothing changed: {failure}"))
 
         await apply_with_hooks(
-            todo, resolution.desired, layout=self._pass_layout.layout, layout_path=self.config_path,
+            todo, resolution.desired, layout=layout, layout_path=self.config_path,
             apply_one=lambda pci: self._converge_one(pci, resolution.desired[pci]),
             converged=lambda pci: self.gpu_states[pci].converged,
             changed_mig=lambda: bool(self._mig_changed), abort=abort, drainer=self.drainer,
-            log=lambda line: self.bus.publish("hook", line),
+            log=lambda line: self.bus.publish("hook", line), cdi_generate=self.cdi_generate,
         )
 
     async def _converge_gpu(self, pci: str, desired: DesiredGpu) -> GpuState:
@@ -561,7 +580,7 @@ class Reconciler:
             outcome = await self._in_worker(
                 mig_executor.execute, self.hw.nvml, plan,
                 policy_reset=self.policy.reset if self.policy else "per-gpu", on_step=on_step,
-                holders=self._device_holders,
+                holders=self._reset_holders,
             )
         if outcome.done:
             self._mig_changed.add(gpu.pci)
@@ -618,7 +637,8 @@ class Reconciler:
                 return self._busy(GpuState("waiting", f"{why}; {result.summary()}; held by {names}", tuple(holders)))
             return GpuState("failed", f"{why}; {result.summary()}; no process holding it was found "
                                       f"(a kernel client such as nvidia_drm may hold it)")
-        state = "reboot-required" if self.policy is not None and self.policy.reboot == "allow" else "reset-required"
+        state: GpuStateName = (
+            "reboot-required" if self.policy is not None and self.policy.reboot == "allow" else "reset-required")
         return GpuState(state, f"{why}; the reset was refused: {result.summary()}")
 
     async def _run_vgpu(self, gpu: Gpu, action: VgpuAction) -> GpuState:
@@ -628,7 +648,24 @@ class Reconciler:
             line, data = step_event(step)
             loop.call_soon_threadsafe(lambda: self.bus.publish("vgpu", line, gpu=gpu.pci, step=data))
 
-        return await self._in_worker(self.vgpus.run, gpu, action, on_step)
+        if not changes_vfs(action):
+            return await self._in_worker(self.vgpus.run, gpu, action, on_step)
+
+        def run_with_nvml_closed() -> GpuState:
+            self.hw.nvml.suspend()  # sriov-manage's unbind lock is refused while our session holds the GPU
+            try:
+                return self.vgpus.run(gpu, action, on_step, holders=self._lock_holders)
+            finally:
+                self.hw.nvml.resume()
+
+        async with self.nvml_gate.hold("closed"), self._drained(gpu):
+            return await self._in_worker(run_with_nvml_closed)
+
+    def _lock_holders(self, pci: str) -> list[Holder]:
+        """What keeps the driver's unbind lock from gpud: device node holders, else known services."""
+        holders = self._device_holders(pci)
+        seen = {h.pid for h in holders}
+        return holders + [h for h in self.hw.procs.running(KNOWN_HOLDERS) if h.pid not in seen]
 
     def _device_holders(self, pci: str) -> list[Holder]:
         """Processes with the GPU's device node open (persistenced, DCGM, X, CUDA): a reset must
@@ -637,6 +674,11 @@ class Reconciler:
         if minor is None:
             return []
         return [h for h in self.hw.procs.holders([f"/dev/nvidia{minor}"]) if h.pid != os.getpid()]
+
+    def _reset_holders(self, pci: str) -> list[Holder]:
+        """Holders a reset waits for: not nvidia-persistenced, whose hold on this GPU ends when the
+        reset turns persistence off for it (`nvidia-smi -pm 0 -i <PCI>`, gpud.host.nvidia_smi)."""
+        return [h for h in self._device_holders(pci) if not PERSISTENCED.startswith(h.name or "-")]
 
     def rebind_holders(self, gpu: Gpu) -> tuple[Holder, ...]:
         """Who loses the GPU when it leaves its driver (for `gpudctl plan`): processes with its
@@ -647,8 +689,11 @@ class Reconciler:
         minor = self.hw.procs.nvidia_minor(gpu.pci) if gpu.function.driver == "nvidia" else None
         if minor is not None:
             paths.append(f"/dev/nvidia{minor}")
-        if gpu.function.driver == "vfio-pci" and gpu.function.iommu_group is not None:
-            paths.append(f"/dev/vfio/{gpu.function.iommu_group}")
+        if gpu.function.driver == "vfio-pci":
+            if gpu.function.iommu_group is not None:
+                paths.append(f"/dev/vfio/{gpu.function.iommu_group}")
+            device_dir = os.path.join(self.hw.sysfs.root, "bus/pci/devices", gpu.pci)
+            paths += [f"/dev/vfio/devices/{n}" for n in vfio_cdevs(device_dir)]  # an iommufd VMM's
         listed = list(self.hw.procs.holders(paths)) if paths else []
         if gpu.nvml is not None:
             listed += list(gpu.nvml.processes) + [h for gi in gpu.nvml.instances for h in gi.holders]
@@ -682,7 +727,7 @@ class Reconciler:
             suspended.append(True)
 
         # Leaving nvidia needs NVML closed: wait for NVML work on other GPUs, and keep it off meanwhile.
-        use = "closed" if gpu.function.driver == "nvidia" else None
+        use: Literal["closed"] | None = "closed" if gpu.function.driver == "nvidia" else None
         async with (self.nvml_gate.hold(use) if use else contextlib.nullcontext()), self._drained(gpu):
             try:
                 outcome = await self._in_worker(
@@ -745,9 +790,9 @@ class Reconciler:
 
 
 def _phase(states: Iterable[GpuState]) -> str:
-    states = [s.state for s in states]
+    names = {s.state for s in states}
     for phase in PHASE_ORDER:
-        if phase in states:
+        if phase in names:
             return phase
     return "converged"
 

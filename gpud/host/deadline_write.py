@@ -8,6 +8,13 @@ write is "stuck": the helper is abandoned to a reaper thread (a process in D sta
 killed), recorded in a process-wide registry with what the kernel says about it, and later writes
 for that device are refused without touching it until the kernel lets the helper finish.
 
+No helper outlives the daemon, even one killed with SIGKILL: each helper asks the kernel for
+SIGKILL when its parent dies (PR_SET_PDEATHSIG, in gpud.host.sysfs_writer). The kernel sends it
+when the *thread* that forked the helper ends, so every helper is started by one spawner thread
+that lives as long as the daemon; a worker thread that finishes never takes its helper with it.
+A helper in uninterruptible sleep dies when its write returns; a restarted daemon waits for such
+leftovers first (gpud.host.writer_leftovers).
+
 A replacement for os.write (the simulator's kernel) must be rebuildable in the helper: it offers
 `child_spec() -> ("module:factory", "argument")`, and the helper calls factory(argument).
 """
@@ -17,6 +24,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import queue
 import select
 import signal
 import struct
@@ -104,6 +112,29 @@ def _reap(sw: StuckWrite, helper: subprocess.Popen) -> None:
             del _stuck[sw.pci]
 
 
+def register_foreign_stuck(pid: int, pci: str, path: str, value: str, reason: str) -> StuckWrite:
+    """A helper that is not our child (left by an earlier daemon) still blocked in the kernel:
+    writes for `pci` are refused until it is gone (watched from /proc: it cannot be waited for)."""
+    sw = StuckWrite(pid=pid, pci=pci, path=path, value=value, started=time.monotonic(), reason=reason)
+    with _stuck_lock:
+        _stuck[pci] = sw
+
+    def watch() -> None:
+        while os.path.exists(f"/proc/{pid}"):
+            try:
+                with open(f"/proc/{pid}/stat", "rb") as f:
+                    if f.read().rsplit(b")", 1)[1].split()[0] in (b"Z", b"X"):
+                        break
+            except (OSError, IndexError):
+                break
+            time.sleep(0.5)
+        with _stuck_lock:
+            if _stuck.get(pci) is sw:
+                del _stuck[pci]
+    threading.Thread(target=watch, name=f"gpud-watch-{pid}", daemon=True).start()
+    return sw
+
+
 def store_spec(sysfs) -> list[str]:
     """The helper's --store arguments for the adapter's replacement of os.write, if any."""
     store = getattr(sysfs, "store", None)
@@ -115,6 +146,40 @@ def store_spec(sysfs) -> list[str]:
                         f"give it child_spec() -> ('module:factory', 'argument')")
     factory, arg = child_spec()
     return ["--store", factory, str(arg)]
+
+
+class _Spawner:
+    """Starts every helper from one long-lived thread (the parent-death signal follows the thread
+    that forked: see the module's docstring)."""
+
+    def __init__(self) -> None:
+        self._requests: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def popen(self, argv: list[str]) -> subprocess.Popen:
+        with self._lock:
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._serve, name="gpud-writer-spawner", daemon=True)
+                self._thread.start()
+        answer: queue.SimpleQueue = queue.SimpleQueue()
+        self._requests.put((argv, answer))
+        ok, value = answer.get()
+        if not ok:
+            raise value
+        return value
+
+    def _serve(self) -> None:
+        while True:
+            argv, answer = self._requests.get()
+            try:
+                answer.put((True, subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                                   close_fds=True)))
+            except BaseException as e:  # noqa: BLE001 - raised in the caller's thread
+                answer.put((False, e))
+
+
+_spawner = _Spawner()
 
 
 def _read_answer(fd: int, start_limit: float, timeout: float) -> tuple[bool, bytes | None]:
@@ -148,9 +213,9 @@ def write_with_deadline(sysfs, relpath: str, value: str, pci: str, timeout: floa
     written; WriteFailed with the errno and meaning when refused; WriteStuck when it is still
     blocked `timeout` seconds after it began (the helper is then in the stuck registry)."""
     path = os.path.join(sysfs.root, relpath)
-    argv = [sys.executable, "-m", "gpud.host.sysfs_writer", "--root", sysfs.root, *store_spec(sysfs), "--",
-            relpath, value]
-    helper = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, close_fds=True)
+    argv = [sys.executable, "-m", "gpud.host.sysfs_writer", "--root", sysfs.root, "--parent", str(os.getpid()),
+            *store_spec(sysfs), "--", relpath, value]
+    helper = _spawner.popen(argv)
     assert helper.stdout is not None  # stdout=PIPE
     fd = helper.stdout.fileno()
     ready, data = _read_answer(fd, max(START_LIMIT, timeout), timeout)

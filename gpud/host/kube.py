@@ -2,7 +2,7 @@
 
 An adapter over lightkube's asyncio client (the optional `[kube]` extra): only the daemon's
 --kube-node mode imports this module, so a host without the extra runs gpud unchanged. What it
-needs from the API server (RBAC): nodes get, watch, patch; pods list, watch, delete.
+needs from the API server (RBAC): nodes get, watch, patch; pods list, watch, delete; events create.
 
 Writes are JSON merge patches of `metadata.labels`; one carrying the resourceVersion it was
 computed from fails with Conflict (409) when the node changed since, which is how the protocol
@@ -12,11 +12,13 @@ pauses and restores operand labels without overwriting a concurrent change by so
 from __future__ import annotations
 
 import contextlib
+import datetime
 from collections.abc import AsyncIterator, Mapping
+from typing import cast
 
 import httpx2
 from lightkube import ALL_NS, ApiError, AsyncClient, ConfigError, KubeConfig
-from lightkube.resources.core_v1 import Node, Pod
+from lightkube.resources.core_v1 import Event, Node, Pod
 from lightkube.types import PatchType
 from msgspec import Struct
 
@@ -43,6 +45,8 @@ class NodeView(Struct, frozen=True):
     name: str
     labels: dict[str, str]
     resource_version: str
+    uid: str = ""  # a node deleted and created again under the same name is another object
+    annotations: dict[str, str] = {}
 
 
 class PodView(Struct, frozen=True):
@@ -67,6 +71,17 @@ def _error(e: Exception) -> KubeError:
         st = e.status
         cls = {409: Conflict, 410: Gone}.get(st.code or 0, KubeError)
         return cls(st.code, st.reason or "", st.message or "")
+    if isinstance(e, httpx2.HTTPStatusError):
+        # A watch refused before it streamed (lightkube raises the bare HTTP error, its body
+        # unread): say what was refused, in the API server's words for RBAC.
+        code = e.response.status_code
+        url = e.request.url
+        parts = [p for p in url.path.split("/") if p]
+        resource = parts[-1] if parts else str(url)
+        verb = "watch" if url.params.get("watch") in ("true", "1") else e.request.method.lower()
+        cls = {409: Conflict, 410: Gone}.get(code, KubeError)
+        what = f'cannot {verb} resource "{resource}"' if code == 403 else f"{verb} {resource}"
+        return cls(code, e.response.reason_phrase or "", f"{what} ({url.path})")
     return KubeError(None, type(e).__name__, str(e) or repr(e))
 
 
@@ -81,7 +96,8 @@ def _translated():
 def _node(obj: Node) -> NodeView:
     meta = obj.metadata
     assert meta is not None and meta.name is not None  # the API server names every object it returns
-    return NodeView(name=meta.name, labels=dict(meta.labels or {}), resource_version=meta.resourceVersion or "")
+    return NodeView(name=meta.name, labels=dict(meta.labels or {}), resource_version=meta.resourceVersion or "",
+                    uid=meta.uid or "", annotations=dict(meta.annotations or {}))
 
 
 def _pod(obj: Pod) -> PodView:
@@ -117,9 +133,33 @@ class KubeApi:
             return _node(await self._client.patch(Node, self.node_name, {"metadata": meta},
                                                   patch_type=PatchType.MERGE))
 
-    async def watch_node(self, resource_version: str, *, server_timeout: int = 300) -> AsyncIterator[NodeView]:
-        """The node's versions after `resource_version`; the client re-opens the watch from the last
-        version seen whenever the server ends it. Raises Gone when that version is too old."""
+    async def patch_annotations(self, annotations: Mapping[str, str | None]) -> NodeView:
+        """Merge `annotations` into the node's (None removes one)."""
+        with _translated():
+            return _node(await self._client.patch(Node, self.node_name, {"metadata": {"annotations": dict(annotations)}},
+                                                  patch_type=PatchType.MERGE))
+
+    async def node_event(self, reason: str, message: str, *, warning: bool = True, uid: str = "") -> None:
+        """An Event about the node, where `kubectl describe node` lists it (core/v1 Event in the
+        `default` namespace, involvedObject the Node, as the kubelet records node events)."""
+        now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        event = cast(Event, Event.from_dict({
+            "apiVersion": "v1", "kind": "Event",
+            "metadata": {"generateName": f"{self.node_name}.gpud-", "namespace": "default"},
+            "involvedObject": {"apiVersion": "v1", "kind": "Node", "name": self.node_name, "uid": uid or None},
+            "reason": reason, "message": message[:1024], "type": "Warning" if warning else "Normal",
+            "source": {"component": FIELD_MANAGER, "host": self.node_name}, "reportingComponent": FIELD_MANAGER,
+            "firstTimestamp": now, "lastTimestamp": now, "count": 1,
+        }))
+        with _translated():
+            await self._client.create(event)  # namespaced by its metadata
+
+    async def watch_node(self, resource_version: str | None = None, *,
+                         server_timeout: int = 300) -> AsyncIterator[NodeView]:
+        """The node's versions after `resource_version`; None: the node as it is now (the server's
+        first event), then each change. The client re-opens the watch from the last version seen
+        whenever the server ends it. Raises Gone when that version is older than the server keeps
+        (an etcd compaction, a restarted API server's fresh watch cache)."""
         with _translated():
             async for _, obj in self._client.watch(Node, fields={"metadata.name": self.node_name},
                                                    resource_version=resource_version,

@@ -13,7 +13,7 @@ import os
 import time
 from dataclasses import asdict, dataclass
 
-from gpud.host.atomic_file import remove_file, replace_file
+from gpud.host import state_files
 from gpud.host.unit_drain import SystemdError
 
 log = logging.getLogger("gpud.systemd")
@@ -31,6 +31,7 @@ class RebootRecord:
     boot_id: str
     requested_at: float  # seconds since the epoch
     rebooted: bool
+    set_aside: str | None = None  # the marker was not gpud's: why (it was set aside, never acted on)
 
 
 def current_boot_id(path: str = BOOT_ID_PATH) -> str:
@@ -38,27 +39,39 @@ def current_boot_id(path: str = BOOT_ID_PATH) -> str:
         return f.read().strip()
 
 
-def reboot_outcome(state_dir: str, *, boot_id_path: str = BOOT_ID_PATH) -> RebootRecord | None:
-    """The pending reboot request, if any, and whether a reboot happened since it was made."""
-    try:
-        with open(os.path.join(state_dir, REBOOT_MARKER)) as f:
-            data = json.load(f)
-        return RebootRecord(reason=str(data["reason"]), boot_id=str(data["boot_id"]),
-                            requested_at=float(data["requested_at"]),
-                            rebooted=str(data["boot_id"]) != current_boot_id(boot_id_path))
-    except FileNotFoundError:
-        return None
-    except (ValueError, KeyError, TypeError) as e:
-        # An unreadable marker must still stop a loop: treat it as "already rebooted for it".
-        log.error("unreadable reboot marker in %s (%s); treating it as a past reboot", state_dir, e)
-        return RebootRecord(reason="<unreadable marker>", boot_id="", requested_at=0.0, rebooted=True)
+def _decode_marker(data: bytes) -> tuple[str, str, float]:
+    d = json.loads(data)
+    if not isinstance(d, dict) or set(d) != {"reason", "boot_id", "requested_at"} or \
+            not isinstance(d["reason"], str) or not isinstance(d["boot_id"], str) or not d["boot_id"] or \
+            isinstance(d["requested_at"], bool) or not isinstance(d["requested_at"], (int, float)):
+        raise state_files.BadStateFile('expected {"reason": str, "boot_id": str, "requested_at": seconds}')
+    return d["reason"], d["boot_id"], float(d["requested_at"])
+
+
+def reboot_outcome(state_dir: str, problems: state_files.Problems | None = None, *,
+                   boot_id_path: str = BOOT_ID_PATH) -> RebootRecord | None:
+    """The pending reboot request, if any, and whether a reboot happened since it was made.
+    A marker that is not a regular file in gpud's format is set aside and returned as a record
+    with `set_aside` (and `rebooted`, so no reboot is asked for on the strength of it): the
+    caller says so and never reports what a reboot settled."""
+    path = os.path.join(state_dir, REBOOT_MARKER)
+    problems = problems if problems is not None else state_files.Problems()
+    problems.clear(path)
+    marker = state_files.load(path, _decode_marker, problems, limit=65536, what="reboot marker")
+    if marker is None:
+        why = problems.by_file.get(path)  # set aside just now (then the file is gone: said once)
+        return None if why is None else RebootRecord(reason="", boot_id="", requested_at=0.0, rebooted=True,
+                                                     set_aside=why)
+    reason, boot_id, at = marker
+    return RebootRecord(reason=reason, boot_id=boot_id, requested_at=at,
+                        rebooted=boot_id != current_boot_id(boot_id_path))
 
 
 def clear_reboot_request(state_dir: str) -> None:
     """Forget the request (the engine calls this once the change took effect, or an operator
     does after looking at why it did not)."""
     with contextlib.suppress(FileNotFoundError):
-        remove_file(os.path.join(state_dir, REBOOT_MARKER))
+        state_files.remove(os.path.join(state_dir, REBOOT_MARKER))
 
 
 async def request_reboot(state_dir: str, reason: str, *, bus_address: str | None = None,
@@ -98,4 +111,4 @@ async def request_reboot(state_dir: str, reason: str, *, bus_address: str | None
 def _write_marker(state_dir: str, record: RebootRecord) -> None:
     d = asdict(record)
     d.pop("rebooted")
-    replace_file(os.path.join(state_dir, REBOOT_MARKER), json.dumps(d).encode() + b"\n", mode=0o600)
+    state_files.save(os.path.join(state_dir, REBOOT_MARKER), json.dumps(d).encode() + b"\n", mode=0o600)

@@ -9,15 +9,20 @@ starting with "." ignored, the directory watched so a change shows within about 
 * atomically: the bytes go to a dotfile in the same directory (which NFD skips), are fsynced,
   and the dotfile is renamed over the target, so NFD reads the old labels or the new, never half;
 * an unchanged label set leaves the file untouched (no rename, no NFD event, no node update);
-* a set that would not fit in 64 KiB is refused with the size, and the old file stays.
+* a set that would not fit in 64 KiB is refused with the size, and the old file stays;
+* features.d may be writable by others (NFD is often deployed by another team): the file is read
+  and written only through `gpud.host.safe_file` (no link followed, a FIFO never blocks, a
+  directory others may write refused unless sticky), and what `gpudctl labels` shows is read
+  only from a regular file gpud owns (`FeaturesRefused` otherwise).
 """
 
 from __future__ import annotations
 
 import os
+import stat
 from collections.abc import Mapping
 
-from gpud.host.atomic_file import replace_file
+from gpud.host import safe_file
 
 DEFAULT_PATH = "/etc/kubernetes/node-feature-discovery/features.d/gpud"
 MAX_BYTES = 65536  # local.go MaxFeatureFileSize: a larger file is skipped entirely
@@ -27,6 +32,10 @@ HEADER = ("# Node labels written by gpud after every pass (GFD-compatible names)
 
 class NfdError(Exception):
     """The feature file cannot be written as asked; the previous file (if any) is unchanged."""
+
+
+class FeaturesRefused(Exception):
+    """What is at the feature path is not gpud's file (a link, a FIFO, someone else's); never read."""
 
 
 def render(labels: Mapping[str, str]) -> bytes:
@@ -62,19 +71,33 @@ def write_features(path: str, labels: Mapping[str, str]) -> str:
         raise NfdError(f"{path}: {len(labels)} labels take {len(data)} bytes; NFD skips a feature file over "
                        f"{MAX_BYTES} bytes (write gpud's own labels only, or fewer labels)")
     try:
-        with open(path, "rb") as f:
-            if f.read(MAX_BYTES + 1) == data:
-                return "unchanged"
-    except FileNotFoundError:
-        pass
-    replace_file(path, data)
+        if safe_file.read_file(path, MAX_BYTES, owned=True) == data:
+            return "unchanged"
+    except (FileNotFoundError, safe_file.UnsafeFile):
+        pass  # whatever is there is replaced by the rename, never followed
+    safe_file.write_file(path, data)
     return "written"
 
 
-def read_features(path: str) -> dict[str, str] | None:
-    """The labels the file holds now (None: there is no file)."""
+def remove_features(path: str) -> bool:
+    """Remove the feature file (gpud stops: nfd-worker drops its labels at once, as GFD's file
+    goes when GFD exits). A link or non-regular file there is not gpud's and is left alone.
+    False when there was nothing to remove."""
     try:
-        with open(path, "rb") as f:
-            return parse(f.read())
+        if not stat.S_ISREG(os.lstat(path).st_mode):
+            return False
+        os.unlink(path)
+    except FileNotFoundError:
+        return False
+    return True
+
+
+def read_features(path: str) -> dict[str, str] | None:
+    """The labels the file holds now (None: there is no file). FeaturesRefused when what is there
+    is not a regular file gpud owns, or larger than NFD reads: it is never opened through a link."""
+    try:
+        return parse(safe_file.read_file(path, MAX_BYTES, owned=True))
     except FileNotFoundError:
         return None
+    except OSError as e:  # UnsafeFile, or the directory itself unreadable
+        raise FeaturesRefused(str(e) if isinstance(e, safe_file.UnsafeFile) else f"{path}: {e.strerror}") from None

@@ -1,6 +1,10 @@
 """The helper process that carries out one sysfs write for the deadline writer.
 
-`python -m gpud.host.sysfs_writer --root ROOT [--store MODULE:FACTORY ARG] RELPATH VALUE`
+`python -m gpud.host.sysfs_writer --root ROOT [--parent PID] [--store MODULE:FACTORY ARG] RELPATH VALUE`
+
+With `--parent` it dies with the daemon: it asks for SIGKILL when its parent dies
+(prctl PR_SET_PDEATHSIG) and exits at once if the parent is already gone (it died between the
+fork and the prctl), so a `kill -9` of gpud leaves no helper writing behind a restarted one.
 
 It is started with subprocess (fork+exec of a fresh interpreter: safe from any thread of the
 multithreaded daemon, unlike a bare fork) and keeps none of the daemon's fds, so a write the kernel
@@ -19,9 +23,11 @@ see gpud.host.deadline_write.store_spec.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import importlib
 import json
 import os
+import signal
 import struct
 import sys
 from typing import Any
@@ -43,14 +49,28 @@ def frame(msg: dict[str, Any]) -> bytes:
     return struct.pack("!I", len(data)) + data
 
 
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def die_with_parent(parent: int) -> bool:
+    """SIGKILL for this process when its parent dies; False when the parent is gone already."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    return os.getppid() == parent
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="gpud.host.sysfs_writer")
     parser.add_argument("--root", required=True)
+    parser.add_argument("--parent", type=int, help="die with this process (the daemon)")
     parser.add_argument("--store", nargs=2, metavar=("MODULE:FACTORY", "ARG"))
     parser.add_argument("relpath")
     parser.add_argument("value")
     args = parser.parse_args(argv)
     out = sys.stdout.fileno()
+    if args.parent is not None and not die_with_parent(args.parent):
+        return HELPER_FAILED  # the daemon died before this helper began: nobody waits for its write
     try:
         from gpud.host.readonly import ReadOnlyError
         from gpud.host.sysfs import Sysfs, describe_error

@@ -21,13 +21,17 @@ from __future__ import annotations
 
 import errno
 import json
+import logging
 import os
 import re
 
+from gpud.host import state_files
 from gpud.host.procs import Procs
 from gpud.host.sysfs import Sysfs, SysfsError
 from gpud.model import Holder, VgpuDevice, VgpuOffer, VgpuState
 from gpud.vgpu_types import by_device, strip_prefix
+
+log = logging.getLogger(__name__)
 
 _UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
 _VIRTFN = re.compile(r"virtfn(\d+)")
@@ -35,9 +39,16 @@ _VIRTFN = re.compile(r"virtfn(\d+)")
 MEANINGS: dict[tuple[str, int], str] = {
     ("sriov_numvfs", errno.ERANGE): "more VFs than the GPU's sriov_totalvfs",
     ("sriov_numvfs", errno.EBUSY): "VFs are enabled already (the count changes only from 0), or a VF still carries a vGPU",
-    ("sriov_numvfs", errno.ENOENT): "no driver bound to the GPU that can enable SR-IOV",
+    ("sriov_numvfs", errno.ENOENT): "the GPU's driver cannot enable SR-IOV through sysfs (nvidia has no "
+                                    "sriov_configure: NVIDIA's sriov-manage does it), or no driver is bound",
     ("current_vgpu_type", errno.EINVAL): "this type is not creatable on this VF now (its creatable list lacks it)",
     ("current_vgpu_type", errno.EBUSY): "the VF already carries a vGPU, or a VM holds it",
+    ("current_vgpu_type", errno.EIO): "the driver failed to set up the vGPU: for a MIG-backed type check that its "
+                                      "GPU instance exists (enabling VFs through sriov-manage destroys every "
+                                      "GPU instance), then the kernel log (NVRM lines) and nvidia-vgpu-mgr",
+    ("current_vgpu_type", errno.EPERM): "the driver does not permit this change on this VF: check that the VF is "
+                                        "on nvidia, that the GPU's mode fits the type (MIG mode on for MIG-backed "
+                                        "types, off for time-sliced ones) and that nvidia-vgpu-mgr runs",
     ("create", errno.EEXIST): "an mdev with this UUID exists already",
     ("create", errno.EINVAL): "not a UUID",
     ("create", errno.ENOSPC): "no instance of this type is available on this parent",
@@ -81,6 +92,14 @@ def parse_creatable(text: str) -> list[tuple[int, str]]:
     return out
 
 
+def vfio_cdevs(device_dir: str) -> list[str]:
+    """The vfio cdev names (`vfioN`) a device's sysfs directory lists under `vfio-dev/`."""
+    try:
+        return sorted(e for e in os.listdir(os.path.join(device_dir, "vfio-dev")) if e.startswith("vfio"))
+    except OSError:
+        return []
+
+
 def qemu_vm_name(proc_root: str, pid: int) -> str | None:
     """The guest name of a qemu process: `-name guest=web-1,debug-threads=on` or `-name web-1`."""
     try:
@@ -110,12 +129,13 @@ class VgpuSysfs:
     def _load_names(self) -> dict[str, dict[int, str]]:
         if self.names_file is None:
             return {}
-        try:
-            with open(self.names_file, "rb") as f:
-                raw = json.load(f)
-            return {k: {int(i): n for i, n in v.items()} for k, v in raw.items()}
-        except (OSError, ValueError, AttributeError):
-            return {}
+        def decode(data: bytes) -> dict[str, dict[int, str]]:
+            raw = json.loads(data)
+            if not isinstance(raw, dict) or not all(isinstance(v, dict) and all(isinstance(n, str) for n in v.values())
+                                                    for v in raw.values()):
+                raise state_files.BadStateFile("expected {device: {type id: name}}")
+            return {str(k): {int(i): n for i, n in v.items()} for k, v in raw.items()}
+        return state_files.load(self.names_file, decode, what="vGPU type name table") or {}
 
     def _learn(self, device_key: str, pairs: list[tuple[int, str]]) -> None:
         known = self._names.setdefault(device_key, {})
@@ -124,11 +144,11 @@ class VgpuSysfs:
             return
         known.update(new)
         if self.names_file is not None:
-            tmp = f"{self.names_file}.tmp{os.getpid()}"
-            os.makedirs(os.path.dirname(self.names_file) or ".", exist_ok=True)
-            with open(tmp, "w") as f:
-                json.dump({k: {str(i): n for i, n in v.items()} for k, v in self._names.items()}, f)
-            os.replace(tmp, self.names_file)
+            body = json.dumps({k: {str(i): n for i, n in v.items()} for k, v in self._names.items()})
+            try:
+                state_files.save(self.names_file, body.encode())
+            except OSError as e:  # only a cache of names: the next read learns them again
+                log.warning("%s: not written (%s)", self.names_file, e)
 
     def _name_of(self, device: int, type_id: int) -> str:
         name = self._names.get(f"10de:{device:04x}", {}).get(type_id)
@@ -179,10 +199,16 @@ class VgpuSysfs:
         except (OSError, ValueError):
             return None
 
-    def _holders(self, group: int | None, device: str) -> tuple[Holder, ...]:
-        if group is None:
+    def _holders(self, group: int | None, device: str, path: str | None = None) -> tuple[Holder, ...]:
+        """Processes with the vGPU open: through /dev/vfio/<group>, or through its vfio cdev
+        (`<dev>/vfio-dev/vfioN` -> /dev/vfio/devices/vfioN, kernels 6.8+), which an iommufd VMM
+        opens instead of the group."""
+        paths = [f"/dev/vfio/{group}"] if group is not None else []
+        if path is not None:
+            paths += [f"/dev/vfio/devices/{n}" for n in vfio_cdevs(path)]
+        if not paths:
             return ()
-        found = self.procs.holders([f"/dev/vfio/{group}"])
+        found = self.procs.holders(paths)
         return tuple(Holder(pid=h.pid, name=h.name, device=device,
                             vm=qemu_vm_name(self.procs.proc_root, h.pid)) for h in found)
 
@@ -207,7 +233,7 @@ class VgpuSysfs:
                     group = self._group(self._dev(vf))
                     devices.append(VgpuDevice(type=self._name_of(device, current), parent=vf, vf=vf,
                                               type_id=current, gi=gi if gi >= 0 else None, vfio_group=group,
-                                              holders=self._holders(group, vf)))
+                                              holders=self._holders(group, vf, self._dev(vf))))
                     continue
                 for type_id, name in pairs:
                     counts.setdefault(name, [type_id, 0])[1] += 1
@@ -233,11 +259,12 @@ class VgpuSysfs:
                         tname = os.path.basename(os.readlink(os.path.join(mpath, "mdev_type")))
                     except OSError:
                         continue
-                    name = strip_prefix(_read(os.path.join(tdir, tname, "name")) or tname)
+                    printed = (_read(os.path.join(mpath, "mdev_type", "name")) or "").strip() or None
+                    name = strip_prefix(printed or _read(os.path.join(tdir, tname, "name")) or tname)
                     group = self._group(mpath)
                     devices.append(VgpuDevice(type=name, parent=parent, uuid=e, type_id=_int(tname.rpartition("-")[2], -1),
-                                              vfio_group=group, holders=self._holders(group, e),
-                                              gi=self._mdev_gi(mpath)))
+                                              vfio_group=group, holders=self._holders(group, e, mpath),
+                                              gi=self._mdev_gi(mpath), driver_name=printed))
         offers = []
         for name, (type_id, n) in counts.items():
             vtype = model.find(name) if model is not None else None
@@ -264,6 +291,8 @@ class VgpuSysfs:
             raise VgpuError(e.errno or 0, text, e.path) from e
 
     def set_num_vfs(self, pf: str, count: int) -> None:
+        """The raw kernel write: refused (ENOENT) while nvidia is bound; gpud enables an NVIDIA GPU's
+        VFs through gpud.host.sriov_manage instead."""
         self._write(f"bus/pci/devices/{pf}/sriov_numvfs", str(count))
 
     def set_vf_type(self, vf: str, type_id: int) -> None:

@@ -25,6 +25,8 @@ from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 from gpud.layout.desired import LayoutIssue
 from gpud.layout.names import parse_mig_name
 from gpud.layout.schema import (
+    ALL_DISABLED,
+    ALL_DISABLED_NAME,
     DEFAULT_MATCH,
     HOOK_PHASES,
     ON_BUSY,
@@ -128,13 +130,20 @@ def entry_path(layouts_key: str, name: str, index: int) -> str:
     return item_path(key_path(layouts_key, name), index)
 
 
-def parse_layout(text: str, file: str = "layout.yaml", *, select: str | None = None) -> ParsedLayout:
+def parse_layout(text: str, file: str = "layout.yaml", *, select: str | None = None,
+                 label_selects: bool = False) -> ParsedLayout:
     """Parse and validate layout.yaml text. Never raises on bad input.
 
     `select` overrides the file's `selected` (like mig-parted's `-c`), so that a mig-parted file
     with several configs and no `selected` key loads unchanged.
+
+    `label_selects` (gpud --kube-node): a node label chooses the layout, as it chooses a config for
+    mig-manager, so a file with many layouts and no `selected` is valid (nothing is in force until
+    a label selects), and `all-disabled` exists even when the file lacks it, meaning what the GPU
+    Operator means by it when it sets `nvidia.com/mig.config=all-disabled` on its own: every GPU
+    with MIG off, whole, for containers (`ALL_DISABLED`).
     """
-    parser = _Parser(file, select)
+    parser = _Parser(file, select, label_selects=label_selects)
     try:
         layout = parser.run(text)
     except _TooLarge:
@@ -206,9 +215,10 @@ class _TooLarge(Exception):
 
 
 class _Parser:
-    def __init__(self, file: str, select: str | None = None) -> None:
+    def __init__(self, file: str, select: str | None = None, *, label_selects: bool = False) -> None:
         self.file = file
         self.select = select
+        self.label_selects = label_selects
         self.budget = MAX_NODES
         self.aliases = 0  # aliases in the text (set once it is composed)
         self.errors: list[LayoutIssue] = []
@@ -430,6 +440,9 @@ class _Parser:
             layouts = self.layouts(layouts_node, layouts_key)
             if not layouts and isinstance(layouts_node, MappingNode) and not layouts_node.value:
                 self.error(layouts_node, layouts_key, "at least one layout is required (a layout may have no entries)")
+            if self.label_selects and isinstance(layouts_node, MappingNode) and ALL_DISABLED_NAME not in layouts:
+                if not any(isinstance(k, ScalarNode) and k.value == ALL_DISABLED_NAME for k, _ in layouts_node.value):
+                    layouts[ALL_DISABLED_NAME] = ALL_DISABLED
 
         # Names as written, valid or not, so one broken layout does not change what "selected" needs.
         names: tuple[str, ...] = ()
@@ -449,13 +462,13 @@ class _Parser:
                                f"{_quote(name)} is not a layout in {layouts_key}; one of: {_one_of(names)}")
         elif len(names) == 1:
             selected = names[0] if names[0] in layouts else None
-        elif len(names) > 1 and self.select is None:
+        elif len(names) > 1 and self.select is None and not self.label_selects:
             self.error(top[layouts_key][0], "selected",
                        f'missing; {layouts_key} has {len(names)} layouts, so "selected" must name one of: '
                        f"{_one_of(names)}")
         if self.select is not None:  # the caller's choice (mig-parted's `-c`) wins over the file's
             selected = self.select if self.select in layouts else None
-            if self.select not in names and layouts_node is not None:
+            if self.select not in layouts and self.select not in names and layouts_node is not None:
                 self.error(None, "selected", f"{_quote(self.select)} (chosen by the caller) is not a layout in "
                                              f"{layouts_key}; one of: {_one_of(names)}")
 

@@ -88,13 +88,18 @@ class _Collector:
         return sorted(self.issues, key=lambda i: i.line or 0)
 
 
-def resolve(parsed: ParsedLayout, gpus: Sequence[Gpu], gone: Sequence[KnownGpu] = ()) -> Resolution:
+def resolve(parsed: ParsedLayout, gpus: Sequence[Gpu], gone: Sequence[KnownGpu] = (),
+            index_problem: str | None = None) -> Resolution:
     """Resolve the selected layout against the managed GPUs present (each with its kept index).
 
     `gone`: GPUs numbered before that are missing from the bus now. A selector naming one of them
     is not an error and selects nothing: its index is never handed to another GPU, so the entry
     waits for that GPU to come back (a warning says so). An `all` or `device-filter` entry that
-    would have covered a gone GPU gets a warning too: the set it selects has changed."""
+    would have covered a gone GPU gets a warning too: the set it selects has changed.
+
+    `index_problem`: why GPU indices cannot be trusted now (the kept map was lost and the GPU set
+    changed): a selector that is an index is then an error saying so, as it may name another GPU
+    than the one the layout was written for; PCI addresses and UUIDs still select."""
     layout = parsed.layout or parsed.draft
     if layout is None or layout.selected is None or layout.selected not in layout.layouts:
         return Resolution(errors=list(parsed.errors), warnings=list(parsed.warnings))
@@ -119,6 +124,10 @@ def resolve(parsed: ParsedLayout, gpus: Sequence[Gpu], gone: Sequence[KnownGpu] 
         else:
             for j, selector in enumerate(entry.devices):
                 spath = parsed.origin(item_path(dpath, j))
+                if index_problem is not None and isinstance(selector, int):
+                    errors.add(spath, f"GPU {selector} is named by its index, but {index_problem}; "
+                                      "name the GPU by PCI address or UUID (gpudctl status lists them)")
+                    continue
                 gpu = _find(selector, by_index, by_pci, by_uuid)
                 missing = _find(selector, gone_index, gone_pci, gone_uuid) if gpu is None else None
                 if missing is not None:

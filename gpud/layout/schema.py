@@ -57,6 +57,13 @@ class DeviceEntry(Struct, frozen=True, rename="kebab"):
     vgpu_devices: dict[str, int] = field(default_factory=dict)  # vm-vgpu only; applying is out of scope
 
 
+# What the GPU Operator means by the layout it names on its own (nvidia.com/mig.config=all-disabled,
+# set by its node-labeling controller on a MIG-capable node without the label): every GPU with MIG
+# off, whole, for containers. Under --kube-node the parser provides it when the file lacks it.
+ALL_DISABLED_NAME = "all-disabled"
+ALL_DISABLED: tuple[DeviceEntry, ...] = (DeviceEntry(devices="all", workload="container", mig_enabled=False),)
+
+
 class MatchRule(Struct, frozen=True, rename={"class_": "class"}):
     """Which PCI functions are GPUs gpud manages. `class_` is the 16-bit class (0x0302); None means
     a display or 3D controller, so a vendor-only rule never picks up NVSwitches or audio."""

@@ -138,6 +138,15 @@ def plan_binding(
                 "amd_iommu=on, and VT-d/AMD-Vi in the firmware)",
                 **base,
             )
+        if gpu.vgpu is not None and gpu.vgpu.vfs and fn.driver != VFIO:
+            # vfio_pci_probe (drivers/vfio/pci/vfio_pci.c): "Cannot bind to PF with SR-IOV enabled",
+            # EBUSY; a drivers_probe would only leave the GPU unbound
+            return BindingPlan(
+                target=VFIO,
+                infeasible=f"the GPU has {len(gpu.vgpu.vfs)} SR-IOV VFs enabled and vfio-pci refuses a PF with "
+                "SR-IOV enabled (EBUSY): disable them first (sriov-manage -d, or a vm-vgpu layout's removal)",
+                **base,
+            )
         steps = _to_vfio(endpoints, fn.iommu_group, drivers)
         return BindingPlan(target=VFIO, steps=steps, disruption=_disruption_vfio(gpu, endpoints, steps), **base)
     steps = _to_native(fn, endpoints[1:], native)
@@ -179,9 +188,14 @@ def _to_native(fn: PciFunction, companions: list[PciFunction], native: str | Non
         steps.append(
             BindStep(VERIFY_DRIVER, pci=fn.address, driver=native) if native else BindStep(VERIFY_NATIVE, pci=fn.address)
         )
-    # Companions: only undo what passthrough did; whatever the kernel probes for them is right.
+    # Companions: undo what passthrough did and let the kernel probe; whichever driver it binds
+    # is right, but none at all is not converged: a rebind cut short (gpud killed between the
+    # unbind and the probe) leaves the HD-audio function on no driver, with no override to show it.
     for c in companions:
         if c.driver_override != VFIO and c.driver != VFIO:
+            if c.driver is None:
+                steps.append(BindStep(PROBE, pci=c.address))
+                steps.append(BindStep(VERIFY_NATIVE, pci=c.address))
             continue
         if c.driver_override is not None:
             steps.append(BindStep(CLEAR_OVERRIDE, pci=c.address))
@@ -189,7 +203,7 @@ def _to_native(fn: PciFunction, companions: list[PciFunction], native: str | Non
             steps.append(BindStep(UNBIND, pci=c.address, driver=c.driver))
             left_vfio |= c.driver == VFIO
         steps.append(BindStep(PROBE, pci=c.address))
-        steps.append(BindStep(VERIFY_RELEASED, pci=c.address))
+        steps.append(BindStep(VERIFY_NATIVE, pci=c.address))
     if left_vfio and fn.iommu_group is not None:
         steps.append(BindStep(VERIFY_NO_VFIO_NODE, group=fn.iommu_group))
     return tuple(steps)

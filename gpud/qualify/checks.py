@@ -18,19 +18,22 @@ from gpud.hardware import Hardware
 from gpud.host.host_services import HostServices
 from gpud.host.nvidia_smi_query import NvidiaSmi, NvidiaSmiError, SmiQuery
 from gpud.host.nvml import NvmlError
+from gpud.host.vgpu_sysfs import vfio_cdevs
 from gpud.model import Gpu, Holder, MigProfile
 from gpud.pci import is_bridge
+from gpud.plan.reset_scope import NO_FABRIC_DEPENDENCY
 from gpud.qualify.report import Check
 
 NVIDIA = 0x10DE
 PCI_CLASS_BRIDGE_OTHER = 0x0680  # class/subclass NVSwitch functions carry on HGX boards (docs/qualify.md)
 # Host services that hold GPUs open (hardware-truth: the usual "In use by another client")
 HOLDING_SERVICES = {
-    "nvidia-persistenced": "keeps every GPU initialised; it holds /dev/nvidia*, so an unbind or reset waits for it",
+    "nvidia-persistenced": "keeps the GPUs it persists open (/dev/nvidia*): an unbind waits for it; for a reset "
+                           "gpud turns persistence off for that GPU (nvidia-smi -pm 0 -i) and on again",
     "nv-hostengine": "DCGM's host engine; it holds the GPUs it watches",
-    "nv-fabricmanager": "NVSwitch fabric manager; present on NVSwitch systems, where GPUs reset together",
     "Xorg": "the X server holds the GPUs it drives (through nvidia_drm)",
 }
+FABRIC_MANAGER = "nv-fabricmanager"  # never drained: nvidia-smi(1) -r wants it running (docs/hardware/gpu-reset.md)
 
 
 def _nvml_call(checks: list[Check], group: str, name: str, fn: Callable[[], object],
@@ -143,11 +146,51 @@ def host_checks(observation: Observation, services: HostServices) -> list[Check]
     if switches or proc_switches:
         where = ", ".join(sorted({f.address for f in switches} | set(proc_switches)))
         checks.append(Check(group, "NVSwitch", "warn", f"NVSwitch functions present: {where}",
-                            "a single-GPU reset is not possible here: a MIG mode change that needs a reset "
-                            "leaves the GPU reset-required (or a reboot, by policy.reboot)"))
+                            "a single-GPU reset needs Fabric Manager running on Ampere (Hopper and later reset "
+                            "one GPU alone); without it a MIG mode change that needs a reset leaves the GPU "
+                            "reset-required (or a reboot, by policy.reboot)"))
     else:
         checks.append(Check(group, "NVSwitch", "ok", "no NVIDIA bridge (NVSwitch) functions on the PCI bus"))
+    checks.append(fabric_manager_check(observation, services, bool(switches or proc_switches)))
     return checks
+
+
+def fabric_manager_check(observation: Observation, services: HostServices, nvswitch: bool) -> Check:
+    """Fabric Manager's state and what it means for a reset (nvidia-smi(1) -r): gpud never stops it."""
+    pids = services.running([FABRIC_MANAGER])[FABRIC_MANAGER]
+    state = f"running (pid {', '.join(map(str, pids))})" if pids else "not running"
+    if not nvswitch:
+        return Check("host", "Fabric Manager", "ok", f"{state}; no NVSwitch: resets do not depend on it")
+    archs = {m.arch for g in observation.gpus if (m := model_tables.by_device(g.function.device)) is not None}
+    if pids or not archs & {"ampere"} and archs:
+        return Check("host", "Fabric Manager", "ok", f"{state}; each GPU resets on its own "
+                     + ("(Fabric Manager running)" if pids else "(Hopper and later do not depend on it)"),
+                     "gpud never stops or waits on it")
+    return Check("host", "Fabric Manager", "warn", f"{state} on an Ampere NVSwitch host: all NVLink peers reset "
+                 "together only", "start nvidia-fabricmanager so that a GPU resets alone")
+
+
+def vf_tool_check(hw: Hardware, observation: Observation) -> Check:
+    """The tool that enables SR-IOV VFs (NVIDIA's sriov-manage): needed for vGPUs on SR-IOV GPUs."""
+    sriov = []
+    for g in observation.gpus:
+        try:
+            with open(os.path.join(hw.sysfs.root, "bus/pci/devices", g.pci, "sriov_totalvfs")) as f:
+                if int(f.read().strip() or 0) > 0:
+                    sriov.append(g.pci)
+        except (OSError, ValueError):
+            pass
+    if hw.vf_tool is None:
+        return Check("host", "VF enabling tool", "unknown", "not configured")
+    command = hw.vf_tool.command
+    where = " ".join(command)
+    found = len(command) > 1 or (os.path.isfile(command[0]) and os.access(command[0], os.X_OK))
+    if found:
+        return Check("host", "VF enabling tool", "ok", where + (f"; SR-IOV GPUs: {', '.join(sriov)}" if sriov else ""))
+    if sriov:
+        return Check("host", "VF enabling tool", "warn", f"{where} not found; SR-IOV GPUs: {', '.join(sriov)}",
+                     "vm-vgpu cannot enable their VFs: install NVIDIA's vGPU host driver or set --sriov-manage")
+    return Check("host", "VF enabling tool", "ok", f"{where} not found", "needed only for vGPUs on SR-IOV GPUs")
 
 
 def service_checks(services: HostServices) -> list[Check]:
@@ -193,8 +236,11 @@ def _gpu_holders(hw: Hardware, gpu: Gpu) -> list[Holder]:
     minor = hw.procs.nvidia_minor(gpu.pci) if gpu.function.driver == "nvidia" else None
     if minor is not None:
         paths.append(f"/dev/nvidia{minor}")
-    if gpu.function.driver == "vfio-pci" and gpu.function.iommu_group is not None:
-        paths.append(f"/dev/vfio/{gpu.function.iommu_group}")
+    if gpu.function.driver == "vfio-pci":
+        if gpu.function.iommu_group is not None:
+            paths.append(f"/dev/vfio/{gpu.function.iommu_group}")
+        device_dir = os.path.join(hw.sysfs.root, "bus/pci/devices", gpu.pci)
+        paths += [f"/dev/vfio/devices/{n}" for n in vfio_cdevs(device_dir)]
     found = {h for h in hw.procs.holders(paths) if h.pid != os.getpid()}
     if gpu.nvml is not None:
         found |= set(gpu.nvml.processes) | {h for gi in gpu.nvml.instances for h in gi.holders}
@@ -254,12 +300,7 @@ def gpu_checks(hw: Hardware, gpu: Gpu, observation: Observation, services: HostS
             checks.append(Check(group, "MIG instances", "ok", f"{len(n.instances)} GPU instance(s): "
                                 + ", ".join(f"gi {g.id} profile {g.profile_id} at {g.placement.start}:{g.placement.size}"
                                             for g in n.instances)))
-    persistence = _smi_section(query, gpu.pci, "Persistence Mode")
-    if isinstance(persistence, str):
-        checks.append(Check(group, "persistence mode", "ok" if persistence != "Enabled" else "warn",
-                            f"nvidia-smi: {persistence}",
-                            "with persistence on, the driver keeps the GPU open: stop nvidia-persistenced "
-                            "(policy.drain-units) for resets and unbinds" if persistence == "Enabled" else ""))
+    checks.append(_persistence_check(hw, group, gpu, services, query))
     checks.append(_reset_check(group, gpu, services, query, nvswitch))
     checks.append(_iommu_check(group, gpu, observation))
     holders = _gpu_holders(hw, gpu)
@@ -270,6 +311,24 @@ def gpu_checks(hw: Hardware, gpu: Gpu, observation: Observation, services: HostS
     else:
         checks.append(Check(group, "holders", "ok", "no process holds its device nodes"))
     return checks
+
+
+def _persistence_check(hw: Hardware, group: str, gpu: Gpu, services: HostServices, query: SmiQuery | None) -> Check:
+    """Persistence mode and its kind: legacy (a driver flag, `nvidia-smi -pm 1`) or nvidia-persistenced.
+    Either blocks `nvidia-smi -r`; gpud turns it off for the GPU around a reset and on again."""
+    persistence = _smi_section(query, gpu.pci, "Persistence Mode")
+    if not isinstance(persistence, str) and hw.reset is not None and gpu.function.driver == "nvidia":
+        on = hw.reset.persistence(gpu.pci)
+        persistence = {True: "Enabled", False: "Disabled"}.get(on) if on is not None else None
+    if not isinstance(persistence, str):
+        return Check(group, "persistence mode", "unknown", "nvidia-smi did not say")
+    if persistence != "Enabled":
+        return Check(group, "persistence mode", "ok", f"nvidia-smi: {persistence}")
+    daemon = services.running(["nvidia-persistenced"])["nvidia-persistenced"]
+    kind = "nvidia-persistenced" if daemon else "legacy: no nvidia-persistenced runs (nvidia-smi -pm 1)"
+    return Check(group, "persistence mode", "ok", f"nvidia-smi: Enabled ({kind})",
+                 "it blocks nvidia-smi -r: gpud turns it off for this GPU around a reset (nvidia-smi -pm 0 -i) "
+                 "and on again" + ("" if daemon else "; stopping a daemon would not help here"))
 
 
 def _reset_check(group: str, gpu: Gpu, services: HostServices, query: SmiQuery | None, nvswitch: bool) -> Check:
@@ -285,9 +344,15 @@ def _reset_check(group: str, gpu: Gpu, services: HostServices, query: SmiQuery |
     if on_fabric:
         parts.append(f"nvidia-smi Fabric State: {fabric} (the GPU is on an NVLink fabric)")
     reason = "; ".join(parts)
+    model = model_tables.by_device(gpu.function.device)
+    fm = bool(services.running([FABRIC_MANAGER])[FABRIC_MANAGER])
+    together = (nvswitch or on_fabric) and not fm and (model is None or model.arch not in NO_FABRIC_DEPENDENCY)
+    if together:
+        return Check(group, "reset", "warn", reason + "; NVSwitch fabric without Fabric Manager: its NVLink peers "
+                     "reset together, not one alone", "mode changes needing a reset end reset-required (or "
+                     "reboot, policy.reboot); start nvidia-fabricmanager")
     if nvswitch or on_fabric:
-        return Check(group, "reset", "warn", reason + "; NVSwitch fabric: GPUs reset together, not one alone",
-                     "mode changes needing a reset end reset-required (or reboot, policy.reboot)")
+        reason += "; NVSwitch fabric: " + ("Fabric Manager runs" if fm else "Hopper and later") + ", it resets alone"
     required = isinstance(status, dict) and str(status.get("Reset Required", "")).lower() == "yes"
     if required:
         return Check(group, "reset", "warn", reason, "the driver asks for a reset: gpud leaves it to you")
@@ -323,7 +388,7 @@ def read_only_checks(hw: Hardware, services: HostServices, smi: NvidiaSmi, match
                             "gpud reports the GPUs on nvidia failed and changes nothing on them"))
     host = host_checks(observation, services)
     nvswitch = any(c.name == "NVSwitch" and c.status == "warn" for c in host)
-    checks += host + service_checks(services)
+    checks += host + [vf_tool_check(hw, observation)] + service_checks(services)
     if not observation.gpus:
         checks.append(Check("GPUs", "managed GPUs", "fail", "no NVIDIA display/3D controller on the PCI bus",
                             "gpud has nothing to manage"))

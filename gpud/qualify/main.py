@@ -32,6 +32,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--output", metavar="PATH", help="also write the report here (PATH.json gets the JSON)")
     ap.add_argument("--nvidia-smi", metavar="PATH", help="nvidia-smi to run (default: the one on PATH; "
                     "with --sim, DIR/bin/nvidia-smi)")
+    ap.add_argument("--sriov-manage", metavar="PATH", help="NVIDIA's tool that enables a GPU's SR-IOV VFs "
+                    "(default /usr/lib/nvidia/sriov-manage; with --sim, DIR/bin/sriov-manage)")
     ap.add_argument("--sim", metavar="DIR", help="qualify the simulated host in DIR")
     ap.add_argument("--replay", metavar="CAPTURE", help="with --sim DIR: NVML answers from a real GPU's capture")
     ap.add_argument("--mutate", metavar="GPU", help="exercise every hardware path once on this idle GPU "
@@ -56,7 +58,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def _hardware(args: argparse.Namespace, read_only: bool) -> Host:
     """The adapters and the host-wide apply lock's path, chosen as the daemon chooses them."""
     return build_hardware(HostConfig(sim=args.sim, replay=args.replay, read_only=read_only, lock=args.lock,
-                                     nvidia_smi=args.nvidia_smi))
+                                     nvidia_smi=args.nvidia_smi, sriov_manage=args.sriov_manage))
 
 
 def _exercise_under_lock(hw: Hardware, lock_path: str, args: argparse.Namespace) -> list[Check]:

@@ -29,7 +29,7 @@ import pynvml
 
 from gpud.pci import normalize_pci
 from gpud.sim import catalog
-from gpud.sim.state import SimProcess, SimState, locked, state_path
+from gpud.sim.state import FABRIC_MANAGER_STATES, PERSISTENCE_MODES, SimProcess, SimState, locked, state_path
 
 
 class SimCliError(Exception):
@@ -37,11 +37,14 @@ class SimCliError(Exception):
 
 
 def create(host_dir: str | os.PathLike, gpu_specs: list[str], mig_on: Sequence[int] = (),
-           nvswitch: bool = False, vgpu: str | None = None) -> SimState:
+           nvswitch: bool = False, vgpu: str | None = None, persistence: str = "legacy",
+           fabric_manager: str = "running") -> SimState:
     """Write DIR/state.json for a new host, render its sysfs/dev/proc trees and write its
     nvidia-smi (DIR/bin/nvidia-smi). `nvswitch`: the GPUs sit on an HGX baseboard with NVSwitches
-    (of the first GPU's architecture), where a GPU cannot be reset alone. `vgpu`: the host
-    interface ("vfio" or "mdev") of its vGPU-capable GPUs."""
+    (of the first GPU's architecture) and `fabric_manager` ("running" or "stopped") says whether
+    nvidia-fabricmanager runs: on Ampere a GPU resets alone only while it does. `vgpu`: the host
+    interface ("vfio" or "mdev") of its vGPU-capable GPUs. `persistence`: "legacy" (`nvidia-smi -pm 1`,
+    as many hosts and the lent H200 run), "daemon" (nvidia-persistenced) or "off"; on for every GPU."""
     from gpud.sim.nvidia_smi import write_wrapper
     from gpud.sim.sysfs_tree import lay_out
 
@@ -62,8 +65,18 @@ def create(host_dir: str | os.PathLike, gpu_specs: list[str], mig_on: Sequence[i
         if not state.vgpu:
             raise SimCliError(f"--vgpu {vgpu}: none of these GPUs offers vGPU types; vGPU-capable models: "
                               f"{', '.join(catalog.vgpu_capable())}")
+    if persistence not in PERSISTENCE_MODES:
+        raise SimCliError(f"--persistence {persistence!r}: expected one of {', '.join(PERSISTENCE_MODES)}")
+    state.persistence = persistence
+    if fabric_manager not in FABRIC_MANAGER_STATES:
+        raise SimCliError(f"--fabric-manager {fabric_manager!r}: expected one of {', '.join(FABRIC_MANAGER_STATES)}")
+    state.fabric_manager = fabric_manager
+    state.persistent = sorted(state.gpus) if persistence != "off" else []
     lay_out(d, state)
     write_wrapper(d)
+    from gpud.sim.sriov_manage import write_wrapper as write_sriov_manage
+
+    write_sriov_manage(d)
     return state
 
 
@@ -113,13 +126,20 @@ def _emit_change(host_dir: Path, state: SimState, address: str) -> None:
 
 
 def hold(host_dir: str | os.PathLike, device: str, pid: int, name: str | None = None,
-         vm: str | None = None) -> str:
+         vm: str | None = None, cdev: bool = False) -> str:
+    """A process opens DEVICE; `cdev`: through its vfio cdev (/dev/vfio/devices/vfioN, as an
+    iommufd VMM does) instead of /dev/vfio/<group>."""
+    from gpud.sim.sysfs_tree import vfio_cdevs
+
     d = Path(host_dir)
     with locked(d) as st:
         stored, gpu = resolve_device(st, device)
+        if cdev and stored not in vfio_cdevs(st):
+            raise SimCliError(f"{device} has no vfio cdev (only a function on vfio-pci, a VF with a vGPU type "
+                              "or an mdev has one)")
         if not any(p.pid == pid and p.device == stored for p in st.processes):
             st.processes.append(SimProcess(pid=pid, name=name or ("qemu-system-x86" if vm else f"proc{pid}"),
-                                           device=stored, real=os.path.exists(f"/proc/{pid}"), vm=vm))
+                                           device=stored, real=os.path.exists(f"/proc/{pid}"), vm=vm, cdev=cdev))
         _after_holder_change(d, st, gpu)
     _emit_change(d, st, gpu)
     return stored
@@ -247,9 +267,15 @@ def _parser() -> argparse.ArgumentParser:
                    help=f"models: {', '.join(catalog.offered())}")
     p.add_argument("--mig-on", type=int, nargs="+", action="extend", default=[], metavar="INDEX")
     p.add_argument("--nvswitch", action="store_true",
-                   help="an HGX baseboard with NVSwitches: nvidia-smi refuses to reset one GPU alone")
+                   help="an HGX baseboard with NVSwitches (and nvidia-fabricmanager, see --fabric-manager)")
+    p.add_argument("--fabric-manager", choices=FABRIC_MANAGER_STATES,
+                   help="with --nvswitch: nvidia-fabricmanager running (default) or stopped; on Ampere a GPU "
+                   "resets alone only while it runs, Hopper and later do not depend on it")
     p.add_argument("--vgpu", choices=("vfio", "mdev"),
                    help="vGPU host interface of the vGPU-capable GPUs (cards without SR-IOV get mdev)")
+    p.add_argument("--persistence", choices=PERSISTENCE_MODES, default="legacy",
+                   help="persistence mode on every GPU: legacy (nvidia-smi -pm 1, the default), daemon "
+                   "(nvidia-persistenced holds the GPUs), off; while on, nvidia-smi -r is refused")
     for name in ("hold", "release"):
         p = sub.add_parser(name, help=f"{name} a GPU or MIG device as a process would")
         p.add_argument("dir")
@@ -258,6 +284,8 @@ def _parser() -> argparse.ArgumentParser:
         if name == "hold":
             p.add_argument("--name")
             p.add_argument("--vm", help="the holder is a VM of this name (qemu command line -name guest=NAME)")
+            p.add_argument("--cdev", action="store_true",
+                           help="open the vfio device's cdev (/dev/vfio/devices/vfioN, iommufd) instead of its group")
     p = sub.add_parser("fault", help="make the nth next call of an NVML function fail")
     p.add_argument("dir")
     p.add_argument("function")
@@ -302,12 +330,15 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.cmd == "create":
             try:
-                create(args.dir, args.gpu, args.mig_on, args.nvswitch, args.vgpu)
+                if args.fabric_manager and not args.nvswitch:
+                    raise SimCliError("--fabric-manager needs --nvswitch (Fabric Manager runs on NVSwitch hosts)")
+                create(args.dir, args.gpu, args.mig_on, args.nvswitch, args.vgpu, args.persistence,
+                       args.fabric_manager or "running")
             except catalog.CatalogError as e:
                 print(f"gpud-sim: {e}", file=sys.stderr)
                 return 2
         elif args.cmd == "hold":
-            hold(args.dir, args.device, args.pid, args.name, args.vm)
+            hold(args.dir, args.device, args.pid, args.name, args.vm, args.cdev)
         elif args.cmd == "release":
             release(args.dir, args.device, args.pid)
         elif args.cmd == "fault":

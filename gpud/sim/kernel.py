@@ -12,7 +12,8 @@ Choices where the kernel depends on the driver:
 - `<dev>/reset` on an nvidia-bound GPU with holders fails with EBUSY (the driver refuses to reset a
   GPU with clients, as `nvidia-smi --gpu-reset` does); otherwise it applies a pending MIG mode
   through `gpud.sim.gpu_rules.reset_gpu`.
-- vfio-pci probe of a device without an IOMMU group fails with EINVAL (no noiommu mode).
+- vfio-pci probe of a device without an IOMMU group fails with EINVAL (no noiommu mode); of a PF
+  with SR-IOV VFs enabled, EBUSY ("Cannot bind to PF with SR-IOV enabled", vfio_pci_probe).
 - nvidia probe of an NVIDIA function the simulator has no GPU record for fails with EPERM.
 - `new_id` grabs every unbound matching device at once (the trap it is), but the id is not
   remembered, so `remove_id` always answers ENODEV.
@@ -69,6 +70,9 @@ def _attach(st: SimState, f: SimFunction, drv: str, path: str, events: list[Ueve
         raise sysfs_error(errno.EBUSY, path)  # DMA ownership: the group is owned by a user (VM)
     if drv == VFIO_PCI and f.iommu_group is None:
         raise sysfs_error(errno.EINVAL, path)
+    if drv == VFIO_PCI and any(v.physfn == f.address for v in st.functions.values()):
+        # vfio_pci_probe: "Cannot bind to PF with SR-IOV enabled" (drivers/vfio/pci/vfio_pci.c)
+        raise sysfs_error(errno.EBUSY, path)
     if drv == NVIDIA:
         gpu = st.gpus.get(f.address)
         if gpu is None:
@@ -79,6 +83,7 @@ def _attach(st: SimState, f: SimFunction, drv: str, path: str, events: list[Ueve
         if gpu.minor in taken:  # minors can change across a rebind
             gpu.minor = min(set(range(len(st.gpus) + 1)) - taken)
         f.nvidia_probes += 1
+        gpu.gis.clear()  # a new probe starts without GPU instances; MIG mode is the GPU's and stays
     f.driver = drv
     events.append(Uevent("bind", "pci", f.address, drv))
 

@@ -1,4 +1,5 @@
-"""The simulator's `nvidia-smi`, for the one thing gpud runs it for: `-r -i <GPU>` (a GPU reset).
+"""The simulator's `nvidia-smi`, for what gpud runs it for: `-r -i <GPU>` (a GPU reset), `-pm 0|1
+[-i <GPU>]` (persistence mode) and `--query-gpu=persistence_mode --format=csv,noheader [-i <GPU>]`.
 
     python -m gpud.sim.nvidia_smi --sim DIR -r -i <PCI address | UUID | index>[,...]
 
@@ -13,9 +14,15 @@ captured output shows (docs/hardware/gpu-reset.md has the sources):
   devices) or an open NVML session of another process (gpud's own, if it did not shut NVML down
   first). The wording and exit status 255 are the real tool's; like the real tool it does not name
   the holders (gpud must find them itself);
-- on an NVSwitch system (`gpud-sim create --nvswitch`) a reset that leaves out a GPU of the NVLink
-  fabric is refused (exit 3), naming the GPUs that must be reset with it, as nvidia-smi's manual says
-  it does where a GPU cannot be reset alone;
+- refused the same way ("In use by another client", 255) while persistence mode is on for the GPU:
+  persistence counts as an attachment (NVIDIA/NVSentinel#1690, PR #1692; gpu-operator#118), in
+  legacy mode (`-pm 1`, a driver flag) as with nvidia-persistenced (which holds the device node);
+  `-pm 0 -i <GPU>` turns it off ("Disabled persistence mode for GPU ...", "All done."), through the
+  daemon when one runs;
+- on an NVSwitch system (`gpud-sim create --nvswitch`) nvidia-smi(1)'s `-r` rule by architecture:
+  Ampere with Fabric Manager running resets each GPU on its own; Ampere with Fabric Manager stopped
+  (`--fabric-manager stopped`) refuses a reset that leaves out an NVLink peer (exit 3), naming the
+  GPUs that must be reset with it; Hopper and later have no such dependency;
 - otherwise each GPU is reset as the driver would (a pending MIG mode takes effect; MIG off drops
   the GPU instances), counted in the state's `resets[<pci>]["nvidia-smi"]`, and the real tool's
   "GPU 00000000:18:00.0 was successfully reset." is printed.
@@ -29,7 +36,7 @@ import sys
 from pathlib import Path
 
 from gpud.sim.gpu_rules import reset_gpu
-from gpud.sim.state import SimState, count_reset, locked
+from gpud.sim.state import SimState, count_reset, load, locked
 
 EXIT_OK = 0
 EXIT_INVALID_ARGUMENT = 2
@@ -57,6 +64,12 @@ def nvswitches(state: SimState) -> list[str]:
     from gpud.sim.catalog import is_nvswitch
 
     return sorted(a for a, f in state.functions.items() if f.present and is_nvswitch(f))
+
+
+def catalog_arch(state: SimState, address: str) -> str:
+    from gpud.profiles import MODELS
+
+    return MODELS[state.gpus[address].model].arch
 
 
 def resolve(state: SimState, ident: str) -> str | None:
@@ -113,14 +126,15 @@ def reset(host_dir: str | os.PathLike, ids: list[str] | None, out=sys.stdout, er
         if not targets:
             print("No devices were found", file=out)
             return EXIT_NOT_FOUND
-        if nvswitches(state):
+        if nvswitches(state) and state.fabric_manager != "running" and any(
+                catalog_arch(state, a) == "ampere" for a in targets):
             left_out = [a for a in nvml_gpus(state) if a not in targets]
             if left_out:
                 print(f"Unable to reset GPU {', '.join(bus_id(a) for a in targets)}: it is NVLink-connected "
                       f"through NVSwitch to GPUs that must be reset in the same command: "
                       f"{', '.join(bus_id(a) for a in left_out)}", file=out)
                 return EXIT_NOT_AVAILABLE
-        busy = [a for a in targets if holders_of(state, a, os.getpid())]
+        busy = [a for a in targets if holders_of(state, a, os.getpid()) or a in state.persistent]
         if busy:
             print(in_use_message(busy), file=out)
             return EXIT_OTHER
@@ -132,6 +146,74 @@ def reset(host_dir: str | os.PathLike, ids: list[str] | None, out=sys.stdout, er
         render(host_dir, state)
     for a in targets:
         print(f"GPU {bus_id(a)} was successfully reset.", file=out)
+    return EXIT_OK
+
+
+def _targets(state: SimState, ids: list[str] | None, err) -> list[str] | None:
+    if ids is None:
+        return nvml_gpus(state)
+    out = []
+    for ident in ids:
+        a = resolve(state, ident)
+        if a is None:
+            print(f"No devices were found matching {ident!r}", file=err)
+            return None
+        if a not in out:
+            out.append(a)
+    return out
+
+
+def persistence(host_dir: str | os.PathLike, ids: list[str] | None, on: bool, out=None, err=None) -> int:
+    """`nvidia-smi -pm 0|1 [-i ids]`: legacy persistence flags, or the daemon's (it then opens or
+    closes the GPU's node)."""
+    out, err = out or sys.stdout, err or sys.stderr
+    with locked(host_dir) as state:
+        if "nvidia" not in state.loaded_modules:
+            print(NO_DRIVER, file=out)
+            return EXIT_DRIVER_NOT_LOADED
+        targets = _targets(state, ids, err)
+        if targets is None:
+            return EXIT_NOT_FOUND
+        if on and state.persistence == "off":
+            state.persistence = "legacy"
+        for a in targets:
+            word = "Enabled" if on else "Disabled"
+            if (a in state.persistent) == on:
+                print(f"Persistence mode is already {word} for GPU {bus_id(a)}.", file=out)
+                continue
+            if on:
+                state.persistent.append(a)
+            else:
+                state.persistent.remove(a)
+            print(f"{word} persistence mode for GPU {bus_id(a)}.", file=out)
+        from gpud.sim.sysfs_tree import render
+
+        render(host_dir, state)
+    print("All done.", file=out)
+    return EXIT_OK
+
+
+def query(host_dir: str | os.PathLike, ids: list[str] | None, fields: str, fmt: str, out=None, err=None) -> int:
+    """`--query-gpu=persistence_mode --format=csv,noheader`: one line per GPU."""
+    out, err = out or sys.stdout, err or sys.stderr
+    names = [f.strip() for f in fields.split(",") if f.strip()]
+    known = {"persistence_mode", "pci.bus_id"}
+    if not names or any(n not in known for n in names) or "csv" not in fmt.split(","):
+        print(f"nvidia-smi (simulated): only --query-gpu={','.join(sorted(known))} --format=csv is implemented",
+              file=err)
+        return EXIT_INVALID_ARGUMENT
+    state = load(host_dir)
+    if "nvidia" not in state.loaded_modules:
+        print(NO_DRIVER, file=out)
+        return EXIT_DRIVER_NOT_LOADED
+    targets = _targets(state, ids, err)
+    if targets is None:
+        return EXIT_NOT_FOUND
+    if "noheader" not in fmt.split(","):
+        print(", ".join(names), file=out)
+    for a in targets:
+        values = {"persistence_mode": "Enabled" if a in state.persistent else "Disabled", "pci.bus_id": bus_id(a)}
+        print(", ".join(values[n] for n in names), file=out)
     return EXIT_OK
 
 
@@ -153,16 +235,24 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--sim", required=True, metavar="DIR")
     ap.add_argument("-r", "--gpu-reset", action="store_true")
     ap.add_argument("-i", "--id", metavar="ID[,ID...]")
+    ap.add_argument("-pm", "--persistence-mode", choices=("0", "1", "ENABLED", "DISABLED"))
+    ap.add_argument("--query-gpu", metavar="FIELDS")
+    ap.add_argument("--format", default="csv")
     return ap
 
 
 def main(argv: list[str] | None = None) -> int:
     args, rest = _parser().parse_known_args(argv)
-    if rest or not args.gpu_reset:
-        print(f"nvidia-smi (simulated): only -r [-i ID] is implemented; got {' '.join(rest) or 'no -r'}",
-              file=sys.stderr)
+    asked = [x for x in (args.gpu_reset, args.persistence_mode, args.query_gpu) if x]
+    if rest or len(asked) != 1:
+        print(f"nvidia-smi (simulated): only one of -r, -pm 0|1, --query-gpu [-i ID] is implemented; got "
+              f"{' '.join(rest) or 'none or several'}", file=sys.stderr)
         return EXIT_INVALID_ARGUMENT
     ids = [i for i in args.id.split(",") if i] if args.id else None
+    if args.persistence_mode:
+        return persistence(args.sim, ids, args.persistence_mode in ("1", "ENABLED"))
+    if args.query_gpu:
+        return query(args.sim, ids, args.query_gpu, args.format)
     return reset(args.sim, ids)
 
 

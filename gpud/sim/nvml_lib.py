@@ -728,6 +728,10 @@ def nvmlDeviceSetMigMode(lib, state, handle, mode, status_ref):
         raise _Ret(pynvml.NVML_ERROR_IN_USE)
     if mode != gpu.mig_mode and sim_vgpu.placed(state, gpu.address):
         raise _Ret(pynvml.NVML_ERROR_IN_USE)  # vGPUs on the GPU: no mode change under them
+    v = state.vgpu.get(gpu.address)
+    if mode == 0 and gpu.mig_mode and v is not None and v.vfs:
+        # `nvidia-smi -mig 0` is refused while SR-IOV VFs exist (docs/hardware/sriov.md): VFs first
+        raise _Ret(pynvml.NVML_ERROR_IN_USE)
     gpu.mig_pending = mode
     if mode == gpu.mig_mode:
         status.value = SUCCESS

@@ -16,6 +16,10 @@ from pathlib import Path
 import msgspec
 
 STATE_FILE = "state.json"
+PERSISTENCED_PID = 870  # the simulated nvidia-persistenced (`gpud-sim create --persistence daemon`)
+PERSISTENCE_MODES = ("off", "legacy", "daemon")
+FABRIC_MANAGER_PID = 871  # the simulated nv-fabricmanager process (NVSwitch hosts, when running)
+FABRIC_MANAGER_STATES = ("running", "stopped")
 FIRST_BOOT_ID = "00000000-0000-4000-8000-000000000001"
 LOCK_FILE = "state.lock"
 
@@ -46,6 +50,7 @@ class SimProcess(msgspec.Struct):
     # listing it once it exits, so waiting on a holder's exit can be tested end to end.
     real: bool = False
     vm: str | None = None  # a VM's name: the process shows a qemu command line with `-name guest=<vm>`
+    cdev: bool = False  # holds a vfio device through /dev/vfio/devices/vfioN (iommufd), not its group
 
 
 def _alive(pid: int) -> bool:
@@ -165,6 +170,14 @@ class SimState(msgspec.Struct):
     boot_id: str = FIRST_BOOT_ID
     boots: int = 0  # reboots since `gpud-sim create`
     cuda_version: int = 13000
+    # Persistence mode: "off", "legacy" (`nvidia-smi -pm 1`, a driver flag per GPU) or "daemon"
+    # (nvidia-persistenced keeps the device nodes of the GPUs it persists open). `persistent`: the
+    # GPUs it is on for. Either way it counts as an attachment: `nvidia-smi -r` is refused.
+    persistence: str = "off"
+    # nvidia-fabricmanager on an NVSwitch host (`--fabric-manager running|stopped`): on Ampere it
+    # decides whether a GPU resets alone (nvidia-smi(1), -r)
+    fabric_manager: str = "running"
+    persistent: list[str] = msgspec.field(default_factory=list)
 
 
 def count_reset(state: SimState, address: str, method: str) -> None:
@@ -188,6 +201,12 @@ def save(host_dir: str | os.PathLike, state: SimState) -> None:
     os.replace(tmp, path)
 
 
+# Run with (host_dir, state) after a save that dropped dead processes. The tree renderer
+# (gpud.sim.sysfs_tree, which imports this module) registers itself here, so the state layer
+# never imports the layer above it.
+AFTER_DEAD_DROPPED: list = []
+
+
 @contextlib.contextmanager
 def locked(host_dir: str | os.PathLike, *, write: bool = True) -> Iterator[SimState]:
     """Hold the host lock; yields the state and saves it back on a clean exit when `write`."""
@@ -196,10 +215,16 @@ def locked(host_dir: str | os.PathLike, *, write: bool = True) -> Iterator[SimSt
     try:
         fcntl.flock(fd, fcntl.LOCK_EX if write else fcntl.LOCK_SH)
         state = load(host_dir)
+        before = len(state.processes) + len(state.sessions)
         state.processes = [p for p in state.processes if not p.real or _alive(p.pid)]
         state.sessions = [s for s in state.sessions if _alive(s.pid)]
+        gone = len(state.processes) + len(state.sessions) != before
         yield state
         if write:
             save(host_dir, state)
+            if gone:
+                # the kernel closed a dead process's files: its DIR/proc entry goes with it
+                for hook in AFTER_DEAD_DROPPED:
+                    hook(host_dir, state)
     finally:
         os.close(fd)

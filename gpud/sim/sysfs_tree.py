@@ -18,13 +18,24 @@ from pathlib import Path
 
 from gpud import profiles
 from gpud.sim import pci_files, vgpu
-from gpud.sim.state import LOCK_FILE, SimFunction, SimState, locked, save
+from gpud.sim.state import (
+    AFTER_DEAD_DROPPED,
+    FABRIC_MANAGER_PID,
+    LOCK_FILE,
+    PERSISTENCED_PID,
+    SimFunction,
+    SimProcess,
+    SimState,
+    locked,
+    save,
+)
 
 PCI_ROOT = "devices/pci0000:00"
 NVIDIA = "nvidia"
 VFIO_PCI = "vfio-pci"
 # module name -> PCI driver name, where they differ (module names use "_", modprobe accepts both).
-MODULE_DRIVERS = {"vfio_pci": VFIO_PCI, "xhci_pci": "xhci_hcd", "nvidia_nvswitch": "nvidia-nvswitch"}
+MODULE_DRIVERS = {"vfio_pci": VFIO_PCI, "xhci_pci": "xhci_hcd", "nvidia_nvswitch": "nvidia-nvswitch",
+                  "pci_pf_stub": "pci-pf-stub"}
 # nvidia-caps minors (/proc/driver/nvidia-caps/mig-minors): 1 config, 2 monitor, then per GPU minor
 # 15 GIs x (GI access + 8 CI access).
 CAPS_PER_GI = 9
@@ -98,7 +109,21 @@ def gpu_holders(state: SimState, address: str) -> list:
     if gpu is not None:
         ids.add(gpu.uuid)
         ids |= {ci.uuid for gi in gpu.gis for ci in gi.cis}
-    return [p for p in state.processes if p.device in ids]
+    out = [p for p in state.processes if p.device in ids]
+    return out + persistenced_holders(state, address)
+
+
+def persistenced_holders(state: SimState, address: str) -> list:
+    """nvidia-persistenced, in daemon mode, keeps the device node of each GPU it persists open."""
+    if state.persistence != "daemon" or address not in state.persistent or not _nvidia_bound(state, address):
+        return []
+    return [SimProcess(pid=PERSISTENCED_PID, name="nvidia-persistenced", device=address)]
+
+
+def fabric_manager_runs(state: SimState) -> bool:
+    from gpud.sim.catalog import is_nvswitch
+
+    return state.fabric_manager == "running" and any(f.present and is_nvswitch(f) for f in state.functions.values())
 
 
 def session_holders(state: SimState, address: str) -> list:
@@ -115,8 +140,30 @@ def vfio_holders(state: SimState, group: int | None) -> list:
     return [p for p in state.processes if p.device in addrs]
 
 
+VFIO_CDEV_MAJOR = 511  # dynamic; the number is not what a reader keys on
+
+
+def vfio_cdevs(state: SimState) -> dict[str, tuple[str, int]]:
+    """Kernels 6.8+ (CONFIG_VFIO_DEVICE_CDEV) give every vfio device a cdev besides its group:
+    `<dev>/vfio-dev/vfioN` and `/dev/vfio/devices/vfioN`; an iommufd VMM opens only that. The vfio
+    devices: PCI functions on vfio-pci, VFs carrying a vGPU type, mdevs. Device (PCI address or
+    mdev UUID) -> (its sysfs directory under sys/, N), N in device order."""
+    found: list[tuple[str, str]] = []
+    for a, fn in sorted(present(state).items()):
+        if fn.driver == VFIO_PCI:
+            found.append((a, f"{PCI_ROOT}/{a}"))
+    for v in state.vgpu.values():
+        found += [(vf.address, f"{PCI_ROOT}/{vf.address}") for vf in v.vfs if vf.vgpu_type]
+        found += [(m.uuid, f"{PCI_ROOT}/{m.parent}/{m.uuid}") for m in v.mdevs]
+    return {dev: (sysdir, n) for n, (dev, sysdir) in enumerate(sorted(found))}
+
+
 def process_devices(state: SimState, proc) -> list[str]:
-    """Device paths (relative to DIR/dev) a SimProcess has open, as the kernel would show them."""
+    """Device paths (relative to DIR/dev) a SimProcess has open, as the kernel would show them: a
+    VMM holding a vfio device through its cdev (`gpud-sim hold --cdev`) has only that open."""
+    if proc.cdev:
+        got = vfio_cdevs(state).get(proc.device)
+        return [f"vfio/devices/vfio{got[1]}"] if got is not None else []
     held_vgpu = vgpu.process_devices(state, proc)
     if held_vgpu is not None:
         return held_vgpu
@@ -301,6 +348,13 @@ def desired_tree(host_dir: str | os.PathLike, state: SimState) -> dict[str, tupl
                     for ci in gi.cis:
                         f(f"dev/nvidia-caps/nvidia-cap{cap_minor(gpu.minor, gi.id, ci.id)}", "", 0o444)
 
+    for device, (sysdir, n) in vfio_cdevs(state).items():  # iommufd: one cdev per vfio device
+        d(f"sys/{sysdir}/vfio-dev")
+        d(f"sys/{sysdir}/vfio-dev/vfio{n}")
+        f(f"sys/{sysdir}/vfio-dev/vfio{n}/dev", f"{VFIO_CDEV_MAJOR}:{n}\n")
+        d("dev/vfio")
+        d("dev/vfio/devices")
+        f(f"dev/vfio/devices/vfio{n}", "", 0o600)
     groups = vfio_groups(state)
     if VFIO_PCI in drivers:
         d("dev/vfio")
@@ -315,6 +369,12 @@ def desired_tree(host_dir: str | os.PathLike, state: SimState) -> dict[str, tupl
         opened.setdefault(proc.pid, (proc.name, []))[1].extend(process_devices(state, proc))
         if (line := vgpu.cmdline(proc)) is not None:
             cmdlines[proc.pid] = line
+    if fabric_manager_runs(state):  # it opens the NVSwitches' nodes, no GPU's (not modelled here)
+        opened.setdefault(FABRIC_MANAGER_PID, ("nv-fabricmanager", []))
+    persisted = [a for a in state.persistent if persistenced_holders(state, a)]
+    if state.persistence == "daemon":
+        opened.setdefault(PERSISTENCED_PID, ("nvidia-persistenced", []))[1].extend(
+            ["nvidiactl"] + [f"nvidia{state.gpus[a].minor}" for a in persisted])
     for session in state.sessions:  # an open NVML session holds nvidiactl and its GPUs' nodes
         nodes = ["nvidiactl"] + [f"nvidia{state.gpus[a].minor}" for a in session.gpus
                                  if a in state.gpus and _nvidia_bound(state, a)]
@@ -412,3 +472,6 @@ def render(host_dir: str | os.PathLike, state: SimState) -> None:
             tmp.write_bytes(b"0\n" if payload is None else payload)
             os.chmod(tmp, mode)
             os.replace(tmp, path)
+
+
+AFTER_DEAD_DROPPED.append(render)

@@ -330,8 +330,16 @@ def _placement(st: SimState, pf: str, gi_id: int) -> int:
 
 # ---- kernel write semantics (called by gpud.sim.kernel.Store)
 
+# PF drivers with a `.sriov_configure` callback: pci-pf-stub (pci_sriov_configure_simple) and
+# vfio-pci (vfio_pci_core_sriov_configure). The nvidia driver has none (nv-pci.c): on a PF bound
+# to nvidia the kernel answers ENOENT ("driver does not support SR-IOV configuration via sysfs").
+SRIOV_CONFIGURE = ("pci-pf-stub", "vfio-pci")
+
+
 def sriov_numvfs(st: SimState, pf: str, data: bytes, path: str, events: list) -> None:
-    """drivers/pci/iov.c sriov_numvfs_store with the nvidia driver's sriov_configure."""
+    """drivers/pci/iov.c sriov_numvfs_store: ERANGE above sriov_totalvfs; the same count is a no-op;
+    ENOENT with no driver bound or one without sriov_configure (nvidia); EBUSY to change a non-zero
+    count. VFs probe their driver (nvidia) as they appear (sriov_drivers_autoprobe)."""
     n = kstrtou(data, path, 16)
     fn = st.functions.get(pf)
     v = st.vgpu.get(pf)
@@ -342,8 +350,8 @@ def sriov_numvfs(st: SimState, pf: str, data: bytes, path: str, events: list) ->
         raise sysfs_error(errno.ERANGE, path)
     if n == len(v.vfs):
         return
-    if fn.driver is None or fn.driver != "nvidia":
-        raise sysfs_error(errno.ENOENT, path)  # no driver, or one without sriov_configure in this model
+    if fn.driver not in SRIOV_CONFIGURE:
+        raise sysfs_error(errno.ENOENT, path)
     if n == 0:
         # NVIDIA's choice (not the kernel's): VFs carrying vGPUs are not torn down.
         if any(vf.vgpu_type for vf in v.vfs) or v.mdevs:

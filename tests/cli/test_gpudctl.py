@@ -61,7 +61,7 @@ def test_status_json_shape(daemon):
     assert r.returncode == 0, r.stderr
     doc = json.loads(r.stdout)
     assert set(doc) == {"phase", "layout", "gpus", "read_only", "version", "observed_at", "observation_age",
-                        "kubernetes", "rebuilt_after_boot"}
+                        "kubernetes", "rebuilt_after_boot", "state_files"}
     g0 = doc["gpus"][0]
     assert {"index", "pci", "uuid", "model", "pci_id", "driver", "workload", "iommu_group", "numa_node", "mig",
             "converged", "state", "message", "holders", "group", "vfio_device", "vgpu"} == set(g0)

@@ -30,10 +30,12 @@ def wait_until(cond, timeout: float = 30.0, what: str = "condition"):
 
 class Daemon:
     def __init__(self, tmp: Path, gpus: list[str], layout: str, extra_args: list[str] = (),
-                 nvswitch: bool = False, vgpu: str | None = None) -> None:
+                 nvswitch: bool = False, vgpu: str | None = None, persistence: str = "legacy",
+                 fabric_manager: str = "running") -> None:
         self.tmp = tmp
         self.host = tmp / "host"
-        simcli.create(self.host, gpus, nvswitch=nvswitch, vgpu=vgpu)
+        simcli.create(self.host, gpus, nvswitch=nvswitch, vgpu=vgpu, persistence=persistence,
+                      fabric_manager=fabric_manager)
         self.config = tmp / "etc" / "layout.yaml"
         self.config.parent.mkdir()
         self.config.write_text(layout)
@@ -102,8 +104,10 @@ class Daemon:
 def daemon(tmp_path):
     made: list[Daemon] = []
 
-    def make(gpus: list[str], layout: str, *extra: str, nvswitch: bool = False, vgpu: str | None = None) -> Daemon:
-        d = Daemon(tmp_path / f"d{len(made)}", gpus, layout, list(extra), nvswitch=nvswitch, vgpu=vgpu)
+    def make(gpus: list[str], layout: str, *extra: str, nvswitch: bool = False, vgpu: str | None = None,
+             persistence: str = "legacy", fabric_manager: str = "running") -> Daemon:
+        d = Daemon(tmp_path / f"d{len(made)}", gpus, layout, list(extra), nvswitch=nvswitch, vgpu=vgpu,
+                   persistence=persistence, fabric_manager=fabric_manager)
         made.append(d)
         return d
 

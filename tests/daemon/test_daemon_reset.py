@@ -31,7 +31,8 @@ def test_daemon_resets_an_ampere_gpu_with_nvidia_smi(daemon):
 
 
 def test_daemon_on_an_nvswitch_host_plans_and_reports_the_refused_reset(daemon, tmp_path):
-    d = daemon(["a100-80gb:2"], EMPTY, nvswitch=True)
+    """Ampere with Fabric Manager stopped: nvidia-smi(1) resets all NVLink peers together or none."""
+    d = daemon(["a100-80gb:2"], EMPTY, nvswitch=True, fabric_manager="stopped")
     assert d.ctl("apply", "--wait").returncode == 0
     cand = tmp_path / "candidate.yaml"
     cand.write_text(MIG_ON)
@@ -44,3 +45,18 @@ def test_daemon_on_an_nvswitch_host_plans_and_reports_the_refused_reset(daemon, 
     g0 = d.status()["gpus"][0]
     assert "NVSwitch" in g0["message"] and "00000000:2A:00.0" in g0["message"], g0
     assert resets(d) == {} and d.sim_state()["gpus"][GPU0]["mig_pending"] == 1
+
+
+def test_nvswitch_host_resets_one_gpu_alone_with_fabric_manager_running(daemon, tmp_path):
+    """HGX A100 with Fabric Manager running: the plan takes no other GPU along, Fabric Manager is
+    neither stopped nor waited on, one GPU is reset (Hopper's rule: tests/plan/test_reset_scope.py)."""
+    d = daemon(["a100-80gb:2"], EMPTY, nvswitch=True, fabric_manager="running")
+    assert d.ctl("apply", "--wait").returncode == 0
+    cand = tmp_path / "candidate.yaml"
+    cand.write_text(MIG_ON)
+    plan = json.loads(d.ctl("plan", "--json", str(cand)).stdout)
+    assert plan["disruption"]["resets"] == [GPU0] and plan["disruption"]["reset_with"] == []
+    d.config.write_text(MIG_ON)
+    wait_until(lambda: d.status()["gpus"][0]["state"] == "converged", 60, what="converged")
+    assert resets(d) == {GPU0: {"nvidia-smi": 1}} and d.sim_state()["gpus"][GPU1]["mig_mode"] == 0
+    assert (d.host / "proc" / "871" / "comm").read_text() == "nv-fabricmanage\n"  # still running

@@ -77,7 +77,8 @@ def test_inventory_and_types(daemon) -> None:
     assert set(vfs) == {vf for _, vf in sim_vgpus(d.host, L40S)}
     some = next(iter(mdevs.values()))
     assert f"uuid='{some['uuid']}'" in some["libvirt_hostdev"]
-    assert some["kubevirt"] == {"mediatedDevices": [{"mdevNameSelector": "GRID T4-4Q", "resourceName": "nvidia.com/GRID_T4-4Q"}]}
+    assert some["kubevirt"] == {"mediatedDevices": [{"mdevNameSelector": "GRID T4-4Q", "resourceName": "nvidia.com/GRID_T4-4Q",
+                                                     "externalResourceProvider": True}]}
     types = json.loads(d.ctl("vgpu", "types", "--json").stdout)
     t4 = next(g for g in types["gpus"] if g["pci"] == T4)
     creatable = {t["name"]: t["creatable"] for t in t4["types"]}
@@ -154,6 +155,16 @@ def test_mig_backed_vgpus_get_their_instances_first(daemon) -> None:
     on = sorted(profile_of[vf.gpu_instance_id] for vf in st.vgpu["0000:18:00.0"].vfs if vf.vgpu_type)
     assert on == [9, 19, 19, 19]  # each vGPU on a GPU instance of its profile (3g = 9, 1g = 19)
     assert sorted(profile_of.values()) == [9, 19, 19, 19]
+    # the order: MIG mode, then the VFs (their rebind destroys instances), then instances, then types
+    order = []
+    for e in d.events():
+        text = e.get("message", "")
+        if e["kind"] == "step" and text.startswith(("set-mig-mode", "create-")):
+            order.append("mode" if text.startswith("set-mig-mode") else "instances")
+        elif e["kind"] == "vgpu":
+            order.append("vfs" if text.startswith("enabled VFs") else "types")
+    order = [k for i, k in enumerate(order) if i == 0 or order[i - 1] != k]
+    assert order == ["mode", "vfs", "instances", "types"], order
 
 
 def test_vm_vgpu_to_passthrough_undoes_vgpus_then_binds(daemon) -> None:
@@ -236,8 +247,8 @@ def test_ready_waits_for_the_vgpus_a_reboot_took(daemon) -> None:
 
 def test_moves_container_mig_to_mig_backed_vgpus_and_back(daemon) -> None:
     """container with MIG -> vm-vgpu on MIG-backed types -> plain container. The GPU instances the
-    vGPUs need are the ones the container layout already had, so they stay (same GI ids and starts
-    in the simulator's state file); leaving vm-vgpu removes the vGPUs and disables the VFs before MIG
+    vGPUs need are the ones the container layout already had; enabling the VFs destroys them (the
+    rebind), so they are made again after the VFs, at the same places; leaving vm-vgpu removes the vGPUs and disables the VFs before MIG
     goes off (the fake NVML refuses a mode change or a GI destruction under a vGPU, so a wrong order
     fails the pass)."""
     container_mig = """\
@@ -257,9 +268,12 @@ layouts:
     r = d.ctl("apply", "--wait", "--timeout", "180")
     assert r.returncode == 0, r.stdout + r.stderr
     st = load(d.host)
-    assert sorted((gi.id, gi.profile_id, gi.start) for gi in st.gpus[pf].gis) == gis_before  # kept
+    # enabling the VFs (sriov-manage rebinds the GPU) destroyed the instances; they were made again
+    # after the VFs, at the same places
+    assert sorted((gi.id, gi.profile_id, gi.start) for gi in st.gpus[pf].gis) == gis_before
     carried = sorted(vf.gpu_instance_id for vf in st.vgpu[pf].vfs if vf.vgpu_type)
     assert carried == sorted(gi for gi, _, _ in gis_before)
+    seen = len(d.events())
     d.config.write_text(container_mig.replace("""      mig-enabled: true
       mig-devices: {"1g.18gb": 3, "3g.71gb": 1}""", "      mig-enabled: false"))
     r = d.ctl("apply", "--wait", "--timeout", "180")
@@ -267,7 +281,7 @@ layouts:
     st = load(d.host)
     assert st.vgpu[pf].vfs == [] and st.gpus[pf].gis == [] and st.gpus[pf].mig_mode == 0
     # the last move's order, from the events: every vGPU step (removals, VFs off) before its MIG steps
-    kinds = [e["kind"] for e in d.events() if e.get("gpu") == pf and e["kind"] in ("vgpu", "step")]
+    kinds = [e["kind"] for e in d.events()[seen:] if e.get("gpu") == pf and e["kind"] in ("vgpu", "step")]
     first_vgpu, last_vgpu = kinds.index("vgpu"), max(i for i, k in enumerate(kinds) if k == "vgpu")
     mig_after_vgpus = [i for i, k in enumerate(kinds) if k == "step" and i > first_vgpu]
     assert mig_after_vgpus and min(mig_after_vgpus) > last_vgpu, kinds

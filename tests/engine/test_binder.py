@@ -13,6 +13,7 @@ import signal
 import threading
 import time
 
+import msgspec
 import pytest
 
 from gpud.engine.binding import binder
@@ -22,6 +23,7 @@ from gpud.host.kmsg import kernel_reason
 from gpud.host.procs import Procs
 from gpud.host.sysfs import Sysfs
 from gpud.model import Gpu
+from gpud.plan import binding
 from gpud.plan.binding import plan_binding
 from gpud.sim import catalog, host
 from gpud.sim import kernel as simkernel
@@ -333,3 +335,15 @@ def test_abandoned_writer_keeps_none_of_the_callers_locks(sim, tmp_path):
         fcntl.flock(fd2, fcntl.LOCK_EX | fcntl.LOCK_NB)  # raises BlockingIOError if the child kept it
     finally:
         os.close(fd2)
+
+
+@pytest.mark.parametrize("bad", [binding.BindStep(binding.SET_OVERRIDE, pci=ADA),  # no driver
+                                 binding.BindStep(binding.UNBIND),  # no device
+                                 binding.BindStep(binding.VERIFY_VFIO_NODE, pci=ADA)])  # no group
+def test_a_step_without_the_field_its_action_needs_fails_before_any_write(sim, bad):
+    sysfs, procs = adapters(sim)
+    before = simstate.load(sim.host_dir).functions
+    plan = plan_binding(gpu(sysfs, ADA), "vm-passthrough", drivers=set(sysfs.drivers()))
+    out = binder.execute(sysfs, procs, msgspec.structs.replace(plan, steps=(bad, *plan.steps)), timeout=10)
+    assert out.state == "failed" and f"step {bad} has no" in out.message, out
+    assert simstate.load(sim.host_dir).functions == before

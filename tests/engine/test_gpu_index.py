@@ -5,6 +5,9 @@ the next free index; a returning GPU gets its old one), and the file it keeps.""
 from __future__ import annotations
 
 import json
+import os
+
+import pytest
 
 from gpud.engine.observe.gpu_index import GpuIndex
 from gpud.model import Gpu, NvmlGpu, PciFunction
@@ -87,7 +90,27 @@ def test_an_unreadable_map_is_reported_and_never_overwritten(tmp_path):
     numbered, _, _ = idx.assign([gpu(A, "GPU-a"), gpu(B, "GPU-b")], [A, B], commit=True)
     assert indices(numbered) == {A: 0, B: 1}
     assert idx.problem and str(path) in problems[0] and "not a GPU index map" in problems[0]
-    assert path.read_text() == '{"version": 1, "gpus": [{"index": 0}]}'
+    aside, = tmp_path.glob("gpu-index.json.set-aside-*")  # kept for a person, never rewritten
+    assert aside.read_text() == '{"version": 1, "gpus": [{"index": 0}]}' and not path.exists()
+    again = GpuIndex(str(path))  # a restart still does not trust a fresh numbering as the map
+    again.assign([gpu(A, "GPU-a"), gpu(B, "GPU-b")], [A, B], commit=True)
+    assert not path.exists() and aside.name in (again.problem or "")
+
+
+@pytest.mark.parametrize("kind", ["fifo", "directory", "symlink"])
+def test_a_map_path_that_is_not_a_regular_file_is_set_aside_unopened(tmp_path, kind):
+    path = tmp_path / "gpu-index.json"
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "directory":
+        path.mkdir()
+    else:
+        (tmp_path / "elsewhere").write_text(json.dumps({"version": 1, "gpus": []}))
+        path.symlink_to(tmp_path / "elsewhere")
+    problems: list[str] = []
+    idx = GpuIndex(str(path), on_problem=problems.append)  # returns: a FIFO is never opened blocking
+    assert idx.known == {} and len(problems) == 1 and "set aside" in problems[0]
+    assert not os.path.lexists(path) and list(tmp_path.glob("gpu-index.json.set-aside-*"))
 
 
 def test_duplicate_indices_in_the_map_are_refused(tmp_path):

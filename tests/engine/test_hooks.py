@@ -48,7 +48,7 @@ def test_environment_is_child_env_plus_hook_env_plus_gpud_vars(tmp_path, monkeyp
 
     import asyncio
     assert asyncio.run(go()) == []
-    out = {l.split(": ", 1)[1] for l in lines if l.startswith("pre-apply-mode hook env.sh: ")}
+    out = {ln.split(": ", 1)[1] for ln in lines if ln.startswith("pre-apply-mode hook env.sh: ")}
     env = dict(x.split("=", 1) for x in out if "=" in x)
     for k in ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID", "LISTEN_FDS"):
         assert k not in env
@@ -65,7 +65,7 @@ async def test_arguments_reach_the_command_without_a_shell(lines):
     h = HookRunner(Hooks(apply_start=(Hook("/usr/bin/printf", args=("%s\\n", "$HOME; touch /tmp/x", "`id`")),)),
                    log=lines.append)
     await h.run("apply-start", info())
-    printed = [l.split(": ", 1)[1] for l in lines if l.startswith("apply-start hook printf: ")]
+    printed = [ln.split(": ", 1)[1] for ln in lines if ln.startswith("apply-start hook printf: ")]
     assert printed == ["$HOME; touch /tmp/x", "`id`"]
 
 
@@ -81,7 +81,7 @@ async def test_failing_before_hook_raises_and_skips_the_rest(tmp_path, lines):
     assert e.output == ["draining kubelet", "cannot drain"]  # stderr is captured too
     assert "exited 3" in str(e) and "cannot drain" in str(e)
     assert not after.exists()
-    assert any("exited 3" in l for l in lines)
+    assert any("exited 3" in ln for ln in lines)
 
 
 async def test_apply_exit_runs_after_failed_apply_start_and_reports_failure(tmp_path, lines):
@@ -109,7 +109,7 @@ async def test_apply_exit_runs_after_failed_body_and_its_failures_do_not_raise(t
             cur.changed_mig = True
             raise RuntimeError("nvml exploded")
     assert marks.read_text().split("\n")[:2] == ["one", "two failure 1"]
-    assert any("exited 7" in l for l in lines)
+    assert any("exited 7" in ln for ln in lines)
     # success: GPUD_RESULT=success, and the exit hook failure is returned, not raised
     marks.unlink()
     async with h.around_apply(info()):
@@ -161,7 +161,7 @@ async def test_long_output_without_newline_is_cut(tmp_path, lines):
     cmd = script(tmp_path, "long.sh", "head -c 100000 /dev/zero | tr '\\0' x\necho\necho after\nprintf tail\n")
     h = HookRunner(Hooks(apply_start=(Hook(cmd),)), log=lines.append)
     await h.run("apply-start", info())
-    out = [l.split(": ", 1)[1] for l in lines if l.startswith("apply-start hook long.sh: ")]
+    out = [ln.split(": ", 1)[1] for ln in lines if ln.startswith("apply-start hook long.sh: ")]
     assert out == ["x" * hooks_mod.MAX_LINE + " [cut]", "after", "tail"]
 
 

@@ -13,12 +13,12 @@ import json
 
 import pytest
 
-from gpud.engine.mig import executor as mig_executor
 from gpud.engine.apply_lock import ApplyLock
+from gpud.engine.binding.udev_rules import UdevRules
 from gpud.engine.events import EventBus
+from gpud.engine.mig import executor as mig_executor
 from gpud.engine.mig.executor import Outcome
 from gpud.engine.reconciler import Reconciler
-from gpud.engine.binding.udev_rules import UdevRules
 from gpud.host import logind
 from gpud.sim import state as simstate
 from gpud.sim.reboot import reboot

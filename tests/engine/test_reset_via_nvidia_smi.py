@@ -86,7 +86,7 @@ async def test_another_processes_nvml_session_is_named_and_waited_for(tmp_path):
 
 
 async def test_nvswitch_system_refusing_a_single_gpu_reset_leaves_reset_required(tmp_path):
-    rig = SimRig(tmp_path, ("a100-80gb:2",), nvswitch=True)
+    rig = SimRig(tmp_path, ("a100-80gb:2",), nvswitch=True, fabric_manager="stopped")
     try:
         assert await rig.apply(MIG_ON)
         st = rig.rec.gpu_states[GPU0]
@@ -99,7 +99,7 @@ async def test_nvswitch_system_refusing_a_single_gpu_reset_leaves_reset_required
 
 
 async def test_nvswitch_refusal_under_reboot_allow_is_left_to_the_reboot_policy(tmp_path):
-    rig = SimRig(tmp_path, ("a100-80gb:2",), nvswitch=True)
+    rig = SimRig(tmp_path, ("a100-80gb:2",), nvswitch=True, fabric_manager="stopped")
     try:
         assert await rig.apply(layout(mig([0], {"7g.80gb": 1}), policy={"reboot": "allow"}))
         st = rig.rec.gpu_states[GPU0]

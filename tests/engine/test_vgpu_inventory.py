@@ -15,7 +15,8 @@ def test_mdev_entry() -> None:
     host = ET.fromstring(e.libvirt_hostdev)
     assert (host.get("type"), host.get("model")) == ("mdev", "vfio-pci")
     assert host.find("source/address").get("uuid") == dev.uuid
-    assert e.kubevirt == {"mediatedDevices": [{"mdevNameSelector": "GRID T4-4Q", "resourceName": "nvidia.com/GRID_T4-4Q"}]}
+    assert e.kubevirt == {"mediatedDevices": [{"mdevNameSelector": "GRID T4-4Q", "resourceName": "nvidia.com/GRID_T4-4Q",
+                                               "externalResourceProvider": True}]}
     assert e.vfio_device == "/dev/vfio/201"
 
 
@@ -27,4 +28,4 @@ def test_vf_entry() -> None:
     addr = host.find("source/address")
     assert (addr.get("domain"), addr.get("bus"), addr.get("slot"), addr.get("function")) == ("0x0000", "0x18", "0x00", "0x5")
     assert e.kubevirt == {"pciHostDevices": [{"pciVendorSelector": "10DE:26B9", "resourceName": "nvidia.com/NVIDIA_L40S-12Q",
-                                              "externalResourceProvider": True}]}
+                                              "externalResourceProvider": False}]}

@@ -6,12 +6,15 @@ from __future__ import annotations
 
 import os
 
+import pytest
+
 from gpud.host.procs import Procs
 from gpud.host.sysfs import Sysfs
 from gpud.host.vgpu_sysfs import VgpuSysfs, parse_creatable, qemu_vm_name
 from gpud.sim import host as sim_paths
 from gpud.sim.cli import create, hold
 from gpud.sim.state import load
+from tests.sim.vfs import set_vfs
 
 L40S, A100, T4 = "0000:18:00.0", "0000:2a:00.0", "0000:5d:00.0"
 
@@ -43,7 +46,7 @@ def test_reads_agree_with_the_state_file(tmp_path) -> None:
     create(d, ["l40s", "a100-pcie-40gb", "h200", "t4"], vgpu="vfio")
     a = adapter(d)
     assert [a.interface(p) for p in (L40S, A100, T4)] == ["sriov", "sriov", "mdev"]
-    a.set_num_vfs(L40S, 8)
+    set_vfs(d, L40S, 8)
     assert a.interface(L40S) == "vfio"
     vfs = [vf.address for vf in load(d).vgpu[L40S].vfs]
     first = a.read(L40S)
@@ -80,3 +83,24 @@ def test_mdev_devices_and_offers(tmp_path) -> None:
     assert {o.type: o.creatable for o in state.offers}["T4-1Q"] == 0
     a.remove_mdev("0b5e4c1a-7d0e-4f0a-9a3e-2d5f6a7b8c90")
     assert load(d).vgpu[pf].mdevs == []
+
+
+def test_current_vgpu_type_eio_and_eperm_say_what_to_check(tmp_path) -> None:
+    """Errors the simulator never makes, as hardware returns them: each has its own meaning."""
+    import errno as errno_mod
+
+    from gpud.host.vgpu_sysfs import VgpuError
+
+    d = tmp_path / "h"
+    create(d, ["l40s"], vgpu="vfio")
+    set_vfs(d, L40S, 2)
+    vf = load(d).vgpu[L40S].vfs[0].address
+    h = sim_paths(d)
+    for code, words in ((errno_mod.EIO, "GPU instance exists"), (errno_mod.EPERM, "MIG mode on")):
+        def store(path, data, code=code):
+            raise OSError(code, os.strerror(code), str(path))
+
+        a = VgpuSysfs(Sysfs(str(h.sys_root), store=store), Procs(str(h.proc_root), str(h.dev_root)))
+        with pytest.raises(VgpuError) as info:
+            a.set_vf_type(vf, 1145)
+        assert info.value.errno == code and words in str(info.value), str(info.value)

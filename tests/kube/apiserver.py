@@ -32,7 +32,8 @@ import attrs
 import kmock
 from kmock import KubernetesEmulator, KubernetesError, KubernetesObjectNotFoundError
 
-KINDS = {"nodes": "Node", "pods": "Pod"}
+KINDS = {"nodes": "Node", "pods": "Pod", "events": "Event"}
+NAMESPACED = ("pods", "events")
 
 
 def merge_patch(target: Any, patch: Any) -> Any:
@@ -130,7 +131,7 @@ class ApiServer(KubernetesEmulator):
         plural = request.resource.plural
         if plural not in KINDS:
             raise KubernetesError(status=404, reason="NotFound", message=f"the server could not find {plural}")
-        return plural, request.namespace if plural == "pods" else None, name or request.name
+        return plural, request.namespace if plural in NAMESPACED else None, name or request.name
 
     async def _commit(self, verb: str, key, obj: dict | None, body: Any, event: str) -> dict:
         self._rv += 1
@@ -194,7 +195,7 @@ class ApiServer(KubernetesEmulator):
     async def put_object(self, plural: str, obj: dict) -> dict:
         """Create or merge an object as a controller would (a write with its own version)."""
         meta = obj.setdefault("metadata", {})
-        key = (plural, meta.get("namespace") if plural == "pods" else None, meta["name"])
+        key = (plural, meta.get("namespace") if plural in NAMESPACED else None, meta["name"])
         old = self._store.get(key)
         if old is None:
             new = self._new(plural, obj, meta.get("namespace"))
@@ -214,7 +215,7 @@ class ApiServer(KubernetesEmulator):
         meta = new.setdefault("metadata", {})
         meta.setdefault("uid", str(uuid.uuid4()))
         meta.setdefault("creationTimestamp", datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"))
-        if plural == "pods":
+        if plural in NAMESPACED:
             meta["namespace"] = namespace or meta.get("namespace") or "default"
         new.setdefault("apiVersion", "v1")
         new["kind"] = KINDS[plural]
@@ -237,7 +238,10 @@ class ApiServer(KubernetesEmulator):
 
     async def _serve_create(self, request):
         body = request.data or {}
-        key = self._key(request, body.get("metadata", {}).get("name"))
+        meta = body.setdefault("metadata", {})
+        if not meta.get("name") and meta.get("generateName"):  # the server completes the name
+            meta["name"] = meta["generateName"] + uuid.uuid4().hex[:5]
+        key = self._key(request, meta.get("name"))
         await self._before("create", key[0], key[2], body)
         if key in self._store:
             raise KubernetesError(status=409, reason="AlreadyExists",

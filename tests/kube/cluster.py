@@ -15,6 +15,7 @@ from tests.kube.apiserver import ApiServer
 
 NODE = "gpu-node-1"
 OPERATOR_NS = "gpu-operator"
+PAUSE_IMAGE = "registry.k8s.io/pause:3.10"  # never pulled (no kubelet); the API server requires an image
 
 
 def write_kubeconfig(path, server_url: str) -> str:
@@ -50,7 +51,7 @@ class DaemonSet:
             "metadata": {"name": f"{self.name}-{node}", "namespace": self.namespace, "labels": {"app": self.app},
                          "ownerReferences": [{"apiVersion": "apps/v1", "kind": "DaemonSet", "name": self.name,
                                               "uid": f"uid-{self.name}", "controller": True}]},
-            "spec": {"nodeName": node, "nodeSelector": dict(self.selector), "containers": [{"name": "main"}]},
+            "spec": {"nodeName": node, "nodeSelector": dict(self.selector), "containers": [{"name": "main", "image": PAUSE_IMAGE}]},
         }
 
 
@@ -82,11 +83,15 @@ class DaemonSetController:
                 await self.client.delete(Pod, name, namespace=ds.namespace)
 
     async def _run(self) -> None:
-        node = await self.client.get(Node, self.node)
-        await self._sync(node.metadata.labels or {})
-        async for _, node in self.client.watch(Node, fields={"metadata.name": self.node},
-                                               resource_version=node.metadata.resourceVersion):
-            await self._sync(node.metadata.labels or {})
+        while True:
+            try:
+                node = await self.client.get(Node, self.node)
+                await self._sync(node.metadata.labels or {})
+                async for _, node in self.client.watch(Node, fields={"metadata.name": self.node},
+                                                       resource_version=node.metadata.resourceVersion):
+                    await self._sync(node.metadata.labels or {})
+            except Exception:  # noqa: BLE001 - the API server restarting: read again, as an informer does
+                await asyncio.sleep(0.2)
 
     async def __aenter__(self):
         node = await self.client.get(Node, self.node)

@@ -56,3 +56,38 @@ async def test_after_a_reboot_for_the_same_cause_the_node_is_not_told_rebooting(
     assert await rebooter(str(tmp_path), "r") is False
     assert agent.calls == ["logind r"]
     assert not applier.reboot_requested
+
+
+async def test_no_reboot_unless_the_node_was_told_rebooting(tmp_path):
+    import pytest
+
+    from gpud.engine.boot.reboot_policy import RebootRefused
+
+    class Unreachable(AgentRecorder):
+        async def before_reboot(self, reason):
+            self.calls.append("before_reboot")
+            raise ConnectionError("API server unreachable")
+
+    agent, applier = Unreachable(), ApplierFlag()
+    rebooter = KubeRebooter(agent, applier, _logind(True, agent.calls))
+    with pytest.raises(RebootRefused, match="rebooting could not be written .*API server unreachable"):
+        await rebooter(str(tmp_path), "r")
+    assert agent.calls == ["before_reboot", "reboot_cancelled"]  # logind never asked
+    assert not applier.reboot_requested
+    assert not (tmp_path / REBOOT_MARKER).exists()
+
+
+async def test_the_policy_reports_a_refused_reboot(tmp_path):
+    from gpud.engine.boot.reboot_policy import RebootPolicy, RebootRefused
+    from gpud.engine.events import EventBus
+    from gpud.engine.gpu_state import GpuState
+    from gpud.layout.schema import Policy
+
+    async def refuses(state_dir, reason):
+        raise RebootRefused("the node was not told")
+
+    bus = EventBus()
+    policy = RebootPolicy(rebooter=refuses, state_dir=str(tmp_path), read_only=False, bus=bus)
+    st = await policy.settle("0000:18:00.0", GpuState("reboot-required", "MIG mode pending"), Policy(reboot="allow"))
+    assert st.state == "reboot-required"
+    assert st.message == "MIG mode pending; policy allows a reboot, but the node was not told"

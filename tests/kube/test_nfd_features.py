@@ -69,19 +69,20 @@ def test_replaced_through_a_dotfile_rename(tmp_path, monkeypatch):
     d.mkdir()
     nfd.write_features(str(d / "gpud"), LABELS)
     seen = []
-    real_replace = os.replace
+    real_rename = os.rename
 
-    def spy(src, dst):
+    def spy(src, dst, *, src_dir_fd=None, dst_dir_fd=None):
         # at the moment of the rename NFD still sees the complete old file, and the new bytes sit
-        # in a file NFD ignores
-        seen.append((os.path.dirname(src), os.path.basename(src), nfd_read(str(d)), open(src).read()))
-        real_replace(src, dst)
+        # in a file NFD ignores (the rename is relative to the directory's descriptor)
+        src_dir = os.readlink(f"/proc/self/fd/{src_dir_fd}")
+        seen.append((src_dir, src, nfd_read(str(d)), open(os.path.join(src_dir, src)).read()))
+        real_rename(src, dst, src_dir_fd=src_dir_fd, dst_dir_fd=dst_dir_fd)
 
-    monkeypatch.setattr(os, "replace", spy)
+    monkeypatch.setattr(os, "rename", spy)
     new = {**LABELS, "nvidia.com/gpu.count": "7"}
     assert nfd.write_features(str(d / "gpud"), new) == "written"
     (src_dir, src_name, visible, content), = seen
-    assert src_dir == str(d) and src_name.startswith(".")
+    assert src_dir == str(d) and src_name.startswith(".") and "/" not in src_name
     assert visible == LABELS
     assert "nvidia.com/gpu.count=7\n" in content
     assert nfd_read(str(d)) == new

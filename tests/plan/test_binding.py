@@ -23,7 +23,6 @@ from gpud.plan.binding import (
     VERIFY_DRIVER,
     VERIFY_NATIVE,
     VERIFY_NO_VFIO_NODE,
-    VERIFY_RELEASED,
     VERIFY_VFIO_NODE,
     plan_binding,
 )
@@ -112,11 +111,19 @@ def test_vfio_back_to_container_verifies_nvidia_and_node_gone():
     assert actions(plan) == [
         (CLEAR_OVERRIDE, GPU), (UNBIND, GPU), (PROBE, GPU), (VERIFY_DRIVER, GPU),
         (CLEAR_OVERRIDE, "0000:3b:00.1"), (UNBIND, "0000:3b:00.1"), (PROBE, "0000:3b:00.1"),
-        (VERIFY_RELEASED, "0000:3b:00.1"),
+        (VERIFY_NATIVE, "0000:3b:00.1"),
         (VERIFY_NO_VFIO_NODE, 7),
     ]
     assert next(s for s in plan.steps if s.action == VERIFY_DRIVER).driver == "nvidia"
     assert plan.disruption.vfio_group == 7 and "/dev/vfio/7" in plan.disruption.summary
+
+
+def test_a_companion_left_on_no_driver_is_probed_and_must_end_on_one():
+    """A rebind cut short (gpud killed between the companion's unbind and its probe) leaves the
+    HD-audio function on no driver with no override: for containers that is not converged."""
+    plan = plan_binding(h200("nvidia", None, None, None), "container")
+    assert actions(plan) == [(PROBE, "0000:3b:00.1"), (VERIFY_NATIVE, "0000:3b:00.1")]
+    assert not plan.converged
 
 
 def test_vgpu_needs_the_native_driver_too():
@@ -219,3 +226,16 @@ def test_plan_reaches_a_fixed_point(gd, go, ad, ao, workload):
         assert all(c.driver != "vfio-pci" for c in after.companions)
         # a companion someone else pinned to pci-stub (and unbound) may legitimately be left alone
         assert [s for s in again.steps if s.pci == GPU] == []
+
+
+def test_a_pf_with_vfs_enabled_is_refused_for_vfio_with_the_kernels_reason():
+    """vfio_pci_probe: "Cannot bind to PF with SR-IOV enabled" (EBUSY)."""
+    import msgspec
+
+    from gpud.model import VgpuState
+
+    gpu = msgspec.structs.replace(h200(), vgpu=VgpuState(interface="vfio", total_vfs=16,
+                                                          vfs=("0000:18:00.4", "0000:18:00.5")))
+    plan = plan_binding(gpu, "vm-passthrough")
+    assert plan.steps == () and "2 SR-IOV VFs enabled" in plan.infeasible and "EBUSY" in plan.infeasible
+    assert plan_binding(h200(), "vm-passthrough").infeasible is None

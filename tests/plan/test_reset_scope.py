@@ -40,3 +40,9 @@ def test_with_nvswitch_a_reset_takes_the_other_gpus_on_nvidia():
     funcs = [*GPUS, switch]
     assert nvswitches(funcs) == ["0000:c0:00.0"]
     assert reset_takes_along("0000:18:00.0", funcs) == ["0000:2a:00.0"]  # not the vfio GPU, not audio
+    # nvidia-smi(1) -r: Ampere without Fabric Manager takes the peers; with it, or on Hopper and
+    # later, a GPU resets alone
+    assert reset_takes_along("0000:18:00.0", funcs, arch="ampere", fabric_manager=False) == ["0000:2a:00.0"]
+    assert reset_takes_along("0000:18:00.0", funcs, arch="ampere", fabric_manager=True) == []
+    for arch in ("hopper", "blackwell"):
+        assert reset_takes_along("0000:18:00.0", funcs, arch=arch, fabric_manager=False) == []

@@ -21,6 +21,7 @@ from gpud.sim.state import SimGi, load, locked
 from gpud.sim.sysfs_tree import render
 from gpud.vgpu_types import by_device
 from tests.plan.test_vgpu_plan import Host
+from tests.sim.vfs import set_vfs
 
 RTX = "0000:18:00.0"
 MODEL = by_device(0x2BB5)
@@ -57,10 +58,12 @@ def rtx(tmp_path):
     DC-1-3Q: 9 + DC-1-24Q: 1 (tests/layout/test_vgpu_blackwell.py), at the captured placements."""
     d = tmp_path / "h"
     create(d, ["rtx-pro-6000"], vgpu="vfio")
+    with locked(d) as st:  # MIG mode, then the VFs (their rebind destroys instances), then instances
+        st.gpus[RTX].mig_mode = st.gpus[RTX].mig_pending = 1
+        render(d, st)
+    set_vfs(d, RTX, 48)
     with locked(d) as st:
-        gpu = st.gpus[RTX]
-        gpu.mig_mode = gpu.mig_pending = 1
-        gpu.gis = [SimGi(id=i + 1, profile_id=47, start=3 * i, size=3) for i in range(3)]
+        st.gpus[RTX].gis = [SimGi(id=i + 1, profile_id=47, start=3 * i, size=3) for i in range(3)]
         render(d, st)
     return d
 

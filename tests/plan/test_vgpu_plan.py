@@ -9,17 +9,19 @@ import pytest
 
 from gpud.engine.vgpu.executor import execute
 from gpud.host.procs import Procs
+from gpud.host.sriov_manage import SriovManage
 from gpud.host.sysfs import Sysfs
 from gpud.host.vgpu_sysfs import VgpuSysfs
 from gpud.layout.desired import DesiredGpu
 from gpud.model import Holder, VgpuDevice, VgpuOffer, VgpuState
-from gpud.plan.vgpu import VgpuRecord, check_instances, check_rules, derived_uuid, plan_vgpu
+from gpud.plan.vgpu import VgpuPlan, VgpuRecord, VgpuStep, check_instances, check_rules, derived_uuid, plan_vgpu
 from gpud.sim import host as sim_paths
 from gpud.sim import vgpu as sim_vgpu
 from gpud.sim.cli import create, hold, release
 from gpud.sim.state import SimGi, load, locked
 from gpud.sim.sysfs_tree import render
 from gpud.vgpu_types import by_device
+from tests.sim.vfs import set_vfs
 
 L40S, A100, H200, T4 = "0000:18:00.0", "0000:2a:00.0", "0000:3a:00.0", "0000:5d:00.0"
 L40S_MODEL, T4_MODEL = by_device(0x26B9), by_device(0x1EB8)
@@ -114,7 +116,8 @@ class Host:
                              record=self.record, gi_profiles=self.gi_profiles() if mig else None)
             if plan.infeasible or plan.blocked_by or not plan.steps:
                 return plan
-            out = execute(self.vgpu, plan, self.record, on_step=lambda s: self._count())
+            out = execute(self.vgpu, plan, self.record, on_step=lambda s: self._count(),
+                          vf_tool=SriovManage(str(self.dir / "bin" / "sriov-manage")))
             assert out.state == "done", out.message
         return plan
 
@@ -214,9 +217,12 @@ def test_mdev_on_vfs_and_leaving_vgpu_disables_vfs(mdev) -> None:
 
 def test_mig_backed_vgpus_sit_on_instances(vfio) -> None:
     host = Host(vfio, H200)
+    with locked(vfio) as st:  # MIG mode first; the VFs next (their rebind destroys instances)
+        st.gpus[H200].mig_mode = st.gpus[H200].mig_pending = 1
+        render(vfio, st)
+    set_vfs(vfio, H200, 16)
     with locked(vfio) as st:  # the MIG layout gpud's MIG planner makes for H200X-1-18C: 3 + H200X-3-71C: 1
         gpu = st.gpus[H200]
-        gpu.mig_mode = gpu.mig_pending = 1
         gpu.gis = [SimGi(id=i + 1, profile_id=19, start=i, size=1) for i in range(3)] + \
             [SimGi(id=4, profile_id=9, start=4, size=4)]
         render(vfio, st)
@@ -226,3 +232,14 @@ def test_mig_backed_vgpus_sit_on_instances(vfio) -> None:
     assert [gi for _, gi in on] == [1, 2, 3, 4] and on[0][0] == 1414
     plan = host.apply({"H200X-1-18C": 4}, mig=True)
     assert plan.infeasible == (f"4 MIG-backed vGPUs need 4 GPU instances 1g.18gb on {H200}; the MIG layout has 3")
+
+
+@pytest.mark.parametrize("bad", [VgpuStep("create-mdev", T4, type="T4-4Q", parent=T4),  # no uuid
+                                 VgpuStep("set-vf-type", L40S, type="L40S-12Q"),  # no VF
+                                 VgpuStep("remove", T4)])  # no uuid
+def test_a_step_without_the_field_its_action_needs_fails_before_any_write(mdev, bad) -> None:
+    host = Host(mdev, bad.pci)
+    before = load(mdev).vgpu
+    out = execute(host.vgpu, VgpuPlan(pci=bad.pci, index=0, creations=[bad]), host.record)
+    assert out.state == "failed" and "the step has no" in out.message, out
+    assert load(mdev).vgpu == before and host.record == VgpuRecord()

@@ -70,6 +70,9 @@ def test_an_nvidia_bridge_other_function_is_an_nvswitch(tmp_path):
     hgx = host_checks(Observation(gpus=(), functions=(_fn("0000:05:00.0", 0x10DE, 0x068000),)), hs)
     switch = {c.name: c for c in hgx}["NVSwitch"]
     assert switch.status == "warn" and "0000:05:00.0" in switch.reason and "single-GPU reset" in switch.action
+    fm = {c.name: c for c in hgx}["Fabric Manager"]
+    assert fm.reason.startswith("not running") and fm.status == "warn"  # no GPU known: Ampere's rule applies
+    assert {c.name: c for c in plain}["Fabric Manager"].status == "ok"
 
 
 def test_kernel_module_against_nvml_driver_version(tmp_path):

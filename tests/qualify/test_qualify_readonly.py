@@ -120,8 +120,11 @@ def test_replay_of_the_real_h200_reports_what_the_capture_says(tmp_path):
             for pid, pls in probe["gpu_instance_possible_placements"].items()}
     assert _reported_placements(gpu["GI placements"]["reason"]) == want
     assert want == placements(H200 / "nvidia-smi-mig-lgipp.txt")  # the probe and nvidia-smi agree
-    # nvidia-smi -q says "Persistence Mode : Enabled" on that host, and prints no GPU Reset Status
-    assert gpu["persistence mode"] == {**gpu["persistence mode"], "status": "warn", "reason": "nvidia-smi: Enabled"}
+    # nvidia-smi -q says "Persistence Mode : Enabled" on that host with no nvidia-persistenced (legacy):
+    # not a daemon to drain; and it prints no GPU Reset Status
+    assert gpu["persistence mode"]["status"] == "ok"
+    assert gpu["persistence mode"]["reason"] == "nvidia-smi: Enabled (legacy: no nvidia-persistenced runs (nvidia-smi -pm 1))"
+    assert "drain" not in gpu["persistence mode"]["action"] and "nvidia-smi -pm 0" in gpu["persistence mode"]["action"]
     assert "nvidia-smi -q prints no GPU Reset Status" in gpu["reset"]["reason"]
     # the probe found no IOMMU group (the GPU is passed through to a VM without a virtual IOMMU)
     assert probe["iommu_groups"] == []

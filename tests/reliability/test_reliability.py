@@ -14,7 +14,7 @@ from tests.reliability.trials import CI, run_all
 @pytest.mark.timeout(1200)  # the budget is ~3 minutes on 2 idle cores; a shared CI host is slower
 def test_reliability_suite(tmp_path):
     results = run_all(tmp_path, CI)
-    assert [r.name for r in results] == ["socket abuse", "bad layouts", "issue 13's numbers", "hot-remove",
+    assert [r.name for r in results] == ["root's files", "fair service", "kill -9 with a blocked writer", "socket abuse", "bad layouts", "issue 13's numbers", "hot-remove",
                                          "unplug/plug storm", "NVML faults", "kill -9 during 8-GPU applies"]
     assert all(r.tries > 0 for r in results)
     broken = {r.name: r.failures for r in results if r.failures}

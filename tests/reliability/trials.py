@@ -613,15 +613,22 @@ class Scale:
     storm_events: int = 40
     followers: int = 120
     checks: int = 5
+    file_rounds: int = 6  # tests/reliability/trials_files.py
+    fair_rounds: int = 1
+    fair_checkers: int = 4
+    fair_applies: int = 10
+    writer_kills: int = 1
 
 
 CI = Scale(frames=24, flood=150, slow=20, bad_layouts=8, kills=1, faults=2, hot_removes=1, storm_events=20,
-           followers=40, checks=2)
+           followers=40, checks=2, file_rounds=6, fair_rounds=1, fair_checkers=4, fair_applies=10, writer_kills=1)
 FULL = Scale(frames=107, flood=500, slow=60, bad_layouts=34, kills=34, faults=48, hot_removes=4, storm_events=200,
-             followers=135, checks=5)  # the counts of issue 13's attack
+             followers=135, checks=5,  # the counts of issue 13's attack
+             file_rounds=30, fair_rounds=3, fair_checkers=16, fair_applies=60, writer_kills=8)  # and round 3's
 
 
-TRIALS = ("abuse", "bad", "measured", "hotremove", "storm", "faults", "kill9")
+TRIALS = ("abuse", "bad", "measured", "hotremove", "storm", "faults", "kill9", "files", "fair", "writers")
+OWN_HOSTS = ("files", "fair", "writers")  # trials that start gpud on small hosts of their own
 
 
 def run_all(tmp: Path, scale: Scale, seed: int = 13, only: tuple[str, ...] = TRIALS) -> list[TrialResult]:
@@ -637,6 +644,13 @@ def run_all(tmp: Path, scale: Scale, seed: int = 13, only: tuple[str, ...] = TRI
         result.seconds = time.monotonic() - t0
         results.append(result)
 
+    from tests.reliability import trials_files as round3
+
+    timed("files", round3.trial_root_files, tmp, rng, scale.file_rounds)
+    timed("fair", round3.trial_fair_service, tmp, scale.fair_rounds, scale.fair_checkers, scale.fair_applies)
+    timed("writers", round3.trial_writer_helpers, tmp, scale.writer_kills)
+    if all(t in OWN_HOSTS for t in only):
+        return results
     first = MIG_LAYOUTS[0]
     d = Daemon(tmp / "h8", ["h100-80gb:8"], layout_text(first))
     try:

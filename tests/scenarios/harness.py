@@ -57,9 +57,10 @@ class _Resets:
 
 
 class SimRig:
-    def __init__(self, tmp: Path, gpus: tuple[str, ...], *, nvswitch: bool = False, **reconciler_kw) -> None:
+    def __init__(self, tmp: Path, gpus: tuple[str, ...], *, nvswitch: bool = False, persistence: str = "legacy",
+                 fabric_manager: str = "running", **reconciler_kw) -> None:
         self.dir = tmp / "host"
-        simcli.create(self.dir, list(gpus), nvswitch=nvswitch)
+        simcli.create(self.dir, list(gpus), nvswitch=nvswitch, persistence=persistence, fabric_manager=fabric_manager)
         self.host = sim.install(self.dir)
         self.config = tmp / "layout.yaml"
         self.resets = _Resets(self.dir)

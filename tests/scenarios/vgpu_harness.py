@@ -8,6 +8,7 @@ from pathlib import Path
 
 from gpud.engine.vgpu.executor import execute
 from gpud.host.procs import Procs
+from gpud.host.sriov_manage import SriovManage
 from gpud.host.sysfs import Sysfs
 from gpud.host.vgpu_sysfs import VgpuSysfs
 from gpud.layout.desired import DesiredGpu
@@ -47,17 +48,24 @@ def sim_devices(d: Path, pf: str) -> dict[str, str]:
 
 
 class VgpuRig:
+    def _place_gis(self) -> None:
+        """The scenario's MIG layer, as the engine's MIG steps leave it: mode on, its instances. The
+        engine makes the instances after the VFs (enabling them destroys instances), and so does this."""
+        if not self.sc.mig:
+            return
+        with locked(self.dir) as st:
+            gpu = st.gpus[self.pf]
+            gpu.mig_mode = gpu.mig_pending = 1
+            if not gpu.gis:
+                gpu.gis = [SimGi(id=i, profile_id=p, start=s, size=1 if p == 19 else 4) for i, p, s in self.sc.mig]
+            render(self.dir, st)
+
     def __init__(self, base: Path, sc: VgpuScenario):
         self.dir = base / sc.name
         self.sc = sc
         create(self.dir, list(sc.models), vgpu=sc.interface)
         self.pf = gpu_address(sc.gpu)
-        if sc.mig:
-            with locked(self.dir) as st:
-                gpu = st.gpus[self.pf]
-                gpu.mig_mode = gpu.mig_pending = 1
-                gpu.gis = [SimGi(id=i, profile_id=p, start=s, size=1 if p == 19 else 4) for i, p, s in sc.mig]
-                render(self.dir, st)
+        self._place_gis()
         h = sim_paths(self.dir)
         self.store = CountingStore(h.store)
         self.sysfs = Sysfs(str(h.sys_root), store=self.store, dev_root=str(h.dev_root))
@@ -105,7 +113,9 @@ class VgpuRig:
                              gi_profiles=gi_profiles)
             if plan.infeasible or plan.blocked_by or not plan.steps:
                 return plan
-            out = execute(self.vgpu, plan, self.record)
+            out = execute(self.vgpu, plan, self.record, vf_tool=SriovManage(str(self.dir / "bin" / "sriov-manage")))
+            if any(s.action == "enable-vfs" for s in plan.steps):
+                self._place_gis()
             if out.state != "done":
                 raise AssertionError(f"{self.sc.name}: executor {out.state}: {out.message}")
         return plan

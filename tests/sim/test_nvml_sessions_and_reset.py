@@ -133,7 +133,7 @@ def pend_mig_on(host_dir, address):
 
 def test_reset_settles_a_pending_mode_and_is_counted_per_method(tmp_path):
     d = tmp_path / "host"
-    create(d, ["a100-80gb:2"])
+    create(d, ["a100-80gb:2"], persistence="off")
     pend_mig_on(d, GPU0)
     r = nvidia_smi(d, "-r", "-i", GPU0)
     assert r.returncode == 0, r.stdout + r.stderr
@@ -148,7 +148,7 @@ def test_reset_settles_a_pending_mode_and_is_counted_per_method(tmp_path):
 
 def test_stats_json_reports_resets_per_method(tmp_path, capsys):
     d = tmp_path / "host"
-    create(d, ["h100-80gb"])
+    create(d, ["h100-80gb"], persistence="off")
     assert nvidia_smi(d, "-r", "-i", "0").returncode == 0
     assert nvidia_smi(d, "-r", "-i", load(d).gpus[GPU0].uuid).returncode == 0
     capsys.readouterr()
@@ -166,7 +166,7 @@ IN_USE = ("The following GPUs could not be reset:\n"
 
 def test_reset_refused_while_another_process_has_nvml_open(tmp_path, nvml_holder):
     d = tmp_path / "host"
-    create(d, ["a100-80gb"])
+    create(d, ["a100-80gb"], persistence="off")
     pend_mig_on(d, GPU0)
     p = nvml_holder(d)
     r = nvidia_smi(d, "-r", "-i", GPU0)
@@ -181,24 +181,54 @@ def test_reset_refused_while_another_process_has_nvml_open(tmp_path, nvml_holder
 
 def test_reset_refused_while_a_process_holds_the_gpu(tmp_path):
     d = tmp_path / "host"
-    create(d, ["a100-80gb"])
+    create(d, ["a100-80gb"], persistence="off")
     hold(d, GPU0, 4121, "nvidia-persistenced")
     r = nvidia_smi(d, "-r", "-i", GPU0)
     assert (r.returncode, r.stdout.strip()) == (255, IN_USE)
     assert resets(d) == {}
 
 
+def test_persistence_counts_as_an_attachment_until_turned_off_for_that_gpu(tmp_path):
+    """NVSentinel#1690: with persistence on, -r is refused "In use by another client"; `-pm 0 -i`
+    ("All done.") makes the same reset work. Legacy is the default, as on the lent H200."""
+    d = tmp_path / "host"
+    create(d, ["a100-80gb:2"])
+    assert load(d).persistence == "legacy" and load(d).persistent == [GPU0, GPU1]
+    query = ("--query-gpu=persistence_mode", "--format=csv,noheader", "-i", GPU0)
+    assert nvidia_smi(d, *query).stdout == "Enabled\n"
+    r = nvidia_smi(d, "-r", "-i", GPU0)
+    assert (r.returncode, r.stdout.strip()) == (255, IN_USE) and resets(d) == {}
+    r = nvidia_smi(d, "-pm", "0", "-i", GPU0)
+    assert r.returncode == 0 and r.stdout == "Disabled persistence mode for GPU 00000000:18:00.0.\nAll done.\n"
+    assert nvidia_smi(d, *query).stdout == "Disabled\n" and load(d).persistent == [GPU1]
+    assert nvidia_smi(d, "-r", "-i", GPU0).returncode == 0 and resets(d) == {GPU0: {"nvidia-smi": 1}}
+    assert nvidia_smi(d, "-r", "-i", GPU1).returncode == 255  # the other GPU's is still on
+    assert nvidia_smi(d, "-pm", "1", "-i", GPU0).returncode == 0 and load(d).persistent == [GPU1, GPU0]
+
+
+def test_persistence_daemon_holds_the_device_nodes_it_persists(tmp_path):
+    d = tmp_path / "host"
+    create(d, ["a100-80gb:2"], persistence="daemon")
+    fd = d / "proc" / "870" / "fd"
+    assert (d / "proc" / "870" / "comm").read_text() == "nvidia-persiste\n"
+    assert sorted(os.path.basename(os.readlink(fd / n)) for n in os.listdir(fd)) == ["nvidia0", "nvidia1", "nvidiactl"]
+    assert nvidia_smi(d, "-r", "-i", GPU0).returncode == 255
+    assert nvidia_smi(d, "-pm", "0", "-i", GPU0).returncode == 0  # through the daemon: it lets go of GPU0
+    assert sorted(os.path.basename(os.readlink(fd / n)) for n in os.listdir(fd)) == ["nvidia1", "nvidiactl"]
+    assert nvidia_smi(d, "-r", "-i", GPU0).returncode == 0
+
+
 def test_reset_of_a_gpu_off_nvidia_is_not_found(tmp_path):
     d = tmp_path / "host"
-    create(d, ["a100-80gb"])
+    create(d, ["a100-80gb"], persistence="off")
     Store(d)(d / "sys/bus/pci/drivers/nvidia/unbind", GPU0.encode())
     r = nvidia_smi(d, "-r", "-i", GPU0)
     assert r.returncode == 6 and resets(d) == {}
 
 
-def test_nvswitch_system_refuses_a_single_gpu_reset(tmp_path):
+def test_ampere_nvswitch_system_without_fabric_manager_refuses_a_single_gpu_reset(tmp_path):
     d = tmp_path / "host"
-    create(d, ["a100-80gb:2"], nvswitch=True)
+    create(d, ["a100-80gb:2"], nvswitch=True, persistence="off", fabric_manager="stopped")
     switches = [f for f in load(d).functions.values() if f.class_code == 0x068000]
     assert len(switches) == 6 and {f.device for f in switches} == {0x1AF1}  # pci.ids: GA100 [A100 NVSwitch]
     pend_mig_on(d, GPU0)
@@ -209,3 +239,16 @@ def test_nvswitch_system_refuses_a_single_gpu_reset(tmp_path):
     assert r.returncode == 0 and load(d).gpus[GPU0].mig_mode == 1
     assert resets(d) == {GPU0: {"nvidia-smi": 1}, GPU1: {"nvidia-smi": 1}}
 
+
+
+@pytest.mark.parametrize(("model", "fm"), [("a100-80gb", "running"), ("h100-80gb", "running"), ("h100-80gb", "stopped")])
+def test_nvswitch_gpu_resets_alone_with_fabric_manager_or_on_hopper(tmp_path, model, fm):
+    """nvidia-smi(1) -r: Ampere with Fabric Manager running, and Hopper whatever it does."""
+    d = tmp_path / "host"
+    create(d, [f"{model}:2"], nvswitch=True, persistence="off", fabric_manager=fm)
+    comm = d / "proc" / "871" / "comm"
+    assert (comm.exists() and comm.read_text() == "nv-fabricmanage\n") == (fm == "running")
+    pend_mig_on(d, GPU0)
+    r = nvidia_smi(d, "-r", "-i", GPU0)
+    assert r.returncode == 0, r.stdout
+    assert resets(d) == {GPU0: {"nvidia-smi": 1}} and load(d).gpus[GPU0].mig_mode == 1

@@ -18,6 +18,7 @@ from gpud.engine.binding.udev_rules import render as render_rules
 from gpud.sim import cli as simcli
 from gpud.sim.reboot import RuleError, reboot
 from gpud.sim.state import SimCi, SimGi, SimProcess, load, locked
+from tests.sim.vfs import set_vfs
 
 A100, H100, H100_PT = "0000:18:00.0", "0000:2a:00.0", "0000:3a:00.0"
 
@@ -103,7 +104,7 @@ def test_vfs_and_vgpus_are_gone_after_a_reboot(tmp_path):
     l40s, t4 = sorted(load(d).gpus)
     h = sim_host_paths(d)
     fs = Sysfs(str(h.sys_root), store=h.store, dev_root=str(h.dev_root))
-    fs.write(f"bus/pci/devices/{l40s}/sriov_numvfs", "4")
+    set_vfs(d, l40s, 4)
     vfs = [vf.address for vf in load(d).vgpu[l40s].vfs]
     fs.write(f"bus/pci/devices/{vfs[0]}/nvidia/current_vgpu_type", "1145")
     uuid = "5d7c1b0e-2c8a-4a55-8a52-0c3d6c9e1f01"

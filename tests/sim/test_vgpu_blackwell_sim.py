@@ -23,6 +23,7 @@ from gpud.sim import host as sim_host_paths
 from gpud.sim.cli import create
 from gpud.sim.state import SimGi, load, locked
 from gpud.sim.sysfs_tree import render
+from tests.sim.vfs import set_vfs
 
 RTX = "0000:18:00.0"
 PREFIX = "NVIDIA RTX Pro 6000 Blackwell "
@@ -53,8 +54,8 @@ def rtx(tmp_path):
     plain 1g.24gb one (profile 14), at placements of the captured -lgipp."""
     d = tmp_path / "host"
     create(d, ["rtx-pro-6000"], vgpu="mdev")  # asks for mdev: the Blackwell board has only vendor VFIO
-    fs = sysfs(d)
-    fs.write(f"bus/pci/devices/{RTX}/sriov_numvfs", "48")
+    sysfs(d)
+    set_vfs(d, RTX, 48)
     with locked(d) as st:
         gpu = st.gpus[RTX]
         gpu.mig_mode = gpu.mig_pending = 1
@@ -72,7 +73,7 @@ def test_the_board_shows_vendor_vfio_with_its_printed_names(tmp_path) -> None:
     with open(os.path.join(d, "sys/bus/pci/devices", RTX, "sriov_totalvfs")) as f:
         assert f.read() == "48\n"
     assert not os.path.exists(os.path.join(d, "sys/bus/pci/devices", RTX, "mdev_supported_types"))
-    sysfs(d).write(f"bus/pci/devices/{RTX}/sriov_numvfs", "2")
+    set_vfs(d, RTX, 2)
     vf = load(d).vgpu[RTX].vfs[0].address
     offered = creatable(d, vf)
     assert offered[PREFIX + "DC-4Q"] == 1521 and offered[PREFIX + "DC-8C"] == 1527  # cubecos#312's ids

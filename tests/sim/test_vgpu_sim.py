@@ -12,10 +12,11 @@ import pytest
 
 from gpud.host.sysfs import Sysfs, SysfsError
 from gpud.sim import host as sim_host_paths
-from gpud.sim.cli import create, hold, main, release
+from gpud.sim.cli import SimCliError, create, hold, main, release
 from gpud.sim.kernel import Store
 from gpud.sim.state import SimGi, load, locked
 from gpud.sim.sysfs_tree import render
+from tests.sim.vfs import set_vfs
 
 L40S, A100, H200, T4 = "0000:18:00.0", "0000:2a:00.0", "0000:3a:00.0", "0000:5d:00.0"
 MDEV_UUID = "5d7c1b0e-2c8a-4a55-8a52-0c3d6c9e1f01"
@@ -80,9 +81,20 @@ def test_cli_refuses_a_host_without_vgpu_gpus(tmp_path, capsys) -> None:
     assert usage.value.code == 2
 
 
+def _to_pf_stub(d, fs: Sysfs, pf: str) -> None:
+    from gpud.sim.kernel import modprobe
+
+    fs.write("bus/pci/drivers/nvidia/unbind", pf)
+    modprobe(d, "pci-pf-stub")
+    fs.write("bus/pci/drivers/pci-pf-stub/new_id", "10de 26b9")
+    assert load(d).functions[pf].driver == "pci-pf-stub"
+
+
 def test_sriov_numvfs_kernel_rules(vfio_host) -> None:
+    """drivers/pci/iov.c sriov_numvfs_store on a PF whose driver has sriov_configure (pci-pf-stub)."""
     fs = sysfs(vfio_host)
     rel = f"bus/pci/devices/{L40S}/sriov_numvfs"
+    _to_pf_stub(vfio_host, fs, L40S)
     assert write_err(fs, rel, "33") == errno.ERANGE
     assert write_err(fs, rel, "four") == errno.EINVAL
     fs.write(rel, "4")
@@ -103,15 +115,44 @@ def test_sriov_numvfs_kernel_rules(vfio_host) -> None:
     assert [f.address for f in fs.functions() if f.address.startswith("0000:18")] == [L40S]
 
 
-def test_sriov_numvfs_needs_the_driver(vfio_host) -> None:
+def test_sriov_numvfs_needs_a_driver_with_sriov_configure(vfio_host) -> None:
+    """nvidia has no sriov_configure (nv-pci.c): ENOENT while it is bound, and with no driver."""
     fs = sysfs(vfio_host)
+    rel = f"bus/pci/devices/{L40S}/sriov_numvfs"
+    assert write_err(fs, rel, "4") == errno.ENOENT
+    fs.write(rel, "0")  # the count it has: the kernel returns before asking the driver
     fs.write("bus/pci/drivers/nvidia/unbind", L40S)
-    assert write_err(fs, f"bus/pci/devices/{L40S}/sriov_numvfs", "4") == errno.ENOENT
+    assert write_err(fs, rel, "4") == errno.ENOENT
+    assert load(vfio_host).vgpu[L40S].vfs == []
+
+
+def test_sriov_manage_enables_through_the_stub_and_refuses_while_held(vfio_host, capsys) -> None:
+    """NVIDIA's sriov-manage: the unbind lock first (refused while a process or an NVML session holds
+    the GPU), the PF via pci-pf-stub, all VFs, nvidia back, persistence on, VFs on nvidia."""
+    from gpud.sim.sriov_manage import run
+
+    hold(vfio_host, L40S, 7001, name="dcgm")
+    before = load(vfio_host)
+    assert run(vfio_host, "-e", L40S) == 1
+    assert "Cannot obtain unbindLock for 0000:18:00.0" in capsys.readouterr().err
+    after = load(vfio_host)
+    assert after.vgpu[L40S].vfs == [] and after.functions[L40S].driver == "nvidia"
+    assert after.functions[L40S].nvidia_probes == before.functions[L40S].nvidia_probes
+    release(vfio_host, L40S, 7001)
+    assert run(vfio_host, "-e", L40S) == 0
+    st = load(vfio_host)
+    assert len(st.vgpu[L40S].vfs) == 32 and st.functions[L40S].driver == "nvidia"
+    assert st.functions[L40S].nvidia_probes == before.functions[L40S].nvidia_probes + 1
+    assert all(st.functions[vf.address].driver == "nvidia" for vf in st.vgpu[L40S].vfs)
+    assert L40S in st.persistent and st.persistence == "legacy"
+    assert run(vfio_host, "-e", L40S) == 0 and "already has VFs enabled" in capsys.readouterr().out
+    assert run(vfio_host, "-d", L40S) == 0
+    assert load(vfio_host).vgpu[L40S].vfs == [] and read(vfio_host, f"bus/pci/devices/{L40S}/sriov_numvfs") == "0\n"
 
 
 def test_vendor_vfio_creatable_list_shrinks_then_header_only(vfio_host) -> None:
     fs = sysfs(vfio_host)
-    fs.write(f"bus/pci/devices/{L40S}/sriov_numvfs", "6")
+    set_vfs(vfio_host, L40S, 6)
     vfs = [vf.address for vf in load(vfio_host).vgpu[L40S].vfs]
     offered = creatable(vfio_host, vfs[0])
     names = [n for _, n in offered]
@@ -134,12 +175,14 @@ def test_vendor_vfio_creatable_list_shrinks_then_header_only(vfio_host) -> None:
     assert read(vfio_host, f"bus/pci/devices/{vfs[3]}/nvidia/current_vgpu_type") == "0\n"
     assert creatable(vfio_host, vfs[4]) == [(type_12q, "NVIDIA L40S-12Q")]
     # VFs with vGPUs cannot be disabled
-    assert write_err(fs, f"bus/pci/devices/{L40S}/sriov_numvfs", "0") == errno.EBUSY
+    with pytest.raises(OSError) as info:
+        set_vfs(vfio_host, L40S, 0)
+    assert info.value.errno == errno.EBUSY
 
 
 def test_held_vf_cannot_be_freed_and_shows_a_vfio_group(vfio_host) -> None:
     fs = sysfs(vfio_host)
-    fs.write(f"bus/pci/devices/{L40S}/sriov_numvfs", "2")
+    set_vfs(vfio_host, L40S, 2)
     vf = load(vfio_host).vgpu[L40S].vfs[0].address
     type_id = next(i for i, n in creatable(vfio_host, vf) if n == "NVIDIA L40S-24Q")
     fs.write(f"bus/pci/devices/{vf}/nvidia/current_vgpu_type", str(type_id))
@@ -156,7 +199,7 @@ def test_held_vf_cannot_be_freed_and_shows_a_vfio_group(vfio_host) -> None:
 
 def test_mig_backed_types_need_mig_and_an_instance(vfio_host) -> None:
     fs = sysfs(vfio_host)
-    fs.write(f"bus/pci/devices/{H200}/sriov_numvfs", "4")
+    set_vfs(vfio_host, H200, 4)
     vfs = [vf.address for vf in load(vfio_host).vgpu[H200].vfs]
     names = [n for _, n in creatable(vfio_host, vfs[0])]
     assert "NVIDIA H200X-141C" in names and not any("-1-18C" in n for n in names)  # MIG off: time-sliced only
@@ -203,7 +246,7 @@ def test_mdev_on_a_card_without_sriov(vfio_host) -> None:
 def test_mdev_parents_are_vfs_on_sriov_gpus(mdev_host) -> None:
     fs = sysfs(mdev_host)
     assert not os.path.exists(os.path.join(mdev_host, "sys/bus/pci/devices", A100, "mdev_supported_types"))
-    fs.write(f"bus/pci/devices/{A100}/sriov_numvfs", "16")
+    set_vfs(mdev_host, A100, 16)
     vfs = [vf.address for vf in load(mdev_host).vgpu[A100].vfs]
     tdir = next(t for t in os.listdir(os.path.join(mdev_host, "sys/bus/pci/devices", vfs[0], "mdev_supported_types"))
                 if read(mdev_host, f"bus/pci/devices/{vfs[0]}/mdev_supported_types/{t}/name") == "NVIDIA A100-20C\n")
@@ -241,7 +284,7 @@ def test_hold_names_mdevs_and_vfs(vfio_host, capsys) -> None:
     assert main(["hold", str(vfio_host), MDEV_UUID.upper(), "--pid", "31337", "--vm", "win-7"]) == 0
     procs = json.loads(open(os.path.join(vfio_host, "state.json")).read())["processes"]
     assert procs == [{"pid": 31337, "name": "qemu-system-x86", "device": MDEV_UUID, "used_mb": 256, "real": False,
-                      "vm": "win-7"}]
+                      "vm": "win-7", "cdev": False}]
 
 
 def test_nvml_refuses_mig_changes_under_vgpus(tmp_path) -> None:
@@ -254,7 +297,7 @@ def test_nvml_refuses_mig_changes_under_vgpus(tmp_path) -> None:
     d = tmp_path / "nvml-host"
     create(d, ["h200", "l40s"], vgpu="vfio")
     fs = sysfs(d)
-    fs.write("bus/pci/devices/0000:18:00.0/sriov_numvfs", "2")
+    set_vfs(d, "0000:18:00.0", 2)
     with locked(d) as st:
         gpu = st.gpus["0000:18:00.0"]
         gpu.mig_mode = gpu.mig_pending = 1
@@ -286,7 +329,7 @@ def test_clear_for_reboot_drops_vfs_vgpus_and_their_vms(vfio_host) -> None:
     from gpud.sim import vgpu as sim_vgpu
 
     fs = sysfs(vfio_host)
-    fs.write(f"bus/pci/devices/{L40S}/sriov_numvfs", "2")
+    set_vfs(vfio_host, L40S, 2)
     vf = load(vfio_host).vgpu[L40S].vfs[0].address
     type_id = next(i for i, n in creatable(vfio_host, vf) if n == "NVIDIA L40S-24Q")
     fs.write(f"bus/pci/devices/{vf}/nvidia/current_vgpu_type", str(type_id))
@@ -306,6 +349,73 @@ def test_clear_for_reboot_drops_vfs_vgpus_and_their_vms(vfio_host) -> None:
     assert not os.path.exists(os.path.join(vfio_host, "sys/bus/pci/devices", L40S, "virtfn0"))
     assert not os.path.exists(os.path.join(vfio_host, "sys/bus/mdev/devices", MDEV_UUID))
     # the host works on after it: VFs come back empty, the T4 offers every type again
-    fs.write(f"bus/pci/devices/{L40S}/sriov_numvfs", "2")
+    set_vfs(vfio_host, L40S, 2)
     assert [v.vgpu_type for v in load(vfio_host).vgpu[L40S].vfs] == [0, 0]
     assert read(vfio_host, f"bus/pci/devices/{T4}/mdev_supported_types/nvidia-230/available_instances") == "16\n"
+
+
+def test_vfio_devices_have_a_cdev_and_hold_cdev_opens_only_it(vfio_host) -> None:
+    """Kernels 6.8+: `<dev>/vfio-dev/vfioN` and /dev/vfio/devices/vfioN beside the group node."""
+    fs = sysfs(vfio_host)
+    set_vfs(vfio_host, L40S, 2)
+    vf = load(vfio_host).vgpu[L40S].vfs[1].address
+    assert not os.path.exists(os.path.join(vfio_host, "sys/bus/pci/devices", vf, "vfio-dev"))  # no type: no vfio device
+    with pytest.raises(SimCliError):
+        hold(vfio_host, vf, 4242, vm="web-1", cdev=True)
+    type_id = next(i for i, n in creatable(vfio_host, vf) if n == "NVIDIA L40S-24Q")
+    fs.write(f"bus/pci/devices/{vf}/nvidia/current_vgpu_type", str(type_id))
+    assert os.listdir(os.path.join(vfio_host, "sys/bus/pci/devices", vf, "vfio-dev")) == ["vfio0"]
+    assert os.path.exists(os.path.join(vfio_host, "dev/vfio/devices/vfio0"))
+    hold(vfio_host, vf, 4242, vm="web-1", cdev=True)
+    fd = os.path.join(vfio_host, "proc/4242/fd")
+    assert [os.readlink(os.path.join(fd, n)).rsplit("/dev/", 1)[1] for n in os.listdir(fd)] == ["vfio/devices/vfio0"]
+    assert write_err(fs, f"bus/pci/devices/{vf}/nvidia/current_vgpu_type", "0") == errno.EBUSY  # held all the same
+
+
+def test_vfio_pci_refuses_a_pf_with_vfs_enabled(vfio_host) -> None:
+    """vfio_pci_probe: "Cannot bind to PF with SR-IOV enabled" -> EBUSY; with the VFs gone it binds."""
+    fs = sysfs(vfio_host)
+    set_vfs(vfio_host, L40S, 2)
+    fs.write(f"bus/pci/devices/{L40S}/driver_override", "vfio-pci")
+    fs.write("bus/pci/drivers/nvidia/unbind", L40S)
+    from gpud.sim.kernel import modprobe
+
+    modprobe(vfio_host, "vfio-pci")
+    assert load(vfio_host).functions[L40S].driver is None  # the module's probe did not take it
+    assert write_err(fs, "bus/pci/drivers/vfio-pci/bind", L40S) == errno.EBUSY
+
+
+def test_sriov_manage_rebind_destroys_instances_and_mig_off_waits_for_the_vfs(tmp_path) -> None:
+    """The PF's rebind to nvidia is a new probe: no GPU instance survives it, MIG mode does; NVML
+    refuses to turn MIG off while VFs exist (as `nvidia-smi -mig 0` does)."""
+    import pynvml
+
+    from gpud import sim
+    from gpud.sim.sriov_manage import run
+
+    d = tmp_path / "host"
+    create(d, ["h200"], vgpu="vfio", persistence="off")
+    pf = "0000:18:00.0"
+    with locked(d) as st:
+        st.gpus[pf].mig_mode = st.gpus[pf].mig_pending = 1
+        st.gpus[pf].gis = [SimGi(id=1, profile_id=19, start=0, size=1)]
+        render(d, st)
+    assert run(d, "-e", pf) == 0
+    st = load(d)
+    assert st.gpus[pf].gis == [] and st.gpus[pf].mig_mode == 1 and len(st.vgpu[pf].vfs) == 32
+    sim.install(d)
+    try:
+        pynvml.nvmlInit()
+        h = pynvml.nvmlDeviceGetHandleByPciBusId(pf)
+        with pytest.raises(pynvml.NVMLError) as info:
+            pynvml.nvmlDeviceSetMigMode(h, 0)
+        assert info.value.value == pynvml.NVML_ERROR_IN_USE
+        pynvml.nvmlShutdown()
+        assert run(d, "-d", pf) == 0
+        pynvml.nvmlInit()
+        h = pynvml.nvmlDeviceGetHandleByPciBusId(pf)
+        pynvml.nvmlDeviceSetMigMode(h, 0)
+        pynvml.nvmlShutdown()
+    finally:
+        sim.uninstall()
+    assert load(d).gpus[pf].mig_pending == 0

@@ -28,6 +28,7 @@ import os
 import re
 import time
 from collections.abc import Callable, Iterable
+from typing import TypeVar
 
 from msgspec import Struct
 
@@ -50,6 +51,17 @@ class BindOutcome(Struct, frozen=True):
     step: str | None = None  # the step that failed, waited or got stuck
     errno: int | None = None
     stuck_pid: int | None = None
+
+
+
+T = TypeVar("T")
+
+
+def _needs(step: binding.BindStep, value: T | None, name: str) -> T:
+    """The field a step of this action must carry; a step without it is refused before any write."""
+    if value is None:
+        raise WriteFailed("", None, f"step {step} has no {name}")
+    return value
 
 
 class _BindingRun:
@@ -151,44 +163,48 @@ class _BindingRun:
     def step(self, s: binding.BindStep) -> None:
         a = s.action
         if a == binding.LOAD_MODULE:
-            if not os.path.isdir(os.path.join(self.sysfs.root, "bus", "pci", "drivers", s.driver or s.module)):
-                self.sysfs.load_module(s.module)
-                if not self.wait_until(lambda: os.path.isdir(os.path.join(self.sysfs.root, "bus", "pci", "drivers", s.driver))):
-                    raise WriteFailed("", None, f"module {s.module} loaded but driver {s.driver} did not register")
-        elif a == binding.SET_OVERRIDE:
-            self.write(f"bus/pci/devices/{s.pci}/driver_override", s.driver, s.pci)
-        elif a == binding.CLEAR_OVERRIDE:
-            self.write(f"bus/pci/devices/{s.pci}/driver_override", "\n", s.pci)
-        elif a == binding.UNBIND:
-            self.unbind(s.pci)
-        elif a == binding.PROBE:
-            self.write("bus/pci/drivers_probe", s.pci, s.pci)
-        elif a == binding.VERIFY_DRIVER:
-            if not self.wait_until(lambda: self.driver(s.pci) == s.driver):
-                raise WriteFailed(self.dev(s.pci, "driver"), None,
-                                  f"{s.pci} is on {self.driver(s.pci) or 'no driver'} after probe, expected {s.driver}")
-        elif a == binding.VERIFY_NATIVE:
-            if not self.wait_until(lambda: self.driver(s.pci) not in (None, binding.VFIO)):
-                raise WriteFailed(self.dev(s.pci, "driver"), None,
-                                  f"{s.pci} is on {self.driver(s.pci) or 'no driver'} after probe, expected its native driver")
-        elif a == binding.VERIFY_RELEASED:
-            if not self.wait_until(lambda: self.driver(s.pci) != binding.VFIO):
-                raise WriteFailed(self.dev(s.pci, "driver"), None, f"{s.pci} is still on vfio-pci")
-        elif a == binding.VERIFY_VFIO_NODE:
-            node = self.vfio_node(s.group)
-            if not self.wait_until(lambda: os.path.exists(node)):
+            module = _needs(s, s.module, "module")
+            driver = s.driver or module
+            if not os.path.isdir(os.path.join(self.sysfs.root, "bus", "pci", "drivers", driver)):
+                self.sysfs.load_module(module)
+                if not self.wait_until(lambda: os.path.isdir(os.path.join(self.sysfs.root, "bus", "pci", "drivers", driver))):
+                    raise WriteFailed("", None, f"module {module} loaded but driver {driver} did not register")
+            return
+        if a in (binding.VERIFY_VFIO_NODE, binding.VERIFY_NO_VFIO_NODE):
+            group = _needs(s, s.group, "group")
+            node = self.vfio_node(group)
+            if a == binding.VERIFY_VFIO_NODE and not self.wait_until(lambda: os.path.exists(node)):
                 raise WriteFailed(node, None, f"{node} did not appear within {self.verify_timeout:g}s (udev?)")
-        elif a == binding.VERIFY_NO_VFIO_NODE:
-            node = self.vfio_node(s.group)
-            if not self.wait_until(lambda: not os.path.exists(node)):
-                raise WriteFailed(node, None, f"{node} is still there: another device of group {s.group} is on vfio-pci")
+            if a == binding.VERIFY_NO_VFIO_NODE and not self.wait_until(lambda: not os.path.exists(node)):
+                raise WriteFailed(node, None, f"{node} is still there: another device of group {group} is on vfio-pci")
+            return
+        pci = _needs(s, s.pci, "pci")
+        if a == binding.SET_OVERRIDE:
+            self.write(f"bus/pci/devices/{pci}/driver_override", _needs(s, s.driver, "driver"), pci)
+        elif a == binding.CLEAR_OVERRIDE:
+            self.write(f"bus/pci/devices/{pci}/driver_override", "\n", pci)
+        elif a == binding.UNBIND:
+            self.unbind(pci)
+        elif a == binding.PROBE:
+            self.write("bus/pci/drivers_probe", pci, pci)
+        elif a == binding.VERIFY_DRIVER:
+            if not self.wait_until(lambda: self.driver(pci) == s.driver):
+                raise WriteFailed(self.dev(pci, "driver"), None,
+                                  f"{pci} is on {self.driver(pci) or 'no driver'} after probe, expected {s.driver}")
+        elif a == binding.VERIFY_NATIVE:
+            if not self.wait_until(lambda: self.driver(pci) not in (None, binding.VFIO)):
+                raise WriteFailed(self.dev(pci, "driver"), None,
+                                  f"{pci} is on {self.driver(pci) or 'no driver'} after probe, expected its native driver")
+        elif a == binding.VERIFY_RELEASED:
+            if not self.wait_until(lambda: self.driver(pci) != binding.VFIO):
+                raise WriteFailed(self.dev(pci, "driver"), None, f"{pci} is still on vfio-pci")
         else:
             raise WriteFailed("", None, f"unknown step {a!r}")
 
     def preflight(self) -> None:
         """Everything that can say "not now" runs before the first write, so a waiting outcome
         leaves the host as it was: other holders, our own NVML handle, nvidia's unbindLock."""
-        unbinds = [s.pci for s in self.plan.steps if s.action == binding.UNBIND]
+        unbinds = [s.pci for s in self.plan.steps if s.action == binding.UNBIND and s.pci is not None]
         if not unbinds:
             return
         if self.check_holders:

@@ -18,8 +18,8 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable, Mapping, Sequence
 
-from gpud.host.atomic_file import remove_file, replace_file
 from gpud.host.readonly import refuse_if
+from gpud.host.safe_file import UnsafeFile, read_file, remove_file, write_file
 from gpud.model import Gpu
 from gpud.pci import is_bridge
 
@@ -84,15 +84,16 @@ def write_if_changed(path: str, content: str, *, read_only: bool = False, mode: 
     """Make `path` hold `content` ("" removes it). Atomic (temp file + fsync + rename in the same
     directory) so udevd never reads half a file. Returns whether anything changed."""
     try:
-        with open(path, encoding="utf-8") as f:
-            current: str | None = f.read()
+        current: str | None = read_file(path, 1 << 20).decode("utf-8", "replace")
     except FileNotFoundError:
+        current = None
+    except UnsafeFile:  # not a regular file: replaced by the rename below, never followed
         current = None
     if (current is None and not content) or (content and current == content):
         return False
     refuse_if(read_only, "write udev rules", path)
     if content:
-        replace_file(path, content.encode(), mode=mode)
+        write_file(path, content.encode(), mode=mode, make_dir=True)
     else:
         remove_file(path)
     return True

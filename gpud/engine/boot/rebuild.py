@@ -17,7 +17,7 @@ from pathlib import Path
 
 from gpud.engine.events import EventBus
 from gpud.engine.gpu_state import GpuState
-from gpud.host.atomic_file import replace_file
+from gpud.host import state_files
 
 log = logging.getLogger(__name__)
 
@@ -27,8 +27,10 @@ BOOT_FILE = "boot.json"
 class BootRebuild:
     """`boot_id` is this boot's id (None: unknown, nothing is claimed)."""
 
-    def __init__(self, state_dir: str | None, boot_id: str | None, bus: EventBus, *, read_only: bool = False):
+    def __init__(self, state_dir: str | None, boot_id: str | None, bus: EventBus, *, read_only: bool = False,
+                 problems: state_files.Problems | None = None):
         self.bus = bus
+        self.problems = problems if problems is not None else state_files.Problems(lambda m: bus.publish("error", m))
         self.boot_id = boot_id
         self.read_only = read_only
         self.path = Path(state_dir) / BOOT_FILE if state_dir and boot_id else None
@@ -42,21 +44,19 @@ class BootRebuild:
     def _previous(self) -> str | None:
         if self.path is None:
             return None
-        try:
-            return str(json.loads(self.path.read_text())["boot_id"])
-        except FileNotFoundError:
-            return None
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            log.error("%s unreadable (%s): not claiming a reboot", self.path, e)
-            return self.boot_id
+        path = str(self.path)
+        previous = state_files.load(path, _decode, self.problems, what="boot record")
+        if previous is None and path in self.problems.by_file:
+            return self.boot_id  # set aside: not claiming a reboot
+        return previous
 
     def _remember(self) -> None:
         if self.path is None or self.read_only:
             return
         try:
-            replace_file(str(self.path), json.dumps({"boot_id": self.boot_id}).encode() + b"\n")
+            state_files.save(str(self.path), json.dumps({"boot_id": self.boot_id}).encode() + b"\n")
         except OSError as e:
-            log.error("cannot record the boot id in %s: %s", self.path, e)
+            self.problems.say(str(self.path), f"{self.path}: the boot id not recorded ({e})")
 
     def will_change(self, gpus: Mapping[str, str]) -> None:
         """The GPUs a pass is about to change (pci -> how status names it)."""
@@ -81,3 +81,10 @@ class BootRebuild:
         self.after_boot = False
         self.bus.publish("rebuilt-after-boot", self.summary)
         self._remember()
+
+
+def _decode(data: bytes) -> str:
+    record = json.loads(data)
+    if not isinstance(record, dict) or not isinstance(record.get("boot_id"), str) or not record["boot_id"]:
+        raise state_files.BadStateFile('expected {"boot_id": "<id>"}')
+    return record["boot_id"]

@@ -26,7 +26,8 @@ async def apply_with_hooks(
     changed_mig: Callable[[], bool],
     abort: Callable[[str, HookFailed], None],
     drainer: Drainer | None,
-    log: Callable[[str], None],
+    log: Callable[[str], object],
+    cdi_generate: Callable[[], Awaitable[str]] | None = None,
 ) -> None:
     """Run `apply_one(pci)` for each GPU of `todo` inside the hook phases. After the GPUs,
     `converged(pci)` says whether a GPU got there and `changed_mig()` whether MIG devices were
@@ -56,5 +57,5 @@ async def apply_with_hooks(
         for pci in sorted(set(todo) - done):
             abort(pci, e)
         return
-    if info.changed_mig and drainer is not None:
-        await refresh_cdi(drainer, log=log)
+    if info.changed_mig and (drainer is not None or cdi_generate is not None):
+        await refresh_cdi(drainer, log=log, generate=cdi_generate)

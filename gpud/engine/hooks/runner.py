@@ -20,7 +20,7 @@ import contextlib
 import os
 import signal
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 from gpud.engine.ports import Drainer
@@ -92,7 +92,7 @@ class HookRunner:
     """Runs the layout's hooks (as `gpud.layout.parse` checked them); `log(line)` receives every
     line they print and what happened to them (start, exit code, timeout)."""
 
-    def __init__(self, hooks: Hooks, *, log: Callable[[str], None], tail_lines: int = 20) -> None:
+    def __init__(self, hooks: Hooks, *, log: Callable[[str], object], tail_lines: int = 20) -> None:
         self.hooks = hooks
         self.log = log
         self.tail_lines = tail_lines
@@ -255,16 +255,30 @@ async def _kill_group(proc: asyncio.subprocess.Process) -> None:
     await proc.wait()
 
 
-async def refresh_cdi(drainer: Drainer | None, *, log: Callable[[str], None] | None = None,
-                      unit: str = CDI_REFRESH_UNIT) -> bool:
+async def refresh_cdi(drainer: Drainer | None, *, log: Callable[[str], object] | None = None,
+                      unit: str = CDI_REFRESH_UNIT, generate: Callable[[], Awaitable[str]] | None = None) -> bool:
     """After an apply that changed MIG devices, regenerate the CDI spec (the container toolkit
     does not notice on its own: nvidia-container-toolkit #1828). Restarts the unit through
-    systemd when it is installed; False when it is not."""
-    if drainer is None:
+    systemd when it is installed; else runs `generate` (gpud.host.cdi: `nvidia-ctk cdi generate`)
+    when the toolkit is; False when neither could."""
+    done = False
+    if drainer is not None:
+        done = await drainer.restart_if_present(unit)
+    if done:
         if log:
-            log(f"cannot restart {unit}: no system bus")
-        return False
-    done = await drainer.restart_if_present(unit)
+            log(f"restarted {unit}")
+        return True
+    if generate is not None:
+        try:
+            message = await generate()
+        except Exception as e:  # noqa: BLE001 - reported; the apply itself is done
+            if log:
+                log(f"CDI spec not regenerated: {e}")
+            return False
+        if log:
+            log(message)
+        return True
     if log:
-        log(f"restarted {unit}" if done else f"{unit} not installed; CDI spec not refreshed")
-    return done
+        log(f"cannot restart {unit}: no system bus" if drainer is None
+            else f"{unit} not installed; CDI spec not refreshed")
+    return False

@@ -6,7 +6,9 @@ NVIDIA/vgpu-device-manager cmd/nvidia-k8s-vgpu-dm), as gpud follows it:
 
 1. The node label `nvidia.com/mig.config` names the layout in force (an entry of `layouts` in
    layout.yaml, as mig-manager's names a mig-parted config); `nvidia.com/vgpu.config` likewise for a
-   vGPU node. Both set to different names is an error: gpud has one layout in force.
+   vGPU node; `vgpu.config` wins over the operator's automatic `mig.config=all-disabled`, and on a
+   `gpu.workload.config=vm-vgpu` node without it the default vGPU layout applies
+   (gpud.engine.kube.selection). Two other, different names are an error: one layout is in force.
 2. A pass that changes something: `<label>.state=pending`; each `nvidia.com/gpu.deploy.<operand>`
    label of the operands the change disrupts that is `true` becomes `paused-for-mig-change`
    (container operands) or `paused-for-vgpu-change` (sandbox operands); `false` or absent stays as it
@@ -38,16 +40,24 @@ from typing import Protocol
 from msgspec import Struct
 
 from gpud.engine.kube.operands import OperandsNotPaused
+from gpud.engine.kube.other_agents import OTHER_AGENTS, OtherAgent, OtherAgentsOff  # noqa: F401 - re-exported
+from gpud.engine.kube.selection import (  # noqa: F401 - the protocol's names, re-exported
+    DEFAULT_VGPU_CONFIG,
+    MIG_CAPABLE,
+    MIG_CONFIG,
+    MIG_STATE,
+    VGPU_CONFIG,
+    VGPU_STATE,
+    WORKLOAD_CONFIG,
+    Selection,
+    selection,
+)
+from gpud.engine.kube.workload import plan_workload
 from gpud.host.kube import Conflict, Gone, KubeError, NodeView, PodView
 from gpud.plan.operand_impact import Impact
 
 log = logging.getLogger(__name__)
 
-MIG_CONFIG = "nvidia.com/mig.config"
-MIG_STATE = "nvidia.com/mig.config.state"
-VGPU_CONFIG = "nvidia.com/vgpu.config"
-VGPU_STATE = "nvidia.com/vgpu.config.state"
-MIG_CAPABLE = "nvidia.com/mig.capable"
 PAUSED_MIG = "paused-for-mig-change"
 PAUSED_VGPU = "paused-for-vgpu-change"
 PAUSED = (PAUSED_MIG, PAUSED_VGPU)
@@ -76,6 +86,8 @@ OPERANDS = (
     Operand("nvidia.com/gpu.deploy.sandbox-validator", "nvidia-sandbox-validator", "sandbox"),
 )
 BY_LABEL = {op.label: op for op in OPERANDS}
+
+LAST_ERROR = "nvidia.com/gpud.last-error"  # node annotation: the last failure, until a success
 VALIDATORS_BEFORE = ("nvidia-cuda-validator", "nvidia-device-plugin-validator")
 VALIDATOR_AFTER = "nvidia-operator-validator"
 
@@ -96,21 +108,6 @@ class Applier(Protocol):
     def mig_capable(self) -> bool: ...
 
 
-class Selection(Struct, frozen=True):
-    layout: str | None  # None: no label selects; the file's own `selected` stays in force
-    state_labels: tuple[str, ...]  # where the outcome is reported
-    error: str | None = None
-
-
-def selection(labels: dict[str, str]) -> Selection:
-    mig, vgpu = labels.get(MIG_CONFIG) or None, labels.get(VGPU_CONFIG) or None
-    states = tuple(s for s, v in ((MIG_STATE, mig), (VGPU_STATE, vgpu)) if v)
-    if mig and vgpu and mig != vgpu:
-        return Selection(None, states, f"{MIG_CONFIG}={mig} and {VGPU_CONFIG}={vgpu} name different layouts; "
-                                       "gpud has one layout in force: set them to the same name or remove one")
-    return Selection(mig or vgpu, states)
-
-
 class AgentStatus(Struct):
     node: str
     selected: str | None = None
@@ -118,12 +115,16 @@ class AgentStatus(Struct):
     message: str = ""
     paused: list[str] = []
     connected: bool = False
+    other_agents: list[str] = []  # pods of mig-manager & co. seen on the node at the last change
+    workload_config: str | None = None  # nvidia.com/gpu.workload.config as the operator applies it
+    unserved: list[str] = []  # GPUs of a mixed layout the operator's operands will not serve, and why
 
 
-class KubeAgent:
+class KubeAgent(OtherAgentsOff):
     def __init__(self, api, applier: Applier, *, namespace: str = DEFAULT_NAMESPACE, pod_timeout: float = 300.0,
                  on_event: Callable[[str, str], None] | None = None, retry_delay: float = 1.0,
-                 max_conflicts: int = 8) -> None:
+                 max_conflicts: int = 8, default_vgpu: str | None = DEFAULT_VGPU_CONFIG,
+                 on_node: Callable[[dict[str, str]], None] | None = None) -> None:
         self.api = api
         self.applier = applier
         self.namespace = namespace
@@ -131,6 +132,14 @@ class KubeAgent:
         self.on_event = on_event or (lambda kind, message: None)
         self.retry_delay = retry_delay
         self.max_conflicts = max_conflicts
+        self.default_vgpu = default_vgpu  # applied on a vm-vgpu node without vgpu.config (kube.selection)
+        self.on_node = on_node or (lambda labels: None)  # every version of the node's labels
+        self._node_uid = ""
+        # First start after a reboot, the label's last layout in force: until the API server first
+        # answers, passes change GPUs without pausing operands. No operand pod can run yet: the
+        # kubelet starts after gpud (gpud.service is ordered Before=kubelet.service).
+        self.boot_window = False
+        self._last_error_shown = False  # the node carries LAST_ERROR (a success removes it)
         self.status = AgentStatus(node=api.node_name)
         self._paused: set[str] = set()  # operand labels this agent (or a crashed run) left paused
         self._active: Selection | None = None  # the label selection in force (None: the file's)
@@ -140,7 +149,7 @@ class KubeAgent:
         # Set once the node's labels first chose what is in force (a layout, or the file's own
         # `selected`); until then the daemon runs no pass, so a bad label at start touches nothing.
         self.selected_once = asyncio.Event()
-        self._handled: tuple[str | None, str | None] | None = None
+        self._handled: tuple[str | None, ...] | None = None
         self._refresh = asyncio.Event()
         self.conflicts = 0  # 409s met and retried (for status and tests)
 
@@ -152,7 +161,12 @@ class KubeAgent:
         while True:
             try:
                 node = await self.api.node()
+                self._node_uid = node.uid
+                self.boot_window = False
+                self._last_error_shown = LAST_ERROR in node.annotations
                 self.status.connected = True
+                if self.status.message.startswith("Kubernetes API:"):
+                    self.status.message = ""  # answered again; the protocol's own messages stay
                 delay = self.retry_delay
                 self._paused |= {k for k, v in node.labels.items() if k in BY_LABEL and v in PAUSED}
                 node = await self._publish_capable(node)
@@ -161,6 +175,7 @@ class KubeAgent:
                 continue  # the watch fell behind the server's history: read the node again
             except KubeError as e:
                 self.status.connected = False
+                self.status.message = f"Kubernetes API: {e}"
                 self._event("kube", f"Kubernetes API: {e}; retrying in {delay:.0f}s")
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 60.0)
@@ -169,7 +184,10 @@ class KubeAgent:
         """Handle the node as it is, then each newer version its watch brings (only the newest of
         those that piled up during a change); refresh() makes it read the node again."""
         versions: asyncio.Queue[NodeView] = asyncio.Queue()
-        watcher = asyncio.create_task(self._pump(node.resource_version, versions))
+        # From the node as it is when the watch opens, not from `node`'s own resourceVersion: an
+        # object unchanged for long has a version older than the server's watch history (etcd
+        # compacted it, a restarted server's watch cache starts later), which gets 410 every time.
+        watcher = asyncio.create_task(self._pump(None, versions))
         try:
             await self._maybe_handle(node)
             while True:
@@ -195,7 +213,7 @@ class KubeAgent:
             with contextlib.suppress(asyncio.CancelledError, KubeError):
                 await watcher
 
-    async def _pump(self, rv: str, versions: asyncio.Queue) -> None:
+    async def _pump(self, rv: str | None, versions: asyncio.Queue) -> None:
         async with contextlib.aclosing(self.api.watch_node(rv)) as stream:
             async for node in stream:
                 versions.put_nowait(node)
@@ -205,16 +223,25 @@ class KubeAgent:
         self._refresh.set()
 
     async def _maybe_handle(self, node: NodeView) -> None:
-        key = (node.labels.get(MIG_CONFIG), node.labels.get(VGPU_CONFIG))
+        await self._keep_agents_off(node)  # someone set one back to true: false again
+        self.on_node(node.labels)
+        chosen = selection(node.labels, layouts=self.applier.layouts(), default_vgpu=self.default_vgpu).layout
+        # The uid is part of the key: a node deleted and created again under this name is new to
+        # the protocol (no state label, no mig.capable) even when it carries the same selection.
+        key = (node.uid, node.labels.get(MIG_CONFIG), node.labels.get(VGPU_CONFIG), chosen)
         if key != self._handled:
+            if self._handled is not None and node.uid != self._handled[0]:
+                node = await self._publish_capable(node)
             await self.handle(node)  # an API error propagates: run() reads the node again and retries
             self._handled = key
 
     # --- one selection -----------------------------------------------------------------------
     async def handle(self, node: NodeView) -> str | None:
         """Apply what the node's labels select, following the protocol; returns the state reported."""
-        sel = selection(node.labels)
+        sel = selection(node.labels, layouts=self.applier.layouts(), default_vgpu=self.default_vgpu)
         self.status.selected = sel.layout
+        if sel.why:
+            self._event("kube", f"layout {sel.layout!r} selected: {sel.why}")
         if sel.error:
             self._active = None
             return await self._finish(sel, "failed", sel.error)
@@ -271,10 +298,16 @@ class KubeAgent:
         if not impact.changed:
             yield
             return
+        if self.boot_window and not self.status.connected:
+            self._event("kube", f"{len(impact.changed)} GPU(s) rebuilt after the reboot before the API server answered "
+                                "(the kubelet starts after gpud: no operand runs yet)")
+            yield
+            return
         self._changed = True
         if self._active is not None:
             await self._set_state(self._active, "pending",
                                   f"{len(impact.changed)} GPU(s) change: {', '.join(impact.changed)}")
+        await self._other_agents_gone()
         sides = impact.sides()
         if sides:
             try:
@@ -301,7 +334,21 @@ class KubeAgent:
 
     async def _finish(self, sel: Selection, state: str, message: str) -> str:
         await self._set_state(sel, state, message)
+        await self._describe(state, message)
         return state
+
+    async def _describe(self, state: str, message: str) -> None:
+        """Where `kubectl describe node` shows it: a failure as a Warning Event on the Node and in
+        the annotation LAST_ERROR (removed on success). Best effort: the state label is the protocol."""
+        try:
+            if state == "failed":
+                await self.api.node_event("GPULayoutFailed", message or "failed", uid=self._node_uid)
+                await self.api.patch_annotations({LAST_ERROR: message or "failed"})
+            elif state == "success" and self._last_error_shown:
+                await self.api.patch_annotations({LAST_ERROR: None})
+            self._last_error_shown = state == "failed"
+        except KubeError as e:
+            self._event("kube", f"could not record the outcome as a node event/annotation: {e}")
 
     async def _set_state(self, sel: Selection, state: str, message: str) -> None:
         self.status.state, self.status.message = state, message
@@ -311,9 +358,33 @@ class KubeAgent:
 
     async def _publish_capable(self, node: NodeView) -> NodeView:
         value = "true" if self.applier.mig_capable() else "false"
-        if node.labels.get(MIG_CAPABLE) != value:
-            node = await self.api.patch_labels({MIG_CAPABLE: value})
+        change = {MIG_CAPABLE: value} if node.labels.get(MIG_CAPABLE) != value else {}
+        change |= self._agents_off(node)
+        if change:
+            node = await self.api.patch_labels(change)
         return node
+
+    async def publish_workloads(self, workloads: dict[str, str]) -> None:
+        """After a pass: `nvidia.com/gpu.workload.config` from the layout in force when its GPUs
+        serve one workload, and gpud's `nvidia.com/gpud.workload.<w>.served` labels
+        (gpud.engine.kube.workload). API errors are reported; the next pass writes again."""
+        if not workloads:
+            return
+        try:
+            node = await self.api.node()
+            plan = plan_workload(workloads, node.labels.get(WORKLOAD_CONFIG))
+            change = {k: v for k, v in plan.served_labels().items() if node.labels.get(k) != v}
+            if plan.label is not None and node.labels.get(WORKLOAD_CONFIG) != plan.label:
+                change[WORKLOAD_CONFIG] = plan.label
+            if change:
+                await self.api.patch_labels(change)
+        except KubeError as e:
+            self._event("kube", f"could not publish the node's workload labels yet: {e}")
+            return
+        if plan.messages != self.status.unserved:
+            for m in plan.messages:
+                self._event("kube", m)
+        self.status.workload_config, self.status.unserved = plan.effective, plan.messages
 
     # --- operands ----------------------------------------------------------------------------
     async def _patch_from_fresh(self, compute: Callable[[NodeView], dict[str, str]]) -> dict[str, str]:
@@ -341,9 +412,15 @@ class KubeAgent:
         if paused:
             self._event("kube-pause", f"paused {', '.join(sorted(paused))}")
         waiting = {BY_LABEL[label] for label in self._paused}
-        await asyncio.wait_for(self._pods_gone(waiting), self.pod_timeout)
+        await asyncio.wait_for(self._pods_gone_where(lambda p: self._is_operand_pod(p, waiting), "operand"), self.pod_timeout)
         if "container" in sides:
-            await self._delete_pods(VALIDATORS_BEFORE)
+            # The validators run CUDA on the GPUs: deleted pods must be gone (a graceful delete only
+            # marks a pod until the kubelet stopped it) before the GPUs change, as `kubectl delete`
+            # waits in mig-manager's script.
+            removed = await self._delete_pods(VALIDATORS_BEFORE)
+            if removed:
+                await asyncio.wait_for(self._pods_gone_where(lambda p: (p.namespace, p.name) in removed, "validator"),
+                                       self.pod_timeout)
 
     async def _restore(self) -> None:
         def compute(node: NodeView) -> dict[str, str]:
@@ -373,16 +450,15 @@ class KubeAgent:
                 return True
         return False
 
-    async def _pods_gone(self, operands: set[Operand]) -> None:
-        """Until no pod of `operands` is left on the node: one list, then its watch."""
-        if not operands:
-            return
+    async def _pods_gone_where(self, matches: Callable[[PodView], bool], what: str) -> None:
+        """Until no pod `matches` names is left on the node (deleted, not merely terminating): one
+        list, then its watch."""
         while True:
             pods, rv = await self.api.pods()
-            left = {(p.namespace, p.name) for p in pods if self._is_operand_pod(p, operands)}
+            left = {(p.namespace, p.name) for p in pods if matches(p)}
             if not left:
                 return
-            self._event("kube-pause", f"waiting for {len(left)} operand pod(s) to leave: "
+            self._event("kube-pause", f"waiting for {len(left)} {what} pod(s) to leave: "
                                       f"{', '.join(f'{ns}/{n}' for ns, n in sorted(left))}")
             try:
                 async with contextlib.aclosing(self.api.watch_pods(rv)) as events:
@@ -390,19 +466,23 @@ class KubeAgent:
                         key = (pod.namespace, pod.name)
                         if kind == "DELETED":
                             left.discard(key)
-                        elif self._is_operand_pod(pod, operands):
+                        elif matches(pod):
                             left.add(key)
                         if not left:
                             return
             except Gone:
                 continue
 
-    async def _delete_pods(self, apps: Sequence[str]) -> None:
+    async def _delete_pods(self, apps: Sequence[str]) -> set[tuple[str, str]]:
+        """Delete the operator's pods of `apps` on the node; returns those deleted."""
         pods, _ = await self.api.pods()
+        removed = set()
         for p in pods:
             if p.namespace == self.namespace and p.labels.get("app") in apps:
                 if await self.api.delete_pod(p.namespace, p.name):
+                    removed.add((p.namespace, p.name))
                     self._event("kube-pause", f"removed {p.namespace}/{p.name}")
+        return removed
 
     def _event(self, kind: str, message: str) -> None:
         log.info("%s", message)

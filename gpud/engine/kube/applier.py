@@ -9,20 +9,33 @@ layout the host refuses (a profile its GPUs do not have) fails without touching 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import logging
+import os
 
+from gpud.engine.boot.reboot_policy import RebootRefused
 from gpud.engine.gpu_state import SETTLING_PHASES
 from gpud.engine.kube.agent import KubeAgent, Outcome
 from gpud.engine.ports import Rebooter
 from gpud.host.logind import reboot_outcome
+from gpud.host.safe_file import write_file
 from gpud.profiles import by_device
 
 log = logging.getLogger(__name__)
 
 
+REMEMBERED = "kube-layout.json"  # in the state dir: the layout the node's label last selected
+
+
 class ReconcilerApplier:
-    def __init__(self, rec) -> None:
+    """`state_dir`: where the label's layout is kept for the next start, so that after a reboot
+    the GPUs are rebuilt before the API server answers (the network, the control plane, or the
+    node's own registration may take minutes; the device plugins start once the node is Ready)."""
+
+    def __init__(self, rec, state_dir: str | None = None) -> None:
         self.rec = rec
+        self.state_dir = state_dir
         self.reboot_requested = False  # set by the daemon's rebooter when it asked logind
         self._changed = asyncio.Event()
         rec.on_change(self._changed.set)
@@ -35,6 +48,7 @@ class ReconcilerApplier:
         if not await self.rec.choose_layout_async(layout):
             errors = self.rec.layout_issues[0]
             return Outcome("failed", "; ".join(errors[:3]) + (f" (and {len(errors) - 3} more)" if len(errors) > 3 else ""))
+        self._remember(layout)
         ticket = self.rec.kick(f"layout {layout!r} selected by node label")
         self.rec.mark_pending()  # as for a reload: status must not call the new layout in place yet
         await self.rec.wait_for(ticket)
@@ -42,6 +56,30 @@ class ReconcilerApplier:
             self._changed.clear()
             await self._changed.wait()
         return self.outcome()
+
+    def _remember(self, layout: str | None) -> None:
+        if self.state_dir is None:
+            return
+        path = os.path.join(self.state_dir, REMEMBERED)
+        try:
+            if layout is None:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
+            else:
+                write_file(path, json.dumps({"layout": layout}).encode())
+        except OSError as e:
+            log.warning("the node label's layout not kept for the next start (%s): %s", path, e)
+
+    def remembered(self) -> str | None:
+        """The layout the node's label selected before this start (None: none, or unreadable)."""
+        if self.state_dir is None:
+            return None
+        try:
+            with open(os.path.join(self.state_dir, REMEMBERED), "rb") as f:
+                value = json.loads(f.read(4096)).get("layout")
+        except (OSError, ValueError, AttributeError):
+            return None
+        return value if isinstance(value, str) and value else None
 
     def outcome(self) -> Outcome:
         if self.reboot_requested:
@@ -77,8 +115,13 @@ class KubeRebooter:
             return await self.reboot(state_dir, reason)  # refuses: an earlier reboot did not settle it
         try:
             await self.agent.before_reboot(reason)
-        except Exception as e:  # noqa: BLE001 - an unreachable API server must not block the reboot
+        except Exception as e:  # noqa: BLE001 - whatever kept the state from the node
+            # mig-manager's contract: the node says `rebooting` before the reboot, or there is none
+            # (a node rebooting unannounced looks failed to the cluster, and its operands paused)
+            self.agent.reboot_cancelled()
             log.warning("could not mark the node rebooting: %s", e)
+            raise RebootRefused(f"nvidia.com/mig.config.state=rebooting could not be written ({e}); "
+                                "no reboot without it") from e
         try:
             ok = await self.reboot(state_dir, reason)
         except Exception:

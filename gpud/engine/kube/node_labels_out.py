@@ -27,6 +27,25 @@ _STATE = {
 }
 
 LABEL_SETS = ("all", "gpud")  # --nfd-labels: GFD's set + gpud's, or gpud's only
+MIG_STRATEGIES = ("mixed", "single")
+GFD_DEPLOY = "nvidia.com/gpu.deploy.gpu-feature-discovery"
+MIG_STRATEGY = "nvidia.com/mig.strategy"
+
+
+def from_cluster(labels: dict[str, str], *, label_set: str | None, mig_strategy: str | None) -> tuple[str, str]:
+    """The label set and MIG strategy for a GPU Operator node (`gpud --kube-node`), the flags'
+    values (None: not given) winning. GFD runs on the node unless its deploy label is `false`
+    (the operator's DaemonSet selects on `=true`, and gpud's mig.capable makes the operator deploy
+    it), and a second writer of GFD's labels through NFD races it (nfd-master keeps the last
+    NodeFeature object by name): so gpud writes its own labels only, unless GFD is off. GFD
+    publishes the cluster's strategy as `nvidia.com/mig.strategy`; gpud's advertised resources and
+    labels follow it (mixed when unset)."""
+    if label_set is None:
+        label_set = "all" if labels.get(GFD_DEPLOY) == "false" else "gpud"
+    if mig_strategy is None:
+        value = labels.get(MIG_STRATEGY)
+        mig_strategy = value if value in MIG_STRATEGIES else "mixed"
+    return label_set, mig_strategy
 
 
 def layout_state(phase: str, *, rebooting: bool = False) -> str:
@@ -57,7 +76,16 @@ class LabelsOut:
         self.exclude = exclude
         self.on_event = on_event or (lambda kind, message: None)
         self.last: NodeLabels | None = None
+        self.label_set = label_set
         self.last_result: str | None = None  # written | unchanged | no-directory | error: ...
+
+    def set_mode(self, label_set: str, mig_strategy: str) -> bool:
+        """Change what is written (the cluster said otherwise); True when something changed."""
+        if label_set not in LABEL_SETS or mig_strategy not in MIG_STRATEGIES:
+            raise ValueError(f"label set {label_set!r} / MIG strategy {mig_strategy!r}")
+        changed = (label_set, mig_strategy) != (self.label_set, self.mig_strategy)
+        self.label_set, self.gfd, self.mig_strategy = label_set, label_set == "all", mig_strategy
+        return changed
 
     def inputs(self, gpus: tuple[Gpu, ...], *, workloads: dict[str, str], layout: str | None, state: str,
                versions: Versions) -> LabelInputs:
@@ -72,6 +100,18 @@ class LabelsOut:
         labels = {k: v for k, v in out.labels.items() if k not in self.exclude}
         self.last = NodeLabels(labels, out.warnings)
         return self.last
+
+    def remove(self) -> None:
+        """gpud stops: remove the file this process wrote (stale labels would outlive the daemon;
+        a --read-only gpud that never wrote leaves the file of another alone)."""
+        if self.path is None or self.last_result not in ("written", "unchanged"):
+            return
+        try:
+            if nfd.remove_features(self.path):
+                log.info("%s removed: the node's labels go with gpud", self.path)
+        except OSError as e:
+            log.warning("node labels not removed from %s: %s", self.path, e)
+        self.last_result = None
 
     def write(self, inputs: LabelInputs) -> NodeLabels:
         labels = self.compute(inputs)

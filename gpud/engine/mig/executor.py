@@ -214,7 +214,7 @@ class _Run:
         what = f"destroy CI {step.ci} ({step.profile}) of GI {step.gi} on {self.pci}"
         gi = next((x for x in g.instances if x.id == step.gi), None)
         ci = next((c for c in gi.cis if c.id == step.ci), None) if gi else None
-        if ci is None:
+        if gi is None or ci is None:
             return g  # already gone
         if gi.placement != step.placement or (step.uuid and ci.uuid != step.uuid):
             raise _Stop("failed", f"{what}: it is no longer the instance planned ({ci.uuid} at "
@@ -249,7 +249,8 @@ class _Run:
         what = f"create GI {step.profile} at {step.placement.start} on {self.pci}"
         if self.find_gi(g, step) is not None:
             return g  # a retry of an earlier pass
-        return self.call(what, lambda: self.nvml.create_gpu_instance(self.pci, step.profile_id, step.placement.start),
+        profile_id, start = step.profile_id, step.placement.start
+        return self.call(what, lambda: self.nvml.create_gpu_instance(self.pci, profile_id, start),
                          lambda g2: self.find_gi(g2, step) is not None)
 
     def create_ci(self, step: Step, g: NvmlGpu) -> NvmlGpu:

@@ -27,6 +27,7 @@ class Observation(Struct, frozen=True):
     functions: tuple[PciFunction, ...]  # every PCI function, for companions and the inventory
     nvml_error: str | None = None  # NVML unusable (driver gone, no GPU bound): said in status
     gone: tuple[KnownGpu, ...] = ()  # GPUs numbered before and missing from the bus now (gpu_index)
+    index_problem: str | None = None  # why indices cannot be trusted now: index-based entries refused
     # NVML was closed for a rebind during the read: the GPUs' NVML parts are the last good view,
     # fine to show, not to plan MIG steps from (engine/reconciler.py re-reads before it does)
     nvml_stale: bool = False

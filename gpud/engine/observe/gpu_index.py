@@ -11,6 +11,14 @@ directory (`gpu-index.json`, replaced atomically):
 - a PCI address never seen before gets the lowest index no known GPU holds (the next free one);
 - a GPU that comes back at its PCI address gets its old index back.
 
+When the map cannot be trusted (set aside: not a regular file, not in the format), another GPU
+could silently take a gone GPU's index. So the map is written twice (`gpu-index.json` and its copy
+`gpu-index.prev.json`); with the map untrusted, indices come from the copy, the GPUs it knows and
+the bus lacks stay listed as gone, and when the GPU set differs from the copy's (or there is no
+copy) `index_problem` says why indices cannot be trusted: the layout's index-based entries are
+then refused (gpud.layout.resolve), PCI-address and UUID entries still apply. A host whose GPUs
+are exactly the copy's takes the copy as its map again.
+
 The numbering itself (`number`) is pure; `GpuIndex` adds the file.
 """
 
@@ -23,7 +31,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 import msgspec
 
-from gpud.host.atomic_file import replace_file
+from gpud.host import state_files
 from gpud.model import Gpu, KnownGpu
 from gpud.profiles import model_name
 
@@ -78,46 +86,62 @@ class GpuIndex:
     """The map, in memory and (when `path` is set) in the state directory. `problem` says why the
     file could not be used, for status; the map then starts from the GPUs present."""
 
-    def __init__(self, path: str | None, *, on_problem: Callable[[str], None] | None = None) -> None:
+    def __init__(self, path: str | None, *, on_problem: Callable[[str], object] | None = None,
+                 problems: state_files.Problems | None = None) -> None:
         self.path = path
         self.known: dict[str, KnownGpu] = {}
         self.problem: str | None = None
-        self._on_problem = on_problem
+        self._problems = problems if problems is not None else state_files.Problems(on_problem)
         self._writable = True
         self._seen_once = False  # the first committed observation compares with the file
         self._last_present: set[str] = set()
+        self.untrusted: str | None = None  # why the map was not used (None: it was, or first start)
+        self._copy: dict[str, KnownGpu] | None = None  # the copy's GPUs, while untrusted
+        self.index_problem: str | None = None  # why indices cannot be trusted now (index entries refused)
+        self._restored = False  # the copy became the map: written at the next commit
         if path is not None:
             self._load(path)
 
     def _load(self, path: str) -> None:
-        try:
-            with open(path, "rb") as f:
-                data = f.read(1 << 20)
-        except FileNotFoundError:
+        parsed = state_files.load(path, _decode, self._problems, what="GPU index map")
+        if parsed is not None:
+            self.known = {k.pci: k for k in parsed.gpus}
             return
-        except OSError as e:
-            self._fail(f"{path}: {e.strerror}; GPUs are numbered afresh in PCI-address order")
-            return
-        try:
-            parsed = msgspec.json.decode(data, type=IndexFile)
-            if parsed.version != FORMAT_VERSION:
-                raise ValueError(f"version {parsed.version}, expected {FORMAT_VERSION}")
-            if len({k.index for k in parsed.gpus}) != len(parsed.gpus) or \
-                    len({k.pci for k in parsed.gpus}) != len(parsed.gpus):
-                raise ValueError("an index or a PCI address appears twice")
-        except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as e:
-            # Kept as it is for a person to look at: never overwritten by a guess.
-            self._writable = False
-            self._fail(f"{path}: not a GPU index map ({e}); left as it is, GPUs are numbered in "
-                       "PCI-address order until it is fixed or removed")
-            return
-        self.known = {k.pci: k for k in parsed.gpus}
+        aside = state_files.set_aside_before(path)
+        if not aside:
+            return  # a first start: no map, nothing set aside
+        # kept for a person to look at: the map is never rebuilt over a guess
+        self._writable = False
+        self.untrusted = self._problems.by_file.get(path) or f"{path}: an earlier map was set aside ({aside[0]})"
+        copy_path = backup_path(path)
+        copy = state_files.load(copy_path, _decode, self._problems, what="GPU index map copy")
+        self._copy = {k.pci: k for k in copy.gpus} if copy is not None else None
+        self.known = dict(self._copy or {})
+        self.problem = (f"{self.untrusted}; " + ("indices are taken from " + os.path.basename(copy_path)
+                                                 if self._copy is not None else "no copy of the map either")
+                        + f"; the map is not rewritten until {', '.join(aside)} is removed from "
+                        f"{os.path.dirname(path)} or the GPUs are again those the copy lists")
+        log.error("%s", self.problem)
 
-    def _fail(self, message: str) -> None:
-        self.problem = message
-        log.error("%s", message)
-        if self._on_problem is not None:
-            self._on_problem(message)
+    def _judge_untrusted(self, present: set[str], on_bus: set[str]) -> None:
+        """With the map untrusted: are these the GPUs the copy knew? Then the copy is the map
+        again; otherwise indices may have moved and index-based entries must not be applied."""
+        copy = self._copy
+        if copy is not None and set(copy) == present:
+            self.untrusted = self.index_problem = None
+            self._writable = self._restored = True
+            self.problem = f"{self.path}: rebuilt from its copy {os.path.basename(backup_path(str(self.path)))} (the same GPUs)"
+            return
+        if copy is None:
+            why = "no copy of the map says which GPU had which index"
+        else:
+            gone = [f"GPU {k.index} ({k.pci})" for k in sorted(copy.values(), key=lambda k: k.index)
+                    if k.pci not in present and k.pci not in on_bus]
+            new = sorted(present - set(copy))
+            why = "the GPUs differ from those its copy lists (" + "; ".join(
+                ([f"gone: {', '.join(gone)}"] if gone else []) + ([f"new: {', '.join(new)}"] if new else [])) + ")"
+        self.index_problem = (f"the GPU index map could not be used ({self.untrusted}) and {why}: indices may "
+                              "name other GPUs than before")
 
     def assign(self, gpus: Sequence[Gpu], present_functions: Iterable[str], *,
                commit: bool) -> tuple[tuple[Gpu, ...], tuple[KnownGpu, ...], SetChange]:
@@ -125,8 +149,10 @@ class GpuIndex:
         missing from the PCI bus, the change since the map last saw the host). With `commit` the
         map takes the new GPUs and identities and is written; without it (a `check` of a candidate
         file) nothing is remembered."""
-        indices = number(self.known.values(), gpus)
         on_bus = set(present_functions)
+        if self.untrusted is not None:
+            self._judge_untrusted({g.pci for g in gpus}, on_bus)
+        indices = number(self.known.values(), gpus)
         numbered = tuple(msgspec.structs.replace(g, index=indices[g.pci]) for g in gpus)
         now = {g.pci: identity(g, indices[g.pci], self.known.get(g.pci)) for g in numbered}
         gone = tuple(sorted((k for pci, k in self.known.items() if pci not in now and pci not in on_bus),
@@ -143,8 +169,8 @@ class GpuIndex:
                 change = msgspec.structs.replace(change, gone=gone)
             self._seen_once = True
             self._last_present = set(now)
-            if updated != self.known:
-                self.known = updated
+            if updated != self.known or self._restored:
+                self.known, self._restored = updated, False
                 self._save()
         return numbered, gone, change
 
@@ -154,9 +180,28 @@ class GpuIndex:
         body = IndexFile(version=FORMAT_VERSION, gpus=sorted(self.known.values(), key=lambda k: k.index))
         text = json.dumps(msgspec.to_builtins(body), indent=1) + "\n"
         try:
-            replace_file(self.path, text.encode(), mode=0o644)
+            state_files.save(backup_path(self.path), text.encode(), mode=0o644)  # the copy first: never newer than the map
+            state_files.save(self.path, text.encode(), mode=0o644)
+            self._problems.clear(self.path)
         except OSError as e:
-            self._fail(f"{self.path}: not written ({e.strerror}); indices hold until gpud restarts")
+            self._problems.say(self.path, f"{self.path}: not written ({e}); indices hold until gpud restarts")
+
+
+def _decode(data: bytes) -> IndexFile:
+    parsed = msgspec.json.decode(data, type=IndexFile)
+    if parsed.version != FORMAT_VERSION:
+        raise state_files.BadStateFile(f"version {parsed.version}, expected {FORMAT_VERSION}")
+    if len({k.index for k in parsed.gpus}) != len(parsed.gpus) or \
+            len({k.pci for k in parsed.gpus}) != len(parsed.gpus):
+        raise state_files.BadStateFile("an index or a PCI address appears twice")
+    if any(k.index < 0 for k in parsed.gpus):
+        raise state_files.BadStateFile("a negative index")
+    return parsed
+
+
+def backup_path(path: str) -> str:
+    root, ext = os.path.splitext(path)
+    return f"{root}.prev{ext}"
 
 
 def index_path(state_dir: str | None) -> str | None:

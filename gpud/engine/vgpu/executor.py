@@ -14,10 +14,21 @@ from collections.abc import Callable
 
 from msgspec import Struct, field
 
+from gpud.host.sriov_manage import SriovManage
 from gpud.host.sysfs import SysfsError
 from gpud.host.vgpu_sysfs import VgpuSysfs
-from gpud.model import Holder
+from gpud.model import Holder, VgpuDevice
 from gpud.plan.vgpu import VgpuPlan, VgpuRecord, VgpuStep
+
+
+class _Malformed(Exception):
+    """A step without the field its action needs: it fails before it writes."""
+
+
+def _needs(value: str | None, name: str) -> str:
+    if value is None:
+        raise _Malformed(f"the step has no {name}")
+    return value
 
 
 class VgpuOutcome(Struct):
@@ -28,14 +39,43 @@ class VgpuOutcome(Struct):
     removed: list[str] = field(default_factory=list)
 
 
+def _now(vgpu: VgpuSysfs, pci: str, which: Callable[[VgpuDevice], bool]) -> VgpuDevice | None:
+    """The vGPU a removal takes, as the host shows it now, holders re-read (None: already gone)."""
+    return next((d for d in vgpu.read(pci).devices if which(d)), None)
+
+
 def _describe(step: VgpuStep) -> str:
     where = step.uuid or step.vf or step.parent or ""
     return f"{step.type} {where}".strip()
 
 
+def _vfs(vgpu: VgpuSysfs, vf_tool: SriovManage | None, pf: str, enable: bool,
+         holders: Callable[[str], list[Holder]] | None) -> VgpuOutcome | None:
+    """VFs on or off through NVIDIA's sriov-manage (the caller closed its NVML session); None when done."""
+    if vf_tool is None:
+        return VgpuOutcome("failed", f"{'enabling' if enable else 'disabling'} the VFs of {pf} needs NVIDIA's "
+                                     "sriov-manage, and none is configured (--sriov-manage)")
+    result = vf_tool.enable(pf) if enable else vf_tool.disable(pf)
+    now = len(vgpu.vfs(pf))
+    if result.ok and (now > 0) == enable:
+        return None
+    if result.lock_refused:
+        found = holders(pf) if holders is not None else []
+        if found:
+            names = ", ".join(f"pid {h.pid} {h.name}" for h in found)
+            return VgpuOutcome("blocked", f"{result.summary()}; {pf} is held by {names}", holders=found)
+        return VgpuOutcome("failed", f"{result.summary()}; no process holding {pf} was found (a kernel client "
+                                     "such as nvidia_drm, or an NVML client that came and went)")
+    if result.ok:
+        return VgpuOutcome("failed", f"{result.summary()}; but {pf} has {now} VFs")
+    return VgpuOutcome("failed", result.summary())
+
+
 def execute(vgpu: VgpuSysfs, plan: VgpuPlan, record: VgpuRecord, *, phase: str = "all",
-            on_step: Callable[[VgpuStep], None] | None = None) -> VgpuOutcome:
-    """Run the plan's `removals`, `creations` or both (`phase`). Never removes a held vGPU."""
+            on_step: Callable[[VgpuStep], None] | None = None, vf_tool: SriovManage | None = None,
+            holders: Callable[[str], list[Holder]] | None = None) -> VgpuOutcome:
+    """Run the plan's `removals`, `creations` or both (`phase`). Never removes a held vGPU.
+    VFs change only through `vf_tool`; `holders(pf)` names what keeps a refused unbind lock."""
     if plan.infeasible:
         return VgpuOutcome("failed", plan.infeasible)
     if plan.blocked_by:
@@ -45,44 +85,47 @@ def execute(vgpu: VgpuSysfs, plan: VgpuPlan, record: VgpuRecord, *, phase: str =
     for step in steps:
         try:
             if step.action == "remove":
-                now = vgpu.read(plan.pci)
-                dev = next((d for d in now.devices if d.uuid == step.uuid), None)
+                uuid = _needs(step.uuid, "uuid")
+                dev = _now(vgpu, plan.pci, lambda d: d.uuid == uuid)
                 if dev is not None and dev.holders:
-                    return VgpuOutcome("blocked", f"mdev {step.uuid} is in use", holders=list(dev.holders))
+                    return VgpuOutcome("blocked", f"mdev {uuid} is in use", holders=list(dev.holders))
                 if dev is not None:
-                    vgpu.remove_mdev(step.uuid)
+                    vgpu.remove_mdev(uuid)
                 out.removed.append(_describe(step))
             elif step.action == "free-vf":
-                now = vgpu.read(plan.pci)
-                dev = next((d for d in now.devices if d.vf == step.vf), None)
+                vf = _needs(step.vf, "vf")
+                dev = _now(vgpu, plan.pci, lambda d: d.vf == vf)
                 if dev is not None and dev.holders:
-                    return VgpuOutcome("blocked", f"VF {step.vf} is in use", holders=list(dev.holders))
-                vgpu.set_vf_type(step.vf, 0)
-                record.vfs.pop(step.vf, None)
+                    return VgpuOutcome("blocked", f"VF {vf} is in use", holders=list(dev.holders))
+                vgpu.set_vf_type(vf, 0)
+                record.vfs.pop(vf, None)
                 out.removed.append(_describe(step))
-            elif step.action == "disable-vfs":
-                vgpu.set_num_vfs(plan.pci, 0)
-            elif step.action == "enable-vfs":
-                vgpu.set_num_vfs(plan.pci, step.count or 0)
+            elif step.action in ("disable-vfs", "enable-vfs"):
+                failed = _vfs(vgpu, vf_tool, plan.pci, step.action == "enable-vfs", holders)
+                if failed is not None:
+                    failed.created, failed.removed = out.created, out.removed
+                    return failed
             elif step.action == "set-vf-type":
-                ids = [i for i, name in vgpu.creatable_on(step.vf) if name == step.type]
+                vf, vtype = _needs(step.vf, "vf"), _needs(step.type, "type")
+                ids = [i for i, name in vgpu.creatable_on(vf) if name == vtype]
                 if not ids:
-                    return VgpuOutcome("failed", f"{step.type} is not creatable on VF {step.vf} now "
+                    return VgpuOutcome("failed", f"{vtype} is not creatable on VF {vf} now "
                                                  "(its creatable_vgpu_types does not list it)")
-                vgpu.set_vf_type(step.vf, ids[0])
-                record.vfs[step.vf] = step.type
+                vgpu.set_vf_type(vf, ids[0])
+                record.vfs[vf] = vtype
                 out.created.append(_describe(step))
             elif step.action == "create-mdev":
-                types = vgpu.mdev_types(step.parent)
-                found = types.get(step.type)
+                parent, vtype, uuid = _needs(step.parent, "parent"), _needs(step.type, "type"), _needs(step.uuid, "uuid")
+                types = vgpu.mdev_types(parent)
+                found = types.get(vtype)
                 if found is None or found[1] < 1:
-                    return VgpuOutcome("failed", f"{step.type} has no available instance on {step.parent}")
-                vgpu.create_mdev(step.parent, found[0], step.uuid)
-                uuids = record.uuids.setdefault(step.type, [])
-                if step.uuid not in uuids:
-                    uuids.append(step.uuid)
+                    return VgpuOutcome("failed", f"{vtype} has no available instance on {parent}")
+                vgpu.create_mdev(parent, found[0], uuid)
+                uuids = record.uuids.setdefault(vtype, [])
+                if uuid not in uuids:
+                    uuids.append(uuid)
                 out.created.append(_describe(step))
-        except SysfsError as e:
+        except (SysfsError, _Malformed) as e:
             return VgpuOutcome("failed", f"{step.action} {_describe(step)}: {e}", created=out.created,
                                removed=out.removed)
         if on_step is not None:

@@ -17,6 +17,7 @@ import msgspec
 
 from gpud.engine.gpu_state import GpuState, VgpuAction
 from gpud.engine.vgpu.executor import execute
+from gpud.host import state_files
 from gpud.host.vgpu_sysfs import VgpuSysfs
 from gpud.layout.desired import DesiredGpu
 from gpud.model import Gpu
@@ -29,9 +30,12 @@ NAMES_FILE = "vgpu-names.json"
 
 
 class VgpuKeeper:
-    def __init__(self, vgpu: VgpuSysfs, state_dir: str | None):
+    def __init__(self, vgpu: VgpuSysfs, state_dir: str | None, problems: state_files.Problems | None = None,
+                 *, vf_tool=None):
         self.vgpu = vgpu
+        self.vf_tool = vf_tool  # gpud.host.sriov_manage.SriovManage: the only way VFs change
         self.state_dir = state_dir
+        self.problems = problems if problems is not None else state_files.Problems()
         self.records: dict[str, VgpuRecord] = self._load()
         self.rebuilt: dict[str, list[str]] = {}  # GPU -> what gpud recreated from its record (status)
 
@@ -43,23 +47,22 @@ class VgpuKeeper:
         path = self._path()
         if path is None:
             return {}
-        try:
-            with open(path, "rb") as f:
-                return msgspec.json.decode(f.read(), type=dict[str, VgpuRecord])
-        except (OSError, msgspec.DecodeError):
-            return {}
+        return state_files.load(path, lambda b: msgspec.json.decode(b, type=dict[str, VgpuRecord]), self.problems,
+                                what="vGPU record") or {}
 
-    def _save(self) -> None:
+    def _save(self) -> str | None:
+        """Write the record; the reason when it could not be written (the old file stays)."""
         path = self._path()
         if path is None:
-            return
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        tmp = f"{path}.tmp{os.getpid()}"
-        with open(tmp, "wb") as f:
-            f.write(msgspec.json.format(msgspec.json.encode(self.records)))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+            return None
+        try:
+            state_files.save(path, msgspec.json.format(msgspec.json.encode(self.records)), mode=0o644)
+        except OSError as e:
+            why = f"{path}: not written ({e})"
+            self.problems.say(path, why)
+            return why
+        self.problems.clear(path)
+        return None
 
     @staticmethod
     def key(gpu: Gpu) -> str:
@@ -107,6 +110,7 @@ class VgpuKeeper:
                                           "mdev_supported_types, no SR-IOV VFs): is NVIDIA's vGPU manager driver loaded?")
             return None
         plan = self.plan(gpu, desired, with_instances=True)
+        assert plan is not None  # the GPU has a vGPU side (above)
         if plan.infeasible:
             return GpuState("failed", plan.infeasible)
         if plan.blocked_by or plan.steps:
@@ -114,21 +118,54 @@ class VgpuKeeper:
                               _summary(plan.steps) or "vGPUs in use")
         return None
 
+    def vfs_before_instances(self, gpu: Gpu, desired: DesiredGpu) -> VgpuAction | None:
+        """MIG-backed vGPUs: with MIG mode in place, VFs come before the GPU instances, because
+        enabling them (sriov-manage rebinds the GPU) destroys every instance."""
+        if desired.workload != "vm-vgpu" or gpu.vgpu is None or gpu.vgpu.vfs:
+            return None
+        plan = self.plan(gpu, desired, with_instances=False)
+        if plan is None or plan.infeasible or plan.removals or [s.action for s in plan.creations] != ["enable-vfs"]:
+            return None
+        return VgpuAction(plan, "creations", "enable-vfs (before the GPU instances)")
+
+    def vfs_off_before_mode_change(self, gpu: Gpu) -> VgpuAction | None:
+        """The driver refuses a MIG mode change while VFs exist: disable them first (their vGPUs
+        went in the removals already)."""
+        if gpu.vgpu is None or not gpu.vgpu.vfs or gpu.vgpu.devices:
+            return None
+        plan = VgpuPlan(pci=gpu.pci, index=gpu.index, interface=gpu.vgpu.interface,
+                        removals=[VgpuStep("disable-vfs", gpu.pci, count=0)])
+        return VgpuAction(plan, "removals", "disable-vfs (before the MIG mode change)")
+
     # ---- running (in a worker thread)
-    def run(self, gpu: Gpu, action: VgpuAction, on_step: Callable[[VgpuStep], None]) -> GpuState:
+    def run(self, gpu: Gpu, action: VgpuAction, on_step: Callable[[VgpuStep], None], holders=None) -> GpuState:
         record = self.record(gpu)
         restoring = {u for us in record.uuids.values() for u in us} | set(record.vfs)
-        outcome = execute(self.vgpu, action.plan, record, phase=action.phase, on_step=on_step)
+        outcome = execute(self.vgpu, action.plan, record, phase=action.phase, on_step=on_step,
+                          vf_tool=self.vf_tool, holders=holders)
         rebuilt = [s for s in action.plan.creations if (s.uuid or s.vf) in restoring]
         if rebuilt and action.phase == "creations":
             self.rebuilt[gpu.pci] = [f"{s.type} {s.uuid or s.vf}" for s in rebuilt]
-        self._save()
+        unrecorded = self._save()
+        if unrecorded is not None and outcome.state != "failed":
+            done = "; ".join(f"{verb} {', '.join(items)}" for verb, items in
+                             (("created", outcome.created), ("removed", outcome.removed)) if items) or "no change"
+            return GpuState("failed", f"{done}; the vGPU identities could not be recorded ({unrecorded}): "
+                                      "a restart may not recreate the same UUIDs; free space and apply again")
         if outcome.state == "blocked":
             names = ", ".join(_holder_text(h) for h in outcome.holders)
-            return GpuState("waiting", f"waiting for {names}", tuple(outcome.holders))
+            why = f"{outcome.message}; " if outcome.message.startswith("sriov-manage") else ""
+            return GpuState("waiting", f"{why}waiting for {names}", tuple(outcome.holders))
         if outcome.state == "failed":
             return GpuState("failed", outcome.message)
         return GpuState("converged", "")
+
+
+def changes_vfs(action: VgpuAction) -> bool:
+    """Does this action enable or disable VFs (sriov-manage: NVML must be closed around it)?"""
+    steps = {"removals": action.plan.removals, "creations": action.plan.creations}.get(action.phase,
+                                                                                      action.plan.steps)
+    return any(s.action in ("enable-vfs", "disable-vfs") for s in steps)
 
 
 def _summary(steps: list[VgpuStep]) -> str:

@@ -1,10 +1,10 @@
-"""Durable whole-file replacement (host/atomic_file.py)."""
+"""Durable whole-file replacement (host/safe_file.py write_file)."""
 
 from __future__ import annotations
 
 import os
 
-from gpud.host import atomic_file
+from gpud.host import safe_file
 
 
 def test_short_writes_are_completed(tmp_path, monkeypatch):
@@ -16,14 +16,14 @@ def test_short_writes_are_completed(tmp_path, monkeypatch):
         calls.append(len(data))
         return real_write(fd, bytes(data[:3]))
 
-    monkeypatch.setattr(atomic_file.os, "write", short_write)
+    monkeypatch.setattr(safe_file.os, "write", short_write)
     path = tmp_path / "rules"
     payload = b"ACTION==\"add\", KERNEL==\"0000:3b:00.0\"\n" * 5
-    atomic_file.replace_file(str(path), payload, mode=0o600)
+    safe_file.write_file(str(path), payload, mode=0o600)
     assert path.read_bytes() == payload
     assert len(calls) > 1
     assert oct(path.stat().st_mode & 0o777) == "0o600"
-    assert [n for n in os.listdir(tmp_path) if n.startswith(".gpud-")] == []
+    assert [n for n in os.listdir(tmp_path) if n.startswith(".")] == []
 
 
 def test_failed_write_leaves_old_file_and_no_temp(tmp_path, monkeypatch):
@@ -33,9 +33,9 @@ def test_failed_write_leaves_old_file_and_no_temp(tmp_path, monkeypatch):
     def failing_write(fd, data):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(atomic_file.os, "write", failing_write)
+    monkeypatch.setattr(safe_file.os, "write", failing_write)
     try:
-        atomic_file.replace_file(str(path), b"new\n")
+        safe_file.write_file(str(path), b"new\n")
     except OSError as e:
         assert e.errno == 28
     else:

@@ -1,0 +1,39 @@
+"""The Kubernetes tests' clusters: the API-emulator cluster (tests/kube/test_kube_agent.py), shared
+with the operator-cluster tests that drive the agent the same way, and the real kube-apiserver (one
+per session; tests that restart or compact it start their own), with a clean node on it per test."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.kube.real_server import RealServer, binaries, have_openssl
+from tests.kube.test_kube_agent import cluster  # noqa: F401 - a fixture
+
+
+def real_server_or_skip():
+    _, why = binaries()
+    why = why or have_openssl()
+    if why:
+        pytest.skip(f"no real kube-apiserver: {why}")
+
+
+@pytest.fixture(scope="session")
+def real_server(tmp_path_factory):
+    real_server_or_skip()
+    server = RealServer(tmp_path_factory.mktemp("kube-apiserver")).start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def own_real_server(tmp_path):
+    """A server of the test's own (for restarts and compaction, which would disturb others);
+    its watches are served by etcd itself, so a compaction reaches them."""
+    real_server_or_skip()
+    server = RealServer(tmp_path / "kube-apiserver", watch_cache=False).start()
+    try:
+        yield server
+    finally:
+        server.stop()
