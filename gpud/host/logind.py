@@ -11,7 +11,7 @@ import json
 import logging
 import os
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 from gpud.host import state_files
 from gpud.host.unit_drain import SystemdError
@@ -79,14 +79,8 @@ async def request_reboot(state_dir: str, reason: str, *, bus_address: str | None
     """Ask logind to reboot, unless a reboot for an earlier request already happened and its
     marker was not cleared: then return False, so a change that a reboot did not fix cannot
     reboot the machine over and over. The marker is written (durably) before the call."""
-    prior = reboot_outcome(state_dir, boot_id_path=boot_id_path)
-    if prior is not None and prior.rebooted:
-        log.error("not rebooting for %r: a reboot for %r already happened (boot %s) and its "
-                  "marker in %s was not cleared", reason, prior.reason, prior.boot_id, state_dir)
+    if not mark_reboot(state_dir, reason, boot_id_path=boot_id_path):
         return False
-    record = RebootRecord(reason=reason, boot_id=current_boot_id(boot_id_path),
-                          requested_at=time.time(), rebooted=False)
-    _write_marker(state_dir, record)
     from dbus_fast import BusType, DBusError, Message, MessageType
     from dbus_fast.aio import MessageBus
 
@@ -108,7 +102,21 @@ async def request_reboot(state_dir: str, reason: str, *, bus_address: str | None
     return True
 
 
+def mark_reboot(state_dir: str, reason: str, *, boot_id_path: str = BOOT_ID_PATH) -> bool:
+    """Write the marker of a reboot about to be asked for; False (and nothing written) when a
+    reboot for an earlier request already happened and its marker was not cleared."""
+    prior = reboot_outcome(state_dir, boot_id_path=boot_id_path)
+    if prior is not None and prior.rebooted:
+        log.error("not rebooting for %r: a reboot for %r already happened (boot %s) and its "
+                  "marker in %s was not cleared", reason, prior.reason, prior.boot_id, state_dir)
+        return False
+    _write_marker(state_dir, RebootRecord(reason=reason, boot_id=current_boot_id(boot_id_path),
+                                          requested_at=time.time(), rebooted=False))
+    return True
+
+
 def _write_marker(state_dir: str, record: RebootRecord) -> None:
-    d = asdict(record)
-    d.pop("rebooted")
+    """Exactly the fields _decode_marker accepts: `rebooted` is derived from the boot id on
+    reading, `set_aside` belongs to a foreign marker only."""
+    d = {"reason": record.reason, "boot_id": record.boot_id, "requested_at": record.requested_at}
     state_files.save(os.path.join(state_dir, REBOOT_MARKER), json.dumps(d).encode() + b"\n", mode=0o600)

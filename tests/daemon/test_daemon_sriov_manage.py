@@ -24,15 +24,20 @@ def _gpu(d) -> dict:
     return next(g for g in d.status()["gpus"] if g["pci"] == L40S)
 
 
+def _waiting_message(d, text: str) -> str | None:
+    g = _gpu(d)
+    return g["message"] if g["state"] == "waiting" and text in g["message"] else None
+
+
 def test_vfs_come_through_sriov_manage_and_a_holder_of_the_unbind_lock_is_named(daemon) -> None:
     holder = subprocess.Popen(["sleep", "600"])
     try:
         d = daemon(["l40s"], LAYOUT, vgpu="vfio")
         assert d.sim("hold", L40S, "--pid", str(holder.pid), "--name", "nv-hostengine").returncode == 0
         d.ctl("apply")
-        wait_until(lambda: _gpu(d)["state"] == "waiting" and "unbindLock" in _gpu(d)["message"], 90,
-                   "waiting on the unbind lock")
-        msg = _gpu(d)["message"]
+        # The message is taken from the very status read that showed the wait: a retry pass may
+        # set the GPU applying again between two reads.
+        msg = wait_until(lambda: _waiting_message(d, "unbindLock"), 90, "waiting on the unbind lock")
         assert "Cannot obtain unbindLock for 0000:18:00.0" in msg and f"pid {holder.pid} nv-hostengine" in msg, msg
         st = load(d.host)
         assert st.vgpu[L40S].vfs == [] and st.functions[L40S].driver == "nvidia"  # nothing changed

@@ -3,8 +3,6 @@ settle a mode change; after the reboot the marker is cleared when the host conve
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
 from gpud.engine.mig import executor as mig_executor
@@ -18,14 +16,13 @@ from tests.scenarios.harness import SimRig
 def rig(tmp_path, monkeypatch):
     asked: list[str] = []
 
+    (tmp_path / "boot_id").write_text("boot-before\n")
+
     async def fake_logind(state_dir: str, reason: str) -> bool:
-        # the real request_reboot, minus the D-Bus call: the marker logic is what is under test
-        prior = logind.reboot_outcome(state_dir)
-        if prior is not None and prior.rebooted:
+        # the real request_reboot minus the D-Bus call: its marker logic is what is under test
+        if not logind.mark_reboot(state_dir, reason, boot_id_path=str(tmp_path / "boot_id")):
             return False
         asked.append(reason)
-        (tmp_path / "state" / logind.REBOOT_MARKER).write_text(json.dumps(
-            {"reason": reason, "boot_id": "boot-before", "requested_at": 1.0}))
         return True
 
     (tmp_path / "state").mkdir()

@@ -153,6 +153,10 @@ def test_many_threads_and_processes_at_once(goprobe, sim_dir):
 
 def test_an_open_session_of_a_go_program_blocks_the_reset_until_it_exits(goprobe, sim_dir):
     host = sim_dir("a100-40gb")
+    # Persistence mode (on by default, as on most hosts) refuses a reset by itself: off first, so
+    # the refusal below comes from the session alone.
+    off = subprocess.run([str(host / "bin" / "nvidia-smi"), "-pm", "0", "-i", "0000:18:00.0"], capture_output=True, text=True)
+    assert off.returncode == 0 and load(host).persistent == [], off.stdout
     holder = subprocess.Popen([sys.executable, "-m", "gpud.sim.cli", "exec", str(host), "--", str(goprobe), "hold"],
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
