@@ -56,15 +56,6 @@ class RealEngine(EngineStandIn):
         return self.node.pods(), self.node.labels()
 
 
-@pytest.fixture
-def real_node(real_server, tmp_path):
-    node = RealNode(real_server, tmp_path, NODE)
-    try:
-        yield node
-    finally:
-        node.close()
-
-
 def _seed(node: RealNode, labels: dict[str, str]) -> None:
     node.put_node(labels)
     for app in VALIDATORS:
