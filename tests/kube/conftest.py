@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import pytest
 
+from tests.kube.cluster import NODE
+from tests.kube.real_cluster import RealNode
 from tests.kube.real_server import RealServer, binaries, have_openssl
 from tests.kube.test_kube_agent import cluster  # noqa: F401 - a fixture
 
@@ -37,3 +39,13 @@ def own_real_server(tmp_path):
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture
+def real_node(real_server, tmp_path):
+    """A node on the session's real server, removed with its pods after the test."""
+    node = RealNode(real_server, tmp_path, NODE)
+    try:
+        yield node
+    finally:
+        node.close()

@@ -56,15 +56,6 @@ class RealEngine(EngineStandIn):
         return self.node.pods(), self.node.labels()
 
 
-@pytest.fixture
-def real_node(real_server, tmp_path):
-    node = RealNode(real_server, tmp_path, NODE)
-    try:
-        yield node
-    finally:
-        node.close()
-
-
 def _seed(node: RealNode, labels: dict[str, str]) -> None:
     node.put_node(labels)
     for app in VALIDATORS:
@@ -168,7 +159,7 @@ async def test_mig_change_under_the_documented_role_every_request_allowed(real_s
 
 
 # events create is used only when a layout fails (a Warning Event on the Node); the change this
-# test drives succeeds, so that verb is not exercised here.
+# test drives succeeds, so that verb is tested with a failing layout in test_real_operator_items.py.
 @pytest.mark.parametrize(("resource", "verb"), sorted(_rbac_rules() - {("events", "create")}))
 async def test_a_missing_verb_is_a_clear_error_not_a_stall(real_server, real_node, tmp_path, resource, verb):
     """The documented role with one verb removed, bound to an identity of its own."""

@@ -339,16 +339,23 @@ class KubeAgent(OtherAgentsOff):
 
     async def _describe(self, state: str, message: str) -> None:
         """Where `kubectl describe node` shows it: a failure as a Warning Event on the Node and in
-        the annotation LAST_ERROR (removed on success). Best effort: the state label is the protocol."""
+        the annotation LAST_ERROR (removed on success). Best effort: the state label is the protocol.
+        The Event and the annotation are separate requests with separate verbs (events create, nodes
+        patch): one refused leaves the other written, and the refusal is reported with its verb."""
+        if state == "failed":
+            try:
+                await self.api.node_event("GPULayoutFailed", message or "failed", uid=self._node_uid)
+            except KubeError as e:
+                self._event("kube", f"could not record the failure as an Event on the Node "
+                                    f"(the role needs events create): {e}")
         try:
             if state == "failed":
-                await self.api.node_event("GPULayoutFailed", message or "failed", uid=self._node_uid)
                 await self.api.patch_annotations({LAST_ERROR: message or "failed"})
             elif state == "success" and self._last_error_shown:
                 await self.api.patch_annotations({LAST_ERROR: None})
             self._last_error_shown = state == "failed"
         except KubeError as e:
-            self._event("kube", f"could not record the outcome as a node event/annotation: {e}")
+            self._event("kube", f"could not write the node annotation {LAST_ERROR} (the role needs nodes patch): {e}")
 
     async def _set_state(self, sel: Selection, state: str, message: str) -> None:
         self.status.state, self.status.message = state, message
