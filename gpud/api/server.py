@@ -33,7 +33,7 @@ from typing import Any, Literal, Protocol
 
 import msgspec
 
-from gpud.api import wire
+from gpud.api import wire, wire_replies
 from gpud.api.peers import Peer, authorize, group_id, may_connect, peer_credentials
 from gpud.engine.events import EventQueue, overflow_event
 
@@ -56,7 +56,7 @@ class ServerError(RuntimeError):
 class Handler(Protocol):
     """What the daemon gives the server.
 
-    `handle` answers every op but `events` with the op's reply struct (`wire.RESULTS`).
+    `handle` answers every op but `events` with the op's reply struct (`wire_replies.RESULTS`).
     `subscribe` returns an `EventQueue` (the engine's bounded queue, sent from as it is), an
     asyncio.Queue or an async iterator of events (wire.Event or dicts of its shape) that starts
     collecting immediately; `recent_events` the history, oldest first. If the handler has
@@ -381,7 +381,7 @@ class ApiServer:
         except Exception as e:
             log.exception("handler failed on %s", req.op)
             return self._error(req.id, wire.E_INTERNAL, f"{type(e).__name__}: {e}")
-        typ = wire.RESULTS[req.op]
+        typ = wire_replies.RESULTS[req.op]
         if not isinstance(result, typ):  # a handler bug: the client would misread anything else
             log.error("handler answered %s with %s, not %s", req.op, type(result).__name__, typ.__name__)
             return self._error(req.id, wire.E_INTERNAL,
@@ -394,7 +394,7 @@ class ApiServer:
         events = [_as_event(e) for e in recent]
         total = len(events)
         while True:
-            resp = wire.Response(id=rid, ok=True, result=wire.EventsReply(events=events, following=following,
+            resp = wire.Response(id=rid, ok=True, result=wire_replies.EventsReply(events=events, following=following,
                                                                          omitted=total - len(events)))
             try:
                 wire.encode_frame(resp, max_frame=self.max_frame)
