@@ -11,7 +11,8 @@ import time
 from typing import Any
 
 from gpud.api import wire_replies
-from gpud.api.server import ApiError, ApiServer, Peer, serve
+from gpud.api.peers import Peer
+from gpud.api.server import ApiError, ApiServer, serve
 
 P = wire_replies.Placement
 H = wire_replies.HolderInfo

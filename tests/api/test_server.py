@@ -20,7 +20,8 @@ import pytest
 
 from gpud.api import wire, wire_replies
 from gpud.api.peers import Peer, authorize, peer_credentials, read_proc_groups
-from gpud.api.server import ApiError, ServerError, serve
+from gpud.api.server import ApiError, serve
+from gpud.api.socket_file import ServerError
 from gpud.engine.events import EventBus, EventQueue
 from tests.api.fakes import FakeHandler, status_reply
 
