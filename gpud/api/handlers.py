@@ -117,7 +117,7 @@ class RequestHandler:
         except NvmlError:  # no driver, or closed during a rebind
             driver = nvml = None
         return wire_replies.VersionReply(version=VERSION, driver=driver, nvml=nvml, protocol=wire.PROTOCOL,
-                                 config=self.rec.config_path)
+                                         config=self.rec.config_path)
 
     async def op_check(self, text: str, path: str | None = None, all_layouts: bool = False) -> wire_replies.CheckReply:
         """Valid means applicable: a file that parses and resolves is also planned against this

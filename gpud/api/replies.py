@@ -73,11 +73,11 @@ def _instances(gpu: Gpu) -> list[wire_replies.InstanceStatus]:
         for ci in gi.cis:
             slot = wire_replies.Placement(start=ci.start, size=ci.slices) if ci.start is not None else None
             out.append(wire_replies.InstanceStatus(profile=mig_device_name(nv, gi, ci.slices), placement=placement(gi.placement),
-                                           gi=gi.id, ci=ci.id, uuid=ci.uuid, holders=holders(ci.holders),
-                                           ci_placement=slot))
+                                                   gi=gi.id, ci=ci.id, uuid=ci.uuid, holders=holders(ci.holders),
+                                                   ci_placement=slot))
         if not gi.cis:  # no compute instance yet: the GI's own name
             out.append(wire_replies.InstanceStatus(profile=mig_device_name(nv, gi, None), placement=placement(gi.placement),
-                                           gi=gi.id, ci=None, uuid=None, holders=[]))
+                                                   gi=gi.id, ci=None, uuid=None, holders=[]))
     return out
 
 
@@ -88,7 +88,7 @@ def vgpu_status(gpu: Gpu, rebuilt: list[str]) -> wire_replies.VgpuStatus | None:
     return wire_replies.VgpuStatus(
         interface=v.interface, offered=[o.type for o in v.offers if o.creatable > 0], vfs=len(v.vfs),
         devices=[wire_replies.VgpuDeviceStatus(type=d.type, uuid=d.uuid, vf=d.vf, parent=d.parent, gi=d.gi,
-                                       holders=holders(d.holders)) for d in v.devices],
+                                               holders=holders(d.holders)) for d in v.devices],
         rebuilt=list(rebuilt))
 
 
@@ -132,8 +132,8 @@ def gpu_status(gpu: Gpu, desired: DesiredGpu | None, state: GpuState | None,
 def gone_gpu_status(known: KnownGpu, state: GpuState | None) -> wire_replies.GpuStatus:
     """A GPU missing from the bus keeps its row, index and last identity: `gone`."""
     return wire_replies.GpuStatus(index=known.index, pci=known.pci, uuid=known.uuid, model=known.model,
-                          pci_id=known.pci_id, driver=None, workload="-", converged=False, state="gone",
-                          message=state.message if state is not None else "gone from the PCI bus")
+                                  pci_id=known.pci_id, driver=None, workload="-", converged=False, state="gone",
+                                  message=state.message if state is not None else "gone from the PCI bus")
 
 
 def layout_status(rec: Reconciler) -> wire_replies.LayoutStatus:
@@ -151,8 +151,8 @@ def layout_status(rec: Reconciler) -> wire_replies.LayoutStatus:
     shown_warnings, warnings_omitted = capped(warnings, "warnings")
     selected = rec.layout.layout.selected if rec.layout is not None and rec.layout.layout is not None else None
     return wire_replies.LayoutStatus(path=rec.config_path, selected=selected,
-                             valid=not errors, errors=shown_errors, warnings=shown_warnings,
-                             errors_omitted=errors_omitted, warnings_omitted=warnings_omitted)
+                                     valid=not errors, errors=shown_errors, warnings=shown_warnings,
+                                     errors_omitted=errors_omitted, warnings_omitted=warnings_omitted)
 
 
 def check_reply(resolution: Resolution, infeasible: list[str] | None = None, *,
@@ -171,8 +171,8 @@ def check_reply(resolution: Resolution, infeasible: list[str] | None = None, *,
     errors, errors_omitted = capped(all_errors, "errors")
     warnings, warnings_omitted = capped(all_warnings, "warnings")
     return wire_replies.CheckReply(valid=not all_errors, errors=errors, warnings=warnings,
-                           selected=resolution.selected, errors_omitted=errors_omitted,
-                           warnings_omitted=warnings_omitted, checked=checked)
+                                   selected=resolution.selected, errors_omitted=errors_omitted,
+                                   warnings_omitted=warnings_omitted, checked=checked)
 
 
 def status_reply(rec: Reconciler, *, kubernetes: wire_replies.KubernetesStatus | None = None) -> wire_replies.StatusReply:
@@ -184,8 +184,8 @@ def status_reply(rec: Reconciler, *, kubernetes: wire_replies.KubernetesStatus |
     gpus += [gone_gpu_status(k, rec.gpu_states.get(k.pci)) for k in rec.observation.gone]
     gpus.sort(key=lambda g: g.index)
     return wire_replies.StatusReply(phase=rec.phase_now(), layout=layout_status(rec), gpus=gpus, read_only=rec.read_only,
-                            version=VERSION, kubernetes=kubernetes, rebuilt_after_boot=rec.boot_rebuild.summary,
-                            state_files=state_file_problems(rec))
+                                    version=VERSION, kubernetes=kubernetes, rebuilt_after_boot=rec.boot_rebuild.summary,
+                                    state_files=state_file_problems(rec))
 
 
 def state_file_problems(rec: Reconciler) -> list[str]:
@@ -207,12 +207,12 @@ def kubernetes_status(gpus: Sequence[Gpu], *, mig_strategy: str, agent=None) -> 
     agent_status = None
     if agent is not None:
         agent_status = wire_replies.KubeAgentStatus(node=agent.node, connected=agent.connected, selected=agent.selected,
-                                            state=agent.state, message=agent.message, paused=list(agent.paused),
-                                            other_agents=list(agent.other_agents),
-                                            workload_config=agent.workload_config, unserved=list(agent.unserved))
+                                                    state=agent.state, message=agent.message, paused=list(agent.paused),
+                                                    other_agents=list(agent.other_agents),
+                                                    workload_config=agent.workload_config, unserved=list(agent.unserved))
     return wire_replies.KubernetesStatus(
         advertised=wire_replies.Advertised(mig_strategy=mig_strategy, resources=ad.resources, sandbox=ad.sandbox,
-                                   problems=list(ad.problems)),
+                                           problems=list(ad.problems)),
         agent=agent_status)
 
 
@@ -225,8 +225,8 @@ def labels_reply(out: LabelsOut) -> wire_replies.LabelsReply:
         refused = str(e)
     last = out.last
     return wire_replies.LabelsReply(path=out.path, label_set="all" if out.gfd else "gpud", result=out.last_result,
-                            file=held, file_refused=refused, labels=dict(last.labels) if last else {},
-                            warnings=list(last.warnings) if last else [])
+                                    file=held, file_refused=refused, labels=dict(last.labels) if last else {},
+                                    warnings=list(last.warnings) if last else [])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -235,9 +235,9 @@ def labels_reply(out: LabelsOut) -> wire_replies.LabelsReply:
 
 def mig_step(step: Step) -> wire_replies.StepInfo:
     return wire_replies.StepInfo(action=step.action, pci=step.pci, profile=step.profile,
-                         placement=placement(step.placement) if step.placement is not None else None,
-                         gi=step.gi, ci=step.ci, uuid=step.uuid, enabled=step.enabled,
-                         ci_placement=placement(step.ci_placement) if step.ci_placement is not None else None)
+                                 placement=placement(step.placement) if step.placement is not None else None,
+                                 gi=step.gi, ci=step.ci, uuid=step.uuid, enabled=step.enabled,
+                                 ci_placement=placement(step.ci_placement) if step.ci_placement is not None else None)
 
 
 def bind_step(step: BindStep) -> wire_replies.StepInfo:
@@ -246,7 +246,7 @@ def bind_step(step: BindStep) -> wire_replies.StepInfo:
 
 def vgpu_step(step: VgpuStep) -> wire_replies.StepInfo:
     return wire_replies.StepInfo(action=step.action, pci=step.parent or step.pci, type=step.type, uuid=step.uuid, vf=step.vf,
-                         count=step.count)
+                                 count=step.count)
 
 
 def vgpu_removed(pci: str, dev: VgpuDevice) -> wire_replies.VgpuRemovedInfo:
@@ -255,7 +255,7 @@ def vgpu_removed(pci: str, dev: VgpuDevice) -> wire_replies.VgpuRemovedInfo:
 
 def destroyed(item: Destroyed) -> wire_replies.DestroyedInfo:
     return wire_replies.DestroyedInfo(pci=item.pci, profile=item.profile, placement=placement(item.placement),
-                              uuid=item.uuid, holders=holders(item.holders))
+                                      uuid=item.uuid, holders=holders(item.holders))
 
 
 def _gpu_plan(rec: Reconciler, gpu: Gpu, desired: DesiredGpu, disruption: wire_replies.Disruption) -> wire_replies.GpuPlanInfo:
@@ -345,7 +345,7 @@ def plan_reply(rec: Reconciler, resolution: Resolution | None = None, observatio
 def apply_reply(rec: Reconciler, finished: bool) -> wire_replies.ApplyReply:
     states = rec.gpu_states
     gpus = [wire_replies.GpuApplyInfo(pci=g.pci, state=states[g.pci].state if g.pci in states else "starting",
-                              message=states[g.pci].message if g.pci in states else "")
+                                      message=states[g.pci].message if g.pci in states else "")
             for g in rec.observation.gpus]
     if not finished:
         return wire_replies.ApplyReply(phase="timeout", converged=False, message="timed out waiting for the apply", gpus=gpus)
@@ -435,8 +435,8 @@ def passthrough_reply(entries: list[PassthroughEntry], gpus: tuple[Gpu, ...] = (
         for d in g.vgpu.devices if g.vgpu is not None else ():
             e = vgpu_entry(g.pci, g.function.device, d)
             vgpus.append(wire_replies.VgpuPassthrough(gpu=e.gpu, type=e.type, driver_name=e.driver_name, uuid=e.uuid, vf=e.vf,
-                                              vfio_device=e.vfio_device, resource_name=e.resource_name,
-                                              libvirt_hostdev=e.libvirt_hostdev, kubevirt=e.kubevirt))
+                                                      vfio_device=e.vfio_device, resource_name=e.resource_name,
+                                                      libvirt_hostdev=e.libvirt_hostdev, kubevirt=e.kubevirt))
     return wire_replies.PassthroughReply(devices=[passthrough_device(e) for e in entries], vgpus=vgpus)
 
 
@@ -466,5 +466,5 @@ def vgpu_types_reply(gpus: list[Gpu]) -> wire_replies.VgpuTypesReply:
                 framebuffer_gb=parsed.framebuffer_gb if parsed is not None else 0,
                 creatable=o.creatable if o is not None else 0, max=known.max_instances if known else None))
         reply.gpus.append(wire_replies.GpuVgpuTypes(index=g.index, pci=g.pci, model=model_name(g), interface=g.vgpu.interface,
-                                            types=types))
+                                                    types=types))
     return reply

@@ -26,7 +26,7 @@ def status_reply() -> wire_replies.StatusReply:
         wire_replies.InstanceStatus(profile="1g.18gb", placement=P(start=s, size=1), gi=7 + s, ci=0, uuid=MIG_UUIDS[s])
         for s in range(4, 7)
     ] + [wire_replies.InstanceStatus(profile="1g.18gb", placement=P(start=3, size=1), gi=10, ci=0, uuid=MIG_UUIDS[3],
-                             holders=[H(pid=777, name="trainer", device=MIG_UUIDS[3])])]
+                                     holders=[H(pid=777, name="trainer", device=MIG_UUIDS[3])])]
     big = wire_replies.InstanceStatus(profile="3g.71gb", placement=P(start=0, size=4), gi=2, ci=0, uuid=MIG_UUIDS[0])
     gpu0 = wire_replies.GpuStatus(
         index=0, pci="0000:3b:00.0", uuid=GPU0_UUID, model="NVIDIA H200", pci_id="10de:2335",
@@ -52,7 +52,7 @@ def status_reply() -> wire_replies.StatusReply:
     return wire_replies.StatusReply(
         phase="waiting",
         layout=wire_replies.LayoutStatus(path="/etc/gpud/layout.yaml", selected="partial-mig", valid=True,
-                                 warnings=["/etc/gpud/layout.yaml:9 layouts.partial-mig[1]: matches no GPU"]),
+                                         warnings=["/etc/gpud/layout.yaml:9 layouts.partial-mig[1]: matches no GPU"]),
         gpus=[gpu0, gpu1, gpu2], read_only=False, version="0.1.0",
     )
 
@@ -69,7 +69,7 @@ def h200_profiles() -> list[wire_replies.ProfileInfo]:
     ]
     return [
         wire_replies.ProfileInfo(id=i, name=n, memory_mb=m, sms=sm, slices=int(n[0]), free=c, total=c,
-                         placements=[P(start=s, size=z) for s in st], ce=ce, dec=dec, enc=enc, jpg=j, ofa=o)
+                                 placements=[P(start=s, size=z) for s in st], ce=ce, dec=dec, enc=enc, jpg=j, ofa=o)
         for i, n, c, m, sm, dec, enc, ce, j, o, st, z in rows
     ]
 
@@ -79,7 +79,7 @@ def plan_reply() -> wire_replies.PlanReply:
         gpus=[
             wire_replies.GpuPlanInfo(index=0, pci="0000:3b:00.0", steps=[
                 wire_replies.StepInfo(action="destroy-ci", profile="1g.18gb", placement=P(start=6, size=1), gi=13,
-                              ci=0, uuid=MIG_UUIDS[6]),
+                                      ci=0, uuid=MIG_UUIDS[6]),
                 wire_replies.StepInfo(action="destroy-gi", profile="1g.18gb", placement=P(start=6, size=1), gi=13),
                 wire_replies.StepInfo(action="create-gi", profile="1g.35gb", placement=P(start=6, size=2)),
                 wire_replies.StepInfo(action="create-ci", profile="1g.35gb", gi=14, ci=0),
@@ -92,7 +92,7 @@ def plan_reply() -> wire_replies.PlanReply:
         ],
         disruption=wire_replies.Disruption(
             destroyed=[wire_replies.DestroyedInfo(pci="0000:3b:00.0", profile="1g.18gb", placement=P(start=6, size=1),
-                                          uuid=MIG_UUIDS[6], holders=[H(pid=31337, name="jupyter")])],
+                                                  uuid=MIG_UUIDS[6], holders=[H(pid=31337, name="jupyter")])],
             mode_changes=["0000:5c:00.0"], resets=["0000:5c:00.0"],
         ),
     )

@@ -71,10 +71,10 @@ def test_every_result_struct_is_json_able_with_a_stable_shape():
         "events": wire_replies.EventsReply(events=[wire.Event(time=0.0, kind="k")]),
         "version": wire_replies.VersionReply(version="0.1.0"), "mig-profiles": wire_replies.MigProfilesReply(),
         "passthrough": wire_replies.PassthroughReply(devices=[wire_replies.PassthroughDevice(pci="p", vendor_device="10de:2335")],
-                                             vgpus=[wire_replies.VgpuPassthrough(gpu="p", type="L40S-12Q", vf="v")]),
+                                                     vgpus=[wire_replies.VgpuPassthrough(gpu="p", type="L40S-12Q", vf="v")]),
         "stats": wire_replies.StatsReply(window_s=1.5, loop_lag=wire_replies.LoopLag(samples=3, p99_ms=2.5), requests={"status": 2}),
         "labels": wire_replies.LabelsReply(path="/f", result="written", file={"nvidia.com/gpu.count": "8"},
-                                   labels={"nvidia.com/gpu.count": "8"}),
+                                           labels={"nvidia.com/gpu.count": "8"}),
         "vgpu-types": wire_replies.VgpuTypesReply(gpus=[wire_replies.GpuVgpuTypes(index=0, pci="p", types=[
             wire_replies.VgpuTypeInfo(name="H200X-1-18C", id=1414, mig_profile="1g.18gb", creatable=7, max=7)])]),
     }
@@ -90,7 +90,7 @@ def test_every_result_struct_is_json_able_with_a_stable_shape():
 def test_default_structs_are_not_shared_between_instances():
     a, b = wire_replies.GpuStatus(index=0, pci="a"), wire_replies.GpuStatus(index=1, pci="b")
     a.mig.instances.append(wire_replies.InstanceStatus(profile="1g.18gb", placement=wire_replies.Placement(start=0, size=1),
-                                               gi=1, ci=0, uuid="MIG-x"))
+                                                       gi=1, ci=0, uuid="MIG-x"))
     assert b.mig.instances == []
 
 
@@ -178,9 +178,9 @@ def test_the_protocol_modules_import_only_stdlib_and_msgspec():
 def test_kubernetes_status_round_trips():
     k = wire_replies.KubernetesStatus(
         advertised=wire_replies.Advertised(resources={"nvidia.com/gpu": 7, "nvidia.com/mig-1g.10gb": 4},
-                                   sandbox={"nvidia.com/GH100_H100_SXM5_80GB": 1}, problems=["p"]),
+                                           sandbox={"nvidia.com/GH100_H100_SXM5_80GB": 1}, problems=["p"]),
         agent=wire_replies.KubeAgentStatus(node="n", connected=True, selected="partial-mig", state="success",
-                                   paused=["nvidia.com/gpu.deploy.dcgm"]))
+                                           paused=["nvidia.com/gpu.deploy.dcgm"]))
     doc = json.loads(msgspec.json.encode(k))
     assert doc["advertised"]["resources"] == {"nvidia.com/gpu": 7, "nvidia.com/mig-1g.10gb": 4}
     assert msgspec.convert(doc, wire_replies.KubernetesStatus) == k

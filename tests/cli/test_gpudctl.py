@@ -84,7 +84,7 @@ def test_check_sends_the_file_and_reports_validity(daemon, tmp_path):
     assert (r.returncode, r.stdout.strip()) == (0, f"{f}: valid (selected: partial-mig)")
     assert calls(daemon, "check") == [{"text": "version: v1\n", "path": str(f), "all_layouts": False}]
     daemon.handler.replies["check"] = wire_replies.CheckReply(valid=False, errors=[f"{f}:1 version: must be v1"],
-                                                      warnings=["w"])
+                                                              warnings=["w"])
     r = run(daemon, "check", str(f))
     assert r.returncode == 4
     assert r.stdout.splitlines() == [f"{f}: INVALID", f"error: {f}:1 version: must be v1", "warning: w"]
@@ -287,7 +287,7 @@ def test_client_imports_nothing_heavy():
 
 def test_state_and_mig_columns():
     g = wire_replies.GpuStatus(index=0, pci="p", state="failed", message="NVML_ERROR_IN_USE creating 3g.71gb",
-                       mig=wire_replies.MigStatus(capable=True, mode="disabled", pending="enabled"))
+                               mig=wire_replies.MigStatus(capable=True, mode="disabled", pending="enabled"))
     assert render.state_column(g) == "failed: NVML_ERROR_IN_USE creating 3g.71gb"
     assert render.mig_column(g.mig) == "pending(on)"
     assert render.mig_column(wire_replies.MigStatus()) == "-"

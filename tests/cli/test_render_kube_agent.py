@@ -8,7 +8,7 @@ from gpud.cli.render import render_kubernetes
 
 def _render(**agent) -> str:
     return render_kubernetes(wire_replies.KubernetesStatus(advertised=wire_replies.Advertised(),
-                                                   agent=wire_replies.KubeAgentStatus(node="gpu-1", **agent)))
+                                                           agent=wire_replies.KubeAgentStatus(node="gpu-1", **agent)))
 
 
 def test_a_refusal_names_the_missing_verb():
