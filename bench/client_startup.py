@@ -40,18 +40,18 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench import venvs  # noqa: E402
-from gpud.api import wire  # noqa: E402
+from gpud.api import wire_replies  # noqa: E402
 from gpud.api.server import serve  # noqa: E402
 
 
-def _status() -> wire.StatusReply:
+def _status() -> wire_replies.StatusReply:
     """What a host of 8 whole GPUs answers: the size of the reply gpudctl decodes and renders."""
-    gpus = [wire.GpuStatus(index=i, pci=f"0000:{0x18 + 0x11 * i:02x}:00.0", uuid=f"GPU-{i:08x}-0000-0000-0000-000000000000",
-                           model="NVIDIA H100 80GB HBM3", pci_id="10de:2330", driver="nvidia", workload="container",
-                           mig=wire.MigStatus(capable=True, mode="disabled"), converged=True, state="converged",
-                           message="whole GPU") for i in range(8)]
-    return wire.StatusReply(phase="converged", layout=wire.LayoutStatus(path="/etc/gpud/layout.yaml", selected="all",
-                                                                        valid=True), gpus=gpus, version="0.1.0")
+    gpus = [wire_replies.GpuStatus(index=i, pci=f"0000:{0x18 + 0x11 * i:02x}:00.0", uuid=f"GPU-{i:08x}-0000-0000-0000-000000000000",
+                                   model="NVIDIA H100 80GB HBM3", pci_id="10de:2330", driver="nvidia", workload="container",
+                                   mig=wire_replies.MigStatus(capable=True, mode="disabled"), converged=True, state="converged",
+                                   message="whole GPU") for i in range(8)]
+    return wire_replies.StatusReply(phase="converged", layout=wire_replies.LayoutStatus(path="/etc/gpud/layout.yaml", selected="all",
+                                                                                        valid=True), gpus=gpus, version="0.1.0")
 
 
 class FakeGpud:
@@ -60,7 +60,7 @@ class FakeGpud:
     async def handle(self, op: str, args: dict[str, Any], peer: Any) -> Any:
         if op == "status":
             return _status()
-        return wire.VersionReply(version="0.1.0", driver="550.90.07", nvml="12.550.90.07")
+        return wire_replies.VersionReply(version="0.1.0", driver="550.90.07", nvml="12.550.90.07")
 
     def subscribe(self) -> asyncio.Queue:
         return asyncio.Queue()

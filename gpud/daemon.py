@@ -273,7 +273,7 @@ class Daemon:
             except NvmlError:  # no driver yet, or closed during a rebind: the next pass asks again
                 pass
         desired = rec.resolution.desired if rec.resolution is not None else {}
-        selected = rec.layout.layout.selected if rec.layout is not None and rec.layout.layout is not None else None
+        selected = rec.layout.selected if rec.layout is not None else None
         rebooting = self.kube_applier.reboot_requested if self.kube_applier is not None else False
         state = layout_state(rec.phase, rebooting=rebooting)
         self.labels.write(self.labels.inputs(rec.observation.gpus, workloads={p: d.workload for p, d in desired.items()},

@@ -7,13 +7,12 @@ client prints the steps of a plan reply with the same `step_text`, so `gpudctl p
 exactly as `gpudctl events` will while it runs, and uses the grammar to show a compute instance's
 slot only where the name says it is smaller than its GPU instance.
 
-Why here: the client may import only the standard library, msgspec and gpud.api.wire (its start-up
-time; tests/test_layering.py checks the whole closure), and the core may not import gpud.api. So
-this module sits at the top of the package, imports only the standard library, and the wire module
-re-exports what the client uses: a MIG device name is part of the protocol's vocabulary (every
-`profile` field carries one). Sending the step text over the wire instead would still leave the
-grammar on both sides (the status of an instance) and give no words for the steps of an older
-daemon's reply.
+Why here: the client may import only the standard library, msgspec, the protocol modules and this
+one (its start-up time; tests/test_layering.py checks the whole closure), and the core may not
+import gpud.api. So this module sits at the top of the package and imports only the standard
+library: a MIG device name is part of the protocol's vocabulary (every `profile` field carries one).
+Sending the step text over the wire instead would still leave the grammar on both sides (the status
+of an instance) and give no words for the steps of an older daemon's reply.
 """
 
 from __future__ import annotations

@@ -199,8 +199,3 @@ class VgpuState(Struct, frozen=True):
     vfs: tuple[str, ...] = ()  # enabled VFs, in virtfn order
     offers: tuple[VgpuOffer, ...] = ()
     devices: tuple[VgpuDevice, ...] = ()
-
-    @property
-    def free_parents(self) -> tuple[str, ...]:
-        used = {d.parent for d in self.devices}
-        return tuple(v for v in self.vfs if v not in used)

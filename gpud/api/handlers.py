@@ -2,7 +2,7 @@
 apply path, so `gpudctl` never sees anything the engine does not itself act on.
 
 The engine refuses with its own errors (`gpud.engine.queries.EngineError`); this module is where
-each becomes a wire error code, and every reply is a `gpud.api.wire` struct built by `replies`.
+each becomes a wire error code, and every reply is a `gpud.api.wire_replies` struct built by `replies`.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from collections import Counter
 from typing import Any, Protocol
 
 from gpud import VERSION
-from gpud.api import replies, wire
+from gpud.api import replies, wire, wire_replies
 from gpud.api.fair_share import FairShare, cost_error
 from gpud.api.peers import Peer
 from gpud.api.server import ApiError
@@ -36,7 +36,7 @@ _CODES: dict[type[EngineError], str] = {
 }
 
 
-def infeasible_text(g: wire.GpuPlanInfo) -> str:
+def infeasible_text(g: wire_replies.GpuPlanInfo) -> str:
     """An infeasible GPU as `gpudctl plan` prints it."""
     return f"GPU {g.index} {g.pci}: INFEASIBLE: {g.infeasible}"
 
@@ -88,7 +88,7 @@ class RequestHandler:
     def unsubscribe(self, queue: EventQueue) -> None:
         self.rec.bus.unsubscribe(queue)
 
-    async def op_status(self, fresh: bool = False) -> wire.StatusReply:
+    async def op_status(self, fresh: bool = False) -> wire_replies.StatusReply:
         """From the observation in memory, at once, with its age; `fresh`: from one read after
         the request arrived. Asking also keeps the observation from growing older than the
         observer's bound (holders change without any event)."""
@@ -99,27 +99,27 @@ class RequestHandler:
             observer.poke()
         return self.status_snapshot.reply(self.rec, observer, kubernetes=self._kubernetes())
 
-    def _kubernetes(self) -> wire.KubernetesStatus:
+    def _kubernetes(self) -> wire_replies.KubernetesStatus:
         strategy = self.labels.mig_strategy if self.labels is not None else "mixed"
         agent = self.kube_agent.status if self.kube_agent is not None else None
         return replies.kubernetes_status(self.rec.observation.gpus, mig_strategy=strategy, agent=agent)
 
-    async def op_labels(self) -> wire.LabelsReply:
+    async def op_labels(self) -> wire_replies.LabelsReply:
         if self.labels is None:
-            return wire.LabelsReply()
+            return wire_replies.LabelsReply()
         return await asyncio.to_thread(replies.labels_reply, self.labels)  # reads the feature file
 
-    async def op_version(self) -> wire.VersionReply:
+    async def op_version(self) -> wire_replies.VersionReply:
         driver: str | None
         nvml: str | None
         try:
             driver, nvml = self.rec.hw.nvml.driver_version(), self.rec.hw.nvml.nvml_version()
         except NvmlError:  # no driver, or closed during a rebind
             driver = nvml = None
-        return wire.VersionReply(version=VERSION, driver=driver, nvml=nvml, protocol=wire.PROTOCOL,
-                                 config=self.rec.config_path)
+        return wire_replies.VersionReply(version=VERSION, driver=driver, nvml=nvml, protocol=wire.PROTOCOL,
+                                         config=self.rec.config_path)
 
-    async def op_check(self, text: str, path: str | None = None, all_layouts: bool = False) -> wire.CheckReply:
+    async def op_check(self, text: str, path: str | None = None, all_layouts: bool = False) -> wire_replies.CheckReply:
         """Valid means applicable: a file that parses and resolves is also planned against this
         host, and a GPU the planner cannot converge (`7 x 1g.10gb` on an A100 40GB) is an error
         in the same words `plan` uses. `all_layouts`: every entry of `layouts` is checked so, as a
@@ -152,7 +152,7 @@ class RequestHandler:
         return [infeasible_text(g) for g in plan.gpus if g.infeasible]
 
 
-    async def op_plan(self, text: str | None = None, path: str | None = None) -> wire.PlanReply:
+    async def op_plan(self, text: str | None = None, path: str | None = None) -> wire_replies.PlanReply:
         if text is None:  # the file in force, against the host as it is now
             observation = await self.rec.refresh_async()
             resolution, errors = self.rec.resolution, list(self.rec.layout_issues[0])
@@ -166,14 +166,14 @@ class RequestHandler:
             return replies.plan_reply(self.rec, errors=errors or ["no valid layout in force"])
         return replies.plan_reply(self.rec, resolution, observation)
 
-    async def op_apply(self, wait: bool = False, timeout: float | None = None) -> wire.ApplyReply:
+    async def op_apply(self, wait: bool = False, timeout: float | None = None) -> wire_replies.ApplyReply:
         ticket = await start_apply(self.rec)
         if not wait:
-            return wire.ApplyReply(phase="applying", converged=False, message="apply started", gpus=[])
+            return wire_replies.ApplyReply(phase="applying", converged=False, message="apply started", gpus=[])
         finished = await self.rec.wait_for(ticket, timeout)
         return replies.apply_reply(self.rec, finished)
 
-    async def op_reload(self) -> wire.LayoutStatus:
+    async def op_reload(self) -> wire_replies.LayoutStatus:
         """Re-read the file and answer at once; the apply it starts runs on. systemd's ExecReload
         waits for this, and units ordered after gpud (kubelet, dcgm) would deadlock with a reload
         that waited for an apply draining them."""
@@ -186,28 +186,28 @@ class RequestHandler:
                 self.notifier.ready()
         return replies.layout_status(self.rec)
 
-    async def op_mig_profiles(self, gpu: str | None = None) -> wire.MigProfilesReply:
+    async def op_mig_profiles(self, gpu: str | None = None) -> wire_replies.MigProfilesReply:
         await self.rec.refresh_async()
         return replies.mig_profiles_reply(select_gpus(self.rec.observation.gpus, gpu))
 
-    async def op_passthrough(self) -> wire.PassthroughReply:
+    async def op_passthrough(self) -> wire_replies.PassthroughReply:
         await self.rec.refresh_async()
         return replies.passthrough_reply(passthrough.entries(self.rec.observation.gpus, dev_root=self.dev_root),
                                          self.rec.observation.gpus)
 
-    async def op_vgpu_types(self, gpu: str | None = None) -> wire.VgpuTypesReply:
+    async def op_vgpu_types(self, gpu: str | None = None) -> wire_replies.VgpuTypesReply:
         """The vGPU types each GPU offers, with how many are still creatable: read fresh, as the
         counts move with every vGPU created anywhere on the GPU."""
         await self.rec.refresh_async()
         return replies.vgpu_types_reply(select_gpus(self.rec.observation.gpus, gpu))
 
-    async def op_stats(self, reset: bool = False) -> wire.StatsReply:
+    async def op_stats(self, reset: bool = False) -> wire_replies.StatsReply:
         """The daemon's own health since start or the last reset (for benchmarks and operators)."""
         samples, p50, p99, worst = self.loop_lag.summary()
         rss, peak = _memory()
-        reply = wire.StatsReply(
+        reply = wire_replies.StatsReply(
             window_s=round(time.monotonic() - self.loop_lag.window_start, 3),
-            loop_lag=wire.LoopLag(samples=samples, p50_ms=round(p50, 3), p99_ms=round(p99, 3), max_ms=round(worst, 3)),
+            loop_lag=wire_replies.LoopLag(samples=samples, p50_ms=round(p50, 3), p99_ms=round(p99, 3), max_ms=round(worst, 3)),
             requests=dict(self.requests), observations=self.rec.observer.reads - self._reads_at_reset,
             rss_bytes=rss, peak_rss_bytes=peak,
         )

@@ -3,7 +3,7 @@
 Bare-metal hosts already run prometheus-node-exporter; its textfile collector picks up
 `*.prom` files from a directory, so gpud needs no listening port (its unit allows no IP at all).
 The file is rewritten atomically after every pass and layout change, from the same
-`wire.StatusReply` that `gpudctl status` reads, so the two never disagree. The text comes from
+`wire_replies.StatusReply` that `gpudctl status` reads, so the two never disagree. The text comes from
 prometheus_client (`generate_latest`), the write from `gpud.host.safe_file`: the textfile directory
 often belongs to the exporter's user, and prometheus_client's own `write_to_textfile` opens a
 predictable temp name with a plain open(), which follows a link planted there (root would
@@ -17,7 +17,7 @@ from typing import get_args
 
 from prometheus_client import CollectorRegistry, Gauge, generate_latest
 
-from gpud.api import wire
+from gpud.api import wire_replies
 from gpud.engine.gpu_state import GpuStateName
 from gpud.host.safe_file import write_file
 
@@ -25,7 +25,7 @@ from gpud.host.safe_file import write_file
 STATES: tuple[str, ...] = get_args(GpuStateName)
 
 
-def render(status: wire.StatusReply, passes: int, path: str) -> None:
+def render(status: wire_replies.StatusReply, passes: int, path: str) -> None:
     """Write the metrics of one status snapshot to `path`."""
     reg = CollectorRegistry()
     layout_valid = Gauge("gpud_layout_valid", "1 when the layout file in place is valid", registry=reg)

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import msgspec
 
 from gpud import VERSION
-from gpud.api import wire
+from gpud.api import wire, wire_replies
 from gpud.engine.binding.passthrough import PassthroughEntry, kubevirt_entry
 from gpud.engine.gpu_state import BindAction, GpuState, MigAction, VgpuAction
 from gpud.engine.kube.node_labels_out import LabelsOut
@@ -48,12 +48,12 @@ def capped(items: list[str], noun: str, limit: int = wire.MAX_LISTED) -> tuple[l
     return list(items[:limit]) + [f"... and {more} more {noun} (left out of this reply)"], more
 
 
-def placement(p: Placement) -> wire.Placement:
-    return wire.Placement(start=p.start, size=p.size)
+def placement(p: Placement) -> wire_replies.Placement:
+    return wire_replies.Placement(start=p.start, size=p.size)
 
 
-def holders(items: tuple[Holder, ...] | list[Holder]) -> list[wire.HolderInfo]:
-    return [wire.HolderInfo(pid=h.pid, name=h.name, device=h.device, vm=h.vm) for h in items]
+def holders(items: tuple[Holder, ...] | list[Holder]) -> list[wire_replies.HolderInfo]:
+    return [wire_replies.HolderInfo(pid=h.pid, name=h.name, device=h.device, vm=h.vm) for h in items]
 
 
 def _mode(value: int | None) -> str | None:
@@ -64,36 +64,36 @@ def _mode(value: int | None) -> str | None:
 # status / reload
 
 
-def _instances(gpu: Gpu) -> list[wire.InstanceStatus]:
+def _instances(gpu: Gpu) -> list[wire_replies.InstanceStatus]:
     nv = gpu.nvml
     if nv is None:
         return []
     out = []
     for gi in sorted(nv.instances, key=lambda g: (g.placement.start, g.id)):
         for ci in gi.cis:
-            slot = wire.Placement(start=ci.start, size=ci.slices) if ci.start is not None else None
-            out.append(wire.InstanceStatus(profile=mig_device_name(nv, gi, ci.slices), placement=placement(gi.placement),
-                                           gi=gi.id, ci=ci.id, uuid=ci.uuid, holders=holders(ci.holders),
-                                           ci_placement=slot))
+            slot = wire_replies.Placement(start=ci.start, size=ci.slices) if ci.start is not None else None
+            out.append(wire_replies.InstanceStatus(profile=mig_device_name(nv, gi, ci.slices), placement=placement(gi.placement),
+                                                   gi=gi.id, ci=ci.id, uuid=ci.uuid, holders=holders(ci.holders),
+                                                   ci_placement=slot))
         if not gi.cis:  # no compute instance yet: the GI's own name
-            out.append(wire.InstanceStatus(profile=mig_device_name(nv, gi, None), placement=placement(gi.placement),
-                                           gi=gi.id, ci=None, uuid=None, holders=[]))
+            out.append(wire_replies.InstanceStatus(profile=mig_device_name(nv, gi, None), placement=placement(gi.placement),
+                                                   gi=gi.id, ci=None, uuid=None, holders=[]))
     return out
 
 
-def vgpu_status(gpu: Gpu, rebuilt: list[str]) -> wire.VgpuStatus | None:
+def vgpu_status(gpu: Gpu, rebuilt: list[str]) -> wire_replies.VgpuStatus | None:
     v = gpu.vgpu
     if v is None:
         return None
-    return wire.VgpuStatus(
+    return wire_replies.VgpuStatus(
         interface=v.interface, offered=[o.type for o in v.offers if o.creatable > 0], vfs=len(v.vfs),
-        devices=[wire.VgpuDeviceStatus(type=d.type, uuid=d.uuid, vf=d.vf, parent=d.parent, gi=d.gi,
-                                       holders=holders(d.holders)) for d in v.devices],
+        devices=[wire_replies.VgpuDeviceStatus(type=d.type, uuid=d.uuid, vf=d.vf, parent=d.parent, gi=d.gi,
+                                               holders=holders(d.holders)) for d in v.devices],
         rebuilt=list(rebuilt))
 
 
 def gpu_status(gpu: Gpu, desired: DesiredGpu | None, state: GpuState | None,
-               rebuilt: list[str] | None = None) -> wire.GpuStatus:
+               rebuilt: list[str] | None = None) -> wire_replies.GpuStatus:
     nv = gpu.nvml
     known = by_device(gpu.function.device)
     driver = gpu.function.driver
@@ -102,7 +102,7 @@ def gpu_status(gpu: Gpu, desired: DesiredGpu | None, state: GpuState | None,
     else:
         workload = {"nvidia": "container", "vfio-pci": "vm-passthrough"}.get(driver or "", "unmanaged")
     group = gpu.function.iommu_group
-    return wire.GpuStatus(
+    return wire_replies.GpuStatus(
         index=gpu.index,
         pci=gpu.pci,
         uuid=nv.uuid if nv else None,
@@ -112,7 +112,7 @@ def gpu_status(gpu: Gpu, desired: DesiredGpu | None, state: GpuState | None,
         workload=workload,
         iommu_group=group,
         numa_node=gpu.function.numa_node,
-        mig=wire.MigStatus(
+        mig=wire_replies.MigStatus(
             capable=nv.mig_capable if nv is not None else bool(known and known.mig_capable),
             mode=_mode(nv.mig_mode) if nv else None,
             pending=_mode(nv.mig_pending) if nv and nv.mig_pending != nv.mig_mode else None,
@@ -122,21 +122,21 @@ def gpu_status(gpu: Gpu, desired: DesiredGpu | None, state: GpuState | None,
         state=state.state if state else "starting",
         message=state.message if state else "",
         holders=holders(state.holders) if state else [],
-        group=[wire.GroupMember(pci=c.address, driver=c.driver, class_=f"0x{c.class_code:06x}")
+        group=[wire_replies.GroupMember(pci=c.address, driver=c.driver, class_=f"0x{c.class_code:06x}")
                for c in gpu.companions],
         vfio_device=f"/dev/vfio/{group}" if driver == "vfio-pci" and group is not None else None,
         vgpu=vgpu_status(gpu, rebuilt or []),
     )
 
 
-def gone_gpu_status(known: KnownGpu, state: GpuState | None) -> wire.GpuStatus:
+def gone_gpu_status(known: KnownGpu, state: GpuState | None) -> wire_replies.GpuStatus:
     """A GPU missing from the bus keeps its row, index and last identity: `gone`."""
-    return wire.GpuStatus(index=known.index, pci=known.pci, uuid=known.uuid, model=known.model,
-                          pci_id=known.pci_id, driver=None, workload="-", converged=False, state="gone",
-                          message=state.message if state is not None else "gone from the PCI bus")
+    return wire_replies.GpuStatus(index=known.index, pci=known.pci, uuid=known.uuid, model=known.model,
+                                  pci_id=known.pci_id, driver=None, workload="-", converged=False, state="gone",
+                                  message=state.message if state is not None else "gone from the PCI bus")
 
 
-def layout_status(rec: Reconciler) -> wire.LayoutStatus:
+def layout_status(rec: Reconciler) -> wire_replies.LayoutStatus:
     """The file in force and what is wrong with it now, resolved against the host as it is."""
     errors, warnings = rec.layout_issues
     res = rec.resolution
@@ -150,13 +150,13 @@ def layout_status(rec: Reconciler) -> wire.LayoutStatus:
     shown_errors, errors_omitted = capped(errors, "errors")
     shown_warnings, warnings_omitted = capped(warnings, "warnings")
     selected = rec.layout.layout.selected if rec.layout is not None and rec.layout.layout is not None else None
-    return wire.LayoutStatus(path=rec.config_path, selected=selected,
-                             valid=not errors, errors=shown_errors, warnings=shown_warnings,
-                             errors_omitted=errors_omitted, warnings_omitted=warnings_omitted)
+    return wire_replies.LayoutStatus(path=rec.config_path, selected=selected,
+                                     valid=not errors, errors=shown_errors, warnings=shown_warnings,
+                                     errors_omitted=errors_omitted, warnings_omitted=warnings_omitted)
 
 
 def check_reply(resolution: Resolution, infeasible: list[str] | None = None, *,
-                others: Sequence[tuple[str, Resolution, list[str]]] = ()) -> wire.CheckReply:
+                others: Sequence[tuple[str, Resolution, list[str]]] = ()) -> wire_replies.CheckReply:
     """`infeasible`: the plan's words for GPUs the planner cannot converge (errors too).
     `others`: (name, resolution, infeasible) of the file's other layouts, checked too (any of them
     may be selected by a node label); their problems join the reply's, each said once."""
@@ -170,12 +170,12 @@ def check_reply(resolution: Resolution, infeasible: list[str] | None = None, *,
     all_errors, all_warnings = list(dict.fromkeys(all_errors)), list(dict.fromkeys(all_warnings))
     errors, errors_omitted = capped(all_errors, "errors")
     warnings, warnings_omitted = capped(all_warnings, "warnings")
-    return wire.CheckReply(valid=not all_errors, errors=errors, warnings=warnings,
-                           selected=resolution.selected, errors_omitted=errors_omitted,
-                           warnings_omitted=warnings_omitted, checked=checked)
+    return wire_replies.CheckReply(valid=not all_errors, errors=errors, warnings=warnings,
+                                   selected=resolution.selected, errors_omitted=errors_omitted,
+                                   warnings_omitted=warnings_omitted, checked=checked)
 
 
-def status_reply(rec: Reconciler, *, kubernetes: wire.KubernetesStatus | None = None) -> wire.StatusReply:
+def status_reply(rec: Reconciler, *, kubernetes: wire_replies.KubernetesStatus | None = None) -> wire_replies.StatusReply:
     """What the engine last observed and concluded, never what it intended."""
     res = rec.resolution
     gpus = [gpu_status(g, res.desired.get(g.pci) if res else None, rec.gpu_states.get(g.pci),
@@ -183,9 +183,9 @@ def status_reply(rec: Reconciler, *, kubernetes: wire.KubernetesStatus | None = 
             for g in rec.observation.gpus]
     gpus += [gone_gpu_status(k, rec.gpu_states.get(k.pci)) for k in rec.observation.gone]
     gpus.sort(key=lambda g: g.index)
-    return wire.StatusReply(phase=rec.phase_now(), layout=layout_status(rec), gpus=gpus, read_only=rec.read_only,
-                            version=VERSION, kubernetes=kubernetes, rebuilt_after_boot=rec.boot_rebuild.summary,
-                            state_files=state_file_problems(rec))
+    return wire_replies.StatusReply(phase=rec.phase_now(), layout=layout_status(rec), gpus=gpus, read_only=rec.read_only,
+                                    version=VERSION, kubernetes=kubernetes, rebuilt_after_boot=rec.boot_rebuild.summary,
+                                    state_files=state_file_problems(rec))
 
 
 def state_file_problems(rec: Reconciler) -> list[str]:
@@ -200,23 +200,23 @@ def state_file_problems(rec: Reconciler) -> list[str]:
 # Kubernetes
 
 
-def kubernetes_status(gpus: Sequence[Gpu], *, mig_strategy: str, agent=None) -> wire.KubernetesStatus:
+def kubernetes_status(gpus: Sequence[Gpu], *, mig_strategy: str, agent=None) -> wire_replies.KubernetesStatus:
     """What the device plugins will advertise from the GPUs as observed; the label protocol's state
     (`agent`: gpud.engine.kube.agent.AgentStatus, None without --kube-node)."""
     ad = advertised(gpus, mig_strategy=mig_strategy)
     agent_status = None
     if agent is not None:
-        agent_status = wire.KubeAgentStatus(node=agent.node, connected=agent.connected, selected=agent.selected,
-                                            state=agent.state, message=agent.message, paused=list(agent.paused),
-                                            other_agents=list(agent.other_agents),
-                                            workload_config=agent.workload_config, unserved=list(agent.unserved))
-    return wire.KubernetesStatus(
-        advertised=wire.Advertised(mig_strategy=mig_strategy, resources=ad.resources, sandbox=ad.sandbox,
-                                   problems=list(ad.problems)),
+        agent_status = wire_replies.KubeAgentStatus(node=agent.node, connected=agent.connected, selected=agent.selected,
+                                                    state=agent.state, message=agent.message, paused=list(agent.paused),
+                                                    other_agents=list(agent.other_agents),
+                                                    workload_config=agent.workload_config, unserved=list(agent.unserved))
+    return wire_replies.KubernetesStatus(
+        advertised=wire_replies.Advertised(mig_strategy=mig_strategy, resources=ad.resources, sandbox=ad.sandbox,
+                                           problems=list(ad.problems)),
         agent=agent_status)
 
 
-def labels_reply(out: LabelsOut) -> wire.LabelsReply:
+def labels_reply(out: LabelsOut) -> wire_replies.LabelsReply:
     """Called in a worker thread (the file is read)."""
     held, refused = None, None
     try:
@@ -224,42 +224,42 @@ def labels_reply(out: LabelsOut) -> wire.LabelsReply:
     except FeaturesRefused as e:
         refused = str(e)
     last = out.last
-    return wire.LabelsReply(path=out.path, label_set="all" if out.gfd else "gpud", result=out.last_result,
-                            file=held, file_refused=refused, labels=dict(last.labels) if last else {},
-                            warnings=list(last.warnings) if last else [])
+    return wire_replies.LabelsReply(path=out.path, label_set="all" if out.gfd else "gpud", result=out.last_result,
+                                    file=held, file_refused=refused, labels=dict(last.labels) if last else {},
+                                    warnings=list(last.warnings) if last else [])
 
 
 # ---------------------------------------------------------------------------------------------
 # plan
 
 
-def mig_step(step: Step) -> wire.StepInfo:
-    return wire.StepInfo(action=step.action, pci=step.pci, profile=step.profile,
-                         placement=placement(step.placement) if step.placement is not None else None,
-                         gi=step.gi, ci=step.ci, uuid=step.uuid, enabled=step.enabled,
-                         ci_placement=placement(step.ci_placement) if step.ci_placement is not None else None)
+def mig_step(step: Step) -> wire_replies.StepInfo:
+    return wire_replies.StepInfo(action=step.action, pci=step.pci, profile=step.profile,
+                                 placement=placement(step.placement) if step.placement is not None else None,
+                                 gi=step.gi, ci=step.ci, uuid=step.uuid, enabled=step.enabled,
+                                 ci_placement=placement(step.ci_placement) if step.ci_placement is not None else None)
 
 
-def bind_step(step: BindStep) -> wire.StepInfo:
-    return wire.StepInfo(action=step.action, pci=step.pci, driver=step.driver, module=step.module, group=step.group)
+def bind_step(step: BindStep) -> wire_replies.StepInfo:
+    return wire_replies.StepInfo(action=step.action, pci=step.pci, driver=step.driver, module=step.module, group=step.group)
 
 
-def vgpu_step(step: VgpuStep) -> wire.StepInfo:
-    return wire.StepInfo(action=step.action, pci=step.parent or step.pci, type=step.type, uuid=step.uuid, vf=step.vf,
-                         count=step.count)
+def vgpu_step(step: VgpuStep) -> wire_replies.StepInfo:
+    return wire_replies.StepInfo(action=step.action, pci=step.parent or step.pci, type=step.type, uuid=step.uuid, vf=step.vf,
+                                 count=step.count)
 
 
-def vgpu_removed(pci: str, dev: VgpuDevice) -> wire.VgpuRemovedInfo:
-    return wire.VgpuRemovedInfo(pci=pci, type=dev.type, uuid=dev.uuid, vf=dev.vf, holders=holders(dev.holders))
+def vgpu_removed(pci: str, dev: VgpuDevice) -> wire_replies.VgpuRemovedInfo:
+    return wire_replies.VgpuRemovedInfo(pci=pci, type=dev.type, uuid=dev.uuid, vf=dev.vf, holders=holders(dev.holders))
 
 
-def destroyed(item: Destroyed) -> wire.DestroyedInfo:
-    return wire.DestroyedInfo(pci=item.pci, profile=item.profile, placement=placement(item.placement),
-                              uuid=item.uuid, holders=holders(item.holders))
+def destroyed(item: Destroyed) -> wire_replies.DestroyedInfo:
+    return wire_replies.DestroyedInfo(pci=item.pci, profile=item.profile, placement=placement(item.placement),
+                                      uuid=item.uuid, holders=holders(item.holders))
 
 
-def _gpu_plan(rec: Reconciler, gpu: Gpu, desired: DesiredGpu, disruption: wire.Disruption) -> wire.GpuPlanInfo:
-    entry = wire.GpuPlanInfo(index=gpu.index, pci=gpu.pci)
+def _gpu_plan(rec: Reconciler, gpu: Gpu, desired: DesiredGpu, disruption: wire_replies.Disruption) -> wire_replies.GpuPlanInfo:
+    entry = wire_replies.GpuPlanInfo(index=gpu.index, pci=gpu.pci)
     action = rec.next_action(gpu, desired)
     if isinstance(action, GpuState):
         entry.infeasible = action.message
@@ -278,11 +278,12 @@ def _gpu_plan(rec: Reconciler, gpu: Gpu, desired: DesiredGpu, disruption: wire.D
                                       fabric_manager=fm)
             disruption.reset_with = sorted(set(disruption.reset_with) | set(along))
         if desired.workload == "vm-passthrough":
-            entry.steps.append(wire.StepInfo(action="bind", driver="vfio-pci"))
+            entry.steps.append(wire_replies.StepInfo(action="bind", driver="vfio-pci"))
             then = plan_binding(gpu, desired.workload, drivers=frozenset(rec.hw.sysfs.drivers()))
             _add_rebind(rec, gpu, then, disruption)
         if desired.workload == "vm-vgpu" and desired.vgpu_devices:
-            entry.steps.append(wire.StepInfo(action="then-vgpu", message="vGPUs are created once the MIG layout is in place"))
+            entry.steps.append(wire_replies.StepInfo(action="then-vgpu",
+                                                     message="vGPUs are created once the MIG layout is in place"))
     elif isinstance(action, VgpuAction):
         vplan = action.plan
         entry.steps = [vgpu_step(s) for s in vplan.steps]
@@ -291,7 +292,7 @@ def _gpu_plan(rec: Reconciler, gpu: Gpu, desired: DesiredGpu, disruption: wire.D
         if any(s.action == "disable-vfs" for s in vplan.steps):
             disruption.vfs_disabled.append(gpu.pci)
         if desired.workload != "vm-vgpu":
-            entry.steps.append(wire.StepInfo(action="then-workload", message=f"then {desired.workload}"))
+            entry.steps.append(wire_replies.StepInfo(action="then-workload", message=f"then {desired.workload}"))
         if desired.workload == "vm-passthrough":
             # the rebind comes after this plan's removals, which disable the VFs vfio-pci would refuse
             after = msgspec.structs.replace(gpu, vgpu=None) if any(s.action == "disable-vfs" for s in vplan.steps) else gpu
@@ -301,35 +302,35 @@ def _gpu_plan(rec: Reconciler, gpu: Gpu, desired: DesiredGpu, disruption: wire.D
         entry.steps = [bind_step(s) for s in action.plan.steps]
         _add_rebind(rec, gpu, action.plan, disruption)
         if desired.workload == "container" and desired.mig_enabled is not None:
-            entry.steps.append(wire.StepInfo(action="then-mig", message="MIG is planned once nvidia has the GPU"))
+            entry.steps.append(wire_replies.StepInfo(action="then-mig", message="MIG is planned once nvidia has the GPU"))
     return entry
 
 
-def _add_rebind(rec: Reconciler, gpu: Gpu, plan: BindingPlan, disruption: wire.Disruption) -> None:
+def _add_rebind(rec: Reconciler, gpu: Gpu, plan: BindingPlan, disruption: wire_replies.Disruption) -> None:
     """A driver change is a disruption like a destroyed MIG device: containers (or a VM) lose the
     GPU and every endpoint of its IOMMU group that leaves its driver."""
     d = plan.disruption
     if not d.detached:
         return
-    disruption.rebinds.append(wire.RebindInfo(
+    disruption.rebinds.append(wire_replies.RebindInfo(
         pci=gpu.pci, to=plan.target, detached=dict(d.detached), leaves_nvml=d.leaves_nvml,
         mig_instances=d.mig_instances, vfio_group=d.vfio_group, holders=holders(rec.rebind_holders(gpu)),
         summary=d.summary))
 
 
 def plan_reply(rec: Reconciler, resolution: Resolution | None = None, observation: Observation | None = None,
-               *, errors: list[str] | None = None) -> wire.PlanReply:
+               *, errors: list[str] | None = None) -> wire_replies.PlanReply:
     """What a pass would do now, without doing it (`gpudctl plan`). A candidate file is planned
     against the GPUs its own `match:` selects (`observation` from `Reconciler.evaluate`).
     With `errors`, the plan is empty and says why."""
     if errors:
         shown, omitted = capped(errors, "errors")
-        return wire.PlanReply(errors=shown, errors_omitted=omitted)
+        return wire_replies.PlanReply(errors=shown, errors_omitted=omitted)
     resolution = resolution or rec.resolution
     if resolution is None:
-        return wire.PlanReply()
+        return wire_replies.PlanReply()
     warnings, warnings_omitted = capped([str(w) for w in resolution.warnings], "warnings")
-    reply = wire.PlanReply(warnings=warnings, warnings_omitted=warnings_omitted)
+    reply = wire_replies.PlanReply(warnings=warnings, warnings_omitted=warnings_omitted)
     for gpu in (observation or rec.observation).gpus:
         desired = resolution.desired.get(gpu.pci)
         if desired is not None:
@@ -341,30 +342,30 @@ def plan_reply(rec: Reconciler, resolution: Resolution | None = None, observatio
 # apply
 
 
-def apply_reply(rec: Reconciler, finished: bool) -> wire.ApplyReply:
+def apply_reply(rec: Reconciler, finished: bool) -> wire_replies.ApplyReply:
     states = rec.gpu_states
-    gpus = [wire.GpuApplyInfo(pci=g.pci, state=states[g.pci].state if g.pci in states else "starting",
-                              message=states[g.pci].message if g.pci in states else "")
+    gpus = [wire_replies.GpuApplyInfo(pci=g.pci, state=states[g.pci].state if g.pci in states else "starting",
+                                      message=states[g.pci].message if g.pci in states else "")
             for g in rec.observation.gpus]
     if not finished:
-        return wire.ApplyReply(phase="timeout", converged=False, message="timed out waiting for the apply", gpus=gpus)
+        return wire_replies.ApplyReply(phase="timeout", converged=False, message="timed out waiting for the apply", gpus=gpus)
     not_ok = [g for g in gpus if not (states[g.pci].converged if g.pci in states else False)]
     shown, _ = capped([f"{g.pci}: {g.state}: {g.message}" for g in not_ok], "GPUs not converged", limit=16)
     message = "; ".join(shown) or "converged"
-    return wire.ApplyReply(phase=rec.phase, converged=not not_ok, message=message, gpus=gpus)
+    return wire_replies.ApplyReply(phase=rec.phase, converged=not not_ok, message=message, gpus=gpus)
 
 
 # ---------------------------------------------------------------------------------------------
 # mig profiles
 
 
-def profile_info(gpu: Gpu, profile: MigProfile) -> wire.ProfileInfo:
+def profile_info(gpu: Gpu, profile: MigProfile) -> wire_replies.ProfileInfo:
     """A profile as NVML states it for this GPU; without NVML (the GPU is not on nvidia) no MIG
     instance can exist, so every instance the profile allows is free."""
     instances = gpu.nvml.instances if gpu.nvml is not None else ()
     existing = [gi for gi in instances if gi.profile_id == profile.id]
     used = [gi.placement for gi in instances]
-    return wire.ProfileInfo(
+    return wire_replies.ProfileInfo(
         id=profile.id, name=profile.name, memory_mb=profile.memory_mb, sms=profile.sms, slices=profile.slices,
         free=remaining_capacity(profile, used, len(existing)),  # NVML answers this with MIG off too
         total=profile.instance_count, placements=[placement(p) for p in profile.placements],
@@ -378,14 +379,14 @@ _WIRE_FIELD = {"id": "id", "memory_mb": "memory_mb", "sms": "sms", "instance_cou
                "jpegs": "jpg", "ofas": "ofa"}
 
 
-def table_profile_info(model: ModelInfo, profile: MigProfile) -> wire.ProfileInfo:
+def table_profile_info(model: ModelInfo, profile: MigProfile) -> wire_replies.ProfileInfo:
     """A row of gpud's table of known models, for a GPU NVML cannot see: what no source gives is
     marked unknown; how many instances are free is unknown too (nothing can count them)."""
     fields = model.unknown_fields(profile.name)
     unknown = [_WIRE_FIELD[f] for f in fields if f in _WIRE_FIELD]
     if "id" in fields:  # a profile known by name only: no listing shows even its P2P flag
         unknown.append("p2p")
-    return wire.ProfileInfo(
+    return wire_replies.ProfileInfo(
         id=profile.id, name=profile.name, memory_mb=profile.memory_mb, sms=profile.sms, slices=profile.slices,
         free=0, total=profile.instance_count, placements=[placement(p) for p in profile.placements],
         ce=profile.copy_engines, dec=profile.decoders, enc=profile.encoders, jpg=profile.jpegs, ofa=profile.ofas,
@@ -398,19 +399,19 @@ def _nvidia_smi_order(profiles: tuple[MigProfile, ...]) -> list[MigProfile]:
     return sorted(profiles, key=lambda p: (p.slices, GI_PROFILE_INDEX.get(p.id, p.id)))
 
 
-def mig_profiles_reply(gpus: list[Gpu]) -> wire.MigProfilesReply:
+def mig_profiles_reply(gpus: list[Gpu]) -> wire_replies.MigProfilesReply:
     """NVML's table of each MIG-capable GPU; for a GPU NVML cannot see, gpud's table of its model."""
-    reply = wire.MigProfilesReply()
+    reply = wire_replies.MigProfilesReply()
     for g in gpus:
         if g.nvml is not None:
             if g.nvml.mig_capable:
-                reply.gpus.append(wire.GpuProfiles(
+                reply.gpus.append(wire_replies.GpuProfiles(
                     index=g.index, pci=g.pci, model=model_name(g),
                     profiles=[profile_info(g, p) for p in _nvidia_smi_order(g.nvml.profiles)]))
             continue
         model = by_device(g.function.device) if g.function.vendor == NVIDIA else None
         if model is not None and model.mig_capable:
-            reply.gpus.append(wire.GpuProfiles(
+            reply.gpus.append(wire_replies.GpuProfiles(
                 index=g.index, pci=g.pci, model=model.name, source="table",
                 profiles=[table_profile_info(model, p) for p in _nvidia_smi_order(model.profiles)]))
     return reply
@@ -420,33 +421,33 @@ def mig_profiles_reply(gpus: list[Gpu]) -> wire.MigProfilesReply:
 # passthrough
 
 
-def passthrough_device(entry: PassthroughEntry) -> wire.PassthroughDevice:
-    return wire.PassthroughDevice(
+def passthrough_device(entry: PassthroughEntry) -> wire_replies.PassthroughDevice:
+    return wire_replies.PassthroughDevice(
         pci=entry.pci, vendor_device=entry.vendor_device, resource_name=entry.resource_name,
         iommu_group=entry.iommu_group, vfio_device=entry.vfio_device, numa_node=entry.numa_node,
         libvirt_hostdev=entry.libvirt_hostdev, kubevirt=kubevirt_entry(entry),
     )
 
 
-def passthrough_reply(entries: list[PassthroughEntry], gpus: tuple[Gpu, ...] = ()) -> wire.PassthroughReply:
+def passthrough_reply(entries: list[PassthroughEntry], gpus: tuple[Gpu, ...] = ()) -> wire_replies.PassthroughReply:
     vgpus = []
     for g in gpus:
         for d in g.vgpu.devices if g.vgpu is not None else ():
             e = vgpu_entry(g.pci, g.function.device, d)
-            vgpus.append(wire.VgpuPassthrough(gpu=e.gpu, type=e.type, driver_name=e.driver_name, uuid=e.uuid, vf=e.vf,
-                                              vfio_device=e.vfio_device, resource_name=e.resource_name,
-                                              libvirt_hostdev=e.libvirt_hostdev, kubevirt=e.kubevirt))
-    return wire.PassthroughReply(devices=[passthrough_device(e) for e in entries], vgpus=vgpus)
+            vgpus.append(wire_replies.VgpuPassthrough(gpu=e.gpu, type=e.type, driver_name=e.driver_name, uuid=e.uuid, vf=e.vf,
+                                                      vfio_device=e.vfio_device, resource_name=e.resource_name,
+                                                      libvirt_hostdev=e.libvirt_hostdev, kubevirt=e.kubevirt))
+    return wire_replies.PassthroughReply(devices=[passthrough_device(e) for e in entries], vgpus=vgpus)
 
 
 # ---------------------------------------------------------------------------------------------
 # vgpu types
 
 
-def vgpu_types_reply(gpus: list[Gpu]) -> wire.VgpuTypesReply:
+def vgpu_types_reply(gpus: list[Gpu]) -> wire_replies.VgpuTypesReply:
     """The types each GPU offers (the driver's lists), with how many more fit now; gpud's table
     adds the per-GPU maximum, and lists its types for a GPU whose VFs are not enabled yet."""
-    reply = wire.VgpuTypesReply()
+    reply = wire_replies.VgpuTypesReply()
     for g in gpus:
         if g.vgpu is None:
             continue
@@ -458,12 +459,12 @@ def vgpu_types_reply(gpus: list[Gpu]) -> wire.VgpuTypesReply:
             o = offers.get(name)
             parsed = parse_vgpu_name(name)
             known = table.find(name) if table is not None else None
-            types.append(wire.VgpuTypeInfo(
+            types.append(wire_replies.VgpuTypeInfo(
                 name=name, id=o.type_id if o is not None else None,
                 mig_profile=(known.mig_profile if known is not None else parsed.mig_profile if parsed is not None
                              else None),
                 framebuffer_gb=parsed.framebuffer_gb if parsed is not None else 0,
                 creatable=o.creatable if o is not None else 0, max=known.max_instances if known else None))
-        reply.gpus.append(wire.GpuVgpuTypes(index=g.index, pci=g.pci, model=model_name(g), interface=g.vgpu.interface,
-                                            types=types))
+        reply.gpus.append(wire_replies.GpuVgpuTypes(index=g.index, pci=g.pci, model=model_name(g), interface=g.vgpu.interface,
+                                                    types=types))
     return reply

@@ -24,17 +24,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import socket
-import stat
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any, Literal, Protocol
 
 import msgspec
 
-from gpud.api import wire
+from gpud.api import wire, wire_replies
 from gpud.api.peers import Peer, authorize, group_id, may_connect, peer_credentials
+from gpud.api.socket_file import ServerError, bind_socket, unlink_own
 from gpud.engine.events import EventQueue, overflow_event
 
 log = logging.getLogger("gpud.api")
@@ -49,14 +48,10 @@ class ApiError(Exception):
         self.message = message
 
 
-class ServerError(RuntimeError):
-    """The server cannot start (socket path taken by a live server, not a socket, ...)."""
-
-
 class Handler(Protocol):
     """What the daemon gives the server.
 
-    `handle` answers every op but `events` with the op's reply struct (`wire.RESULTS`).
+    `handle` answers every op but `events` with the op's reply struct (`wire_replies.RESULTS`).
     `subscribe` returns an `EventQueue` (the engine's bounded queue, sent from as it is), an
     asyncio.Queue or an async iterator of events (wire.Event or dicts of its shape) that starts
     collecting immediately; `recent_events` the history, oldest first. If the handler has
@@ -68,66 +63,6 @@ class Handler(Protocol):
     def subscribe(self) -> EventQueue | asyncio.Queue | AsyncIterator[Any]: ...
 
     def recent_events(self) -> list[Any]: ...
-
-
-# ---------------------------------------------------------------------------------------------
-# Socket creation
-
-
-def _clear_stale(path: str) -> None:
-    """Unlink a socket left by a dead daemon; refuse if someone still listens on it."""
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        return
-    if not stat.S_ISSOCK(st.st_mode):
-        raise ServerError(f"{path} exists and is not a socket; refusing to replace it")
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    probe.settimeout(1.0)
-    try:
-        probe.connect(path)
-    except ConnectionRefusedError:
-        log.info("removing stale socket %s", path)
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
-    except OSError as e:
-        raise ServerError(f"cannot tell whether {path} is in use: {e}") from e
-    else:
-        raise ServerError(f"{path} is in use by a running process (another gpud?); refusing to start")
-    finally:
-        probe.close()
-
-
-def bind_socket(path: str, gpud_gid: int | None) -> socket.socket:
-    """Listening socket at `path`: 0660 root:gpud when the group exists, else 0600.
-
-    The umask makes bind() create it 0600, so there is no moment where it is more open than
-    intended; group and mode are widened only afterwards.
-    """
-    _clear_stale(path)
-    os.makedirs(os.path.dirname(path) or ".", mode=0o755, exist_ok=True)
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        old = os.umask(0o177)
-        try:
-            sock.bind(path)
-        finally:
-            os.umask(old)
-        mode = 0o600
-        if gpud_gid is not None:
-            try:
-                os.chown(path, -1, gpud_gid)
-                mode = 0o660
-            except PermissionError as e:
-                log.warning("cannot give %s to gid %d (%s); socket stays 0600", path, gpud_gid, e)
-        os.chmod(path, mode)
-        sock.listen(128)
-        sock.setblocking(False)
-    except BaseException:
-        sock.close()
-        raise
-    return sock
 
 
 # ---------------------------------------------------------------------------------------------
@@ -202,9 +137,7 @@ class ApiServer:
         if sock is None:
             if not self.path:
                 raise ServerError("either a socket path or an inherited socket is required")
-            sock = bind_socket(self.path, self.gpud_gid)
-            st = os.stat(self.path)
-            self._owned = (st.st_dev, st.st_ino)
+            sock, self._owned = bind_socket(self.path, self.gpud_gid)
         self._server = await asyncio.start_unix_server(self._connection, sock=sock)
 
     async def close(self) -> None:
@@ -222,10 +155,7 @@ class ApiServer:
         if self._server is not None:
             await self._server.wait_closed()
         if self._owned and self.path:
-            with contextlib.suppress(OSError):
-                st = os.lstat(self.path)
-                if (st.st_dev, st.st_ino) == self._owned:
-                    os.unlink(self.path)
+            unlink_own(self.path, self._owned)
             self._owned = None
 
     async def __aenter__(self) -> ApiServer:
@@ -381,7 +311,7 @@ class ApiServer:
         except Exception as e:
             log.exception("handler failed on %s", req.op)
             return self._error(req.id, wire.E_INTERNAL, f"{type(e).__name__}: {e}")
-        typ = wire.RESULTS[req.op]
+        typ = wire_replies.RESULTS[req.op]
         if not isinstance(result, typ):  # a handler bug: the client would misread anything else
             log.error("handler answered %s with %s, not %s", req.op, type(result).__name__, typ.__name__)
             return self._error(req.id, wire.E_INTERNAL,
@@ -394,7 +324,7 @@ class ApiServer:
         events = [_as_event(e) for e in recent]
         total = len(events)
         while True:
-            resp = wire.Response(id=rid, ok=True, result=wire.EventsReply(events=events, following=following,
+            resp = wire.Response(id=rid, ok=True, result=wire_replies.EventsReply(events=events, following=following,
                                                                          omitted=total - len(events)))
             try:
                 wire.encode_frame(resp, max_frame=self.max_frame)
@@ -521,8 +451,5 @@ __all__ = [
     "ApiError",
     "ApiServer",
     "Handler",
-    "Peer",
-    "ServerError",
-    "bind_socket",
     "serve",
 ]

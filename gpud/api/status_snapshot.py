@@ -16,7 +16,7 @@ from typing import Any
 
 import msgspec
 
-from gpud.api import replies, wire
+from gpud.api import replies, wire_replies
 from gpud.engine.observe.observer import Observer
 from gpud.engine.reconciler import Reconciler
 
@@ -33,10 +33,10 @@ def _made_of(rec: Reconciler) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
 class StatusSnapshot:
     def __init__(self) -> None:
         self._key: tuple[tuple[Any, ...], tuple[Any, ...]] | None = None
-        self._reply: wire.StatusReply | None = None
+        self._reply: wire_replies.StatusReply | None = None
         self.builds = 0  # replies built (not reused): for tests and the stats op
 
-    def _current(self, rec: Reconciler) -> wire.StatusReply:
+    def _current(self, rec: Reconciler) -> wire_replies.StatusReply:
         key = _made_of(rec)
         old = self._key
         if (self._reply is None or old is None or len(old[0]) != len(key[0])
@@ -47,7 +47,7 @@ class StatusSnapshot:
         return self._reply
 
     def reply(self, rec: Reconciler, observer: Observer, *,
-              kubernetes: wire.KubernetesStatus | None = None) -> wire.StatusReply:
+              kubernetes: wire_replies.KubernetesStatus | None = None) -> wire_replies.StatusReply:
         """The reply as of now: the snapshot, stamped with the observation's time and age, and
         `kubernetes` (what the device plugins advertise, the label protocol's state) as of now."""
         return msgspec.structs.replace(self._current(rec), observed_at=round(observer.wall_time, 3),

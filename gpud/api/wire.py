@@ -1,10 +1,11 @@
-"""The gpud socket protocol: frames, requests, responses, events and the typed replies.
+"""The gpud socket protocol: frames, requests, responses, events, the arguments of each op and errors.
 
-One concern, the protocol: this module is the one definition of every message on the socket.
+One concern, the protocol's envelope: this module and gpud/api/wire_replies.py (the typed result of
+each op) are together the one definition of every message on the socket; each name has one home.
 
 Shared by the daemon (asyncio) and `gpudctl` (a blocking socket), so this module imports only the
-standard library, msgspec and gpud.mig_text (itself standard library only): the client's start-up
-time is a product feature, and every import here is paid by every `gpudctl` run.
+standard library and msgspec: the client's start-up time is a product feature, and every import
+here is paid by every `gpudctl` run.
 
 Wire format (protocol 1): each frame is a 4-byte big-endian unsigned payload length followed by
 one MessagePack map. Client -> daemon: `Request {id, op, args}`. Daemon -> client: one
@@ -12,21 +13,15 @@ one MessagePack map. Client -> daemon: `Request {id, op, args}`. Daemon -> clien
 recent history) is followed by `EventFrame {id, event}` frames until the client closes.
 Replies are msgspec Structs encoded as maps; unknown fields are ignored on decode and every
 field added later gets a default, so old clients keep working against newer daemons.
-Reply structs do not omit defaults: `gpudctl ... --json` prints them and scripts need a stable
-shape.
 """
 
 # No `from __future__ import annotations` here: msgspec would then compile every field's annotation
-# string when a client first decodes a reply (~60 for a status), which costs more than evaluating
-# them once as the classes are made. Classes are defined before they are used in annotations.
+# string when a client first decodes a reply, which costs more than evaluating them once as the
+# classes are made. Classes are defined before they are used in annotations.
 import struct
 from typing import Any
 
 import msgspec
-
-# The MIG device names every `profile` field carries, and the words of a MIG step: one definition
-# with the planner's (gpud/mig_text.py says why it lives outside gpud.api).
-from gpud.mig_text import MIG_ACTIONS, step_text, subdivided  # noqa: F401  (the client's through wire)
 
 PROTOCOL = 1
 MAX_FRAME = 1 << 20  # 1 MiB: a status of a 16-GPU host with every instance is ~40 KiB
@@ -48,7 +43,6 @@ E_BUSY = "busy"  # too many connections
 E_INTERNAL = "internal"
 E_INVALID_LAYOUT = "invalid-layout"
 E_TIMEOUT = "timeout"
-E_READ_ONLY = "read-only"
 
 READ_OPS = frozenset({"status", "check", "plan", "events", "version", "mig-profiles", "passthrough", "stats",
                       "labels", "vgpu-types"})
@@ -162,386 +156,6 @@ ARGS: dict[str, type[msgspec.Struct]] = {
 
 
 # ---------------------------------------------------------------------------------------------
-# Typed results
-
-
-class Placement(msgspec.Struct, kw_only=True):
-    start: int
-    size: int
-
-
-class HolderInfo(msgspec.Struct, kw_only=True):
-    pid: int
-    name: str
-    device: str = ""  # "/dev/nvidia0", a MIG UUID, a PCI address (GPU or VF) or an mdev UUID
-    vm: str | None = None  # the VM a qemu holder runs (its `-name guest=...`)
-
-
-class InstanceStatus(msgspec.Struct, kw_only=True):
-    profile: str  # "1g.18gb", or "1c.3g.71gb" for a CI smaller than its GI
-    placement: Placement
-    gi: int
-    ci: int | None = None  # None: a GPU instance without a compute instance (no MIG device yet)
-    uuid: str | None = None
-    holders: list[HolderInfo] = []
-    ci_placement: Placement | None = None  # the CI's slot in its GI, in compute slices
-
-
-class MigStatus(msgspec.Struct, kw_only=True):
-    capable: bool = False
-    mode: str | None = None  # "enabled" | "disabled" | None (not capable / not visible to NVML)
-    pending: str | None = None  # the mode after the next reset, when it differs from `mode`
-    instances: list[InstanceStatus] = []
-
-
-class VgpuDeviceStatus(msgspec.Struct, kw_only=True):
-    type: str  # "L40S-12Q"
-    uuid: str | None = None  # mdev UUID (mdev interface)
-    vf: str | None = None  # VF PCI address (vendor-VFIO interface)
-    parent: str = ""  # the VF or GPU the vGPU hangs off
-    gi: int | None = None  # GPU instance of a MIG-backed vGPU
-    holders: list[HolderInfo] = []
-
-
-class VgpuStatus(msgspec.Struct, kw_only=True):
-    interface: str | None = None  # "vfio" | "mdev" | "sriov" (VFs not enabled yet)
-    offered: list[str] = []  # type names the GPU offers now (creatable somewhere on it)
-    vfs: int = 0  # VFs enabled
-    devices: list[VgpuDeviceStatus] = []
-    rebuilt: list[str] = []  # vGPUs gpud recreated from its record since it started ("T4-4Q <uuid>")
-
-
-class GroupMember(msgspec.Struct, kw_only=True):
-    pci: str
-    driver: str | None = None
-    class_: str = msgspec.field(default="", name="class")  # "0x030200"
-
-
-class GpuStatus(msgspec.Struct, kw_only=True):
-    index: int
-    pci: str
-    uuid: str | None = None  # None when NVML cannot see it (e.g. on vfio-pci)
-    model: str = ""
-    pci_id: str = ""  # "10de:2335"
-    driver: str | None = None
-    workload: str = "container"
-    iommu_group: int | None = None
-    numa_node: int | None = None
-    mig: MigStatus = msgspec.field(default_factory=MigStatus)
-    converged: bool = False
-    # converged | applying | waiting | failed | stuck | reset-required | reboot-required |
-    # unmanaged | read-only | gone
-    state: str = "unmanaged"
-    message: str = ""
-    holders: list[HolderInfo] = []
-    group: list[GroupMember] = []
-    vfio_device: str | None = None  # "/dev/vfio/42" when bound to vfio-pci
-    vgpu: VgpuStatus | None = None  # None: the GPU shows no vGPU interface
-
-
-class LayoutStatus(msgspec.Struct, kw_only=True):
-    path: str
-    selected: str | None = None  # the layout name chosen for this host
-    valid: bool = False
-    errors: list[str] = []
-    warnings: list[str] = []
-    errors_omitted: int = 0  # errors left out of `errors` to keep the reply small (MAX_LISTED)
-    warnings_omitted: int = 0
-
-
-class KubeAgentStatus(msgspec.Struct, kw_only=True):
-    """`gpud --kube-node`: the operator's label protocol as gpud follows it on this node."""
-
-    node: str
-    connected: bool = False
-    selected: str | None = None  # the layout nvidia.com/mig.config (or vgpu.config) selects
-    state: str | None = None  # what gpud last wrote to nvidia.com/mig.config.state
-    message: str = ""
-    paused: list[str] = []  # nvidia.com/gpu.deploy.* labels paused now
-    other_agents: list[str] = []  # pods of the operator's mig-manager & co. that kept gpud from changing GPUs
-    workload_config: str | None = None  # nvidia.com/gpu.workload.config: the operand family the operator runs
-    unserved: list[str] = []  # GPUs of a mixed layout that family does not serve, and which operands are missing
-
-
-class Advertised(msgspec.Struct, kw_only=True):
-    """What the device plugins will advertise for this node as its GPUs are now."""
-
-    mig_strategy: str = "mixed"
-    resources: dict[str, int] = {}  # k8s-device-plugin: nvidia.com/gpu, nvidia.com/mig-1g.10gb
-    sandbox: dict[str, int] = {}  # kubevirt-gpu-device-plugin: nvidia.com/GH100_H100_SXM5_80GB
-    problems: list[str] = []  # why the device plugin would refuse to start
-
-
-class KubernetesStatus(msgspec.Struct, kw_only=True):
-    advertised: Advertised
-    agent: KubeAgentStatus | None = None  # None without --kube-node
-
-
-class StatusReply(msgspec.Struct, kw_only=True):
-    # converged | applying | waiting | failed | starting | invalid-layout | ...
-    phase: str
-    layout: LayoutStatus
-    gpus: list[GpuStatus] = []
-    read_only: bool = False
-    version: str = ""
-    # The host as of this moment (Unix seconds; 0 before the first read) and how long ago that
-    # was: gpud answers from the observation it keeps, re-read on every change it sees and at a
-    # bounded rate while clients ask; `status {fresh: true}` waits for a read begun after the request.
-    observed_at: float = 0.0
-    observation_age: float = 0.0
-    kubernetes: KubernetesStatus | None = None
-    # after a reboot, what gpud's first pass rebuilt ("rebuilt after boot: GPU 0 (...): MIG on, ...")
-    rebuilt_after_boot: str | None = None
-    # gpud's state files that were set aside (not regular, not gpud's, not in its format) or could
-    # not be written, each with what it means
-    state_files: list[str] = []
-
-
-class CheckReply(msgspec.Struct, kw_only=True):
-    valid: bool
-    errors: list[str] = []
-    warnings: list[str] = []
-    selected: str | None = None
-    errors_omitted: int = 0
-    warnings_omitted: int = 0
-    checked: list[str] = []  # the layouts checked (all of them with all_layouts)
-
-
-class StepInfo(msgspec.Struct, kw_only=True):
-    # set-mig-mode | destroy-ci | destroy-gi | create-gi | create-ci | reset | bind | unbind ...
-    action: str
-    profile: str | None = None
-    placement: Placement | None = None
-    uuid: str | None = None
-    gi: int | None = None
-    ci: int | None = None
-    enabled: bool | None = None  # set-mig-mode
-    driver: str | None = None  # bind / unbind / driver_override
-    pci: str | None = None  # binding steps: the endpoint of the IOMMU group the step acts on
-    module: str | None = None  # load-module
-    group: int | None = None  # verify of /dev/vfio/<group>
-    type: str | None = None  # vGPU steps: the vGPU type
-    vf: str | None = None  # vGPU steps: the VF (vendor VFIO)
-    count: int | None = None  # enable-vfs
-    message: str = ""
-    ci_placement: Placement | None = None  # create-ci: the CI's slot in its GI, in compute slices
-
-
-class GpuPlanInfo(msgspec.Struct, kw_only=True):
-    index: int
-    pci: str
-    steps: list[StepInfo] = []
-    infeasible: str | None = None
-    blocked_by: list[HolderInfo] = []
-
-
-class DestroyedInfo(msgspec.Struct, kw_only=True):
-    pci: str
-    profile: str
-    placement: Placement | None = None
-    uuid: str | None = None
-    holders: list[HolderInfo] = []
-
-
-class RebindInfo(msgspec.Struct, kw_only=True):
-    """A GPU moved between drivers: what leaves which driver, and who loses it."""
-
-    pci: str  # the GPU
-    to: str  # "vfio-pci" | "native"
-    detached: dict[str, str] = {}  # endpoint PCI address -> the driver it is taken from
-    leaves_nvml: bool = False  # the GPU disappears from NVML and containers
-    mig_instances: int = 0  # MIG GPU instances that go with the nvidia binding
-    vfio_group: int | None = None  # a VM using /dev/vfio/<group> loses its device
-    holders: list[HolderInfo] = []  # processes holding what leaves its driver (gpud waits for them)
-    summary: str = ""
-
-
-class VgpuRemovedInfo(msgspec.Struct, kw_only=True):
-    pci: str  # the GPU
-    type: str
-    uuid: str | None = None
-    vf: str | None = None
-    holders: list[HolderInfo] = []
-
-
-class Disruption(msgspec.Struct, kw_only=True):
-    destroyed: list[DestroyedInfo] = []
-    vgpus_removed: list[VgpuRemovedInfo] = []  # vGPUs the plan removes (a VM using one would lose it)
-    vfs_disabled: list[str] = []  # GPUs whose SR-IOV VFs go
-    mode_changes: list[str] = []  # PCI addresses
-    resets: list[str] = []  # PCI addresses
-    # NVSwitch system: GPUs a planned reset would take with it (the system resets them together)
-    reset_with: list[str] = []
-    rebinds: list[RebindInfo] = []  # GPUs (and their IOMMU groups) leaving their driver
-
-
-class PlanReply(msgspec.Struct, kw_only=True):
-    gpus: list[GpuPlanInfo] = []
-    disruption: Disruption = msgspec.field(default_factory=Disruption)
-    errors: list[str] = []
-    warnings: list[str] = []
-    errors_omitted: int = 0
-    warnings_omitted: int = 0
-
-
-class GpuApplyInfo(msgspec.Struct, kw_only=True):
-    pci: str
-    state: str
-    message: str = ""
-
-
-class ApplyReply(msgspec.Struct, kw_only=True):
-    phase: str
-    converged: bool = False
-    message: str = ""
-    gpus: list[GpuApplyInfo] = []
-
-
-class VersionReply(msgspec.Struct, kw_only=True):
-    version: str
-    driver: str | None = None  # NVIDIA kernel driver version, None without one
-    nvml: str | None = None
-    protocol: int = PROTOCOL
-    config: str | None = None  # the layout file this daemon keeps (what `gpudctl check` validates)
-
-
-class ProfileInfo(msgspec.Struct, kw_only=True):
-    id: int
-    name: str  # "1g.18gb" (without NVML's "MIG " prefix)
-    memory_mb: int
-    sms: int = 0
-    slices: int = 0
-    free: int = 0
-    total: int = 0
-    placements: list[Placement] = []
-    ce: int = 0
-    dec: int = 0
-    enc: int = 0
-    jpg: int = 0
-    ofa: int = 0
-    p2p: bool = False
-    # Fields of this row no source gives ("memory_mb", "sms", "placements", "free", ...): their
-    # values above are placeholders a client must show as unknown, never as numbers.
-    unknown: list[str] = []
-
-
-class GpuProfiles(msgspec.Struct, kw_only=True):
-    index: int
-    pci: str
-    model: str = ""
-    profiles: list[ProfileInfo] = []
-    # "nvml": the GPU's own answer; "table": gpud's table of known models (NVML cannot see the
-    # GPU, e.g. it sits on vfio-pci), with its sources in docs/hardware/mig-profiles.md.
-    source: str = "nvml"
-
-
-class MigProfilesReply(msgspec.Struct, kw_only=True):
-    gpus: list[GpuProfiles] = []
-
-
-class PassthroughDevice(msgspec.Struct, kw_only=True):
-    pci: str
-    vendor_device: str  # "10de:2335"
-    resource_name: str = ""  # KubeVirt / device-plugin resource, "nvidia.com/GH100_H200"
-    iommu_group: int | None = None
-    vfio_device: str | None = None
-    numa_node: int | None = None
-    libvirt_hostdev: str = ""  # <hostdev> XML for `virsh attach-device`
-    kubevirt: dict[str, Any] = {}  # permittedHostDevices.pciHostDevices entry
-
-
-class VgpuPassthrough(msgspec.Struct, kw_only=True):
-    gpu: str  # PCI address of the physical GPU
-    type: str  # "L40S-12Q"
-    driver_name: str = ""  # as the driver prints it: "NVIDIA L40S-12Q"
-    uuid: str | None = None  # mdev UUID
-    vf: str | None = None  # VF PCI address
-    vfio_device: str | None = None
-    resource_name: str = ""  # "nvidia.com/NVIDIA_L40S-12Q"
-    libvirt_hostdev: str = ""  # mdev by UUID, or the VF as an unmanaged PCI hostdev
-    kubevirt: dict[str, Any] = {}  # permittedHostDevices: mediatedDevices or pciHostDevices entry
-
-
-class PassthroughReply(msgspec.Struct, kw_only=True):
-    devices: list[PassthroughDevice] = []
-    vgpus: list[VgpuPassthrough] = []
-
-
-class VgpuTypeInfo(msgspec.Struct, kw_only=True):
-    name: str  # "L40S-12Q"
-    id: int | None = None  # the driver's id (creatable list / nvidia-N)
-    mig_profile: str | None = None  # GPU instance profile a MIG-backed type needs
-    framebuffer_gb: int = 0
-    creatable: int = 0  # how many more the GPU can take now
-    max: int | None = None  # per GPU, from gpud's table; None for a model it has no table for
-
-
-class GpuVgpuTypes(msgspec.Struct, kw_only=True):
-    index: int
-    pci: str
-    model: str = ""
-    interface: str | None = None
-    types: list[VgpuTypeInfo] = []
-
-
-class VgpuTypesReply(msgspec.Struct, kw_only=True):
-    gpus: list[GpuVgpuTypes] = []
-
-
-class LabelsReply(msgspec.Struct, kw_only=True):
-    """The node labels: what gpud computes from the hardware now, and what NFD's file holds."""
-
-    path: str | None = None  # the NFD feature file (None: not written)
-    label_set: str = "all"  # all (GFD's + gpud's) | gpud
-    result: str | None = None  # of the last write: written | unchanged | no-directory | error: ...
-    file: dict[str, str] | None = None  # what the file holds (None: no file, or refused)
-    file_refused: str | None = None  # why what is at the path is not shown (a link, a FIFO, not gpud's)
-    labels: dict[str, str] = {}  # computed now
-    warnings: list[str] = []  # labels left out, with why
-
-
-class EventsReply(msgspec.Struct, kw_only=True):
-    events: list[Event] = []  # recent history, oldest first
-    following: bool = False  # EventFrames follow on this connection
-    omitted: int = 0  # older events of the history left out so the reply fits in one frame
-
-
-class LoopLag(msgspec.Struct, kw_only=True):
-    samples: int = 0
-    p50_ms: float = 0.0
-    p99_ms: float = 0.0
-    max_ms: float = 0.0
-
-
-class StatsReply(msgspec.Struct, kw_only=True):
-    """The daemon's own health, over the window since start or the last `reset`: how late the
-    event loop ran (a probe's wake-ups), what it served, how often it read the host, its memory."""
-
-    window_s: float = 0.0
-    loop_lag: LoopLag = msgspec.field(default_factory=LoopLag)
-    requests: dict[str, int] = {}  # per op, answered in the window
-    observations: int = 0  # reads of the host in the window
-    rss_bytes: int = 0  # resident set now (VmRSS)
-    peak_rss_bytes: int = 0  # since start (VmHWM)
-
-
-RESULTS: dict[str, type[msgspec.Struct]] = {
-    "status": StatusReply,
-    "check": CheckReply,
-    "plan": PlanReply,
-    "apply": ApplyReply,
-    "reload": LayoutStatus,
-    "events": EventsReply,
-    "version": VersionReply,
-    "mig-profiles": MigProfilesReply,
-    "passthrough": PassthroughReply,
-    "stats": StatsReply,
-    "labels": LabelsReply,
-    "vgpu-types": VgpuTypesReply,
-}
-
-
-# ---------------------------------------------------------------------------------------------
 # Framing
 
 _encoder = msgspec.msgpack.Encoder()
@@ -590,16 +204,6 @@ def decode_message(payload: bytes) -> Response | EventFrame:
     except RecursionError:
         raise FrameError("malformed message from gpud: nested too deeply") from None
 
-
-def decode_result(op: str, result: Any) -> Any:
-    """Type a Response.result by its op (plain value for ops without a result struct)."""
-    typ = RESULTS.get(op)
-    if typ is None:
-        return result
-    try:
-        return msgspec.convert(result, typ)
-    except msgspec.ValidationError as e:
-        raise FrameError(f"malformed {op} result from gpud: {e}") from None
 
 
 class FrameReader:

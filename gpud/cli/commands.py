@@ -10,7 +10,7 @@ import os
 import sys
 from typing import Any
 
-from gpud.api import wire
+from gpud.api import wire, wire_replies
 from gpud.cli.render import (
     event_json,
     pick_gpu,
@@ -61,7 +61,7 @@ def _terminal_width(fallback: int = 160) -> int:
 
 
 def cmd_status(c: Client, a: argparse.Namespace) -> int:
-    r: wire.StatusReply = c.request("status", {"fresh": True} if a.fresh else None)
+    r: wire_replies.StatusReply = c.request("status", {"fresh": True} if a.fresh else None)
     if a.gpu is not None:
         g = pick_gpu(r, a.gpu)
         if g is None:
@@ -80,7 +80,7 @@ def cmd_status(c: Client, a: argparse.Namespace) -> int:
 
 
 def cmd_labels(c: Client, a: argparse.Namespace) -> int:
-    r: wire.LabelsReply = c.request("labels")
+    r: wire_replies.LabelsReply = c.request("labels")
     print(to_json(r) if a.json else render_labels(r))
     return EXIT_OK
 
@@ -108,7 +108,7 @@ def _read_layout(path: str) -> tuple[str, str]:
 def _daemon_layout_path(c: Client) -> str:
     """The file the daemon keeps; its default when the daemon cannot be asked (said on stderr)."""
     try:
-        r: wire.VersionReply = c.request("version")
+        r: wire_replies.VersionReply = c.request("version")
     except Unreachable as e:
         print(f"gpudctl: {e}; checking {DEFAULT_LAYOUT}", file=sys.stderr)
         return DEFAULT_LAYOUT
@@ -123,7 +123,7 @@ def cmd_check(c: Client, a: argparse.Namespace) -> int:
     args: dict[str, Any] = {"text": text, "path": path}
     if a.all_layouts:
         args["all_layouts"] = True
-    r: wire.CheckReply = c.request("check", args)
+    r: wire_replies.CheckReply = c.request("check", args)
     if a.json:
         print(to_json(r))
     else:
@@ -139,7 +139,7 @@ def cmd_plan(c: Client, a: argparse.Namespace) -> int:
     args: dict[str, Any] = {}
     if a.file:
         args["text"], args["path"] = _read_layout(a.file)
-    r: wire.PlanReply = c.request("plan", args)
+    r: wire_replies.PlanReply = c.request("plan", args)
     print(to_json(r) if a.json else render_plan(r))
     infeasible = any(g.infeasible for g in r.gpus)
     return EXIT_INVALID if r.errors or infeasible else EXIT_OK
@@ -172,7 +172,7 @@ def cmd_apply(c: Client, a: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _apply_following(c: Client, a: argparse.Namespace, args: dict[str, Any], deadline: float) -> wire.ApplyReply:
+def _apply_following(c: Client, a: argparse.Namespace, args: dict[str, Any], deadline: float) -> wire_replies.ApplyReply:
     """`apply --wait` that is not silent: subscribe to events first (nothing of this apply is
     missed), send the apply from a thread, and print each event as it comes until the reply is
     in and the stream has gone quiet. On a terminal, step events also get a `[k/n]` progress line."""
@@ -210,7 +210,7 @@ def _apply_following(c: Client, a: argparse.Namespace, args: dict[str, Any], dea
 
 
 def cmd_reload(c: Client, a: argparse.Namespace) -> int:
-    r: wire.LayoutStatus = c.request("reload")
+    r: wire_replies.LayoutStatus = c.request("reload")
     if a.json:
         print(to_json(r))
     else:
@@ -225,7 +225,7 @@ def cmd_reload(c: Client, a: argparse.Namespace) -> int:
 def cmd_events(c: Client, a: argparse.Namespace) -> int:
     show = event_json if a.json else render_event
     if not a.follow:
-        r: wire.EventsReply = c.request("events", {"follow": False})
+        r: wire_replies.EventsReply = c.request("events", {"follow": False})
         for e in r.events:
             print(show(e))
         return EXIT_OK
@@ -239,7 +239,7 @@ def cmd_events(c: Client, a: argparse.Namespace) -> int:
 
 def cmd_version(c: Client, a: argparse.Namespace) -> int:
     mine = getattr(sys.modules.get("gpud"), "VERSION", "?")
-    r: wire.VersionReply = c.request("version")
+    r: wire_replies.VersionReply = c.request("version")
     if a.json:
         print(to_json(r))
         return EXIT_OK
@@ -253,19 +253,19 @@ def cmd_version(c: Client, a: argparse.Namespace) -> int:
 
 
 def cmd_mig_profiles(c: Client, a: argparse.Namespace) -> int:
-    r: wire.MigProfilesReply = c.request("mig-profiles", {"gpu": a.gpu} if a.gpu is not None else {})
+    r: wire_replies.MigProfilesReply = c.request("mig-profiles", {"gpu": a.gpu} if a.gpu is not None else {})
     print(to_json(r) if a.json else render_mig_profiles(r))
     return EXIT_OK
 
 
 def cmd_vgpu_types(c: Client, a: argparse.Namespace) -> int:
-    r: wire.VgpuTypesReply = c.request("vgpu-types", {"gpu": a.gpu} if a.gpu is not None else {})
+    r: wire_replies.VgpuTypesReply = c.request("vgpu-types", {"gpu": a.gpu} if a.gpu is not None else {})
     print(to_json(r) if a.json else render_vgpu_types(r))
     return EXIT_OK
 
 
 def cmd_passthrough(c: Client, a: argparse.Namespace) -> int:
-    r: wire.PassthroughReply = c.request("passthrough")
+    r: wire_replies.PassthroughReply = c.request("passthrough")
     print(to_json(r) if a.json else render_passthrough(r))
     return EXIT_OK
 

@@ -1,7 +1,8 @@
 """gpudctl: the thin client of gpud, and its entry point (`main`).
 
-The package imports only the standard library, msgspec and `gpud.api.wire`: people run it in
-loops and scripts, so start-up time matters more than anything it could share with the daemon.
+The package imports only the standard library, msgspec and the protocol (`gpud.api.wire`,
+`gpud.api.wire_replies`, `gpud.mig_text`): people run it in loops and scripts, so start-up time
+matters more than anything it could share with the daemon.
 Three parts: `transport` (the blocking socket and typed replies), `render` (reply -> text) and
 `commands` (arguments -> request -> output -> exit code); this module maps failures to exit codes.
 

@@ -7,7 +7,7 @@ msgspec, 0.18 to 0.23) takes `get_type_hints`, `Required` and `NotRequired` from
 when it can and from `typing` otherwise; typing_extensions itself imports `inspect` (with ast, dis
 and tokenize), about 12 ms of a gpudctl run on a 2-core host when some other package of the
 environment installed it. The client's types use `typing` alone (it imports only the standard
-library, msgspec and gpud.api.wire: tests/test_layering.py), so `typing`'s answers are the same.
+library, msgspec and the protocol modules: tests/test_layering.py), so `typing`'s answers are the same.
 """
 
 from __future__ import annotations

@@ -11,7 +11,8 @@ from typing import Any
 
 import msgspec
 
-from gpud.api import wire
+from gpud.api import wire, wire_replies
+from gpud.mig_text import MIG_ACTIONS, step_text, subdivided
 
 
 def _table(rows: list[list[str]]) -> str:
@@ -21,14 +22,14 @@ def _table(rows: list[list[str]]) -> str:
     )
 
 
-def _holder(h: wire.HolderInfo, *, device: bool = False) -> str:
+def _holder(h: wire_replies.HolderInfo, *, device: bool = False) -> str:
     text = f"pid {h.pid} {h.name}"
     if h.vm:
         text += f" (VM {h.vm})"
     return f"{text} ({h.device})" if device and h.device else text
 
 
-def _placement(p: wire.Placement | None) -> str:
+def _placement(p: wire_replies.Placement | None) -> str:
     return f"{{{p.start}}}:{p.size}" if p is not None else ""
 
 
@@ -37,7 +38,7 @@ def _profile_order(name: str) -> tuple[int, str]:
     return (int(head) if head.isdigit() else 99, name)
 
 
-def mig_column(m: wire.MigStatus) -> str:
+def mig_column(m: wire_replies.MigStatus) -> str:
     if not m.capable or m.mode is None:  # not capable, or not visible to NVML (e.g. on vfio-pci)
         return "-"
     words = {"enabled": "on", "disabled": "off"}
@@ -46,7 +47,7 @@ def mig_column(m: wire.MigStatus) -> str:
     return words.get(m.mode, "?")
 
 
-def _instances_column(g: wire.GpuStatus) -> str:
+def _instances_column(g: wire_replies.GpuStatus) -> str:
     """MIG devices (`4x1g.10gb 1x3g.40gb`), or a vm-vgpu GPU's vGPUs (`4xL40S-12Q`)."""
     if g.vgpu is not None and g.vgpu.devices:
         vcounts: dict[str, int] = {}
@@ -61,7 +62,7 @@ def _instances_column(g: wire.GpuStatus) -> str:
     return " ".join(f"{counts[p]}x{p}" for p in sorted(counts, key=_profile_order))
 
 
-def state_column(g: wire.GpuStatus) -> str:
+def state_column(g: wire_replies.GpuStatus) -> str:
     holders = g.holders or [h for i in g.mig.instances for h in i.holders] or \
         [h for d in (g.vgpu.devices if g.vgpu is not None else []) for h in d.holders]
     if g.state in ("waiting", "stuck") and holders:
@@ -80,7 +81,7 @@ def _fit(text: str, width: int) -> str:
     return text if len(text) <= width else text[: width - 1] + ELLIPSIS
 
 
-def render_status(r: wire.StatusReply, width: int | None = None) -> str:
+def render_status(r: wire_replies.StatusReply, width: int | None = None) -> str:
     """The status table; with `width` (the terminal's columns) the STATE column is cut, with an
     ellipsis, so that rows do not wrap: `gpudctl status GPU` and `--json` carry whole messages."""
     head = f"gpud {r.version}: {r.phase}" if r.version else f"gpud: {r.phase}"
@@ -131,11 +132,11 @@ def render_status(r: wire.StatusReply, width: int | None = None) -> str:
     return "\n".join(out)
 
 
-def _describe_step(s: wire.StepInfo) -> str:
+def _describe_step(s: wire_replies.StepInfo) -> str:
     """One step, single-spaced: the action, then what it acts on, each named once. A MIG step reads
-    as the daemon's events name it (wire.step_text)."""
-    if s.action in wire.MIG_ACTIONS:
-        text = wire.step_text(s)
+    as the daemon's events name it (gpud.mig_text.step_text)."""
+    if s.action in MIG_ACTIONS:
+        text = step_text(s)
     elif s.action == "load-module":
         text = f"load-module {s.module or s.driver}"
     else:
@@ -161,7 +162,7 @@ def _describe_step(s: wire.StepInfo) -> str:
     return f"{text} ({s.message})" if s.message else text
 
 
-def render_plan(r: wire.PlanReply) -> str:
+def render_plan(r: wire_replies.PlanReply) -> str:
     if r.errors:  # an invalid file has no plan: a GPU list or "disruption: none" would mislead
         return "\n".join([f"error: {e}" for e in r.errors] + [f"warning: {w}" for w in r.warnings])
     out: list[str] = []
@@ -213,7 +214,7 @@ def render_plan(r: wire.PlanReply) -> str:
     return "\n".join(out)
 
 
-def render_mig_profiles(r: wire.MigProfilesReply) -> str:
+def render_mig_profiles(r: wire_replies.MigProfilesReply) -> str:
     """`nvidia-smi mig -lgip` followed by `nvidia-smi mig -lgipp`. A GPU NVML cannot see is listed
     from gpud's table of its model, after a note saying so; a value that table has no source for
     is printed as `?`."""
@@ -255,7 +256,7 @@ def render_mig_profiles(r: wire.MigProfilesReply) -> str:
     return "\n".join(out)
 
 
-def pick_gpu(r: wire.StatusReply, selector: str) -> wire.GpuStatus | None:
+def pick_gpu(r: wire_replies.StatusReply, selector: str) -> wire_replies.GpuStatus | None:
     """A GPU by index, PCI address (full or without the domain) or UUID, as the daemon selects."""
     sel = selector.strip().lower()
     for g in r.gpus:
@@ -265,7 +266,7 @@ def pick_gpu(r: wire.StatusReply, selector: str) -> wire.GpuStatus | None:
     return None
 
 
-def render_gpu(g: wire.GpuStatus) -> str:
+def render_gpu(g: wire_replies.GpuStatus) -> str:
     """`gpudctl status GPU`: everything status knows about one GPU, messages whole."""
     out = [f"GPU {g.index}  {g.pci}  {g.model or '-'}",
            f"  uuid:        {g.uuid or '- (not visible to NVML)'}",
@@ -284,7 +285,7 @@ def render_gpu(g: wire.GpuStatus) -> str:
     for inst in sorted(g.mig.instances, key=lambda i: (i.placement.start, i.gi, i.ci or 0)):
         held = (" held by " + ", ".join(_holder(h) for h in inst.holders)) if inst.holders else ""
         ci = f" ci {inst.ci}" if inst.ci is not None else ""
-        if inst.ci_placement is not None and wire.subdivided(inst.profile):
+        if inst.ci_placement is not None and subdivided(inst.profile):
             ci += f" at compute {inst.ci_placement.start}:{inst.ci_placement.size}"
         out.append(f"    {inst.profile:<12} {_placement(inst.placement):<6} gi {inst.gi}{ci}  {inst.uuid or '-'}{held}")
     v = g.vgpu
@@ -306,7 +307,7 @@ def render_gpu(g: wire.GpuStatus) -> str:
     return "\n".join(out)
 
 
-def render_vgpu_types(r: wire.VgpuTypesReply) -> str:
+def render_vgpu_types(r: wire_replies.VgpuTypesReply) -> str:
     """`gpudctl vgpu types`: the mig-profiles sibling: each type a GPU offers, how many still fit."""
     if not r.gpus:
         return "no GPU shows a vGPU interface"
@@ -321,7 +322,7 @@ def render_vgpu_types(r: wire.VgpuTypesReply) -> str:
     return "\n".join(out)
 
 
-def render_passthrough(r: wire.PassthroughReply) -> str:
+def render_passthrough(r: wire_replies.PassthroughReply) -> str:
     if not r.devices and not r.vgpus:
         return "no GPU is bound for passthrough, and no vGPU exists"
     if not r.devices:
@@ -344,7 +345,7 @@ def render_passthrough(r: wire.PassthroughReply) -> str:
     return "\n".join(out)
 
 
-def _render_vgpus(r: wire.PassthroughReply) -> str:
+def _render_vgpus(r: wire_replies.PassthroughReply) -> str:
     rows = [["GPU", "TYPE", "MDEV UUID / VF", "VFIO", "RESOURCE"]]
     for v in r.vgpus:
         rows.append([v.gpu, v.type, v.uuid or v.vf or "-", v.vfio_device or "-", v.resource_name])
@@ -371,7 +372,7 @@ def render_progress(e: wire.Event, totals: dict[str, int], done: dict[str, int])
     return f"  GPU {e.gpu} [{count}] {e.message}"
 
 
-def render_kubernetes(k: wire.KubernetesStatus | None) -> str:
+def render_kubernetes(k: wire_replies.KubernetesStatus | None) -> str:
     """What the device plugins will advertise, and the label protocol's state on this node."""
     if k is None:
         return "gpud did not say what Kubernetes will advertise (an older gpud)"
@@ -402,7 +403,7 @@ def render_kubernetes(k: wire.KubernetesStatus | None) -> str:
     return "\n".join(out)
 
 
-def render_labels(r: wire.LabelsReply) -> str:
+def render_labels(r: wire_replies.LabelsReply) -> str:
     if r.path is None:
         return "gpud writes no node labels"
     if r.file_refused is not None:

@@ -1,7 +1,7 @@
 """gpudctl's transport: one blocking Unix-socket connection to gpud, requests and typed replies.
 
 No asyncio: people run gpudctl in loops and scripts, so start-up time matters more than anything
-it could share with the daemon. Every reply is decoded into its `gpud.api.wire` struct, the same
+it could share with the daemon. Every reply is decoded into its `gpud.api.wire_replies` struct, the same
 one the daemon built, so client and daemon cannot disagree on a field.
 """
 
@@ -13,7 +13,7 @@ import select
 from collections.abc import Iterator
 from typing import Any
 
-from gpud.api import wire
+from gpud.api import wire, wire_replies
 
 DEFAULT_SOCKET = "/run/gpud/gpud.sock"
 DEFAULT_TIMEOUT = 30.0  # seconds for one reply; `apply --wait` and `events -f` wait longer
@@ -103,11 +103,11 @@ class Client:
         if not msg.ok:
             err = msg.error or wire.ErrorInfo(code=wire.E_INTERNAL, message="error without detail")
             raise DaemonError(err.code, err.message)
-        return wire.decode_result(op, msg.result)
+        return wire_replies.decode_result(op, msg.result)
 
     def events(self) -> Iterator[wire.Event]:
         """Yield the recent history, then every new event until gpud closes the stream."""
-        reply: wire.EventsReply = self.request("events", {"follow": True}, timeout=NO_LIMIT)
+        reply: wire_replies.EventsReply = self.request("events", {"follow": True}, timeout=NO_LIMIT)
         yield from reply.events
         yield from self._frames()
 

@@ -1,8 +1,8 @@
 """Independent GPUs proceed independently: the per-GPU work of a pass runs side by side, bounded.
 
-Why: a pass used to converge GPUs one after another, so one GPU's slow step (an unbind the kernel
-takes 30 s to give up on, a reset, a wait for a driver) delayed every GPU after it (issue 13,
-item 6). Now up to `PARALLEL_GPUS` GPUs run at once. Two things GPUs do share, and this module
+Why: converging GPUs one after another would let one GPU's slow step (an unbind the kernel takes
+30 s to give up on, a reset, a wait for a driver) delay every GPU after it, so up to
+`PARALLEL_GPUS` GPUs run at once. Two things GPUs do share, and this module
 holds what keeps them consistent:
 
 - **gpud's NVML session** (`NvmlSessionGate`): nvmlInit opens every GPU, so while a GPU is being

@@ -67,14 +67,10 @@ class LayoutKeeper:
         # the one resolution of (layout in force, observation): a load's own is reused, not redone
         self._resolved: tuple[ParsedLayout, Observation, Resolution] | None = None
 
-    def choose(self, name: str | None) -> bool:
-        """Put layout `name` of the file in force instead of the file's `selected` (None: the
-        file's own choice again), checked against this host like any load; False when refused."""
-        self.select = name
-        return self.load()
-
     async def choose_async(self, name: str | None, observe: AsyncObserve | None = None) -> bool:
-        """`choose` with the read, parse and resolve off the event loop (see `load_async`)."""
+        """Put layout `name` of the file in force instead of the file's `selected` (None: the
+        file's own choice again), checked against this host like any load; False when refused.
+        The read, parse and resolve run off the event loop (see `load_async`)."""
         self.select = name
         return await self.load_async(observe)
 

@@ -107,6 +107,11 @@ class ParsedLayout(Struct):
     def ok(self) -> bool:
         return not self.errors
 
+    @property
+    def selected(self) -> str | None:
+        """The name of the layout in force; None while the file has errors (no `layout`)."""
+        return self.layout.selected if self.layout is not None else None
+
     def line(self, path: str) -> int | None:
         return self.lines.get(path)
 

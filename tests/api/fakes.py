@@ -10,53 +10,54 @@ import threading
 import time
 from typing import Any
 
-from gpud.api import wire
-from gpud.api.server import ApiError, ApiServer, Peer, serve
+from gpud.api import wire_replies
+from gpud.api.peers import Peer
+from gpud.api.server import ApiError, ApiServer, serve
 
-P = wire.Placement
-H = wire.HolderInfo
+P = wire_replies.Placement
+H = wire_replies.HolderInfo
 
 GPU0_UUID = "GPU-d187104d-6f24-f22c-6f22-72835236781d"
 MIG_UUIDS = [f"MIG-0b7d1c2e-0000-5000-8000-00000000000{i}" for i in range(8)]
 
 
-def status_reply() -> wire.StatusReply:
+def status_reply() -> wire_replies.StatusReply:
     small = [
-        wire.InstanceStatus(profile="1g.18gb", placement=P(start=s, size=1), gi=7 + s, ci=0, uuid=MIG_UUIDS[s])
+        wire_replies.InstanceStatus(profile="1g.18gb", placement=P(start=s, size=1), gi=7 + s, ci=0, uuid=MIG_UUIDS[s])
         for s in range(4, 7)
-    ] + [wire.InstanceStatus(profile="1g.18gb", placement=P(start=3, size=1), gi=10, ci=0, uuid=MIG_UUIDS[3],
-                             holders=[H(pid=777, name="trainer", device=MIG_UUIDS[3])])]
-    big = wire.InstanceStatus(profile="3g.71gb", placement=P(start=0, size=4), gi=2, ci=0, uuid=MIG_UUIDS[0])
-    gpu0 = wire.GpuStatus(
+    ] + [wire_replies.InstanceStatus(profile="1g.18gb", placement=P(start=3, size=1), gi=10, ci=0, uuid=MIG_UUIDS[3],
+                                     holders=[H(pid=777, name="trainer", device=MIG_UUIDS[3])])]
+    big = wire_replies.InstanceStatus(profile="3g.71gb", placement=P(start=0, size=4), gi=2, ci=0, uuid=MIG_UUIDS[0])
+    gpu0 = wire_replies.GpuStatus(
         index=0, pci="0000:3b:00.0", uuid=GPU0_UUID, model="NVIDIA H200", pci_id="10de:2335",
         driver="nvidia", workload="container", iommu_group=17, numa_node=0,
-        mig=wire.MigStatus(capable=True, mode="enabled", instances=[*small, big]),
+        mig=wire_replies.MigStatus(capable=True, mode="enabled", instances=[*small, big]),
         converged=True, state="converged",
-        group=[wire.GroupMember(pci="0000:3b:00.0", driver="nvidia", class_="0x030200")],
+        group=[wire_replies.GroupMember(pci="0000:3b:00.0", driver="nvidia", class_="0x030200")],
     )
-    gpu1 = wire.GpuStatus(
+    gpu1 = wire_replies.GpuStatus(
         index=1, pci="0000:5c:00.0", uuid="GPU-11111111-2222-3333-4444-555555555555", model="NVIDIA H200",
         pci_id="10de:2335", driver="nvidia", workload="vm-passthrough", iommu_group=42, numa_node=1,
-        mig=wire.MigStatus(capable=True, mode="disabled"), converged=False, state="waiting",
+        mig=wire_replies.MigStatus(capable=True, mode="disabled"), converged=False, state="waiting",
         message="waiting for holders of /dev/nvidia1",
         holders=[H(pid=4121, name="python", device="/dev/nvidia1")],
-        group=[wire.GroupMember(pci="0000:5c:00.0", driver="nvidia", class_="0x030200")],
+        group=[wire_replies.GroupMember(pci="0000:5c:00.0", driver="nvidia", class_="0x030200")],
     )
-    gpu2 = wire.GpuStatus(
+    gpu2 = wire_replies.GpuStatus(
         index=2, pci="0000:9a:00.0", model="NVIDIA H200", pci_id="10de:2335", driver="vfio-pci",
         workload="vm-passthrough", iommu_group=88, numa_node=1,
-        mig=wire.MigStatus(capable=True, mode=None), converged=True, state="converged",
+        mig=wire_replies.MigStatus(capable=True, mode=None), converged=True, state="converged",
         vfio_device="/dev/vfio/88",
     )
-    return wire.StatusReply(
+    return wire_replies.StatusReply(
         phase="waiting",
-        layout=wire.LayoutStatus(path="/etc/gpud/layout.yaml", selected="partial-mig", valid=True,
-                                 warnings=["/etc/gpud/layout.yaml:9 layouts.partial-mig[1]: matches no GPU"]),
+        layout=wire_replies.LayoutStatus(path="/etc/gpud/layout.yaml", selected="partial-mig", valid=True,
+                                         warnings=["/etc/gpud/layout.yaml:9 layouts.partial-mig[1]: matches no GPU"]),
         gpus=[gpu0, gpu1, gpu2], read_only=False, version="0.1.0",
     )
 
 
-def h200_profiles() -> list[wire.ProfileInfo]:
+def h200_profiles() -> list[wire_replies.ProfileInfo]:
     rows = [  # id, name, count, MiB, SMs, dec, enc, ce, jpg, ofa, starts, size
         (19, "1g.18gb", 7, 16384, 16, 1, 0, 1, 1, 0, [0, 1, 2, 3, 4, 5, 6], 1),
         (20, "1g.18gb+me", 1, 16384, 16, 1, 0, 1, 1, 1, [0, 1, 2, 3, 4, 5, 6], 1),
@@ -67,31 +68,31 @@ def h200_profiles() -> list[wire.ProfileInfo]:
         (0, "7g.141gb", 1, 143360, 132, 7, 0, 8, 7, 1, [0], 8),
     ]
     return [
-        wire.ProfileInfo(id=i, name=n, memory_mb=m, sms=sm, slices=int(n[0]), free=c, total=c,
-                         placements=[P(start=s, size=z) for s in st], ce=ce, dec=dec, enc=enc, jpg=j, ofa=o)
+        wire_replies.ProfileInfo(id=i, name=n, memory_mb=m, sms=sm, slices=int(n[0]), free=c, total=c,
+                                 placements=[P(start=s, size=z) for s in st], ce=ce, dec=dec, enc=enc, jpg=j, ofa=o)
         for i, n, c, m, sm, dec, enc, ce, j, o, st, z in rows
     ]
 
 
-def plan_reply() -> wire.PlanReply:
-    return wire.PlanReply(
+def plan_reply() -> wire_replies.PlanReply:
+    return wire_replies.PlanReply(
         gpus=[
-            wire.GpuPlanInfo(index=0, pci="0000:3b:00.0", steps=[
-                wire.StepInfo(action="destroy-ci", profile="1g.18gb", placement=P(start=6, size=1), gi=13,
-                              ci=0, uuid=MIG_UUIDS[6]),
-                wire.StepInfo(action="destroy-gi", profile="1g.18gb", placement=P(start=6, size=1), gi=13),
-                wire.StepInfo(action="create-gi", profile="1g.35gb", placement=P(start=6, size=2)),
-                wire.StepInfo(action="create-ci", profile="1g.35gb", gi=14, ci=0),
+            wire_replies.GpuPlanInfo(index=0, pci="0000:3b:00.0", steps=[
+                wire_replies.StepInfo(action="destroy-ci", profile="1g.18gb", placement=P(start=6, size=1), gi=13,
+                                      ci=0, uuid=MIG_UUIDS[6]),
+                wire_replies.StepInfo(action="destroy-gi", profile="1g.18gb", placement=P(start=6, size=1), gi=13),
+                wire_replies.StepInfo(action="create-gi", profile="1g.35gb", placement=P(start=6, size=2)),
+                wire_replies.StepInfo(action="create-ci", profile="1g.35gb", gi=14, ci=0),
             ]),
-            wire.GpuPlanInfo(index=1, pci="0000:5c:00.0", steps=[
-                wire.StepInfo(action="set-mig-mode", enabled=True),
-                wire.StepInfo(action="reset"),
+            wire_replies.GpuPlanInfo(index=1, pci="0000:5c:00.0", steps=[
+                wire_replies.StepInfo(action="set-mig-mode", enabled=True),
+                wire_replies.StepInfo(action="reset"),
             ]),
-            wire.GpuPlanInfo(index=2, pci="0000:9a:00.0"),
+            wire_replies.GpuPlanInfo(index=2, pci="0000:9a:00.0"),
         ],
-        disruption=wire.Disruption(
-            destroyed=[wire.DestroyedInfo(pci="0000:3b:00.0", profile="1g.18gb", placement=P(start=6, size=1),
-                                          uuid=MIG_UUIDS[6], holders=[H(pid=31337, name="jupyter")])],
+        disruption=wire_replies.Disruption(
+            destroyed=[wire_replies.DestroyedInfo(pci="0000:3b:00.0", profile="1g.18gb", placement=P(start=6, size=1),
+                                                  uuid=MIG_UUIDS[6], holders=[H(pid=31337, name="jupyter")])],
             mode_changes=["0000:5c:00.0"], resets=["0000:5c:00.0"],
         ),
     )
@@ -105,14 +106,14 @@ class FakeHandler:
         self.calls: list[tuple[str, dict[str, Any], Peer]] = []
         self.replies: dict[str, Any] = {
             "status": status_reply(),
-            "check": wire.CheckReply(valid=True, selected="partial-mig"),
+            "check": wire_replies.CheckReply(valid=True, selected="partial-mig"),
             "plan": plan_reply(),
-            "apply": wire.ApplyReply(phase="converged", converged=True, message="all GPUs converged"),
-            "reload": wire.LayoutStatus(path="/etc/gpud/layout.yaml", selected="partial-mig", valid=True),
-            "version": wire.VersionReply(version="0.1.0", driver="550.90.07", nvml="12.550.90.07"),
-            "mig-profiles": wire.MigProfilesReply(gpus=[wire.GpuProfiles(
+            "apply": wire_replies.ApplyReply(phase="converged", converged=True, message="all GPUs converged"),
+            "reload": wire_replies.LayoutStatus(path="/etc/gpud/layout.yaml", selected="partial-mig", valid=True),
+            "version": wire_replies.VersionReply(version="0.1.0", driver="550.90.07", nvml="12.550.90.07"),
+            "mig-profiles": wire_replies.MigProfilesReply(gpus=[wire_replies.GpuProfiles(
                 index=0, pci="0000:3b:00.0", model="NVIDIA H200", profiles=h200_profiles())]),
-            "passthrough": wire.PassthroughReply(devices=[wire.PassthroughDevice(
+            "passthrough": wire_replies.PassthroughReply(devices=[wire_replies.PassthroughDevice(
                 pci="0000:9a:00.0", vendor_device="10de:2335", resource_name="nvidia.com/GH100_H200_SXM_141GB",
                 iommu_group=88, vfio_device="/dev/vfio/88", numa_node=1,
                 libvirt_hostdev=("<hostdev mode='subsystem' type='pci' managed='no'>\n  <source>\n"

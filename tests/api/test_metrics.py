@@ -9,7 +9,7 @@ from typing import get_args
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from gpud.api import metrics, wire
+from gpud.api import metrics, wire_replies
 from gpud.engine.gpu_state import GpuStateName
 
 PCI = "0000:18:00.0"
@@ -22,10 +22,10 @@ def _samples(path) -> dict[str, list]:
 
 @pytest.mark.parametrize("state", get_args(GpuStateName))
 def test_each_gpu_state_is_exported_as_the_one_set_state(state, tmp_path):
-    gpu = wire.GpuStatus(index=0, pci=PCI, uuid="GPU-0", model="NVIDIA H100 80GB HBM3", pci_id="10de:2330",
-                         driver="nvidia", workload="container", state=state, message="")
-    status = wire.StatusReply(phase="converged", layout=wire.LayoutStatus(path="/etc/gpud/layout.yaml",
-                                                                          selected="all", valid=True), gpus=[gpu])
+    gpu = wire_replies.GpuStatus(index=0, pci=PCI, uuid="GPU-0", model="NVIDIA H100 80GB HBM3", pci_id="10de:2330",
+                                 driver="nvidia", workload="container", state=state, message="")
+    status = wire_replies.StatusReply(phase="converged", layout=wire_replies.LayoutStatus(path="/etc/gpud/layout.yaml",
+                                                                                          selected="all", valid=True), gpus=[gpu])
     prom = tmp_path / "gpud.prom"
     metrics.render(status, passes=1, path=str(prom))
     rows = [s for s in _samples(prom)["gpud_gpu_state"] if s.labels["pci"] == PCI]
@@ -33,11 +33,11 @@ def test_each_gpu_state_is_exported_as_the_one_set_state(state, tmp_path):
     assert sorted(s.labels["state"] for s in rows) == sorted(get_args(GpuStateName))
 
 
-def _status() -> wire.StatusReply:
-    gpu = wire.GpuStatus(index=0, pci=PCI, uuid="GPU-0", model="NVIDIA H100 80GB HBM3", pci_id="10de:2330",
-                         driver="nvidia", workload="container", state="converged", message="")
-    return wire.StatusReply(phase="converged", layout=wire.LayoutStatus(path="/etc/gpud/layout.yaml",
-                                                                        selected="all", valid=True), gpus=[gpu])
+def _status() -> wire_replies.StatusReply:
+    gpu = wire_replies.GpuStatus(index=0, pci=PCI, uuid="GPU-0", model="NVIDIA H100 80GB HBM3", pci_id="10de:2330",
+                                 driver="nvidia", workload="container", state="converged", message="")
+    return wire_replies.StatusReply(phase="converged", layout=wire_replies.LayoutStatus(path="/etc/gpud/layout.yaml",
+                                                                                        selected="all", valid=True), gpus=[gpu])
 
 
 def test_a_link_at_prometheus_clients_temp_name_does_not_aim_roots_write(tmp_path):

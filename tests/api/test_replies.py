@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import msgspec
 
-from gpud.api import replies, wire
+from gpud.api import replies, wire_replies
 from gpud.engine.binding import passthrough
 from gpud.model import Gpu, Holder, PciFunction, Placement
 from gpud.plan.binding import BindStep
@@ -60,7 +60,7 @@ def test_plan_with_errors_is_empty_and_says_why():
                                    "resets": [], "reset_with": [], "rebinds": []},
         "errors": ["layout.yaml:1 version: must be v1"], "warnings": [], "errors_omitted": 0,
         "warnings_omitted": 0}
-    assert isinstance(reply, wire.RESULTS["plan"])
+    assert isinstance(reply, wire_replies.RESULTS["plan"])
 
 
 def test_mig_profiles_of_a_gpu_nvml_cannot_see_come_from_the_table_with_unknowns_named():
@@ -71,7 +71,7 @@ def test_mig_profiles_of_a_gpu_nvml_cannot_see_come_from_the_table_with_unknowns
 
     gpus = [Gpu(0, _fn("0000:18:00.0", device=0x2BB5)), Gpu(1, _fn("0000:2a:00.0", device=0x2901)),
             Gpu(2, _fn("0000:3a:00.0", device=0x26B9))]
-    reply = msgspec.convert(msgspec.to_builtins(replies.mig_profiles_reply(gpus)), wire.MigProfilesReply)
+    reply = msgspec.convert(msgspec.to_builtins(replies.mig_profiles_reply(gpus)), wire_replies.MigProfilesReply)
     assert [(g.index, g.source, g.model) for g in reply.gpus] == [
         (0, "table", "NVIDIA RTX PRO 6000 Blackwell Server Edition"), (1, "table", "NVIDIA B200")]
     rtx, b200 = reply.gpus

@@ -18,9 +18,10 @@ import textwrap
 import msgspec
 import pytest
 
-from gpud.api import wire
+from gpud.api import wire, wire_replies
 from gpud.api.peers import Peer, authorize, peer_credentials, read_proc_groups
-from gpud.api.server import ApiError, ServerError, serve
+from gpud.api.server import ApiError, serve
+from gpud.api.socket_file import ServerError
 from gpud.engine.events import EventBus, EventQueue
 from tests.api.fakes import FakeHandler, status_reply
 
@@ -86,7 +87,7 @@ async def test_status_round_trip(running):
     c = await Conn.open(server.path)
     resp = await c.call("status")
     assert resp.ok and resp.error is None
-    assert wire.decode_result("status", resp.result) == status_reply()
+    assert wire_replies.decode_result("status", resp.result) == status_reply()
     op, args, peer = handler.calls[0]
     assert (op, args) == ("status", {"fresh": False})  # defaults filled by the server
     assert (peer.pid, peer.uid) == (os.getpid(), os.geteuid())
@@ -102,7 +103,7 @@ async def test_requests_are_answered_in_order_on_one_connection(running):
     assert first.result["protocol"] == wire.PROTOCOL  # the struct's default, sent as a field
     assert second.result["valid"] is True
     # args reach the handler validated, with defaults filled in
-    handler.replies["apply"] = lambda args: wire.ApplyReply(phase="applying", message=repr(args))
+    handler.replies["apply"] = lambda args: wire_replies.ApplyReply(phase="applying", message=repr(args))
     assert (await c.call("apply")).result["message"] == repr({"wait": False, "timeout": None})
     c.close()
 
@@ -464,7 +465,7 @@ async def test_events_history_without_follow(running):
     handler.publish("step", "created 1g.18gb at {0}:1", gpu="0000:3b:00.0", gi=7)
     handler.publish("converged", "all GPUs converged")
     c = await Conn.open(server.path)
-    reply = wire.decode_result("events", (await c.call("events")).result)
+    reply = wire_replies.decode_result("events", (await c.call("events")).result)
     assert [e.kind for e in reply.events] == ["step", "converged"]
     assert reply.events[0].data == {"gi": 7} and reply.following is False
     assert (await c.call("version")).ok  # the connection is still usable
@@ -477,7 +478,7 @@ async def test_events_stream_to_two_followers(running):
     a, b = await Conn.open(server.path), await Conn.open(server.path)
     for c in (a, b):
         first = await c.call("events", {"follow": True})
-        reply = wire.decode_result("events", first.result)
+        reply = wire_replies.decode_result("events", first.result)
         assert reply.following and [e.kind for e in reply.events] == ["layout"]
     for i in range(3):
         handler.publish("step", f"step {i}", gpu="0000:3b:00.0")
@@ -629,7 +630,7 @@ async def test_history_is_trimmed_to_fit_one_frame(sockdir):
             handler.publish("step", str(i), blob="x" * 200)
         c = await Conn.open(server.path)
         for follow in (False, True):
-            reply = wire.decode_result("events", (await c.call("events", {"follow": follow})).result)
+            reply = wire_replies.decode_result("events", (await c.call("events", {"follow": follow})).result)
             kept = [int(e.message) for e in reply.events]
             assert kept and kept == list(range(40 - len(kept), 40))  # the newest, in order
         c.close()

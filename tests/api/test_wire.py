@@ -11,7 +11,7 @@ import sys
 import msgspec
 import pytest
 
-from gpud.api import wire
+from gpud.api import wire, wire_replies
 from tests.api.fakes import plan_reply, status_reply
 
 
@@ -56,41 +56,41 @@ def test_results_are_typed_by_op_and_tolerate_unknown_and_missing_fields():
     raw = msgspec.to_builtins(status_reply())
     raw["gpus"][0]["added_in_a_later_version"] = 1
     del raw["gpus"][0]["vfio_device"]
-    typed = wire.decode_result("status", raw)
-    assert isinstance(typed, wire.StatusReply)
+    typed = wire_replies.decode_result("status", raw)
+    assert isinstance(typed, wire_replies.StatusReply)
     assert typed.gpus[0].vfio_device is None
-    assert typed.gpus[0].mig.instances[0].placement == wire.Placement(start=4, size=1)
+    assert typed.gpus[0].mig.instances[0].placement == wire_replies.Placement(start=4, size=1)
     with pytest.raises(wire.FrameError):
-        wire.decode_result("status", {"layout": {}})
+        wire_replies.decode_result("status", {"layout": {}})
 
 
 def test_every_result_struct_is_json_able_with_a_stable_shape():
     samples = {
-        "status": status_reply(), "plan": plan_reply(), "check": wire.CheckReply(valid=False, errors=["e"]),
-        "apply": wire.ApplyReply(phase="failed"), "reload": wire.LayoutStatus(path="/l"),
-        "events": wire.EventsReply(events=[wire.Event(time=0.0, kind="k")]),
-        "version": wire.VersionReply(version="0.1.0"), "mig-profiles": wire.MigProfilesReply(),
-        "passthrough": wire.PassthroughReply(devices=[wire.PassthroughDevice(pci="p", vendor_device="10de:2335")],
-                                             vgpus=[wire.VgpuPassthrough(gpu="p", type="L40S-12Q", vf="v")]),
-        "stats": wire.StatsReply(window_s=1.5, loop_lag=wire.LoopLag(samples=3, p99_ms=2.5), requests={"status": 2}),
-        "labels": wire.LabelsReply(path="/f", result="written", file={"nvidia.com/gpu.count": "8"},
-                                   labels={"nvidia.com/gpu.count": "8"}),
-        "vgpu-types": wire.VgpuTypesReply(gpus=[wire.GpuVgpuTypes(index=0, pci="p", types=[
-            wire.VgpuTypeInfo(name="H200X-1-18C", id=1414, mig_profile="1g.18gb", creatable=7, max=7)])]),
+        "status": status_reply(), "plan": plan_reply(), "check": wire_replies.CheckReply(valid=False, errors=["e"]),
+        "apply": wire_replies.ApplyReply(phase="failed"), "reload": wire_replies.LayoutStatus(path="/l"),
+        "events": wire_replies.EventsReply(events=[wire.Event(time=0.0, kind="k")]),
+        "version": wire_replies.VersionReply(version="0.1.0"), "mig-profiles": wire_replies.MigProfilesReply(),
+        "passthrough": wire_replies.PassthroughReply(devices=[wire_replies.PassthroughDevice(pci="p", vendor_device="10de:2335")],
+                                                     vgpus=[wire_replies.VgpuPassthrough(gpu="p", type="L40S-12Q", vf="v")]),
+        "stats": wire_replies.StatsReply(window_s=1.5, loop_lag=wire_replies.LoopLag(samples=3, p99_ms=2.5), requests={"status": 2}),
+        "labels": wire_replies.LabelsReply(path="/f", result="written", file={"nvidia.com/gpu.count": "8"},
+                                           labels={"nvidia.com/gpu.count": "8"}),
+        "vgpu-types": wire_replies.VgpuTypesReply(gpus=[wire_replies.GpuVgpuTypes(index=0, pci="p", types=[
+            wire_replies.VgpuTypeInfo(name="H200X-1-18C", id=1414, mig_profile="1g.18gb", creatable=7, max=7)])]),
     }
-    assert set(samples) == set(wire.RESULTS)
+    assert set(samples) == set(wire_replies.RESULTS)
     for op, obj in samples.items():
         doc = json.loads(msgspec.json.encode(obj))
-        assert wire.decode_result(op, doc) == obj
+        assert wire_replies.decode_result(op, doc) == obj
     gpu = json.loads(msgspec.json.encode(status_reply()))["gpus"][0]
     assert gpu["group"][0]["class"] == "0x030200"  # `class` on the wire, `class_` in Python
     assert gpu["vfio_device"] is None  # defaults are not omitted: `--json` consumers see every key
 
 
 def test_default_structs_are_not_shared_between_instances():
-    a, b = wire.GpuStatus(index=0, pci="a"), wire.GpuStatus(index=1, pci="b")
-    a.mig.instances.append(wire.InstanceStatus(profile="1g.18gb", placement=wire.Placement(start=0, size=1),
-                                               gi=1, ci=0, uuid="MIG-x"))
+    a, b = wire_replies.GpuStatus(index=0, pci="a"), wire_replies.GpuStatus(index=1, pci="b")
+    a.mig.instances.append(wire_replies.InstanceStatus(profile="1g.18gb", placement=wire_replies.Placement(start=0, size=1),
+                                                       gi=1, ci=0, uuid="MIG-x"))
     assert b.mig.instances == []
 
 
@@ -164,10 +164,10 @@ async def test_async_reader():
         await r.read_async(big)
 
 
-def test_wire_imports_only_stdlib_and_msgspec():
+def test_the_protocol_modules_import_only_stdlib_and_msgspec():
     # what msgspec itself pulls in (typing_extensions) is msgspec's business, not ours
     code = (
-        "import sys, msgspec; before = set(sys.modules); import gpud.api.wire; "
+        "import sys, msgspec; before = set(sys.modules); import gpud.api.wire, gpud.api.wire_replies; "
         "new = {m.split('.')[0] for m in set(sys.modules) - before}; "
         "print(' '.join(sorted(new - set(sys.stdlib_module_names))))"
     )
@@ -176,11 +176,11 @@ def test_wire_imports_only_stdlib_and_msgspec():
 
 
 def test_kubernetes_status_round_trips():
-    k = wire.KubernetesStatus(
-        advertised=wire.Advertised(resources={"nvidia.com/gpu": 7, "nvidia.com/mig-1g.10gb": 4},
-                                   sandbox={"nvidia.com/GH100_H100_SXM5_80GB": 1}, problems=["p"]),
-        agent=wire.KubeAgentStatus(node="n", connected=True, selected="partial-mig", state="success",
-                                   paused=["nvidia.com/gpu.deploy.dcgm"]))
+    k = wire_replies.KubernetesStatus(
+        advertised=wire_replies.Advertised(resources={"nvidia.com/gpu": 7, "nvidia.com/mig-1g.10gb": 4},
+                                           sandbox={"nvidia.com/GH100_H100_SXM5_80GB": 1}, problems=["p"]),
+        agent=wire_replies.KubeAgentStatus(node="n", connected=True, selected="partial-mig", state="success",
+                                           paused=["nvidia.com/gpu.deploy.dcgm"]))
     doc = json.loads(msgspec.json.encode(k))
     assert doc["advertised"]["resources"] == {"nvidia.com/gpu": 7, "nvidia.com/mig-1g.10gb": 4}
-    assert msgspec.convert(doc, wire.KubernetesStatus) == k
+    assert msgspec.convert(doc, wire_replies.KubernetesStatus) == k

@@ -11,7 +11,7 @@ import sys
 import threading
 from pathlib import Path
 
-from gpud.api import wire
+from gpud.api import wire, wire_replies
 from gpud.api.server import ApiError
 from gpud.cli import render
 from tests.api.fakes import GPU0_UUID, MIG_UUIDS, ThreadedServer
@@ -83,8 +83,8 @@ def test_check_sends_the_file_and_reports_validity(daemon, tmp_path):
     r = run(daemon, "check", str(f))
     assert (r.returncode, r.stdout.strip()) == (0, f"{f}: valid (selected: partial-mig)")
     assert calls(daemon, "check") == [{"text": "version: v1\n", "path": str(f), "all_layouts": False}]
-    daemon.handler.replies["check"] = wire.CheckReply(valid=False, errors=[f"{f}:1 version: must be v1"],
-                                                      warnings=["w"])
+    daemon.handler.replies["check"] = wire_replies.CheckReply(valid=False, errors=[f"{f}:1 version: must be v1"],
+                                                              warnings=["w"])
     r = run(daemon, "check", str(f))
     assert r.returncode == 4
     assert r.stdout.splitlines() == [f"{f}: INVALID", f"error: {f}:1 version: must be v1", "warning: w"]
@@ -114,16 +114,16 @@ def test_plan_output_and_exit_codes(daemon, tmp_path):
 
     f = tmp_path / "l.yaml"
     f.write_text("x: 1\n")
-    daemon.handler.replies["plan"] = wire.PlanReply(gpus=[wire.GpuPlanInfo(
+    daemon.handler.replies["plan"] = wire_replies.PlanReply(gpus=[wire_replies.GpuPlanInfo(
         index=0, pci="0000:3b:00.0", infeasible="4x 2g.35gb need 8 slices, the GPU has 7",
-        blocked_by=[wire.HolderInfo(pid=9, name="vllm", device="/dev/nvidia0")])])
+        blocked_by=[wire_replies.HolderInfo(pid=9, name="vllm", device="/dev/nvidia0")])])
     r = run(daemon, "plan", str(f))
     assert r.returncode == 4
     assert calls(daemon, "plan")[-1] == {"text": "x: 1\n", "path": str(f)}
     assert "GPU 0 0000:3b:00.0: INFEASIBLE: 4x 2g.35gb need 8 slices, the GPU has 7" in r.stdout
     assert "  blocked by: pid 9 vllm (/dev/nvidia0)" in r.stdout
     assert "disruption: none" in r.stdout
-    daemon.handler.replies["plan"] = wire.PlanReply(errors=["layout.yaml:2 layouts: unknown key"])
+    daemon.handler.replies["plan"] = wire_replies.PlanReply(errors=["layout.yaml:2 layouts: unknown key"])
     r = run(daemon, "plan", "--json")
     assert r.returncode == 4 and json.loads(r.stdout)["errors"] == ["layout.yaml:2 layouts: unknown key"]
 
@@ -134,9 +134,9 @@ def test_apply_exit_codes(daemon):
     r = run(daemon, "apply", "--wait", "--timeout", "90")
     assert r.returncode == 0 and calls(daemon, "apply")[-1] == {"wait": True, "timeout": 90.0}
     assert r.stdout.startswith("apply: converged: all GPUs converged")
-    daemon.handler.replies["apply"] = wire.ApplyReply(
+    daemon.handler.replies["apply"] = wire_replies.ApplyReply(
         phase="waiting", converged=False, message="1 GPU waiting",
-        gpus=[wire.GpuApplyInfo(pci="0000:5c:00.0", state="waiting", message="pid 4121 python holds /dev/nvidia1")])
+        gpus=[wire_replies.GpuApplyInfo(pci="0000:5c:00.0", state="waiting", message="pid 4121 python holds /dev/nvidia1")])
     r = run(daemon, "apply", "--wait")
     assert r.returncode == 5
     assert "  0000:5c:00.0  waiting: pid 4121 python holds /dev/nvidia1" in r.stdout
@@ -152,7 +152,7 @@ def test_apply_exit_codes(daemon):
 def test_reload(daemon):
     r = run(daemon, "reload")
     assert r.returncode == 0 and r.stdout.startswith("reloaded /etc/gpud/layout.yaml: valid")
-    daemon.handler.replies["reload"] = wire.LayoutStatus(path="/etc/gpud/layout.yaml", errors=["bad"])
+    daemon.handler.replies["reload"] = wire_replies.LayoutStatus(path="/etc/gpud/layout.yaml", errors=["bad"])
     r = run(daemon, "reload")
     assert r.returncode == 4 and "error: bad" in r.stdout
     daemon.handler.errors["reload"] = ApiError("read-only", "read-only mode")
@@ -271,11 +271,11 @@ CLI_MODULES = sorted(f"gpud.cli.{p.stem}" for p in (REPO / "gpud" / "cli").glob(
 
 def test_client_imports_nothing_heavy():
     """Every module of the client package, imported in a fresh interpreter, pulls in no heavy
-    dependency and of gpud itself only the package markers, gpud.api.wire and the standard-library
-    module of MIG words it re-exports."""
+    dependency and of gpud itself only the package markers, the protocol (gpud.api.wire and
+    gpud.api.wire_replies) and the standard-library module of MIG words (gpud.mig_text)."""
     assert {"gpud.cli.gpudctl", "gpud.cli.transport", "gpud.cli.render", "gpud.cli.commands"} <= set(CLI_MODULES)
     banned = ["pynvml", "yaml", "pyudev", "dbus_fast", "asyncinotify", "prometheus_client", "asyncio"]
-    allowed = ["gpud", "gpud.api", "gpud.api.wire", "gpud.mig_text", "gpud.cli", *CLI_MODULES]
+    allowed = ["gpud", "gpud.api", "gpud.api.wire", "gpud.api.wire_replies", "gpud.mig_text", "gpud.cli", *CLI_MODULES]
     code = ("import importlib, sys, json\n"
             f"for name in {CLI_MODULES!r}: importlib.import_module(name)\n"
             f"print(json.dumps([m for m in sys.modules if m in {banned!r} "
@@ -286,13 +286,13 @@ def test_client_imports_nothing_heavy():
 
 
 def test_state_and_mig_columns():
-    g = wire.GpuStatus(index=0, pci="p", state="failed", message="NVML_ERROR_IN_USE creating 3g.71gb",
-                       mig=wire.MigStatus(capable=True, mode="disabled", pending="enabled"))
+    g = wire_replies.GpuStatus(index=0, pci="p", state="failed", message="NVML_ERROR_IN_USE creating 3g.71gb",
+                               mig=wire_replies.MigStatus(capable=True, mode="disabled", pending="enabled"))
     assert render.state_column(g) == "failed: NVML_ERROR_IN_USE creating 3g.71gb"
     assert render.mig_column(g.mig) == "pending(on)"
-    assert render.mig_column(wire.MigStatus()) == "-"
-    many = wire.GpuStatus(index=0, pci="p", state="waiting", holders=[
-        wire.HolderInfo(pid=1, name="a"), wire.HolderInfo(pid=2, name="b")])
+    assert render.mig_column(wire_replies.MigStatus()) == "-"
+    many = wire_replies.GpuStatus(index=0, pci="p", state="waiting", holders=[
+        wire_replies.HolderInfo(pid=1, name="a"), wire_replies.HolderInfo(pid=2, name="b")])
     assert render.state_column(many) == "waiting: pid 1 a (+1 more)"
 
 
@@ -332,7 +332,7 @@ def test_status_table_fits_the_terminal_and_the_detail_view_has_it_whole(daemon)
 def test_plan_of_an_invalid_file_prints_only_its_errors(daemon, tmp_path):
     f = tmp_path / "l.yaml"
     f.write_text("x: 1\n")
-    daemon.handler.replies["plan"] = wire.PlanReply(errors=["l.yaml:1 x: unknown key"])
+    daemon.handler.replies["plan"] = wire_replies.PlanReply(errors=["l.yaml:1 x: unknown key"])
     r = run(daemon, "plan", str(f))
     assert r.returncode == 4
     assert r.stdout == "error: l.yaml:1 x: unknown key\n"
@@ -341,7 +341,7 @@ def test_plan_of_an_invalid_file_prints_only_its_errors(daemon, tmp_path):
 def test_check_without_a_file_checks_the_daemons_file(daemon, tmp_path):
     own = tmp_path / "their-layout.yaml"
     own.write_text("version: v1\n")
-    daemon.handler.replies["version"] = wire.VersionReply(version="0.1.0", config=str(own))
+    daemon.handler.replies["version"] = wire_replies.VersionReply(version="0.1.0", config=str(own))
     r = run(daemon, "check")
     assert r.returncode == 0, r.stderr
     assert calls(daemon, "check")[-1] == {"text": "version: v1\n", "path": str(own), "all_layouts": False}
@@ -363,7 +363,7 @@ def test_apply_wait_prints_each_step_as_it_happens(daemon):
         daemon.handler.publish("step", "set-mig-mode on done", gpu="0000:3b:00.0")
         daemon.handler.publish("step", "create-gi 7g.141gb@0:8 done", gpu="0000:3b:00.0")
         daemon.handler.publish("converged", "MIG on, 1 GPU instance", gpu="0000:3b:00.0")
-        return wire.ApplyReply(phase="converged", converged=True, message="converged")
+        return wire_replies.ApplyReply(phase="converged", converged=True, message="converged")
 
     daemon.handler.history.append({"time": 0.0, "kind": "step", "gpu": None, "message": "old history",
                                    "data": {}})
@@ -390,18 +390,18 @@ def test_check_refuses_a_layout_over_gpuds_limit_before_sending(daemon, tmp_path
 
 
 def test_a_subdivided_ci_step_and_instance_show_their_compute_slot():
-    from gpud.api import wire as w
+    from gpud.api import wire_replies as wr
     from gpud.cli.render import _describe_step, render_gpu
 
-    step = w.StepInfo(action="create-ci", profile="1c.3g.71gb", placement=w.Placement(start=4, size=4),
-                      ci_placement=w.Placement(start=2, size=1))
+    step = wr.StepInfo(action="create-ci", profile="1c.3g.71gb", placement=wr.Placement(start=4, size=4),
+                      ci_placement=wr.Placement(start=2, size=1))
     assert _describe_step(step) == "create-ci 1c.3g.71gb@4:4 at compute 2:1"
-    whole = w.StepInfo(action="create-ci", profile="3g.71gb", placement=w.Placement(start=4, size=4),
-                       ci_placement=w.Placement(start=0, size=3))
+    whole = wr.StepInfo(action="create-ci", profile="3g.71gb", placement=wr.Placement(start=4, size=4),
+                       ci_placement=wr.Placement(start=0, size=3))
     assert _describe_step(whole) == "create-ci 3g.71gb@4:4"
-    inst = w.InstanceStatus(profile="2c.3g.71gb", placement=w.Placement(start=4, size=4), gi=1, ci=1,
-                            uuid="MIG-x", ci_placement=w.Placement(start=0, size=2))
-    gpu = w.GpuStatus(index=0, pci="0000:3b:00.0", mig=w.MigStatus(capable=True, mode="enabled", instances=[inst]))
+    inst = wr.InstanceStatus(profile="2c.3g.71gb", placement=wr.Placement(start=4, size=4), gi=1, ci=1,
+                            uuid="MIG-x", ci_placement=wr.Placement(start=0, size=2))
+    gpu = wr.GpuStatus(index=0, pci="0000:3b:00.0", mig=wr.MigStatus(capable=True, mode="enabled", instances=[inst]))
     assert "2c.3g.71gb   {4}:4  gi 1 ci 1 at compute 0:2  MIG-x" in render_gpu(gpu)
 
 

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from gpud.api import wire
+from gpud.api import wire_replies
 from gpud.cli.render import render_kubernetes
 
 
 def _render(**agent) -> str:
-    return render_kubernetes(wire.KubernetesStatus(advertised=wire.Advertised(),
-                                                   agent=wire.KubeAgentStatus(node="gpu-1", **agent)))
+    return render_kubernetes(wire_replies.KubernetesStatus(advertised=wire_replies.Advertised(),
+                                                           agent=wire_replies.KubeAgentStatus(node="gpu-1", **agent)))
 
 
 def test_a_refusal_names_the_missing_verb():

@@ -210,7 +210,8 @@ async def test_hang_is_stuck_while_the_event_loop_keeps_serving(sim):
     def on_step(step, result):  # the binder's worker thread, mid-plan
         assert asyncio.run_coroutine_threadsafe(request(step), loop).result(timeout=30) == "pong"
 
-    out = await binder.execute_async(sysfs, procs, plan, timeout=1.0, on_step=on_step)
+    # on a worker thread, as the reconciler runs it (asyncio.to_thread)
+    out = await asyncio.to_thread(binder.execute, sysfs, procs, plan, timeout=1.0, on_step=on_step)
     assert out.state == "stuck", out
     assert served == list(out.done) and served  # the loop answered while the plan was running
     assert "wchan" in out.message or "state" in out.message

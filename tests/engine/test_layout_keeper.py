@@ -98,25 +98,25 @@ def test_layout_invalid_event_carries_a_bounded_error_list(tmp_path):
 TWO_LAYOUTS = "version: v1\nselected: first\nlayouts:\n  first: []\n  second: []\n"
 
 
-def test_a_chosen_layout_stays_in_force_across_reloads(tmp_path):
-    """A node label's choice (LayoutKeeper.select) outranks the file's `selected` on every load."""
+async def test_a_chosen_layout_stays_in_force_across_reloads(tmp_path):
+    """A node label's choice (LayoutKeeper.choose_async, as the daemon makes it) outranks the
+    file's `selected` on every load; choosing None gives the file its own choice back."""
     path = tmp_path / "layout.yaml"
     path.write_text(TWO_LAYOUTS)
     k, _ = keeper(path)
-    assert k.load() and k.layout.layout.selected == "first"
-    assert k.choose("second") and k.layout.layout.selected == "second"
-    assert k.load() and k.layout.layout.selected == "second"  # a file re-read keeps the label's choice
-    assert k.choose(None) and k.layout.layout.selected == "first"
+    assert await k.load_async() and k.layout.selected == "first"
+    assert await k.choose_async("second") and k.layout.selected == "second"
+    assert await k.load_async() and k.layout.selected == "second"  # a file re-read keeps the label's choice
+    assert await k.choose_async(None) and k.layout.selected == "first"
 
 
-async def test_the_async_paths_honour_the_chosen_layout(tmp_path):
+async def test_evaluating_a_text_honours_its_own_choice_and_leaves_the_one_in_force(tmp_path):
     path = tmp_path / "layout.yaml"
     path.write_text(TWO_LAYOUTS)
     k, _ = keeper(path)
-    assert await k.choose_async("second") and k.layout.layout.selected == "second"
-    assert await k.load_async() and k.layout.layout.selected == "second"
+    assert await k.choose_async("second") and k.layout.selected == "second"
     _, resolution, _ = await k.evaluate_async(TWO_LAYOUTS, str(path), select="second")
     assert resolution.selected == "second" and not resolution.errors
     _, refused, _ = await k.evaluate_async(TWO_LAYOUTS, str(path), select="third")
     assert refused.errors  # a name the file does not offer is an error, as for `selected`
-    assert k.layout.layout.selected == "second"  # evaluating another text changes nothing
+    assert k.layout.selected == "second"  # evaluating another text changes nothing

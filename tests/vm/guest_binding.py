@@ -137,7 +137,7 @@ class Guest:
                 continue
             want = res.desired[gpu.pci].workload
             plan = plan_binding(gpu, want, drivers=set(self.sysfs.drivers()))
-            o = await binder.execute_async(self.sysfs, self.procs, plan, **kw)
+            o = await asyncio.to_thread(binder.execute, self.sysfs, self.procs, plan, **kw)
             out[gpu.pci] = {"state": o.state, "message": o.message, "steps": [str(s) for s in plan.steps],
                             "companions": [c.address for c in gpu.companions], "index": gpu.index,
                             "holders": [[h.pid, h.name, h.device] for h in o.holders], "stuck_pid": o.stuck_pid,
@@ -191,7 +191,7 @@ async def main(out_dir: str) -> None:
         record("inventory", entries=[{"pci": e.pci, "vendor_device": e.vendor_device, "resource_name": e.resource_name,
                                       "vfio_device": e.vfio_device, "companions": list(e.companions),
                                       "name_source": e.name_source, "libvirt": e.libvirt_hostdev} for e in items],
-               kubevirt=passthrough.kubevirt_yaml(items))
+               kubevirt=[passthrough.kubevirt_entry(e) for e in items])
 
     # C: boot persistence with the real udevd, then remove + rescan handled.
     async def c():

@@ -46,12 +46,14 @@ def test_inventory_for_vm_managers(guest):
     assert set(e) == {NIC0, NIC1}
     assert e[NIC0]["vendor_device"] == "8086:100E"
     # kubevirt-gpu-device-plugin advertises NVIDIA functions only (its names come from its own
-    # pci.ids, gpud/kubevirt_names.py): the guest's Intel stand-ins get no resource name and no
-    # permittedHostDevices entry, while libvirt's <hostdev> and the vfio node are theirs as for a GPU
+    # pci.ids, gpud/kubevirt_names.py): the guest's Intel stand-ins get no resource name in the
+    # passthrough reply's permittedHostDevices entries, while libvirt's <hostdev> and the vfio node
+    # are theirs as for a GPU
     assert e[NIC0]["resource_name"] == "" and e[NIC1]["resource_name"] == ""
     assert e[NIC0]["vfio_device"].startswith("/dev/vfio/") and e[NIC0]["companions"] == [AUDIO]
     assert "slot='0x10' function='0x0'" in e[NIC0]["libvirt"]
-    assert "pciHostDevices: []" in p["kubevirt"] and "8086:100E" not in p["kubevirt"]
+    assert [k["resourceName"] for k in p["kubevirt"]] == ["", ""]
+    assert {k["pciVendorSelector"] for k in p["kubevirt"]} == {x["vendor_device"] for x in p["entries"]}
 
 
 def test_remove_rescan_udev_rule_restores_override_and_gpud_reconciles(guest):

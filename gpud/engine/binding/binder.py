@@ -20,7 +20,6 @@ even a driver_override write or read of that device can then block. Hence:
 
 from __future__ import annotations
 
-import asyncio
 import collections
 import errno as errno_mod
 import glob
@@ -307,7 +306,7 @@ def execute(
 ) -> BindOutcome:
     """Carry out `plan`; returns converged / waiting(holders) / failed(reason) / stuck(reason).
     Blocks the calling thread at most about `timeout` per write plus `verify_timeout` per check:
-    call it from a worker thread (execute_async) so an event loop keeps serving.
+    call it from a worker thread (the reconciler's `_in_worker`) so an event loop keeps serving.
     `check_holders=False` skips the holders scan and the unbindLock (tests: provoke a blocked
     unbind on purpose)."""
     dev_root = dev_root or getattr(procs, "dev_root", None) or getattr(sysfs, "dev_root", None) or "/dev"
@@ -363,7 +362,3 @@ def execute(
     target = "vfio-pci" if plan.target == binding.VFIO else (plan.native_driver or "native drivers")
     return BindOutcome(pci, CONVERGED, f"{len(plan.endpoints)} endpoint(s) on {target}", done=tuple(run.done))
 
-
-async def execute_async(sysfs, procs, plan: binding.BindingPlan, **kw) -> BindOutcome:
-    """execute() on a worker thread: the loop keeps serving while a write waits on the kernel."""
-    return await asyncio.to_thread(execute, sysfs, procs, plan, **kw)

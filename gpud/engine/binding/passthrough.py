@@ -29,7 +29,6 @@ class PassthroughEntry(Struct, frozen=True):
     companions: tuple[str, ...]  # other endpoints of the group (all must go to the same VM or none)
     libvirt_hostdev: str
     name_source: str  # "pci.ids <version>" (the plugin's) | "device-id" (the plugin's fallback) | "none"
-    companion_resources: tuple[tuple[str, str], ...] = ()  # (vendor:device, resource) of NVIDIA companions
 
 
 def resource_of(f: PciFunction) -> tuple[str, str | None, str]:
@@ -77,8 +76,6 @@ def entry_for(gpu: Gpu, *, dev_root: str = "/dev") -> PassthroughEntry:
         companions=companions,
         libvirt_hostdev=libvirt_hostdev(f.address, comment=comment),
         name_source=source,
-        companion_resources=tuple((f"{c.vendor:04X}:{c.device:04X}", resource_of(c)[0]) for c in gpu.companions
-                                  if c.vendor == NVIDIA and c.driver == "vfio-pci"),
     )
 
 
@@ -92,24 +89,3 @@ def kubevirt_entry(e: PassthroughEntry) -> dict:
     # externalResourceProvider: the device plugin (kubevirt-gpu-device-plugin) advertises the
     # resource; KubeVirt's own plugin would need the GPU in its permitted list instead.
     return {"pciVendorSelector": e.vendor_device, "resourceName": e.resource_name, "externalResourceProvider": True}
-
-
-def kubevirt_yaml(items: Iterable[PassthroughEntry]) -> str:
-    """The KubeVirt CR `spec.configuration.permittedHostDevices` snippet, one entry per PCI id the
-    plugin advertises (NVIDIA companions on vfio-pci too: the plugin offers them as well)."""
-    seen: dict[str, str] = {}
-    for e in items:
-        if e.resource_name:
-            seen.setdefault(e.vendor_device, e.resource_name)
-        for vendor_device, resource in e.companion_resources:
-            seen.setdefault(vendor_device, resource)
-    if not seen:
-        return "permittedHostDevices:\n  pciHostDevices: []\n"
-    lines = ["permittedHostDevices:", "  pciHostDevices:"]
-    for vendor_device, resource in seen.items():
-        lines += [
-            f'  - pciVendorSelector: "{vendor_device}"',
-            f"    resourceName: {resource}",
-            "    externalResourceProvider: true",
-        ]
-    return "\n".join(lines) + "\n"

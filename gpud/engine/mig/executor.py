@@ -16,7 +16,7 @@ Error handling (NVML return codes):
   IN_USE with no identifiable holder (NVML lists no process on the GPU or its MIG devices, and no
   process has its device node open) has nobody to wait for: nothing would ever wake a wait on it.
   It is retried with backoff for a bounded time (`in_use_window_s` of sleeping) and then "failed"
-  with the reason (issue 13, item 6);
+  with the reason;
 - everything else (INSUFFICIENT_RESOURCES, NOT_SUPPORTED, NO_PERMISSION, GPU_IS_LOST ...) is final:
   "failed", naming the NVML function, the code and its message.
 

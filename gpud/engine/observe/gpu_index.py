@@ -2,10 +2,10 @@
 
 Why: a layout says `devices: [0]`. If indices were recomputed from the GPUs present (PCI-address
 order), a hot-removed GPU 0 would make the next card index 0, and gpud would give it GPU 0's MIG
-layout (issue 13, item 1). So indices are kept in a map, PCI address -> index, in the state
+layout. So indices are kept in a map, PCI address -> index, in the state
 directory (`gpu-index.json`, replaced atomically):
 
-- the first start (no map) numbers the managed GPUs in PCI-address order, as before;
+- the first start (no map) numbers the managed GPUs in PCI-address order;
 - a GPU missing from the bus keeps its index and its last identity (model, PCI id, UUID): status
   shows it `gone`, and entries naming it wait for it instead of moving to another card;
 - a PCI address never seen before gets the lowest index no known GPU holds (the next free one);
