@@ -271,6 +271,21 @@ class RealServer:
         return out
 
 
+
+def narrowed_role(server: "RealServer", kubeconfig: Path, name: str, rules) -> Path:
+    """The documented role (packaging/kube/gpud-rbac.yaml) with its rules passed through `rules`,
+    applied under `name` and bound to an identity of its own: `kubeconfig` is written for it."""
+    docs = [d for d in yaml.safe_load_all(RBAC_YAML.read_text()) if d]
+    for d in docs:
+        d["metadata"]["name"] = name
+        if d["kind"] == "ClusterRole":
+            d["rules"] = rules(d["rules"])
+        if d["kind"] == "ClusterRoleBinding":
+            d["roleRef"]["name"] = name
+            d["subjects"][0]["name"] = name
+    server.apply_yaml(yaml.safe_dump_all(docs))
+    return server.kubeconfig(kubeconfig, token=server.token("kube-system", name))
+
 def _collection(doc: dict) -> str:
     """The API path that creates `doc` (the few kinds the RBAC file and the tests use)."""
     kind, ns = doc["kind"], doc.get("metadata", {}).get("namespace")

@@ -30,7 +30,7 @@ from gpud.engine.kube.agent import (
 from gpud.host.kube import Gone, KubeApi, load_config
 from tests.kube.cluster import NODE, OPERATOR_NS, PAUSE_IMAGE, DaemonSetController, client_for
 from tests.kube.real_cluster import RealNode
-from tests.kube.real_server import RBAC_YAML
+from tests.kube.real_server import RBAC_YAML, narrowed_role
 from tests.kube.test_kube_agent import (
     BASE_LABELS,
     CONTAINER,
@@ -165,18 +165,13 @@ async def test_a_missing_verb_is_a_clear_error_not_a_stall(real_server, real_nod
     """The documented role with one verb removed, bound to an identity of its own."""
     node = real_node
     name = f"gpud-without-{resource}-{verb}"
-    docs = [d for d in yaml.safe_load_all(RBAC_YAML.read_text()) if d]
-    for d in docs:
-        d["metadata"]["name"] = name
-        if d["kind"] == "ClusterRole":
-            for rule in d["rules"]:
-                if resource in rule["resources"]:
-                    rule["verbs"] = [v for v in rule["verbs"] if v != verb]
-        if d["kind"] == "ClusterRoleBinding":
-            d["roleRef"]["name"] = name
-            d["subjects"][0]["name"] = name
-    real_server.apply_yaml(yaml.safe_dump_all(docs))
-    kubeconfig = real_server.kubeconfig(tmp_path / f"{name}.kubeconfig", token=real_server.token("kube-system", name))
+    def without_verb(rules: list[dict]) -> list[dict]:
+        for rule in rules:
+            if resource in rule["resources"]:
+                rule["verbs"] = [v for v in rule["verbs"] if v != verb]
+        return rules
+
+    kubeconfig = narrowed_role(real_server, tmp_path / f"{name}.kubeconfig", name, without_verb)
     _seed(node, {**BASE_LABELS, MIG_CONFIG: "partial-mig"})
     engine = RealEngine(node, {"partial-mig": CHANGE})
     denied = f'cannot {verb} resource "{resource}"'

@@ -15,13 +15,11 @@ import json
 import urllib.parse
 from pathlib import Path
 
-import yaml
-
 from gpud.engine.kube.agent import LAST_ERROR, MIG_CONFIG, MIG_STATE, VGPU_CONFIG, VGPU_STATE, WORKLOAD_CONFIG, Impact
 from tests.daemon.conftest import Daemon, wait_until
 from tests.kube.cluster import NODE, OPERATOR_NS, PAUSE_IMAGE, DaemonSetController, client_for
 from tests.kube.real_cluster import RealNode
-from tests.kube.real_server import RBAC_YAML
+from tests.kube.real_server import narrowed_role
 from tests.kube.test_kube_agent import BASE_LABELS, SETS, _changes
 from tests.kube.test_nfd_features import nfd_read
 from tests.kube.test_operator_agents import AGENT_SETS, MIG_MANAGER, VFIO_MANAGER, VGPU_DM
@@ -289,16 +287,8 @@ async def test_item7_without_events_create_the_annotation_is_still_written(real_
     written, and gpud says which verb it lacks. Fails if the annotation depends on the Event."""
     node = real_node
     name = "gpud-without-events"
-    docs = [d for d in yaml.safe_load_all(RBAC_YAML.read_text()) if d]
-    for d in docs:
-        d["metadata"]["name"] = name
-        if d["kind"] == "ClusterRole":
-            d["rules"] = [r for r in d["rules"] if "events" not in r["resources"]]
-        if d["kind"] == "ClusterRoleBinding":
-            d["roleRef"]["name"] = name
-            d["subjects"][0]["name"] = name
-    real_server.apply_yaml(yaml.safe_dump_all(docs))
-    kubeconfig = real_server.kubeconfig(tmp_path / f"{name}.kubeconfig", token=real_server.token("kube-system", name))
+    kubeconfig = narrowed_role(real_server, tmp_path / f"{name}.kubeconfig", name,
+                               lambda rules: [r for r in rules if "events" not in r["resources"]])
     _seed(node, {**BASE_LABELS, MIG_CONFIG: "x"})
     uid = real_server.admin("GET", f"/api/v1/nodes/{NODE}")["metadata"]["uid"]
     events: list[str] = []
