@@ -22,12 +22,14 @@ from typing import TYPE_CHECKING
 from gpud import VERSION
 from gpud.api.handlers import RequestHandler
 from gpud.device_events import describe_device_event
+from gpud.engine import status_line
 from gpud.engine.apply_lock import ApplyLock
 from gpud.engine.binding.udev_rules import UdevRules
 from gpud.engine.events import EventBus
 from gpud.engine.gpu_state import SETTLING_PHASES
 from gpud.engine.kube.node_labels_out import LabelsOut, Versions, from_cluster, layout_state
 from gpud.engine.observe.observer import DEFAULT_MAX_AGE
+from gpud.engine.queries import vgpus_missing
 from gpud.engine.reconciler import Reconciler
 from gpud.hardware import HostConfig, build_hardware
 from gpud.host.nvml import NvmlError
@@ -107,7 +109,7 @@ def host_config(args: argparse.Namespace) -> HostConfig:
     """The host the command line names; the daemon's arguments themselves stay as parsed."""
     return HostConfig(sim=args.sim, replay=args.replay, read_only=args.read_only, lock=args.lock,
                       udev_rules=args.udev_rules, nfd_features=args.nfd_features, nvidia_smi=args.nvidia_smi,
-                      sriov_manage=args.sriov_manage)
+                      sriov_manage=args.sriov_manage, state_dir=args.state_dir, unbind_timeout=args.unbind_timeout)
 
 
 class Daemon:
@@ -242,7 +244,7 @@ class Daemon:
         self.rec.kick(f"udev {event.action}")
 
     def _update_status(self) -> None:
-        self.notifier.status(self.rec.summary())
+        self.notifier.status(status_line.of(self.rec))
         key = (self.rec.passes, self.rec.phase, tuple(self.rec.layout_issues[0]))
         if self.args.metrics_textfile and key != self._metrics_key:  # after a pass or a layout change
             self._metrics_key = key
@@ -380,7 +382,7 @@ class Daemon:
         events.stop()
         for t in tasks:
             t.cancel()
-        if not await self.rec.finish_steps(timeout=60):
+        if not await self.rec.steps.finish(timeout=60):
             log.warning("a hardware step is still running; NVML is left open for it")
         else:
             self.hw.nvml.close()
@@ -402,7 +404,7 @@ class Daemon:
         when the layout in force asks for vGPUs a GPU lacks, READY=1 waits for the first pass (at
         most VGPU_REBUILD_S, the start timeout extended meanwhile), so VM managers ordered after
         gpud.service (Before= in the unit) find them. The socket answers meanwhile."""
-        missing = self.rec.vgpus_missing()
+        missing = vgpus_missing(self.rec)
         if not missing:
             return
         log.info("rebuilding vGPUs of %s before READY", ", ".join(missing))

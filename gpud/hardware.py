@@ -16,7 +16,8 @@ from functools import partial
 from pathlib import Path
 
 from gpud.device_events import DeviceEventSourceFactory
-from gpud.engine.reconciler import Hardware  # re-exported: the adapters' record
+from gpud.engine.ports import Hardware  # re-exported: the adapters' record
+from gpud.host.deadline_write import DeadlineSysfs
 from gpud.host.logind import BOOT_ID_PATH
 from gpud.host.nvidia_smi import GpuReset
 from gpud.host.nvml import Nvml
@@ -24,8 +25,9 @@ from gpud.host.procs import Procs
 from gpud.host.sriov_manage import DEFAULT_PATH as SRIOV_MANAGE
 from gpud.host.sriov_manage import SriovManage
 from gpud.host.sysfs import Sysfs
+from gpud.host.vgpu_sysfs import NAMES_FILE, VgpuSysfs
 
-__all__ = ["APPLY_LOCK", "NFD_FEATURES", "UDEV_RULES", "Hardware", "Host", "HostConfig", "build_hardware",
+__all__ = ["APPLY_LOCK", "NFD_FEATURES", "UDEV_RULES", "Hardware", "Host", "HostConfig", "adapters", "build_hardware",
            "sim_nvidia_smi"]
 
 NFD_FEATURES = "/etc/kubernetes/node-feature-discovery/features.d/gpud"
@@ -45,6 +47,8 @@ class HostConfig:
     nfd_features: str | None = None
     nvidia_smi: str | None = None
     sriov_manage: str | None = None  # NVIDIA's VF enabling script; None: its packaged path
+    state_dir: str | None = None  # gpud's state directory (the vGPU type name table); None: none kept
+    unbind_timeout: float = 30.0  # the deadline of an unbind and of a sysfs reset
 
 
 @dataclass(frozen=True)
@@ -71,9 +75,8 @@ def build_hardware(config: HostConfig) -> Host:
     from gpud.host.udev import UdevEvents
 
     ro = config.read_only
-    hw = Hardware(sysfs=Sysfs("/sys", read_only=ro), nvml=Nvml(read_only=ro), procs=Procs(read_only=ro),
-                  reset=GpuReset(config.nvidia_smi or "nvidia-smi", read_only=ro),
-                  vf_tool=SriovManage(config.sriov_manage or SRIOV_MANAGE, read_only=ro))
+    hw = adapters(config, Sysfs("/sys", read_only=ro), Nvml(read_only=ro), Procs(read_only=ro),
+                  nvidia_smi="nvidia-smi", sriov_manage=SRIOV_MANAGE)
     return Host(hw=hw, device_events=UdevEvents, lock_path=config.lock or APPLY_LOCK,
                 udev_rules=config.udev_rules or UDEV_RULES, nfd_features=config.nfd_features or NFD_FEATURES,
                 dev_root="/dev", boot_id_path=BOOT_ID_PATH, root=None)
@@ -89,14 +92,11 @@ def _simulated(config: HostConfig, sim_dir: str) -> Host:
 
         replay_nvml.install(config.replay)
     ro = config.read_only
-    hw = Hardware(
-        sysfs=Sysfs(str(host.sys_root), read_only=ro, store=host.store, modprobe=host.modprobe),
-        nvml=Nvml(read_only=ro, proc_root=str(host.proc_root)),
-        procs=Procs(str(host.proc_root), str(host.dev_root), read_only=ro, store=host.store),
-        reset=GpuReset(config.nvidia_smi or sim_nvidia_smi(sim_dir), read_only=ro),
-        vf_tool=SriovManage(config.sriov_manage or _sim_tool(sim_dir, "sriov-manage", "gpud.sim.sriov_manage"),
-                            read_only=ro),
-    )
+    hw = adapters(config, Sysfs(str(host.sys_root), read_only=ro, store=host.store, modprobe=host.modprobe),
+                  Nvml(read_only=ro, proc_root=str(host.proc_root)),
+                  Procs(str(host.proc_root), str(host.dev_root), read_only=ro, store=host.store),
+                  nvidia_smi=sim_nvidia_smi(sim_dir),
+                  sriov_manage=_sim_tool(sim_dir, "sriov-manage", "gpud.sim.sriov_manage"))
     d = Path(sim_dir)
     return Host(hw=hw, device_events=partial(SimEvents, socket_path=host.uevent_socket),
                 lock_path=config.lock or str(d / "apply.lock"),
@@ -104,6 +104,19 @@ def _simulated(config: HostConfig, sim_dir: str) -> Host:
                 nfd_features=config.nfd_features or str(d / NFD_FEATURES.lstrip("/")),
                 dev_root=str(host.dev_root), boot_id_path=str(Path(host.proc_root) / "sys/kernel/random/boot_id"),
                 root=str(host.host_dir))
+
+
+def adapters(config: HostConfig, sysfs: Sysfs, nvml: Nvml, procs: Procs, *,
+             nvidia_smi: str | list[str], sriov_manage: str | list[str]) -> Hardware:
+    """The adapters over one host's roots; the tools' paths are the config's where it names them.
+    A reset of a function no nvidia driver is bound to goes through sysfs with the unbind's
+    deadline (a reset waits on the device lock a stuck unbind holds)."""
+    ro = config.read_only
+    names = os.path.join(config.state_dir, NAMES_FILE) if config.state_dir else None
+    return Hardware(sysfs=sysfs, nvml=nvml, procs=procs, vgpu=VgpuSysfs(sysfs, procs, names_file=names),
+                    reset=GpuReset(config.nvidia_smi or nvidia_smi, sysfs=DeadlineSysfs(sysfs, config.unbind_timeout),
+                                   read_only=ro),
+                    vf_tool=SriovManage(config.sriov_manage or sriov_manage, read_only=ro))
 
 
 def _sim_tool(host_dir: str, name: str, module: str) -> str | list[str]:

@@ -77,4 +77,4 @@ def test_the_daemon_reads_its_arguments_without_changing_them(sim_dir):
     config = host_config(args)
     build_hardware(config)
     assert vars(args) == before
-    assert config == HostConfig(sim=str(sim_dir), read_only=True, lock="/x/apply.lock")
+    assert config == HostConfig(sim=str(sim_dir), read_only=True, lock="/x/apply.lock", state_dir="/var/lib/gpud")

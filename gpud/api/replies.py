@@ -10,14 +10,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import msgspec
-
 from gpud import VERSION
 from gpud.api import wire, wire_replies
 from gpud.engine.binding.passthrough import PassthroughEntry, kubevirt_entry
 from gpud.engine.gpu_state import BindAction, GpuState, MigAction, VgpuAction
 from gpud.engine.kube.node_labels_out import LabelsOut
 from gpud.engine.observe.discovery import Observation
+from gpud.engine.preview import GpuPreview, Rebind, preview
 from gpud.engine.queries import remaining_capacity
 from gpud.engine.reconciler import Reconciler
 from gpud.engine.vgpu.inventory import entry as vgpu_entry
@@ -26,10 +25,9 @@ from gpud.layout.desired import DesiredGpu
 from gpud.layout.names import mig_device_name
 from gpud.layout.resolve import Resolution
 from gpud.model import Gpu, Holder, KnownGpu, MigProfile, Placement, VgpuDevice
-from gpud.plan.binding import BindingPlan, BindStep, plan_binding
+from gpud.plan.binding import BindStep
 from gpud.plan.mig import Destroyed, GpuPlan, Step
 from gpud.plan.node_labels import advertised
-from gpud.plan.reset_scope import FABRIC_MANAGER, nvswitches, reset_takes_along
 from gpud.plan.vgpu import VgpuStep
 from gpud.profiles import GI_PROFILE_INDEX, NVIDIA, ModelInfo, by_device, model_name
 from gpud.vgpu_types import by_device as vgpu_model_of
@@ -145,7 +143,7 @@ def layout_status(rec: Reconciler) -> wire_replies.LayoutStatus:
         # is no longer warned about); a refused file's own warnings stay beside the ones in force.
         kept = warnings if errors else []
         warnings = list(dict.fromkeys(kept + [str(w) for w in res.warnings]
-                                      + list(rec.gpu_set_notes.values())))
+                                      + list(rec.gpu_set.notes.values())))
         errors = list(dict.fromkeys(errors + [str(e) for e in res.errors]))
     shown_errors, errors_omitted = capped(errors, "errors")
     shown_warnings, warnings_omitted = capped(warnings, "warnings")
@@ -258,9 +256,9 @@ def destroyed(item: Destroyed) -> wire_replies.DestroyedInfo:
                                       uuid=item.uuid, holders=holders(item.holders))
 
 
-def _gpu_plan(rec: Reconciler, gpu: Gpu, desired: DesiredGpu, disruption: wire_replies.Disruption) -> wire_replies.GpuPlanInfo:
+def _gpu_plan(p: GpuPreview, disruption: wire_replies.Disruption) -> wire_replies.GpuPlanInfo:
+    gpu, action = p.gpu, p.action
     entry = wire_replies.GpuPlanInfo(index=gpu.index, pci=gpu.pci)
-    action = rec.next_action(gpu, desired)
     if isinstance(action, GpuState):
         entry.infeasible = action.message
     elif isinstance(action, MigAction):
@@ -272,18 +270,7 @@ def _gpu_plan(rec: Reconciler, gpu: Gpu, desired: DesiredGpu, disruption: wire_r
             disruption.mode_changes.append(gpu.pci)
         if plan.reset:
             disruption.resets.append(gpu.pci)
-            info = by_device(gpu.function.device)
-            fm = bool(rec.hw.procs.running((FABRIC_MANAGER,))) if nvswitches(rec.observation.functions) else None
-            along = reset_takes_along(gpu.pci, rec.observation.functions, arch=info.arch if info else None,
-                                      fabric_manager=fm)
-            disruption.reset_with = sorted(set(disruption.reset_with) | set(along))
-        if desired.workload == "vm-passthrough":
-            entry.steps.append(wire_replies.StepInfo(action="bind", driver="vfio-pci"))
-            then = plan_binding(gpu, desired.workload, drivers=frozenset(rec.hw.sysfs.drivers()))
-            _add_rebind(rec, gpu, then, disruption)
-        if desired.workload == "vm-vgpu" and desired.vgpu_devices:
-            entry.steps.append(wire_replies.StepInfo(action="then-vgpu",
-                                                     message="vGPUs are created once the MIG layout is in place"))
+            disruption.reset_with = sorted(set(disruption.reset_with) | set(p.reset_with))
     elif isinstance(action, VgpuAction):
         vplan = action.plan
         entry.steps = [vgpu_step(s) for s in vplan.steps]
@@ -291,38 +278,42 @@ def _gpu_plan(rec: Reconciler, gpu: Gpu, desired: DesiredGpu, disruption: wire_r
         disruption.vgpus_removed += [vgpu_removed(gpu.pci, d) for d in vplan.removed]
         if any(s.action == "disable-vfs" for s in vplan.steps):
             disruption.vfs_disabled.append(gpu.pci)
-        if desired.workload != "vm-vgpu":
-            entry.steps.append(wire_replies.StepInfo(action="then-workload", message=f"then {desired.workload}"))
-        if desired.workload == "vm-passthrough":
-            # the rebind comes after this plan's removals, which disable the VFs vfio-pci would refuse
-            after = msgspec.structs.replace(gpu, vgpu=None) if any(s.action == "disable-vfs" for s in vplan.steps) else gpu
-            then = plan_binding(after, desired.workload, drivers=frozenset(rec.hw.sysfs.drivers()))
-            _add_rebind(rec, gpu, then, disruption)
     elif isinstance(action, BindAction):
         entry.steps = [bind_step(s) for s in action.plan.steps]
-        _add_rebind(rec, gpu, action.plan, disruption)
-        if desired.workload == "container" and desired.mig_enabled is not None:
-            entry.steps.append(wire_replies.StepInfo(action="then-mig", message="MIG is planned once nvidia has the GPU"))
+    if p.then is not None:
+        entry.steps.append(_THEN[p.then](p))
+    if p.rebind is not None:
+        _add_rebind(gpu, p.rebind, disruption)
     return entry
 
 
-def _add_rebind(rec: Reconciler, gpu: Gpu, plan: BindingPlan, disruption: wire_replies.Disruption) -> None:
+# What follows a GPU's next action, as the plan's last line.
+_THEN = {
+    "bind": lambda p: wire_replies.StepInfo(action="bind", driver="vfio-pci"),
+    "vgpu": lambda p: wire_replies.StepInfo(action="then-vgpu", message="vGPUs are created once the MIG layout is in place"),
+    "workload": lambda p: wire_replies.StepInfo(action="then-workload", message=f"then {p.desired.workload}"),
+    "mig": lambda p: wire_replies.StepInfo(action="then-mig", message="MIG is planned once nvidia has the GPU"),
+}
+
+
+def _add_rebind(gpu: Gpu, rebind: Rebind, disruption: wire_replies.Disruption) -> None:
     """A driver change is a disruption like a destroyed MIG device: containers (or a VM) lose the
     GPU and every endpoint of its IOMMU group that leaves its driver."""
+    plan = rebind.plan
     d = plan.disruption
     if not d.detached:
         return
     disruption.rebinds.append(wire_replies.RebindInfo(
         pci=gpu.pci, to=plan.target, detached=dict(d.detached), leaves_nvml=d.leaves_nvml,
-        mig_instances=d.mig_instances, vfio_group=d.vfio_group, holders=holders(rec.rebind_holders(gpu)),
+        mig_instances=d.mig_instances, vfio_group=d.vfio_group, holders=holders(rebind.holders),
         summary=d.summary))
 
 
 def plan_reply(rec: Reconciler, resolution: Resolution | None = None, observation: Observation | None = None,
                *, errors: list[str] | None = None) -> wire_replies.PlanReply:
-    """What a pass would do now, without doing it (`gpudctl plan`). A candidate file is planned
-    against the GPUs its own `match:` selects (`observation` from `Reconciler.evaluate`).
-    With `errors`, the plan is empty and says why."""
+    """What a pass would do now, without doing it (`gpudctl plan`), from the engine's preview. A
+    candidate file is planned against the GPUs its own `match:` selects (`observation` from
+    `Reconciler.evaluate`). With `errors`, the plan is empty and says why."""
     if errors:
         shown, omitted = capped(errors, "errors")
         return wire_replies.PlanReply(errors=shown, errors_omitted=omitted)
@@ -331,10 +322,8 @@ def plan_reply(rec: Reconciler, resolution: Resolution | None = None, observatio
         return wire_replies.PlanReply()
     warnings, warnings_omitted = capped([str(w) for w in resolution.warnings], "warnings")
     reply = wire_replies.PlanReply(warnings=warnings, warnings_omitted=warnings_omitted)
-    for gpu in (observation or rec.observation).gpus:
-        desired = resolution.desired.get(gpu.pci)
-        if desired is not None:
-            reply.gpus.append(_gpu_plan(rec, gpu, desired, reply.disruption))
+    for p in preview(rec, resolution, observation or rec.observation):
+        reply.gpus.append(_gpu_plan(p, reply.disruption))
     return reply
 
 

@@ -8,7 +8,8 @@ from typing import Literal
 
 import msgspec
 
-from gpud.model import Holder
+from gpud.layout.desired import DesiredGpu
+from gpud.model import Gpu, Holder
 from gpud.plan.binding import BindingPlan
 from gpud.plan.mig import GpuPlan
 from gpud.plan.vgpu import VgpuPlan
@@ -74,3 +75,27 @@ class VgpuAction(msgspec.Struct, frozen=True):
 
 
 Action = MigAction | BindAction | VgpuAction
+
+
+def step_count(action: Action) -> int:
+    """How many steps this action runs (apply --wait's `[3/7]`): a vGPU action runs one phase."""
+    if isinstance(action, VgpuAction):
+        return len({"removals": action.plan.removals, "creations": action.plan.creations}[action.phase])
+    return len(action.plan.steps)
+
+
+def converged_message(gpu: Gpu, desired: DesiredGpu) -> str:
+    """What a converged GPU's status line says it is: its driver, vGPUs or MIG state."""
+    if desired.workload == "vm-passthrough":
+        return f"on vfio-pci (IOMMU group {gpu.function.iommu_group})"
+    if desired.workload == "vm-vgpu":
+        devices = gpu.vgpu.devices if gpu.vgpu is not None else ()
+        counts: dict[str, int] = {}
+        for d in devices:
+            counts[d.type] = counts.get(d.type, 0) + 1
+        kinds = " ".join(f"{n}x{t}" for t, n in sorted(counts.items())) or "none"
+        return f"vGPUs ({gpu.vgpu.interface if gpu.vgpu else 'no interface'}): {kinds}"
+    if gpu.nvml is not None and gpu.nvml.mig_mode:
+        n = len(gpu.nvml.instances)
+        return f"MIG on, {n} GPU instance{'' if n == 1 else 's'}"
+    return "whole GPU"

@@ -1,5 +1,6 @@
-"""What the engine needs from the host's services, as Protocols: the reconciler is handed these
-at start (systemd/logind on a real host, absent or fakes elsewhere) and depends on nothing more."""
+"""What the engine is handed at start and depends on: the host's adapters (`Hardware`, built by
+gpud.hardware for a real or a simulated host) and the host's services as Protocols (systemd and
+logind on a real host, absent or fakes elsewhere)."""
 
 from __future__ import annotations
 
@@ -7,8 +8,28 @@ import contextlib
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Protocol
 
+import msgspec
+
+from gpud.host.nvidia_smi import GpuReset
+from gpud.host.nvml import Nvml
+from gpud.host.procs import Procs
+from gpud.host.sriov_manage import SriovManage
+from gpud.host.sysfs import Sysfs
+from gpud.host.vgpu_sysfs import VgpuSysfs
 from gpud.layout.desired import DesiredGpu
 from gpud.model import Gpu
+
+
+class Hardware(msgspec.Struct):
+    """The adapters one daemon drives, chosen once at start (real host or simulator). The engine
+    builds none of them: gpud.hardware does, with the paths and deadlines the host config gives."""
+
+    sysfs: Sysfs
+    nvml: Nvml
+    procs: Procs
+    vgpu: VgpuSysfs  # both vGPU interfaces, over `sysfs` and `procs`
+    reset: GpuReset | None = None  # nvidia-smi -r for nvidia-bound GPUs; None: resets are left to the operator
+    vf_tool: SriovManage | None = None  # NVIDIA's sriov-manage: VFs on and off; None: VFs are not changed
 
 
 class Drainer(Protocol):

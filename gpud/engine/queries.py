@@ -1,5 +1,6 @@
-"""What the edge (the socket API) asks of the engine besides reading its state: pick GPUs by a
-user's selector, count the MIG capacity left, start an apply.
+"""What the edges (the socket API, the daemon's readiness) ask of the engine besides reading its
+state: pick GPUs by a user's selector, count the MIG capacity left, start an apply, the vGPUs
+still to be made.
 
 Refusals are engine errors (`EngineError` and its kinds); the API decides which wire error code
 each becomes, so the engine never speaks the protocol.
@@ -58,3 +59,21 @@ async def start_apply(rec: Reconciler) -> int:
     ticket = rec.kick("apply requested")
     rec.mark_pending()
     return ticket
+
+
+def vgpus_missing(rec: Reconciler) -> list[str]:
+    """vm-vgpu GPUs of the layout in force that have fewer vGPUs than it asks for (after a
+    reboot or a driver reload: all of them, since neither VFs nor vGPUs survive one). The daemon
+    holds READY=1 back until its first pass has made them, so VM managers ordered after gpud
+    start with their mdev UUIDs and VFs in place."""
+    if rec.resolution is None or rec.read_only:
+        return []
+    missing = []
+    for gpu in rec.observation.gpus:
+        desired = rec.resolution.desired.get(gpu.pci)
+        if desired is None or desired.workload != "vm-vgpu" or not desired.vgpu_devices:
+            continue
+        have = len(gpu.vgpu.devices) if gpu.vgpu is not None else 0
+        if have < sum(desired.vgpu_devices.values()):
+            missing.append(gpu.pci)
+    return missing

@@ -118,6 +118,9 @@ def qemu_vm_name(proc_root: str, pid: int) -> str | None:
     return None
 
 
+NAMES_FILE = "vgpu-names.json"  # in the state directory: the type name table of the last good read
+
+
 class VgpuSysfs:
     def __init__(self, sysfs: Sysfs, procs: Procs, *, names_file: str | None = None):
         self.sysfs = sysfs

@@ -4,6 +4,7 @@ socket, so scenarios can look at every step, count NVML calls and compare MIG UU
 from __future__ import annotations
 
 import asyncio
+import os
 import subprocess
 from collections import Counter
 from pathlib import Path
@@ -13,11 +14,14 @@ import pynvml
 from gpud import sim
 from gpud.engine.apply_lock import ApplyLock
 from gpud.engine.events import EventBus
-from gpud.engine.reconciler import Hardware, Reconciler
+from gpud.engine.ports import Hardware
+from gpud.engine.reconciler import Reconciler
+from gpud.host.deadline_write import DeadlineSysfs
 from gpud.host.nvidia_smi import GpuReset
 from gpud.host.nvml import Nvml
 from gpud.host.procs import Procs
 from gpud.host.sysfs import Sysfs
+from gpud.host.vgpu_sysfs import NAMES_FILE, VgpuSysfs
 from gpud.profiles import MODELS
 from gpud.sim import cli as simcli
 from gpud.sim import state as simstate
@@ -65,11 +69,15 @@ class SimRig:
         self.config = tmp / "layout.yaml"
         self.resets = _Resets(self.dir)
         sysfs = Sysfs(str(self.host.sys_root), store=self.host.store, modprobe=self.host.modprobe)
-        self.hw = Hardware(
+        procs = Procs(str(self.host.proc_root), str(self.host.dev_root), store=self.host.store)
+        state_dir = reconciler_kw.get("state_dir")
+        self.hw = Hardware(  # as gpud.hardware.adapters builds them, without sriov-manage (VFs are not changed)
             sysfs=sysfs,
             nvml=Nvml(proc_root=str(self.host.proc_root)),
-            procs=Procs(str(self.host.proc_root), str(self.host.dev_root), store=self.host.store),
-            reset=GpuReset(str(self.dir / "bin" / "nvidia-smi")),
+            procs=procs,
+            vgpu=VgpuSysfs(sysfs, procs, names_file=os.path.join(state_dir, NAMES_FILE) if state_dir else None),
+            reset=GpuReset(str(self.dir / "bin" / "nvidia-smi"),
+                           sysfs=DeadlineSysfs(sysfs, reconciler_kw.get("binder_timeout", 30.0))),
         )
         self.hw.nvml.open()
         self.bus = EventBus()

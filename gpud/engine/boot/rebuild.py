@@ -18,10 +18,23 @@ from pathlib import Path
 from gpud.engine.events import EventBus
 from gpud.engine.gpu_state import GpuState
 from gpud.host import state_files
+from gpud.host.logind import current_boot_id
 
 log = logging.getLogger(__name__)
 
 BOOT_FILE = "boot.json"
+
+
+def boot_id(path: str | None) -> str | None:
+    """This boot's id, or None when it cannot be read (nothing is then claimed about a reboot);
+    `path` None: this boot is not told apart from the last (tests without a host's boot id)."""
+    if path is None:
+        return None
+    try:
+        return current_boot_id(path)
+    except OSError as e:
+        log.warning("boot id unreadable at %s: %s", path, e)
+        return None
 
 
 class BootRebuild:

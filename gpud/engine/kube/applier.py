@@ -14,6 +14,7 @@ import json
 import logging
 import os
 
+from gpud.engine import status_line
 from gpud.engine.boot.reboot_policy import RebootRefused
 from gpud.engine.gpu_state import SETTLING_PHASES
 from gpud.engine.kube.agent import KubeAgent, Outcome
@@ -85,7 +86,7 @@ class ReconcilerApplier:
         if self.reboot_requested:
             return Outcome("rebooting", "a reboot was requested to settle a MIG mode change")
         if self.rec.phase == "converged":
-            return Outcome("success", self.rec.summary())
+            return Outcome("success", status_line.of(self.rec))
         problems = [f"GPU {pci}: {st.state}: {st.message}" for pci, st in sorted(self.rec.gpu_states.items())
                     if not st.converged]
         if self.rec.phase == "invalid-layout" or not problems:

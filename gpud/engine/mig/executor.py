@@ -300,7 +300,7 @@ class _Run:
         """Stop here for a reset of this GPU only (never its neighbours: mig-parted #357), when
         policy and holders allow. The reset itself is not done here: it needs gpud's NVML session
         closed, which only the caller can do once no other GPU's NVML work runs (see
-        Reconciler._run_reset); the steps after it are planned again from what the GPU then shows."""
+        StepRunner.reset); the steps after it are planned again from what the GPU then shows."""
         why = why or f"a reset of {self.pci} was planned"
         if self.policy_reset != "per-gpu":
             raise _Stop("reset-required", f"{why}; policy reset is {self.policy_reset!r}, so the reset is left to you")

@@ -26,7 +26,6 @@ from gpud.profiles import model_name
 from gpud.vgpu_types import by_device
 
 RECORD_FILE = "vgpu-record.json"
-NAMES_FILE = "vgpu-names.json"
 
 
 class VgpuKeeper:
