@@ -62,6 +62,20 @@ def test_package_imports_follow_the_layering(package):
     assert bad == []
 
 
+# The planners: only the engine calls them (a preview for `gpudctl plan` included), so the pass
+# order lives in one place and the API translates what the engine planned.
+PLANNERS = ("gpud.plan.binding.plan_binding", "gpud.plan.mig.plan_gpu", "gpud.plan.vgpu.plan_vgpu",
+            "gpud.plan.reset_scope.reset_takes_along")
+
+
+def test_the_api_plans_nothing_itself():
+    found = [f"{path.relative_to(GPUD.parent)} imports {name}" for path in _files("api")
+             for name in sorted(_imports(path)) if name in PLANNERS]
+    assert found == []
+    engine = {name for path in _files("engine") for name in _imports(path)}
+    assert set(PLANNERS) <= engine, "a planner the rule names is not the engine's any more: update PLANNERS"
+
+
 CLIENT_MAY_IMPORT = ("gpud.api.wire", "gpud.api.wire_replies", "gpud.mig_text")
 
 
