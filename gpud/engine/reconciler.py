@@ -153,14 +153,10 @@ class Reconciler:
         choice; None: the file's own again), read and checked off the event loop."""
         return self._taken(await self.layout_file.choose_async(name, self._observe_async))
 
-    def evaluate(self, text: str, path: str, *, select: str | None = None) -> tuple[ParsedLayout, Resolution, Observation]:
-        """Parse a layout text and resolve it against this host as that layout's own `match:` sees it
-        (`select`: a layout chosen over the file's `selected`)."""
-        return self.layout_file.evaluate(text, path, select=select)
-
     async def evaluate_async(self, text: str, path: str, *, select: str | None = None,
                              ) -> tuple[ParsedLayout, Resolution, Observation]:
-        """`evaluate` with the host read off the event loop."""
+        """Parse a layout text and resolve it against this host as that layout's own `match:` sees it
+        (`select`: a layout chosen over the file's `selected`), the host read off the event loop."""
         return await self.layout_file.evaluate_async(text, path, self._observe_async, select=select)
 
     async def _observe_async(self, match: tuple[MatchRule, ...]) -> Observation:
@@ -367,7 +363,7 @@ class Reconciler:
             # Before any rebind: after a reboot the override must beat the nvidia probe.
             if self.udev_rules.sync(self.observation.gpus, resolution.desired):
                 self.bus.publish("udev-rules", f"{self.udev_rules.path} updated for the layout")
-        todo = self._preview(resolution)
+        todo = self._changing(resolution)
         self.boot_rebuild.will_change({g.pci: f"GPU {g.index} ({g.pci})" for g in self.observation.gpus if g.pci in todo})
         for gpu in self.observation.gpus:
             if gpu.pci not in resolution.desired:
@@ -386,7 +382,7 @@ class Reconciler:
             log.exception("GPU %s", pci)
             self._set(pci, GpuState("failed", f"internal error: {e}"))
 
-    def _preview(self, resolution: Resolution) -> dict[str, Action]:
+    def _changing(self, resolution: Resolution) -> dict[str, Action]:
         """The GPUs a pass will change, with their first action: hooks run only when there is one."""
         todo = {}
         for gpu in self.observation.gpus:
