@@ -22,6 +22,8 @@ import os
 import stat
 from dataclasses import dataclass
 
+from gpud.host.safe_file import kind, read_up_to
+
 # A layout is a few KB; a 12,000-entry stress file is under 500 KB. Above this the file is refused.
 # Half the socket's frame limit, so a `check` of any acceptable text fits in one request frame
 # (gpud.api.wire.MAX_LAYOUT_TEXT is the same number; a test keeps them equal).
@@ -43,14 +45,6 @@ class LayoutSource:
     text: str
     quotable: bool  # may its text appear in errors that non-root readers of status see?
     unquoted_because: str = ""  # why not, when not
-
-
-def _kind(mode: int) -> str:
-    for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
-                       (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket")):
-        if test(mode):
-            return name
-    return "not a regular file"
 
 
 def size_error(where: str, size: int, limit: int = MAX_LAYOUT_BYTES) -> str:
@@ -84,7 +78,7 @@ def read_layout(path: str, limit: int = MAX_LAYOUT_BYTES) -> LayoutSource:
     except OSError as e:
         raise LayoutUnreadable(f"{path}: {e.strerror}") from None
     if not stat.S_ISREG(before.st_mode):
-        raise LayoutUnreadable(f"{path}: {_kind(before.st_mode)}, not a regular file; the layout must be a regular file")
+        raise LayoutUnreadable(f"{path}: {kind(before.st_mode)}, not a regular file; the layout must be a regular file")
     if before.st_size > limit:
         raise LayoutUnreadable(size_error(path, before.st_size, limit))
     try:
@@ -94,18 +88,10 @@ def read_layout(path: str, limit: int = MAX_LAYOUT_BYTES) -> LayoutSource:
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):  # replaced between the stat and the open
-            raise LayoutUnreadable(f"{path}: {_kind(st.st_mode)}, not a regular file; the layout must be a regular file")
-        chunks: list[bytes] = []
-        got = 0
-        while got <= limit:
-            chunk = os.read(fd, min(65536, limit + 1 - got))
-            if not chunk:
-                break
-            chunks.append(chunk)
-            got += len(chunk)
-        if got > limit:  # it grew while being read
-            raise LayoutUnreadable(size_error(path, max(got, os.fstat(fd).st_size), limit))
-        data = b"".join(chunks)
+            raise LayoutUnreadable(f"{path}: {kind(st.st_mode)}, not a regular file; the layout must be a regular file")
+        data = read_up_to(fd, limit)
+        if len(data) > limit:  # it grew while being read
+            raise LayoutUnreadable(size_error(path, max(len(data), os.fstat(fd).st_size), limit))
     except OSError as e:
         raise LayoutUnreadable(f"{path}: {e.strerror}") from None
     finally:

@@ -163,6 +163,20 @@ def remove_file(path: str) -> None:
         os.close(dfd)
 
 
+def read_up_to(fd: int, limit: int) -> bytes:
+    """At most `limit` + 1 bytes of an open file: more than `limit` means it is (or grew) too large,
+    and nothing beyond is read, whatever the file's size says."""
+    chunks: list[bytes] = []
+    got = 0
+    while got <= limit:
+        chunk = os.read(fd, min(65536, limit + 1 - got))
+        if not chunk:
+            break
+        chunks.append(chunk)
+        got += len(chunk)
+    return b"".join(chunks)
+
+
 def read_file(path: str, limit: int, *, owned: bool = False) -> bytes:
     """The bytes of the regular file at `path`, at most `limit` of them. FileNotFoundError when
     nothing is there; UnsafeFile for anything else but a regular file (or one too large, or with
@@ -191,17 +205,10 @@ def read_file(path: str, limit: int, *, owned: bool = False) -> bytes:
             raise UnsafeFile(errno.EPERM, f"{path}: not a file gpud wrote ({why})")
         if st.st_size > limit:
             raise UnsafeFile(errno.EFBIG, f"{path}: {st.st_size} bytes, more than the {limit} allowed")
-        chunks: list[bytes] = []
-        got = 0
-        while got <= limit:
-            chunk = os.read(fd, min(65536, limit + 1 - got))
-            if not chunk:
-                break
-            chunks.append(chunk)
-            got += len(chunk)
-        if got > limit:
+        data = read_up_to(fd, limit)
+        if len(data) > limit:
             raise UnsafeFile(errno.EFBIG, f"{path}: more than the {limit} bytes allowed")
-        return b"".join(chunks)
+        return data
     finally:
         os.close(fd)
 
