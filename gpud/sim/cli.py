@@ -45,7 +45,6 @@ def create(host_dir: str | os.PathLike, gpu_specs: list[str], mig_on: Sequence[i
     nvidia-fabricmanager runs: on Ampere a GPU resets alone only while it does. `vgpu`: the host
     interface ("vfio" or "mdev") of its vGPU-capable GPUs. `persistence`: "legacy" (`nvidia-smi -pm 1`,
     as many hosts and the lent H200 run), "daemon" (nvidia-persistenced) or "off"; on for every GPU."""
-    from gpud.sim.nvidia_smi import write_wrapper
     from gpud.sim.sysfs_tree import lay_out
 
     d = Path(host_dir)
@@ -73,11 +72,23 @@ def create(host_dir: str | os.PathLike, gpu_specs: list[str], mig_on: Sequence[i
     state.fabric_manager = fabric_manager
     state.persistent = sorted(state.gpus) if persistence != "off" else []
     lay_out(d, state)
-    write_wrapper(d)
-    from gpud.sim.sriov_manage import write_wrapper as write_sriov_manage
-
-    write_sriov_manage(d)
+    for tool, module in (("nvidia-smi", "gpud.sim.nvidia_smi"), ("sriov-manage", "gpud.sim.sriov_manage")):
+        write_tool(d, tool, module)
     return state
+
+
+def write_tool(host_dir: str | os.PathLike, name: str, module: str) -> Path:
+    """DIR/bin/NAME: the simulated host's tool that `gpud --sim DIR` runs (and `--nvidia-smi` or
+    `--sriov-manage` may name), the module run by this interpreter with this checkout on its path."""
+    d = Path(os.path.abspath(host_dir))
+    path = d / "bin" / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    root = Path(__file__).resolve().parents[2]
+    path.write_text(f"#!/bin/sh\n# The simulated host's {name} ({module}).\n"
+                    f"PYTHONPATH='{root}'${{PYTHONPATH:+:$PYTHONPATH}} exec '{sys.executable}' "
+                    f"-m {module} --sim '{d}' \"$@\"\n")
+    path.chmod(0o755)
+    return path
 
 
 def resolve_device(state: SimState, device: str) -> tuple[str, str]:

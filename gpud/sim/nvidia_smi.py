@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from pathlib import Path
 
 from gpud.sim.gpu_rules import reset_gpu
 from gpud.sim.state import SimState, count_reset, load, locked
@@ -112,17 +111,9 @@ def reset(host_dir: str | os.PathLike, ids: list[str] | None, out=sys.stdout, er
         if "nvidia" not in state.loaded_modules:
             print(NO_DRIVER, file=out)
             return EXIT_DRIVER_NOT_LOADED
-        if ids is None:
-            targets = nvml_gpus(state)
-        else:
-            targets = []
-            for ident in ids:
-                a = resolve(state, ident)
-                if a is None:
-                    print(f"No devices were found matching {ident!r}", file=err)
-                    return EXIT_NOT_FOUND
-                if a not in targets:
-                    targets.append(a)
+        targets = _targets(state, ids, err)
+        if targets is None:
+            return EXIT_NOT_FOUND
         if not targets:
             print("No devices were found", file=out)
             return EXIT_NOT_FOUND
@@ -215,19 +206,6 @@ def query(host_dir: str | os.PathLike, ids: list[str] | None, fields: str, fmt: 
         values = {"persistence_mode": "Enabled" if a in state.persistent else "Disabled", "pci.bus_id": bus_id(a)}
         print(", ".join(values[n] for n in names), file=out)
     return EXIT_OK
-
-
-def write_wrapper(host_dir: str | os.PathLike) -> Path:
-    """DIR/bin/nvidia-smi: what `gpud --sim DIR` runs (and `--nvidia-smi` may name)."""
-    d = Path(os.path.abspath(host_dir))
-    path = d / "bin" / "nvidia-smi"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    root = Path(__file__).resolve().parents[2]
-    path.write_text("#!/bin/sh\n# The simulated host's nvidia-smi (gpud.sim.nvidia_smi).\n"
-                    f"PYTHONPATH='{root}'${{PYTHONPATH:+:$PYTHONPATH}} exec '{sys.executable}' "
-                    f"-m gpud.sim.nvidia_smi --sim '{d}' \"$@\"\n")
-    path.chmod(0o755)
-    return path
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -113,19 +113,6 @@ def run(host_dir: str | os.PathLike, op: str, bdf: str, out=None, err=None) -> i
     return EXIT_OK
 
 
-def write_wrapper(host_dir: str | os.PathLike) -> Path:
-    """DIR/bin/sriov-manage: what `gpud --sim DIR` runs (and `--sriov-manage` may name)."""
-    d = Path(os.path.abspath(host_dir))
-    path = d / "bin" / "sriov-manage"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    root = Path(__file__).resolve().parents[2]
-    path.write_text("#!/bin/sh\n# The simulated host's sriov-manage (gpud.sim.sriov_manage).\n"
-                    f"PYTHONPATH='{root}'${{PYTHONPATH:+:$PYTHONPATH}} exec '{sys.executable}' "
-                    f"-m gpud.sim.sriov_manage --sim '{d}' \"$@\"\n")
-    path.chmod(0o755)
-    return path
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="sriov-manage", description="The simulated host's sriov-manage.")
     ap.add_argument("--sim", required=True, metavar="DIR")
