@@ -78,3 +78,20 @@ def test_the_daemon_reads_its_arguments_without_changing_them(sim_dir):
     build_hardware(config)
     assert vars(args) == before
     assert config == HostConfig(sim=str(sim_dir), read_only=True, lock="/x/apply.lock", state_dir="/var/lib/gpud")
+
+
+@pytest.mark.parametrize("entry", ["daemon", "qualify"])
+def test_both_entry_points_give_the_reset_their_unbind_deadline(sim_dir, entry):
+    """A reset off nvidia goes through sysfs like an unbind: with the deadline the command line
+    gives (`--unbind-timeout`), whichever entry point opened the host."""
+    if entry == "daemon":
+        from gpud.daemon import host_config, parse_args
+
+        host = build_hardware(host_config(parse_args(["--sim", str(sim_dir), "--unbind-timeout", "7"])))
+    else:
+        from gpud.qualify.main import _hardware
+        from gpud.qualify.main import parse_args as qualify_args
+
+        host = _hardware(qualify_args(["--sim", str(sim_dir), "--unbind-timeout", "7"]), read_only=True)
+    assert host.hw.reset is not None
+    assert host.hw.reset.sysfs._timeout == 7.0

@@ -152,9 +152,7 @@ class _Exercise:
         """gpud's reset, as a pass makes it (gpud.host.nvidia_smi): gpud's own NVML session closed,
         `nvidia-smi -r -i <PCI>` for a GPU on nvidia (sysfs otherwise), NVML opened again."""
         resetter = self.hw.reset
-        assert resetter is not None  # gpud.hardware gives every host one
-        if resetter.sysfs is None:
-            resetter.sysfs = self.hw.sysfs
+        assert resetter is not None  # gpud.hardware gives every host one, with the sysfs deadline
         self.hw.nvml.suspend()
         try:
             return resetter.reset(self.pci, self.gpu().function.driver)

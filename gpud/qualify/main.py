@@ -58,7 +58,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def _hardware(args: argparse.Namespace, read_only: bool) -> Host:
     """The adapters and the host-wide apply lock's path, chosen as the daemon chooses them."""
     return build_hardware(HostConfig(sim=args.sim, replay=args.replay, read_only=read_only, lock=args.lock,
-                                     nvidia_smi=args.nvidia_smi, sriov_manage=args.sriov_manage))
+                                     nvidia_smi=args.nvidia_smi, sriov_manage=args.sriov_manage,
+                                     unbind_timeout=args.unbind_timeout))
 
 
 def _exercise_under_lock(hw: Hardware, lock_path: str, args: argparse.Namespace) -> list[Check]:
