@@ -15,7 +15,6 @@ import pytest
 
 from gpud.engine.apply_lock import ApplyLock
 from gpud.engine.binding.udev_rules import UdevRules
-from gpud.engine.events import EventBus
 from gpud.engine.mig import executor as mig_executor
 from gpud.engine.mig.executor import Outcome
 from gpud.engine.reconciler import Reconciler
@@ -38,11 +37,10 @@ def _kw(tmp_path):
 
 def _daemon_start(rig: SimRig, tmp_path, **extra) -> Reconciler:
     """What a new gpud process has: its own NVML session and reconciler, the same state dir."""
-    rig.hw.nvml.close()
-    rig.hw.nvml.open()
-    rig.bus = EventBus()
+    kw = _kw(tmp_path) | extra
+    rig.new_process(kw["state_dir"])
     rig.rec = Reconciler(rig.hw, config_path=str(rig.config), apply_lock=ApplyLock(rig.dir / "apply.lock"),
-                         bus=rig.bus, **(_kw(tmp_path) | extra))
+                         bus=rig.bus, **kw)
     assert rig.rec.load_config()
     return rig.rec
 

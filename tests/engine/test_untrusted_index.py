@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from gpud.api.replies import status_reply
 from gpud.engine.apply_lock import ApplyLock
-from gpud.engine.events import EventBus
 from gpud.engine.reconciler import Reconciler
 from gpud.sim import kernel
 from gpud.sim.state import load
@@ -19,9 +18,7 @@ BY_INDEX = ("version: v1\nlayouts:\n  a:\n    - {devices: [0], mig-enabled: true
 
 def _restart(rig: SimRig, state) -> Reconciler:
     """What a new gpud process has: its own NVML session and reconciler, the same state dir."""
-    rig.hw.nvml.close()
-    rig.hw.nvml.open()
-    rig.bus = EventBus()
+    rig.new_process(str(state))
     rig.rec = Reconciler(rig.hw, config_path=str(rig.config), apply_lock=ApplyLock(rig.dir / "apply.lock"),
                          bus=rig.bus, state_dir=str(state))
     return rig.rec

@@ -85,6 +85,15 @@ class SimRig:
                               bus=self.bus, **reconciler_kw)
         self.children: list[subprocess.Popen] = []
 
+    def new_process(self, state_dir: str | None) -> None:
+        """What a new gpud process starts with: its own NVML session and event bus, and the vGPU
+        name table read again from `state_dir`; the caller builds its reconciler."""
+        self.hw.nvml.close()
+        self.hw.nvml.open()
+        self.hw.vgpu = VgpuSysfs(self.hw.sysfs, self.hw.procs,
+                                 names_file=os.path.join(state_dir, NAMES_FILE) if state_dir else None)
+        self.bus = EventBus()
+
     def close(self) -> None:
         for c in self.children:
             c.kill()
