@@ -9,7 +9,7 @@ root's reload must be answered; GUARD only bounds a hung test."""
 from __future__ import annotations
 
 import asyncio
-import os
+import secrets
 import shutil
 import socket
 import tempfile
@@ -58,10 +58,13 @@ async def daemon(tmp_path, sockdir):
     server.gpud_gid = GPUD
     passes = asyncio.create_task(rig.rec.run(debounce=0.0))
     counter = iter(range(100_000))
+    token = secrets.token_hex(8)
 
     async def open_as(uid: int, pid: int | None = None) -> Conn:
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        s.bind(f"\0gpud-fair-{os.getpid()}-{next(counter)}-{pid if pid is not None else next(counter) + 10}-{uid}")
+        # The abstract namespace belongs to the network namespace, which another run of this
+        # suite (a container sharing the host's network) may share: a random part keeps names apart.
+        s.bind(f"\0gpud-fair-{token}-{next(counter)}-{pid if pid is not None else next(counter) + 10}-{uid}")
         s.setblocking(False)
         await asyncio.get_running_loop().sock_connect(s, server.path)
         return Conn(*await asyncio.open_unix_connection(sock=s))

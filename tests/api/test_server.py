@@ -7,6 +7,7 @@ import contextlib
 import grp
 import json
 import os
+import secrets
 import shutil
 import socket
 import stat
@@ -713,10 +714,11 @@ async def test_per_uid_limit_and_root_reserve_with_injected_peers(sockdir):
         return Peer(pid=1, uid=uid, gid=GPUD, groups=frozenset({GPUD}))
 
     counter = iter(range(10_000))
+    token = secrets.token_hex(8)  # abstract names are shared across a network namespace
 
     async def open_as(uid: int) -> Conn:
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        s.bind(f"\0gpud-test-{os.getpid()}-{next(counter)}-{uid}")
+        s.bind(f"\0gpud-test-{token}-{next(counter)}-{uid}")
         s.setblocking(False)
         await asyncio.get_running_loop().sock_connect(s, server.path)
         return Conn(*await asyncio.open_unix_connection(sock=s))
