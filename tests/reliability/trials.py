@@ -190,8 +190,9 @@ def _answer(path: str, data: bytes, timeout: float = 20.0) -> str:
 
 
 def trial_socket_abuse(d: Daemon, rng: random.Random, frames: int, flood: int, slow: int) -> TrialResult:
-    r = TrialResult("socket abuse", "malformed frames get an error or a close, never an ok; floods and "
-                                     "slow clients leave the daemon serving once they are gone")
+    r = TrialResult("socket abuse", "every frame is answered: a malformed one with an error or a close, "
+                                     "never an ok (a flipped byte may leave a valid request, answered ok); "
+                                     "floods and slow clients leave the daemon serving once they are gone")
     path = str(d.socket)
     for label, data in malformed_frames(rng, frames):
         r.tries += 1
