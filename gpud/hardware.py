@@ -25,7 +25,7 @@ from gpud.host.procs import Procs
 from gpud.host.sriov_manage import DEFAULT_PATH as SRIOV_MANAGE
 from gpud.host.sriov_manage import SriovManage
 from gpud.host.sysfs import Sysfs
-from gpud.host.vgpu_sysfs import NAMES_FILE, VgpuSysfs
+from gpud.host.vgpu_sysfs import VgpuSysfs, names_path
 
 __all__ = ["APPLY_LOCK", "NFD_FEATURES", "UDEV_RULES", "Hardware", "Host", "HostConfig", "adapters", "build_hardware",
            "sim_nvidia_smi"]
@@ -112,7 +112,7 @@ def adapters(config: HostConfig, sysfs: Sysfs, nvml: Nvml, procs: Procs, *,
     A reset of a function no nvidia driver is bound to goes through sysfs with the unbind's
     deadline (a reset waits on the device lock a stuck unbind holds)."""
     ro = config.read_only
-    names = os.path.join(config.state_dir, NAMES_FILE) if config.state_dir else None
+    names = names_path(config.state_dir)
     return Hardware(sysfs=sysfs, nvml=nvml, procs=procs, vgpu=VgpuSysfs(sysfs, procs, names_file=names),
                     reset=GpuReset(config.nvidia_smi or nvidia_smi, sysfs=DeadlineSysfs(sysfs, config.unbind_timeout),
                                    read_only=ro),

@@ -83,7 +83,6 @@ class Reconciler:
         # `nvidia-ctk cdi generate` after MIG changes when the toolkit's refresh unit is absent
         # (gpud.host.cdi.CdiGenerator; None: the toolkit is not installed)
         self.cdi_generate: Callable[[], Awaitable[str]] | None = None
-        self.binder_timeout = binder_timeout
         self.udev_rules = udev_rules  # boot-time vfio overrides
         # state files set aside or not written (gpud.host.state_files): an event each, and status
         self.state_problems = Problems(lambda m: bus.publish("state-file", m))
@@ -256,6 +255,10 @@ class Reconciler:
     async def _reread(self, pci: str) -> Gpu | None:
         """The host re-read; the GPU at `pci` as it is now (None: gone from the bus)."""
         await self.refresh_async()
+        return self._gpu(pci)
+
+    def _gpu(self, pci: str) -> Gpu | None:
+        """The GPU at `pci` in the last observation."""
         return next((g for g in self.observation.gpus if g.pci == pci), None)
 
     def refresh(self) -> Observation:
@@ -425,7 +428,7 @@ class Reconciler:
 
     async def _converge_gpu(self, pci: str, desired: DesiredGpu) -> GpuState:
         for _ in range(MAX_ROUNDS):
-            gpu = next((g for g in self.observation.gpus if g.pci == pci), None)
+            gpu = self._gpu(pci)
             if gpu is None:
                 return GpuState("gone", "the GPU disappeared from the PCI bus")
             action = self.next_action(gpu, desired)

@@ -121,6 +121,11 @@ def qemu_vm_name(proc_root: str, pid: int) -> str | None:
 NAMES_FILE = "vgpu-names.json"  # in the state directory: the type name table of the last good read
 
 
+def names_path(state_dir: str | None) -> str | None:
+    """Where the name table lives for a state directory (None: no state directory, no table)."""
+    return os.path.join(state_dir, NAMES_FILE) if state_dir else None
+
+
 class VgpuSysfs:
     def __init__(self, sysfs: Sysfs, procs: Procs, *, names_file: str | None = None):
         self.sysfs = sysfs

@@ -12,13 +12,13 @@ refused before anything changes.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 
 from gpud import profiles as model_tables
 from gpud.engine.binding import binder
 from gpud.engine.mig import executor as mig_executor
 from gpud.engine.observe.discovery import observe
+from gpud.engine.observe.holders import device_holders
 from gpud.hardware import Hardware
 from gpud.layout.desired import DesiredGpu
 from gpud.model import Gpu, Holder, MigProfile, NvmlGpu, Placement
@@ -66,10 +66,7 @@ class _Exercise:
             raise _Abort(f"{name}: expected {expected}, observed {observed}")
 
     def device_holders(self, pci: str) -> list[Holder]:
-        minor = self.hw.procs.nvidia_minor(pci)
-        if minor is None:
-            return []
-        return [h for h in self.hw.procs.holders([f"/dev/nvidia{minor}"]) if h.pid != os.getpid()]
+        return device_holders(self.hw.procs, pci)
 
     # ---- MIG through the planner and the executor
     def apply_mig(self, name: str, enabled: bool, devices: dict[str, int]) -> None:

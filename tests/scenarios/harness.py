@@ -4,7 +4,6 @@ socket, so scenarios can look at every step, count NVML calls and compare MIG UU
 from __future__ import annotations
 
 import asyncio
-import os
 import subprocess
 from collections import Counter
 from pathlib import Path
@@ -21,7 +20,7 @@ from gpud.host.nvidia_smi import GpuReset
 from gpud.host.nvml import Nvml
 from gpud.host.procs import Procs
 from gpud.host.sysfs import Sysfs
-from gpud.host.vgpu_sysfs import NAMES_FILE, VgpuSysfs
+from gpud.host.vgpu_sysfs import VgpuSysfs, names_path
 from gpud.profiles import MODELS
 from gpud.sim import cli as simcli
 from gpud.sim import state as simstate
@@ -75,7 +74,7 @@ class SimRig:
             sysfs=sysfs,
             nvml=Nvml(proc_root=str(self.host.proc_root)),
             procs=procs,
-            vgpu=VgpuSysfs(sysfs, procs, names_file=os.path.join(state_dir, NAMES_FILE) if state_dir else None),
+            vgpu=VgpuSysfs(sysfs, procs, names_file=names_path(state_dir)),
             reset=GpuReset(str(self.dir / "bin" / "nvidia-smi"),
                            sysfs=DeadlineSysfs(sysfs, reconciler_kw.get("binder_timeout", 30.0))),
         )
@@ -91,7 +90,7 @@ class SimRig:
         self.hw.nvml.close()
         self.hw.nvml.open()
         self.hw.vgpu = VgpuSysfs(self.hw.sysfs, self.hw.procs,
-                                 names_file=os.path.join(state_dir, NAMES_FILE) if state_dir else None)
+                                 names_file=names_path(state_dir))
         self.bus = EventBus()
 
     def close(self) -> None:
