@@ -75,6 +75,7 @@ async def daemon(tmp_path, sockdir):
     finally:
         passes.cancel()
         await asyncio.gather(passes, return_exceptions=True)
+        await Conn.close_all()
         await server.close()
         rig.close()
 

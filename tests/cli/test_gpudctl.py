@@ -15,6 +15,7 @@ from gpud.api import wire, wire_replies
 from gpud.api.server import ApiError
 from gpud.cli import render
 from tests.api.fakes import GPU0_UUID, MIG_UUIDS, ThreadedServer
+from tests.support.processes import reap
 
 REPO = Path(__file__).resolve().parents[2]
 FIXTURES = REPO / "tests" / "fixtures" / "h200"
@@ -204,8 +205,7 @@ def test_events_follow_until_interrupted(daemon):
         proc.send_signal(signal.SIGINT)
         assert proc.wait(30) == 0
     finally:
-        proc.kill()
-        proc.wait()
+        reap(proc)
 
 
 def test_events_follow_ends_with_3_when_the_daemon_goes(tmp_path):
@@ -221,8 +221,7 @@ def test_events_follow_ends_with_3_when_the_daemon_goes(tmp_path):
         assert proc.wait(30) == 3
         assert "closed the connection" in proc.stderr.read()
     finally:
-        proc.kill()
-        proc.wait()
+        reap(proc)
 
 
 def test_usage_errors_exit_2(daemon):

@@ -152,3 +152,5 @@ class EmulatorThread:
     def close(self) -> None:
         self.loop.call_soon_threadsafe(self._stop.set)
         self.thread.join(30)
+        if not self.thread.is_alive():
+            self.loop.close()
