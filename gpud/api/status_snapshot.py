@@ -40,7 +40,7 @@ class StatusSnapshot:
         key = _made_of(rec)
         old = self._key
         if (self._reply is None or old is None or len(old[0]) != len(key[0])
-                or any(a is not b for a, b in zip(old[0], key[0])) or old[1] != key[1]):
+                or any(a is not b for a, b in zip(old[0], key[0], strict=True)) or old[1] != key[1]):
             self._reply = replies.status_reply(rec)
             self._key = key
             self.builds += 1

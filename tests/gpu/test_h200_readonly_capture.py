@@ -100,7 +100,7 @@ def assert_has(real, got, where: str = "") -> None:
             assert_has(value, got[key], f"{where}.{key}")
     elif isinstance(real, list):
         assert isinstance(got, list) and len(got) == len(real), f"{where}: {got!r} != {real!r}"
-        for i, (r, g) in enumerate(zip(real, got)):
+        for i, (r, g) in enumerate(zip(real, got, strict=True)):
             assert_has(r, g, f"{where}[{i}]")
     else:
         assert got == real, f"{where}: replay printed {got!r}, the real run {real!r}"

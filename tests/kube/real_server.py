@@ -273,7 +273,7 @@ class RealServer:
 
 
 
-def narrowed_role(server: "RealServer", kubeconfig: Path, name: str, rules) -> Path:
+def narrowed_role(server: RealServer, kubeconfig: Path, name: str, rules) -> Path:
     """The documented role (packaging/kube/gpud-rbac.yaml) with its rules passed through `rules`,
     applied under `name` and bound to an identity of its own: `kubeconfig` is written for it."""
     docs = [d for d in yaml.safe_load_all(RBAC_YAML.read_text()) if d]

@@ -99,7 +99,7 @@ def test_barrier_waits_for_the_manager_to_close_the_fd(manager, notifier):
     def fake_manager():
         msg, anc, _, _ = s.recvmsg(100, socket.CMSG_SPACE(4))
         fds = array.array("i")
-        for level, typ, data in anc:
+        for _level, _type, data in anc:
             fds.frombytes(data[: len(data) - len(data) % fds.itemsize])
         seen.append((msg, list(fds)))
         for fd in fds:

@@ -354,7 +354,7 @@ def execute(
             run.release_locks()  # an unbindLock left taken would refuse every new open of the GPU
             return BindOutcome(pci, FAILED, f"{s}: {describe_error(e)}",
                                done=tuple(run.done), step=str(s), errno=e.errno)
-        except Exception as e:  # e.g. before_unbind (closing our NVML session) failed
+        except Exception as e:  # noqa: BLE001 - e.g. before_unbind (closing our NVML session) failed
             run.release_locks()
             return BindOutcome(pci, FAILED, f"{s}: {type(e).__name__}: {e}", done=tuple(run.done), step=str(s))
         run.done.append(str(s))
