@@ -352,29 +352,31 @@ class Nvml:
         """GIs with their CIs (uuids and holders are filled in by `_attach_ci_details`)."""
         gis: list[GpuInstance] = []
         for prof in raw.values():
-            count = c_uint(0)
-            arr = (pynvml.c_nvmlGpuInstance_t * max(prof.instanceCount, 1))()
-            self._call("nvmlDeviceGetGpuInstances", pci, pynvml.nvmlDeviceGetGpuInstances,
-                       h, prof.id, arr, byref(count))
-            for i in range(count.value):
-                gi_info = self._call("nvmlGpuInstanceGetInfo", pci, pynvml.nvmlGpuInstanceGetInfo, arr[i])
+            for gi in self._listed(pci, "nvmlDeviceGetGpuInstances", pynvml.c_nvmlGpuInstance_t, h, prof.id,
+                                   prof.instanceCount):
+                gi_info = self._call("nvmlGpuInstanceGetInfo", pci, pynvml.nvmlGpuInstanceGetInfo, gi)
                 if any(g.id == gi_info.id for g in gis):
                     continue
                 gis.append(GpuInstance(
                     id=gi_info.id, profile_id=gi_info.profileId,
                     placement=Placement(gi_info.placement.start, gi_info.placement.size),
-                    cis=self._cis(pci, arr[i])))
+                    cis=self._cis(pci, gi)))
         return tuple(sorted(gis, key=lambda g: g.id))
+
+    def _listed(self, pci: str, name: str, ctype: Any, parent: Any, profile_id: int, capacity: int) -> list[Any]:
+        """The instances NVML lists under `parent` for one profile: a GPU's GIs
+        (nvmlDeviceGetGpuInstances) or a GI's CIs (nvmlGpuInstanceGetComputeInstances)."""
+        count = c_uint(0)
+        arr = (ctype * max(capacity, 1))()
+        self._call(name, pci, getattr(pynvml, name), parent, profile_id, arr, byref(count))
+        return [arr[i] for i in range(count.value)]
 
     def _cis(self, pci: str, gi_handle: Any) -> tuple[ComputeInstance, ...]:
         cis: list[ComputeInstance] = []
         for ci_prof in self._gi_ci_profiles(pci, gi_handle).values():
-            count = c_uint(0)
-            arr = (pynvml.c_nvmlComputeInstance_t * max(ci_prof.instance_count, 1))()
-            self._call("nvmlGpuInstanceGetComputeInstances", pci, pynvml.nvmlGpuInstanceGetComputeInstances,
-                       gi_handle, ci_prof.id, arr, byref(count))
-            for i in range(count.value):
-                info = self._call("nvmlComputeInstanceGetInfo", pci, pynvml.nvmlComputeInstanceGetInfo, arr[i])
+            for ci in self._listed(pci, "nvmlGpuInstanceGetComputeInstances", pynvml.c_nvmlComputeInstance_t,
+                                   gi_handle, ci_prof.id, ci_prof.instance_count):
+                info = self._call("nvmlComputeInstanceGetInfo", pci, pynvml.nvmlComputeInstanceGetInfo, ci)
                 cis.append(ComputeInstance(id=info.id, profile_id=info.profileId, slices=ci_prof.slices, uuid="",
                                            start=info.placement.start))
         return tuple(sorted(cis, key=lambda c: c.id))

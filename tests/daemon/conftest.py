@@ -58,7 +58,11 @@ class Daemon:
                  "--socket", str(self.socket), "--state-dir", str(self.state_dir), *self.extra_args],
                 stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
             )
-        wait_until(lambda: self.ctl("version").returncode == 0 or self.proc.poll() is not None, what="gpud to answer")
+        try:
+            wait_until(lambda: self.ctl("version").returncode == 0 or self.proc.poll() is not None, what="gpud to answer")
+        except AssertionError:
+            self.stop()  # never left running past the test that started it
+            raise
         if self.proc.poll() is not None:
             raise AssertionError("gpud exited:\n" + self.log.read_text())
 
