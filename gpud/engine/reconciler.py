@@ -168,12 +168,9 @@ class Reconciler:
     def _observe(self, match: tuple[MatchRule, ...]) -> Observation:
         return self.reader.read(match)
 
-    def reload(self, reason: str) -> bool:
-        """Re-read the file; a valid one starts a pass. False when the file was refused."""
-        return self._reloaded(self.load_config(), reason)
-
     async def reload_async(self, reason: str) -> bool:
-        """`reload` with the host read off the event loop."""
+        """Re-read the file (the host read off the event loop); a valid one starts a pass. False
+        when the file was refused."""
         return self._reloaded(await self.load_config_async(), reason)
 
     def _reloaded(self, ok: bool, reason: str) -> bool:
