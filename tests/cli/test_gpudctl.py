@@ -24,7 +24,10 @@ FIXTURES = REPO / "tests" / "fixtures" / "h200"
 def run(srv_or_path, *args: str, env: dict | None = None, stdin: str | None = None) -> subprocess.CompletedProcess:
     path = srv_or_path.path if isinstance(srv_or_path, ThreadedServer) else srv_or_path
     cmd = [sys.executable, "-m", "gpud.cli.gpudctl", *(["--socket", path] if path else []), *args]
-    full_env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
+    # the width is the test's to choose: not the terminal's the run inherited (pytest-xdist's
+    # workers have COLUMNS set), so piped output is the wide page unless `env` says otherwise
+    inherited = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
+    full_env = {**inherited, "PYTHONPATH": str(REPO), **(env or {})}
     return subprocess.run(cmd, capture_output=True, text=True, timeout=60, cwd=REPO, env=full_env, input=stdin)
 
 
