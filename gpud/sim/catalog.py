@@ -11,8 +11,8 @@ from __future__ import annotations
 import uuid
 from collections.abc import Iterable, Sequence
 
+import gpud.sim.gi_ids as gi_ids
 from gpud.profiles import MODELS, NVIDIA, WHOLE_GPU, ModelInfo
-from gpud.sim import gi_ids
 from gpud.sim.state import SimFunction, SimGpu, SimState
 
 _BUSES = (0x18, 0x2A, 0x3A, 0x5D, 0x9A, 0xAB, 0xBA, 0xDB)

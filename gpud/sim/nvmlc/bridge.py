@@ -25,7 +25,7 @@ from typing import Any
 
 import pynvml
 
-from gpud.sim import nvml_lib
+import gpud.sim.nvml_lib as nvml_lib
 from gpud.sim.state import locked
 
 NOT_SUPPORTED = pynvml.NVML_ERROR_NOT_SUPPORTED
