@@ -17,6 +17,9 @@ WORKLOADS = ("container", "vm-passthrough", "vm-vgpu")
 ON_BUSY = ("wait", "fail")
 RESET = ("per-gpu", "never")
 REBOOT = ("never", "allow")
+LEASE_PLACEMENT = ("pack", "spread")  # across dynamic GPUs: fill used GPUs first, or the emptiest first
+LEASE_MIG_MODE = ("follow", "keep-on")  # Hopper+: MIG mode on at the first lease, off after the last; or kept on
+DYNAMIC = "dynamic"  # `mig-devices: dynamic`: the GPU's instances are made by leases (gpud.engine.leases)
 # The hook phases, in the order an apply passes them (mig-parted's names); the engine runs them.
 HookPhase = Literal["apply-start", "pre-apply-mode", "pre-apply-config", "apply-exit"]
 HOOK_PHASES: tuple[HookPhase, ...] = get_args(HookPhase)
@@ -55,6 +58,7 @@ class DeviceEntry(Struct, frozen=True, rename="kebab"):
     mig_enabled: bool | None = None  # None: the entry says nothing about MIG
     mig_devices: dict[str, int] = field(default_factory=dict)  # names as written, counts > 0 only
     vgpu_devices: dict[str, int] = field(default_factory=dict)  # vm-vgpu only; applying is out of scope
+    mig_dynamic: bool = False  # `mig-devices: dynamic`: instances come from leases, not from the file
 
 
 # What the GPU Operator means by the layout it names on its own (nvidia.com/mig.config=all-disabled,
@@ -84,6 +88,9 @@ class Policy(Struct, frozen=True, rename="kebab"):
     on_busy: str = "wait"  # wait | fail: when processes hold what must change
     reset: str = "per-gpu"  # per-gpu | never
     reboot: str = "never"  # never | allow
+    lease_group: str | None = None  # a group whose members may lease and release (root always may)
+    lease_placement: str = "pack"  # pack | spread: how leases are spread over dynamic GPUs
+    lease_mig_mode: str = "follow"  # follow | keep-on: MIG mode of a dynamic Hopper+ GPU without leases
 
 
 class Hook(Struct, frozen=True):

@@ -40,6 +40,12 @@ def is_nvswitch(f: SimFunction) -> bool:
     return f.vendor == NVIDIA and f.class_code == CLASS_BRIDGE_OTHER and f.device in NVSWITCH_DEVICE.values()
 
 
+# Memory the driver reserves on the whole GPU (NVML memory info v2 `reserved`, counted as used in
+# v1), in bytes: the real H200, driver 580.159.04, 615 MiB and 64 KiB
+# (tests/fixtures/h200/2026-12-04/nvml-real.json). Other models: no capture, none reserved (unknown).
+RESERVED_BYTES = {"h200": 644_939_776}
+
+
 class CatalogError(ValueError):
     pass
 

@@ -24,6 +24,7 @@ import pynvml
 # The MIG half registers its C symbols on import; the library object serves both halves.
 import gpud.sim.nvml_mig  # noqa: F401
 from gpud.profiles import NOT_IN_MIG_INSTANCE
+from gpud.sim.catalog import RESERVED_BYTES, is_nvswitch
 from gpud.sim.gpu_rules import (
     MIB,
     Refused,
@@ -43,7 +44,6 @@ from gpud.sim.nvml_abi import (
     Ret,
     as_int,
     c_addr,
-    check_version,
     deref,
     fault_matches,
     function_names,
@@ -326,10 +326,29 @@ def _cuda_version(lib, state, ref):
 
 @nvml()
 def nvmlSystemGetProcessName(lib, state, pid, buf, length):
-    proc = next((p for p in state.processes if p.pid == as_int(pid)), None)
-    if proc is None:
+    """The name of any process, as the real library answers for pid 1 (its command line's first
+    word: "/process_api", nvml-real.json): a simulated holder's name, else the machine's own
+    process (the simulated host shares its process table: `gpud-sim exec` links /proc), else
+    NOT_FOUND."""
+    n = as_int(pid)
+    proc = next((p for p in state.processes if p.pid == n), None)
+    if proc is not None:
+        write_str(buf, length, proc.name)
+        return
+    try:
+        with open(f"/proc/{n}/cmdline", "rb") as f:
+            argv0 = f.read().split(b"\0", 1)[0].decode(errors="replace")
+    except OSError:
+        argv0 = ""
+    if not argv0:
         raise Ret(pynvml.NVML_ERROR_NOT_FOUND)
-    write_str(buf, length, proc.name)
+    write_str(buf, length, argv0)
+
+
+@nvml()
+def nvmlGetExcludedDeviceCount(lib, state, ref):
+    """No GPU is excluded on a simulated host (the real H200's host answers 0)."""
+    deref(ref).value = 0
 
 
 # --- device enumeration and identity ------------------------------------------------------------
@@ -465,24 +484,131 @@ def _pci_info(lib, state, handle, ref):
 
 @nvml("nvmlDeviceGetMemoryInfo", "nvmlDeviceGetMemoryInfo_v2")
 def _memory(lib, state, handle, ref):
+    """Total, used, free and (v2) reserved, as the real H200 splits them (nvml-real.json): the
+    driver's reservation (catalog.RESERVED_BYTES) is `used` in v1 and `reserved` in v2, free is what
+    is left in both. A v2 struct of another version is FUNCTION_NOT_FOUND (captured: version 0)."""
     gpu, mig = lib.gpu(state, handle, allow_mig=True)
     info = deref(ref)
-    if any(f[0] == "version" for f in type(info)._fields_):
-        check_version(info, pynvml.nvmlMemory_v2)
+    versioned = any(f[0] == "version" for f in type(info)._fields_)
+    if versioned and info.version != pynvml.nvmlMemory_v2:
+        raise Ret(pynvml.NVML_ERROR_FUNCTION_NOT_FOUND)
     model = model_of(gpu)
     if mig is None:
         total = model.memory_mb * MIB
+        reserved = RESERVED_BYTES.get(model.key, 0)
         used = sum(p.used_mb for p in gpu_processes(state, gpu)) * MIB
-    else:
+    else:  # no capture of a MIG device's reservation: none (unknown)
         prof = profile_of(model, mig[0].profile_id)
         total = (prof.memory_mb if prof else 0) * MIB
+        reserved = 0
         used = sum(p.used_mb for p in mig_processes(state, mig[1])) * MIB
+    used = min(used, total - reserved)
     info.total = total
-    info.used = min(used, total)
-    info.free = total - info.used
+    info.free = total - reserved - used
+    if versioned:
+        info.reserved = reserved
+        info.used = used
+    else:
+        info.used = used + reserved
+
+
+# --- modes and capabilities, as the real H200 answers them (nvml-real.json) --------------------------
+
+
+@nvml()
+def nvmlDeviceGetPersistenceMode(lib, state, handle, ref):
+    """Enabled for a GPU in persistence mode, by `nvidia-smi -pm 1` or nvidia-persistenced."""
+    gpu, _ = lib.gpu(state, handle)
+    deref(ref).value = 1 if gpu.address in state.persistent else 0
+
+
+@nvml()
+def nvmlDeviceGetVirtualizationMode(lib, state, handle, ref):
+    """The simulated host is bare metal: NONE, or HOST_VGPU on a GPU set up for vGPU. (The captured
+    H200 answers PASSTHROUGH: it sits in a VM, docs/hardware/nvml-h200-diff.md.)"""
+    gpu, _ = lib.gpu(state, handle)
+    deref(ref).value = (pynvml.NVML_GPU_VIRTUALIZATION_MODE_HOST_VGPU if gpu.address in state.vgpu
+                        else pynvml.NVML_GPU_VIRTUALIZATION_MODE_NONE)
+
+
+def architecture(compute_capability: tuple[int, int]) -> int:
+    """NVML's architecture constant from the compute capability (CUDA's table: 8.0/8.6/8.7
+    Ampere, 8.9 Ada, 9.0 Hopper, 10.x and 12.x Blackwell)."""
+    major, minor = compute_capability
+    if major == 8:
+        return pynvml.NVML_DEVICE_ARCH_ADA if minor == 9 else pynvml.NVML_DEVICE_ARCH_AMPERE
+    return {9: pynvml.NVML_DEVICE_ARCH_HOPPER, 10: pynvml.NVML_DEVICE_ARCH_BLACKWELL,
+            12: pynvml.NVML_DEVICE_ARCH_BLACKWELL}.get(major, pynvml.NVML_DEVICE_ARCH_UNKNOWN)
+
+
+@nvml()
+def nvmlDeviceGetArchitecture(lib, state, handle, ref):
+    gpu, _ = lib.gpu(state, handle)
+    deref(ref).value = architecture(model_of(gpu).compute_capability)
+
+
+@nvml()
+def nvmlDeviceGetComputeMode(lib, state, handle, ref):
+    """DEFAULT: the simulator has no `nvidia-smi -c`."""
+    lib.gpu(state, handle)
+    deref(ref).value = pynvml.NVML_COMPUTEMODE_DEFAULT
+
+
+@nvml()
+def nvmlDeviceGetEccMode(lib, state, handle, current_ref, pending_ref):
+    """ECC on, nothing pending (the H200's answer; every simulated model is a data-center GPU with
+    ECC on by default, an assumption for the others: unknown)."""
+    lib.gpu(state, handle)
+    deref(current_ref).value = 1
+    deref(pending_ref).value = 1
+
+
+@nvml()
+def nvmlDeviceGetDefaultEccMode(lib, state, handle, ref):
+    lib.gpu(state, handle)
+    deref(ref).value = 1
+
+
+class _FabricInfoV3(ctypes.Structure):
+    _fields_ = [("version", ctypes.c_uint), ("clusterUuid", ctypes.c_uint8 * 16), ("status", ctypes.c_uint),
+                ("cliqueId", ctypes.c_uint32), ("state", ctypes.c_uint8), ("healthMask", ctypes.c_uint32),
+                ("healthSummary", ctypes.c_uint8)]
+
+
+@nvml("nvmlDeviceGetGpuFabricInfoV", "nvmlDeviceGetGpuFabricInfo")
+def _fabric_info(lib, state, handle, ref):
+    """A GPU outside an NVLink fabric: state NOT_SUPPORTED, status SUCCESS, everything else 0 (the
+    real H200, structs v2 and v3 alike; the version is left as given). On a simulated NVSwitch
+    host a Hopper or later GPU is COMPLETED while Fabric Manager runs, NOT_STARTED while it is
+    stopped (inferred from the states' meaning in NVML's reference; no capture)."""
+    gpu, _ = lib.gpu(state, handle)
+    info = deref(ref)
+    if any(f[0] == "version" for f in type(info)._fields_) and info.version == pynvml.nvmlGpuFabricInfo_v3:
+        view = _FabricInfoV3.from_address(ctypes.addressof(info))
+        view.healthSummary = 0
+    fabric = pynvml.NVML_GPU_FABRIC_STATE_NOT_SUPPORTED
+    if model_of(gpu).compute_capability[0] >= 9 and any(is_nvswitch(f) for f in state.functions.values() if f.present):
+        fabric = (pynvml.NVML_GPU_FABRIC_STATE_COMPLETED if state.fabric_manager == "running"
+                  else pynvml.NVML_GPU_FABRIC_STATE_NOT_STARTED)
+    ctypes.memset(ctypes.addressof(info.clusterUuid), 0, 16)
+    info.status = SUCCESS
+    info.cliqueId = 0
+    info.state = fabric
+    if any(f[0] == "healthMask" for f in type(info)._fields_):
+        info.healthMask = 0
 
 
 # --- processes ----------------------------------------------------------------------------------
+
+
+@nvml("nvmlDeviceGetGraphicsRunningProcesses_v3", "nvmlDeviceGetGraphicsRunningProcesses_v2",
+      "nvmlDeviceGetGraphicsRunningProcesses", "nvmlDeviceGetMPSComputeRunningProcesses_v3",
+      "nvmlDeviceGetMPSComputeRunningProcesses_v2", "nvmlDeviceGetMPSComputeRunningProcesses")
+def _no_processes(lib, state, handle, count_ref, infos):
+    """Graphics and MPS clients: the simulator runs none (its holders are compute processes), so an
+    empty list, as the idle H200 answers."""
+    lib.gpu(state, handle, allow_mig=True)
+    deref(count_ref).value = 0
 
 
 @nvml("nvmlDeviceGetComputeRunningProcesses_v3", "nvmlDeviceGetComputeRunningProcesses_v2",

@@ -163,9 +163,40 @@ def _mig_model(lib, state, handle) -> tuple[SimGpu, ModelInfo]:
     return gpu, model
 
 
+class _GiProfileInfoV3(ctypes.Structure):
+    """nvmlGpuInstanceProfileInfo_v3_t (nvml.h): no isP2pSupported, a capabilities field at the
+    end; the same size as v2, so only its version number tells the driver which one it got."""
+
+    _fields_ = [("version", ctypes.c_uint), ("id", ctypes.c_uint), ("sliceCount", ctypes.c_uint),
+                ("instanceCount", ctypes.c_uint), ("multiprocessorCount", ctypes.c_uint),
+                ("copyEngineCount", ctypes.c_uint), ("decoderCount", ctypes.c_uint), ("encoderCount", ctypes.c_uint),
+                ("jpegCount", ctypes.c_uint), ("ofaCount", ctypes.c_uint), ("memorySizeMB", ctypes.c_ulonglong),
+                ("name", ctypes.c_char * pynvml.NVML_DEVICE_NAME_V2_BUFFER_SIZE), ("capabilities", ctypes.c_uint)]
+
+
+_GI_INFO_V2 = pynvml.nvmlGpuInstanceProfileInfo_v2
+_GI_INFO_V3 = ctypes.sizeof(_GiProfileInfoV3) | (3 << 24)
+
+
 def _fill_gi_profile(info: Any, prof: MigProfile) -> None:
+    """Write `prof` into the caller's struct as the real H200 does (tests/fixtures/h200/2026-12-04):
+    v1 (the unversioned symbol) has no version; v2 gets the name; v3 is accepted with the name
+    left empty and capabilities 0; after either versioned answer the driver has written 0 into the
+    struct's version field, so a caller that reuses the struct gets INVALID_ARGUMENT next time.
+    Any other version is INVALID_ARGUMENT (captured: 0, and the v1 size with version 1)."""
+    versioned = any(f[0] == "version" for f in type(info)._fields_)
+    if versioned and info.version == _GI_INFO_V3:
+        info = _GiProfileInfoV3.from_address(ctypes.addressof(info))
+        info.name = b""
+        info.capabilities = 0
+    elif versioned and info.version != _GI_INFO_V2:
+        raise Ret(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+    elif versioned:
+        info.isP2pSupported = 0
+        info.name = f"MIG {prof.name}".encode()
+    else:
+        info.isP2pSupported = 0
     info.id = prof.id
-    info.isP2pSupported = 0
     info.sliceCount = prof.slices
     info.instanceCount = prof.instance_count
     info.multiprocessorCount = prof.sms
@@ -175,8 +206,8 @@ def _fill_gi_profile(info: Any, prof: MigProfile) -> None:
     info.jpegCount = prof.jpegs
     info.ofaCount = prof.ofas
     info.memorySizeMB = prof.memory_mb
-    if any(f[0] == "name" for f in type(info)._fields_):
-        info.name = f"MIG {prof.name}".encode()
+    if versioned:
+        info.version = 0
 
 
 def _profile_by_index(model: ModelInfo, index: int) -> MigProfile:
@@ -191,12 +222,11 @@ def _profile_by_index(model: ModelInfo, index: int) -> MigProfile:
 
 
 def _answer_gi_profile(lib, state, handle, ref, find: Callable[[ModelInfo], MigProfile]) -> None:
-    """Both GI profile info calls: MIG-capable GPU, versioned struct, then the profile `find`
-    picks from the model (it raises NVML's error when there is none)."""
+    """Both GI profile info calls: MIG-capable GPU, the profile `find` picks from the model (it
+    raises NVML's error when there is none), then the caller's struct by its version."""
     _, model = _mig_model(lib, state, handle)
-    info = deref(ref)
-    check_version(info, pynvml.nvmlGpuInstanceProfileInfo_v2)
-    _fill_gi_profile(info, find(model))
+    prof = find(model)
+    _fill_gi_profile(deref(ref), prof)
 
 
 @nvml("nvmlDeviceGetGpuInstanceProfileInfo", "nvmlDeviceGetGpuInstanceProfileInfoV")
@@ -207,28 +237,55 @@ def _gi_profile_info(lib, state, handle, index, ref):
 
 @nvml()
 def nvmlDeviceGetGpuInstanceProfileInfoByIdV(lib, state, handle, profile_id, ref):
-    """Takes the profile *id*; an id the model does not have is INVALID_ARGUMENT."""
-    _answer_gi_profile(lib, state, handle, ref, lambda model: _known_profile(model, profile_id))
+    """Takes the profile *id*; an id the model lacks answers as _known_profile says."""
+    _answer_gi_profile(lib, state, handle, ref, lambda model: _known_profile(model, profile_id, "info"))
 
 
-def _known_profile(model: ModelInfo, profile_id: Any) -> MigProfile:
+# Profile ids the driver knows that the model has no profile for, and how each call answers them
+# (the real H200, driver 580.159.04: tests/fixtures/h200/2026-12-04/nvml-real.json). "absent": the
+# info call NOT_FOUND, capacity and placements NOT_SUPPORTED; "empty": info NOT_FOUND, capacity and
+# placements answer 0; both list 0 GPU instances. Every other id is INVALID_ARGUMENT to every call.
+# Other models: no capture, so every id they lack is INVALID_ARGUMENT (unknown).
+_DRIVER_IDS_ABSENT: dict[str, dict[int, str]] = {"h200": {6: "absent", 10: "absent", 21: "absent", 32: "empty"}}
+
+_ABSENT_ANSWER = {  # (kind, call) -> NVML error, or None: the call answers an empty result
+    ("absent", "info"): pynvml.NVML_ERROR_NOT_FOUND, ("empty", "info"): pynvml.NVML_ERROR_NOT_FOUND,
+    ("absent", "capacity"): pynvml.NVML_ERROR_NOT_SUPPORTED, ("empty", "capacity"): None,
+    ("absent", "placements"): pynvml.NVML_ERROR_NOT_SUPPORTED, ("empty", "placements"): None,
+    ("absent", "instances"): None, ("empty", "instances"): None,
+}
+
+
+def _known_profile(model: ModelInfo, profile_id: Any, call: str = "create") -> MigProfile | Any:
+    """The model's profile `profile_id`. One it lacks: INVALID_ARGUMENT, unless the driver knows
+    the id (_DRIVER_IDS_ABSENT): then the captured answer of `call`, or None for an empty one."""
     prof = profile_of(model, as_int(profile_id))
-    if prof is None:
+    if prof is not None:
+        return prof
+    kind = _DRIVER_IDS_ABSENT.get(model.key, {}).get(as_int(profile_id))
+    if kind is None or call == "create":
         raise Ret(pynvml.NVML_ERROR_INVALID_ARGUMENT)
-    return prof
+    error = _ABSENT_ANSWER[(kind, call)]
+    if error is not None:
+        raise Ret(error)
+    return None
 
 
-def _fill_placements(placements, count_ref, items: list[tuple[int, int]]) -> int:
-    """NVML's caller-allocated two-call pattern for placement lists (GI and CI alike): a NULL array
-    asks for the count; an array shorter than the list gets INSUFFICIENT_SIZE and the count."""
+def _fill_placements(placements, count_ref, items: list[tuple[int, int]], *, short_ok: bool = False) -> int:
+    """NVML's caller-allocated two-call pattern for placement lists: a NULL array asks for the
+    count. An array with a count shorter than the list: the CI call (no capture) answers
+    INSUFFICIENT_SIZE and the count; the GI call (`short_ok`) ignores the count, as the real H200
+    does (nvml-real.json: count 0 or 1 given, every placement written, SUCCESS, the true count)."""
     count = deref(count_ref)
     if placements is None:
         count.value = len(items)
         return SUCCESS
     arr = c_array(placements)
-    if count.value < len(items):
+    if count.value < len(items) and not short_ok:
         count.value = len(items)
         raise Ret(pynvml.NVML_ERROR_INSUFFICIENT_SIZE)
+    if isinstance(arr, ctypes.Array) and len(arr) < len(items):
+        raise ValueError(f"placement array of {len(arr)} for {len(items)} placements: the driver writes past its end")
     for i, (start, size) in enumerate(items):
         arr[i].start = start
         arr[i].size = size
@@ -236,24 +293,30 @@ def _fill_placements(placements, count_ref, items: list[tuple[int, int]]) -> int
     return SUCCESS
 
 
-@nvml("nvmlDeviceGetGpuInstancePossiblePlacements_v2", "nvmlDeviceGetGpuInstancePossiblePlacements")
-def _possible_placements(lib, state, handle, profile_id, placements, count_ref):
-    """Caller-allocated two-call pattern: NULL array -> count only. Works with MIG disabled."""
+@nvml("nvmlDeviceGetGpuInstancePossiblePlacements_v2", "nvmlDeviceGetGpuInstancePossiblePlacements", by_symbol=True)
+def _possible_placements(lib, state, handle, profile_id, placements, count_ref, *, symbol: str):
+    """Caller-allocated two-call pattern: NULL array -> count only. Works with MIG disabled. The
+    unversioned symbol refuses the media-extension profiles (+me) with NOT_SUPPORTED, as the real
+    H200 does for id 20 (nvml-real.json); the _v2 symbol lists them."""
     _, model = _mig_model(lib, state, handle)
-    prof = _known_profile(model, profile_id)
-    return _fill_placements(placements, count_ref, [(pl.start, pl.size) for pl in prof.placements])
+    prof = _known_profile(model, profile_id, "placements")
+    if prof is not None and symbol == "nvmlDeviceGetGpuInstancePossiblePlacements" and prof.name.endswith("+me"):
+        raise Ret(pynvml.NVML_ERROR_NOT_SUPPORTED)
+    items = [] if prof is None else [(pl.start, pl.size) for pl in prof.placements]
+    return _fill_placements(placements, count_ref, items, short_ok=True)
 
 
 @nvml()
 def nvmlDeviceGetGpuInstanceRemainingCapacity(lib, state, handle, profile_id, ref):
     gpu, model = _mig_model(lib, state, handle)
-    deref(ref).value = rules.gi_capacity(gpu, _known_profile(model, profile_id))
+    prof = _known_profile(model, profile_id, "capacity")
+    deref(ref).value = 0 if prof is None else rules.gi_capacity(gpu, prof)
 
 
 def _create_gi(lib, gpu: SimGpu, model: ModelInfo, profile_id: Any, start: int | None, size: int | None,
                out_ref: Any) -> None:
     rules.require_mig_on(gpu)
-    gi = rules.create_gi(gpu, model, _known_profile(model, profile_id), start, size)
+    gi = rules.create_gi(gpu, model, _known_profile(model, profile_id, "create"), start, size)
     set_ptr(deref(out_ref), lib.gi_handle(gpu, gi))
 
 
@@ -274,9 +337,9 @@ def nvmlDeviceCreateGpuInstanceWithPlacement(lib, state, handle, profile_id, pla
 def nvmlDeviceGetGpuInstances(lib, state, handle, profile_id, arr, count_ref):
     """With MIG disabled the real H200 answers count 0 (fixture), not NOT_SUPPORTED."""
     gpu, model = _mig_model(lib, state, handle)
-    prof = _known_profile(model, profile_id)
+    prof = _known_profile(model, profile_id, "instances")
     count = deref(count_ref)
-    gis = sorted((g for g in gpu.gis if g.profile_id == prof.id), key=lambda g: g.id)
+    gis = [] if prof is None else sorted((g for g in gpu.gis if g.profile_id == prof.id), key=lambda g: g.id)
     if arr is None:
         raise Ret(pynvml.NVML_ERROR_INVALID_ARGUMENT)
     out = deref(arr)
