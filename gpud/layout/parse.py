@@ -30,6 +30,7 @@ from gpud.layout.schema import (
     DEFAULT_MATCH,
     HOOK_PHASES,
     ON_BUSY,
+    ON_INFEASIBLE,
     REBOOT,
     RESET,
     UNIT_SUFFIXES,
@@ -55,7 +56,7 @@ TOP_KEYS = ("version", "selected", "layouts", "mig-configs", "vgpu-configs", "ma
 LAYOUTS_SYNONYMS = ("mig-configs", "vgpu-configs")
 ENTRY_KEYS = ("devices", "device-filter", "workload", "mig-enabled", "mig-devices", "vgpu-devices")
 MATCH_KEYS = ("vendor", "device", "class")
-POLICY_KEYS = ("drain-units", "on-busy", "reset", "reboot")
+POLICY_KEYS = ("drain-units", "on-busy", "reset", "reboot", "on-infeasible")
 HOOK_KEYS = ("command", "args", "env", "timeout")
 
 _UUID = re.compile(r"GPU-[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}")
@@ -712,7 +713,8 @@ class _Parser:
         values: dict[str, object] = {}
         if "drain-units" in keys and not _is_null(keys["drain-units"][1]):
             values["drain_units"] = self.units(keys["drain-units"][1], "policy.drain-units")
-        for key, allowed in (("on-busy", ON_BUSY), ("reset", RESET), ("reboot", REBOOT)):
+        for key, allowed in (("on-busy", ON_BUSY), ("reset", RESET), ("reboot", REBOOT),
+                             ("on-infeasible", ON_INFEASIBLE)):
             if key in keys and (value := self.enum(keys[key][1], key_path("policy", key), allowed)) is not None:
                 values[key.replace("-", "_")] = value
         return Policy(**values)  # type: ignore[arg-type]

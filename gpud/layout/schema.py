@@ -17,6 +17,9 @@ WORKLOADS = ("container", "vm-passthrough", "vm-vgpu")
 ON_BUSY = ("wait", "fail")
 RESET = ("per-gpu", "never")
 REBOOT = ("never", "allow")
+# A file with a GPU the planner cannot converge (`7 x 1g.10gb` on an A100 40GB): refused whole, as
+# `gpudctl check` says INVALID (the default), or taken with that GPU failed and the others applied
+ON_INFEASIBLE = ("refuse-file", "skip-gpu")
 # The hook phases, in the order an apply passes them (mig-parted's names); the engine runs them.
 HookPhase = Literal["apply-start", "pre-apply-mode", "pre-apply-config", "apply-exit"]
 HOOK_PHASES: tuple[HookPhase, ...] = get_args(HookPhase)
@@ -84,6 +87,7 @@ class Policy(Struct, frozen=True, rename="kebab"):
     on_busy: str = "wait"  # wait | fail: when processes hold what must change
     reset: str = "per-gpu"  # per-gpu | never
     reboot: str = "never"  # never | allow
+    on_infeasible: str = "refuse-file"  # refuse-file | skip-gpu
 
 
 class Hook(Struct, frozen=True):
