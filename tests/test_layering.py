@@ -95,18 +95,22 @@ def _module_name(path: Path) -> str:
 def _graph() -> dict[str, set[str]]:
     """gpud module -> the gpud modules it imports (at any depth of its code). `from P import x`
     is an edge to module P.x when there is one, else to P; a package's own __init__, which
-    Python runs before any of its modules, is not an edge of theirs."""
+    Python runs before any of its modules, is not an edge of theirs unless they name it: `from P
+    import x` inside package P goes through P's face (its __init__), so it is an edge to P too."""
     files = {_module_name(p): p for p in GPUD.rglob("*.py")}
     graph: dict[str, set[str]] = {}
     for m, path in files.items():
         edges: set[str] = set()
+        faces: set[str] = set()
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             if isinstance(node, ast.Import):
                 edges |= {a.name for a in node.names}
             elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
                 edges |= {f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in files else node.module
                           for a in node.names}
-        graph[m] = {n for n in edges if n in files and n != m and not m.startswith(n + ".")}
+                faces.add(node.module)
+        graph[m] = ({n for n in edges if n in files and n != m and not m.startswith(n + ".")}
+                    | {n for n in faces if n in files and n != m and files[n].name == "__init__.py"})
     return graph
 
 

@@ -153,6 +153,11 @@ def layout_status(rec: Reconciler) -> wire_replies.LayoutStatus:
                                      errors_omitted=errors_omitted, warnings_omitted=warnings_omitted)
 
 
+# What `check` and `plan` say of a GPU with `mig-devices: dynamic` (gpud.engine.leases).
+DYNAMIC_NOTE = ("MIG on demand (mig-devices: dynamic): instances are made and removed by leases "
+                "(gpudctl lease); the file sets only the MIG mode, and no instance is touched by an apply")
+
+
 def check_reply(resolution: Resolution, *, others: Sequence[tuple[str, Resolution]] = ()) -> wire_replies.CheckReply:
     """A resolution as the engine judged it (GPUs the planner cannot converge are among its
     errors, or its warnings under `on-infeasible: skip-gpu`: gpud.engine.feasibility).
@@ -170,7 +175,10 @@ def check_reply(resolution: Resolution, *, others: Sequence[tuple[str, Resolutio
     warnings, warnings_omitted = capped(all_warnings, "warnings")
     return wire_replies.CheckReply(valid=not all_errors, errors=errors, warnings=warnings,
                                    selected=resolution.selected, errors_omitted=errors_omitted,
-                                   warnings_omitted=warnings_omitted, checked=checked)
+                                   warnings_omitted=warnings_omitted, checked=checked,
+                                   dynamic=[f"GPU {d.index} ({d.pci}): {DYNAMIC_NOTE}"
+                                            for d in sorted(resolution.desired.values(), key=lambda d: d.index)
+                                            if d.dynamic])
 
 
 def status_reply(rec: Reconciler, *, kubernetes: wire_replies.KubernetesStatus | None = None) -> wire_replies.StatusReply:
@@ -258,7 +266,8 @@ def destroyed(item: Destroyed) -> wire_replies.DestroyedInfo:
 
 def _gpu_plan(p: GpuPreview, disruption: wire_replies.Disruption) -> wire_replies.GpuPlanInfo:
     gpu, action = p.gpu, p.action
-    entry = wire_replies.GpuPlanInfo(index=gpu.index, pci=gpu.pci)
+    entry = wire_replies.GpuPlanInfo(index=gpu.index, pci=gpu.pci,
+                                     dynamic=DYNAMIC_NOTE if p.desired is not None and p.desired.dynamic else None)
     if isinstance(action, GpuState):
         entry.infeasible = action.message
     elif isinstance(action, MigAction):

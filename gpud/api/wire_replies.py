@@ -161,6 +161,7 @@ class CheckReply(msgspec.Struct, kw_only=True):
     errors_omitted: int = 0
     warnings_omitted: int = 0
     checked: list[str] = []  # the layouts checked (all of them with all_layouts)
+    dynamic: list[str] = []  # GPUs whose instances leases make: "GPU 0 (0000:3b:00.0): ..."
 
 
 class StepInfo(msgspec.Struct, kw_only=True):
@@ -189,6 +190,7 @@ class GpuPlanInfo(msgspec.Struct, kw_only=True):
     steps: list[StepInfo] = []
     infeasible: str | None = None
     blocked_by: list[HolderInfo] = []
+    dynamic: str | None = None  # mig-devices: dynamic: what the file leaves to leases
 
 
 class DestroyedInfo(msgspec.Struct, kw_only=True):

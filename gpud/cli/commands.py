@@ -131,6 +131,7 @@ def cmd_check(c: Client, a: argparse.Namespace) -> int:
         lines = [f"{path}: " + (f"valid ({which})" if r.valid and r.selected
                                 else "valid" if r.valid else "INVALID")]
         lines += [f"error: {e}" for e in r.errors] + [f"warning: {w}" for w in r.warnings]
+        lines += [f"note: {d}" for d in r.dynamic]
         print("\n".join(lines))
     return _layout_exit(r.valid, r.errors)
 

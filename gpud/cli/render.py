@@ -174,6 +174,8 @@ def render_plan(r: wire_replies.PlanReply) -> str:
         else:
             out.append(f"GPU {g.index} {g.pci}:")
         out += [f"  {n}. {_describe_step(s)}" for n, s in enumerate(g.steps, 1)]
+        if g.dynamic:
+            out.append(f"  {g.dynamic}")
         if g.blocked_by:
             out.append("  blocked by: " + ", ".join(_holder(h, device=True) for h in g.blocked_by))
     if not r.gpus:

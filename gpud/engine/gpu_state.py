@@ -95,6 +95,10 @@ def converged_message(gpu: Gpu, desired: DesiredGpu) -> str:
             counts[d.type] = counts.get(d.type, 0) + 1
         kinds = " ".join(f"{n}x{t}" for t, n in sorted(counts.items())) or "none"
         return f"vGPUs ({gpu.vgpu.interface if gpu.vgpu else 'no interface'}): {kinds}"
+    if desired.dynamic:
+        n = len(gpu.nvml.instances) if gpu.nvml is not None and gpu.nvml.mig_mode else 0
+        mode = "on" if gpu.nvml is not None and gpu.nvml.mig_mode else "off"
+        return f"MIG on demand (leases), MIG {mode}, {n} GPU instance{'' if n == 1 else 's'}"
     if gpu.nvml is not None and gpu.nvml.mig_mode:
         n = len(gpu.nvml.instances)
         return f"MIG on, {n} GPU instance{'' if n == 1 else 's'}"

@@ -50,6 +50,7 @@ from gpud.layout.resolve import Resolution
 from gpud.layout.schema import MatchRule, Policy
 from gpud.model import Gpu
 from gpud.plan.binding import plan_binding
+from gpud.plan.lease_placement import dynamic_mode
 from gpud.plan.mig import plan_gpu
 from gpud.plan.operand_impact import impact
 
@@ -315,6 +316,11 @@ class Reconciler:
             if target_driver != "nvidia" and gpu.nvml.mig_capable and (gpu.nvml.mig_mode or gpu.nvml.mig_pending):
                 # MIG state belongs to the nvidia driver: undo it before the GPU leaves.
                 mig_desired = msgspec.structs.replace(desired, mig_enabled=False, mig_devices={})
+            if mig_desired.dynamic and mig_desired is desired:
+                # Leases make this GPU's instances (gpud.engine.leases): the pass sees only to
+                # the mode, where leases cannot (an Ampere change needs a reset) or the policy
+                # keeps it on; never to an instance.
+                mig_desired = dynamic_mode(gpu, desired, self.policy)
             if mig_desired.mig_enabled is not None and gpu.nvml.mig_capable:
                 plan = plan_gpu(gpu, mig_desired)
                 if plan.infeasible:

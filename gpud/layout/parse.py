@@ -28,7 +28,10 @@ from gpud.layout.schema import (
     ALL_DISABLED,
     ALL_DISABLED_NAME,
     DEFAULT_MATCH,
+    DYNAMIC,
     HOOK_PHASES,
+    LEASE_MIG_MODE,
+    LEASE_PLACEMENT,
     ON_BUSY,
     ON_INFEASIBLE,
     REBOOT,
@@ -56,7 +59,8 @@ TOP_KEYS = ("version", "selected", "layouts", "mig-configs", "vgpu-configs", "ma
 LAYOUTS_SYNONYMS = ("mig-configs", "vgpu-configs")
 ENTRY_KEYS = ("devices", "device-filter", "workload", "mig-enabled", "mig-devices", "vgpu-devices")
 MATCH_KEYS = ("vendor", "device", "class")
-POLICY_KEYS = ("drain-units", "on-busy", "reset", "reboot", "on-infeasible")
+POLICY_KEYS = ("drain-units", "on-busy", "reset", "reboot", "lease-group", "lease-placement", "lease-mig-mode",
+               "on-infeasible")
 HOOK_KEYS = ("command", "args", "env", "timeout")
 
 _UUID = re.compile(r"GPU-[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}")
@@ -67,6 +71,7 @@ _UNIT = re.compile(r"[A-Za-z0-9:_.\\-]+(?:@[A-Za-z0-9:_.\\-]*)?(" + "|".join(re.
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _VGPU_NAME = re.compile(r"[A-Za-z0-9]+(?:[-_][A-Za-z0-9]+)*")
 _PLAIN_KEY = re.compile(r"[A-Za-z0-9_-]+")
+_GROUP = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]{0,31}\$?")  # shadow-utils' portable group names
 
 _SCALARS = SafeConstructor()  # converts one scalar node at a time; keeps no state between calls
 
@@ -204,6 +209,11 @@ def _got(node: Node) -> str:
 
 def _is_null(node: Node) -> bool:
     return isinstance(node, ScalarNode) and node.tag == _NULL
+
+
+def _is_dynamic(node: Node) -> bool:
+    """`mig-devices: dynamic`: the GPU's instances are made by leases, not listed in the file."""
+    return isinstance(node, ScalarNode) and node.tag == _STR and node.value == DYNAMIC
 
 
 def _one_of(values: tuple[str, ...]) -> str:
@@ -541,7 +551,8 @@ class _Parser:
             mig_enabled = self.boolean(n, key_path(path, "mig-enabled"))
 
         mig_devices: dict[str, int] | None = None
-        if "mig-devices" in keys:
+        dynamic = "mig-devices" in keys and _is_dynamic(keys["mig-devices"][1])
+        if "mig-devices" in keys and not dynamic:
             mig_devices = self.mig_devices(keys["mig-devices"][1], key_path(path, "mig-devices"))
 
         vgpu_devices: dict[str, int] | None = None
@@ -559,8 +570,11 @@ class _Parser:
             has_names = isinstance(keys["mig-devices"][1], MappingNode) and bool(keys["mig-devices"][1].value)
             if "mig-enabled" not in keys:
                 self.error(mkey, mpath, "mig-devices needs mig-enabled: true")
-            elif mig_enabled is False and has_names:
+            elif mig_enabled is False and (has_names or dynamic):
                 self.error(mkey, mpath, "mig-enabled: false forbids mig-devices")
+            if dynamic and workload != "container":
+                self.error(mkey, mpath, f"mig-devices: {DYNAMIC} (instances made by leases) needs workload: "
+                                        f"container, not {workload}")
         if workload == "vm-passthrough" and mig_enabled is True:
             self.error(mig_key, key_path(path, "mig-enabled"),
                        "vm-passthrough gives the whole GPU to a VM through vfio-pci; MIG needs the nvidia "
@@ -577,6 +591,7 @@ class _Parser:
             mig_enabled=mig_enabled,
             mig_devices=mig_devices or {},
             vgpu_devices=vgpu_devices or {},
+            mig_dynamic=dynamic,
         )
 
     def devices(self, node: Node, path: str) -> Literal["all"] | tuple[int | str, ...] | None:
@@ -653,7 +668,7 @@ class _Parser:
         if _is_null(node):
             return None
         out: dict[str, int] = {}
-        for name, key, value in self.free_mapping(node, path, "a mapping of MIG device name -> count"):
+        for name, key, value in self.free_mapping(node, path, f'a mapping of MIG device name -> count, or "{DYNAMIC}"'):
             kpath = key_path(path, name)
             if parse_mig_name(name) is None:
                 self.error(key, kpath, f"{_quote(name)} is not a MIG device name; expected {SYNTAX}")
@@ -713,7 +728,14 @@ class _Parser:
         values: dict[str, object] = {}
         if "drain-units" in keys and not _is_null(keys["drain-units"][1]):
             values["drain_units"] = self.units(keys["drain-units"][1], "policy.drain-units")
+        if "lease-group" in keys and not _is_null(keys["lease-group"][1]):
+            group = self.string(keys["lease-group"][1], "policy.lease-group", "a group name")
+            if group is not None and not _GROUP.fullmatch(group):
+                self.expected(keys["lease-group"][1], "policy.lease-group", "a group name")
+            elif group is not None:
+                values["lease_group"] = group
         for key, allowed in (("on-busy", ON_BUSY), ("reset", RESET), ("reboot", REBOOT),
+                             ("lease-placement", LEASE_PLACEMENT), ("lease-mig-mode", LEASE_MIG_MODE),
                              ("on-infeasible", ON_INFEASIBLE)):
             if key in keys and (value := self.enum(keys[key][1], key_path("policy", key), allowed)) is not None:
                 values[key.replace("-", "_")] = value

@@ -176,6 +176,7 @@ def resolve(parsed: ParsedLayout, gpus: Sequence[Gpu], gone: Sequence[KnownGpu] 
                 mig_enabled=mig_enabled,
                 mig_devices=mig_devices,
                 vgpu_devices=vgpu_devices,
+                dynamic=entry.mig_dynamic,
             )
 
     if parsed.ok:  # with parse errors, entries may be missing from the draft: no false alarms

@@ -20,6 +20,9 @@ REBOOT = ("never", "allow")
 # A file with a GPU the planner cannot converge (`7 x 1g.10gb` on an A100 40GB): refused whole, as
 # `gpudctl check` says INVALID (the default), or taken with that GPU failed and the others applied
 ON_INFEASIBLE = ("refuse-file", "skip-gpu")
+LEASE_PLACEMENT = ("pack", "spread")  # across dynamic GPUs: fill used GPUs first, or the emptiest first
+LEASE_MIG_MODE = ("follow", "keep-on")  # Hopper+: MIG mode on at the first lease, off after the last; or kept on
+DYNAMIC = "dynamic"  # `mig-devices: dynamic`: the GPU's instances are made by leases (gpud.engine.leases)
 # The hook phases, in the order an apply passes them (mig-parted's names); the engine runs them.
 HookPhase = Literal["apply-start", "pre-apply-mode", "pre-apply-config", "apply-exit"]
 HOOK_PHASES: tuple[HookPhase, ...] = get_args(HookPhase)
@@ -58,6 +61,7 @@ class DeviceEntry(Struct, frozen=True, rename="kebab"):
     mig_enabled: bool | None = None  # None: the entry says nothing about MIG
     mig_devices: dict[str, int] = field(default_factory=dict)  # names as written, counts > 0 only
     vgpu_devices: dict[str, int] = field(default_factory=dict)  # vm-vgpu only; applying is out of scope
+    mig_dynamic: bool = False  # `mig-devices: dynamic`: instances come from leases, not from the file
 
 
 # What the GPU Operator means by the layout it names on its own (nvidia.com/mig.config=all-disabled,
@@ -88,6 +92,9 @@ class Policy(Struct, frozen=True, rename="kebab"):
     reset: str = "per-gpu"  # per-gpu | never
     reboot: str = "never"  # never | allow
     on_infeasible: str = "refuse-file"  # refuse-file | skip-gpu
+    lease_group: str | None = None  # a group whose members may lease and release (root always may)
+    lease_placement: str = "pack"  # pack | spread: how leases are spread over dynamic GPUs
+    lease_mig_mode: str = "follow"  # follow | keep-on: MIG mode of a dynamic Hopper+ GPU without leases
 
 
 class Hook(Struct, frozen=True):

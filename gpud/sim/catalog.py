@@ -11,8 +11,8 @@ from __future__ import annotations
 import uuid
 from collections.abc import Iterable, Sequence
 
+import gpud.sim.gi_ids as gi_ids
 from gpud.profiles import MODELS, NVIDIA, WHOLE_GPU, ModelInfo
-from gpud.sim import gi_ids
 from gpud.sim.state import SimFunction, SimGpu, SimState
 
 _BUSES = (0x18, 0x2A, 0x3A, 0x5D, 0x9A, 0xAB, 0xBA, 0xDB)
@@ -38,6 +38,12 @@ _NVSWITCH_BUS = 0xC0
 
 def is_nvswitch(f: SimFunction) -> bool:
     return f.vendor == NVIDIA and f.class_code == CLASS_BRIDGE_OTHER and f.device in NVSWITCH_DEVICE.values()
+
+
+# Memory the driver reserves on the whole GPU (NVML memory info v2 `reserved`, counted as used in
+# v1), in bytes: the real H200, driver 580.159.04, 615 MiB and 64 KiB
+# (tests/fixtures/h200/2026-12-04/nvml-real.json). Other models: no capture, none reserved (unknown).
+RESERVED_BYTES = {"h200": 644_939_776}
 
 
 class CatalogError(ValueError):

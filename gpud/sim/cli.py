@@ -29,8 +29,8 @@ from pathlib import Path
 import msgspec
 import pynvml
 
+import gpud.sim.catalog as catalog
 from gpud.pci import normalize_pci
-from gpud.sim import catalog
 from gpud.sim.state import FABRIC_MANAGER_STATES, PERSISTENCE_MODES, SimProcess, SimState, locked, state_path
 
 
@@ -57,7 +57,7 @@ def create(host_dir: str | os.PathLike, gpu_specs: list[str], mig_on: Sequence[i
     if nvswitch:
         catalog.add_nvswitches(state, catalog.model(models[0]).arch)
     if vgpu is not None:
-        from gpud.sim import vgpu as sim_vgpu
+        import gpud.sim.vgpu as sim_vgpu
 
         try:
             sim_vgpu.setup(state, vgpu)
@@ -102,7 +102,7 @@ def resolve_device(state: SimState, device: str) -> tuple[str, str]:
             for ci in gi.cis:
                 if device == ci.uuid:
                     return ci.uuid, gpu.address
-    from gpud.sim import vgpu as sim_vgpu
+    import gpud.sim.vgpu as sim_vgpu
 
     mdev = sim_vgpu.find_mdev(state, device)
     if mdev is not None:
@@ -132,7 +132,7 @@ def _after_holder_change(host_dir: Path, state: SimState, gpu_address: str) -> N
 
 
 def _emit_change(host_dir: Path, state: SimState, address: str) -> None:
-    from gpud.sim import uevents
+    import gpud.sim.uevents as uevents
 
     f = state.functions.get(address)
     uevents.emit(host_dir, "change", "pci", address, driver=f.driver if f else None)
@@ -186,7 +186,7 @@ def parse_error_code(text: str) -> int:
 
 
 def fault(host_dir: str | os.PathLike, function: str, nth: int, error: int) -> None:
-    from gpud.sim import nvml_lib
+    import gpud.sim.nvml_lib as nvml_lib
     from gpud.sim.state import SimFault
 
     if nth < 1:
@@ -243,7 +243,7 @@ def summary(state: SimState) -> dict:
 
 
 def _vgpu_summary(state: SimState, address: str) -> dict | None:
-    from gpud.sim import vgpu as sim_vgpu
+    import gpud.sim.vgpu as sim_vgpu
 
     v = state.vgpu.get(address)
     if v is None:
@@ -337,7 +337,7 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.cmd == "exec":
-        from gpud.sim import host_exec
+        import gpud.sim.host_exec as host_exec
 
         command = list(args.command)
         if "--" in command:  # exec options given after DIR, before the `--`
@@ -368,7 +368,7 @@ def main(argv: list[str] | None = None) -> int:
         elif args.cmd == "fault":
             fault(args.dir, args.function, args.nth, parse_error_code(args.error))
         elif args.cmd in ("hang", "unplug", "plug"):
-            from gpud.sim import kernel
+            import gpud.sim.kernel as kernel
 
             pci = _norm_pci(args.pci)
             getattr(kernel, args.cmd)(args.dir, pci)

@@ -80,16 +80,17 @@ def test_drain_cdi_refresh_and_reboot_go_to_the_simulated_host(daemon, bus_trap)
     # a pass may still be draining: read once every stop has had its start
     svc = wait_until(lambda: (s := services(d))["calls"].get("systemd1.StopUnit", 0) ==
                      s["calls"].get("systemd1.StartUnit") and s, what="the drained unit started again")
+    events = d.events()
     assert d.stop() == 0  # no pass runs on while the records are compared
     svc = services(d)
     # each pass until the host goes down asks again (a real logind is already shutting down then)
-    asked = [e for e in d.events() if e["kind"] == "reboot" and "reboot requested" in e["message"]]
-    assert svc["calls"]["login1.Reboot"] == len(svc["reboots"]) == len(asked) >= 1
+    asked = [e for e in events if e["kind"] == "reboot" and "reboot requested" in e["message"]]
+    assert svc["calls"]["login1.Reboot"] == len(svc["reboots"]) >= len(asked) >= 1
     assert all(r.startswith(f"{GPU0}: ") for r in svc["reboots"])
     # drained around the refused reset, started again afterwards
     assert svc["calls"]["systemd1.StopUnit"] >= 1
     assert svc["units"] == {"gpu-client.service": "active", "nvidia-cdi-refresh.service": "active"}
-    assert any(e["kind"] == "drain" and "stopping gpu-client.service" in e["message"] for e in d.events())
+    assert any(e["kind"] == "drain" and "stopping gpu-client.service" in e["message"] for e in events)
     assert bus_trap.accepted == 0
     # gpud's own marker names the simulated boot: `gpud-sim reboot` settles the request
     marker = json.loads((d.state_dir / "reboot-request.json").read_text())

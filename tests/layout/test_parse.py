@@ -555,7 +555,7 @@ def test_mig_device_count(value: str, got: str) -> None:
 
 def test_mig_devices_not_a_mapping() -> None:
     assert only_error(entry("- devices: all\n  mig-enabled: true\n  mig-devices: [1g.10gb]")) == (
-        "layout.yaml:6 layouts.a[0].mig-devices: expected a mapping of MIG device name -> count, got a list")
+        'layout.yaml:6 layouts.a[0].mig-devices: expected a mapping of MIG device name -> count, or "dynamic", got a list')
 
 
 def test_vm_passthrough_with_mig() -> None:
@@ -738,7 +738,8 @@ def test_policy_errors() -> None:
         'layout.yaml:5 policy.on-busy: expected one of wait, fail, got "kill"',
         'layout.yaml:6 policy.reset: expected one of per-gpu, never, got "always"',
         "layout.yaml:7 policy.reboot: expected one of never, allow, got yes",
-        'layout.yaml:8 policy.retries: unknown key "retries"; allowed: drain-units, on-busy, reset, reboot, on-infeasible',
+        'layout.yaml:8 policy.retries: unknown key "retries"; allowed: drain-units, on-busy, reset, reboot, lease-group, '
+        'lease-placement, lease-mig-mode, on-infeasible',
     ]
 
 
@@ -907,3 +908,37 @@ def test_hooks_shapes() -> None:
 
 def test_pci_id_str() -> None:
     assert str(PciId(0x10DE, 0x2330)) == "10de:2330"
+
+
+def test_mig_devices_dynamic() -> None:
+    p = parse(entry("- devices: all\n  mig-enabled: true\n  mig-devices: dynamic"))
+    assert p.errors == [] and p.layout is not None
+    assert p.layout.entries[0].mig_dynamic and p.layout.entries[0].mig_devices == {}
+
+
+@pytest.mark.parametrize(("body", "message"), [
+    ("- devices: all\n  mig-devices: dynamic", "layout.yaml:5 layouts.a[0].mig-devices: mig-devices needs mig-enabled: true"),
+    ("- devices: all\n  mig-enabled: false\n  mig-devices: dynamic",
+     "layout.yaml:6 layouts.a[0].mig-devices: mig-enabled: false forbids mig-devices"),
+    ("- devices: all\n  workload: vm-vgpu\n  mig-enabled: true\n  mig-devices: dynamic",
+     "layout.yaml:7 layouts.a[0].mig-devices: mig-devices: dynamic (instances made by leases) needs workload: "
+     "container, not vm-vgpu"),
+    ("- devices: all\n  mig-enabled: true\n  mig-devices: dynamik",
+     'layout.yaml:6 layouts.a[0].mig-devices: expected a mapping of MIG device name -> count, or "dynamic", '
+     'got "dynamik"'),
+])
+def test_mig_devices_dynamic_errors(body: str, message: str) -> None:
+    assert only_error(entry(body)) == message
+
+
+def test_lease_policy_keys() -> None:
+    text = entry("- devices: all") + "policy:\n  lease-group: slurm\n  lease-placement: spread\n  lease-mig-mode: keep-on\n"
+    p = parse(text)
+    assert p.errors == [] and p.layout is not None
+    assert (p.layout.policy.lease_group, p.layout.policy.lease_placement, p.layout.policy.lease_mig_mode) == (
+        "slurm", "spread", "keep-on")
+    bad = entry("- devices: all") + "policy:\n  lease-placement: scatter\n  lease-group: 'a b'\n"
+    assert errors(bad) == [
+        "layout.yaml:6 policy.lease-placement: expected one of pack, spread, got \"scatter\"",
+        "layout.yaml:7 policy.lease-group: expected a group name, got \"a b\"",
+    ]

@@ -27,7 +27,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from gpud.sim.nvmlc import gen
+import gpud.sim.nvmlc.gen as gen
 
 GO_NVML = "github.com/NVIDIA/go-nvml"
 GO_NVML_VERSION = "v0.13.3-1"  # required by github.com/NVIDIA/mig-parted v0.15.0 (its go.mod)
