@@ -91,8 +91,9 @@ def test_sandbox_allows_what_gpud_needs_and_nothing_it_does_not(installed):
     c.write("/etc/systemd/system/drain-probe.service", "[Service]\nExecStart=/usr/bin/sleep infinity\n")
     lines = sandbox_of_gpud_service(c)
     assert "MemoryDenyWriteExecute=yes" in lines and "ProtectSystem=strict" in lines
-    # the directories gpud writes into that others make (NFD, the node exporter); /run/cdi is the unit's
-    c.run(["mkdir", "-p", "/etc/kubernetes/node-feature-discovery/features.d", "/var/lib/prometheus/node-exporter"])
+    # the directories gpud writes into that others make (udev, NFD, the node exporter); /run/cdi is the unit's
+    c.run(["mkdir", "-p", "/etc/udev/rules.d", "/etc/kubernetes/node-feature-discovery/features.d",
+           "/var/lib/prometheus/node-exporter"])
     c.run(["systemctl", "daemon-reload"])
     c.run(["systemctl", "start", "drain-probe.service"])
     c.run(["systemd-run", "--unit=nobody-holder", "-p", "User=nobody", "/usr/bin/sleep", "infinity"])
