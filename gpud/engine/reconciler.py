@@ -105,6 +105,7 @@ class Reconciler:
         self.observation = Observation(gpus=(), functions=())
         self.gpu_states: dict[str, GpuState] = {}
         self.phase = "starting"
+        self._acted = False  # whether the running pass has carried out any step
         self.passes = 0  # passes started
         self.completed_passes = 0  # passes finished (phase says how they ended)
         self._listeners: list[Callable[[], None]] = []
@@ -350,11 +351,13 @@ class Reconciler:
         async with self.apply_lock.held(lambda m: self.bus.publish("waiting", m)):
             self.passes += 1
             self._pass_layout = self.layout  # a reload during the pass takes effect in the next one
+            self._acted = False
             try:
                 await self._converge_all()
             finally:
                 self._pass_layout = None
-            await self.refresh_async()
+            if self._acted:  # a pass that changed nothing ends with the view it began with
+                await self.refresh_async()
         self.phase = _phase(self.gpu_states.values())
         self.reboot_policy.after_pass(self.phase)
         self.boot_rebuild.pass_ended(self.gpu_states, self.phase)
@@ -451,9 +454,13 @@ class Reconciler:
                 return self._busy(GpuState("waiting", f"waiting for {names}", tuple(action.plan.blocked_by)))
             self._set(pci, GpuState("applying", action.summary), steps=step_count(action))
             outcome = await self.steps.run(gpu, action, desired)
+            self._acted = True
             if outcome.state != "converged":
                 return self._busy(outcome) if outcome.state == "waiting" else outcome
-            await self.refresh_async()
+            if action.kind == "mig":
+                await self.observer.refresh_gpu(pci, self.reader.read_gpu)  # MIG steps change that GPU alone
+            else:
+                await self.refresh_async()
         return GpuState("failed", f"still not converged after {MAX_ROUNDS} rounds")
 
     def _busy(self, waiting: GpuState) -> GpuState:

@@ -31,7 +31,15 @@ import pynvml
 
 import gpud.sim.catalog as catalog
 from gpud.pci import normalize_pci
-from gpud.sim.state import FABRIC_MANAGER_STATES, PERSISTENCE_MODES, SimProcess, SimState, locked, state_path
+from gpud.sim.state import (
+    FABRIC_MANAGER_STATES,
+    PERSISTENCE_MODES,
+    PERSISTENCED_SOCKETS,
+    SimProcess,
+    SimState,
+    locked,
+    state_path,
+)
 
 
 class SimCliError(Exception):
@@ -40,13 +48,15 @@ class SimCliError(Exception):
 
 def create(host_dir: str | os.PathLike, gpu_specs: list[str], mig_on: Sequence[int] = (),
            nvswitch: bool = False, vgpu: str | None = None, persistence: str = "legacy",
-           fabric_manager: str = "running") -> SimState:
+           fabric_manager: str = "running", persistenced_socket: str = "reachable") -> SimState:
     """Write DIR/state.json for a new host, render its sysfs/dev/proc trees and write its
     nvidia-smi (DIR/bin/nvidia-smi). `nvswitch`: the GPUs sit on an HGX baseboard with NVSwitches
     (of the first GPU's architecture) and `fabric_manager` ("running" or "stopped") says whether
     nvidia-fabricmanager runs: on Ampere a GPU resets alone only while it does. `vgpu`: the host
     interface ("vfio" or "mdev") of its vGPU-capable GPUs. `persistence`: "legacy" (`nvidia-smi -pm 1`,
-    as many hosts and the lent H200 run), "daemon" (nvidia-persistenced) or "off"; on for every GPU."""
+    as many hosts and the lent H200 run), "daemon" (nvidia-persistenced) or "off"; on for every GPU.
+    `persistenced_socket`: "reachable" (nvidia-smi talks to the daemon) or "hidden" (the daemon out
+    of its sight, in another container)."""
     from gpud.sim.sysfs_tree import lay_out
 
     d = Path(host_dir)
@@ -69,6 +79,10 @@ def create(host_dir: str | os.PathLike, gpu_specs: list[str], mig_on: Sequence[i
     if persistence not in PERSISTENCE_MODES:
         raise SimCliError(f"--persistence {persistence!r}: expected one of {', '.join(PERSISTENCE_MODES)}")
     state.persistence = persistence
+    if persistenced_socket not in PERSISTENCED_SOCKETS:
+        raise SimCliError(f"--persistenced-socket {persistenced_socket!r}: expected one of "
+                          f"{', '.join(PERSISTENCED_SOCKETS)}")
+    state.persistenced_socket = persistenced_socket
     if fabric_manager not in FABRIC_MANAGER_STATES:
         raise SimCliError(f"--fabric-manager {fabric_manager!r}: expected one of {', '.join(FABRIC_MANAGER_STATES)}")
     state.fabric_manager = fabric_manager
@@ -294,7 +308,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="vGPU host interface of the vGPU-capable GPUs (cards without SR-IOV get mdev)")
     p.add_argument("--persistence", choices=PERSISTENCE_MODES, default="legacy",
                    help="persistence mode on every GPU: legacy (nvidia-smi -pm 1, the default), daemon "
-                   "(nvidia-persistenced holds the GPUs), off; while on, nvidia-smi -r is refused")
+                   "(nvidia-persistenced holds the GPUs), off (docs/hardware/persistence.md)")
+    p.add_argument("--persistenced-socket", choices=PERSISTENCED_SOCKETS, default="reachable",
+                   help="with --persistence daemon: nvidia-smi reaches the daemon's socket and handles its "
+                   "hold around a reset (default), or not (hidden: the hold refuses nvidia-smi -r)")
     for name in ("hold", "release"):
         p = sub.add_parser(name, help=f"{name} a GPU or MIG device as a process would")
         p.add_argument("dir")
@@ -357,7 +374,7 @@ def main(argv: list[str] | None = None) -> int:
                 if args.fabric_manager and not args.nvswitch:
                     raise SimCliError("--fabric-manager needs --nvswitch (Fabric Manager runs on NVSwitch hosts)")
                 create(args.dir, args.gpu, args.mig_on, args.nvswitch, args.vgpu, args.persistence,
-                       args.fabric_manager or "running")
+                       args.fabric_manager or "running", args.persistenced_socket)
             except catalog.CatalogError as e:
                 print(f"gpud-sim: {e}", file=sys.stderr)
                 return 2

@@ -73,6 +73,15 @@ def reset_gpu(state: SimState, address: str) -> None:
         gpu.gis.clear()
 
 
+def reports_persistent(state: SimState, address: str) -> bool:
+    """What NVML (and so nvidia-smi) reports as the GPU's persistence mode. Where nvidia-persistenced
+    runs out of the caller's sight (its socket hidden: another container), persistence reads as
+    off although the daemon holds the GPU (NVIDIA/dgx-selinux#3: "Persistence Mode is reported as
+    Off" when nvidia-smi cannot reach the socket)."""
+    hidden = state.persistence == "daemon" and state.persistenced_socket == "hidden"
+    return address in state.persistent and not hidden
+
+
 def profile_of(model: ModelInfo, profile_id: int) -> MigProfile | None:
     return next((p for p in model.profiles if p.id == profile_id), None)
 
