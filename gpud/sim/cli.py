@@ -8,7 +8,9 @@ Other tools script against this syntax; keep it stable:
   gpud-sim fault DIR NVML_FUNCTION --nth N --error CODE
   gpud-sim hang DIR PCI | unplug DIR PCI | plug DIR PCI
   gpud-sim reboot DIR                                   what a host reboot does (gpud/sim/reboot.py)
-  gpud-sim stats DIR [--json]
+  gpud-sim unit DIR add NAME [--inactive] | unit DIR remove NAME
+                                a systemd unit on the simulated host (gpud/sim/services.py)
+  gpud-sim stats DIR [--json]               NVML calls, resets, unit manager and logind calls
   gpud-sim show DIR [--json]
   gpud-sim exec DIR [--no-namespace] [--header NVML_H] -- CMD [ARGS...]
                                 CMD on the simulated host (gpud/sim/host_exec.py); its exit status
@@ -210,9 +212,15 @@ def fault(host_dir: str | os.PathLike, function: str, nth: int, error: int) -> N
 
 
 def stats(host_dir: str | os.PathLike) -> dict:
+    from gpud.sim import services
+
     with locked(host_dir, write=False) as st:
-        return {"calls": dict(sorted(st.calls.items())),
-                "resets": {pci: dict(sorted(by_method.items())) for pci, by_method in sorted(st.resets.items())}}
+        out = {"calls": dict(sorted(st.calls.items())),
+               "resets": {pci: dict(sorted(by_method.items())) for pci, by_method in sorted(st.resets.items())}}
+    svc = services.read(host_dir)
+    out["services"] = {"calls": dict(sorted(svc.calls.items())), "units": dict(sorted(svc.units.items())),
+                       "reboots": list(svc.reboots)}
+    return out
 
 
 def summary(state: SimState) -> dict:
@@ -326,6 +334,11 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("pci")
     p = sub.add_parser("reboot", help="reboot the host: instances and overrides gone, udev rules applied")
     p.add_argument("dir")
+    p = sub.add_parser("unit", help="install or remove a systemd unit of the simulated host")
+    p.add_argument("dir")
+    p.add_argument("action", choices=("add", "remove"))
+    p.add_argument("unit")
+    p.add_argument("--inactive", action="store_true", help="installed but not running")
     for name in ("stats", "show"):
         p = sub.add_parser(name)
         p.add_argument("dir")
@@ -380,6 +393,14 @@ def main(argv: list[str] | None = None) -> int:
 
             pci = _norm_pci(args.pci)
             getattr(kernel, args.cmd)(args.dir, pci)
+        elif args.cmd == "unit":
+            from gpud.sim import services
+
+            state_path(args.dir).stat()  # a simulated host, or FileNotFoundError says it is not
+            if args.action == "add":
+                services.install(args.dir, args.unit, active=not args.inactive)
+            else:
+                services.remove(args.dir, args.unit)
         elif args.cmd == "reboot":
             from gpud.sim.reboot import reboot
 
@@ -394,6 +415,12 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"{n:8d}  {fn}")
                 for pci, by_method in s["resets"].items():
                     print(f"reset {pci}: " + ", ".join(f"{m} {n}" for m, n in by_method.items()))
+                for fn, n in s["services"]["calls"].items():
+                    print(f"{n:8d}  {fn}")
+                for unit, active in s["services"]["units"].items():
+                    print(f"unit {unit}: {active}")
+                for reason in s["services"]["reboots"]:
+                    print(f"reboot requested: {reason} (gpud-sim reboot DIR does it)")
         elif args.cmd == "show":
             with locked(args.dir, write=False) as st:
                 s = summary(st)
