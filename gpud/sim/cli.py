@@ -373,11 +373,15 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 if args.fabric_manager and not args.nvswitch:
                     raise SimCliError("--fabric-manager needs --nvswitch (Fabric Manager runs on NVSwitch hosts)")
-                create(args.dir, args.gpu, args.mig_on, args.nvswitch, args.vgpu, args.persistence,
-                       args.fabric_manager or "running", args.persistenced_socket)
+                state = create(args.dir, args.gpu, args.mig_on, args.nvswitch, args.vgpu, args.persistence,
+                               args.fabric_manager or "running", args.persistenced_socket)
             except catalog.CatalogError as e:
                 print(f"gpud-sim: {e}", file=sys.stderr)
                 return 2
+            for key in sorted({g.model for g in state.gpus.values()}):
+                if (parts := catalog.inferred_parts(catalog.model(key))) is not None:
+                    print(f"gpud-sim: {key} has inferred cells, served as if a source gave them "
+                          f"(docs/hardware/mig-profiles.md): {parts}", file=sys.stderr)
         elif args.cmd == "hold":
             hold(args.dir, args.device, args.pid, args.name, args.vm, args.cdev)
         elif args.cmd == "release":

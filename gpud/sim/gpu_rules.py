@@ -131,7 +131,9 @@ class Refused(Exception):
 PREFERENCE: dict[int, tuple[int, ...]] = {
     19: (6, 4, 5, 0, 1, 2, 3),
     20: (6, 4, 5, 0, 1, 2, 3),
-    15: (6, 4, 0, 2),  # inferred by analogy with 1g and 2g
+    # A GH200 96GB's three unplaced 1g.24gb GIs got ids 5, 3, 4 (tests/fixtures/captures/gh200-96gb
+    # README): starts 4, 0, 2 in the "tree" numbering, the 2g order; 6 last is inferred.
+    15: (4, 0, 2, 6),
     14: (4, 0, 2),
     9: (4, 0),
 }
