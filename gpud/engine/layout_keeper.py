@@ -16,6 +16,8 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable
 
+import msgspec
+
 from gpud.engine.events import EventBus
 from gpud.engine.observe.discovery import Observation
 from gpud.host.layout_source import LayoutSource, LayoutUnreadable, check_text_size, read_layout
@@ -195,6 +197,27 @@ class LayoutKeeper:
         return parsed, await asyncio.to_thread(resolve, parsed, obs.gpus, gone=obs.gone,
                                                       index_problem=obs.index_problem), obs
 
+    async def evaluate_each_async(self, text: str, path: str, names: list[str], observe: AsyncObserve | None = None,
+                                  ) -> tuple[list[tuple[str, Resolution]], Observation]:
+        """Each of the layouts `names` of one text, as `evaluate(select=name)` would resolve it, from
+        one parse and one read of the host: choosing a layout changes only `selected` (the parse
+        with a caller's choice is the same for every name the file has), and the match, hence
+        the GPUs read, is the file's whatever is selected."""
+        async with self._slot():
+            if not names:
+                parsed, _, obs = await self._evaluate_off_loop(text, path, observe)
+                return [], obs
+            parsed, _, obs = await self._evaluate_off_loop(text, path, observe, names[0])
+
+            def resolve_each() -> list[tuple[str, Resolution]]:
+                out = []
+                for name in names:
+                    chosen = _with_selected(parsed, name)
+                    out.append((name, resolve(chosen, obs.gpus, gone=obs.gone, index_problem=obs.index_problem)))
+                return out
+
+            return await asyncio.to_thread(resolve_each), obs
+
     def _parse(self, text: str, path: str, select: str | None = None) -> ParsedLayout:
         too_large = check_text_size(text, path)
         if too_large is not None:  # refused before YAML sees it: the same bound as the file's
@@ -217,3 +240,10 @@ class LayoutKeeper:
         if self.layout is not None and self.layout.layout is not None and self.layout.layout.match:
             return self.layout.layout.match
         return DEFAULT_MATCH
+
+
+def _with_selected(parsed: ParsedLayout, name: str) -> ParsedLayout:
+    """`parsed` (read with a caller's choice of a layout the file has) with `name` chosen instead."""
+    layout = msgspec.structs.replace(parsed.layout, selected=name) if parsed.layout is not None else None
+    draft = msgspec.structs.replace(parsed.draft, selected=name) if parsed.draft is not None else None
+    return msgspec.structs.replace(parsed, layout=layout, draft=draft)
