@@ -15,7 +15,6 @@ import os
 import signal
 import sys
 import threading
-from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -114,7 +113,6 @@ def host_config(args: argparse.Namespace) -> HostConfig:
 
 class Daemon:
     def __init__(self, args: argparse.Namespace) -> None:
-        from gpud.host.logind import request_reboot
         from gpud.host.sd_notify import Notifier
 
         self.args = args
@@ -133,7 +131,7 @@ class Daemon:
             self.hw, config_path=args.config, apply_lock=ApplyLock(self.host.lock_path), bus=self.bus,
             read_only=args.read_only, binder_timeout=args.unbind_timeout,
             udev_rules=UdevRules(self.host.udev_rules, modules_load_path=None, read_only=args.read_only),
-            state_dir=args.state_dir, rebooter=partial(request_reboot, boot_id_path=self.host.boot_id_path),
+            state_dir=args.state_dir, rebooter=self.host.rebooter,
             max_status_age=args.status_max_age, boot_id_path=self.host.boot_id_path,
         )
         self._install_cdi(args)
@@ -154,7 +152,7 @@ class Daemon:
         self._kube_passes = 0
         self._labels_passes = -1
         if args.kube_node:
-            self._start_kube(partial(request_reboot, boot_id_path=self.host.boot_id_path))
+            self._start_kube(self.host.rebooter)
 
     def _start_kube(self, reboot) -> None:
         """--kube-node: the operator's label protocol. Its client library is imported here only."""
@@ -320,11 +318,11 @@ class Daemon:
     async def run(self) -> int:
         from gpud.api.server import serve
         from gpud.host.sd_notify import listen_socket
-        from gpud.host.unit_drain import OnDemandDrainer
 
         loop = asyncio.get_running_loop()
-        # D-Bus is imported and connected only when a layout first drains units or MIG changes
-        self.rec.drainer = OnDemandDrainer(on_event=lambda m: self._publish("drain", str(m)))
+        # the host's unit manager: on a real host D-Bus is imported and connected only when a layout
+        # first drains units or MIG changes; a simulated host's never leaves the simulator
+        self.rec.drainer = self.host.drainer(lambda m: self._publish("drain", str(m)))
         self.rec.on_change(self._update_status)
         try:
             self.hw.nvml.open()

@@ -21,9 +21,7 @@ from gpud.api.server import ApiError
 from gpud.api.status_snapshot import StatusSnapshot
 from gpud.engine.binding import passthrough
 from gpud.engine.events import EventQueue
-from gpud.engine.gpu_state import GpuState
 from gpud.engine.kube.node_labels_out import LabelsOut
-from gpud.engine.observe.discovery import Observation
 from gpud.engine.queries import EngineError, InvalidLayout, NoSuchGpu, select_gpus, start_apply
 from gpud.engine.reconciler import Reconciler
 from gpud.host.nvml import NvmlError
@@ -35,11 +33,6 @@ _CODES: dict[type[EngineError], str] = {
     InvalidLayout: wire.E_INVALID_LAYOUT,
     NoSuchGpu: "not-found",
 }
-
-
-def infeasible_text(g: wire_replies.GpuPlanInfo) -> str:
-    """An infeasible GPU as `gpudctl plan` prints it."""
-    return f"GPU {g.index} {g.pci}: INFEASIBLE: {g.infeasible}"
 
 
 class Notifier(Protocol):
@@ -126,8 +119,8 @@ class RequestHandler:
         in the same words `plan` uses. `all_layouts`: every entry of `layouts` is checked so, as a
         node label may select any of them. Nothing is changed."""
         path = path or "layout.yaml"
-        parsed, res, observation = await self._evaluate(text, path)
-        others: list[tuple[str, Resolution, list[str]]] = []
+        parsed, res, _ = await self._evaluate(text, path)
+        others: list[tuple[str, Resolution]] = []
         layout = parsed.layout or parsed.draft
         if all_layouts and layout is not None:
             too_costly = cost_error(len(text.encode("utf-8", "surrogatepass")), len(layout.layouts))
@@ -136,56 +129,14 @@ class RequestHandler:
             names = [name for name in layout.layouts if name != res.selected]
             peer = self._peer.get()
             async with self.fair.turn(peer.uid if peer is not None else 0):
-                each, each_obs = await self.rec.evaluate_each_async(text, path, names)
-            others = await self._infeasible_each(each, each_obs, path)
-        return replies.check_reply(res, self._infeasible(res, observation), others=others)
-
-    async def _infeasible_each(self, each: list[tuple[str, Resolution]], observation: Observation,
-                               path: str) -> list[tuple[str, Resolution, list[str]]]:
-        """`_infeasible` of many layouts of one file: each GPU is planned once per distinct entry
-        (layouts repeat entries), the loop serves others between layouts, and a check that takes
-        longer than a second says how far it is on the event stream (`gpudctl events -f`)."""
-        memo: dict[tuple, str | None] = {}
-        out = []
-        said = time.monotonic()
-        for k, (name, res) in enumerate(each, 1):
-            out.append((name, res, [] if res.errors else self._infeasible_gpus(res, observation, memo)))
-            if time.monotonic() - said >= 1.0:
-                said = time.monotonic()
-                self.rec.bus.publish("check", f"{path}: {k} of {len(each)} layouts checked")
-            await asyncio.sleep(0)
-        return out
-
-    def _infeasible_gpus(self, res: Resolution, observation: Observation, memo: dict[tuple, str | None]) -> list[str]:
-        """What `_infeasible` says, from the engine's next action per GPU, remembered per
-        (GPU, entry content): the planner's answer depends on nothing else."""
-        out = []
-        for gpu in observation.gpus:
-            d = res.desired.get(gpu.pci)
-            if d is None:
-                continue
-            key = (gpu.pci, d.workload, d.mig_enabled, tuple(sorted(d.mig_devices.items())),
-                   tuple(sorted(d.vgpu_devices.items())), d.dynamic)
-            if key not in memo:
-                action = self.rec.next_action(gpu, d)
-                memo[key] = action.message if isinstance(action, GpuState) else None
-            if memo[key] is not None:
-                out.append(f"GPU {gpu.index} {gpu.pci}: INFEASIBLE: {memo[key]}")
-        return out
+                others = await self.rec.evaluate_each_async(text, path, names)
+        return replies.check_reply(res, others=others)
 
     async def _evaluate(self, text: str, path: str, *, select: str | None = None):
         """One evaluation of a sent text, in the sender's turn (uid 0 without a peer: in-process)."""
         peer = self._peer.get()
         async with self.fair.turn(peer.uid if peer is not None else 0):
             return await self.rec.evaluate_async(text, path, select=select)
-
-    def _infeasible(self, res: Resolution, observation: Observation) -> list[str]:
-        """The planner's words for the GPUs it cannot converge to a resolution without errors."""
-        if res.errors:
-            return []
-        plan = replies.plan_reply(self.rec, res, observation)
-        return [infeasible_text(g) for g in plan.gpus if g.infeasible]
-
 
     async def op_plan(self, text: str | None = None, path: str | None = None) -> wire_replies.PlanReply:
         if text is None:  # the file in force, against the host as it is now

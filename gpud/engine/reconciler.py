@@ -25,6 +25,7 @@ from gpud.engine.apply_lock import ApplyLock, ApplyLockRefused
 from gpud.engine.boot.reboot_policy import RebootPolicy
 from gpud.engine.boot.rebuild import BootRebuild, boot_id
 from gpud.engine.events import EventBus
+from gpud.engine.feasibility import judged
 from gpud.engine.gpu_state import PHASE_ORDER, Action, BindAction, GpuState, MigAction, converged_message, step_count
 from gpud.engine.gpu_tasks import for_each_gpu
 from gpud.engine.hooks.phases import apply_with_hooks
@@ -92,7 +93,7 @@ class Reconciler:
         # boot_id_path None: this boot is not told apart from the last (tests without a host's boot id)
         self.boot_rebuild = BootRebuild(state_dir, boot_id(boot_id_path), bus, read_only=read_only,
                                         problems=self.state_problems)
-        self.layout_file = LayoutKeeper(config_path, bus, self._observe)
+        self.layout_file = LayoutKeeper(config_path, bus, self._observe, judge=lambda *a: judged(self.next_action, *a))
         self.operand_guard: OperandGuard | None = None  # --kube-node: the kube agent
         self.scheduler = PassScheduler()
         self.holder_watch = HolderWatch(self._holder_exited)
@@ -160,8 +161,7 @@ class Reconciler:
         (`select`: a layout chosen over the file's `selected`), the host read off the event loop."""
         return await self.layout_file.evaluate_async(text, path, self._observe_async, select=select)
 
-    async def evaluate_each_async(self, text: str, path: str, names: list[str],
-                                  ) -> tuple[list[tuple[str, Resolution]], Observation]:
+    async def evaluate_each_async(self, text: str, path: str, names: list[str]) -> list[tuple[str, Resolution]]:
         """Layouts `names` of one text, each resolved as if selected, from one parse and one host read."""
         return await self.layout_file.evaluate_each_async(text, path, names, self._observe_async)
 
