@@ -336,6 +336,7 @@ class Daemon:
                 fate = "ended" if left.ended else "still blocked in the kernel; its device waits for it"
                 self.bus.publish("warning", f"{what}: {fate}", gpu=left.pci)
         await self.rec.load_config_async()
+        await self.rec.leases.start()  # lease records against NVML before anyone can ask (engine.leases.startup)
         handler = RequestHandler(self.rec, notifier=self.notifier, dev_root=self.host.dev_root,
                                  loop_lag=self.loop_lag, labels=self.labels, kube_agent=self.kube)
         try:
