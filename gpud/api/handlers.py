@@ -132,10 +132,10 @@ class RequestHandler:
             too_costly = cost_error(len(text.encode("utf-8", "surrogatepass")), len(layout.layouts))
             if too_costly is not None:
                 raise ApiError(wire.E_BAD_ARGS, f"check --all-layouts: {too_costly}")
-            for name in layout.layouts:
-                if name != res.selected:
-                    _, other, _ = await self._evaluate(text, path, select=name)
-                    others.append((name, other))
+            names = [name for name in layout.layouts if name != res.selected]
+            peer = self._peer.get()
+            async with self.fair.turn(peer.uid if peer is not None else 0):
+                others = await self.rec.evaluate_each_async(text, path, names)
         return replies.check_reply(res, others=others)
 
     async def _evaluate(self, text: str, path: str, *, select: str | None = None):

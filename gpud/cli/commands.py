@@ -33,6 +33,18 @@ from gpud.cli.transport import DEFAULT_SOCKET, DEFAULT_TIMEOUT, NO_LIMIT, Client
 DEFAULT_LAYOUT = "/etc/gpud/layout.yaml"
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_UNREACHABLE, EXIT_INVALID, EXIT_NOT_CONVERGED = 0, 1, 2, 3, 4, 5
+EXIT_STILL_WORKING = 6  # connected and asked, but no answer within --reply-timeout
+
+
+def _seconds(text: str) -> float:
+    """--reply-timeout's value: a positive number of seconds."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError("must be more than 0 seconds")
+    return value
 
 
 class UsageError(Exception):
@@ -155,9 +167,9 @@ def cmd_apply(c: Client, a: argparse.Namespace) -> int:
         raise UsageError("--timeout must be positive")
     # the daemon enforces the timeout; the client waits a little longer to hear its answer
     if not a.wait:
-        deadline = DEFAULT_TIMEOUT
+        deadline = a.reply_timeout
     else:
-        deadline = NO_LIMIT if a.timeout is None else a.timeout + 30.0
+        deadline = NO_LIMIT if a.timeout is None else a.timeout + a.reply_timeout
     args = {"wait": a.wait, "timeout": a.timeout}
     if a.wait and not a.json:
         r = _apply_following(c, a, args, deadline)
@@ -269,7 +281,7 @@ def cmd_lease(c: Client, a: argparse.Namespace) -> int:
         args["pid"] = a.pid
     if a.start is not None:
         args["start"] = a.start
-    r: wire_replies.LeaseInfo = c.request("lease", args, timeout=NO_LIMIT)
+    r: wire_replies.LeaseInfo = c.request("lease", args)
     print(to_json(r) if a.json else render_lease(r))
     return EXIT_OK
 
@@ -435,7 +447,7 @@ def _command_named(argv: list[str]) -> str | None:
     for w in words:
         if w in ("-h", "--help"):
             return None
-        if w == "--socket":
+        if w in ("--socket", "--reply-timeout"):
             next(words, None)
         elif not w.startswith("-"):
             return w if w in COMMANDS else None
@@ -451,6 +463,9 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     p = _Parser(prog="gpudctl", description="Query and drive gpud, the GPU layout daemon.")
     p.add_argument("--socket", default=os.environ.get("GPUD_SOCKET") or DEFAULT_SOCKET,
                    help=f"gpud socket (default: $GPUD_SOCKET or {DEFAULT_SOCKET})")
+    p.add_argument("--reply-timeout", type=_seconds, default=DEFAULT_TIMEOUT, metavar="S",
+                   help=f"wait S seconds for gpud's answer (default {DEFAULT_TIMEOUT:g}); past that, exit "
+                        f"{EXIT_STILL_WORKING}: gpud took the request and is still working on it")
     sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, add in COMMANDS.items():
         if only is None or name == only:

@@ -16,6 +16,7 @@ Exit codes (stable, for scripts):
      `release`: no such lease
   5  not converged: `apply --wait` ended blocked, failed or timed out; `release`: the instance is in use
      (on-busy: fail)
+  6  still working: gpud took the request but did not answer within --reply-timeout (default 30 s)
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from gpud.cli.commands import (
     EXIT_INVALID,
     EXIT_NOT_CONVERGED,
     EXIT_OK,
+    EXIT_STILL_WORKING,
     EXIT_UNREACHABLE,
     EXIT_USAGE,
     LocalError,
@@ -66,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
         a = parser.parse_args(argv)
     except SystemExit as e:  # argparse: 2 on usage errors, 0 for --help
         return e.code if isinstance(e.code, int) else EXIT_USAGE
-    client = Client(a.socket)
+    client = Client(a.socket, timeout=a.reply_timeout)
     try:
         return a.func(client, a)
     except UsageError as e:
@@ -77,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_UNREACHABLE
     except WaitTimeout as e:
         _err(str(e))
-        return EXIT_NOT_CONVERGED if a.command == "apply" else EXIT_UNREACHABLE
+        return EXIT_NOT_CONVERGED if a.command == "apply" else EXIT_STILL_WORKING
     except DaemonError as e:
         _err(e.message if e.code == wire.E_INVALID_LAYOUT else str(e))
         if e.code == wire.E_INVALID_LAYOUT:

@@ -167,6 +167,10 @@ class Reconciler:
         (`select`: a layout chosen over the file's `selected`), the host read off the event loop."""
         return await self.layout_file.evaluate_async(text, path, self._observe_async, select=select)
 
+    async def evaluate_each_async(self, text: str, path: str, names: list[str]) -> list[tuple[str, Resolution]]:
+        """Layouts `names` of one text, each resolved as if selected, from one parse and one host read."""
+        return await self.layout_file.evaluate_each_async(text, path, names, self._observe_async)
+
     async def _observe_async(self, match: tuple[MatchRule, ...]) -> Observation:
         """The host as `match` selects it, read in a worker thread. For the layout in force's own
         `match:` this is a re-read of the current observation (status sees it too)."""

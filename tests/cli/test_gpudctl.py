@@ -267,6 +267,37 @@ def test_daemon_hanging_up_without_answer_exits_3(tmp_path):
     assert r.returncode == 3 and "closed the connection" in r.stderr
 
 
+def test_a_daemon_that_took_the_request_but_has_not_answered_exits_6(tmp_path):
+    """Connected and asked, no answer within --reply-timeout: gpud is working, not unreachable (3)."""
+    path = str(tmp_path / "s")
+    lsock = socket.socket(socket.AF_UNIX)
+    lsock.bind(path)
+    lsock.listen()
+    taken = threading.Event()
+
+    def accept_and_keep_quiet():
+        conn, _ = lsock.accept()
+        conn.recv(65536)
+        taken.set()
+        release.wait(30)
+        conn.close()
+
+    release = threading.Event()
+    t = threading.Thread(target=accept_and_keep_quiet, daemon=True)
+    t.start()
+    try:
+        layout_file = tmp_path / "many.yaml"
+        layout_file.write_text("version: v1\nlayouts: {a: [], b: []}\n")
+        r = run(path, "--reply-timeout", "0.5", "check", "--all-layouts", str(layout_file))
+    finally:
+        release.set()
+        t.join(30)
+        lsock.close()
+    assert taken.is_set()
+    assert r.returncode == 6 and "did not answer within 0.5 s" in r.stderr
+    assert run(path, "--reply-timeout", "0", "status").returncode == 2
+
+
 CLI_MODULES = sorted(f"gpud.cli.{p.stem}" for p in (REPO / "gpud" / "cli").glob("*.py") if p.stem != "__init__")
 
 
