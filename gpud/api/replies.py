@@ -148,7 +148,8 @@ def layout_status(rec: Reconciler) -> wire_replies.LayoutStatus:
     shown_errors, errors_omitted = capped(errors, "errors")
     shown_warnings, warnings_omitted = capped(warnings, "warnings")
     selected = rec.layout.layout.selected if rec.layout is not None and rec.layout.layout is not None else None
-    return wire_replies.LayoutStatus(path=rec.config_path, selected=selected,
+    chosen = selected is not None and selected == rec.layout_file.select and not rec.layout_file.label_selects
+    return wire_replies.LayoutStatus(path=rec.config_path, selected=selected, chosen=chosen,
                                      valid=not errors, errors=shown_errors, warnings=shown_warnings,
                                      errors_omitted=errors_omitted, warnings_omitted=warnings_omitted)
 

@@ -46,7 +46,7 @@ E_TIMEOUT = "timeout"
 
 READ_OPS = frozenset({"status", "check", "plan", "events", "version", "mig-profiles", "passthrough", "stats",
                       "labels", "vgpu-types"})
-WRITE_OPS = frozenset({"apply", "reload"})
+WRITE_OPS = frozenset({"apply", "reload", "select"})
 OPS = READ_OPS | WRITE_OPS
 
 
@@ -121,6 +121,10 @@ class CheckArgs(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     all_layouts: bool = False  # check every entry of `layouts`, as a node label may select any
 
 
+class SelectArgs(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    name: str | None = None  # a layout of the file (mig-parted's `apply -c NAME`); None: the file's own
+
+
 class PlanArgs(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     text: str | None = None  # None: plan against the daemon's current layout
     path: str | None = None
@@ -145,6 +149,7 @@ ARGS: dict[str, type[msgspec.Struct]] = {
     "plan": PlanArgs,
     "apply": ApplyArgs,
     "reload": NoArgs,
+    "select": SelectArgs,
     "events": EventsArgs,
     "version": NoArgs,
     "mig-profiles": MigProfilesArgs,

@@ -168,6 +168,10 @@ def cmd_apply(c: Client, a: argparse.Namespace) -> int:
         deadline = a.reply_timeout
     else:
         deadline = NO_LIMIT if a.timeout is None else a.timeout + a.reply_timeout
+    if a.config is not None:  # mig-parted's `apply -c NAME`: that layout of the file, kept, then the apply
+        chosen: wire_replies.LayoutStatus = c.request("select", {"name": a.config})
+        if not a.json:
+            print(f"selected: {chosen.selected} (kept across restarts; gpudctl select --file goes back to the file's)")
     args = {"wait": a.wait, "timeout": a.timeout}
     if a.wait and not a.json:
         r = _apply_following(c, a, args, deadline)
@@ -232,6 +236,18 @@ def cmd_reload(c: Client, a: argparse.Namespace) -> int:
         lines = [f"reloaded {r.path}: {state}{selected}"]
         lines += [f"error: {e}" for e in r.errors] + [f"warning: {w}" for w in r.warnings]
         print("\n".join(lines))
+    return _layout_exit(r.valid, r.errors)
+
+
+def cmd_select(c: Client, a: argparse.Namespace) -> int:
+    if (a.name is None) == (not a.file):
+        raise UsageError("give a layout NAME, or --file for the file's own `selected`")
+    r: wire_replies.LayoutStatus = c.request("select", {"name": a.name})
+    if a.json:
+        print(to_json(r))
+    else:
+        print(f"selected: {r.selected}" + (" (kept across restarts; `gpudctl apply` converges to it)" if r.chosen
+                                           else " (the file's own)"))
     return _layout_exit(r.valid, r.errors)
 
 
@@ -337,7 +353,16 @@ def _add_apply(sub: Any) -> None:
     s = _with_json(sub.add_parser("apply", help="converge now"))
     s.add_argument("--wait", action="store_true", help="wait until converged, blocked or failed")
     s.add_argument("--timeout", type=float, metavar="S", help="give up waiting after S seconds")
+    s.add_argument("-c", "--config", metavar="NAME", help="first select layout NAME of the file, over its "
+                   "`selected` (as nvidia-mig-parted apply -c; kept across restarts)")
     s.set_defaults(func=cmd_apply)
+
+
+def _add_select(sub: Any) -> None:
+    s = _with_json(sub.add_parser("select", help="put a layout of the file in force, over its `selected`"))
+    s.add_argument("name", nargs="?", metavar="NAME", help="a layout of the file (mig-parted's -c NAME)")
+    s.add_argument("--file", action="store_true", help="the file's own `selected` again")
+    s.set_defaults(func=cmd_select)
 
 
 def _add_reload(sub: Any) -> None:
@@ -383,7 +408,7 @@ def _add_passthrough(sub: Any) -> None:
 
 # Each command's sub-parser, in the order `gpudctl --help` lists them.
 COMMANDS = {"status": _add_status, "check": _add_check, "labels": _add_labels, "plan": _add_plan,
-            "apply": _add_apply, "reload": _add_reload, "events": _add_events, "version": _add_version,
+            "apply": _add_apply, "select": _add_select, "reload": _add_reload, "events": _add_events, "version": _add_version,
             "mig": _add_mig, "vgpu": _add_vgpu, "passthrough": _add_passthrough}
 
 
