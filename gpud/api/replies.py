@@ -382,7 +382,7 @@ def table_profile_info(model: ModelInfo, profile: MigProfile) -> wire_replies.Pr
     marked unknown; how many instances are free is unknown too (nothing can count them)."""
     fields = model.unknown_fields(profile.name)
     unknown = [_WIRE_FIELD[f] for f in fields if f in _WIRE_FIELD]
-    if "id" in fields:  # a profile known by name only: no listing shows even its P2P flag
+    if "memory_mb" in fields:  # a profile no listing shows: not even its P2P flag is known
         unknown.append("p2p")
     return wire_replies.ProfileInfo(
         id=profile.id, name=profile.name, memory_mb=profile.memory_mb, sms=profile.sms, slices=profile.slices,
