@@ -32,6 +32,7 @@ from gpud.engine.hooks.phases import apply_with_hooks
 from gpud.engine.hooks.runner import HookFailed
 from gpud.engine.kube.operands import OperandGuard, OperandsNotPaused
 from gpud.engine.layout_keeper import LayoutKeeper
+from gpud.engine.leases.engine import LeaseEngine
 from gpud.engine.observe.discovery import Observation
 from gpud.engine.observe.gpu_index import GpuIndex, index_path
 from gpud.engine.observe.gpu_set import GpuSetNotes, gone_message
@@ -118,6 +119,11 @@ class Reconciler:
         # the one current observation: read off the loop, re-read on change and while clients ask
         self.observer = Observer(self._read_host, self._install, max_age=max_status_age,
                                  busy=lambda: bool(self.steps.inflight))
+        # MIG on demand on the dynamic GPUs: beside the pass, never behind it (engine/leases)
+        self.leases = LeaseEngine(hardware, bus, state_dir=state_dir, problems=self.state_problems,
+                                  gate=self.steps.nvml_gate, dynamic=self._dynamic_gpus, policy=lambda: self.policy,
+                                  reread=self.refresh_async, observed_at=lambda: self.observer.started,
+                                  read_only=read_only)
 
     # ---- the file (kept by self.layout_file) ----------------------------------------------
     @property
@@ -160,6 +166,10 @@ class Reconciler:
         """Parse a layout text and resolve it against this host as that layout's own `match:` sees it
         (`select`: a layout chosen over the file's `selected`), the host read off the event loop."""
         return await self.layout_file.evaluate_async(text, path, self._observe_async, select=select)
+
+    async def evaluate_each_async(self, text: str, path: str, names: list[str]) -> list[tuple[str, Resolution]]:
+        """Layouts `names` of one text, each resolved as if selected, from one parse and one host read."""
+        return await self.layout_file.evaluate_each_async(text, path, names, self._observe_async)
 
     async def _observe_async(self, match: tuple[MatchRule, ...]) -> Observation:
         """The host as `match` selects it, read in a worker thread. For the layout in force's own
@@ -259,6 +269,13 @@ class Reconciler:
         """The host re-read; the GPU at `pci` as it is now (None: gone from the bus)."""
         await self.refresh_async()
         return self._gpu(pci)
+
+    def _dynamic_gpus(self) -> list[tuple[Gpu, DesiredGpu]]:
+        """The GPUs the layout in force marks `mig-devices: dynamic`, as last observed."""
+        res = self.resolution
+        if res is None or res.errors:
+            return []
+        return [(g, d) for g in self.observation.gpus if (d := res.desired.get(g.pci)) is not None and d.dynamic]
 
     def _gpu(self, pci: str) -> Gpu | None:
         """The GPU at `pci` in the last observation."""

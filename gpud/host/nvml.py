@@ -469,6 +469,16 @@ class Nvml:
             out.append(GpuInstance(id=gi.id, profile_id=gi.profile_id, placement=gi.placement, cis=tuple(cis)))
         return tuple(out)
 
+    @_in_session
+    def mig_device(self, pci: str, gi_id: int, ci_id: int) -> tuple[str, tuple[Holder, ...]] | None:
+        """The MIG device of one CI: its UUID and the processes in it (None: no such CI), without
+        reading the whole GPU (a lease's answer, a release's busy check)."""
+        h = self._handle(pci)
+        probe = GpuInstance(id=gi_id, profile_id=-1, placement=Placement(0, 0),
+                            cis=(ComputeInstance(id=ci_id, profile_id=-1, slices=0, uuid=""),))
+        ci = self._attach_ci_details(pci, h, (probe,))[0].cis[0]
+        return (ci.uuid, ci.holders) if ci.uuid else None
+
     def _max_mig_devices(self, pci: str, h: Any) -> int:
         """nvmlDeviceGetMaxMigDeviceCount with MIG on: the GPU's most MIG devices, kept for the session
         (with MIG off it answers 0, so it is asked only with MIG on, and a mode change drops it)."""
