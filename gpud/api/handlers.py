@@ -22,6 +22,7 @@ from gpud.api.status_snapshot import StatusSnapshot
 from gpud.engine.binding import passthrough
 from gpud.engine.events import EventQueue
 from gpud.engine.kube.node_labels_out import LabelsOut
+from gpud.engine.leases.engine import LeaseRefused
 from gpud.engine.queries import EngineError, InvalidLayout, NoSuchGpu, select_gpus, start_apply
 from gpud.engine.reconciler import Reconciler
 from gpud.host.nvml import NvmlError
@@ -29,6 +30,11 @@ from gpud.layout.resolve import Resolution
 from gpud.loop_lag import LoopLagProbe
 
 # Engine refusals -> wire error codes (anything else unexpected is the server's "internal").
+# The lease engine's refusals -> wire error codes.
+_LEASE_CODES = {"no-room": wire.E_NO_ROOM, "not-found": wire.E_NOT_FOUND, "busy": wire.E_IN_USE,
+                "conflict": wire.E_CONFLICT, "failed": wire.E_FAILED, "bad-args": wire.E_BAD_ARGS,
+                "forbidden": wire.E_FORBIDDEN}
+
 _CODES: dict[type[EngineError], str] = {
     InvalidLayout: wire.E_INVALID_LAYOUT,
     NoSuchGpu: "not-found",
@@ -189,6 +195,35 @@ class RequestHandler:
             raise InvalidLayout("; ".join(errors[:10]) or f"layout {name!r} was refused")
         self.rec.kick(f"layout {name!r} selected" if name else "the file's own layout selected")
         return replies.layout_status(self.rec)
+
+    # ---- leases (gpud.engine.leases): MIG on demand on the dynamic GPUs ------------------------
+    def lease_group(self) -> str | None:
+        """The group whose members may lease (the layout in force's policy.lease-group)."""
+        policy = self.rec.policy
+        return policy.lease_group if policy is not None else None
+
+    async def op_lease(self, profile: str, gpu: str | None = None, owner: str = "", pid: int | None = None,
+                       start: int | None = None) -> wire_replies.LeaseInfo:
+        peer = self._peer.get()
+        rec = await self._leasing(self.rec.leases.lease(profile, gpu=gpu, owner=owner, pid=pid, start=start,
+                                                        uid=peer.uid if peer is not None else 0))
+        index = {g.pci: g.index for g in self.rec.observation.gpus}
+        return replies.lease_info(rec, index.get(rec.gpu))
+
+    async def op_release(self, id: str, wait: bool = True) -> wire_replies.ReleaseReply:  # noqa: A002 - the wire's name
+        peer = self._peer.get()
+        rec = await self._leasing(self.rec.leases.release(id, uid=peer.uid if peer is not None else 0, wait=wait))
+        return wire_replies.ReleaseReply(lease=replies.lease_info(rec), message=f"lease {id} released")
+
+    async def op_leases(self) -> wire_replies.LeasesReply:
+        return replies.leases_reply(self.rec)
+
+    @staticmethod
+    async def _leasing(call):
+        try:
+            return await call
+        except LeaseRefused as e:
+            raise ApiError(_LEASE_CODES.get(e.code, wire.E_FAILED), str(e)) from e
 
     async def op_mig_profiles(self, gpu: str | None = None) -> wire_replies.MigProfilesReply:
         await self.rec.refresh_async()

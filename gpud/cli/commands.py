@@ -18,6 +18,8 @@ from gpud.cli.render import (
     render_gpu,
     render_kubernetes,
     render_labels,
+    render_lease,
+    render_leases,
     render_mig_profiles,
     render_passthrough,
     render_plan,
@@ -287,6 +289,31 @@ def cmd_mig_profiles(c: Client, a: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_lease(c: Client, a: argparse.Namespace) -> int:
+    args: dict[str, Any] = {"profile": a.profile, "owner": a.owner}
+    if a.gpu is not None:
+        args["gpu"] = a.gpu
+    if a.pid is not None:
+        args["pid"] = a.pid
+    if a.start is not None:
+        args["start"] = a.start
+    r: wire_replies.LeaseInfo = c.request("lease", args)
+    print(to_json(r) if a.json else render_lease(r))
+    return EXIT_OK
+
+
+def cmd_release(c: Client, a: argparse.Namespace) -> int:
+    r: wire_replies.ReleaseReply = c.request("release", {"id": a.id, "wait": not a.no_wait}, timeout=NO_LIMIT)
+    print(to_json(r) if a.json else r.message)
+    return EXIT_OK
+
+
+def cmd_leases(c: Client, a: argparse.Namespace) -> int:
+    r: wire_replies.LeasesReply = c.request("leases")
+    print(to_json(r) if a.json else render_leases(r.leases))
+    return EXIT_OK
+
+
 def cmd_vgpu_types(c: Client, a: argparse.Namespace) -> int:
     r: wire_replies.VgpuTypesReply = c.request("vgpu-types", {"gpu": a.gpu} if a.gpu is not None else {})
     print(to_json(r) if a.json else render_vgpu_types(r))
@@ -406,10 +433,36 @@ def _add_passthrough(sub: Any) -> None:
     s.set_defaults(func=cmd_passthrough)
 
 
+def _add_lease(sub: Any) -> None:
+    s = _with_json(sub.add_parser("lease", help="a MIG instance (or a whole GPU) on a dynamic GPU, for a job"))
+    s.add_argument("profile", metavar="PROFILE",
+                   help="a MIG device name as the layout takes it (1g.10gb, 1c.3g.40gb, ...), or 'gpu' for a "
+                        "whole GPU (with --gpu)")
+    s.add_argument("--gpu", metavar="SEL", help="only this GPU: index, PCI address or UUID")
+    s.add_argument("--owner", default="", metavar="TEXT", help="who holds it (a job id), shown in status")
+    s.add_argument("--pid", type=int, metavar="PID",
+                   help="release it when this process is gone and the instance idle")
+    s.add_argument("--start", type=int, metavar="SLICE", help="exactly this placement (with --gpu)")
+    s.set_defaults(func=cmd_lease)
+
+
+def _add_release(sub: Any) -> None:
+    s = _with_json(sub.add_parser("release", help="give a lease back: its instance is destroyed"))
+    s.add_argument("id", metavar="ID", help="the lease id `gpudctl lease` printed")
+    s.add_argument("--no-wait", action="store_true", help="refuse at once when processes use it (exit 5)")
+    s.set_defaults(func=cmd_release)
+
+
+def _add_leases(sub: Any) -> None:
+    s = _with_json(sub.add_parser("leases", help="every lease, with its GPU, placement and holder"))
+    s.set_defaults(func=cmd_leases)
+
+
 # Each command's sub-parser, in the order `gpudctl --help` lists them.
 COMMANDS = {"status": _add_status, "check": _add_check, "labels": _add_labels, "plan": _add_plan,
             "apply": _add_apply, "select": _add_select, "reload": _add_reload, "events": _add_events, "version": _add_version,
-            "mig": _add_mig, "vgpu": _add_vgpu, "passthrough": _add_passthrough}
+            "mig": _add_mig, "vgpu": _add_vgpu, "passthrough": _add_passthrough, "lease": _add_lease,
+            "release": _add_release, "leases": _add_leases}
 
 
 def _command_named(argv: list[str]) -> str | None:
