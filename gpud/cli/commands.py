@@ -10,6 +10,8 @@ import os
 import sys
 from typing import Any
 
+import msgspec
+
 from gpud.api import wire, wire_replies
 from gpud.cli.render import (
     event_json,
@@ -137,7 +139,10 @@ def cmd_check(c: Client, a: argparse.Namespace) -> int:
     args: dict[str, Any] = {"text": text, "path": path}
     if a.all_layouts:
         args["all_layouts"] = True
-    r: wire_replies.CheckReply = c.request("check", args)
+    try:
+        r: wire_replies.CheckReply = c.request("check", args)
+    except Unreachable as e:  # no daemon: the same check in a process of its own, the host only read
+        r = _check_offline(text, path, a.all_layouts, e)
     if a.json:
         print(to_json(r))
     else:
@@ -148,6 +153,19 @@ def cmd_check(c: Client, a: argparse.Namespace) -> int:
         lines += [f"note: {d}" for d in r.dynamic]
         print("\n".join(lines))
     return _layout_exit(r.valid, r.errors)
+
+
+def _check_offline(text: str, path: str, all_layouts: bool, why: Unreachable) -> wire_replies.CheckReply:
+    """`gpud check` (gpud.check_offline): the daemon's code in another process, so gpudctl itself
+    stays light; its reply is the daemon's own type."""
+    import subprocess
+
+    print(f"gpudctl: {why}; checking offline (the host is only read)", file=sys.stderr)
+    argv = [sys.executable, "-m", "gpud.main", "check", "--path", path, "-"] + (["--all-layouts"] if all_layouts else [])
+    done = subprocess.run(argv, input=text.encode(), capture_output=True)
+    if done.returncode not in (0, 4):
+        raise LocalError(f"the offline check failed: {done.stderr.decode(errors='replace').strip()[-2000:]}")
+    return msgspec.json.decode(done.stdout, type=wire_replies.CheckReply)
 
 
 def cmd_plan(c: Client, a: argparse.Namespace) -> int:
