@@ -150,7 +150,7 @@ class Daemon:
         self.kube: KubeAgent | None = None  # with --kube-node
         self.kube_applier: ReconcilerApplier | None = None
         self._kube_passes = 0
-        self._labels_passes = -1
+        self._labels_passes: tuple[int, tuple[str, ...]] | None = None
         if args.kube_node:
             self._start_kube(self.host.rebooter)
 
@@ -168,6 +168,7 @@ class Daemon:
             raise RuntimeError(f"--kube-node {self.args.kube_node}: {e}") from e
         applier = ReconcilerApplier(self.rec, None if self.args.read_only else self.args.state_dir)
         self.rec.layout_file.label_selects = True  # the node label chooses: `selected` may be absent
+        self.rec.layout_file.select = None  # ... and a `gpudctl select` kept from before does not
         agent = KubeAgent(api, applier, namespace=self.args.kube_namespace,
                           default_vgpu=self.args.default_vgpu_config or None, on_node=self._on_node_labels,
                           on_event=self._publish)
@@ -243,7 +244,8 @@ class Daemon:
 
     def _update_status(self) -> None:
         self.notifier.status(status_line.of(self.rec))
-        key = (self.rec.passes, self.rec.phase, tuple(self.rec.layout_issues[0]))
+        leased = tuple(self.rec.leases.book.records)  # a lease or release changes what both show
+        key = (self.rec.passes, self.rec.phase, tuple(self.rec.layout_issues[0]), leased)
         if self.args.metrics_textfile and key != self._metrics_key:  # after a pass or a layout change
             self._metrics_key = key
             from gpud.api.metrics import render
@@ -254,8 +256,8 @@ class Daemon:
             except OSError as e:
                 log.warning("metrics not written to %s: %s", self.args.metrics_textfile, e)
         done = self.rec.completed_passes
-        if done != self._labels_passes:  # after every pass (and once at start)
-            self._labels_passes = done
+        if (done, leased) != self._labels_passes:  # after every pass (and once at start), and each lease
+            self._labels_passes = (done, leased)
             self._write_labels()
         if self.kube is not None and done != self._kube_passes and self.rec.phase not in SETTLING_PHASES:
             self._kube_passes = done  # report a pass the agent did not start itself on the node

@@ -8,6 +8,7 @@ never a user parsing `--json`.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 from gpud import VERSION
@@ -15,6 +16,7 @@ from gpud.api import wire, wire_replies
 from gpud.engine.binding.passthrough import PassthroughEntry, kubevirt_entry
 from gpud.engine.gpu_state import BindAction, GpuState, MigAction, VgpuAction
 from gpud.engine.kube.node_labels_out import LabelsOut
+from gpud.engine.leases.records import LeaseRecord
 from gpud.engine.observe.discovery import Observation
 from gpud.engine.preview import GpuPreview, Rebind, preview
 from gpud.engine.queries import remaining_capacity
@@ -90,8 +92,24 @@ def vgpu_status(gpu: Gpu, rebuilt: list[str]) -> wire_replies.VgpuStatus | None:
         rebuilt=list(rebuilt))
 
 
+def lease_info(rec: LeaseRecord, index: int | None = None, now: float | None = None) -> wire_replies.LeaseInfo:
+    """A lease record as the wire shows it (the `lease` reply, `leases`, status per GPU)."""
+    now = time.time() if now is None else now
+    return wire_replies.LeaseInfo(
+        id=rec.id, gpu=rec.gpu, index=index, profile=rec.profile,
+        placement=f"{rec.placement.start}:{rec.placement.size}" if rec.placement is not None else None,
+        uuid=rec.uuid, devices=list(rec.devices), owner=rec.owner, uid=rec.uid, pid=rec.pid,
+        created=round(rec.created, 3), age_s=round(max(0.0, now - rec.created), 1), state=rec.state, note=rec.note)
+
+
+def leases_reply(rec: Reconciler) -> wire_replies.LeasesReply:
+    index = {g.pci: g.index for g in rec.observation.gpus}
+    return wire_replies.LeasesReply(leases=[lease_info(r, index.get(r.gpu)) for r in rec.leases.leases()])
+
+
 def gpu_status(gpu: Gpu, desired: DesiredGpu | None, state: GpuState | None,
-               rebuilt: list[str] | None = None) -> wire_replies.GpuStatus:
+               rebuilt: list[str] | None = None, leases: list[LeaseRecord] | None = None,
+               lease_free: dict[str, int] | None = None) -> wire_replies.GpuStatus:
     nv = gpu.nvml
     known = by_device(gpu.function.device)
     driver = gpu.function.driver
@@ -124,6 +142,9 @@ def gpu_status(gpu: Gpu, desired: DesiredGpu | None, state: GpuState | None,
                for c in gpu.companions],
         vfio_device=f"/dev/vfio/{group}" if driver == "vfio-pci" and group is not None else None,
         vgpu=vgpu_status(gpu, rebuilt or []),
+        dynamic=desired is not None and desired.dynamic,
+        leases=[lease_info(r, gpu.index) for r in leases or ()],
+        lease_free=lease_free or {},
     )
 
 
@@ -148,7 +169,8 @@ def layout_status(rec: Reconciler) -> wire_replies.LayoutStatus:
     shown_errors, errors_omitted = capped(errors, "errors")
     shown_warnings, warnings_omitted = capped(warnings, "warnings")
     selected = rec.layout.layout.selected if rec.layout is not None and rec.layout.layout is not None else None
-    return wire_replies.LayoutStatus(path=rec.config_path, selected=selected,
+    chosen = selected is not None and selected == rec.layout_file.select and not rec.layout_file.label_selects
+    return wire_replies.LayoutStatus(path=rec.config_path, selected=selected, chosen=chosen,
                                      valid=not errors, errors=shown_errors, warnings=shown_warnings,
                                      errors_omitted=errors_omitted, warnings_omitted=warnings_omitted)
 
@@ -184,8 +206,9 @@ def check_reply(resolution: Resolution, *, others: Sequence[tuple[str, Resolutio
 def status_reply(rec: Reconciler, *, kubernetes: wire_replies.KubernetesStatus | None = None) -> wire_replies.StatusReply:
     """What the engine last observed and concluded, never what it intended."""
     res = rec.resolution
+    free = rec.leases.free()
     gpus = [gpu_status(g, res.desired.get(g.pci) if res else None, rec.gpu_states.get(g.pci),
-                       rec.vgpus.rebuilt.get(g.pci))
+                       rec.vgpus.rebuilt.get(g.pci), rec.leases.on(g.pci), free.get(g.pci))
             for g in rec.observation.gpus]
     gpus += [gone_gpu_status(k, rec.gpu_states.get(k.pci)) for k in rec.observation.gone]
     gpus.sort(key=lambda g: g.index)
@@ -382,7 +405,7 @@ def table_profile_info(model: ModelInfo, profile: MigProfile) -> wire_replies.Pr
     marked unknown; how many instances are free is unknown too (nothing can count them)."""
     fields = model.unknown_fields(profile.name)
     unknown = [_WIRE_FIELD[f] for f in fields if f in _WIRE_FIELD]
-    if "id" in fields:  # a profile known by name only: no listing shows even its P2P flag
+    if "memory_mb" in fields:  # a profile no listing shows: not even its P2P flag is known
         unknown.append("p2p")
     return wire_replies.ProfileInfo(
         id=profile.id, name=profile.name, memory_mb=profile.memory_mb, sms=profile.sms, slices=profile.slices,

@@ -25,7 +25,7 @@ def _made_of(rec: Reconciler) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
     """(records compared by identity, values compared by equality) that status_reply reads."""
     states = rec.gpu_states
     rebuilt = tuple((pci, tuple(what)) for pci, what in rec.vgpus.rebuilt.items())  # a small, edited dict
-    return ((rec.observation, rec.resolution, rec.layout, *states.values()),
+    return ((rec.observation, rec.resolution, rec.layout, rec.leases.book.records, *states.values()),
             (rec.phase, rec.layout_issues, tuple(states), rec.config_path, rec.read_only,
              rec.boot_rebuild.summary, rebuilt, tuple(rec.state_problems.list()), rec.gpu_index.problem))
 

@@ -21,6 +21,7 @@ from collections.abc import Awaitable, Callable, Iterable
 
 import msgspec
 
+from gpud.engine import layout_choice
 from gpud.engine.apply_lock import ApplyLock, ApplyLockRefused
 from gpud.engine.boot.reboot_policy import RebootPolicy
 from gpud.engine.boot.rebuild import BootRebuild, boot_id
@@ -95,6 +96,9 @@ class Reconciler:
         self.boot_rebuild = BootRebuild(state_dir, boot_id(boot_id_path), bus, read_only=read_only,
                                         problems=self.state_problems)
         self.layout_file = LayoutKeeper(config_path, bus, self._observe, judge=lambda *a: judged(self.next_action, *a))
+        self.state_dir = state_dir
+        # `gpudctl select NAME`, kept across restarts (engine/layout_choice); a node label replaces it
+        self.layout_file.select = layout_choice.load(state_dir, self.state_problems)
         self.operand_guard: OperandGuard | None = None  # --kube-node: the kube agent
         self.scheduler = PassScheduler()
         self.holder_watch = HolderWatch(self._holder_exited)
@@ -160,6 +164,25 @@ class Reconciler:
         """Put layout `name` of the file in force instead of its `selected` (a node label's
         choice; None: the file's own again), read and checked off the event loop."""
         return self._taken(await self.layout_file.choose_async(name, self._observe_async))
+
+    async def select_layout_async(self, name: str | None) -> bool:
+        """`gpudctl select`: put layout `name` of the file in force (None: the file's own
+        `selected` again) and keep the choice across restarts. A name the file refuses changes
+        nothing: the choice in force before stays, and False is returned with the errors in
+        `layout_issues` until the next load."""
+        before = self.layout_file.select
+        if await self.choose_layout_async(name):
+            if not self.read_only:
+                try:
+                    layout_choice.save(self.state_dir, name)
+                except OSError as e:
+                    self.state_problems.say(layout_choice.FILE_NAME, f"the layout choice {name!r} is in force "
+                                            f"but was not kept ({e}): a restart goes back to the file's own")
+            self.bus.publish("layout-selected", f"layout {name!r} chosen by gpudctl select" if name
+                             else "the file's own `selected` is in force again")
+            return True
+        self.layout_file.select = before
+        return False
 
     async def evaluate_async(self, text: str, path: str, *, select: str | None = None,
                              ) -> tuple[ParsedLayout, Resolution, Observation]:

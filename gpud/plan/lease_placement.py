@@ -223,6 +223,12 @@ def describe_room(room: Room) -> str:
     return f"free memory slices {where} ({free} of {total}); fits {', '.join(fits) or 'nothing'}"
 
 
+def capacity(room: Room) -> dict[str, int]:
+    """Per GI profile, how many more leases of it fit on the GPU now (each alone, not together)."""
+    mask = _used_mask(room)
+    return {p.name: _placeable(p, mask, _left(room, p)) for p in _by_size(room.profiles) if p.placements}
+
+
 def shortfall(name: str, rooms: Sequence[Room]) -> str:
     """What each dynamic GPU has free and what would fit there, for a refused lease."""
     per = "; ".join(f"{r.where or r.pci}: {describe_room(r)}" for r in rooms)

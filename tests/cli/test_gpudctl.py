@@ -64,7 +64,8 @@ def test_status_json_shape(daemon):
                         "kubernetes", "rebuilt_after_boot", "state_files"}
     g0 = doc["gpus"][0]
     assert {"index", "pci", "uuid", "model", "pci_id", "driver", "workload", "iommu_group", "numa_node", "mig",
-            "converged", "state", "message", "holders", "group", "vfio_device", "vgpu"} == set(g0)
+            "converged", "state", "message", "holders", "group", "vfio_device", "vgpu", "dynamic", "leases",
+            "lease_free"} == set(g0)
     assert g0["mig"]["instances"][0] == {"profile": "1g.18gb", "placement": {"start": 4, "size": 1}, "gi": 11,
                                          "ci": 0, "uuid": MIG_UUIDS[4], "holders": [], "ci_placement": None}
     assert g0["group"][0]["class"] == "0x030200"

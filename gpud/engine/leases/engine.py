@@ -42,7 +42,7 @@ from gpud.host.state_files import Problems
 from gpud.layout.desired import DesiredGpu
 from gpud.layout.schema import Policy
 from gpud.model import Gpu, Holder, NvmlGpu, Placement
-from gpud.plan.lease_placement import Choice, NoRoom, Room, UnknownProfile, choose, exact
+from gpud.plan.lease_placement import Choice, NoRoom, Room, UnknownProfile, capacity, choose, exact
 from gpud.profiles import by_device, model_name, with_model_ci_profiles
 
 log = logging.getLogger(__name__)
@@ -92,6 +92,11 @@ class LeaseEngine:
 
     def on(self, pci: str) -> list[LeaseRecord]:
         return [r for r in self.leases() if r.gpu == pci]
+
+    def free(self) -> dict[str, dict[str, int]]:
+        """Per dynamic GPU (PCI address), how many more leases of each GI profile fit now (metrics)."""
+        rooms, _ = self._rooms(None)
+        return {r.pci: capacity(r) for r in rooms}
 
     # ---- start ---------------------------------------------------------------------------------
     async def start(self) -> None:
