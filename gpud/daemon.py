@@ -168,6 +168,7 @@ class Daemon:
             raise RuntimeError(f"--kube-node {self.args.kube_node}: {e}") from e
         applier = ReconcilerApplier(self.rec, None if self.args.read_only else self.args.state_dir)
         self.rec.layout_file.label_selects = True  # the node label chooses: `selected` may be absent
+        self.rec.layout_file.select = None  # ... and a `gpudctl select` kept from before does not
         agent = KubeAgent(api, applier, namespace=self.args.kube_namespace,
                           default_vgpu=self.args.default_vgpu_config or None, on_node=self._on_node_labels,
                           on_event=self._publish)

@@ -136,6 +136,10 @@ class RequestHandler:
             peer = self._peer.get()
             async with self.fair.turn(peer.uid if peer is not None else 0):
                 others = await self.rec.evaluate_each_async(text, path, names)
+            named_wrong = any(e.path == "selected" and not e.message.startswith("missing") for e in res.errors)
+            if res.selected is None and others and not named_wrong:
+                # no `selected` (a mig-parted file): every layout is checked as chosen, none is missing
+                (_, res), others = others[0], others[1:]
         return replies.check_reply(res, others=others)
 
     async def _evaluate(self, text: str, path: str, *, select: str | None = None):
@@ -176,6 +180,20 @@ class RequestHandler:
         finally:
             if self.notifier is not None:
                 self.notifier.ready()
+        return replies.layout_status(self.rec)
+
+    async def op_select(self, name: str | None = None) -> wire_replies.LayoutStatus:
+        """Put layout `name` of the file in force over its `selected`, kept across restarts
+        (mig-parted's `apply -c NAME`); the pass it needs runs on its own (`apply` starts it).
+        With --kube-node the node label chooses, so this is refused."""
+        if self.rec.layout_file.label_selects:
+            raise ApiError(wire.E_FORBIDDEN, "with --kube-node the node label nvidia.com/mig.config chooses the "
+                                             "layout; gpudctl select is not taken")
+        if not await self.rec.select_layout_async(name):
+            errors = list(self.rec.layout_issues[0])
+            await self.rec.load_config_async()  # the issues of the layout still in force again
+            raise InvalidLayout("; ".join(errors[:10]) or f"layout {name!r} was refused")
+        self.rec.kick(f"layout {name!r} selected" if name else "the file's own layout selected")
         return replies.layout_status(self.rec)
 
     # ---- leases (gpud.engine.leases): MIG on demand on the dynamic GPUs ------------------------

@@ -169,7 +169,8 @@ def layout_status(rec: Reconciler) -> wire_replies.LayoutStatus:
     shown_errors, errors_omitted = capped(errors, "errors")
     shown_warnings, warnings_omitted = capped(warnings, "warnings")
     selected = rec.layout.layout.selected if rec.layout is not None and rec.layout.layout is not None else None
-    return wire_replies.LayoutStatus(path=rec.config_path, selected=selected,
+    chosen = selected is not None and selected == rec.layout_file.select and not rec.layout_file.label_selects
+    return wire_replies.LayoutStatus(path=rec.config_path, selected=selected, chosen=chosen,
                                      valid=not errors, errors=shown_errors, warnings=shown_warnings,
                                      errors_omitted=errors_omitted, warnings_omitted=warnings_omitted)
 
@@ -404,7 +405,7 @@ def table_profile_info(model: ModelInfo, profile: MigProfile) -> wire_replies.Pr
     marked unknown; how many instances are free is unknown too (nothing can count them)."""
     fields = model.unknown_fields(profile.name)
     unknown = [_WIRE_FIELD[f] for f in fields if f in _WIRE_FIELD]
-    if "id" in fields:  # a profile known by name only: no listing shows even its P2P flag
+    if "memory_mb" in fields:  # a profile no listing shows: not even its P2P flag is known
         unknown.append("p2p")
     return wire_replies.ProfileInfo(
         id=profile.id, name=profile.name, memory_mb=profile.memory_mb, sms=profile.sms, slices=profile.slices,

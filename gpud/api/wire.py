@@ -52,7 +52,7 @@ E_FAILED = "failed"  # NVML or the state directory refused; nothing leased
 
 READ_OPS = frozenset({"status", "check", "plan", "events", "version", "mig-profiles", "passthrough", "stats",
                       "labels", "vgpu-types", "leases"})
-WRITE_OPS = frozenset({"apply", "reload"})
+WRITE_OPS = frozenset({"apply", "reload", "select"})
 LEASE_OPS = frozenset({"lease", "release"})  # root, or members of the layout's policy.lease-group
 OPS = READ_OPS | WRITE_OPS | LEASE_OPS
 
@@ -128,6 +128,10 @@ class CheckArgs(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     all_layouts: bool = False  # check every entry of `layouts`, as a node label may select any
 
 
+class SelectArgs(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    name: str | None = None  # a layout of the file (mig-parted's `apply -c NAME`); None: the file's own
+
+
 class PlanArgs(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     text: str | None = None  # None: plan against the daemon's current layout
     path: str | None = None
@@ -165,6 +169,7 @@ ARGS: dict[str, type[msgspec.Struct]] = {
     "plan": PlanArgs,
     "apply": ApplyArgs,
     "reload": NoArgs,
+    "select": SelectArgs,
     "events": EventsArgs,
     "version": NoArgs,
     "mig-profiles": MigProfilesArgs,

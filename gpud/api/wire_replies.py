@@ -120,6 +120,7 @@ class GpuStatus(msgspec.Struct, kw_only=True):
 class LayoutStatus(msgspec.Struct, kw_only=True):
     path: str
     selected: str | None = None  # the layout name chosen for this host
+    chosen: bool = False  # `selected` was chosen by `gpudctl select`, over the file's own
     valid: bool = False
     errors: list[str] = []
     warnings: list[str] = []
@@ -420,6 +421,7 @@ RESULTS: dict[str, type[msgspec.Struct]] = {
     "plan": PlanReply,
     "apply": ApplyReply,
     "reload": LayoutStatus,
+    "select": LayoutStatus,
     "events": EventsReply,
     "version": VersionReply,
     "mig-profiles": MigProfilesReply,

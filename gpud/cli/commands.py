@@ -10,6 +10,8 @@ import os
 import sys
 from typing import Any
 
+import msgspec
+
 from gpud.api import wire, wire_replies
 from gpud.cli.render import (
     event_json,
@@ -137,7 +139,10 @@ def cmd_check(c: Client, a: argparse.Namespace) -> int:
     args: dict[str, Any] = {"text": text, "path": path}
     if a.all_layouts:
         args["all_layouts"] = True
-    r: wire_replies.CheckReply = c.request("check", args)
+    try:
+        r: wire_replies.CheckReply = c.request("check", args)
+    except Unreachable as e:  # no daemon: the same check in a process of its own, the host only read
+        r = _check_offline(text, path, a.all_layouts, e)
     if a.json:
         print(to_json(r))
     else:
@@ -148,6 +153,19 @@ def cmd_check(c: Client, a: argparse.Namespace) -> int:
         lines += [f"note: {d}" for d in r.dynamic]
         print("\n".join(lines))
     return _layout_exit(r.valid, r.errors)
+
+
+def _check_offline(text: str, path: str, all_layouts: bool, why: Unreachable) -> wire_replies.CheckReply:
+    """`gpud check` (gpud.check_offline): the daemon's code in another process, so gpudctl itself
+    stays light; its reply is the daemon's own type."""
+    import subprocess
+
+    print(f"gpudctl: {why}; checking offline (the host is only read)", file=sys.stderr)
+    argv = [sys.executable, "-m", "gpud.main", "check", "--path", path, "-"] + (["--all-layouts"] if all_layouts else [])
+    done = subprocess.run(argv, input=text.encode(), capture_output=True)
+    if done.returncode not in (0, 4):
+        raise LocalError(f"the offline check failed: {done.stderr.decode(errors='replace').strip()[-2000:]}")
+    return msgspec.json.decode(done.stdout, type=wire_replies.CheckReply)
 
 
 def cmd_plan(c: Client, a: argparse.Namespace) -> int:
@@ -170,6 +188,10 @@ def cmd_apply(c: Client, a: argparse.Namespace) -> int:
         deadline = a.reply_timeout
     else:
         deadline = NO_LIMIT if a.timeout is None else a.timeout + a.reply_timeout
+    if a.config is not None:  # mig-parted's `apply -c NAME`: that layout of the file, kept, then the apply
+        chosen: wire_replies.LayoutStatus = c.request("select", {"name": a.config})
+        if not a.json:
+            print(f"selected: {chosen.selected} (kept across restarts; gpudctl select --file goes back to the file's)")
     args = {"wait": a.wait, "timeout": a.timeout}
     if a.wait and not a.json:
         r = _apply_following(c, a, args, deadline)
@@ -234,6 +256,18 @@ def cmd_reload(c: Client, a: argparse.Namespace) -> int:
         lines = [f"reloaded {r.path}: {state}{selected}"]
         lines += [f"error: {e}" for e in r.errors] + [f"warning: {w}" for w in r.warnings]
         print("\n".join(lines))
+    return _layout_exit(r.valid, r.errors)
+
+
+def cmd_select(c: Client, a: argparse.Namespace) -> int:
+    if (a.name is None) == (not a.file):
+        raise UsageError("give a layout NAME, or --file for the file's own `selected`")
+    r: wire_replies.LayoutStatus = c.request("select", {"name": a.name})
+    if a.json:
+        print(to_json(r))
+    else:
+        print(f"selected: {r.selected}" + (" (kept across restarts; `gpudctl apply` converges to it)" if r.chosen
+                                           else " (the file's own)"))
     return _layout_exit(r.valid, r.errors)
 
 
@@ -364,7 +398,16 @@ def _add_apply(sub: Any) -> None:
     s = _with_json(sub.add_parser("apply", help="converge now"))
     s.add_argument("--wait", action="store_true", help="wait until converged, blocked or failed")
     s.add_argument("--timeout", type=float, metavar="S", help="give up waiting after S seconds")
+    s.add_argument("-c", "--config", metavar="NAME", help="first select layout NAME of the file, over its "
+                   "`selected` (as nvidia-mig-parted apply -c; kept across restarts)")
     s.set_defaults(func=cmd_apply)
+
+
+def _add_select(sub: Any) -> None:
+    s = _with_json(sub.add_parser("select", help="put a layout of the file in force, over its `selected`"))
+    s.add_argument("name", nargs="?", metavar="NAME", help="a layout of the file (mig-parted's -c NAME)")
+    s.add_argument("--file", action="store_true", help="the file's own `selected` again")
+    s.set_defaults(func=cmd_select)
 
 
 def _add_reload(sub: Any) -> None:
@@ -435,7 +478,7 @@ def _add_leases(sub: Any) -> None:
 
 # Each command's sub-parser, in the order `gpudctl --help` lists them.
 COMMANDS = {"status": _add_status, "check": _add_check, "labels": _add_labels, "plan": _add_plan,
-            "apply": _add_apply, "reload": _add_reload, "events": _add_events, "version": _add_version,
+            "apply": _add_apply, "select": _add_select, "reload": _add_reload, "events": _add_events, "version": _add_version,
             "mig": _add_mig, "vgpu": _add_vgpu, "passthrough": _add_passthrough, "lease": _add_lease,
             "release": _add_release, "leases": _add_leases}
 

@@ -100,7 +100,8 @@ def render_status(r: wire_replies.StatusReply, width: int | None = None) -> str:
         out += ["", "no GPUs managed"]
     lay = r.layout
     validity = "valid" if lay.valid else "INVALID"
-    selected = f"selected: {lay.selected}" if lay.selected else "no layout selected"
+    selected = (f"selected: {lay.selected}{' (gpudctl select)' if lay.chosen else ''}" if lay.selected
+                else "no layout selected")
     out += ["", f"layout: {lay.path}  {selected}  {validity}"]
     out += [f"  error: {e}" for e in lay.errors]
     out += [f"  warning: {w}" for w in lay.warnings]

@@ -21,6 +21,7 @@ from collections.abc import Awaitable, Callable, Iterable
 
 import msgspec
 
+from gpud.engine import layout_choice
 from gpud.engine.apply_lock import ApplyLock, ApplyLockRefused
 from gpud.engine.boot.reboot_policy import RebootPolicy
 from gpud.engine.boot.rebuild import BootRebuild, boot_id
@@ -95,6 +96,9 @@ class Reconciler:
         self.boot_rebuild = BootRebuild(state_dir, boot_id(boot_id_path), bus, read_only=read_only,
                                         problems=self.state_problems)
         self.layout_file = LayoutKeeper(config_path, bus, self._observe, judge=lambda *a: judged(self.next_action, *a))
+        self.state_dir = state_dir
+        # `gpudctl select NAME`, kept across restarts (engine/layout_choice); a node label replaces it
+        self.layout_file.select = layout_choice.load(state_dir, self.state_problems)
         self.operand_guard: OperandGuard | None = None  # --kube-node: the kube agent
         self.scheduler = PassScheduler()
         self.holder_watch = HolderWatch(self._holder_exited)
@@ -160,6 +164,25 @@ class Reconciler:
         """Put layout `name` of the file in force instead of its `selected` (a node label's
         choice; None: the file's own again), read and checked off the event loop."""
         return self._taken(await self.layout_file.choose_async(name, self._observe_async))
+
+    async def select_layout_async(self, name: str | None) -> bool:
+        """`gpudctl select`: put layout `name` of the file in force (None: the file's own
+        `selected` again) and keep the choice across restarts. A name the file refuses changes
+        nothing: the choice in force before stays, and False is returned with the errors in
+        `layout_issues` until the next load."""
+        before = self.layout_file.select
+        if await self.choose_layout_async(name):
+            if not self.read_only:
+                try:
+                    layout_choice.save(self.state_dir, name)
+                except OSError as e:
+                    self.state_problems.say(layout_choice.FILE_NAME, f"the layout choice {name!r} is in force "
+                                            f"but was not kept ({e}): a restart goes back to the file's own")
+            self.bus.publish("layout-selected", f"layout {name!r} chosen by gpudctl select" if name
+                             else "the file's own `selected` is in force again")
+            return True
+        self.layout_file.select = before
+        return False
 
     async def evaluate_async(self, text: str, path: str, *, select: str | None = None,
                              ) -> tuple[ParsedLayout, Resolution, Observation]:
@@ -238,9 +261,10 @@ class Reconciler:
         return layout.layout.policy if layout is not None and layout.layout is not None else None
 
     # ---- scheduling (by self.scheduler) ---------------------------------------------------
-    def kick(self, reason: str) -> int:
-        """Ask for a pass; returns the ticket a caller can wait on with `wait_for`."""
-        return self.scheduler.kick(reason)
+    def kick(self, reason: str, *, seen_since: float | None = None) -> int:
+        """Ask for a pass; returns the ticket a caller can wait on with `wait_for` (`seen_since`:
+        PassScheduler.kick)."""
+        return self.scheduler.kick(reason, seen_since=seen_since)
 
     async def wait_for(self, ticket: int, timeout: float | None = None) -> bool:
         return await self.scheduler.wait_for(ticket, timeout)
@@ -384,7 +408,10 @@ class Reconciler:
         self._notify()
 
     async def _converge_all(self) -> None:
-        await self.refresh_async()
+        if self.scheduler.running:  # a read begun after the pass was asked for is fresh enough
+            await self.observer.fresh(self.scheduler.pass_since)
+        else:
+            await self.refresh_async()
         resolution = self.resolution  # this pass works from one resolution, whatever refresh() does
         assert resolution is not None
         if resolution.errors:  # the host changed under a good file: change nothing

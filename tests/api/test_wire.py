@@ -72,6 +72,7 @@ def test_every_result_struct_is_json_able_with_a_stable_shape():
     samples = {
         "status": status_reply(), "plan": plan_reply(), "check": wire_replies.CheckReply(valid=False, errors=["e"]),
         "apply": wire_replies.ApplyReply(phase="failed"), "reload": wire_replies.LayoutStatus(path="/l"),
+        "select": wire_replies.LayoutStatus(path="/l", selected="a", chosen=True),
         "events": wire_replies.EventsReply(events=[wire.Event(time=0.0, kind="k")]),
         "version": wire_replies.VersionReply(version="0.1.0"), "mig-profiles": wire_replies.MigProfilesReply(),
         "passthrough": wire_replies.PassthroughReply(devices=[wire_replies.PassthroughDevice(pci="p", vendor_device="10de:2335")],
