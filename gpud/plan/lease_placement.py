@@ -7,18 +7,22 @@ longer fits although half the GPU is free. Leases come and go one at a time, so 
 layout to solve (gpud.plan.placement does that for the file); each lease is placed so that the
 largest profiles stay placeable. The rule, compared in this order (smallest wins):
 
-1. **dead slices**: free memory slices that no placement of any profile could use any more
+1. **scarcity**: per GI profile, the demand for it lately (`asked`: each request adds 1, older ones
+   fade by DEMAND_MEMORY) times how much scarcer the placement makes it host-wide (1/(n+1), n the
+   instances of it that still fit on all dynamic GPUs together): giving up one of many 1g slots
+   costs little, the host's last 4g or 7g slot the most, a profile nobody asks for nothing;
+2. **dead slices**: free memory slices that no placement of any profile could use any more
    (1g at 6 on an H100 kills slice 7 for everything but 3g/7g, which the 1g then blocks);
-2. **the hole** (best fit): the size of the run of free slices the placement sits in, so small
+3. **the hole** (best fit): the size of the run of free slices the placement sits in, so small
    leases fill the gaps already cut, and across GPUs a used GPU is filled before an empty one is cut;
-3. **the largest run left** in that GPU, larger first (a lease sits at the edge of its hole);
-4. **what it costs the large profiles**: per GI profile, largest first, how many instances of it
-   could still be placed on that GPU before minus after (lexicographic: losing one 4g is worse
-   than losing any number of 1g);
-5. the GPU's index, then the start.
+4. **the largest run left** in that GPU, larger first (a lease sits at the edge of its hole);
+5. **what it costs the large profiles on that GPU**: per GI profile, largest first, how many
+   instances of it could still be placed there before minus after (lexicographic);
+6. pack: the fuller GPU first; then the GPU's index, then the start.
 
-`policy.lease-placement: spread` puts one key before all of these: the GPU with the most free
-memory slices first (leases spread over GPUs, each GPU still filled by the rule above). The rule
+`policy.lease-placement: spread` puts one key before all of these, the GPU with the most free
+memory slices first, and prefers the emptier GPU at 6 (leases spread over GPUs, each GPU still
+filled by the rule above). The rule
 reaches the seed's partial layout on an empty H100 80GB lease by lease: 1g.10gb at 0, 1, 2, then
 3g.40gb at 4, then 1g.10gb at 3 (tests/plan/test_lease_placement.py). Foreign instances (made by
 someone else) are occupied slices like any other: never chosen, never moved.
@@ -174,9 +178,12 @@ def score(room: Room, profile: MigProfile, pl: Placement, *, spread: bool = Fals
     hole = next(n for s, n in _runs(before, total) if s <= pl.start < s + n)
     largest_left = max((n for _, n in _runs(after, total)), default=0)
     used_before = bin(before).count("1")
-    key = (cost, _dead(room.profiles, after, total, room, profile.id), hole, -largest_left,
-           used_before if spread else -used_before, room.index, pl.start)
-    return key
+    loss = tuple(
+        _placeable(p, before, _left(room, p)) - _placeable(p, after, _left(room, p, 1 if p.id == profile.id else 0))
+        for p in _by_size(room.profiles) if p.placements
+    )
+    return (cost, _dead(room.profiles, after, total, room, profile.id), hole, -largest_left, loss,
+            used_before if spread else -used_before, room.index, pl.start)
 
 
 DEMAND_MEMORY = 0.995  # each request keeps this much of the weight of those before it (~200 requests)
