@@ -56,7 +56,7 @@ async def start_apply(rec: Reconciler) -> int:
     if errors:
         more = f"; ... and {len(errors) - 10} more errors (gpudctl status)" if len(errors) > 10 else ""
         raise InvalidLayout("; ".join(errors[:10]) + more)
-    ticket = rec.kick("apply requested")
+    ticket = rec.request_apply()
     rec.mark_pending()
     return ticket
 
