@@ -263,9 +263,10 @@ class Reconciler:
         return layout.layout.policy if layout is not None and layout.layout is not None else None
 
     # ---- scheduling (by self.scheduler) ---------------------------------------------------
-    def kick(self, reason: str) -> int:
-        """Ask for a pass; returns the ticket a caller can wait on with `wait_for`."""
-        return self.scheduler.kick(reason)
+    def kick(self, reason: str, *, seen_since: float | None = None) -> int:
+        """Ask for a pass; returns the ticket a caller can wait on with `wait_for` (`seen_since`:
+        PassScheduler.kick)."""
+        return self.scheduler.kick(reason, seen_since=seen_since)
 
     async def wait_for(self, ticket: int, timeout: float | None = None) -> bool:
         return await self.scheduler.wait_for(ticket, timeout)
@@ -385,10 +386,10 @@ class Reconciler:
         return self.vgpus.creations(gpu, desired)
 
     # ---- execution ----------------------------------------------------------------------------
-    def request_apply(self) -> int:
+    def request_apply(self, *, seen_since: float | None = None) -> int:
         """`gpudctl apply`: a pass that converges even under `policy.apply: manual`; its ticket."""
         self._apply_wanted = True
-        return self.kick("apply requested")
+        return self.kick("apply requested", seen_since=seen_since)
 
     def _held(self) -> bool:
         """This pass only says what is pending: the layout in force is `apply: manual` and no
@@ -420,7 +421,10 @@ class Reconciler:
         self._notify()
 
     async def _converge_all(self) -> None:
-        await self.refresh_async()
+        if self.scheduler.running:  # a read begun after the pass was asked for is fresh enough
+            await self.observer.fresh(self.scheduler.pass_since)
+        else:
+            await self.refresh_async()
         resolution = self.resolution  # this pass works from one resolution, whatever refresh() does
         assert resolution is not None
         if resolution.errors:  # the host changed under a good file: change nothing
