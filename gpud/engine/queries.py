@@ -59,7 +59,7 @@ async def start_apply(rec: Reconciler) -> int:
     if errors:
         more = f"; ... and {len(errors) - 10} more errors (gpudctl status)" if len(errors) > 10 else ""
         raise InvalidLayout("; ".join(errors[:10]) + more)
-    ticket = rec.kick("apply requested", seen_since=asked)
+    ticket = rec.request_apply(seen_since=asked)
     rec.mark_pending()
     return ticket
 

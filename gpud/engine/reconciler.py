@@ -111,6 +111,8 @@ class Reconciler:
         self.gpu_states: dict[str, GpuState] = {}
         self.phase = "starting"
         self._acted = False  # whether the running pass has carried out any step
+        self._apply_wanted = False  # `gpudctl apply` asked for the next pass (policy.apply: manual)
+        self._apply_now = False  # ... and the running pass is that one
         self.passes = 0  # passes started
         self.completed_passes = 0  # passes finished (phase says how they ended)
         self._listeners: list[Callable[[], None]] = []
@@ -386,7 +388,20 @@ class Reconciler:
         return self.vgpus.creations(gpu, desired)
 
     # ---- execution ----------------------------------------------------------------------------
+    def request_apply(self, *, seen_since: float | None = None) -> int:
+        """`gpudctl apply`: a pass that converges even under `policy.apply: manual`; its ticket."""
+        self._apply_wanted = True
+        return self.kick("apply requested", seen_since=seen_since)
+
+    def _held(self) -> bool:
+        """This pass only says what is pending: the layout in force is `apply: manual` and no
+        `gpudctl apply` asked for it (with --kube-node the node label is that request)."""
+        policy = self.policy
+        return (policy is not None and policy.apply == "manual" and not self._apply_now
+                and self.operand_guard is None and not self.read_only)
+
     async def converge(self) -> None:
+        self._apply_now, self._apply_wanted = self._apply_wanted, False
         if self.layout is None:
             await self.refresh_async()
             self.phase = "invalid-layout"
@@ -446,7 +461,7 @@ class Reconciler:
         todo = {}
         for gpu in self.observation.gpus:
             desired = resolution.desired.get(gpu.pci)
-            if desired is not None and not self.read_only:
+            if desired is not None and not self.read_only and not self._held():
                 action = self.next_action(gpu, desired)
                 if isinstance(action, Action):
                     todo[gpu.pci] = action
@@ -494,6 +509,10 @@ class Reconciler:
                 return action
             if self.read_only:
                 return GpuState("read-only", f"read-only mode: would apply {action.summary}")
+            if self._held():
+                n = step_count(action)
+                return GpuState("pending", f"pending: {n} step{'s' if n != 1 else ''} (policy.apply: manual; "
+                                           "`gpudctl plan` shows them, `gpudctl apply` runs them)")
             if action.kind in ("mig", "vgpu") and action.plan.blocked_by:  # nothing is touched while busy
                 names = ", ".join(f"pid {h.pid} {h.name}{f' (VM {h.vm})' if h.vm else ''} on {h.device}"
                                   for h in action.plan.blocked_by)
@@ -527,6 +546,9 @@ class Reconciler:
 
     def _holder_exited(self, pid: int) -> None:  # called once per process (HolderWatch)
         self.bus.publish("holder-exited", f"pid {pid} exited")
+        # only an applying pass waits for holders: the pass that goes on after one is that apply's,
+        # under policy.apply: manual too
+        self._apply_wanted = True
         self.kick(f"pid {pid} exited")
 
 
