@@ -207,7 +207,7 @@ def status_reply(rec: Reconciler, *, kubernetes: wire_replies.KubernetesStatus |
     """What the engine last observed and concluded, never what it intended."""
     res = rec.resolution
     free = rec.leases.free()
-    gpus = [gpu_status(g, res.desired.get(g.pci) if res else None, rec.gpu_states.get(g.pci),
+    gpus = [gpu_status(g, res.desired.get(g.pci) if res else None, shown_state(rec, g.pci),
                        rec.vgpus.rebuilt.get(g.pci), rec.leases.on(g.pci), free.get(g.pci))
             for g in rec.observation.gpus]
     gpus += [gone_gpu_status(k, rec.gpu_states.get(k.pci)) for k in rec.observation.gone]
@@ -215,6 +215,17 @@ def status_reply(rec: Reconciler, *, kubernetes: wire_replies.KubernetesStatus |
     return wire_replies.StatusReply(phase=rec.phase_now(), layout=layout_status(rec), gpus=gpus, read_only=rec.read_only,
                                     version=VERSION, kubernetes=kubernetes, rebuilt_after_boot=rec.boot_rebuild.summary,
                                     state_files=state_file_problems(rec))
+
+
+NO_LAYOUT = GpuState("unmanaged", "no valid layout has been in force since gpud started: left as it is")
+
+
+def shown_state(rec: Reconciler, pci: str) -> GpuState | None:
+    """The GPU's state as a reply shows it. Before any good layout was taken no pass will look at
+    the GPU, so `starting` (a pass is coming) would be a promise nobody keeps: it is left as it is."""
+    if (state := rec.gpu_states.get(pci)) is not None:
+        return state
+    return NO_LAYOUT if rec.layout is None else None
 
 
 def state_file_problems(rec: Reconciler) -> list[str]:
@@ -364,13 +375,13 @@ def plan_reply(rec: Reconciler, resolution: Resolution | None = None, observatio
 
 
 def apply_reply(rec: Reconciler, finished: bool) -> wire_replies.ApplyReply:
-    states = rec.gpu_states
-    gpus = [wire_replies.GpuApplyInfo(pci=g.pci, state=states[g.pci].state if g.pci in states else "starting",
-                                      message=states[g.pci].message if g.pci in states else "")
+    states = {g.pci: shown_state(rec, g.pci) for g in rec.observation.gpus}
+    gpus = [wire_replies.GpuApplyInfo(pci=g.pci, state=st.state if (st := states[g.pci]) else "starting",
+                                      message=st.message if st else "")
             for g in rec.observation.gpus]
     if not finished:
         return wire_replies.ApplyReply(phase="timeout", converged=False, message="timed out waiting for the apply", gpus=gpus)
-    not_ok = [g for g in gpus if not (states[g.pci].converged if g.pci in states else False)]
+    not_ok = [g for g in gpus if not (st.converged if (st := states[g.pci]) else False)]
     shown, _ = capped([f"{g.pci}: {g.state}: {g.message}" for g in not_ok], "GPUs not converged", limit=16)
     message = "; ".join(shown) or "converged"
     return wire_replies.ApplyReply(phase=rec.phase, converged=not not_ok, message=message, gpus=gpus)
