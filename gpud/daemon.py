@@ -15,7 +15,6 @@ import os
 import signal
 import sys
 import threading
-from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -115,7 +114,6 @@ def host_config(args: argparse.Namespace) -> HostConfig:
 
 class Daemon:
     def __init__(self, args: argparse.Namespace) -> None:
-        from gpud.host.logind import request_reboot
         from gpud.host.sd_notify import Notifier
 
         self.args = args
@@ -130,9 +128,7 @@ class Daemon:
             for pci in self.hw.reset.restore_pending():
                 self.bus.publish("persistence", f"persistence mode on again for {pci} (left off by an "
                                                 "interrupted reset)", gpu=pci)
-        from gpud.host.unit_drain import OnDemandDrainer
-
-        reboot = partial(request_reboot, boot_id_path=self.host.boot_id_path)
+        reboot = self.host.rebooter
         self.kube: KubeAgent | None = None  # with --kube-node
         self.kube_applier: ReconcilerApplier | None = None
         rebooter = self._start_kube(reboot) if args.kube_node else reboot
@@ -142,8 +138,9 @@ class Daemon:
             udev_rules=UdevRules(self.host.udev_rules, modules_load_path=None, read_only=args.read_only),
             state_dir=args.state_dir, rebooter=rebooter, max_status_age=args.status_max_age,
             boot_id_path=self.host.boot_id_path, cdi_generate=self._cdi_generator(args),
-            # D-Bus is imported and connected only when a layout first drains units or MIG changes
-            drainer=OnDemandDrainer(on_event=lambda m: self._publish("drain", str(m))),
+            # the host's unit manager: on a real host D-Bus is imported and connected only when a
+            # layout first drains units or MIG changes; a simulated host's never leaves the simulator
+            drainer=self.host.drainer(lambda m: self._publish("drain", str(m))),
             operand_guard=self.kube, label_selects=bool(args.kube_node),
         )
         if self.kube_applier is not None:
@@ -339,6 +336,7 @@ class Daemon:
                 fate = "ended" if left.ended else "still blocked in the kernel; its device waits for it"
                 self.bus.publish("warning", f"{what}: {fate}", gpu=left.pci)
         await self.engine.load()
+        await self.engine.start_leases()  # lease records against NVML before anyone can ask (engine.leases.startup)
         handler = RequestHandler(self.engine, notifier=self.notifier, dev_root=self.host.dev_root,
                                  loop_lag=self.loop_lag, labels=self.labels, kube_agent=self.kube)
         try:

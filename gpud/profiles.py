@@ -73,6 +73,9 @@ class ModelInfo(Struct, frozen=True):
     audio_device: int | None = None  # PCI id of an HD-audio function on the same card
     source: str = ""  # where the MIG table comes from (capture directory or document)
     unknown: tuple[tuple[str, tuple[str, ...]], ...] = ()  # (profile name, fields no source gives)
+    # (profile name, fields whose values are inferred by analogy, not read from a source): the
+    # simulator serves them and says so (`gpud-sim create`); docs/hardware/mig-profiles.md lists them
+    inferred: tuple[tuple[str, tuple[str, ...]], ...] = ()
 
     @property
     def mig_capable(self) -> bool:
@@ -294,9 +297,23 @@ GH200_144GB, _GH200_144GB_UNKNOWN = _partial((
     _seven(15, "1g.36gb", "35.25", 4, 26, 1, 0, 1, 1, 0),
     _seven(14, "2g.36gb", "35.25", 3, 32, 2, 0, 2, 2, 0),
 ), (("3g.72gb", 0), ("4g.72gb", 0), ("7g.144gb", 0)))
-GH200_96GB, _GH200_96GB_UNKNOWN = _partial((), (
-    ("1g.12gb", 0), ("1g.12gb+me", 0), ("1g.24gb", 0), ("2g.24gb", 0), ("3g.48gb", 0), ("4g.48gb", 0),
-    ("7g.96gb", 0)))
+# GH200 96GB (GH200 480GB), driver 550.54.15: a complete public -lgip (tests/fixtures/captures/
+# gh200-96gb); no -lgipp or -lcip, so its placements and CI profiles are inferred (_INFERRED_7).
+GH200_96GB = _table((
+    _seven(19, "1g.12gb", "11.00", 7, 16, 1, 0, 1, 1, 0),
+    _seven(20, "1g.12gb+me", "11.00", 1, 16, 1, 0, 1, 1, 1),
+    _seven(15, "1g.24gb", "23.00", 4, 26, 1, 0, 1, 1, 0),
+    _seven(14, "2g.24gb", "23.00", 3, 32, 2, 0, 2, 2, 0),
+    _seven(9, "3g.48gb", "46.50", 2, 60, 3, 0, 3, 3, 0),
+    _seven(5, "4g.48gb", "46.50", 1, 64, 4, 0, 4, 4, 0),
+    _seven(0, "7g.96gb", "93.00", 1, 132, 7, 0, 8, 7, 1),
+))
+
+
+def _inferred_7(profiles: tuple[MigProfile, ...]) -> tuple[tuple[str, tuple[str, ...]], ...]:
+    """Every profile's placements and CI profiles, inferred: the 7-slice placements every published
+    -lgipp shows, and the CI-split rule (docs/hardware/mig-profiles.md)."""
+    return tuple((p.name, ("placements", "ci_profiles")) for p in profiles)
 
 _CAPTURES = "tests/fixtures/captures/"
 
@@ -329,9 +346,10 @@ MODELS: dict[str, ModelInfo] = {
         ModelInfo("gh200-144gb", "NVIDIA GH200 144G HBM3e", 0x2348, None, 0, "hopper", GH200_144GB,
                   source=_CAPTURES + "gh200-144gb: github.com/NVIDIA/mig-parted/pull/139 (-lgip, first four rows)",
                   unknown=_GH200_144GB_UNKNOWN + ((WHOLE_GPU, ("memory_mb",)),)),
-        ModelInfo("gh200-96gb", "NVIDIA GH200 96GB", 0x2342, None, 0, "hopper", GH200_96GB,
-                  source="names only: NVIDIA gpu-operator default MIG config",
-                  unknown=_GH200_96GB_UNKNOWN + ((WHOLE_GPU, ("memory_mb",)),)),
+        ModelInfo("gh200-96gb", "NVIDIA GH200 480GB", 0x2342, None, 97871, "hopper", GH200_96GB,
+                  source=_CAPTURES + "gh200-96gb: github.com/kf-cuanschutz/NVIDIA_Grace_Hopper_benchmarking_logs_ "
+                                     "(-lgip, all seven rows, driver 550.54.15)",
+                  inferred=_inferred_7(GH200_96GB) + ((WHOLE_GPU, ("memory_mb",)),)),
         ModelInfo("l40s", "NVIDIA L40S", 0x26B9, 0x1851, 46068, "ada"),
         ModelInfo("t4", "Tesla T4", 0x1EB8, 0x12A2, 15360, "turing"),
         ModelInfo("rtx6000-ada", "NVIDIA RTX 6000 Ada Generation", 0x26B1, 0x16A1, 49140, "ada",

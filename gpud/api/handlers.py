@@ -23,7 +23,6 @@ from gpud.engine.binding import passthrough
 from gpud.engine.engine import Engine
 from gpud.engine.events import EventQueue
 from gpud.engine.kube.node_labels_out import LabelsOut
-from gpud.engine.observe.discovery import Observation
 from gpud.engine.queries import EngineError, InvalidLayout, NoSuchGpu, select_gpus
 from gpud.host.nvml import NvmlError
 from gpud.layout.resolve import Resolution
@@ -35,11 +34,6 @@ _CODES: dict[type[EngineError], str] = {
     InvalidLayout: wire.E_INVALID_LAYOUT,
     NoSuchGpu: "not-found",
 }
-
-
-def infeasible_text(g: wire_replies.GpuPlanInfo) -> str:
-    """An infeasible GPU as `gpudctl plan` prints it."""
-    return f"GPU {g.index} {g.pci}: INFEASIBLE: {g.infeasible}"
 
 
 class Notifier(Protocol):
@@ -123,8 +117,8 @@ class RequestHandler:
         in the same words `plan` uses. `all_layouts`: every entry of `layouts` is checked so, as a
         node label may select any of them. Nothing is changed."""
         path = path or "layout.yaml"
-        parsed, res, observation = await self._evaluate(text, path)
-        others: list[tuple[str, Resolution, list[str]]] = []
+        parsed, res, _ = await self._evaluate(text, path)
+        others: list[tuple[str, Resolution]] = []
         layout = parsed.layout or parsed.draft
         if all_layouts and layout is not None:
             too_costly = cost_error(len(text.encode("utf-8", "surrogatepass")), len(layout.layouts))
@@ -132,23 +126,15 @@ class RequestHandler:
                 raise ApiError(wire.E_BAD_ARGS, f"check --all-layouts: {too_costly}")
             for name in layout.layouts:
                 if name != res.selected:
-                    _, other, other_obs = await self._evaluate(text, path, select=name)
-                    others.append((name, other, self._infeasible(other, other_obs)))
-        return replies.check_reply(res, self._infeasible(res, observation), others=others)
+                    _, other, _ = await self._evaluate(text, path, select=name)
+                    others.append((name, other))
+        return replies.check_reply(res, others=others)
 
     async def _evaluate(self, text: str, path: str, *, select: str | None = None):
         """One evaluation of a sent text, in the sender's turn (uid 0 without a peer: in-process)."""
         peer = self._peer.get()
         async with self.fair.turn(peer.uid if peer is not None else 0):
             return await self.engine.evaluate(text, path, select=select)
-
-    def _infeasible(self, res: Resolution, observation: Observation) -> list[str]:
-        """The planner's words for the GPUs it cannot converge to a resolution without errors."""
-        if res.errors:
-            return []
-        plan = replies.plan_reply(res, self.engine.preview(res, observation))
-        return [infeasible_text(g) for g in plan.gpus if g.infeasible]
-
 
     async def op_plan(self, text: str | None = None, path: str | None = None) -> wire_replies.PlanReply:
         if text is None:  # the file in force, against the host as it is now

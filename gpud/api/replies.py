@@ -156,16 +156,16 @@ DYNAMIC_NOTE = ("MIG on demand (mig-devices: dynamic): instances are made and re
                 "(gpudctl lease); the file sets only the MIG mode, and no instance is touched by an apply")
 
 
-def check_reply(resolution: Resolution, infeasible: list[str] | None = None, *,
-                others: Sequence[tuple[str, Resolution, list[str]]] = ()) -> wire_replies.CheckReply:
-    """`infeasible`: the plan's words for GPUs the planner cannot converge (errors too).
-    `others`: (name, resolution, infeasible) of the file's other layouts, checked too (any of them
-    may be selected by a node label); their problems join the reply's, each said once."""
-    all_errors = [str(e) for e in resolution.errors] + list(infeasible or [])
+def check_reply(resolution: Resolution, *, others: Sequence[tuple[str, Resolution]] = ()) -> wire_replies.CheckReply:
+    """A resolution as the engine judged it (GPUs the planner cannot converge are among its
+    errors, or its warnings under `on-infeasible: skip-gpu`: gpud.engine.feasibility).
+    `others`: (name, resolution) of the file's other layouts, checked too (any of them may be
+    selected by a node label); their problems join the reply's, each said once."""
+    all_errors = [str(e) for e in resolution.errors]
     all_warnings = [str(w) for w in resolution.warnings]
     checked = [resolution.selected] if resolution.selected else []
-    for name, other, other_infeasible in others:
-        all_errors += [str(e) for e in other.errors] + list(other_infeasible)
+    for name, other in others:
+        all_errors += [str(e) for e in other.errors]
         all_warnings += [str(w) for w in other.warnings]
         checked.append(name)
     all_errors, all_warnings = list(dict.fromkeys(all_errors)), list(dict.fromkeys(all_warnings))

@@ -22,6 +22,7 @@ from gpud.layout.parse import ParsedLayout
 from gpud.layout.resolve import Resolution
 
 if TYPE_CHECKING:
+    from gpud.engine.leases.engine import LeaseEngine
     from gpud.engine.ports import Hardware
     from gpud.engine.reconciler import Reconciler
 
@@ -95,6 +96,16 @@ class Engine:
     async def finish(self, timeout: float) -> bool:
         """At a stop: wait for a hardware step in flight; False when one still runs (NVML stays open for it)."""
         return await self._rec.steps.finish(timeout=timeout)
+
+    # ---- MIG on demand ---------------------------------------------------------------------
+    @property
+    def leases(self) -> LeaseEngine:
+        """The lease room's commands (gpud.engine.leases.engine): lease, release, list."""
+        return self._rec.leases
+
+    async def start_leases(self) -> None:
+        """At start, before anyone can ask: lease records against NVML (gpud.engine.leases.startup)."""
+        await self._rec.leases.start()
 
     # ---- in: the pass ----------------------------------------------------------------------
     def kick(self, reason: str) -> int:

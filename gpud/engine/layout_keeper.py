@@ -27,6 +27,8 @@ from gpud.layout.schema import MatchRule
 
 # Reads the host's GPUs as a layout's `match:` selects them, off the event loop.
 AsyncObserve = Callable[[tuple[MatchRule, ...]], Awaitable[Observation]]
+# Adds to a resolution what only the planner knows: the GPUs it cannot converge (engine.feasibility).
+Judge = Callable[[ParsedLayout, Resolution, Observation], Resolution]
 
 # Errors carried by one `layout-invalid` event: the event history must stay small enough to send.
 EVENT_ERRORS = 20
@@ -48,10 +50,12 @@ class LayoutKeeper:
     layout's `match:` selects them."""
 
     def __init__(self, path: str, bus: EventBus,
-                 observe: Callable[[tuple[MatchRule, ...]], Observation], *, label_selects: bool = False) -> None:
+                 observe: Callable[[tuple[MatchRule, ...]], Observation], judge: Judge | None = None, *,
+                 label_selects: bool = False) -> None:
         self.path = path
         self.bus = bus
         self.observe = observe
+        self.judge = judge  # every text is judged so: the daemon's file, `check` and `plan` alike
         self.layout: ParsedLayout | None = None
         self.issues: tuple[list[str], list[str]] = ([], [])
         self._parsing: asyncio.Semaphore | None = None  # one check/plan text parsed at a time (made on the loop)
@@ -176,7 +180,8 @@ class LayoutKeeper:
         `select` chooses a layout over the file's `selected`."""
         parsed = self._parse(text, path, select)
         obs = self.observe(self._match_of(parsed))
-        return parsed, resolve(parsed, obs.gpus, gone=obs.gone, index_problem=obs.index_problem), obs
+        return parsed, self._judged(parsed, resolve(parsed, obs.gpus, gone=obs.gone, index_problem=obs.index_problem),
+                                    obs), obs
 
     async def evaluate_async(self, text: str, path: str, observe: AsyncObserve | None = None, *,
                              select: str | None = None) -> tuple[ParsedLayout, Resolution, Observation]:
@@ -192,8 +197,11 @@ class LayoutKeeper:
         match = self._match_of(parsed)
         # without an async reader (tests, tools) the keeper's own `observe` reads on the loop
         obs = await observe(match) if observe is not None else self.observe(match)
-        return parsed, await asyncio.to_thread(resolve, parsed, obs.gpus, gone=obs.gone,
-                                                      index_problem=obs.index_problem), obs
+        resolution = await asyncio.to_thread(resolve, parsed, obs.gpus, gone=obs.gone, index_problem=obs.index_problem)
+        return parsed, self._judged(parsed, resolution, obs), obs
+
+    def _judged(self, parsed: ParsedLayout, resolution: Resolution, obs: Observation) -> Resolution:
+        return self.judge(parsed, resolution, obs) if self.judge is not None else resolution
 
     def _parse(self, text: str, path: str, select: str | None = None) -> ParsedLayout:
         too_large = check_text_size(text, path)

@@ -26,12 +26,14 @@ from gpud.engine.apply_lock import ApplyLock, ApplyLockRefused
 from gpud.engine.boot.reboot_policy import RebootPolicy
 from gpud.engine.boot.rebuild import BootRebuild, boot_id
 from gpud.engine.events import EventBus
+from gpud.engine.feasibility import judged
 from gpud.engine.gpu_state import PHASE_ORDER, Action, BindAction, GpuState, MigAction, Phase, converged_message, step_count
 from gpud.engine.gpu_tasks import for_each_gpu
 from gpud.engine.hooks.phases import apply_with_hooks
 from gpud.engine.hooks.runner import HookFailed
 from gpud.engine.kube.operands import OperandGuard, OperandsNotPaused
 from gpud.engine.layout_keeper import LayoutKeeper
+from gpud.engine.leases.engine import LeaseEngine
 from gpud.engine.observe.discovery import Observation
 from gpud.engine.observe.gpu_index import GpuIndex, index_path
 from gpud.engine.observe.gpu_set import GpuSetNotes, gone_message
@@ -98,7 +100,8 @@ class Reconciler:
         self.boot_rebuild = BootRebuild(state_dir, boot_id(boot_id_path), bus, read_only=read_only,
                                         problems=self.state_problems)
         # label_selects (--kube-node): the node label chooses the layout, `selected` may be absent
-        self.layout_file = LayoutKeeper(config_path, bus, self._observe, label_selects=label_selects)
+        self.layout_file = LayoutKeeper(config_path, bus, self._observe, judge=lambda *a: judged(self.next_action, *a),
+                                        label_selects=label_selects)
         self.operand_guard = operand_guard  # --kube-node: the kube agent
         self.scheduler = PassScheduler()
         self.holder_watch = HolderWatch(self._holder_exited)
@@ -110,6 +113,7 @@ class Reconciler:
         self.observation = Observation(gpus=(), functions=())
         self.gpu_states: dict[str, GpuState] = {}
         self.phase: Phase = "starting"
+        self._acted = False  # whether the running pass has carried out any step
         self.passes = 0  # passes started
         self.completed_passes = 0  # passes finished (phase says how they ended)
         self._listeners: list[Callable[[], None]] = []
@@ -124,6 +128,11 @@ class Reconciler:
         # the one current observation: read off the loop, re-read on change and while clients ask
         self.observer = Observer(self._read_host, self._install, max_age=max_status_age,
                                  busy=lambda: bool(self.steps.inflight))
+        # MIG on demand on the dynamic GPUs: beside the pass, never behind it (engine/leases)
+        self.leases = LeaseEngine(hardware, bus, state_dir=state_dir, problems=self.state_problems,
+                                  gate=self.steps.nvml_gate, dynamic=self._dynamic_gpus, policy=lambda: self.policy,
+                                  reread=self.refresh_async, observed_at=lambda: self.observer.started,
+                                  read_only=read_only)
 
     # ---- the file (kept by self.layout_file) ----------------------------------------------
     @property
@@ -300,6 +309,13 @@ class Reconciler:
         await self.refresh_async()
         return self._gpu(pci)
 
+    def _dynamic_gpus(self) -> list[tuple[Gpu, DesiredGpu]]:
+        """The GPUs the layout in force marks `mig-devices: dynamic`, as last observed."""
+        res = self.resolution
+        if res is None or res.errors:
+            return []
+        return [(g, d) for g in self.observation.gpus if (d := res.desired.get(g.pci)) is not None and d.dynamic]
+
     def _gpu(self, pci: str) -> Gpu | None:
         """The GPU at `pci` in the last observation."""
         return next((g for g in self.observation.gpus if g.pci == pci), None)
@@ -391,11 +407,13 @@ class Reconciler:
         async with self.apply_lock.held(lambda m: self.bus.publish("waiting", m)):
             self.passes += 1
             self._pass_layout = self.layout  # a reload during the pass takes effect in the next one
+            self._acted = False
             try:
                 await self._converge_all()
             finally:
                 self._pass_layout = None
-            await self.refresh_async()
+            if self._acted:  # a pass that changed nothing ends with the view it began with
+                await self.refresh_async()
         self.phase = _phase(self.gpu_states.values())
         self.reboot_policy.after_pass(self.phase)
         self.boot_rebuild.pass_ended(self.gpu_states, self.phase)
@@ -492,9 +510,13 @@ class Reconciler:
                 return self._busy(GpuState("waiting", f"waiting for {names}", tuple(action.plan.blocked_by)))
             self._set(pci, GpuState("applying", action.summary), steps=step_count(action))
             outcome = await self.steps.run(gpu, action, desired)
+            self._acted = True
             if outcome.state != "converged":
                 return self._busy(outcome) if outcome.state == "waiting" else outcome
-            await self.refresh_async()
+            if action.kind == "mig":
+                await self.observer.refresh_gpu(pci, self.reader.read_gpu)  # MIG steps change that GPU alone
+            else:
+                await self.refresh_async()
         return GpuState("failed", f"still not converged after {MAX_ROUNDS} rounds")
 
     def _busy(self, waiting: GpuState) -> GpuState:

@@ -37,10 +37,12 @@ class EngineView:
     layout_warnings: tuple[str, ...]
     config_path: str
     read_only: bool
-    notes: Mapping[str, str] = field(default_factory=lambda: EMPTY)  # PCI -> a change of the GPU set not yet acknowledged by a good file
+    # PCI -> a change of the GPU set not yet acknowledged by a good file
+    notes: Mapping[str, str] = field(default_factory=lambda: EMPTY)
     problems: tuple[str, ...] = ()  # gpud's state files set aside or not written, each once
     rebuilt_after_boot: str | None = None  # what the first pass after a reboot rebuilt, once it ended
-    vgpus_rebuilt: Mapping[str, tuple[str, ...]] = field(default_factory=lambda: EMPTY)  # PCI -> vGPUs recreated from gpud's record
+    # PCI -> vGPUs recreated from gpud's record
+    vgpus_rebuilt: Mapping[str, tuple[str, ...]] = field(default_factory=lambda: EMPTY)
     passes: int = 0  # passes started
     completed_passes: int = 0  # passes ended
     leases: tuple[Any, ...] = field(default=())  # MIG on demand (gpud.engine.leases), when any

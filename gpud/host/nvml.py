@@ -235,9 +235,13 @@ class Nvml:
         return found
 
     @_in_session
-    def gpu(self, pci: str) -> NvmlGpu | None:
+    def gpu(self, pci: str, *, details: bool = True) -> NvmlGpu | None:
+        """One GPU now. `details=False` reads its layout only (MIG mode, GIs, CIs with their
+        placements): no MIG UUIDs, no holders, no processes, for checking a step's effect."""
         handle = self._handle(pci, missing_ok=True)
-        return None if handle is None else self._read(handle, pci if self._cache.handle_of(pci) is not None else None)
+        if handle is None:
+            return None
+        return self._read(handle, pci if self._cache.handle_of(pci) is not None else None, details=details)
 
     def _handle(self, pci: str, *, missing_ok: bool = False) -> Any:
         self._ensure_open()
@@ -256,8 +260,8 @@ class Nvml:
         bus_id = info.busId.decode() if isinstance(info.busId, bytes) else info.busId
         return normalize_pci(bus_id) or bus_id.lower()
 
-    def _read(self, h: Any, pci: str | None = None) -> NvmlGpu:
-        """One GPU now: its static part from the session's cache, the rest asked."""
+    def _read(self, h: Any, pci: str | None = None, *, details: bool = True) -> NvmlGpu:
+        """One GPU now: its static part from the session's cache, the rest asked (`gpu`)."""
         if pci is None:
             pci = self._pci_of(h)
         static = self._cache.gpus.get(pci)
@@ -269,9 +273,11 @@ class Nvml:
         instances: tuple[GpuInstance, ...] = ()
         if mode is not None:
             if current == 1:
-                instances = self._attach_ci_details(pci, h, self._instances(pci, h, static))
+                instances = self._instances(pci, h, static)
+                if details:
+                    instances = self._attach_ci_details(pci, h, instances)
             profiles = self._profiles(pci, static, instances)
-        processes = tuple(
+        processes = () if not details else tuple(
             Holder(pid=p.pid, name=self._process_name(p.pid), device=pci)
             for p in self._query(pci, h, "nvmlDeviceGetComputeRunningProcesses")
             if p.gpuInstanceId in (NOT_IN_MIG_INSTANCE, None)  # processes inside MIG devices are listed per device
@@ -462,6 +468,16 @@ class Nvml:
                                            uuid=uuid, holders=holders, start=ci.start))
             out.append(GpuInstance(id=gi.id, profile_id=gi.profile_id, placement=gi.placement, cis=tuple(cis)))
         return tuple(out)
+
+    @_in_session
+    def mig_device(self, pci: str, gi_id: int, ci_id: int) -> tuple[str, tuple[Holder, ...]] | None:
+        """The MIG device of one CI: its UUID and the processes in it (None: no such CI), without
+        reading the whole GPU (a lease's answer, a release's busy check)."""
+        h = self._handle(pci)
+        probe = GpuInstance(id=gi_id, profile_id=-1, placement=Placement(0, 0),
+                            cis=(ComputeInstance(id=ci_id, profile_id=-1, slices=0, uuid=""),))
+        ci = self._attach_ci_details(pci, h, (probe,))[0].cis[0]
+        return (ci.uuid, ci.holders) if ci.uuid else None
 
     def _max_mig_devices(self, pci: str, h: Any) -> int:
         """nvmlDeviceGetMaxMigDeviceCount with MIG on: the GPU's most MIG devices, kept for the session

@@ -33,6 +33,7 @@ from gpud.layout.schema import (
     LEASE_MIG_MODE,
     LEASE_PLACEMENT,
     ON_BUSY,
+    ON_INFEASIBLE,
     REBOOT,
     RESET,
     UNIT_SUFFIXES,
@@ -58,7 +59,8 @@ TOP_KEYS = ("version", "selected", "layouts", "mig-configs", "vgpu-configs", "ma
 LAYOUTS_SYNONYMS = ("mig-configs", "vgpu-configs")
 ENTRY_KEYS = ("devices", "device-filter", "workload", "mig-enabled", "mig-devices", "vgpu-devices")
 MATCH_KEYS = ("vendor", "device", "class")
-POLICY_KEYS = ("drain-units", "on-busy", "reset", "reboot", "lease-group", "lease-placement", "lease-mig-mode")
+POLICY_KEYS = ("drain-units", "on-busy", "reset", "reboot", "lease-group", "lease-placement", "lease-mig-mode",
+               "on-infeasible")
 HOOK_KEYS = ("command", "args", "env", "timeout")
 
 _UUID = re.compile(r"GPU-[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}")
@@ -733,7 +735,8 @@ class _Parser:
             elif group is not None:
                 values["lease_group"] = group
         for key, allowed in (("on-busy", ON_BUSY), ("reset", RESET), ("reboot", REBOOT),
-                             ("lease-placement", LEASE_PLACEMENT), ("lease-mig-mode", LEASE_MIG_MODE)):
+                             ("lease-placement", LEASE_PLACEMENT), ("lease-mig-mode", LEASE_MIG_MODE),
+                             ("on-infeasible", ON_INFEASIBLE)):
             if key in keys and (value := self.enum(keys[key][1], key_path("policy", key), allowed)) is not None:
                 values[key.replace("-", "_")] = value
         return Policy(**values)  # type: ignore[arg-type]

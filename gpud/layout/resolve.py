@@ -108,7 +108,7 @@ def resolve(parsed: ParsedLayout, gpus: Sequence[Gpu], gone: Sequence[KnownGpu] 
     warnings = _Collector(parsed)
     by_index = {g.index: g for g in gpus}
     by_pci = {g.pci: g for g in gpus}
-    by_uuid = {g.nvml.uuid.lower(): g for g in gpus if g.nvml is not None and g.nvml.uuid}
+    by_uuid = {uuid.lower(): g for g in gpus if (uuid := g.uuid)}  # NVML's, or remembered for a GPU it does not see
     gone_index = {k.index: k for k in gone}
     gone_pci = {k.pci: k for k in gone}
     gone_uuid = {k.uuid.lower(): k for k in gone if k.uuid}
@@ -228,9 +228,9 @@ def _no_such_gpu(selector: int | str, gpus: Sequence[Gpu]) -> str:
     if isinstance(selector, int):
         return f"no GPU with index {selector}; {host}"
     if selector.startswith("GPU-"):
-        unseen = sum(1 for g in gpus if g.nvml is None)
-        hint = (f"; UUIDs are known only for GPUs NVML sees ({unseen} of {len(gpus)} are not on the nvidia driver)"
-                if unseen else "")
+        unseen = sum(1 for g in gpus if g.uuid is None)
+        hint = (f"; the UUID of a GPU is known once NVML has seen it ({unseen} of {len(gpus)} were never seen on "
+                "the nvidia driver)" if unseen else "")
         return f"no GPU with UUID {selector}{hint}"
     return f"no managed GPU at {selector}; {host}"
 

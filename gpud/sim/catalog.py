@@ -70,6 +70,18 @@ def model(key: str) -> ModelInfo:
     return m
 
 
+def inferred_parts(m: ModelInfo) -> str | None:
+    """What of a simulated model is inferred rather than read from a source, grouped as
+    `missing_parts` groups the unknown; None when everything is sourced."""
+    if not m.inferred:
+        return None
+    groups: dict[tuple[str, ...], list[str]] = {}
+    for name, fields in m.inferred:
+        groups.setdefault(fields, []).append(name)
+    return "; ".join(("the GPU's total memory" if names == [WHOLE_GPU] else f"{', '.join(names)}: {', '.join(fields)}")
+                     for fields, names in groups.items())
+
+
 def missing_parts(m: ModelInfo) -> str:
     """What no source gives for a model, grouped: `1g.23gb: placements, ci_profiles unknown;
     3g.90gb, 4g.90gb: name and instance count only; the GPU's total memory unknown`."""

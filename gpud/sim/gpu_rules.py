@@ -73,6 +73,15 @@ def reset_gpu(state: SimState, address: str) -> None:
         gpu.gis.clear()
 
 
+def reports_persistent(state: SimState, address: str) -> bool:
+    """What NVML (and so nvidia-smi) reports as the GPU's persistence mode. Where nvidia-persistenced
+    runs out of the caller's sight (its socket hidden: another container), persistence reads as
+    off although the daemon holds the GPU (NVIDIA/dgx-selinux#3: "Persistence Mode is reported as
+    Off" when nvidia-smi cannot reach the socket)."""
+    hidden = state.persistence == "daemon" and state.persistenced_socket == "hidden"
+    return address in state.persistent and not hidden
+
+
 def profile_of(model: ModelInfo, profile_id: int) -> MigProfile | None:
     return next((p for p in model.profiles if p.id == profile_id), None)
 
@@ -122,7 +131,9 @@ class Refused(Exception):
 PREFERENCE: dict[int, tuple[int, ...]] = {
     19: (6, 4, 5, 0, 1, 2, 3),
     20: (6, 4, 5, 0, 1, 2, 3),
-    15: (6, 4, 0, 2),  # inferred by analogy with 1g and 2g
+    # A GH200 96GB's three unplaced 1g.24gb GIs got ids 5, 3, 4 (tests/fixtures/captures/gh200-96gb
+    # README): starts 4, 0, 2 in the "tree" numbering, the 2g order; 6 last is inferred.
+    15: (4, 0, 2, 6),
     14: (4, 0, 2),
     9: (4, 0),
 }

@@ -34,6 +34,7 @@ from gpud.sim.gpu_rules import (
     mig_processes,
     model_of,
     profile_of,
+    reports_persistent,
     visible_gpus,
 )
 from gpud.sim.nvml_abi import (
@@ -517,9 +518,9 @@ def _memory(lib, state, handle, ref):
 
 @nvml()
 def nvmlDeviceGetPersistenceMode(lib, state, handle, ref):
-    """Enabled for a GPU in persistence mode, by `nvidia-smi -pm 1` or nvidia-persistenced."""
+    """Enabled for a GPU in persistence mode, by `nvidia-smi -pm 1` or nvidia-persistenced in sight."""
     gpu, _ = lib.gpu(state, handle)
-    deref(ref).value = 1 if gpu.address in state.persistent else 0
+    deref(ref).value = 1 if reports_persistent(state, gpu.address) else 0
 
 
 @nvml()

@@ -50,9 +50,12 @@ async def test_check_reports_what_the_planner_cannot_do_in_plans_words(rig):
                  layout(mig([1], {"7g.80gb": 2}))):
         check = await handler.op_check(text, "cand.yaml")
         plan = await handler.op_plan(text, "cand.yaml")
-        infeasible = [line for line in render_plan(plan).splitlines() if "INFEASIBLE" in line]
-        assert len(infeasible) == 1, render_plan(plan)
-        assert not check.valid and check.errors == infeasible  # the same words as plan
+        assert len(plan.errors) == 1 and plan.gpus == [], render_plan(plan)
+        assert not check.valid and check.errors == plan.errors  # the same words as plan
+        # at the line of the entry's mig-devices, as the text has it
+        line = next(n for n, ln in enumerate(text.splitlines(), 1) if ln.strip() == "mig-devices:")
+        assert re.match(rf"cand\.yaml:{line} layouts\.test\[0\]\.mig-devices: GPU [01] 0000:[0-9a-f:.]+: "
+                        "infeasible: ", check.errors[0]), check.errors
     assert "needs 12 of 8 memory slices" in (await handler.op_check(
         layout(mig([1], {"4g.40gb": 1, "3g.40gb": 2})), "c.yaml")).errors[0]
     ok = await handler.op_check(layout(mig([0], {"1g.10gb": 4})), "c.yaml")
@@ -157,5 +160,6 @@ async def test_check_all_layouts_plans_every_layout_a_node_label_may_select(rig)
     every = await handler.op_check(text, "two.yaml", all_layouts=True)
     assert every.checked == ["whole", "seven"] and not every.valid
     plan = await handler.op_plan(yaml.safe_dump({**doc, "selected": "seven"}, sort_keys=False), "two.yaml")
-    assert every.errors == [line for line in render_plan(plan).splitlines() if "INFEASIBLE" in line]
+    assert every.errors == plan.errors and len(plan.errors) == 1 and "two.yaml:11 layouts.seven[0].mig-devices: GPU 0 " \
+        "0000:18:00.0: infeasible: 7 x 1g.10gb exceeds the 4 instances allowed" in plan.errors[0]
     assert every.errors_omitted == 0

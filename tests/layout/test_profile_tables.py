@@ -46,5 +46,6 @@ def test_known_ids_are_real_and_distinct(key: str) -> None:
 
 def test_only_complete_models_are_simulated() -> None:
     assert set(catalog.offered()) == {k for k, m in MODELS.items() if not m.unknown}
-    assert {"b200", "gb200", "gh200-144gb", "gh200-96gb"}.isdisjoint(catalog.offered())
+    assert {"b200", "gb200", "gh200-144gb"}.isdisjoint(catalog.offered())
+    assert "gh200-96gb" in catalog.offered() and MODELS["gh200-96gb"].inferred  # simulated, saying what is inferred
     assert {"a30", "rtx-pro-6000", "h200", "h100-80gb"} <= set(catalog.offered())

@@ -6,25 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from gpud.sim import gpu_rules
 from gpud.sim import state as simstate
+from tests.leases.rig import dynamic_layout, foreign_gi
 from tests.scenarios.harness import SimRig
-
-DYNAMIC = """version: v1
-layouts:
-  d:
-    - devices: all
-      mig-enabled: true
-      mig-devices: dynamic
-{policy}"""
-
-
-def foreign_gi(rig: SimRig, name: str) -> None:
-    """Someone else's GI (`nvidia-smi mig -cgi`), made by the simulator's own rule."""
-    with simstate.locked(rig.dir) as state:
-        g = state.gpus[sorted(state.gpus)[0]]
-        model = gpu_rules.model_of(g)
-        gpu_rules.create_gi(g, model, next(p for p in model.profiles if p.name == name), None, None)
 
 
 @pytest.fixture
@@ -40,7 +24,7 @@ async def test_an_apply_never_touches_a_dynamic_gpus_instances(hopper):
             g.mig_mode = g.mig_pending = 1
     foreign_gi(hopper, "3g.40gb")
     before, calls = simstate.load(hopper.dir).gpus, hopper.calls()
-    assert await hopper.apply(DYNAMIC.format(policy=""))
+    assert await hopper.apply(dynamic_layout())
     assert hopper.mutating(calls) == 0
     assert simstate.load(hopper.dir).gpus == before
     st = hopper.rec.gpu_states[next(iter(before))]
@@ -49,16 +33,16 @@ async def test_an_apply_never_touches_a_dynamic_gpus_instances(hopper):
 
 async def test_hopper_mode_follows_leases_unless_kept_on(hopper):
     calls = hopper.calls()
-    assert await hopper.apply(DYNAMIC.format(policy=""))
+    assert await hopper.apply(dynamic_layout())
     assert hopper.mutating(calls) == 0 and hopper.mig_mode(0) == 0  # leases turn it on
-    assert await hopper.apply(DYNAMIC.format(policy="policy:\n  lease-mig-mode: keep-on\n"))
+    assert await hopper.apply(dynamic_layout(**{"lease-mig-mode": "keep-on"}))
     assert hopper.mig_mode(0) == 1
 
 
 async def test_ampere_mode_stays_as_mig_enabled_says(tmp_path):
     rig = SimRig(tmp_path, ("a100-40gb:1",))
     try:
-        assert await rig.apply(DYNAMIC.format(policy=""))
+        assert await rig.apply(dynamic_layout())
         assert rig.mig_mode(0) == 1 and rig.mig_devices()[0] == {}
     finally:
         rig.close()

@@ -37,6 +37,8 @@ SOURCES = {
     "h200": (FIXTURES / "h200", FIXTURES / "h200"),
     "a30": (CAPTURES / "a30", CAPTURES / "a30"),
     "rtx-pro-6000": (CAPTURES / "rtx-pro-6000", CAPTURES / "rtx-pro-6000"),
+    # No GH200 -lgipp was published: the Hopper placements of the H100 80GB capture (inferred, README there).
+    "gh200-96gb": (CAPTURES / "gh200-96gb", CAPTURES / "h100-80gb"),
 }
 
 # A number, or `?` where gpudctl prints a value no source gives (nvidia-smi itself never does).
@@ -144,7 +146,7 @@ def test_gpud_reads_the_captured_table_from_the_simulator(model, sim_host):
         assert p.slices == int(row["name"].split("g.", 1)[0]), where
 
 
-@pytest.mark.parametrize("model", ["b200", "gb200", "gh200-144gb", "gh200-96gb"])
+@pytest.mark.parametrize("model", ["b200", "gb200", "gh200-144gb"])
 def test_a_model_known_only_in_part_is_not_simulated(model, tmp_path):
     from gpud.sim.cli import create
 
@@ -240,3 +242,21 @@ def test_another_rtx_pro_6000_driver_prints_other_1g_memory():
         (pid, "gib"): ("23.12", "23.62") for pid in (14, 21, 47)}
     ours = {p.id: p for p in MODELS["rtx-pro-6000"].profiles}
     assert {f"{ours[pid].memory_mb / 1024:.2f}" for pid in other} == {"23.62"}
+
+
+def test_gpud_sim_create_says_which_cells_are_inferred(tmp_path):
+    """A model served partly from inference (gh200-96gb: placements, CI profiles, total memory) says
+    so when a host is made of it; a fully sourced one says nothing."""
+    import subprocess
+    import sys
+
+    def create(model: str) -> str:
+        res = subprocess.run([sys.executable, "-m", "gpud.sim.cli", "create", str(tmp_path / model), "--gpu", model],
+                             capture_output=True, text=True, timeout=120)
+        assert res.returncode == 0, res.stderr
+        return res.stderr
+
+    said = create("gh200-96gb")
+    assert "gh200-96gb has inferred cells" in said and "placements, ci_profiles" in said
+    assert "the GPU's total memory" in said
+    assert "inferred" not in create("h200")

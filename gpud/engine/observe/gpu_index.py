@@ -60,8 +60,10 @@ class SetChange(msgspec.Struct, frozen=True):
 
 
 def identity(gpu: Gpu, index: int, before: KnownGpu | None) -> KnownGpu:
-    """The GPU as seen now; a UUID NVML cannot tell right now (GPU on vfio-pci) is kept from before."""
-    uuid = gpu.nvml.uuid if gpu.nvml is not None and gpu.nvml.uuid else (before.uuid if before else None)
+    """The GPU as seen now; a UUID NVML cannot tell right now (GPU on vfio-pci) is kept from before,
+    unless the card at that address is another model now (a swap: its UUID is unknown)."""
+    same_card = before is not None and (before.vendor, before.device) == (gpu.function.vendor, gpu.function.device)
+    uuid = gpu.nvml.uuid if gpu.nvml is not None and gpu.nvml.uuid else (before.uuid if before and same_card else None)
     return KnownGpu(index=index, pci=gpu.pci, vendor=gpu.function.vendor, device=gpu.function.device,
                     model=model_name(gpu), uuid=uuid)
 
@@ -153,8 +155,9 @@ class GpuIndex:
         if self.untrusted is not None:
             self._judge_untrusted({g.pci for g in gpus}, on_bus)
         indices = number(self.known.values(), gpus)
-        numbered = tuple(msgspec.structs.replace(g, index=indices[g.pci]) for g in gpus)
-        now = {g.pci: identity(g, indices[g.pci], self.known.get(g.pci)) for g in numbered}
+        now = {g.pci: identity(g, indices[g.pci], self.known.get(g.pci)) for g in gpus}
+        # the UUID a GPU NVML does not see now had when it last did: a layout naming it still selects it
+        numbered = tuple(msgspec.structs.replace(g, index=indices[g.pci], known_uuid=now[g.pci].uuid) for g in gpus)
         gone = tuple(sorted((k for pci, k in self.known.items() if pci not in now and pci not in on_bus),
                             key=lambda k: k.index))
         change = SetChange(

@@ -15,8 +15,9 @@ from gpud.engine.observe.discovery import Observation, observe
 from gpud.engine.observe.gpu_index import GpuIndex, SetChange
 from gpud.engine.ports import Hardware
 from gpud.engine.vgpu.keeper import VgpuKeeper
+from gpud.host.nvml import NvmlError
 from gpud.layout.schema import MatchRule
-from gpud.model import NvmlGpu
+from gpud.model import Gpu, NvmlGpu
 
 
 class HostReader:
@@ -53,6 +54,21 @@ class HostReader:
         gpus = tuple(msgspec.structs.replace(g, nvml=self._last_nvml.get(g.pci)) if g.function.driver == "nvidia"
                      else g for g in obs.gpus)
         return self._with_vgpus(msgspec.structs.replace(obs, gpus=gpus, nvml_stale=True))
+
+    def read_gpu(self, gpu: Gpu) -> Gpu | None:
+        """`gpu` with its NVML side read again and nothing else (after the engine changed its MIG
+        layout, which changes no PCI function): None when NVML cannot give it now (closed for a
+        rebind, the GPU gone from it), and then the caller reads the whole host."""
+        if gpu.function.driver != "nvidia" or self.hw.nvml.suspended:
+            return None
+        try:
+            nv = self.hw.nvml.gpu(gpu.pci)
+        except NvmlError:
+            return None
+        if nv is None or self.hw.nvml.suspended:
+            return None
+        self._last_nvml[gpu.pci] = nv
+        return self.vgpus.observe(msgspec.structs.replace(gpu, nvml=nv))
 
     def _with_vgpus(self, obs: Observation) -> Observation:
         """Each GPU's vGPU side, from sysfs (either interface, found per GPU)."""
