@@ -158,7 +158,7 @@ class Daemon:
                                 on_event=self._publish)
         self._versions: Versions | None = None
         self._kube_passes = 0
-        self._labels_passes = -1
+        self._labels_passes: tuple[int, tuple[str, ...]] | None = None
 
     def _start_kube(self, reboot: Rebooter) -> Rebooter:
         """--kube-node: the operator's label protocol, before the engine it guards (the applier is
@@ -249,7 +249,8 @@ class Daemon:
     def _update_status(self) -> None:
         view = self.engine.view
         self.notifier.status(status_line.of(view))
-        key = (view.passes, view.phase, view.layout_errors)
+        leased = tuple(r.id for r in view.leases)  # a lease or release changes what both show
+        key = (view.passes, view.phase, view.layout_errors, leased)
         if self.args.metrics_textfile and key != self._metrics_key:  # after a pass or a layout change
             self._metrics_key = key
             from gpud.api.metrics import render
@@ -260,8 +261,8 @@ class Daemon:
             except OSError as e:
                 log.warning("metrics not written to %s: %s", self.args.metrics_textfile, e)
         done = view.completed_passes
-        if done != self._labels_passes:  # after every pass (and once at start)
-            self._labels_passes = done
+        if (done, leased) != self._labels_passes:  # after every pass (and once at start), and each lease
+            self._labels_passes = (done, leased)
             self._write_labels()
         if self.kube is not None and done != self._kube_passes and view.phase not in SETTLING_PHASES:
             self._kube_passes = done  # report a pass the agent did not start itself on the node

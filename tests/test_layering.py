@@ -14,7 +14,7 @@ GPUD = Path(__file__).resolve().parents[1] / "gpud"
 
 # The start-up layer, above the engine and the adapters: the one seam that picks the real host or
 # the simulator (hardware), the two entry points built on it (daemon, qualify) and their dispatch.
-ABOVE = ("gpud.hardware", "gpud.daemon", "gpud.qualify", "gpud.main")
+ABOVE = ("gpud.hardware", "gpud.daemon", "gpud.qualify", "gpud.check_offline", "gpud.main")
 
 # package (or top-level module) -> packages of gpud it must never import
 FORBIDDEN = {
@@ -28,6 +28,7 @@ FORBIDDEN = {
     # only hardware.py knows the simulator: the entry points drive whatever host it opened
     "qualify": ("gpud.api", "gpud.cli", "gpud.sim", "gpud.daemon", "gpud.main"),
     "daemon": ("gpud.cli", "gpud.sim", "gpud.qualify", "gpud.main"),
+    "check_offline": ("gpud.cli", "gpud.sim", "gpud.daemon", "gpud.qualify", "gpud.main"),
     "main": ("gpud.sim",),
 }
 

@@ -23,6 +23,7 @@ from gpud.engine.binding import passthrough
 from gpud.engine.engine import Engine
 from gpud.engine.events import EventQueue
 from gpud.engine.kube.node_labels_out import LabelsOut
+from gpud.engine.leases.engine import LeaseRefused
 from gpud.engine.queries import EngineError, InvalidLayout, NoSuchGpu, select_gpus
 from gpud.host.nvml import NvmlError
 from gpud.layout.resolve import Resolution
@@ -30,6 +31,11 @@ from gpud.loop_lag import LoopLagProbe
 from gpud.model import Gpu
 
 # Engine refusals -> wire error codes (anything else unexpected is the server's "internal").
+# The lease engine's refusals -> wire error codes.
+_LEASE_CODES = {"no-room": wire.E_NO_ROOM, "not-found": wire.E_NOT_FOUND, "busy": wire.E_IN_USE,
+                "conflict": wire.E_CONFLICT, "failed": wire.E_FAILED, "bad-args": wire.E_BAD_ARGS,
+                "forbidden": wire.E_FORBIDDEN}
+
 _CODES: dict[type[EngineError], str] = {
     InvalidLayout: wire.E_INVALID_LAYOUT,
     NoSuchGpu: "not-found",
@@ -124,10 +130,14 @@ class RequestHandler:
             too_costly = cost_error(len(text.encode("utf-8", "surrogatepass")), len(layout.layouts))
             if too_costly is not None:
                 raise ApiError(wire.E_BAD_ARGS, f"check --all-layouts: {too_costly}")
-            for name in layout.layouts:
-                if name != res.selected:
-                    _, other, _ = await self._evaluate(text, path, select=name)
-                    others.append((name, other))
+            names = [name for name in layout.layouts if name != res.selected]
+            peer = self._peer.get()
+            async with self.fair.turn(peer.uid if peer is not None else 0):
+                others = await self.engine.evaluate_each(text, path, names)
+            named_wrong = any(e.path == "selected" and not e.message.startswith("missing") for e in res.errors)
+            if res.selected is None and others and not named_wrong:
+                # no `selected` (a mig-parted file): every layout is checked as chosen, none is missing
+                (_, res), others = others[0], others[1:]
         return replies.check_reply(res, others=others)
 
     async def _evaluate(self, text: str, path: str, *, select: str | None = None):
@@ -169,6 +179,49 @@ class RequestHandler:
             if self.notifier is not None:
                 self.notifier.ready()
         return replies.layout_status(self.engine.view)
+
+    async def op_select(self, name: str | None = None) -> wire_replies.LayoutStatus:
+        """Put layout `name` of the file in force over its `selected`, kept across restarts
+        (mig-parted's `apply -c NAME`); the pass it needs runs on its own (`apply` starts it).
+        With --kube-node the node label chooses, so this is refused."""
+        if self.engine.view.label_selects:
+            raise ApiError(wire.E_FORBIDDEN, "with --kube-node the node label nvidia.com/mig.config chooses the "
+                                             "layout; gpudctl select is not taken")
+        if not await self.engine.select_layout(name):
+            errors = list(self.engine.view.layout_errors)
+            await self.engine.load()  # the issues of the layout still in force again
+            raise InvalidLayout("; ".join(errors[:10]) or f"layout {name!r} was refused")
+        self.engine.kick(f"layout {name!r} selected" if name else "the file's own layout selected")
+        return replies.layout_status(self.engine.view)
+
+    # ---- leases (gpud.engine.leases): MIG on demand on the dynamic GPUs ------------------------
+    def lease_group(self) -> str | None:
+        """The group whose members may lease (the layout in force's policy.lease-group)."""
+        policy = self.engine.view.policy
+        return policy.lease_group if policy is not None else None
+
+    async def op_lease(self, profile: str, gpu: str | None = None, owner: str = "", pid: int | None = None,
+                       start: int | None = None) -> wire_replies.LeaseInfo:
+        peer = self._peer.get()
+        rec = await self._leasing(self.engine.leases.lease(profile, gpu=gpu, owner=owner, pid=pid, start=start,
+                                                           uid=peer.uid if peer is not None else 0))
+        index = {g.pci: g.index for g in self.engine.view.observation.gpus}
+        return replies.lease_info(rec, index.get(rec.gpu))
+
+    async def op_release(self, id: str, wait: bool = True) -> wire_replies.ReleaseReply:  # noqa: A002 - the wire's name
+        peer = self._peer.get()
+        rec = await self._leasing(self.engine.leases.release(id, uid=peer.uid if peer is not None else 0, wait=wait))
+        return wire_replies.ReleaseReply(lease=replies.lease_info(rec), message=f"lease {id} released")
+
+    async def op_leases(self) -> wire_replies.LeasesReply:
+        return replies.leases_reply(self.engine.view)
+
+    @staticmethod
+    async def _leasing(call):
+        try:
+            return await call
+        except LeaseRefused as e:
+            raise ApiError(_LEASE_CODES.get(e.code, wire.E_FAILED), str(e)) from e
 
     async def op_mig_profiles(self, gpu: str | None = None) -> wire_replies.MigProfilesReply:
         view = await self.engine.refresh()

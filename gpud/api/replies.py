@@ -8,13 +8,15 @@ never a user parsing `--json`.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections.abc import Mapping, Sequence
 
 from gpud import VERSION
 from gpud.api import wire, wire_replies
 from gpud.engine.binding.passthrough import PassthroughEntry, kubevirt_entry
 from gpud.engine.gpu_state import BindAction, GpuState, MigAction, VgpuAction
 from gpud.engine.kube.node_labels_out import LabelsOut
+from gpud.engine.leases.records import LeaseRecord
 from gpud.engine.preview import GpuPreview, Rebind
 from gpud.engine.queries import remaining_capacity
 from gpud.engine.vgpu.inventory import entry as vgpu_entry
@@ -89,8 +91,24 @@ def vgpu_status(gpu: Gpu, rebuilt: list[str]) -> wire_replies.VgpuStatus | None:
         rebuilt=list(rebuilt))
 
 
+def lease_info(rec: LeaseRecord, index: int | None = None, now: float | None = None) -> wire_replies.LeaseInfo:
+    """A lease record as the wire shows it (the `lease` reply, `leases`, status per GPU)."""
+    now = time.time() if now is None else now
+    return wire_replies.LeaseInfo(
+        id=rec.id, gpu=rec.gpu, index=index, profile=rec.profile,
+        placement=f"{rec.placement.start}:{rec.placement.size}" if rec.placement is not None else None,
+        uuid=rec.uuid, devices=list(rec.devices), owner=rec.owner, uid=rec.uid, pid=rec.pid,
+        created=round(rec.created, 3), age_s=round(max(0.0, now - rec.created), 1), state=rec.state, note=rec.note)
+
+
+def leases_reply(view: EngineView) -> wire_replies.LeasesReply:
+    index = {g.pci: g.index for g in view.observation.gpus}
+    return wire_replies.LeasesReply(leases=[lease_info(r, index.get(r.gpu)) for r in view.leases])
+
+
 def gpu_status(gpu: Gpu, desired: DesiredGpu | None, state: GpuState | None,
-               rebuilt: list[str] | None = None) -> wire_replies.GpuStatus:
+               rebuilt: list[str] | None = None, leases: list[LeaseRecord] | None = None,
+               lease_free: Mapping[str, int] | None = None) -> wire_replies.GpuStatus:
     nv = gpu.nvml
     known = by_device(gpu.function.device)
     driver = gpu.function.driver
@@ -123,6 +141,9 @@ def gpu_status(gpu: Gpu, desired: DesiredGpu | None, state: GpuState | None,
                for c in gpu.companions],
         vfio_device=f"/dev/vfio/{group}" if driver == "vfio-pci" and group is not None else None,
         vgpu=vgpu_status(gpu, rebuilt or []),
+        dynamic=desired is not None and desired.dynamic,
+        leases=[lease_info(r, gpu.index) for r in leases or ()],
+        lease_free=dict(lease_free or {}),
     )
 
 
@@ -146,7 +167,7 @@ def layout_status(view: EngineView) -> wire_replies.LayoutStatus:
         errors = list(dict.fromkeys(errors + [str(e) for e in res.errors]))
     shown_errors, errors_omitted = capped(errors, "errors")
     shown_warnings, warnings_omitted = capped(warnings, "warnings")
-    return wire_replies.LayoutStatus(path=view.config_path, selected=view.selected,
+    return wire_replies.LayoutStatus(path=view.config_path, selected=view.selected, chosen=view.chosen,
                                      valid=not errors, errors=shown_errors, warnings=shown_warnings,
                                      errors_omitted=errors_omitted, warnings_omitted=warnings_omitted)
 
@@ -183,7 +204,8 @@ def status_reply(view: EngineView, *, kubernetes: wire_replies.KubernetesStatus 
     """What the engine last observed and concluded, never what it intended."""
     res = view.resolution
     gpus = [gpu_status(g, res.desired.get(g.pci) if res else None, view.gpu_states.get(g.pci),
-                       list(view.vgpus_rebuilt.get(g.pci, ())) or None)
+                       list(view.vgpus_rebuilt.get(g.pci, ())) or None,
+                       [r for r in view.leases if r.gpu == g.pci], view.lease_free.get(g.pci))
             for g in view.observation.gpus]
     gpus += [gone_gpu_status(k, view.gpu_states.get(k.pci)) for k in view.observation.gone]
     gpus.sort(key=lambda g: g.index)
@@ -370,7 +392,7 @@ def table_profile_info(model: ModelInfo, profile: MigProfile) -> wire_replies.Pr
     marked unknown; how many instances are free is unknown too (nothing can count them)."""
     fields = model.unknown_fields(profile.name)
     unknown = [_WIRE_FIELD[f] for f in fields if f in _WIRE_FIELD]
-    if "id" in fields:  # a profile known by name only: no listing shows even its P2P flag
+    if "memory_mb" in fields:  # a profile no listing shows: not even its P2P flag is known
         unknown.append("p2p")
     return wire_replies.ProfileInfo(
         id=profile.id, name=profile.name, memory_mb=profile.memory_mb, sms=profile.sms, slices=profile.slices,

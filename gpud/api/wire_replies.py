@@ -73,6 +73,25 @@ class GroupMember(msgspec.Struct, kw_only=True):
     class_: str = msgspec.field(default="", name="class")  # "0x030200"
 
 
+class LeaseInfo(msgspec.Struct, kw_only=True):
+    """One lease (gpud.engine.leases): what a job needs to use it, and who holds it."""
+
+    id: str
+    gpu: str  # PCI address
+    index: int | None = None  # the GPU's index
+    profile: str  # "1g.10gb" ... or "gpu" for a whole-GPU lease
+    placement: str | None = None  # "start:size" in memory slices
+    uuid: str | None = None  # MIG-... for CUDA_VISIBLE_DEVICES (the GPU's own UUID for a whole GPU)
+    devices: list[str] = []  # /dev/nvidiaN and its MIG capability nodes
+    owner: str = ""
+    uid: int = 0
+    pid: int | None = None
+    created: float = 0.0  # Unix seconds
+    age_s: float = 0.0
+    state: str = "held"  # intent | gi-made | held | releasing | vanished
+    note: str = ""
+
+
 class GpuStatus(msgspec.Struct, kw_only=True):
     index: int
     pci: str
@@ -93,11 +112,15 @@ class GpuStatus(msgspec.Struct, kw_only=True):
     group: list[GroupMember] = []
     vfio_device: str | None = None  # "/dev/vfio/42" when bound to vfio-pci
     vgpu: VgpuStatus | None = None  # None: the GPU shows no vGPU interface
+    dynamic: bool = False  # mig-devices: dynamic: its instances are made by leases
+    leases: list[LeaseInfo] = []
+    lease_free: dict[str, int] = {}  # dynamic GPUs: GI profile -> how many more leases of it fit now
 
 
 class LayoutStatus(msgspec.Struct, kw_only=True):
     path: str
     selected: str | None = None  # the layout name chosen for this host
+    chosen: bool = False  # `selected` was chosen by `gpudctl select`, over the file's own
     valid: bool = False
     errors: list[str] = []
     warnings: list[str] = []
@@ -383,12 +406,22 @@ class StatsReply(msgspec.Struct, kw_only=True):
     peak_rss_bytes: int = 0  # since start (VmHWM)
 
 
+class ReleaseReply(msgspec.Struct, kw_only=True):
+    lease: LeaseInfo
+    message: str = ""
+
+
+class LeasesReply(msgspec.Struct, kw_only=True):
+    leases: list[LeaseInfo] = []
+
+
 RESULTS: dict[str, type[msgspec.Struct]] = {
     "status": StatusReply,
     "check": CheckReply,
     "plan": PlanReply,
     "apply": ApplyReply,
     "reload": LayoutStatus,
+    "select": LayoutStatus,
     "events": EventsReply,
     "version": VersionReply,
     "mig-profiles": MigProfilesReply,
@@ -396,6 +429,9 @@ RESULTS: dict[str, type[msgspec.Struct]] = {
     "stats": StatsReply,
     "labels": LabelsReply,
     "vgpu-types": VgpuTypesReply,
+    "lease": LeaseInfo,
+    "release": ReleaseReply,
+    "leases": LeasesReply,
 }
 
 

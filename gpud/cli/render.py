@@ -100,7 +100,8 @@ def render_status(r: wire_replies.StatusReply, width: int | None = None) -> str:
         out += ["", "no GPUs managed"]
     lay = r.layout
     validity = "valid" if lay.valid else "INVALID"
-    selected = f"selected: {lay.selected}" if lay.selected else "no layout selected"
+    selected = (f"selected: {lay.selected}{' (gpudctl select)' if lay.chosen else ''}" if lay.selected
+                else "no layout selected")
     out += ["", f"layout: {lay.path}  {selected}  {validity}"]
     out += [f"  error: {e}" for e in lay.errors]
     out += [f"  warning: {w}" for w in lay.warnings]
@@ -115,6 +116,9 @@ def render_status(r: wire_replies.StatusReply, width: int | None = None) -> str:
             insts = sorted(g.mig.instances, key=lambda i: (i.placement.start, i.gi, i.ci))
             for n, inst in enumerate(insts):
                 out.append(f"  MIG {inst.profile:<12} Device {n:>2}: (UUID: {inst.uuid})")
+    leased = [lease for g in r.gpus for lease in g.leases]
+    if leased:
+        out += ["", "Leases (MIG on demand):", render_leases(leased)]
     vgpus = [g for g in r.gpus if g.vgpu is not None and (g.vgpu.devices or g.vgpu.rebuilt)]
     if vgpus:
         out += ["", "vGPUs:"]
@@ -130,6 +134,36 @@ def render_status(r: wire_replies.StatusReply, width: int | None = None) -> str:
             if v.rebuilt:
                 out.append(f"  rebuilt from gpud's record: {', '.join(v.rebuilt)}")
     return "\n".join(out)
+
+
+def render_lease(lease: wire_replies.LeaseInfo) -> str:
+    """What `gpudctl lease` prints: the id to release, and what a job puts in its environment."""
+    where = f"GPU {lease.index} " if lease.index is not None else ""
+    at = f" at {lease.placement}" if lease.placement else ""
+    lines = [f"lease {lease.id}: {lease.profile}{at} on {where}{lease.gpu}",
+             f"  CUDA_VISIBLE_DEVICES={lease.uuid or '-'}"]
+    if lease.devices:
+        lines.append(f"  devices: {' '.join(lease.devices)}")
+    return "\n".join(lines)
+
+
+def render_leases(leases: list[wire_replies.LeaseInfo], now: float | None = None) -> str:
+    """The lease table (`gpudctl leases`, the status section): age from `created`, as of `now`."""
+    if not leases:
+        return "no leases"
+    now = time.time() if now is None else now
+    rows = [["ID", "GPU", "PROFILE", "PLACEMENT", "UUID", "OWNER", "PID", "AGE", "STATE"]]
+    for x in leases:
+        rows.append([x.id, str(x.index) if x.index is not None else x.gpu, x.profile, x.placement or "-",
+                     x.uuid or "-", x.owner or f"uid {x.uid}", str(x.pid) if x.pid is not None else "-",
+                     _age(max(0.0, now - x.created)), x.state + (f" ({x.note})" if x.note else "")])
+    return _table(rows)
+
+
+def _age(seconds: float) -> str:
+    s = int(seconds)
+    return f"{s // 86400}d{s % 86400 // 3600}h" if s >= 86400 else f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 \
+        else f"{s // 60}m{s % 60:02d}s"
 
 
 def _describe_step(s: wire_replies.StepInfo) -> str:
@@ -162,6 +196,15 @@ def _describe_step(s: wire_replies.StepInfo) -> str:
     return f"{text} ({s.message})" if s.message else text
 
 
+def _steps_summary(steps: list[wire_replies.StepInfo]) -> str:
+    """One line before a GPU's numbered steps: how many, of which kinds, in the order they run."""
+    kinds: dict[str, int] = {}
+    for s in steps:
+        kinds[s.action] = kinds.get(s.action, 0) + 1
+    return f"{len(steps)} step{'s' if len(steps) != 1 else ''} (" + ", ".join(
+        f"{k} x{n}" if n > 1 else k for k, n in kinds.items()) + ")"
+
+
 def render_plan(r: wire_replies.PlanReply) -> str:
     if r.errors:  # an invalid file has no plan: a GPU list or "disruption: none" would mislead
         return "\n".join([f"error: {e}" for e in r.errors] + [f"warning: {w}" for w in r.warnings])
@@ -172,7 +215,7 @@ def render_plan(r: wire_replies.PlanReply) -> str:
         elif not g.steps:
             out.append(f"GPU {g.index} {g.pci}: nothing to do")
         else:
-            out.append(f"GPU {g.index} {g.pci}:")
+            out.append(f"GPU {g.index} {g.pci}: {_steps_summary(g.steps)}")
         out += [f"  {n}. {_describe_step(s)}" for n, s in enumerate(g.steps, 1)]
         if g.dynamic:
             out.append(f"  {g.dynamic}")

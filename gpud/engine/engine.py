@@ -137,6 +137,15 @@ class Engine:
         """Put layout `name` of the file in force instead of its `selected` (None: the file's own)."""
         return await self._rec.choose_layout_async(name)
 
+    async def select_layout(self, name: str | None) -> bool:
+        """`gpudctl select`: layout `name` in force, kept across restarts; False when refused (the
+        errors in the view's layout_errors until the next load)."""
+        return await self._rec.select_layout_async(name)
+
+    async def evaluate_each(self, text: str, path: str, names: list[str]) -> list[tuple[str, Resolution]]:
+        """Layouts `names` of one text, each resolved as if selected (one parse, one host read)."""
+        return await self._rec.evaluate_each_async(text, path, names)
+
     def mark_pending(self) -> None:
         """The GPUs a just-taken layout will change show `pending` until its pass starts."""
         self._rec.mark_pending()

@@ -14,7 +14,10 @@ name lines only.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Awaitable, Callable
+
+import msgspec
 
 from gpud.engine.events import EventBus
 from gpud.engine.observe.discovery import Observation
@@ -203,6 +206,35 @@ class LayoutKeeper:
     def _judged(self, parsed: ParsedLayout, resolution: Resolution, obs: Observation) -> Resolution:
         return self.judge(parsed, resolution, obs) if self.judge is not None else resolution
 
+    async def evaluate_each_async(self, text: str, path: str, names: list[str], observe: AsyncObserve | None = None,
+                                  ) -> list[tuple[str, Resolution]]:
+        """Each of the layouts `names` of one text, judged as `evaluate(select=name)` would judge it,
+        from one parse and one read of the host: choosing a layout changes only `selected` (the
+        parse with a caller's choice is the same for every name the file has), and the match,
+        hence the GPUs read, is the file's whatever is selected. The loop serves others between
+        layouts, and past a second the event stream says how far the check is."""
+        if not names:
+            return []
+        async with self._slot():
+            parsed, _, obs = await self._evaluate_off_loop(text, path, observe, names[0])
+
+            def resolve_each() -> list[tuple[str, ParsedLayout, Resolution]]:
+                out = []
+                for name in names:
+                    chosen = _with_selected(parsed, name)
+                    out.append((name, chosen, resolve(chosen, obs.gpus, gone=obs.gone, index_problem=obs.index_problem)))
+                return out
+
+            judged = []
+            said = time.monotonic()
+            for k, (name, chosen, resolution) in enumerate(await asyncio.to_thread(resolve_each), 1):
+                judged.append((name, self._judged(chosen, resolution, obs)))
+                if time.monotonic() - said >= 1.0:
+                    said = time.monotonic()
+                    self.bus.publish("check", f"{path}: {k} of {len(names)} more layouts checked")
+                await asyncio.sleep(0)
+            return judged
+
     def _parse(self, text: str, path: str, select: str | None = None) -> ParsedLayout:
         too_large = check_text_size(text, path)
         if too_large is not None:  # refused before YAML sees it: the same bound as the file's
@@ -225,3 +257,10 @@ class LayoutKeeper:
         if self.layout is not None and self.layout.layout is not None and self.layout.layout.match:
             return self.layout.layout.match
         return DEFAULT_MATCH
+
+
+def _with_selected(parsed: ParsedLayout, name: str) -> ParsedLayout:
+    """`parsed` (read with a caller's choice of a layout the file has) with `name` chosen instead."""
+    layout = msgspec.structs.replace(parsed.layout, selected=name) if parsed.layout is not None else None
+    draft = msgspec.structs.replace(parsed.draft, selected=name) if parsed.draft is not None else None
+    return msgspec.structs.replace(parsed, layout=layout, draft=draft)

@@ -8,6 +8,8 @@ each becomes, so the engine never speaks the protocol.
 
 from __future__ import annotations
 
+import time
+
 from gpud.engine.reconciler import Reconciler
 from gpud.model import Gpu, MigProfile, Placement
 
@@ -51,12 +53,13 @@ def remaining_capacity(profile: MigProfile, used: list[Placement], existing: int
 async def start_apply(rec: Reconciler) -> int:
     """Re-read the file (off the loop) and ask for a pass; the ticket to wait on. InvalidLayout
     when the file is bad, naming its first errors (all of them are in status)."""
-    await rec.load_config_async()
+    asked = time.monotonic()
+    await rec.load_config_async()  # reads the host afresh: the pass may start from that read
     errors = rec.layout_issues[0]
     if errors:
         more = f"; ... and {len(errors) - 10} more errors (gpudctl status)" if len(errors) > 10 else ""
         raise InvalidLayout("; ".join(errors[:10]) + more)
-    ticket = rec.kick("apply requested")
+    ticket = rec.request_apply(seen_since=asked)
     rec.mark_pending()
     return ticket
 

@@ -22,6 +22,7 @@ from types import MappingProxyType
 
 import msgspec
 
+from gpud.engine import layout_choice
 from gpud.engine.apply_lock import ApplyLock, ApplyLockRefused
 from gpud.engine.boot.reboot_policy import RebootPolicy
 from gpud.engine.boot.rebuild import BootRebuild, boot_id
@@ -102,6 +103,10 @@ class Reconciler:
         # label_selects (--kube-node): the node label chooses the layout, `selected` may be absent
         self.layout_file = LayoutKeeper(config_path, bus, self._observe, judge=lambda *a: judged(self.next_action, *a),
                                         label_selects=label_selects)
+        self.state_dir = state_dir
+        # `gpudctl select NAME`, kept across restarts (engine/layout_choice); a node label replaces it,
+        # so with --kube-node a choice kept from before does not count
+        self.layout_file.select = None if label_selects else layout_choice.load(state_dir, self.state_problems)
         self.operand_guard = operand_guard  # --kube-node: the kube agent
         self.scheduler = PassScheduler()
         self.holder_watch = HolderWatch(self._holder_exited)
@@ -114,6 +119,8 @@ class Reconciler:
         self.gpu_states: dict[str, GpuState] = {}
         self.phase: Phase = "starting"
         self._acted = False  # whether the running pass has carried out any step
+        self._apply_wanted = False  # `gpudctl apply` asked for the next pass (policy.apply: manual)
+        self._apply_now = False  # ... and the running pass is that one
         self.passes = 0  # passes started
         self.completed_passes = 0  # passes finished (phase says how they ended)
         self._listeners: list[Callable[[], None]] = []
@@ -170,11 +177,34 @@ class Reconciler:
         choice; None: the file's own again), read and checked off the event loop."""
         return self._taken(await self.layout_file.choose_async(name, self._observe_async))
 
+    async def select_layout_async(self, name: str | None) -> bool:
+        """`gpudctl select`: put layout `name` of the file in force (None: the file's own
+        `selected` again) and keep the choice across restarts. A name the file refuses changes
+        nothing: the choice in force before stays, and False is returned with the errors in
+        `layout_issues` until the next load."""
+        before = self.layout_file.select
+        if await self.choose_layout_async(name):
+            if not self.read_only:
+                try:
+                    layout_choice.save(self.state_dir, name)
+                except OSError as e:
+                    self.state_problems.say(layout_choice.FILE_NAME, f"the layout choice {name!r} is in force "
+                                            f"but was not kept ({e}): a restart goes back to the file's own")
+            self.bus.publish("layout-selected", f"layout {name!r} chosen by gpudctl select" if name
+                             else "the file's own `selected` is in force again")
+            return True
+        self.layout_file.select = before
+        return False
+
     async def evaluate_async(self, text: str, path: str, *, select: str | None = None,
                              ) -> tuple[ParsedLayout, Resolution, Observation]:
         """Parse a layout text and resolve it against this host as that layout's own `match:` sees it
         (`select`: a layout chosen over the file's `selected`), the host read off the event loop."""
         return await self.layout_file.evaluate_async(text, path, self._observe_async, select=select)
+
+    async def evaluate_each_async(self, text: str, path: str, names: list[str]) -> list[tuple[str, Resolution]]:
+        """Layouts `names` of one text, each resolved as if selected, from one parse and one host read."""
+        return await self.layout_file.evaluate_each_async(text, path, names, self._observe_async)
 
     async def _observe_async(self, match: tuple[MatchRule, ...]) -> Observation:
         """The host as `match` selects it, read in a worker thread. For the layout in force's own
@@ -245,10 +275,13 @@ class Reconciler:
         states = self.gpu_states
         rebuilt = tuple((pci, tuple(what)) for pci, what in self.vgpus.rebuilt.items())  # a small, edited dict
         errors, warnings = self.layout_issues
-        key = ((self.observation, self.resolution, self.layout, *states.values()),
+        records = self.leases.book.records  # replaced, never edited, on each lease change
+        label_selects = self.layout_file.label_selects
+        chosen = self.selected is not None and self.selected == self.layout_file.select and not label_selects
+        key = ((self.observation, self.resolution, self.layout, records, *states.values()),
                (self.phase, self.phase_now(), tuple(errors), tuple(warnings), tuple(states), self.config_path,
                 self.read_only, self.boot_rebuild.summary, rebuilt, self._problems(),
-                tuple(self.gpu_set.notes.items()), self.passes, self.completed_passes))
+                tuple(self.gpu_set.notes.items()), self.passes, self.completed_passes, label_selects, chosen))
         old = self._view_key
         if (self._view is not None and old is not None and len(old[0]) == len(key[0])
                 and all(a is b for a, b in zip(old[0], key[0])) and old[1] == key[1]):
@@ -260,8 +293,14 @@ class Reconciler:
             layout_warnings=tuple(warnings), config_path=self.config_path, read_only=self.read_only,
             notes=MappingProxyType(dict(self.gpu_set.notes)), problems=self._problems(),
             rebuilt_after_boot=self.boot_rebuild.summary, vgpus_rebuilt=MappingProxyType(dict(rebuilt)),
-            passes=self.passes, completed_passes=self.completed_passes)
+            passes=self.passes, completed_passes=self.completed_passes, leases=tuple(self.leases.leases()),
+            lease_free=MappingProxyType(self.leases.free()), label_selects=label_selects, chosen=chosen)
         return self._view
+
+    @property
+    def selected(self) -> str | None:
+        layout = self.layout
+        return layout.layout.selected if layout is not None and layout.layout is not None else None
 
     def _problems(self) -> tuple[str, ...]:
         """What is wrong with gpud's state files (set aside, not written), each said once."""
@@ -277,9 +316,10 @@ class Reconciler:
         return layout.layout.policy if layout is not None and layout.layout is not None else None
 
     # ---- scheduling (by self.scheduler) ---------------------------------------------------
-    def kick(self, reason: str) -> int:
-        """Ask for a pass; returns the ticket a caller can wait on with `wait_for`."""
-        return self.scheduler.kick(reason)
+    def kick(self, reason: str, *, seen_since: float | None = None) -> int:
+        """Ask for a pass; returns the ticket a caller can wait on with `wait_for` (`seen_since`:
+        PassScheduler.kick)."""
+        return self.scheduler.kick(reason, seen_since=seen_since)
 
     async def wait_for(self, ticket: int, timeout: float | None = None) -> bool:
         return await self.scheduler.wait_for(ticket, timeout)
@@ -382,6 +422,8 @@ class Reconciler:
                 plan = plan_gpu(gpu, mig_desired)
                 if plan.infeasible:
                     return GpuState("failed", plan.infeasible)
+                if (taken := self.leases.taken_by(plan)) is not None:  # a static layout over leases
+                    return GpuState("failed", taken)
                 if plan.steps:
                     if plan.mode_change and (off := self.vgpus.vfs_off_before_mode_change(gpu)) is not None:
                         return off
@@ -399,7 +441,20 @@ class Reconciler:
         return self.vgpus.creations(gpu, desired)
 
     # ---- execution ----------------------------------------------------------------------------
+    def request_apply(self, *, seen_since: float | None = None) -> int:
+        """`gpudctl apply`: a pass that converges even under `policy.apply: manual`; its ticket."""
+        self._apply_wanted = True
+        return self.kick("apply requested", seen_since=seen_since)
+
+    def _held(self) -> bool:
+        """This pass only says what is pending: the layout in force is `apply: manual` and no
+        `gpudctl apply` asked for it (with --kube-node the node label is that request)."""
+        policy = self.policy
+        return (policy is not None and policy.apply == "manual" and not self._apply_now
+                and self.operand_guard is None and not self.read_only)
+
     async def converge(self) -> None:
+        self._apply_now, self._apply_wanted = self._apply_wanted, False
         if self.layout is None:
             await self.refresh_async()
             self.phase = "invalid-layout"
@@ -421,7 +476,10 @@ class Reconciler:
         self._notify()
 
     async def _converge_all(self) -> None:
-        await self.refresh_async()
+        if self.scheduler.running:  # a read begun after the pass was asked for is fresh enough
+            await self.observer.fresh(self.scheduler.pass_since)
+        else:
+            await self.refresh_async()
         resolution = self.resolution  # this pass works from one resolution, whatever refresh() does
         assert resolution is not None
         if resolution.errors:  # the host changed under a good file: change nothing
@@ -456,7 +514,7 @@ class Reconciler:
         todo = {}
         for gpu in self.observation.gpus:
             desired = resolution.desired.get(gpu.pci)
-            if desired is not None and not self.read_only:
+            if desired is not None and not self.read_only and not self._held():
                 action = self.next_action(gpu, desired)
                 if isinstance(action, Action):
                     todo[gpu.pci] = action
@@ -504,6 +562,10 @@ class Reconciler:
                 return action
             if self.read_only:
                 return GpuState("read-only", f"read-only mode: would apply {action.summary}")
+            if self._held():
+                n = step_count(action)
+                return GpuState("pending", f"pending: {n} step{'s' if n != 1 else ''} (policy.apply: manual; "
+                                           "`gpudctl plan` shows them, `gpudctl apply` runs them)")
             if action.kind in ("mig", "vgpu") and action.plan.blocked_by:  # nothing is touched while busy
                 names = ", ".join(f"pid {h.pid} {h.name}{f' (VM {h.vm})' if h.vm else ''} on {h.device}"
                                   for h in action.plan.blocked_by)
@@ -537,6 +599,9 @@ class Reconciler:
 
     def _holder_exited(self, pid: int) -> None:  # called once per process (HolderWatch)
         self.bus.publish("holder-exited", f"pid {pid} exited")
+        # only an applying pass waits for holders: the pass that goes on after one is that apply's,
+        # under policy.apply: manual too
+        self._apply_wanted = True
         self.kick(f"pid {pid} exited")
 
 

@@ -16,9 +16,11 @@ from types import MappingProxyType
 from typing import Any
 
 from gpud.engine.gpu_state import GpuState, Phase
+from gpud.engine.leases.records import LeaseRecord
 from gpud.engine.observe.discovery import Observation
 from gpud.layout.parse import ParsedLayout
 from gpud.layout.resolve import Resolution
+from gpud.layout.schema import Policy
 
 EMPTY: Mapping[str, Any] = MappingProxyType({})
 
@@ -45,7 +47,16 @@ class EngineView:
     vgpus_rebuilt: Mapping[str, tuple[str, ...]] = field(default_factory=lambda: EMPTY)
     passes: int = 0  # passes started
     completed_passes: int = 0  # passes ended
-    leases: tuple[Any, ...] = field(default=())  # MIG on demand (gpud.engine.leases), when any
+    leases: tuple[LeaseRecord, ...] = ()  # MIG on demand (gpud.engine.leases): every lease, oldest first
+    # PCI -> GI profile -> how many more leases fit now, per dynamic GPU
+    lease_free: Mapping[str, Mapping[str, int]] = field(default_factory=lambda: EMPTY)
+    label_selects: bool = False  # --kube-node: the node label chooses the layout (gpudctl select is not taken)
+    chosen: bool = False  # the layout in force is the one `gpudctl select` chose, not the file's `selected`
+
+    @property
+    def policy(self) -> Policy | None:
+        """The layout in force's policy."""
+        return self.layout.layout.policy if self.layout is not None and self.layout.layout is not None else None
 
     @property
     def selected(self) -> str | None:

@@ -17,6 +17,7 @@ hot-plug goes through a closed session.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import threading
@@ -268,6 +269,8 @@ class Nvml:
         mode = self._optional(pci, "nvmlDeviceGetMigMode", h) if static is None or static.mig_capable else None
         if static is None:
             static = self._read_static(h, pci, mig_capable=mode is not None)
+        elif pci in self._cache.memory_stale:
+            static = self._memory_again(h, static)
         current, pending = (mode if mode is not None else (None, None))
         profiles: tuple[MigProfile, ...] = ()
         instances: tuple[GpuInstance, ...] = ()
@@ -302,6 +305,17 @@ class Nvml:
             mig_capable=mig_capable, profiles=self._gi_profiles(pci, h) if mig_capable else ())
         self._cache.store_if(generation, lambda: self._cache.gpus.__setitem__(pci, static))
         return static
+
+    def _memory_again(self, h: Any, static: GpuStatic) -> GpuStatic:
+        generation = self._cache.generation
+        fresh = dataclasses.replace(static, memory_mb=self._query(static.pci, h, "nvmlDeviceGetMemoryInfo").total // _MIB)
+
+        def put() -> None:
+            self._cache.gpus[static.pci] = fresh
+            self._cache.memory_stale.discard(static.pci)
+
+        self._cache.store_if(generation, put)
+        return fresh
 
     def _query(self, pci: str, h: Any, name: str) -> Any:
         """pynvml.<name>(h) for GPU `pci`; NvmlError naming the call on failure."""
@@ -506,7 +520,7 @@ class Nvml:
         refuse_if(self.read_only, "set_mig_mode", pci)
         h = self._handle(pci)
         mode = pynvml.NVML_DEVICE_MIG_ENABLE if enabled else pynvml.NVML_DEVICE_MIG_DISABLE
-        self._cache.forget_gpu(pci)  # what NVML says of a GPU with the other mode is asked again
+        self._cache.mode_changed(pci)  # what may move with the mode is asked again
         return int(self._call("nvmlDeviceSetMigMode", pci, pynvml.nvmlDeviceSetMigMode, h, mode))
 
     @_in_session

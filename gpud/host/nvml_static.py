@@ -49,6 +49,7 @@ class SessionCache:
     # (PCI address, GI profile id) -> the CI profiles NVML lists for a GI of that profile
     ci_profiles: dict[tuple[str, int], dict[int, CiProfile]] = field(default_factory=dict)
     max_mig_devices: dict[str, int] = field(default_factory=dict)  # asked with MIG on (0 with it off)
+    memory_stale: set[str] = field(default_factory=set)  # GPUs whose total memory is asked again
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def clear(self) -> None:
@@ -58,15 +59,16 @@ class SessionCache:
             self.gpus.clear()
             self.ci_profiles.clear()
             self.max_mig_devices.clear()
+            self.memory_stale.clear()
 
-    def forget_gpu(self, pci: str) -> None:
-        """Drop what is kept of one GPU but its handle (a MIG mode change: the tables NVML answers
-        with MIG off and on are documented alike, yet nothing is lost by asking once more)."""
+    def mode_changed(self, pci: str) -> None:
+        """A MIG mode change of one GPU: the profile tables and placements stay (NVML documents the
+        placements "regardless of whether MIG is enabled or not"; the H200 answers the profile
+        infos with MIG off too), the most MIG devices does not (0 with MIG off), and the total
+        memory is asked again (nothing says whether it moves with the mode)."""
         with self.lock:
-            self.gpus.pop(pci, None)
             self.max_mig_devices.pop(pci, None)
-            for key in [k for k in self.ci_profiles if k[0] == pci]:
-                del self.ci_profiles[key]
+            self.memory_stale.add(pci)
 
     def handle_of(self, pci: str) -> Any | None:
         """The device handle this session enumerated for `pci`, if it did."""

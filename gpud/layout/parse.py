@@ -27,6 +27,7 @@ from gpud.layout.names import parse_mig_name
 from gpud.layout.schema import (
     ALL_DISABLED,
     ALL_DISABLED_NAME,
+    APPLY,
     DEFAULT_MATCH,
     DYNAMIC,
     HOOK_PHASES,
@@ -60,7 +61,7 @@ LAYOUTS_SYNONYMS = ("mig-configs", "vgpu-configs")
 ENTRY_KEYS = ("devices", "device-filter", "workload", "mig-enabled", "mig-devices", "vgpu-devices")
 MATCH_KEYS = ("vendor", "device", "class")
 POLICY_KEYS = ("drain-units", "on-busy", "reset", "reboot", "lease-group", "lease-placement", "lease-mig-mode",
-               "on-infeasible")
+               "on-infeasible", "apply")
 HOOK_KEYS = ("command", "args", "env", "timeout")
 
 _UUID = re.compile(r"GPU-[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}")
@@ -736,7 +737,7 @@ class _Parser:
                 values["lease_group"] = group
         for key, allowed in (("on-busy", ON_BUSY), ("reset", RESET), ("reboot", REBOOT),
                              ("lease-placement", LEASE_PLACEMENT), ("lease-mig-mode", LEASE_MIG_MODE),
-                             ("on-infeasible", ON_INFEASIBLE)):
+                             ("on-infeasible", ON_INFEASIBLE), ("apply", APPLY)):
             if key in keys and (value := self.enum(keys[key][1], key_path("policy", key), allowed)) is not None:
                 values[key.replace("-", "_")] = value
         return Policy(**values)  # type: ignore[arg-type]

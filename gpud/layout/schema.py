@@ -20,6 +20,9 @@ REBOOT = ("never", "allow")
 # A file with a GPU the planner cannot converge (`7 x 1g.10gb` on an A100 40GB): refused whole, as
 # `gpudctl check` says INVALID (the default), or taken with that GPU failed and the others applied
 ON_INFEASIBLE = ("refuse-file", "skip-gpu")
+# auto: a saved file is applied at once; manual: only `gpudctl apply` changes GPUs (status says
+# what is pending), so a file can be saved, planned and then applied
+APPLY = ("auto", "manual")
 LEASE_PLACEMENT = ("pack", "spread")  # across dynamic GPUs: fill used GPUs first, or the emptiest first
 LEASE_MIG_MODE = ("follow", "keep-on")  # Hopper+: MIG mode on at the first lease, off after the last; or kept on
 DYNAMIC = "dynamic"  # `mig-devices: dynamic`: the GPU's instances are made by leases (gpud.engine.leases)
@@ -92,6 +95,7 @@ class Policy(Struct, frozen=True, rename="kebab"):
     reset: str = "per-gpu"  # per-gpu | never
     reboot: str = "never"  # never | allow
     on_infeasible: str = "refuse-file"  # refuse-file | skip-gpu
+    apply: str = "auto"  # auto | manual
     lease_group: str | None = None  # a group whose members may lease and release (root always may)
     lease_placement: str = "pack"  # pack | spread: how leases are spread over dynamic GPUs
     lease_mig_mode: str = "follow"  # follow | keep-on: MIG mode of a dynamic Hopper+ GPU without leases

@@ -13,6 +13,7 @@ from collections.abc import Iterable, Sequence
 
 import gpud.sim.gi_ids as gi_ids
 from gpud.profiles import MODELS, NVIDIA, WHOLE_GPU, ModelInfo
+from gpud.sim.inferred import sim_model
 from gpud.sim.state import SimFunction, SimGpu, SimState
 
 _BUSES = (0x18, 0x2A, 0x3A, 0x5D, 0x9A, 0xAB, 0xBA, 0xDB)
@@ -51,18 +52,18 @@ class CatalogError(ValueError):
 
 
 def offered() -> list[str]:
-    """Model keys the simulator can stand in for: those whose whole table comes from a source.
-
-    A model known only in part (gpud.profiles lists what no source gives) is refused: the fake
-    NVML would have to answer questions (a profile's memory, SMs, placements) that no capture or
-    NVIDIA document answers, and an invented answer would make tests pass against fiction."""
-    return sorted(k for k, m in MODELS.items() if m.complete)
+    """Model keys the simulator can stand in for: those whose whole table comes from a source, or
+    is completed by the simulator's stated inference rules (gpud/sim/inferred.py), which
+    `gpud-sim create` names so that no test passes against an inferred cell unawares. A model
+    whose gaps those rules cannot fill is refused."""
+    return sorted(k for k in MODELS if sim_model(k).complete)
 
 
 def model(key: str) -> ModelInfo:
-    m = MODELS.get(key)
-    if m is None:
+    """The model as the simulator serves it (gpud/sim/inferred.py completes some)."""
+    if key not in MODELS:
         raise CatalogError(f"unknown GPU model {key!r}; known: {', '.join(offered())}")
+    m = sim_model(key)
     if not m.complete:
         raise CatalogError(f"GPU model {key!r} ({m.name}) cannot be simulated: no source gives its "
                            f"MIG table whole ({missing_parts(m)}; see docs/hardware/mig-profiles.md); "

@@ -15,14 +15,16 @@ import uuid
 
 from gpud.layout.names import device_name
 from gpud.model import CiProfile, MigProfile
-from gpud.profiles import MODELS, ModelInfo
+from gpud.profiles import ModelInfo
 from gpud.sim.gi_ids import gi_id
+from gpud.sim.inferred import sim_model
 from gpud.sim.state import SimCi, SimGi, SimGpu, SimProcess, SimState
 
 MIB = 1 << 20
 
 def model_of(gpu: SimGpu) -> ModelInfo:
-    return MODELS[gpu.model]
+    """The GPU's model as the simulator serves it (inferred cells filled: gpud/sim/inferred.py)."""
+    return sim_model(gpu.model)
 
 
 def visible_gpus(state: SimState) -> list[SimGpu]:

@@ -78,6 +78,7 @@ def test_mig_profiles_of_a_gpu_nvml_cannot_see_come_from_the_table_with_unknowns
     assert {p.name: p.unknown for p in rtx.profiles} == {p.name: ["free"] for p in MODELS["rtx-pro-6000"].profiles}
     row = {p.name: p for p in b200.profiles}
     assert row["1g.23gb"].unknown == ["free", "placements"] and row["1g.23gb"].memory_mb == 20992
-    assert set(row["3g.90gb"].unknown) == {"free", "id", "memory_mb", "sms", "placements", "ce", "dec", "enc",
+    assert set(row["3g.90gb"].unknown) == {"free", "memory_mb", "sms", "placements", "ce", "dec", "enc",
                                            "jpg", "ofa", "p2p"}
-    assert row["3g.90gb"].total == 2  # the instance count NVIDIA's MIG user guide gives
+    assert row["3g.90gb"].total == 2  # the instance count NVIDIA's default MIG config gives
+    assert row["3g.90gb"].id == 9  # the id GKE's MIG partitioner passes to nvidia-smi mig -cgi

@@ -64,7 +64,8 @@ def test_status_json_shape(daemon):
                         "kubernetes", "rebuilt_after_boot", "state_files"}
     g0 = doc["gpus"][0]
     assert {"index", "pci", "uuid", "model", "pci_id", "driver", "workload", "iommu_group", "numa_node", "mig",
-            "converged", "state", "message", "holders", "group", "vfio_device", "vgpu"} == set(g0)
+            "converged", "state", "message", "holders", "group", "vfio_device", "vgpu", "dynamic", "leases",
+            "lease_free"} == set(g0)
     assert g0["mig"]["instances"][0] == {"profile": "1g.18gb", "placement": {"start": 4, "size": 1}, "gi": 11,
                                          "ci": 0, "uuid": MIG_UUIDS[4], "holders": [], "ci_placement": None}
     assert g0["group"][0]["class"] == "0x030200"
@@ -104,7 +105,7 @@ def test_plan_output_and_exit_codes(daemon, tmp_path):
     assert r.returncode == 0, r.stderr
     assert calls(daemon, "plan") == [{"text": None, "path": None}]  # the loaded layout
     out = r.stdout.splitlines()
-    assert out[0] == "GPU 0 0000:3b:00.0:"
+    assert out[0] == "GPU 0 0000:3b:00.0: 4 steps (destroy-ci, destroy-gi, create-gi, create-ci)"
     assert out[1] == f"  1. destroy-ci 1g.18gb@6:1 gi 13 ci 0 {MIG_UUIDS[6]}"  # single-spaced
     assert "  3. create-gi 1g.35gb@6:2" in out
     assert "  1. set-mig-mode on" in out and "  2. reset" in out
@@ -264,6 +265,37 @@ def test_daemon_hanging_up_without_answer_exits_3(tmp_path):
     t.join(30)
     lsock.close()
     assert r.returncode == 3 and "closed the connection" in r.stderr
+
+
+def test_a_daemon_that_took_the_request_but_has_not_answered_exits_6(tmp_path):
+    """Connected and asked, no answer within --reply-timeout: gpud is working, not unreachable (3)."""
+    path = str(tmp_path / "s")
+    lsock = socket.socket(socket.AF_UNIX)
+    lsock.bind(path)
+    lsock.listen()
+    taken = threading.Event()
+
+    def accept_and_keep_quiet():
+        conn, _ = lsock.accept()
+        conn.recv(65536)
+        taken.set()
+        release.wait(30)
+        conn.close()
+
+    release = threading.Event()
+    t = threading.Thread(target=accept_and_keep_quiet, daemon=True)
+    t.start()
+    try:
+        layout_file = tmp_path / "many.yaml"
+        layout_file.write_text("version: v1\nlayouts: {a: [], b: []}\n")
+        r = run(path, "--reply-timeout", "0.5", "check", "--all-layouts", str(layout_file))
+    finally:
+        release.set()
+        t.join(30)
+        lsock.close()
+    assert taken.is_set()
+    assert r.returncode == 6 and "did not answer within 0.5 s" in r.stderr
+    assert run(path, "--reply-timeout", "0", "status").returncode == 2
 
 
 CLI_MODULES = sorted(f"gpud.cli.{p.stem}" for p in (REPO / "gpud" / "cli").glob("*.py") if p.stem != "__init__")

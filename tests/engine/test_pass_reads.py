@@ -5,6 +5,7 @@ the simulator's own NVML call counters and by which GPUs the NVML adapter was as
 from __future__ import annotations
 
 import asyncio
+from collections import Counter
 
 from tests.scenarios.definitions import layout, mig
 from tests.scenarios.harness import SimRig
@@ -59,5 +60,30 @@ def test_a_pass_that_changes_one_gpu_reads_that_gpu_alone_until_its_end(tmp_path
         assert seen[0] == seen[-1] == "*"  # the pass begins and ends with the whole host
         assert seen.count("*") == 2 and set(seen[1:-1]) == {GPU0}
         assert sorted(n for n, _, _ in rig.mig_devices()[0].values()) == ["3g.40gb", "3g.40gb"]
+    finally:
+        rig.close()
+
+
+def test_an_apply_on_a_converged_host_reads_it_once(tmp_path):
+    """`gpudctl apply`: the file is re-read against a fresh read of the host, and the pass it starts
+    begins from that read (it began after the request), not from another."""
+    from gpud.engine.queries import start_apply
+
+    rig = SimRig(tmp_path, ("h100-80gb:2",))
+
+    async def go() -> Counter[str]:
+        assert await rig.apply(layout(mig([0, 1], {"1g.10gb": 7})))
+        runner = asyncio.create_task(rig.rec.run(debounce=0))
+        try:
+            before = rig.calls()
+            assert await rig.rec.wait_for(await start_apply(rig.rec), 60)
+            return rig.calls() - before
+        finally:
+            runner.cancel()
+
+    try:
+        made = asyncio.run(go())
+        assert {s.state for s in rig.rec.gpu_states.values()} == {"converged"}
+        assert made["nvmlDeviceGetMigMode"] == 2  # one read of each GPU, for the file and the pass
     finally:
         rig.close()

@@ -24,7 +24,7 @@ def test_every_profile_fills_an_empty_gpu_without_placements(tmp_path, model):
     try:
         pynvml.nvmlInit()
         dev = pynvml.nvmlDeviceGetHandleByIndex(0)
-        by_id = {p.id: p for p in MODELS[model].profiles}
+        by_id = {p.id: p for p in catalog.model(model).profiles}
         for index in range(pynvml.NVML_GPU_INSTANCE_PROFILE_COUNT):
             try:
                 info = pynvml.nvmlDeviceGetGpuInstanceProfileInfo(dev, index)

@@ -62,7 +62,9 @@ class Python:
 
 
 def go_binary() -> str | None:
-    for cand in ("/usr/local/go/bin/go", shutil.which("go")):
+    """This machine's Go, else the toolchain scripts/install-go fetched (make anchors runs it first)."""
+    cached = os.path.join(os.environ.get("GPUD_GO_CACHE", "/var/cache/gpud-go"), "go", "bin", "go")
+    for cand in ("/usr/local/go/bin/go", cached, shutil.which("go")):
         if cand and os.access(cand, os.X_OK):
             return cand
     return None
