@@ -369,6 +369,8 @@ class Reconciler:
                 plan = plan_gpu(gpu, mig_desired)
                 if plan.infeasible:
                     return GpuState("failed", plan.infeasible)
+                if (taken := self.leases.taken_by(plan)) is not None:  # a static layout over leases
+                    return GpuState("failed", taken)
                 if plan.steps:
                     if plan.mode_change and (off := self.vgpus.vfs_off_before_mode_change(gpu)) is not None:
                         return off
