@@ -120,6 +120,10 @@ class Engine:
         """Re-read the file and ask for a pass (queries.InvalidLayout when the file is bad)."""
         return await queries.start_apply(self._rec)
 
+    def changes_at_start(self) -> list[str]:
+        """GPUs the first pass will change (READY=1 waits for it: gpud.engine.queries)."""
+        return queries.changes_at_start(self._rec)
+
     def vgpus_missing(self) -> list[str]:
         """vm-vgpu GPUs of the layout in force with fewer vGPUs than it asks for."""
         return queries.vgpus_missing(self._rec)
