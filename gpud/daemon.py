@@ -28,7 +28,7 @@ from gpud.engine.events import EventBus
 from gpud.engine.gpu_state import SETTLING_PHASES
 from gpud.engine.kube.node_labels_out import LabelsOut, Versions, from_cluster, layout_state
 from gpud.engine.observe.observer import DEFAULT_MAX_AGE
-from gpud.engine.queries import vgpus_missing
+from gpud.engine.queries import changes_at_start, vgpus_missing
 from gpud.engine.reconciler import Reconciler
 from gpud.hardware import HostConfig, build_hardware
 from gpud.host.nvml import NvmlError
@@ -42,7 +42,7 @@ if TYPE_CHECKING:  # imported with --kube-node only (they need gpud[kube])
     from gpud.engine.kube.applier import ReconcilerApplier
 
 log = logging.getLogger("gpud")
-VGPU_REBUILD_S = 60  # at most this long READY=1 waits for vGPUs to be rebuilt at start (TimeoutStartSec=90s)
+VGPU_REBUILD_S = 60  # at most this long READY=1 waits for the first pass at start (TimeoutStartSec=90s)
 SWITCH_INTERVAL = 0.0005  # seconds a worker thread may keep the GIL while the loop wants it
 
 
@@ -372,7 +372,7 @@ class Daemon:
         loop.add_signal_handler(signal.SIGHUP, self._reload_on_sighup, handler)
         if self.kube is None or await self._start_with_remembered_layout():
             ticket = self.rec.kick("start")  # with --kube-node, the node's label picks the layout first
-            await self._rebuild_vgpus_before_ready(ticket)
+            await self._converge_before_ready(ticket)
         self._update_status()
         self.notifier.ready()
         log.info("gpud %s ready: socket %s, %d GPU(s)%s", VERSION, self.args.socket,
@@ -400,27 +400,32 @@ class Daemon:
         log.info("gpud stopped; hardware left as it is")
         return 0 if stopped else 1
 
-    async def _rebuild_vgpus_before_ready(self, ticket: int) -> None:
-        """After a reboot VFs and vGPUs are gone, and libvirt domains name their mdev UUIDs and VFs:
-        when the layout in force asks for vGPUs a GPU lacks, READY=1 waits for the first pass (at
-        most VGPU_REBUILD_S, the start timeout extended meanwhile), so VM managers ordered after
-        gpud.service (Before= in the unit) find them. The socket answers meanwhile."""
-        missing = vgpus_missing(self.rec)
-        if not missing:
+    async def _converge_before_ready(self, ticket: int) -> None:
+        """When the first pass has anything to change (after a reboot: MIG instances, VFs, vGPUs
+        and driver overrides are gone; or a file edited while gpud was stopped), READY=1 waits for
+        it (at most VGPU_REBUILD_S, the start timeout extended meanwhile), so the units ordered after
+        gpud.service (Before= in the unit: kubelet, whose device plugin and DRA driver advertise
+        the MIG devices; libvirtd, whose domains name mdev UUIDs and VFs) start on the layout in
+        place. The socket answers meanwhile."""
+        pending = changes_at_start(self.rec)
+        if not pending:
             return
-        log.info("rebuilding vGPUs of %s before READY", ", ".join(missing))
-        self.notifier.status(f"rebuilding vGPUs of {len(missing)} GPU(s)")
+        short = vgpus_missing(self.rec)
+        what = f"rebuilding vGPUs of {len(short)} GPU(s)" if short and set(short) == set(pending) \
+            else f"converging {len(pending)} GPU(s) before ready"
+        log.info("%s: %s", what, ", ".join(pending))
+        self.notifier.status(what)
         self.notifier.extend_timeout(int((VGPU_REBUILD_S + 30) * 1e6))
-        rebuilt = asyncio.ensure_future(self.rec.wait_for(ticket, VGPU_REBUILD_S))
+        done = asyncio.ensure_future(self.rec.wait_for(ticket, VGPU_REBUILD_S))
         stop = asyncio.ensure_future(self.stopping.wait())  # a stop meanwhile is not held up
-        await asyncio.wait({rebuilt, stop}, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait({done, stop}, return_when=asyncio.FIRST_COMPLETED)
         stop.cancel()
-        if not rebuilt.done():
-            rebuilt.cancel()
+        if not done.done():
+            done.cancel()
             return
-        if not rebuilt.result():
-            log.warning("vGPUs not rebuilt within %d s; ready anyway, the pass goes on", VGPU_REBUILD_S)
-            self.bus.publish("warning", f"vGPUs not rebuilt within {VGPU_REBUILD_S} s of start; ready anyway")
+        if not done.result():
+            log.warning("the first pass did not end within %d s; ready anyway, it goes on", VGPU_REBUILD_S)
+            self.bus.publish("warning", f"the first pass did not end within {VGPU_REBUILD_S} s of start; ready anyway")
 
     async def _wait_stop_or_failure(self, tasks: list[asyncio.Task]) -> bool:
         """True on a requested stop; False when an event source died (systemd then restarts us,
