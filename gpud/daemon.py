@@ -24,12 +24,11 @@ from gpud.device_events import describe_device_event
 from gpud.engine import status_line
 from gpud.engine.apply_lock import ApplyLock
 from gpud.engine.binding.udev_rules import UdevRules
+from gpud.engine.engine import build_engine
 from gpud.engine.events import EventBus
 from gpud.engine.gpu_state import SETTLING_PHASES
 from gpud.engine.kube.node_labels_out import LabelsOut, Versions, from_cluster, layout_state
 from gpud.engine.observe.observer import DEFAULT_MAX_AGE
-from gpud.engine.queries import changes_at_start, vgpus_missing
-from gpud.engine.reconciler import Reconciler
 from gpud.hardware import HostConfig, build_hardware
 from gpud.host.nvml import NvmlError
 from gpud.host.sriov_manage import DEFAULT_PATH as SRIOV_MANAGE
@@ -40,6 +39,8 @@ PERSISTENCE_INTENT = "persistence-restore.json"  # in the state dir: GPUs whose 
 if TYPE_CHECKING:  # imported with --kube-node only (they need gpud[kube])
     from gpud.engine.kube.agent import KubeAgent
     from gpud.engine.kube.applier import ReconcilerApplier
+    from gpud.engine.ports import Rebooter
+    from gpud.host.cdi import CdiGenerator
 
 log = logging.getLogger("gpud")
 VGPU_REBUILD_S = 60  # at most this long READY=1 waits for the first pass at start (TimeoutStartSec=90s)
@@ -127,14 +128,23 @@ class Daemon:
             for pci in self.hw.reset.restore_pending():
                 self.bus.publish("persistence", f"persistence mode on again for {pci} (left off by an "
                                                 "interrupted reset)", gpu=pci)
-        self.rec = Reconciler(
+        reboot = self.host.rebooter
+        self.kube: KubeAgent | None = None  # with --kube-node
+        self.kube_applier: ReconcilerApplier | None = None
+        rebooter = self._start_kube(reboot) if args.kube_node else reboot
+        self.engine = build_engine(
             self.hw, config_path=args.config, apply_lock=ApplyLock(self.host.lock_path), bus=self.bus,
             read_only=args.read_only, binder_timeout=args.unbind_timeout,
             udev_rules=UdevRules(self.host.udev_rules, modules_load_path=None, read_only=args.read_only),
-            state_dir=args.state_dir, rebooter=self.host.rebooter,
-            max_status_age=args.status_max_age, boot_id_path=self.host.boot_id_path,
+            state_dir=args.state_dir, rebooter=rebooter, max_status_age=args.status_max_age,
+            boot_id_path=self.host.boot_id_path, cdi_generate=self._cdi_generator(args),
+            # the host's unit manager: on a real host D-Bus is imported and connected only when a
+            # layout first drains units or MIG changes; a simulated host's never leaves the simulator
+            drainer=self.host.drainer(lambda m: self._publish("drain", str(m))),
+            operand_guard=self.kube, label_selects=bool(args.kube_node),
         )
-        self._install_cdi(args)
+        if self.kube_applier is not None:
+            self.kube_applier.bind(self.engine)
         self.stopping = asyncio.Event()
         self._reload_timer: asyncio.TimerHandle | None = None
         self._metrics_key: tuple | None = None
@@ -147,15 +157,13 @@ class Daemon:
                                 exclude=("nvidia.com/mig.capable",) if args.kube_node else (),
                                 on_event=self._publish)
         self._versions: Versions | None = None
-        self.kube: KubeAgent | None = None  # with --kube-node
-        self.kube_applier: ReconcilerApplier | None = None
         self._kube_passes = 0
         self._labels_passes: tuple[int, tuple[str, ...]] | None = None
-        if args.kube_node:
-            self._start_kube(self.host.rebooter)
 
-    def _start_kube(self, reboot) -> None:
-        """--kube-node: the operator's label protocol. Its client library is imported here only."""
+    def _start_kube(self, reboot: Rebooter) -> Rebooter:
+        """--kube-node: the operator's label protocol, before the engine it guards (the applier is
+        bound to the engine once that is built); the engine's rebooter. Its client library is
+        imported here only."""
         try:
             from gpud.engine.kube.agent import KubeAgent
             from gpud.engine.kube.applier import KubeRebooter, ReconcilerApplier
@@ -166,17 +174,14 @@ class Daemon:
             api = KubeApi(self.args.kube_node, load_config(self.args.kubeconfig))
         except KubeError as e:
             raise RuntimeError(f"--kube-node {self.args.kube_node}: {e}") from e
-        applier = ReconcilerApplier(self.rec, None if self.args.read_only else self.args.state_dir)
-        self.rec.layout_file.label_selects = True  # the node label chooses: `selected` may be absent
-        self.rec.layout_file.select = None  # ... and a `gpudctl select` kept from before does not
+        applier = ReconcilerApplier(None if self.args.read_only else self.args.state_dir)
         agent = KubeAgent(api, applier, namespace=self.args.kube_namespace,
                           default_vgpu=self.args.default_vgpu_config or None, on_node=self._on_node_labels,
                           on_event=self._publish)
         self.kube, self.kube_applier = agent, applier
-        self.rec.operand_guard = agent
-        self.rec.reboot_policy.rebooter = KubeRebooter(agent, applier, reboot)
+        return KubeRebooter(agent, applier, reboot)
 
-    def _install_cdi(self, args: argparse.Namespace) -> None:
+    def _cdi_generator(self, args: argparse.Namespace) -> CdiGenerator | None:
         """`nvidia-ctk cdi generate` after MIG changes (gpud.host.cdi): the toolkit from PATH on a
         real host, only the one given on a simulated host (never the real host's from a test)."""
         from gpud.host.cdi import DEFAULT_SPEC, CdiGenerator
@@ -188,8 +193,7 @@ class Daemon:
 
             ctk = "" if root else (shutil.which("nvidia-ctk") or "")
         spec = args.cdi_spec or (str(Path(root) / DEFAULT_SPEC.lstrip("/")) if root else DEFAULT_SPEC)
-        if ctk and not args.read_only:
-            self.rec.cdi_generate = CdiGenerator(ctk, spec)
+        return CdiGenerator(ctk, spec) if ctk and not args.read_only else None
 
     def _publish(self, kind: str, message: str) -> None:
         self.bus.publish(kind, message)
@@ -227,59 +231,57 @@ class Daemon:
 
     async def _reload(self, why: str) -> None:
         log.info("config changed (%s)", why)
-        if not await self.rec.reload_async("layout changed"):
-            await self.rec.refresh_async()  # a refused file: status shows its errors at once
+        if not await self.engine.reload("layout changed"):
+            await self.engine.refresh()  # a refused file: status shows its errors at once
 
     def on_device_event(self, event) -> None:
         """A hint that a managed device (or the set of devices) changed: re-read and converge.
         Events of unrelated devices are ignored."""
         log.debug("device event %s", event)
-        obs = self.rec.observation
+        obs = self.engine.view.observation
         ours = {g.pci for g in obs.gpus} | {c.address for g in obs.gpus for c in g.companions}
         if event.action not in ("add", "remove", "rescan") and event.subsystem != "vfio" and event.address not in ours:
             return
         gpu, text = describe_device_event(event, obs.gpus)
         self.bus.publish("device", text, gpu=gpu)
-        self.rec.kick(f"udev {event.action}")
+        self.engine.kick(f"udev {event.action}")
 
     def _update_status(self) -> None:
-        self.notifier.status(status_line.of(self.rec))
-        leased = tuple(self.rec.leases.book.records)  # a lease or release changes what both show
-        key = (self.rec.passes, self.rec.phase, tuple(self.rec.layout_issues[0]), leased)
+        view = self.engine.view
+        self.notifier.status(status_line.of(view))
+        leased = tuple(r.id for r in view.leases)  # a lease or release changes what both show
+        key = (view.passes, view.phase, view.layout_errors, leased)
         if self.args.metrics_textfile and key != self._metrics_key:  # after a pass or a layout change
             self._metrics_key = key
             from gpud.api.metrics import render
             from gpud.api.replies import status_reply
 
             try:
-                render(status_reply(self.rec), self.rec.passes, self.args.metrics_textfile)
+                render(status_reply(view), view.passes, self.args.metrics_textfile)
             except OSError as e:
                 log.warning("metrics not written to %s: %s", self.args.metrics_textfile, e)
-        done = self.rec.completed_passes
+        done = view.completed_passes
         if (done, leased) != self._labels_passes:  # after every pass (and once at start), and each lease
             self._labels_passes = (done, leased)
             self._write_labels()
-        if self.kube is not None and done != self._kube_passes and self.rec.phase not in SETTLING_PHASES:
+        if self.kube is not None and done != self._kube_passes and view.phase not in SETTLING_PHASES:
             self._kube_passes = done  # report a pass the agent did not start itself on the node
             assert self.kube_applier is not None  # made with the agent
             self._spawn(self.kube.settled(self.kube_applier.outcome()))
-            desired = self.rec.resolution.desired if self.rec.resolution is not None else {}
-            self._spawn(self.kube.publish_workloads({p: d.workload for p, d in desired.items()}))
+            self._spawn(self.kube.publish_workloads(view.workloads()))
 
     def _write_labels(self) -> None:
         """The node's labels after every pass (the writer leaves an unchanged file alone)."""
-        rec = self.rec
+        view = self.engine.view
         if self._versions is None:
             try:
-                self._versions = Versions(driver=rec.hw.nvml.driver_version(), cuda=rec.hw.nvml.cuda_driver_version())
+                self._versions = Versions(driver=self.engine.versions.driver(), cuda=self.engine.versions.cuda())
             except NvmlError:  # no driver yet, or closed during a rebind: the next pass asks again
                 pass
-        desired = rec.resolution.desired if rec.resolution is not None else {}
-        selected = rec.layout.selected if rec.layout is not None else None
         rebooting = self.kube_applier.reboot_requested if self.kube_applier is not None else False
-        state = layout_state(rec.phase, rebooting=rebooting)
-        self.labels.write(self.labels.inputs(rec.observation.gpus, workloads={p: d.workload for p, d in desired.items()},
-                                             layout=selected, state=state, versions=self._versions or Versions()))
+        state = layout_state(view.phase, rebooting=rebooting)
+        self.labels.write(self.labels.inputs(view.observation.gpus, workloads=view.workloads(),
+                                             layout=view.selected, state=state, versions=self._versions or Versions()))
 
     async def _start_with_remembered_layout(self) -> bool:
         """--kube-node: the layout the node's label selected before this start is put in force at
@@ -289,12 +291,12 @@ class Daemon:
         name = self.kube_applier.remembered()
         if name is None:
             return False
-        if not await self.rec.choose_layout_async(name):
-            await self.rec.choose_layout_async(None)
+        if not await self.engine.choose_layout(name):
+            await self.engine.choose_layout(None)
             self.bus.publish("kube", f"the node label's last layout {name!r} is not valid now; waiting for the label")
             return False
         self.kube.selected_once.set()
-        self.kube.boot_window = self.rec.boot_rebuild.after_boot
+        self.kube.boot_window = self.engine.after_boot
         self.bus.publish("kube", f"layout {name!r} (the node label's before this start) in force until the label is read")
         return True
 
@@ -303,7 +305,7 @@ class Daemon:
         device event meanwhile is remembered and runs then)."""
         assert self.kube is not None  # only with --kube-node
         await self.kube.selected_once.wait()
-        await self.rec.run()
+        await self.engine.run()
 
     def _reload_on_sighup(self, handler: RequestHandler) -> None:
         """`kill -HUP`: re-read the file. The loop keeps only weak references to tasks, so the
@@ -322,10 +324,7 @@ class Daemon:
         from gpud.host.sd_notify import listen_socket
 
         loop = asyncio.get_running_loop()
-        # the host's unit manager: on a real host D-Bus is imported and connected only when a layout
-        # first drains units or MIG changes; a simulated host's never leaves the simulator
-        self.rec.drainer = self.host.drainer(lambda m: self._publish("drain", str(m)))
-        self.rec.on_change(self._update_status)
+        self.engine.subscribe(self._update_status)
         try:
             self.hw.nvml.open()
         except NvmlError as e:  # no nvidia driver (every GPU on vfio-pci, or none yet): serve anyway
@@ -337,9 +336,9 @@ class Daemon:
                 what = f"the writer of {left.value} to {left.relpath} (pid {left.pid}) left by an earlier gpud"
                 fate = "ended" if left.ended else "still blocked in the kernel; its device waits for it"
                 self.bus.publish("warning", f"{what}: {fate}", gpu=left.pci)
-        await self.rec.load_config_async()
-        await self.rec.leases.start()  # lease records against NVML before anyone can ask (engine.leases.startup)
-        handler = RequestHandler(self.rec, notifier=self.notifier, dev_root=self.host.dev_root,
+        await self.engine.load()
+        await self.engine.start_leases()  # lease records against NVML before anyone can ask (engine.leases.startup)
+        handler = RequestHandler(self.engine, notifier=self.notifier, dev_root=self.host.dev_root,
                                  loop_lag=self.loop_lag, labels=self.labels, kube_agent=self.kube)
         try:
             server = await serve(handler, self.args.socket, sock=listen_socket(), group=self.args.socket_group)
@@ -351,9 +350,9 @@ class Daemon:
         except Exception as e:  # no libudev, no netlink (some containers): serve anyway, say so
             log.warning("device events unavailable (%s): hardware changes are seen on the next request", e)
             self.bus.publish("warning", f"device events unavailable: {e}")
-        self.rec.refresh()  # the first state, before READY
+        self.engine.refresh_now()  # the first state, before READY
         tasks = [
-            asyncio.create_task(self.rec.run() if self.kube is None else self._run_after_selection(),
+            asyncio.create_task(self.engine.run() if self.kube is None else self._run_after_selection(),
                                 name="reconciler"),
             asyncio.create_task(self.watch_config(), name="inotify"),
             asyncio.create_task(self.loop_lag.run(), name="loop-lag"),
@@ -371,19 +370,19 @@ class Daemon:
             loop.add_signal_handler(signal.SIGUSR2, _stall_forever)
         loop.add_signal_handler(signal.SIGHUP, self._reload_on_sighup, handler)
         if self.kube is None or await self._start_with_remembered_layout():
-            ticket = self.rec.kick("start")  # with --kube-node, the node's label picks the layout first
+            ticket = self.engine.kick("start")  # with --kube-node, the node's label picks the layout first
             await self._converge_before_ready(ticket)
         self._update_status()
         self.notifier.ready()
         log.info("gpud %s ready: socket %s, %d GPU(s)%s", VERSION, self.args.socket,
-                 len(self.rec.observation.gpus), " (read-only)" if self.args.read_only else "")
+                 len(self.engine.view.observation.gpus), " (read-only)" if self.args.read_only else "")
         stopped = await self._wait_stop_or_failure(tasks)
         # A stop is not a rollback: the hardware stays as it is.
         self.notifier.stopping()
         events.stop()
         for t in tasks:
             t.cancel()
-        if not await self.rec.steps.finish(timeout=60):
+        if not await self.engine.finish(timeout=60):
             log.warning("a hardware step is still running; NVML is left open for it")
         else:
             self.hw.nvml.close()
@@ -407,16 +406,16 @@ class Daemon:
         gpud.service (Before= in the unit: kubelet, whose device plugin and DRA driver advertise
         the MIG devices; libvirtd, whose domains name mdev UUIDs and VFs) start on the layout in
         place. The socket answers meanwhile."""
-        pending = changes_at_start(self.rec)
+        pending = self.engine.changes_at_start()
         if not pending:
             return
-        short = vgpus_missing(self.rec)
+        short = self.engine.vgpus_missing()
         what = f"rebuilding vGPUs of {len(short)} GPU(s)" if short and set(short) == set(pending) \
             else f"converging {len(pending)} GPU(s) before ready"
         log.info("%s: %s", what, ", ".join(pending))
         self.notifier.status(what)
         self.notifier.extend_timeout(int((VGPU_REBUILD_S + 30) * 1e6))
-        done = asyncio.ensure_future(self.rec.wait_for(ticket, VGPU_REBUILD_S))
+        done = asyncio.ensure_future(self.engine.wait(ticket, VGPU_REBUILD_S))
         stop = asyncio.ensure_future(self.stopping.wait())  # a stop meanwhile is not held up
         await asyncio.wait({done, stop}, return_when=asyncio.FIRST_COMPLETED)
         stop.cancel()

@@ -161,3 +161,15 @@ async def test_a_static_layout_over_leases_is_refused_naming_them(h100):
     keeps = static.replace('{"1g.10gb": 7}', '{"3g.40gb": 1, "1g.10gb": 3}')
     _, res, _ = await h100.rec.evaluate_async(keeps, "layout.yaml")
     assert res.errors == []  # a static layout that keeps the leased instance is fine
+
+
+async def test_mig_mode_is_not_left_pending_when_a_process_holds_the_gpu(h100):
+    with simstate.locked(h100.dir) as state:
+        gpu_uuid = next(iter(state.gpus.values())).uuid
+    child = h100.hold(gpu_uuid, "cuda-app")
+    with pytest.raises(LeaseRefused) as e:
+        await h100.rec.leases.lease("1g.10gb")
+    assert e.value.code == "failed" and "processes use the GPU" in str(e.value)
+    g = next(iter(simstate.load(h100.dir).gpus.values()))
+    assert (g.mig_mode, g.mig_pending, g.gis) == (0, 0, []) and child.poll() is None
+    assert h100.rec.leases.leases() == []

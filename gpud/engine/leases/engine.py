@@ -330,7 +330,8 @@ class LeaseEngine:
             return nv is not None and nv.mig_mode == 1 and not nv.instances and not nv.processes
 
         try:
-            return executor.unmake(self.hw.nvml, self.book, rec, mode_off=mode_off)
+            return executor.unmake(self.hw.nvml, self.book, rec, mode_off=mode_off,
+                                   on_stage=lambda stage: self.on_stage(rec, stage))
         except executor.LeaseFailed as e:
             raise LeaseRefused("failed", str(e)) from e
 
