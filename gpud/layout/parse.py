@@ -65,7 +65,8 @@ POLICY_KEYS = ("drain-units", "on-busy", "reset", "reboot", "lease-group", "leas
 HOOK_KEYS = ("command", "args", "env", "timeout")
 
 _UUID = re.compile(r"GPU-[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}")
-_FILTER_MIG_PARTED = re.compile(r"0[xX]([0-9a-fA-F]{4})([0-9a-fA-F]{4})")  # device id, then vendor id
+# device id, then vendor id; optionally `:0x` subsystem device id, then subsystem vendor id
+_FILTER_MIG_PARTED = re.compile(r"0[xX]([0-9a-fA-F]{4})([0-9a-fA-F]{4})(?::0[xX]([0-9a-fA-F]{4})([0-9a-fA-F]{4}))?")
 _FILTER_LSPCI = re.compile(r"([0-9a-fA-F]{4}):([0-9a-fA-F]{4})")  # vendor:device
 _HEX16 = re.compile(r"(?:0[xX])?([0-9a-fA-F]{1,4})")
 _UNIT = re.compile(r"[A-Za-z0-9:_.\\-]+(?:@[A-Za-z0-9:_.\\-]*)?(" + "|".join(re.escape(s) for s in UNIT_SUFFIXES) + ")")
@@ -665,10 +666,14 @@ class _Parser:
         if isinstance(node, ScalarNode) and node.tag != _NULL:
             value = node.value.strip()  # unquoted 0x233010DE is a YAML int; take the text
             if m := _FILTER_MIG_PARTED.fullmatch(value):
+                if m[3] is not None:
+                    return PciId(vendor=int(m[2], 16), device=int(m[1], 16), subsystem_vendor=int(m[4], 16),
+                                 subsystem_device=int(m[3], 16))
                 return PciId(vendor=int(m[2], 16), device=int(m[1], 16))
             if m := _FILTER_LSPCI.fullmatch(value):
                 return PciId(vendor=int(m[1], 16), device=int(m[2], 16))
-        self.expected(node, path, 'a PCI id like "0x233010DE" (device id, then vendor id) or "10de:2330"')
+        self.expected(node, path, 'a PCI id like "0x233010DE" (device id, then vendor id), "0x233010DE:0x16C110DE" '
+                                  '(then the subsystem\'s) or "10de:2330"')
         return None
 
     def mig_devices(self, node: Node, path: str) -> dict[str, int] | None:

@@ -460,8 +460,8 @@ def test_device_filter_dedupes() -> None:
 def test_device_filter_errors(value: str, path: str, got: str) -> None:
     """mig-parted silently ignored filters it could not parse; here they are errors."""
     assert only_error(entry(f"- devices: all\n  device-filter: {value}")) == (
-        f'layout.yaml:5 layouts.a[0].{path}: expected a PCI id like "0x233010DE" (device id, then vendor id) '
-        f'or "10de:2330", got {got}')
+        f'layout.yaml:5 layouts.a[0].{path}: expected a PCI id like "0x233010DE" (device id, then vendor id), '
+        f'"0x233010DE:0x16C110DE" (then the subsystem\'s) or "10de:2330", got {got}')
 
 
 def test_device_filter_not_a_list() -> None:
