@@ -20,8 +20,8 @@ from gpud.engine.engine import Engine
 from gpud.engine.gpu_state import SETTLING_PHASES
 from gpud.engine.kube.agent import KubeAgent, Outcome
 from gpud.engine.ports import Rebooter
-from gpud.host.logind import reboot_outcome
 from gpud.host import state_files
+from gpud.host.logind import reboot_outcome
 from gpud.host.safe_file import write_file
 from gpud.profiles import by_device
 
