@@ -196,6 +196,15 @@ def _describe_step(s: wire_replies.StepInfo) -> str:
     return f"{text} ({s.message})" if s.message else text
 
 
+def _steps_summary(steps: list[wire_replies.StepInfo]) -> str:
+    """One line before a GPU's numbered steps: how many, of which kinds, in the order they run."""
+    kinds: dict[str, int] = {}
+    for s in steps:
+        kinds[s.action] = kinds.get(s.action, 0) + 1
+    return f"{len(steps)} step{'s' if len(steps) != 1 else ''} (" + ", ".join(
+        f"{k} x{n}" if n > 1 else k for k, n in kinds.items()) + ")"
+
+
 def render_plan(r: wire_replies.PlanReply) -> str:
     if r.errors:  # an invalid file has no plan: a GPU list or "disruption: none" would mislead
         return "\n".join([f"error: {e}" for e in r.errors] + [f"warning: {w}" for w in r.warnings])
@@ -206,7 +215,7 @@ def render_plan(r: wire_replies.PlanReply) -> str:
         elif not g.steps:
             out.append(f"GPU {g.index} {g.pci}: nothing to do")
         else:
-            out.append(f"GPU {g.index} {g.pci}:")
+            out.append(f"GPU {g.index} {g.pci}: {_steps_summary(g.steps)}")
         out += [f"  {n}. {_describe_step(s)}" for n, s in enumerate(g.steps, 1)]
         if g.dynamic:
             out.append(f"  {g.dynamic}")

@@ -7,18 +7,22 @@ longer fits although half the GPU is free. Leases come and go one at a time, so 
 layout to solve (gpud.plan.placement does that for the file); each lease is placed so that the
 largest profiles stay placeable. The rule, compared in this order (smallest wins):
 
-1. **dead slices**: free memory slices that no placement of any profile could use any more
+1. **scarcity**: per GI profile, the demand for it lately (`asked`: each request adds 1, older ones
+   fade by DEMAND_MEMORY) times how much scarcer the placement makes it host-wide (1/(n+1), n the
+   instances of it that still fit on all dynamic GPUs together): giving up one of many 1g slots
+   costs little, the host's last 4g or 7g slot the most, a profile nobody asks for nothing;
+2. **dead slices**: free memory slices that no placement of any profile could use any more
    (1g at 6 on an H100 kills slice 7 for everything but 3g/7g, which the 1g then blocks);
-2. **the hole** (best fit): the size of the run of free slices the placement sits in, so small
+3. **the hole** (best fit): the size of the run of free slices the placement sits in, so small
    leases fill the gaps already cut, and across GPUs a used GPU is filled before an empty one is cut;
-3. **the largest run left** in that GPU, larger first (a lease sits at the edge of its hole);
-4. **what it costs the large profiles**: per GI profile, largest first, how many instances of it
-   could still be placed on that GPU before minus after (lexicographic: losing one 4g is worse
-   than losing any number of 1g);
-5. the GPU's index, then the start.
+4. **the largest run left** in that GPU, larger first (a lease sits at the edge of its hole);
+5. **what it costs the large profiles on that GPU**: per GI profile, largest first, how many
+   instances of it could still be placed there before minus after (lexicographic);
+6. pack: the fuller GPU first; then the GPU's index, then the start.
 
-`policy.lease-placement: spread` puts one key before all of these: the GPU with the most free
-memory slices first (leases spread over GPUs, each GPU still filled by the rule above). The rule
+`policy.lease-placement: spread` puts one key before all of these, the GPU with the most free
+memory slices first, and prefers the emptier GPU at 6 (leases spread over GPUs, each GPU still
+filled by the rule above). The rule
 reaches the seed's partial layout on an empty H100 80GB lease by lease: 1g.10gb at 0, 1, 2, then
 3g.40gb at 4, then 1g.10gb at 3 (tests/plan/test_lease_placement.py). Foreign instances (made by
 someone else) are occupied slices like any other: never chosen, never moved.
@@ -26,7 +30,7 @@ someone else) are occupied slices like any other: never chosen, never moved.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import msgspec
 from msgspec import Struct
@@ -139,20 +143,58 @@ def _by_size(profiles: Sequence[MigProfile]) -> list[MigProfile]:
     return sorted(profiles, key=lambda p: (-(p.placements[0].size if p.placements else 0), -p.slices, p.id))
 
 
-def score(room: Room, profile: MigProfile, pl: Placement, *, spread: bool = False) -> tuple:
-    """The rule's key for putting a GI of `profile` at `pl` on `room` (smaller is better)."""
+def _host_capacity(rooms: Sequence[Room]) -> tuple[list[MigProfile], list[list[int]], list[int]]:
+    """(profiles largest first, per room how many of each still fit, per profile the host's total)."""
+    profs = _by_size(rooms[0].profiles) if rooms else []
+    profs = [p for p in profs if p.placements]
+    per_room = [[_placeable(p, _used_mask(r), _left(r, p)) if any(q.id == p.id for q in r.profiles) else 0
+                 for p in profs] for r in rooms]
+    return profs, per_room, [sum(c[j] for c in per_room) for j in range(len(profs))]
+
+
+def scarcity_cost(room: Room, profile: MigProfile, pl: Placement, profs: Sequence[MigProfile],
+                  here: Sequence[int], host: Sequence[int], demand: Mapping[str, float]) -> float:
+    """What putting `profile` at `pl` costs the requests to come: per GI profile, the demand for it
+    times how much scarcer it becomes host-wide (1/(n+1) with n the instances of it that still fit
+    on all dynamic GPUs together): losing one of many 1g slots costs little, losing the host's last
+    4g slot costs the most, and a profile nobody asks for costs nothing."""
+    after = _used_mask(room) | _mask(pl)
+    cost = 0.0
+    for j, p in enumerate(profs):
+        weight = demand.get(p.name, 0.0)
+        if not weight or not any(q.id == p.id for q in room.profiles):
+            continue
+        left = _placeable(p, after, _left(room, p, 1 if p.id == profile.id else 0))
+        cost += weight * (1 / (host[j] - here[j] + left + 1) - 1 / (host[j] + 1))
+    return round(cost, 9)
+
+
+def score(room: Room, profile: MigProfile, pl: Placement, *, spread: bool = False, cost: float = 0.0) -> tuple:
+    """The rule's key for putting a GI of `profile` at `pl` on `room` (smaller is better); `cost`:
+    its scarcity cost (`scarcity_cost`)."""
     total = slices_of(room.profiles)
     before = _used_mask(room)
     after = before | _mask(pl)
     hole = next(n for s, n in _runs(before, total) if s <= pl.start < s + n)
     largest_left = max((n for _, n in _runs(after, total)), default=0)
+    used_before = bin(before).count("1")
     loss = tuple(
         _placeable(p, before, _left(room, p)) - _placeable(p, after, _left(room, p, 1 if p.id == profile.id else 0))
         for p in _by_size(room.profiles) if p.placements
     )
-    free_before = total - bin(before).count("1")
-    key = (_dead(room.profiles, after, total, room, profile.id), hole, -largest_left, loss, room.index, pl.start)
-    return ((-free_before,) + key) if spread else key
+    return (cost, _dead(room.profiles, after, total, room, profile.id), hole, -largest_left, loss,
+            used_before if spread else -used_before, room.index, pl.start)
+
+
+DEMAND_MEMORY = 0.995  # each request keeps this much of the weight of those before it (~200 requests)
+
+
+def asked(demand: Mapping[str, float], gi_name: str, keep: float = DEMAND_MEMORY) -> dict[str, float]:
+    """The demand after one more request for GI profile `gi_name`: older requests fade, so the
+    rule follows what the scheduler asks for now."""
+    out = {k: v * keep for k, v in demand.items() if v * keep > 1e-6}
+    out[gi_name] = out.get(gi_name, 0.0) + 1.0
+    return out
 
 
 def resolve_name(name: str, profiles: Sequence[MigProfile]) -> tuple[MigProfile, CiProfile] | None:
@@ -168,19 +210,26 @@ def resolve_name(name: str, profiles: Sequence[MigProfile]) -> tuple[MigProfile,
     return gi, ci
 
 
-def choose(name: str, rooms: Sequence[Room], *, spread: bool = False) -> Choice | NoRoom | UnknownProfile:
-    """The best (GPU, placement) for one MIG device `name` over `rooms` (see the module docstring)."""
+def choose(name: str, rooms: Sequence[Room], *, spread: bool = False,
+           demand: Mapping[str, float] | None = None) -> Choice | NoRoom | UnknownProfile:
+    """The best (GPU, placement) for one MIG device `name` over `rooms` (see the module docstring).
+    `demand`: GI profile name -> how often it was asked for lately (None: this request's only)."""
     best: tuple | None = None
     choice: Choice | None = None
     known = False
-    for room in rooms:
+    profs, per_room, host = _host_capacity(rooms)
+    for i, room in enumerate(rooms):
         found = resolve_name(name, room.profiles)
         if found is None:
             continue
         known = True
         gi, ci = found
+        weights = demand if demand else {gi.name: 1.0}
         for pl in free_placements(room, gi):
-            key = score(room, gi, pl, spread=spread)
+            cost = scarcity_cost(room, gi, pl, profs, per_room[i], host, weights)
+            key = score(room, gi, pl, spread=spread, cost=cost)
+            if spread:
+                key = (-(slices_of(room.profiles) - bin(_used_mask(room)).count("1")),) + key
             if best is None or key < best:
                 best, choice = key, Choice(room.pci, gi, pl, ci, name)
     if choice is not None:

@@ -105,7 +105,7 @@ def test_plan_output_and_exit_codes(daemon, tmp_path):
     assert r.returncode == 0, r.stderr
     assert calls(daemon, "plan") == [{"text": None, "path": None}]  # the loaded layout
     out = r.stdout.splitlines()
-    assert out[0] == "GPU 0 0000:3b:00.0:"
+    assert out[0] == "GPU 0 0000:3b:00.0: 4 steps (destroy-ci, destroy-gi, create-gi, create-ci)"
     assert out[1] == f"  1. destroy-ci 1g.18gb@6:1 gi 13 ci 0 {MIG_UUIDS[6]}"  # single-spaced
     assert "  3. create-gi 1g.35gb@6:2" in out
     assert "  1. set-mig-mode on" in out and "  2. reset" in out

@@ -79,3 +79,14 @@ def test_metrics_count_leases_and_free_capacity(daemon, tmp_path):
     assert f'gpud_lease_free{{pci="{pci}",profile="3g.40gb"}} 1.0' in text
     assert f'gpud_lease_free{{pci="{pci}",profile="4g.40gb"}} 1.0' in text  # 3g at 4:4 leaves 4g at 0 free
     assert f'gpud_lease_free{{pci="{pci}",profile="7g.80gb"}} 0.0' in text
+
+
+def test_nfd_labels_follow_leases(daemon, tmp_path):
+    features = tmp_path / "features.d"
+    features.mkdir()
+    d = daemon(["h100-80gb:1"], dynamic_layout(), "--nfd-features", str(features / "gpud"))
+    read = lambda: (features / "gpud").read_text() if (features / "gpud").exists() else ""  # noqa: E731
+    lease = json.loads(d.ctl("lease", "3g.40gb", "--json").stdout)
+    wait_until(lambda: "nvidia.com/mig-3g.40gb.count=1" in read(), what="the lease's MIG device labelled")
+    assert d.ctl("release", lease["id"]).returncode == 0
+    wait_until(lambda: "nvidia.com/mig-3g.40gb.count" not in read(), what="the label gone with the release")

@@ -46,7 +46,7 @@ async def test_index_entries_are_refused_and_the_other_gpu_is_untouched(tmp_path
         assert not rec.load_config()  # refused: the entries name GPUs by index
         await rec.converge()
         assert load(rig.dir).gpus[gpu1].mig_mode == 0  # the former GPU 1 was not switched to MIG
-        status = status_reply(rec)
+        status = status_reply(rec.view())
         errors = " ".join(status.layout.errors)
         assert "named by its index" in errors and "could not be used" in errors and gpu0 in errors
         listed = {g.pci: (g.index, g.state) for g in status.gpus}

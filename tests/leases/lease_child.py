@@ -1,6 +1,7 @@
 """A gpud lease engine in its own process, killed with SIGKILL at one stage of a lease (the
-`kill -9` tests): `python -m tests.leases.lease_child TMP PROFILE STAGE`. It attaches to the
-simulated host and state directory the test made, and prints nothing."""
+`kill -9` tests): `python -m tests.leases.lease_child TMP PROFILE STAGE`, or with PROFILE
+`release:ID` the release of lease ID. It attaches to the simulated host and state directory the
+test made, and prints nothing."""
 
 from __future__ import annotations
 
@@ -29,7 +30,10 @@ async def main(tmp: Path, profile: str, stage: str) -> None:
             os.kill(os.getpid(), signal.SIGKILL)
 
     rig.rec.leases.on_stage = kill_at
-    await rig.rec.leases.lease(profile, owner="killed")
+    if profile.startswith("release:"):
+        await rig.rec.leases.release(profile.removeprefix("release:"))
+    else:
+        await rig.rec.leases.lease(profile, owner="killed")
 
 
 if __name__ == "__main__":

@@ -146,3 +146,30 @@ async def test_fifty_concurrent_leases_on_eight_gpus_never_share_a_placement(tmp
         assert {lease.uuid for lease in ok} == {c.uuid for g in state.gpus.values() for gi in g.gis for c in gi.cis}
     finally:
         rig.close()
+
+
+async def test_a_static_layout_over_leases_is_refused_naming_them(h100):
+    lease = await h100.rec.leases.lease("3g.40gb", owner="slurm-9")
+    static = ("version: v1\nlayouts:\n  s:\n    - devices: all\n      mig-enabled: true\n"
+              "      mig-devices: {\"1g.10gb\": 7}\n")
+    _, res, _ = await h100.rec.evaluate_async(static, "layout.yaml")
+    assert res.errors and lease.id in str(res.errors[0]) and "slurm-9" in str(res.errors[0])
+    assert str(res.errors[0]).startswith("layout.yaml:6 layouts.s[0].mig-devices: GPU 0")
+    calls = h100.calls()
+    assert not await h100.apply(static)  # the daemon's load refuses it the same way: nothing changes
+    assert h100.mutating(calls) == 0 and [u for _, _, u in sim_gis(h100)] == [[lease.uuid]]
+    keeps = static.replace('{"1g.10gb": 7}', '{"3g.40gb": 1, "1g.10gb": 3}')
+    _, res, _ = await h100.rec.evaluate_async(keeps, "layout.yaml")
+    assert res.errors == []  # a static layout that keeps the leased instance is fine
+
+
+async def test_mig_mode_is_not_left_pending_when_a_process_holds_the_gpu(h100):
+    with simstate.locked(h100.dir) as state:
+        gpu_uuid = next(iter(state.gpus.values())).uuid
+    child = h100.hold(gpu_uuid, "cuda-app")
+    with pytest.raises(LeaseRefused) as e:
+        await h100.rec.leases.lease("1g.10gb")
+    assert e.value.code == "failed" and "processes use the GPU" in str(e.value)
+    g = next(iter(simstate.load(h100.dir).gpus.values()))
+    assert (g.mig_mode, g.mig_pending, g.gis) == (0, 0, []) and child.poll() is None
+    assert h100.rec.leases.leases() == []

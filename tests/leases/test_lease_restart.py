@@ -57,6 +57,24 @@ async def test_kill_9_at_each_step_of_a_lease(tmp_path, stage, outcome):
         rig.close()
 
 
+@pytest.mark.parametrize("stage", ["releasing", "ci-destroyed", "gi-destroyed"])
+async def test_kill_9_at_each_step_of_a_release(tmp_path, stage):
+    rig = await dynamic_rig(tmp_path, ("h100-80gb:1",))
+    try:
+        other = await rig.rec.leases.lease("1g.10gb", owner="stays")
+        lease = await rig.rec.leases.lease("3g.40gb", owner="goes")
+        await rig.rec.leases.settled()
+        child = subprocess.run([sys.executable, "-m", "tests.leases.lease_child", str(tmp_path),
+                                f"release:{lease.id}", stage], timeout=120, capture_output=True, text=True)
+        assert child.returncode == -9, child.stderr
+        events = await restarted(rig, tmp_path)
+        assert [e["kind"] for e in events if e["kind"].startswith("lease")] == ["lease-released"]
+        assert [r.id for r in rig.rec.leases.leases()] == [other.id]
+        assert [(n, u) for n, _, u in sim_gis(rig)] == [("1g.10gb", [other.uuid])]  # only its own went
+    finally:
+        rig.close()
+
+
 async def test_a_vanished_instance_is_reported_and_released_without_nvml(tmp_path):
     rig = await dynamic_rig(tmp_path, ("h100-80gb:1",))
     try:

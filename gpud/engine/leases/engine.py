@@ -42,7 +42,18 @@ from gpud.host.state_files import Problems
 from gpud.layout.desired import DesiredGpu
 from gpud.layout.schema import Policy
 from gpud.model import Gpu, Holder, NvmlGpu, Placement
-from gpud.plan.lease_placement import Choice, NoRoom, Room, UnknownProfile, capacity, choose, exact
+from gpud.plan.lease_placement import (
+    Choice,
+    NoRoom,
+    Room,
+    UnknownProfile,
+    asked,
+    capacity,
+    choose,
+    exact,
+    resolve_name,
+)
+from gpud.plan.mig import GpuPlan
 from gpud.profiles import by_device, model_name, with_model_ci_profiles
 
 log = logging.getLogger(__name__)
@@ -83,6 +94,7 @@ class LeaseEngine:
         self._releasing: set[str] = set()
         self.holder_watch = HolderWatch(self._pid_exited)
         self._wake = asyncio.Event()
+        self.demand: dict[str, float] = {}  # GI profiles asked for lately (gpud.plan.lease_placement.asked)
         self.on_stage: Callable[[LeaseRecord, str], None] = lambda rec, stage: None  # tests: kill -9 at a stage
 
     # ---- what callers read ---------------------------------------------------------------------
@@ -97,6 +109,19 @@ class LeaseEngine:
         """Per dynamic GPU (PCI address), how many more leases of each GI profile fit now (metrics)."""
         rooms, _ = self._rooms(None)
         return {r.pci: capacity(r) for r in rooms}
+
+    def taken_by(self, plan: GpuPlan) -> str | None:
+        """Why a static MIG plan may not run: it destroys leased instances (a GPU changed from
+        dynamic to static with leases on it), the leases named; None when it keeps every one."""
+        doomed = {d.placement for d in plan.destroyed}
+        hit = [r for r in self.on(plan.pci) if r.state != "vanished"
+               and ((r.placement is not None and r.placement in doomed) or (r.kind == "gpu" and plan.steps))]
+        if not hit:
+            return None
+        names = ", ".join(f"{r.id} ({r.profile}{' at ' + _at(r) if r.placement else ''}, owner "
+                          f"{r.owner or 'uid ' + str(r.uid)})" for r in hit)
+        return (f"leases on this GPU: {names}; the layout would take them (mig-devices: dynamic keeps them, "
+                "or a static layout that keeps every leased instance); release them first")
 
     # ---- start ---------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -130,13 +155,16 @@ class LeaseEngine:
             return await self._lease_gpu(gpu, owner=owner, uid=uid, pid=pid, pid_start=pid_start)
         for attempt in range(3):
             rooms, notes = self._rooms(gpu)
+            if attempt == 0 and rooms and (found := resolve_name(profile, rooms[0].profiles)) is not None:
+                self.demand = asked(self.demand, found[0].name)
             if start is not None:
                 if len(rooms) != 1:
                     raise LeaseRefused("bad-args", "an exact placement needs one dynamic GPU (--gpu)")
                 got = exact(profile, rooms[0], start)
             else:
                 policy = self._policy()
-                got = choose(profile, rooms, spread=policy is not None and policy.lease_placement == "spread")
+                got = choose(profile, rooms, spread=policy is not None and policy.lease_placement == "spread",
+                             demand=self.demand)
             if isinstance(got, UnknownProfile):
                 raise LeaseRefused("no-room", got.message + (f" ({'; '.join(notes)})" if notes else ""))
             if isinstance(got, NoRoom):
@@ -302,7 +330,8 @@ class LeaseEngine:
             return nv is not None and nv.mig_mode == 1 and not nv.instances and not nv.processes
 
         try:
-            return executor.unmake(self.hw.nvml, self.book, rec, mode_off=mode_off)
+            return executor.unmake(self.hw.nvml, self.book, rec, mode_off=mode_off,
+                                   on_stage=lambda stage: self.on_stage(rec, stage))
         except executor.LeaseFailed as e:
             raise LeaseRefused("failed", str(e)) from e
 
@@ -388,6 +417,11 @@ class LeaseEngine:
         the lease's answer does not wait for it)."""
         if self._rereading is None or self._rereading.done():
             self._rereading = asyncio.get_running_loop().create_task(self._reread_host())
+
+    async def settled(self) -> None:
+        """Wait for the background re-read a lease or release started (before NVML is closed)."""
+        if self._rereading is not None:
+            await asyncio.wait({self._rereading})
 
     # ---- helpers ---------------------------------------------------------------------------------
     def _lock(self, pci: str) -> asyncio.Lock:

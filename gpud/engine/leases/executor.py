@@ -2,7 +2,8 @@
 
 make:    intent (written by the caller) -> [MIG mode on] -> create GI -> `gi-made` -> create CI ->
          read its MIG UUID -> `held`.
-unmake:  `releasing` -> destroy CI -> destroy GI -> record dropped -> [MIG mode off].
+unmake:  `releasing` -> destroy CI -> destroy GI -> record dropped -> [MIG mode off]
+         (`on_stage`: `releasing`, `ci-destroyed`, `gi-destroyed`).
 A failure after the GI was made destroys that GI again (it is idle: no CI, nothing can run in it)
 before the lease is refused, so a refused lease leaves the GPU as it found it. `on_stage(stage)`
 is told after each record write and NVML change (`intent`, `gi-made`, `ci-made`, `held`): the
@@ -40,8 +41,10 @@ def make(nvml: Nvml, book: LeaseBook, rec: LeaseRecord, *, mode_on: bool, on_sta
     if mode_on:
         status = nvml.set_mig_mode(rec.gpu, True)
         if status != 0:
-            raise LeaseFailed(f"MIG mode on {rec.gpu} could not be turned on without a reset "
-                              f"(NVML activation status {status}); nothing leased")
+            nvml.set_mig_mode(rec.gpu, False)  # left pending it would wait for a reset: cancelled
+            book.drop(rec.id)
+            raise LeaseFailed(f"MIG mode on {rec.gpu} could not be turned on now: processes use the GPU "
+                              f"(NVML activation status {status}); nothing leased, the mode left off")
     try:
         gi = nvml.create_gpu_instance(rec.gpu, rec.gi_profile_id, rec.placement.start)
     except NvmlError as e:
@@ -86,18 +89,22 @@ def busy(nvml: Nvml, rec: LeaseRecord) -> tuple[Holder, ...]:
     return found[1] if found is not None else ()
 
 
-def unmake(nvml: Nvml, book: LeaseBook, rec: LeaseRecord, *, mode_off: Callable[[], bool]) -> bool:
+def unmake(nvml: Nvml, book: LeaseBook, rec: LeaseRecord, *, mode_off: Callable[[], bool],
+           on_stage: Stage = lambda stage: None) -> bool:
     """Destroy the lease's CI and GI and drop its record. The caller checked it is idle; NVML's
     IN_USE here (a process started meanwhile) leaves the lease `releasing` and raises. Returns
     whether MIG mode was turned off after it (`mode_off()` says whether it should be)."""
     rec = msgspec.structs.replace(rec, state="releasing")
     book.put(rec)
+    on_stage("releasing")
     gi, ci = rec.gi, rec.ci
     if rec.kind == "mig" and gi is not None:
         try:
             if ci is not None:
                 ignore_gone(lambda: nvml.destroy_compute_instance(rec.gpu, gi, ci))
+                on_stage("ci-destroyed")
             ignore_gone(lambda: nvml.destroy_gpu_instance(rec.gpu, gi))
+            on_stage("gi-destroyed")
         except NvmlError as e:
             raise LeaseFailed(f"releasing {rec.id} on {rec.gpu}: {e}", e) from e
     book.drop(rec.id)
