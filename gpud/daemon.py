@@ -31,6 +31,7 @@ from gpud.engine.gpu_state import SETTLING_PHASES
 from gpud.engine.kube.node_labels_out import LabelsOut, Versions, from_cluster, layout_state
 from gpud.engine.observe.observer import DEFAULT_MAX_AGE
 from gpud.hardware import HostConfig, build_hardware
+from gpud.host.early_signals import hold_sighup, take_sighup
 from gpud.host.nvml import NvmlError
 from gpud.host.sriov_manage import DEFAULT_PATH as SRIOV_MANAGE
 from gpud.loop_lag import LoopLagProbe
@@ -408,6 +409,9 @@ class Daemon:
             # call would cause, so the systemd watchdog can be seen to restart us.
             loop.add_signal_handler(signal.SIGUSR2, _stall_forever)
         loop.add_signal_handler(signal.SIGHUP, self._reload_on_sighup, handler)
+        if take_sighup():  # one came during start-up (gpud.host.early_signals): honour it now
+            log.info("SIGHUP during start-up: re-reading the layout")
+            self._reload_on_sighup(handler)
         if self.kube is None or await self._start_with_remembered_layout():
             ticket = self.engine.kick("start")  # with --kube-node, the node's label picks the layout first
             await self._converge_before_ready(ticket)
@@ -486,6 +490,7 @@ def _stall_forever() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    hold_sighup()  # `python -m gpud.daemon` comes here first; gpud.main has done it already
     args = parse_args(sys.argv[1:] if argv is None else argv)
     faulthandler.enable()  # a watchdog SIGABRT then prints every thread's stack to the journal
     # Host reads and hardware steps run in worker threads; while one runs Python code (pynvml's
