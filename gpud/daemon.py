@@ -37,6 +37,7 @@ from gpud.loop_lag import LoopLagProbe
 PERSISTENCE_INTENT = "persistence-restore.json"  # in the state dir: GPUs whose persistence a reset left off
 
 if TYPE_CHECKING:  # imported with --kube-node only (they need gpud[kube])
+    from gpud.engine.dra.service import DraService
     from gpud.engine.kube.agent import KubeAgent
     from gpud.engine.kube.applier import ReconcilerApplier
     from gpud.engine.ports import Rebooter
@@ -97,11 +98,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                      help="with --kube-node: the layout a nvidia.com/gpu.workload.config=vm-vgpu node without "
                      "nvidia.com/vgpu.config gets, when the file has it (vgpu-device-manager's DEFAULT_VGPU_CONFIG; "
                      "default: default; '' for none)")
+    dra = ap.add_argument_group("Kubernetes DRA (with --kube-node)")
+    dra.add_argument("--dra", action="store_true", help="be this node's DRA driver: publish every GPU gpud manages "
+                     "as ResourceSlices and prepare the claims the kubelet hands over; needs gpud[dra]")
+    dra.add_argument("--dra-driver", default="gpu.gpud.io", help="the driver name published (default gpu.gpud.io; "
+                     "gpu.nvidia.com makes NVIDIA's DeviceClasses select gpud's devices, and gpud then refuses to "
+                     "start while NVIDIA's kubelet plugin is registered)")
+    dra.add_argument("--kubelet-root", default="/var/lib/kubelet", help="the kubelet's directory: the plugin "
+                     "registers in ROOT/plugins_registry and serves in ROOT/plugins/DRIVER (default /var/lib/kubelet)")
+    dra.add_argument("--cdi-dir", help="where prepared claims' CDI specs go (default /var/run/cdi, or "
+                     "DIR/var/run/cdi with --sim)")
     ap.add_argument("--log-level", default=os.environ.get("GPUD_LOG_LEVEL", "INFO"))
     ap.add_argument("--version", action="version", version=f"gpud {VERSION}")
     args = ap.parse_args(argv)
     if args.replay and not (args.sim and args.read_only):
         ap.error("--replay needs --sim DIR and --read-only: a capture can be read, not changed")
+    if args.dra and not args.kube_node:
+        ap.error("--dra needs --kube-node NAME: the pool it publishes is that node's")
     return args
 
 
@@ -158,6 +171,7 @@ class Daemon:
                                 on_event=self._publish)
         self._versions: Versions | None = None
         self._kube_passes = 0
+        self.dra: DraService | None = None  # with --dra
         self._labels_passes: tuple[int, tuple[str, ...]] | None = None
 
     def _start_kube(self, reboot: Rebooter) -> Rebooter:
@@ -338,6 +352,11 @@ class Daemon:
                 self.bus.publish("warning", f"{what}: {fate}", gpu=left.pci)
         await self.engine.load()
         await self.engine.start_leases()  # lease records against NVML before anyone can ask (engine.leases.startup)
+        if self.args.dra:
+            from gpud.engine.dra.service import DraService
+
+            self.dra = DraService(self.args, self.engine, self.bus, root=self.host.root)
+            await self.dra.start()
         handler = RequestHandler(self.engine, notifier=self.notifier, dev_root=self.host.dev_root,
                                  loop_lag=self.loop_lag, labels=self.labels, kube_agent=self.kube)
         try:
@@ -359,6 +378,8 @@ class Daemon:
         ]
         if self.kube is not None:
             tasks.append(asyncio.create_task(self.kube.run(), name="kube"))
+        if self.dra is not None:
+            tasks.append(asyncio.create_task(self.dra.run(), name="dra"))
         interval = self.notifier.watchdog_interval()
         if interval:
             tasks.append(asyncio.create_task(self.watchdog(interval), name="watchdog"))
@@ -393,6 +414,8 @@ class Daemon:
             log.warning("the writer of %s (pid %d) is still blocked in the kernel; killed, it ends when "
                         "the kernel lets its write return", sw.path, sw.pid)
         await server.close()
+        if self.dra is not None:
+            await self.dra.stop()
         self.labels.remove()  # labels describe a running gpud's work: they go with it
         if self.kube is not None:
             await self.kube.api.close()
