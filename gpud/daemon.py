@@ -15,6 +15,7 @@ import os
 import signal
 import sys
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -30,6 +31,7 @@ from gpud.engine.gpu_state import SETTLING_PHASES
 from gpud.engine.kube.node_labels_out import LabelsOut, Versions, from_cluster, layout_state
 from gpud.engine.observe.observer import DEFAULT_MAX_AGE
 from gpud.hardware import HostConfig, build_hardware
+from gpud.host.early_signals import hold_sighup, take_sighup
 from gpud.host.nvml import NvmlError
 from gpud.host.sriov_manage import DEFAULT_PATH as SRIOV_MANAGE
 from gpud.loop_lag import LoopLagProbe
@@ -44,11 +46,51 @@ if TYPE_CHECKING:  # imported with --kube-node only (they need gpud[kube])
     from gpud.host.cdi import CdiGenerator
 
 log = logging.getLogger("gpud")
-VGPU_REBUILD_S = 60  # at most this long READY=1 waits for the first pass at start (TimeoutStartSec=90s)
 SWITCH_INTERVAL = 0.0005  # seconds a worker thread may keep the GIL while the loop wants it
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+@dataclass(frozen=True)
+class DaemonConfig:
+    """What the daemon runs with, fixed at start: the command line (`parse_args`, the fields named
+    as its options) and the daemon's own timings, documented here once."""
+
+    config: str = "/etc/gpud/layout.yaml"
+    socket: str = "/run/gpud/gpud.sock"
+    state_dir: str = "/var/lib/gpud"
+    sim: str | None = None
+    read_only: bool = False
+    replay: str | None = None
+    lock: str | None = None
+    socket_group: str = "gpud"
+    udev_rules: str | None = None
+    metrics_textfile: str | None = None
+    unbind_timeout: float = 30.0  # seconds before an unbind is declared stuck
+    nvidia_smi: str | None = None
+    sriov_manage: str | None = None
+    status_max_age: float = DEFAULT_MAX_AGE  # re-read the host for status when older than this
+    nfd_features: str | None = None
+    nfd_labels: str | None = None
+    mig_strategy: str | None = None
+    nvidia_ctk: str | None = None
+    cdi_spec: str | None = None
+    kube_node: str | None = None
+    kubeconfig: str | None = None
+    kube_namespace: str = "gpu-operator"
+    default_vgpu_config: str = "default"
+    dra: bool = False  # be the node's DRA driver (gpud.engine.dra)
+    dra_driver: str = "gpu.gpud.io"
+    kubelet_root: str = "/var/lib/kubelet"
+    cdi_dir: str | None = None
+    log_level: str = "INFO"
+    # timings (no options)
+    reload_delay: float = 0.3  # a file event waits this long for the editor's next write before a reload
+    pass_debounce: float = 0.2  # requests for a pass within this long of each other share one pass
+    first_pass_wait_s: float = 60.0  # at most this long READY=1 waits for the first pass's changes (TimeoutStartSec=90s)
+    stop_step_wait_s: float = 60.0  # at a stop, how long a hardware step in flight is waited for
+    stuck_writer_wait_s: float = 5.0  # at a stop, how long killed sysfs writers are waited for
+
+
+def parse_args(argv: list[str] | None = None) -> DaemonConfig:
     ap = argparse.ArgumentParser(prog="gpud", description="Converge NVIDIA GPUs to /etc/gpud/layout.yaml.")
     ap.add_argument("--config", default="/etc/gpud/layout.yaml")
     ap.add_argument("--socket", default="/run/gpud/gpud.sock")
@@ -108,17 +150,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                      "registers in ROOT/plugins_registry and serves in ROOT/plugins/DRIVER (default /var/lib/kubelet)")
     dra.add_argument("--cdi-dir", help="where prepared claims' CDI specs go (default /var/run/cdi, or "
                      "DIR/var/run/cdi with --sim)")
-    ap.add_argument("--log-level", default=os.environ.get("GPUD_LOG_LEVEL", "INFO"))
+    ap.add_argument("--log-level", default=os.environ.get("GPUD_LOG_LEVEL", DaemonConfig.log_level))
     ap.add_argument("--version", action="version", version=f"gpud {VERSION}")
     args = ap.parse_args(argv)
     if args.replay and not (args.sim and args.read_only):
         ap.error("--replay needs --sim DIR and --read-only: a capture can be read, not changed")
     if args.dra and not args.kube_node:
         ap.error("--dra needs --kube-node NAME: the pool it publishes is that node's")
-    return args
+    return DaemonConfig(**vars(args))
 
 
-def host_config(args: argparse.Namespace) -> HostConfig:
+def host_config(args: DaemonConfig) -> HostConfig:
     """The host the command line names; the daemon's arguments themselves stay as parsed."""
     return HostConfig(sim=args.sim, replay=args.replay, read_only=args.read_only, lock=args.lock,
                       udev_rules=args.udev_rules, nfd_features=args.nfd_features, nvidia_smi=args.nvidia_smi,
@@ -126,7 +168,7 @@ def host_config(args: argparse.Namespace) -> HostConfig:
 
 
 class Daemon:
-    def __init__(self, args: argparse.Namespace) -> None:
+    def __init__(self, args: DaemonConfig) -> None:
         from gpud.host.sd_notify import Notifier
 
         self.args = args
@@ -144,7 +186,7 @@ class Daemon:
         reboot = self.host.rebooter
         self.kube: KubeAgent | None = None  # with --kube-node
         self.kube_applier: ReconcilerApplier | None = None
-        rebooter = self._start_kube(reboot) if args.kube_node else reboot
+        rebooter = self._start_kube(args.kube_node, reboot) if args.kube_node else reboot
         self.engine = build_engine(
             self.hw, config_path=args.config, apply_lock=ApplyLock(self.host.lock_path), bus=self.bus,
             read_only=args.read_only, binder_timeout=args.unbind_timeout,
@@ -174,7 +216,7 @@ class Daemon:
         self.dra: DraService | None = None  # with --dra
         self._labels_passes: tuple[int, tuple[str, ...]] | None = None
 
-    def _start_kube(self, reboot: Rebooter) -> Rebooter:
+    def _start_kube(self, node: str, reboot: Rebooter) -> Rebooter:
         """--kube-node: the operator's label protocol, before the engine it guards (the applier is
         bound to the engine once that is built); the engine's rebooter. Its client library is
         imported here only."""
@@ -185,9 +227,9 @@ class Daemon:
         except ImportError as e:
             raise RuntimeError(f"--kube-node needs the Kubernetes client: pip install 'gpud[kube]' ({e})") from e
         try:
-            api = KubeApi(self.args.kube_node, load_config(self.args.kubeconfig))
+            api = KubeApi(node, load_config(self.args.kubeconfig))
         except KubeError as e:
-            raise RuntimeError(f"--kube-node {self.args.kube_node}: {e}") from e
+            raise RuntimeError(f"--kube-node {node}: {e}") from e
         applier = ReconcilerApplier(None if self.args.read_only else self.args.state_dir)
         agent = KubeAgent(api, applier, namespace=self.args.kube_namespace,
                           default_vgpu=self.args.default_vgpu_config or None, on_node=self._on_node_labels,
@@ -195,7 +237,7 @@ class Daemon:
         self.kube, self.kube_applier = agent, applier
         return KubeRebooter(agent, applier, reboot)
 
-    def _cdi_generator(self, args: argparse.Namespace) -> CdiGenerator | None:
+    def _cdi_generator(self, args: DaemonConfig) -> CdiGenerator | None:
         """`nvidia-ctk cdi generate` after MIG changes (gpud.host.cdi): the toolkit from PATH on a
         real host, only the one given on a simulated host (never the real host's from a test)."""
         from gpud.host.cdi import DEFAULT_SPEC, CdiGenerator
@@ -232,8 +274,9 @@ class Daemon:
                 if event.name is not None and str(event.name) == path.name:
                     self._schedule_reload(f"{path.name}: {event.mask!r}")
 
-    def _schedule_reload(self, why: str, delay: float = 0.3) -> None:
+    def _schedule_reload(self, why: str) -> None:
         loop = asyncio.get_running_loop()
+        delay = self.args.reload_delay
         if self._reload_timer is not None:
             self._reload_timer.cancel()
         self._reload_timer = loop.call_later(delay, lambda: self._spawn(self._reload(why)))
@@ -319,7 +362,7 @@ class Daemon:
         device event meanwhile is remembered and runs then)."""
         assert self.kube is not None  # only with --kube-node
         await self.kube.selected_once.wait()
-        await self.engine.run()
+        await self.engine.run(self.args.pass_debounce)
 
     def _reload_on_sighup(self, handler: RequestHandler) -> None:
         """`kill -HUP`: re-read the file. The loop keeps only weak references to tasks, so the
@@ -355,7 +398,11 @@ class Daemon:
         if self.args.dra:
             from gpud.engine.dra.service import DraService
 
-            self.dra = DraService(self.args, self.engine, self.bus, root=self.host.root)
+            a = self.args
+            self.dra = DraService(self.engine, self.bus, node=a.kube_node or "", driver=a.dra_driver,
+                                  kubelet_root=a.kubelet_root, kubeconfig=a.kubeconfig,
+                                  state_dir=None if a.read_only else a.state_dir, cdi_dir=a.cdi_dir,
+                                  root=self.host.root)
             await self.dra.start()
         handler = RequestHandler(self.engine, notifier=self.notifier, dev_root=self.host.dev_root,
                                  loop_lag=self.loop_lag, labels=self.labels, kube_agent=self.kube)
@@ -371,7 +418,8 @@ class Daemon:
             self.bus.publish("warning", f"device events unavailable: {e}")
         self.engine.refresh_now()  # the first state, before READY
         tasks = [
-            asyncio.create_task(self.engine.run() if self.kube is None else self._run_after_selection(),
+            asyncio.create_task(self.engine.run(self.args.pass_debounce) if self.kube is None
+                                else self._run_after_selection(),
                                 name="reconciler"),
             asyncio.create_task(self.watch_config(), name="inotify"),
             asyncio.create_task(self.loop_lag.run(), name="loop-lag"),
@@ -390,6 +438,9 @@ class Daemon:
             # call would cause, so the systemd watchdog can be seen to restart us.
             loop.add_signal_handler(signal.SIGUSR2, _stall_forever)
         loop.add_signal_handler(signal.SIGHUP, self._reload_on_sighup, handler)
+        if take_sighup():  # one came during start-up (gpud.host.early_signals): honour it now
+            log.info("SIGHUP during start-up: re-reading the layout")
+            self._reload_on_sighup(handler)
         if self.kube is None or await self._start_with_remembered_layout():
             ticket = self.engine.kick("start")  # with --kube-node, the node's label picks the layout first
             await self._converge_before_ready(ticket)
@@ -403,14 +454,14 @@ class Daemon:
         events.stop()
         for t in tasks:
             t.cancel()
-        if not await self.engine.finish(timeout=60):
+        if not await self.engine.finish(timeout=self.args.stop_step_wait_s):
             log.warning("a hardware step is still running; NVML is left open for it")
         else:
             self.hw.nvml.close()
         # The helpers of stuck unbinds were abandoned, not forgotten: none may outlive the daemon.
         from gpud.host.deadline_write import end_stuck_writes
 
-        for sw in await asyncio.to_thread(end_stuck_writes, 5.0):
+        for sw in await asyncio.to_thread(end_stuck_writes, self.args.stuck_writer_wait_s):
             log.warning("the writer of %s (pid %d) is still blocked in the kernel; killed, it ends when "
                         "the kernel lets its write return", sw.path, sw.pid)
         await server.close()
@@ -425,7 +476,7 @@ class Daemon:
     async def _converge_before_ready(self, ticket: int) -> None:
         """When the first pass has anything to change (after a reboot: MIG instances, VFs, vGPUs
         and driver overrides are gone; or a file edited while gpud was stopped), READY=1 waits for
-        it (at most VGPU_REBUILD_S, the start timeout extended meanwhile), so the units ordered after
+        it (at most `first_pass_wait_s`, the start timeout extended meanwhile), so the units ordered after
         gpud.service (Before= in the unit: kubelet, whose device plugin and DRA driver advertise
         the MIG devices; libvirtd, whose domains name mdev UUIDs and VFs) start on the layout in
         place. The socket answers meanwhile."""
@@ -437,8 +488,9 @@ class Daemon:
             else f"converging {len(pending)} GPU(s) before ready"
         log.info("%s: %s", what, ", ".join(pending))
         self.notifier.status(what)
-        self.notifier.extend_timeout(int((VGPU_REBUILD_S + 30) * 1e6))
-        done = asyncio.ensure_future(self.engine.wait(ticket, VGPU_REBUILD_S))
+        limit = self.args.first_pass_wait_s
+        self.notifier.extend_timeout(int((limit + 30) * 1e6))
+        done = asyncio.ensure_future(self.engine.wait(ticket, limit))
         stop = asyncio.ensure_future(self.stopping.wait())  # a stop meanwhile is not held up
         await asyncio.wait({done, stop}, return_when=asyncio.FIRST_COMPLETED)
         stop.cancel()
@@ -446,8 +498,8 @@ class Daemon:
             done.cancel()
             return
         if not done.result():
-            log.warning("the first pass did not end within %d s; ready anyway, it goes on", VGPU_REBUILD_S)
-            self.bus.publish("warning", f"the first pass did not end within {VGPU_REBUILD_S} s of start; ready anyway")
+            log.warning("the first pass did not end within %g s; ready anyway, it goes on", limit)
+            self.bus.publish("warning", f"the first pass did not end within {limit:g} s of start; ready anyway")
 
     async def _wait_stop_or_failure(self, tasks: list[asyncio.Task]) -> bool:
         """True on a requested stop; False when an event source died (systemd then restarts us,
@@ -469,6 +521,7 @@ def _stall_forever() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    hold_sighup()  # `python -m gpud.daemon` comes here first; gpud.main has done it already
     args = parse_args(sys.argv[1:] if argv is None else argv)
     faulthandler.enable()  # a watchdog SIGABRT then prints every thread's stack to the journal
     # Host reads and hardware steps run in worker threads; while one runs Python code (pynvml's

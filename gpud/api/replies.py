@@ -203,7 +203,7 @@ def check_reply(resolution: Resolution, *, others: Sequence[tuple[str, Resolutio
 def status_reply(view: EngineView, *, kubernetes: wire_replies.KubernetesStatus | None = None) -> wire_replies.StatusReply:
     """What the engine last observed and concluded, never what it intended."""
     res = view.resolution
-    gpus = [gpu_status(g, res.desired.get(g.pci) if res else None, view.gpu_states.get(g.pci),
+    gpus = [gpu_status(g, res.desired.get(g.pci) if res else None, shown_state(view, g.pci),
                        list(view.vgpus_rebuilt.get(g.pci, ())) or None,
                        [r for r in view.leases if r.gpu == g.pci], view.lease_free.get(g.pci))
             for g in view.observation.gpus]
@@ -212,6 +212,17 @@ def status_reply(view: EngineView, *, kubernetes: wire_replies.KubernetesStatus 
     return wire_replies.StatusReply(phase=view.phase_now, layout=layout_status(view), gpus=gpus, read_only=view.read_only,
                                     version=VERSION, kubernetes=kubernetes, rebuilt_after_boot=view.rebuilt_after_boot,
                                     state_files=list(view.problems))
+
+
+NO_LAYOUT = GpuState("unmanaged", "no valid layout has been in force since gpud started: left as it is")
+
+
+def shown_state(view: EngineView, pci: str) -> GpuState | None:
+    """The GPU's state as a reply shows it. Before any good layout was taken no pass will look at
+    the GPU, so `starting` (a pass is coming) would be a promise nobody keeps: it is left as it is."""
+    if (state := view.gpu_states.get(pci)) is not None:
+        return state
+    return NO_LAYOUT if view.layout is None else None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -351,13 +362,13 @@ def plan_reply(resolution: Resolution | None = None, previews: Sequence[GpuPrevi
 
 
 def apply_reply(view: EngineView, finished: bool) -> wire_replies.ApplyReply:
-    states = view.gpu_states
-    gpus = [wire_replies.GpuApplyInfo(pci=g.pci, state=states[g.pci].state if g.pci in states else "starting",
-                                      message=states[g.pci].message if g.pci in states else "")
+    states = {g.pci: shown_state(view, g.pci) for g in view.observation.gpus}
+    gpus = [wire_replies.GpuApplyInfo(pci=g.pci, state=st.state if (st := states[g.pci]) else "starting",
+                                      message=st.message if st else "")
             for g in view.observation.gpus]
     if not finished:
         return wire_replies.ApplyReply(phase="timeout", converged=False, message="timed out waiting for the apply", gpus=gpus)
-    not_ok = [g for g in gpus if not (states[g.pci].converged if g.pci in states else False)]
+    not_ok = [g for g in gpus if not (st.converged if (st := states[g.pci]) else False)]
     shown, _ = capped([f"{g.pci}: {g.state}: {g.message}" for g in not_ok], "GPUs not converged", limit=16)
     message = "; ".join(shown) or "converged"
     return wire_replies.ApplyReply(phase=view.phase, converged=not not_ok, message=message, gpus=gpus)

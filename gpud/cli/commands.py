@@ -6,6 +6,7 @@ Exit codes are stable for scripts; gpudctl.py documents them.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 from typing import Any
@@ -181,8 +182,8 @@ def cmd_plan(c: Client, a: argparse.Namespace) -> int:
 def cmd_apply(c: Client, a: argparse.Namespace) -> int:
     if a.timeout is not None and not a.wait:
         raise UsageError("--timeout needs --wait")
-    if a.timeout is not None and a.timeout <= 0:
-        raise UsageError("--timeout must be positive")
+    if a.timeout is not None and not (math.isfinite(a.timeout) and a.timeout > 0):
+        raise UsageError("--timeout must be a finite number of seconds > 0")
     # the daemon enforces the timeout; the client waits a little longer to hear its answer
     if not a.wait:
         deadline = a.reply_timeout

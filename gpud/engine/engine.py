@@ -89,9 +89,9 @@ class Engine:
         return self._rec.boot_rebuild.after_boot
 
     # ---- life cycle ------------------------------------------------------------------------
-    async def run(self) -> None:
-        """The one task that runs passes (until cancelled)."""
-        await self._rec.run()
+    async def run(self, debounce: float = 0.2) -> None:
+        """The one task that runs passes (until cancelled); requests within `debounce` s share one."""
+        await self._rec.run(debounce)
 
     async def finish(self, timeout: float) -> bool:
         """At a stop: wait for a hardware step in flight; False when one still runs (NVML stays open for it)."""

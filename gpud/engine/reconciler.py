@@ -129,9 +129,7 @@ class Reconciler:
         self.vgpus = VgpuKeeper(hardware.vgpu, state_dir if not read_only else None, self.state_problems,
                                 vf_tool=hardware.vf_tool)
         self.reader = HostReader(hardware, self.vgpus, self.gpu_index)
-        self.steps = StepRunner(hardware, bus, self.vgpus, policy=lambda: self.policy, drainer=lambda: self.drainer,
-                                reread=self._reread, plan=self.next_action,
-                                nvml_stale=lambda: self.observation.nvml_stale, binder_timeout=binder_timeout)
+        self.steps = StepRunner(hardware, bus, self.vgpus, self, binder_timeout=binder_timeout)
         # the one current observation: read off the loop, re-read on change and while clients ask
         self.observer = Observer(self._read_host, self._install, max_age=max_status_age,
                                  busy=lambda: bool(self.steps.inflight))
@@ -344,7 +342,12 @@ class Reconciler:
             self.bus.publish("error", "internal error in the reconcile pass; see the journal")
 
     # ---- observation ------------------------------------------------------------------------
-    async def _reread(self, pci: str) -> Gpu | None:
+    @property
+    def nvml_stale(self) -> bool:
+        """The observation's NVML view is the last good one, kept while a rebind holds NVML closed."""
+        return self.observation.nvml_stale
+
+    async def reread(self, pci: str) -> Gpu | None:
         """The host re-read; the GPU at `pci` as it is now (None: gone from the bus)."""
         await self.refresh_async()
         return self._gpu(pci)

@@ -163,3 +163,19 @@ async def test_check_all_layouts_plans_every_layout_a_node_label_may_select(rig)
     assert every.errors == plan.errors and len(plan.errors) == 1 and "two.yaml:11 layouts.seven[0].mig-devices: GPU 0 " \
         "0000:18:00.0: infeasible: 7 x 1g.10gb exceeds the 4 instances allowed" in plan.errors[0]
     assert every.errors_omitted == 0
+
+
+async def test_no_layout_in_force_is_not_starting(rig):
+    """Issue 33 item 11: with no valid layout since start no pass ever looks at a GPU, yet status and
+    `apply --wait` said `starting` (a pass is coming) for each."""
+    r = rig("h100-80gb:2")
+    r.config.write_text("version: v1\nlayouts: [\n")
+    assert not r.rec.reload("layout changed")
+    await r.rec.converge()
+    st = replies.status_reply(r.rec.view())
+    assert st.phase == "invalid-layout"
+    assert [g.state for g in st.gpus] == ["unmanaged"] * 2, [g.state for g in st.gpus]
+    assert all("no valid layout" in g.message for g in st.gpus)
+    applied = replies.apply_reply(r.rec.view(), True)
+    assert {g.state for g in applied.gpus} == {"unmanaged"}
+    assert r.mig_mode(0) == 0 and r.mig_mode(1) == 0  # and indeed nothing was changed

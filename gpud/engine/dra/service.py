@@ -8,7 +8,6 @@ that open watch). Its client libraries (lightkube, grpcio) are imported only her
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
 import os
@@ -28,9 +27,13 @@ log = logging.getLogger(__name__)
 
 
 class DraService:
-    def __init__(self, args: argparse.Namespace, engine: Engine, bus: EventBus, *, root: str | None) -> None:
-        self.args, self.engine, self.bus = args, engine, bus
-        self.cdi_dir = args.cdi_dir or (os.path.join(root, DEFAULT_CDI_DIR.lstrip("/")) if root else DEFAULT_CDI_DIR)
+    def __init__(self, engine: Engine, bus: EventBus, *, node: str, driver: str, kubelet_root: str,
+                 kubeconfig: str | None, state_dir: str | None, cdi_dir: str | None, root: str | None) -> None:
+        """`state_dir` None: no checkpoint (read-only); `root`: the simulated host's directory."""
+        self.engine, self.bus = engine, bus
+        self.node, self.name, self.kubelet_root, self.kubeconfig = node, driver, kubelet_root, kubeconfig
+        self.state_dir = state_dir
+        self.cdi_dir = cdi_dir or (os.path.join(root, DEFAULT_CDI_DIR.lstrip("/")) if root else DEFAULT_CDI_DIR)
         self.driver: DraDriver | None = None
         self.plugin: KubeletPlugin | None = None
         self.api: DraApi | None = None
@@ -47,7 +50,7 @@ class DraService:
             proto()
         except ProtoMissing as e:
             raise RuntimeError(f"--dra: {e}") from e
-        name, root = self.args.dra_driver, self.args.kubelet_root
+        name, root = self.name, self.kubelet_root
         if name == NVIDIA_DRIVER:
             other = other_plugin_registered(root, name, paths(root, name)[0])
             if other is not None:
@@ -55,11 +58,11 @@ class DraService:
                                    f"({other}); two drivers of one name would hand out the same GPUs. Remove NVIDIA's "
                                    "plugin (its DaemonSet) or publish under gpud's own name")
         try:
-            self.api = DraApi(self.args.kube_node, name, load_config(self.args.kubeconfig))
+            self.api = DraApi(self.node, name, load_config(self.kubeconfig))
         except KubeError as e:
             raise RuntimeError(f"--dra: {e}") from e
         self.driver = DraDriver(self.api, self.engine.leases, lambda: self.engine.view,
-                                state_dir=None if self.args.read_only else self.args.state_dir,
+                                state_dir=self.state_dir,
                                 cdi_dir=self.cdi_dir, driver_version=self._driver_version)
         for message in await self.driver.start():
             self.bus.publish("dra", message)

@@ -20,6 +20,7 @@ from gpud.engine.engine import Engine
 from gpud.engine.gpu_state import SETTLING_PHASES
 from gpud.engine.kube.agent import KubeAgent, Outcome
 from gpud.engine.ports import Rebooter
+from gpud.host import state_files
 from gpud.host.logind import reboot_outcome
 from gpud.host.safe_file import write_file
 from gpud.profiles import by_device
@@ -89,12 +90,9 @@ class ReconcilerApplier:
         """The layout the node's label selected before this start (None: none, or unreadable)."""
         if self.state_dir is None:
             return None
-        try:
-            with open(os.path.join(self.state_dir, REMEMBERED), "rb") as f:
-                value = json.loads(f.read(4096)).get("layout")
-        except (OSError, ValueError, AttributeError):
-            return None
-        return value if isinstance(value, str) and value else None
+        # the one safe reader: a FIFO here hung the start (and SIGTERM with it), a link was followed
+        return state_files.load(os.path.join(self.state_dir, REMEMBERED), _decode_remembered, limit=4096,
+                                what="remembered node-label layout")
 
     def outcome(self) -> Outcome:
         if self.reboot_requested:
@@ -148,3 +146,11 @@ class KubeRebooter:
         else:
             self.agent.reboot_cancelled()
         return ok
+
+
+def _decode_remembered(data: bytes) -> str | None:
+    record = json.loads(data)
+    value = record.get("layout") if isinstance(record, dict) else None
+    if not isinstance(value, str) or not value:
+        raise state_files.BadStateFile('expected {"layout": "<name>"}')
+    return value
