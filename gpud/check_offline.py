@@ -25,10 +25,10 @@ import msgspec
 
 from gpud.api.handlers import RequestHandler
 from gpud.engine.apply_lock import ApplyLock
+from gpud.engine.engine import build_engine
 from gpud.engine.events import EventBus
 from gpud.engine.observe.gpu_index import FILE_NAME as INDEX_FILE
 from gpud.engine.observe.gpu_index import backup_path
-from gpud.engine.reconciler import Reconciler
 from gpud.hardware import HostConfig, build_hardware
 from gpud.host.nvml import NvmlError
 
@@ -53,14 +53,14 @@ def check(text: str, path: str, *, all_layouts: bool = False, state_dir: str = "
             if os.path.isfile(src) and not os.path.islink(src):
                 shutil.copyfile(src, os.path.join(tmp, os.path.basename(src)))
         host = build_hardware(HostConfig(sim=sim, read_only=True, state_dir=tmp))
-        rec = Reconciler(host.hw, config_path=path, apply_lock=ApplyLock(os.path.join(tmp, "apply.lock")),
-                         bus=EventBus(), read_only=True, state_dir=tmp, boot_id_path=host.boot_id_path)
+        engine = build_engine(host.hw, config_path=path, apply_lock=ApplyLock(os.path.join(tmp, "apply.lock")),
+                              bus=EventBus(), read_only=True, state_dir=tmp, boot_id_path=host.boot_id_path)
         try:
             host.hw.nvml.open()
         except NvmlError as e:  # every GPU on vfio-pci, or no driver: checked from sysfs as the daemon does
             logging.getLogger("gpud").info("NVML not available: %s", e)
         try:
-            return asyncio.run(RequestHandler(rec, dev_root=host.dev_root).op_check(text, path, all_layouts))
+            return asyncio.run(RequestHandler(engine, dev_root=host.dev_root).op_check(text, path, all_layouts))
         finally:
             host.hw.nvml.close()
 

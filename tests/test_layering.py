@@ -77,6 +77,30 @@ def test_the_api_plans_nothing_itself():
     assert set(PLANNERS) <= engine, "a planner the rule names is not the engine's any more: update PLANNERS"
 
 
+# The engine's boundary (gpud.engine.engine): outside gpud/engine/ nothing holds the Reconciler;
+# callers read the EngineView and send the Engine's commands.
+RECONCILER = "gpud.engine.reconciler"
+
+
+def _attributes(path: Path) -> set[str]:
+    return {node.attr for node in ast.walk(ast.parse(path.read_text(), str(path))) if isinstance(node, ast.Attribute)}
+
+
+def _outside_engine() -> list[Path]:
+    return [p for p in sorted(GPUD.rglob("*.py")) if (GPUD / "engine") not in p.parents]
+
+
+def test_nothing_outside_the_engine_touches_the_reconciler():
+    imports = [f"{path.relative_to(GPUD.parent)} imports {name}" for path in _outside_engine()
+               for name in sorted(_imports(path)) if _within(name, RECONCILER)]
+    assert imports == []
+    # the Engine's own hold on it is private: reaching through it is touching the Reconciler too
+    reach = [str(path.relative_to(GPUD.parent)) for path in _outside_engine() if "_rec" in _attributes(path)]
+    assert reach == []
+    assert (GPUD / "engine" / "engine.py").is_file() and "_rec" in _attributes(GPUD / "engine" / "engine.py"), \
+        "the Engine no longer holds the Reconciler as _rec: update this rule"
+
+
 CLIENT_MAY_IMPORT = ("gpud.api.wire", "gpud.api.wire_replies", "gpud.mig_text")
 
 

@@ -18,6 +18,7 @@ field added later gets a default, so old clients keep working against newer daem
 # No `from __future__ import annotations` here: msgspec would then compile every field's annotation
 # string when a client first decodes a reply, which costs more than evaluating them once as the
 # classes are made. Classes are defined before they are used in annotations.
+import math
 import struct
 from typing import Any
 
@@ -140,6 +141,11 @@ class PlanArgs(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 class ApplyArgs(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     wait: bool = False
     timeout: float | None = None  # seconds; only with wait
+
+    def __post_init__(self) -> None:
+        # NaN compares false with everything: a wait bounded by it ended at once as `timeout`.
+        if self.timeout is not None and not (math.isfinite(self.timeout) and self.timeout >= 0):
+            raise ValueError(f"timeout must be a finite number of seconds >= 0, got {self.timeout!r}")
 
 
 class EventsArgs(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

@@ -70,6 +70,8 @@ def state_column(g: wire_replies.GpuStatus) -> str:
         return f"{g.state}: {_holder(holders[0])}{more}"
     if g.state == "converged":  # the other columns already say what it converged to
         return g.state
+    if g.message.startswith(g.state):  # "waiting for ...", "pending: 3 steps": the word once
+        return g.message
     return f"{g.state}: {g.message}" if g.message else g.state
 
 
@@ -81,21 +83,50 @@ def _fit(text: str, width: int) -> str:
     return text if len(text) <= width else text[: width - 1] + ELLIPSIS
 
 
+def _status_rows(gpus: list[wire_replies.GpuStatus], width: int | None) -> list[list[str]]:
+    """The table's rows; with `width`, made to fit it, each step only when the last did not: the
+    PCI domain left out when every GPU is in domain 0000, "NVIDIA " left out of the models, the
+    MODEL column left out (`gpudctl status GPU` has it), then INSTANCES and STATE cut with an
+    ellipsis (STATE never below MIN_STATE)."""
+    one_domain = all(g.pci.startswith("0000:") for g in gpus)
+
+    def rows_with(short_pci: bool, model: str) -> list[list[str]]:
+        head = ["GPU", "PCI", "MODEL", "DRIVER", "WORKLOAD", "MIG", "INSTANCES", "STATE"]
+        rows = [head if model != "none" else head[:2] + head[3:]]
+        for g in gpus:
+            name = (g.model or "-").removeprefix("NVIDIA ") if model == "short" else g.model or "-"
+            row = [str(g.index), g.pci[5:] if short_pci else g.pci, name, g.driver or "-", g.workload,
+                   mig_column(g.mig), _instances_column(g), state_column(g)]
+            rows.append(row if model != "none" else row[:2] + row[3:])
+        return rows
+
+    def left_of(rows: list[list[str]], upto: int) -> int:
+        return sum(max(len(row[i]) for row in rows) + 2 for i in range(upto))
+
+    if width is None:
+        return rows_with(False, "full")
+    for short_pci, model in ((False, "full"), (one_domain, "full"), (one_domain, "short"), (one_domain, "none")):
+        rows = rows_with(short_pci, model)
+        if left_of(rows, len(rows[0]) - 1) + MIN_STATE <= width:
+            break
+    n = len(rows[0])  # INSTANCES is n-2, STATE n-1
+    room_instances = max(len("INSTANCES"), width - MIN_STATE - left_of(rows, n - 2) - 2)
+    rows = [row[:n - 2] + [_fit(row[n - 2], room_instances), row[n - 1]] for row in rows]
+    room = max(MIN_STATE, width - left_of(rows, n - 1))
+    return [row[:-1] + [_fit(row[-1], room)] for row in rows]
+
+
 def render_status(r: wire_replies.StatusReply, width: int | None = None) -> str:
     """The status table; with `width` (the terminal's columns) the STATE column is cut, with an
     ellipsis, so that rows do not wrap: `gpudctl status GPU` and `--json` carry whole messages."""
-    head = f"gpud {r.version}: {r.phase}" if r.version else f"gpud: {r.phase}"
-    out = [head + ("  [read-only]" if r.read_only else "")]
+    gone = [g for g in r.gpus if g.state == "gone"]
+    phase = r.phase
+    if gone:  # the pass converged what is there; the top line must not hide a GPU that left
+        phase += f", {len(gone)} GPU{'s' if len(gone) > 1 else ''} gone ({', '.join(str(g.index) for g in gone)})"
+    head = f"gpud {r.version}: {phase}" if r.version else f"gpud: {phase}"
+    out = [head + ("  [read-only]" if r.read_only and r.phase != "read-only" else "")]
     if r.gpus:
-        rows = [["GPU", "PCI", "MODEL", "DRIVER", "WORKLOAD", "MIG", "INSTANCES", "STATE"]]
-        for g in r.gpus:
-            rows.append([str(g.index), g.pci, g.model or "-", g.driver or "-", g.workload,
-                         mig_column(g.mig), _instances_column(g), state_column(g)])
-        if width is not None:
-            left = sum(max(len(row[i]) for row in rows) + 2 for i in range(len(rows[0]) - 1))
-            room = max(MIN_STATE, width - left)
-            rows = [row[:-1] + [_fit(row[-1], room)] for row in rows]
-        out += ["", _table(rows)]
+        out += ["", _table(_status_rows(r.gpus, width))]
     else:
         out += ["", "no GPUs managed"]
     lay = r.layout

@@ -53,7 +53,8 @@ class LayoutKeeper:
     layout's `match:` selects them."""
 
     def __init__(self, path: str, bus: EventBus,
-                 observe: Callable[[tuple[MatchRule, ...]], Observation], judge: Judge | None = None) -> None:
+                 observe: Callable[[tuple[MatchRule, ...]], Observation], judge: Judge | None = None, *,
+                 label_selects: bool = False) -> None:
         self.path = path
         self.bus = bus
         self.observe = observe
@@ -69,7 +70,7 @@ class LayoutKeeper:
         self.select: str | None = None  # a layout chosen over the file's `selected` (a node label)
         # --kube-node: a node label chooses the layout, so a file without `selected` is valid
         # (gpud.layout.parse.parse_layout's `label_selects`)
-        self.label_selects = False
+        self.label_selects = label_selects
         # the one resolution of (layout in force, observation): a load's own is reused, not redone
         self._resolved: tuple[ParsedLayout, Observation, Resolution] | None = None
 

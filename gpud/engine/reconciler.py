@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Iterable
+from types import MappingProxyType
 
 import msgspec
 
@@ -27,7 +28,7 @@ from gpud.engine.boot.reboot_policy import RebootPolicy
 from gpud.engine.boot.rebuild import BootRebuild, boot_id
 from gpud.engine.events import EventBus
 from gpud.engine.feasibility import judged
-from gpud.engine.gpu_state import PHASE_ORDER, Action, BindAction, GpuState, MigAction, converged_message, step_count
+from gpud.engine.gpu_state import PHASE_ORDER, Action, BindAction, GpuState, MigAction, Phase, converged_message, step_count
 from gpud.engine.gpu_tasks import for_each_gpu
 from gpud.engine.hooks.phases import apply_with_hooks
 from gpud.engine.hooks.runner import HookFailed
@@ -44,6 +45,7 @@ from gpud.engine.ports import BootOverrides, Drainer, Hardware, Rebooter
 from gpud.engine.scheduler import PassScheduler
 from gpud.engine.steps import StepRunner
 from gpud.engine.vgpu.keeper import VgpuKeeper
+from gpud.engine.view import EngineView
 from gpud.host.logind import BOOT_ID_PATH
 from gpud.host.state_files import Problems
 from gpud.layout.desired import DesiredGpu
@@ -77,16 +79,19 @@ class Reconciler:
         rebooter: Rebooter | None = None,
         max_status_age: float = DEFAULT_MAX_AGE,
         boot_id_path: str | None = None,
+        cdi_generate: Callable[[], Awaitable[str]] | None = None,
+        operand_guard: OperandGuard | None = None,
+        label_selects: bool = False,
     ) -> None:
         self.hw = hardware
         self.config_path = config_path
         self.apply_lock = apply_lock
         self.bus = bus
         self.read_only = read_only
-        self.drainer = drainer  # None: no system bus (the daemon may connect one later)
+        self.drainer = drainer  # None: no system bus
         # `nvidia-ctk cdi generate` after MIG changes when the toolkit's refresh unit is absent
         # (gpud.host.cdi.CdiGenerator; None: the toolkit is not installed)
-        self.cdi_generate: Callable[[], Awaitable[str]] | None = None
+        self.cdi_generate = cdi_generate
         self.udev_rules = udev_rules  # boot-time vfio overrides
         # state files set aside or not written (gpud.host.state_files): an event each, and status
         self.state_problems = Problems(lambda m: bus.publish("state-file", m))
@@ -95,11 +100,14 @@ class Reconciler:
         # boot_id_path None: this boot is not told apart from the last (tests without a host's boot id)
         self.boot_rebuild = BootRebuild(state_dir, boot_id(boot_id_path), bus, read_only=read_only,
                                         problems=self.state_problems)
-        self.layout_file = LayoutKeeper(config_path, bus, self._observe, judge=lambda *a: judged(self.next_action, *a))
+        # label_selects (--kube-node): the node label chooses the layout, `selected` may be absent
+        self.layout_file = LayoutKeeper(config_path, bus, self._observe, judge=lambda *a: judged(self.next_action, *a),
+                                        label_selects=label_selects)
         self.state_dir = state_dir
-        # `gpudctl select NAME`, kept across restarts (engine/layout_choice); a node label replaces it
-        self.layout_file.select = layout_choice.load(state_dir, self.state_problems)
-        self.operand_guard: OperandGuard | None = None  # --kube-node: the kube agent
+        # `gpudctl select NAME`, kept across restarts (engine/layout_choice); a node label replaces it,
+        # so with --kube-node a choice kept from before does not count
+        self.layout_file.select = None if label_selects else layout_choice.load(state_dir, self.state_problems)
+        self.operand_guard = operand_guard  # --kube-node: the kube agent
         self.scheduler = PassScheduler()
         self.holder_watch = HolderWatch(self._holder_exited)
         # PCI address -> kept index: a GPU leaving the bus shifts nobody (gpud.engine.observe.gpu_index)
@@ -109,19 +117,19 @@ class Reconciler:
         self.resolution: Resolution | None = None
         self.observation = Observation(gpus=(), functions=())
         self.gpu_states: dict[str, GpuState] = {}
-        self.phase = "starting"
+        self.phase: Phase = "starting"
         self._acted = False  # whether the running pass has carried out any step
         self._apply_wanted = False  # `gpudctl apply` asked for the next pass (policy.apply: manual)
         self._apply_now = False  # ... and the running pass is that one
         self.passes = 0  # passes started
         self.completed_passes = 0  # passes finished (phase says how they ended)
         self._listeners: list[Callable[[], None]] = []
+        self._view: EngineView | None = None
+        self._view_key: tuple[tuple[object, ...], tuple[object, ...]] | None = None
         self.vgpus = VgpuKeeper(hardware.vgpu, state_dir if not read_only else None, self.state_problems,
                                 vf_tool=hardware.vf_tool)
         self.reader = HostReader(hardware, self.vgpus, self.gpu_index)
-        self.steps = StepRunner(hardware, bus, self.vgpus, policy=lambda: self.policy, drainer=lambda: self.drainer,
-                                reread=self._reread, plan=self.next_action,
-                                nvml_stale=lambda: self.observation.nvml_stale, binder_timeout=binder_timeout)
+        self.steps = StepRunner(hardware, bus, self.vgpus, self, binder_timeout=binder_timeout)
         # the one current observation: read off the loop, re-read on change and while clients ask
         self.observer = Observer(self._read_host, self._install, max_age=max_status_age,
                                  busy=lambda: bool(self.steps.inflight))
@@ -246,16 +254,59 @@ class Reconciler:
         if changed:
             self._notify()
 
-    def phase_now(self) -> str:
+    def phase_now(self) -> Phase:
         """The phase as it is at this moment (status' top line): an invalid file first, then a GPU
         being changed, then a change not started yet, else what the last pass concluded."""
         if self.layout_issues[0] or (self.resolution is not None and self.resolution.errors):
             return "invalid-layout"
         states = {s.state for s in self.gpu_states.values()}
-        for live in ("applying", "pending"):
-            if live in states:
-                return live
+        if "applying" in states:
+            return "applying"
+        if "pending" in states:
+            return "pending"
         return self.phase
+
+    def view(self) -> EngineView:
+        """The engine's state now as one frozen record (gpud.engine.view), rebuilt only when
+        something in it changed: the records are immutable (frozen structs, replaced rather than
+        edited), so they are compared by identity; the rest by value."""
+        states = self.gpu_states
+        rebuilt = tuple((pci, tuple(what)) for pci, what in self.vgpus.rebuilt.items())  # a small, edited dict
+        errors, warnings = self.layout_issues
+        records = self.leases.book.records  # replaced, never edited, on each lease change
+        label_selects = self.layout_file.label_selects
+        chosen = self.selected is not None and self.selected == self.layout_file.select and not label_selects
+        key = ((self.observation, self.resolution, self.layout, records, *states.values()),
+               (self.phase, self.phase_now(), tuple(errors), tuple(warnings), tuple(states), self.config_path,
+                self.read_only, self.boot_rebuild.summary, rebuilt, self._problems(),
+                tuple(self.gpu_set.notes.items()), self.passes, self.completed_passes, label_selects, chosen))
+        old = self._view_key
+        if (self._view is not None and old is not None and len(old[0]) == len(key[0])
+                and all(a is b for a, b in zip(old[0], key[0])) and old[1] == key[1]):
+            return self._view
+        self._view_key = key
+        self._view = EngineView(
+            observation=self.observation, resolution=self.resolution, gpu_states=MappingProxyType(dict(states)),
+            phase=self.phase, phase_now=self.phase_now(), layout=self.layout, layout_errors=tuple(errors),
+            layout_warnings=tuple(warnings), config_path=self.config_path, read_only=self.read_only,
+            notes=MappingProxyType(dict(self.gpu_set.notes)), problems=self._problems(),
+            rebuilt_after_boot=self.boot_rebuild.summary, vgpus_rebuilt=MappingProxyType(dict(rebuilt)),
+            passes=self.passes, completed_passes=self.completed_passes, leases=tuple(self.leases.leases()),
+            lease_free=MappingProxyType(self.leases.free()), label_selects=label_selects, chosen=chosen)
+        return self._view
+
+    @property
+    def selected(self) -> str | None:
+        layout = self.layout
+        return layout.layout.selected if layout is not None and layout.layout is not None else None
+
+    def _problems(self) -> tuple[str, ...]:
+        """What is wrong with gpud's state files (set aside, not written), each said once."""
+        out = self.state_problems.list()
+        index = self.gpu_index.problem
+        if index and index not in out:
+            out = [*(m for m in out if not index.startswith(m)), index]
+        return tuple(out)
 
     @property
     def policy(self) -> Policy | None:
@@ -291,7 +342,12 @@ class Reconciler:
             self.bus.publish("error", "internal error in the reconcile pass; see the journal")
 
     # ---- observation ------------------------------------------------------------------------
-    async def _reread(self, pci: str) -> Gpu | None:
+    @property
+    def nvml_stale(self) -> bool:
+        """The observation's NVML view is the last good one, kept while a rebind holds NVML closed."""
+        return self.observation.nvml_stale
+
+    async def reread(self, pci: str) -> Gpu | None:
         """The host re-read; the GPU at `pci` as it is now (None: gone from the bus)."""
         await self.refresh_async()
         return self._gpu(pci)
@@ -552,7 +608,7 @@ class Reconciler:
         self.kick(f"pid {pid} exited")
 
 
-def _phase(states: Iterable[GpuState]) -> str:
+def _phase(states: Iterable[GpuState]) -> Phase:
     names = {s.state for s in states}
     for phase in PHASE_ORDER:
         if phase in names:

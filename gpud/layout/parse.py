@@ -65,7 +65,8 @@ POLICY_KEYS = ("drain-units", "on-busy", "reset", "reboot", "lease-group", "leas
 HOOK_KEYS = ("command", "args", "env", "timeout")
 
 _UUID = re.compile(r"GPU-[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}")
-_FILTER_MIG_PARTED = re.compile(r"0[xX]([0-9a-fA-F]{4})([0-9a-fA-F]{4})")  # device id, then vendor id
+# device id, then vendor id; optionally `:0x` subsystem device id, then subsystem vendor id
+_FILTER_MIG_PARTED = re.compile(r"0[xX]([0-9a-fA-F]{4})([0-9a-fA-F]{4})(?::0[xX]([0-9a-fA-F]{4})([0-9a-fA-F]{4}))?")
 _FILTER_LSPCI = re.compile(r"([0-9a-fA-F]{4}):([0-9a-fA-F]{4})")  # vendor:device
 _HEX16 = re.compile(r"(?:0[xX])?([0-9a-fA-F]{1,4})")
 _UNIT = re.compile(r"[A-Za-z0-9:_.\\-]+(?:@[A-Za-z0-9:_.\\-]*)?(" + "|".join(re.escape(s) for s in UNIT_SUFFIXES) + ")")
@@ -378,8 +379,14 @@ class _Parser:
         return None
 
     def integer(self, node: Node) -> int | None:
-        """The int a scalar denotes, or None; no reporting (callers word their own message)."""
+        """The int a scalar denotes, or None; no reporting (callers word their own message).
+
+        Plain decimal only: YAML 1.1 also reads `010` as octal 8, `1_0` as 10, `0x1f`, `0b11` and
+        `1:30` (sexagesimal) as ints, which nobody means in a GPU index or a count.
+        """
         if isinstance(node, ScalarNode) and node.tag == _INT:
+            if not _PLAIN_DECIMAL.fullmatch(node.value.strip()):
+                return None
             try:
                 value = _SCALARS.construct_yaml_int(node)
             except Exception:  # noqa: BLE001 - `!!int abc`
@@ -390,7 +397,7 @@ class _Parser:
     def count(self, node: Node, path: str) -> int | None:
         value = self.integer(node)
         if value is None or value < 0:
-            self.expected(node, path, "a count >= 0")
+            self.expected(node, path, "a count >= 0" + _yaml11_note(node))
             return None
         return value
 
@@ -627,7 +634,7 @@ class _Parser:
         if isinstance(node, ScalarNode) and node.tag == _INT:
             index = self.integer(node)
             if index is None:
-                self.expected(node, path, what)
+                self.expected(node, path, what + _yaml11_note(node))
             elif index < 0:
                 self.expected(node, path, "a GPU index >= 0")
                 return None
@@ -659,10 +666,14 @@ class _Parser:
         if isinstance(node, ScalarNode) and node.tag != _NULL:
             value = node.value.strip()  # unquoted 0x233010DE is a YAML int; take the text
             if m := _FILTER_MIG_PARTED.fullmatch(value):
+                if m[3] is not None:
+                    return PciId(vendor=int(m[2], 16), device=int(m[1], 16), subsystem_vendor=int(m[4], 16),
+                                 subsystem_device=int(m[3], 16))
                 return PciId(vendor=int(m[2], 16), device=int(m[1], 16))
             if m := _FILTER_LSPCI.fullmatch(value):
                 return PciId(vendor=int(m[1], 16), device=int(m[2], 16))
-        self.expected(node, path, 'a PCI id like "0x233010DE" (device id, then vendor id) or "10de:2330"')
+        self.expected(node, path, 'a PCI id like "0x233010DE" (device id, then vendor id), "0x233010DE:0x16C110DE" '
+                                  '(then the subsystem\'s) or "10de:2330"')
         return None
 
     def mig_devices(self, node: Node, path: str) -> dict[str, int] | None:
@@ -839,6 +850,20 @@ class _Parser:
         if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0:
             return float(value)
         return None
+
+
+_PLAIN_DECIMAL = re.compile(r"[-+]?(0|[1-9][0-9]*)")
+
+
+def _yaml11_note(node: Node) -> str:
+    """What YAML 1.1 would have made of a non-decimal int, so the error says what was read."""
+    if not (isinstance(node, ScalarNode) and node.tag == _INT) or _PLAIN_DECIMAL.fullmatch(node.value.strip()):
+        return ""
+    try:
+        meant = _SCALARS.construct_yaml_int(node)
+    except Exception:  # noqa: BLE001 - `!!int abc`: not a number at all, the plain message says so
+        return ""
+    return f" in plain decimal (YAML 1.1 would read {node.value.strip()!r} as {meant})"
 
 
 def _selector_text(selector: int | str) -> str:

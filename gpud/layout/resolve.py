@@ -22,7 +22,7 @@ from gpud.layout.parse import (
     key_path,
     parse_layout,
 )
-from gpud.layout.schema import Layout, PciId
+from gpud.layout.schema import Layout
 from gpud.model import Gpu, KnownGpu, MigProfile
 from gpud.profiles import NVIDIA, by_device, model_name, with_model_ci_profiles
 from gpud.vgpu_types import VgpuModel, mig_need, parse_vgpu_name, strip_prefix
@@ -138,12 +138,13 @@ def resolve(parsed: ParsedLayout, gpus: Sequence[Gpu], gone: Sequence[KnownGpu] 
                 else:
                     targets.append((gpu, spath))
         if entry.device_filter:  # narrows the selected devices, as in mig-parted
-            wanted = set(entry.device_filter)
-            targets = [(g, p) for g, p in targets if PciId(g.function.vendor, g.function.device) in wanted]
+            targets = [(g, p) for g, p in targets
+                       if any(f.matches(g.function.vendor, g.function.device, g.function.subsystem_vendor,
+                                        g.function.subsystem_device) for f in entry.device_filter)]
         if entry.devices == "all" or entry.device_filter:
             how = "devices: all" if not entry.device_filter else "device-filter"
             for missing in gone:
-                if entry.device_filter and PciId(missing.vendor, missing.device) not in set(entry.device_filter):
+                if entry.device_filter and not any(f.matches(missing.vendor, missing.device) for f in entry.device_filter):
                     continue
                 if entry.devices != "all" and missing.index not in entry.devices and missing.pci not in entry.devices:
                     continue  # named explicitly: reported above

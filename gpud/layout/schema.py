@@ -40,14 +40,29 @@ CONTROLLER_3D_CLASS = 0x0302
 GPU_CLASSES = (VGA_CLASS, CONTROLLER_3D_CLASS)
 
 
-class PciId(Struct, frozen=True, order=True):
-    """A vendor:device pair, the unit of `device-filter`."""
+class PciId(Struct, frozen=True, order=True, omit_defaults=True):
+    """A vendor:device pair, the unit of `device-filter`; with a subsystem (mig-parted's
+    `0xDEVVEN:0xSUBDEVSUBVEN`, pkg/types/device.go) it matches only cards of that subsystem."""
 
     vendor: int
     device: int
+    subsystem_vendor: int | None = None
+    subsystem_device: int | None = None
+
+    def matches(self, vendor: int, device: int, subsystem_vendor: int | None = None,
+                subsystem_device: int | None = None) -> bool:
+        """mig-parted's DeviceID.Matches: vendor and device, and the subsystem where the filter
+        names one (a card whose subsystem is unknown, a gone GPU, is matched on the first two)."""
+        if (vendor, device) != (self.vendor, self.device):
+            return False
+        if self.subsystem_vendor is None or subsystem_vendor is None:
+            return True
+        return (subsystem_vendor, subsystem_device) == (self.subsystem_vendor, self.subsystem_device)
 
     def __str__(self) -> str:
-        return f"{self.vendor:04x}:{self.device:04x}"
+        sub = (f" subsystem {self.subsystem_vendor:04x}:{self.subsystem_device:04x}"
+               if self.subsystem_vendor is not None and self.subsystem_device is not None else "")
+        return f"{self.vendor:04x}:{self.device:04x}{sub}"
 
 
 # A device selector: an int is a GPU index; a str is a PCI address ("0000:3b:00.0", normalised)

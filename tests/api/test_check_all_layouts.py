@@ -9,6 +9,7 @@ from pathlib import Path
 import yaml
 
 from gpud.api.handlers import RequestHandler
+from gpud.engine.engine import Engine
 from tests.scenarios.definitions import layout, mig
 from tests.scenarios.harness import SimRig
 
@@ -22,7 +23,7 @@ def test_all_layouts_read_the_host_once_and_agree_with_each_layout_checked_alone
     rig = SimRig(tmp_path, ("h100-80gb:2", "a100-40gb:1"))
     try:
         assert asyncio.run(rig.apply(layout(mig([0], {"1g.10gb": 7}))))
-        handler = RequestHandler(rig.rec)
+        handler = RequestHandler(Engine(rig.rec))
         text = CONFIG.read_text()
         names = list(yaml.safe_load(text)["mig-configs"])
         assert len(names) == 81

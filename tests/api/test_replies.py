@@ -54,7 +54,7 @@ def test_plan_steps_keep_their_wire_field_names():
 
 
 def test_plan_with_errors_is_empty_and_says_why():
-    reply = replies.plan_reply(None, errors=["layout.yaml:1 version: must be v1"])  # type: ignore[arg-type]
+    reply = replies.plan_reply(errors=["layout.yaml:1 version: must be v1"])
     assert msgspec.to_builtins(reply) == {
         "gpus": [], "disruption": {"destroyed": [], "vgpus_removed": [], "vfs_disabled": [], "mode_changes": [],
                                    "resets": [], "reset_with": [], "rebinds": []},

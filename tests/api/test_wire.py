@@ -106,6 +106,10 @@ def test_default_structs_are_not_shared_between_instances():
     ("check", {"text": "t", "path": "/p"}, True),
     ("check", {"text": "t"}, False),
     ("apply", {"wait": True, "timeout": 3}, True),
+    ("apply", {"wait": True, "timeout": float("nan")}, False),  # issue 33 item 11: answered `timeout` at once
+    ("apply", {"wait": True, "timeout": float("inf")}, False),
+    ("apply", {"wait": True, "timeout": -1.0}, False),
+    ("apply", {"wait": True, "timeout": 0}, True),  # answer now
     ("apply", {"wait": "yes"}, False),
     ("apply", {"wiat": True}, False),  # typos are refused, not ignored
     ("events", {}, True),

@@ -366,7 +366,7 @@ def test_selectors_normalised() -> None:
         - 0000:00:01.0
         - "10000:e1:00.0"
         - GPU-0C1E3B9A-1234-5678-9ABC-DEF012345678
-        - 0x3
+        - 3
     """)
     p = parse(text)
     assert p.ok, p.errors
@@ -460,8 +460,8 @@ def test_device_filter_dedupes() -> None:
 def test_device_filter_errors(value: str, path: str, got: str) -> None:
     """mig-parted silently ignored filters it could not parse; here they are errors."""
     assert only_error(entry(f"- devices: all\n  device-filter: {value}")) == (
-        f'layout.yaml:5 layouts.a[0].{path}: expected a PCI id like "0x233010DE" (device id, then vendor id) '
-        f'or "10de:2330", got {got}')
+        f'layout.yaml:5 layouts.a[0].{path}: expected a PCI id like "0x233010DE" (device id, then vendor id), '
+        f'"0x233010DE:0x16C110DE" (then the subsystem\'s) or "10de:2330", got {got}')
 
 
 def test_device_filter_not_a_list() -> None:
@@ -942,3 +942,28 @@ def test_lease_policy_keys() -> None:
         "layout.yaml:6 policy.lease-placement: expected one of pack, spread, got \"scatter\"",
         "layout.yaml:7 policy.lease-group: expected a group name, got \"a b\"",
     ]
+
+
+@pytest.mark.parametrize(("written", "yaml11"), [
+    ("010", 8),        # YAML 1.1 octal
+    ("1_0", 10),       # YAML 1.1 digit separator
+    ("0x1", 1),        # hex
+    ("0b11", 3),       # binary
+    ("1:0", 60),       # sexagesimal
+])
+def test_gpu_index_plain_decimal_only(written: str, yaml11: int) -> None:
+    """Issue 33 item 8: `devices: [010]` used to select GPU 8 with no word; the key path says what YAML read."""
+    assert only_error(entry(f"- devices: [{written}]")) == (
+        f"layout.yaml:4 layouts.a[0].devices[0]: expected an index, PCI address or GPU UUID in plain decimal "
+        f"(YAML 1.1 would read '{written}' as {yaml11}), got {written}")
+
+
+def test_mig_count_plain_decimal_only() -> None:
+    assert only_error(entry('- devices: all\n  mig-enabled: true\n  mig-devices: {"1g.10gb": 07}')) == (
+        'layout.yaml:6 layouts.a[0].mig-devices."1g.10gb": expected a count >= 0 in plain decimal '
+        "(YAML 1.1 would read '07' as 7), got 07")
+
+
+def test_plain_decimal_indices_still_read() -> None:
+    p = parse(entry("- devices: [0, 10, +3]"))
+    assert p.ok and p.layout.entries[0].devices == (0, 10, 3)
