@@ -39,6 +39,7 @@ from gpud.loop_lag import LoopLagProbe
 PERSISTENCE_INTENT = "persistence-restore.json"  # in the state dir: GPUs whose persistence a reset left off
 
 if TYPE_CHECKING:  # imported with --kube-node only (they need gpud[kube])
+    from gpud.engine.dra.service import DraService
     from gpud.engine.kube.agent import KubeAgent
     from gpud.engine.kube.applier import ReconcilerApplier
     from gpud.engine.ports import Rebooter
@@ -76,6 +77,10 @@ class DaemonConfig:
     kubeconfig: str | None = None
     kube_namespace: str = "gpu-operator"
     default_vgpu_config: str = "default"
+    dra: bool = False  # be the node's DRA driver (gpud.engine.dra)
+    dra_driver: str = "gpu.gpud.io"
+    kubelet_root: str = "/var/lib/kubelet"
+    cdi_dir: str | None = None
     log_level: str = "INFO"
     # timings (no options)
     reload_delay: float = 0.3  # a file event waits this long for the editor's next write before a reload
@@ -135,11 +140,23 @@ def parse_args(argv: list[str] | None = None) -> DaemonConfig:
                      help="with --kube-node: the layout a nvidia.com/gpu.workload.config=vm-vgpu node without "
                      "nvidia.com/vgpu.config gets, when the file has it (vgpu-device-manager's DEFAULT_VGPU_CONFIG; "
                      "default: default; '' for none)")
+    dra = ap.add_argument_group("Kubernetes DRA (with --kube-node)")
+    dra.add_argument("--dra", action="store_true", help="be this node's DRA driver: publish every GPU gpud manages "
+                     "as ResourceSlices and prepare the claims the kubelet hands over; needs gpud[dra]")
+    dra.add_argument("--dra-driver", default="gpu.gpud.io", help="the driver name published (default gpu.gpud.io; "
+                     "gpu.nvidia.com makes NVIDIA's DeviceClasses select gpud's devices, and gpud then refuses to "
+                     "start while NVIDIA's kubelet plugin is registered)")
+    dra.add_argument("--kubelet-root", default="/var/lib/kubelet", help="the kubelet's directory: the plugin "
+                     "registers in ROOT/plugins_registry and serves in ROOT/plugins/DRIVER (default /var/lib/kubelet)")
+    dra.add_argument("--cdi-dir", help="where prepared claims' CDI specs go (default /var/run/cdi, or "
+                     "DIR/var/run/cdi with --sim)")
     ap.add_argument("--log-level", default=os.environ.get("GPUD_LOG_LEVEL", DaemonConfig.log_level))
     ap.add_argument("--version", action="version", version=f"gpud {VERSION}")
     args = ap.parse_args(argv)
     if args.replay and not (args.sim and args.read_only):
         ap.error("--replay needs --sim DIR and --read-only: a capture can be read, not changed")
+    if args.dra and not args.kube_node:
+        ap.error("--dra needs --kube-node NAME: the pool it publishes is that node's")
     return DaemonConfig(**vars(args))
 
 
@@ -196,6 +213,7 @@ class Daemon:
                                 on_event=self._publish)
         self._versions: Versions | None = None
         self._kube_passes = 0
+        self.dra: DraService | None = None  # with --dra
         self._labels_passes: tuple[int, tuple[str, ...]] | None = None
 
     def _start_kube(self, node: str, reboot: Rebooter) -> Rebooter:
@@ -377,6 +395,15 @@ class Daemon:
                 self.bus.publish("warning", f"{what}: {fate}", gpu=left.pci)
         await self.engine.load()
         await self.engine.start_leases()  # lease records against NVML before anyone can ask (engine.leases.startup)
+        if self.args.dra:
+            from gpud.engine.dra.service import DraService
+
+            a = self.args
+            self.dra = DraService(self.engine, self.bus, node=a.kube_node or "", driver=a.dra_driver,
+                                  kubelet_root=a.kubelet_root, kubeconfig=a.kubeconfig,
+                                  state_dir=None if a.read_only else a.state_dir, cdi_dir=a.cdi_dir,
+                                  root=self.host.root)
+            await self.dra.start()
         handler = RequestHandler(self.engine, notifier=self.notifier, dev_root=self.host.dev_root,
                                  loop_lag=self.loop_lag, labels=self.labels, kube_agent=self.kube)
         try:
@@ -399,6 +426,8 @@ class Daemon:
         ]
         if self.kube is not None:
             tasks.append(asyncio.create_task(self.kube.run(), name="kube"))
+        if self.dra is not None:
+            tasks.append(asyncio.create_task(self.dra.run(), name="dra"))
         interval = self.notifier.watchdog_interval()
         if interval:
             tasks.append(asyncio.create_task(self.watchdog(interval), name="watchdog"))
@@ -436,6 +465,8 @@ class Daemon:
             log.warning("the writer of %s (pid %d) is still blocked in the kernel; killed, it ends when "
                         "the kernel lets its write return", sw.path, sw.pid)
         await server.close()
+        if self.dra is not None:
+            await self.dra.stop()
         self.labels.remove()  # labels describe a running gpud's work: they go with it
         if self.kube is not None:
             await self.kube.api.close()

@@ -14,6 +14,7 @@ from typing import Any
 import msgspec
 
 from gpud.api import wire, wire_replies
+from gpud.cli.escape import escaped, term
 from gpud.cli.render import (
     event_json,
     pick_gpu,
@@ -147,11 +148,13 @@ def cmd_check(c: Client, a: argparse.Namespace) -> int:
         r: wire_replies.CheckReply = c.request("check", args)
     except Unreachable as e:  # no daemon: the same check in a process of its own, the host only read
         r = _check_offline(text, path, a.all_layouts, e)
+        if not a.json:
+            r = escaped(r)
     if a.json:
         print(to_json(r))
     else:
         which = f"layouts: {', '.join(r.checked)}" if a.all_layouts else f"selected: {r.selected}"
-        lines = [f"{path}: " + (f"valid ({which})" if r.valid and r.selected
+        lines = [f"{term(path)}: " + (f"valid ({which})" if r.valid and r.selected
                                 else "valid" if r.valid else "INVALID")]
         lines += [f"error: {e}" for e in r.errors] + [f"warning: {w}" for w in r.warnings]
         lines += [f"note: {d}" for d in r.dynamic]

@@ -41,6 +41,7 @@ from collections.abc import Mapping, Sequence
 from msgspec import Struct, field
 
 from gpud.layout.desired import DesiredGpu
+from gpud.layout.resolve import gpu_profiles
 from gpud.model import ComputeInstance, Gpu, GpuInstance, MigProfile, Placement
 from gpud.profiles import by_device
 
@@ -279,11 +280,13 @@ def gpu_devices(gpu: Gpu, inputs: DraInputs) -> tuple[list[tuple[dict, SliceDevi
                         SliceDevice(name, "vgpu", gpu.pci, profile=v.type, vgpu_uuid=v.uuid)))
         return out, None
     if want is not None and want.dynamic:
-        if gpu.nvml.mig_mode != 1 or not gpu.nvml.profiles:
-            return [], None  # MIG mode not (yet) on: nothing can be leased
+        # MIG mode may be off until the first lease (policy.lease-mig-mode: follow): the GPU's own
+        # table, else its model's
+        profiles = gpu_profiles(gpu)
+        if not profiles:
+            return [], None
         cs = device_name("gpu", gpu.index, "counters")
-        counter_set = _dynamic(gpu, base, inputs.foreign.get(gpu.pci, ()), cs, gpu.nvml.profiles,
-                               gpu.nvml.memory_mb, out)
+        counter_set = _dynamic(gpu, base, inputs.foreign.get(gpu.pci, ()), cs, profiles, gpu.nvml.memory_mb, out)
         return out, counter_set
     if gpu.nvml.mig_mode == 1:
         _static_mig(gpu, base, out)
