@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo check test test-fast lint sysdeps anchors kube-apiserver nvmlc bench bench-update reliability deb clean
+.PHONY: demo check test test-fast lint sysdeps anchors kube-apiserver kube-scheduler dra-proto nvmlc bench bench-update reliability deb clean
 
 # A fresh Debian 12 has no python3 venv module: install-sysdeps --base brings it (as root).
 $(STAMP): pyproject.toml
@@ -36,6 +36,17 @@ anchors:
 kube-apiserver:
 	scripts/install-kube-apiserver
 
+# A real kube-apiserver and kube-scheduler of one release (v1.36.3) for the DRA tests (tests/dra/):
+# the scheduler allocates claims from gpud's ResourceSlices. Built once into $(GPUD_ANCHORS)/kube/v1.36.3
+# (about 25 minutes on 2 cores the first time; cached; a failed build is recorded and those tests skip).
+kube-scheduler:
+	scripts/install-kube-scheduler
+
+# The kubelet's DRA and plugin-registration gRPC code, generated from k8s.io/kubelet's .proto files
+# into gpud/kube_proto/ (ignored by git) with grpcio-tools.
+dra-proto: $(STAMP)
+	scripts/gen-dra-proto $(PY)
+
 # The simulator's libnvidia-ml.so.1 (built into the gpud-sim cache; `gpud-sim exec` builds it on first use too).
 nvmlc: $(STAMP)
 	$(PY) -m gpud.sim.nvmlc.build
@@ -52,11 +63,11 @@ CHECK_SKIPS := not (vm or nspawn or daemon or tools or apiserver or reliability 
 check: $(STAMP) lint
 	$(PY) -m pytest -q -p no:cacheprovider -n auto -m "$(CHECK_SKIPS)"
 
-test: $(STAMP) lint sysdeps anchors kube-apiserver nvmlc
+test: $(STAMP) dra-proto lint sysdeps anchors kube-apiserver kube-scheduler nvmlc
 	$(PY) -m pytest -q -p no:cacheprovider
 
 # Everything but the VM and nspawn boots: the inner loop while developing.
-test-fast: $(STAMP) lint anchors kube-apiserver nvmlc
+test-fast: $(STAMP) dra-proto lint anchors kube-apiserver kube-scheduler nvmlc
 	$(PY) -m pytest -q -p no:cacheprovider -m "not vm and not nspawn"
 
 # Benchmarks write to out/ (untracked); `make bench-update` refreshes the committed bench/results/
@@ -68,6 +79,8 @@ bench: $(STAMP) anchors nvmlc
 	$(PY) -m bench.vgpu_bench -o $(BENCH_OUT)/vgpu.md
 	$(PY) bench/client_startup.py -o $(BENCH_OUT)/client_startup.md
 	$(PY) -m bench.status_bench -o $(BENCH_OUT)/status.md
+	$(PY) -m bench.scale_bench -o $(BENCH_OUT)/scale.md
+	$(PY) -m bench.lease_bench -o $(BENCH_OUT)/leases.md
 
 bench-update:
 	$(MAKE) bench BENCH_OUT=bench/results

@@ -157,14 +157,20 @@ def _compile_as_installed() -> None:
 
 
 class Gpud:
-    def __init__(self, tmp: Path) -> None:
+    """A real `gpud --sim` on a host of `gpus` (MIG on for `mig_on`), `prepare(host)` run on the host
+    before the daemon starts, `layout` in force; started and converged once."""
+
+    def __init__(self, tmp: Path, *, gpus: str = GPUS, mig_on: tuple[int, ...] = (), layout: str = WHOLE,
+                 prepare=None) -> None:
         from gpud.sim import cli as simcli
 
         self.host = tmp / "host"
         _compile_as_installed()
-        simcli.create(self.host, [GPUS])
+        simcli.create(self.host, [gpus], list(mig_on))
+        if prepare is not None:
+            prepare(self.host)
         self.config = tmp / "layout.yaml"
-        self.config.write_text(WHOLE)
+        self.config.write_text(layout)
         self.socket = str(tmp / "gpud.sock")
         # the checkout first; a PYTHONPATH already set (dependencies installed with --target) kept after it
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))

@@ -15,7 +15,7 @@ import os
 import signal
 import sys
 import threading
-from functools import partial
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -25,13 +25,13 @@ from gpud.device_events import describe_device_event
 from gpud.engine import status_line
 from gpud.engine.apply_lock import ApplyLock
 from gpud.engine.binding.udev_rules import UdevRules
+from gpud.engine.engine import build_engine
 from gpud.engine.events import EventBus
 from gpud.engine.gpu_state import SETTLING_PHASES
 from gpud.engine.kube.node_labels_out import LabelsOut, Versions, from_cluster, layout_state
 from gpud.engine.observe.observer import DEFAULT_MAX_AGE
-from gpud.engine.queries import vgpus_missing
-from gpud.engine.reconciler import Reconciler
 from gpud.hardware import HostConfig, build_hardware
+from gpud.host.early_signals import hold_sighup, take_sighup
 from gpud.host.nvml import NvmlError
 from gpud.host.sriov_manage import DEFAULT_PATH as SRIOV_MANAGE
 from gpud.loop_lag import LoopLagProbe
@@ -39,15 +39,58 @@ from gpud.loop_lag import LoopLagProbe
 PERSISTENCE_INTENT = "persistence-restore.json"  # in the state dir: GPUs whose persistence a reset left off
 
 if TYPE_CHECKING:  # imported with --kube-node only (they need gpud[kube])
+    from gpud.engine.dra.service import DraService
     from gpud.engine.kube.agent import KubeAgent
     from gpud.engine.kube.applier import ReconcilerApplier
+    from gpud.engine.ports import Rebooter
+    from gpud.host.cdi import CdiGenerator
 
 log = logging.getLogger("gpud")
-VGPU_REBUILD_S = 60  # at most this long READY=1 waits for vGPUs to be rebuilt at start (TimeoutStartSec=90s)
 SWITCH_INTERVAL = 0.0005  # seconds a worker thread may keep the GIL while the loop wants it
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+@dataclass(frozen=True)
+class DaemonConfig:
+    """What the daemon runs with, fixed at start: the command line (`parse_args`, the fields named
+    as its options) and the daemon's own timings, documented here once."""
+
+    config: str = "/etc/gpud/layout.yaml"
+    socket: str = "/run/gpud/gpud.sock"
+    state_dir: str = "/var/lib/gpud"
+    sim: str | None = None
+    read_only: bool = False
+    replay: str | None = None
+    lock: str | None = None
+    socket_group: str = "gpud"
+    udev_rules: str | None = None
+    metrics_textfile: str | None = None
+    unbind_timeout: float = 30.0  # seconds before an unbind is declared stuck
+    nvidia_smi: str | None = None
+    sriov_manage: str | None = None
+    status_max_age: float = DEFAULT_MAX_AGE  # re-read the host for status when older than this
+    nfd_features: str | None = None
+    nfd_labels: str | None = None
+    mig_strategy: str | None = None
+    nvidia_ctk: str | None = None
+    cdi_spec: str | None = None
+    kube_node: str | None = None
+    kubeconfig: str | None = None
+    kube_namespace: str = "gpu-operator"
+    default_vgpu_config: str = "default"
+    dra: bool = False  # be the node's DRA driver (gpud.engine.dra)
+    dra_driver: str = "gpu.gpud.io"
+    kubelet_root: str = "/var/lib/kubelet"
+    cdi_dir: str | None = None
+    log_level: str = "INFO"
+    # timings (no options)
+    reload_delay: float = 0.3  # a file event waits this long for the editor's next write before a reload
+    pass_debounce: float = 0.2  # requests for a pass within this long of each other share one pass
+    first_pass_wait_s: float = 60.0  # at most this long READY=1 waits for the first pass's changes (TimeoutStartSec=90s)
+    stop_step_wait_s: float = 60.0  # at a stop, how long a hardware step in flight is waited for
+    stuck_writer_wait_s: float = 5.0  # at a stop, how long killed sysfs writers are waited for
+
+
+def parse_args(argv: list[str] | None = None) -> DaemonConfig:
     ap = argparse.ArgumentParser(prog="gpud", description="Converge NVIDIA GPUs to /etc/gpud/layout.yaml.")
     ap.add_argument("--config", default="/etc/gpud/layout.yaml")
     ap.add_argument("--socket", default="/run/gpud/gpud.sock")
@@ -97,15 +140,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                      help="with --kube-node: the layout a nvidia.com/gpu.workload.config=vm-vgpu node without "
                      "nvidia.com/vgpu.config gets, when the file has it (vgpu-device-manager's DEFAULT_VGPU_CONFIG; "
                      "default: default; '' for none)")
-    ap.add_argument("--log-level", default=os.environ.get("GPUD_LOG_LEVEL", "INFO"))
+    dra = ap.add_argument_group("Kubernetes DRA (with --kube-node)")
+    dra.add_argument("--dra", action="store_true", help="be this node's DRA driver: publish every GPU gpud manages "
+                     "as ResourceSlices and prepare the claims the kubelet hands over; needs gpud[dra]")
+    dra.add_argument("--dra-driver", default="gpu.gpud.io", help="the driver name published (default gpu.gpud.io; "
+                     "gpu.nvidia.com makes NVIDIA's DeviceClasses select gpud's devices, and gpud then refuses to "
+                     "start while NVIDIA's kubelet plugin is registered)")
+    dra.add_argument("--kubelet-root", default="/var/lib/kubelet", help="the kubelet's directory: the plugin "
+                     "registers in ROOT/plugins_registry and serves in ROOT/plugins/DRIVER (default /var/lib/kubelet)")
+    dra.add_argument("--cdi-dir", help="where prepared claims' CDI specs go (default /var/run/cdi, or "
+                     "DIR/var/run/cdi with --sim)")
+    ap.add_argument("--log-level", default=os.environ.get("GPUD_LOG_LEVEL", DaemonConfig.log_level))
     ap.add_argument("--version", action="version", version=f"gpud {VERSION}")
     args = ap.parse_args(argv)
     if args.replay and not (args.sim and args.read_only):
         ap.error("--replay needs --sim DIR and --read-only: a capture can be read, not changed")
-    return args
+    if args.dra and not args.kube_node:
+        ap.error("--dra needs --kube-node NAME: the pool it publishes is that node's")
+    return DaemonConfig(**vars(args))
 
 
-def host_config(args: argparse.Namespace) -> HostConfig:
+def host_config(args: DaemonConfig) -> HostConfig:
     """The host the command line names; the daemon's arguments themselves stay as parsed."""
     return HostConfig(sim=args.sim, replay=args.replay, read_only=args.read_only, lock=args.lock,
                       udev_rules=args.udev_rules, nfd_features=args.nfd_features, nvidia_smi=args.nvidia_smi,
@@ -113,8 +168,7 @@ def host_config(args: argparse.Namespace) -> HostConfig:
 
 
 class Daemon:
-    def __init__(self, args: argparse.Namespace) -> None:
-        from gpud.host.logind import request_reboot
+    def __init__(self, args: DaemonConfig) -> None:
         from gpud.host.sd_notify import Notifier
 
         self.args = args
@@ -129,14 +183,23 @@ class Daemon:
             for pci in self.hw.reset.restore_pending():
                 self.bus.publish("persistence", f"persistence mode on again for {pci} (left off by an "
                                                 "interrupted reset)", gpu=pci)
-        self.rec = Reconciler(
+        reboot = self.host.rebooter
+        self.kube: KubeAgent | None = None  # with --kube-node
+        self.kube_applier: ReconcilerApplier | None = None
+        rebooter = self._start_kube(args.kube_node, reboot) if args.kube_node else reboot
+        self.engine = build_engine(
             self.hw, config_path=args.config, apply_lock=ApplyLock(self.host.lock_path), bus=self.bus,
             read_only=args.read_only, binder_timeout=args.unbind_timeout,
             udev_rules=UdevRules(self.host.udev_rules, modules_load_path=None, read_only=args.read_only),
-            state_dir=args.state_dir, rebooter=partial(request_reboot, boot_id_path=self.host.boot_id_path),
-            max_status_age=args.status_max_age, boot_id_path=self.host.boot_id_path,
+            state_dir=args.state_dir, rebooter=rebooter, max_status_age=args.status_max_age,
+            boot_id_path=self.host.boot_id_path, cdi_generate=self._cdi_generator(args),
+            # the host's unit manager: on a real host D-Bus is imported and connected only when a
+            # layout first drains units or MIG changes; a simulated host's never leaves the simulator
+            drainer=self.host.drainer(lambda m: self._publish("drain", str(m))),
+            operand_guard=self.kube, label_selects=bool(args.kube_node),
         )
-        self._install_cdi(args)
+        if self.kube_applier is not None:
+            self.kube_applier.bind(self.engine)
         self.stopping = asyncio.Event()
         self._reload_timer: asyncio.TimerHandle | None = None
         self._metrics_key: tuple | None = None
@@ -149,15 +212,14 @@ class Daemon:
                                 exclude=("nvidia.com/mig.capable",) if args.kube_node else (),
                                 on_event=self._publish)
         self._versions: Versions | None = None
-        self.kube: KubeAgent | None = None  # with --kube-node
-        self.kube_applier: ReconcilerApplier | None = None
         self._kube_passes = 0
-        self._labels_passes = -1
-        if args.kube_node:
-            self._start_kube(partial(request_reboot, boot_id_path=self.host.boot_id_path))
+        self.dra: DraService | None = None  # with --dra
+        self._labels_passes: tuple[int, tuple[str, ...]] | None = None
 
-    def _start_kube(self, reboot) -> None:
-        """--kube-node: the operator's label protocol. Its client library is imported here only."""
+    def _start_kube(self, node: str, reboot: Rebooter) -> Rebooter:
+        """--kube-node: the operator's label protocol, before the engine it guards (the applier is
+        bound to the engine once that is built); the engine's rebooter. Its client library is
+        imported here only."""
         try:
             from gpud.engine.kube.agent import KubeAgent
             from gpud.engine.kube.applier import KubeRebooter, ReconcilerApplier
@@ -165,19 +227,17 @@ class Daemon:
         except ImportError as e:
             raise RuntimeError(f"--kube-node needs the Kubernetes client: pip install 'gpud[kube]' ({e})") from e
         try:
-            api = KubeApi(self.args.kube_node, load_config(self.args.kubeconfig))
+            api = KubeApi(node, load_config(self.args.kubeconfig))
         except KubeError as e:
-            raise RuntimeError(f"--kube-node {self.args.kube_node}: {e}") from e
-        applier = ReconcilerApplier(self.rec, None if self.args.read_only else self.args.state_dir)
-        self.rec.layout_file.label_selects = True  # the node label chooses: `selected` may be absent
+            raise RuntimeError(f"--kube-node {node}: {e}") from e
+        applier = ReconcilerApplier(None if self.args.read_only else self.args.state_dir)
         agent = KubeAgent(api, applier, namespace=self.args.kube_namespace,
                           default_vgpu=self.args.default_vgpu_config or None, on_node=self._on_node_labels,
                           on_event=self._publish)
         self.kube, self.kube_applier = agent, applier
-        self.rec.operand_guard = agent
-        self.rec.reboot_policy.rebooter = KubeRebooter(agent, applier, reboot)
+        return KubeRebooter(agent, applier, reboot)
 
-    def _install_cdi(self, args: argparse.Namespace) -> None:
+    def _cdi_generator(self, args: DaemonConfig) -> CdiGenerator | None:
         """`nvidia-ctk cdi generate` after MIG changes (gpud.host.cdi): the toolkit from PATH on a
         real host, only the one given on a simulated host (never the real host's from a test)."""
         from gpud.host.cdi import DEFAULT_SPEC, CdiGenerator
@@ -189,8 +249,7 @@ class Daemon:
 
             ctk = "" if root else (shutil.which("nvidia-ctk") or "")
         spec = args.cdi_spec or (str(Path(root) / DEFAULT_SPEC.lstrip("/")) if root else DEFAULT_SPEC)
-        if ctk and not args.read_only:
-            self.rec.cdi_generate = CdiGenerator(ctk, spec)
+        return CdiGenerator(ctk, spec) if ctk and not args.read_only else None
 
     def _publish(self, kind: str, message: str) -> None:
         self.bus.publish(kind, message)
@@ -215,8 +274,9 @@ class Daemon:
                 if event.name is not None and str(event.name) == path.name:
                     self._schedule_reload(f"{path.name}: {event.mask!r}")
 
-    def _schedule_reload(self, why: str, delay: float = 0.3) -> None:
+    def _schedule_reload(self, why: str) -> None:
         loop = asyncio.get_running_loop()
+        delay = self.args.reload_delay
         if self._reload_timer is not None:
             self._reload_timer.cancel()
         self._reload_timer = loop.call_later(delay, lambda: self._spawn(self._reload(why)))
@@ -228,58 +288,57 @@ class Daemon:
 
     async def _reload(self, why: str) -> None:
         log.info("config changed (%s)", why)
-        if not await self.rec.reload_async("layout changed"):
-            await self.rec.refresh_async()  # a refused file: status shows its errors at once
+        if not await self.engine.reload("layout changed"):
+            await self.engine.refresh()  # a refused file: status shows its errors at once
 
     def on_device_event(self, event) -> None:
         """A hint that a managed device (or the set of devices) changed: re-read and converge.
         Events of unrelated devices are ignored."""
         log.debug("device event %s", event)
-        obs = self.rec.observation
+        obs = self.engine.view.observation
         ours = {g.pci for g in obs.gpus} | {c.address for g in obs.gpus for c in g.companions}
         if event.action not in ("add", "remove", "rescan") and event.subsystem != "vfio" and event.address not in ours:
             return
         gpu, text = describe_device_event(event, obs.gpus)
         self.bus.publish("device", text, gpu=gpu)
-        self.rec.kick(f"udev {event.action}")
+        self.engine.kick(f"udev {event.action}")
 
     def _update_status(self) -> None:
-        self.notifier.status(status_line.of(self.rec))
-        key = (self.rec.passes, self.rec.phase, tuple(self.rec.layout_issues[0]))
+        view = self.engine.view
+        self.notifier.status(status_line.of(view))
+        leased = tuple(r.id for r in view.leases)  # a lease or release changes what both show
+        key = (view.passes, view.phase, view.layout_errors, leased)
         if self.args.metrics_textfile and key != self._metrics_key:  # after a pass or a layout change
             self._metrics_key = key
             from gpud.api.metrics import render
             from gpud.api.replies import status_reply
 
             try:
-                render(status_reply(self.rec), self.rec.passes, self.args.metrics_textfile)
+                render(status_reply(view), view.passes, self.args.metrics_textfile)
             except OSError as e:
                 log.warning("metrics not written to %s: %s", self.args.metrics_textfile, e)
-        done = self.rec.completed_passes
-        if done != self._labels_passes:  # after every pass (and once at start)
-            self._labels_passes = done
+        done = view.completed_passes
+        if (done, leased) != self._labels_passes:  # after every pass (and once at start), and each lease
+            self._labels_passes = (done, leased)
             self._write_labels()
-        if self.kube is not None and done != self._kube_passes and self.rec.phase not in SETTLING_PHASES:
+        if self.kube is not None and done != self._kube_passes and view.phase not in SETTLING_PHASES:
             self._kube_passes = done  # report a pass the agent did not start itself on the node
             assert self.kube_applier is not None  # made with the agent
             self._spawn(self.kube.settled(self.kube_applier.outcome()))
-            desired = self.rec.resolution.desired if self.rec.resolution is not None else {}
-            self._spawn(self.kube.publish_workloads({p: d.workload for p, d in desired.items()}))
+            self._spawn(self.kube.publish_workloads(view.workloads()))
 
     def _write_labels(self) -> None:
         """The node's labels after every pass (the writer leaves an unchanged file alone)."""
-        rec = self.rec
+        view = self.engine.view
         if self._versions is None:
             try:
-                self._versions = Versions(driver=rec.hw.nvml.driver_version(), cuda=rec.hw.nvml.cuda_driver_version())
+                self._versions = Versions(driver=self.engine.versions.driver(), cuda=self.engine.versions.cuda())
             except NvmlError:  # no driver yet, or closed during a rebind: the next pass asks again
                 pass
-        desired = rec.resolution.desired if rec.resolution is not None else {}
-        selected = rec.layout.selected if rec.layout is not None else None
         rebooting = self.kube_applier.reboot_requested if self.kube_applier is not None else False
-        state = layout_state(rec.phase, rebooting=rebooting)
-        self.labels.write(self.labels.inputs(rec.observation.gpus, workloads={p: d.workload for p, d in desired.items()},
-                                             layout=selected, state=state, versions=self._versions or Versions()))
+        state = layout_state(view.phase, rebooting=rebooting)
+        self.labels.write(self.labels.inputs(view.observation.gpus, workloads=view.workloads(),
+                                             layout=view.selected, state=state, versions=self._versions or Versions()))
 
     async def _start_with_remembered_layout(self) -> bool:
         """--kube-node: the layout the node's label selected before this start is put in force at
@@ -289,12 +348,12 @@ class Daemon:
         name = self.kube_applier.remembered()
         if name is None:
             return False
-        if not await self.rec.choose_layout_async(name):
-            await self.rec.choose_layout_async(None)
+        if not await self.engine.choose_layout(name):
+            await self.engine.choose_layout(None)
             self.bus.publish("kube", f"the node label's last layout {name!r} is not valid now; waiting for the label")
             return False
         self.kube.selected_once.set()
-        self.kube.boot_window = self.rec.boot_rebuild.after_boot
+        self.kube.boot_window = self.engine.after_boot
         self.bus.publish("kube", f"layout {name!r} (the node label's before this start) in force until the label is read")
         return True
 
@@ -303,7 +362,7 @@ class Daemon:
         device event meanwhile is remembered and runs then)."""
         assert self.kube is not None  # only with --kube-node
         await self.kube.selected_once.wait()
-        await self.rec.run()
+        await self.engine.run(self.args.pass_debounce)
 
     def _reload_on_sighup(self, handler: RequestHandler) -> None:
         """`kill -HUP`: re-read the file. The loop keeps only weak references to tasks, so the
@@ -320,12 +379,9 @@ class Daemon:
     async def run(self) -> int:
         from gpud.api.server import serve
         from gpud.host.sd_notify import listen_socket
-        from gpud.host.unit_drain import OnDemandDrainer
 
         loop = asyncio.get_running_loop()
-        # D-Bus is imported and connected only when a layout first drains units or MIG changes
-        self.rec.drainer = OnDemandDrainer(on_event=lambda m: self._publish("drain", str(m)))
-        self.rec.on_change(self._update_status)
+        self.engine.subscribe(self._update_status)
         try:
             self.hw.nvml.open()
         except NvmlError as e:  # no nvidia driver (every GPU on vfio-pci, or none yet): serve anyway
@@ -337,8 +393,18 @@ class Daemon:
                 what = f"the writer of {left.value} to {left.relpath} (pid {left.pid}) left by an earlier gpud"
                 fate = "ended" if left.ended else "still blocked in the kernel; its device waits for it"
                 self.bus.publish("warning", f"{what}: {fate}", gpu=left.pci)
-        await self.rec.load_config_async()
-        handler = RequestHandler(self.rec, notifier=self.notifier, dev_root=self.host.dev_root,
+        await self.engine.load()
+        await self.engine.start_leases()  # lease records against NVML before anyone can ask (engine.leases.startup)
+        if self.args.dra:
+            from gpud.engine.dra.service import DraService
+
+            a = self.args
+            self.dra = DraService(self.engine, self.bus, node=a.kube_node or "", driver=a.dra_driver,
+                                  kubelet_root=a.kubelet_root, kubeconfig=a.kubeconfig,
+                                  state_dir=None if a.read_only else a.state_dir, cdi_dir=a.cdi_dir,
+                                  root=self.host.root)
+            await self.dra.start()
+        handler = RequestHandler(self.engine, notifier=self.notifier, dev_root=self.host.dev_root,
                                  loop_lag=self.loop_lag, labels=self.labels, kube_agent=self.kube)
         try:
             server = await serve(handler, self.args.socket, sock=listen_socket(), group=self.args.socket_group)
@@ -350,15 +416,18 @@ class Daemon:
         except Exception as e:  # noqa: BLE001 - no libudev, no netlink (some containers): serve anyway, say so
             log.warning("device events unavailable (%s): hardware changes are seen on the next request", e)
             self.bus.publish("warning", f"device events unavailable: {e}")
-        self.rec.refresh()  # the first state, before READY
+        self.engine.refresh_now()  # the first state, before READY
         tasks = [
-            asyncio.create_task(self.rec.run() if self.kube is None else self._run_after_selection(),
+            asyncio.create_task(self.engine.run(self.args.pass_debounce) if self.kube is None
+                                else self._run_after_selection(),
                                 name="reconciler"),
             asyncio.create_task(self.watch_config(), name="inotify"),
             asyncio.create_task(self.loop_lag.run(), name="loop-lag"),
         ]
         if self.kube is not None:
             tasks.append(asyncio.create_task(self.kube.run(), name="kube"))
+        if self.dra is not None:
+            tasks.append(asyncio.create_task(self.dra.run(), name="dra"))
         interval = self.notifier.watchdog_interval()
         if interval:
             tasks.append(asyncio.create_task(self.watchdog(interval), name="watchdog"))
@@ -369,57 +438,68 @@ class Daemon:
             # call would cause, so the systemd watchdog can be seen to restart us.
             loop.add_signal_handler(signal.SIGUSR2, _stall_forever)
         loop.add_signal_handler(signal.SIGHUP, self._reload_on_sighup, handler)
+        if take_sighup():  # one came during start-up (gpud.host.early_signals): honour it now
+            log.info("SIGHUP during start-up: re-reading the layout")
+            self._reload_on_sighup(handler)
         if self.kube is None or await self._start_with_remembered_layout():
-            ticket = self.rec.kick("start")  # with --kube-node, the node's label picks the layout first
-            await self._rebuild_vgpus_before_ready(ticket)
+            ticket = self.engine.kick("start")  # with --kube-node, the node's label picks the layout first
+            await self._converge_before_ready(ticket)
         self._update_status()
         self.notifier.ready()
         log.info("gpud %s ready: socket %s, %d GPU(s)%s", VERSION, self.args.socket,
-                 len(self.rec.observation.gpus), " (read-only)" if self.args.read_only else "")
+                 len(self.engine.view.observation.gpus), " (read-only)" if self.args.read_only else "")
         stopped = await self._wait_stop_or_failure(tasks)
         # A stop is not a rollback: the hardware stays as it is.
         self.notifier.stopping()
         events.stop()
         for t in tasks:
             t.cancel()
-        if not await self.rec.steps.finish(timeout=60):
+        if not await self.engine.finish(timeout=self.args.stop_step_wait_s):
             log.warning("a hardware step is still running; NVML is left open for it")
         else:
             self.hw.nvml.close()
         # The helpers of stuck unbinds were abandoned, not forgotten: none may outlive the daemon.
         from gpud.host.deadline_write import end_stuck_writes
 
-        for sw in await asyncio.to_thread(end_stuck_writes, 5.0):
+        for sw in await asyncio.to_thread(end_stuck_writes, self.args.stuck_writer_wait_s):
             log.warning("the writer of %s (pid %d) is still blocked in the kernel; killed, it ends when "
                         "the kernel lets its write return", sw.path, sw.pid)
         await server.close()
+        if self.dra is not None:
+            await self.dra.stop()
         self.labels.remove()  # labels describe a running gpud's work: they go with it
         if self.kube is not None:
             await self.kube.api.close()
         log.info("gpud stopped; hardware left as it is")
         return 0 if stopped else 1
 
-    async def _rebuild_vgpus_before_ready(self, ticket: int) -> None:
-        """After a reboot VFs and vGPUs are gone, and libvirt domains name their mdev UUIDs and VFs:
-        when the layout in force asks for vGPUs a GPU lacks, READY=1 waits for the first pass (at
-        most VGPU_REBUILD_S, the start timeout extended meanwhile), so VM managers ordered after
-        gpud.service (Before= in the unit) find them. The socket answers meanwhile."""
-        missing = vgpus_missing(self.rec)
-        if not missing:
+    async def _converge_before_ready(self, ticket: int) -> None:
+        """When the first pass has anything to change (after a reboot: MIG instances, VFs, vGPUs
+        and driver overrides are gone; or a file edited while gpud was stopped), READY=1 waits for
+        it (at most `first_pass_wait_s`, the start timeout extended meanwhile), so the units ordered after
+        gpud.service (Before= in the unit: kubelet, whose device plugin and DRA driver advertise
+        the MIG devices; libvirtd, whose domains name mdev UUIDs and VFs) start on the layout in
+        place. The socket answers meanwhile."""
+        pending = self.engine.changes_at_start()
+        if not pending:
             return
-        log.info("rebuilding vGPUs of %s before READY", ", ".join(missing))
-        self.notifier.status(f"rebuilding vGPUs of {len(missing)} GPU(s)")
-        self.notifier.extend_timeout(int((VGPU_REBUILD_S + 30) * 1e6))
-        rebuilt = asyncio.ensure_future(self.rec.wait_for(ticket, VGPU_REBUILD_S))
+        short = self.engine.vgpus_missing()
+        what = f"rebuilding vGPUs of {len(short)} GPU(s)" if short and set(short) == set(pending) \
+            else f"converging {len(pending)} GPU(s) before ready"
+        log.info("%s: %s", what, ", ".join(pending))
+        self.notifier.status(what)
+        limit = self.args.first_pass_wait_s
+        self.notifier.extend_timeout(int((limit + 30) * 1e6))
+        done = asyncio.ensure_future(self.engine.wait(ticket, limit))
         stop = asyncio.ensure_future(self.stopping.wait())  # a stop meanwhile is not held up
-        await asyncio.wait({rebuilt, stop}, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait({done, stop}, return_when=asyncio.FIRST_COMPLETED)
         stop.cancel()
-        if not rebuilt.done():
-            rebuilt.cancel()
+        if not done.done():
+            done.cancel()
             return
-        if not rebuilt.result():
-            log.warning("vGPUs not rebuilt within %d s; ready anyway, the pass goes on", VGPU_REBUILD_S)
-            self.bus.publish("warning", f"vGPUs not rebuilt within {VGPU_REBUILD_S} s of start; ready anyway")
+        if not done.result():
+            log.warning("the first pass did not end within %g s; ready anyway, it goes on", limit)
+            self.bus.publish("warning", f"the first pass did not end within {limit:g} s of start; ready anyway")
 
     async def _wait_stop_or_failure(self, tasks: list[asyncio.Task]) -> bool:
         """True on a requested stop; False when an event source died (systemd then restarts us,
@@ -441,6 +521,7 @@ def _stall_forever() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    hold_sighup()  # `python -m gpud.daemon` comes here first; gpud.main has done it already
     args = parse_args(sys.argv[1:] if argv is None else argv)
     faulthandler.enable()  # a watchdog SIGABRT then prints every thread's stack to the journal
     # Host reads and hardware steps run in worker threads; while one runs Python code (pynvml's

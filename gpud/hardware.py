@@ -11,20 +11,22 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
 from gpud.device_events import DeviceEventSourceFactory
-from gpud.engine.ports import Hardware  # re-exported: the adapters' record
+from gpud.engine.ports import Drainer, Hardware, Rebooter  # Hardware re-exported: the adapters' record
 from gpud.host.deadline_write import DeadlineSysfs
-from gpud.host.logind import BOOT_ID_PATH
+from gpud.host.logind import BOOT_ID_PATH, request_reboot
 from gpud.host.nvidia_smi import GpuReset
 from gpud.host.nvml import Nvml
 from gpud.host.procs import Procs
 from gpud.host.sriov_manage import DEFAULT_PATH as SRIOV_MANAGE
 from gpud.host.sriov_manage import SriovManage
 from gpud.host.sysfs import Sysfs
+from gpud.host.unit_drain import ManagerDrainer, OnDemandDrainer
 from gpud.host.vgpu_sysfs import VgpuSysfs, names_path
 
 __all__ = ["APPLY_LOCK", "NFD_FEATURES", "UDEV_RULES", "Hardware", "Host", "HostConfig", "adapters", "build_hardware",
@@ -63,6 +65,10 @@ class Host:
     dev_root: str
     boot_id_path: str
     root: str | None  # the simulated host's directory (absolute); None on a real host
+    # the host's unit manager and logind: systemd's on the system bus, or the simulated host's
+    # (gpud.sim.services), so nothing a simulated host does reaches the real machine's services
+    drainer: Callable[[Callable[[str], None] | None], Drainer]  # called with on_event
+    rebooter: Rebooter
 
 
 def build_hardware(config: HostConfig) -> Host:
@@ -79,11 +85,14 @@ def build_hardware(config: HostConfig) -> Host:
                   nvidia_smi="nvidia-smi", sriov_manage=SRIOV_MANAGE)
     return Host(hw=hw, device_events=UdevEvents, lock_path=config.lock or APPLY_LOCK,
                 udev_rules=config.udev_rules or UDEV_RULES, nfd_features=config.nfd_features or NFD_FEATURES,
-                dev_root="/dev", boot_id_path=BOOT_ID_PATH, root=None)
+                dev_root="/dev", boot_id_path=BOOT_ID_PATH, root=None,
+                drainer=lambda on_event: OnDemandDrainer(on_event=on_event),
+                rebooter=partial(request_reboot, boot_id_path=BOOT_ID_PATH))
 
 
 def _simulated(config: HostConfig, sim_dir: str) -> Host:
     from gpud import sim
+    from gpud.sim import services
     from gpud.sim.uevents import SimEvents
 
     host = sim.install(sim_dir)
@@ -98,12 +107,17 @@ def _simulated(config: HostConfig, sim_dir: str) -> Host:
                   nvidia_smi=sim_nvidia_smi(sim_dir),
                   sriov_manage=_sim_tool(sim_dir, "sriov-manage", "gpud.sim.sriov_manage"))
     d = Path(sim_dir)
+    boot_id = str(Path(host.proc_root) / "sys/kernel/random/boot_id")
+    root = str(host.host_dir)
     return Host(hw=hw, device_events=partial(SimEvents, socket_path=host.uevent_socket),
                 lock_path=config.lock or str(d / "apply.lock"),
                 udev_rules=config.udev_rules or str(d / UDEV_RULES.lstrip("/")),
                 nfd_features=config.nfd_features or str(d / NFD_FEATURES.lstrip("/")),
-                dev_root=str(host.dev_root), boot_id_path=str(Path(host.proc_root) / "sys/kernel/random/boot_id"),
-                root=str(host.host_dir))
+                dev_root=str(host.dev_root), boot_id_path=boot_id, root=root,
+                drainer=lambda on_event: ManagerDrainer(partial(services.unit_state, root),
+                                                        partial(services.job, root), on_event=on_event),
+                rebooter=partial(request_reboot, boot_id_path=boot_id,
+                                 logind=partial(services.reboot_requested, root)))
 
 
 def adapters(config: HostConfig, sysfs: Sysfs, nvml: Nvml, procs: Procs, *,

@@ -1,5 +1,6 @@
-"""`gpud`: the daemon (gpud.daemon), or `gpud qualify ...`, the host's qualification
-(gpud.qualify.main). Only this dispatch knows both; neither imports the other."""
+"""`gpud`: the daemon (gpud.daemon), `gpud qualify ...`, the host's qualification
+(gpud.qualify.main), or `gpud check ...`, the daemon's check with no daemon running
+(gpud.check_offline). Only this dispatch knows them all; none imports another."""
 
 from __future__ import annotations
 
@@ -12,6 +13,13 @@ def main(argv: list[str] | None = None) -> int:
         from gpud.qualify.main import main as qualify_main
 
         return qualify_main(argv[1:])
+    if argv[:1] == ["check"]:
+        from gpud.check_offline import main as check_main
+
+        return check_main(argv[1:])
+    from gpud.host.early_signals import hold_sighup
+
+    hold_sighup()  # before the daemon's imports: a reload asked for during start-up must not kill it
     from gpud.daemon import main as daemon_main
 
     return daemon_main(argv)

@@ -136,10 +136,18 @@ class Gpu(Struct, frozen=True):
     holders: tuple[Holder, ...] = ()  # processes with its device nodes open (from /proc)
     present: bool = True
     vgpu: VgpuState | None = None  # its vGPU side, when it shows a vGPU interface (on nvidia)
+    # The UUID NVML last gave for this PCI address (kept in gpud's GPU index map across restarts
+    # and reboots): a GPU on vfio-pci is invisible to NVML, yet a layout may name it by UUID.
+    known_uuid: str | None = None
 
     @property
     def pci(self) -> str:
         return self.function.address
+
+    @property
+    def uuid(self) -> str | None:
+        """NVML's UUID when NVML sees the GPU, else the one remembered for its PCI address."""
+        return self.nvml.uuid if self.nvml is not None and self.nvml.uuid else self.known_uuid
 
     @property
     def pci_id(self) -> str:

@@ -73,6 +73,9 @@ class ModelInfo(Struct, frozen=True):
     audio_device: int | None = None  # PCI id of an HD-audio function on the same card
     source: str = ""  # where the MIG table comes from (capture directory or document)
     unknown: tuple[tuple[str, tuple[str, ...]], ...] = ()  # (profile name, fields no source gives)
+    # (profile name, fields whose values are inferred by analogy, not read from a source): the
+    # simulator serves them and says so (`gpud-sim create`); docs/hardware/mig-profiles.md lists them
+    inferred: tuple[tuple[str, tuple[str, ...]], ...] = ()
 
     @property
     def mig_capable(self) -> bool:
@@ -163,24 +166,26 @@ def _table(rows: tuple[Row, ...]) -> tuple[MigProfile, ...]:
     return tuple(out)
 
 
-def _partial(rows: tuple[Row, ...], names_only: tuple[tuple[str, int], ...],
+def _partial(rows: tuple[Row, ...], names_only: tuple[tuple[str, int, int | None], ...],
              cut_off: tuple[tuple[str, tuple[str, ...]], ...] = ()
              ) -> tuple[tuple[MigProfile, ...], tuple[tuple[str, tuple[str, ...]], ...]]:
     """Captured `-lgip` rows (complete but for placements and CI profiles: no `-lgipp` or `-lcip` of
-    these models was published) plus profiles
-    known by name and instance count only (NVIDIA's default MIG config / MIG user guide). A
-    name-only profile gets a negative placeholder id that no NVML call ever sees: the simulator
-    refuses such a model, and on a real GPU NVML's own table replaces this one. `cut_off`: fields of
-    a captured row the published text does not show (their row values are ignored)."""
+    these models was published) plus profiles known by name, instance count and, where a
+    production config passes it to `nvidia-smi mig -cgi`, id only (NVIDIA's default MIG config, GKE's
+    MIG partitioner). A name-only profile without an id gets a negative placeholder that no NVML
+    call ever sees; on a real GPU NVML's own table replaces this one, and the simulator serves
+    such a model only with its own inferred cells (gpud/sim/inferred.py). `cut_off`: fields of a
+    captured row the published text does not show (their row values are ignored)."""
     missing = dict(cut_off)
     captured = tuple(replace(p, placements=(), ci_profiles=(), **{f: 0 for f in missing.get(p.name, ())})
                      for p in _table(rows))
     unknown = [(p.name, ("placements", "ci_profiles", *missing.get(p.name, ()))) for p in captured]
     named = []
-    for n, (name, count) in enumerate(names_only, start=1):
-        named.append(MigProfile(id=-n, name=name, slices=int(name.split("g.", 1)[0]), memory_mb=0, sms=0,
-                                instance_count=count, placements=()))
-        fields = [f for f in PROFILE_FIELDS if not (f == "instance_count" and count)]
+    for n, (name, count, pid) in enumerate(names_only, start=1):
+        named.append(MigProfile(id=-n if pid is None else pid, name=name, slices=int(name.split("g.", 1)[0]),
+                                memory_mb=0, sms=0, instance_count=count, placements=()))
+        fields = [f for f in PROFILE_FIELDS
+                  if not (f == "instance_count" and count) and not (f == "id" and pid is not None)]
         unknown.append((name, tuple(fields)))
     return captured + tuple(named), tuple(unknown)
 
@@ -271,8 +276,11 @@ RTX_PRO_6000 = _table((
 
 # Partial tables: the first four rows of a real -lgip capture (tests/fixtures/captures/<key>/: no
 # fuller copy and no -lgipp or -lcip of these models was found), plus profiles NVIDIA's default MIG
-# config names for the model with no readable row. Instance counts of name-only rows: MIG user
-# guide (B200 table); 0 where no source gives one. Drivers: not stated by any of the captures.
+# config names for the model with no readable row. Instance counts of name-only rows: NVIDIA's
+# default MIG config (`all-<profile>` counts; the MIG user guide's B200 table agrees). Ids of the
+# B200's and GB200's name-only rows: GKE's MIG partitioner (GoogleCloudPlatform/
+# container-engine-accelerators partition_gpu.go, which passes them to `nvidia-smi mig -cgi` on A4
+# and A4X nodes); the GH200 144G's have no source. Drivers: not stated by any of the captures.
 # B200: mig-parted#187 (March 2025, 1g.23gb 20.50 GiB); #166 (January 2025) printed 22.00 GiB for
 # the same rows, so the driver changed the figure: the table is #187's alone.
 B200, _B200_UNKNOWN = _partial((
@@ -280,23 +288,37 @@ B200, _B200_UNKNOWN = _partial((
     _seven(20, "1g.23gb+me", "20.50", 1, 18, 1, 0, 2, 1, 1),
     _seven(15, "1g.45gb", "44.25", 4, 30, 1, 0, 2, 1, 0),
     _seven(14, "2g.45gb", "44.25", 3, 36, 2, 0, 4, 2, 0),
-), (("3g.90gb", 2), ("4g.90gb", 1), ("7g.180gb", 1)))
+), (("3g.90gb", 2, 9), ("4g.90gb", 1, 5), ("7g.180gb", 1, 0)))
 GB200, _GB200_UNKNOWN = _partial((
     _seven(19, "1g.23gb", "22.00", 7, 18, 1, 0, 2, 1, 0),
     _seven(20, "1g.23gb+me", "22.00", 1, 18, 1, 0, 2, 1, 1),
     _seven(15, "1g.47gb", "45.50", 4, 32, 1, 0, 2, 1, 0),
     _seven(14, "2g.47gb", "45.50", 3, 38, 2, 0, 0, 0, 0),  # its CE/JPEG/OFA line is cut off
-), (("3g.93gb", 0), ("4g.93gb", 0), ("7g.186gb", 0)),
+), (("3g.93gb", 2, 9), ("4g.93gb", 1, 5), ("7g.186gb", 1, 0)),
     cut_off=(("2g.47gb", ("copy_engines", "jpegs", "ofas")),))
 GH200_144GB, _GH200_144GB_UNKNOWN = _partial((
     _seven(19, "1g.18gb", "17.50", 7, 16, 1, 0, 1, 1, 0),
     _seven(20, "1g.18gb+me", "17.50", 1, 16, 1, 0, 1, 1, 1),
     _seven(15, "1g.36gb", "35.25", 4, 26, 1, 0, 1, 1, 0),
     _seven(14, "2g.36gb", "35.25", 3, 32, 2, 0, 2, 2, 0),
-), (("3g.72gb", 0), ("4g.72gb", 0), ("7g.144gb", 0)))
-GH200_96GB, _GH200_96GB_UNKNOWN = _partial((), (
-    ("1g.12gb", 0), ("1g.12gb+me", 0), ("1g.24gb", 0), ("2g.24gb", 0), ("3g.48gb", 0), ("4g.48gb", 0),
-    ("7g.96gb", 0)))
+), (("3g.72gb", 2, None), ("4g.72gb", 1, None), ("7g.144gb", 1, None)))
+# GH200 96GB (GH200 480GB), driver 550.54.15: a complete public -lgip (tests/fixtures/captures/
+# gh200-96gb); no -lgipp or -lcip, so its placements and CI profiles are inferred (_INFERRED_7).
+GH200_96GB = _table((
+    _seven(19, "1g.12gb", "11.00", 7, 16, 1, 0, 1, 1, 0),
+    _seven(20, "1g.12gb+me", "11.00", 1, 16, 1, 0, 1, 1, 1),
+    _seven(15, "1g.24gb", "23.00", 4, 26, 1, 0, 1, 1, 0),
+    _seven(14, "2g.24gb", "23.00", 3, 32, 2, 0, 2, 2, 0),
+    _seven(9, "3g.48gb", "46.50", 2, 60, 3, 0, 3, 3, 0),
+    _seven(5, "4g.48gb", "46.50", 1, 64, 4, 0, 4, 4, 0),
+    _seven(0, "7g.96gb", "93.00", 1, 132, 7, 0, 8, 7, 1),
+))
+
+
+def _inferred_7(profiles: tuple[MigProfile, ...]) -> tuple[tuple[str, tuple[str, ...]], ...]:
+    """Every profile's placements and CI profiles, inferred: the 7-slice placements every published
+    -lgipp shows, and the CI-split rule (docs/hardware/mig-profiles.md)."""
+    return tuple((p.name, ("placements", "ci_profiles")) for p in profiles)
 
 _CAPTURES = "tests/fixtures/captures/"
 
@@ -318,10 +340,11 @@ MODELS: dict[str, ModelInfo] = {
         ModelInfo("a30", "NVIDIA A30", 0x20B7, None, 24576, "ampere", A30, source=_CAPTURES + "a30"),
         ModelInfo("rtx-pro-6000", "NVIDIA RTX PRO 6000 Blackwell Server Edition", 0x2BB5, None, 97887,
                   "blackwell", RTX_PRO_6000, source=_CAPTURES + "rtx-pro-6000"),
-        ModelInfo("b200", "NVIDIA B200", 0x2901, None, 0, "blackwell", B200,
+        # total memory: a B200 with MIG on, plain nvidia-smi, "107MiB / 183359MiB" (gpu-operator#2155)
+        ModelInfo("b200", "NVIDIA B200", 0x2901, None, 183359, "blackwell", B200,
                   source=_CAPTURES + "b200: github.com/NVIDIA/mig-parted/pull/187 (-lgip, first four rows; "
                                      "#166's earlier listing differs in the 1g memory)",
-                  unknown=_B200_UNKNOWN + ((WHOLE_GPU, ("memory_mb",)),)),
+                  unknown=_B200_UNKNOWN),
         ModelInfo("gb200", "NVIDIA GB200", 0x2941, None, 0, "blackwell", GB200,
                   source=_CAPTURES + "gb200: github.com/NVIDIA/mig-parted/issues/227 (-lgip of a production "
                                      "board, first four rows)",
@@ -329,9 +352,10 @@ MODELS: dict[str, ModelInfo] = {
         ModelInfo("gh200-144gb", "NVIDIA GH200 144G HBM3e", 0x2348, None, 0, "hopper", GH200_144GB,
                   source=_CAPTURES + "gh200-144gb: github.com/NVIDIA/mig-parted/pull/139 (-lgip, first four rows)",
                   unknown=_GH200_144GB_UNKNOWN + ((WHOLE_GPU, ("memory_mb",)),)),
-        ModelInfo("gh200-96gb", "NVIDIA GH200 96GB", 0x2342, None, 0, "hopper", GH200_96GB,
-                  source="names only: NVIDIA gpu-operator default MIG config",
-                  unknown=_GH200_96GB_UNKNOWN + ((WHOLE_GPU, ("memory_mb",)),)),
+        ModelInfo("gh200-96gb", "NVIDIA GH200 480GB", 0x2342, None, 97871, "hopper", GH200_96GB,
+                  source=_CAPTURES + "gh200-96gb: github.com/kf-cuanschutz/NVIDIA_Grace_Hopper_benchmarking_logs_ "
+                                     "(-lgip, all seven rows, driver 550.54.15)",
+                  inferred=_inferred_7(GH200_96GB) + ((WHOLE_GPU, ("memory_mb",)),)),
         ModelInfo("l40s", "NVIDIA L40S", 0x26B9, 0x1851, 46068, "ada"),
         ModelInfo("t4", "Tesla T4", 0x1EB8, 0x12A2, 15360, "turing"),
         ModelInfo("rtx6000-ada", "NVIDIA RTX 6000 Ada Generation", 0x26B1, 0x16A1, 49140, "ada",

@@ -14,7 +14,7 @@ GPUD = Path(__file__).resolve().parents[1] / "gpud"
 
 # The start-up layer, above the engine and the adapters: the one seam that picks the real host or
 # the simulator (hardware), the two entry points built on it (daemon, qualify) and their dispatch.
-ABOVE = ("gpud.hardware", "gpud.daemon", "gpud.qualify", "gpud.main")
+ABOVE = ("gpud.hardware", "gpud.daemon", "gpud.qualify", "gpud.check_offline", "gpud.main")
 
 # package (or top-level module) -> packages of gpud it must never import
 FORBIDDEN = {
@@ -28,6 +28,7 @@ FORBIDDEN = {
     # only hardware.py knows the simulator: the entry points drive whatever host it opened
     "qualify": ("gpud.api", "gpud.cli", "gpud.sim", "gpud.daemon", "gpud.main"),
     "daemon": ("gpud.cli", "gpud.sim", "gpud.qualify", "gpud.main"),
+    "check_offline": ("gpud.cli", "gpud.sim", "gpud.daemon", "gpud.qualify", "gpud.main"),
     "main": ("gpud.sim",),
 }
 
@@ -76,6 +77,30 @@ def test_the_api_plans_nothing_itself():
     assert set(PLANNERS) <= engine, "a planner the rule names is not the engine's any more: update PLANNERS"
 
 
+# The engine's boundary (gpud.engine.engine): outside gpud/engine/ nothing holds the Reconciler;
+# callers read the EngineView and send the Engine's commands.
+RECONCILER = "gpud.engine.reconciler"
+
+
+def _attributes(path: Path) -> set[str]:
+    return {node.attr for node in ast.walk(ast.parse(path.read_text(), str(path))) if isinstance(node, ast.Attribute)}
+
+
+def _outside_engine() -> list[Path]:
+    return [p for p in sorted(GPUD.rglob("*.py")) if (GPUD / "engine") not in p.parents]
+
+
+def test_nothing_outside_the_engine_touches_the_reconciler():
+    imports = [f"{path.relative_to(GPUD.parent)} imports {name}" for path in _outside_engine()
+               for name in sorted(_imports(path)) if _within(name, RECONCILER)]
+    assert imports == []
+    # the Engine's own hold on it is private: reaching through it is touching the Reconciler too
+    reach = [str(path.relative_to(GPUD.parent)) for path in _outside_engine() if "_rec" in _attributes(path)]
+    assert reach == []
+    assert (GPUD / "engine" / "engine.py").is_file() and "_rec" in _attributes(GPUD / "engine" / "engine.py"), \
+        "the Engine no longer holds the Reconciler as _rec: update this rule"
+
+
 CLIENT_MAY_IMPORT = ("gpud.api.wire", "gpud.api.wire_replies", "gpud.mig_text")
 
 
@@ -95,18 +120,22 @@ def _module_name(path: Path) -> str:
 def _graph() -> dict[str, set[str]]:
     """gpud module -> the gpud modules it imports (at any depth of its code). `from P import x`
     is an edge to module P.x when there is one, else to P; a package's own __init__, which
-    Python runs before any of its modules, is not an edge of theirs."""
+    Python runs before any of its modules, is not an edge of theirs unless they name it: `from P
+    import x` inside package P goes through P's face (its __init__), so it is an edge to P too."""
     files = {_module_name(p): p for p in GPUD.rglob("*.py")}
     graph: dict[str, set[str]] = {}
     for m, path in files.items():
         edges: set[str] = set()
+        faces: set[str] = set()
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             if isinstance(node, ast.Import):
                 edges |= {a.name for a in node.names}
             elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
                 edges |= {f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in files else node.module
                           for a in node.names}
-        graph[m] = {n for n in edges if n in files and n != m and not m.startswith(n + ".")}
+                faces.add(node.module)
+        graph[m] = ({n for n in edges if n in files and n != m and not m.startswith(n + ".")}
+                    | {n for n in faces if n in files and n != m and files[n].name == "__init__.py"})
     return graph
 
 

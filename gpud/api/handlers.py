@@ -1,5 +1,5 @@
-"""The daemon's answers to socket requests: each op maps onto the reconciler's state or its one
-apply path, so `gpudctl` never sees anything the engine does not itself act on.
+"""The daemon's answers to socket requests: each op maps onto the engine's view or one of its
+commands (gpud.engine.engine), so `gpudctl` never sees anything the engine does not itself act on.
 
 The engine refuses with its own errors (`gpud.engine.queries.EngineError`); this module is where
 each becomes a wire error code, and every reply is a `gpud.api.wire_replies` struct built by `replies`.
@@ -20,25 +20,26 @@ from gpud.api.peers import Peer
 from gpud.api.server import ApiError
 from gpud.api.status_snapshot import StatusSnapshot
 from gpud.engine.binding import passthrough
+from gpud.engine.engine import Engine
 from gpud.engine.events import EventQueue
 from gpud.engine.kube.node_labels_out import LabelsOut
-from gpud.engine.observe.discovery import Observation
-from gpud.engine.queries import EngineError, InvalidLayout, NoSuchGpu, select_gpus, start_apply
-from gpud.engine.reconciler import Reconciler
+from gpud.engine.leases.engine import LeaseRefused
+from gpud.engine.queries import EngineError, InvalidLayout, NoSuchGpu, select_gpus
 from gpud.host.nvml import NvmlError
 from gpud.layout.resolve import Resolution
 from gpud.loop_lag import LoopLagProbe
+from gpud.model import Gpu
 
 # Engine refusals -> wire error codes (anything else unexpected is the server's "internal").
+# The lease engine's refusals -> wire error codes.
+_LEASE_CODES = {"no-room": wire.E_NO_ROOM, "not-found": wire.E_NOT_FOUND, "busy": wire.E_IN_USE,
+                "conflict": wire.E_CONFLICT, "failed": wire.E_FAILED, "bad-args": wire.E_BAD_ARGS,
+                "forbidden": wire.E_FORBIDDEN}
+
 _CODES: dict[type[EngineError], str] = {
     InvalidLayout: wire.E_INVALID_LAYOUT,
     NoSuchGpu: "not-found",
 }
-
-
-def infeasible_text(g: wire_replies.GpuPlanInfo) -> str:
-    """An infeasible GPU as `gpudctl plan` prints it."""
-    return f"GPU {g.index} {g.pci}: INFEASIBLE: {g.infeasible}"
 
 
 class Notifier(Protocol):
@@ -50,12 +51,12 @@ class Notifier(Protocol):
 
 
 class RequestHandler:
-    """`gpud.api.server.Handler` for one reconciler. `dev_root`: where /dev/vfio/<group> is looked for."""
+    """`gpud.api.server.Handler` for one engine. `dev_root`: where /dev/vfio/<group> is looked for."""
 
-    def __init__(self, rec: Reconciler, notifier: Notifier | None = None, *, dev_root: str = "/dev",
+    def __init__(self, engine: Engine, notifier: Notifier | None = None, *, dev_root: str = "/dev",
                  loop_lag: LoopLagProbe | None = None, labels: LabelsOut | None = None,
                  kube_agent=None) -> None:
-        self.rec = rec
+        self.engine = engine
         self.notifier = notifier
         self.dev_root = dev_root
         self.status_snapshot = StatusSnapshot()
@@ -80,29 +81,26 @@ class RequestHandler:
             raise ApiError(_CODES.get(type(e), wire.E_INTERNAL), str(e)) from e
 
     def recent_events(self) -> list[dict[str, Any]]:
-        return self.rec.bus.recent()
+        return self.engine.events.recent()
 
     def subscribe(self) -> EventQueue:
-        return self.rec.bus.subscribe()
+        return self.engine.events.subscribe()
 
     def unsubscribe(self, queue: EventQueue) -> None:
-        self.rec.bus.unsubscribe(queue)
+        self.engine.events.unsubscribe(queue)
 
     async def op_status(self, fresh: bool = False) -> wire_replies.StatusReply:
         """From the observation in memory, at once, with its age; `fresh`: from one read after
         the request arrived. Asking also keeps the observation from growing older than the
         observer's bound (holders change without any event)."""
-        observer = self.rec.observer
-        if fresh:
-            await observer.fresh(time.monotonic())
-        else:
-            observer.poke()
-        return self.status_snapshot.reply(self.rec, observer, kubernetes=self._kubernetes())
+        view = await self.engine.read_for_status(fresh)
+        return self.status_snapshot.reply(view, observed_at=self.engine.observed_at, age=self.engine.observation_age(),
+                                          kubernetes=self._kubernetes(view.observation.gpus))
 
-    def _kubernetes(self) -> wire_replies.KubernetesStatus:
+    def _kubernetes(self, gpus: tuple[Gpu, ...]) -> wire_replies.KubernetesStatus:
         strategy = self.labels.mig_strategy if self.labels is not None else "mixed"
         agent = self.kube_agent.status if self.kube_agent is not None else None
-        return replies.kubernetes_status(self.rec.observation.gpus, mig_strategy=strategy, agent=agent)
+        return replies.kubernetes_status(gpus, mig_strategy=strategy, agent=agent)
 
     async def op_labels(self) -> wire_replies.LabelsReply:
         if self.labels is None:
@@ -113,11 +111,11 @@ class RequestHandler:
         driver: str | None
         nvml: str | None
         try:
-            driver, nvml = self.rec.hw.nvml.driver_version(), self.rec.hw.nvml.nvml_version()
+            driver, nvml = self.engine.versions.driver(), self.engine.versions.nvml()
         except NvmlError:  # no driver, or closed during a rebind
             driver = nvml = None
         return wire_replies.VersionReply(version=VERSION, driver=driver, nvml=nvml, protocol=wire.PROTOCOL,
-                                         config=self.rec.config_path)
+                                         config=self.engine.view.config_path)
 
     async def op_check(self, text: str, path: str | None = None, all_layouts: bool = False) -> wire_replies.CheckReply:
         """Valid means applicable: a file that parses and resolves is also planned against this
@@ -125,37 +123,33 @@ class RequestHandler:
         in the same words `plan` uses. `all_layouts`: every entry of `layouts` is checked so, as a
         node label may select any of them. Nothing is changed."""
         path = path or "layout.yaml"
-        parsed, res, observation = await self._evaluate(text, path)
-        others: list[tuple[str, Resolution, list[str]]] = []
+        parsed, res, _ = await self._evaluate(text, path)
+        others: list[tuple[str, Resolution]] = []
         layout = parsed.layout or parsed.draft
         if all_layouts and layout is not None:
             too_costly = cost_error(len(text.encode("utf-8", "surrogatepass")), len(layout.layouts))
             if too_costly is not None:
                 raise ApiError(wire.E_BAD_ARGS, f"check --all-layouts: {too_costly}")
-            for name in layout.layouts:
-                if name != res.selected:
-                    _, other, other_obs = await self._evaluate(text, path, select=name)
-                    others.append((name, other, self._infeasible(other, other_obs)))
-        return replies.check_reply(res, self._infeasible(res, observation), others=others)
+            names = [name for name in layout.layouts if name != res.selected]
+            peer = self._peer.get()
+            async with self.fair.turn(peer.uid if peer is not None else 0):
+                others = await self.engine.evaluate_each(text, path, names)
+            named_wrong = any(e.path == "selected" and not e.message.startswith("missing") for e in res.errors)
+            if res.selected is None and others and not named_wrong:
+                # no `selected` (a mig-parted file): every layout is checked as chosen, none is missing
+                (_, res), others = others[0], others[1:]
+        return replies.check_reply(res, others=others)
 
     async def _evaluate(self, text: str, path: str, *, select: str | None = None):
         """One evaluation of a sent text, in the sender's turn (uid 0 without a peer: in-process)."""
         peer = self._peer.get()
         async with self.fair.turn(peer.uid if peer is not None else 0):
-            return await self.rec.evaluate_async(text, path, select=select)
-
-    def _infeasible(self, res: Resolution, observation: Observation) -> list[str]:
-        """The planner's words for the GPUs it cannot converge to a resolution without errors."""
-        if res.errors:
-            return []
-        plan = replies.plan_reply(self.rec, res, observation)
-        return [infeasible_text(g) for g in plan.gpus if g.infeasible]
-
+            return await self.engine.evaluate(text, path, select=select)
 
     async def op_plan(self, text: str | None = None, path: str | None = None) -> wire_replies.PlanReply:
         if text is None:  # the file in force, against the host as it is now
-            observation = await self.rec.refresh_async()
-            resolution, errors = self.rec.resolution, list(self.rec.layout_issues[0])
+            view = await self.engine.refresh()
+            observation, resolution, errors = view.observation, view.resolution, list(view.layout_errors)
         else:
             _, resolution, observation = await self._evaluate(text, path or "layout.yaml")
             errors = []
@@ -163,15 +157,15 @@ class RequestHandler:
             known = set(errors)
             errors += [s for s in map(str, resolution.errors) if s not in known]
         if errors or resolution is None:
-            return replies.plan_reply(self.rec, errors=errors or ["no valid layout in force"])
-        return replies.plan_reply(self.rec, resolution, observation)
+            return replies.plan_reply(errors=errors or ["no valid layout in force"])
+        return replies.plan_reply(resolution, self.engine.preview(resolution, observation))
 
     async def op_apply(self, wait: bool = False, timeout: float | None = None) -> wire_replies.ApplyReply:
-        ticket = await start_apply(self.rec)
+        ticket = await self.engine.start_apply()
         if not wait:
             return wire_replies.ApplyReply(phase="applying", converged=False, message="apply started", gpus=[])
-        finished = await self.rec.wait_for(ticket, timeout)
-        return replies.apply_reply(self.rec, finished)
+        finished = await self.engine.wait(ticket, timeout)
+        return replies.apply_reply(self.engine.view, finished)
 
     async def op_reload(self) -> wire_replies.LayoutStatus:
         """Re-read the file and answer at once; the apply it starts runs on. systemd's ExecReload
@@ -180,26 +174,68 @@ class RequestHandler:
         if self.notifier is not None:
             self.notifier.reloading()
         try:
-            await self.rec.reload_async("reload")
+            await self.engine.reload("reload")
         finally:
             if self.notifier is not None:
                 self.notifier.ready()
-        return replies.layout_status(self.rec)
+        return replies.layout_status(self.engine.view)
+
+    async def op_select(self, name: str | None = None) -> wire_replies.LayoutStatus:
+        """Put layout `name` of the file in force over its `selected`, kept across restarts
+        (mig-parted's `apply -c NAME`); the pass it needs runs on its own (`apply` starts it).
+        With --kube-node the node label chooses, so this is refused."""
+        if self.engine.view.label_selects:
+            raise ApiError(wire.E_FORBIDDEN, "with --kube-node the node label nvidia.com/mig.config chooses the "
+                                             "layout; gpudctl select is not taken")
+        if not await self.engine.select_layout(name):
+            errors = list(self.engine.view.layout_errors)
+            await self.engine.load()  # the issues of the layout still in force again
+            raise InvalidLayout("; ".join(errors[:10]) or f"layout {name!r} was refused")
+        self.engine.kick(f"layout {name!r} selected" if name else "the file's own layout selected")
+        return replies.layout_status(self.engine.view)
+
+    # ---- leases (gpud.engine.leases): MIG on demand on the dynamic GPUs ------------------------
+    def lease_group(self) -> str | None:
+        """The group whose members may lease (the layout in force's policy.lease-group)."""
+        policy = self.engine.view.policy
+        return policy.lease_group if policy is not None else None
+
+    async def op_lease(self, profile: str, gpu: str | None = None, owner: str = "", pid: int | None = None,
+                       start: int | None = None) -> wire_replies.LeaseInfo:
+        peer = self._peer.get()
+        rec = await self._leasing(self.engine.leases.lease(profile, gpu=gpu, owner=owner, pid=pid, start=start,
+                                                           uid=peer.uid if peer is not None else 0))
+        index = {g.pci: g.index for g in self.engine.view.observation.gpus}
+        return replies.lease_info(rec, index.get(rec.gpu))
+
+    async def op_release(self, id: str, wait: bool = True) -> wire_replies.ReleaseReply:
+        peer = self._peer.get()
+        rec = await self._leasing(self.engine.leases.release(id, uid=peer.uid if peer is not None else 0, wait=wait))
+        return wire_replies.ReleaseReply(lease=replies.lease_info(rec), message=f"lease {id} released")
+
+    async def op_leases(self) -> wire_replies.LeasesReply:
+        return replies.leases_reply(self.engine.view)
+
+    @staticmethod
+    async def _leasing(call):
+        try:
+            return await call
+        except LeaseRefused as e:
+            raise ApiError(_LEASE_CODES.get(e.code, wire.E_FAILED), str(e)) from e
 
     async def op_mig_profiles(self, gpu: str | None = None) -> wire_replies.MigProfilesReply:
-        await self.rec.refresh_async()
-        return replies.mig_profiles_reply(select_gpus(self.rec.observation.gpus, gpu))
+        view = await self.engine.refresh()
+        return replies.mig_profiles_reply(select_gpus(view.observation.gpus, gpu))
 
     async def op_passthrough(self) -> wire_replies.PassthroughReply:
-        await self.rec.refresh_async()
-        return replies.passthrough_reply(passthrough.entries(self.rec.observation.gpus, dev_root=self.dev_root),
-                                         self.rec.observation.gpus)
+        gpus = (await self.engine.refresh()).observation.gpus
+        return replies.passthrough_reply(passthrough.entries(gpus, dev_root=self.dev_root), gpus)
 
     async def op_vgpu_types(self, gpu: str | None = None) -> wire_replies.VgpuTypesReply:
         """The vGPU types each GPU offers, with how many are still creatable: read fresh, as the
         counts move with every vGPU created anywhere on the GPU."""
-        await self.rec.refresh_async()
-        return replies.vgpu_types_reply(select_gpus(self.rec.observation.gpus, gpu))
+        view = await self.engine.refresh()
+        return replies.vgpu_types_reply(select_gpus(view.observation.gpus, gpu))
 
     async def op_stats(self, reset: bool = False) -> wire_replies.StatsReply:
         """The daemon's own health since start or the last reset (for benchmarks and operators)."""
@@ -208,13 +244,13 @@ class RequestHandler:
         reply = wire_replies.StatsReply(
             window_s=round(time.monotonic() - self.loop_lag.window_start, 3),
             loop_lag=wire_replies.LoopLag(samples=samples, p50_ms=round(p50, 3), p99_ms=round(p99, 3), max_ms=round(worst, 3)),
-            requests=dict(self.requests), observations=self.rec.observer.reads - self._reads_at_reset,
+            requests=dict(self.requests), observations=self.engine.observations - self._reads_at_reset,
             rss_bytes=rss, peak_rss_bytes=peak,
         )
         if reset:
             self.loop_lag.reset()
             self.requests.clear()
-            self._reads_at_reset = self.rec.observer.reads
+            self._reads_at_reset = self.engine.observations
         return reply
 
 

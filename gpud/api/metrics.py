@@ -36,6 +36,10 @@ def render(status: wire_replies.StatusReply, passes: int, path: str) -> None:
     mode = Gauge("gpud_mig_enabled", "1 when MIG mode is enabled", ["pci"], registry=reg)
     driver = Gauge("gpud_gpu_driver", "1 for the driver the GPU is bound to", ["pci", "driver"], registry=reg)
     runs = Gauge("gpud_reconcile_passes", "Reconcile passes since start", registry=reg)
+    leases = Gauge("gpud_leases", "Leases on a dynamic GPU, by profile (gpudctl lease)", ["pci", "profile"],
+                   registry=reg)
+    free = Gauge("gpud_lease_free", "More leases of a GI profile that fit on a dynamic GPU now",
+                 ["pci", "profile"], registry=reg)
     layout_valid.set(1 if status.layout.valid else 0)
     gpus.set(sum(g.state != "gone" for g in status.gpus))  # a gone GPU keeps its row, not its count
     runs.set(passes)
@@ -48,4 +52,8 @@ def render(status: wire_replies.StatusReply, passes: int, path: str) -> None:
             mode.labels(g.pci).set(1 if g.mig.mode == "enabled" else 0)
         for profile, n in Counter(i.profile for i in g.mig.instances).items():
             mig.labels(g.pci, profile).set(n)
+        for profile, n in Counter(x.profile for x in g.leases).items():
+            leases.labels(g.pci, profile).set(n)
+        for profile, n in g.lease_free.items():
+            free.labels(g.pci, profile).set(n)
     write_file(path, generate_latest(reg), mode=0o644)

@@ -3,6 +3,7 @@
 Authorisation is decided from the kernel's SO_PEERCRED record (and the peer's supplementary groups
 from SO_PEERGROUPS, or /proc when that is missing), never from anything the client says.
 Who may do what: uid 0 everything; members of the `gpud` group the read ops (`wire.READ_OPS`);
+members of the layout's `policy.lease-group` the lease ops (`wire.LEASE_OPS`) and the read ops;
 nobody else anything.
 """
 
@@ -80,15 +81,18 @@ def peer_credentials(sock: socket.socket, proc_root: str = "/proc") -> Peer:
     return Peer(pid=pid, uid=uid, gid=gid, groups=frozenset(groups | {gid}))
 
 
-def may_connect(peer: Peer, gpud_gid: int | None) -> bool:
-    return peer.uid == 0 or (gpud_gid is not None and gpud_gid in peer.groups)
+def may_connect(peer: Peer, gpud_gid: int | None, lease_gid: int | None = None) -> bool:
+    return peer.uid == 0 or any(g is not None and g in peer.groups for g in (gpud_gid, lease_gid))
 
 
-def authorize(peer: Peer, op: str, gpud_gid: int | None) -> bool:
-    """uid 0: any op; `gpud` group members: read ops only; everyone else: nothing."""
+def authorize(peer: Peer, op: str, gpud_gid: int | None, lease_gid: int | None = None) -> bool:
+    """uid 0: any op; `gpud` group members: read ops only; lease group members: lease and read
+    ops; everyone else: nothing."""
     if peer.uid == 0:
         return True
-    return op in wire.READ_OPS and may_connect(peer, gpud_gid)
+    if op in wire.LEASE_OPS:
+        return lease_gid is not None and lease_gid in peer.groups
+    return op in wire.READ_OPS and may_connect(peer, gpud_gid, lease_gid)
 
 
 def group_id(group: str | None) -> int | None:

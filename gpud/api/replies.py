@@ -8,18 +8,19 @@ never a user parsing `--json`.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections.abc import Mapping, Sequence
 
 from gpud import VERSION
 from gpud.api import wire, wire_replies
 from gpud.engine.binding.passthrough import PassthroughEntry, kubevirt_entry
 from gpud.engine.gpu_state import BindAction, GpuState, MigAction, VgpuAction
 from gpud.engine.kube.node_labels_out import LabelsOut
-from gpud.engine.observe.discovery import Observation
-from gpud.engine.preview import GpuPreview, Rebind, preview
+from gpud.engine.leases.records import LeaseRecord
+from gpud.engine.preview import GpuPreview, Rebind
 from gpud.engine.queries import remaining_capacity
-from gpud.engine.reconciler import Reconciler
 from gpud.engine.vgpu.inventory import entry as vgpu_entry
+from gpud.engine.view import EngineView
 from gpud.host.nfd import FeaturesRefused, read_features
 from gpud.layout.desired import DesiredGpu
 from gpud.layout.names import mig_device_name
@@ -90,8 +91,24 @@ def vgpu_status(gpu: Gpu, rebuilt: list[str]) -> wire_replies.VgpuStatus | None:
         rebuilt=list(rebuilt))
 
 
+def lease_info(rec: LeaseRecord, index: int | None = None, now: float | None = None) -> wire_replies.LeaseInfo:
+    """A lease record as the wire shows it (the `lease` reply, `leases`, status per GPU)."""
+    now = time.time() if now is None else now
+    return wire_replies.LeaseInfo(
+        id=rec.id, gpu=rec.gpu, index=index, profile=rec.profile,
+        placement=f"{rec.placement.start}:{rec.placement.size}" if rec.placement is not None else None,
+        uuid=rec.uuid, devices=list(rec.devices), owner=rec.owner, uid=rec.uid, pid=rec.pid,
+        created=round(rec.created, 3), age_s=round(max(0.0, now - rec.created), 1), state=rec.state, note=rec.note)
+
+
+def leases_reply(view: EngineView) -> wire_replies.LeasesReply:
+    index = {g.pci: g.index for g in view.observation.gpus}
+    return wire_replies.LeasesReply(leases=[lease_info(r, index.get(r.gpu)) for r in view.leases])
+
+
 def gpu_status(gpu: Gpu, desired: DesiredGpu | None, state: GpuState | None,
-               rebuilt: list[str] | None = None) -> wire_replies.GpuStatus:
+               rebuilt: list[str] | None = None, leases: list[LeaseRecord] | None = None,
+               lease_free: Mapping[str, int] | None = None) -> wire_replies.GpuStatus:
     nv = gpu.nvml
     known = by_device(gpu.function.device)
     driver = gpu.function.driver
@@ -103,7 +120,7 @@ def gpu_status(gpu: Gpu, desired: DesiredGpu | None, state: GpuState | None,
     return wire_replies.GpuStatus(
         index=gpu.index,
         pci=gpu.pci,
-        uuid=nv.uuid if nv else None,
+        uuid=gpu.uuid,  # NVML's, or the one remembered while NVML does not see it (vfio-pci)
         model=model_name(gpu),
         pci_id=gpu.pci_id,
         driver=driver,
@@ -124,6 +141,9 @@ def gpu_status(gpu: Gpu, desired: DesiredGpu | None, state: GpuState | None,
                for c in gpu.companions],
         vfio_device=f"/dev/vfio/{group}" if driver == "vfio-pci" and group is not None else None,
         vgpu=vgpu_status(gpu, rebuilt or []),
+        dynamic=desired is not None and desired.dynamic,
+        leases=[lease_info(r, gpu.index) for r in leases or ()],
+        lease_free=dict(lease_free or {}),
     )
 
 
@@ -134,35 +154,39 @@ def gone_gpu_status(known: KnownGpu, state: GpuState | None) -> wire_replies.Gpu
                                   message=state.message if state is not None else "gone from the PCI bus")
 
 
-def layout_status(rec: Reconciler) -> wire_replies.LayoutStatus:
+def layout_status(view: EngineView) -> wire_replies.LayoutStatus:
     """The file in force and what is wrong with it now, resolved against the host as it is."""
-    errors, warnings = rec.layout_issues
-    res = rec.resolution
+    errors, warnings = list(view.layout_errors), list(view.layout_warnings)
+    res = view.resolution
     if res is not None:
         # The file in force is the one resolved now: its warnings as of now (a GPU that came back
         # is no longer warned about); a refused file's own warnings stay beside the ones in force.
         kept = warnings if errors else []
         warnings = list(dict.fromkeys(kept + [str(w) for w in res.warnings]
-                                      + list(rec.gpu_set.notes.values())))
+                                      + list(view.notes.values())))
         errors = list(dict.fromkeys(errors + [str(e) for e in res.errors]))
     shown_errors, errors_omitted = capped(errors, "errors")
     shown_warnings, warnings_omitted = capped(warnings, "warnings")
-    selected = rec.layout.layout.selected if rec.layout is not None and rec.layout.layout is not None else None
-    return wire_replies.LayoutStatus(path=rec.config_path, selected=selected,
+    return wire_replies.LayoutStatus(path=view.config_path, selected=view.selected, chosen=view.chosen,
                                      valid=not errors, errors=shown_errors, warnings=shown_warnings,
                                      errors_omitted=errors_omitted, warnings_omitted=warnings_omitted)
 
 
-def check_reply(resolution: Resolution, infeasible: list[str] | None = None, *,
-                others: Sequence[tuple[str, Resolution, list[str]]] = ()) -> wire_replies.CheckReply:
-    """`infeasible`: the plan's words for GPUs the planner cannot converge (errors too).
-    `others`: (name, resolution, infeasible) of the file's other layouts, checked too (any of them
-    may be selected by a node label); their problems join the reply's, each said once."""
-    all_errors = [str(e) for e in resolution.errors] + list(infeasible or [])
+# What `check` and `plan` say of a GPU with `mig-devices: dynamic` (gpud.engine.leases).
+DYNAMIC_NOTE = ("MIG on demand (mig-devices: dynamic): instances are made and removed by leases "
+                "(gpudctl lease); the file sets only the MIG mode, and no instance is touched by an apply")
+
+
+def check_reply(resolution: Resolution, *, others: Sequence[tuple[str, Resolution]] = ()) -> wire_replies.CheckReply:
+    """A resolution as the engine judged it (GPUs the planner cannot converge are among its
+    errors, or its warnings under `on-infeasible: skip-gpu`: gpud.engine.feasibility).
+    `others`: (name, resolution) of the file's other layouts, checked too (any of them may be
+    selected by a node label); their problems join the reply's, each said once."""
+    all_errors = [str(e) for e in resolution.errors]
     all_warnings = [str(w) for w in resolution.warnings]
     checked = [resolution.selected] if resolution.selected else []
-    for name, other, other_infeasible in others:
-        all_errors += [str(e) for e in other.errors] + list(other_infeasible)
+    for name, other in others:
+        all_errors += [str(e) for e in other.errors]
         all_warnings += [str(w) for w in other.warnings]
         checked.append(name)
     all_errors, all_warnings = list(dict.fromkeys(all_errors)), list(dict.fromkeys(all_warnings))
@@ -170,28 +194,35 @@ def check_reply(resolution: Resolution, infeasible: list[str] | None = None, *,
     warnings, warnings_omitted = capped(all_warnings, "warnings")
     return wire_replies.CheckReply(valid=not all_errors, errors=errors, warnings=warnings,
                                    selected=resolution.selected, errors_omitted=errors_omitted,
-                                   warnings_omitted=warnings_omitted, checked=checked)
+                                   warnings_omitted=warnings_omitted, checked=checked,
+                                   dynamic=[f"GPU {d.index} ({d.pci}): {DYNAMIC_NOTE}"
+                                            for d in sorted(resolution.desired.values(), key=lambda d: d.index)
+                                            if d.dynamic])
 
 
-def status_reply(rec: Reconciler, *, kubernetes: wire_replies.KubernetesStatus | None = None) -> wire_replies.StatusReply:
+def status_reply(view: EngineView, *, kubernetes: wire_replies.KubernetesStatus | None = None) -> wire_replies.StatusReply:
     """What the engine last observed and concluded, never what it intended."""
-    res = rec.resolution
-    gpus = [gpu_status(g, res.desired.get(g.pci) if res else None, rec.gpu_states.get(g.pci),
-                       rec.vgpus.rebuilt.get(g.pci))
-            for g in rec.observation.gpus]
-    gpus += [gone_gpu_status(k, rec.gpu_states.get(k.pci)) for k in rec.observation.gone]
+    res = view.resolution
+    gpus = [gpu_status(g, res.desired.get(g.pci) if res else None, shown_state(view, g.pci),
+                       list(view.vgpus_rebuilt.get(g.pci, ())) or None,
+                       [r for r in view.leases if r.gpu == g.pci], view.lease_free.get(g.pci))
+            for g in view.observation.gpus]
+    gpus += [gone_gpu_status(k, view.gpu_states.get(k.pci)) for k in view.observation.gone]
     gpus.sort(key=lambda g: g.index)
-    return wire_replies.StatusReply(phase=rec.phase_now(), layout=layout_status(rec), gpus=gpus, read_only=rec.read_only,
-                                    version=VERSION, kubernetes=kubernetes, rebuilt_after_boot=rec.boot_rebuild.summary,
-                                    state_files=state_file_problems(rec))
+    return wire_replies.StatusReply(phase=view.phase_now, layout=layout_status(view), gpus=gpus, read_only=view.read_only,
+                                    version=VERSION, kubernetes=kubernetes, rebuilt_after_boot=view.rebuilt_after_boot,
+                                    state_files=list(view.problems))
 
 
-def state_file_problems(rec: Reconciler) -> list[str]:
-    """What is wrong with gpud's state files (set aside, not written), each said once."""
-    out = rec.state_problems.list()
-    if rec.gpu_index.problem and rec.gpu_index.problem not in out:
-        out = [*(m for m in out if not rec.gpu_index.problem.startswith(m)), rec.gpu_index.problem]
-    return out
+NO_LAYOUT = GpuState("unmanaged", "no valid layout has been in force since gpud started: left as it is")
+
+
+def shown_state(view: EngineView, pci: str) -> GpuState | None:
+    """The GPU's state as a reply shows it. Before any good layout was taken no pass will look at
+    the GPU, so `starting` (a pass is coming) would be a promise nobody keeps: it is left as it is."""
+    if (state := view.gpu_states.get(pci)) is not None:
+        return state
+    return NO_LAYOUT if view.layout is None else None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -258,7 +289,8 @@ def destroyed(item: Destroyed) -> wire_replies.DestroyedInfo:
 
 def _gpu_plan(p: GpuPreview, disruption: wire_replies.Disruption) -> wire_replies.GpuPlanInfo:
     gpu, action = p.gpu, p.action
-    entry = wire_replies.GpuPlanInfo(index=gpu.index, pci=gpu.pci)
+    entry = wire_replies.GpuPlanInfo(index=gpu.index, pci=gpu.pci,
+                                     dynamic=DYNAMIC_NOTE if p.desired is not None and p.desired.dynamic else None)
     if isinstance(action, GpuState):
         entry.infeasible = action.message
     elif isinstance(action, MigAction):
@@ -309,20 +341,18 @@ def _add_rebind(gpu: Gpu, rebind: Rebind, disruption: wire_replies.Disruption) -
         summary=d.summary))
 
 
-def plan_reply(rec: Reconciler, resolution: Resolution | None = None, observation: Observation | None = None,
+def plan_reply(resolution: Resolution | None = None, previews: Sequence[GpuPreview] = (),
                *, errors: list[str] | None = None) -> wire_replies.PlanReply:
-    """What a pass would do now, without doing it (`gpudctl plan`), from the engine's preview. A
-    candidate file is planned against the GPUs its own `match:` selects (`observation` from
-    `Reconciler.evaluate`). With `errors`, the plan is empty and says why."""
+    """What a pass would do now, without doing it (`gpudctl plan`): the engine's preview of
+    `resolution` (gpud.engine.preview), translated. With `errors`, the plan is empty and says why."""
     if errors:
         shown, omitted = capped(errors, "errors")
         return wire_replies.PlanReply(errors=shown, errors_omitted=omitted)
-    resolution = resolution or rec.resolution
     if resolution is None:
         return wire_replies.PlanReply()
     warnings, warnings_omitted = capped([str(w) for w in resolution.warnings], "warnings")
     reply = wire_replies.PlanReply(warnings=warnings, warnings_omitted=warnings_omitted)
-    for p in preview(rec, resolution, observation or rec.observation):
+    for p in previews:
         reply.gpus.append(_gpu_plan(p, reply.disruption))
     return reply
 
@@ -331,17 +361,17 @@ def plan_reply(rec: Reconciler, resolution: Resolution | None = None, observatio
 # apply
 
 
-def apply_reply(rec: Reconciler, finished: bool) -> wire_replies.ApplyReply:
-    states = rec.gpu_states
-    gpus = [wire_replies.GpuApplyInfo(pci=g.pci, state=states[g.pci].state if g.pci in states else "starting",
-                                      message=states[g.pci].message if g.pci in states else "")
-            for g in rec.observation.gpus]
+def apply_reply(view: EngineView, finished: bool) -> wire_replies.ApplyReply:
+    states = {g.pci: shown_state(view, g.pci) for g in view.observation.gpus}
+    gpus = [wire_replies.GpuApplyInfo(pci=g.pci, state=st.state if (st := states[g.pci]) else "starting",
+                                      message=st.message if st else "")
+            for g in view.observation.gpus]
     if not finished:
         return wire_replies.ApplyReply(phase="timeout", converged=False, message="timed out waiting for the apply", gpus=gpus)
-    not_ok = [g for g in gpus if not (states[g.pci].converged if g.pci in states else False)]
+    not_ok = [g for g in gpus if not (st.converged if (st := states[g.pci]) else False)]
     shown, _ = capped([f"{g.pci}: {g.state}: {g.message}" for g in not_ok], "GPUs not converged", limit=16)
     message = "; ".join(shown) or "converged"
-    return wire_replies.ApplyReply(phase=rec.phase, converged=not not_ok, message=message, gpus=gpus)
+    return wire_replies.ApplyReply(phase=view.phase, converged=not not_ok, message=message, gpus=gpus)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -373,7 +403,7 @@ def table_profile_info(model: ModelInfo, profile: MigProfile) -> wire_replies.Pr
     marked unknown; how many instances are free is unknown too (nothing can count them)."""
     fields = model.unknown_fields(profile.name)
     unknown = [_WIRE_FIELD[f] for f in fields if f in _WIRE_FIELD]
-    if "id" in fields:  # a profile known by name only: no listing shows even its P2P flag
+    if "memory_mb" in fields:  # a profile no listing shows: not even its P2P flag is known
         unknown.append("p2p")
     return wire_replies.ProfileInfo(
         id=profile.id, name=profile.name, memory_mb=profile.memory_mb, sms=profile.sms, slices=profile.slices,

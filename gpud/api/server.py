@@ -55,7 +55,8 @@ class Handler(Protocol):
     `subscribe` returns an `EventQueue` (the engine's bounded queue, sent from as it is), an
     asyncio.Queue or an async iterator of events (wire.Event or dicts of its shape) that starts
     collecting immediately; `recent_events` the history, oldest first. If the handler has
-    `unsubscribe(source)`, it is called when the subscriber goes away.
+    `unsubscribe(source)`, it is called when the subscriber goes away. If it has `lease_group()`,
+    members of the group it names (the layout's policy.lease-group) may use the lease ops.
     """
 
     async def handle(self, op: str, args: dict[str, Any], peer: Peer) -> Any: ...
@@ -276,13 +277,14 @@ class ApiServer:
             except wire.FrameError as e:
                 await self._send(writer, self._error(e.request_id, e.code, str(e)))
                 return
-            if not may_connect(peer, self.gpud_gid):
+            lease_gid = self._lease_gid()
+            if not may_connect(peer, self.gpud_gid, lease_gid):
                 await self._refuse(writer, req, peer)
                 return
             if req.op not in wire.OPS:
                 await self._send(writer, self._error(req.id, wire.E_UNKNOWN_OP, f"unknown op {req.op!r}"))
                 return
-            if not authorize(peer, req.op, self.gpud_gid):
+            if not authorize(peer, req.op, self.gpud_gid, lease_gid):
                 await self._refuse(writer, req, peer)
                 return
             try:
@@ -298,9 +300,16 @@ class ApiServer:
                 continue
             await self._send(writer, await self._call(req, args, peer))
 
+    def _lease_gid(self) -> int | None:
+        """The gid of the layout's policy.lease-group (None: none named, or no such group)."""
+        lease_group = getattr(self.handler, "lease_group", None)
+        return group_id(lease_group()) if lease_group is not None else None
+
     async def _refuse(self, writer: asyncio.StreamWriter, req: wire.Request, peer: Peer) -> None:
         log.warning("refused %r from pid %d uid %d", req.op, peer.pid, peer.uid)
-        need = "root" if req.op in wire.WRITE_OPS else "root or membership of the gpud group"
+        need = ("root" if req.op in wire.WRITE_OPS else
+                "root or membership of the layout's policy.lease-group" if req.op in wire.LEASE_OPS else
+                "root or membership of the gpud group")
         await self._send(writer, self._error(req.id, wire.E_FORBIDDEN, f"{req.op} needs {need}"))
 
     async def _call(self, req: wire.Request, args: dict[str, Any], peer: Peer) -> wire.Response:

@@ -18,6 +18,7 @@ field added later gets a default, so old clients keep working against newer daem
 # No `from __future__ import annotations` here: msgspec would then compile every field's annotation
 # string when a client first decodes a reply, which costs more than evaluating them once as the
 # classes are made. Classes are defined before they are used in annotations.
+import math
 import struct
 from typing import Any
 
@@ -43,11 +44,18 @@ E_BUSY = "busy"  # too many connections
 E_INTERNAL = "internal"
 E_INVALID_LAYOUT = "invalid-layout"
 E_TIMEOUT = "timeout"
+# Lease refusals (gpud.engine.leases): gpudctl exits 4 for no-room / not-found / conflict, 5 for in-use.
+E_NO_ROOM = "no-room"  # no dynamic GPU has room; the message names the shortfall
+E_NOT_FOUND = "not-found"
+E_IN_USE = "in-use"  # a release of an instance processes use, under on-busy: fail
+E_CONFLICT = "conflict"  # whole-GPU and MIG leases exclude each other; a lease still being made
+E_FAILED = "failed"  # NVML or the state directory refused; nothing leased
 
 READ_OPS = frozenset({"status", "check", "plan", "events", "version", "mig-profiles", "passthrough", "stats",
-                      "labels", "vgpu-types"})
-WRITE_OPS = frozenset({"apply", "reload"})
-OPS = READ_OPS | WRITE_OPS
+                      "labels", "vgpu-types", "leases"})
+WRITE_OPS = frozenset({"apply", "reload", "select"})
+LEASE_OPS = frozenset({"lease", "release"})  # root, or members of the layout's policy.lease-group
+OPS = READ_OPS | WRITE_OPS | LEASE_OPS
 
 
 class FrameError(ValueError):
@@ -121,6 +129,10 @@ class CheckArgs(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     all_layouts: bool = False  # check every entry of `layouts`, as a node label may select any
 
 
+class SelectArgs(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    name: str | None = None  # a layout of the file (mig-parted's `apply -c NAME`); None: the file's own
+
+
 class PlanArgs(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     text: str | None = None  # None: plan against the daemon's current layout
     path: str | None = None
@@ -129,6 +141,11 @@ class PlanArgs(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 class ApplyArgs(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     wait: bool = False
     timeout: float | None = None  # seconds; only with wait
+
+    def __post_init__(self) -> None:
+        # NaN compares false with everything: a wait bounded by it ended at once as `timeout`.
+        if self.timeout is not None and not (math.isfinite(self.timeout) and self.timeout >= 0):
+            raise ValueError(f"timeout must be a finite number of seconds >= 0, got {self.timeout!r}")
 
 
 class EventsArgs(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -139,12 +156,26 @@ class MigProfilesArgs(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     gpu: str | None = None  # selector: index, PCI address or GPU UUID
 
 
+class LeaseArgs(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    profile: str  # a MIG device name as the layout takes it ("1g.10gb", "1c.3g.40gb"), or "gpu"
+    gpu: str | None = None  # selector: index, PCI address or GPU UUID (required for "gpu")
+    owner: str = ""  # free text: a job id, a claim
+    pid: int | None = None  # holder: the lease is released when it exits and the instance is idle
+    start: int | None = None  # exactly this placement (memory slice), as a scheduler chose it
+
+
+class ReleaseArgs(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    id: str
+    wait: bool = True  # busy: wait for the processes (False: refuse at once)
+
+
 ARGS: dict[str, type[msgspec.Struct]] = {
     "status": StatusArgs,
     "check": CheckArgs,
     "plan": PlanArgs,
     "apply": ApplyArgs,
     "reload": NoArgs,
+    "select": SelectArgs,
     "events": EventsArgs,
     "version": NoArgs,
     "mig-profiles": MigProfilesArgs,
@@ -152,6 +183,9 @@ ARGS: dict[str, type[msgspec.Struct]] = {
     "stats": StatsArgs,
     "labels": NoArgs,
     "vgpu-types": MigProfilesArgs,
+    "lease": LeaseArgs,
+    "release": ReleaseArgs,
+    "leases": NoArgs,
 }
 
 

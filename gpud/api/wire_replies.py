@@ -73,10 +73,29 @@ class GroupMember(msgspec.Struct, kw_only=True):
     class_: str = msgspec.field(default="", name="class")  # "0x030200"
 
 
+class LeaseInfo(msgspec.Struct, kw_only=True):
+    """One lease (gpud.engine.leases): what a job needs to use it, and who holds it."""
+
+    id: str
+    gpu: str  # PCI address
+    index: int | None = None  # the GPU's index
+    profile: str  # "1g.10gb" ... or "gpu" for a whole-GPU lease
+    placement: str | None = None  # "start:size" in memory slices
+    uuid: str | None = None  # MIG-... for CUDA_VISIBLE_DEVICES (the GPU's own UUID for a whole GPU)
+    devices: list[str] = []  # /dev/nvidiaN and its MIG capability nodes
+    owner: str = ""
+    uid: int = 0
+    pid: int | None = None
+    created: float = 0.0  # Unix seconds
+    age_s: float = 0.0
+    state: str = "held"  # intent | gi-made | held | releasing | vanished
+    note: str = ""
+
+
 class GpuStatus(msgspec.Struct, kw_only=True):
     index: int
     pci: str
-    uuid: str | None = None  # None when NVML cannot see it (e.g. on vfio-pci)
+    uuid: str | None = None  # NVML's; on vfio-pci the one gpud last read; None: never seen by NVML
     model: str = ""
     pci_id: str = ""  # "10de:2335"
     driver: str | None = None
@@ -93,11 +112,15 @@ class GpuStatus(msgspec.Struct, kw_only=True):
     group: list[GroupMember] = []
     vfio_device: str | None = None  # "/dev/vfio/42" when bound to vfio-pci
     vgpu: VgpuStatus | None = None  # None: the GPU shows no vGPU interface
+    dynamic: bool = False  # mig-devices: dynamic: its instances are made by leases
+    leases: list[LeaseInfo] = []
+    lease_free: dict[str, int] = {}  # dynamic GPUs: GI profile -> how many more leases of it fit now
 
 
 class LayoutStatus(msgspec.Struct, kw_only=True):
     path: str
     selected: str | None = None  # the layout name chosen for this host
+    chosen: bool = False  # `selected` was chosen by `gpudctl select`, over the file's own
     valid: bool = False
     errors: list[str] = []
     warnings: list[str] = []
@@ -161,6 +184,7 @@ class CheckReply(msgspec.Struct, kw_only=True):
     errors_omitted: int = 0
     warnings_omitted: int = 0
     checked: list[str] = []  # the layouts checked (all of them with all_layouts)
+    dynamic: list[str] = []  # GPUs whose instances leases make: "GPU 0 (0000:3b:00.0): ..."
 
 
 class StepInfo(msgspec.Struct, kw_only=True):
@@ -189,6 +213,7 @@ class GpuPlanInfo(msgspec.Struct, kw_only=True):
     steps: list[StepInfo] = []
     infeasible: str | None = None
     blocked_by: list[HolderInfo] = []
+    dynamic: str | None = None  # mig-devices: dynamic: what the file leaves to leases
 
 
 class DestroyedInfo(msgspec.Struct, kw_only=True):
@@ -381,12 +406,22 @@ class StatsReply(msgspec.Struct, kw_only=True):
     peak_rss_bytes: int = 0  # since start (VmHWM)
 
 
+class ReleaseReply(msgspec.Struct, kw_only=True):
+    lease: LeaseInfo
+    message: str = ""
+
+
+class LeasesReply(msgspec.Struct, kw_only=True):
+    leases: list[LeaseInfo] = []
+
+
 RESULTS: dict[str, type[msgspec.Struct]] = {
     "status": StatusReply,
     "check": CheckReply,
     "plan": PlanReply,
     "apply": ApplyReply,
     "reload": LayoutStatus,
+    "select": LayoutStatus,
     "events": EventsReply,
     "version": VersionReply,
     "mig-profiles": MigProfilesReply,
@@ -394,6 +429,9 @@ RESULTS: dict[str, type[msgspec.Struct]] = {
     "stats": StatsReply,
     "labels": LabelsReply,
     "vgpu-types": VgpuTypesReply,
+    "lease": LeaseInfo,
+    "release": ReleaseReply,
+    "leases": LeasesReply,
 }
 
 

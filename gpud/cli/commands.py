@@ -6,18 +6,27 @@ Exit codes are stable for scripts; gpudctl.py documents them.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 from typing import Any
 
+import msgspec
+
 from gpud.api import wire, wire_replies
+from gpud.cli.escape import escaped, term
 from gpud.cli.render import (
     event_json,
     pick_gpu,
+    render_compute_instances,
     render_event,
     render_gpu,
+    render_gpu_instances,
     render_kubernetes,
     render_labels,
+    render_lease,
+    render_leases,
+    render_list,
     render_mig_profiles,
     render_passthrough,
     render_plan,
@@ -31,6 +40,18 @@ from gpud.cli.transport import DEFAULT_SOCKET, DEFAULT_TIMEOUT, NO_LIMIT, Client
 DEFAULT_LAYOUT = "/etc/gpud/layout.yaml"
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_UNREACHABLE, EXIT_INVALID, EXIT_NOT_CONVERGED = 0, 1, 2, 3, 4, 5
+EXIT_STILL_WORKING = 6  # connected and asked, but no answer within --reply-timeout
+
+
+def _seconds(text: str) -> float:
+    """--reply-timeout's value: a positive number of seconds."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError("must be more than 0 seconds")
+    return value
 
 
 class UsageError(Exception):
@@ -123,16 +144,35 @@ def cmd_check(c: Client, a: argparse.Namespace) -> int:
     args: dict[str, Any] = {"text": text, "path": path}
     if a.all_layouts:
         args["all_layouts"] = True
-    r: wire_replies.CheckReply = c.request("check", args)
+    try:
+        r: wire_replies.CheckReply = c.request("check", args)
+    except Unreachable as e:  # no daemon: the same check in a process of its own, the host only read
+        r = _check_offline(text, path, a.all_layouts, e)
+        if not a.json:
+            r = escaped(r)
     if a.json:
         print(to_json(r))
     else:
         which = f"layouts: {', '.join(r.checked)}" if a.all_layouts else f"selected: {r.selected}"
-        lines = [f"{path}: " + (f"valid ({which})" if r.valid and r.selected
+        lines = [f"{term(path)}: " + (f"valid ({which})" if r.valid and r.selected
                                 else "valid" if r.valid else "INVALID")]
         lines += [f"error: {e}" for e in r.errors] + [f"warning: {w}" for w in r.warnings]
+        lines += [f"note: {d}" for d in r.dynamic]
         print("\n".join(lines))
     return _layout_exit(r.valid, r.errors)
+
+
+def _check_offline(text: str, path: str, all_layouts: bool, why: Unreachable) -> wire_replies.CheckReply:
+    """`gpud check` (gpud.check_offline): the daemon's code in another process, so gpudctl itself
+    stays light; its reply is the daemon's own type."""
+    import subprocess
+
+    print(f"gpudctl: {why}; checking offline (the host is only read)", file=sys.stderr)
+    argv = [sys.executable, "-m", "gpud.main", "check", "--path", path, "-"] + (["--all-layouts"] if all_layouts else [])
+    done = subprocess.run(argv, input=text.encode(), capture_output=True)
+    if done.returncode not in (0, 4):
+        raise LocalError(f"the offline check failed: {done.stderr.decode(errors='replace').strip()[-2000:]}")
+    return msgspec.json.decode(done.stdout, type=wire_replies.CheckReply)
 
 
 def cmd_plan(c: Client, a: argparse.Namespace) -> int:
@@ -148,13 +188,17 @@ def cmd_plan(c: Client, a: argparse.Namespace) -> int:
 def cmd_apply(c: Client, a: argparse.Namespace) -> int:
     if a.timeout is not None and not a.wait:
         raise UsageError("--timeout needs --wait")
-    if a.timeout is not None and a.timeout <= 0:
-        raise UsageError("--timeout must be positive")
+    if a.timeout is not None and not (math.isfinite(a.timeout) and a.timeout > 0):
+        raise UsageError("--timeout must be a finite number of seconds > 0")
     # the daemon enforces the timeout; the client waits a little longer to hear its answer
     if not a.wait:
-        deadline = DEFAULT_TIMEOUT
+        deadline = a.reply_timeout
     else:
-        deadline = NO_LIMIT if a.timeout is None else a.timeout + 30.0
+        deadline = NO_LIMIT if a.timeout is None else a.timeout + a.reply_timeout
+    if a.config is not None:  # mig-parted's `apply -c NAME`: that layout of the file, kept, then the apply
+        chosen: wire_replies.LayoutStatus = c.request("select", {"name": a.config})
+        if not a.json:
+            print(f"selected: {chosen.selected} (kept across restarts; gpudctl select --file goes back to the file's)")
     args = {"wait": a.wait, "timeout": a.timeout}
     if a.wait and not a.json:
         r = _apply_following(c, a, args, deadline)
@@ -222,6 +266,18 @@ def cmd_reload(c: Client, a: argparse.Namespace) -> int:
     return _layout_exit(r.valid, r.errors)
 
 
+def cmd_select(c: Client, a: argparse.Namespace) -> int:
+    if (a.name is None) == (not a.file):
+        raise UsageError("give a layout NAME, or --file for the file's own `selected`")
+    r: wire_replies.LayoutStatus = c.request("select", {"name": a.name})
+    if a.json:
+        print(to_json(r))
+    else:
+        print(f"selected: {r.selected}" + (" (kept across restarts; `gpudctl apply` converges to it)" if r.chosen
+                                           else " (the file's own)"))
+    return _layout_exit(r.valid, r.errors)
+
+
 def cmd_events(c: Client, a: argparse.Namespace) -> int:
     show = event_json if a.json else render_event
     if not a.follow:
@@ -237,8 +293,12 @@ def cmd_events(c: Client, a: argparse.Namespace) -> int:
     return EXIT_OK  # not reached: the stream ends with Unreachable
 
 
+def _client_version() -> str:
+    return getattr(sys.modules.get("gpud"), "VERSION", "?")
+
+
 def cmd_version(c: Client, a: argparse.Namespace) -> int:
-    mine = getattr(sys.modules.get("gpud"), "VERSION", "?")
+    mine = _client_version()
     r: wire_replies.VersionReply = c.request("version")
     if a.json:
         print(to_json(r))
@@ -255,6 +315,67 @@ def cmd_version(c: Client, a: argparse.Namespace) -> int:
 def cmd_mig_profiles(c: Client, a: argparse.Namespace) -> int:
     r: wire_replies.MigProfilesReply = c.request("mig-profiles", {"gpu": a.gpu} if a.gpu is not None else {})
     print(to_json(r) if a.json else render_mig_profiles(r))
+    return EXIT_OK
+
+
+def _status_gpus(c: Client, a: argparse.Namespace) -> tuple[wire_replies.StatusReply, list[wire_replies.GpuStatus]]:
+    r: wire_replies.StatusReply = c.request("status")
+    if getattr(a, "gpu", None) is None:
+        return r, r.gpus
+    g = pick_gpu(r, a.gpu)
+    if g is None:
+        raise LocalError(f"no GPU {a.gpu!r}: give an index, PCI address or GPU UUID "
+                         f"({', '.join(str(x.index) for x in r.gpus) or 'no GPUs managed'})")
+    return r, [g]
+
+
+def cmd_list(c: Client, a: argparse.Namespace) -> int:
+    r, _ = _status_gpus(c, a)
+    if a.json:
+        print(to_json([{"index": g.index, "pci": g.pci, "uuid": g.uuid, "model": g.model,
+                        "mig_devices": [{"profile": i.profile, "uuid": i.uuid} for i in g.mig.instances
+                                        if i.ci is not None]} for g in r.gpus]))
+    else:
+        print(render_list(r))
+    return EXIT_OK
+
+
+def cmd_mig_instances(c: Client, a: argparse.Namespace) -> int:
+    _, gpus = _status_gpus(c, a)
+    print(to_json([{"index": g.index, "instances": g.mig.instances} for g in gpus]) if a.json
+          else render_gpu_instances(gpus))
+    return EXIT_OK
+
+
+def cmd_mig_compute(c: Client, a: argparse.Namespace) -> int:
+    _, gpus = _status_gpus(c, a)
+    print(to_json([{"index": g.index, "instances": [i for i in g.mig.instances if i.ci is not None]} for g in gpus])
+          if a.json else render_compute_instances(gpus))
+    return EXIT_OK
+
+
+def cmd_lease(c: Client, a: argparse.Namespace) -> int:
+    args: dict[str, Any] = {"profile": a.profile, "owner": a.owner}
+    if a.gpu is not None:
+        args["gpu"] = a.gpu
+    if a.pid is not None:
+        args["pid"] = a.pid
+    if a.start is not None:
+        args["start"] = a.start
+    r: wire_replies.LeaseInfo = c.request("lease", args)
+    print(to_json(r) if a.json else render_lease(r))
+    return EXIT_OK
+
+
+def cmd_release(c: Client, a: argparse.Namespace) -> int:
+    r: wire_replies.ReleaseReply = c.request("release", {"id": a.id, "wait": not a.no_wait}, timeout=NO_LIMIT)
+    print(to_json(r) if a.json else r.message)
+    return EXIT_OK
+
+
+def cmd_leases(c: Client, a: argparse.Namespace) -> int:
+    r: wire_replies.LeasesReply = c.request("leases")
+    print(to_json(r) if a.json else render_leases(r.leases))
     return EXIT_OK
 
 
@@ -324,7 +445,16 @@ def _add_apply(sub: Any) -> None:
     s = _with_json(sub.add_parser("apply", help="converge now"))
     s.add_argument("--wait", action="store_true", help="wait until converged, blocked or failed")
     s.add_argument("--timeout", type=float, metavar="S", help="give up waiting after S seconds")
+    s.add_argument("-c", "--config", metavar="NAME", help="first select layout NAME of the file, over its "
+                   "`selected` (as nvidia-mig-parted apply -c; kept across restarts)")
     s.set_defaults(func=cmd_apply)
+
+
+def _add_select(sub: Any) -> None:
+    s = _with_json(sub.add_parser("select", help="put a layout of the file in force, over its `selected`"))
+    s.add_argument("name", nargs="?", metavar="NAME", help="a layout of the file (mig-parted's -c NAME)")
+    s.add_argument("--file", action="store_true", help="the file's own `selected` again")
+    s.set_defaults(func=cmd_select)
 
 
 def _add_reload(sub: Any) -> None:
@@ -353,8 +483,19 @@ def _add_per_gpu_listing(sub: Any, group: str, group_help: str, name: str, name_
 
 
 def _add_mig(sub: Any) -> None:
-    _add_per_gpu_listing(sub, "mig", "MIG information", "profiles", "GPU instance profiles and placements",
-                         cmd_mig_profiles)
+    s = sub.add_parser("mig", help="MIG information (nvidia-smi mig -lgip, -lgi, -lci)")
+    listings = s.add_subparsers(dest="mig_command", metavar="COMMAND", required=True)
+    for name, what, func in (("profiles", "GPU instance profiles and placements (-lgip/-lgipp)", cmd_mig_profiles),
+                             ("instances", "GPU instances with their placements (-lgi)", cmd_mig_instances),
+                             ("compute", "compute instances with their placements and UUIDs (-lci)", cmd_mig_compute)):
+        one = _with_json(listings.add_parser(name, help=what))
+        one.add_argument("--gpu", metavar="SEL", help="index, PCI address or UUID")
+        one.set_defaults(func=func)
+
+
+def _add_list(sub: Any) -> None:
+    s = _with_json(sub.add_parser("list", help="GPUs with their UUIDs and MIG devices (nvidia-smi -L)"))
+    s.set_defaults(func=cmd_list)
 
 
 def _add_vgpu(sub: Any) -> None:
@@ -368,10 +509,36 @@ def _add_passthrough(sub: Any) -> None:
     s.set_defaults(func=cmd_passthrough)
 
 
+def _add_lease(sub: Any) -> None:
+    s = _with_json(sub.add_parser("lease", help="a MIG instance (or a whole GPU) on a dynamic GPU, for a job"))
+    s.add_argument("profile", metavar="PROFILE",
+                   help="a MIG device name as the layout takes it (1g.10gb, 1c.3g.40gb, ...), or 'gpu' for a "
+                        "whole GPU (with --gpu)")
+    s.add_argument("--gpu", metavar="SEL", help="only this GPU: index, PCI address or UUID")
+    s.add_argument("--owner", default="", metavar="TEXT", help="who holds it (a job id), shown in status")
+    s.add_argument("--pid", type=int, metavar="PID",
+                   help="release it when this process is gone and the instance idle")
+    s.add_argument("--start", type=int, metavar="SLICE", help="exactly this placement (with --gpu)")
+    s.set_defaults(func=cmd_lease)
+
+
+def _add_release(sub: Any) -> None:
+    s = _with_json(sub.add_parser("release", help="give a lease back: its instance is destroyed"))
+    s.add_argument("id", metavar="ID", help="the lease id `gpudctl lease` printed")
+    s.add_argument("--no-wait", action="store_true", help="refuse at once when processes use it (exit 5)")
+    s.set_defaults(func=cmd_release)
+
+
+def _add_leases(sub: Any) -> None:
+    s = _with_json(sub.add_parser("leases", help="every lease, with its GPU, placement and holder"))
+    s.set_defaults(func=cmd_leases)
+
+
 # Each command's sub-parser, in the order `gpudctl --help` lists them.
-COMMANDS = {"status": _add_status, "check": _add_check, "labels": _add_labels, "plan": _add_plan,
-            "apply": _add_apply, "reload": _add_reload, "events": _add_events, "version": _add_version,
-            "mig": _add_mig, "vgpu": _add_vgpu, "passthrough": _add_passthrough}
+COMMANDS = {"status": _add_status, "list": _add_list, "check": _add_check, "labels": _add_labels, "plan": _add_plan,
+            "apply": _add_apply, "select": _add_select, "reload": _add_reload, "events": _add_events, "version": _add_version,
+            "mig": _add_mig, "vgpu": _add_vgpu, "passthrough": _add_passthrough, "lease": _add_lease,
+            "release": _add_release, "leases": _add_leases}
 
 
 def _command_named(argv: list[str]) -> str | None:
@@ -381,7 +548,7 @@ def _command_named(argv: list[str]) -> str | None:
     for w in words:
         if w in ("-h", "--help"):
             return None
-        if w == "--socket":
+        if w in ("--socket", "--reply-timeout"):
             next(words, None)
         elif not w.startswith("-"):
             return w if w in COMMANDS else None
@@ -395,8 +562,13 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     command, gets all of them (the full list, or argparse's "invalid choice")."""
     only = _command_named(argv) if argv is not None else None
     p = _Parser(prog="gpudctl", description="Query and drive gpud, the GPU layout daemon.")
+    p.add_argument("--version", action="version", version=f"gpudctl {_client_version()} (protocol {wire.PROTOCOL})",
+                   help="gpudctl's version (without asking gpud: `gpudctl version` has gpud's, the driver's)")
     p.add_argument("--socket", default=os.environ.get("GPUD_SOCKET") or DEFAULT_SOCKET,
                    help=f"gpud socket (default: $GPUD_SOCKET or {DEFAULT_SOCKET})")
+    p.add_argument("--reply-timeout", type=_seconds, default=DEFAULT_TIMEOUT, metavar="S",
+                   help=f"wait S seconds for gpud's answer (default {DEFAULT_TIMEOUT:g}); past that, exit "
+                        f"{EXIT_STILL_WORKING}: gpud took the request and is still working on it")
     sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, add in COMMANDS.items():
         if only is None or name == only:

@@ -11,8 +11,12 @@ Exit codes (stable, for scripts):
   1  error: gpud answered with an error (forbidden, internal...), or a local error
   2  usage
   3  gpud unreachable: no socket, refused, permission denied, no answer, connection lost
-  4  invalid layout: `check` or `plan` found errors or an infeasible GPU, `reload` found errors
-  5  not converged: `apply --wait` ended blocked, failed or timed out
+  4  invalid layout: `check` or `plan` found errors or an infeasible GPU, `reload` found errors;
+     `lease`: no dynamic GPU has room (the shortfall named), or the lease conflicts with one there;
+     `release`: no such lease
+  5  not converged: `apply --wait` ended blocked, failed or timed out; `release`: the instance is in use
+     (on-busy: fail)
+  6  still working: gpud took the request but did not answer within --reply-timeout (default 30 s)
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from gpud.cli.commands import (
     EXIT_INVALID,
     EXIT_NOT_CONVERGED,
     EXIT_OK,
+    EXIT_STILL_WORKING,
     EXIT_UNREACHABLE,
     EXIT_USAGE,
     LocalError,
@@ -63,7 +68,8 @@ def main(argv: list[str] | None = None) -> int:
         a = parser.parse_args(argv)
     except SystemExit as e:  # argparse: 2 on usage errors, 0 for --help
         return e.code if isinstance(e.code, int) else EXIT_USAGE
-    client = Client(a.socket)
+    # what is printed for a person has every outside string escaped; --json stays exact
+    client = Client(a.socket, timeout=a.reply_timeout, escape=not getattr(a, "json", False))
     try:
         return a.func(client, a)
     except UsageError as e:
@@ -74,12 +80,16 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_UNREACHABLE
     except WaitTimeout as e:
         _err(str(e))
-        return EXIT_NOT_CONVERGED if a.command == "apply" else EXIT_UNREACHABLE
+        return EXIT_NOT_CONVERGED if a.command == "apply" else EXIT_STILL_WORKING
     except DaemonError as e:
         _err(e.message if e.code == wire.E_INVALID_LAYOUT else str(e))
         if e.code == wire.E_INVALID_LAYOUT:
             return EXIT_INVALID
         if e.code == wire.E_TIMEOUT and a.command == "apply":
+            return EXIT_NOT_CONVERGED
+        if e.code in (wire.E_NO_ROOM, wire.E_NOT_FOUND, wire.E_CONFLICT) and a.command in ("lease", "release"):
+            return EXIT_INVALID
+        if e.code == wire.E_IN_USE and a.command == "release":
             return EXIT_NOT_CONVERGED
         return EXIT_ERROR
     except wire.FrameError as e:

@@ -70,6 +70,8 @@ def state_column(g: wire_replies.GpuStatus) -> str:
         return f"{g.state}: {_holder(holders[0])}{more}"
     if g.state == "converged":  # the other columns already say what it converged to
         return g.state
+    if g.message.startswith(g.state):  # "waiting for ...", "pending: 3 steps": the word once
+        return g.message
     return f"{g.state}: {g.message}" if g.message else g.state
 
 
@@ -81,26 +83,56 @@ def _fit(text: str, width: int) -> str:
     return text if len(text) <= width else text[: width - 1] + ELLIPSIS
 
 
+def _status_rows(gpus: list[wire_replies.GpuStatus], width: int | None) -> list[list[str]]:
+    """The table's rows; with `width`, made to fit it, each step only when the last did not: the
+    PCI domain left out when every GPU is in domain 0000, "NVIDIA " left out of the models, the
+    MODEL column left out (`gpudctl status GPU` has it), then INSTANCES and STATE cut with an
+    ellipsis (STATE never below MIN_STATE)."""
+    one_domain = all(g.pci.startswith("0000:") for g in gpus)
+
+    def rows_with(short_pci: bool, model: str) -> list[list[str]]:
+        head = ["GPU", "PCI", "MODEL", "DRIVER", "WORKLOAD", "MIG", "INSTANCES", "STATE"]
+        rows = [head if model != "none" else head[:2] + head[3:]]
+        for g in gpus:
+            name = (g.model or "-").removeprefix("NVIDIA ") if model == "short" else g.model or "-"
+            row = [str(g.index), g.pci[5:] if short_pci else g.pci, name, g.driver or "-", g.workload,
+                   mig_column(g.mig), _instances_column(g), state_column(g)]
+            rows.append(row if model != "none" else row[:2] + row[3:])
+        return rows
+
+    def left_of(rows: list[list[str]], upto: int) -> int:
+        return sum(max(len(row[i]) for row in rows) + 2 for i in range(upto))
+
+    if width is None:
+        return rows_with(False, "full")
+    for short_pci, model in ((False, "full"), (one_domain, "full"), (one_domain, "short"), (one_domain, "none")):
+        rows = rows_with(short_pci, model)
+        if left_of(rows, len(rows[0]) - 1) + MIN_STATE <= width:
+            break
+    n = len(rows[0])  # INSTANCES is n-2, STATE n-1
+    room_instances = max(len("INSTANCES"), width - MIN_STATE - left_of(rows, n - 2) - 2)
+    rows = [row[:n - 2] + [_fit(row[n - 2], room_instances), row[n - 1]] for row in rows]
+    room = max(MIN_STATE, width - left_of(rows, n - 1))
+    return [row[:-1] + [_fit(row[-1], room)] for row in rows]
+
+
 def render_status(r: wire_replies.StatusReply, width: int | None = None) -> str:
     """The status table; with `width` (the terminal's columns) the STATE column is cut, with an
     ellipsis, so that rows do not wrap: `gpudctl status GPU` and `--json` carry whole messages."""
-    head = f"gpud {r.version}: {r.phase}" if r.version else f"gpud: {r.phase}"
-    out = [head + ("  [read-only]" if r.read_only else "")]
+    gone = [g for g in r.gpus if g.state == "gone"]
+    phase = r.phase
+    if gone:  # the pass converged what is there; the top line must not hide a GPU that left
+        phase += f", {len(gone)} GPU{'s' if len(gone) > 1 else ''} gone ({', '.join(str(g.index) for g in gone)})"
+    head = f"gpud {r.version}: {phase}" if r.version else f"gpud: {phase}"
+    out = [head + ("  [read-only]" if r.read_only and r.phase != "read-only" else "")]
     if r.gpus:
-        rows = [["GPU", "PCI", "MODEL", "DRIVER", "WORKLOAD", "MIG", "INSTANCES", "STATE"]]
-        for g in r.gpus:
-            rows.append([str(g.index), g.pci, g.model or "-", g.driver or "-", g.workload,
-                         mig_column(g.mig), _instances_column(g), state_column(g)])
-        if width is not None:
-            left = sum(max(len(row[i]) for row in rows) + 2 for i in range(len(rows[0]) - 1))
-            room = max(MIN_STATE, width - left)
-            rows = [row[:-1] + [_fit(row[-1], room)] for row in rows]
-        out += ["", _table(rows)]
+        out += ["", _table(_status_rows(r.gpus, width))]
     else:
         out += ["", "no GPUs managed"]
     lay = r.layout
     validity = "valid" if lay.valid else "INVALID"
-    selected = f"selected: {lay.selected}" if lay.selected else "no layout selected"
+    selected = (f"selected: {lay.selected}{' (gpudctl select)' if lay.chosen else ''}" if lay.selected
+                else "no layout selected")
     out += ["", f"layout: {lay.path}  {selected}  {validity}"]
     out += [f"  error: {e}" for e in lay.errors]
     out += [f"  warning: {w}" for w in lay.warnings]
@@ -115,6 +147,9 @@ def render_status(r: wire_replies.StatusReply, width: int | None = None) -> str:
             insts = sorted(g.mig.instances, key=lambda i: (i.placement.start, i.gi, i.ci))
             for n, inst in enumerate(insts):
                 out.append(f"  MIG {inst.profile:<12} Device {n:>2}: (UUID: {inst.uuid})")
+    leased = [lease for g in r.gpus for lease in g.leases]
+    if leased:
+        out += ["", "Leases (MIG on demand):", render_leases(leased)]
     vgpus = [g for g in r.gpus if g.vgpu is not None and (g.vgpu.devices or g.vgpu.rebuilt)]
     if vgpus:
         out += ["", "vGPUs:"]
@@ -130,6 +165,36 @@ def render_status(r: wire_replies.StatusReply, width: int | None = None) -> str:
             if v.rebuilt:
                 out.append(f"  rebuilt from gpud's record: {', '.join(v.rebuilt)}")
     return "\n".join(out)
+
+
+def render_lease(lease: wire_replies.LeaseInfo) -> str:
+    """What `gpudctl lease` prints: the id to release, and what a job puts in its environment."""
+    where = f"GPU {lease.index} " if lease.index is not None else ""
+    at = f" at {lease.placement}" if lease.placement else ""
+    lines = [f"lease {lease.id}: {lease.profile}{at} on {where}{lease.gpu}",
+             f"  CUDA_VISIBLE_DEVICES={lease.uuid or '-'}"]
+    if lease.devices:
+        lines.append(f"  devices: {' '.join(lease.devices)}")
+    return "\n".join(lines)
+
+
+def render_leases(leases: list[wire_replies.LeaseInfo], now: float | None = None) -> str:
+    """The lease table (`gpudctl leases`, the status section): age from `created`, as of `now`."""
+    if not leases:
+        return "no leases"
+    now = time.time() if now is None else now
+    rows = [["ID", "GPU", "PROFILE", "PLACEMENT", "UUID", "OWNER", "PID", "AGE", "STATE"]]
+    for x in leases:
+        rows.append([x.id, str(x.index) if x.index is not None else x.gpu, x.profile, x.placement or "-",
+                     x.uuid or "-", x.owner or f"uid {x.uid}", str(x.pid) if x.pid is not None else "-",
+                     _age(max(0.0, now - x.created)), x.state + (f" ({x.note})" if x.note else "")])
+    return _table(rows)
+
+
+def _age(seconds: float) -> str:
+    s = int(seconds)
+    return f"{s // 86400}d{s % 86400 // 3600}h" if s >= 86400 else f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 \
+        else f"{s // 60}m{s % 60:02d}s"
 
 
 def _describe_step(s: wire_replies.StepInfo) -> str:
@@ -162,6 +227,15 @@ def _describe_step(s: wire_replies.StepInfo) -> str:
     return f"{text} ({s.message})" if s.message else text
 
 
+def _steps_summary(steps: list[wire_replies.StepInfo]) -> str:
+    """One line before a GPU's numbered steps: how many, of which kinds, in the order they run."""
+    kinds: dict[str, int] = {}
+    for s in steps:
+        kinds[s.action] = kinds.get(s.action, 0) + 1
+    return f"{len(steps)} step{'s' if len(steps) != 1 else ''} (" + ", ".join(
+        f"{k} x{n}" if n > 1 else k for k, n in kinds.items()) + ")"
+
+
 def render_plan(r: wire_replies.PlanReply) -> str:
     if r.errors:  # an invalid file has no plan: a GPU list or "disruption: none" would mislead
         return "\n".join([f"error: {e}" for e in r.errors] + [f"warning: {w}" for w in r.warnings])
@@ -172,8 +246,10 @@ def render_plan(r: wire_replies.PlanReply) -> str:
         elif not g.steps:
             out.append(f"GPU {g.index} {g.pci}: nothing to do")
         else:
-            out.append(f"GPU {g.index} {g.pci}:")
+            out.append(f"GPU {g.index} {g.pci}: {_steps_summary(g.steps)}")
         out += [f"  {n}. {_describe_step(s)}" for n, s in enumerate(g.steps, 1)]
+        if g.dynamic:
+            out.append(f"  {g.dynamic}")
         if g.blocked_by:
             out.append("  blocked by: " + ", ".join(_holder(h, device=True) for h in g.blocked_by))
     if not r.gpus:
@@ -435,3 +511,57 @@ def to_json(obj: Any) -> str:
     """What `--json` prints: the reply struct with every field, indented."""
     return msgspec.json.format(msgspec.json.encode(obj), indent=2).decode()
 
+
+
+# ---------------------------------------------------------------------------------------------
+# nvidia-smi's listings from a status reply: `-L`, `mig -lgi`, `mig -lci`
+
+
+def render_list(r: wire_replies.StatusReply) -> str:
+    """`nvidia-smi -L`: every managed GPU with its UUID (also one NVML no longer sees: the UUID
+    gpud last read for it, or "unknown"), then its MIG devices in placement order."""
+    out = []
+    for g in sorted(r.gpus, key=lambda x: x.index):
+        where = f"{g.driver}" if g.driver and g.driver != "nvidia" else ""
+        state = "gone" if g.state == "gone" else where
+        out.append(f"GPU {g.index}: {g.model or g.pci_id} (UUID: {g.uuid or 'unknown'})"
+                   + (f" [{g.pci}, {state}]" if state else f" [{g.pci}]"))
+        devices = [i for i in sorted(g.mig.instances, key=lambda i: (i.placement.start, i.gi, i.ci or 0))
+                   if i.ci is not None]
+        for n, inst in enumerate(devices):
+            out.append(f"  MIG {inst.profile:<12} Device {n:>2}: (UUID: {inst.uuid or '-'})")
+    return "\n".join(out) if out else "no GPUs managed"
+
+
+def _gi_profile(profile: str) -> str:
+    """The GPU instance profile of an instance row: `1c.3g.40gb` is a CI of a `3g.40gb` GI."""
+    head, _, rest = profile.partition(".")
+    return rest if head.endswith("c") and head[:-1].isdigit() else profile
+
+
+def render_gpu_instances(gpus: list[wire_replies.GpuStatus]) -> str:
+    """`nvidia-smi mig -lgi`: GPU instances, one row each, with their placements."""
+    rows = [["GPU", "GI", "PROFILE", "PLACEMENT", "COMPUTE INSTANCES"]]
+    for g in gpus:
+        by_gi: dict[int, list[wire_replies.InstanceStatus]] = {}
+        for inst in g.mig.instances:
+            by_gi.setdefault(inst.gi, []).append(inst)
+        for gi, insts in sorted(by_gi.items(), key=lambda kv: kv[1][0].placement.start):
+            cis = sum(1 for i in insts if i.ci is not None)
+            rows.append([str(g.index), str(gi), _gi_profile(insts[0].profile),
+                         f"{insts[0].placement.start}:{insts[0].placement.size}", str(cis)])
+    return _table(rows) if len(rows) > 1 else "no GPU instances"
+
+
+def render_compute_instances(gpus: list[wire_replies.GpuStatus]) -> str:
+    """`nvidia-smi mig -lci`: compute instances with their GPU instance and slot in it."""
+    rows = [["GPU", "GI", "CI", "PROFILE", "GI PLACEMENT", "CI PLACEMENT", "UUID"]]
+    for g in gpus:
+        for inst in sorted(g.mig.instances, key=lambda i: (i.placement.start, i.gi, i.ci or 0)):
+            if inst.ci is None:
+                continue
+            cp = inst.ci_placement
+            rows.append([str(g.index), str(inst.gi), str(inst.ci), inst.profile,
+                         f"{inst.placement.start}:{inst.placement.size}", f"{cp.start}:{cp.size}" if cp else "-",
+                         inst.uuid or "-"])
+    return _table(rows) if len(rows) > 1 else "no compute instances"

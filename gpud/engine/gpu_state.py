@@ -28,12 +28,20 @@ GpuStateName = Literal[
     "gone",  # the GPU left the PCI bus
 ]
 
+Phase = Literal[
+    "starting",  # no pass has ended yet
+    "converged",  # every managed GPU matches the layout
+    "invalid-layout",  # the file (or its resolution on this host) has errors: nothing new is applied
+    # the GPU states a pass reports as its phase (PHASE_ORDER)
+    "failed", "stuck", "reset-required", "reboot-required", "waiting", "read-only", "applying", "pending",
+]
+
 # The states a whole pass reports as its phase, most urgent first (none of them: "converged").
-PHASE_ORDER: tuple[GpuStateName, ...] = (
+PHASE_ORDER: tuple[Phase, ...] = (
     "failed", "stuck", "reset-required", "reboot-required", "waiting", "read-only", "applying", "pending",
 )
 # Phases a layout is still working through (anything else: settled, until something changes).
-SETTLING_PHASES = ("starting", "applying", "waiting")
+SETTLING_PHASES: tuple[Phase, ...] = ("starting", "applying", "waiting")
 
 
 class GpuState(msgspec.Struct, frozen=True):
@@ -95,6 +103,10 @@ def converged_message(gpu: Gpu, desired: DesiredGpu) -> str:
             counts[d.type] = counts.get(d.type, 0) + 1
         kinds = " ".join(f"{n}x{t}" for t, n in sorted(counts.items())) or "none"
         return f"vGPUs ({gpu.vgpu.interface if gpu.vgpu else 'no interface'}): {kinds}"
+    if desired.dynamic:
+        n = len(gpu.nvml.instances) if gpu.nvml is not None and gpu.nvml.mig_mode else 0
+        mode = "on" if gpu.nvml is not None and gpu.nvml.mig_mode else "off"
+        return f"MIG on demand (leases), MIG {mode}, {n} GPU instance{'' if n == 1 else 's'}"
     if gpu.nvml is not None and gpu.nvml.mig_mode:
         n = len(gpu.nvml.instances)
         return f"MIG on, {n} GPU instance{'' if n == 1 else 's'}"

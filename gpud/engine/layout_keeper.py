@@ -14,7 +14,10 @@ name lines only.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Awaitable, Callable
+
+import msgspec
 
 from gpud.engine.events import EventBus
 from gpud.engine.observe.discovery import Observation
@@ -27,6 +30,8 @@ from gpud.layout.schema import MatchRule
 
 # Reads the host's GPUs as a layout's `match:` selects them, off the event loop.
 AsyncObserve = Callable[[tuple[MatchRule, ...]], Awaitable[Observation]]
+# Adds to a resolution what only the planner knows: the GPUs it cannot converge (engine.feasibility).
+Judge = Callable[[ParsedLayout, Resolution, Observation], Resolution]
 
 # Errors carried by one `layout-invalid` event: the event history must stay small enough to send.
 EVENT_ERRORS = 20
@@ -48,10 +53,12 @@ class LayoutKeeper:
     layout's `match:` selects them."""
 
     def __init__(self, path: str, bus: EventBus,
-                 observe: Callable[[tuple[MatchRule, ...]], Observation]) -> None:
+                 observe: Callable[[tuple[MatchRule, ...]], Observation], judge: Judge | None = None, *,
+                 label_selects: bool = False) -> None:
         self.path = path
         self.bus = bus
         self.observe = observe
+        self.judge = judge  # every text is judged so: the daemon's file, `check` and `plan` alike
         self.layout: ParsedLayout | None = None
         self.issues: tuple[list[str], list[str]] = ([], [])
         self._parsing: asyncio.Semaphore | None = None  # one check/plan text parsed at a time (made on the loop)
@@ -62,7 +69,7 @@ class LayoutKeeper:
         self.select: str | None = None  # a layout chosen over the file's `selected` (a node label)
         # --kube-node: a node label chooses the layout, so a file without `selected` is valid
         # (gpud.layout.parse.parse_layout's `label_selects`)
-        self.label_selects = False
+        self.label_selects = label_selects
         # the one resolution of (layout in force, observation): a load's own is reused, not redone
         self._resolved: tuple[ParsedLayout, Observation, Resolution] | None = None
 
@@ -174,7 +181,8 @@ class LayoutKeeper:
         `select` chooses a layout over the file's `selected`."""
         parsed = self._parse(text, path, select)
         obs = self.observe(self._match_of(parsed))
-        return parsed, resolve(parsed, obs.gpus, gone=obs.gone, index_problem=obs.index_problem), obs
+        return parsed, self._judged(parsed, resolve(parsed, obs.gpus, gone=obs.gone, index_problem=obs.index_problem),
+                                    obs), obs
 
     async def evaluate_async(self, text: str, path: str, observe: AsyncObserve | None = None, *,
                              select: str | None = None) -> tuple[ParsedLayout, Resolution, Observation]:
@@ -190,8 +198,40 @@ class LayoutKeeper:
         match = self._match_of(parsed)
         # without an async reader (tests, tools) the keeper's own `observe` reads on the loop
         obs = await observe(match) if observe is not None else self.observe(match)
-        return parsed, await asyncio.to_thread(resolve, parsed, obs.gpus, gone=obs.gone,
-                                                      index_problem=obs.index_problem), obs
+        resolution = await asyncio.to_thread(resolve, parsed, obs.gpus, gone=obs.gone, index_problem=obs.index_problem)
+        return parsed, self._judged(parsed, resolution, obs), obs
+
+    def _judged(self, parsed: ParsedLayout, resolution: Resolution, obs: Observation) -> Resolution:
+        return self.judge(parsed, resolution, obs) if self.judge is not None else resolution
+
+    async def evaluate_each_async(self, text: str, path: str, names: list[str], observe: AsyncObserve | None = None,
+                                  ) -> list[tuple[str, Resolution]]:
+        """Each of the layouts `names` of one text, judged as `evaluate(select=name)` would judge it,
+        from one parse and one read of the host: choosing a layout changes only `selected` (the
+        parse with a caller's choice is the same for every name the file has), and the match,
+        hence the GPUs read, is the file's whatever is selected. The loop serves others between
+        layouts, and past a second the event stream says how far the check is."""
+        if not names:
+            return []
+        async with self._slot():
+            parsed, _, obs = await self._evaluate_off_loop(text, path, observe, names[0])
+
+            def resolve_each() -> list[tuple[str, ParsedLayout, Resolution]]:
+                out = []
+                for name in names:
+                    chosen = _with_selected(parsed, name)
+                    out.append((name, chosen, resolve(chosen, obs.gpus, gone=obs.gone, index_problem=obs.index_problem)))
+                return out
+
+            judged = []
+            said = time.monotonic()
+            for k, (name, chosen, resolution) in enumerate(await asyncio.to_thread(resolve_each), 1):
+                judged.append((name, self._judged(chosen, resolution, obs)))
+                if time.monotonic() - said >= 1.0:
+                    said = time.monotonic()
+                    self.bus.publish("check", f"{path}: {k} of {len(names)} more layouts checked")
+                await asyncio.sleep(0)
+            return judged
 
     def _parse(self, text: str, path: str, select: str | None = None) -> ParsedLayout:
         too_large = check_text_size(text, path)
@@ -215,3 +255,10 @@ class LayoutKeeper:
         if self.layout is not None and self.layout.layout is not None and self.layout.layout.match:
             return self.layout.layout.match
         return DEFAULT_MATCH
+
+
+def _with_selected(parsed: ParsedLayout, name: str) -> ParsedLayout:
+    """`parsed` (read with a caller's choice of a layout the file has) with `name` chosen instead."""
+    layout = msgspec.structs.replace(parsed.layout, selected=name) if parsed.layout is not None else None
+    draft = msgspec.structs.replace(parsed.draft, selected=name) if parsed.draft is not None else None
+    return msgspec.structs.replace(parsed, layout=layout, draft=draft)

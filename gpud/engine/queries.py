@@ -8,6 +8,9 @@ each becomes, so the engine never speaks the protocol.
 
 from __future__ import annotations
 
+import time
+
+from gpud.engine.gpu_state import Action
 from gpud.engine.reconciler import Reconciler
 from gpud.model import Gpu, MigProfile, Placement
 
@@ -51,14 +54,31 @@ def remaining_capacity(profile: MigProfile, used: list[Placement], existing: int
 async def start_apply(rec: Reconciler) -> int:
     """Re-read the file (off the loop) and ask for a pass; the ticket to wait on. InvalidLayout
     when the file is bad, naming its first errors (all of them are in status)."""
-    await rec.load_config_async()
+    asked = time.monotonic()
+    await rec.load_config_async()  # reads the host afresh: the pass may start from that read
     errors = rec.layout_issues[0]
     if errors:
         more = f"; ... and {len(errors) - 10} more errors (gpudctl status)" if len(errors) > 10 else ""
         raise InvalidLayout("; ".join(errors[:10]) + more)
-    ticket = rec.kick("apply requested")
+    ticket = rec.request_apply(seen_since=asked)
     rec.mark_pending()
     return ticket
+
+
+def changes_at_start(rec: Reconciler) -> list[str]:
+    """The GPUs the first pass will change (after a reboot: the MIG instances Hopper and later lost,
+    VFs and vGPUs, driver overrides), vm-vgpu GPUs short of vGPUs among them. The daemon holds
+    READY=1 back until that pass, so the kubelet (its device plugin, a DRA driver) and VM managers,
+    ordered after gpud.service, start on the layout in place. None under `policy.apply: manual`
+    (nothing runs before `gpudctl apply`) or read-only."""
+    if rec.resolution is None or rec.read_only or (rec.policy is not None and rec.policy.apply == "manual"):
+        return []
+    pending = set(vgpus_missing(rec))
+    for gpu in rec.observation.gpus:
+        desired = rec.resolution.desired.get(gpu.pci)
+        if desired is not None and isinstance(rec.next_action(gpu, desired), Action):
+            pending.add(gpu.pci)
+    return sorted(pending)
 
 
 def vgpus_missing(rec: Reconciler) -> list[str]:

@@ -18,19 +18,23 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Iterable
+from types import MappingProxyType
 
 import msgspec
 
+from gpud.engine import layout_choice
 from gpud.engine.apply_lock import ApplyLock, ApplyLockRefused
 from gpud.engine.boot.reboot_policy import RebootPolicy
 from gpud.engine.boot.rebuild import BootRebuild, boot_id
 from gpud.engine.events import EventBus
-from gpud.engine.gpu_state import PHASE_ORDER, Action, BindAction, GpuState, MigAction, converged_message, step_count
+from gpud.engine.feasibility import judged
+from gpud.engine.gpu_state import PHASE_ORDER, Action, BindAction, GpuState, MigAction, Phase, converged_message, step_count
 from gpud.engine.gpu_tasks import for_each_gpu
 from gpud.engine.hooks.phases import apply_with_hooks
 from gpud.engine.hooks.runner import HookFailed
 from gpud.engine.kube.operands import OperandGuard, OperandsNotPaused
 from gpud.engine.layout_keeper import LayoutKeeper
+from gpud.engine.leases.engine import LeaseEngine
 from gpud.engine.observe.discovery import Observation
 from gpud.engine.observe.gpu_index import GpuIndex, index_path
 from gpud.engine.observe.gpu_set import GpuSetNotes, gone_message
@@ -41,6 +45,7 @@ from gpud.engine.ports import BootOverrides, Drainer, Hardware, Rebooter
 from gpud.engine.scheduler import PassScheduler
 from gpud.engine.steps import StepRunner
 from gpud.engine.vgpu.keeper import VgpuKeeper
+from gpud.engine.view import EngineView
 from gpud.host.logind import BOOT_ID_PATH
 from gpud.host.state_files import Problems
 from gpud.layout.desired import DesiredGpu
@@ -49,6 +54,7 @@ from gpud.layout.resolve import Resolution
 from gpud.layout.schema import MatchRule, Policy
 from gpud.model import Gpu
 from gpud.plan.binding import plan_binding
+from gpud.plan.lease_placement import dynamic_mode
 from gpud.plan.mig import plan_gpu
 from gpud.plan.operand_impact import impact
 
@@ -73,16 +79,19 @@ class Reconciler:
         rebooter: Rebooter | None = None,
         max_status_age: float = DEFAULT_MAX_AGE,
         boot_id_path: str | None = None,
+        cdi_generate: Callable[[], Awaitable[str]] | None = None,
+        operand_guard: OperandGuard | None = None,
+        label_selects: bool = False,
     ) -> None:
         self.hw = hardware
         self.config_path = config_path
         self.apply_lock = apply_lock
         self.bus = bus
         self.read_only = read_only
-        self.drainer = drainer  # None: no system bus (the daemon may connect one later)
+        self.drainer = drainer  # None: no system bus
         # `nvidia-ctk cdi generate` after MIG changes when the toolkit's refresh unit is absent
         # (gpud.host.cdi.CdiGenerator; None: the toolkit is not installed)
-        self.cdi_generate: Callable[[], Awaitable[str]] | None = None
+        self.cdi_generate = cdi_generate
         self.udev_rules = udev_rules  # boot-time vfio overrides
         # state files set aside or not written (gpud.host.state_files): an event each, and status
         self.state_problems = Problems(lambda m: bus.publish("state-file", m))
@@ -91,8 +100,14 @@ class Reconciler:
         # boot_id_path None: this boot is not told apart from the last (tests without a host's boot id)
         self.boot_rebuild = BootRebuild(state_dir, boot_id(boot_id_path), bus, read_only=read_only,
                                         problems=self.state_problems)
-        self.layout_file = LayoutKeeper(config_path, bus, self._observe)
-        self.operand_guard: OperandGuard | None = None  # --kube-node: the kube agent
+        # label_selects (--kube-node): the node label chooses the layout, `selected` may be absent
+        self.layout_file = LayoutKeeper(config_path, bus, self._observe, judge=lambda *a: judged(self.next_action, *a),
+                                        label_selects=label_selects)
+        self.state_dir = state_dir
+        # `gpudctl select NAME`, kept across restarts (engine/layout_choice); a node label replaces it,
+        # so with --kube-node a choice kept from before does not count
+        self.layout_file.select = None if label_selects else layout_choice.load(state_dir, self.state_problems)
+        self.operand_guard = operand_guard  # --kube-node: the kube agent
         self.scheduler = PassScheduler()
         self.holder_watch = HolderWatch(self._holder_exited)
         # PCI address -> kept index: a GPU leaving the bus shifts nobody (gpud.engine.observe.gpu_index)
@@ -102,19 +117,27 @@ class Reconciler:
         self.resolution: Resolution | None = None
         self.observation = Observation(gpus=(), functions=())
         self.gpu_states: dict[str, GpuState] = {}
-        self.phase = "starting"
+        self.phase: Phase = "starting"
+        self._acted = False  # whether the running pass has carried out any step
+        self._apply_wanted = False  # `gpudctl apply` asked for the next pass (policy.apply: manual)
+        self._apply_now = False  # ... and the running pass is that one
         self.passes = 0  # passes started
         self.completed_passes = 0  # passes finished (phase says how they ended)
         self._listeners: list[Callable[[], None]] = []
+        self._view: EngineView | None = None
+        self._view_key: tuple[tuple[object, ...], tuple[object, ...]] | None = None
         self.vgpus = VgpuKeeper(hardware.vgpu, state_dir if not read_only else None, self.state_problems,
                                 vf_tool=hardware.vf_tool)
         self.reader = HostReader(hardware, self.vgpus, self.gpu_index)
-        self.steps = StepRunner(hardware, bus, self.vgpus, policy=lambda: self.policy, drainer=lambda: self.drainer,
-                                reread=self._reread, plan=self.next_action,
-                                nvml_stale=lambda: self.observation.nvml_stale, binder_timeout=binder_timeout)
+        self.steps = StepRunner(hardware, bus, self.vgpus, self, binder_timeout=binder_timeout)
         # the one current observation: read off the loop, re-read on change and while clients ask
         self.observer = Observer(self._read_host, self._install, max_age=max_status_age,
                                  busy=lambda: bool(self.steps.inflight))
+        # MIG on demand on the dynamic GPUs: beside the pass, never behind it (engine/leases)
+        self.leases = LeaseEngine(hardware, bus, state_dir=state_dir, problems=self.state_problems,
+                                  gate=self.steps.nvml_gate, dynamic=self._dynamic_gpus, policy=lambda: self.policy,
+                                  reread=self.refresh_async, observed_at=lambda: self.observer.started,
+                                  read_only=read_only)
 
     # ---- the file (kept by self.layout_file) ----------------------------------------------
     @property
@@ -152,11 +175,34 @@ class Reconciler:
         choice; None: the file's own again), read and checked off the event loop."""
         return self._taken(await self.layout_file.choose_async(name, self._observe_async))
 
+    async def select_layout_async(self, name: str | None) -> bool:
+        """`gpudctl select`: put layout `name` of the file in force (None: the file's own
+        `selected` again) and keep the choice across restarts. A name the file refuses changes
+        nothing: the choice in force before stays, and False is returned with the errors in
+        `layout_issues` until the next load."""
+        before = self.layout_file.select
+        if await self.choose_layout_async(name):
+            if not self.read_only:
+                try:
+                    layout_choice.save(self.state_dir, name)
+                except OSError as e:
+                    self.state_problems.say(layout_choice.FILE_NAME, f"the layout choice {name!r} is in force "
+                                            f"but was not kept ({e}): a restart goes back to the file's own")
+            self.bus.publish("layout-selected", f"layout {name!r} chosen by gpudctl select" if name
+                             else "the file's own `selected` is in force again")
+            return True
+        self.layout_file.select = before
+        return False
+
     async def evaluate_async(self, text: str, path: str, *, select: str | None = None,
                              ) -> tuple[ParsedLayout, Resolution, Observation]:
         """Parse a layout text and resolve it against this host as that layout's own `match:` sees it
         (`select`: a layout chosen over the file's `selected`), the host read off the event loop."""
         return await self.layout_file.evaluate_async(text, path, self._observe_async, select=select)
+
+    async def evaluate_each_async(self, text: str, path: str, names: list[str]) -> list[tuple[str, Resolution]]:
+        """Layouts `names` of one text, each resolved as if selected, from one parse and one host read."""
+        return await self.layout_file.evaluate_each_async(text, path, names, self._observe_async)
 
     async def _observe_async(self, match: tuple[MatchRule, ...]) -> Observation:
         """The host as `match` selects it, read in a worker thread. For the layout in force's own
@@ -205,16 +251,59 @@ class Reconciler:
         if changed:
             self._notify()
 
-    def phase_now(self) -> str:
+    def phase_now(self) -> Phase:
         """The phase as it is at this moment (status' top line): an invalid file first, then a GPU
         being changed, then a change not started yet, else what the last pass concluded."""
         if self.layout_issues[0] or (self.resolution is not None and self.resolution.errors):
             return "invalid-layout"
         states = {s.state for s in self.gpu_states.values()}
-        for live in ("applying", "pending"):
-            if live in states:
-                return live
+        if "applying" in states:
+            return "applying"
+        if "pending" in states:
+            return "pending"
         return self.phase
+
+    def view(self) -> EngineView:
+        """The engine's state now as one frozen record (gpud.engine.view), rebuilt only when
+        something in it changed: the records are immutable (frozen structs, replaced rather than
+        edited), so they are compared by identity; the rest by value."""
+        states = self.gpu_states
+        rebuilt = tuple((pci, tuple(what)) for pci, what in self.vgpus.rebuilt.items())  # a small, edited dict
+        errors, warnings = self.layout_issues
+        records = self.leases.book.records  # replaced, never edited, on each lease change
+        label_selects = self.layout_file.label_selects
+        chosen = self.selected is not None and self.selected == self.layout_file.select and not label_selects
+        key = ((self.observation, self.resolution, self.layout, records, *states.values()),
+               (self.phase, self.phase_now(), tuple(errors), tuple(warnings), tuple(states), self.config_path,
+                self.read_only, self.boot_rebuild.summary, rebuilt, self._problems(),
+                tuple(self.gpu_set.notes.items()), self.passes, self.completed_passes, label_selects, chosen))
+        old = self._view_key
+        if (self._view is not None and old is not None and len(old[0]) == len(key[0])
+                and all(a is b for a, b in zip(old[0], key[0], strict=True)) and old[1] == key[1]):
+            return self._view
+        self._view_key = key
+        self._view = EngineView(
+            observation=self.observation, resolution=self.resolution, gpu_states=MappingProxyType(dict(states)),
+            phase=self.phase, phase_now=self.phase_now(), layout=self.layout, layout_errors=tuple(errors),
+            layout_warnings=tuple(warnings), config_path=self.config_path, read_only=self.read_only,
+            notes=MappingProxyType(dict(self.gpu_set.notes)), problems=self._problems(),
+            rebuilt_after_boot=self.boot_rebuild.summary, vgpus_rebuilt=MappingProxyType(dict(rebuilt)),
+            passes=self.passes, completed_passes=self.completed_passes, leases=tuple(self.leases.leases()),
+            lease_free=MappingProxyType(self.leases.free()), label_selects=label_selects, chosen=chosen)
+        return self._view
+
+    @property
+    def selected(self) -> str | None:
+        layout = self.layout
+        return layout.layout.selected if layout is not None and layout.layout is not None else None
+
+    def _problems(self) -> tuple[str, ...]:
+        """What is wrong with gpud's state files (set aside, not written), each said once."""
+        out = self.state_problems.list()
+        index = self.gpu_index.problem
+        if index and index not in out:
+            out = [*(m for m in out if not index.startswith(m)), index]
+        return tuple(out)
 
     @property
     def policy(self) -> Policy | None:
@@ -222,9 +311,10 @@ class Reconciler:
         return layout.layout.policy if layout is not None and layout.layout is not None else None
 
     # ---- scheduling (by self.scheduler) ---------------------------------------------------
-    def kick(self, reason: str) -> int:
-        """Ask for a pass; returns the ticket a caller can wait on with `wait_for`."""
-        return self.scheduler.kick(reason)
+    def kick(self, reason: str, *, seen_since: float | None = None) -> int:
+        """Ask for a pass; returns the ticket a caller can wait on with `wait_for` (`seen_since`:
+        PassScheduler.kick)."""
+        return self.scheduler.kick(reason, seen_since=seen_since)
 
     async def wait_for(self, ticket: int, timeout: float | None = None) -> bool:
         return await self.scheduler.wait_for(ticket, timeout)
@@ -249,10 +339,22 @@ class Reconciler:
             self.bus.publish("error", "internal error in the reconcile pass; see the journal")
 
     # ---- observation ------------------------------------------------------------------------
-    async def _reread(self, pci: str) -> Gpu | None:
+    @property
+    def nvml_stale(self) -> bool:
+        """The observation's NVML view is the last good one, kept while a rebind holds NVML closed."""
+        return self.observation.nvml_stale
+
+    async def reread(self, pci: str) -> Gpu | None:
         """The host re-read; the GPU at `pci` as it is now (None: gone from the bus)."""
         await self.refresh_async()
         return self._gpu(pci)
+
+    def _dynamic_gpus(self) -> list[tuple[Gpu, DesiredGpu]]:
+        """The GPUs the layout in force marks `mig-devices: dynamic`, as last observed."""
+        res = self.resolution
+        if res is None or res.errors:
+            return []
+        return [(g, d) for g in self.observation.gpus if (d := res.desired.get(g.pci)) is not None and d.dynamic]
 
     def _gpu(self, pci: str) -> Gpu | None:
         """The GPU at `pci` in the last observation."""
@@ -311,10 +413,17 @@ class Reconciler:
             if target_driver != "nvidia" and gpu.nvml.mig_capable and (gpu.nvml.mig_mode or gpu.nvml.mig_pending):
                 # MIG state belongs to the nvidia driver: undo it before the GPU leaves.
                 mig_desired = msgspec.structs.replace(desired, mig_enabled=False, mig_devices={})
+            if mig_desired.dynamic and mig_desired is desired:
+                # Leases make this GPU's instances (gpud.engine.leases): the pass sees only to
+                # the mode, where leases cannot (an Ampere change needs a reset) or the policy
+                # keeps it on; never to an instance.
+                mig_desired = dynamic_mode(gpu, desired, self.policy)
             if mig_desired.mig_enabled is not None and gpu.nvml.mig_capable:
                 plan = plan_gpu(gpu, mig_desired)
                 if plan.infeasible:
                     return GpuState("failed", plan.infeasible)
+                if (taken := self.leases.taken_by(plan)) is not None:  # a static layout over leases
+                    return GpuState("failed", taken)
                 if plan.steps:
                     if plan.mode_change and (off := self.vgpus.vfs_off_before_mode_change(gpu)) is not None:
                         return off
@@ -332,7 +441,20 @@ class Reconciler:
         return self.vgpus.creations(gpu, desired)
 
     # ---- execution ----------------------------------------------------------------------------
+    def request_apply(self, *, seen_since: float | None = None) -> int:
+        """`gpudctl apply`: a pass that converges even under `policy.apply: manual`; its ticket."""
+        self._apply_wanted = True
+        return self.kick("apply requested", seen_since=seen_since)
+
+    def _held(self) -> bool:
+        """This pass only says what is pending: the layout in force is `apply: manual` and no
+        `gpudctl apply` asked for it (with --kube-node the node label is that request)."""
+        policy = self.policy
+        return (policy is not None and policy.apply == "manual" and not self._apply_now
+                and self.operand_guard is None and not self.read_only)
+
     async def converge(self) -> None:
+        self._apply_now, self._apply_wanted = self._apply_wanted, False
         if self.layout is None:
             await self.refresh_async()
             self.phase = "invalid-layout"
@@ -340,11 +462,13 @@ class Reconciler:
         async with self.apply_lock.held(lambda m: self.bus.publish("waiting", m)):
             self.passes += 1
             self._pass_layout = self.layout  # a reload during the pass takes effect in the next one
+            self._acted = False
             try:
                 await self._converge_all()
             finally:
                 self._pass_layout = None
-            await self.refresh_async()
+            if self._acted:  # a pass that changed nothing ends with the view it began with
+                await self.refresh_async()
         self.phase = _phase(self.gpu_states.values())
         self.reboot_policy.after_pass(self.phase)
         self.boot_rebuild.pass_ended(self.gpu_states, self.phase)
@@ -352,9 +476,15 @@ class Reconciler:
         self._notify()
 
     async def _converge_all(self) -> None:
-        await self.refresh_async()
+        if self.scheduler.running:  # a read begun after the pass was asked for is fresh enough
+            await self.observer.fresh(self.scheduler.pass_since)
+        else:
+            await self.refresh_async()
         resolution = self.resolution  # this pass works from one resolution, whatever refresh() does
         assert resolution is not None
+        # A file taken while the pass waited for its read is the one resolved: its policy (and, via
+        # the resolution, its hooks) rule this pass, never the layout the pass was asked under.
+        self._pass_layout = self.layout
         if resolution.errors:  # the host changed under a good file: change nothing
             self.phase = "invalid-layout"
             self.bus.publish("layout-invalid", "; ".join(str(e) for e in resolution.errors))
@@ -387,7 +517,7 @@ class Reconciler:
         todo = {}
         for gpu in self.observation.gpus:
             desired = resolution.desired.get(gpu.pci)
-            if desired is not None and not self.read_only:
+            if desired is not None and not self.read_only and not self._held():
                 action = self.next_action(gpu, desired)
                 if isinstance(action, Action):
                     todo[gpu.pci] = action
@@ -409,8 +539,8 @@ class Reconciler:
     async def _apply_with_hooks(self, todo: dict[str, Action], resolution: Resolution) -> None:
         """The GPUs that change, inside the layout's hook phases (see gpud.engine.hooks.phases)."""
         self.steps.mig_changed.clear()
-        layout = self._pass_layout.layout if self._pass_layout is not None else None
-        assert layout is not None  # a pass runs only under a layout that parsed (run() set it)
+        layout = resolution.layout  # hooks and steps from the same resolved layout, always
+        assert layout is not None  # a resolution without errors carries its layout
 
         def abort(pci: str, failure: HookFailed) -> None:
             self._set(pci, GpuState("failed", f"hook aborted the apply, nothing changed: {failure}"))
@@ -435,15 +565,23 @@ class Reconciler:
                 return action
             if self.read_only:
                 return GpuState("read-only", f"read-only mode: would apply {action.summary}")
+            if self._held():
+                n = step_count(action)
+                return GpuState("pending", f"pending: {n} step{'s' if n != 1 else ''} (policy.apply: manual; "
+                                           "`gpudctl plan` shows them, `gpudctl apply` runs them)")
             if action.kind in ("mig", "vgpu") and action.plan.blocked_by:  # nothing is touched while busy
                 names = ", ".join(f"pid {h.pid} {h.name}{f' (VM {h.vm})' if h.vm else ''} on {h.device}"
                                   for h in action.plan.blocked_by)
                 return self._busy(GpuState("waiting", f"waiting for {names}", tuple(action.plan.blocked_by)))
             self._set(pci, GpuState("applying", action.summary), steps=step_count(action))
             outcome = await self.steps.run(gpu, action, desired)
+            self._acted = True
             if outcome.state != "converged":
                 return self._busy(outcome) if outcome.state == "waiting" else outcome
-            await self.refresh_async()
+            if action.kind == "mig":
+                await self.observer.refresh_gpu(pci, self.reader.read_gpu)  # MIG steps change that GPU alone
+            else:
+                await self.refresh_async()
         return GpuState("failed", f"still not converged after {MAX_ROUNDS} rounds")
 
     def _busy(self, waiting: GpuState) -> GpuState:
@@ -464,10 +602,13 @@ class Reconciler:
 
     def _holder_exited(self, pid: int) -> None:  # called once per process (HolderWatch)
         self.bus.publish("holder-exited", f"pid {pid} exited")
+        # only an applying pass waits for holders: the pass that goes on after one is that apply's,
+        # under policy.apply: manual too
+        self._apply_wanted = True
         self.kick(f"pid {pid} exited")
 
 
-def _phase(states: Iterable[GpuState]) -> str:
+def _phase(states: Iterable[GpuState]) -> Phase:
     names = {s.state for s in states}
     for phase in PHASE_ORDER:
         if phase in names:

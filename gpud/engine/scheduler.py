@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Callable
 
 log = logging.getLogger(__name__)
@@ -18,11 +19,16 @@ class PassScheduler:
         self._completed = 0
         self._done = asyncio.Condition()
         self.running = False  # a pass is in progress
+        self._need = 0.0  # the pass asked for must read the host as it was at or after this moment
+        self.pass_since = 0.0  # that moment for the pass running now (time.monotonic())
 
-    def kick(self, reason: str) -> int:
-        """Ask for a pass; returns the ticket a caller can wait on with `wait_for`."""
+    def kick(self, reason: str, *, seen_since: float | None = None) -> int:
+        """Ask for a pass; returns the ticket a caller can wait on with `wait_for`. The pass reads
+        the host afresh, begun after this request, or after `seen_since` when the caller has just
+        had it read since that moment (an apply re-reads the file against the host first)."""
         self._requested += 1
         log.debug("pass requested: %s", reason)
+        self._need = max(self._need, time.monotonic() if seen_since is None else seen_since)
         self._kick.set()
         return self._requested
 
@@ -46,6 +52,7 @@ class PassScheduler:
             await asyncio.sleep(debounce)  # coalesce bursts (editor saves, udev storms)
             self._kick.clear()
             target = self._requested
+            self.pass_since, self._need = self._need, 0.0
             self.running = True
             try:
                 await run_pass()

@@ -8,17 +8,14 @@ refused layout file.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from typing import TYPE_CHECKING
 
 from gpud.engine.gpu_state import GpuState
-
-if TYPE_CHECKING:
-    from gpud.engine.reconciler import Reconciler
+from gpud.engine.view import EngineView
 
 
-def of(rec: Reconciler) -> str:
-    """The line for the reconciler's state now."""
-    return status_line((g.pci for g in rec.observation.gpus), rec.gpu_states, layout_invalid=bool(rec.layout_issues[0]))
+def of(view: EngineView) -> str:
+    """The line for the engine's state in `view`."""
+    return status_line((g.pci for g in view.observation.gpus), view.gpu_states, layout_invalid=bool(view.layout_errors))
 
 
 def status_line(present: Iterable[str], gpu_states: Mapping[str, GpuState], *, layout_invalid: bool) -> str:

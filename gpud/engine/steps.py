@@ -15,8 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Awaitable, Callable
-from typing import Literal
+from typing import Literal, Protocol
 
 from gpud.engine.events import EventBus, event_fields
 from gpud.engine.gpu_state import Action, BindAction, GpuState, GpuStateName, MigAction, VgpuAction
@@ -31,24 +30,37 @@ from gpud.plan.binding import BindingPlan
 from gpud.plan.mig import GpuPlan
 
 
-class StepRunner:
-    """Runs steps for the pass. `policy` is the layout in force's (drain-units, reset, reboot);
-    `reread` re-reads the host and returns the GPU as it is now (None: gone from the bus); `plan`
-    is the pass's own planner, for a MIG plan made from a view that went stale."""
+class ThePass(Protocol):
+    """What a step asks of the pass it runs for (the Reconciler is one)."""
 
-    def __init__(self, hw: Hardware, bus: EventBus, vgpus: VgpuKeeper, *,
-                 policy: Callable[[], Policy | None], drainer: Callable[[], Drainer | None],
-                 reread: Callable[[str], Awaitable[Gpu | None]],
-                 plan: Callable[[Gpu, DesiredGpu], Action | GpuState | None],
-                 nvml_stale: Callable[[], bool], binder_timeout: float = 30.0) -> None:
+    @property
+    def policy(self) -> Policy | None:
+        """The layout in force's policy (drain-units, reset, reboot)."""
+
+    @property
+    def drainer(self) -> Drainer | None:
+        """Stops and starts the units policy.drain-units names (None: no system bus)."""
+
+    @property
+    def nvml_stale(self) -> bool:
+        """The last observation's NVML view is one kept while a rebind held NVML closed."""
+
+    async def reread(self, pci: str) -> Gpu | None:
+        """Re-read the host; the GPU at `pci` as it is now (None: gone from the bus)."""
+
+    def next_action(self, gpu: Gpu, desired: DesiredGpu) -> Action | GpuState | None:
+        """The pass's own planner, for a MIG plan made from a view that went stale."""
+
+
+class StepRunner:
+    """Runs steps for `the_pass` (ThePass)."""
+
+    def __init__(self, hw: Hardware, bus: EventBus, vgpus: VgpuKeeper, the_pass: ThePass, *,
+                 binder_timeout: float = 30.0) -> None:
         self.hw = hw
         self.bus = bus
         self.vgpus = vgpus
-        self._policy = policy
-        self._drainer = drainer
-        self._reread = reread
-        self._plan = plan
-        self._nvml_stale = nvml_stale
+        self._pass = the_pass
         self.binder_timeout = binder_timeout
         # GPUs converge side by side (gpud.engine.gpu_tasks): NVML work and unbinds from nvidia
         # exclude each other; drained units stay stopped until the last GPU's step ends.
@@ -81,12 +93,12 @@ class StepRunner:
 
     @contextlib.asynccontextmanager
     async def _drained(self):
-        policy = self._policy()
+        policy = self._pass.policy
         units = list(policy.drain_units) if policy is not None else []
         if not units:
             yield
             return
-        drainer = self._drainer()
+        drainer = self._pass.drainer
         if drainer is None:
             raise RuntimeError(f"policy.drain-units {units} needs the system D-Bus, which is not reachable")
         async with self.shared_drain.drained(drainer, units):
@@ -111,16 +123,16 @@ class StepRunner:
             msg = f"{step} {result}"
             loop.call_soon_threadsafe(lambda: self.bus.publish("step", msg, gpu=gpu.pci, step=event_fields(step)))
 
-        policy = self._policy()
+        policy = self._pass.policy
         async with self.nvml_gate.hold("open"), self._drained():
-            if self._nvml_stale():
+            if self._pass.nvml_stale:
                 # Planned from the view another GPU's rebind left while NVML was closed: steps done
                 # since would be planned again (a second create fails INSUFFICIENT_RESOURCES).
                 # No unbind runs while this hold is held, so NVML can be read now: plan again.
-                fresh = await self._reread(gpu.pci)
+                fresh = await self._pass.reread(gpu.pci)
                 if fresh is None:
                     return GpuState("gone", "the GPU disappeared from the PCI bus")
-                action = self._plan(fresh, desired)
+                action = self._pass.next_action(fresh, desired)
                 if isinstance(action, GpuState):
                     return action
                 if not isinstance(action, MigAction):  # nothing left for MIG: the pass's next round decides
@@ -151,7 +163,7 @@ class StepRunner:
         if not result.ok:
             return self._reset_refused(gpu, why, result)
         self.mig_changed.add(gpu.pci)
-        after = await self._reread(gpu.pci)
+        after = await self._pass.reread(gpu.pci)
         nv = after.nvml if after is not None else None
         if nv is not None and nv.mig_mode is not None and nv.mig_pending is not None and nv.mig_mode != nv.mig_pending:
             return GpuState("reboot-required", f"{why}; the reset of {gpu.pci} did not apply it "
@@ -169,7 +181,7 @@ class StepRunner:
                 return GpuState("waiting", f"{why}; {result.summary()}; held by {names}", tuple(holders))
             return GpuState("failed", f"{why}; {result.summary()}; no process holding it was found "
                                       f"(a kernel client such as nvidia_drm may hold it)")
-        policy = self._policy()
+        policy = self._pass.policy
         state: GpuStateName = "reboot-required" if policy is not None and policy.reboot == "allow" else "reset-required"
         return GpuState(state, f"{why}; the reset was refused: {result.summary()}")
 

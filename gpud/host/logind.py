@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from gpud.host import state_files
@@ -75,12 +76,22 @@ def clear_reboot_request(state_dir: str) -> None:
 
 
 async def request_reboot(state_dir: str, reason: str, *, bus_address: str | None = None,
-                         call_timeout: float = 25.0, boot_id_path: str = BOOT_ID_PATH) -> bool:
+                         call_timeout: float = 25.0, boot_id_path: str = BOOT_ID_PATH,
+                         logind: Callable[[str], None] | None = None) -> bool:
     """Ask logind to reboot, unless a reboot for an earlier request already happened and its
     marker was not cleared: then return False, so a change that a reboot did not fix cannot
-    reboot the machine over and over. The marker is written (durably) before the call."""
+    reboot the machine over and over. The marker is written (durably) before the call.
+    `logind`: another logind than the system bus's (the simulated host's), called with the reason."""
     if not mark_reboot(state_dir, reason, boot_id_path=boot_id_path):
         return False
+    if logind is not None:
+        try:
+            await asyncio.to_thread(logind, reason)
+        except Exception as e:
+            clear_reboot_request(state_dir)
+            raise SystemdError(f"logind refused the reboot ({reason}): {e}") from e
+        log.warning("reboot requested through the simulated host's logind: %s", reason)
+        return True
     from dbus_fast import BusType, DBusError, Message, MessageType
     from dbus_fast.aio import MessageBus
 

@@ -118,12 +118,9 @@ class GpuReset:
     def _pending(self) -> list[str]:
         if self.intent_path is None:
             return []
-        try:
-            with open(self.intent_path, "rb") as f:
-                got = json.load(f)
-        except (OSError, ValueError):
-            return []
-        return [p for p in got if isinstance(p, str)] if isinstance(got, list) else []
+        from gpud.host import state_files  # the one safe reader: a FIFO here hung the start
+
+        return state_files.load(self.intent_path, _decode_intent, limit=65536, what="persistence intent") or []
 
     def _intend(self, pci: str, pending: bool) -> None:
         if self.intent_path is None:
@@ -157,6 +154,13 @@ class GpuReset:
         except OSError as e:
             return ResetResult(False, "sysfs", None, f"sysfs reset of {pci} failed: {e}")
         return ResetResult(True, "sysfs", None, "")
+
+
+def _decode_intent(data: bytes) -> list[str]:
+    got = json.loads(data)
+    if not isinstance(got, list) or not all(isinstance(p, str) for p in got):
+        raise ValueError("expected a JSON list of PCI addresses")
+    return got
 
 
 __all__ = ["GpuReset", "ResetResult", "KNOWN_HOLDERS", "PERSISTENCED"]

@@ -4,13 +4,20 @@ Reads every GPU NVML can see into `gpud.model.NvmlGpu` records and performs the 
 the executor needs. Traps handled here, once (docs/hardware/mig-nvml.md):
 - GI profiles are queried by *index* constant but everything is keyed by the returned `.id`;
 - placements are caller-allocated (two calls) and the create placement goes `byref`;
-- `nvmlDeviceIsMigDeviceHandle` returns a c_uint object, so it is tested with bool().
+- a MIG device handle comes only from `nvmlDeviceGetMigDeviceHandleByIndex` (so it needs no
+  `nvmlDeviceIsMigDeviceHandle`, whose c_uint answer is true even when `== 1` is not).
 Every mutating method passes `refuse_if` before touching NVML, so read-only mode cannot change a
 host even through a bug further down.
+
+What cannot change while the session and the GPU stay the same (identity, profile tables,
+placements, the session's device list) is read once per session (gpud.host.nvml_static); an
+observation asks only for what changes. `close` drops it all: every re-init, reset, rebind and
+hot-plug goes through a closed session.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import threading
@@ -18,8 +25,10 @@ from collections.abc import Callable, Iterable
 from ctypes import byref, c_uint
 from typing import Any, TypeVar
 
+import msgspec
 import pynvml
 
+from gpud.host.nvml_static import GpuStatic, SessionCache
 from gpud.host.nvml_users import SessionUsers
 from gpud.host.procs import process_name
 from gpud.host.readonly import refuse_if
@@ -83,8 +92,7 @@ class Nvml:
         self._open = False
         self._suspended = 0  # rebinds in flight that need NVML closed (several GPUs may rebind at once)
         self._session = threading.RLock()  # open/close/suspend from the loop and worker threads
-        # (pci, GI profile id) -> size in memory slices, learned from the possible placements
-        self._sizes: dict[tuple[str, int], int] = {}
+        self._cache = SessionCache()  # what the session need not read twice (dropped by close)
         self._users = SessionUsers()
 
     # session ------------------------------------------------------------------------------------
@@ -100,7 +108,7 @@ class Nvml:
     def close(self) -> None:
         """nvmlShutdown: our own NVML client must not be what keeps a GPU busy during an unbind."""
         with self._session:
-            self._sizes.clear()  # a GPU may be swapped (unplug/plug) before the next session
+            self._cache.clear()  # a GPU may be reset, rebound or swapped before the next session
             if self._open:
                 self._open = False
                 self._call("nvmlShutdown", None, pynvml.nvmlShutdown)
@@ -193,26 +201,54 @@ class Nvml:
         return self._users.reopen(close_and_open)
 
     def _gpus(self) -> list[NvmlGpu]:
-        self._ensure_open()
-        n = self._call("nvmlDeviceGetCount", None, pynvml.nvmlDeviceGetCount)
         out = []
-        for i in range(n):
+        for i, (handle, pci) in enumerate(self._enumerate()):
             try:  # one lost GPU (Xid, fallen off the bus) must not hide the others
-                out.append(self._read(self._call("nvmlDeviceGetHandleByIndex", None,
-                                                 pynvml.nvmlDeviceGetHandleByIndex, i)))
+                out.append(self._read(handle, pci))
             except NvmlError as e:
                 if e.code == pynvml.NVML_ERROR_UNINITIALIZED or self._suspended:
                     raise  # the session was closed under us: nothing read is a complete view
-                log.warning("NVML GPU %d unreadable: %s", i, e)
+                log.warning("NVML GPU %d unreadable (%s): %s", i, pci, e)
         return out
 
+    def _enumerate(self) -> list[tuple[Any, str]]:
+        """The session's GPUs in NVML index order, (handle, PCI address). NVML enumerates at nvmlInit
+        (docs/hardware/nvml-enumeration.md), so the list is read once per session; one with a GPU
+        that could not be read is not kept, and the next read tries again."""
+        self._ensure_open()
+        cache = self._cache
+        known = cache.enumerated
+        if known is not None:
+            return known
+        generation = cache.generation
+        n = self._call("nvmlDeviceGetCount", None, pynvml.nvmlDeviceGetCount)
+        found: list[tuple[Any, str]] = []
+        for i in range(n):
+            try:
+                handle = self._call("nvmlDeviceGetHandleByIndex", None, pynvml.nvmlDeviceGetHandleByIndex, i)
+                found.append((handle, self._pci_of(handle)))
+            except NvmlError as e:
+                if e.code == pynvml.NVML_ERROR_UNINITIALIZED or self._suspended:
+                    raise
+                log.warning("NVML GPU %d unreadable: %s", i, e)
+        if len(found) == n:
+            cache.store_if(generation, lambda: setattr(cache, "enumerated", found))
+        return found
+
     @_in_session
-    def gpu(self, pci: str) -> NvmlGpu | None:
+    def gpu(self, pci: str, *, details: bool = True) -> NvmlGpu | None:
+        """One GPU now. `details=False` reads its layout only (MIG mode, GIs, CIs with their
+        placements): no MIG UUIDs, no holders, no processes, for checking a step's effect."""
         handle = self._handle(pci, missing_ok=True)
-        return None if handle is None else self._read(handle)
+        if handle is None:
+            return None
+        return self._read(handle, pci if self._cache.handle_of(pci) is not None else None, details=details)
 
     def _handle(self, pci: str, *, missing_ok: bool = False) -> Any:
         self._ensure_open()
+        known = self._cache.handle_of(pci)
+        if known is not None:
+            return known
         try:
             return pynvml.nvmlDeviceGetHandleByPciBusId(pci)
         except pynvml.NVMLError as e:
@@ -220,36 +256,66 @@ class Nvml:
                 return None
             raise NvmlError(e.value, "nvmlDeviceGetHandleByPciBusId", pci) from e
 
-    def _read(self, h: Any) -> NvmlGpu:
+    def _pci_of(self, h: Any) -> str:
         info = self._call("nvmlDeviceGetPciInfo", None, pynvml.nvmlDeviceGetPciInfo, h)
         bus_id = info.busId.decode() if isinstance(info.busId, bytes) else info.busId
-        pci = normalize_pci(bus_id) or bus_id.lower()
-        uuid = self._query(pci, h, "nvmlDeviceGetUUID")
-        name = self._query(pci, h, "nvmlDeviceGetName")
-        minor = self._optional(pci, "nvmlDeviceGetMinorNumber", h)
-        memory_mb = self._query(pci, h, "nvmlDeviceGetMemoryInfo").total // _MIB
-        try:  # only node labels use it: an older driver without it must not hide the GPU
-            compute = self._optional(pci, "nvmlDeviceGetCudaComputeCapability", h)
-        except NvmlError:
-            compute = None
-        mode = self._optional(pci, "nvmlDeviceGetMigMode", h)
+        return normalize_pci(bus_id) or bus_id.lower()
+
+    def _read(self, h: Any, pci: str | None = None, *, details: bool = True) -> NvmlGpu:
+        """One GPU now: its static part from the session's cache, the rest asked (`gpu`)."""
+        if pci is None:
+            pci = self._pci_of(h)
+        static = self._cache.gpus.get(pci)
+        mode = self._optional(pci, "nvmlDeviceGetMigMode", h) if static is None or static.mig_capable else None
+        if static is None:
+            static = self._read_static(h, pci, mig_capable=mode is not None)
+        elif pci in self._cache.memory_stale:
+            static = self._memory_again(h, static)
         current, pending = (mode if mode is not None else (None, None))
         profiles: tuple[MigProfile, ...] = ()
         instances: tuple[GpuInstance, ...] = ()
         if mode is not None:
-            raw = self._raw_profiles(pci, h)
             if current == 1:
-                instances = self._attach_ci_details(pci, h, self._instances(pci, h, raw))
-            profiles = self._profiles(pci, h, raw, instances)
-        processes = tuple(
+                instances = self._instances(pci, h, static)
+                if details:
+                    instances = self._attach_ci_details(pci, h, instances)
+            profiles = self._profiles(pci, static, instances)
+        processes = () if not details else tuple(
             Holder(pid=p.pid, name=self._process_name(p.pid), device=pci)
             for p in self._query(pci, h, "nvmlDeviceGetComputeRunningProcesses")
             if p.gpuInstanceId in (NOT_IN_MIG_INSTANCE, None)  # processes inside MIG devices are listed per device
         )
-        return NvmlGpu(pci=pci, uuid=uuid, name=name, minor=minor, memory_mb=memory_mb,
-                       compute_capability=tuple(compute) if compute is not None else None,
+        return NvmlGpu(pci=pci, uuid=static.uuid, name=static.name, minor=static.minor, memory_mb=static.memory_mb,
+                       compute_capability=static.compute_capability,
                        mig_capable=mode is not None, mig_mode=current, mig_pending=pending,
                        profiles=profiles, instances=instances, processes=processes)
+
+    def _read_static(self, h: Any, pci: str, *, mig_capable: bool) -> GpuStatic:
+        """What the GPU answers the same for the whole session (gpud.host.nvml_static), read and kept."""
+        generation = self._cache.generation
+        try:  # only node labels use it: an older driver without it must not hide the GPU
+            compute = self._optional(pci, "nvmlDeviceGetCudaComputeCapability", h)
+        except NvmlError:
+            compute = None
+        static = GpuStatic(
+            pci=pci, uuid=self._query(pci, h, "nvmlDeviceGetUUID"), name=self._query(pci, h, "nvmlDeviceGetName"),
+            minor=self._optional(pci, "nvmlDeviceGetMinorNumber", h),
+            memory_mb=self._query(pci, h, "nvmlDeviceGetMemoryInfo").total // _MIB,
+            compute_capability=(int(compute[0]), int(compute[1])) if compute is not None else None,
+            mig_capable=mig_capable, profiles=self._gi_profiles(pci, h) if mig_capable else ())
+        self._cache.store_if(generation, lambda: self._cache.gpus.__setitem__(pci, static))
+        return static
+
+    def _memory_again(self, h: Any, static: GpuStatic) -> GpuStatic:
+        generation = self._cache.generation
+        fresh = dataclasses.replace(static, memory_mb=self._query(static.pci, h, "nvmlDeviceGetMemoryInfo").total // _MIB)
+
+        def put() -> None:
+            self._cache.gpus[static.pci] = fresh
+            self._cache.memory_stale.discard(static.pci)
+
+        self._cache.store_if(generation, put)
+        return fresh
 
     def _query(self, pci: str, h: Any, name: str) -> Any:
         """pynvml.<name>(h) for GPU `pci`; NvmlError naming the call on failure."""
@@ -264,9 +330,10 @@ class Nvml:
                 return None
             raise NvmlError(e.value, name, pci) from e
 
-    def _raw_profiles(self, pci: str, h: Any) -> dict[int, Any]:
-        """GI profile infos by profile *id*, asked by every index constant NVML knows."""
-        out: dict[int, Any] = {}
+    def _gi_profiles(self, pci: str, h: Any) -> tuple[MigProfile, ...]:
+        """The GI profiles with their possible placements, asked by every index constant NVML knows
+        and keyed by the profile *id* they answer with; CI profiles are added per read (`_profiles`)."""
+        raw: dict[int, Any] = {}
         for index in range(pynvml.NVML_GPU_INSTANCE_PROFILE_COUNT):
             try:
                 info = pynvml.nvmlDeviceGetGpuInstanceProfileInfo(h, index)
@@ -274,25 +341,27 @@ class Nvml:
                 if e.value in _SKIP:
                     continue
                 raise NvmlError(e.value, "nvmlDeviceGetGpuInstanceProfileInfo", pci) from e
-            out.setdefault(info.id, info)
-        return out
-
-    def _profiles(self, pci: str, h: Any, raw: dict[int, Any],
-                  instances: tuple[GpuInstance, ...]) -> tuple[MigProfile, ...]:
+            raw.setdefault(info.id, info)
         out = []
         for info in raw.values():
-            placements = self._placements(pci, h, info.id)
-            if placements:
-                self._sizes[(pci, info.id)] = placements[0].size
             name = info.name.decode() if isinstance(info.name, bytes) else info.name
             out.append(MigProfile(
                 id=info.id, name=name.removeprefix("MIG "), slices=info.sliceCount,
                 memory_mb=info.memorySizeMB, sms=info.multiprocessorCount,
-                instance_count=info.instanceCount, placements=placements,
-                ci_profiles=self._ci_profiles_for(pci, h, info.id, instances),
+                instance_count=info.instanceCount, placements=self._placements(pci, h, info.id),
                 copy_engines=info.copyEngineCount, decoders=info.decoderCount,
                 encoders=info.encoderCount, jpegs=info.jpegCount, ofas=info.ofaCount))
         return tuple(out)
+
+    def _profiles(self, pci: str, static: GpuStatic, instances: tuple[GpuInstance, ...]) -> tuple[MigProfile, ...]:
+        """The GI profiles, each with the CI profiles NVML lists for it. NVML answers those only
+        through a live GI of that profile; without one they are absent (the planner fills them from
+        the model's table: gpud.profiles.with_model_ci_profiles), learned or not."""
+        live = {gi.profile_id for gi in instances}
+        return tuple(
+            msgspec.structs.replace(p, ci_profiles=tuple(self._cache.ci_profiles.get((pci, p.id), {}).values()))
+            if p.id in live else p
+            for p in static.profiles)
 
     def _placements(self, pci: str, h: Any, profile_id: int) -> tuple[Placement, ...]:
         count = c_uint(0)
@@ -304,16 +373,17 @@ class Nvml:
         self._call(fn, pci, pynvml.nvmlDeviceGetGpuInstancePossiblePlacements, h, profile_id, arr, byref(count))
         return tuple(sorted(Placement(arr[i].start, arr[i].size) for i in range(count.value)))
 
-    def _ci_profiles_for(self, pci: str, h: Any, profile_id: int,
-                         instances: tuple[GpuInstance, ...]) -> tuple[CiProfile, ...]:
-        """What NVML says about the CI profiles of GI profile `profile_id`. NVML answers only
-        through a live GI of that profile; without one they are absent (the planner fills them
-        from the model's table: gpud.profiles.with_model_ci_profiles)."""
-        gi = next((g for g in instances if g.profile_id == profile_id), None)
-        if gi is None:
-            return ()
-        gi_handle = self._call("nvmlDeviceGetGpuInstanceById", pci, pynvml.nvmlDeviceGetGpuInstanceById, h, gi.id)
-        return tuple(self._gi_ci_profiles(pci, gi_handle).values())
+    def _ci_profiles(self, pci: str, gi_handle: Any, gi_profile_id: int) -> dict[int, CiProfile]:
+        """The CI profiles of GI profile `gi_profile_id`, asked through one of its GIs once a session
+        (the same for every GI of the profile: docs/hardware/nvml-static-reads.md)."""
+        key = (pci, gi_profile_id)
+        known = self._cache.ci_profiles.get(key)
+        if known is not None:
+            return known
+        generation = self._cache.generation
+        found = self._gi_ci_profiles(pci, gi_handle)
+        self._cache.store_if(generation, lambda: self._cache.ci_profiles.__setitem__(key, found))
+        return found
 
     def _gi_ci_profiles(self, pci: str, gi_handle: Any) -> dict[int, CiProfile]:
         out: dict[int, CiProfile] = {}
@@ -348,35 +418,37 @@ class Nvml:
             raise NvmlError(e.value, fn, pci) from e
         return tuple(sorted(arr[i].start for i in range(count.value)))
 
-    def _instances(self, pci: str, h: Any, raw: dict[int, Any]) -> tuple[GpuInstance, ...]:
+    def _instances(self, pci: str, h: Any, static: GpuStatic) -> tuple[GpuInstance, ...]:
         """GIs with their CIs (uuids and holders are filled in by `_attach_ci_details`)."""
         gis: list[GpuInstance] = []
-        for prof in raw.values():
-            for gi in self._listed(pci, "nvmlDeviceGetGpuInstances", pynvml.c_nvmlGpuInstance_t, h, prof.id,
-                                   prof.instanceCount):
-                gi_info = self._call("nvmlGpuInstanceGetInfo", pci, pynvml.nvmlGpuInstanceGetInfo, gi)
+        used: set[int] = set()  # memory slices of the GIs found so far
+        for prof in static.profiles:
+            if prof.placements and all(used & set(range(p.start, p.start + p.size)) for p in prof.placements):
+                continue  # GIs never share a memory slice (nvml.h): no GI of this profile can exist
+            count = c_uint(0)
+            arr = (pynvml.c_nvmlGpuInstance_t * max(prof.instance_count, 1))()
+            self._call("nvmlDeviceGetGpuInstances", pci, pynvml.nvmlDeviceGetGpuInstances,
+                       h, prof.id, arr, byref(count))
+            for i in range(count.value):
+                gi_info = self._call("nvmlGpuInstanceGetInfo", pci, pynvml.nvmlGpuInstanceGetInfo, arr[i])
                 if any(g.id == gi_info.id for g in gis):
                     continue
                 gis.append(GpuInstance(
                     id=gi_info.id, profile_id=gi_info.profileId,
                     placement=Placement(gi_info.placement.start, gi_info.placement.size),
-                    cis=self._cis(pci, gi)))
+                    cis=self._cis(pci, arr[i], gi_info.profileId)))
+                used.update(range(gi_info.placement.start, gi_info.placement.start + gi_info.placement.size))
         return tuple(sorted(gis, key=lambda g: g.id))
 
-    def _listed(self, pci: str, name: str, ctype: Any, parent: Any, profile_id: int, capacity: int) -> list[Any]:
-        """The instances NVML lists under `parent` for one profile: a GPU's GIs
-        (nvmlDeviceGetGpuInstances) or a GI's CIs (nvmlGpuInstanceGetComputeInstances)."""
-        count = c_uint(0)
-        arr = (ctype * max(capacity, 1))()
-        self._call(name, pci, getattr(pynvml, name), parent, profile_id, arr, byref(count))
-        return [arr[i] for i in range(count.value)]
-
-    def _cis(self, pci: str, gi_handle: Any) -> tuple[ComputeInstance, ...]:
+    def _cis(self, pci: str, gi_handle: Any, gi_profile_id: int) -> tuple[ComputeInstance, ...]:
         cis: list[ComputeInstance] = []
-        for ci_prof in self._gi_ci_profiles(pci, gi_handle).values():
-            for ci in self._listed(pci, "nvmlGpuInstanceGetComputeInstances", pynvml.c_nvmlComputeInstance_t,
-                                   gi_handle, ci_prof.id, ci_prof.instance_count):
-                info = self._call("nvmlComputeInstanceGetInfo", pci, pynvml.nvmlComputeInstanceGetInfo, ci)
+        for ci_prof in self._ci_profiles(pci, gi_handle, gi_profile_id).values():
+            count = c_uint(0)
+            arr = (pynvml.c_nvmlComputeInstance_t * max(ci_prof.instance_count, 1))()
+            self._call("nvmlGpuInstanceGetComputeInstances", pci, pynvml.nvmlGpuInstanceGetComputeInstances,
+                       gi_handle, ci_prof.id, arr, byref(count))
+            for i in range(count.value):
+                info = self._call("nvmlComputeInstanceGetInfo", pci, pynvml.nvmlComputeInstanceGetInfo, arr[i])
                 cis.append(ComputeInstance(id=info.id, profile_id=info.profileId, slices=ci_prof.slices, uuid="",
                                            start=info.placement.start))
         return tuple(sorted(cis, key=lambda c: c.id))
@@ -384,16 +456,16 @@ class Nvml:
     def _attach_ci_details(self, pci: str, h: Any, gis: tuple[GpuInstance, ...]) -> tuple[GpuInstance, ...]:
         """MIG UUIDs and processes come from the MIG device handles, matched by (GI id, CI id)."""
         details: dict[tuple[int, int], tuple[str, tuple[Holder, ...]]] = {}
-        n = self._call("nvmlDeviceGetMaxMigDeviceCount", pci, pynvml.nvmlDeviceGetMaxMigDeviceCount, h)
-        for i in range(n):
+        wanted = {(gi.id, ci.id) for gi in gis for ci in gi.cis}
+        for i in range(self._max_mig_devices(pci, h)):
+            if wanted <= details.keys():
+                break  # every CI listed has its MIG device: what further indices hold is not in `gis`
             try:
                 m = pynvml.nvmlDeviceGetMigDeviceHandleByIndex(h, i)
             except pynvml.NVMLError as e:
                 if e.value in (pynvml.NVML_ERROR_NOT_FOUND, pynvml.NVML_ERROR_INVALID_ARGUMENT):
                     continue
                 raise NvmlError(e.value, "nvmlDeviceGetMigDeviceHandleByIndex", pci) from e
-            if not bool(self._call("nvmlDeviceIsMigDeviceHandle", pci, pynvml.nvmlDeviceIsMigDeviceHandle, m)):
-                continue
             gi_id = self._call("nvmlDeviceGetGpuInstanceId", pci, pynvml.nvmlDeviceGetGpuInstanceId, m)
             ci_id = self._call("nvmlDeviceGetComputeInstanceId", pci, pynvml.nvmlDeviceGetComputeInstanceId, m)
             uuid = self._call("nvmlDeviceGetUUID", pci, pynvml.nvmlDeviceGetUUID, m)
@@ -411,6 +483,27 @@ class Nvml:
             out.append(GpuInstance(id=gi.id, profile_id=gi.profile_id, placement=gi.placement, cis=tuple(cis)))
         return tuple(out)
 
+    @_in_session
+    def mig_device(self, pci: str, gi_id: int, ci_id: int) -> tuple[str, tuple[Holder, ...]] | None:
+        """The MIG device of one CI: its UUID and the processes in it (None: no such CI), without
+        reading the whole GPU (a lease's answer, a release's busy check)."""
+        h = self._handle(pci)
+        probe = GpuInstance(id=gi_id, profile_id=-1, placement=Placement(0, 0),
+                            cis=(ComputeInstance(id=ci_id, profile_id=-1, slices=0, uuid=""),))
+        ci = self._attach_ci_details(pci, h, (probe,))[0].cis[0]
+        return (ci.uuid, ci.holders) if ci.uuid else None
+
+    def _max_mig_devices(self, pci: str, h: Any) -> int:
+        """nvmlDeviceGetMaxMigDeviceCount with MIG on: the GPU's most MIG devices, kept for the session
+        (with MIG off it answers 0, so it is asked only with MIG on, and a mode change drops it)."""
+        known = self._cache.max_mig_devices.get(pci)
+        if known is not None:
+            return known
+        generation = self._cache.generation
+        n = int(self._call("nvmlDeviceGetMaxMigDeviceCount", pci, pynvml.nvmlDeviceGetMaxMigDeviceCount, h))
+        self._cache.store_if(generation, lambda: self._cache.max_mig_devices.__setitem__(pci, n))
+        return n
+
     def _process_name(self, pid: int) -> str:
         name = process_name(self.proc_root, pid)
         if name:
@@ -427,6 +520,7 @@ class Nvml:
         refuse_if(self.read_only, "set_mig_mode", pci)
         h = self._handle(pci)
         mode = pynvml.NVML_DEVICE_MIG_ENABLE if enabled else pynvml.NVML_DEVICE_MIG_DISABLE
+        self._cache.mode_changed(pci)  # what may move with the mode is asked again
         return int(self._call("nvmlDeviceSetMigMode", pci, pynvml.nvmlDeviceSetMigMode, h, mode))
 
     @_in_session
@@ -434,13 +528,14 @@ class Nvml:
         """Creates a GI at an explicit placement (never by preference order) and returns its id."""
         refuse_if(self.read_only, "create_gpu_instance", pci)
         h = self._handle(pci)
-        size = self._sizes.get((pci, profile_id))
-        if size is None:
+        static = self._cache.gpus.get(pci)
+        placements = next((p.placements for p in static.profiles if p.id == profile_id), ()) if static else ()
+        if not placements:
             placements = self._placements(pci, h, profile_id)
-            if not placements:
-                raise NvmlError(pynvml.NVML_ERROR_INVALID_ARGUMENT, "nvmlDeviceGetGpuInstancePossiblePlacements",
-                                pci, f"profile id {profile_id} has no placements")
-            size = self._sizes[(pci, profile_id)] = placements[0].size
+        if not placements:
+            raise NvmlError(pynvml.NVML_ERROR_INVALID_ARGUMENT, "nvmlDeviceGetGpuInstancePossiblePlacements",
+                            pci, f"profile id {profile_id} has no placements")
+        size = placements[0].size
         placement = pynvml.c_nvmlGpuInstancePlacement_t(start, size)
         gi = self._call("nvmlDeviceCreateGpuInstanceWithPlacement", pci,
                         pynvml.nvmlDeviceCreateGpuInstanceWithPlacement, h, profile_id, byref(placement))
@@ -456,7 +551,8 @@ class Nvml:
             ci = self._call("nvmlGpuInstanceCreateComputeInstance", pci,
                             pynvml.nvmlGpuInstanceCreateComputeInstance, gi, ci_profile_id)
         else:
-            prof = self._gi_ci_profiles(pci, gi).get(ci_profile_id)
+            gi_profile = self._call("nvmlGpuInstanceGetInfo", pci, pynvml.nvmlGpuInstanceGetInfo, gi).profileId
+            prof = self._ci_profiles(pci, gi, gi_profile).get(ci_profile_id)
             if prof is None:
                 raise NvmlError(pynvml.NVML_ERROR_NOT_SUPPORTED, "nvmlGpuInstanceGetComputeInstanceProfileInfo",
                                 pci, f"GI {gi_id} offers no compute instance profile id {ci_profile_id}")

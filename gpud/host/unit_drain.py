@@ -282,6 +282,38 @@ class UnitDrainer:
             exc.add_note(f"also failed to start again what was drained: {e}")
 
 
+class ManagerDrainer(UnitDrainer):
+    """The same drain over another unit manager than systemd's D-Bus API: `unit_state(unit)`
+    answers (LoadState, ActiveState) and `job(verb, unit)` runs StopUnit/StartUnit/RestartUnit
+    to its result. The simulated host's unit manager (gpud.sim.services) is driven through this,
+    so a drain under --sim orders, fails and restarts exactly as on a real host and never reaches
+    the real host's system bus."""
+
+    def __init__(self, unit_state: Callable[[str], tuple[str, str]], job: Callable[[str, str], str], *,
+                 on_event: Callable[[str], None] | None = None) -> None:
+        super().__init__(on_event=on_event)
+        self._manager_state = unit_state
+        self._manager_job = job
+
+    async def _ensure(self):
+        return None
+
+    async def close(self) -> None:
+        return None
+
+    async def _unit_state(self, unit: str) -> tuple[str, str, str]:
+        load, active = await asyncio.to_thread(self._manager_state, unit)
+        return unit, load, active
+
+    async def _job(self, verb: str, unit: str, *, wait: bool = True) -> None:
+        try:
+            result = await asyncio.to_thread(self._manager_job, verb, unit)
+        except (LookupError, ValueError) as e:
+            raise SystemdError(f"{verb} {unit}: {e}", unit=unit) from e
+        if result != "done":
+            raise SystemdError(f"{verb} {unit}: job result {result}", unit=unit, result=result)
+
+
 class OnDemandDrainer:
     """A UnitDrainer connected the first time a layout needs it (a drain, or the CDI refresh
     after a MIG change): on hosts whose layouts never drain, D-Bus is neither imported nor

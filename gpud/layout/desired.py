@@ -18,6 +18,9 @@ class DesiredGpu(msgspec.Struct, frozen=True):
     # vm-vgpu: type name (bare, no "NVIDIA " prefix) -> count. MIG-backed types also fill
     # mig_enabled / mig_devices with the GPU instances they need.
     vgpu_devices: dict[str, int] = msgspec.field(default_factory=dict)
+    # `mig-devices: dynamic`: leases make this GPU's instances (gpud.engine.leases); the static
+    # planner leaves its instances alone and only sees to the MIG mode where leases cannot.
+    dynamic: bool = False
 
 
 class LayoutIssue(msgspec.Struct, frozen=True):

@@ -27,9 +27,14 @@ from gpud.layout.names import parse_mig_name
 from gpud.layout.schema import (
     ALL_DISABLED,
     ALL_DISABLED_NAME,
+    APPLY,
     DEFAULT_MATCH,
+    DYNAMIC,
     HOOK_PHASES,
+    LEASE_MIG_MODE,
+    LEASE_PLACEMENT,
     ON_BUSY,
+    ON_INFEASIBLE,
     REBOOT,
     RESET,
     UNIT_SUFFIXES,
@@ -55,17 +60,20 @@ TOP_KEYS = ("version", "selected", "layouts", "mig-configs", "vgpu-configs", "ma
 LAYOUTS_SYNONYMS = ("mig-configs", "vgpu-configs")
 ENTRY_KEYS = ("devices", "device-filter", "workload", "mig-enabled", "mig-devices", "vgpu-devices")
 MATCH_KEYS = ("vendor", "device", "class")
-POLICY_KEYS = ("drain-units", "on-busy", "reset", "reboot")
+POLICY_KEYS = ("drain-units", "on-busy", "reset", "reboot", "lease-group", "lease-placement", "lease-mig-mode",
+               "on-infeasible", "apply")
 HOOK_KEYS = ("command", "args", "env", "timeout")
 
 _UUID = re.compile(r"GPU-[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}")
-_FILTER_MIG_PARTED = re.compile(r"0[xX]([0-9a-fA-F]{4})([0-9a-fA-F]{4})")  # device id, then vendor id
+# device id, then vendor id; optionally `:0x` subsystem device id, then subsystem vendor id
+_FILTER_MIG_PARTED = re.compile(r"0[xX]([0-9a-fA-F]{4})([0-9a-fA-F]{4})(?::0[xX]([0-9a-fA-F]{4})([0-9a-fA-F]{4}))?")
 _FILTER_LSPCI = re.compile(r"([0-9a-fA-F]{4}):([0-9a-fA-F]{4})")  # vendor:device
 _HEX16 = re.compile(r"(?:0[xX])?([0-9a-fA-F]{1,4})")
 _UNIT = re.compile(r"[A-Za-z0-9:_.\\-]+(?:@[A-Za-z0-9:_.\\-]*)?(" + "|".join(re.escape(s) for s in UNIT_SUFFIXES) + ")")
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _VGPU_NAME = re.compile(r"[A-Za-z0-9]+(?:[-_][A-Za-z0-9]+)*")
 _PLAIN_KEY = re.compile(r"[A-Za-z0-9_-]+")
+_GROUP = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]{0,31}\$?")  # shadow-utils' portable group names
 
 _SCALARS = SafeConstructor()  # converts one scalar node at a time; keeps no state between calls
 
@@ -203,6 +211,11 @@ def _got(node: Node) -> str:
 
 def _is_null(node: Node) -> bool:
     return isinstance(node, ScalarNode) and node.tag == _NULL
+
+
+def _is_dynamic(node: Node) -> bool:
+    """`mig-devices: dynamic`: the GPU's instances are made by leases, not listed in the file."""
+    return isinstance(node, ScalarNode) and node.tag == _STR and node.value == DYNAMIC
 
 
 def _one_of(values: tuple[str, ...]) -> str:
@@ -366,8 +379,14 @@ class _Parser:
         return None
 
     def integer(self, node: Node) -> int | None:
-        """The int a scalar denotes, or None; no reporting (callers word their own message)."""
+        """The int a scalar denotes, or None; no reporting (callers word their own message).
+
+        Plain decimal only: YAML 1.1 also reads `010` as octal 8, `1_0` as 10, `0x1f`, `0b11` and
+        `1:30` (sexagesimal) as ints, which nobody means in a GPU index or a count.
+        """
         if isinstance(node, ScalarNode) and node.tag == _INT:
+            if not _PLAIN_DECIMAL.fullmatch(node.value.strip()):
+                return None
             try:
                 value = _SCALARS.construct_yaml_int(node)
             except Exception:  # noqa: BLE001 - `!!int abc`
@@ -378,7 +397,7 @@ class _Parser:
     def count(self, node: Node, path: str) -> int | None:
         value = self.integer(node)
         if value is None or value < 0:
-            self.expected(node, path, "a count >= 0")
+            self.expected(node, path, "a count >= 0" + _yaml11_note(node))
             return None
         return value
 
@@ -540,7 +559,8 @@ class _Parser:
             mig_enabled = self.boolean(n, key_path(path, "mig-enabled"))
 
         mig_devices: dict[str, int] | None = None
-        if "mig-devices" in keys:
+        dynamic = "mig-devices" in keys and _is_dynamic(keys["mig-devices"][1])
+        if "mig-devices" in keys and not dynamic:
             mig_devices = self.mig_devices(keys["mig-devices"][1], key_path(path, "mig-devices"))
 
         vgpu_devices: dict[str, int] | None = None
@@ -558,8 +578,11 @@ class _Parser:
             has_names = isinstance(keys["mig-devices"][1], MappingNode) and bool(keys["mig-devices"][1].value)
             if "mig-enabled" not in keys:
                 self.error(mkey, mpath, "mig-devices needs mig-enabled: true")
-            elif mig_enabled is False and has_names:
+            elif mig_enabled is False and (has_names or dynamic):
                 self.error(mkey, mpath, "mig-enabled: false forbids mig-devices")
+            if dynamic and workload != "container":
+                self.error(mkey, mpath, f"mig-devices: {DYNAMIC} (instances made by leases) needs workload: "
+                                        f"container, not {workload}")
         if workload == "vm-passthrough" and mig_enabled is True:
             self.error(mig_key, key_path(path, "mig-enabled"),
                        "vm-passthrough gives the whole GPU to a VM through vfio-pci; MIG needs the nvidia "
@@ -576,6 +599,7 @@ class _Parser:
             mig_enabled=mig_enabled,
             mig_devices=mig_devices or {},
             vgpu_devices=vgpu_devices or {},
+            mig_dynamic=dynamic,
         )
 
     def devices(self, node: Node, path: str) -> Literal["all"] | tuple[int | str, ...] | None:
@@ -610,7 +634,7 @@ class _Parser:
         if isinstance(node, ScalarNode) and node.tag == _INT:
             index = self.integer(node)
             if index is None:
-                self.expected(node, path, what)
+                self.expected(node, path, what + _yaml11_note(node))
             elif index < 0:
                 self.expected(node, path, "a GPU index >= 0")
                 return None
@@ -642,17 +666,21 @@ class _Parser:
         if isinstance(node, ScalarNode) and node.tag != _NULL:
             value = node.value.strip()  # unquoted 0x233010DE is a YAML int; take the text
             if m := _FILTER_MIG_PARTED.fullmatch(value):
+                if m[3] is not None:
+                    return PciId(vendor=int(m[2], 16), device=int(m[1], 16), subsystem_vendor=int(m[4], 16),
+                                 subsystem_device=int(m[3], 16))
                 return PciId(vendor=int(m[2], 16), device=int(m[1], 16))
             if m := _FILTER_LSPCI.fullmatch(value):
                 return PciId(vendor=int(m[1], 16), device=int(m[2], 16))
-        self.expected(node, path, 'a PCI id like "0x233010DE" (device id, then vendor id) or "10de:2330"')
+        self.expected(node, path, 'a PCI id like "0x233010DE" (device id, then vendor id), "0x233010DE:0x16C110DE" '
+                                  '(then the subsystem\'s) or "10de:2330"')
         return None
 
     def mig_devices(self, node: Node, path: str) -> dict[str, int] | None:
         if _is_null(node):
             return None
         out: dict[str, int] = {}
-        for name, key, value in self.free_mapping(node, path, "a mapping of MIG device name -> count"):
+        for name, key, value in self.free_mapping(node, path, f'a mapping of MIG device name -> count, or "{DYNAMIC}"'):
             kpath = key_path(path, name)
             if parse_mig_name(name) is None:
                 self.error(key, kpath, f"{_quote(name)} is not a MIG device name; expected {SYNTAX}")
@@ -712,7 +740,15 @@ class _Parser:
         values: dict[str, object] = {}
         if "drain-units" in keys and not _is_null(keys["drain-units"][1]):
             values["drain_units"] = self.units(keys["drain-units"][1], "policy.drain-units")
-        for key, allowed in (("on-busy", ON_BUSY), ("reset", RESET), ("reboot", REBOOT)):
+        if "lease-group" in keys and not _is_null(keys["lease-group"][1]):
+            group = self.string(keys["lease-group"][1], "policy.lease-group", "a group name")
+            if group is not None and not _GROUP.fullmatch(group):
+                self.expected(keys["lease-group"][1], "policy.lease-group", "a group name")
+            elif group is not None:
+                values["lease_group"] = group
+        for key, allowed in (("on-busy", ON_BUSY), ("reset", RESET), ("reboot", REBOOT),
+                             ("lease-placement", LEASE_PLACEMENT), ("lease-mig-mode", LEASE_MIG_MODE),
+                             ("on-infeasible", ON_INFEASIBLE), ("apply", APPLY)):
             if key in keys and (value := self.enum(keys[key][1], key_path("policy", key), allowed)) is not None:
                 values[key.replace("-", "_")] = value
         return Policy(**values)  # type: ignore[arg-type]
@@ -814,6 +850,20 @@ class _Parser:
         if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0:
             return float(value)
         return None
+
+
+_PLAIN_DECIMAL = re.compile(r"[-+]?(0|[1-9][0-9]*)")
+
+
+def _yaml11_note(node: Node) -> str:
+    """What YAML 1.1 would have made of a non-decimal int, so the error says what was read."""
+    if not (isinstance(node, ScalarNode) and node.tag == _INT) or _PLAIN_DECIMAL.fullmatch(node.value.strip()):
+        return ""
+    try:
+        meant = _SCALARS.construct_yaml_int(node)
+    except Exception:  # noqa: BLE001 - `!!int abc`: not a number at all, the plain message says so
+        return ""
+    return f" in plain decimal (YAML 1.1 would read {node.value.strip()!r} as {meant})"
 
 
 def _selector_text(selector: int | str) -> str:

@@ -22,7 +22,7 @@ from gpud.layout.parse import (
     key_path,
     parse_layout,
 )
-from gpud.layout.schema import Layout, PciId
+from gpud.layout.schema import Layout
 from gpud.model import Gpu, KnownGpu, MigProfile
 from gpud.profiles import NVIDIA, by_device, model_name, with_model_ci_profiles
 from gpud.vgpu_types import VgpuModel, mig_need, parse_vgpu_name, strip_prefix
@@ -108,7 +108,7 @@ def resolve(parsed: ParsedLayout, gpus: Sequence[Gpu], gone: Sequence[KnownGpu] 
     warnings = _Collector(parsed)
     by_index = {g.index: g for g in gpus}
     by_pci = {g.pci: g for g in gpus}
-    by_uuid = {g.nvml.uuid.lower(): g for g in gpus if g.nvml is not None and g.nvml.uuid}
+    by_uuid = {uuid.lower(): g for g in gpus if (uuid := g.uuid)}  # NVML's, or remembered for a GPU it does not see
     gone_index = {k.index: k for k in gone}
     gone_pci = {k.pci: k for k in gone}
     gone_uuid = {k.uuid.lower(): k for k in gone if k.uuid}
@@ -138,12 +138,13 @@ def resolve(parsed: ParsedLayout, gpus: Sequence[Gpu], gone: Sequence[KnownGpu] 
                 else:
                     targets.append((gpu, spath))
         if entry.device_filter:  # narrows the selected devices, as in mig-parted
-            wanted = set(entry.device_filter)
-            targets = [(g, p) for g, p in targets if PciId(g.function.vendor, g.function.device) in wanted]
+            targets = [(g, p) for g, p in targets
+                       if any(f.matches(g.function.vendor, g.function.device, g.function.subsystem_vendor,
+                                        g.function.subsystem_device) for f in entry.device_filter)]
         if entry.devices == "all" or entry.device_filter:
             how = "devices: all" if not entry.device_filter else "device-filter"
             for missing in gone:
-                if entry.device_filter and PciId(missing.vendor, missing.device) not in set(entry.device_filter):
+                if entry.device_filter and not any(f.matches(missing.vendor, missing.device) for f in entry.device_filter):
                     continue
                 if entry.devices != "all" and missing.index not in entry.devices and missing.pci not in entry.devices:
                     continue  # named explicitly: reported above
@@ -176,6 +177,7 @@ def resolve(parsed: ParsedLayout, gpus: Sequence[Gpu], gone: Sequence[KnownGpu] 
                 mig_enabled=mig_enabled,
                 mig_devices=mig_devices,
                 vgpu_devices=vgpu_devices,
+                dynamic=entry.mig_dynamic,
             )
 
     if parsed.ok:  # with parse errors, entries may be missing from the draft: no false alarms
@@ -227,9 +229,9 @@ def _no_such_gpu(selector: int | str, gpus: Sequence[Gpu]) -> str:
     if isinstance(selector, int):
         return f"no GPU with index {selector}; {host}"
     if selector.startswith("GPU-"):
-        unseen = sum(1 for g in gpus if g.nvml is None)
-        hint = (f"; UUIDs are known only for GPUs NVML sees ({unseen} of {len(gpus)} are not on the nvidia driver)"
-                if unseen else "")
+        unseen = sum(1 for g in gpus if g.uuid is None)
+        hint = (f"; the UUID of a GPU is known once NVML has seen it ({unseen} of {len(gpus)} were never seen on "
+                "the nvidia driver)" if unseen else "")
         return f"no GPU with UUID {selector}{hint}"
     return f"no managed GPU at {selector}; {host}"
 

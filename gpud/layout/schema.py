@@ -17,6 +17,15 @@ WORKLOADS = ("container", "vm-passthrough", "vm-vgpu")
 ON_BUSY = ("wait", "fail")
 RESET = ("per-gpu", "never")
 REBOOT = ("never", "allow")
+# A file with a GPU the planner cannot converge (`7 x 1g.10gb` on an A100 40GB): refused whole, as
+# `gpudctl check` says INVALID (the default), or taken with that GPU failed and the others applied
+ON_INFEASIBLE = ("refuse-file", "skip-gpu")
+# auto: a saved file is applied at once; manual: only `gpudctl apply` changes GPUs (status says
+# what is pending), so a file can be saved, planned and then applied
+APPLY = ("auto", "manual")
+LEASE_PLACEMENT = ("pack", "spread")  # across dynamic GPUs: fill used GPUs first, or the emptiest first
+LEASE_MIG_MODE = ("follow", "keep-on")  # Hopper+: MIG mode on at the first lease, off after the last; or kept on
+DYNAMIC = "dynamic"  # `mig-devices: dynamic`: the GPU's instances are made by leases (gpud.engine.leases)
 # The hook phases, in the order an apply passes them (mig-parted's names); the engine runs them.
 HookPhase = Literal["apply-start", "pre-apply-mode", "pre-apply-config", "apply-exit"]
 HOOK_PHASES: tuple[HookPhase, ...] = get_args(HookPhase)
@@ -31,14 +40,29 @@ CONTROLLER_3D_CLASS = 0x0302
 GPU_CLASSES = (VGA_CLASS, CONTROLLER_3D_CLASS)
 
 
-class PciId(Struct, frozen=True, order=True):
-    """A vendor:device pair, the unit of `device-filter`."""
+class PciId(Struct, frozen=True, order=True, omit_defaults=True):
+    """A vendor:device pair, the unit of `device-filter`; with a subsystem (mig-parted's
+    `0xDEVVEN:0xSUBDEVSUBVEN`, pkg/types/device.go) it matches only cards of that subsystem."""
 
     vendor: int
     device: int
+    subsystem_vendor: int | None = None
+    subsystem_device: int | None = None
+
+    def matches(self, vendor: int, device: int, subsystem_vendor: int | None = None,
+                subsystem_device: int | None = None) -> bool:
+        """mig-parted's DeviceID.Matches: vendor and device, and the subsystem where the filter
+        names one (a card whose subsystem is unknown, a gone GPU, is matched on the first two)."""
+        if (vendor, device) != (self.vendor, self.device):
+            return False
+        if self.subsystem_vendor is None or subsystem_vendor is None:
+            return True
+        return (subsystem_vendor, subsystem_device) == (self.subsystem_vendor, self.subsystem_device)
 
     def __str__(self) -> str:
-        return f"{self.vendor:04x}:{self.device:04x}"
+        sub = (f" subsystem {self.subsystem_vendor:04x}:{self.subsystem_device:04x}"
+               if self.subsystem_vendor is not None and self.subsystem_device is not None else "")
+        return f"{self.vendor:04x}:{self.device:04x}{sub}"
 
 
 # A device selector: an int is a GPU index; a str is a PCI address ("0000:3b:00.0", normalised)
@@ -55,6 +79,7 @@ class DeviceEntry(Struct, frozen=True, rename="kebab"):
     mig_enabled: bool | None = None  # None: the entry says nothing about MIG
     mig_devices: dict[str, int] = field(default_factory=dict)  # names as written, counts > 0 only
     vgpu_devices: dict[str, int] = field(default_factory=dict)  # vm-vgpu only; applying is out of scope
+    mig_dynamic: bool = False  # `mig-devices: dynamic`: instances come from leases, not from the file
 
 
 # What the GPU Operator means by the layout it names on its own (nvidia.com/mig.config=all-disabled,
@@ -84,6 +109,11 @@ class Policy(Struct, frozen=True, rename="kebab"):
     on_busy: str = "wait"  # wait | fail: when processes hold what must change
     reset: str = "per-gpu"  # per-gpu | never
     reboot: str = "never"  # never | allow
+    on_infeasible: str = "refuse-file"  # refuse-file | skip-gpu
+    apply: str = "auto"  # auto | manual
+    lease_group: str | None = None  # a group whose members may lease and release (root always may)
+    lease_placement: str = "pack"  # pack | spread: how leases are spread over dynamic GPUs
+    lease_mig_mode: str = "follow"  # follow | keep-on: MIG mode of a dynamic Hopper+ GPU without leases
 
 
 class Hook(Struct, frozen=True):

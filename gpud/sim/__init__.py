@@ -64,7 +64,7 @@ def host(host_dir: str | os.PathLike) -> SimHost:
 
 def install(host_dir: str | os.PathLike) -> SimHost:
     """Replace pynvml's C library with the fake one serving DIR; `uninstall()` restores it."""
-    from gpud.sim import nvml_lib
+    import gpud.sim.nvml_lib as nvml_lib
     from gpud.sim.state import state_path
 
     h = host(host_dir)
@@ -75,6 +75,6 @@ def install(host_dir: str | os.PathLike) -> SimHost:
 
 
 def uninstall() -> None:
-    from gpud.sim import nvml_lib
+    import gpud.sim.nvml_lib as nvml_lib
 
     nvml_lib.uninstall()

@@ -11,8 +11,9 @@ from __future__ import annotations
 import uuid
 from collections.abc import Iterable, Sequence
 
+import gpud.sim.gi_ids as gi_ids
 from gpud.profiles import MODELS, NVIDIA, WHOLE_GPU, ModelInfo
-from gpud.sim import gi_ids
+from gpud.sim.inferred import sim_model
 from gpud.sim.state import SimFunction, SimGpu, SimState
 
 _BUSES = (0x18, 0x2A, 0x3A, 0x5D, 0x9A, 0xAB, 0xBA, 0xDB)
@@ -40,28 +41,46 @@ def is_nvswitch(f: SimFunction) -> bool:
     return f.vendor == NVIDIA and f.class_code == CLASS_BRIDGE_OTHER and f.device in NVSWITCH_DEVICE.values()
 
 
+# Memory the driver reserves on the whole GPU (NVML memory info v2 `reserved`, counted as used in
+# v1), in bytes: the real H200, driver 580.159.04, 615 MiB and 64 KiB
+# (tests/fixtures/h200/2026-12-04/nvml-real.json). Other models: no capture, none reserved (unknown).
+RESERVED_BYTES = {"h200": 644_939_776}
+
+
 class CatalogError(ValueError):
     pass
 
 
 def offered() -> list[str]:
-    """Model keys the simulator can stand in for: those whose whole table comes from a source.
-
-    A model known only in part (gpud.profiles lists what no source gives) is refused: the fake
-    NVML would have to answer questions (a profile's memory, SMs, placements) that no capture or
-    NVIDIA document answers, and an invented answer would make tests pass against fiction."""
-    return sorted(k for k, m in MODELS.items() if m.complete)
+    """Model keys the simulator can stand in for: those whose whole table comes from a source, or
+    is completed by the simulator's stated inference rules (gpud/sim/inferred.py), which
+    `gpud-sim create` names so that no test passes against an inferred cell unawares. A model
+    whose gaps those rules cannot fill is refused."""
+    return sorted(k for k in MODELS if sim_model(k).complete)
 
 
 def model(key: str) -> ModelInfo:
-    m = MODELS.get(key)
-    if m is None:
+    """The model as the simulator serves it (gpud/sim/inferred.py completes some)."""
+    if key not in MODELS:
         raise CatalogError(f"unknown GPU model {key!r}; known: {', '.join(offered())}")
+    m = sim_model(key)
     if not m.complete:
         raise CatalogError(f"GPU model {key!r} ({m.name}) cannot be simulated: no source gives its "
                            f"MIG table whole ({missing_parts(m)}; see docs/hardware/mig-profiles.md); "
                            f"simulated models: {', '.join(offered())}")
     return m
+
+
+def inferred_parts(m: ModelInfo) -> str | None:
+    """What of a simulated model is inferred rather than read from a source, grouped as
+    `missing_parts` groups the unknown; None when everything is sourced."""
+    if not m.inferred:
+        return None
+    groups: dict[tuple[str, ...], list[str]] = {}
+    for name, fields in m.inferred:
+        groups.setdefault(fields, []).append(name)
+    return "; ".join(("the GPU's total memory" if names == [WHOLE_GPU] else f"{', '.join(names)}: {', '.join(fields)}")
+                     for fields, names in groups.items())
 
 
 def missing_parts(m: ModelInfo) -> str:

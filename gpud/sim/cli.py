@@ -8,7 +8,9 @@ Other tools script against this syntax; keep it stable:
   gpud-sim fault DIR NVML_FUNCTION --nth N --error CODE
   gpud-sim hang DIR PCI | unplug DIR PCI | plug DIR PCI
   gpud-sim reboot DIR                                   what a host reboot does (gpud/sim/reboot.py)
-  gpud-sim stats DIR [--json]
+  gpud-sim unit DIR add NAME [--inactive] | unit DIR remove NAME
+                                a systemd unit on the simulated host (gpud/sim/services.py)
+  gpud-sim stats DIR [--json]               NVML calls, resets, unit manager and logind calls
   gpud-sim show DIR [--json]
   gpud-sim exec DIR [--no-namespace] [--header NVML_H] -- CMD [ARGS...]
                                 CMD on the simulated host (gpud/sim/host_exec.py); its exit status
@@ -27,9 +29,17 @@ from pathlib import Path
 import msgspec
 import pynvml
 
+import gpud.sim.catalog as catalog
 from gpud.pci import normalize_pci
-from gpud.sim import catalog
-from gpud.sim.state import FABRIC_MANAGER_STATES, PERSISTENCE_MODES, SimProcess, SimState, locked, state_path
+from gpud.sim.state import (
+    FABRIC_MANAGER_STATES,
+    PERSISTENCE_MODES,
+    PERSISTENCED_SOCKETS,
+    SimProcess,
+    SimState,
+    locked,
+    state_path,
+)
 
 
 class SimCliError(Exception):
@@ -38,13 +48,15 @@ class SimCliError(Exception):
 
 def create(host_dir: str | os.PathLike, gpu_specs: list[str], mig_on: Sequence[int] = (),
            nvswitch: bool = False, vgpu: str | None = None, persistence: str = "legacy",
-           fabric_manager: str = "running") -> SimState:
+           fabric_manager: str = "running", persistenced_socket: str = "reachable") -> SimState:
     """Write DIR/state.json for a new host, render its sysfs/dev/proc trees and write its
     nvidia-smi (DIR/bin/nvidia-smi). `nvswitch`: the GPUs sit on an HGX baseboard with NVSwitches
     (of the first GPU's architecture) and `fabric_manager` ("running" or "stopped") says whether
     nvidia-fabricmanager runs: on Ampere a GPU resets alone only while it does. `vgpu`: the host
     interface ("vfio" or "mdev") of its vGPU-capable GPUs. `persistence`: "legacy" (`nvidia-smi -pm 1`,
-    as many hosts and the lent H200 run), "daemon" (nvidia-persistenced) or "off"; on for every GPU."""
+    as many hosts and the lent H200 run), "daemon" (nvidia-persistenced) or "off"; on for every GPU.
+    `persistenced_socket`: "reachable" (nvidia-smi talks to the daemon) or "hidden" (the daemon out
+    of its sight, in another container)."""
     from gpud.sim.sysfs_tree import lay_out
 
     d = Path(host_dir)
@@ -55,7 +67,7 @@ def create(host_dir: str | os.PathLike, gpu_specs: list[str], mig_on: Sequence[i
     if nvswitch:
         catalog.add_nvswitches(state, catalog.model(models[0]).arch)
     if vgpu is not None:
-        from gpud.sim import vgpu as sim_vgpu
+        import gpud.sim.vgpu as sim_vgpu
 
         try:
             sim_vgpu.setup(state, vgpu)
@@ -67,6 +79,10 @@ def create(host_dir: str | os.PathLike, gpu_specs: list[str], mig_on: Sequence[i
     if persistence not in PERSISTENCE_MODES:
         raise SimCliError(f"--persistence {persistence!r}: expected one of {', '.join(PERSISTENCE_MODES)}")
     state.persistence = persistence
+    if persistenced_socket not in PERSISTENCED_SOCKETS:
+        raise SimCliError(f"--persistenced-socket {persistenced_socket!r}: expected one of "
+                          f"{', '.join(PERSISTENCED_SOCKETS)}")
+    state.persistenced_socket = persistenced_socket
     if fabric_manager not in FABRIC_MANAGER_STATES:
         raise SimCliError(f"--fabric-manager {fabric_manager!r}: expected one of {', '.join(FABRIC_MANAGER_STATES)}")
     state.fabric_manager = fabric_manager
@@ -100,7 +116,7 @@ def resolve_device(state: SimState, device: str) -> tuple[str, str]:
             for ci in gi.cis:
                 if device == ci.uuid:
                     return ci.uuid, gpu.address
-    from gpud.sim import vgpu as sim_vgpu
+    import gpud.sim.vgpu as sim_vgpu
 
     mdev = sim_vgpu.find_mdev(state, device)
     if mdev is not None:
@@ -130,7 +146,7 @@ def _after_holder_change(host_dir: Path, state: SimState, gpu_address: str) -> N
 
 
 def _emit_change(host_dir: Path, state: SimState, address: str) -> None:
-    from gpud.sim import uevents
+    import gpud.sim.uevents as uevents
 
     f = state.functions.get(address)
     uevents.emit(host_dir, "change", "pci", address, driver=f.driver if f else None)
@@ -184,7 +200,7 @@ def parse_error_code(text: str) -> int:
 
 
 def fault(host_dir: str | os.PathLike, function: str, nth: int, error: int) -> None:
-    from gpud.sim import nvml_lib
+    import gpud.sim.nvml_lib as nvml_lib
     from gpud.sim.state import SimFault
 
     if nth < 1:
@@ -196,9 +212,15 @@ def fault(host_dir: str | os.PathLike, function: str, nth: int, error: int) -> N
 
 
 def stats(host_dir: str | os.PathLike) -> dict:
+    from gpud.sim import services
+
     with locked(host_dir, write=False) as st:
-        return {"calls": dict(sorted(st.calls.items())),
-                "resets": {pci: dict(sorted(by_method.items())) for pci, by_method in sorted(st.resets.items())}}
+        out = {"calls": dict(sorted(st.calls.items())),
+               "resets": {pci: dict(sorted(by_method.items())) for pci, by_method in sorted(st.resets.items())}}
+    svc = services.read(host_dir)
+    out["services"] = {"calls": dict(sorted(svc.calls.items())), "units": dict(sorted(svc.units.items())),
+                       "reboots": list(svc.reboots)}
+    return out
 
 
 def summary(state: SimState) -> dict:
@@ -235,7 +257,7 @@ def summary(state: SimState) -> dict:
 
 
 def _vgpu_summary(state: SimState, address: str) -> dict | None:
-    from gpud.sim import vgpu as sim_vgpu
+    import gpud.sim.vgpu as sim_vgpu
 
     v = state.vgpu.get(address)
     if v is None:
@@ -286,7 +308,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="vGPU host interface of the vGPU-capable GPUs (cards without SR-IOV get mdev)")
     p.add_argument("--persistence", choices=PERSISTENCE_MODES, default="legacy",
                    help="persistence mode on every GPU: legacy (nvidia-smi -pm 1, the default), daemon "
-                   "(nvidia-persistenced holds the GPUs), off; while on, nvidia-smi -r is refused")
+                   "(nvidia-persistenced holds the GPUs), off (docs/hardware/persistence.md)")
+    p.add_argument("--persistenced-socket", choices=PERSISTENCED_SOCKETS, default="reachable",
+                   help="with --persistence daemon: nvidia-smi reaches the daemon's socket and handles its "
+                   "hold around a reset (default), or not (hidden: the hold refuses nvidia-smi -r)")
     for name in ("hold", "release"):
         p = sub.add_parser(name, help=f"{name} a GPU or MIG device as a process would")
         p.add_argument("dir")
@@ -309,6 +334,11 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("pci")
     p = sub.add_parser("reboot", help="reboot the host: instances and overrides gone, udev rules applied")
     p.add_argument("dir")
+    p = sub.add_parser("unit", help="install or remove a systemd unit of the simulated host")
+    p.add_argument("dir")
+    p.add_argument("action", choices=("add", "remove"))
+    p.add_argument("unit")
+    p.add_argument("--inactive", action="store_true", help="installed but not running")
     for name in ("stats", "show"):
         p = sub.add_parser(name)
         p.add_argument("dir")
@@ -324,7 +354,7 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.cmd == "exec":
-        from gpud.sim import host_exec
+        import gpud.sim.host_exec as host_exec
 
         command = list(args.command)
         if "--" in command:  # exec options given after DIR, before the `--`
@@ -343,11 +373,15 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 if args.fabric_manager and not args.nvswitch:
                     raise SimCliError("--fabric-manager needs --nvswitch (Fabric Manager runs on NVSwitch hosts)")
-                create(args.dir, args.gpu, args.mig_on, args.nvswitch, args.vgpu, args.persistence,
-                       args.fabric_manager or "running")
+                state = create(args.dir, args.gpu, args.mig_on, args.nvswitch, args.vgpu, args.persistence,
+                               args.fabric_manager or "running", args.persistenced_socket)
             except catalog.CatalogError as e:
                 print(f"gpud-sim: {e}", file=sys.stderr)
                 return 2
+            for key in sorted({g.model for g in state.gpus.values()}):
+                if (parts := catalog.inferred_parts(catalog.model(key))) is not None:
+                    print(f"gpud-sim: {key} has inferred cells, served as if a source gave them "
+                          f"(docs/hardware/mig-profiles.md): {parts}", file=sys.stderr)
         elif args.cmd == "hold":
             hold(args.dir, args.device, args.pid, args.name, args.vm, args.cdev)
         elif args.cmd == "release":
@@ -355,10 +389,18 @@ def main(argv: list[str] | None = None) -> int:
         elif args.cmd == "fault":
             fault(args.dir, args.function, args.nth, parse_error_code(args.error))
         elif args.cmd in ("hang", "unplug", "plug"):
-            from gpud.sim import kernel
+            import gpud.sim.kernel as kernel
 
             pci = _norm_pci(args.pci)
             getattr(kernel, args.cmd)(args.dir, pci)
+        elif args.cmd == "unit":
+            from gpud.sim import services
+
+            state_path(args.dir).stat()  # a simulated host, or FileNotFoundError says it is not
+            if args.action == "add":
+                services.install(args.dir, args.unit, active=not args.inactive)
+            else:
+                services.remove(args.dir, args.unit)
         elif args.cmd == "reboot":
             from gpud.sim.reboot import reboot
 
@@ -373,6 +415,12 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"{n:8d}  {fn}")
                 for pci, by_method in s["resets"].items():
                     print(f"reset {pci}: " + ", ".join(f"{m} {n}" for m, n in by_method.items()))
+                for fn, n in s["services"]["calls"].items():
+                    print(f"{n:8d}  {fn}")
+                for unit, active in s["services"]["units"].items():
+                    print(f"unit {unit}: {active}")
+                for reason in s["services"]["reboots"]:
+                    print(f"reboot requested: {reason} (gpud-sim reboot DIR does it)")
         elif args.cmd == "show":
             with locked(args.dir, write=False) as st:
                 s = summary(st)

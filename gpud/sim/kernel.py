@@ -28,7 +28,8 @@ import os
 import time
 from collections.abc import Callable
 
-from gpud.sim import uevents, vgpu
+import gpud.sim.uevents as uevents
+import gpud.sim.vgpu as vgpu
 from gpud.sim.gpu_rules import reset_gpu
 from gpud.sim.kstrto import kstrtou, sysfs_error
 from gpud.sim.state import SimFunction, SimState, count_reset, locked

@@ -14,9 +14,14 @@ captured output shows (docs/hardware/gpu-reset.md has the sources):
   devices) or an open NVML session of another process (gpud's own, if it did not shut NVML down
   first). The wording and exit status 255 are the real tool's; like the real tool it does not name
   the holders (gpud must find them itself);
-- refused the same way ("In use by another client", 255) while persistence mode is on for the GPU:
-  persistence counts as an attachment (NVIDIA/NVSentinel#1690, PR #1692; gpu-operator#118), in
-  legacy mode (`-pm 1`, a driver flag) as with nvidia-persistenced (which holds the device node);
+- persistence mode (docs/hardware/persistence.md has the sources): nvidia-persistenced holds the
+  device node of each GPU it persists (gpu-operator#118, NVIDIA/NVSentinel#1690). Where this tool
+  reaches the daemon's socket it turns persistence off and on again around the reset itself
+  (NVSentinel#1243), so the reset goes through; where it does not (`gpud-sim create
+  --persistenced-socket hidden`: the daemon in another container, gpu-operator#118) the hold
+  refuses the reset like any other client, and persistence reads as Disabled (NVIDIA/dgx-selinux#3),
+  so `-pm 0` finds nothing to do. Legacy mode (`-pm 1`, a driver flag, no daemon) refuses nothing:
+  no source shows it refusing a reset, so the kinder rule holds, and it is unknown.
   `-pm 0 -i <GPU>` turns it off ("Disabled persistence mode for GPU ...", "All done."), through the
   daemon when one runs;
 - on an NVSwitch system (`gpud-sim create --nvswitch`) nvidia-smi(1)'s `-r` rule by architecture:
@@ -34,7 +39,7 @@ import argparse
 import os
 import sys
 
-from gpud.sim.gpu_rules import reset_gpu
+from gpud.sim.gpu_rules import reports_persistent, reset_gpu
 from gpud.sim.state import SimState, count_reset, load, locked
 
 EXIT_OK = 0
@@ -83,12 +88,18 @@ def resolve(state: SimState, ident: str) -> str | None:
     return None
 
 
-def holders_of(state: SimState, address: str, own_pid: int) -> list[str]:
-    """What keeps the GPU in use: processes holding it or its MIG devices, and other processes'
-    open NVML sessions that hold its device node."""
+def _reaches_persistenced(state: SimState) -> bool:
+    """Whether this tool can talk to nvidia-persistenced (its socket in sight)."""
+    return state.persistence == "daemon" and state.persistenced_socket == "reachable"
+
+
+def holders_of(state: SimState, address: str, own_pid: int, *, persistenced: bool = True) -> list[str]:
+    """What keeps the GPU in use: processes holding it or its MIG devices (nvidia-persistenced's
+    hold only with `persistenced`), and other processes' open NVML sessions that hold its node."""
+    from gpud.sim.state import PERSISTENCED_PID
     from gpud.sim.sysfs_tree import gpu_holders, session_holders
 
-    out = [f"pid {p.pid} {p.name}" for p in gpu_holders(state, address)]
+    out = [f"pid {p.pid} {p.name}" for p in gpu_holders(state, address) if persistenced or p.pid != PERSISTENCED_PID]
     out += [f"pid {s.pid} (NVML session)" for s in session_holders(state, address) if s.pid != own_pid]
     return out
 
@@ -125,7 +136,7 @@ def reset(host_dir: str | os.PathLike, ids: list[str] | None, out=sys.stdout, er
                       f"through NVSwitch to GPUs that must be reset in the same command: "
                       f"{', '.join(bus_id(a) for a in left_out)}", file=out)
                 return EXIT_NOT_AVAILABLE
-        busy = [a for a in targets if holders_of(state, a, os.getpid()) or a in state.persistent]
+        busy = [a for a in targets if holders_of(state, a, os.getpid(), persistenced=not _reaches_persistenced(state))]
         if busy:
             print(in_use_message(busy), file=out)
             return EXIT_OTHER
@@ -169,8 +180,11 @@ def persistence(host_dir: str | os.PathLike, ids: list[str] | None, on: bool, ou
             state.persistence = "legacy"
         for a in targets:
             word = "Enabled" if on else "Disabled"
-            if (a in state.persistent) == on:
+            if reports_persistent(state, a) == on:
                 print(f"Persistence mode is already {word} for GPU {bus_id(a)}.", file=out)
+                continue
+            if a in state.persistent and on:  # held by a daemon out of sight: only the words (unknown)
+                print(f"{word} persistence mode for GPU {bus_id(a)}.", file=out)
                 continue
             if on:
                 state.persistent.append(a)
@@ -203,7 +217,7 @@ def query(host_dir: str | os.PathLike, ids: list[str] | None, fields: str, fmt: 
     if "noheader" not in fmt.split(","):
         print(", ".join(names), file=out)
     for a in targets:
-        values = {"persistence_mode": "Enabled" if a in state.persistent else "Disabled", "pci.bus_id": bus_id(a)}
+        values = {"persistence_mode": "Enabled" if reports_persistent(state, a) else "Disabled", "pci.bus_id": bus_id(a)}
         print(", ".join(values[n] for n in names), file=out)
     return EXIT_OK
 

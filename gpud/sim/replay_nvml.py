@@ -32,7 +32,8 @@ from typing import Any
 import pynvml
 
 from gpud.pci import normalize_pci
-from gpud.sim.nvml_lib import _ERROR_STRINGS, _deref, _int, _Ret, _write_str, swap_in
+from gpud.sim.nvml_abi import ERROR_STRINGS, Ret, as_int, deref, write_str
+from gpud.sim.nvml_lib import swap_in
 from gpud.sim.nvml_lib import uninstall as uninstall  # the one restore, re-exported for callers of install
 
 _REQUIRED = {
@@ -156,7 +157,7 @@ class ReplayNvmlLib:
                     return pynvml.NVML_ERROR_UNINITIALIZED
                 try:
                     ret = impl(self, *args)
-                except _Ret as r:
+                except Ret as r:
                     return r.code
                 return pynvml.NVML_SUCCESS if ret is None else ret
 
@@ -171,7 +172,7 @@ class ReplayNvmlLib:
         """The captured device a handle names; only the handle this library gave out is one."""
         addr = handle if isinstance(handle, int) else ctypes.cast(handle, ctypes.c_void_p).value
         if addr != self.handle:
-            raise _Ret(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+            raise Ret(pynvml.NVML_ERROR_INVALID_ARGUMENT)
         return self.capture.device
 
 
@@ -187,34 +188,34 @@ def nvmlShutdown(lib: ReplayNvmlLib) -> None:
 
 @_symbol()
 def nvmlErrorString(lib: ReplayNvmlLib, result: Any) -> bytes:
-    return _ERROR_STRINGS.get(_int(result), "Unknown Error").encode()
+    return ERROR_STRINGS.get(as_int(result), "Unknown Error").encode()
 
 
 @_symbol()
 def nvmlSystemGetDriverVersion(lib: ReplayNvmlLib, buf: Any, length: Any) -> None:
-    _write_str(buf, length, lib.capture.data["driver"])
+    write_str(buf, length, lib.capture.data["driver"])
 
 
 @_symbol()
 def nvmlSystemGetNVMLVersion(lib: ReplayNvmlLib, buf: Any, length: Any) -> None:
-    _write_str(buf, length, lib.capture.data["nvml_version"])
+    write_str(buf, length, lib.capture.data["nvml_version"])
 
 
 @_symbol("nvmlSystemGetCudaDriverVersion", "nvmlSystemGetCudaDriverVersion_v2")
 def _cuda(lib: ReplayNvmlLib, ref: Any) -> None:
-    _deref(ref).value = lib.capture.data["cuda_driver"]
+    deref(ref).value = lib.capture.data["cuda_driver"]
 
 
 @_symbol("nvmlDeviceGetCount", "nvmlDeviceGetCount_v2")
 def _count(lib: ReplayNvmlLib, ref: Any) -> None:
-    _deref(ref).value = 1  # a capture is of one GPU
+    deref(ref).value = 1  # a capture is of one GPU
 
 
 @_symbol("nvmlDeviceGetHandleByIndex", "nvmlDeviceGetHandleByIndex_v2")
 def _by_index(lib: ReplayNvmlLib, index: Any, ref: Any) -> None:
-    if _int(index) != 0:
-        raise _Ret(pynvml.NVML_ERROR_INVALID_ARGUMENT)
-    ctypes.c_void_p.from_address(ctypes.addressof(_deref(ref))).value = lib.handle
+    if as_int(index) != 0:
+        raise Ret(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+    ctypes.c_void_p.from_address(ctypes.addressof(deref(ref))).value = lib.handle
 
 
 @_symbol("nvmlDeviceGetHandleByPciBusId", "nvmlDeviceGetHandleByPciBusId_v2")
@@ -222,31 +223,31 @@ def _by_pci(lib: ReplayNvmlLib, bus_id: Any, ref: Any) -> None:
     raw = bus_id.value if isinstance(bus_id, ctypes.c_char_p) else bus_id
     text = raw.decode() if isinstance(raw, bytes) else str(raw)
     if normalize_pci(text) != lib.capture.address:
-        raise _Ret(pynvml.NVML_ERROR_NOT_FOUND)
-    ctypes.c_void_p.from_address(ctypes.addressof(_deref(ref))).value = lib.handle
+        raise Ret(pynvml.NVML_ERROR_NOT_FOUND)
+    ctypes.c_void_p.from_address(ctypes.addressof(deref(ref))).value = lib.handle
 
 
 @_symbol()
 def nvmlDeviceGetName(lib: ReplayNvmlLib, handle: Any, buf: Any, length: Any) -> None:
-    _write_str(buf, length, lib.check(handle)["name"])
+    write_str(buf, length, lib.check(handle)["name"])
 
 
 @_symbol()
 def nvmlDeviceGetUUID(lib: ReplayNvmlLib, handle: Any, buf: Any, length: Any) -> None:
-    _write_str(buf, length, lib.check(handle)["uuid"])
+    write_str(buf, length, lib.check(handle)["uuid"])
 
 
 @_symbol()
 def nvmlDeviceGetMinorNumber(lib: ReplayNvmlLib, handle: Any, ref: Any) -> None:
-    _deref(ref).value = lib.check(handle)["minor"]
+    deref(ref).value = lib.check(handle)["minor"]
 
 
 @_symbol("nvmlDeviceGetPciInfo_v3", "nvmlDeviceGetPciInfo_v2", "nvmlDeviceGetPciInfo")
 def _pci_info(lib: ReplayNvmlLib, handle: Any, ref: Any) -> None:
-    info, pci = _deref(ref), lib.check(handle)["pci"]
+    info, pci = deref(ref), lib.check(handle)["pci"]
     for field, _ in type(info)._fields_:
         if field not in pci:
-            raise _Ret(pynvml.NVML_ERROR_NOT_SUPPORTED)  # a struct layout the probe did not read
+            raise Ret(pynvml.NVML_ERROR_NOT_SUPPORTED)  # a struct layout the probe did not read
         value = pci[field]
         setattr(info, field, value.encode() if isinstance(value, str) else value)
 
@@ -254,13 +255,13 @@ def _pci_info(lib: ReplayNvmlLib, handle: Any, ref: Any) -> None:
 @_symbol()
 def nvmlDeviceGetCudaComputeCapability(lib: ReplayNvmlLib, handle: Any, major_ref: Any, minor_ref: Any) -> None:
     major, minor = lib.check(handle)["cc"]
-    _deref(major_ref).value, _deref(minor_ref).value = major, minor
+    deref(major_ref).value, deref(minor_ref).value = major, minor
 
 
 @_symbol()
 def nvmlDeviceGetMemoryInfo(lib: ReplayNvmlLib, handle: Any, ref: Any) -> None:
     """The v1 struct only: the probe read total/free/used, not v2's `reserved`."""
-    info, memory = _deref(ref), lib.check(handle)["memory"]
+    info, memory = deref(ref), lib.check(handle)["memory"]
     info.total, info.free, info.used = memory["total"], memory["free"], memory["used"]
 
 
@@ -268,31 +269,31 @@ def nvmlDeviceGetMemoryInfo(lib: ReplayNvmlLib, handle: Any, ref: Any) -> None:
          "nvmlDeviceGetComputeRunningProcesses")
 def _processes(lib: ReplayNvmlLib, handle: Any, count_ref: Any, infos: Any) -> None:
     lib.check(handle)  # the capture holds no processes (checked on load)
-    _deref(count_ref).value = 0
+    deref(count_ref).value = 0
 
 
 @_symbol()
 def nvmlDeviceGetMigMode(lib: ReplayNvmlLib, handle: Any, current_ref: Any, pending_ref: Any) -> None:
     current, pending = lib.check(handle)["mig_mode"]
-    _deref(current_ref).value = current
-    _deref(pending_ref).value = pending
+    deref(current_ref).value = current
+    deref(pending_ref).value = pending
 
 
 @_symbol()
 def nvmlDeviceGetMaxMigDeviceCount(lib: ReplayNvmlLib, handle: Any, ref: Any) -> None:
-    _deref(ref).value = lib.check(handle)["max_mig"]
+    deref(ref).value = lib.check(handle)["max_mig"]
 
 
 @_symbol("nvmlDeviceGetGpuInstanceProfileInfo", "nvmlDeviceGetGpuInstanceProfileInfoV")
 def _gi_profile_info(lib: ReplayNvmlLib, handle: Any, index: Any, ref: Any) -> Any:
     lib.check(handle)
-    captured = lib.capture.gi_profiles.get(_int(index))
+    captured = lib.capture.gi_profiles.get(as_int(index))
     if captured is None:
-        raise _Ret(pynvml.NVML_ERROR_NOT_SUPPORTED if _int(index) < pynvml.NVML_GPU_INSTANCE_PROFILE_COUNT
+        raise Ret(pynvml.NVML_ERROR_NOT_SUPPORTED if as_int(index) < pynvml.NVML_GPU_INSTANCE_PROFILE_COUNT
                    else pynvml.NVML_ERROR_INVALID_ARGUMENT)
     if "code" in captured:
         return captured["code"]  # the real GPU's refusal of this index
-    info = _deref(ref)
+    info = deref(ref)
     for field in _GI_INFO_FIELDS:
         setattr(info, field, captured[field])
     if any(f == "name" for f, _ in type(info)._fields_):
@@ -303,17 +304,17 @@ def _gi_profile_info(lib: ReplayNvmlLib, handle: Any, index: Any, ref: Any) -> A
 @_symbol("nvmlDeviceGetGpuInstancePossiblePlacements", "nvmlDeviceGetGpuInstancePossiblePlacements_v2")
 def _possible_placements(lib: ReplayNvmlLib, handle: Any, profile_id: Any, placements: Any, count_ref: Any) -> Any:
     lib.check(handle)
-    captured = lib.capture.placements.get(_int(profile_id))
+    captured = lib.capture.placements.get(as_int(profile_id))
     if captured is None:
-        raise _Ret(pynvml.NVML_ERROR_INVALID_ARGUMENT)
-    count = _deref(count_ref)
+        raise Ret(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+    count = deref(count_ref)
     if placements is None:
         count.value = len(captured)
         return None
     if count.value < len(captured):
         count.value = len(captured)
         return pynvml.NVML_ERROR_INSUFFICIENT_SIZE
-    arr = _deref(placements)
+    arr = deref(placements)
     for i, pl in enumerate(captured):
         arr[i].start, arr[i].size = pl["start"], pl["size"]
     count.value = len(captured)
@@ -323,18 +324,18 @@ def _possible_placements(lib: ReplayNvmlLib, handle: Any, profile_id: Any, place
 @_symbol()
 def nvmlDeviceGetGpuInstances(lib: ReplayNvmlLib, handle: Any, profile_id: Any, arr: Any, count_ref: Any) -> None:
     lib.check(handle)
-    if _int(profile_id) not in lib.capture.profile_ids():
-        raise _Ret(pynvml.NVML_ERROR_INVALID_ARGUMENT)
-    _deref(count_ref).value = 0  # every captured count is 0 (checked on load)
+    if as_int(profile_id) not in lib.capture.profile_ids():
+        raise Ret(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+    deref(count_ref).value = 0  # every captured count is 0 (checked on load)
 
 
 @_symbol()
 def nvmlDeviceGetGpuInstanceRemainingCapacity(lib: ReplayNvmlLib, handle: Any, profile_id: Any, ref: Any) -> None:
     lib.check(handle)
-    count = lib.capture.remaining.get(_int(profile_id))
+    count = lib.capture.remaining.get(as_int(profile_id))
     if count is None:
-        raise _Ret(pynvml.NVML_ERROR_INVALID_ARGUMENT)
-    _deref(ref).value = count
+        raise Ret(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+    deref(ref).value = count
 
 
 # --- install and host tree ----------------------------------------------------------------------

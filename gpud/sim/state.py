@@ -18,6 +18,7 @@ import msgspec
 STATE_FILE = "state.json"
 PERSISTENCED_PID = 870  # the simulated nvidia-persistenced (`gpud-sim create --persistence daemon`)
 PERSISTENCE_MODES = ("off", "legacy", "daemon")
+PERSISTENCED_SOCKETS = ("reachable", "hidden")
 FABRIC_MANAGER_PID = 871  # the simulated nv-fabricmanager process (NVSwitch hosts, when running)
 FABRIC_MANAGER_STATES = ("running", "stopped")
 FIRST_BOOT_ID = "00000000-0000-4000-8000-000000000001"
@@ -172,8 +173,12 @@ class SimState(msgspec.Struct):
     cuda_version: int = 13000
     # Persistence mode: "off", "legacy" (`nvidia-smi -pm 1`, a driver flag per GPU) or "daemon"
     # (nvidia-persistenced keeps the device nodes of the GPUs it persists open). `persistent`: the
-    # GPUs it is on for. Either way it counts as an attachment: `nvidia-smi -r` is refused.
+    # GPUs it is on for. What it does to `nvidia-smi -r`: docs/hardware/persistence.md.
     persistence: str = "off"
+    # Whether nvidia-smi reaches nvidia-persistenced's socket (/run/nvidia-persistenced/socket):
+    # "reachable" on the host; "hidden" where the daemon runs out of its sight (another container,
+    # gpu-operator#118), so its hold refuses a reset.
+    persistenced_socket: str = "reachable"
     # nvidia-fabricmanager on an NVSwitch host (`--fabric-manager running|stopped`): on Ampere it
     # decides whether a GPU resets alone (nvidia-smi(1), -r)
     fabric_manager: str = "running"

@@ -16,8 +16,9 @@ import os
 import shutil
 from pathlib import Path
 
+import gpud.sim.pci_files as pci_files
+import gpud.sim.vgpu as vgpu
 from gpud import profiles
-from gpud.sim import pci_files, vgpu
 from gpud.sim.state import (
     AFTER_DEAD_DROPPED,
     FABRIC_MANAGER_PID,

@@ -9,6 +9,7 @@ import pytest
 
 from gpud.api.handlers import RequestHandler
 from gpud.api.peers import Peer
+from gpud.engine.engine import Engine
 from tests.scenarios.harness import SimRig
 
 ROOT = Peer(pid=1, uid=0, gid=0, groups=frozenset({0}))
@@ -25,7 +26,7 @@ async def test_status_is_answered_while_a_large_check_is_parsed(rig):
     rig.config.write_text("version: v1\nlayouts:\n  a:\n    - {devices: all, mig-enabled: false}\n")
     assert rig.rec.load_config()
     rig.rec.refresh()  # the first observation, as the daemon reads it before READY
-    handler = RequestHandler(rig.rec)
+    handler = RequestHandler(Engine(rig.rec))
     # ~250 KB of YAML: seconds of parsing on any machine, against milliseconds for a status
     big = "version: v1\nlayouts:\n  a:\n    - devices: [" + ", ".join(["0"] * 40_000) + "]\n      mig-enabled: false\n"
     check = asyncio.create_task(handler.handle("check", {"text": big, "path": "big.yaml"}, ROOT))
@@ -40,7 +41,7 @@ async def test_status_is_answered_while_a_large_check_is_parsed(rig):
 
 async def test_checks_are_parsed_one_at_a_time(rig):
     """Five large checks at once queue for one parser instead of multiplying the daemon's memory."""
-    handler = RequestHandler(rig.rec)
+    handler = RequestHandler(Engine(rig.rec))
     keeper = rig.rec.layout_file
     text = "version: v1\nlayouts:\n  a:\n    - devices: [" + ", ".join(["0"] * 5_000) + "]\n"
     active, most = 0, 0

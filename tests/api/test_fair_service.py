@@ -22,6 +22,7 @@ from gpud.api.handlers import RequestHandler
 from gpud.api.peers import Peer
 from gpud.api.server import serve
 from gpud.engine import layout_keeper
+from gpud.engine.engine import Engine
 from tests.api.test_server import Conn
 from tests.scenarios.harness import SimRig
 
@@ -46,7 +47,7 @@ async def daemon(tmp_path, sockdir):
     rig.config.write_text(FILE)
     assert rig.rec.load_config()
     rig.rec.refresh()
-    handler = RequestHandler(rig.rec)
+    handler = RequestHandler(Engine(rig.rec))
 
     def lookup(sock: socket.socket) -> Peer:
         name = sock.getpeername()

@@ -54,7 +54,7 @@ def test_plan_steps_keep_their_wire_field_names():
 
 
 def test_plan_with_errors_is_empty_and_says_why():
-    reply = replies.plan_reply(None, errors=["layout.yaml:1 version: must be v1"])  # type: ignore[arg-type]
+    reply = replies.plan_reply(errors=["layout.yaml:1 version: must be v1"])
     assert msgspec.to_builtins(reply) == {
         "gpus": [], "disruption": {"destroyed": [], "vgpus_removed": [], "vfs_disabled": [], "mode_changes": [],
                                    "resets": [], "reset_with": [], "rebinds": []},
@@ -78,6 +78,7 @@ def test_mig_profiles_of_a_gpu_nvml_cannot_see_come_from_the_table_with_unknowns
     assert {p.name: p.unknown for p in rtx.profiles} == {p.name: ["free"] for p in MODELS["rtx-pro-6000"].profiles}
     row = {p.name: p for p in b200.profiles}
     assert row["1g.23gb"].unknown == ["free", "placements"] and row["1g.23gb"].memory_mb == 20992
-    assert set(row["3g.90gb"].unknown) == {"free", "id", "memory_mb", "sms", "placements", "ce", "dec", "enc",
+    assert set(row["3g.90gb"].unknown) == {"free", "memory_mb", "sms", "placements", "ce", "dec", "enc",
                                            "jpg", "ofa", "p2p"}
-    assert row["3g.90gb"].total == 2  # the instance count NVIDIA's MIG user guide gives
+    assert row["3g.90gb"].total == 2  # the instance count NVIDIA's default MIG config gives
+    assert row["3g.90gb"].id == 9  # the id GKE's MIG partitioner passes to nvidia-smi mig -cgi

@@ -310,6 +310,28 @@ def test_authorize(peer, op, allowed):
     assert authorize(peer, op, GPUD) is allowed
 
 
+LEASERS = 991
+
+
+@pytest.mark.parametrize("peer, op, allowed", [
+    (Peer(pid=1, uid=0, gid=0, groups=frozenset({0})), "lease", True),
+    (Peer(pid=2, uid=1000, gid=1000, groups=frozenset({1000, LEASERS})), "lease", True),
+    (Peer(pid=2, uid=1000, gid=1000, groups=frozenset({1000, LEASERS})), "release", True),
+    (Peer(pid=2, uid=1000, gid=1000, groups=frozenset({1000, LEASERS})), "leases", True),
+    (Peer(pid=2, uid=1000, gid=1000, groups=frozenset({1000, LEASERS})), "apply", False),
+    (Peer(pid=2, uid=1000, gid=1000, groups=frozenset({1000, GPUD})), "leases", True),  # gpud: read-only
+    (Peer(pid=2, uid=1000, gid=1000, groups=frozenset({1000, GPUD})), "lease", False),
+    (Peer(pid=2, uid=1000, gid=1000, groups=frozenset({1000, GPUD})), "release", False),
+    (Peer(pid=3, uid=1000, gid=1000, groups=frozenset({1000})), "lease", False),
+])
+def test_authorize_leases(peer, op, allowed):
+    assert authorize(peer, op, GPUD, LEASERS) is allowed
+
+
+def test_no_lease_group_means_root_only_leases():
+    assert not authorize(Peer(pid=2, uid=1000, gid=GPUD, groups=frozenset({GPUD, LEASERS})), "lease", GPUD, None)
+
+
 def test_authorize_without_the_group_is_root_only():
     assert not authorize(Peer(pid=2, uid=1000, gid=GPUD, groups=frozenset({GPUD})), "status", None)
     assert authorize(Peer(pid=1, uid=0, gid=0), "apply", None)

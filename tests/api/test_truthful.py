@@ -14,6 +14,7 @@ import yaml
 from gpud.api import replies
 from gpud.api.handlers import RequestHandler
 from gpud.cli.render import render_plan
+from gpud.engine.engine import Engine
 from gpud.model import Gpu, PciFunction
 from gpud.sim import cli as simcli
 from tests.scenarios.definitions import layout, mig
@@ -41,7 +42,7 @@ async def test_check_reports_what_the_planner_cannot_do_in_plans_words(rig):
     # NVIDIA's MIG user guide: A100 40GB has 4 x 1g.10gb at most; 4g + 2 x 3g needs 4+4+4 of the
     # 8 memory slices; 7g.80gb is one per GPU.
     r = rig("a100-40gb:1", "h100-80gb:1")
-    handler = RequestHandler(r.rec)
+    handler = RequestHandler(Engine(r.rec))
     assert await r.apply(WHOLE)
     before = r.calls()
     for text in (layout(mig([0], {"1g.10gb": 7})),
@@ -49,9 +50,12 @@ async def test_check_reports_what_the_planner_cannot_do_in_plans_words(rig):
                  layout(mig([1], {"7g.80gb": 2}))):
         check = await handler.op_check(text, "cand.yaml")
         plan = await handler.op_plan(text, "cand.yaml")
-        infeasible = [line for line in render_plan(plan).splitlines() if "INFEASIBLE" in line]
-        assert len(infeasible) == 1, render_plan(plan)
-        assert not check.valid and check.errors == infeasible  # the same words as plan
+        assert len(plan.errors) == 1 and plan.gpus == [], render_plan(plan)
+        assert not check.valid and check.errors == plan.errors  # the same words as plan
+        # at the line of the entry's mig-devices, as the text has it
+        line = next(n for n, ln in enumerate(text.splitlines(), 1) if ln.strip() == "mig-devices:")
+        assert re.match(rf"cand\.yaml:{line} layouts\.test\[0\]\.mig-devices: GPU [01] 0000:[0-9a-f:.]+: "
+                        "infeasible: ", check.errors[0]), check.errors
     assert "needs 12 of 8 memory slices" in (await handler.op_check(
         layout(mig([1], {"4g.40gb": 1, "3g.40gb": 2})), "c.yaml")).errors[0]
     ok = await handler.op_check(layout(mig([0], {"1g.10gb": 4})), "c.yaml")
@@ -62,25 +66,25 @@ async def test_check_reports_what_the_planner_cannot_do_in_plans_words(rig):
 async def test_phase_and_states_say_what_is_true_now(rig):
     r = rig("h100-80gb:1")
     assert await r.apply(WHOLE)
-    assert replies.status_reply(r.rec).phase == "converged"
+    assert replies.status_reply(r.rec.view()).phase == "converged"
     pci = r.rec.observation.gpus[0].pci
     # an edit, before the pass starts: the GPU is pending, not converged (the hardware: MIG still off)
     r.config.write_text(layout(mig([0], {"7g.80gb": 1})))
     assert await r.rec.reload_async("layout changed")
-    st = replies.status_reply(r.rec)
+    st = replies.status_reply(r.rec.view())
     assert st.phase == "pending" and st.gpus[0].state == "pending", st
     assert r.mig_mode(0) == 0
     # during the pass: applying, at the moment the GPU is being changed
     seen: list[tuple[str, str]] = []
-    r.rec.on_change(lambda: seen.append((replies.status_reply(r.rec).phase,
+    r.rec.on_change(lambda: seen.append((replies.status_reply(r.rec.view()).phase,
                                          r.rec.gpu_states[pci].state if pci in r.rec.gpu_states else "")))
     await r.rec.converge()
     assert ("applying", "applying") in seen, seen
-    assert replies.status_reply(r.rec).phase == "converged" and r.mig_mode(0) == 1
+    assert replies.status_reply(r.rec.view()).phase == "converged" and r.mig_mode(0) == 1
     # an invalid file: the top line says so, whatever the last pass concluded
     r.config.write_text("version: v1\nlayouts: [\n")
     assert not await r.rec.reload_async("layout changed")
-    st = replies.status_reply(r.rec)
+    st = replies.status_reply(r.rec.view())
     assert st.phase == "invalid-layout" and not st.layout.valid
     assert st.gpus[0].state == "converged"  # the GPU itself still matches the last good layout
 
@@ -90,7 +94,7 @@ async def test_plan_lists_what_a_rebind_to_vfio_takes_away(rig):
     assert await r.apply(WHOLE)
     pci = r.rec.observation.gpus[0].pci
     simcli.hold(r.dir, pci, 4242, "nvidia-persistenced")
-    plan = await RequestHandler(r.rec).op_plan(layout({"devices": [0], "workload": "vm-passthrough"}), "vm.yaml")
+    plan = await RequestHandler(Engine(r.rec)).op_plan(layout({"devices": [0], "workload": "vm-passthrough"}), "vm.yaml")
     [rebind] = plan.disruption.rebinds
     assert rebind.pci == pci and rebind.to == "vfio-pci" and rebind.detached[pci] == "nvidia" and rebind.leaves_nvml
     assert [h.pid for h in rebind.holders] == [4242]
@@ -111,7 +115,7 @@ async def test_mig_profiles_of_a_gpu_on_vfio_pci_come_from_the_known_table(rig):
     r = rig("h200:1")
     assert await r.apply(layout({"devices": [0], "workload": "vm-passthrough"}))
     assert r.rec.observation.gpus[0].function.driver == "vfio-pci"
-    reply = await RequestHandler(r.rec).op_mig_profiles()
+    reply = await RequestHandler(Engine(r.rec)).op_mig_profiles()
     [gpu] = reply.gpus
     assert gpu.source == "table"
     assert {(p.name, p.id, p.total) for p in gpu.profiles} == _lgip_capture()
@@ -147,7 +151,7 @@ def test_vfio_events_name_the_group_and_its_gpu():
 async def test_check_all_layouts_plans_every_layout_a_node_label_may_select(rig):
     # NVIDIA's MIG user guide: A100 40GB has 4 x 1g.10gb at most, so `seven` cannot be converged.
     r = rig("a100-40gb:1")
-    handler = RequestHandler(r.rec)
+    handler = RequestHandler(Engine(r.rec))
     doc = {"version": "v1", "selected": "whole",
            "layouts": {"whole": [mig("all", None)], "seven": [mig([0], {"1g.10gb": 7})]}}
     text = yaml.safe_dump(doc, sort_keys=False)
@@ -156,5 +160,22 @@ async def test_check_all_layouts_plans_every_layout_a_node_label_may_select(rig)
     every = await handler.op_check(text, "two.yaml", all_layouts=True)
     assert every.checked == ["whole", "seven"] and not every.valid
     plan = await handler.op_plan(yaml.safe_dump({**doc, "selected": "seven"}, sort_keys=False), "two.yaml")
-    assert every.errors == [line for line in render_plan(plan).splitlines() if "INFEASIBLE" in line]
+    assert every.errors == plan.errors and len(plan.errors) == 1 and "two.yaml:11 layouts.seven[0].mig-devices: GPU 0 " \
+        "0000:18:00.0: infeasible: 7 x 1g.10gb exceeds the 4 instances allowed" in plan.errors[0]
     assert every.errors_omitted == 0
+
+
+async def test_no_layout_in_force_is_not_starting(rig):
+    """Issue 33 item 11: with no valid layout since start no pass ever looks at a GPU, yet status and
+    `apply --wait` said `starting` (a pass is coming) for each."""
+    r = rig("h100-80gb:2")
+    r.config.write_text("version: v1\nlayouts: [\n")
+    assert not await r.rec.reload_async("layout changed")
+    await r.rec.converge()
+    st = replies.status_reply(r.rec.view())
+    assert st.phase == "invalid-layout"
+    assert [g.state for g in st.gpus] == ["unmanaged"] * 2, [g.state for g in st.gpus]
+    assert all("no valid layout" in g.message for g in st.gpus)
+    applied = replies.apply_reply(r.rec.view(), True)
+    assert {g.state for g in applied.gpus} == {"unmanaged"}
+    assert r.mig_mode(0) == 0 and r.mig_mode(1) == 0  # and indeed nothing was changed

@@ -64,10 +64,15 @@ def test_results_are_typed_by_op_and_tolerate_unknown_and_missing_fields():
         wire_replies.decode_result("status", {"layout": {}})
 
 
+LEASE = wire_replies.LeaseInfo(id="l-1", gpu="0000:3b:00.0", index=0, profile="1g.10gb", placement="0:1",
+                               uuid="MIG-x", devices=["/dev/nvidia0"], owner="job", pid=7, created=1.5)
+
+
 def test_every_result_struct_is_json_able_with_a_stable_shape():
     samples = {
         "status": status_reply(), "plan": plan_reply(), "check": wire_replies.CheckReply(valid=False, errors=["e"]),
         "apply": wire_replies.ApplyReply(phase="failed"), "reload": wire_replies.LayoutStatus(path="/l"),
+        "select": wire_replies.LayoutStatus(path="/l", selected="a", chosen=True),
         "events": wire_replies.EventsReply(events=[wire.Event(time=0.0, kind="k")]),
         "version": wire_replies.VersionReply(version="0.1.0"), "mig-profiles": wire_replies.MigProfilesReply(),
         "passthrough": wire_replies.PassthroughReply(devices=[wire_replies.PassthroughDevice(pci="p", vendor_device="10de:2335")],
@@ -77,6 +82,9 @@ def test_every_result_struct_is_json_able_with_a_stable_shape():
                                            labels={"nvidia.com/gpu.count": "8"}),
         "vgpu-types": wire_replies.VgpuTypesReply(gpus=[wire_replies.GpuVgpuTypes(index=0, pci="p", types=[
             wire_replies.VgpuTypeInfo(name="H200X-1-18C", id=1414, mig_profile="1g.18gb", creatable=7, max=7)])]),
+        "lease": LEASE,
+        "release": wire_replies.ReleaseReply(lease=LEASE, message="lease l-1 released"),
+        "leases": wire_replies.LeasesReply(leases=[LEASE]),
     }
     assert set(samples) == set(wire_replies.RESULTS)
     for op, obj in samples.items():
@@ -98,6 +106,10 @@ def test_default_structs_are_not_shared_between_instances():
     ("check", {"text": "t", "path": "/p"}, True),
     ("check", {"text": "t"}, False),
     ("apply", {"wait": True, "timeout": 3}, True),
+    ("apply", {"wait": True, "timeout": float("nan")}, False),  # issue 33 item 11: answered `timeout` at once
+    ("apply", {"wait": True, "timeout": float("inf")}, False),
+    ("apply", {"wait": True, "timeout": -1.0}, False),
+    ("apply", {"wait": True, "timeout": 0}, True),  # answer now
     ("apply", {"wait": "yes"}, False),
     ("apply", {"wiat": True}, False),  # typos are refused, not ignored
     ("events", {}, True),

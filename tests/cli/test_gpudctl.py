@@ -68,7 +68,8 @@ def test_status_json_shape(daemon):
                         "kubernetes", "rebuilt_after_boot", "state_files"}
     g0 = doc["gpus"][0]
     assert {"index", "pci", "uuid", "model", "pci_id", "driver", "workload", "iommu_group", "numa_node", "mig",
-            "converged", "state", "message", "holders", "group", "vfio_device", "vgpu"} == set(g0)
+            "converged", "state", "message", "holders", "group", "vfio_device", "vgpu", "dynamic", "leases",
+            "lease_free"} == set(g0)
     assert g0["mig"]["instances"][0] == {"profile": "1g.18gb", "placement": {"start": 4, "size": 1}, "gi": 11,
                                          "ci": 0, "uuid": MIG_UUIDS[4], "holders": [], "ci_placement": None}
     assert g0["group"][0]["class"] == "0x030200"
@@ -108,7 +109,7 @@ def test_plan_output_and_exit_codes(daemon, tmp_path):
     assert r.returncode == 0, r.stderr
     assert calls(daemon, "plan") == [{"text": None, "path": None}]  # the loaded layout
     out = r.stdout.splitlines()
-    assert out[0] == "GPU 0 0000:3b:00.0:"
+    assert out[0] == "GPU 0 0000:3b:00.0: 4 steps (destroy-ci, destroy-gi, create-gi, create-ci)"
     assert out[1] == f"  1. destroy-ci 1g.18gb@6:1 gi 13 ci 0 {MIG_UUIDS[6]}"  # single-spaced
     assert "  3. create-gi 1g.35gb@6:2" in out
     assert "  1. set-mig-mode on" in out and "  2. reset" in out
@@ -266,6 +267,37 @@ def test_daemon_hanging_up_without_answer_exits_3(tmp_path):
     t.join(30)
     lsock.close()
     assert r.returncode == 3 and "closed the connection" in r.stderr
+
+
+def test_a_daemon_that_took_the_request_but_has_not_answered_exits_6(tmp_path):
+    """Connected and asked, no answer within --reply-timeout: gpud is working, not unreachable (3)."""
+    path = str(tmp_path / "s")
+    lsock = socket.socket(socket.AF_UNIX)
+    lsock.bind(path)
+    lsock.listen()
+    taken = threading.Event()
+
+    def accept_and_keep_quiet():
+        conn, _ = lsock.accept()
+        conn.recv(65536)
+        taken.set()
+        release.wait(30)
+        conn.close()
+
+    release = threading.Event()
+    t = threading.Thread(target=accept_and_keep_quiet, daemon=True)
+    t.start()
+    try:
+        layout_file = tmp_path / "many.yaml"
+        layout_file.write_text("version: v1\nlayouts: {a: [], b: []}\n")
+        r = run(path, "--reply-timeout", "0.5", "check", "--all-layouts", str(layout_file))
+    finally:
+        release.set()
+        t.join(30)
+        lsock.close()
+    assert taken.is_set()
+    assert r.returncode == 6 and "did not answer within 0.5 s" in r.stderr
+    assert run(path, "--reply-timeout", "0", "status").returncode == 2
 
 
 CLI_MODULES = sorted(f"gpud.cli.{p.stem}" for p in (REPO / "gpud" / "cli").glob("*.py") if p.stem != "__init__")
@@ -426,3 +458,34 @@ def test_a_plan_step_reads_as_the_daemon_names_it_in_events():
     assert lines == [str(s) for s in steps]
     assert lines[0] == "set-mig-mode on" and lines[5] == "create-ci 1c.3g.71gb@4:4 at compute 2:1"
     assert all(pci not in line for line in lines)  # the plan's header names the GPU
+
+
+EVIL = "py\nthon\x1b[2J\x1b]0;pwned\x07\u202eexe"  # a comm set with prctl: a forged line, a screen clear, a title, bidi
+EVIL_SHOWN = "py\\nthon\\x1b[2J\\x1b]0;pwned\\x07\\u202eexe"
+
+
+def _unsafe(text: str) -> list[str]:
+    return [c for c in text if (ord(c) < 0x20 and c != "\n") or 0x7f <= ord(c) <= 0x9f or c in "\u2028\u2029\u202e"]
+
+
+def test_outside_strings_are_escaped_for_the_terminal_and_exact_in_json(daemon):
+    """Issue 33 item 3: a holder's process name, an event's message and an error's text reached
+    root's terminal raw; each is shown escaped, one line each, and `--json` keeps it exact."""
+    reply = daemon.handler.replies["status"]
+    reply.gpus[1].holders = [wire_replies.HolderInfo(pid=4121, name=EVIL, device="/dev/nvidia1")]
+    reply.gpus[1].message = f"waiting for holders of /dev/nvidia1: pid 4121 {EVIL}"
+    r = run(daemon, "status")
+    assert r.returncode == 0, r.stderr
+    assert not _unsafe(r.stdout) and EVIL_SHOWN in r.stdout
+    rows = [ln for ln in r.stdout.splitlines() if ln.startswith("1 ")]
+    assert len(rows) == 1 and "thon" in rows[0]  # no forged line: the name stays on its GPU's row
+    doc = json.loads(run(daemon, "status", "--json").stdout)
+    assert doc["gpus"][1]["holders"][0]["name"] == EVIL
+    daemon.call(daemon.handler.publish, "waiting", f"pid 4121 {EVIL} holds /dev/nvidia1", "0000:5c:00.0")
+    r = run(daemon, "events")
+    assert not _unsafe(r.stdout) and r.stdout.rstrip().endswith(f"pid 4121 {EVIL_SHOWN} holds /dev/nvidia1")
+    assert json.loads(run(daemon, "events", "--json").stdout.splitlines()[-1])["message"].endswith(
+        f"{EVIL} holds /dev/nvidia1")
+    daemon.handler.errors["apply"] = ApiError("failed", f"busy: {EVIL}")
+    r = run(daemon, "apply")
+    assert not _unsafe(r.stderr) and EVIL_SHOWN in r.stderr

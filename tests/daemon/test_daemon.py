@@ -27,8 +27,8 @@ def test_seed_layout_applied_and_status_shape(daemon):
     assert r.returncode == 0, r.stdout + r.stderr
     st = d.status()
     assert st["phase"] == "converged"
-    assert st["layout"] == {"path": str(d.config), "selected": "test", "valid": True, "errors": [], "warnings": [],
-                            "errors_omitted": 0, "warnings_omitted": 0}
+    assert st["layout"] == {"path": str(d.config), "selected": "test", "chosen": False, "valid": True, "errors": [],
+                            "warnings": [], "errors_omitted": 0, "warnings_omitted": 0}
     assert [g["index"] for g in st["gpus"]] == list(range(8))
     g0 = st["gpus"][0]
     for key in ("index", "pci", "uuid", "model", "pci_id", "driver", "workload", "iommu_group", "mig",

@@ -119,3 +119,17 @@ def test_duplicate_indices_in_the_map_are_refused(tmp_path):
     path.write_text(json.dumps({"version": 1, "gpus": [dict(entry, pci=A), dict(entry, pci=B)]}))
     idx = GpuIndex(str(path))
     assert "appears twice" in (idx.problem or "")
+
+
+def test_a_gpu_nvml_no_longer_sees_keeps_its_uuid_across_restarts_unless_the_card_changed(tmp_path):
+    path = str(tmp_path / "gpu-index.json")
+    GpuIndex(path).assign([gpu(A, "GPU-a"), gpu(B, "GPU-b")], [A, B], commit=True)
+    # a restart with B on vfio-pci: NVML does not see it, the map still names it
+    numbered, _, _ = GpuIndex(path).assign([gpu(A, "GPU-a"), gpu(B)], [A, B], commit=True)
+    by_pci = {g.pci: g for g in numbered}
+    assert by_pci[B].nvml is None and by_pci[B].uuid == "GPU-b" and by_pci[A].uuid == "GPU-a"
+    assert json.loads((tmp_path / "gpu-index.json").read_text())["gpus"][1]["uuid"] == "GPU-b"
+    # another model in B's slot (a swap while the host was off): its UUID is not B's
+    fn = PciFunction(B, 0x10DE, 0x2335, 0x10DE, 0x18BE, 0x030200, "vfio-pci")
+    numbered, _, _ = GpuIndex(path).assign([gpu(A, "GPU-a"), Gpu(index=-1, function=fn)], [A, B], commit=True)
+    assert {g.pci: g.uuid for g in numbered} == {A: "GPU-a", B: None}

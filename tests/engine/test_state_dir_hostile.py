@@ -96,7 +96,7 @@ async def test_every_state_file_that_is_not_gpuds_is_set_aside_and_start_goes_on
             assert list(state.glob(f"{name}.set-aside-*")), name
         assert not any("settled it" in e["message"] for e in rig.bus.recent())
         from gpud.api.replies import status_reply
-        assert any("gpu-index.json" in m for m in status_reply(rig.rec).state_files)
+        assert any("gpu-index.json" in m for m in status_reply(rig.rec.view()).state_files)
         if kind == "symlink":
             assert json.loads((tmp_path / "secret.json").read_text())["boot_id"] == "elsewhere"
     finally:

@@ -15,13 +15,13 @@ async def test_a_gone_gpu_is_counted_apart_from_the_converged_ones(tmp_path):
     rig = SimRig(tmp_path, ("h100-80gb:4",), state_dir=str(tmp_path / "state"))
     try:
         assert await rig.apply(layout({"devices": "all", "mig-enabled": False}))
-        assert status_line.of(rig.rec) == "4/4 GPUs converged"
+        assert status_line.of(rig.rec.view()) == "4/4 GPUs converged"
         gone = sorted(simstate.load(rig.dir).gpus)[3]
         kernel.unplug(rig.dir, gone)
         await rig.rec.converge()
         present = [a for a, f in simstate.load(rig.dir).functions.items() if f.present and a in rig.rec.gpu_states]
         assert len(present) == 3 and rig.rec.gpu_states[gone].state == "gone"
-        assert status_line.of(rig.rec) == "3/3 GPUs converged, 1 gone"
+        assert status_line.of(rig.rec.view()) == "3/3 GPUs converged, 1 gone"
     finally:
         rig.close()
 
@@ -30,6 +30,6 @@ def test_not_all_converged_lists_each_state(tmp_path):
     rig = SimRig(tmp_path, ("h100-80gb:2",))
     try:
         rig.rec.refresh()
-        assert status_line.of(rig.rec) == "2 GPUs: starting"
+        assert status_line.of(rig.rec.view()) == "2 GPUs: starting"
     finally:
         rig.close()

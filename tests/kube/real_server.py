@@ -95,10 +95,11 @@ class RealServer:
     """etcd plus kube-apiserver in `workdir`. `watch_cache=False` serves watches from etcd itself,
     so an etcd compaction reaches a watch that resumes from an older version (410)."""
 
-    def __init__(self, workdir: Path, *, watch_cache: bool = True) -> None:
-        bins, why = binaries()
-        if why:
-            raise RuntimeError(why)
+    def __init__(self, workdir: Path, *, watch_cache: bool = True, bins: dict[str, str] | None = None) -> None:
+        if bins is None:
+            bins, why = binaries()
+            if why:
+                raise RuntimeError(why)
         self.bins = bins
         self.dir = Path(workdir)
         self.certs = self.dir / "pki"

@@ -366,7 +366,7 @@ def test_selectors_normalised() -> None:
         - 0000:00:01.0
         - "10000:e1:00.0"
         - GPU-0C1E3B9A-1234-5678-9ABC-DEF012345678
-        - 0x3
+        - 3
     """)
     p = parse(text)
     assert p.ok, p.errors
@@ -460,8 +460,8 @@ def test_device_filter_dedupes() -> None:
 def test_device_filter_errors(value: str, path: str, got: str) -> None:
     """mig-parted silently ignored filters it could not parse; here they are errors."""
     assert only_error(entry(f"- devices: all\n  device-filter: {value}")) == (
-        f'layout.yaml:5 layouts.a[0].{path}: expected a PCI id like "0x233010DE" (device id, then vendor id) '
-        f'or "10de:2330", got {got}')
+        f'layout.yaml:5 layouts.a[0].{path}: expected a PCI id like "0x233010DE" (device id, then vendor id), '
+        f'"0x233010DE:0x16C110DE" (then the subsystem\'s) or "10de:2330", got {got}')
 
 
 def test_device_filter_not_a_list() -> None:
@@ -555,7 +555,7 @@ def test_mig_device_count(value: str, got: str) -> None:
 
 def test_mig_devices_not_a_mapping() -> None:
     assert only_error(entry("- devices: all\n  mig-enabled: true\n  mig-devices: [1g.10gb]")) == (
-        "layout.yaml:6 layouts.a[0].mig-devices: expected a mapping of MIG device name -> count, got a list")
+        'layout.yaml:6 layouts.a[0].mig-devices: expected a mapping of MIG device name -> count, or "dynamic", got a list')
 
 
 def test_vm_passthrough_with_mig() -> None:
@@ -738,7 +738,8 @@ def test_policy_errors() -> None:
         'layout.yaml:5 policy.on-busy: expected one of wait, fail, got "kill"',
         'layout.yaml:6 policy.reset: expected one of per-gpu, never, got "always"',
         "layout.yaml:7 policy.reboot: expected one of never, allow, got yes",
-        'layout.yaml:8 policy.retries: unknown key "retries"; allowed: drain-units, on-busy, reset, reboot',
+        'layout.yaml:8 policy.retries: unknown key "retries"; allowed: drain-units, on-busy, reset, reboot, lease-group, '
+        'lease-placement, lease-mig-mode, on-infeasible, apply',
     ]
 
 
@@ -907,3 +908,62 @@ def test_hooks_shapes() -> None:
 
 def test_pci_id_str() -> None:
     assert str(PciId(0x10DE, 0x2330)) == "10de:2330"
+
+
+def test_mig_devices_dynamic() -> None:
+    p = parse(entry("- devices: all\n  mig-enabled: true\n  mig-devices: dynamic"))
+    assert p.errors == [] and p.layout is not None
+    assert p.layout.entries[0].mig_dynamic and p.layout.entries[0].mig_devices == {}
+
+
+@pytest.mark.parametrize(("body", "message"), [
+    ("- devices: all\n  mig-devices: dynamic", "layout.yaml:5 layouts.a[0].mig-devices: mig-devices needs mig-enabled: true"),
+    ("- devices: all\n  mig-enabled: false\n  mig-devices: dynamic",
+     "layout.yaml:6 layouts.a[0].mig-devices: mig-enabled: false forbids mig-devices"),
+    ("- devices: all\n  workload: vm-vgpu\n  mig-enabled: true\n  mig-devices: dynamic",
+     "layout.yaml:7 layouts.a[0].mig-devices: mig-devices: dynamic (instances made by leases) needs workload: "
+     "container, not vm-vgpu"),
+    ("- devices: all\n  mig-enabled: true\n  mig-devices: dynamik",
+     'layout.yaml:6 layouts.a[0].mig-devices: expected a mapping of MIG device name -> count, or "dynamic", '
+     'got "dynamik"'),
+])
+def test_mig_devices_dynamic_errors(body: str, message: str) -> None:
+    assert only_error(entry(body)) == message
+
+
+def test_lease_policy_keys() -> None:
+    text = entry("- devices: all") + "policy:\n  lease-group: slurm\n  lease-placement: spread\n  lease-mig-mode: keep-on\n"
+    p = parse(text)
+    assert p.errors == [] and p.layout is not None
+    assert (p.layout.policy.lease_group, p.layout.policy.lease_placement, p.layout.policy.lease_mig_mode) == (
+        "slurm", "spread", "keep-on")
+    bad = entry("- devices: all") + "policy:\n  lease-placement: scatter\n  lease-group: 'a b'\n"
+    assert errors(bad) == [
+        "layout.yaml:6 policy.lease-placement: expected one of pack, spread, got \"scatter\"",
+        "layout.yaml:7 policy.lease-group: expected a group name, got \"a b\"",
+    ]
+
+
+@pytest.mark.parametrize(("written", "yaml11"), [
+    ("010", 8),        # YAML 1.1 octal
+    ("1_0", 10),       # YAML 1.1 digit separator
+    ("0x1", 1),        # hex
+    ("0b11", 3),       # binary
+    ("1:0", 60),       # sexagesimal
+])
+def test_gpu_index_plain_decimal_only(written: str, yaml11: int) -> None:
+    """Issue 33 item 8: `devices: [010]` used to select GPU 8 with no word; the key path says what YAML read."""
+    assert only_error(entry(f"- devices: [{written}]")) == (
+        f"layout.yaml:4 layouts.a[0].devices[0]: expected an index, PCI address or GPU UUID in plain decimal "
+        f"(YAML 1.1 would read '{written}' as {yaml11}), got {written}")
+
+
+def test_mig_count_plain_decimal_only() -> None:
+    assert only_error(entry('- devices: all\n  mig-enabled: true\n  mig-devices: {"1g.10gb": 07}')) == (
+        'layout.yaml:6 layouts.a[0].mig-devices."1g.10gb": expected a count >= 0 in plain decimal '
+        "(YAML 1.1 would read '07' as 7), got 07")
+
+
+def test_plain_decimal_indices_still_read() -> None:
+    p = parse(entry("- devices: [0, 10, +3]"))
+    assert p.ok and p.layout.entries[0].devices == (0, 10, 3)

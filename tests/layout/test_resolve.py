@@ -120,7 +120,7 @@ def test_unknown_selectors_on_empty_or_vfio_host() -> None:
     assert errs(check(text, gpus)) == [
         "layout.yaml:4 layouts.a[0].devices[0]: no GPU with index 5; this host has 2 managed GPUs (indices 0-1)",
         "layout.yaml:4 layouts.a[0].devices[1]: no GPU with UUID GPU-00000000-0000-0000-0000-000000000000; "
-        "UUIDs are known only for GPUs NVML sees (1 of 2 are not on the nvidia driver)",
+        "the UUID of a GPU is known once NVML has seen it (1 of 2 were never seen on the nvidia driver)",
     ]
     one = [make_gpu("h200", 0)]
     assert errs(check("version: v1\nlayouts:\n  a:\n    - devices: [1]\n", one)) == [

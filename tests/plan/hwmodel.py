@@ -21,6 +21,8 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import msgspec
+
 from gpud.model import (
     ComputeInstance,
     GpuInstance,
@@ -233,9 +235,17 @@ class FakeNvml:
     def gpus(self, *, on_nvidia=None) -> list[NvmlGpu]:  # a model without NVML's enumeration at init
         return [g.snapshot() for g in self.hw.values()]
 
-    def gpu(self, pci: str) -> NvmlGpu | None:
+    def gpu(self, pci: str, *, details: bool = True) -> NvmlGpu | None:
         g = self.hw.get(pci)
-        return g.snapshot() if g else None
+        if g is None:
+            return None
+        snap = g.snapshot()
+        if details:
+            return snap
+        # the layout only, as gpud.host.nvml answers it: no MIG UUIDs, holders or processes
+        bare = tuple(msgspec.structs.replace(gi, cis=tuple(msgspec.structs.replace(c, uuid="", holders=())
+                                                               for c in gi.cis)) for gi in snap.instances)
+        return msgspec.structs.replace(snap, instances=bare, processes=())
 
     def set_mig_mode(self, pci: str, enabled: bool) -> int:
         return self._do("set_mig_mode", pci, self.hw[pci].set_mig_mode, enabled)

@@ -61,9 +61,11 @@ class _Resets:
 
 class SimRig:
     def __init__(self, tmp: Path, gpus: tuple[str, ...], *, nvswitch: bool = False, persistence: str = "legacy",
-                 fabric_manager: str = "running", clock: Clock | None = None, **reconciler_kw) -> None:
+                 fabric_manager: str = "running", persistenced_socket: str = "reachable", clock: Clock | None = None,
+                 **reconciler_kw) -> None:
         self.dir = tmp / "host"
-        simcli.create(self.dir, list(gpus), nvswitch=nvswitch, persistence=persistence, fabric_manager=fabric_manager)
+        simcli.create(self.dir, list(gpus), nvswitch=nvswitch, persistence=persistence, fabric_manager=fabric_manager,
+                      persistenced_socket=persistenced_socket)
         self.host = sim.install(self.dir)
         self.config = tmp / "layout.yaml"
         self.resets = _Resets(self.dir)

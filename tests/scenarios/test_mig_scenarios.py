@@ -13,6 +13,7 @@ from collections import Counter
 import pytest
 
 from gpud.api.replies import plan_reply
+from gpud.engine.engine import Engine
 from gpud.sim import cli as simcli
 from tests.scenarios.definitions import SCENARIOS, Scenario
 from tests.scenarios.harness import SimRig
@@ -94,7 +95,8 @@ async def test_scenario(sc: Scenario, tmp_path):
 
         # Converged means converged: planning again yields no step for any converged GPU.
         rig.rec.refresh()
-        for entry in plan_reply(rig.rec).gpus:
+        view = rig.rec.view()
+        for entry in plan_reply(view.resolution, Engine(rig.rec).preview(view.resolution, view.observation)).gpus:
             if rig.rec.gpu_states[entry.pci].state == "converged":
                 assert entry.steps == [], entry
     finally:

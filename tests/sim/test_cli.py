@@ -173,4 +173,4 @@ def test_console_script(tmp_path):
     d = tmp_path / "h"
     subprocess.run([*cmd, "create", str(d), "--gpu", "l40s:2"], check=True)
     out = subprocess.run([*cmd, "stats", str(d), "--json"], check=True, capture_output=True, text=True).stdout
-    assert json.loads(out) == {"calls": {}, "resets": {}}
+    assert json.loads(out) == {"calls": {}, "resets": {}, "services": {"calls": {}, "units": {}, "reboots": []}}

@@ -37,6 +37,8 @@ SOURCES = {
     "h200": (FIXTURES / "h200", FIXTURES / "h200"),
     "a30": (CAPTURES / "a30", CAPTURES / "a30"),
     "rtx-pro-6000": (CAPTURES / "rtx-pro-6000", CAPTURES / "rtx-pro-6000"),
+    # No GH200 -lgipp was published: the Hopper placements of the H100 80GB capture (inferred, README there).
+    "gh200-96gb": (CAPTURES / "gh200-96gb", CAPTURES / "h100-80gb"),
 }
 
 # A number, or `?` where gpudctl prints a value no source gives (nvidia-smi itself never does).
@@ -95,7 +97,7 @@ def capture(model: str) -> tuple[dict[int, dict], dict[int, list[tuple[int, int]
 def test_every_simulated_mig_model_has_a_capture():
     """A model the simulator offers with a MIG table must be listed here, with its files."""
     mig_models = {k for k in catalog.offered() if MODELS[k].mig_capable}
-    assert mig_models == set(SOURCES)
+    assert mig_models == set(SOURCES) | set(PARTLY_CAPTURED)
     for lgip_dir, lgipp_dir in SOURCES.values():
         assert (lgip_dir / "nvidia-smi-mig-lgip.txt").is_file() and (lgipp_dir / "nvidia-smi-mig-lgipp.txt").is_file()
     for model, (lgip_dir, _) in SOURCES.items():
@@ -144,13 +146,30 @@ def test_gpud_reads_the_captured_table_from_the_simulator(model, sim_host):
         assert p.slices == int(row["name"].split("g.", 1)[0]), where
 
 
-@pytest.mark.parametrize("model", ["b200", "gb200", "gh200-144gb", "gh200-96gb"])
-def test_a_model_known_only_in_part_is_not_simulated(model, tmp_path):
-    from gpud.sim.cli import create
+# Models whose published -lgip stops after four rows: the simulator serves the rest inferred.
+PARTLY_CAPTURED = {"b200": CAPTURES / "b200", "gb200": CAPTURES / "gb200", "gh200-144gb": CAPTURES / "gh200-144gb"}
 
-    with pytest.raises(catalog.CatalogError, match="cannot be simulated: no source gives its MIG table whole"):
-        create(tmp_path / "host", [model], [])
-    assert not (tmp_path / "host").exists() or not any((tmp_path / "host").iterdir())
+
+@pytest.mark.parametrize("model", sorted(PARTLY_CAPTURED))
+def test_a_model_known_in_part_is_served_with_its_captured_rows_as_published(model, sim_host):
+    """The captured rows read back through NVML equal to the capture (a cut-off cell excepted: the
+    simulator infers it, gpud/sim/inferred.py); every other row is listed as inferred."""
+    lgip = by_id(read_lgip((PARTLY_CAPTURED[model] / "nvidia-smi-mig-lgip.txt").read_text()))
+    ours = {p.id: p for p in read_through_nvml(model, sim_host).profiles}
+    served = catalog.model(model)
+    for pid, row in lgip.items():
+        p = ours[pid]
+        assert (p.name, f"{p.memory_mb / 1024:.2f}", p.instance_count, p.sms, p.decoders, p.encoders) == (
+            row["name"], row["gib"], row["total"], row["sm"], row["dec"], row["enc"]), (model, pid)
+        for field, key in (("copy_engines", "ce"), ("jpegs", "jpeg"), ("ofas", "ofa")):
+            if key in row:
+                assert getattr(p, field) == row[key], (model, pid, field)
+            else:
+                assert field in dict(served.inferred)[row["name"]], (model, pid, field)
+    inferred = dict(served.inferred)
+    for p in served.profiles:
+        if p.id not in lgip:
+            assert {"memory_mb", "sms", "placements"} <= set(inferred[p.name]), p.name
 
 
 def _gpu(model: str, nvml=None) -> Gpu:
@@ -189,8 +208,10 @@ def test_a_gpu_nvml_cannot_see_is_listed_from_the_table_with_unknowns_marked(mod
     for row in rows:
         assert row["free"] == "?"  # nothing can count free instances without NVML
         want = next((w for w in published.values() if w["name"] == row["name"]), None)
-        if want is None:  # a name from NVIDIA's config, no published row
-            assert (row["id"], row["gib"], row["p2p"], row["sm"], row["dec"], row["enc"]) == ("?",) * 6, row
+        if want is None:  # a name from NVIDIA's config, no published row (its id from GKE's partitioner)
+            table = next(p for p in MODELS[model].profiles if p.name == row["name"])
+            assert row["id"] == ("?" if "id" in MODELS[model].unknown_fields(row["name"]) else table.id), row
+            assert (row["gib"], row["p2p"], row["sm"], row["dec"], row["enc"]) == ("?",) * 5, row
             assert (row["ce"], row["jpeg"], row["ofa"]) == ("?",) * 3, row
             continue
         for key in ("id", "total", "gib", "p2p", "sm", "dec", "enc"):
@@ -240,3 +261,21 @@ def test_another_rtx_pro_6000_driver_prints_other_1g_memory():
         (pid, "gib"): ("23.12", "23.62") for pid in (14, 21, 47)}
     ours = {p.id: p for p in MODELS["rtx-pro-6000"].profiles}
     assert {f"{ours[pid].memory_mb / 1024:.2f}" for pid in other} == {"23.62"}
+
+
+def test_gpud_sim_create_says_which_cells_are_inferred(tmp_path):
+    """A model served partly from inference (gh200-96gb: placements, CI profiles, total memory) says
+    so when a host is made of it; a fully sourced one says nothing."""
+    import subprocess
+    import sys
+
+    def create(model: str) -> str:
+        res = subprocess.run([sys.executable, "-m", "gpud.sim.cli", "create", str(tmp_path / model), "--gpu", model],
+                             capture_output=True, text=True, timeout=120)
+        assert res.returncode == 0, res.stderr
+        return res.stderr
+
+    said = create("gh200-96gb")
+    assert "gh200-96gb has inferred cells" in said and "placements, ci_profiles" in said
+    assert "the GPU's total memory" in said
+    assert "inferred" not in create("h200")

@@ -194,13 +194,17 @@ def test_possible_placements_two_call_pattern_with_mig_disabled(h200):
     count = c_uint(0)
     N.nvmlDeviceGetGpuInstancePossiblePlacements(h, 15, None, byref(count))
     assert count.value == 4
-    small = (N.c_nvmlGpuInstancePlacement_t * 2)()
-    count2 = c_uint(2)
-    assert code_of(N.nvmlDeviceGetGpuInstancePossiblePlacements, h, 15, small, byref(count2)) == \
-        N.NVML_ERROR_INSUFFICIENT_SIZE
     arr = (N.c_nvmlGpuInstancePlacement_t * count.value)()
     N.nvmlDeviceGetGpuInstancePossiblePlacements(h, 15, arr, byref(count))
     assert [(p.start, p.size) for p in arr] == [(0, 2), (2, 2), (4, 2), (6, 2)]
+    # The driver ignores a short count: it writes every placement and says how many (the real
+    # H200, tests/fixtures/h200/2026-12-04/nvml-real.json); an array truly too short would be
+    # written past its end, which the simulator refuses as the crash it would be.
+    roomy, short = (N.c_nvmlGpuInstancePlacement_t * 8)(), c_uint(1)
+    N.nvmlDeviceGetGpuInstancePossiblePlacements(h, 15, roomy, byref(short))
+    assert short.value == 4 and [(p.start, p.size) for p in roomy][:4] == [(0, 2), (2, 2), (4, 2), (6, 2)]
+    with pytest.raises(ValueError, match="past its end"):
+        N.nvmlDeviceGetGpuInstancePossiblePlacements(h, 15, (N.c_nvmlGpuInstancePlacement_t * 2)(), byref(c_uint(2)))
 
 
 def test_remaining_capacity(h200):

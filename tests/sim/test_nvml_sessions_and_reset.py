@@ -188,34 +188,49 @@ def test_reset_refused_while_a_process_holds_the_gpu(tmp_path):
     assert resets(d) == {}
 
 
-def test_persistence_counts_as_an_attachment_until_turned_off_for_that_gpu(tmp_path):
-    """NVSentinel#1690: with persistence on, -r is refused "In use by another client"; `-pm 0 -i`
-    ("All done.") makes the same reset work. Legacy is the default, as on the lent H200."""
+def test_legacy_persistence_alone_refuses_no_reset(tmp_path):
+    """Legacy persistence (`-pm 1`, no daemon), the default as on the lent H200: no source shows it
+    refusing a reset (docs/hardware/persistence.md), so the simulator takes the kinder rule. `-pm
+    0|1 -i` and the query still work per GPU."""
     d = tmp_path / "host"
     create(d, ["a100-80gb:2"])
     assert load(d).persistence == "legacy" and load(d).persistent == [GPU0, GPU1]
     query = ("--query-gpu=persistence_mode", "--format=csv,noheader", "-i", GPU0)
     assert nvidia_smi(d, *query).stdout == "Enabled\n"
-    r = nvidia_smi(d, "-r", "-i", GPU0)
-    assert (r.returncode, r.stdout.strip()) == (255, IN_USE) and resets(d) == {}
+    assert nvidia_smi(d, "-r", "-i", GPU0).returncode == 0 and resets(d) == {GPU0: {"nvidia-smi": 1}}
     r = nvidia_smi(d, "-pm", "0", "-i", GPU0)
     assert r.returncode == 0 and r.stdout == "Disabled persistence mode for GPU 00000000:18:00.0.\nAll done.\n"
     assert nvidia_smi(d, *query).stdout == "Disabled\n" and load(d).persistent == [GPU1]
-    assert nvidia_smi(d, "-r", "-i", GPU0).returncode == 0 and resets(d) == {GPU0: {"nvidia-smi": 1}}
-    assert nvidia_smi(d, "-r", "-i", GPU1).returncode == 255  # the other GPU's is still on
     assert nvidia_smi(d, "-pm", "1", "-i", GPU0).returncode == 0 and load(d).persistent == [GPU1, GPU0]
+    assert load(d).persistent == [GPU1, GPU0]  # the reset left persistence as it was
 
 
-def test_persistence_daemon_holds_the_device_nodes_it_persists(tmp_path):
+def test_persistence_daemon_holds_the_device_nodes_and_nvidia_smi_handles_it_when_it_reaches_the_socket(tmp_path):
+    """NVSentinel#1243: nvidia-smi --gpu-reset turns persistence off and on around the reset when it
+    reaches nvidia-persistenced's socket: the reset goes through and the daemon holds the GPU again."""
     d = tmp_path / "host"
     create(d, ["a100-80gb:2"], persistence="daemon")
     fd = d / "proc" / "870" / "fd"
     assert (d / "proc" / "870" / "comm").read_text() == "nvidia-persiste\n"
     assert sorted(os.path.basename(os.readlink(fd / n)) for n in os.listdir(fd)) == ["nvidia0", "nvidia1", "nvidiactl"]
-    assert nvidia_smi(d, "-r", "-i", GPU0).returncode == 255
+    assert nvidia_smi(d, "-r", "-i", GPU0).returncode == 0 and resets(d) == {GPU0: {"nvidia-smi": 1}}
+    assert sorted(os.path.basename(os.readlink(fd / n)) for n in os.listdir(fd)) == ["nvidia0", "nvidia1", "nvidiactl"]
     assert nvidia_smi(d, "-pm", "0", "-i", GPU0).returncode == 0  # through the daemon: it lets go of GPU0
     assert sorted(os.path.basename(os.readlink(fd / n)) for n in os.listdir(fd)) == ["nvidia1", "nvidiactl"]
-    assert nvidia_smi(d, "-r", "-i", GPU0).returncode == 0
+
+
+def test_persistence_daemon_out_of_sight_holds_the_gpu_against_a_reset(tmp_path):
+    """gpu-operator#118: nvidia-persistenced started where nvidia-smi cannot reach its socket kept
+    its handle and blocked --gpu-reset ("In use by another client", NVSentinel#1690); out of sight
+    of the socket nvidia-smi reports persistence Off (dgx-selinux#3), so `-pm 0` has nothing to do."""
+    d = tmp_path / "host"
+    create(d, ["a100-80gb:2"], persistence="daemon", persistenced_socket="hidden")
+    r = nvidia_smi(d, "-r", "-i", GPU0)
+    assert (r.returncode, r.stdout.strip()) == (255, IN_USE) and resets(d) == {}
+    assert nvidia_smi(d, "--query-gpu=persistence_mode", "--format=csv,noheader", "-i", GPU0).stdout == "Disabled\n"
+    r = nvidia_smi(d, "-pm", "0", "-i", GPU0)
+    assert r.stdout == "Persistence mode is already Disabled for GPU 00000000:18:00.0.\nAll done.\n"
+    assert nvidia_smi(d, "-r", "-i", GPU0).returncode == 255 and resets(d) == {}  # still held
 
 
 def test_reset_of_a_gpu_off_nvidia_is_not_found(tmp_path):

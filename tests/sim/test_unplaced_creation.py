@@ -24,7 +24,7 @@ def test_every_profile_fills_an_empty_gpu_without_placements(tmp_path, model):
     try:
         pynvml.nvmlInit()
         dev = pynvml.nvmlDeviceGetHandleByIndex(0)
-        by_id = {p.id: p for p in MODELS[model].profiles}
+        by_id = {p.id: p for p in catalog.model(model).profiles}
         for index in range(pynvml.NVML_GPU_INSTANCE_PROFILE_COUNT):
             try:
                 info = pynvml.nvmlDeviceGetGpuInstanceProfileInfo(dev, index)
@@ -38,4 +38,21 @@ def test_every_profile_fills_an_empty_gpu_without_placements(tmp_path, model):
                 pynvml.nvmlGpuInstanceDestroy(gi)
         pynvml.nvmlShutdown()
     finally:
+        nvml_lib.uninstall()
+
+
+def test_unplaced_1g_double_memory_gis_take_the_ids_a_gh200_gave_them(tmp_path):
+    """github.com/kf-cuanschutz/NVIDIA_Grace_Hopper_benchmarking_logs_ (tests/fixtures/captures/
+    gh200-96gb): `nvidia-smi mig -cgi 15,15,15 -C` on a GH200 96GB created GPU instances 5, 3 and 4,
+    in that order (a GPU numbering its GIs in the "tree" order, GPU 0 of the simulated host)."""
+    host = tmp_path / "host"
+    assert sim_main(["create", str(host), "--gpu", "gh200-96gb:1", "--mig-on", "0"]) in (0, None)
+    nvml_lib.install(str(host))
+    try:
+        pynvml.nvmlInit()
+        dev = pynvml.nvmlDeviceGetHandleByIndex(0)
+        ids = [pynvml.nvmlGpuInstanceGetInfo(pynvml.nvmlDeviceCreateGpuInstance(dev, 15)).id for _ in range(3)]
+        assert ids == [5, 3, 4]
+    finally:
+        pynvml.nvmlShutdown()
         nvml_lib.uninstall()

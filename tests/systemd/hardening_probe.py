@@ -89,6 +89,17 @@ def can_reboot():
     asyncio.run(go())
 
 
+def gpud_writes() -> dict[str, str]:
+    """A probe file beside every file gpud writes as a service, from gpud's own defaults, so a
+    path added there is probed here too (the metrics directory is the README's example)."""
+    from gpud.hardware import APPLY_LOCK, NFD_FEATURES, UDEV_RULES
+    from gpud.host.cdi import DEFAULT_SPEC
+
+    dirs = {"apply-lock": APPLY_LOCK, "udev-rules": UDEV_RULES, "nfd-features": NFD_FEATURES,
+            "cdi-spec": DEFAULT_SPEC, "metrics-textfile": "/var/lib/prometheus/node-exporter/gpud.prom"}
+    return {k: os.path.join(os.path.dirname(v), "gpud-probe") for k, v in dirs.items()}
+
+
 if __name__ == "__main__":
     out_path, nobody_pid, unit = sys.argv[1:4]
     r = {}
@@ -102,6 +113,8 @@ if __name__ == "__main__":
     check(r, "write-var-lib-gpud", write("/var/lib/gpud/probe"))
     check(r, "write-run-gpud", write("/run/gpud/probe"))
     check(r, "write-run-lock", write("/run/lock/probe"))
+    for name, path in gpud_writes().items():
+        check(r, f"write-{name}", write(path))
     check(r, "other-users-fds", other_users_fds(int(nobody_pid)))
     check(r, "drain-over-dbus", drain(unit))
     check(r, "logind-can-reboot", can_reboot)

@@ -1,6 +1,8 @@
 """The packaged gpud.service under a real systemd, on a simulated host (gpud --sim): readiness,
-STATUS, socket permissions, draining a GPU client around a MIG change triggered by a reload,
-the watchdog, and a stop that leaves the hardware as it is.
+STATUS, socket permissions, a MIG change triggered by a reload that drains the simulated host's GPU
+client and never the real one (nothing of a simulated host reaches the real system bus: a
+dbus-monitor of that bus sees no call of gpud's), the watchdog, and a stop that leaves the hardware
+as it is.
 
 The only change to the shipped unit is a drop-in pointing ExecStart at the simulator (kept in
 the state directory, which the sandbox lets gpud write)."""
@@ -20,8 +22,13 @@ ExecStart=/usr/bin/gpud --config /etc/gpud/layout.yaml --socket /run/gpud/gpud.s
 # a stalled daemon is killed soon after the watchdog fires (the test stalls its event loop)
 TimeoutAbortSec=5s
 """
-# A GPU client as kubelet is: ordered after gpud, drained by it.
+# A GPU client as kubelet is, ordered after gpud. The real one in the container must stay untouched:
+# gpud on a simulated host drains the simulated host's unit of the same name.
 CLIENT = "[Unit]\nAfter=gpud.service\n[Service]\nExecStart=/usr/bin/sleep infinity\n"
+# every message on the container's system bus, in the journal of this unit
+BUS_MONITOR = ["systemd-run", "--unit=bus-monitor", "dbus-monitor", "--system"]
+# the D-Bus methods gpud calls on a real host's systemd and logind
+HOST_METHODS = ("member=StopUnit", "member=StartUnit", "member=RestartUnit", "member=Subscribe", "member=Reboot")
 SPLIT = """version: v1
 selected: split
 layouts:
@@ -38,6 +45,8 @@ policy:
 def gpud(installed):
     c = installed
     c.run(["gpud-sim", "create", SIM, "--gpu", "h100-80gb:2"])
+    for unit in ("gpu-client.service", "nvidia-cdi-refresh.service"):
+        c.run(["gpud-sim", "unit", SIM, "add", unit])
     c.write("/etc/systemd/system/gpud.service.d/sim.conf", DROPIN)
     c.write("/etc/systemd/system/gpu-client.service", CLIENT)
     c.run(["systemctl", "daemon-reload"])
@@ -47,7 +56,7 @@ def gpud(installed):
         log = c.run(["journalctl", "-u", "gpud.service", "-o", "cat", "--no-pager"], check=False).stdout
         pytest.fail(f"gpud.service did not start:\n{log[-3000:]}")
     yield c
-    c.run(["systemctl", "stop", "gpud.service", "gpu-client.service"], check=False)
+    c.run(["systemctl", "stop", "gpud.service", "gpu-client.service", "bus-monitor.service"], check=False)
 
 
 def sim_show(c) -> str:
@@ -94,22 +103,37 @@ def test_group_member_may_read_but_not_change(gpud):
     assert r.returncode != 0 and "ermission denied" in r.stderr
 
 
-def test_reload_applies_the_changed_file_draining_the_client(gpud):
+def test_reload_drains_the_simulated_client_and_nothing_reaches_the_system_bus(gpud):
     c = gpud
     pid_before = c.show("gpu-client.service", "MainPID")["MainPID"]
     cursor = c.journal_cursor()
+    c.run(BUS_MONITOR)
+    c.follow_journal("bus-monitor.service", "NameAcquired", after=cursor, timeout=60)  # monitoring now
     c.write("/etc/gpud/layout.yaml", SPLIT)
-    # The reload job must end once the file is re-read: a start job of gpu-client (ordered after
-    # gpud) waits for any job of gpud.service, so waiting for the drained apply would deadlock.
+    # The reload job must end once the file is re-read (a start job of a unit ordered after gpud
+    # waits for any job of gpud.service), whatever the apply does after it.
     c.run(["systemctl", "reload", "gpud.service"], timeout=60)
-    c.follow_journal("gpu-client.service", "Stopped gpu-client.service", after=cursor, timeout=120)
-    c.follow_journal("gpu-client.service", "Started gpu-client.service", after=cursor, timeout=120)
     r = c.run(["gpudctl", "apply", "--wait", "--timeout", "120"], check=False, timeout=180)
     assert r.returncode == 0, r
     gpu0 = next(ln for ln in sim_show(c).splitlines() if ln.startswith("GPU 0 "))
     assert "MIG 1" in gpu0, gpu0
+    # the simulated host's unit manager did the drain and the CDI refresh
+    stats = c.run(["gpud-sim", "stats", SIM]).stdout
+    for counted in ("systemd1.StopUnit", "systemd1.StartUnit", "systemd1.RestartUnit"):
+        assert any(ln.split()[-1] == counted and int(ln.split()[0]) >= 1 for ln in stats.splitlines()), stats
+    # a control call of the test's own shows the monitor sees method calls on this bus
+    c.run(["busctl", "call", "org.freedesktop.systemd1", "/org/freedesktop/systemd1",
+           "org.freedesktop.systemd1.Manager", "LoadUnit", "s", "gpu-client.service"])
+    c.follow_journal("bus-monitor.service", "member=LoadUnit", after=cursor, timeout=60)
+    c.run(["systemctl", "stop", "bus-monitor.service"])
+    seen = c.run(["journalctl", "-u", "bus-monitor.service", f"--after-cursor={cursor}", "-o", "cat",
+                  "--no-pager"]).stdout
+    assert [m for m in HOST_METHODS if m in seen] == [], seen[-3000:]
+    # the real client never stopped
     after = c.show("gpu-client.service", "ActiveState", "MainPID")
-    assert after["ActiveState"] == "active" and after["MainPID"] != pid_before
+    assert after == {"ActiveState": "active", "MainPID": pid_before}
+    assert "Stopped gpu-client.service" not in c.run(
+        ["journalctl", "-u", "gpu-client.service", f"--after-cursor={cursor}", "-o", "cat", "--no-pager"]).stdout
 
 
 def test_watchdog_restarts_a_stalled_daemon_without_touching_the_hardware(gpud):

@@ -91,6 +91,9 @@ def test_sandbox_allows_what_gpud_needs_and_nothing_it_does_not(installed):
     c.write("/etc/systemd/system/drain-probe.service", "[Service]\nExecStart=/usr/bin/sleep infinity\n")
     lines = sandbox_of_gpud_service(c)
     assert "MemoryDenyWriteExecute=yes" in lines and "ProtectSystem=strict" in lines
+    # the directories gpud writes into that others make (udev, NFD, the node exporter); /run/cdi is the unit's
+    c.run(["mkdir", "-p", "/etc/udev/rules.d", "/etc/kubernetes/node-feature-discovery/features.d",
+           "/var/lib/prometheus/node-exporter"])
     c.run(["systemctl", "daemon-reload"])
     c.run(["systemctl", "start", "drain-probe.service"])
     c.run(["systemd-run", "--unit=nobody-holder", "-p", "User=nobody", "/usr/bin/sleep", "infinity"])
@@ -112,8 +115,10 @@ def test_sandbox_allows_what_gpud_needs_and_nothing_it_does_not(installed):
         free = json.loads(c.path("/run/probe-unconfined.json").read_text())
     finally:
         c.run(["systemctl", "stop", "nobody-holder.service", "drain-probe.service"], check=False)
+    gpud_paths = ("write-apply-lock", "write-udev-rules", "write-nfd-features", "write-cdi-spec",
+                  "write-metrics-textfile")
     for must in ("ctypes-callback", "imports", "udev-netlink", "write-var-lib-gpud", "write-run-gpud",
-                 "other-users-fds", "drain-over-dbus", "logind-can-reboot"):
+                 *gpud_paths, "other-users-fds", "drain-over-dbus", "logind-can-reboot"):
         assert confined[must] == "ok", (must, confined, free)
     for denied, why in (("af-inet", "Address family not supported"), ("write-etc-gpud", "Read-only file system"),
                         ("write-usr", "Read-only file system")):

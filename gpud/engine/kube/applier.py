@@ -1,4 +1,4 @@
-"""The kube agent's view of the engine (`gpud.engine.kube.agent.Applier`), over the reconciler.
+"""The kube agent's view of the engine (`gpud.engine.kube.agent.Applier`), over the engine's boundary.
 
 A label selects a layout: the layout file is read again with that layout chosen (as `selected`
 would choose it, mig-parted's `-c`), checked against this host, and passes run until the GPUs
@@ -16,9 +16,11 @@ import os
 
 from gpud.engine import status_line
 from gpud.engine.boot.reboot_policy import RebootRefused
+from gpud.engine.engine import Engine
 from gpud.engine.gpu_state import SETTLING_PHASES
 from gpud.engine.kube.agent import KubeAgent, Outcome
 from gpud.engine.ports import Rebooter
+from gpud.host import state_files
 from gpud.host.logind import reboot_outcome
 from gpud.host.safe_file import write_file
 from gpud.profiles import by_device
@@ -34,26 +36,39 @@ class ReconcilerApplier:
     the GPUs are rebuilt before the API server answers (the network, the control plane, or the
     node's own registration may take minutes; the device plugins start once the node is Ready)."""
 
-    def __init__(self, rec, state_dir: str | None = None) -> None:
-        self.rec = rec
+    def __init__(self, state_dir: str | None = None) -> None:
         self.state_dir = state_dir
         self.reboot_requested = False  # set by the daemon's rebooter when it asked logind
         self._changed = asyncio.Event()
-        rec.on_change(self._changed.set)
+        self._engine: Engine | None = None
+
+    def bind(self, engine: Engine) -> None:
+        """The engine this applier drives, given once. The one cycle of the wiring: the engine is
+        built with the kube agent as its operand guard, and the agent is built with this applier."""
+        if self._engine is not None:
+            raise RuntimeError("the applier is bound to an engine already")
+        self._engine = engine
+        engine.subscribe(self._changed.set)
+
+    @property
+    def engine(self) -> Engine:
+        if self._engine is None:
+            raise RuntimeError("the applier is not bound to an engine yet")
+        return self._engine
 
     def layouts(self) -> list[str]:
-        return self.rec.layout_file.layout_names()
+        return self.engine.view.layout_names
 
     async def apply(self, layout: str | None) -> Outcome:
         self.reboot_requested = False
-        if not await self.rec.choose_layout_async(layout):
-            errors = self.rec.layout_issues[0]
+        if not await self.engine.choose_layout(layout):
+            errors = self.engine.view.layout_errors
             return Outcome("failed", "; ".join(errors[:3]) + (f" (and {len(errors) - 3} more)" if len(errors) > 3 else ""))
         self._remember(layout)
-        ticket = self.rec.kick(f"layout {layout!r} selected by node label")
-        self.rec.mark_pending()  # as for a reload: status must not call the new layout in place yet
-        await self.rec.wait_for(ticket)
-        while self.rec.phase in SETTLING_PHASES and not self.reboot_requested:
+        ticket = self.engine.kick(f"layout {layout!r} selected by node label")
+        self.engine.mark_pending()  # as for a reload: status must not call the new layout in place yet
+        await self.engine.wait(ticket)
+        while self.engine.view.phase in SETTLING_PHASES and not self.reboot_requested:
             self._changed.clear()
             await self._changed.wait()
         return self.outcome()
@@ -75,26 +90,24 @@ class ReconcilerApplier:
         """The layout the node's label selected before this start (None: none, or unreadable)."""
         if self.state_dir is None:
             return None
-        try:
-            with open(os.path.join(self.state_dir, REMEMBERED), "rb") as f:
-                value = json.loads(f.read(4096)).get("layout")
-        except (OSError, ValueError, AttributeError):
-            return None
-        return value if isinstance(value, str) and value else None
+        # the one safe reader: a FIFO here hung the start (and SIGTERM with it), a link was followed
+        return state_files.load(os.path.join(self.state_dir, REMEMBERED), _decode_remembered, limit=4096,
+                                what="remembered node-label layout")
 
     def outcome(self) -> Outcome:
         if self.reboot_requested:
             return Outcome("rebooting", "a reboot was requested to settle a MIG mode change")
-        if self.rec.phase == "converged":
-            return Outcome("success", status_line.of(self.rec))
-        problems = [f"GPU {pci}: {st.state}: {st.message}" for pci, st in sorted(self.rec.gpu_states.items())
+        view = self.engine.view
+        if view.phase == "converged":
+            return Outcome("success", status_line.of(view))
+        problems = [f"GPU {pci}: {st.state}: {st.message}" for pci, st in sorted(view.gpu_states.items())
                     if not st.converged]
-        if self.rec.phase == "invalid-layout" or not problems:
-            problems = self.rec.layout_issues[0] or [f"phase {self.rec.phase}"]
+        if view.phase == "invalid-layout" or not problems:
+            problems = list(view.layout_errors) or [f"phase {view.phase}"]
         return Outcome("failed", "; ".join(problems))
 
     def mig_capable(self) -> bool:
-        for gpu in self.rec.observation.gpus:
+        for gpu in self.engine.view.observation.gpus:
             if gpu.nvml is not None and gpu.nvml.mig_capable:
                 return True
             known = by_device(gpu.function.device)
@@ -133,3 +146,11 @@ class KubeRebooter:
         else:
             self.agent.reboot_cancelled()
         return ok
+
+
+def _decode_remembered(data: bytes) -> str | None:
+    record = json.loads(data)
+    value = record.get("layout") if isinstance(record, dict) else None
+    if not isinstance(value, str) or not value:
+        raise state_files.BadStateFile('expected {"layout": "<name>"}')
+    return value

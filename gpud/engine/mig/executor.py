@@ -3,7 +3,9 @@
 Why re-read after each call: NVML's return code is not the whole truth (SetMigMode succeeds while
 the mode stays pending; a timed-out create may have created). The executor therefore judges every
 step by the state NVML reports afterwards, and treats a failed call whose effect is nevertheless
-visible as done, which also makes retries safe.
+visible as done, which also makes retries safe. That re-read is of the GPU's layout only (mode,
+instances, placements) unless what comes next needs more: MIG UUIDs and holders are read before a
+CI is destroyed or the GPU reset, and after a call that failed (who holds it).
 
 Before touching an instance it checks that it is still the one the plan saw (same id, placement and
 MIG UUID): ids are reused, and destroying a newcomer would break someone's job.
@@ -105,6 +107,7 @@ class _Run:
         self.in_use_window_s = in_use_window_s
         self.policy_reset, self.retries = policy_reset, retries
         self.sleep, self.backoff_s, self.holders = sleep, backoff_s, holders
+        self.details_next = True  # whether the read after the current step must carry UUIDs and holders
 
     # ---- reading ------------------------------------------------------------------------------
     def with_retries(self, attempt: Callable[[], T]) -> T:
@@ -120,11 +123,12 @@ class _Run:
                 self.sleep(self.backoff_s * 2**n)
         raise AssertionError("unreachable")
 
-    def read(self) -> NvmlGpu:
-        """The GPU as NVML sees it now; transient errors and a briefly missing GPU (just reset) are retried."""
+    def read(self, details: bool = True) -> NvmlGpu:
+        """The GPU as NVML sees it now (`details=False`: its layout only, see gpud.host.nvml.Nvml.gpu);
+        transient errors and a briefly missing GPU (just reset) are retried."""
         def attempt() -> NvmlGpu:
             try:
-                g = self.nvml.gpu(self.pci)
+                g = self.nvml.gpu(self.pci) if details else self.nvml.gpu(self.pci, details=False)
             except ReadOnlyError as e:
                 raise _Stop("failed", str(e)) from e
             except Exception as e:
@@ -162,7 +166,7 @@ class _Run:
                     raise _Stop("waiting", f"{what}: in use ({_describe(e)})", hs) from e
                 stop = _Stop("failed", f"{what}: {_describe(e)}")
                 raise (_Retry(stop) if code in TRANSIENT else stop) from e
-            g = self.read()
+            g = self.read(self.details_next)
             if done(g):
                 return g
             raise _Stop("failed", f"{what}: NVML reported success but the GPU does not show the change")
@@ -239,8 +243,9 @@ class _Run:
             raise _Stop("failed", f"{what}: GI {gi.id} is now {gi.profile_id} at {gi.placement.start}; "
                                   f"the GPU changed since planning")
         if gi.cis:
+            now = next((x for x in self.read().instances if x.id == step.gi), gi)  # with UUIDs and holders
             raise _Stop("failed", f"{what}: it has compute instances the plan did not expect "
-                                  f"({', '.join(c.uuid for c in gi.cis)})", gi.holders)
+                                  f"({', '.join(c.uuid or f'CI {c.id}' for c in now.cis)})", now.holders)
         return self.call(what, lambda: self.nvml.destroy_gpu_instance(self.pci, step.gi),
                          lambda g2: all(x.id != step.gi for x in g2.instances))
 
@@ -330,6 +335,10 @@ class _Run:
                                           f"sit at {list(placed)}, the plan wanted {list(t.ci_placements)}")
 
 
+# Steps whose checks before the call look at MIG UUIDs and holders: the read before them carries them.
+_NEEDS_DETAILS = frozenset({"destroy-ci", "reset"})
+
+
 def _fmt(layout: list[tuple[Any, int, tuple[int, ...]]]) -> str:
     if not layout:
         return "no instances"
@@ -367,7 +376,9 @@ def execute(
     step: Step | None = None
     try:
         g = run.read()
-        for step in plan.steps:
+        for i, step in enumerate(plan.steps):
+            after = plan.steps[i + 1].action if i + 1 < len(plan.steps) else None
+            run.details_next = step.action == "set-mig-mode" or after in _NEEDS_DETAILS
             g = run.step(step, g)
             done += 1
             if on_step is not None:

@@ -15,8 +15,9 @@ from gpud.engine.observe.discovery import Observation, observe
 from gpud.engine.observe.gpu_index import GpuIndex, SetChange
 from gpud.engine.ports import Hardware
 from gpud.engine.vgpu.keeper import VgpuKeeper
+from gpud.host.nvml import NvmlError
 from gpud.layout.schema import MatchRule
-from gpud.model import NvmlGpu
+from gpud.model import Gpu, NvmlGpu
 
 
 class HostReader:
@@ -32,10 +33,13 @@ class HostReader:
         `commit` (reads of the layout in force) makes the index map take new GPUs and records a
         change of the GPU set; a `check` of a candidate file remembers nothing."""
         obs = self._read_functions(match)
-        gpus, gone, change = self.gpu_index.assign(obs.gpus, (f.address for f in obs.functions), commit=commit)
+        on_bus = {f.address for f in obs.functions}
+        gpus, gone, change = self.gpu_index.assign(obs.gpus, on_bus, commit=commit)
         if commit and change:
             self.set_changes.append(change)  # list.append is atomic: this runs in a worker thread
-        return msgspec.structs.replace(obs, gpus=gpus, gone=gone, index_problem=self.gpu_index.index_problem)
+        # a candidate's read is judged for itself, and leaves the daemon's judgement as it was
+        problem = self.gpu_index.index_problem if commit else self.gpu_index.verdict({g.pci for g in gpus}, on_bus)[1]
+        return msgspec.structs.replace(obs, gpus=gpus, gone=gone, index_problem=problem)
 
     def _read_functions(self, match: tuple[MatchRule, ...]) -> Observation:
         for _ in range(2):  # a read that a whole suspend/resume cut short is read again, once
@@ -53,6 +57,21 @@ class HostReader:
         gpus = tuple(msgspec.structs.replace(g, nvml=self._last_nvml.get(g.pci)) if g.function.driver == "nvidia"
                      else g for g in obs.gpus)
         return self._with_vgpus(msgspec.structs.replace(obs, gpus=gpus, nvml_stale=True))
+
+    def read_gpu(self, gpu: Gpu) -> Gpu | None:
+        """`gpu` with its NVML side read again and nothing else (after the engine changed its MIG
+        layout, which changes no PCI function): None when NVML cannot give it now (closed for a
+        rebind, the GPU gone from it), and then the caller reads the whole host."""
+        if gpu.function.driver != "nvidia" or self.hw.nvml.suspended:
+            return None
+        try:
+            nv = self.hw.nvml.gpu(gpu.pci)
+        except NvmlError:
+            return None
+        if nv is None or self.hw.nvml.suspended:
+            return None
+        self._last_nvml[gpu.pci] = nv
+        return self.vgpus.observe(msgspec.structs.replace(gpu, nvml=nv))
 
     def _with_vgpus(self, obs: Observation) -> Observation:
         """Each GPU's vGPU side, from sysfs (either interface, found per GPU)."""

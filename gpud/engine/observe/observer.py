@@ -10,7 +10,8 @@ observation and re-reads the host only:
   rebind (the pass's re-read after the bind step);
 - at a bounded rate while clients ask (`poke`): holders start and stop without any event, so an
   answer is never older than `max_age` plus one read while someone is looking;
-- when a client asks for a fresh one (`fresh`, `gpudctl status --fresh`).
+- when a client asks for a fresh one (`fresh`, `gpudctl status --fresh`);
+- one GPU alone after the engine changed its MIG layout (`refresh_gpu`): the others did not change.
 
 Every re-read runs in a worker thread, one at a time, as a task of its own; callers that want an
 observation newer than some moment share the read that started after it. `install` (the reconciler's) takes each result
@@ -25,7 +26,10 @@ import logging
 import time
 from collections.abc import Callable
 
+import msgspec
+
 from gpud.engine.observe.discovery import Observation
+from gpud.model import Gpu
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +54,7 @@ class Observer:
         self.wall_time = 0.0  # time.time() of the same moment, for clients
         self.reads = 0  # observations taken since start
         self._current = Observation(gpus=(), functions=())
+        self._gpu_read: dict[str, float] = {}  # PCI -> start of a one-GPU read newer than self.started
 
     # ---- what the status answer says --------------------------------------------------------------
     def age(self) -> float:
@@ -103,10 +108,34 @@ class Observer:
     def _take(self, obs: Observation, started: float, wall: float) -> None:
         if started < self.started:  # a read that began before the one in force: older news
             return
+        newer = {pci for pci, t in self._gpu_read.items() if t > started}
+        if newer:  # a GPU read alone since this read began is newer news for that GPU
+            mine = {g.pci: g for g in self._current.gpus if g.pci in newer}
+            obs = msgspec.structs.replace(obs, gpus=tuple(mine.get(g.pci, g) for g in obs.gpus))
+        self._gpu_read = {pci: t for pci, t in self._gpu_read.items() if pci in newer}
         self.started, self.wall_time = started, wall
         self.reads += 1
         self._current = obs
         self._install(obs)
+
+    async def refresh_gpu(self, pci: str, read_gpu: Callable[[Gpu], Gpu | None]) -> Observation:
+        """The observation with GPU `pci` read again alone (`read_gpu`, off the loop), the others as
+        they were: after the engine changed that GPU's MIG layout. Where the one-GPU read cannot
+        answer (NVML closed or the GPU not in it) the whole host is read."""
+        gpu = next((g for g in self._current.gpus if g.pci == pci), None)
+        if gpu is None:
+            return await self.refresh()
+        started = time.monotonic()
+        fresh = await asyncio.to_thread(read_gpu, gpu)
+        if fresh is None:
+            return await self.refresh()
+        if started > self._gpu_read.get(pci, 0.0) and started > self.started:
+            self._gpu_read[pci] = started
+            obs = msgspec.structs.replace(self._current, gpus=tuple(fresh if g.pci == pci else g
+                                                                    for g in self._current.gpus))
+            self._current = obs
+            self._install(obs)
+        return self._current
 
     # ---- the bounded background re-read ------------------------------------------------------
     def poke(self) -> None:

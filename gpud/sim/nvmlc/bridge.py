@@ -25,7 +25,7 @@ from typing import Any
 
 import pynvml
 
-from gpud.sim import nvml_lib
+import gpud.sim.nvml_lib as nvml_lib
 from gpud.sim.state import locked
 
 NOT_SUPPORTED = pynvml.NVML_ERROR_NOT_SUPPORTED
@@ -39,7 +39,9 @@ _SCALARS: dict[str, type] = {
     "unsigned long long": ctypes.c_ulonglong,
 }
 # nvidia-ml-py classes whose names do not follow its c_<C type> rule.
-_ALIASES = {"nvmlDeviceAttributes_t": "c_nvmlDeviceAttributes"}
+_ALIASES = {"nvmlDeviceAttributes_t": "c_nvmlDeviceAttributes",
+            # the header's V type is the v3 struct; nvidia-ml-py's V alias is still v2
+            "nvmlGpuFabricInfoV_t": "c_nvmlGpuFabricInfo_v3_t"}
 
 
 class _ProcessInfoV1(ctypes.Structure):

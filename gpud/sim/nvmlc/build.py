@@ -27,7 +27,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from gpud.sim.nvmlc import gen
+import gpud.sim.nvmlc.gen as gen
 
 GO_NVML = "github.com/NVIDIA/go-nvml"
 GO_NVML_VERSION = "v0.13.3-1"  # required by github.com/NVIDIA/mig-parted v0.15.0 (its go.mod)
@@ -62,7 +62,9 @@ class Python:
 
 
 def go_binary() -> str | None:
-    for cand in ("/usr/local/go/bin/go", shutil.which("go")):
+    """This machine's Go, else the toolchain scripts/install-go fetched (make anchors runs it first)."""
+    cached = os.path.join(os.environ.get("GPUD_GO_CACHE", "/var/cache/gpud-go"), "go", "bin", "go")
+    for cand in ("/usr/local/go/bin/go", cached, shutil.which("go")):
         if cand and os.access(cand, os.X_OK):
             return cand
     return None

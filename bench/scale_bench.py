@@ -1,0 +1,170 @@
+"""gpud at 8, 16, 32 and 64 simulated GPUs (H100 80GB, 7 x 1g.10gb each): a no-op pass (NVML calls,
+wall time), the daemon's RSS, and at the largest size `status` with 50 clients during an apply.
+
+A real `gpud --sim` process per size (bench/status_bench.Gpud), started on a host whose MIG
+instances were laid beforehand through NVML (the simulator's own library, in this process, before
+the daemon starts). The no-op pass is `apply --wait` on a converged host: what a reload, a device
+event or a holder's exit costs when nothing is to be done. Its NVML calls are the simulator's own
+counters (`gpud-sim stats`), its wall time the client's. RSS: the daemon's VmRSS after its first
+pass and the no-op pass. Targets (issue 28): at 64 GPUs a no-op pass under 1 s, status p99 under
+2 ms with 50 clients during an apply, RSS growing less than 0.5 MB per GPU. Nothing here asserts
+them: the numbers are written down as measured, and whether each target is met.
+
+    .venv/bin/python -m bench.scale_bench [--sizes 8,16,32,64] [-o out/scale.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import shutil
+import sys
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from bench import status_bench  # noqa: E402
+from gpud.cli.transport import NO_LIMIT, Client  # noqa: E402
+from gpud.sim.state import load  # noqa: E402
+
+MB = 1024 * 1024
+ALL_1G = """version: v1
+layouts:
+  all-1g:
+    - devices: all
+      mig-enabled: true
+      mig-devices: {"1g.10gb": 7}
+"""
+# The apply the clients run against at the largest size: the first 8 GPUs change, the others stay.
+def some_balanced(n: int) -> str:
+    rest = list(range(8, n))
+    return """version: v1
+layouts:
+  some-balanced:
+    - devices: [0, 1, 2, 3, 4, 5, 6, 7]
+      mig-enabled: true
+      mig-devices: {"1g.10gb": 2, "2g.20gb": 1, "3g.40gb": 1}
+""" + (f"""    - devices: {rest}
+      mig-enabled: true
+      mig-devices: {{"1g.10gb": 7}}
+""" if rest else "")
+
+def _lay_instances(host: Path) -> None:
+    """MIG on and 7 x 1g.10gb (one CI each) on every GPU of `host`, through the simulator's NVML."""
+    from gpud import sim
+    from gpud.host.nvml import Nvml
+
+    sim.install(host)
+    try:
+        with Nvml() as nvml:
+            for g in nvml.gpus():
+                for start in range(7):
+                    gi = nvml.create_gpu_instance(g.pci, 19, start)
+                    nvml.create_compute_instance(g.pci, gi, 0)
+    finally:
+        sim.uninstall()
+
+
+def _calls(host: Path) -> Counter[str]:
+    return Counter(load(host).calls)
+
+
+def measure(n: int, *, with_status_load: bool, clients: int) -> dict:
+    tmp = Path(tempfile.mkdtemp(prefix=f"gpud-scale-{n}-", dir="/tmp"))
+    gpud = status_bench.Gpud(tmp, gpus=f"h100-80gb:{n}", mig_on=tuple(range(n)), layout=ALL_1G, prepare=_lay_instances)
+    try:
+        rss_first = gpud.rss()
+        walls, calls = [], []
+        for _ in range(3):
+            before = _calls(gpud.host)
+            t = time.perf_counter()
+            r = gpud.client.request("apply", {"wait": True}, timeout=NO_LIMIT)
+            walls.append(time.perf_counter() - t)
+            calls.append(sum((_calls(gpud.host) - before).values()))
+            assert r.converged, r.message
+        out = {"n": n, "noop_wall": sorted(walls)[1], "noop_calls": sorted(calls)[1], "rss_first": rss_first,
+               "rss": gpud.rss()}
+        if with_status_load:
+            def apply_some() -> str:
+                gpud.config.write_text(some_balanced(n))
+                c = Client(gpud.socket, timeout=NO_LIMIT)
+                try:
+                    r = c.request("apply", {"wait": True}, timeout=NO_LIMIT)
+                    assert r.converged, r.message
+                    return f"{r.phase}: {r.message}" if r.message else r.phase
+                finally:
+                    c.close()
+
+            out["busy"] = status_bench.phase(gpud, f"during an apply changing 8 of {n} GPUs", clients, 2, 2000.0, None,
+                                             during=apply_some)
+            out["rss_end"] = gpud.rss()
+        return out
+    finally:
+        gpud.stop()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sizes", default="8,16,32,64")
+    ap.add_argument("--clients", type=int, default=50)
+    ap.add_argument("-o", default=str(REPO / "out" / "scale.md"))
+    a = ap.parse_args()
+    sizes = [int(x) for x in a.sizes.split(",")]
+    load_before = os.getloadavg()
+    rows = []
+    for n in sizes:
+        rows.append(measure(n, with_status_load=n == max(sizes), clients=a.clients))
+        r = rows[-1]
+        print(f"{n:3d} GPUs: no-op pass {r['noop_wall']:.3f} s, {r['noop_calls']} NVML calls, RSS {r['rss'] / MB:.1f} MB",
+              flush=True)
+    load_after = os.getloadavg()
+    small, big = rows[0], rows[-1]
+    per_gpu = (big["rss"] - small["rss"]) / MB / max(1, big["n"] - small["n"])
+    lines = [
+        f"# Scale: {', '.join(map(str, sizes))} simulated GPUs",
+        "",
+        f"{time.strftime('%Y-%m-%d %H:%M:%S')} UTC, {platform.node()}, Python {platform.python_version()}, "
+        f"{os.cpu_count()} CPUs; load average {load_before[0]:.1f} before, {load_after[0]:.1f} after.",
+        "Reproduce: `make bench` (writes out/scale.md) or `.venv/bin/python -m bench.scale_bench`.",
+        "",
+        "A real `gpud --sim` per size, H100 80GB with 7 x 1g.10gb (one CI each) on every GPU, the layout in force",
+        "asking exactly that. *no-op pass*: `apply --wait` on the converged host (median of 3), its NVML calls",
+        "counted by the simulator, its wall time by the client (the socket round trip included). *RSS*:",
+        "the daemon's VmRSS after its first pass, and after the no-op passes. The simulated NVML library runs",
+        "in gpud's process and keeps its state on disk, so every NVML call reads and writes that state: the",
+        "simulator's cost per call grows with the number of GPUs, a real driver's does not.",
+        "",
+        "| GPUs | no-op pass NVML calls | calls per GPU | no-op pass wall s | RSS after first pass MB | RSS MB |",
+        "|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        lines.append(f"| {r['n']} | {r['noop_calls']} | {r['noop_calls'] / r['n']:.1f} | {r['noop_wall']:.3f} | "
+                     f"{r['rss_first'] / MB:.1f} | {r['rss'] / MB:.1f} |")
+    busy = big.get("busy")
+    lines += ["", f"RSS growth from {small['n']} to {big['n']} GPUs: {per_gpu:.3f} MB per GPU."]
+    if busy is not None:
+        lines += ["", f"`status` at {big['n']} GPUs, {a.clients} clients (2,000 requests/s asked), {busy['name']}: "
+                  f"p50 {busy['p50']:.2f} ms, p99 {busy['p99']:.2f} ms, max {busy['max']:.1f} ms, "
+                  f"{busy['rate']:.0f} answered/s, {len(busy['errors'])} errors; loop lag p99 {busy['lag'].p99_ms:.2f} ms; "
+                  f"apply: `{busy['result']}`."]
+    met = [(f"no-op pass at {big['n']} GPUs < 1 s", big["noop_wall"] < 1.0),
+           ("RSS growth < 0.5 MB per GPU", per_gpu < 0.5)]
+    if busy is not None:
+        met.append((f"status p99 < 2 ms with {a.clients} clients during an apply",
+                    busy["p99"] < 2.0 and not busy["errors"] and busy["result"] is not None))
+    lines += ["", "Targets (issue 28): " + "; ".join(f"{what}: {'met' if ok else 'NOT met'}" for what, ok in met) + ".", ""]
+    text = "\n".join(lines)
+    Path(a.o).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.o).write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

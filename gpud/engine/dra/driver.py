@@ -1,0 +1,292 @@
+"""gpud as its node's DRA driver: publishes the pool, prepares and unprepares claims.
+
+Publishing: after every engine pass, lease change and device event the daemon calls `publish()`;
+it builds the pool from the engine's view (gpud.plan.dra_slices, pure) and writes only what
+differs from what the API server holds (gpud.host.kube_dra), so at rest nothing is written. A
+watch on the pool's slices puts right what someone else changed or deleted.
+
+Prepare (the kubelet's NodePrepareResources): the claim is read from the API server (its
+allocation names pool and device); for each device of this driver and pool:
+* a dynamic MIG device: a lease at exactly the allocated placement (gpud.engine.leases, owner
+  `dra:<claim uid>`), which makes the GI and CI; a lease already held by that owner at that
+  placement is taken as it is (a repeated prepare, a gpud killed after the lease and before the
+  checkpoint);
+* a dynamic whole GPU: a whole-GPU lease (refused while any instance is on it);
+* a vfio device: the GPU and every function of its IOMMU group must be on vfio-pci (the layout
+  binds them, a claim never does); the group's /dev/vfio node is handed over;
+* whole GPUs, static MIG devices and vGPUs exist already: nothing is made.
+Then a CDI spec for the claim is written (`<cdi dir>/<driver>-claim_<uid>.json`, kind
+`<driver>/claim`) and the claim is checkpointed (`STATE_DIR/dra-claims.json`) with the leases it
+holds. A claim already in the checkpoint is answered from it: a claim shared by two containers
+(or asked again after a kubelet restart) is prepared once.
+
+Unprepare releases the claim's leases (never while busy: the kubelet retries), removes its CDI
+spec and checkpoint entry. At start the checkpoint is reconciled with the lease records: an entry
+whose lease is gone is dropped, so the kubelet's next prepare makes it again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+import msgspec
+
+from gpud.engine.leases.engine import LeaseEngine, LeaseRefused
+from gpud.engine.leases.records import LeaseRecord
+from gpud.engine.view import EngineView
+from gpud.host import state_files
+from gpud.host.kubelet_plugin import ClaimRef, Prepared, PreparedDevice
+from gpud.model import Gpu, Placement
+from gpud.plan.dra_slices import DraInputs, DraSlices, SliceDevice, build_slices
+
+log = logging.getLogger(__name__)
+
+CHECKPOINT = "dra-claims.json"
+OWNER_PREFIX = "dra:"
+DEFAULT_CDI_DIR = "/var/run/cdi"
+
+
+class ClaimsApi(Protocol):
+    node: str
+    driver: str
+
+    async def publish(self, wanted: list[dict]) -> int: ...
+    async def claim(self, namespace: str, name: str) -> dict: ...
+
+
+class PreparedClaim(msgspec.Struct, frozen=True):
+    namespace: str
+    name: str
+    devices: tuple[PreparedDevice, ...]
+    leases: tuple[str, ...] = ()  # lease ids this claim holds
+
+
+def foreign_placements(view: EngineView) -> dict[str, tuple[Placement, ...]]:
+    """Per dynamic GPU, what is used by anything but a DRA claim: instances no claim's lease made
+    (gpudctl leases, someone's nvidia-smi) and whole-GPU leases of others (the GPU's every slice)."""
+    claimed = {(r.gpu, r.placement) for r in view.leases if r.owner.startswith(OWNER_PREFIX) and r.placement}
+    whole_claimed = {r.gpu for r in view.leases if r.owner.startswith(OWNER_PREFIX) and r.kind == "gpu"}
+    out: dict[str, list[Placement]] = {}
+    for gpu in view.observation.gpus:
+        if gpu.nvml is None:
+            continue
+        for gi in gpu.nvml.instances:
+            if (gpu.pci, gi.placement) not in claimed:
+                out.setdefault(gpu.pci, []).append(gi.placement)
+    for r in view.leases:
+        if r.owner.startswith(OWNER_PREFIX) or r.state == "vanished":
+            continue
+        if r.placement is not None:
+            out.setdefault(r.gpu, []).append(r.placement)
+        elif r.kind == "gpu" and r.gpu not in whole_claimed:
+            out.setdefault(r.gpu, []).append(Placement(0, 64))  # every slice
+    return {k: tuple(v) for k, v in out.items()}
+
+
+def inputs_of(view: EngineView, node: str, driver: str, *, driver_version: str | None,
+              unhealthy: frozenset[str] = frozenset()) -> DraInputs:
+    desired = view.resolution.desired if view.resolution is not None else {}
+    return DraInputs(node, view.observation.gpus, desired, driver=driver, driver_version=driver_version,
+                     unhealthy=unhealthy, foreign=foreign_placements(view))
+
+
+class DraDriver:
+    def __init__(self, api: ClaimsApi, leases: LeaseEngine, view: Callable[[], EngineView], *,
+                 state_dir: str | None, cdi_dir: str = DEFAULT_CDI_DIR,
+                 driver_version: Callable[[], str | None] = lambda: None,
+                 unhealthy: Callable[[], frozenset[str]] = frozenset) -> None:
+        self.api, self.leases, self._view = api, leases, view
+        self.node, self.driver = api.node, api.driver
+        self.cdi_dir = cdi_dir
+        self.path = os.path.join(state_dir, CHECKPOINT) if state_dir else None
+        self._driver_version, self._unhealthy = driver_version, unhealthy
+        self.claims: dict[str, PreparedClaim] = {}
+        self.published: DraSlices | None = None
+        self.generation = 0
+        self._publishing = asyncio.Lock()
+        self._claim_locks: dict[str, asyncio.Lock] = {}
+
+    # ---- the pool ------------------------------------------------------------------------------
+    def build(self) -> DraSlices:
+        view = self._view()
+        inputs = inputs_of(view, self.node, self.driver, driver_version=self._driver_version(),
+                           unhealthy=self._unhealthy())
+        return build_slices(msgspec.structs.replace(inputs, generation=max(self.generation, 1)))
+
+    async def publish(self) -> int:
+        """Write the pool as the hardware is now; a changed pool gets the next generation."""
+        async with self._publishing:
+            built = self.build()
+            if self.published is not None and built.slices == self.published.slices:
+                return 0
+            if self.published is not None:
+                self.generation = max(self.generation, 1) + 1
+                built = self.build()
+            else:
+                self.generation = max(self.generation, 1)
+            writes = await self.api.publish(built.slices)
+            self.published = built
+            return writes
+
+    def device(self, name: str) -> SliceDevice | None:
+        if self.published is None or name not in self.published.devices:
+            self.published_now = self.build()
+            return self.published_now.devices.get(name)
+        return self.published.devices[name]
+
+    # ---- checkpoint ----------------------------------------------------------------------------
+    def load(self) -> None:
+        if self.path is None:
+            return
+        got = state_files.load(self.path, lambda b: msgspec.json.decode(b, type=dict[str, PreparedClaim]),
+                               what="DRA claim checkpoint")
+        self.claims = got or {}
+
+    def _save(self) -> None:
+        if self.path is not None:
+            state_files.save(self.path, msgspec.json.encode(self.claims), mode=0o600)
+
+    async def start(self) -> list[str]:
+        """Checkpoint against the lease records: entries whose leases are gone are dropped (the
+        kubelet prepares them again). Returns what was said."""
+        self.load()
+        have = {r.id for r in self.leases.leases() if r.state != "vanished"}
+        said = []
+        for uid, c in list(self.claims.items()):
+            lost = [lid for lid in c.leases if lid not in have]
+            if lost:
+                said.append(f"claim {c.namespace}/{c.name} ({uid}): lease(s) {', '.join(lost)} gone; prepared again "
+                            "when the kubelet asks")
+                del self.claims[uid]
+        if said:
+            self._save()
+        return said
+
+    # ---- prepare -------------------------------------------------------------------------------
+    async def prepare(self, claims: Sequence[ClaimRef]) -> dict[str, Prepared]:
+        out: dict[str, Prepared] = {}
+        for c in claims:
+            lock = self._claim_locks.setdefault(c.uid, asyncio.Lock())
+            async with lock:
+                try:
+                    out[c.uid] = await self._prepare(c)
+                except (LeaseRefused, OSError, ValueError, KeyError) as e:
+                    log.warning("prepare %s/%s: %s", c.namespace, c.name, e)
+                    out[c.uid] = Prepared(error=f"{type(e).__name__}: {e}" if not isinstance(e, LeaseRefused) else str(e))
+        if any(not p.error for p in out.values()):
+            await self.publish()
+        return out
+
+    async def _prepare(self, c: ClaimRef) -> Prepared:
+        done = self.claims.get(c.uid)
+        if done is not None:
+            return Prepared(done.devices)
+        claim = await self.api.claim(c.namespace, c.name)
+        if claim["metadata"].get("uid") != c.uid:
+            raise ValueError(f"claim {c.namespace}/{c.name} has uid {claim['metadata'].get('uid')}, not {c.uid}")
+        results = ((claim.get("status") or {}).get("allocation") or {}).get("devices", {}).get("results") or []
+        mine = [r for r in results if r.get("driver") == self.driver and r.get("pool") == self.node]
+        if not mine:
+            raise ValueError(f"claim {c.namespace}/{c.name} allocates no device of {self.driver} on {self.node}")
+        owner = OWNER_PREFIX + c.uid
+        gpus = {g.pci: g for g in self._view().observation.gpus}
+        leases: list[str] = []
+        devices: list[PreparedDevice] = []
+        edits: list[dict] = []
+        try:
+            for r in mine:
+                sd = self.device(r["device"])
+                if sd is None:
+                    raise ValueError(f"device {r['device']} is not published by this node (any more)")
+                nodes, env, lease = await self._make(sd, gpus.get(sd.pci), owner)
+                if lease is not None:
+                    leases.append(lease.id)
+                cdi_name = f"{c.uid}-{sd.name}"
+                edits.append({"name": cdi_name, "containerEdits": {
+                    "deviceNodes": [{"path": n} for n in nodes], "env": env}})
+                devices.append(PreparedDevice((r["request"],), self.node, sd.name,
+                                              (f"{self.driver}/claim={cdi_name}",), r.get("shareID")))
+        except BaseException:
+            for lid in leases:  # nothing half-prepared: what this call made goes again
+                with contextlib.suppress(LeaseRefused):
+                    await self.leases.release(lid, why="released (its claim's prepare failed)", wait=False)
+            raise
+        self._write_cdi(c.uid, edits)
+        self.claims[c.uid] = PreparedClaim(c.namespace, c.name, tuple(devices), tuple(leases))
+        self._save()
+        return Prepared(tuple(devices))
+
+    async def _make(self, sd: SliceDevice, gpu: Gpu | None, owner: str) -> tuple[list[str], list[str], LeaseRecord | None]:
+        """(device nodes, environment, the lease made or found) for one allocated device."""
+        if gpu is None:
+            raise ValueError(f"GPU {sd.pci} of device {sd.name} is gone")
+        ctl = ["/dev/nvidiactl"]
+        if sd.kind == "vfio":
+            group = gpu.function.iommu_group
+            off = [f.address for f in (gpu.function, *gpu.companions) if f.driver != "vfio-pci"]
+            if off:
+                raise ValueError(f"{sd.name}: {', '.join(off)} not on vfio-pci (the layout binds the group, "
+                                 "a claim does not)")
+            nodes = ["/dev/vfio/vfio"] + ([f"/dev/vfio/{group}"] if group is not None else [])
+            return nodes, [f"PCI_RESOURCE_GPUD_IO={','.join(sd.group)}"], None
+        if sd.dynamic:
+            profile = sd.profile if sd.kind == "mig" and sd.profile else "gpu"
+            rec = next((r for r in self.leases.on(sd.pci) if r.owner == owner and r.profile == profile
+                        and r.placement == sd.placement and r.state == "held"), None)
+            if rec is None:
+                rec = await self.leases.lease(profile, gpu=sd.pci, owner=owner,
+                                              start=sd.placement.start if sd.placement is not None else None)
+            return [*ctl, *rec.devices], [f"NVIDIA_VISIBLE_DEVICES={rec.uuid}"], rec
+        if sd.kind == "vgpu":
+            return [], [f"MDEV_UUID={sd.vgpu_uuid or ''}"], None
+        minor = gpu.nvml.minor if gpu.nvml is not None else None
+        nodes = [*ctl] + ([f"/dev/nvidia{minor}"] if minor is not None else [])
+        uuid = sd.mig_uuid or (gpu.uuid or "")
+        return nodes, [f"NVIDIA_VISIBLE_DEVICES={uuid}"], None
+
+    def cdi_path(self, uid: str) -> str:
+        return os.path.join(self.cdi_dir, f"{self.driver}-claim_{uid}.json")
+
+    def _write_cdi(self, uid: str, devices: list[dict]) -> None:
+        spec = {"cdiVersion": "0.6.0", "kind": f"{self.driver}/claim", "devices": devices}
+        state_files.save(self.cdi_path(uid), json.dumps(spec, indent=1).encode())
+
+    # ---- unprepare -----------------------------------------------------------------------------
+    async def unprepare(self, claims: Sequence[ClaimRef]) -> dict[str, str]:
+        out: dict[str, str] = {}
+        for c in claims:
+            lock = self._claim_locks.setdefault(c.uid, asyncio.Lock())
+            async with lock:
+                out[c.uid] = await self._unprepare(c)
+        await self.publish()
+        return out
+
+    async def _unprepare(self, c: ClaimRef) -> str:
+        done = self.claims.get(c.uid)
+        owner = OWNER_PREFIX + c.uid
+        ids = set(done.leases if done is not None else ()) | {r.id for r in self.leases.leases() if r.owner == owner}
+        for lid in sorted(ids):
+            try:
+                await self.leases.release(lid, why=f"released (claim {c.namespace}/{c.name} unprepared)", wait=False)
+            except LeaseRefused as e:
+                if e.code != "not-found":
+                    return str(e)  # busy: the kubelet asks again; nothing was killed
+        with contextlib.suppress(FileNotFoundError):
+            state_files.remove(self.cdi_path(c.uid))
+        if self.claims.pop(c.uid, None) is not None:
+            self._save()
+        return ""
+
+    def status(self) -> dict[str, Any]:
+        """What `gpudctl status --kube` shows: the pool published and the claims prepared."""
+        pub = self.published
+        return {"driver": self.driver, "node": self.node, "generation": self.generation,
+                "slices": len(pub.slices) if pub else 0, "devices": len(pub.devices) if pub else 0,
+                "claims": {uid: {"claim": f"{c.namespace}/{c.name}", "devices": [d.device for d in c.devices],
+                                 "leases": list(c.leases)} for uid, c in self.claims.items()}}

@@ -1,0 +1,84 @@
+"""What NVML says about a GPU that cannot change while the session and the GPU stay the same.
+
+A GPU's identity (UUID, name, minor number, total memory, compute capability), whether it is MIG
+capable, its GPU instance profiles with their possible placements, and the compute instance
+profiles of each GI profile are fixed by the GPU model and the loaded driver: NVML documents the
+placement calls as "possible placements, not necessarily available" and the profile infos as the
+profile's capacities, not its use (docs/hardware/nvml-static-reads.md). They change only when the
+driver is reloaded, the GPU is reset or swapped, and each of those happens with gpud's NVML session
+closed (a rebind suspends it, a reset needs it closed, a hot-plug re-opens it): so a session's
+cache lives exactly as long as the session, and `gpud.host.nvml.Nvml.close` drops it.
+
+An observation then asks NVML only what changes: the MIG mode, the instances, the MIG devices and
+the processes. This module holds the records; it does not import pynvml (gpud.host.nvml does).
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+from gpud.model import CiProfile, MigProfile
+
+
+@dataclass(frozen=True)
+class GpuStatic:
+    """One GPU's fixed facts, read once per session."""
+
+    pci: str
+    uuid: str
+    name: str
+    minor: int | None
+    memory_mb: int
+    compute_capability: tuple[int, int] | None
+    mig_capable: bool
+    # GI profiles by id, without their CI profiles (those need a live GI: `SessionCache.ci_profiles`)
+    profiles: tuple[MigProfile, ...] = ()
+
+
+@dataclass
+class SessionCache:
+    """Per-session caches, dropped at nvmlShutdown. `generation` counts sessions: a read that began
+    in an earlier session must not store what it learned into a later one (`store_if`)."""
+
+    generation: int = 0
+    # the session's GPUs in NVML index order: (device handle, PCI address); None until enumerated
+    enumerated: list[tuple[Any, str]] | None = None
+    gpus: dict[str, GpuStatic] = field(default_factory=dict)
+    # (PCI address, GI profile id) -> the CI profiles NVML lists for a GI of that profile
+    ci_profiles: dict[tuple[str, int], dict[int, CiProfile]] = field(default_factory=dict)
+    max_mig_devices: dict[str, int] = field(default_factory=dict)  # asked with MIG on (0 with it off)
+    memory_stale: set[str] = field(default_factory=set)  # GPUs whose total memory is asked again
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def clear(self) -> None:
+        with self.lock:
+            self.generation += 1
+            self.enumerated = None
+            self.gpus.clear()
+            self.ci_profiles.clear()
+            self.max_mig_devices.clear()
+            self.memory_stale.clear()
+
+    def mode_changed(self, pci: str) -> None:
+        """A MIG mode change of one GPU: the profile tables and placements stay (NVML documents the
+        placements "regardless of whether MIG is enabled or not"; the H200 answers the profile
+        infos with MIG off too), the most MIG devices does not (0 with MIG off), and the total
+        memory is asked again (nothing says whether it moves with the mode)."""
+        with self.lock:
+            self.max_mig_devices.pop(pci, None)
+            self.memory_stale.add(pci)
+
+    def handle_of(self, pci: str) -> Any | None:
+        """The device handle this session enumerated for `pci`, if it did."""
+        for handle, address in self.enumerated or ():
+            if address == pci:
+                return handle
+        return None
+
+    def store_if(self, generation: int, put: Any) -> None:
+        """Run `put()` (a store into this cache) unless the session changed since `generation`."""
+        with self.lock:
+            if generation == self.generation:
+                put()

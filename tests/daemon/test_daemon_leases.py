@@ -1,0 +1,96 @@
+"""MIG on demand through the real daemon and gpudctl, on a simulated host: exit codes, the JSON a
+Slurm prolog reads, and every outcome checked in the simulator's own state file."""
+
+from __future__ import annotations
+
+import json
+import signal
+
+import pytest
+
+from tests.daemon.conftest import wait_until
+from tests.leases.rig import dynamic_layout
+
+pytestmark = pytest.mark.daemon
+
+
+def gis(d) -> list[tuple[int, int, list[str]]]:
+    """(start, size, CI UUIDs) of every GI in the simulator's state file, first GPU."""
+    g = d.sim_state()["gpus"][sorted(d.sim_state()["gpus"])[0]]
+    return sorted((gi["start"], gi["size"], [c["uuid"] for c in gi["cis"]]) for gi in g["gis"])
+
+
+def test_lease_release_and_no_room_through_gpudctl(daemon):
+    d = daemon(["h100-80gb:1"], dynamic_layout())
+    r = d.ctl("lease", "3g.40gb", "--owner", "slurm-17", "--json")
+    assert r.returncode == 0, r.stderr
+    lease = json.loads(r.stdout)
+    assert lease["profile"] == "3g.40gb" and lease["placement"] == "4:4" and lease["uuid"].startswith("MIG-")
+    assert lease["devices"][0].startswith("/dev/nvidia") and lease["owner"] == "slurm-17"
+    assert gis(d) == [(4, 4, [lease["uuid"]])]
+
+    assert d.ctl("lease", "3g.40gb").returncode == 0
+    before, calls = gis(d), d.mutating_calls()
+    r = d.ctl("lease", "1g.10gb")
+    assert r.returncode == 4 and "no dynamic GPU has room for 1g.10gb" in r.stderr and "free memory slices" in r.stderr
+    assert gis(d) == before and d.mutating_calls() == calls  # nothing changed
+
+    listed = json.loads(d.ctl("leases", "--json").stdout)["leases"]
+    assert {x["id"] for x in listed} >= {lease["id"]} and len(listed) == 2
+    gpu = d.status()["gpus"][0]
+    assert gpu["dynamic"] and {x["id"] for x in gpu["leases"]} == {x["id"] for x in listed}
+    assert "slurm-17" in d.ctl("status").stdout
+
+    r = d.ctl("release", lease["id"])
+    assert r.returncode == 0, r.stderr
+    assert [g[:2] for g in gis(d)] == [(0, 4)]
+    calls = d.mutating_calls()
+    r = d.ctl("release", "l-nosuchlease")
+    assert r.returncode == 4 and "no lease" in r.stderr and d.mutating_calls() == calls
+    kinds = [e["kind"] for e in d.events()]
+    assert kinds.count("lease") == 2 and kinds.count("release") == 1
+
+
+def test_leases_survive_kill_9_of_the_daemon(daemon):
+    d = daemon(["h100-80gb:1"], dynamic_layout())
+    lease = json.loads(d.ctl("lease", "2g.20gb", "--json").stdout)
+    d.proc.send_signal(signal.SIGKILL)
+    d.proc.wait()
+    calls = d.mutating_calls()
+    d.start()
+    assert [x["id"] for x in json.loads(d.ctl("leases", "--json").stdout)["leases"]] == [lease["id"]]
+    assert gis(d) == [(0, 2, [lease["uuid"]])] and d.mutating_calls() == calls
+    assert d.ctl("release", lease["id"]).returncode == 0 and gis(d) == []
+
+
+def test_whole_gpu_lease_needs_a_gpu_and_excludes_mig(daemon):
+    d = daemon(["h100-80gb:1"], dynamic_layout())
+    assert d.ctl("lease", "gpu").returncode != 0
+    whole = json.loads(d.ctl("lease", "gpu", "--gpu", "0", "--json").stdout)
+    assert whole["profile"] == "gpu" and whole["uuid"].startswith("GPU-")
+    r = d.ctl("lease", "1g.10gb")
+    assert r.returncode == 4 and "leased whole" in r.stderr and gis(d) == []
+
+
+def test_metrics_count_leases_and_free_capacity(daemon, tmp_path):
+    prom = tmp_path / "gpud.prom"
+    d = daemon(["h100-80gb:1"], dynamic_layout(), "--metrics-textfile", str(prom))
+    assert d.ctl("lease", "3g.40gb").returncode == 0
+    pci = sorted(d.sim_state()["gpus"])[0]
+    text = wait_until(lambda: prom.exists() and "gpud_leases{" in prom.read_text() and prom.read_text(),
+                      what="metrics with the lease")
+    assert f'gpud_leases{{pci="{pci}",profile="3g.40gb"}} 1.0' in text
+    assert f'gpud_lease_free{{pci="{pci}",profile="3g.40gb"}} 1.0' in text
+    assert f'gpud_lease_free{{pci="{pci}",profile="4g.40gb"}} 1.0' in text  # 3g at 4:4 leaves 4g at 0 free
+    assert f'gpud_lease_free{{pci="{pci}",profile="7g.80gb"}} 0.0' in text
+
+
+def test_nfd_labels_follow_leases(daemon, tmp_path):
+    features = tmp_path / "features.d"
+    features.mkdir()
+    d = daemon(["h100-80gb:1"], dynamic_layout(), "--nfd-features", str(features / "gpud"))
+    read = lambda: (features / "gpud").read_text() if (features / "gpud").exists() else ""  # noqa: E731
+    lease = json.loads(d.ctl("lease", "3g.40gb", "--json").stdout)
+    wait_until(lambda: "nvidia.com/mig-3g.40gb.count=1" in read(), what="the lease's MIG device labelled")
+    assert d.ctl("release", lease["id"]).returncode == 0
+    wait_until(lambda: "nvidia.com/mig-3g.40gb.count" not in read(), what="the label gone with the release")

@@ -1,0 +1,232 @@
+"""gpud's DRA driver against a real kube-apiserver and kube-scheduler (v1.36.3) on simulated nodes.
+
+The scheduler allocates from the slices gpud publishes; the kubelet's side is a client of the
+generated gRPC code (gpud.kube_proto) on gpud's plugin sockets; what a prepare made is read from
+the simulator's own state file (tests/leases/rig.sim_gis), never from gpud.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from gpud.engine.dra.driver import DraDriver
+from gpud.host import kubelet_plugin
+from gpud.host.kubelet_plugin import KubeletPlugin
+from gpud.model import Placement
+from gpud.plan.dra_slices import DEFAULT_DRIVER
+from tests.dra.cluster import DraCluster, dra_binaries
+from tests.kube.real_server import have_openssl
+from tests.leases.rig import dynamic_rig, sim_gis
+
+_, WHY = dra_binaries()
+try:
+    kubelet_plugin.proto()
+    PROTO = None
+except kubelet_plugin.ProtoMissing as e:
+    PROTO = str(e)
+pytestmark = [pytest.mark.apiserver, pytest.mark.skipif(WHY is not None, reason=WHY or ""),
+              pytest.mark.skipif(PROTO is not None, reason=PROTO or ""),
+              pytest.mark.skipif(have_openssl() is not None, reason=have_openssl() or "")]
+
+MIG = "mig.gpud.io"
+GPU = "gpu.gpud.io"
+
+
+def profile_is(name: str) -> str:
+    return f"device.attributes['{DEFAULT_DRIVER}'].profile == '{name}'"
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    c = DraCluster(tmp_path_factory.mktemp("dra-cluster")).start()
+    yield c
+    c.stop()
+
+
+class SimNode:
+    """One simulated node: gpud's reconciler and lease engine (a SimRig), its DRA driver publishing
+    to the real API server, its kubelet plugin serving on sockets under `root`."""
+
+    def __init__(self, tmp: Path, cluster: DraCluster, name: str) -> None:
+        self.tmp, self.cluster, self.name = tmp, cluster, name
+        self.rig = None
+        self.driver: DraDriver | None = None
+        self.plugin: KubeletPlugin | None = None
+        self.api = None
+
+    async def start(self, gpus: tuple[str, ...] = ("h100-80gb:1",)) -> SimNode:
+        from gpud.host.kube import load_config
+        from gpud.host.kube_dra import DraApi
+
+        self.cluster.node(self.name)
+        self.rig = await dynamic_rig(self.tmp, gpus)
+        self.api = DraApi(self.name, DEFAULT_DRIVER, load_config(self.cluster.kubeconfig(self.tmp / "gpud.kubeconfig")))
+        await self.boot()
+        return self
+
+    async def boot(self) -> None:
+        assert self.rig is not None and self.api is not None
+        self.driver = DraDriver(self.api, self.rig.rec.leases, self.rig.rec.view, state_dir=str(self.tmp / "state"),
+                                cdi_dir=str(self.tmp / "cdi"))
+        await self.driver.start()
+        await self.driver.publish()
+        self.plugin = KubeletPlugin(DEFAULT_DRIVER, self.driver, root=str(self.tmp / "kubelet"))
+        await self.plugin.start()
+
+    async def close(self) -> None:
+        if self.plugin is not None:
+            await self.plugin.stop()
+        if self.api is not None:
+            await self.api.withdraw()
+            await self.api.close()
+        if self.rig is not None:
+            self.rig.close()
+
+    def placement(self, results: list[dict]) -> Placement:
+        assert self.driver is not None and self.driver.published is not None
+        (r,) = results
+        sd = self.driver.published.devices[r["device"]]
+        assert r["pool"] == self.name and r["driver"] == DEFAULT_DRIVER and sd.placement is not None
+        return sd.placement
+
+
+class Kubelet:
+    """The kubelet's side of DRA: the generated stubs on gpud's sockets, nothing hand-made."""
+
+    def __init__(self, plugin: KubeletPlugin) -> None:
+        import grpc
+
+        self.v1, self.v1_grpc, _, _, self.reg, self.reg_grpc = kubelet_plugin.proto()
+        self.plugin = plugin
+        self.dra = grpc.aio.insecure_channel(f"unix://{plugin.dra_socket}")
+        self.registration = grpc.aio.insecure_channel(f"unix://{plugin.registration_socket}")
+
+    async def close(self) -> None:
+        await self.dra.close()
+        await self.registration.close()
+
+    async def register(self):
+        stub = self.reg_grpc.RegistrationStub(self.registration)
+        info = await stub.GetInfo(self.reg.InfoRequest())
+        await stub.NotifyRegistrationStatus(self.reg.RegistrationStatus(plugin_registered=True))
+        return info
+
+    async def prepare(self, claim: dict):
+        m = claim["metadata"]
+        stub = self.v1_grpc.DRAPluginStub(self.dra)
+        got = await stub.NodePrepareResources(self.v1.NodePrepareResourcesRequest(
+            claims=[self.v1.Claim(namespace=m["namespace"], uid=m["uid"], name=m["name"])]))
+        return got.claims[m["uid"]]
+
+    async def unprepare(self, claim: dict):
+        m = claim["metadata"]
+        stub = self.v1_grpc.DRAPluginStub(self.dra)
+        got = await stub.NodeUnprepareResources(self.v1.NodeUnprepareResourcesRequest(
+            claims=[self.v1.Claim(namespace=m["namespace"], uid=m["uid"], name=m["name"])]))
+        return got.claims[m["uid"]]
+
+
+@pytest.fixture
+async def node(tmp_path, cluster, request):
+    n = await SimNode(tmp_path, cluster, request.node.name.replace("_", "-")[:40].strip("-").lower()).start()
+    yield n
+    await n.close()
+
+
+async def test_seven_1g_claims_get_seven_placements_and_an_eighth_stays_unallocated(cluster, node):
+    ns = node.name[:20]
+    for i in range(8):
+        cluster.claim(f"{ns}-c{i}", MIG, profile_is("1g.10gb"))
+        cluster.pod(f"{ns}-p{i}", f"{ns}-c{i}", node=node.name)
+
+    def outcome():
+        done, waiting = {}, []
+        for i in range(8):
+            alloc = (cluster.get_claim(f"{ns}-c{i}").get("status") or {}).get("allocation")
+            if alloc:
+                done[i] = alloc["devices"]["results"]
+                continue
+            conds = (cluster.get_pod(f"{ns}-p{i}").get("status") or {}).get("conditions") or ()
+            if any(c["type"] == "PodScheduled" and c.get("reason") == "Unschedulable" for c in conds):
+                waiting.append(i)
+        return (done, waiting) if len(done) + len(waiting) == 8 else None
+
+    done, waiting = cluster.wait("every pod scheduled or found unschedulable", outcome, limit=90)
+    assert len(done) == 7 and len(waiting) == 1
+    placements = {node.placement(r) for r in done.values()}
+    assert placements == {Placement(s, 1) for s in range(7)}
+
+
+async def test_whole_gpu_stays_unallocated_while_a_mig_claim_holds_it(cluster, node):
+    ns = node.name[:20]
+    cluster.claim(f"{ns}-mig", MIG, profile_is("3g.40gb"))
+    cluster.pod(f"{ns}-mig", f"{ns}-mig", node=node.name)
+    mig = cluster.allocated(f"{ns}-mig")
+    assert node.placement(mig).size == 4
+    cluster.claim(f"{ns}-whole", GPU)
+    cluster.pod(f"{ns}-whole", f"{ns}-whole", node=node.name)
+    assert cluster.unschedulable(f"{ns}-whole")
+    assert (cluster.get_claim(f"{ns}-whole").get("status") or {}).get("allocation") is None
+
+
+async def test_prepare_makes_the_allocated_placement_and_unprepare_destroys_it(cluster, node):
+    ns = node.name[:20]
+    kubelet = Kubelet(node.plugin)
+    try:
+        info = await kubelet.register()
+        assert (info.type, info.name, info.endpoint) == ("DRAPlugin", DEFAULT_DRIVER, node.plugin.dra_socket)
+        assert list(info.supported_versions) == ["v1.DRAPlugin", "v1beta1.DRAPlugin"]
+        assert node.plugin.registered is True
+
+        cluster.claim(f"{ns}-a", MIG, profile_is("1g.10gb"))
+        cluster.pod(f"{ns}-a", f"{ns}-a", node=node.name, containers=2)  # one claim, two containers
+        at = node.placement(cluster.allocated(f"{ns}-a"))
+        claim = cluster.get_claim(f"{ns}-a")
+        assert sim_gis(node.rig) == []  # allocation alone makes nothing
+
+        got = await kubelet.prepare(claim)
+        assert got.error == ""
+        gis = sim_gis(node.rig)
+        assert [(name, pl) for name, pl, _ in gis] == [("1g.10gb", at)]
+        (dev,) = got.devices
+        uid = claim["metadata"]["uid"]
+        assert list(dev.cdi_device_ids) == [f"{DEFAULT_DRIVER}/claim={uid}-{dev.device_name}"]
+        spec = (node.tmp / "cdi" / f"{DEFAULT_DRIVER}-claim_{uid}.json").read_text()
+        assert gis[0][2][0] in spec  # the MIG device's UUID, from the simulator's state file
+
+        again = await kubelet.prepare(claim)  # the second container, or a kubelet retry: prepared once
+        assert list(again.devices) == list(got.devices) and len(sim_gis(node.rig)) == 1
+
+        assert (await kubelet.unprepare(claim)).error == ""
+        assert sim_gis(node.rig) == []
+        assert not (node.tmp / "cdi" / f"{DEFAULT_DRIVER}-claim_{uid}.json").exists()
+    finally:
+        await kubelet.close()
+
+
+async def test_a_claim_survives_a_gpud_restart_between_prepare_and_unprepare(cluster, node):
+    ns = node.name[:20]
+    cluster.claim(f"{ns}-r", MIG, profile_is("3g.40gb"))
+    cluster.pod(f"{ns}-r", f"{ns}-r", node=node.name)
+    at = node.placement(cluster.allocated(f"{ns}-r"))
+    claim = cluster.get_claim(f"{ns}-r")
+    kubelet = Kubelet(node.plugin)
+    got = await kubelet.prepare(claim)
+    assert got.error == ""
+    await kubelet.close()
+    # a new gpud process: its own NVML session, reconciler and lease records read from the state dir
+    await node.plugin.stop()
+    from tests.leases.test_lease_restart import restarted
+
+    await restarted(node.rig, node.tmp)
+    await node.boot()
+    kubelet = Kubelet(node.plugin)
+    try:
+        assert list((await kubelet.prepare(claim)).devices) == list(got.devices)  # from the checkpoint
+        assert [(n, pl) for n, pl, _ in sim_gis(node.rig)] == [("3g.40gb", at)]
+        assert (await kubelet.unprepare(claim)).error == ""
+        assert sim_gis(node.rig) == []
+    finally:
+        await kubelet.close()

@@ -1,0 +1,89 @@
+"""What a reconcile pass reads: a pass that changes nothing reads the host once; a pass that changes
+one GPU's MIG layout reads that GPU again and not the others until the pass's last read. Counted by
+the simulator's own NVML call counters and by which GPUs the NVML adapter was asked for."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+
+from tests.scenarios.definitions import layout, mig
+from tests.scenarios.harness import SimRig
+
+GPU0 = "0000:18:00.0"
+
+
+def _spy(rig: SimRig) -> list[str]:
+    """Records every GPU the adapter reads, by PCI address ("*" for a read of all)."""
+    seen: list[str] = []
+    nvml = rig.hw.nvml
+    gpus, gpu = nvml.gpus, nvml.gpu
+
+    def all_gpus(**kw):
+        seen.append("*")
+        return gpus(**kw)
+
+    def one_gpu(pci, **kw):
+        seen.append(pci)
+        return gpu(pci, **kw)
+
+    nvml.gpus, nvml.gpu = all_gpus, one_gpu  # type: ignore[method-assign]
+    return seen
+
+
+def test_a_pass_that_changes_nothing_reads_the_host_once(tmp_path):
+    rig = SimRig(tmp_path, ("h100-80gb:4",))
+    try:
+        assert asyncio.run(rig.apply(layout(mig([0, 1, 2, 3], {"1g.10gb": 7}))))
+        before = rig.calls()
+        asyncio.run(rig.rec.converge())
+        made = rig.calls() - before
+        assert set(rig.rec.gpu_states[p].state for p in rig.rec.gpu_states) == {"converged"}
+        assert made["nvmlDeviceGetMigMode"] == 4  # one read of each GPU
+        assert sum(made.values()) <= 4 * 60  # 7 MIG devices each: what changes, not the tables
+        assert not any(f.startswith(("nvmlDeviceGetGpuInstanceProfileInfo", "nvmlGpuInstanceGetComputeInstanceProfile",
+                                     "nvmlDeviceGetGpuInstancePossiblePlacements")) for f in made)
+    finally:
+        rig.close()
+
+
+def test_a_pass_that_changes_one_gpu_reads_that_gpu_alone_until_its_end(tmp_path):
+    rig = SimRig(tmp_path, ("h100-80gb:4",))
+    try:
+        assert asyncio.run(rig.apply(layout(mig([0, 1, 2, 3], {"1g.10gb": 7}))))
+        seen = _spy(rig)
+        rig.config.write_text(layout(mig([0], {"3g.40gb": 2}), mig([1, 2, 3], {"1g.10gb": 7})))
+        assert rig.rec.load_config()
+        seen.clear()
+        asyncio.run(rig.rec.converge())
+        assert rig.rec.gpu_states[GPU0].state == "converged"
+        assert seen[0] == seen[-1] == "*"  # the pass begins and ends with the whole host
+        assert seen.count("*") == 2 and set(seen[1:-1]) == {GPU0}
+        assert sorted(n for n, _, _ in rig.mig_devices()[0].values()) == ["3g.40gb", "3g.40gb"]
+    finally:
+        rig.close()
+
+
+def test_an_apply_on_a_converged_host_reads_it_once(tmp_path):
+    """`gpudctl apply`: the file is re-read against a fresh read of the host, and the pass it starts
+    begins from that read (it began after the request), not from another."""
+    from gpud.engine.queries import start_apply
+
+    rig = SimRig(tmp_path, ("h100-80gb:2",))
+
+    async def go() -> Counter[str]:
+        assert await rig.apply(layout(mig([0, 1], {"1g.10gb": 7})))
+        runner = asyncio.create_task(rig.rec.run(debounce=0))
+        try:
+            before = rig.calls()
+            assert await rig.rec.wait_for(await start_apply(rig.rec), 60)
+            return rig.calls() - before
+        finally:
+            runner.cancel()
+
+    try:
+        made = asyncio.run(go())
+        assert {s.state for s in rig.rec.gpu_states.values()} == {"converged"}
+        assert made["nvmlDeviceGetMigMode"] == 2  # one read of each GPU, for the file and the pass
+    finally:
+        rig.close()

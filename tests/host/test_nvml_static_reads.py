@@ -1,0 +1,160 @@
+"""gpud.host.nvml reads a GPU's fixed facts once per session (gpud.host.nvml_static) and drops
+them whenever the session closes: re-init, reset, rebind, hot-plug. The simulator's own call
+counters (its state file, what `gpud-sim stats` prints) say which NVML calls were made; its state
+file says what the GPUs hold."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from gpud.host.nvml import Nvml
+from gpud.profiles import MODELS
+from gpud.sim import kernel
+from gpud.sim.state import load, locked
+
+GPU0, GPU1 = "0000:18:00.0", "0000:2a:00.0"
+# Calls whose answers are fixed for a session: asked again only after the session closed.
+STATIC = ("nvmlDeviceGetGpuInstanceProfileInfoV", "nvmlDeviceGetGpuInstancePossiblePlacements_v2",
+          "nvmlGpuInstanceGetComputeInstanceProfileInfoV", "nvmlGpuInstanceGetComputeInstancePossiblePlacements",
+          "nvmlDeviceGetName", "nvmlDeviceGetMemoryInfo", "nvmlDeviceGetCount", "nvmlDeviceGetHandleByIndex")
+
+
+def _calls(host) -> Counter[str]:
+    return Counter(load(host.host_dir).calls)
+
+
+def _static_calls(before: Counter[str], after: Counter[str]) -> dict[str, int]:
+    return {f: after[f] - before[f] for f in STATIC if after[f] - before[f]}
+
+
+def _layout(host, pci: str) -> list[tuple[int, int, int, list[tuple[int, int, str]]]]:
+    """The GPU's GIs and CIs as the simulator's state file holds them."""
+    g = load(host.host_dir).gpus[pci]
+    return sorted((gi.id, gi.profile_id, gi.start, sorted((c.id, c.profile_id, c.uuid) for c in gi.cis))
+                  for gi in g.gis)
+
+
+def _read_layout(nvml: Nvml, pci: str) -> list[tuple[int, int, int, list[tuple[int, int, str]]]]:
+    g = nvml.gpu(pci)
+    assert g is not None
+    return sorted((gi.id, gi.profile_id, gi.placement.start, sorted((c.id, c.profile_id, c.uuid) for c in gi.cis))
+                  for gi in g.instances)
+
+
+@pytest.fixture
+def mig_host(sim_host):
+    """Two H100s with MIG on, GPU 0 holding a 3g (one CI) and two 1g (one CI each)."""
+    host = sim_host("h100-80gb:2", mig_on=[0, 1])
+    n = Nvml()
+    for profile, start in ((9, 4), (19, 0), (19, 1)):
+        gi = n.create_gpu_instance(GPU0, profile, start)
+        n.create_compute_instance(GPU0, gi, 2 if profile == 9 else 0)
+    n.close()
+    return host
+
+
+def test_a_second_read_asks_only_what_changes_and_sees_the_same(mig_host):
+    with Nvml() as nvml:
+        first = nvml.gpus()
+        c1 = _calls(mig_host)
+        second = nvml.gpus()
+        c2 = _calls(mig_host)
+    assert second == first
+    assert _static_calls(c1, c2) == {}
+    assert c2["nvmlDeviceGetMigMode"] - c1["nvmlDeviceGetMigMode"] == 2  # what changes is asked each time
+    with Nvml() as fresh:  # a new session reads everything and agrees
+        assert fresh.gpus() == first
+
+
+def test_a_change_by_someone_else_is_seen_by_the_next_read(mig_host):
+    """Instances are never cached: what another NVML client creates or destroys shows at once."""
+    with Nvml() as nvml, Nvml() as other:
+        assert _read_layout(nvml, GPU0) == _layout(mig_host, GPU0)
+        gi = other.create_gpu_instance(GPU0, 19, 2)
+        other.create_compute_instance(GPU0, gi, 0)
+        assert _read_layout(nvml, GPU0) == _layout(mig_host, GPU0)
+        assert len(_layout(mig_host, GPU0)) == 4
+        other.destroy_compute_instance(GPU0, gi, 0)
+        other.destroy_gpu_instance(GPU0, gi)
+        assert _read_layout(nvml, GPU0) == _layout(mig_host, GPU0)
+
+
+def test_reinit_reads_the_static_again(mig_host):
+    with Nvml() as nvml:
+        nvml.gpus()
+        c1 = _calls(mig_host)
+        nvml.close()
+        nvml.open()
+        nvml.gpus()
+        c2 = _calls(mig_host)
+    asked = _static_calls(c1, c2)
+    assert asked["nvmlDeviceGetGpuInstanceProfileInfoV"] > 0 and asked["nvmlDeviceGetName"] == 2
+
+
+def test_a_reset_goes_through_a_closed_session_and_the_static_is_read_again(sim_host):
+    """A pending MIG mode takes effect at the reset (GPU 1): the read after it shows the new mode,
+    and the fixed facts are asked again (a reset may follow a driver or firmware change)."""
+    host = sim_host("a100-40gb:2")
+    with Nvml() as nvml:
+        nvml.gpus()
+        nvml.set_mig_mode(GPU1, True)
+        assert load(host.host_dir).gpus[GPU1].mig_pending == 1 and load(host.host_dir).gpus[GPU1].mig_mode == 0
+        nvml.suspend()  # what gpud's reset does (gpud.engine.steps): NVML closed across the reset
+        try:
+            kernel.Store(host.host_dir)(str(host.sys_root / f"bus/pci/devices/{GPU1}/reset"), b"1")
+        finally:
+            nvml.resume()
+        c1 = _calls(host)
+        (g0, g1) = nvml.gpus()
+        c2 = _calls(host)
+    assert (g1.mig_mode, g1.mig_pending) == (1, 1) == (load(host.host_dir).gpus[GPU1].mig_mode, 1)
+    assert _static_calls(c1, c2)["nvmlDeviceGetName"] == 2
+
+
+def test_a_rebind_suspends_the_session_and_the_static_is_read_again(mig_host):
+    with Nvml() as nvml:
+        nvml.gpus()
+        nvml.suspend()
+        kernel.Store(mig_host.host_dir)(str(mig_host.sys_root / "bus/pci/drivers/nvidia/unbind"), GPU1.encode())
+        nvml.resume()
+        c1 = _calls(mig_host)
+        gpus = nvml.gpus(on_nvidia=[GPU0])
+        c2 = _calls(mig_host)
+    assert [g.pci for g in gpus] == [GPU0]
+    assert _static_calls(c1, c2)["nvmlDeviceGetName"] == 1
+
+
+def test_a_gpu_swapped_by_hot_plug_is_read_as_the_new_card(sim_host):
+    """GPU 1 (an H100) is unplugged and an A100 plugged into the same slot: the next read must show
+    the A100's name and profile table, not the H100's the session had kept."""
+    host = sim_host("h100-80gb", "a100-40gb")
+    a100 = load(host.host_dir).gpus[GPU1]
+    with locked(host.host_dir) as st:  # the same slot first holds an H100 too
+        st.gpus[GPU1].model = "h100-80gb"
+    with Nvml() as nvml:
+        before = {g.pci: g for g in nvml.gpus(on_nvidia=[GPU0, GPU1])}
+        assert before[GPU1].name == before[GPU0].name
+        kernel.unplug(host.host_dir, GPU1)
+        with locked(host.host_dir) as st:
+            st.gpus[GPU1].model = a100.model
+        kernel.plug(host.host_dir, GPU1)
+        after = {g.pci: g for g in nvml.gpus(on_nvidia=[GPU0, GPU1])}
+    assert after[GPU1].name == MODELS["a100-40gb"].name != before[GPU1].name
+    assert {p.name for p in after[GPU1].profiles} == {p.name for p in MODELS["a100-40gb"].profiles}
+    assert after[GPU1].memory_mb < before[GPU1].memory_mb
+
+
+def test_a_mig_mode_change_asks_that_gpus_memory_again_and_keeps_its_tables(sim_host):
+    host = sim_host("h100-80gb:2")
+    with Nvml() as nvml:
+        nvml.gpus()
+        nvml.set_mig_mode(GPU0, True)
+        c1 = _calls(host)
+        after = {g.pci: g for g in nvml.gpus()}
+        c2 = _calls(host)
+    assert _static_calls(c1, c2) == {"nvmlDeviceGetMemoryInfo": 1}
+    assert after[GPU0].mig_mode == load(host.host_dir).gpus[GPU0].mig_mode == 1
+    with Nvml() as fresh:  # a new session reads everything and agrees
+        assert {g.pci: g for g in fresh.gpus()} == after
