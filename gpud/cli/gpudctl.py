@@ -68,7 +68,8 @@ def main(argv: list[str] | None = None) -> int:
         a = parser.parse_args(argv)
     except SystemExit as e:  # argparse: 2 on usage errors, 0 for --help
         return e.code if isinstance(e.code, int) else EXIT_USAGE
-    client = Client(a.socket, timeout=a.reply_timeout)
+    # what is printed for a person has every outside string escaped; --json stays exact
+    client = Client(a.socket, timeout=a.reply_timeout, escape=not getattr(a, "json", False))
     try:
         return a.func(client, a)
     except UsageError as e:

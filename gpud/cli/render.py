@@ -511,3 +511,57 @@ def to_json(obj: Any) -> str:
     """What `--json` prints: the reply struct with every field, indented."""
     return msgspec.json.format(msgspec.json.encode(obj), indent=2).decode()
 
+
+
+# ---------------------------------------------------------------------------------------------
+# nvidia-smi's listings from a status reply: `-L`, `mig -lgi`, `mig -lci`
+
+
+def render_list(r: wire_replies.StatusReply) -> str:
+    """`nvidia-smi -L`: every managed GPU with its UUID (also one NVML no longer sees: the UUID
+    gpud last read for it, or "unknown"), then its MIG devices in placement order."""
+    out = []
+    for g in sorted(r.gpus, key=lambda x: x.index):
+        where = f"{g.driver}" if g.driver and g.driver != "nvidia" else ""
+        state = "gone" if g.state == "gone" else where
+        out.append(f"GPU {g.index}: {g.model or g.pci_id} (UUID: {g.uuid or 'unknown'})"
+                   + (f" [{g.pci}, {state}]" if state else f" [{g.pci}]"))
+        devices = [i for i in sorted(g.mig.instances, key=lambda i: (i.placement.start, i.gi, i.ci or 0))
+                   if i.ci is not None]
+        for n, inst in enumerate(devices):
+            out.append(f"  MIG {inst.profile:<12} Device {n:>2}: (UUID: {inst.uuid or '-'})")
+    return "\n".join(out) if out else "no GPUs managed"
+
+
+def _gi_profile(profile: str) -> str:
+    """The GPU instance profile of an instance row: `1c.3g.40gb` is a CI of a `3g.40gb` GI."""
+    head, _, rest = profile.partition(".")
+    return rest if head.endswith("c") and head[:-1].isdigit() else profile
+
+
+def render_gpu_instances(gpus: list[wire_replies.GpuStatus]) -> str:
+    """`nvidia-smi mig -lgi`: GPU instances, one row each, with their placements."""
+    rows = [["GPU", "GI", "PROFILE", "PLACEMENT", "COMPUTE INSTANCES"]]
+    for g in gpus:
+        by_gi: dict[int, list[wire_replies.InstanceStatus]] = {}
+        for inst in g.mig.instances:
+            by_gi.setdefault(inst.gi, []).append(inst)
+        for gi, insts in sorted(by_gi.items(), key=lambda kv: kv[1][0].placement.start):
+            cis = sum(1 for i in insts if i.ci is not None)
+            rows.append([str(g.index), str(gi), _gi_profile(insts[0].profile),
+                         f"{insts[0].placement.start}:{insts[0].placement.size}", str(cis)])
+    return _table(rows) if len(rows) > 1 else "no GPU instances"
+
+
+def render_compute_instances(gpus: list[wire_replies.GpuStatus]) -> str:
+    """`nvidia-smi mig -lci`: compute instances with their GPU instance and slot in it."""
+    rows = [["GPU", "GI", "CI", "PROFILE", "GI PLACEMENT", "CI PLACEMENT", "UUID"]]
+    for g in gpus:
+        for inst in sorted(g.mig.instances, key=lambda i: (i.placement.start, i.gi, i.ci or 0)):
+            if inst.ci is None:
+                continue
+            cp = inst.ci_placement
+            rows.append([str(g.index), str(inst.gi), str(inst.ci), inst.profile,
+                         f"{inst.placement.start}:{inst.placement.size}", f"{cp.start}:{cp.size}" if cp else "-",
+                         inst.uuid or "-"])
+    return _table(rows) if len(rows) > 1 else "no compute instances"

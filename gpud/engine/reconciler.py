@@ -485,6 +485,9 @@ class Reconciler:
             await self.refresh_async()
         resolution = self.resolution  # this pass works from one resolution, whatever refresh() does
         assert resolution is not None
+        # A file taken while the pass waited for its read is the one resolved: its policy (and, via
+        # the resolution, its hooks) rule this pass, never the layout the pass was asked under.
+        self._pass_layout = self.layout
         if resolution.errors:  # the host changed under a good file: change nothing
             self.phase = "invalid-layout"
             self.bus.publish("layout-invalid", "; ".join(str(e) for e in resolution.errors))
@@ -539,8 +542,8 @@ class Reconciler:
     async def _apply_with_hooks(self, todo: dict[str, Action], resolution: Resolution) -> None:
         """The GPUs that change, inside the layout's hook phases (see gpud.engine.hooks.phases)."""
         self.steps.mig_changed.clear()
-        layout = self._pass_layout.layout if self._pass_layout is not None else None
-        assert layout is not None  # a pass runs only under a layout that parsed (run() set it)
+        layout = resolution.layout  # hooks and steps from the same resolved layout, always
+        assert layout is not None  # a resolution without errors carries its layout
 
         def abort(pci: str, failure: HookFailed) -> None:
             self._set(pci, GpuState("failed", f"hook aborted the apply, nothing changed: {failure}"))
