@@ -4,7 +4,6 @@ apply-exit always running, and timeouts killing the whole process group."""
 from __future__ import annotations
 
 import hashlib
-
 import os
 import select
 import stat

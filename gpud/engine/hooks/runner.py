@@ -11,7 +11,8 @@ group, with the service-only variables (NOTIFY_SOCKET, WATCHDOG_*, LISTEN_*) rem
 happened to each hook (started, exit status, a digest of its output) goes to `log` (the events,
 which group `gpud` reads); its output lines go only to `output` (the journal, root's): a hook runs
 as root and may print what only root may see. mig-parted's hooks being skipped silently under
-systemd was one of its worst failure modes. When the phases run around the GPUs of a pass is `gpud.engine.hooks.phases`'s business.
+systemd was one of its worst failure modes. When the phases run around the GPUs of a pass is
+`gpud.engine.hooks.phases`'s business.
 """
 
 from __future__ import annotations
