@@ -52,7 +52,7 @@ nvmlc: $(STAMP)
 	$(PY) -m gpud.sim.nvmlc.build
 
 # The linter and the type checker (configured in pyproject.toml), before any test runs.
-lint: $(STAMP)
+lint: $(STAMP) dra-proto
 	$(VENV)/bin/ruff check gpud tests bench setup.py
 	$(VENV)/bin/mypy
 
