@@ -33,7 +33,7 @@ from gpud.engine.gpu_tasks import for_each_gpu
 from gpud.engine.hooks.phases import apply_with_hooks
 from gpud.engine.hooks.runner import HookFailed
 from gpud.engine.kube.operands import OperandGuard, OperandsNotPaused
-from gpud.engine.layout_keeper import LayoutKeeper
+from gpud.engine.layout_keeper import LayoutKeeper, has_hooks
 from gpud.engine.leases.engine import LeaseEngine
 from gpud.engine.observe.discovery import Observation
 from gpud.engine.observe.gpu_index import GpuIndex, index_path
@@ -541,6 +541,12 @@ class Reconciler:
         self.steps.mig_changed.clear()
         layout = resolution.layout  # hooks and steps from the same resolved layout, always
         assert layout is not None  # a resolution without errors carries its layout
+        refused = self.layout_file.hooks_refused
+        if refused and has_hooks(layout.hooks):  # run without its hooks, an apply could do harm
+            self.bus.publish("hooks-refused", f"{self.config_path}: hooks refused, nothing changed: {refused}")
+            for pci in todo:
+                self._set(pci, GpuState("failed", f"the layout's hooks are refused, nothing changed: {refused}"))
+            return
 
         def abort(pci: str, failure: HookFailed) -> None:
             self._set(pci, GpuState("failed", f"hook aborted the apply, nothing changed: {failure}"))
