@@ -52,7 +52,7 @@ nvmlc: $(STAMP)
 	$(PY) -m gpud.sim.nvmlc.build
 
 # The linter and the type checker (configured in pyproject.toml), before any test runs.
-lint: $(STAMP)
+lint: $(STAMP) dra-proto
 	$(VENV)/bin/ruff check gpud tests bench setup.py
 	$(VENV)/bin/mypy
 
@@ -73,6 +73,7 @@ bench: $(STAMP) anchors nvmlc
 	$(PY) bench/client_startup.py -o $(BENCH_OUT)/client_startup.md
 	$(PY) -m bench.status_bench -o $(BENCH_OUT)/status.md
 	$(PY) -m bench.scale_bench -o $(BENCH_OUT)/scale.md
+	$(PY) -m bench.check_bench -o $(BENCH_OUT)/check.md
 	$(PY) -m bench.lease_bench -o $(BENCH_OUT)/leases.md
 
 bench-update:

@@ -152,6 +152,8 @@ class RealServer:
                 "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
                 f"--service-account-key-file={c / 'sa.pub'}", f"--service-account-signing-key-file={c / 'sa.key'}",
                 "--service-cluster-ip-range=10.96.0.0/24",
+                # as kubeadm and managed clusters run it: node agents (gpud's DaemonSet) are privileged
+                "--allow-privileged=true",
                 f"--audit-policy-file={self.dir / 'audit-policy.yaml'}", f"--audit-log-path={self.audit_log}",
                 "--audit-log-format=json", "--audit-log-mode=blocking",
                 "--etcd-compaction-interval=0",  # the tests compact etcd themselves, when they mean to

@@ -419,3 +419,25 @@ def test_sriov_manage_rebind_destroys_instances_and_mig_off_waits_for_the_vfs(tm
     finally:
         sim.uninstall()
     assert load(d).gpus[pf].mig_pending == 0
+
+
+def test_unplug_of_a_card_whose_vf_carries_a_vgpu_type(vfio_host) -> None:
+    """Issue 33 item 12: `gpud-sim unplug` failed (a vfio cdev rendered under the removed VF's
+    directory) for a GPU one of whose VFs carried a vGPU type. The card goes whole: PF and VFs
+    leave the bus and sysfs, with their cdevs; the other cards stay."""
+    from gpud.sim.kernel import plug, unplug
+
+    fs = sysfs(vfio_host)
+    set_vfs(vfio_host, L40S, 4)
+    vfs = [vf.address for vf in load(vfio_host).vgpu[L40S].vfs]
+    type_12q = next(i for i, n in creatable(vfio_host, vfs[0]) if n == "NVIDIA L40S-12Q")
+    fs.write(f"bus/pci/devices/{vfs[0]}/nvidia/current_vgpu_type", str(type_12q))
+    unplug(vfio_host, L40S)
+    st = load(vfio_host)
+    assert not any(st.functions[a].present for a in [L40S, *vfs])
+    assert st.functions[H200].present
+    for a in [L40S, *vfs]:
+        assert not os.path.lexists(os.path.join(vfio_host, "sys", "bus/pci/devices", a))
+    assert os.path.isdir(os.path.join(vfio_host, "sys", "bus/pci/devices", H200))
+    plug(vfio_host, L40S)
+    assert load(vfio_host).functions[L40S].present
