@@ -189,7 +189,7 @@ class ApiServer:
             try:
                 async with timeout(self.idle_timeout or 10.0):
                     await writer.wait_closed()
-            except (Exception, asyncio.CancelledError):
+            except (Exception, asyncio.CancelledError):  # noqa: BLE001 - any failure to flush ends the connection the hard way
                 writer.transport.abort()  # ... unless the client does not read it
 
     async def _send(self, writer: asyncio.StreamWriter, msg: Any) -> None:

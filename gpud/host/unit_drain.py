@@ -240,7 +240,7 @@ class UnitDrainer:
                     await self._job("StartUnit", unit, wait=wait)
                 except SystemdError as e:
                     failed.append(e)
-                except Exception as e:
+                except Exception as e:  # noqa: BLE001 - every unit's failure is collected; they are raised together below
                     failed.append(SystemdError(f"start {unit}: {e}", unit=unit))
             if failed:
                 first = failed[0]
@@ -280,7 +280,7 @@ class UnitDrainer:
         try:
             # Cancelled means the daemon is stopping: queue the starts, they run after our stop job.
             await self.start(list(reversed(stopped)), wait=not isinstance(exc, asyncio.CancelledError))
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - the drain's own failure is what propagates; this one is noted on it
             log.error("could not start again %s: %s", stopped, e)
             add_note(exc, f"also failed to start again what was drained: {e}")
 
