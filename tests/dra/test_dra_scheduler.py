@@ -17,8 +17,8 @@ from gpud.host.kubelet_plugin import KubeletPlugin
 from gpud.model import Placement
 from gpud.plan.dra_slices import DEFAULT_DRIVER
 from tests.dra.cluster import DraCluster, dra_binaries
-from tests.kube.real_server import have_openssl
 from tests.leases.rig import dynamic_rig, sim_gis
+from tests.support.kube_real_server import have_openssl
 
 _, WHY = dra_binaries()
 try:
