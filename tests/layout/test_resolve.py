@@ -437,7 +437,7 @@ def _grouped(*drivers: str) -> list[Gpu]:
     gpus = host(*["h100-80gb"] * len(drivers))
     return [msgspec.structs.replace(g, function=msgspec.structs.replace(g.function, iommu_group=7, driver=drv),
                                     nvml=g.nvml if drv == "nvidia" else None)
-            for g, drv in zip(gpus, drivers)]
+            for g, drv in zip(gpus, drivers, strict=True)]
 
 
 def test_a_layout_splitting_an_iommu_group_across_drivers_is_refused() -> None:
