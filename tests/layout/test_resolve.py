@@ -10,7 +10,7 @@ from gpud.layout import DesiredGpu, check_text, parse_layout, resolve
 from gpud.layout.resolve import Resolution, gpu_profiles
 from gpud.model import Gpu, NvmlGpu, PciFunction
 from gpud.profiles import MODELS, model_name
-from tests.layout.conftest import gpu_uuid, host, make_gpu
+from tests.support.gpus import gpu_uuid, host, make_gpu
 
 H200_VALID = "1g.18gb, 1g.18gb+me, 1g.35gb, 2g.35gb, 3g.71gb, 4g.71gb, 7g.141gb"
 H100_VALID = "1g.10gb, 1g.10gb+me, 1g.20gb, 2g.20gb, 3g.40gb, 4g.40gb, 7g.80gb"
