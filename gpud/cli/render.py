@@ -413,23 +413,39 @@ def render_passthrough(r: wire_replies.PassthroughReply) -> str:
         if d.libvirt_hostdev:
             out += ["", f"libvirt <hostdev> for {d.pci}:"]
             out += ["  " + line for line in d.libvirt_hostdev.strip().splitlines()]
-        if d.kubevirt:
-            out += ["", f"KubeVirt permittedHostDevices.pciHostDevices entry for {d.pci}:",
-                    "  - " + msgspec.json.encode(d.kubevirt).decode()]
     if r.vgpus:
-        out += ["", _render_vgpus(r)]
-    return "\n".join(out)
+        out += ["", _render_vgpus(r, kubevirt=False)]
+    return "\n".join(out + _kubevirt_section(r))
 
 
-def _render_vgpus(r: wire_replies.PassthroughReply) -> str:
+def _render_vgpus(r: wire_replies.PassthroughReply, *, kubevirt: bool = True) -> str:
     rows = [["GPU", "TYPE", "MDEV UUID / VF", "VFIO", "RESOURCE"]]
     for v in r.vgpus:
         rows.append([v.gpu, v.type, v.uuid or v.vf or "-", v.vfio_device or "-", v.resource_name])
     out = [_table(rows)]
     for v in r.vgpus:
-        out += ["", f"libvirt <hostdev> for {v.type} {v.uuid or v.vf}:", "  " + v.libvirt_hostdev,
-                "KubeVirt permittedHostDevices entry:", "  " + msgspec.json.encode(v.kubevirt).decode()]
-    return "\n".join(out)
+        out += ["", f"libvirt <hostdev> for {v.type} {v.uuid or v.vf}:", "  " + v.libvirt_hostdev]
+    return "\n".join(out + (_kubevirt_section(r) if kubevirt else []))
+
+
+def _kubevirt_section(r: wire_replies.PassthroughReply) -> list[str]:
+    """KubeVirt's permittedHostDevices: one entry per resource (eight GPUs or 32 VFs of one
+    model are one entry), grouped as the KubeVirt CR's spec.configuration takes them."""
+    groups: dict[str, dict[str, dict]] = {}
+    for d in r.devices:
+        if d.kubevirt:
+            groups.setdefault("pciHostDevices", {}).setdefault(d.kubevirt.get("resourceName", ""), d.kubevirt)
+    for v in r.vgpus:
+        for kind, entries in v.kubevirt.items():
+            for e in entries:
+                groups.setdefault(kind, {}).setdefault(e.get("resourceName", ""), e)
+    if not groups:
+        return []
+    out = ["", "KubeVirt permittedHostDevices (spec.configuration.permittedHostDevices):"]
+    for kind in sorted(groups):
+        out.append(f"  {kind}:")
+        out += ["    - " + msgspec.json.encode(e).decode() for _, e in sorted(groups[kind].items())]
+    return out
 
 
 def render_progress(e: wire.Event, totals: dict[str, int], done: dict[str, int]) -> str | None:
