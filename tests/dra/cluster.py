@@ -159,6 +159,25 @@ class DraCluster:
         return self.wait(f"pod {pod} found unschedulable", message)
 
 
+def skips() -> list:
+    """The DRA tests' skip markers, each with its reason: binaries not built, gRPC code not
+    generated, no openssl CLI."""
+    import pytest
+
+    from gpud.host import kubelet_plugin
+
+    _, why = dra_binaries()
+    try:
+        kubelet_plugin.proto()
+        proto = None
+    except kubelet_plugin.ProtoMissing as e:
+        proto = str(e)
+    ssl = real_server.have_openssl()
+    return [pytest.mark.skipif(why is not None, reason=why or ""),
+            pytest.mark.skipif(proto is not None, reason=proto or ""),
+            pytest.mark.skipif(ssl is not None, reason=ssl or "")]
+
+
 def _now() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
