@@ -11,6 +11,8 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping, Sequence
 
+import msgspec
+
 from gpud import VERSION
 from gpud.api import wire, wire_replies
 from gpud.engine.binding.passthrough import PassthroughEntry, kubevirt_entry
@@ -229,9 +231,10 @@ def shown_state(view: EngineView, pci: str) -> GpuState | None:
 # Kubernetes
 
 
-def kubernetes_status(gpus: Sequence[Gpu], *, mig_strategy: str, agent=None) -> wire_replies.KubernetesStatus:
+def kubernetes_status(gpus: Sequence[Gpu], *, mig_strategy: str, agent=None, dra=None) -> wire_replies.KubernetesStatus:
     """What the device plugins will advertise from the GPUs as observed; the label protocol's state
-    (`agent`: gpud.engine.kube.agent.AgentStatus, None without --kube-node)."""
+    (`agent`: gpud.engine.kube.agent.AgentStatus, None without --kube-node); the DRA driver's
+    (`dra`: gpud.engine.dra.driver.DraDriver.status()'s record, None without --dra)."""
     ad = advertised(gpus, mig_strategy=mig_strategy)
     agent_status = None
     if agent is not None:
@@ -242,7 +245,7 @@ def kubernetes_status(gpus: Sequence[Gpu], *, mig_strategy: str, agent=None) -> 
     return wire_replies.KubernetesStatus(
         advertised=wire_replies.Advertised(mig_strategy=mig_strategy, resources=ad.resources, sandbox=ad.sandbox,
                                            problems=list(ad.problems)),
-        agent=agent_status)
+        agent=agent_status, dra=msgspec.convert(dra, wire_replies.DraStatus) if dra is not None else None)
 
 
 def labels_reply(out: LabelsOut) -> wire_replies.LabelsReply:

@@ -476,6 +476,14 @@ def render_kubernetes(k: wire_replies.KubernetesStatus | None) -> str:
         if a.other_agents:
             out += [f"  the operator's GPU agents on this node (gpud changes no GPU until they leave): "
                     f"{', '.join(a.other_agents)}"]
+    d = k.dra
+    if d is not None:
+        reg = {True: "registered with the kubelet", False: "kubelet REFUSED the registration",
+               None: "not registered yet (the kubelet has not called)"}[d.registered]
+        out += ["", f"DRA driver {d.driver} on node {d.node}: {reg}",
+                f"  published: {d.devices} device(s) in {d.slices} slice(s), pool generation {d.generation}"]
+        out += [f"  prepared: {c.claim} ({c.uid}): {', '.join(c.devices)}"
+                + (f" (leases {', '.join(c.leases)})" if c.leases else "") for c in d.claims] or ["  prepared: none"]
     return "\n".join(out)
 
 

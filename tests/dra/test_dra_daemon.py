@@ -72,6 +72,10 @@ async def test_gpud_killed_between_allocate_prepare_and_unprepare(cluster, tmp_p
         got = await kubelet.prepare(claim)
         await kubelet.close()
         assert got.error == "" and gis(d.host) == [("1g.10gb", at)]
+        shown = d.ctl("status", "--kube").stdout  # what is published (as the server holds it) and prepared
+        on_server = sum(len(s["spec"].get("devices") or ()) for s in cluster.slices(NODE))
+        assert f"published: {on_server} device(s)" in shown, shown
+        assert f"prepared: apps/k9 ({claim['metadata']['uid']}): {r['device']}" in shown, shown
 
         kill_9(d)  # between prepare and unprepare
         assert gis(d.host) == [("1g.10gb", at)]  # the instance outlives gpud

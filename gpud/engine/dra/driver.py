@@ -288,5 +288,5 @@ class DraDriver:
         pub = self.published
         return {"driver": self.driver, "node": self.node, "generation": self.generation,
                 "slices": len(pub.slices) if pub else 0, "devices": len(pub.devices) if pub else 0,
-                "claims": {uid: {"claim": f"{c.namespace}/{c.name}", "devices": [d.device for d in c.devices],
-                                 "leases": list(c.leases)} for uid, c in self.claims.items()}}
+                "claims": [{"uid": uid, "claim": f"{c.namespace}/{c.name}", "devices": [d.device for d in c.devices],
+                            "leases": list(c.leases)} for uid, c in sorted(self.claims.items())]}
