@@ -87,6 +87,17 @@ async def test_gpud_killed_between_allocate_prepare_and_unprepare(cluster, tmp_p
         assert (await kubelet.unprepare(claim)).error == ""
         await kubelet.close()
         assert gis(d.host) == []
+
+        # a lease made outside Kubernetes: its placement and the whole GPU leave the pool
+        r = d.ctl("lease", "3g.40gb", "--start", "4", "--gpu", "0", "--json")
+        assert r.returncode == 0, r.stderr + r.stdout
+
+        def devices_now() -> set[str]:
+            return {dev["name"] for s in cluster.slices(NODE) for dev in s["spec"].get("devices") or ()}
+        wait_until(lambda: "gpu-0" not in devices_now(), 30, "the pool to drop what the lease holds")
+        left = devices_now()
+        assert "gpu-0-mig-1g-10gb-0" in left and not any(n.endswith("-4") or n.endswith("-5") or n.endswith("-6")
+                                                         for n in left if "mig" in n), left
     finally:
         if d.proc.poll() is None:
             d.proc.terminate()

@@ -89,9 +89,15 @@ def foreign_placements(view: EngineView) -> dict[str, tuple[Placement, ...]]:
     return {k: tuple(v) for k, v in out.items()}
 
 
+UNHEALTHY_STATES = ("stuck", "gone")  # a driver write that never returned; the GPU left the bus
+
+
 def inputs_of(view: EngineView, node: str, driver: str, *, driver_version: str | None,
               unhealthy: frozenset[str] = frozenset()) -> DraInputs:
+    """The builder's inputs from the engine's view. Unhealthy: GPUs whose last state is stuck or
+    gone, beside what the caller adds (gpud reads no XIDs itself)."""
     desired = view.resolution.desired if view.resolution is not None else {}
+    unhealthy = unhealthy | {pci for pci, st in view.gpu_states.items() if st.state in UNHEALTHY_STATES}
     return DraInputs(node, view.observation.gpus, desired, driver=driver, driver_version=driver_version,
                      unhealthy=unhealthy, foreign=foreign_placements(view))
 
