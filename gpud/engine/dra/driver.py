@@ -141,10 +141,12 @@ class DraDriver:
             return writes
 
     def device(self, name: str) -> SliceDevice | None:
-        if self.published is None or name not in self.published.devices:
-            self.published_now = self.build()
-            return self.published_now.devices.get(name)
-        return self.published.devices[name]
+        """What a published device stands for: from the pool last published, else as built now
+        (a restarted gpud before its first publish; a device the scheduler allocated just before a
+        change and still on the hardware)."""
+        if self.published is not None and name in self.published.devices:
+            return self.published.devices[name]
+        return self.build().devices.get(name)
 
     # ---- checkpoint ----------------------------------------------------------------------------
     def load(self) -> None:
