@@ -91,6 +91,10 @@ class DraCluster:
     def node(self, name: str) -> None:
         self.admin("POST", "/api/v1/nodes", {"apiVersion": "v1", "kind": "Node", "metadata": {
             "name": name, "labels": {"kubernetes.io/hostname": name}}})
+        # the not-ready taint admission puts on a new node (TaintNodesByCondition) is the node
+        # lifecycle controller's to remove once the kubelet reports Ready; no controller runs here
+        self.admin("PATCH", f"/api/v1/nodes/{name}", {"spec": {"taints": None}},
+                   content_type="application/merge-patch+json")
         self.admin("PATCH", f"/api/v1/nodes/{name}/status", {"status": {
             "capacity": {"cpu": "64", "memory": "512Gi", "pods": "500"},
             "allocatable": {"cpu": "64", "memory": "512Gi", "pods": "500"},

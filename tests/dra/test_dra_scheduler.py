@@ -256,3 +256,44 @@ async def test_a_vfio_claim_is_handed_the_whole_iommu_group(cluster, tmp_path):
     finally:
         await kubelet.close()
         await node.close()
+
+
+async def test_a_placement_overlapping_an_allocated_one_is_never_allocated(cluster, node):
+    """A 4g.40gb holds memory slices 0-3; a 1g.10gb asked inside them stays unallocated although
+    every sum (compute, multiprocessors, memory) would fit; one asked beside them is allocated."""
+    ns = node.name[:20]
+    cluster.claim(f"{ns}-4g", MIG, profile_is("4g.40gb"))
+    cluster.pod(f"{ns}-4g", f"{ns}-4g", node=node.name)
+    assert node.placement(cluster.allocated(f"{ns}-4g")) == Placement(0, 4)
+    inside = f"{profile_is('1g.10gb')} && device.attributes['{DEFAULT_DRIVER}'].placementStart < 4"
+    cluster.claim(f"{ns}-in", MIG, inside)
+    cluster.pod(f"{ns}-in", f"{ns}-in", node=node.name)
+    assert cluster.unschedulable(f"{ns}-in")
+    beside = f"{profile_is('1g.10gb')} && device.attributes['{DEFAULT_DRIVER}'].placementStart >= 4"
+    cluster.claim(f"{ns}-out", MIG, beside)
+    cluster.pod(f"{ns}-out", f"{ns}-out", node=node.name)
+    assert node.placement(cluster.allocated(f"{ns}-out")).start >= 4
+
+
+async def test_the_seed_layout_is_reachable_through_claims_and_prepared(cluster, node):
+    """3g.40gb at slice 4 (a claim may select the placement attribute), then four 1g.10gb:
+    allocated by the scheduler, prepared by gpud; the simulator's state file then holds the seed's
+    layout."""
+    ns = node.name[:20]
+    names = [f"{ns}-3g"] + [f"{ns}-1g{i}" for i in range(4)]
+    kubelet = Kubelet(node.plugin)
+    try:
+        for name in names:
+            cel = (f"{profile_is('3g.40gb')} && device.attributes['{DEFAULT_DRIVER}'].placementStart == 4"
+                   if name.endswith("3g") else profile_is("1g.10gb"))
+            cluster.claim(name, MIG, cel)
+            cluster.pod(name, name, node=node.name)
+            cluster.allocated(name)
+            assert (await kubelet.prepare(cluster.get_claim(name))).error == ""
+        made = sorted(name for name, _, _ in sim_gis(node.rig))
+        assert made == ["1g.10gb"] * 4 + ["3g.40gb"]
+        for name in names:
+            assert (await kubelet.unprepare(cluster.get_claim(name))).error == ""
+        assert sim_gis(node.rig) == []
+    finally:
+        await kubelet.close()
