@@ -177,6 +177,7 @@ class Daemon:
         self.host = build_hardware(host_config(args))
         self.hw, self.device_events = self.host.hw, self.host.device_events
         Path(args.state_dir).mkdir(parents=True, exist_ok=True)
+        self._state_lock = hold_state_dir(args.state_dir)  # before anything reads or writes it
         if self.hw.reset is not None and not args.read_only:
             # persistence mode a previous gpud turned off for a reset and did not live to turn on again
             self.hw.reset.intent_path = str(Path(args.state_dir) / PERSISTENCE_INTENT)
@@ -414,7 +415,7 @@ class Daemon:
         events = self.device_events(self.on_device_event)
         try:
             events.start(loop)
-        except Exception as e:  # no libudev, no netlink (some containers): serve anyway, say so
+        except Exception as e:  # noqa: BLE001 - no libudev, no netlink (some containers): serve anyway, say so
             log.warning("device events unavailable (%s): hardware changes are seen on the next request", e)
             self.bus.publish("warning", f"device events unavailable: {e}")
         self.engine.refresh_now()  # the first state, before READY
@@ -514,6 +515,34 @@ class Daemon:
             exc = t.exception() if not t.cancelled() else None
             log.error("%s stopped unexpectedly: %r", t.get_name(), exc)
         return False
+
+
+STATE_LOCK = "gpud.pid"  # in the state dir: held (flock) by the one gpud that uses it, its pid inside
+
+
+def hold_state_dir(state_dir: str) -> int:
+    """Take the state dir for this process, or RuntimeError naming the gpud that has it: two
+    daemons on one state dir would each trust files the other rewrites under it. The lock is the
+    kernel's (flock, released when the holder dies, however it dies); the pid is only for the
+    message. Returns the descriptor, to be kept open for the daemon's life."""
+    import fcntl
+
+    path = os.path.join(state_dir, STATE_LOCK)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, 0o644)
+    except OSError as e:
+        raise RuntimeError(f"cannot take the state dir {state_dir}: {path}: {e.strerror}") from e
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        held = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
+        os.close(fd)
+        who = f"pid {held}" if held.isdigit() else "another process"
+        raise RuntimeError(f"another gpud ({who}) is running on the state dir {state_dir} ({path} is locked); "
+                           "one state dir serves one daemon") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
 
 
 def _stall_forever() -> None:

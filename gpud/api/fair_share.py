@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator
 # One request may parse at most this many bytes in all (text size x layouts evaluated): a
 # 500 KiB file of 16 layouts, or any number of small ones.
 MAX_REQUEST_COST = 8 * 1024 * 1024
+SERVED_KEPT = 256
 
 
 def cost_error(text_bytes: int, evaluations: int, limit: int = MAX_REQUEST_COST) -> str | None:
@@ -36,7 +37,9 @@ class FairShare:
         self.slots = max(1, slots)
         self.running: dict[int, int] = {}  # uid -> evaluations running (0 or 1)
         self._waiting: OrderedDict[int, deque[asyncio.Future]] = OrderedDict()  # uid order = turn order
-        self.served: list[int] = []  # uids in the order their turns began (observable by tests)
+        # uids in the order their last turns began (observable by tests); bounded: one entry per
+        # check kept forever grew about 1 MB an hour for one member looping checks
+        self.served: deque[int] = deque(maxlen=SERVED_KEPT)
 
     def _busy(self) -> int:
         return sum(self.running.values())

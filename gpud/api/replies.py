@@ -122,7 +122,7 @@ def gpu_status(gpu: Gpu, desired: DesiredGpu | None, state: GpuState | None,
     return wire_replies.GpuStatus(
         index=gpu.index,
         pci=gpu.pci,
-        uuid=nv.uuid if nv else None,
+        uuid=gpu.uuid,  # NVML's, or the one remembered while NVML does not see it (vfio-pci)
         model=model_name(gpu),
         pci_id=gpu.pci_id,
         driver=driver,

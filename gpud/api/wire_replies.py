@@ -95,7 +95,7 @@ class LeaseInfo(msgspec.Struct, kw_only=True):
 class GpuStatus(msgspec.Struct, kw_only=True):
     index: int
     pci: str
-    uuid: str | None = None  # None when NVML cannot see it (e.g. on vfio-pci)
+    uuid: str | None = None  # NVML's; on vfio-pci the one gpud last read; None: never seen by NVML
     model: str = ""
     pci_id: str = ""  # "10de:2335"
     driver: str | None = None

@@ -14,15 +14,19 @@ from typing import Any
 import msgspec
 
 from gpud.api import wire, wire_replies
+from gpud.cli.escape import escaped, term
 from gpud.cli.render import (
     event_json,
     pick_gpu,
+    render_compute_instances,
     render_event,
     render_gpu,
+    render_gpu_instances,
     render_kubernetes,
     render_labels,
     render_lease,
     render_leases,
+    render_list,
     render_mig_profiles,
     render_passthrough,
     render_plan,
@@ -144,11 +148,13 @@ def cmd_check(c: Client, a: argparse.Namespace) -> int:
         r: wire_replies.CheckReply = c.request("check", args)
     except Unreachable as e:  # no daemon: the same check in a process of its own, the host only read
         r = _check_offline(text, path, a.all_layouts, e)
+        if not a.json:
+            r = escaped(r)
     if a.json:
         print(to_json(r))
     else:
         which = f"layouts: {', '.join(r.checked)}" if a.all_layouts else f"selected: {r.selected}"
-        lines = [f"{path}: " + (f"valid ({which})" if r.valid and r.selected
+        lines = [f"{term(path)}: " + (f"valid ({which})" if r.valid and r.selected
                                 else "valid" if r.valid else "INVALID")]
         lines += [f"error: {e}" for e in r.errors] + [f"warning: {w}" for w in r.warnings]
         lines += [f"note: {d}" for d in r.dynamic]
@@ -222,7 +228,7 @@ def _apply_following(c: Client, a: argparse.Namespace, args: dict[str, Any], dea
         def send() -> None:
             try:
                 done["reply"] = c.request("apply", args, timeout=deadline)
-            except BaseException as e:  # re-raised in the caller's thread
+            except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
                 done["error"] = e
 
         import threading  # only `apply --wait` needs a thread: not paid by every run
@@ -287,8 +293,12 @@ def cmd_events(c: Client, a: argparse.Namespace) -> int:
     return EXIT_OK  # not reached: the stream ends with Unreachable
 
 
+def _client_version() -> str:
+    return getattr(sys.modules.get("gpud"), "VERSION", "?")
+
+
 def cmd_version(c: Client, a: argparse.Namespace) -> int:
-    mine = getattr(sys.modules.get("gpud"), "VERSION", "?")
+    mine = _client_version()
     r: wire_replies.VersionReply = c.request("version")
     if a.json:
         print(to_json(r))
@@ -305,6 +315,42 @@ def cmd_version(c: Client, a: argparse.Namespace) -> int:
 def cmd_mig_profiles(c: Client, a: argparse.Namespace) -> int:
     r: wire_replies.MigProfilesReply = c.request("mig-profiles", {"gpu": a.gpu} if a.gpu is not None else {})
     print(to_json(r) if a.json else render_mig_profiles(r))
+    return EXIT_OK
+
+
+def _status_gpus(c: Client, a: argparse.Namespace) -> tuple[wire_replies.StatusReply, list[wire_replies.GpuStatus]]:
+    r: wire_replies.StatusReply = c.request("status")
+    if getattr(a, "gpu", None) is None:
+        return r, r.gpus
+    g = pick_gpu(r, a.gpu)
+    if g is None:
+        raise LocalError(f"no GPU {a.gpu!r}: give an index, PCI address or GPU UUID "
+                         f"({', '.join(str(x.index) for x in r.gpus) or 'no GPUs managed'})")
+    return r, [g]
+
+
+def cmd_list(c: Client, a: argparse.Namespace) -> int:
+    r, _ = _status_gpus(c, a)
+    if a.json:
+        print(to_json([{"index": g.index, "pci": g.pci, "uuid": g.uuid, "model": g.model,
+                        "mig_devices": [{"profile": i.profile, "uuid": i.uuid} for i in g.mig.instances
+                                        if i.ci is not None]} for g in r.gpus]))
+    else:
+        print(render_list(r))
+    return EXIT_OK
+
+
+def cmd_mig_instances(c: Client, a: argparse.Namespace) -> int:
+    _, gpus = _status_gpus(c, a)
+    print(to_json([{"index": g.index, "instances": g.mig.instances} for g in gpus]) if a.json
+          else render_gpu_instances(gpus))
+    return EXIT_OK
+
+
+def cmd_mig_compute(c: Client, a: argparse.Namespace) -> int:
+    _, gpus = _status_gpus(c, a)
+    print(to_json([{"index": g.index, "instances": [i for i in g.mig.instances if i.ci is not None]} for g in gpus])
+          if a.json else render_compute_instances(gpus))
     return EXIT_OK
 
 
@@ -437,8 +483,19 @@ def _add_per_gpu_listing(sub: Any, group: str, group_help: str, name: str, name_
 
 
 def _add_mig(sub: Any) -> None:
-    _add_per_gpu_listing(sub, "mig", "MIG information", "profiles", "GPU instance profiles and placements",
-                         cmd_mig_profiles)
+    s = sub.add_parser("mig", help="MIG information (nvidia-smi mig -lgip, -lgi, -lci)")
+    listings = s.add_subparsers(dest="mig_command", metavar="COMMAND", required=True)
+    for name, what, func in (("profiles", "GPU instance profiles and placements (-lgip/-lgipp)", cmd_mig_profiles),
+                             ("instances", "GPU instances with their placements (-lgi)", cmd_mig_instances),
+                             ("compute", "compute instances with their placements and UUIDs (-lci)", cmd_mig_compute)):
+        one = _with_json(listings.add_parser(name, help=what))
+        one.add_argument("--gpu", metavar="SEL", help="index, PCI address or UUID")
+        one.set_defaults(func=func)
+
+
+def _add_list(sub: Any) -> None:
+    s = _with_json(sub.add_parser("list", help="GPUs with their UUIDs and MIG devices (nvidia-smi -L)"))
+    s.set_defaults(func=cmd_list)
 
 
 def _add_vgpu(sub: Any) -> None:
@@ -478,7 +535,7 @@ def _add_leases(sub: Any) -> None:
 
 
 # Each command's sub-parser, in the order `gpudctl --help` lists them.
-COMMANDS = {"status": _add_status, "check": _add_check, "labels": _add_labels, "plan": _add_plan,
+COMMANDS = {"status": _add_status, "list": _add_list, "check": _add_check, "labels": _add_labels, "plan": _add_plan,
             "apply": _add_apply, "select": _add_select, "reload": _add_reload, "events": _add_events, "version": _add_version,
             "mig": _add_mig, "vgpu": _add_vgpu, "passthrough": _add_passthrough, "lease": _add_lease,
             "release": _add_release, "leases": _add_leases}
@@ -505,6 +562,8 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     command, gets all of them (the full list, or argparse's "invalid choice")."""
     only = _command_named(argv) if argv is not None else None
     p = _Parser(prog="gpudctl", description="Query and drive gpud, the GPU layout daemon.")
+    p.add_argument("--version", action="version", version=f"gpudctl {_client_version()} (protocol {wire.PROTOCOL})",
+                   help="gpudctl's version (without asking gpud: `gpudctl version` has gpud's, the driver's)")
     p.add_argument("--socket", default=os.environ.get("GPUD_SOCKET") or DEFAULT_SOCKET,
                    help=f"gpud socket (default: $GPUD_SOCKET or {DEFAULT_SOCKET})")
     p.add_argument("--reply-timeout", type=_seconds, default=DEFAULT_TIMEOUT, metavar="S",

@@ -10,7 +10,7 @@ Exit codes (stable, for scripts):
   0  success (`status` returns 0 whatever the phase: read the phase, or use `apply --wait`)
   1  error: gpud answered with an error (forbidden, internal...), or a local error
   2  usage
-  3  gpud unreachable: no socket, refused, permission denied, no answer, connection lost
+  3  gpud unreachable: no socket, refused, permission denied, connection lost
   4  invalid layout: `check` or `plan` found errors or an infeasible GPU, `reload` found errors;
      `lease`: no dynamic GPU has room (the shortfall named), or the lease conflicts with one there;
      `release`: no such lease
@@ -68,7 +68,8 @@ def main(argv: list[str] | None = None) -> int:
         a = parser.parse_args(argv)
     except SystemExit as e:  # argparse: 2 on usage errors, 0 for --help
         return e.code if isinstance(e.code, int) else EXIT_USAGE
-    client = Client(a.socket, timeout=a.reply_timeout)
+    # what is printed for a person has every outside string escaped; --json stays exact
+    client = Client(a.socket, timeout=a.reply_timeout, escape=not getattr(a, "json", False))
     try:
         return a.func(client, a)
     except UsageError as e:

@@ -18,7 +18,7 @@ from gpud.mig_text import MIG_ACTIONS, step_text, subdivided
 def _table(rows: list[list[str]]) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return "\n".join(
-        "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows
+        "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=False)).rstrip() for r in rows
     )
 
 
@@ -302,8 +302,8 @@ def render_mig_profiles(r: wire_replies.MigProfilesReply) -> str:
            "|" + "=" * 79 + "|"]
     for g in r.gpus:
         for p in g.profiles:
-            def shown(field: str, value: object) -> str:
-                return "?" if field in p.unknown else str(value)
+            def shown(field: str, value: object, unknown: list[str] = p.unknown) -> str:
+                return "?" if field in unknown else str(value)
             mem = shown("memory_mb", f"{p.memory_mb / 1024:.2f}")
             first = (f"|{g.index:>4}  {'MIG ' + p.name:<18}{shown('id', p.id):>4}{shown('free', p.free):>6}/"
                      f"{shown('total', p.total):<9}{mem:<11}{shown('p2p', 'Yes' if p.p2p else 'No'):<7}{shown('sms', p.sms):<7}"
@@ -413,23 +413,39 @@ def render_passthrough(r: wire_replies.PassthroughReply) -> str:
         if d.libvirt_hostdev:
             out += ["", f"libvirt <hostdev> for {d.pci}:"]
             out += ["  " + line for line in d.libvirt_hostdev.strip().splitlines()]
-        if d.kubevirt:
-            out += ["", f"KubeVirt permittedHostDevices.pciHostDevices entry for {d.pci}:",
-                    "  - " + msgspec.json.encode(d.kubevirt).decode()]
     if r.vgpus:
-        out += ["", _render_vgpus(r)]
-    return "\n".join(out)
+        out += ["", _render_vgpus(r, kubevirt=False)]
+    return "\n".join(out + _kubevirt_section(r))
 
 
-def _render_vgpus(r: wire_replies.PassthroughReply) -> str:
+def _render_vgpus(r: wire_replies.PassthroughReply, *, kubevirt: bool = True) -> str:
     rows = [["GPU", "TYPE", "MDEV UUID / VF", "VFIO", "RESOURCE"]]
     for v in r.vgpus:
         rows.append([v.gpu, v.type, v.uuid or v.vf or "-", v.vfio_device or "-", v.resource_name])
     out = [_table(rows)]
     for v in r.vgpus:
-        out += ["", f"libvirt <hostdev> for {v.type} {v.uuid or v.vf}:", "  " + v.libvirt_hostdev,
-                "KubeVirt permittedHostDevices entry:", "  " + msgspec.json.encode(v.kubevirt).decode()]
-    return "\n".join(out)
+        out += ["", f"libvirt <hostdev> for {v.type} {v.uuid or v.vf}:", "  " + v.libvirt_hostdev]
+    return "\n".join(out + (_kubevirt_section(r) if kubevirt else []))
+
+
+def _kubevirt_section(r: wire_replies.PassthroughReply) -> list[str]:
+    """KubeVirt's permittedHostDevices: one entry per resource (eight GPUs or 32 VFs of one
+    model are one entry), grouped as the KubeVirt CR's spec.configuration takes them."""
+    groups: dict[str, dict[str, dict]] = {}
+    for d in r.devices:
+        if d.kubevirt:
+            groups.setdefault("pciHostDevices", {}).setdefault(d.kubevirt.get("resourceName", ""), d.kubevirt)
+    for v in r.vgpus:
+        for kind, entries in v.kubevirt.items():
+            for e in entries:
+                groups.setdefault(kind, {}).setdefault(e.get("resourceName", ""), e)
+    if not groups:
+        return []
+    out = ["", "KubeVirt permittedHostDevices (spec.configuration.permittedHostDevices):"]
+    for kind in sorted(groups):
+        out.append(f"  {kind}:")
+        out += ["    - " + msgspec.json.encode(e).decode() for _, e in sorted(groups[kind].items())]
+    return out
 
 
 def render_progress(e: wire.Event, totals: dict[str, int], done: dict[str, int]) -> str | None:
@@ -519,3 +535,57 @@ def to_json(obj: Any) -> str:
     """What `--json` prints: the reply struct with every field, indented."""
     return msgspec.json.format(msgspec.json.encode(obj), indent=2).decode()
 
+
+
+# ---------------------------------------------------------------------------------------------
+# nvidia-smi's listings from a status reply: `-L`, `mig -lgi`, `mig -lci`
+
+
+def render_list(r: wire_replies.StatusReply) -> str:
+    """`nvidia-smi -L`: every managed GPU with its UUID (also one NVML no longer sees: the UUID
+    gpud last read for it, or "unknown"), then its MIG devices in placement order."""
+    out = []
+    for g in sorted(r.gpus, key=lambda x: x.index):
+        where = f"{g.driver}" if g.driver and g.driver != "nvidia" else ""
+        state = "gone" if g.state == "gone" else where
+        out.append(f"GPU {g.index}: {g.model or g.pci_id} (UUID: {g.uuid or 'unknown'})"
+                   + (f" [{g.pci}, {state}]" if state else f" [{g.pci}]"))
+        devices = [i for i in sorted(g.mig.instances, key=lambda i: (i.placement.start, i.gi, i.ci or 0))
+                   if i.ci is not None]
+        for n, inst in enumerate(devices):
+            out.append(f"  MIG {inst.profile:<12} Device {n:>2}: (UUID: {inst.uuid or '-'})")
+    return "\n".join(out) if out else "no GPUs managed"
+
+
+def _gi_profile(profile: str) -> str:
+    """The GPU instance profile of an instance row: `1c.3g.40gb` is a CI of a `3g.40gb` GI."""
+    head, _, rest = profile.partition(".")
+    return rest if head.endswith("c") and head[:-1].isdigit() else profile
+
+
+def render_gpu_instances(gpus: list[wire_replies.GpuStatus]) -> str:
+    """`nvidia-smi mig -lgi`: GPU instances, one row each, with their placements."""
+    rows = [["GPU", "GI", "PROFILE", "PLACEMENT", "COMPUTE INSTANCES"]]
+    for g in gpus:
+        by_gi: dict[int, list[wire_replies.InstanceStatus]] = {}
+        for inst in g.mig.instances:
+            by_gi.setdefault(inst.gi, []).append(inst)
+        for gi, insts in sorted(by_gi.items(), key=lambda kv: kv[1][0].placement.start):
+            cis = sum(1 for i in insts if i.ci is not None)
+            rows.append([str(g.index), str(gi), _gi_profile(insts[0].profile),
+                         f"{insts[0].placement.start}:{insts[0].placement.size}", str(cis)])
+    return _table(rows) if len(rows) > 1 else "no GPU instances"
+
+
+def render_compute_instances(gpus: list[wire_replies.GpuStatus]) -> str:
+    """`nvidia-smi mig -lci`: compute instances with their GPU instance and slot in it."""
+    rows = [["GPU", "GI", "CI", "PROFILE", "GI PLACEMENT", "CI PLACEMENT", "UUID"]]
+    for g in gpus:
+        for inst in sorted(g.mig.instances, key=lambda i: (i.placement.start, i.gi, i.ci or 0)):
+            if inst.ci is None:
+                continue
+            cp = inst.ci_placement
+            rows.append([str(g.index), str(inst.gi), str(inst.ci), inst.profile,
+                         f"{inst.placement.start}:{inst.placement.size}", f"{cp.start}:{cp.size}" if cp else "-",
+                         inst.uuid or "-"])
+    return _table(rows) if len(rows) > 1 else "no compute instances"

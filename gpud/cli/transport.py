@@ -10,10 +10,11 @@ from __future__ import annotations
 import _socket  # the C module `socket` wraps: see Client._connect
 import math
 import select
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from gpud.api import wire, wire_replies
+from gpud.cli.escape import escaped
 
 DEFAULT_SOCKET = "/run/gpud/gpud.sock"
 DEFAULT_TIMEOUT = 30.0  # seconds for one reply; `apply --wait` and `events -f` wait longer
@@ -40,10 +41,13 @@ class WaitTimeout(Exception):
 class Client:
     """One connection to gpud; requests are answered in order on it."""
 
-    def __init__(self, path: str, *, timeout: float = DEFAULT_TIMEOUT) -> None:
-        """`timeout`: seconds for each reply unless a request says otherwise (NO_LIMIT: none)."""
+    def __init__(self, path: str, *, timeout: float = DEFAULT_TIMEOUT, escape: bool = False) -> None:
+        """`timeout`: seconds for each reply unless a request says otherwise (NO_LIMIT: none);
+        `escape`: every string of replies, events and errors made safe for a terminal
+        (gpud.cli.escape), for display; without it they are exactly as gpud sent them."""
         self.path = path
         self.timeout = timeout
+        self._shown: Callable[[Any], Any] = escaped if escape else _exact
         self._reader = wire.FrameReader()
         self._sock: _socket.socket | None = None
         self._next_id = 1
@@ -102,13 +106,13 @@ class Client:
             raise wire.FrameError(f"unexpected frame from gpud (waiting for reply {rid})")
         if not msg.ok:
             err = msg.error or wire.ErrorInfo(code=wire.E_INTERNAL, message="error without detail")
-            raise DaemonError(err.code, err.message)
-        return wire_replies.decode_result(op, msg.result)
+            raise DaemonError(err.code, self._shown(err.message))
+        return self._shown(wire_replies.decode_result(op, msg.result))
 
     def events(self) -> Iterator[wire.Event]:
         """Yield the recent history, then every new event until gpud closes the stream."""
         reply: wire_replies.EventsReply = self.request("events", {"follow": True}, timeout=NO_LIMIT)
-        yield from reply.events
+        yield from reply.events  # escaped with the reply
         yield from self._frames()
 
     def follow(self) -> Iterator[wire.Event]:
@@ -126,19 +130,23 @@ class Client:
             return None
         msg = self._read()
         if isinstance(msg, wire.EventFrame):
-            return msg.event
+            return self._shown(msg.event)
         if not msg.ok and msg.error is not None:
-            raise DaemonError(msg.error.code, msg.error.message)
+            raise DaemonError(msg.error.code, self._shown(msg.error.message))
         raise wire.FrameError("unexpected reply on an event stream")
 
     def _frames(self) -> Iterator[wire.Event]:
         while True:
             msg = self._read()
             if isinstance(msg, wire.EventFrame):
-                yield msg.event
+                yield self._shown(msg.event)
             elif not msg.ok and msg.error is not None:
-                raise DaemonError(msg.error.code, msg.error.message)
+                raise DaemonError(msg.error.code, self._shown(msg.error.message))
 
+
+
+def _exact(value: Any) -> Any:
+    return value
 
 
 def _socket_timeout(seconds: float) -> float | None:

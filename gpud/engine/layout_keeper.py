@@ -26,7 +26,7 @@ from gpud.layout.desired import LayoutIssue
 from gpud.layout.match import DEFAULT_MATCH
 from gpud.layout.parse import ParsedLayout, parse_layout
 from gpud.layout.resolve import Resolution, resolve
-from gpud.layout.schema import MatchRule
+from gpud.layout.schema import HOOK_PHASES, Hooks, MatchRule
 
 # Reads the host's GPUs as a layout's `match:` selects them, off the event loop.
 AsyncObserve = Callable[[tuple[MatchRule, ...]], Awaitable[Observation]]
@@ -60,12 +60,14 @@ class LayoutKeeper:
         self.observe = observe
         self.judge = judge  # every text is judged so: the daemon's file, `check` and `plan` alike
         self.layout: ParsedLayout | None = None
+        # why the hooks of `layout` may not run as root ("" when they may): its file, or a
+        # directory above it, is another user's or writable by a group or others
+        self.hooks_refused = ""
         self.issues: tuple[list[str], list[str]] = ([], [])
         self._parsing: asyncio.Semaphore | None = None  # one check/plan text parsed at a time (made on the loop)
         self._file_slot: asyncio.Semaphore | None = None  # one load of the file at a time, apart from checks
         self._next_load: asyncio.Future | None = None  # the shared load that has not begun reading yet
         self._load_tasks: set[asyncio.Task] = set()
-        self.file_reads = 0  # loads of the file begun (observable: applies at once share one)
         self._text: str | None = None  # the text of `layout`, to tell a new load from a re-read
         self.select: str | None = None  # a layout chosen over the file's `selected` (a node label)
         # --kube-node: a node label chooses the layout, so a file without `selected` is valid
@@ -118,7 +120,6 @@ class LayoutKeeper:
             async with self._file_slot:
                 if self._next_load is fut:
                     self._next_load = None  # reading starts now: a newcomer needs the next load
-                self.file_reads += 1
                 try:
                     source = await asyncio.to_thread(read_layout, self.path)
                 except LayoutUnreadable as e:
@@ -158,7 +159,12 @@ class LayoutKeeper:
         assert parsed.layout is not None  # a file that did not parse has errors
         if source.text != self._text or self.issues[0]:
             self.bus.publish("layout-loaded", f"{self.path}: selected {parsed.layout.selected!r}")
-        self.layout, self._text = parsed, source.text
+        refused = source.hooks_refused if has_hooks(parsed.layout.hooks) else ""
+        if refused:
+            warnings = [*warnings, f"{self.path}: hooks refused, no apply runs while they are named: {refused}"]
+            if refused != self.hooks_refused or source.text != self._text:
+                self.bus.publish("hooks-refused", f"{self.path}: hooks refused: {refused}")
+        self.layout, self._text, self.hooks_refused = parsed, source.text, refused
         self._resolved = (parsed, obs, resolution)
         self.issues = ([], warnings)
         return True
@@ -264,3 +270,7 @@ def _with_selected(parsed: ParsedLayout, name: str) -> ParsedLayout:
     layout = msgspec.structs.replace(parsed.layout, selected=name) if parsed.layout is not None else None
     draft = msgspec.structs.replace(parsed.draft, selected=name) if parsed.draft is not None else None
     return msgspec.structs.replace(parsed, layout=layout, draft=draft)
+
+
+def has_hooks(hooks: Hooks) -> bool:
+    return any(hooks.for_phase(phase) for phase in HOOK_PHASES)

@@ -33,7 +33,7 @@ from gpud.engine.gpu_tasks import for_each_gpu
 from gpud.engine.hooks.phases import apply_with_hooks
 from gpud.engine.hooks.runner import HookFailed
 from gpud.engine.kube.operands import OperandGuard, OperandsNotPaused
-from gpud.engine.layout_keeper import LayoutKeeper
+from gpud.engine.layout_keeper import LayoutKeeper, has_hooks
 from gpud.engine.leases.engine import LeaseEngine
 from gpud.engine.observe.discovery import Observation
 from gpud.engine.observe.gpu_index import GpuIndex, index_path
@@ -214,12 +214,9 @@ class Reconciler:
     def _observe(self, match: tuple[MatchRule, ...]) -> Observation:
         return self.reader.read(match)
 
-    def reload(self, reason: str) -> bool:
-        """Re-read the file; a valid one starts a pass. False when the file was refused."""
-        return self._reloaded(self.load_config(), reason)
-
     async def reload_async(self, reason: str) -> bool:
-        """`reload` with the host read off the event loop."""
+        """Re-read the file (the host read off the event loop); a valid one starts a pass. False
+        when the file was refused."""
         return self._reloaded(await self.load_config_async(), reason)
 
     def _reloaded(self, ok: bool, reason: str) -> bool:
@@ -282,7 +279,7 @@ class Reconciler:
                 tuple(self.gpu_set.notes.items()), self.passes, self.completed_passes, label_selects, chosen))
         old = self._view_key
         if (self._view is not None and old is not None and len(old[0]) == len(key[0])
-                and all(a is b for a, b in zip(old[0], key[0])) and old[1] == key[1]):
+                and all(a is b for a, b in zip(old[0], key[0], strict=True)) and old[1] == key[1]):
             return self._view
         self._view_key = key
         self._view = EngineView(
@@ -485,6 +482,9 @@ class Reconciler:
             await self.refresh_async()
         resolution = self.resolution  # this pass works from one resolution, whatever refresh() does
         assert resolution is not None
+        # A file taken while the pass waited for its read is the one resolved: its policy (and, via
+        # the resolution, its hooks) rule this pass, never the layout the pass was asked under.
+        self._pass_layout = self.layout
         if resolution.errors:  # the host changed under a good file: change nothing
             self.phase = "invalid-layout"
             self.bus.publish("layout-invalid", "; ".join(str(e) for e in resolution.errors))
@@ -539,8 +539,14 @@ class Reconciler:
     async def _apply_with_hooks(self, todo: dict[str, Action], resolution: Resolution) -> None:
         """The GPUs that change, inside the layout's hook phases (see gpud.engine.hooks.phases)."""
         self.steps.mig_changed.clear()
-        layout = self._pass_layout.layout if self._pass_layout is not None else None
-        assert layout is not None  # a pass runs only under a layout that parsed (run() set it)
+        layout = resolution.layout  # hooks and steps from the same resolved layout, always
+        assert layout is not None  # a resolution without errors carries its layout
+        refused = self.layout_file.hooks_refused
+        if refused and has_hooks(layout.hooks):  # run without its hooks, an apply could do harm
+            self.bus.publish("hooks-refused", f"{self.config_path}: hooks refused, nothing changed: {refused}")
+            for pci in todo:
+                self._set(pci, GpuState("failed", f"the layout's hooks are refused, nothing changed: {refused}"))
+            return
 
         def abort(pci: str, failure: HookFailed) -> None:
             self._set(pci, GpuState("failed", f"hook aborted the apply, nothing changed: {failure}"))

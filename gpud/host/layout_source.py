@@ -45,6 +45,49 @@ class LayoutSource:
     text: str
     quotable: bool  # may its text appear in errors that non-root readers of status see?
     unquoted_because: str = ""  # why not, when not
+    hooks_refused: str = ""  # why the file's hooks may not run as gpud's user (root), when they may not
+
+
+def _writable_by_others(st: os.stat_result) -> bool:
+    return bool(st.st_mode & (stat.S_IWGRP | stat.S_IWOTH))
+
+
+def hooks_refused(path: str, st: os.stat_result, uid: int | None = None) -> str:
+    """Why hooks named in the file at `path` (whose opened descriptor's stat is `st`) may not run
+    as `uid` (gpud's user, root), or "" when they may: the file and every directory above it, as
+    written and as links resolve, are owned by that user and writable by no group or other user.
+    A sticky directory (`/tmp`) may be writable by others: none of them can rename or remove an
+    entry gpud's user owns there (sticky(7)'s rule, as gpud.host.safe_file also takes it)."""
+    uid = os.geteuid() if uid is None else uid
+    if st.st_uid != uid:
+        return f"{path} is owned by uid {st.st_uid}, not by gpud's user (uid {uid})"
+    if _writable_by_others(st):
+        return f"{path} is writable by its group or by others (mode {stat.S_IMODE(st.st_mode):04o})"
+    seen: set[str] = set()
+    for start in (os.path.dirname(os.path.abspath(path)), os.path.dirname(os.path.realpath(path))):
+        d = start
+        while d not in seen:
+            seen.add(d)
+            try:
+                dst = os.lstat(d)
+            except OSError as e:
+                return f"{d}: {e.strerror}"
+            if stat.S_ISLNK(dst.st_mode):  # a link in the path: what it names is checked too
+                target = os.path.realpath(d)
+                try:
+                    dst = os.stat(target)
+                except OSError as e:
+                    return f"{d}: {e.strerror}"
+            if dst.st_uid != uid:
+                return f"directory {d} (above {path}) is owned by uid {dst.st_uid}, not by gpud's user (uid {uid})"
+            if _writable_by_others(dst) and not dst.st_mode & stat.S_ISVTX:
+                return (f"directory {d} (above {path}) is writable by its group or by others "
+                        f"(mode {stat.S_IMODE(dst.st_mode):04o})")
+            parent = os.path.dirname(d)
+            if parent == d:
+                break
+            d = parent
+    return ""
 
 
 def size_error(where: str, size: int, limit: int = MAX_LAYOUT_BYTES) -> str:
@@ -101,4 +144,4 @@ def read_layout(path: str, limit: int = MAX_LAYOUT_BYTES) -> LayoutSource:
     except UnicodeDecodeError as e:
         raise LayoutUnreadable(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
     quotable, why = _quotable(path, st)
-    return LayoutSource(text=text, quotable=quotable, unquoted_because=why)
+    return LayoutSource(text=text, quotable=quotable, unquoted_because=why, hooks_refused=hooks_refused(path, st))

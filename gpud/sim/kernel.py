@@ -408,7 +408,12 @@ def _slot(st: SimState, pci: str) -> list[SimFunction]:
 def unplug(host_dir: str | os.PathLike, pci: str) -> None:
     """Surprise hot removal of the card holding `pci`: drivers detached without waiting."""
     def out(st: SimState, events: list[Uevent]) -> None:
-        for f in _slot(st, pci):
+        slot = _slot(st, pci)
+        pfs = {f.address for f in slot}
+        # the VFs go with their PF wherever their slot (pci_stop_and_remove_bus_device removes a
+        # PF's VFs first: drivers/pci/remove.c, drivers/pci/iov.c)
+        vfs = [f for a, f in sorted(st.functions.items()) if f.physfn in pfs and a not in pfs]
+        for f in [*vfs, *slot]:
             if f.present:
                 if f.driver:
                     _detach(st, f, events)

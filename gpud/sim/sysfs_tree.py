@@ -150,12 +150,13 @@ def vfio_cdevs(state: SimState) -> dict[str, tuple[str, int]]:
     devices: PCI functions on vfio-pci, VFs carrying a vGPU type, mdevs. Device (PCI address or
     mdev UUID) -> (its sysfs directory under sys/, N), N in device order."""
     found: list[tuple[str, str]] = []
-    for a, fn in sorted(present(state).items()):
+    here = present(state)
+    for a, fn in sorted(here.items()):
         if fn.driver == VFIO_PCI:
             found.append((a, f"{PCI_ROOT}/{a}"))
-    for v in state.vgpu.values():
-        found += [(vf.address, f"{PCI_ROOT}/{vf.address}") for vf in v.vfs if vf.vgpu_type]
-        found += [(m.uuid, f"{PCI_ROOT}/{m.parent}/{m.uuid}") for m in v.mdevs]
+    for v in state.vgpu.values():  # a VF or mdev of a removed card went with it (no sysfs dir to hold a cdev)
+        found += [(vf.address, f"{PCI_ROOT}/{vf.address}") for vf in v.vfs if vf.vgpu_type and vf.address in here]
+        found += [(m.uuid, f"{PCI_ROOT}/{m.parent}/{m.uuid}") for m in v.mdevs if m.parent in here]
     return {dev: (sysdir, n) for n, (dev, sysdir) in enumerate(sorted(found))}
 
 
@@ -349,7 +350,7 @@ def desired_tree(host_dir: str | os.PathLike, state: SimState) -> dict[str, tupl
                     for ci in gi.cis:
                         f(f"dev/nvidia-caps/nvidia-cap{cap_minor(gpu.minor, gi.id, ci.id)}", "", 0o444)
 
-    for device, (sysdir, n) in vfio_cdevs(state).items():  # iommufd: one cdev per vfio device
+    for sysdir, n in vfio_cdevs(state).values():  # iommufd: one cdev per vfio device
         d(f"sys/{sysdir}/vfio-dev")
         d(f"sys/{sysdir}/vfio-dev/vfio{n}")
         f(f"sys/{sysdir}/vfio-dev/vfio{n}/dev", f"{VFIO_CDEV_MAJOR}:{n}\n")

@@ -15,6 +15,7 @@ from gpud.api import wire, wire_replies
 from gpud.api.server import ApiError
 from gpud.cli import render
 from tests.api.fakes import GPU0_UUID, MIG_UUIDS, ThreadedServer
+from tests.support.processes import reap
 
 REPO = Path(__file__).resolve().parents[2]
 FIXTURES = REPO / "tests" / "fixtures" / "h200"
@@ -23,7 +24,10 @@ FIXTURES = REPO / "tests" / "fixtures" / "h200"
 def run(srv_or_path, *args: str, env: dict | None = None, stdin: str | None = None) -> subprocess.CompletedProcess:
     path = srv_or_path.path if isinstance(srv_or_path, ThreadedServer) else srv_or_path
     cmd = [sys.executable, "-m", "gpud.cli.gpudctl", *(["--socket", path] if path else []), *args]
-    full_env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
+    # the width is the test's to choose: not the terminal's the run inherited (pytest-xdist's
+    # workers have COLUMNS set), so piped output is the wide page unless `env` says otherwise
+    inherited = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
+    full_env = {**inherited, "PYTHONPATH": str(REPO), **(env or {})}
     return subprocess.run(cmd, capture_output=True, text=True, timeout=60, cwd=REPO, env=full_env, input=stdin)
 
 
@@ -205,8 +209,7 @@ def test_events_follow_until_interrupted(daemon):
         proc.send_signal(signal.SIGINT)
         assert proc.wait(30) == 0
     finally:
-        proc.kill()
-        proc.wait()
+        reap(proc)
 
 
 def test_events_follow_ends_with_3_when_the_daemon_goes(tmp_path):
@@ -222,8 +225,7 @@ def test_events_follow_ends_with_3_when_the_daemon_goes(tmp_path):
         assert proc.wait(30) == 3
         assert "closed the connection" in proc.stderr.read()
     finally:
-        proc.kill()
-        proc.wait()
+        reap(proc)
 
 
 def test_usage_errors_exit_2(daemon):
@@ -456,3 +458,34 @@ def test_a_plan_step_reads_as_the_daemon_names_it_in_events():
     assert lines == [str(s) for s in steps]
     assert lines[0] == "set-mig-mode on" and lines[5] == "create-ci 1c.3g.71gb@4:4 at compute 2:1"
     assert all(pci not in line for line in lines)  # the plan's header names the GPU
+
+
+EVIL = "py\nthon\x1b[2J\x1b]0;pwned\x07\u202eexe"  # a comm set with prctl: a forged line, a screen clear, a title, bidi
+EVIL_SHOWN = "py\\nthon\\x1b[2J\\x1b]0;pwned\\x07\\u202eexe"
+
+
+def _unsafe(text: str) -> list[str]:
+    return [c for c in text if (ord(c) < 0x20 and c != "\n") or 0x7f <= ord(c) <= 0x9f or c in "\u2028\u2029\u202e"]
+
+
+def test_outside_strings_are_escaped_for_the_terminal_and_exact_in_json(daemon):
+    """Issue 33 item 3: a holder's process name, an event's message and an error's text reached
+    root's terminal raw; each is shown escaped, one line each, and `--json` keeps it exact."""
+    reply = daemon.handler.replies["status"]
+    reply.gpus[1].holders = [wire_replies.HolderInfo(pid=4121, name=EVIL, device="/dev/nvidia1")]
+    reply.gpus[1].message = f"waiting for holders of /dev/nvidia1: pid 4121 {EVIL}"
+    r = run(daemon, "status")
+    assert r.returncode == 0, r.stderr
+    assert not _unsafe(r.stdout) and EVIL_SHOWN in r.stdout
+    rows = [ln for ln in r.stdout.splitlines() if ln.startswith("1 ")]
+    assert len(rows) == 1 and "thon" in rows[0]  # no forged line: the name stays on its GPU's row
+    doc = json.loads(run(daemon, "status", "--json").stdout)
+    assert doc["gpus"][1]["holders"][0]["name"] == EVIL
+    daemon.call(daemon.handler.publish, "waiting", f"pid 4121 {EVIL} holds /dev/nvidia1", "0000:5c:00.0")
+    r = run(daemon, "events")
+    assert not _unsafe(r.stdout) and r.stdout.rstrip().endswith(f"pid 4121 {EVIL_SHOWN} holds /dev/nvidia1")
+    assert json.loads(run(daemon, "events", "--json").stdout.splitlines()[-1])["message"].endswith(
+        f"{EVIL} holds /dev/nvidia1")
+    daemon.handler.errors["apply"] = ApiError("failed", f"busy: {EVIL}")
+    r = run(daemon, "apply")
+    assert not _unsafe(r.stderr) and EVIL_SHOWN in r.stderr

@@ -9,8 +9,12 @@ import json
 import subprocess
 import sys
 
-from tests.daemon.conftest import ROOT
+import pytest
+
 from tests.scenarios.definitions import layout, mig
+from tests.support.daemon import ROOT
+
+pytestmark = pytest.mark.daemon
 
 FILES = {
     "feasible": layout(mig([0], {"1g.10gb": 4}), {"devices": [1], "workload": "vm-passthrough"}),

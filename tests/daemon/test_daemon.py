@@ -7,8 +7,12 @@ import os
 import subprocess
 import sys
 
-from tests.daemon.conftest import ROOT, wait_until
+import pytest
+
 from tests.scenarios.definitions import SEED, layout, mig
+from tests.support.daemon import ROOT, wait_until
+
+pytestmark = pytest.mark.daemon
 
 EMPTY = "version: v1\nlayouts:\n  hands-off: []\n"
 

@@ -6,8 +6,12 @@ from __future__ import annotations
 import json
 import signal
 
-from tests.daemon.conftest import wait_until
+import pytest
+
 from tests.leases.rig import dynamic_layout
+from tests.support.daemon import wait_until
+
+pytestmark = pytest.mark.daemon
 
 
 def gis(d) -> list[tuple[int, int, list[str]]]:

@@ -7,7 +7,11 @@ import os
 import signal
 import subprocess
 
-from tests.daemon.conftest import ROOT, wait_until
+import pytest
+
+from tests.support.daemon import ROOT, wait_until
+
+pytestmark = pytest.mark.daemon
 
 
 def _demo(d) -> subprocess.CompletedProcess:

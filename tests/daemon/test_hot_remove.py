@@ -8,8 +8,12 @@ did from the simulator's call counters, not from gpud's status.
 
 from __future__ import annotations
 
-from tests.daemon.conftest import wait_until
+import pytest
+
 from tests.scenarios.definitions import layout, mig
+from tests.support.daemon import wait_until
+
+pytestmark = pytest.mark.daemon
 
 GPU0 = "0000:18:00.0"
 SEVEN = {"1g.10gb": 7}

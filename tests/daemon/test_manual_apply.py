@@ -5,8 +5,12 @@ steps with a per-GPU summary line first. A restart applies nothing either."""
 
 from __future__ import annotations
 
-from tests.daemon.conftest import wait_until
+import pytest
+
 from tests.scenarios.definitions import layout, mig
+from tests.support.daemon import wait_until
+
+pytestmark = pytest.mark.daemon
 
 GPU0 = "0000:18:00.0"
 MANUAL = {"apply": "manual"}

@@ -13,8 +13,12 @@ from __future__ import annotations
 import json
 import subprocess
 
-from tests.daemon.conftest import wait_until
+import pytest
+
 from tests.scenarios.definitions import layout, mig
+from tests.support.daemon import wait_until
+
+pytestmark = pytest.mark.daemon
 
 NO_BACKGROUND_READ = ("--status-max-age", "3600")
 

@@ -8,8 +8,12 @@ import os
 import subprocess
 import sys
 
-from tests.daemon.conftest import ROOT, wait_until
+import pytest
+
 from tests.scenarios.definitions import layout, mig
+from tests.support.daemon import ROOT, wait_until
+
+pytestmark = pytest.mark.daemon
 
 GPU1 = "0000:2a:00.0"
 

@@ -164,8 +164,8 @@ class DraCluster:
 
 
 def skips() -> list:
-    """The DRA tests' skip markers, each with its reason: binaries not built, gRPC code not
-    generated, no openssl CLI."""
+    """The DRA tests' markers: `apiserver` (a real kube-apiserver), and skips each with its
+    reason: binaries not built, gRPC code not generated, no openssl CLI."""
     import pytest
 
     from gpud.host import kubelet_plugin
@@ -177,7 +177,7 @@ def skips() -> list:
     except kubelet_plugin.ProtoMissing as e:
         proto = str(e)
     ssl = real_server.have_openssl()
-    return [pytest.mark.skipif(why is not None, reason=why or ""),
+    return [pytest.mark.apiserver, pytest.mark.skipif(why is not None, reason=why or ""),
             pytest.mark.skipif(proto is not None, reason=proto or ""),
             pytest.mark.skipif(ssl is not None, reason=ssl or "")]
 

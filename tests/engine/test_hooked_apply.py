@@ -82,3 +82,64 @@ async def test_a_failing_before_hook_changes_nothing_and_apply_exit_still_runs(r
     phases = [(t[0], t[4]) for t in told(tmp_path)]
     assert phases == [("pre-apply-config", ""), ("apply-exit", "failure")]
     assert told(tmp_path)[0][1].split() == sorted(before)
+
+
+async def test_a_layout_taken_while_the_pass_reads_the_host_brings_its_own_hooks(rig, tmp_path):
+    """Issue 33 item 13: a layout written while the first pass was still reading the host had its
+    MIG changes applied without its apply-start hook: the hooks came from the layout the pass
+    started with, the steps from the one resolved. Here the new file is taken inside the pass's
+    read, at the point where the race put it."""
+    cmd = recorder(tmp_path)
+    assert await rig.apply(layout(mig("all", None)))  # no hooks, nothing to change
+    before = gpus_on_file(rig)
+    new = with_hooks(layout(mig([0], {"3g.20gb": 2})), {"apply-start": cmd})
+    rec, read = rig.rec, rig.rec.refresh_async
+    taken = []
+
+    async def read_then_edit(*a, **kw):
+        got = await read(*a, **kw)
+        if not taken:
+            rig.config.write_text(new)
+            taken.append(await rec.reload_async("layout changed"))
+        return got
+
+    rec.refresh_async = read_then_edit
+    await rec.converge()
+    assert taken == [True]
+    after = gpus_on_file(rig)
+    assert sorted(a for a in before if before[a] != after[a]), "the new layout's MIG change was applied"
+    assert [t[0] for t in told(tmp_path)] == ["apply-start"]  # and its hook ran before it
+
+
+@pytest.mark.parametrize("how", ["group-writable directory", "file of another user", "world-writable file"])
+async def test_hooks_from_a_file_root_does_not_hold_alone_are_refused(rig, tmp_path, how):
+    """Issue 33 item 2: gpud ran as root the hooks of a layout another user owned or could replace.
+    Now such hooks are refused, said in status (the layout's warnings, the GPUs' states) and in
+    events, and nothing is changed: an apply without the hooks it names could do harm."""
+    import os
+
+    if os.geteuid() != 0:
+        pytest.skip("chown to another user needs root")
+    cmd = recorder(tmp_path)
+    before = gpus_on_file(rig)
+    rig.config.write_text(with_hooks(layout(mig([0], {"3g.20gb": 2})), {"apply-start": cmd}))
+    if how == "group-writable directory":
+        rig.config.parent.chmod(0o775)
+    elif how == "file of another user":
+        os.chown(rig.config, 65534, -1)
+    else:
+        rig.config.chmod(0o666)
+    assert rig.rec.load_config()
+    await rig.rec.converge()
+    assert gpus_on_file(rig) == before and told(tmp_path) == []  # nothing changed, the hook never ran
+    view = rig.rec.view()
+    assert any("hooks refused" in w for w in view.layout_warnings), view.layout_warnings
+    assert {s.state for s in view.gpu_states.values()} >= {"failed"}
+    assert any(e["kind"] == "hooks-refused" for e in rig.bus.recent())
+    # the same text from a file only root may change: applied, its hook first
+    rig.config.parent.chmod(0o755)
+    os.chown(rig.config, 0, -1)
+    rig.config.chmod(0o644)
+    assert rig.rec.load_config()
+    await rig.rec.converge()
+    assert gpus_on_file(rig) != before and [t[0] for t in told(tmp_path)] == ["apply-start"]

@@ -3,6 +3,7 @@ apply-exit always running, and timeouts killing the whole process group."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 import select
 import stat
@@ -41,7 +42,7 @@ def test_environment_is_child_env_plus_hook_env_plus_gpud_vars(tmp_path, monkeyp
     monkeypatch.setenv("LISTEN_FDS", "1")
     monkeypatch.setenv("KEEP_ME", "yes")
     cmd = script(tmp_path, "env.sh", "env | sort\n")
-    h = HookRunner(Hooks(pre_apply_mode=(Hook(cmd, env={"FOO": "bar", "GPUD_PHASE": "spoofed"}),)), log=lines.append)
+    h = HookRunner(Hooks(pre_apply_mode=(Hook(cmd, env={"FOO": "bar", "GPUD_PHASE": "spoofed"}),)), log=lines.append, output=lines.append)
 
     async def go():
         return await h.run("pre-apply-mode", info())
@@ -63,7 +64,7 @@ def test_environment_is_child_env_plus_hook_env_plus_gpud_vars(tmp_path, monkeyp
 
 async def test_arguments_reach_the_command_without_a_shell(lines):
     h = HookRunner(Hooks(apply_start=(Hook("/usr/bin/printf", args=("%s\\n", "$HOME; touch /tmp/x", "`id`")),)),
-                   log=lines.append)
+                   log=lines.append, output=lines.append)
     await h.run("apply-start", info())
     printed = [ln.split(": ", 1)[1] for ln in lines if ln.startswith("apply-start hook printf: ")]
     assert printed == ["$HOME; touch /tmp/x", "`id`"]
@@ -73,22 +74,38 @@ async def test_failing_before_hook_raises_and_skips_the_rest(tmp_path, lines):
     bad = script(tmp_path, "bad.sh", "echo draining kubelet\necho cannot drain >&2\nexit 3\n")
     after = tmp_path / "after-ran"
     good = script(tmp_path, "good.sh", f"touch {after}\n")
-    h = HookRunner(Hooks(pre_apply_config=(Hook(bad), Hook(good))), log=lines.append)
+    h = HookRunner(Hooks(pre_apply_config=(Hook(bad), Hook(good))), log=lines.append, output=lines.append)
     with pytest.raises(HookFailed) as ei:
         await h.run("pre-apply-config", info())
     e = ei.value
     assert (e.phase, e.command, e.exit_code, e.timed_out) == ("pre-apply-config", bad, 3, False)
     assert e.output == ["draining kubelet", "cannot drain"]  # stderr is captured too
-    assert "exited 3" in str(e) and "cannot drain" in str(e)
+    # issue 33 item 2: the message reaches events and status, so it names the output's digest, not the output
+    digest = hashlib.sha256(b"draining kubelet\ncannot drain\n").hexdigest()[:16]
+    assert str(e) == f"pre-apply-config hook {bad} exited 3 (output sha256 {digest}, in the journal)"
     assert not after.exists()
     assert any("exited 3" in ln for ln in lines)
+
+
+async def test_hook_output_goes_to_the_journal_never_to_the_events(tmp_path):
+    """Issue 33 item 2: a hook runs as root and its output went into `events`, which group gpud
+    reads. Events get the exit status and a digest; the lines go to the journal (the output sink)."""
+    secret = script(tmp_path, "secret.sh", "echo 'root:$6$secret-hash'\nexit 0\n")
+    events: list[str] = []
+    journal: list[str] = []
+    await HookRunner(Hooks(apply_start=(Hook(secret),)), log=events.append, output=journal.append).run(
+        "apply-start", info())
+    digest = hashlib.sha256(b"root:$6$secret-hash\n").hexdigest()[:16]
+    assert not any("secret-hash" in e for e in events), events
+    assert events[-1] == f"apply-start hook: {secret} done (exit 0, 1 output lines, sha256 {digest}, in the journal)"
+    assert journal == ["apply-start hook secret.sh: root:$6$secret-hash"]
 
 
 async def test_apply_exit_runs_after_failed_apply_start_and_reports_failure(tmp_path, lines):
     record = tmp_path / "exit-env"
     start = script(tmp_path, "start.sh", "exit 1\n")
     exit_hook = script(tmp_path, "exit.sh", f'echo "$GPUD_RESULT|$GPUD_ERROR|$GPUD_CHANGED_MIG" > {record}\n')
-    h = HookRunner(Hooks(apply_start=(Hook(start),), apply_exit=(Hook(exit_hook),)), log=lines.append)
+    h = HookRunner(Hooks(apply_start=(Hook(start),), apply_exit=(Hook(exit_hook),)), log=lines.append, output=lines.append)
     body_ran = False
     with pytest.raises(HookFailed):
         async with h.around_apply(info()):
@@ -102,7 +119,7 @@ async def test_apply_exit_runs_after_failed_body_and_its_failures_do_not_raise(t
     marks = tmp_path / "marks"
     failing_exit = script(tmp_path, "exit1.sh", f'echo one >> {marks}\nexit 7\n')
     second_exit = script(tmp_path, "exit2.sh", f'echo "two $GPUD_RESULT $GPUD_CHANGED_MIG" >> {marks}\n')
-    h = HookRunner(Hooks(apply_exit=(Hook(failing_exit), Hook(second_exit))), log=lines.append)
+    h = HookRunner(Hooks(apply_exit=(Hook(failing_exit), Hook(second_exit))), log=lines.append, output=lines.append)
     i = info()
     with pytest.raises(RuntimeError, match="nvml exploded"):
         async with h.around_apply(i) as cur:
@@ -125,7 +142,7 @@ async def test_timeout_kills_the_whole_process_group(tmp_path, lines):
                  f"sh -c 'trap \"\" TERM; echo $$ > {pidfile}.tmp; mv {pidfile}.tmp {pidfile}; "
                  f"while :; do sleep 1; done' &\n"
                  f"while [ ! -e {pidfile} ]; do sleep 0.05; done\necho started\nexec sleep 1000\n")
-    h = HookRunner(Hooks(apply_start=(Hook(cmd, timeout=1),)), log=lines.append)
+    h = HookRunner(Hooks(apply_start=(Hook(cmd, timeout=1),)), log=lines.append, output=lines.append)
     with pytest.raises(HookFailed) as ei:
         await h.run("apply-start", info())
     assert ei.value.timed_out and ei.value.output == ["started"]
@@ -143,7 +160,7 @@ async def test_timeout_kills_the_whole_process_group(tmp_path, lines):
 async def test_processes_left_behind_do_not_hang_the_apply(tmp_path, lines):
     pidfile = tmp_path / "bg.pid"
     cmd = script(tmp_path, "bg.sh", f"sleep 1000 &\necho $! > {pidfile}\necho hi\n")
-    h = HookRunner(Hooks(apply_start=(Hook(cmd, timeout=60),)), log=lines.append)
+    h = HookRunner(Hooks(apply_start=(Hook(cmd, timeout=60),)), log=lines.append, output=lines.append)
     await h.run("apply-start", info())  # would wait for EOF forever if the sleep kept our pipe
     bg = int(pidfile.read_text())
     try:
@@ -159,14 +176,14 @@ async def test_processes_left_behind_do_not_hang_the_apply(tmp_path, lines):
 
 async def test_long_output_without_newline_is_cut(tmp_path, lines):
     cmd = script(tmp_path, "long.sh", "head -c 100000 /dev/zero | tr '\\0' x\necho\necho after\nprintf tail\n")
-    h = HookRunner(Hooks(apply_start=(Hook(cmd),)), log=lines.append)
+    h = HookRunner(Hooks(apply_start=(Hook(cmd),)), log=lines.append, output=lines.append)
     await h.run("apply-start", info())
     out = [ln.split(": ", 1)[1] for ln in lines if ln.startswith("apply-start hook long.sh: ")]
     assert out == ["x" * hooks_mod.MAX_LINE + " [cut]", "after", "tail"]
 
 
 async def test_missing_command_is_a_hook_failure(tmp_path, lines):
-    h = HookRunner(Hooks(pre_apply_mode=(Hook(str(tmp_path / "nope")),)), log=lines.append)
+    h = HookRunner(Hooks(pre_apply_mode=(Hook(str(tmp_path / "nope")),)), log=lines.append, output=lines.append)
     with pytest.raises(HookFailed, match="could not be started") as ei:
         await h.run("pre-apply-mode", info())
     assert ei.value.exit_code is None
@@ -186,14 +203,14 @@ hooks:
 """)
     assert parsed.ok, parsed.errors
     timeouts = []
-    real_timeout = hooks_mod.asyncio.timeout
-    monkeypatch.setattr(hooks_mod.asyncio, "timeout", lambda s: timeouts.append(s) or real_timeout(s))
-    await HookRunner(parsed.layout.hooks, log=lines.append).run("pre-apply-mode", info())
+    real_timeout = hooks_mod.timeout
+    monkeypatch.setattr(hooks_mod, "timeout", lambda s: timeouts.append(s) or real_timeout(s))
+    await HookRunner(parsed.layout.hooks, log=lines.append, output=lines.append).run("pre-apply-mode", info())
     assert "pre-apply-mode hook show.sh: first V" in lines
     assert timeouts[0] == hooks_mod.DEFAULT_TIMEOUT
-    assert await HookRunner(parsed.layout.hooks, log=lines.append).run("apply-exit", info()) == []
+    assert await HookRunner(parsed.layout.hooks, log=lines.append, output=lines.append).run("apply-exit", info()) == []
     with pytest.raises(ValueError, match="unknown hook phase 'post-apply'"):
-        await HookRunner(parsed.layout.hooks, log=lines.append).run("post-apply", info())
+        await HookRunner(parsed.layout.hooks, log=lines.append, output=lines.append).run("post-apply", info())
 
 
 class FakeDrainer:
@@ -227,7 +244,7 @@ async def test_cancelling_an_apply_kills_the_running_hook(tmp_path):
             started.set()
 
     cmd = script(tmp_path, "long.sh", "echo started $$\nexec sleep 1000\n")
-    h = HookRunner(Hooks(pre_apply_mode=(Hook(cmd, timeout=600),)), log=log)
+    h = HookRunner(Hooks(pre_apply_mode=(Hook(cmd, timeout=600),)), log=log, output=log)
     task = asyncio.create_task(h.run("pre-apply-mode", info()))
     await asyncio.wait_for(started.wait(), 30)
     fd = os.pidfd_open(pids[0])

@@ -5,6 +5,8 @@ why. Checked in the simulator's state file."""
 
 from __future__ import annotations
 
+import json
+
 from gpud.api.replies import status_reply
 from gpud.engine.apply_lock import ApplyLock
 from gpud.engine.reconciler import Reconciler
@@ -85,5 +87,45 @@ async def test_the_same_gpus_as_the_copy_take_the_copy_as_the_map(tmp_path):
         await rec.converge()
         assert load(rig.dir).gpus[gpu0].mig_mode == 1 and load(rig.dir).gpus[gpu1].mig_mode == 0
         assert (state / "gpu-index.json").exists()  # written again from the copy
+    finally:
+        rig.close()
+
+
+async def test_a_candidates_match_never_makes_gpud_trust_a_set_aside_map(tmp_path):
+    """Issue 33 item 6: the map (and its copy) were written under a layout managing GPU A only; the
+    map is then lost and the layout in force manages A and B, so indices are untrusted. A group
+    member's `check` of a text whose own `match:` selects only A read "the same GPUs as the copy"
+    and made gpud trust the copy: status then said the map was rebuilt and root's next index
+    layout was applied. A read-only request changes no daemon state."""
+    from gpud.api.handlers import RequestHandler
+    from gpud.engine.engine import Engine
+
+    state = tmp_path / "state"
+    state.mkdir()
+    rig = SimRig(tmp_path, ("h100-80gb:1", "a100-40gb:1"), state_dir=str(state))
+    try:
+        a, b = rig.rec.refresh().gpus
+        only_a = f"match:\n  - {{vendor: \"0x10de\", device: \"0x{int(a.pci_id.split(':')[1], 16):04x}\"}}\n"
+        assert await rig.apply("version: v1\nlayouts:\n  a:\n    - {devices: all, mig-enabled: false}\n" + only_a)
+        copy = json.loads((state / "gpu-index.prev.json").read_text())
+        copy["gpus"] = [g for g in copy["gpus"] if g["pci"] == a.pci]  # as written when gpud saw A alone
+        (state / "gpu-index.prev.json").write_text(json.dumps(copy))
+        (state / "gpu-index.json").write_text("{ this is not json")
+        rec = _restart(rig, state)
+        rig.config.write_text(BY_INDEX)
+        assert not rec.load_config()  # A and B against a copy that knows A only: index entries refused
+        before = status_reply(rec.view())
+        assert rec.gpu_index.untrusted is not None
+        reply = await RequestHandler(Engine(rec)).op_check(BY_INDEX.replace("mig-devices: {7g.80gb: 1}}",
+                                                                            "mig-devices: {7g.80gb: 1}}\n") + only_a,
+                                                           "member.yaml")
+        assert reply is not None
+        assert rec.gpu_index.untrusted is not None
+        after = status_reply(rec.view())
+        assert after.state_files == before.state_files and not any("rebuilt" in m for m in after.state_files)
+        assert not rec.load_config()  # root's index layout still refused
+        await rec.converge()
+        sim = load(rig.dir).gpus
+        assert sim[a.pci].mig_mode == 0 and sim[b.pci].mig_mode == 0  # nothing changed on either GPU
     finally:
         rig.close()

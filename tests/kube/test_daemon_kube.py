@@ -12,10 +12,12 @@ import json
 
 import pytest
 
-from tests.daemon.conftest import Daemon, wait_until
 from tests.kube.cluster import NODE, OPERATOR_NS, DaemonSet, DaemonSetController, EmulatorThread, client_for, write_kubeconfig
 from tests.kube.real_cluster import KmockNode, LoopThread, RealNode
-from tests.kube.test_nfd_features import nfd_read
+from tests.support.daemon import Daemon, wait_until
+from tests.support.nfd import nfd_read
+
+pytestmark = pytest.mark.daemon
 
 DP = "nvidia.com/gpu.deploy.device-plugin"
 GFD = "nvidia.com/gpu.deploy.gpu-feature-discovery"
@@ -57,7 +59,7 @@ SETS = [
 ]
 
 
-@pytest.fixture(params=["kmock", "real"])
+@pytest.fixture(params=["kmock", pytest.param("real", marks=pytest.mark.apiserver)])
 def cluster(request, tmp_path):
     """The node on the API emulator or on a real kube-apiserver (gpud as the documented
     ServiceAccount), the DaemonSet controller stand-in running on it; yields (view, kubeconfig)."""

@@ -1,37 +1,18 @@
 """The NFD feature file: read back the way nfd-worker's local source reads it.
 
-`nfd_read` below is written from node-feature-discovery source/local/local.go (getFeaturesFromFiles,
-getFileContent, parseFeatureFile, updateFeatures) and shares no code with gpud's writer.
+`nfd_read` (tests/support/nfd.py) is written from node-feature-discovery source/local/local.go and
+shares no code with gpud's writer.
 """
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 
 from gpud.host import nfd
-
-MAX_FEATURE_FILE_SIZE = 65536
-
-
-def nfd_read(directory: str) -> dict[str, str]:
-    """What nfd-worker labels the node with from `directory` (no expiry directives involved)."""
-    labels: dict[str, str] = {}
-    for name in sorted(os.listdir(directory)):
-        if name.startswith("."):  # ignore hidden feature file
-            continue
-        path = os.path.join(directory, name)
-        if not os.path.isfile(path) or os.path.getsize(path) > MAX_FEATURE_FILE_SIZE:
-            continue
-        for raw in open(path, "rb").read().split(b"\n"):
-            line = raw.decode().strip()
-            if not line or line.startswith("#"):
-                continue
-            parts = line.split("=", 1)
-            labels[parts[0]] = "true" if len(parts) == 1 else parts[1]
-    return labels
-
+from tests.support.nfd import MAX_FEATURE_FILE_SIZE, nfd_read
 
 LABELS = {"nvidia.com/gpu.product": "NVIDIA-H200", "nvidia.com/gpu.count": "8",
           "nvidia.com/gpu.sharing-strategy": "", "nvidia.com/gpud.layout.state": "success"}
@@ -75,7 +56,7 @@ def test_replaced_through_a_dotfile_rename(tmp_path, monkeypatch):
         # at the moment of the rename NFD still sees the complete old file, and the new bytes sit
         # in a file NFD ignores (the rename is relative to the directory's descriptor)
         src_dir = os.readlink(f"/proc/self/fd/{src_dir_fd}")
-        seen.append((src_dir, src, nfd_read(str(d)), open(os.path.join(src_dir, src)).read()))
+        seen.append((src_dir, src, nfd_read(str(d)), Path(src_dir, src).read_text()))
         real_rename(src, dst, src_dir_fd=src_dir_fd, dst_dir_fd=dst_dir_fd)
 
     monkeypatch.setattr(os, "rename", spy)

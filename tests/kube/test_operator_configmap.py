@@ -75,8 +75,8 @@ def test_a_name_neither_in_the_file_nor_all_disabled_is_still_an_error():
 
 # --- a gpud process under --kube-node, the ConfigMap's text as its layout file ----------------
 
-from tests.daemon.conftest import Daemon, wait_until  # noqa: E402
 from tests.kube.cluster import NODE, EmulatorThread, write_kubeconfig  # noqa: E402
+from tests.support.daemon import Daemon, wait_until  # noqa: E402
 
 CONFIG, STATE = "nvidia.com/mig.config", "nvidia.com/mig.config.state"
 GPU0, GPU1 = "0000:18:00.0", "0000:2a:00.0"
@@ -108,6 +108,7 @@ def _kube_daemon(tmp_path, emu, text):
                                                          "--nfd-features", str(tmp_path / "none" / "gpud")])
 
 
+@pytest.mark.daemon
 def test_nvidias_default_config_unchanged_is_gpuds_layout_file(tmp_path, emulator):
     _node(emulator, {CONFIG: "all-1g.10gb"})
     d = _kube_daemon(tmp_path, emulator, (FIXTURES / "config-default.yaml").read_text())
@@ -124,6 +125,7 @@ def test_nvidias_default_config_unchanged_is_gpuds_layout_file(tmp_path, emulato
     assert d.proc.returncode == 0, d.log.read_text()
 
 
+@pytest.mark.daemon
 def test_operators_all_disabled_works_when_the_file_lacks_it(tmp_path, emulator):
     _node(emulator, {CONFIG: "half"})
     d = _kube_daemon(tmp_path, emulator, WITHOUT_ALL_DISABLED)

@@ -13,8 +13,8 @@ import json
 import pytest
 
 from gpud.engine.kube.workload import plan_workload
-from tests.daemon.conftest import Daemon, wait_until
 from tests.kube.cluster import NODE, EmulatorThread, write_kubeconfig
+from tests.support.daemon import Daemon, wait_until
 
 WORKLOAD = "nvidia.com/gpu.workload.config"
 PASSTHROUGH_SERVED = "nvidia.com/gpud.workload.vm-passthrough.served"
@@ -58,6 +58,7 @@ def test_mixed_message_names_the_missing_operands():
                                     PASSTHROUGH_SERVED: "false", "nvidia.com/gpud.workload.vm-vgpu.served": None}
 
 
+@pytest.mark.daemon
 def test_daemon_sets_the_workload_config_and_says_what_a_mixed_layout_leaves_unserved(tmp_path):
     emu = EmulatorThread()
     try:

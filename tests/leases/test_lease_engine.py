@@ -24,8 +24,10 @@ async def h100(tmp_path):
 
 async def test_seed_sequence_turns_mig_on_and_builds_the_partial_layout(h100):
     assert h100.mig_mode(0) == 0  # follow: MIG is off until the first lease
+    calls = h100.calls()
     leases = [await h100.rec.leases.lease(name, owner="job-1") for name in SEED]
     assert h100.mig_mode(0) == 1
+    assert h100.calls()["nvmlDeviceSetMigMode"] - calls["nvmlDeviceSetMigMode"] == 1  # once, at the first
     gis = sim_gis(h100)
     assert [(name, pl) for name, pl, _ in gis] == [
         ("1g.10gb", Placement(0, 1)), ("1g.10gb", Placement(1, 1)), ("1g.10gb", Placement(2, 1)),

@@ -106,7 +106,10 @@ SCENARIOS: list[Scenario] = [
              layout(mig([0], {"7g.80gb": 1}), policy={"on-busy": "fail"}),
              before=layout(mig([0], {"1g.10gb": 4, "3g.40gb": 1})), holds=(Hold(0, "1g.10gb", 2),),
              state="failed", unchanged=True, message="on-busy: fail"),
-    Scenario("h100-infeasible-changes-nothing", (f"{H100}:1",), layout(mig([0], {"4g.40gb": 1, "3g.40gb": 2})),
+    # an infeasible GPU refuses the whole file by default (test_mig_scenarios checks that too);
+    # under on-infeasible: skip-gpu the pass takes the file and fails that GPU, changing nothing
+    Scenario("h100-infeasible-changes-nothing", (f"{H100}:1",),
+             layout(mig([0], {"4g.40gb": 1, "3g.40gb": 2}), policy={"on-infeasible": "skip-gpu"}),
              before=layout(mig([0], BALANCED_H100)), state="failed", unchanged=True,
              message="needs 12 of 8 memory slices"),
     Scenario("device-filter-on-mixed-host", (f"{H100}:2", f"{H200}:2"),
@@ -122,7 +125,8 @@ SCENARIOS: list[Scenario] = [
              expect={0: {"3g.71gb": 2}, 1: None}),
     Scenario("h200-ci-subdivision-of-4g", (f"{H200}:1",), layout(mig([0], {"2c.4g.71gb": 2, "3g.71gb": 1})),
              expect={0: {"2c.4g.71gb": 2, "3g.71gb": 1}}),
-    Scenario("h200-infeasible", (f"{H200}:1",), layout(mig([0], {"3g.71gb": 2, "4g.71gb": 1})),
+    Scenario("h200-infeasible", (f"{H200}:1",),
+             layout(mig([0], {"3g.71gb": 2, "4g.71gb": 1}), policy={"on-infeasible": "skip-gpu"}),
              before=layout(mig([0], {"1g.18gb": 7})), state="failed", unchanged=True,
              message="needs 12 of 8 memory slices on NVIDIA H200"),
     Scenario("h200-transient-nvml-error-is-retried", (f"{H200}:1",), layout(mig([0], {"1g.18gb": 7})),

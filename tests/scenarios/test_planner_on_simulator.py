@@ -72,14 +72,15 @@ async def _run(model: str, before: dict[str, int], after: dict[str, int]) -> Non
             await rig.apply(layout(mig([0], before)))
             start = rig.mig_devices()[0]
             calls = rig.calls()
-            await rig.apply(layout(mig([0], after)))
+            taken = await rig.apply(layout(mig([0], after)))
             end = rig.mig_devices()[0]
-            state = rig.rec.gpu_states[rig.rec.observation.gpus[0].pci]
             if feasible(model, after):
-                assert state.state == "converged", (before, after, state)
+                state = rig.rec.gpu_states[rig.rec.observation.gpus[0].pci]
+                assert taken and state.state == "converged", (before, after, state, rig.rec.layout_issues)
                 assert Counter(n for n, _, _ in end.values()) == Counter(after), (after, end)
-            else:
-                assert state.state == "failed", (after, state)
+            else:  # one verdict per file (gpud.engine.feasibility): refused whole, naming the GPU
+                assert not taken, after
+                assert any("infeasible" in e for e in rig.rec.layout_issues[0]), rig.rec.layout_issues
                 assert end == start and rig.mutating(calls) == 0
             for uuid, where in end.items():
                 same_place = [u for u, w in start.items() if w == where]

@@ -7,6 +7,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+from pathlib import Path
 
 import pytest
 
@@ -282,7 +283,7 @@ def test_hold_names_mdevs_and_vfs(vfio_host, capsys) -> None:
     fs = sysfs(vfio_host)
     fs.write(f"bus/pci/devices/{T4}/mdev_supported_types/nvidia-232/create", MDEV_UUID)
     assert main(["hold", str(vfio_host), MDEV_UUID.upper(), "--pid", "31337", "--vm", "win-7"]) == 0
-    procs = json.loads(open(os.path.join(vfio_host, "state.json")).read())["processes"]
+    procs = json.loads(Path(vfio_host, "state.json").read_text())["processes"]
     assert procs == [{"pid": 31337, "name": "qemu-system-x86", "device": MDEV_UUID, "used_mb": 256, "real": False,
                       "vm": "win-7", "cdev": False}]
 
@@ -340,7 +341,7 @@ def test_clear_for_reboot_drops_vfs_vgpus_and_their_vms(vfio_host) -> None:
     with locked(vfio_host) as st:
         sim_vgpu.clear_for_reboot(st)
         render(vfio_host, st)
-    raw = json.loads(open(os.path.join(vfio_host, "state.json")).read())
+    raw = json.loads(Path(vfio_host, "state.json").read_text())
     assert all(v["vfs"] == [] and v["mdevs"] == [] for v in raw["vgpu"].values())
     assert vf not in raw["functions"] and L40S in raw["functions"]
     assert [(p["pid"], p["device"]) for p in raw["processes"]] == [(4444, H200)]
@@ -419,3 +420,25 @@ def test_sriov_manage_rebind_destroys_instances_and_mig_off_waits_for_the_vfs(tm
     finally:
         sim.uninstall()
     assert load(d).gpus[pf].mig_pending == 0
+
+
+def test_unplug_of_a_card_whose_vf_carries_a_vgpu_type(vfio_host) -> None:
+    """Issue 33 item 12: `gpud-sim unplug` failed (a vfio cdev rendered under the removed VF's
+    directory) for a GPU one of whose VFs carried a vGPU type. The card goes whole: PF and VFs
+    leave the bus and sysfs, with their cdevs; the other cards stay."""
+    from gpud.sim.kernel import plug, unplug
+
+    fs = sysfs(vfio_host)
+    set_vfs(vfio_host, L40S, 4)
+    vfs = [vf.address for vf in load(vfio_host).vgpu[L40S].vfs]
+    type_12q = next(i for i, n in creatable(vfio_host, vfs[0]) if n == "NVIDIA L40S-12Q")
+    fs.write(f"bus/pci/devices/{vfs[0]}/nvidia/current_vgpu_type", str(type_12q))
+    unplug(vfio_host, L40S)
+    st = load(vfio_host)
+    assert not any(st.functions[a].present for a in [L40S, *vfs])
+    assert st.functions[H200].present
+    for a in [L40S, *vfs]:
+        assert not os.path.lexists(os.path.join(vfio_host, "sys", "bus/pci/devices", a))
+    assert os.path.isdir(os.path.join(vfio_host, "sys", "bus/pci/devices", H200))
+    plug(vfio_host, L40S)
+    assert load(vfio_host).functions[L40S].present

@@ -7,16 +7,20 @@
 
 The hooks are the layout's records (`gpud.layout.schema.Hook`, checked with line numbers by
 `gpud.layout.parse`); this module only runs them. Hooks run without a shell, in their own process
-group, with the service-only variables (NOTIFY_SOCKET, WATCHDOG_*, LISTEN_*) removed, and every
-output line goes to `log` so an operator sees what a hook did in the journal and in `gpudctl
-events`; mig-parted's hooks being skipped silently under systemd was one of its worst failure
-modes. When the phases run around the GPUs of a pass is `gpud.engine.hooks.phases`'s business.
+group, with the service-only variables (NOTIFY_SOCKET, WATCHDOG_*, LISTEN_*) removed. What
+happened to each hook (started, exit status, a digest of its output) goes to `log` (the events,
+which group `gpud` reads); its output lines go only to `output` (the journal, root's): a hook runs
+as root and may print what only root may see. mig-parted's hooks being skipped silently under
+systemd was one of its worst failure modes. When the phases run around the GPUs of a pass is
+`gpud.engine.hooks.phases`'s business.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
+import logging
 import os
 import signal
 from collections import deque
@@ -26,7 +30,9 @@ from dataclasses import dataclass
 from gpud.engine.ports import Drainer
 from gpud.host.sd_notify import child_env
 from gpud.layout.schema import HOOK_PHASES, Hook, HookPhase, Hooks
+from gpud.py_compat import timeout
 
+_journal = logging.getLogger("gpud.hooks")  # hook output: the journal only, never the events
 BEFORE_PHASES: frozenset[HookPhase] = frozenset(HOOK_PHASES[:3])
 CDI_REFRESH_UNIT = "nvidia-cdi-refresh.service"
 MAX_LINE = 4096  # longer output lines are cut: a hook cannot make us buffer without bound
@@ -67,7 +73,7 @@ class HookFailed(Exception):
     """A hook exited non-zero, was killed, timed out or could not be started."""
 
     def __init__(self, phase: HookPhase, command: str, exit_code: int | None, output: Sequence[str],
-                 *, timed_out: bool = False, reason: str = "") -> None:
+                 *, timed_out: bool = False, reason: str = "", digest: str = "") -> None:
         self.phase = phase
         self.command = command
         self.exit_code = exit_code
@@ -84,17 +90,23 @@ class HookFailed(Exception):
             else:
                 reason = f"exited {exit_code}"
         self.reason = reason
-        tail = " | ".join(self.output[-3:])
-        super().__init__(f"{phase} hook {command} {reason}" + (f": {tail}" if tail else ""))
+        self.digest = digest
+        # the output itself is not in the message: the message reaches events and status
+        super().__init__(f"{phase} hook {command} {reason}" + (f" (output sha256 {digest}, in the journal)"
+                                                                 if digest else ""))
 
 
 class HookRunner:
     """Runs the layout's hooks (as `gpud.layout.parse` checked them); `log(line)` receives every
     line they print and what happened to them (start, exit code, timeout)."""
 
-    def __init__(self, hooks: Hooks, *, log: Callable[[str], object], tail_lines: int = 20) -> None:
+    def __init__(self, hooks: Hooks, *, log: Callable[[str], object], output: Callable[[str], object] | None = None,
+                 tail_lines: int = 20) -> None:
+        """`log`: what happened to each hook (events); `output`: its output lines (default: the
+        journal through this module's logger)."""
         self.hooks = hooks
         self.log = log
+        self.output = output if output is not None else _journal.info
         self.tail_lines = tail_lines
 
     async def run(self, phase: HookPhase, info: ApplyInfo) -> list[HookFailed]:
@@ -150,15 +162,21 @@ class HookRunner:
         finally:
             os.close(w)
 
+        digest = hashlib.sha256()
+        lines = 0
+
         def emit(line: str) -> None:
+            nonlocal lines
             tail.append(line)
-            self.log(f"{phase} hook {os.path.basename(hook.command)}: {line}")
+            lines += 1
+            digest.update(line.encode("utf-8", "surrogateescape") + b"\n")
+            self.output(f"{phase} hook {os.path.basename(hook.command)}: {line}")
 
         output = _Output(r, emit)
         timed_out = False
         try:
             try:
-                async with asyncio.timeout(DEFAULT_TIMEOUT if hook.timeout is None else hook.timeout):
+                async with timeout(DEFAULT_TIMEOUT if hook.timeout is None else hook.timeout):
                     await proc.wait()
             except TimeoutError:
                 timed_out = True
@@ -169,17 +187,19 @@ class HookRunner:
             # The hook is gone; what it left in its group would hold the pipe open.
             _signal_group(proc.pid, signal.SIGKILL)
             try:
-                async with asyncio.timeout(DRAIN_AFTER_EXIT):
+                async with timeout(DRAIN_AFTER_EXIT):
                     await output.eof
             except TimeoutError:
                 self.log(f"{phase} hook {hook.command}: output of processes that left its group is ignored")
         finally:
             output.close()
+        said = digest.hexdigest()[:16] if lines else ""
         if timed_out:
-            raise HookFailed(phase, hook.command, proc.returncode, tail, timed_out=True)
+            raise HookFailed(phase, hook.command, proc.returncode, tail, timed_out=True, digest=said)
         if proc.returncode != 0:
-            raise HookFailed(phase, hook.command, proc.returncode, tail)
-        self.log(f"{phase} hook: {name} done")
+            raise HookFailed(phase, hook.command, proc.returncode, tail, digest=said)
+        self.log(f"{phase} hook: {name} done (exit 0" + (f", {lines} output lines, sha256 {said}, in the journal)"
+                                                        if lines else ", no output)"))
 
 
 class _Output:
@@ -247,7 +267,7 @@ async def _kill_group(proc: asyncio.subprocess.Process) -> None:
     """SIGTERM to the hook's whole process group, SIGKILL if it has not exited after a grace."""
     _signal_group(proc.pid, signal.SIGTERM)
     try:
-        async with asyncio.timeout(KILL_GRACE):
+        async with timeout(KILL_GRACE):
             await proc.wait()
     except TimeoutError:
         pass

@@ -94,6 +94,8 @@ class LeaseEngine:
         self._releasing: set[str] = set()
         self.holder_watch = HolderWatch(self._pid_exited)
         self._wake = asyncio.Event()
+        self._mode: dict[str, tuple[int, float]] = {}  # MIG mode this engine last set per GPU, and when
+        self._last_seen: dict[str, NvmlGpu] = {}  # each dynamic GPU's last NVML view (see _rooms)
         self.demand: dict[str, float] = {}  # GI profiles asked for lately (gpud.plan.lease_placement.asked)
         self.on_stage: Callable[[LeaseRecord, str], None] = lambda rec, stage: None  # tests: kill -9 at a stage
 
@@ -187,11 +189,12 @@ class LeaseEngine:
         return rec
 
     async def _make(self, rec: LeaseRecord) -> LeaseRecord:
-        gpu = self._gpu(rec.gpu)
-        mode_on = gpu is not None and gpu.nvml is not None and gpu.nvml.mig_mode != 1
         try:
             async with self._lock(rec.gpu), self.gate.hold("open"):
+                gpu = self._gpu(rec.gpu)
+                mode_on = gpu is not None and gpu.nvml is not None and self._mig_mode(gpu.pci, gpu.nvml.mig_mode) != 1
                 done = await asyncio.to_thread(self._make_sync, rec, mode_on)
+                self._mode[rec.gpu] = (1, time.monotonic())
         except BaseException:
             if rec.id in self.book.records and self.book.records[rec.id].state == "intent":
                 await asyncio.to_thread(self._forget, rec.id)
@@ -288,6 +291,8 @@ class LeaseEngine:
                     holders = await asyncio.to_thread(self._busy, rec)
                     if not holders:
                         mode_off = await asyncio.to_thread(self._unmake, rec)
+                        if mode_off:
+                            self._mode[rec.gpu] = (0, time.monotonic())
                         break
                 names = ", ".join(f"pid {h.pid} {h.name}" for h in holders)
                 policy = self._policy()
@@ -378,7 +383,12 @@ class LeaseEngine:
         if selector is not None and not chosen:
             raise LeaseRefused("not-found", f"no dynamic GPU (mig-devices: dynamic) matches {selector!r}")
         for gpu, _ in chosen:
-            nv = gpu.nvml
+            # A host read that overlapped a lease's or release's NVML calls on this GPU may have
+            # found it unreadable (a GI destroyed between two calls): the last good view stands in,
+            # our own instances come from the records anyway.
+            nv = gpu.nvml or self._last_seen.get(gpu.pci)
+            if gpu.nvml is not None:
+                self._last_seen[gpu.pci] = gpu.nvml
             mine = self.on(gpu.pci)
             if nv is None or not nv.mig_capable:
                 notes.append(f"{_where(gpu)}: not seen by NVML as MIG capable")
@@ -401,6 +411,11 @@ class LeaseEngine:
             rooms.append(Room(gpu.pci, gpu.index, profiles, tuple((pid, pl) for pl, pid in sorted(used.items())),
                               _where(gpu)))
         return rooms, notes
+
+    def _mig_mode(self, pci: str, observed: int | None) -> int | None:
+        """The MIG mode now: the one this engine set, unless the observation was read after it."""
+        mine = self._mode.get(pci)
+        return mine[0] if mine is not None and mine[1] > self._observed_at() else observed
 
     def _mode_follows(self, gpu: Gpu) -> bool:
         """Hopper and later change MIG mode without a reset; policy.lease-mig-mode may keep it on."""

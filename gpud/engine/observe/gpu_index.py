@@ -125,15 +125,16 @@ class GpuIndex:
                         f"{os.path.dirname(path)} or the GPUs are again those the copy lists")
         log.error("%s", self.problem)
 
-    def _judge_untrusted(self, present: set[str], on_bus: set[str]) -> None:
-        """With the map untrusted: are these the GPUs the copy knew? Then the copy is the map
-        again; otherwise indices may have moved and index-based entries must not be applied."""
+    def verdict(self, present: set[str], on_bus: set[str]) -> tuple[bool, str | None]:
+        """With the map untrusted: are these the GPUs the copy knew (then the copy may be the map
+        again: True), and otherwise why indices cannot be trusted. Changes nothing: a `check` of a
+        candidate file with its own `match:` asks this too, and a read-only request must never
+        make gpud trust a map it set aside."""
+        if self.untrusted is None:
+            return False, None
         copy = self._copy
         if copy is not None and set(copy) == present:
-            self.untrusted = self.index_problem = None
-            self._writable = self._restored = True
-            self.problem = f"{self.path}: rebuilt from its copy {os.path.basename(backup_path(str(self.path)))} (the same GPUs)"
-            return
+            return True, None
         if copy is None:
             why = "no copy of the map says which GPU had which index"
         else:
@@ -142,8 +143,17 @@ class GpuIndex:
             new = sorted(present - set(copy))
             why = "the GPUs differ from those its copy lists (" + "; ".join(
                 ([f"gone: {', '.join(gone)}"] if gone else []) + ([f"new: {', '.join(new)}"] if new else [])) + ")"
-        self.index_problem = (f"the GPU index map could not be used ({self.untrusted}) and {why}: indices may "
-                              "name other GPUs than before")
+        return False, (f"the GPU index map could not be used ({self.untrusted}) and {why}: indices may "
+                       "name other GPUs than before")
+
+    def _judge_untrusted(self, present: set[str], on_bus: set[str]) -> None:
+        """A read of the layout in force judged the untrusted map: the copy becomes the map again
+        when the GPUs are those it knew; otherwise index-based entries must not be applied."""
+        same, self.index_problem = self.verdict(present, on_bus)
+        if same:
+            self.untrusted = None
+            self._writable = self._restored = True
+            self.problem = f"{self.path}: rebuilt from its copy {os.path.basename(backup_path(str(self.path)))} (the same GPUs)"
 
     def assign(self, gpus: Sequence[Gpu], present_functions: Iterable[str], *,
                commit: bool) -> tuple[tuple[Gpu, ...], tuple[KnownGpu, ...], SetChange]:
@@ -152,7 +162,7 @@ class GpuIndex:
         map takes the new GPUs and identities and is written; without it (a `check` of a candidate
         file) nothing is remembered."""
         on_bus = set(present_functions)
-        if self.untrusted is not None:
+        if self.untrusted is not None and commit:  # only the layout in force's reads judge the map
             self._judge_untrusted({g.pci for g in gpus}, on_bus)
         indices = number(self.known.values(), gpus)
         now = {g.pci: identity(g, indices[g.pci], self.known.get(g.pci)) for g in gpus}

@@ -33,10 +33,13 @@ class HostReader:
         `commit` (reads of the layout in force) makes the index map take new GPUs and records a
         change of the GPU set; a `check` of a candidate file remembers nothing."""
         obs = self._read_functions(match)
-        gpus, gone, change = self.gpu_index.assign(obs.gpus, (f.address for f in obs.functions), commit=commit)
+        on_bus = {f.address for f in obs.functions}
+        gpus, gone, change = self.gpu_index.assign(obs.gpus, on_bus, commit=commit)
         if commit and change:
             self.set_changes.append(change)  # list.append is atomic: this runs in a worker thread
-        return msgspec.structs.replace(obs, gpus=gpus, gone=gone, index_problem=self.gpu_index.index_problem)
+        # a candidate's read is judged for itself, and leaves the daemon's judgement as it was
+        problem = self.gpu_index.index_problem if commit else self.gpu_index.verdict({g.pci for g in gpus}, on_bus)[1]
+        return msgspec.structs.replace(obs, gpus=gpus, gone=gone, index_problem=problem)
 
     def _read_functions(self, match: tuple[MatchRule, ...]) -> Observation:
         for _ in range(2):  # a read that a whole suspend/resume cut short is read again, once

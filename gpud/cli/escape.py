@@ -1,0 +1,67 @@
+"""Strings from outside, made safe for a terminal before gpudctl shows them.
+
+Why: a reply carries strings gpud does not choose: process names (`comm`, which any user who can
+open /dev/nvidia* sets with prctl), paths, layout and hook names, label values, NVML's strings,
+error texts quoting a layout. Printed raw to root's terminal, a newline forges a line and an
+escape sequence rewrites or hides what follows. So every string of a reply (and of an event, and
+of an error) is escaped before rendering: C0 and C1 control characters, DEL and the Unicode line
+separators and bidirectional overrides become visible `\\n`, `\\x1b`, `\\u202e` forms, and a
+backslash is doubled so the escaped form cannot be forged either. `--json` prints the reply
+exactly as gpud sent it (JSON escapes control characters itself).
+"""
+
+import re
+from typing import Any
+
+import msgspec
+
+# C0 (but not printable space), DEL, C1; line/paragraph separators; bidi embeddings/overrides/isolates
+_UNSAFE = re.compile("[\\\\\x00-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
+_NAMED = {"\\": "\\\\", "\n": "\\n", "\r": "\\r", "\t": "\\t"}
+
+
+def _one(m: re.Match[str]) -> str:
+    c = m.group()
+    if c in _NAMED:
+        return _NAMED[c]
+    return f"\\x{ord(c):02x}" if ord(c) < 0x100 else f"\\u{ord(c):04x}"
+
+
+# Fields gpud composes as several lines from values it checked (the libvirt <hostdev> XML, made
+# from a PCI address): their newlines are kept, anything else is escaped.
+MULTILINE = frozenset({"libvirt_hostdev"})
+
+
+def term(text: str, *, lines: bool = False) -> str:
+    """`text` with nothing a terminal would act on (`lines`: newlines kept)."""
+    if not _UNSAFE.search(text):
+        return text
+    if lines:
+        return "\n".join(_UNSAFE.sub(_one, part) for part in text.split("\n"))
+    return _UNSAFE.sub(_one, text)
+
+
+def escaped(value: Any) -> Any:
+    """`value` (a reply struct, list, dict or string) with every string in it escaped by `term`."""
+    if isinstance(value, str):
+        return term(value)
+    if isinstance(value, msgspec.Struct):
+        changes = {}
+        for name in value.__struct_fields__:
+            old = getattr(value, name)
+            new = term(old, lines=True) if name in MULTILINE and isinstance(old, str) else escaped(old)
+            if new is not old:
+                changes[name] = new
+        return msgspec.structs.replace(value, **changes) if changes else value
+    if isinstance(value, list):
+        new_list = [escaped(v) for v in value]
+        return value if all(a is b for a, b in zip(new_list, value, strict=True)) else new_list
+    if isinstance(value, tuple):
+        new_tuple = tuple(escaped(v) for v in value)
+        return value if all(a is b for a, b in zip(new_tuple, value, strict=True)) else new_tuple
+    if isinstance(value, dict):
+        items = [(escaped(k), escaped(v)) for k, v in value.items()]
+        if all(k is k0 and v is v0 for (k, v), (k0, v0) in zip(items, value.items(), strict=True)):
+            return value
+        return dict(items)
+    return value
