@@ -96,8 +96,8 @@ def fill(cluster: DraCluster, upto: int, have: int) -> int:
 
 def idle_requests(cluster: DraCluster, tmp: Path, count: int, idle_s: float) -> tuple[float, int]:
     """(requests per node per minute at rest, nodes) from real gpud processes."""
-    from tests.daemon.conftest import Daemon, wait_until
     from tests.leases.rig import dynamic_layout
+    from tests.support.daemon import Daemon, wait_until
 
     kubeconfig = cluster.kubeconfig(tmp / "gpud.kubeconfig")
     daemons = []

@@ -68,10 +68,11 @@ class DraCluster:
 
     def start_scheduler(self) -> None:
         kc = self.server.admin_kubeconfig(self.dir / "scheduler.kubeconfig")
-        self.scheduler = subprocess.Popen(
-            [self.scheduler_bin, f"--kubeconfig={kc}", f"--authentication-kubeconfig={kc}",
-             f"--authorization-kubeconfig={kc}", "--leader-elect=false", "--secure-port=0", "--v=2"],
-            stdout=open(self.dir / "kube-scheduler.log", "ab"), stderr=subprocess.STDOUT, start_new_session=True)
+        with open(self.dir / "kube-scheduler.log", "ab") as log:  # the child has its own descriptor of it
+            self.scheduler = subprocess.Popen(
+                [self.scheduler_bin, f"--kubeconfig={kc}", f"--authentication-kubeconfig={kc}",
+                 f"--authorization-kubeconfig={kc}", "--leader-elect=false", "--secure-port=0", "--v=2"],
+                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
     def stop(self) -> None:
         real_server._stop(self.scheduler)

@@ -15,10 +15,10 @@ from gpud.plan.dra_slices import DEFAULT_DRIVER
 from gpud.profiles import MODELS
 from gpud.sim import gpu_rules
 from gpud.sim import state as simstate
-from tests.daemon.conftest import Daemon, wait_until
 from tests.dra.cluster import skips
 from tests.dra.test_dra_scheduler import MIG, Kubelet, profile_is
 from tests.leases.rig import dynamic_layout
+from tests.support.daemon import Daemon, wait_until
 
 pytestmark = skips()
 NODE = "daemon-node"
