@@ -402,7 +402,7 @@ def render_passthrough(r: wire_replies.PassthroughReply) -> str:
     if not r.devices and not r.vgpus:
         return "no GPU is bound for passthrough, and no vGPU exists"
     if not r.devices:
-        return _render_vgpus(r)
+        return "\n".join([_render_vgpus(r), *_render_kubevirt(r)])
     rows = [["PCI", "ID", "IOMMU", "VFIO", "NUMA", "RESOURCE"]]
     for d in r.devices:
         rows.append([d.pci, d.vendor_device, "-" if d.iommu_group is None else str(d.iommu_group),
@@ -413,12 +413,21 @@ def render_passthrough(r: wire_replies.PassthroughReply) -> str:
         if d.libvirt_hostdev:
             out += ["", f"libvirt <hostdev> for {d.pci}:"]
             out += ["  " + line for line in d.libvirt_hostdev.strip().splitlines()]
-        if d.kubevirt:
-            out += ["", f"KubeVirt permittedHostDevices.pciHostDevices entry for {d.pci}:",
-                    "  - " + msgspec.json.encode(d.kubevirt).decode()]
     if r.vgpus:
         out += ["", _render_vgpus(r)]
-    return "\n".join(out)
+    return "\n".join(out + _render_kubevirt(r))
+
+
+def _render_kubevirt(r: wire_replies.PassthroughReply) -> list[str]:
+    """The KubeVirt CR's configuration once for the host: one entry per resource, not per GPU or VF."""
+    if not r.kubevirt_configuration:
+        return []
+    text = msgspec.json.format(msgspec.json.encode(r.kubevirt_configuration), indent=2).decode()
+    out = ["", "KubeVirt CR spec.configuration (KubeVirt >= 1.8; docs/kubevirt.md):"]
+    out += ["  " + line for line in text.splitlines()]
+    if "mediatedDevicesConfiguration" in r.kubevirt_configuration:
+        out.append("  (KubeVirt < 1.8: the feature gate DisableMDEVConfiguration instead of mediatedDevicesConfiguration)")
+    return out
 
 
 def _render_vgpus(r: wire_replies.PassthroughReply) -> str:
@@ -427,8 +436,7 @@ def _render_vgpus(r: wire_replies.PassthroughReply) -> str:
         rows.append([v.gpu, v.type, v.uuid or v.vf or "-", v.vfio_device or "-", v.resource_name])
     out = [_table(rows)]
     for v in r.vgpus:
-        out += ["", f"libvirt <hostdev> for {v.type} {v.uuid or v.vf}:", "  " + v.libvirt_hostdev,
-                "KubeVirt permittedHostDevices entry:", "  " + msgspec.json.encode(v.kubevirt).decode()]
+        out += ["", f"libvirt <hostdev> for {v.type} {v.uuid or v.vf}:", "  " + v.libvirt_hostdev]
     return "\n".join(out)
 
 
