@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test test-fast lint sysdeps anchors kube-apiserver kube-scheduler dra-proto nvmlc bench bench-update reliability deb clean
+.PHONY: demo check test test-fast lint sysdeps anchors kube-apiserver kube-scheduler dra-proto nvmlc bench bench-update reliability deb clean
 
 # A fresh Debian 12 has no python3 venv module: install-sysdeps --base brings it (as root).
 $(STAMP): pyproject.toml
@@ -52,9 +52,16 @@ nvmlc: $(STAMP)
 	$(PY) -m gpud.sim.nvmlc.build
 
 # The linter and the type checker (configured in pyproject.toml), before any test runs.
-lint: $(STAMP)
+lint: $(STAMP) dra-proto
 	$(VENV)/bin/ruff check gpud tests bench setup.py
 	$(VENV)/bin/mypy
+
+# The inner loop while developing: lint, then every test that runs no gpud process, compiled program,
+# kube-apiserver, QEMU or nspawn (those families are pytest markers, pyproject.toml), on every core.
+# Needs neither root nor apt nor the network once .venv exists; a few minutes on 2 cores.
+CHECK_SKIPS := not (vm or nspawn or daemon or tools or apiserver or reliability or gpu)
+check: $(STAMP) lint
+	$(PY) -m pytest -q -p no:cacheprovider -n auto -m "$(CHECK_SKIPS)"
 
 test: $(STAMP) dra-proto lint sysdeps anchors kube-apiserver kube-scheduler nvmlc
 	$(PY) -m pytest -q -p no:cacheprovider

@@ -66,7 +66,7 @@ async def latency(model: str, cycles: int, seed: int) -> dict:
             assert await rig.apply(dynamic_layout(**{"lease-mig-mode": "keep-on"}))
             await rig.rec.leases.start()
             rnd = random.Random(seed)
-            names, weights = zip(*MIX[model].items())
+            names, weights = zip(*MIX[model].items(), strict=True)
             lease_s, release_s, lease_calls, release_calls, lease_mut, release_mut = [], [], [], [], [], []
             held = []
             for _ in range(cycles):
@@ -173,7 +173,7 @@ def first_fit(gpus: list[SimGpu], name: str) -> tuple[int, int] | None:
 def churn(model: str, requests: int, seed: int, mean_hold: float) -> list[Policy]:
     DEMAND.clear()
     rnd = random.Random(seed)
-    names, weights = zip(*MIX[model].items())
+    names, weights = zip(*MIX[model].items(), strict=True)
     seq = [(rnd.choices(names, weights)[0], max(1, int(rnd.expovariate(1 / mean_hold)))) for _ in range(requests)]
     model_info = MODELS[model]
     profiles = {p.name: p for p in model_info.profiles}

@@ -77,7 +77,7 @@ def apply(sysfs: Sysfs, pf: str, config: dict[str, int], *, held: set[str], tota
     for name in config:
         if name not in supported:
             raise DevMgrFailed(f"vGPU type {name} is not supported on GPU {pf}")
-    for parent, mdev, name in _mdevs(sysfs, parents):
+    for _parent, mdev, name in _mdevs(sysfs, parents):
         if mdev in held:
             raise DevMgrFailed(f"deleting {name} {mdev}: the remove write blocks while a VM holds it (6.1 kernel)")
         sysfs.write(f"bus/mdev/devices/{mdev}/remove", "1")

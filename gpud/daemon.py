@@ -414,7 +414,7 @@ class Daemon:
         events = self.device_events(self.on_device_event)
         try:
             events.start(loop)
-        except Exception as e:  # no libudev, no netlink (some containers): serve anyway, say so
+        except Exception as e:  # noqa: BLE001 - no libudev, no netlink (some containers): serve anyway, say so
             log.warning("device events unavailable (%s): hardware changes are seen on the next request", e)
             self.bus.publish("warning", f"device events unavailable: {e}")
         self.engine.refresh_now()  # the first state, before READY

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Builds dist/gpud_<version>-1_<arch>.deb for Debian 12: a virtualenv of Debian's python3.11 at
+# Builds dist/gpud_<version>-1_<arch>.deb for the release it runs on (Debian 12, Ubuntu 24.04 or 22.04:
+# any python3 >= 3.10; the package then depends on that python3.X): a virtualenv of its python3 at
 # /opt/gpud holding gpud and its dependencies (from PyPI at build time), /usr/bin links, the
 # systemd units, sysusers/tmpfiles/modules-load snippets and /etc/gpud/layout.yaml (conffile).
 #
@@ -13,7 +14,7 @@
 set -euo pipefail
 
 REPO=$(cd "$(dirname "$0")/.." && pwd)
-PYTHON=${PYTHON:-/usr/bin/python3.11}
+PYTHON=${PYTHON:-/usr/bin/python3}  # the release's own python3: Debian 12 3.11, Ubuntu 24.04 3.12, 22.04 3.10
 OUT=${OUT:-$REPO/dist}
 PREFIX=/opt/gpud
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/gpud-deb.XXXXXX")
@@ -23,15 +24,16 @@ STAGE=$WORK/root
 for tool in dpkg-deb "$PYTHON"; do
   command -v "$tool" >/dev/null || { echo "build-deb: $tool not found" >&2; exit 1; }
 done
-"$PYTHON" -c 'import ensurepip, venv' 2>/dev/null || { echo "build-deb: $PYTHON lacks venv/ensurepip (apt install python3.11-venv)" >&2; exit 1; }
+"$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 10))' || { echo "build-deb: $PYTHON is older than 3.10, which gpud needs" >&2; exit 1; }
+"$PYTHON" -c 'import ensurepip, venv' 2>/dev/null || { echo "build-deb: $PYTHON lacks venv/ensurepip (apt install python3-venv)" >&2; exit 1; }
 case "$("$PYTHON" -c 'import sys; print(sys.prefix)')" in
   /usr) ;;
-  *) echo "build-deb: $PYTHON is not Debian's python (the venv must point at /usr/bin/python3.11 on the target)" >&2; exit 1 ;;
+  *) echo "build-deb: $PYTHON is not the release's python (the venv must point at /usr/bin/python3.X on the target)" >&2; exit 1 ;;
 esac
 
 VERSION=$("$PYTHON" - "$REPO/pyproject.toml" <<'EOF'
-import sys, tomllib
-print(tomllib.load(open(sys.argv[1], "rb"))["project"]["version"])
+import re, sys  # no tomllib before 3.11
+print(re.search(r'^version = "([^"]+)"', open(sys.argv[1]).read(), re.M)[1])
 EOF
 )
 DEBVERSION="$VERSION-1"
@@ -56,6 +58,14 @@ WHEEL=$(ls "$WORK"/wheels/gpud-*.whl)
 "$STAGE$PREFIX/bin/pip" install -q --no-compile "$WHEEL[kube]"
 "$STAGE$PREFIX/bin/pip" uninstall -q -y pip setuptools >/dev/null 2>&1 || true
 rm -rf "$STAGE$PREFIX/bin/pip"* "$STAGE$PREFIX"/bin/activate* "$STAGE$PREFIX/bin/Activate.ps1"
+# Only gpud's own commands and the interpreter stay in bin/: the scripts the dependencies install
+# (httpx, ...) are no commands of this package
+for f in "$STAGE$PREFIX"/bin/*; do
+  case "$(basename "$f")" in
+    gpud|gpudctl|gpud-sim|python|python3|python3.*) ;;
+    *) rm -f "$f" ;;
+  esac
+done
 
 # 2. make it live at /opt/gpud
 for f in "$STAGE$PREFIX"/bin/*; do
@@ -98,13 +108,20 @@ License: Apache-2.0
 EOF
 
 # 4. control files
+# Who answers for this build: DEBFULLNAME/DEBEMAIL as Debian's tools take them, else the author of
+# the commit it is built from (a real address, never a placeholder)
+MAINTAINER="${DEBFULLNAME:-$(git -C "$REPO" log -1 --format=%an 2>/dev/null || true)} <${DEBEMAIL:-$(git -C "$REPO" log -1 --format=%ae 2>/dev/null || true)}>"
+case "$MAINTAINER" in
+  " <>"|*" <>"|" <"*) echo "build-deb: set DEBFULLNAME and DEBEMAIL (no git author to take them from)" >&2; exit 1 ;;
+esac
+install -m 0644 "$REPO/LICENSE" "$STAGE/usr/share/doc/gpud/LICENSE"
 install -d "$STAGE/DEBIAN"
 SIZE=$(du -sk --exclude=DEBIAN "$STAGE" | cut -f1)
 cat > "$STAGE/DEBIAN/control" <<EOF
 Package: gpud
 Version: $DEBVERSION
 Architecture: $ARCH
-Maintainer: gpud maintainers <gpud@localhost>
+Maintainer: $MAINTAINER
 Installed-Size: $SIZE
 Depends: python$PYVER, systemd (>= 247)
 Recommends: dbus
@@ -121,6 +138,9 @@ echo /etc/gpud/layout.yaml > "$STAGE/DEBIAN/conffiles"
 install -m 0755 "$REPO/packaging/debian/postinst" "$REPO/packaging/debian/prerm" \
   "$REPO/packaging/debian/postrm" "$STAGE/DEBIAN/"
 
+# md5sums of every file shipped outside DEBIAN (dpkg --verify and debsums check against them)
+(cd "$STAGE" && find . -path ./DEBIAN -prune -o -type f -print0 | LC_ALL=C sort -z | xargs -0 md5sum \
+  | sed 's|  \./|  |') > "$STAGE/DEBIAN/md5sums"
 mkdir -p "$OUT"
 DEB="$OUT/gpud_${DEBVERSION}_${ARCH}.deb"
 dpkg-deb --root-owner-group -Zxz --build "$STAGE" "$DEB" >/dev/null

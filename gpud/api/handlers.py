@@ -208,7 +208,7 @@ class RequestHandler:
         index = {g.pci: g.index for g in self.engine.view.observation.gpus}
         return replies.lease_info(rec, index.get(rec.gpu))
 
-    async def op_release(self, id: str, wait: bool = True) -> wire_replies.ReleaseReply:  # noqa: A002 - the wire's name
+    async def op_release(self, id: str, wait: bool = True) -> wire_replies.ReleaseReply:
         peer = self._peer.get()
         rec = await self._leasing(self.engine.leases.release(id, uid=peer.uid if peer is not None else 0, wait=wait))
         return wire_replies.ReleaseReply(lease=replies.lease_info(rec), message=f"lease {id} released")

@@ -35,6 +35,7 @@ from gpud.api import wire, wire_replies
 from gpud.api.peers import Peer, authorize, group_id, may_connect, peer_credentials
 from gpud.api.socket_file import ServerError, bind_socket, unlink_own
 from gpud.engine.events import EventQueue, overflow_event
+from gpud.py_compat import timeout
 
 log = logging.getLogger("gpud.api")
 
@@ -186,9 +187,9 @@ class ApiServer:
             self._tasks.pop(task, None)
             writer.close()  # flushes what is buffered (the last error reply) ...
             try:
-                async with asyncio.timeout(self.idle_timeout or 10.0):
+                async with timeout(self.idle_timeout or 10.0):
                     await writer.wait_closed()
-            except (Exception, asyncio.CancelledError):
+            except (Exception, asyncio.CancelledError):  # noqa: BLE001 - any failure to flush ends the connection the hard way
                 writer.transport.abort()  # ... unless the client does not read it
 
     async def _send(self, writer: asyncio.StreamWriter, msg: Any) -> None:
@@ -200,7 +201,7 @@ class ApiServer:
                                                   f"cannot encode the reply: {e}"))
         writer.write(frame)
         # asyncio.timeout, not wait_for: 3.11's wait_for can swallow a cancellation
-        async with asyncio.timeout(self.idle_timeout):
+        async with timeout(self.idle_timeout):
             await writer.drain()
 
     @staticmethod
@@ -261,7 +262,7 @@ class ApiServer:
         while True:
             conn.mark("idle")
             try:
-                async with asyncio.timeout(self.idle_timeout):
+                async with timeout(self.idle_timeout):
                     payload = await self._reader.read_async(reader)
             except TimeoutError:
                 log.debug("closing idle connection of pid %d", peer.pid)

@@ -228,7 +228,7 @@ def _apply_following(c: Client, a: argparse.Namespace, args: dict[str, Any], dea
         def send() -> None:
             try:
                 done["reply"] = c.request("apply", args, timeout=deadline)
-            except BaseException as e:  # re-raised in the caller's thread
+            except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
                 done["error"] = e
 
         import threading  # only `apply --wait` needs a thread: not paid by every run

@@ -55,13 +55,13 @@ def escaped(value: Any) -> Any:
         return msgspec.structs.replace(value, **changes) if changes else value
     if isinstance(value, list):
         new_list = [escaped(v) for v in value]
-        return value if all(a is b for a, b in zip(new_list, value)) else new_list
+        return value if all(a is b for a, b in zip(new_list, value, strict=True)) else new_list
     if isinstance(value, tuple):
         new_tuple = tuple(escaped(v) for v in value)
-        return value if all(a is b for a, b in zip(new_tuple, value)) else new_tuple
+        return value if all(a is b for a, b in zip(new_tuple, value, strict=True)) else new_tuple
     if isinstance(value, dict):
         items = [(escaped(k), escaped(v)) for k, v in value.items()]
-        if all(k is k0 and v is v0 for (k, v), (k0, v0) in zip(items, value.items())):
+        if all(k is k0 and v is v0 for (k, v), (k0, v0) in zip(items, value.items(), strict=True)):
             return value
         return dict(items)
     return value

@@ -18,7 +18,7 @@ from gpud.mig_text import MIG_ACTIONS, step_text, subdivided
 def _table(rows: list[list[str]]) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return "\n".join(
-        "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows
+        "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=False)).rstrip() for r in rows
     )
 
 
@@ -302,8 +302,8 @@ def render_mig_profiles(r: wire_replies.MigProfilesReply) -> str:
            "|" + "=" * 79 + "|"]
     for g in r.gpus:
         for p in g.profiles:
-            def shown(field: str, value: object) -> str:
-                return "?" if field in p.unknown else str(value)
+            def shown(field: str, value: object, unknown: list[str] = p.unknown) -> str:
+                return "?" if field in unknown else str(value)
             mem = shown("memory_mb", f"{p.memory_mb / 1024:.2f}")
             first = (f"|{g.index:>4}  {'MIG ' + p.name:<18}{shown('id', p.id):>4}{shown('free', p.free):>6}/"
                      f"{shown('total', p.total):<9}{mem:<11}{shown('p2p', 'Yes' if p.p2p else 'No'):<7}{shown('sms', p.sms):<7}"

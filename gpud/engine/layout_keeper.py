@@ -68,7 +68,6 @@ class LayoutKeeper:
         self._file_slot: asyncio.Semaphore | None = None  # one load of the file at a time, apart from checks
         self._next_load: asyncio.Future | None = None  # the shared load that has not begun reading yet
         self._load_tasks: set[asyncio.Task] = set()
-        self.file_reads = 0  # loads of the file begun (observable: applies at once share one)
         self._text: str | None = None  # the text of `layout`, to tell a new load from a re-read
         self.select: str | None = None  # a layout chosen over the file's `selected` (a node label)
         # --kube-node: a node label chooses the layout, so a file without `selected` is valid
@@ -121,7 +120,6 @@ class LayoutKeeper:
             async with self._file_slot:
                 if self._next_load is fut:
                     self._next_load = None  # reading starts now: a newcomer needs the next load
-                self.file_reads += 1
                 try:
                     source = await asyncio.to_thread(read_layout, self.path)
                 except LayoutUnreadable as e:

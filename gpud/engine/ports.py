@@ -5,6 +5,7 @@ logind on a real host, absent or fakes elsewhere)."""
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Protocol
 
@@ -20,6 +21,24 @@ from gpud.layout.desired import DesiredGpu
 from gpud.model import Gpu
 
 
+class Clock(Protocol):
+    """Time for the waits a step bounds itself (a driver registering, udev making a node)."""
+
+    def monotonic(self) -> float: ...
+
+    def sleep(self, seconds: float) -> None: ...
+
+
+class SystemClock:
+    """The system's monotonic clock: what the daemon waits by."""
+
+    def monotonic(self) -> float:
+        return time.monotonic()
+
+    def sleep(self, seconds: float) -> None:
+        time.sleep(seconds)
+
+
 class Hardware(msgspec.Struct):
     """The adapters one daemon drives, chosen once at start (real host or simulator). The engine
     builds none of them: gpud.hardware does, with the paths and deadlines the host config gives."""
@@ -30,6 +49,7 @@ class Hardware(msgspec.Struct):
     vgpu: VgpuSysfs  # both vGPU interfaces, over `sysfs` and `procs`
     reset: GpuReset | None = None  # nvidia-smi -r for nvidia-bound GPUs; None: resets are left to the operator
     vf_tool: SriovManage | None = None  # NVIDIA's sriov-manage: VFs on and off; None: VFs are not changed
+    clock: Clock = msgspec.field(default_factory=SystemClock)  # a test's own where real waits cost only time
 
 
 class Drainer(Protocol):

@@ -214,12 +214,9 @@ class Reconciler:
     def _observe(self, match: tuple[MatchRule, ...]) -> Observation:
         return self.reader.read(match)
 
-    def reload(self, reason: str) -> bool:
-        """Re-read the file; a valid one starts a pass. False when the file was refused."""
-        return self._reloaded(self.load_config(), reason)
-
     async def reload_async(self, reason: str) -> bool:
-        """`reload` with the host read off the event loop."""
+        """Re-read the file (the host read off the event loop); a valid one starts a pass. False
+        when the file was refused."""
         return self._reloaded(await self.load_config_async(), reason)
 
     def _reloaded(self, ok: bool, reason: str) -> bool:
@@ -282,7 +279,7 @@ class Reconciler:
                 tuple(self.gpu_set.notes.items()), self.passes, self.completed_passes, label_selects, chosen))
         old = self._view_key
         if (self._view is not None and old is not None and len(old[0]) == len(key[0])
-                and all(a is b for a, b in zip(old[0], key[0])) and old[1] == key[1]):
+                and all(a is b for a, b in zip(old[0], key[0], strict=True)) and old[1] == key[1]):
             return self._view
         self._view_key = key
         self._view = EngineView(

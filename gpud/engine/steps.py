@@ -215,7 +215,7 @@ class StepRunner:
             try:
                 outcome = await self._in_worker(
                     binder.execute, self.hw.sysfs, self.hw.procs, plan,
-                    before_unbind=before_unbind, timeout=self.binder_timeout,
+                    before_unbind=before_unbind, timeout=self.binder_timeout, clock=self.hw.clock,
                 )
             finally:
                 if suspended:

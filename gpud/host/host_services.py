@@ -23,7 +23,6 @@ from msgspec import Struct
 from gpud.host.procs import process_name
 
 COMM_LEN = 15  # bytes of a process name the kernel keeps in /proc/<pid>/comm
-DEFAULT_SYSTEM_BUS = "/run/dbus/system_bus_socket"
 
 
 class Found(Struct, frozen=True):

@@ -142,7 +142,7 @@ class KubeApi:
     async def node_event(self, reason: str, message: str, *, warning: bool = True, uid: str = "") -> None:
         """An Event about the node, where `kubectl describe node` lists it (core/v1 Event in the
         `default` namespace, involvedObject the Node, as the kubelet records node events)."""
-        now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
         event = cast(Event, Event.from_dict({
             "apiVersion": "v1", "kind": "Event",
             "metadata": {"generateName": f"{self.node_name}.gpud-", "namespace": "default"},

@@ -49,7 +49,7 @@ class UdevEvents:
             mon.filter_by(s)
         try:
             mon.set_receive_buffer_size(self.receive_buffer)  # SO_RCVBUFFORCE: needs CAP_NET_ADMIN
-        except Exception as e:  # keep the default buffer
+        except Exception as e:  # noqa: BLE001 - keep the default buffer
             log.debug("udev receive buffer not enlarged: %s", e)
         mon.start()
         assert self._loop is not None  # start() set it

@@ -11,6 +11,9 @@ import logging
 from collections.abc import AsyncIterator, Callable, Iterable
 from typing import TYPE_CHECKING
 
+from gpud.py_compat import add_note
+from gpud.py_compat import timeout as time_limit
+
 if TYPE_CHECKING:  # dbus-fast is imported on the first drain, not at start
     from dbus_fast.aio import MessageBus
 
@@ -73,7 +76,7 @@ class _JobTracker:
         fut = asyncio.get_running_loop().create_future()
         self._waiters[job] = fut
         try:
-            async with asyncio.timeout(timeout):
+            async with time_limit(timeout):
                 return (await fut)[1]
         finally:
             self._waiters.pop(job, None)
@@ -237,7 +240,7 @@ class UnitDrainer:
                     await self._job("StartUnit", unit, wait=wait)
                 except SystemdError as e:
                     failed.append(e)
-                except Exception as e:
+                except Exception as e:  # noqa: BLE001 - every unit's failure is collected; they are raised together below
                     failed.append(SystemdError(f"start {unit}: {e}", unit=unit))
             if failed:
                 first = failed[0]
@@ -277,9 +280,9 @@ class UnitDrainer:
         try:
             # Cancelled means the daemon is stopping: queue the starts, they run after our stop job.
             await self.start(list(reversed(stopped)), wait=not isinstance(exc, asyncio.CancelledError))
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - the drain's own failure is what propagates; this one is noted on it
             log.error("could not start again %s: %s", stopped, e)
-            exc.add_note(f"also failed to start again what was drained: {e}")
+            add_note(exc, f"also failed to start again what was drained: {e}")
 
 
 class ManagerDrainer(UnitDrainer):

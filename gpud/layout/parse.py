@@ -86,7 +86,7 @@ class _CountingLoader(yaml.SafeLoader):
         super().__init__(stream)
         self.aliases = 0
 
-    def compose_node(self, parent, index):  # noqa: ANN001 - yaml's signature
+    def compose_node(self, parent, index):
         if self.check_event(yaml.AliasEvent):
             self.aliases += 1
         return super().compose_node(parent, index)

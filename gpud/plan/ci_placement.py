@@ -95,7 +95,7 @@ def place_cis(ci_profiles: Sequence[CiProfile], want: Sequence[int], existing: S
     found = best(0, 0, 0)
     if found is None:
         return None
-    placed = [(p, options[i][k][0]) for i, (p, k) in enumerate(zip(items, found[1]))]
+    placed = [(p, options[i][k][0]) for i, (p, k) in enumerate(zip(items, found[1], strict=True))]
     kept = sorted(at[pl].id for pl in placed if pl in at)
     create = tuple(sorted((p, s) for p, s in placed if (p, s) not in at))
     doomed = tuple(sorted(c.id for c in existing if c.id not in kept))

@@ -28,13 +28,13 @@ from msgspec import Struct
 from gpud import profiles
 from gpud.kubevirt_names import kubevirt_name, vgpu_resource
 from gpud.layout.names import device_name
+from gpud.layout.schema import WORKLOADS
 from gpud.model import CiProfile, Gpu, GpuInstance, MigProfile, NvmlGpu
 from gpud.vgpu_types import printed_name
 
 PREFIX = "nvidia.com/"
 GPU_RESOURCE = "nvidia.com/gpu"
 STATES = ("success", "pending", "failed", "rebooting")  # nvidia.com/mig.config.state's values
-WORKLOADS = ("container", "vm-passthrough", "vm-vgpu")
 STRATEGIES = ("mixed", "single")
 
 # gpud's own labels

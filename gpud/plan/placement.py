@@ -169,7 +169,7 @@ def solve(
     if found is None:
         raise Infeasible(_conflict(items, by_id, names, counts, where))
     out = []
-    for i, (s, k) in enumerate(zip(items, found[1])):
+    for i, (s, k) in enumerate(zip(items, found[1], strict=True)):
         pl, _, _, keep_id = options[i][k]
         out.append(Assignment(s, pl, keep_id))
     return out

@@ -350,7 +350,7 @@ def desired_tree(host_dir: str | os.PathLike, state: SimState) -> dict[str, tupl
                     for ci in gi.cis:
                         f(f"dev/nvidia-caps/nvidia-cap{cap_minor(gpu.minor, gi.id, ci.id)}", "", 0o444)
 
-    for device, (sysdir, n) in vfio_cdevs(state).items():  # iommufd: one cdev per vfio device
+    for sysdir, n in vfio_cdevs(state).values():  # iommufd: one cdev per vfio device
         d(f"sys/{sysdir}/vfio-dev")
         d(f"sys/{sysdir}/vfio-dev/vfio{n}")
         f(f"sys/{sysdir}/vfio-dev/vfio{n}/dev", f"{VFIO_CDEV_MAJOR}:{n}\n")

@@ -484,7 +484,7 @@ def setup(st: SimState, interface: str) -> None:
     it (a card without SR-IOV, e.g. T4, has only mdev; the RTX PRO 6000 Blackwell only vfio)."""
     if interface not in INTERFACES:
         raise ValueError(f"--vgpu {interface!r}: expected one of {', '.join(INTERFACES)}")
-    for address, gpu in st.gpus.items():
+    for address in st.gpus:
         model = vgpu_model(st, address)
         if model is not None:
             shown = interface if model.sriov else "mdev"

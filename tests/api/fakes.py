@@ -174,7 +174,7 @@ class ThreadedServer:
         asyncio.set_event_loop(self.loop)
         try:
             self.server = self.loop.run_until_complete(serve(self.handler, self.path, **self.kwargs))
-        except BaseException as e:  # surfaced by start()
+        except BaseException as e:  # noqa: BLE001 - surfaced by start()
             self._error = e
             self._ready.set()
             return

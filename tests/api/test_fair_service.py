@@ -76,6 +76,7 @@ async def daemon(tmp_path, sockdir):
     finally:
         passes.cancel()
         await asyncio.gather(passes, return_exceptions=True)
+        await Conn.close_all()
         await server.close()
         rig.close()
 
@@ -120,7 +121,7 @@ async def test_roots_reload_is_answered_while_members_checks_fill_the_queue(daem
         root.close()
     finally:
         release.set()
-    for c, rid in zip(members, sent):
+    for c, rid in zip(members, sent, strict=True):
         resp = await c.recv()
         assert resp.id == rid and resp.ok and resp.result["valid"]
         c.close()
@@ -143,7 +144,7 @@ async def test_a_member_flooding_checks_does_not_hold_back_another_members(daemo
         release.set()
     resp = await other.recv()
     assert resp.id == other_rid and resp.ok
-    for c, rid in zip(flood, sent):
+    for c, rid in zip(flood, sent, strict=True):
         assert (await c.recv()).id == rid
     assert order[0] == "flood-0.yaml" and order[1] == "other.yaml", order
 
@@ -169,7 +170,7 @@ async def test_applies_that_arrive_together_share_one_read_and_one_pass(daemon, 
     passes_before = rig.rec.passes
     clients = [await rig.open_as(0) for _ in range(40)]
     rids = [await c.send("apply", {"wait": True, "timeout": 60}) for c in clients]
-    for c, rid in zip(clients, rids):
+    for c, rid in zip(clients, rids, strict=True):
         resp = await c.recv()
         assert resp.id == rid and resp.ok and resp.result["converged"], resp
         c.close()

@@ -15,6 +15,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+from typing import ClassVar
 
 import msgspec
 import pytest
@@ -43,14 +44,30 @@ async def running(sockdir):
     handler = FakeHandler()
     server = await serve(handler, f"{sockdir}/gpud.sock", group=None)
     yield handler, server
+    await Conn.close_all()
     await server.close()
 
 
 class Conn:
+    """A client connection speaking the wire protocol. Every one opened is closed by the fixture
+    that started the server (close_all), also when the test failed half-way."""
+
+    opened: ClassVar[list[Conn]] = []
+
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.reader, self.writer = reader, writer
         self.frames = wire.FrameReader()
         self.next_id = 1
+        Conn.opened.append(self)
+
+    @classmethod
+    async def close_all(cls) -> None:
+        conns, cls.opened[:] = list(cls.opened), []
+        for c in conns:
+            c.writer.close()
+        for c in conns:
+            with contextlib.suppress(OSError):
+                await c.writer.wait_closed()
 
     @classmethod
     async def open(cls, path: str) -> Conn:

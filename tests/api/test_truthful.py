@@ -70,7 +70,7 @@ async def test_phase_and_states_say_what_is_true_now(rig):
     pci = r.rec.observation.gpus[0].pci
     # an edit, before the pass starts: the GPU is pending, not converged (the hardware: MIG still off)
     r.config.write_text(layout(mig([0], {"7g.80gb": 1})))
-    assert r.rec.reload("layout changed")
+    assert await r.rec.reload_async("layout changed")
     st = replies.status_reply(r.rec.view())
     assert st.phase == "pending" and st.gpus[0].state == "pending", st
     assert r.mig_mode(0) == 0
@@ -83,7 +83,7 @@ async def test_phase_and_states_say_what_is_true_now(rig):
     assert replies.status_reply(r.rec.view()).phase == "converged" and r.mig_mode(0) == 1
     # an invalid file: the top line says so, whatever the last pass concluded
     r.config.write_text("version: v1\nlayouts: [\n")
-    assert not r.rec.reload("layout changed")
+    assert not await r.rec.reload_async("layout changed")
     st = replies.status_reply(r.rec.view())
     assert st.phase == "invalid-layout" and not st.layout.valid
     assert st.gpus[0].state == "converged"  # the GPU itself still matches the last good layout
@@ -170,7 +170,7 @@ async def test_no_layout_in_force_is_not_starting(rig):
     `apply --wait` said `starting` (a pass is coming) for each."""
     r = rig("h100-80gb:2")
     r.config.write_text("version: v1\nlayouts: [\n")
-    assert not r.rec.reload("layout changed")
+    assert not await r.rec.reload_async("layout changed")
     await r.rec.converge()
     st = replies.status_reply(r.rec.view())
     assert st.phase == "invalid-layout"

@@ -27,6 +27,7 @@ def test_device_filter_and_policy_translate_to_mig_parteds_form():
 
 
 @pytest.mark.parametrize("sc", SCENARIOS, ids=[s.name for s in SCENARIOS])
+@pytest.mark.tools
 def test_mig_parted_accepts_every_translated_target(sc, tmp_path):
     tool, why = migparted_real.binary()
     if tool is None:

@@ -15,6 +15,7 @@ from gpud.api import wire, wire_replies
 from gpud.api.server import ApiError
 from gpud.cli import render
 from tests.api.fakes import GPU0_UUID, MIG_UUIDS, ThreadedServer
+from tests.support.processes import reap
 
 REPO = Path(__file__).resolve().parents[2]
 FIXTURES = REPO / "tests" / "fixtures" / "h200"
@@ -23,7 +24,10 @@ FIXTURES = REPO / "tests" / "fixtures" / "h200"
 def run(srv_or_path, *args: str, env: dict | None = None, stdin: str | None = None) -> subprocess.CompletedProcess:
     path = srv_or_path.path if isinstance(srv_or_path, ThreadedServer) else srv_or_path
     cmd = [sys.executable, "-m", "gpud.cli.gpudctl", *(["--socket", path] if path else []), *args]
-    full_env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
+    # the width is the test's to choose: not the terminal's the run inherited (pytest-xdist's
+    # workers have COLUMNS set), so piped output is the wide page unless `env` says otherwise
+    inherited = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
+    full_env = {**inherited, "PYTHONPATH": str(REPO), **(env or {})}
     return subprocess.run(cmd, capture_output=True, text=True, timeout=60, cwd=REPO, env=full_env, input=stdin)
 
 
@@ -205,8 +209,7 @@ def test_events_follow_until_interrupted(daemon):
         proc.send_signal(signal.SIGINT)
         assert proc.wait(30) == 0
     finally:
-        proc.kill()
-        proc.wait()
+        reap(proc)
 
 
 def test_events_follow_ends_with_3_when_the_daemon_goes(tmp_path):
@@ -222,8 +225,7 @@ def test_events_follow_ends_with_3_when_the_daemon_goes(tmp_path):
         assert proc.wait(30) == 3
         assert "closed the connection" in proc.stderr.read()
     finally:
-        proc.kill()
-        proc.wait()
+        reap(proc)
 
 
 def test_usage_errors_exit_2(daemon):

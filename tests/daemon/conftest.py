@@ -52,12 +52,17 @@ class Daemon:
         env.pop("NOTIFY_SOCKET", None)
         if notify_socket is not None:
             env["NOTIFY_SOCKET"] = notify_socket
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "gpud.daemon", "--sim", str(self.host), "--config", str(self.config),
-             "--socket", str(self.socket), "--state-dir", str(self.state_dir), *self.extra_args],
-            stdout=self.log.open(mode), stderr=subprocess.STDOUT, env=env, cwd=ROOT,
-        )
-        wait_until(lambda: self.ctl("version").returncode == 0 or self.proc.poll() is not None, what="gpud to answer")
+        with self.log.open(mode) as log:  # the child has its own descriptor of it
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "gpud.daemon", "--sim", str(self.host), "--config", str(self.config),
+                 "--socket", str(self.socket), "--state-dir", str(self.state_dir), *self.extra_args],
+                stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
+            )
+        try:
+            wait_until(lambda: self.ctl("version").returncode == 0 or self.proc.poll() is not None, what="gpud to answer")
+        except AssertionError:
+            self.stop()  # never left running past the test that started it
+            raise
         if self.proc.poll() is not None:
             raise AssertionError("gpud exited:\n" + self.log.read_text())
 

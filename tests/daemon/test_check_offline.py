@@ -9,8 +9,12 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from tests.daemon.conftest import ROOT
 from tests.scenarios.definitions import layout, mig
+
+pytestmark = pytest.mark.daemon
 
 FILES = {
     "feasible": layout(mig([0], {"1g.10gb": 4}), {"devices": [1], "workload": "vm-passthrough"}),

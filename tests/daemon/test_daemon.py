@@ -7,8 +7,12 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from tests.daemon.conftest import ROOT, wait_until
 from tests.scenarios.definitions import SEED, layout, mig
+
+pytestmark = pytest.mark.daemon
 
 EMPTY = "version: v1\nlayouts:\n  hands-off: []\n"
 

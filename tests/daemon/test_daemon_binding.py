@@ -6,9 +6,13 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from gpud.sim.kernel import unhang
 from tests.daemon.conftest import wait_until
 from tests.scenarios.definitions import layout
+
+pytestmark = pytest.mark.daemon
 
 PASS = layout({"devices": [0], "workload": "vm-passthrough"}, {"devices": [1], "workload": "container"})
 BACK = layout({"devices": [0, 1], "workload": "container"})

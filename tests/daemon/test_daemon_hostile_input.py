@@ -6,10 +6,15 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
+
+import pytest
 
 from gpud.sim.kernel import unhang
 from tests.daemon.conftest import wait_until
 from tests.scenarios.definitions import layout
+
+pytestmark = pytest.mark.daemon
 
 GOOD = layout({"devices": [0, 1], "mig-enabled": False})
 LIMIT = 512 * 1024  # the layout size limit the README states
@@ -105,8 +110,8 @@ def _helpers_of(host) -> list[int]:
         if not entry.isdigit():
             continue
         try:
-            cmd = open(f"/proc/{entry}/cmdline", "rb").read().split(b"\0")
-            state = open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()[0]
+            cmd = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
+            state = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[0]
         except OSError:
             continue
         if b"gpud.host.sysfs_writer" in cmd and str(host).encode() in cmd and state != "Z":

@@ -6,8 +6,12 @@ from __future__ import annotations
 import json
 import signal
 
+import pytest
+
 from tests.daemon.conftest import wait_until
 from tests.leases.rig import dynamic_layout
+
+pytestmark = pytest.mark.daemon
 
 
 def gis(d) -> list[tuple[int, int, list[str]]]:

@@ -10,8 +10,12 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 from gpud.sim.state import load
 from tests.daemon.conftest import ROOT, wait_until
+
+pytestmark = pytest.mark.daemon
 
 GPU0 = "0000:18:00.0"
 EMPTY = "version: v1\nlayouts:\n  hands-off: []\n"

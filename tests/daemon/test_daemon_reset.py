@@ -6,8 +6,12 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from tests.daemon.conftest import wait_until
 from tests.scenarios.definitions import layout, mig
+
+pytestmark = pytest.mark.daemon
 
 EMPTY = "version: v1\nlayouts:\n  hands-off: []\n"
 GPU0, GPU1 = "0000:18:00.0", "0000:2a:00.0"

@@ -6,8 +6,12 @@ from __future__ import annotations
 
 import subprocess
 
+import pytest
+
 from gpud.sim.state import load
 from tests.daemon.conftest import wait_until
+
+pytestmark = pytest.mark.daemon
 
 L40S = "0000:18:00.0"
 LAYOUT = """\

@@ -6,11 +6,15 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from gpud.sim.state import load
 from tests.daemon.conftest import wait_until
 from tests.daemon.test_daemon_sriov_manage import L40S
 from tests.daemon.test_daemon_sriov_manage import LAYOUT as VGPU
 from tests.scenarios.definitions import layout
+
+pytestmark = pytest.mark.daemon
 
 PASS = layout({"devices": [0], "workload": "vm-passthrough"})
 BACK = layout({"devices": [0], "workload": "container"})

@@ -7,10 +7,14 @@ import json
 import socket
 import time
 
+import pytest
+
 from gpud.sim import vgpu as sim_vgpu
 from gpud.sim.state import load, locked
 from gpud.sim.sysfs_tree import render
 from tests.daemon.conftest import wait_until
+
+pytestmark = pytest.mark.daemon
 
 L40S, T4 = "0000:18:00.0", "0000:2a:00.0"
 LAYOUT = """\

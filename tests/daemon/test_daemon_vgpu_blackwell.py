@@ -9,8 +9,12 @@ from __future__ import annotations
 import json
 from collections import Counter
 
+import pytest
+
 from gpud.sim import vgpu as sim_vgpu
 from gpud.sim.state import load
+
+pytestmark = pytest.mark.daemon
 
 RTX = "0000:18:00.0"
 LAYOUT = """\

@@ -7,7 +7,11 @@ import os
 import signal
 import subprocess
 
+import pytest
+
 from tests.daemon.conftest import ROOT, wait_until
+
+pytestmark = pytest.mark.daemon
 
 
 def _demo(d) -> subprocess.CompletedProcess:

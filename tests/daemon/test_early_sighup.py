@@ -10,9 +10,13 @@ import signal
 import subprocess
 import sys
 
+import pytest
+
 from gpud.sim import cli as simcli
 from tests.daemon.conftest import ROOT, wait_until
 from tests.scenarios.definitions import layout, mig
+
+pytestmark = pytest.mark.daemon
 
 CHILD = """
 import os, signal, sys

@@ -8,8 +8,12 @@ did from the simulator's call counters, not from gpud's status.
 
 from __future__ import annotations
 
+import pytest
+
 from tests.daemon.conftest import wait_until
 from tests.scenarios.definitions import layout, mig
+
+pytestmark = pytest.mark.daemon
 
 GPU0 = "0000:18:00.0"
 SEVEN = {"1g.10gb": 7}

@@ -5,8 +5,12 @@ steps with a per-GPU summary line first. A restart applies nothing either."""
 
 from __future__ import annotations
 
+import pytest
+
 from tests.daemon.conftest import wait_until
 from tests.scenarios.definitions import layout, mig
+
+pytestmark = pytest.mark.daemon
 
 GPU0 = "0000:18:00.0"
 MANUAL = {"apply": "manual"}

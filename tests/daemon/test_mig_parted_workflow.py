@@ -7,6 +7,10 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
+pytestmark = pytest.mark.daemon
+
 GPU0 = "0000:18:00.0"
 # NVIDIA's own config format (mig-parted examples/config.yaml shape): no `selected`
 MIG_PARTED = """version: v1

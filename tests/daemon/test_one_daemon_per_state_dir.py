@@ -7,8 +7,12 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from tests.daemon.conftest import ROOT
 from tests.scenarios.definitions import layout, mig
+
+pytestmark = pytest.mark.daemon
 
 
 def test_a_second_gpud_on_the_same_state_dir_refuses_naming_the_first(daemon, tmp_path):

@@ -8,7 +8,11 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from tests.scenarios.definitions import layout, mig
+
+pytestmark = pytest.mark.daemon
 
 GPU0, GPU1 = "0000:18:00.0", "0000:2a:00.0"
 

@@ -6,9 +6,13 @@ driver is read from the simulator's state file."""
 
 from __future__ import annotations
 
+import pytest
+
 from gpud.sim.kernel import unhang
 from tests.daemon.conftest import wait_until
 from tests.scenarios.definitions import layout, mig
+
+pytestmark = pytest.mark.daemon
 
 BOTH_CONTAINER = layout({"devices": [0, 1], "workload": "container"})
 BOTH_PASSTHROUGH = layout({"devices": [0, 1], "workload": "vm-passthrough"})

@@ -5,7 +5,11 @@ The UUID comes from the simulator's own state file, not from gpud."""
 
 from __future__ import annotations
 
+import pytest
+
 from tests.scenarios.definitions import layout
+
+pytestmark = pytest.mark.daemon
 
 GPU1 = "0000:2a:00.0"
 

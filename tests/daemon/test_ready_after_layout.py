@@ -8,7 +8,11 @@ from __future__ import annotations
 import socket
 import time
 
+import pytest
+
 from tests.scenarios.definitions import layout, mig
+
+pytestmark = pytest.mark.daemon
 
 GPU0 = "0000:18:00.0"
 

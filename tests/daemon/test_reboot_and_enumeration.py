@@ -10,8 +10,12 @@
 
 from __future__ import annotations
 
+import pytest
+
 from tests.daemon.conftest import wait_until
 from tests.scenarios.definitions import layout, mig
+
+pytestmark = pytest.mark.daemon
 
 GPU1 = "0000:2a:00.0"
 PASSTHROUGH = layout(mig([0], None), {"devices": [1], "workload": "vm-passthrough"})

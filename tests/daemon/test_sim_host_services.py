@@ -18,6 +18,8 @@ import pytest
 from tests.daemon.conftest import wait_until
 from tests.scenarios.definitions import layout, mig
 
+pytestmark = pytest.mark.daemon
+
 GPU0 = "0000:18:00.0"
 MIG_ON = layout(mig([0], {"7g.80gb": 1}), policy={"reboot": "allow", "drain-units": ["gpu-client.service"]})
 

@@ -7,10 +7,14 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from gpud import VERSION
 from gpud.api import wire
 from tests.daemon.conftest import ROOT
 from tests.scenarios.definitions import layout, mig
+
+pytestmark = pytest.mark.daemon
 
 GPU0, GPU1 = "0000:18:00.0", "0000:2a:00.0"
 

@@ -13,8 +13,12 @@ from __future__ import annotations
 import json
 import subprocess
 
+import pytest
+
 from tests.daemon.conftest import wait_until
 from tests.scenarios.definitions import layout, mig
+
+pytestmark = pytest.mark.daemon
 
 NO_BACKGROUND_READ = ("--status-max-age", "3600")
 

@@ -8,8 +8,12 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from tests.daemon.conftest import ROOT, wait_until
 from tests.scenarios.definitions import layout, mig
+
+pytestmark = pytest.mark.daemon
 
 GPU1 = "0000:2a:00.0"
 

@@ -26,7 +26,7 @@ try:
     PROTO = None
 except kubelet_plugin.ProtoMissing as e:
     PROTO = str(e)
-pytestmark = [pytest.mark.skipif(WHY is not None, reason=WHY or ""),
+pytestmark = [pytest.mark.apiserver, pytest.mark.skipif(WHY is not None, reason=WHY or ""),
               pytest.mark.skipif(PROTO is not None, reason=PROTO or ""),
               pytest.mark.skipif(have_openssl() is not None, reason=have_openssl() or "")]
 

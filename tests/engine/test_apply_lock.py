@@ -12,6 +12,7 @@ import sys
 import pytest
 
 from gpud.engine.apply_lock import ApplyLock, ApplyLockBusy, ApplyLockRefused
+from tests.support.processes import reap
 
 # Another gpud, as far as the lock goes: flock, then its record in gpud's format.
 HOLD = """
@@ -59,8 +60,7 @@ async def test_second_holder_waits_for_the_first(tmp_path):
         assert path.read_bytes() == f"gpud pid={os.getpid()}\n".encode()
         assert stat.S_IMODE(path.stat().st_mode) == 0o600
     finally:
-        other.kill()
-        other.wait()
+        reap(other)
 
 
 async def test_uncontended_lock_does_not_wait(tmp_path):
@@ -80,8 +80,7 @@ async def test_holder_text_not_in_gpuds_format_is_never_shown(tmp_path):
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
     finally:
-        other.kill()
-        other.wait()
+        reap(other)
 
 
 async def test_symlink_at_the_lock_path_is_refused_and_its_target_untouched(tmp_path):
@@ -166,5 +165,4 @@ def test_a_try_now_refuses_at_once_naming_the_holder(tmp_path):
                 pytest.fail("entered a lock another process holds")
         assert path.read_bytes() == f"gpud pid={other.pid}\n".encode()  # its record left alone
     finally:
-        other.kill()
-        other.wait()
+        reap(other)

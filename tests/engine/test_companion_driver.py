@@ -8,6 +8,7 @@ from __future__ import annotations
 from gpud.sim.state import load, locked
 from gpud.sim.sysfs_tree import render
 from tests.scenarios.harness import SimRig
+from tests.support.clock import SteppedClock
 
 GPU, AUDIO = "0000:18:00.0", "0000:18:00.1"
 CONTAINER = "version: v1\nlayouts:\n  a:\n    - {devices: all, workload: container}\n"
@@ -30,7 +31,8 @@ async def test_a_companion_left_on_no_driver_is_probed_back(tmp_path):
 
 
 async def test_a_companion_no_driver_takes_is_not_converged(tmp_path):
-    rig = SimRig(tmp_path, ("rtx6000-ada:1",))
+    clock = SteppedClock()  # the binder waits its full verify deadline for a driver that never comes
+    rig = SimRig(tmp_path, ("rtx6000-ada:1",), clock=clock)
     try:
         _unbind_audio(rig)
         with locked(rig.dir) as st:  # its driver is gone from the kernel: nothing can take it
@@ -40,5 +42,6 @@ async def test_a_companion_no_driver_takes_is_not_converged(tmp_path):
         st = rig.rec.gpu_states[GPU]
         assert load(rig.dir).functions[AUDIO].driver is None
         assert st.state != "converged" and AUDIO in st.message and "no driver" in st.message, st
+        assert clock.slept >= 10.0  # it waited out the binder's verify deadline, in no real time
     finally:
         rig.close()

@@ -203,8 +203,8 @@ hooks:
 """)
     assert parsed.ok, parsed.errors
     timeouts = []
-    real_timeout = hooks_mod.asyncio.timeout
-    monkeypatch.setattr(hooks_mod.asyncio, "timeout", lambda s: timeouts.append(s) or real_timeout(s))
+    real_timeout = hooks_mod.timeout
+    monkeypatch.setattr(hooks_mod, "timeout", lambda s: timeouts.append(s) or real_timeout(s))
     await HookRunner(parsed.layout.hooks, log=lines.append, output=lines.append).run("pre-apply-mode", info())
     assert "pre-apply-mode hook show.sh: first V" in lines
     assert timeouts[0] == hooks_mod.DEFAULT_TIMEOUT

@@ -13,6 +13,7 @@ import textwrap
 from gpud.sim.state import load
 from tests.scenarios.definitions import layout, mig
 from tests.scenarios.harness import SimRig
+from tests.support.processes import reap
 
 GPU0, GPU1 = "0000:18:00.0", "0000:2a:00.0"
 MIG_ON = layout(mig([0], {"7g.80gb": 1}))
@@ -80,8 +81,7 @@ async def test_another_processes_nvml_session_is_named_and_waited_for(tmp_path):
         assert rig.rec.gpu_states[GPU0].state == "converged", rig.rec.gpu_states[GPU0].message
         assert resets(rig) == {GPU0: {"nvidia-smi": 1}}
     finally:
-        p.kill()
-        p.wait()
+        reap(p)
         rig.close()
 
 

@@ -105,7 +105,7 @@ async def test_a_candidates_match_never_makes_gpud_trust_a_set_aside_map(tmp_pat
     rig = SimRig(tmp_path, ("h100-80gb:1", "a100-40gb:1"), state_dir=str(state))
     try:
         a, b = rig.rec.refresh().gpus
-        only_a = "match:\n  - {vendor: \"0x10de\", device: \"0x%04x\"}\n" % int(a.pci_id.split(":")[1], 16)
+        only_a = f"match:\n  - {{vendor: \"0x10de\", device: \"0x{int(a.pci_id.split(':')[1], 16):04x}\"}}\n"
         assert await rig.apply("version: v1\nlayouts:\n  a:\n    - {devices: all, mig-enabled: false}\n" + only_a)
         copy = json.loads((state / "gpu-index.prev.json").read_text())
         copy["gpus"] = [g for g in copy["gpus"] if g["pci"] == a.pci]  # as written when gpud saw A alone

@@ -55,10 +55,11 @@ class ReplayedDaemon:
         self.log = tmp / "gpud.log"
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         env.pop("NOTIFY_SOCKET", None)
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "gpud.daemon", "--sim", str(self.host), "--replay", str(PROBE), "--read-only",
-             "--config", str(self.config), "--socket", str(self.socket), "--state-dir", str(tmp / "state")],
-            stdout=self.log.open("w"), stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+        with self.log.open("w") as log:  # the child has its own descriptor of it
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "gpud.daemon", "--sim", str(self.host), "--replay", str(PROBE), "--read-only",
+                 "--config", str(self.config), "--socket", str(self.socket), "--state-dir", str(tmp / "state")],
+                stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
         wait_until(lambda: self.ctl("version").returncode == 0 or self.proc.poll() is not None, what="gpud to answer")
         if self.proc.poll() is not None:
             raise AssertionError("gpud exited:\n" + self.log.read_text())
@@ -99,12 +100,13 @@ def assert_has(real, got, where: str = "") -> None:
             assert_has(value, got[key], f"{where}.{key}")
     elif isinstance(real, list):
         assert isinstance(got, list) and len(got) == len(real), f"{where}: {got!r} != {real!r}"
-        for i, (r, g) in enumerate(zip(real, got)):
+        for i, (r, g) in enumerate(zip(real, got, strict=True)):
             assert_has(r, g, f"{where}[{i}]")
     else:
         assert got == real, f"{where}: replay printed {got!r}, the real run {real!r}"
 
 
+@pytest.mark.daemon
 def test_status_equals_the_real_runs(replayed):
     real = json.loads((CAP / "gpudctl-status.json").read_text())
     got = json.loads(replayed.ok("status", "--json"))
@@ -119,6 +121,7 @@ def test_status_equals_the_real_runs(replayed):
     assert_has(real, got, "status")
 
 
+@pytest.mark.daemon
 def test_mig_profiles_equal_the_real_run_and_nvidia_smi(replayed):
     got = replayed.ok("mig", "profiles")
     assert got == (CAP / "gpudctl-mig-profiles.txt").read_text()
@@ -126,12 +129,14 @@ def test_mig_profiles_equal_the_real_run_and_nvidia_smi(replayed):
     assert got == (PROBE_DIR / "nvidia-smi-mig-lgip.txt").read_text() + (PROBE_DIR / "nvidia-smi-mig-lgipp.txt").read_text()
 
 
+@pytest.mark.daemon
 def test_plan_equals_the_real_runs(replayed):
     real = json.loads((CAP / "gpudctl-plan.json").read_text())
     got = json.loads(replayed.ok("plan", "--json", str(replayed.candidate)))
     assert_has(real, got, "plan")
 
 
+@pytest.mark.daemon
 def test_version_names_the_captured_driver(replayed):
     assert json.loads(replayed.ok("version", "--json"))["driver"] == \
         json.loads((CAP / "gpudctl-version.json").read_text())["driver"]
@@ -228,6 +233,7 @@ def test_a_capture_that_would_need_invented_values_is_refused(tmp_path, edit, me
     assert str(bad) in str(e.value)
 
 
+@pytest.mark.daemon
 def test_simulated_h200_serves_what_the_real_one_did(tmp_path):
     d = Daemon(tmp_path, ["h200"], layout(mig([0], None)))
     try:

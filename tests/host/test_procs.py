@@ -5,8 +5,10 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 from gpud.host.procs import Procs
+from tests.support.processes import reap
 
 HOLD = "import sys; f = open(sys.argv[1], 'rb'); print('open', flush=True); sys.stdin.read()"
 
@@ -22,12 +24,13 @@ def test_holders_on_real_proc(tmp_path):
         assert child.stdout.readline() == "open\n"  # the file is open now
         procs = Procs("/proc", str(dev))
         found = procs.holders(["/dev/nvidia7", "/dev/nvidiactl"])
-        comm = open(f"/proc/{child.pid}/comm").read().strip()
+        comm = Path(f"/proc/{child.pid}/comm").read_text().strip()
         assert [(h.pid, h.name, h.device) for h in found] == [(child.pid, comm, "/dev/nvidia7")]
         assert procs.holders(["/dev/nvidiactl"]) == []
     finally:
-        child.stdin.close()
+        child.stdin.close()  # it exits
         child.wait(10)
+        reap(child)
     assert Procs("/proc", str(dev)).holders(["/dev/nvidia7"]) == []
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import errno
 import os
+import socket
 import stat
 import threading
 
@@ -151,9 +152,8 @@ def test_read_refuses_other_kinds(tmp_path, what):
     if what == "directory":
         p.mkdir()
     else:
-        import socket
-        s = socket.socket(socket.AF_UNIX)
-        s.bind(str(p))
+        with socket.socket(socket.AF_UNIX) as s:
+            s.bind(str(p))
     with pytest.raises(safe_file.UnsafeFile, match=f"a {what}"):
         safe_file.read_file(str(p), 65536)
 

@@ -12,6 +12,7 @@ import textwrap
 import time
 
 from gpud.host import deadline_write, writer_leftovers
+from tests.support.processes import reap
 
 PCI = "0000:fc:00.0"  # an address no other test uses: the stuck registry is per process
 REL = "bus/pci/drivers/nvidia/unbind"
@@ -59,8 +60,7 @@ def test_a_helper_dies_with_a_daemon_killed_by_sigkill(tmp_path):
         daemon.wait()
         _wait_for(lambda: not writer_leftovers._running(pid, "/proc"), "the helper to die with its daemon")
     finally:
-        daemon.kill()
-        daemon.wait()
+        reap(daemon)
         for pid, _, _ in _helpers(root):
             os.kill(pid, signal.SIGKILL)
 
@@ -84,8 +84,7 @@ def test_a_restart_ends_the_helpers_left_from_before(tmp_path):
         assert deadline_write.stuck_write_for(PCI) is None
     finally:
         for p in (left, other):
-            p.kill()
-            p.wait()
+            reap(p)
 
 
 def test_a_leftover_that_cannot_be_ended_keeps_its_device_waiting(tmp_path, monkeypatch):
@@ -103,5 +102,4 @@ def test_a_leftover_that_cannot_be_ended_keeps_its_device_waiting(tmp_path, monk
         left.wait()
         _wait_for(lambda: deadline_write.stuck_write_for(PCI) is None, "the registry to let the device go")
     finally:
-        left.kill()
-        left.wait()
+        reap(left)

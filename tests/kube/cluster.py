@@ -87,9 +87,9 @@ class DaemonSetController:
             try:
                 node = await self.client.get(Node, self.node)
                 await self._sync(node.metadata.labels or {})
-                async for _, node in self.client.watch(Node, fields={"metadata.name": self.node},
-                                                       resource_version=node.metadata.resourceVersion):
-                    await self._sync(node.metadata.labels or {})
+                async for _, changed in self.client.watch(Node, fields={"metadata.name": self.node},
+                                                          resource_version=node.metadata.resourceVersion):
+                    await self._sync(changed.metadata.labels or {})
             except Exception:  # noqa: BLE001 - the API server restarting: read again, as an informer does
                 await asyncio.sleep(0.2)
 
@@ -152,3 +152,5 @@ class EmulatorThread:
     def close(self) -> None:
         self.loop.call_soon_threadsafe(self._stop.set)
         self.thread.join(30)
+        if not self.thread.is_alive():
+            self.loop.close()

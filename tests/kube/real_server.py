@@ -133,12 +133,13 @@ class RealServer:
 
     def _start_etcd(self) -> None:
         peer = f"http://127.0.0.1:{self.peer_port}"
-        self.etcd = subprocess.Popen(
-            [self.bins["etcd"], "--name", "default", "--data-dir", str(self.dir / "etcd"),
-             "--listen-client-urls", self.etcd_url, "--advertise-client-urls", self.etcd_url,
-             "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
-             "--initial-cluster", f"default={peer}", "--unsafe-no-fsync", "--log-level", "warn"],
-            stdout=open(self.dir / "etcd.log", "ab"), stderr=subprocess.STDOUT, start_new_session=True)
+        with open(self.dir / "etcd.log", "ab") as log:  # the child has its own descriptor of it
+            self.etcd = subprocess.Popen(
+                [self.bins["etcd"], "--name", "default", "--data-dir", str(self.dir / "etcd"),
+                 "--listen-client-urls", self.etcd_url, "--advertise-client-urls", self.etcd_url,
+                 "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
+                 "--initial-cluster", f"default={peer}", "--unsafe-no-fsync", "--log-level", "warn"],
+                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         self._wait(lambda: json.loads(self._http(f"{self.etcd_url}/health")).get("health") == "true",
                    self.etcd, "etcd /health")
 
@@ -159,8 +160,8 @@ class RealServer:
                 "--etcd-compaction-interval=0",  # the tests compact etcd themselves, when they mean to
                 f"--cert-dir={self.dir / 'apiserver-certs'}", "--profiling=false",
                 f"--watch-cache={'true' if self.watch_cache else 'false'}"]
-        self.apiserver = subprocess.Popen(args, stdout=open(self.dir / "kube-apiserver.log", "ab"),
-                                          stderr=subprocess.STDOUT, start_new_session=True)
+        with open(self.dir / "kube-apiserver.log", "ab") as log:
+            self.apiserver = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         self._wait(lambda: self._http(f"{self.url}/readyz", token=ADMIN_TOKEN) == "ok", self.apiserver,
                    "kube-apiserver /readyz", limit=120)
 
@@ -275,7 +276,7 @@ class RealServer:
 
 
 
-def narrowed_role(server: "RealServer", kubeconfig: Path, name: str, rules) -> Path:
+def narrowed_role(server: RealServer, kubeconfig: Path, name: str, rules) -> Path:
     """The documented role (packaging/kube/gpud-rbac.yaml) with its rules passed through `rules`,
     applied under `name` and bound to an identity of its own: `kubeconfig` is written for it."""
     docs = [d for d in yaml.safe_load_all(RBAC_YAML.read_text()) if d]

@@ -6,8 +6,12 @@ Oracle: the simulator's own state file (what the hardware holds), with the API s
 
 from __future__ import annotations
 
+import pytest
+
 from tests.daemon.conftest import Daemon, wait_until
 from tests.kube.cluster import NODE, EmulatorThread, write_kubeconfig
+
+pytestmark = pytest.mark.daemon
 
 CONFIG, STATE = "nvidia.com/mig.config", "nvidia.com/mig.config.state"
 GPU0 = "0000:18:00.0"

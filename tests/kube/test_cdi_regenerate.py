@@ -11,7 +11,11 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from tests.daemon.conftest import Daemon, wait_until
+
+pytestmark = pytest.mark.daemon
 
 WHOLE = "version: v1\nlayouts:\n  l:\n    - devices: all\n      mig-enabled: false\n"
 MIG = """version: v1

@@ -17,6 +17,8 @@ from tests.kube.cluster import NODE, OPERATOR_NS, DaemonSet, DaemonSetController
 from tests.kube.real_cluster import KmockNode, LoopThread, RealNode
 from tests.kube.test_nfd_features import nfd_read
 
+pytestmark = pytest.mark.daemon
+
 DP = "nvidia.com/gpu.deploy.device-plugin"
 GFD = "nvidia.com/gpu.deploy.gpu-feature-discovery"
 DCGM = "nvidia.com/gpu.deploy.dcgm"
@@ -57,7 +59,7 @@ SETS = [
 ]
 
 
-@pytest.fixture(params=["kmock", "real"])
+@pytest.fixture(params=["kmock", pytest.param("real", marks=pytest.mark.apiserver)])
 def cluster(request, tmp_path):
     """The node on the API emulator or on a real kube-apiserver (gpud as the documented
     ServiceAccount), the DaemonSet controller stand-in running on it; yields (view, kubeconfig)."""

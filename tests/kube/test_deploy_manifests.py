@@ -214,6 +214,7 @@ API_PATHS = {"DaemonSet": "/apis/apps/v1/namespaces/{ns}/daemonsets",
              "DeviceClass": "/apis/resource.k8s.io/v1/deviceclasses"}
 
 
+@pytest.mark.apiserver
 @pytest.mark.parametrize("path", MANIFESTS, ids=lambda p: str(p.relative_to(REPO)))
 def test_real_apiserver_accepts_each_manifest_in_a_dry_run(real_server, path):
     """A server-side dry run (dryRun=All): the server's own validation and admission, nothing

@@ -10,9 +10,13 @@ import os
 import subprocess
 from pathlib import Path
 
+import pytest
+
 from gpud.host import nfd
 from tests.daemon.conftest import Daemon, wait_until
 from tests.kube.test_nfd_features import nfd_read
+
+pytestmark = pytest.mark.daemon
 
 REPO = Path(__file__).resolve().parents[2]
 LAYOUT = "version: v1\nlayouts:\n  whole:\n    - devices: all\n      mig-enabled: false\n"

@@ -30,6 +30,7 @@ def test_from_cluster(labels, flags, want):
     assert from_cluster(labels, **{"label_set": None, "mig_strategy": None, **flags}) == want
 
 
+@pytest.mark.daemon
 def test_daemon_follows_gfd_and_the_mig_strategy_of_the_node(tmp_path):
     emu = EmulatorThread()
     features = tmp_path / "features.d"

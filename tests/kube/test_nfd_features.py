@@ -7,6 +7,7 @@ getFileContent, parseFeatureFile, updateFeatures) and shares no code with gpud's
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 
@@ -24,7 +25,7 @@ def nfd_read(directory: str) -> dict[str, str]:
         path = os.path.join(directory, name)
         if not os.path.isfile(path) or os.path.getsize(path) > MAX_FEATURE_FILE_SIZE:
             continue
-        for raw in open(path, "rb").read().split(b"\n"):
+        for raw in Path(path).read_bytes().split(b"\n"):
             line = raw.decode().strip()
             if not line or line.startswith("#"):
                 continue
@@ -75,7 +76,7 @@ def test_replaced_through_a_dotfile_rename(tmp_path, monkeypatch):
         # at the moment of the rename NFD still sees the complete old file, and the new bytes sit
         # in a file NFD ignores (the rename is relative to the directory's descriptor)
         src_dir = os.readlink(f"/proc/self/fd/{src_dir_fd}")
-        seen.append((src_dir, src, nfd_read(str(d)), open(os.path.join(src_dir, src)).read()))
+        seen.append((src_dir, src, nfd_read(str(d)), Path(src_dir, src).read_text()))
         real_rename(src, dst, src_dir_fd=src_dir_fd, dst_dir_fd=dst_dir_fd)
 
     monkeypatch.setattr(os, "rename", spy)

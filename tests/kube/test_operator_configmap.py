@@ -108,6 +108,7 @@ def _kube_daemon(tmp_path, emu, text):
                                                          "--nfd-features", str(tmp_path / "none" / "gpud")])
 
 
+@pytest.mark.daemon
 def test_nvidias_default_config_unchanged_is_gpuds_layout_file(tmp_path, emulator):
     _node(emulator, {CONFIG: "all-1g.10gb"})
     d = _kube_daemon(tmp_path, emulator, (FIXTURES / "config-default.yaml").read_text())
@@ -124,6 +125,7 @@ def test_nvidias_default_config_unchanged_is_gpuds_layout_file(tmp_path, emulato
     assert d.proc.returncode == 0, d.log.read_text()
 
 
+@pytest.mark.daemon
 def test_operators_all_disabled_works_when_the_file_lacks_it(tmp_path, emulator):
     _node(emulator, {CONFIG: "half"})
     d = _kube_daemon(tmp_path, emulator, WITHOUT_ALL_DISABLED)

@@ -43,6 +43,8 @@ from tests.kube.test_kube_agent import (
     _changes,
 )
 
+pytestmark = pytest.mark.apiserver
+
 GPUD_USER = "system:serviceaccount:kube-system:gpud"
 CHANGE = Impact(changed=("0000:18:00.0",), container=("0000:18:00.0",))
 

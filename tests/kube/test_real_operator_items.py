@@ -15,6 +15,8 @@ import json
 import urllib.parse
 from pathlib import Path
 
+import pytest
+
 from gpud.engine.kube.agent import LAST_ERROR, MIG_CONFIG, MIG_STATE, VGPU_CONFIG, VGPU_STATE, WORKLOAD_CONFIG, Impact
 from tests.daemon.conftest import Daemon, wait_until
 from tests.kube.cluster import NODE, OPERATOR_NS, PAUSE_IMAGE, DaemonSetController, client_for
@@ -27,6 +29,8 @@ from tests.kube.test_operator_configmap import FIXTURES, WITHOUT_ALL_DISABLED
 from tests.kube.test_real_apiserver import RealEngine, _agent, _seed, _until_true, running
 from tests.kube.test_workload_config import LAYOUT as WORKLOAD_LAYOUT
 from tests.kube.test_workload_config import PASSTHROUGH_SERVED
+
+pytestmark = pytest.mark.apiserver
 
 GPU0, GPU1 = "0000:18:00.0", "0000:2a:00.0"
 CHANGE = Impact(changed=(GPU0,), container=(GPU0,))
@@ -52,6 +56,7 @@ def _stop(d: Daemon) -> None:
     assert d.proc.returncode == 0, d.log.read_text()
 
 
+@pytest.mark.daemon
 def test_item0_nvidias_configmap_unchanged_label_selects(tmp_path, real_node):
     """mig-manager's default ConfigMap (no `selected`, many entries) as gpud's layout file: the node
     label selects. Fails if a file without `selected` is refused under --kube-node (no state label is
@@ -71,6 +76,7 @@ def test_item0_nvidias_configmap_unchanged_label_selects(tmp_path, real_node):
     assert _changes(node.history(), MIG_STATE) == [None, "pending", "success", "pending", "success"]
 
 
+@pytest.mark.daemon
 def test_item1_operators_all_disabled_on_a_file_without_it(tmp_path, real_node):
     """The operator sets mig.config=all-disabled by itself; the file has no such entry. Fails if
     gpud does not treat all-disabled as MIG off on every GPU (state failed, "no layout named")."""
@@ -89,6 +95,7 @@ def test_item1_operators_all_disabled_on_a_file_without_it(tmp_path, real_node):
         _stop(d)
 
 
+@pytest.mark.daemon
 def test_item2_workload_config_from_the_layout(tmp_path, real_node):
     """gpu.workload.config follows the layout when its GPUs serve one workload; a mixed layout leaves
     the operator's value and says what is not served. Fails if gpud stops writing either label."""
@@ -111,6 +118,7 @@ def test_item2_workload_config_from_the_layout(tmp_path, real_node):
     assert _changes(node.history(), WORKLOAD_CONFIG) == [None, "container", "vm-passthrough"]
 
 
+@pytest.mark.daemon
 def test_item3_gfd_and_the_mig_strategy_from_the_node(tmp_path, real_node):
     """While GFD is deployed gpud writes only its own labels, with the node's mig.strategy; once the
     node says GFD is off, GFD's labels too. Fails if gpud keeps its `all`/`mixed` defaults under

@@ -58,6 +58,7 @@ def test_mixed_message_names_the_missing_operands():
                                     PASSTHROUGH_SERVED: "false", "nvidia.com/gpud.workload.vm-vgpu.served": None}
 
 
+@pytest.mark.daemon
 def test_daemon_sets_the_workload_config_and_says_what_a_mixed_layout_leaves_unserved(tmp_path):
     emu = EmulatorThread()
     try:

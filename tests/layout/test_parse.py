@@ -844,7 +844,7 @@ def test_normalize_pci(text: str, expected: str | None) -> None:
 def test_a_bug_becomes_an_issue_not_a_crash(monkeypatch: pytest.MonkeyPatch) -> None:
     from gpud.layout import parse as parse_module
 
-    def boom(self, root, top):  # noqa: ANN001, ANN202
+    def boom(self, root, top):
         raise KeyError("x")
 
     monkeypatch.setattr(parse_module._Parser, "layout", boom)

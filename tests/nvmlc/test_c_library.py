@@ -16,11 +16,14 @@ import time
 from pathlib import Path
 
 import pynvml
+import pytest
 
 from gpud.sim.nvmlc import build
 from gpud.sim.state import load
 from tests.nvmlc.conftest import probe
 from tests.sim.test_fidelity_h200 import parse_lgip
+
+pytestmark = pytest.mark.tools
 
 FIX = Path(__file__).resolve().parents[1] / "fixtures" / "h200"
 REAL = json.loads((FIX / "nvml-and-files.json").read_text())

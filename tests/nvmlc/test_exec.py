@@ -18,6 +18,7 @@ REAL = json.loads((Path(__file__).resolve().parents[1] / "fixtures" / "h200" / "
 root_only = pytest.mark.skipif(os.geteuid() != 0, reason="the mount namespace needs root")
 
 
+@pytest.mark.tools
 def test_exit_status_path_and_library_path(sim_dir, nvml_so):
     host = sim_dir("h200")
     res = gpud_sim_exec(host, "sh", "-c", 'echo "$PATH"; echo "$LD_LIBRARY_PATH"; echo "$GPUD_SIM_DIR"; '
@@ -28,12 +29,14 @@ def test_exit_status_path_and_library_path(sim_dir, nvml_so):
     assert ld.split(":")[0] == str(nvml_so.parent) and sim == str(host)
 
 
+@pytest.mark.tools
 def test_a_missing_command_is_127(sim_dir, nvml_so):
     res = gpud_sim_exec(sim_dir("h200"), "/nonexistent/tool")
     assert res.returncode == 127 and "/nonexistent/tool" in res.stderr
 
 
 @root_only
+@pytest.mark.tools
 def test_the_simulated_files_stand_where_the_tools_read_them(sim_dir, nvml_so):
     host = sim_dir("h200:2", mig_on=[1])
     script = ("ls /sys/bus/pci/devices; echo ==; cat /sys/bus/pci/devices/0000:18:00.0/resource; echo ==; "
@@ -76,6 +79,7 @@ def test_proc_modules_lists_nvidia_as_the_real_host_does(sim_dir):
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="the mount namespace needs root")
+@pytest.mark.tools
 def test_a_program_under_exec_reads_the_hosts_proc_modules_and_its_own_proc(sim_dir, nvml_so):
     """mig-parted refuses to apply unless /proc/modules lists nvidia. On a kernel without module
     support (no /proc/modules at all, as on this project's CI machine) nothing can be bound over
@@ -91,6 +95,7 @@ def test_a_program_under_exec_reads_the_hosts_proc_modules_and_its_own_proc(sim_
     assert "nvidia-caps" in driver
 
 
+@pytest.mark.tools
 def test_without_the_namespace_the_real_sys_stays(sim_dir, nvml_so):
     host = sim_dir("h200")
     res = gpud_sim_exec(host, "sh", "-c", "ls /sys/bus/pci/devices", namespace=False)
@@ -98,6 +103,7 @@ def test_without_the_namespace_the_real_sys_stays(sim_dir, nvml_so):
     assert sorted(res.stdout.split()) == sorted(os.listdir("/sys/bus/pci/devices"))
 
 
+@pytest.mark.tools
 def test_a_tools_nvml_calls_are_counted(goprobe, sim_dir, nvml_so):
     from gpud.sim.host_exec import run_counted
 

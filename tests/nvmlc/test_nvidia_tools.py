@@ -23,6 +23,8 @@ from gpud.sim.state import load
 from tests.daemon.conftest import Daemon, wait_until
 from tests.nvmlc.conftest import gpud_sim_exec
 
+pytestmark = pytest.mark.tools
+
 ANCHORS = Path(os.environ.get("GPUD_ANCHORS", "/var/cache/gpud-anchors"))
 CONFIGS = Path(__file__).resolve().parents[1] / "fixtures" / "mig-parted"
 # GFD labels gpud does not write, and why (docs/kubernetes.md lists the same).

@@ -19,6 +19,8 @@ import pytest
 from tests.nvmlc import nvml_diff
 from tests.nvmlc.conftest import gpud_sim_exec
 
+pytestmark = pytest.mark.tools
+
 ROOT = Path(__file__).resolve().parents[2]
 REAL = ROOT / "tests/fixtures/h200/2026-12-04/nvml-real.json"
 DOC = ROOT / "docs/hardware/nvml-h200-diff.md"

@@ -8,7 +8,7 @@ with the solver's search but the objective's definition.
 from __future__ import annotations
 
 from collections import Counter
-from functools import lru_cache
+from functools import cache
 
 import pytest
 from hypothesis import HealthCheck, event, given, settings
@@ -27,7 +27,7 @@ SETTINGS = settings(derandomize=True, max_examples=200, deadline=None,
 
 
 # ---- brute force -------------------------------------------------------------------------------
-@lru_cache(maxsize=None)
+@cache
 def layouts(model: str) -> dict[tuple[tuple[int, int], ...], list[tuple[tuple[int, Placement], ...]]]:
     """Every layout of the model (respecting instance counts), indexed by its profile multiset."""
     profiles = MODELS[model].profiles
@@ -87,7 +87,7 @@ def brute_best(model: str, specs: list[GiSpec], existing: list[ExistingGi]) -> i
         for pid in {p for p, _ in lay}:
             slots = [pl for p, pl in lay if p == pid]
             mine = tuple(sorted(s for s in specs if s.profile_id == pid))
-            total += max(sum(score(s, at.get((pid, pl))) for s, pl in zip(perm, slots))
+            total += max(sum(score(s, at.get((pid, pl))) for s, pl in zip(perm, slots, strict=True))
                          for perm in distinct_perms(mine))
         best = total if best is None or total > best else best
     return best

@@ -12,8 +12,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.qualify.capture_oracle import names, placements
 from tests.qualify.conftest import CONFIRM, MUTATING, ROOT, checks, hardware_state, qualify, sim, state
+
+pytestmark = pytest.mark.daemon
 
 H200 = ROOT / "tests" / "fixtures" / "h200"
 

@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from tests.qualify.conftest import checks, qualify, sim, state
+
+pytestmark = pytest.mark.daemon
 
 
 def test_persistence_kind_vf_tool_and_fabric_manager(tmp_path):

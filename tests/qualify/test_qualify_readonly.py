@@ -15,8 +15,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.qualify.capture_oracle import placements
 from tests.qualify.conftest import MUTATING, ROOT, checks, hardware_state, qualify, sim, state
+
+pytestmark = pytest.mark.daemon
 
 CAPTURES = ROOT / "tests" / "fixtures" / "captures"
 H200 = ROOT / "tests" / "fixtures" / "h200"

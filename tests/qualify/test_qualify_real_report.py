@@ -1,20 +1,17 @@
 """The report `scripts/gpu-qualify-capture` saved on the lent H200 host, compared with what was
 captured beside it on that host (its nvidia-smi -q, the before/after snapshots) and with the H200
-replay's report. Skipped until the coordinator has committed the real run's files."""
+replay's report."""
 
 from __future__ import annotations
 
 import json
 import re
 
-import pytest
-
 from tests.qualify.capture_oracle import placements
 from tests.qualify.conftest import ROOT, checks
 
 FIX = ROOT / "tests" / "fixtures" / "h200-qualify"
 REPORT = FIX / "report.txt.json"
-pytestmark = pytest.mark.skipif(not REPORT.exists(), reason="the real host's report is not committed yet")
 
 
 def test_real_run_changed_nothing_and_agrees_with_nvidia_smi():

@@ -13,7 +13,7 @@ import pynvml
 from gpud import sim
 from gpud.engine.apply_lock import ApplyLock
 from gpud.engine.events import EventBus
-from gpud.engine.ports import Hardware
+from gpud.engine.ports import Clock, Hardware, SystemClock
 from gpud.engine.reconciler import Reconciler
 from gpud.host.deadline_write import DeadlineSysfs
 from gpud.host.nvidia_smi import GpuReset
@@ -61,7 +61,8 @@ class _Resets:
 
 class SimRig:
     def __init__(self, tmp: Path, gpus: tuple[str, ...], *, nvswitch: bool = False, persistence: str = "legacy",
-                 fabric_manager: str = "running", persistenced_socket: str = "reachable", **reconciler_kw) -> None:
+                 fabric_manager: str = "running", persistenced_socket: str = "reachable", clock: Clock | None = None,
+                 **reconciler_kw) -> None:
         self.dir = tmp / "host"
         simcli.create(self.dir, list(gpus), nvswitch=nvswitch, persistence=persistence, fabric_manager=fabric_manager,
                       persistenced_socket=persistenced_socket)
@@ -78,6 +79,7 @@ class SimRig:
             vgpu=VgpuSysfs(sysfs, procs, names_file=names_path(state_dir)),
             reset=GpuReset(str(self.dir / "bin" / "nvidia-smi"),
                            sysfs=DeadlineSysfs(sysfs, reconciler_kw.get("binder_timeout", 30.0))),
+            clock=clock or SystemClock(),
         )
         self.hw.nvml.open()
         self.bus = EventBus()

@@ -108,7 +108,7 @@ def test_creation_order_without_placements_gives_the_captured_ids(sim_host):
         for index in (0, 1):
             h = N.nvmlDeviceGetHandleByIndex(index)
             gis = [N.nvmlDeviceCreateGpuInstance(h, pid) for pid, _ in want_gis]
-            got = [(pid, N.nvmlGpuInstanceGetInfo(gi).id) for (pid, _), gi in zip(want_gis, gis)]
+            got = [(pid, N.nvmlGpuInstanceGetInfo(gi).id) for (pid, _), gi in zip(want_gis, gis, strict=True)]
             by_id = {N.nvmlGpuInstanceGetInfo(gi).id: gi for gi in gis}
             ci_ids = [(gid, N.nvmlComputeInstanceGetInfo(N.nvmlGpuInstanceCreateComputeInstance(by_id[gid], 0)).id)
                       for gid, _ in want_cis if gid in by_id]

@@ -201,7 +201,7 @@ def _blocking_unbind(host, drv, addr, release):
     def run():
         try:
             s.write(f"bus/pci/drivers/{drv}/unbind", addr)
-        except Exception as e:  # pragma: no cover - reported below
+        except Exception as e:  # noqa: BLE001 - pragma: no cover - reported below
             errors.append(e)
 
     t = threading.Thread(target=run, daemon=True)

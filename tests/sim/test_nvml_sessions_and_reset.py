@@ -21,6 +21,7 @@ from gpud.sim.cli import create, hold
 from gpud.sim.cli import main as sim_main
 from gpud.sim.kernel import Store
 from gpud.sim.state import load, locked
+from tests.support.processes import reap
 
 GPU0, GPU1 = "0000:18:00.0", "0000:2a:00.0"
 
@@ -52,8 +53,7 @@ def nvml_holder():
 
     yield start
     for p in started:
-        p.kill()
-        p.wait()
+        reap(p)
 
 
 def nvidia_smi(host_dir, *args: str) -> subprocess.CompletedProcess:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+from pathlib import Path
 
 import pytest
 
@@ -282,7 +283,7 @@ def test_hold_names_mdevs_and_vfs(vfio_host, capsys) -> None:
     fs = sysfs(vfio_host)
     fs.write(f"bus/pci/devices/{T4}/mdev_supported_types/nvidia-232/create", MDEV_UUID)
     assert main(["hold", str(vfio_host), MDEV_UUID.upper(), "--pid", "31337", "--vm", "win-7"]) == 0
-    procs = json.loads(open(os.path.join(vfio_host, "state.json")).read())["processes"]
+    procs = json.loads(Path(vfio_host, "state.json").read_text())["processes"]
     assert procs == [{"pid": 31337, "name": "qemu-system-x86", "device": MDEV_UUID, "used_mb": 256, "real": False,
                       "vm": "win-7", "cdev": False}]
 
@@ -340,7 +341,7 @@ def test_clear_for_reboot_drops_vfs_vgpus_and_their_vms(vfio_host) -> None:
     with locked(vfio_host) as st:
         sim_vgpu.clear_for_reboot(st)
         render(vfio_host, st)
-    raw = json.loads(open(os.path.join(vfio_host, "state.json")).read())
+    raw = json.loads(Path(vfio_host, "state.json").read_text())
     assert all(v["vfs"] == [] and v["mdevs"] == [] for v in raw["vgpu"].values())
     assert vf not in raw["functions"] and L40S in raw["functions"]
     assert [(p["pid"], p["device"]) for p in raw["processes"]] == [(4444, H200)]

@@ -13,7 +13,7 @@ def check(results, name, fn):
     try:
         fn()
         results[name] = "ok"
-    except Exception as e:  # the error is the result
+    except Exception as e:  # noqa: BLE001 - the error is the result
         results[name] = f"{type(e).__name__}: {e}"
 
 

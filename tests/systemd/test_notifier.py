@@ -32,13 +32,27 @@ def manager(tmp_path):
     s.close()
 
 
+@pytest.fixture
+def notifier():
+    """Notifier(env), closed at the end of the test (it keeps its socket once it has sent)."""
+    made: list[Notifier] = []
+
+    def make(env: dict[str, str]) -> Notifier:
+        made.append(Notifier(env))
+        return made[-1]
+
+    yield make
+    for n in made:
+        n.close()
+
+
 def recv(s: socket.socket) -> list[str]:
     return s.recv(4096).decode().split("\n")
 
 
-def test_messages(manager):
+def test_messages(manager, notifier):
     path, s = manager
-    n = Notifier({"NOTIFY_SOCKET": path})
+    n = notifier({"NOTIFY_SOCKET": path})
     assert n.enabled
     assert n.ready("2 GPUs: 2 converged")
     assert recv(s) == ["READY=1", "STATUS=2 GPUs: 2 converged"]
@@ -59,13 +73,13 @@ def test_messages(manager):
     assert key == "MONOTONIC_USEC" and before <= int(usec) <= after
 
 
-def test_abstract_socket_and_unset():
+def test_abstract_socket_and_unset(notifier):
     s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     name = f"gpud-test-{os.getpid()}"
     s.bind("\0" + name)
     s.settimeout(10)
     try:
-        assert Notifier({"NOTIFY_SOCKET": "@" + name}).ready()
+        assert notifier({"NOTIFY_SOCKET": "@" + name}).ready()
         assert s.recv(100) == b"READY=1"
     finally:
         s.close()
@@ -73,19 +87,19 @@ def test_abstract_socket_and_unset():
     assert not off.enabled and off.ready() is False and off.watchdog() is False and off.barrier() is False
 
 
-def test_send_failure_is_reported_not_raised(tmp_path):
-    assert Notifier({"NOTIFY_SOCKET": str(tmp_path / "gone")}).ready() is False
+def test_send_failure_is_reported_not_raised(tmp_path, notifier):
+    assert notifier({"NOTIFY_SOCKET": str(tmp_path / "gone")}).ready() is False
 
 
-def test_barrier_waits_for_the_manager_to_close_the_fd(manager):
+def test_barrier_waits_for_the_manager_to_close_the_fd(manager, notifier):
     path, s = manager
-    n = Notifier({"NOTIFY_SOCKET": path})
+    n = notifier({"NOTIFY_SOCKET": path})
     seen = []
 
     def fake_manager():
         msg, anc, _, _ = s.recvmsg(100, socket.CMSG_SPACE(4))
         fds = array.array("i")
-        for level, typ, data in anc:
+        for _level, _type, data in anc:
             fds.frombytes(data[: len(data) - len(data) % fds.itemsize])
         seen.append((msg, list(fds)))
         for fd in fds:
@@ -133,6 +147,7 @@ def test_listen_socket_from_socket_activation(tmp_path):
     finally:
         p.terminate()
         p.wait(10)
+        p.stderr.close()
     assert sd_notify.listen_socket({}) is None
     assert sd_notify.listen_socket({"LISTEN_PID": "1", "LISTEN_FDS": "1"}) is None
 

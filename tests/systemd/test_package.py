@@ -128,3 +128,26 @@ def test_sandbox_allows_what_gpud_needs_and_nothing_it_does_not(installed):
     for k, v in free.items():
         if k not in ("af-inet", "write-etc-gpud", "write-usr") and v == "ok":
             assert confined[k] == "ok", (k, confined[k])
+
+
+def test_the_deb_has_md5sums_a_real_maintainer_its_license_and_no_stray_scripts(deb_path, tmp_path):
+    """Issue 29 item 16: what dpkg and lintian look at, read from the built .deb by dpkg-deb."""
+    import subprocess
+
+    def deb(*args: str) -> str:
+        return subprocess.run(["dpkg-deb", *args, str(deb_path)], capture_output=True, text=True, check=True).stdout
+
+    control = deb("--field")
+    maintainer = next(ln.split(": ", 1)[1] for ln in control.splitlines() if ln.startswith("Maintainer: "))
+    assert re.fullmatch(r"[^<>]+ <[^@<>\s]+@[^@<>\s]+>", maintainer) and "localhost" not in maintainer, maintainer
+    subprocess.run(["dpkg-deb", "-R", str(deb_path), str(tmp_path / "x")], check=True)
+    shipped = sorted(str(p.relative_to(tmp_path / "x")) for p in (tmp_path / "x").rglob("*")
+                     if p.is_file() and not p.is_symlink() and "DEBIAN" not in p.parts)
+    listed = (tmp_path / "x" / "DEBIAN" / "md5sums").read_text().splitlines()
+    assert sorted(ln.split("  ", 1)[1] for ln in listed) == shipped
+    check = subprocess.run(["md5sum", "--check", "--quiet", str(tmp_path / "x" / "DEBIAN" / "md5sums")],
+                           cwd=tmp_path / "x", capture_output=True, text=True)
+    assert check.returncode == 0, check.stdout + check.stderr
+    assert (tmp_path / "x" / "usr/share/doc/gpud/LICENSE").read_text().lstrip().startswith("Apache License")
+    bins = sorted(p.name for p in (tmp_path / "x" / "opt/gpud/bin").iterdir())
+    assert [b for b in bins if not (b in ("gpud", "gpudctl", "gpud-sim") or b.startswith("python"))] == [], bins

@@ -7,7 +7,7 @@ audio function), 0000:00:11.0 e1000 (alone). The layout's `match:` makes gpud ma
 Each phase is independent (one failing does not hide the others) and bounded in time.
 """
 
-# ruff: noqa: ASYNC220, ASYNC230, SIM115  (guest harness: instant /proc reads, one short-lived child)
+
 from __future__ import annotations
 
 import asyncio

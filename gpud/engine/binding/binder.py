@@ -31,6 +31,7 @@ from typing import TypeVar
 
 from msgspec import Struct
 
+from gpud.engine.ports import Clock, SystemClock
 from gpud.host.deadline_write import WriteFailed, WriteStuck, stuck_writes, write_with_deadline
 from gpud.host.kmsg import read_text
 from gpud.host.readonly import ReadOnlyError, refuse_if
@@ -67,14 +68,14 @@ class _BindingRun:
     """One execution of one binding plan: its steps done so far and the unbindLocks it holds."""
 
     def __init__(self, sysfs, procs, plan: binding.BindingPlan, *, before_unbind, timeout, verify_timeout, dev_root,
-                 check_holders, kmsg, sleep, on_step) -> None:
+                 check_holders, kmsg, clock: Clock, on_step) -> None:
         self.sysfs, self.procs, self.plan = sysfs, procs, plan
         self.before_unbind = before_unbind
         self.timeout, self.verify_timeout = timeout, verify_timeout
         self.dev_root = dev_root
         self.check_holders = check_holders
         self.kmsg = kmsg
-        self.sleep = sleep
+        self.clock = clock
         self.on_step = on_step
         self.done: list[str] = []
         self.nvml_closed = False
@@ -149,14 +150,14 @@ class _BindingRun:
 
     def wait_until(self, cond: Callable[[], bool]) -> bool:
         """Bounded re-check with exponential backoff: probes and udev may finish asynchronously."""
-        deadline = time.monotonic() + self.verify_timeout
+        deadline = self.clock.monotonic() + self.verify_timeout
         delay = 0.005
         while True:
             if cond():
                 return True
-            if time.monotonic() >= deadline:
+            if self.clock.monotonic() >= deadline:
                 return cond()
-            self.sleep(min(delay, max(0.0, deadline - time.monotonic())))
+            self.clock.sleep(min(delay, max(0.0, deadline - self.clock.monotonic())))
             delay = min(delay * 2, 0.25)
 
     def step(self, s: binding.BindStep) -> None:
@@ -301,7 +302,7 @@ def execute(
     dev_root: str | None = None,
     check_holders: bool = True,
     kmsg: str = "/dev/kmsg",
-    sleep: Callable[[float], None] = time.sleep,
+    clock: Clock | None = None,
     on_step: Callable[[binding.BindStep, str], None] | None = None,
 ) -> BindOutcome:
     """Carry out `plan`; returns converged / waiting(holders) / failed(reason) / stuck(reason).
@@ -324,7 +325,7 @@ def execute(
     if not plan.steps:
         return BindOutcome(pci, CONVERGED, "already in place")
     run = _BindingRun(sysfs, procs, plan, before_unbind=before_unbind, timeout=timeout, verify_timeout=verify_timeout,
-               dev_root=dev_root, check_holders=check_holders, kmsg=kmsg, sleep=sleep, on_step=on_step)
+               dev_root=dev_root, check_holders=check_holders, kmsg=kmsg, clock=clock or SystemClock(), on_step=on_step)
     pre = binding.BindStep("preflight", pci=pci)
     for s in (pre, *plan.steps):
         try:
@@ -353,7 +354,7 @@ def execute(
             run.release_locks()  # an unbindLock left taken would refuse every new open of the GPU
             return BindOutcome(pci, FAILED, f"{s}: {describe_error(e)}",
                                done=tuple(run.done), step=str(s), errno=e.errno)
-        except Exception as e:  # e.g. before_unbind (closing our NVML session) failed
+        except Exception as e:  # noqa: BLE001 - e.g. before_unbind (closing our NVML session) failed
             run.release_locks()
             return BindOutcome(pci, FAILED, f"{s}: {type(e).__name__}: {e}", done=tuple(run.done), step=str(s))
         run.done.append(str(s))

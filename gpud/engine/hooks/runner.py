@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from gpud.engine.ports import Drainer
 from gpud.host.sd_notify import child_env
 from gpud.layout.schema import HOOK_PHASES, Hook, HookPhase, Hooks
+from gpud.py_compat import timeout
 
 _journal = logging.getLogger("gpud.hooks")  # hook output: the journal only, never the events
 BEFORE_PHASES: frozenset[HookPhase] = frozenset(HOOK_PHASES[:3])
@@ -175,7 +176,7 @@ class HookRunner:
         timed_out = False
         try:
             try:
-                async with asyncio.timeout(DEFAULT_TIMEOUT if hook.timeout is None else hook.timeout):
+                async with timeout(DEFAULT_TIMEOUT if hook.timeout is None else hook.timeout):
                     await proc.wait()
             except TimeoutError:
                 timed_out = True
@@ -186,7 +187,7 @@ class HookRunner:
             # The hook is gone; what it left in its group would hold the pipe open.
             _signal_group(proc.pid, signal.SIGKILL)
             try:
-                async with asyncio.timeout(DRAIN_AFTER_EXIT):
+                async with timeout(DRAIN_AFTER_EXIT):
                     await output.eof
             except TimeoutError:
                 self.log(f"{phase} hook {hook.command}: output of processes that left its group is ignored")
@@ -266,7 +267,7 @@ async def _kill_group(proc: asyncio.subprocess.Process) -> None:
     """SIGTERM to the hook's whole process group, SIGKILL if it has not exited after a grace."""
     _signal_group(proc.pid, signal.SIGTERM)
     try:
-        async with asyncio.timeout(KILL_GRACE):
+        async with timeout(KILL_GRACE):
             await proc.wait()
     except TimeoutError:
         pass

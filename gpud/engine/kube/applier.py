@@ -129,7 +129,7 @@ class KubeRebooter:
             return await self.reboot(state_dir, reason)  # refuses: an earlier reboot did not settle it
         try:
             await self.agent.before_reboot(reason)
-        except Exception as e:  # noqa: BLE001 - whatever kept the state from the node
+        except Exception as e:
             # mig-manager's contract: the node says `rebooting` before the reboot, or there is none
             # (a node rebooting unannounced looks failed to the cluster, and its operands paused)
             self.agent.reboot_cancelled()

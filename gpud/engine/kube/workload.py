@@ -14,7 +14,8 @@ from collections.abc import Mapping
 
 from msgspec import Struct
 
-WORKLOADS = ("container", "vm-passthrough", "vm-vgpu")
+from gpud.layout.schema import WORKLOADS
+
 DEFAULT = "container"  # the operator's default (ClusterPolicy sandboxWorkloads.defaultWorkload)
 # The operands that serve each workload, from the operator's gpuStateLabels, less the GPU agents
 # gpud keeps off (vfio-manager, vgpu-device-manager) and the driver/toolkit installers.

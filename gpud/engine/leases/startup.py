@@ -60,7 +60,7 @@ def reconcile(nvml: Nvml, book: LeaseBook, gpus: dict[str, NvmlGpu],
                                         "gpud made it before it stopped", rec.gpu)
             else:
                 gi_id = gi.id
-                ignore_gone(lambda: nvml.destroy_gpu_instance(rec.gpu, gi_id))
+                ignore_gone(functools.partial(nvml.destroy_gpu_instance, rec.gpu, gi_id))
                 book.drop(rec.id)
                 report("lease-dropped", f"lease {rec.id} ({rec.profile}) rolled back: gpud stopped before its "
                                         f"compute instance was made; its idle GPU instance {gi.id} was destroyed",
@@ -76,7 +76,7 @@ def reconcile(nvml: Nvml, book: LeaseBook, gpus: dict[str, NvmlGpu],
             gi_id = gi.id
             for ci_id in [c.id for c in gi.cis]:
                 ignore_gone(functools.partial(nvml.destroy_compute_instance, rec.gpu, gi_id, ci_id))
-            ignore_gone(lambda: nvml.destroy_gpu_instance(rec.gpu, gi_id))
+            ignore_gone(functools.partial(nvml.destroy_gpu_instance, rec.gpu, gi_id))
         book.drop(rec.id)
         report("lease-released", f"lease {rec.id} ({rec.profile}) released: its release was interrupted "
                                  "when gpud stopped and is now complete", rec.gpu)

@@ -39,9 +39,11 @@ class VgpuOutcome(Struct):
     removed: list[str] = field(default_factory=list)
 
 
-def _now(vgpu: VgpuSysfs, pci: str, which: Callable[[VgpuDevice], bool]) -> VgpuDevice | None:
-    """The vGPU a removal takes, as the host shows it now, holders re-read (None: already gone)."""
-    return next((d for d in vgpu.read(pci).devices if which(d)), None)
+def _now(vgpu: VgpuSysfs, pci: str, *, uuid: str | None = None, vf: str | None = None) -> VgpuDevice | None:
+    """The vGPU a removal takes (by its UUID or its VF), as the host shows it now, holders re-read
+    (None: already gone)."""
+    return next((d for d in vgpu.read(pci).devices
+                 if (uuid is not None and d.uuid == uuid) or (vf is not None and d.vf == vf)), None)
 
 
 def _describe(step: VgpuStep) -> str:
@@ -86,7 +88,7 @@ def execute(vgpu: VgpuSysfs, plan: VgpuPlan, record: VgpuRecord, *, phase: str =
         try:
             if step.action == "remove":
                 uuid = _needs(step.uuid, "uuid")
-                dev = _now(vgpu, plan.pci, lambda d: d.uuid == uuid)
+                dev = _now(vgpu, plan.pci, uuid=uuid)
                 if dev is not None and dev.holders:
                     return VgpuOutcome("blocked", f"mdev {uuid} is in use", holders=list(dev.holders))
                 if dev is not None:
@@ -94,7 +96,7 @@ def execute(vgpu: VgpuSysfs, plan: VgpuPlan, record: VgpuRecord, *, phase: str =
                 out.removed.append(_describe(step))
             elif step.action == "free-vf":
                 vf = _needs(step.vf, "vf")
-                dev = _now(vgpu, plan.pci, lambda d: d.vf == vf)
+                dev = _now(vgpu, plan.pci, vf=vf)
                 if dev is not None and dev.holders:
                     return VgpuOutcome("blocked", f"VF {vf} is in use", holders=list(dev.holders))
                 vgpu.set_vf_type(vf, 0)

@@ -149,8 +149,8 @@ def call(index: int, raw: tuple[int, ...]) -> int:
         _count_unserved(f.name)
         return NOT_SUPPORTED
     try:
-        return int(fn(*(m(v) for m, v in zip(f.makers, raw))))
-    except Exception as exc:  # a bug of the simulator must not take the host program down
+        return int(fn(*(m(v) for m, v in zip(f.makers, raw, strict=True))))
+    except Exception as exc:  # noqa: BLE001 - a bug of the simulator must not take the host program down
         if f.name not in _reported:
             _reported.add(f.name)
             print(f"libnvidia-ml.so.1 (gpud-sim): {f.name} failed: {exc!r}", file=sys.stderr)
