@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.api.test_server import Conn
+from tests.support.api import Conn
 
 
 @pytest.fixture(autouse=True)

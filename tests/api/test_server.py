@@ -15,7 +15,6 @@ import subprocess
 import sys
 import tempfile
 import textwrap
-from typing import ClassVar
 
 import msgspec
 import pytest
@@ -26,8 +25,8 @@ from gpud.api.server import ApiError, serve
 from gpud.api.socket_file import ServerError
 from gpud.engine.events import EventBus, EventQueue
 from tests.api.fakes import FakeHandler, status_reply
+from tests.support.api import GUARD, Conn
 
-GUARD = 10.0  # seconds: only a bound on a hung test, never a timing assertion
 root_only = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to change uid / chown")
 
 
@@ -46,54 +45,6 @@ async def running(sockdir):
     yield handler, server
     await Conn.close_all()
     await server.close()
-
-
-class Conn:
-    """A client connection speaking the wire protocol. Every one opened is closed by the fixture
-    that started the server (close_all), also when the test failed half-way."""
-
-    opened: ClassVar[list[Conn]] = []
-
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self.reader, self.writer = reader, writer
-        self.frames = wire.FrameReader()
-        self.next_id = 1
-        Conn.opened.append(self)
-
-    @classmethod
-    async def close_all(cls) -> None:
-        conns, cls.opened[:] = list(cls.opened), []
-        for c in conns:
-            c.writer.close()
-        for c in conns:
-            with contextlib.suppress(OSError):
-                await c.writer.wait_closed()
-
-    @classmethod
-    async def open(cls, path: str) -> Conn:
-        return cls(*await asyncio.open_unix_connection(path))
-
-    async def send(self, op: str, args: dict | None = None) -> int:
-        rid, self.next_id = self.next_id, self.next_id + 1
-        self.writer.write(wire.encode_frame(wire.Request(id=rid, op=op, args=args or {})))
-        await self.writer.drain()
-        return rid
-
-    async def recv(self):
-        payload = await asyncio.wait_for(self.frames.read_async(self.reader), GUARD)
-        return None if payload is None else wire.decode_message(payload)
-
-    async def call(self, op: str, args: dict | None = None) -> wire.Response:
-        rid = await self.send(op, args)
-        resp = await self.recv()
-        assert isinstance(resp, wire.Response) and resp.id == rid
-        return resp
-
-    async def closed_by_server(self) -> bool:
-        return await asyncio.wait_for(self.reader.read(), GUARD) == b""
-
-    def close(self) -> None:
-        self.writer.close()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -11,8 +11,8 @@ import sys
 
 import pytest
 
-from tests.daemon.conftest import ROOT
 from tests.scenarios.definitions import layout, mig
+from tests.support.daemon import ROOT
 
 pytestmark = pytest.mark.daemon
 

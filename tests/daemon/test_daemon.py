@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from tests.daemon.conftest import ROOT, wait_until
 from tests.scenarios.definitions import SEED, layout, mig
+from tests.support.daemon import ROOT, wait_until
 
 pytestmark = pytest.mark.daemon
 

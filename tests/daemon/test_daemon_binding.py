@@ -9,8 +9,8 @@ import json
 import pytest
 
 from gpud.sim.kernel import unhang
-from tests.daemon.conftest import wait_until
 from tests.scenarios.definitions import layout
+from tests.support.daemon import wait_until
 
 pytestmark = pytest.mark.daemon
 

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from gpud.sim.kernel import unhang
-from tests.daemon.conftest import wait_until
 from tests.scenarios.definitions import layout
+from tests.support.daemon import wait_until
 
 pytestmark = pytest.mark.daemon
 

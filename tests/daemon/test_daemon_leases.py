@@ -8,8 +8,8 @@ import signal
 
 import pytest
 
-from tests.daemon.conftest import wait_until
 from tests.leases.rig import dynamic_layout
+from tests.support.daemon import wait_until
 
 pytestmark = pytest.mark.daemon
 

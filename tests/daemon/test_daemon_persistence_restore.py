@@ -13,7 +13,7 @@ import textwrap
 import pytest
 
 from gpud.sim.state import load
-from tests.daemon.conftest import ROOT, wait_until
+from tests.support.daemon import ROOT, wait_until
 
 pytestmark = pytest.mark.daemon
 

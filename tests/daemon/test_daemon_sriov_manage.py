@@ -9,7 +9,7 @@ import subprocess
 import pytest
 
 from gpud.sim.state import load
-from tests.daemon.conftest import wait_until
+from tests.support.daemon import wait_until
 
 pytestmark = pytest.mark.daemon
 

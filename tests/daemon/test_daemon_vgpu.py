@@ -12,7 +12,7 @@ import pytest
 from gpud.sim import vgpu as sim_vgpu
 from gpud.sim.state import load, locked
 from gpud.sim.sysfs_tree import render
-from tests.daemon.conftest import wait_until
+from tests.support.daemon import wait_until
 
 pytestmark = pytest.mark.daemon
 

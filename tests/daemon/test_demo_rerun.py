@@ -9,7 +9,7 @@ import subprocess
 
 import pytest
 
-from tests.daemon.conftest import ROOT, wait_until
+from tests.support.daemon import ROOT, wait_until
 
 pytestmark = pytest.mark.daemon
 

@@ -13,8 +13,8 @@ import sys
 import pytest
 
 from gpud.sim import cli as simcli
-from tests.daemon.conftest import ROOT, wait_until
 from tests.scenarios.definitions import layout, mig
+from tests.support.daemon import ROOT, wait_until
 
 pytestmark = pytest.mark.daemon
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 
 from gpud.sim.kernel import unhang
-from tests.daemon.conftest import wait_until
 from tests.scenarios.definitions import layout, mig
+from tests.support.daemon import wait_until
 
 pytestmark = pytest.mark.daemon
 

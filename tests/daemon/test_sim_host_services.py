@@ -15,8 +15,8 @@ import threading
 
 import pytest
 
-from tests.daemon.conftest import wait_until
 from tests.scenarios.definitions import layout, mig
+from tests.support.daemon import wait_until
 
 pytestmark = pytest.mark.daemon
 

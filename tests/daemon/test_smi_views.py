@@ -11,8 +11,8 @@ import pytest
 
 from gpud import VERSION
 from gpud.api import wire
-from tests.daemon.conftest import ROOT
 from tests.scenarios.definitions import layout, mig
+from tests.support.daemon import ROOT
 
 pytestmark = pytest.mark.daemon
 

@@ -29,8 +29,8 @@ from gpud.host.nvml import Nvml, NvmlError
 from gpud.host.readonly import ReadOnlyError
 from gpud.host.sysfs import Sysfs
 from gpud.sim import replay_nvml
-from tests.daemon.conftest import Daemon, wait_until
 from tests.scenarios.definitions import layout, mig
+from tests.support.daemon import Daemon, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 CAP = ROOT / "tests" / "fixtures" / "h200-gpud-readonly"

@@ -13,7 +13,7 @@ import json
 
 import pytest
 
-from tests.daemon.conftest import Daemon, wait_until
+from tests.support.daemon import Daemon, wait_until
 
 pytestmark = pytest.mark.daemon
 

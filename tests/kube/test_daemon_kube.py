@@ -12,10 +12,10 @@ import json
 
 import pytest
 
-from tests.daemon.conftest import Daemon, wait_until
 from tests.kube.cluster import NODE, OPERATOR_NS, DaemonSet, DaemonSetController, EmulatorThread, client_for, write_kubeconfig
 from tests.kube.real_cluster import KmockNode, LoopThread, RealNode
-from tests.kube.test_nfd_features import nfd_read
+from tests.support.daemon import Daemon, wait_until
+from tests.support.nfd import nfd_read
 
 pytestmark = pytest.mark.daemon
 

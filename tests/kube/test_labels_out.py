@@ -10,7 +10,7 @@ from gpud.engine.observe.discovery import observe
 from gpud.host.nvml import Nvml
 from gpud.host.sysfs import Sysfs
 from gpud.layout.match import DEFAULT_MATCH
-from tests.kube.test_nfd_features import nfd_read
+from tests.support.nfd import nfd_read
 
 
 @pytest.mark.parametrize(("phase", "rebooting", "state"), [

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from gpud.host import nfd
-from tests.daemon.conftest import Daemon, wait_until
-from tests.kube.test_nfd_features import nfd_read
+from tests.support.daemon import Daemon, wait_until
+from tests.support.nfd import nfd_read
 
 pytestmark = pytest.mark.daemon
 

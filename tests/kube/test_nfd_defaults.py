@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 
 from gpud.engine.kube.node_labels_out import from_cluster
-from tests.daemon.conftest import Daemon, wait_until
 from tests.kube.cluster import NODE, EmulatorThread, write_kubeconfig
-from tests.kube.test_nfd_features import nfd_read
+from tests.support.daemon import Daemon, wait_until
+from tests.support.nfd import nfd_read
 
 GFD = "nvidia.com/gpu.deploy.gpu-feature-discovery"
 STRATEGY = "nvidia.com/mig.strategy"

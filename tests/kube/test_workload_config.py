@@ -13,8 +13,8 @@ import json
 import pytest
 
 from gpud.engine.kube.workload import plan_workload
-from tests.daemon.conftest import Daemon, wait_until
 from tests.kube.cluster import NODE, EmulatorThread, write_kubeconfig
+from tests.support.daemon import Daemon, wait_until
 
 WORKLOAD = "nvidia.com/gpu.workload.config"
 PASSTHROUGH_SERVED = "nvidia.com/gpud.workload.vm-passthrough.served"

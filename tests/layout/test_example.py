@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from gpud.layout import check_text, parse_layout
-from tests.layout.conftest import host
+from tests.support.gpus import host
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "etc" / "gpud" / "layout.yaml"
 

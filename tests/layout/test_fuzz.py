@@ -12,7 +12,7 @@ from gpud.layout import check_text, parse_layout
 from gpud.layout import parse as parse_module
 from gpud.layout.parse import ENTRY_KEYS, HOOK_KEYS, MATCH_KEYS, POLICY_KEYS, TOP_KEYS
 from gpud.layout.schema import HOOK_PHASES
-from tests.layout.conftest import host, make_gpu
+from tests.support.gpus import host, make_gpu
 
 GPUS = host("h100-80gb", "h200", "l40s") + [make_gpu("a100-40gb", 3, nvml=False)]
 KEYS = sorted({*TOP_KEYS, *ENTRY_KEYS, *MATCH_KEYS, *POLICY_KEYS, *HOOK_KEYS, *HOOK_PHASES,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from gpud.layout import check_text, parse_layout
-from tests.layout.conftest import host
+from tests.support.gpus import host
 
 # NVIDIA's default mig-parted config, abridged: same keys, same forms (`mig-configs`, unquoted and
 # quoted names, device-filter lists in mig-parted's 0xDEVICEVENDOR form, `mig-devices: {}`).

@@ -16,7 +16,7 @@ import pytest
 from gpud.layout.names import find_profile
 from gpud.layout.resolve import check_text
 from gpud.profiles import MODELS, by_device
-from tests.layout.conftest import host
+from tests.support.gpus import host
 
 NVIDIA_CONFIG = {
     0x20B0: ["1g.5gb", "1g.5gb+me", "1g.10gb", "2g.10gb", "3g.20gb", "4g.20gb", "7g.40gb"],  # A100-40GB

@@ -9,7 +9,7 @@ from __future__ import annotations
 import textwrap
 
 from gpud.layout import parse_layout, resolve
-from tests.layout.conftest import make_gpu
+from tests.support.gpus import make_gpu
 
 GENERATED = textwrap.dedent("""\
     version: v1

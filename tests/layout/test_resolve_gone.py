@@ -8,7 +8,7 @@ import textwrap
 from gpud.layout import parse_layout, resolve
 from gpud.model import KnownGpu
 from gpud.profiles import MODELS
-from tests.layout.conftest import make_gpu
+from tests.support.gpus import make_gpu
 
 GONE = KnownGpu(index=0, pci="0000:18:00.0", vendor=0x10DE, device=MODELS["h100-80gb"].device,
                 model="NVIDIA H100 80GB HBM3", uuid="GPU-00000000-0000-0000-0000-000000000000")

@@ -18,7 +18,7 @@ import pytest
 
 from gpud.layout import check_text
 from gpud.vgpu_types import by_device, parse_vgpu_name, strip_prefix
-from tests.layout.conftest import make_gpu
+from tests.support.gpus import make_gpu
 
 CAPTURES = Path(__file__).resolve().parents[1] / "fixtures" / "captures" / "rtx-pro-6000"
 RTX = "0000:18:00.0"

@@ -5,10 +5,8 @@ speaks NVML only through NVIDIA's go-nvml and go-nvlib (goprobe/), and `gpud-sim
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -45,14 +43,6 @@ def goprobe() -> Path:
     return out
 
 
-def gpud_sim_exec(host_dir: Path, *argv: str, namespace: bool = True, input: str | None = None,
-                  timeout: float = 120) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "gpud.sim.cli", "exec", str(host_dir)]
-    if not namespace:
-        cmd.append("--no-namespace")
-    return subprocess.run([*cmd, "--", *argv], capture_output=True, text=True, input=input, timeout=timeout)
-
-
 @pytest.fixture
 def sim_dir(tmp_path):
     """Factory: a simulated host directory (not installed into pynvml: the programs bring their own NVML)."""
@@ -65,9 +55,3 @@ def sim_dir(tmp_path):
         return d
 
     return make
-
-
-def probe(goprobe: Path, host: Path, *args: str, namespace: bool = True) -> dict:
-    res = gpud_sim_exec(host, str(goprobe), *args, namespace=namespace)
-    assert res.returncode == 0, f"goprobe {' '.join(args)}: exit {res.returncode}\n{res.stdout}\n{res.stderr}"
-    return json.loads(res.stdout)

@@ -20,8 +20,8 @@ import pytest
 
 from gpud.sim.nvmlc import build
 from gpud.sim.state import load
-from tests.nvmlc.conftest import probe
 from tests.sim.test_fidelity_h200 import parse_lgip
+from tests.support.nvmlc import probe
 
 pytestmark = pytest.mark.tools
 

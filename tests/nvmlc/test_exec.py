@@ -12,7 +12,7 @@ import pytest
 
 from gpud.sim import pci_files
 from gpud.sim.state import load
-from tests.nvmlc.conftest import gpud_sim_exec
+from tests.support.nvmlc import gpud_sim_exec
 
 REAL = json.loads((Path(__file__).resolve().parents[1] / "fixtures" / "h200" / "nvml-and-files.json").read_text())
 root_only = pytest.mark.skipif(os.geteuid() != 0, reason="the mount namespace needs root")

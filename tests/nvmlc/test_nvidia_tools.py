@@ -20,8 +20,8 @@ import yaml
 from gpud.profiles import MODELS
 from gpud.sim import catalog
 from gpud.sim.state import load
-from tests.daemon.conftest import Daemon, wait_until
-from tests.nvmlc.conftest import gpud_sim_exec
+from tests.support.daemon import Daemon, wait_until
+from tests.support.nvmlc import gpud_sim_exec
 
 pytestmark = pytest.mark.tools
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from tests.nvmlc import nvml_diff
-from tests.nvmlc.conftest import gpud_sim_exec
+from tests.support.nvmlc import gpud_sim_exec
 
 pytestmark = pytest.mark.tools
 

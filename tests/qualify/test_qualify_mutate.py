@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.qualify.capture_oracle import names, placements
-from tests.qualify.conftest import CONFIRM, MUTATING, ROOT, checks, hardware_state, qualify, sim, state
+from tests.support.qualify import CONFIRM, MUTATING, ROOT, checks, hardware_state, qualify, sim, state
 
 pytestmark = pytest.mark.daemon
 

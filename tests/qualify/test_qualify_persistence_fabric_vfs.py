@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from tests.qualify.conftest import checks, qualify, sim, state
+from tests.support.qualify import checks, qualify, sim, state
 
 pytestmark = pytest.mark.daemon
 

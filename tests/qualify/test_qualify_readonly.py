@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from tests.qualify.capture_oracle import placements
-from tests.qualify.conftest import MUTATING, ROOT, checks, hardware_state, qualify, sim, state
+from tests.support.qualify import MUTATING, ROOT, checks, hardware_state, qualify, sim, state
 
 pytestmark = pytest.mark.daemon
 

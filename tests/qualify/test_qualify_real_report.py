@@ -8,7 +8,7 @@ import json
 import re
 
 from tests.qualify.capture_oracle import placements
-from tests.qualify.conftest import ROOT, checks
+from tests.support.qualify import ROOT, checks
 
 FIX = ROOT / "tests" / "fixtures" / "h200-qualify"
 REPORT = FIX / "report.txt.json"

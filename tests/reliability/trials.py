@@ -29,7 +29,7 @@ import yaml
 
 from gpud.cli.transport import Client, DaemonError
 from gpud.sim import kernel as simkernel
-from tests.daemon.conftest import Daemon, wait_until
+from tests.support.daemon import Daemon, wait_until
 
 # NVML GI profile ids of the H100 80GB (independent of gpud's tables; from `nvidia-smi mig -lgip`)
 H100_GI_IDS = {"1g.10gb": 19, "1g.20gb": 15, "2g.20gb": 14, "3g.40gb": 9, "4g.40gb": 5, "7g.80gb": 0}

@@ -15,8 +15,8 @@ from pathlib import Path
 
 from gpud.cli.transport import Client
 from gpud.sim import kernel as simkernel
-from tests.daemon.conftest import Daemon, wait_until
 from tests.reliability.trials import TrialResult, _big_layout, hardware_mismatches, layout_text, serving, status
+from tests.support.daemon import Daemon, wait_until
 
 SECRET = b"root:$6$secret-hash:19000:0:99999:7:::\n"
 

@@ -26,10 +26,3 @@ def guest(tmp_path_factory):
     print(f"\nvm: booted and ran in {secs:.0f}s (guest part {res.get('elapsed')}s)")
     assert "fatal" not in res, res["fatal"]
     return res
-
-
-def phase(guest, name):
-    p = guest["phases"].get(name)
-    assert p is not None, f"phase {name} did not run"
-    assert "error" not in p, f"phase {name}: {p['error']}\n{p.get('trace', '')}"
-    return p

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.vm.conftest import phase
+from tests.support.vm_results import phase
 
 # The session's one boot bounds itself (vm.boot: 1500 s, the binding and vGPU phases together); pytest's per-test 300 s would cut a slow
 # TCG boot short in the fixture's setup and report nine errors instead of the boot's own outcome.

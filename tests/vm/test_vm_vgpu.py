@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from gpud.plan.vgpu import derived_uuid
-from tests.vm.conftest import phase
+from tests.support.vm_results import phase
 
 # The session's one boot bounds itself (vm.boot); this module may be the first to ask for it.
 pytestmark = [pytest.mark.vm, pytest.mark.timeout(1800)]
