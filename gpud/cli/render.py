@@ -402,7 +402,7 @@ def render_passthrough(r: wire_replies.PassthroughReply) -> str:
     if not r.devices and not r.vgpus:
         return "no GPU is bound for passthrough, and no vGPU exists"
     if not r.devices:
-        return "\n".join([_render_vgpus(r), *_render_kubevirt(r)])
+        return _render_vgpus(r)
     rows = [["PCI", "ID", "IOMMU", "VFIO", "NUMA", "RESOURCE"]]
     for d in r.devices:
         rows.append([d.pci, d.vendor_device, "-" if d.iommu_group is None else str(d.iommu_group),
@@ -414,30 +414,38 @@ def render_passthrough(r: wire_replies.PassthroughReply) -> str:
             out += ["", f"libvirt <hostdev> for {d.pci}:"]
             out += ["  " + line for line in d.libvirt_hostdev.strip().splitlines()]
     if r.vgpus:
-        out += ["", _render_vgpus(r)]
-    return "\n".join(out + _render_kubevirt(r))
+        out += ["", _render_vgpus(r, kubevirt=False)]
+    return "\n".join(out + _kubevirt_section(r))
 
 
-def _render_kubevirt(r: wire_replies.PassthroughReply) -> list[str]:
-    """The KubeVirt CR's configuration once for the host: one entry per resource, not per GPU or VF."""
-    if not r.kubevirt_configuration:
-        return []
-    text = msgspec.json.format(msgspec.json.encode(r.kubevirt_configuration), indent=2).decode()
-    out = ["", "KubeVirt CR spec.configuration (KubeVirt >= 1.8; docs/kubevirt.md):"]
-    out += ["  " + line for line in text.splitlines()]
-    if "mediatedDevicesConfiguration" in r.kubevirt_configuration:
-        out.append("  (KubeVirt < 1.8: the feature gate DisableMDEVConfiguration instead of mediatedDevicesConfiguration)")
-    return out
-
-
-def _render_vgpus(r: wire_replies.PassthroughReply) -> str:
+def _render_vgpus(r: wire_replies.PassthroughReply, *, kubevirt: bool = True) -> str:
     rows = [["GPU", "TYPE", "MDEV UUID / VF", "VFIO", "RESOURCE"]]
     for v in r.vgpus:
         rows.append([v.gpu, v.type, v.uuid or v.vf or "-", v.vfio_device or "-", v.resource_name])
     out = [_table(rows)]
     for v in r.vgpus:
         out += ["", f"libvirt <hostdev> for {v.type} {v.uuid or v.vf}:", "  " + v.libvirt_hostdev]
-    return "\n".join(out)
+    return "\n".join(out + (_kubevirt_section(r) if kubevirt else []))
+
+
+def _kubevirt_section(r: wire_replies.PassthroughReply) -> list[str]:
+    """The KubeVirt CR's spec.configuration as the daemon computed it (gpud.engine.binding
+    .passthrough.kubevirt_configuration): permittedHostDevices with one entry per resource (eight
+    GPUs or 32 VFs of one model are one entry), and where gpud makes vGPUs the switch that keeps
+    virt-handler from making or removing mdevs itself."""
+    cfg = r.kubevirt_configuration
+    out: list[str] = []
+    if "mediatedDevicesConfiguration" in cfg:
+        out += ["", "KubeVirt spec.configuration.mediatedDevicesConfiguration (gpud makes the vGPUs; KubeVirt >= 1.8, "
+                "older: the feature gate DisableMDEVConfiguration):",
+                "  " + msgspec.json.encode(cfg["mediatedDevicesConfiguration"]).decode()]
+    permitted = cfg.get("permittedHostDevices") or {}
+    if permitted:
+        out += ["", "KubeVirt permittedHostDevices (spec.configuration.permittedHostDevices):"]
+        for kind in sorted(permitted):
+            out.append(f"  {kind}:")
+            out += ["    - " + msgspec.json.encode(e).decode() for e in permitted[kind]]
+    return out
 
 
 def render_progress(e: wire.Event, totals: dict[str, int], done: dict[str, int]) -> str | None:

@@ -108,8 +108,9 @@ def test_kubevirt_configuration_is_one_entry_per_resource(daemon) -> None:
             "mediatedDevices": [{"mdevNameSelector": "GRID T4-4Q", "resourceName": "nvidia.com/GRID_T4-4Q",
                                  "externalResourceProvider": True}]}}
     text = d.ctl("passthrough").stdout
-    assert text.count("KubeVirt CR spec.configuration") == 1 and "permittedHostDevices entry" not in text
-    assert text.count('"resourceName"') == 2 and "DisableMDEVConfiguration" in text
+    assert text.count("KubeVirt permittedHostDevices") == 1 and text.count('"resourceName"') == 2
+    assert 'mediatedDevicesConfiguration (gpud makes the vGPUs' in text and '  {"enabled":false}' in text
+    assert "DisableMDEVConfiguration" in text
 
 
 def test_busy_vgpu_waits_names_the_vm_and_plan_shows_the_disruption(daemon) -> None:
