@@ -15,7 +15,7 @@ import msgspec
 
 from gpud import VERSION
 from gpud.api import wire, wire_replies
-from gpud.engine.binding.passthrough import PassthroughEntry, kubevirt_entry
+from gpud.engine.binding.passthrough import PassthroughEntry, kubevirt_configuration, kubevirt_entry
 from gpud.engine.gpu_state import BindAction, GpuState, MigAction, VgpuAction
 from gpud.engine.kube.node_labels_out import LabelsOut
 from gpud.engine.leases.records import LeaseRecord
@@ -459,7 +459,9 @@ def passthrough_reply(entries: list[PassthroughEntry], gpus: tuple[Gpu, ...] = (
             vgpus.append(wire_replies.VgpuPassthrough(gpu=e.gpu, type=e.type, driver_name=e.driver_name, uuid=e.uuid, vf=e.vf,
                                                       vfio_device=e.vfio_device, resource_name=e.resource_name,
                                                       libvirt_hostdev=e.libvirt_hostdev, kubevirt=e.kubevirt))
-    return wire_replies.PassthroughReply(devices=[passthrough_device(e) for e in entries], vgpus=vgpus)
+    devices = [passthrough_device(e) for e in entries]
+    config = kubevirt_configuration([d.kubevirt for d in devices] + [v.kubevirt for v in vgpus], vgpus=bool(vgpus))
+    return wire_replies.PassthroughReply(devices=devices, vgpus=vgpus, kubevirt_configuration=config)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -366,6 +366,9 @@ class VgpuPassthrough(msgspec.Struct, kw_only=True):
 class PassthroughReply(msgspec.Struct, kw_only=True):
     devices: list[PassthroughDevice] = []
     vgpus: list[VgpuPassthrough] = []
+    # the KubeVirt CR's spec.configuration (KubeVirt >= 1.8): permittedHostDevices, one entry per
+    # resource, and mediatedDevicesConfiguration.enabled=false where gpud makes the vGPUs
+    kubevirt_configuration: dict[str, Any] = {}
 
 
 class VgpuTypeInfo(msgspec.Struct, kw_only=True):
