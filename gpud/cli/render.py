@@ -429,22 +429,22 @@ def _render_vgpus(r: wire_replies.PassthroughReply, *, kubevirt: bool = True) ->
 
 
 def _kubevirt_section(r: wire_replies.PassthroughReply) -> list[str]:
-    """KubeVirt's permittedHostDevices: one entry per resource (eight GPUs or 32 VFs of one
-    model are one entry), grouped as the KubeVirt CR's spec.configuration takes them."""
-    groups: dict[str, dict[str, dict]] = {}
-    for d in r.devices:
-        if d.kubevirt:
-            groups.setdefault("pciHostDevices", {}).setdefault(d.kubevirt.get("resourceName", ""), d.kubevirt)
-    for v in r.vgpus:
-        for kind, entries in v.kubevirt.items():
-            for e in entries:
-                groups.setdefault(kind, {}).setdefault(e.get("resourceName", ""), e)
-    if not groups:
-        return []
-    out = ["", "KubeVirt permittedHostDevices (spec.configuration.permittedHostDevices):"]
-    for kind in sorted(groups):
-        out.append(f"  {kind}:")
-        out += ["    - " + msgspec.json.encode(e).decode() for _, e in sorted(groups[kind].items())]
+    """The KubeVirt CR's spec.configuration as the daemon computed it (gpud.engine.binding
+    .passthrough.kubevirt_configuration): permittedHostDevices with one entry per resource (eight
+    GPUs or 32 VFs of one model are one entry), and where gpud makes vGPUs the switch that keeps
+    virt-handler from making or removing mdevs itself."""
+    cfg = r.kubevirt_configuration
+    out: list[str] = []
+    if "mediatedDevicesConfiguration" in cfg:
+        out += ["", "KubeVirt spec.configuration.mediatedDevicesConfiguration (gpud makes the vGPUs; KubeVirt >= 1.8, "
+                "older: the feature gate DisableMDEVConfiguration):",
+                "  " + msgspec.json.encode(cfg["mediatedDevicesConfiguration"]).decode()]
+    permitted = cfg.get("permittedHostDevices") or {}
+    if permitted:
+        out += ["", "KubeVirt permittedHostDevices (spec.configuration.permittedHostDevices):"]
+        for kind in sorted(permitted):
+            out.append(f"  {kind}:")
+            out += ["    - " + msgspec.json.encode(e).decode() for e in permitted[kind]]
     return out
 
 
@@ -492,6 +492,14 @@ def render_kubernetes(k: wire_replies.KubernetesStatus | None) -> str:
         if a.other_agents:
             out += [f"  the operator's GPU agents on this node (gpud changes no GPU until they leave): "
                     f"{', '.join(a.other_agents)}"]
+    d = k.dra
+    if d is not None:
+        reg = {True: "registered with the kubelet", False: "kubelet REFUSED the registration",
+               None: "not registered yet (the kubelet has not called)"}[d.registered]
+        out += ["", f"DRA driver {d.driver} on node {d.node}: {reg}",
+                f"  published: {d.devices} device(s) in {d.slices} slice(s), pool generation {d.generation}"]
+        out += [f"  prepared: {c.claim} ({c.uid}): {', '.join(c.devices)}"
+                + (f" (leases {', '.join(c.leases)})" if c.leases else "") for c in d.claims] or ["  prepared: none"]
     return "\n".join(out)
 
 
