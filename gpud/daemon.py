@@ -406,7 +406,8 @@ class Daemon:
                                   root=self.host.root)
             await self.dra.start()
         handler = RequestHandler(self.engine, notifier=self.notifier, dev_root=self.host.dev_root,
-                                 loop_lag=self.loop_lag, labels=self.labels, kube_agent=self.kube)
+                                 loop_lag=self.loop_lag, labels=self.labels, kube_agent=self.kube,
+                                 dra=self.dra)
         try:
             server = await serve(handler, self.args.socket, sock=listen_socket(), group=self.args.socket_group)
         except OSError as e:

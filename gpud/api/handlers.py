@@ -55,7 +55,7 @@ class RequestHandler:
 
     def __init__(self, engine: Engine, notifier: Notifier | None = None, *, dev_root: str = "/dev",
                  loop_lag: LoopLagProbe | None = None, labels: LabelsOut | None = None,
-                 kube_agent=None) -> None:
+                 kube_agent=None, dra=None) -> None:
         self.engine = engine
         self.notifier = notifier
         self.dev_root = dev_root
@@ -65,6 +65,7 @@ class RequestHandler:
         self._reads_at_reset = 0
         self.labels = labels  # the node labels written after each pass (None: not computed)
         self.kube_agent = kube_agent  # gpud.engine.kube.agent.KubeAgent with --kube-node
+        self.dra = dra  # gpud.engine.dra.service.DraService with --dra
         # layout texts sent by clients are evaluated in per-user turns (gpud.api.fair_share)
         self.fair = FairShare()
         self._peer: contextvars.ContextVar[Peer | None] = contextvars.ContextVar("peer", default=None)
@@ -100,7 +101,8 @@ class RequestHandler:
     def _kubernetes(self, gpus: tuple[Gpu, ...]) -> wire_replies.KubernetesStatus:
         strategy = self.labels.mig_strategy if self.labels is not None else "mixed"
         agent = self.kube_agent.status if self.kube_agent is not None else None
-        return replies.kubernetes_status(gpus, mig_strategy=strategy, agent=agent)
+        dra = self.dra.status() if self.dra is not None else None
+        return replies.kubernetes_status(gpus, mig_strategy=strategy, agent=agent, dra=dra)
 
     async def op_labels(self) -> wire_replies.LabelsReply:
         if self.labels is None:

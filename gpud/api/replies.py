@@ -11,9 +11,11 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping, Sequence
 
+import msgspec
+
 from gpud import VERSION
 from gpud.api import wire, wire_replies
-from gpud.engine.binding.passthrough import PassthroughEntry, kubevirt_entry
+from gpud.engine.binding.passthrough import PassthroughEntry, kubevirt_configuration, kubevirt_entry
 from gpud.engine.gpu_state import BindAction, GpuState, MigAction, VgpuAction
 from gpud.engine.kube.node_labels_out import LabelsOut
 from gpud.engine.leases.records import LeaseRecord
@@ -229,9 +231,10 @@ def shown_state(view: EngineView, pci: str) -> GpuState | None:
 # Kubernetes
 
 
-def kubernetes_status(gpus: Sequence[Gpu], *, mig_strategy: str, agent=None) -> wire_replies.KubernetesStatus:
+def kubernetes_status(gpus: Sequence[Gpu], *, mig_strategy: str, agent=None, dra=None) -> wire_replies.KubernetesStatus:
     """What the device plugins will advertise from the GPUs as observed; the label protocol's state
-    (`agent`: gpud.engine.kube.agent.AgentStatus, None without --kube-node)."""
+    (`agent`: gpud.engine.kube.agent.AgentStatus, None without --kube-node); the DRA driver's
+    (`dra`: gpud.engine.dra.driver.DraDriver.status()'s record, None without --dra)."""
     ad = advertised(gpus, mig_strategy=mig_strategy)
     agent_status = None
     if agent is not None:
@@ -242,7 +245,7 @@ def kubernetes_status(gpus: Sequence[Gpu], *, mig_strategy: str, agent=None) -> 
     return wire_replies.KubernetesStatus(
         advertised=wire_replies.Advertised(mig_strategy=mig_strategy, resources=ad.resources, sandbox=ad.sandbox,
                                            problems=list(ad.problems)),
-        agent=agent_status)
+        agent=agent_status, dra=msgspec.convert(dra, wire_replies.DraStatus) if dra is not None else None)
 
 
 def labels_reply(out: LabelsOut) -> wire_replies.LabelsReply:
@@ -456,7 +459,9 @@ def passthrough_reply(entries: list[PassthroughEntry], gpus: tuple[Gpu, ...] = (
             vgpus.append(wire_replies.VgpuPassthrough(gpu=e.gpu, type=e.type, driver_name=e.driver_name, uuid=e.uuid, vf=e.vf,
                                                       vfio_device=e.vfio_device, resource_name=e.resource_name,
                                                       libvirt_hostdev=e.libvirt_hostdev, kubevirt=e.kubevirt))
-    return wire_replies.PassthroughReply(devices=[passthrough_device(e) for e in entries], vgpus=vgpus)
+    devices = [passthrough_device(e) for e in entries]
+    config = kubevirt_configuration([d.kubevirt for d in devices] + [v.kubevirt for v in vgpus], vgpus=bool(vgpus))
+    return wire_replies.PassthroughReply(devices=devices, vgpus=vgpus, kubevirt_configuration=config)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -151,9 +151,29 @@ class Advertised(msgspec.Struct, kw_only=True):
     problems: list[str] = []  # why the device plugin would refuse to start
 
 
+class DraClaimStatus(msgspec.Struct, kw_only=True):
+    uid: str
+    claim: str  # namespace/name
+    devices: list[str] = []
+    leases: list[str] = []  # the MIG leases its prepare made (gpudctl leases lists them)
+
+
+class DraStatus(msgspec.Struct, kw_only=True):
+    """--dra: the pool gpud publishes as the node's DRA driver, and the claims it prepared."""
+
+    driver: str
+    node: str
+    generation: int = 0
+    slices: int = 0
+    devices: int = 0
+    registered: bool | None = None  # what the kubelet last said (None: it has not called)
+    claims: list[DraClaimStatus] = []
+
+
 class KubernetesStatus(msgspec.Struct, kw_only=True):
     advertised: Advertised
     agent: KubeAgentStatus | None = None  # None without --kube-node
+    dra: DraStatus | None = None  # None without --dra
 
 
 class StatusReply(msgspec.Struct, kw_only=True):
@@ -346,6 +366,9 @@ class VgpuPassthrough(msgspec.Struct, kw_only=True):
 class PassthroughReply(msgspec.Struct, kw_only=True):
     devices: list[PassthroughDevice] = []
     vgpus: list[VgpuPassthrough] = []
+    # the KubeVirt CR's spec.configuration (KubeVirt >= 1.8): permittedHostDevices, one entry per
+    # resource, and mediatedDevicesConfiguration.enabled=false where gpud makes the vGPUs
+    kubevirt_configuration: dict[str, Any] = {}
 
 
 class VgpuTypeInfo(msgspec.Struct, kw_only=True):

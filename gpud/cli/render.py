@@ -413,23 +413,39 @@ def render_passthrough(r: wire_replies.PassthroughReply) -> str:
         if d.libvirt_hostdev:
             out += ["", f"libvirt <hostdev> for {d.pci}:"]
             out += ["  " + line for line in d.libvirt_hostdev.strip().splitlines()]
-        if d.kubevirt:
-            out += ["", f"KubeVirt permittedHostDevices.pciHostDevices entry for {d.pci}:",
-                    "  - " + msgspec.json.encode(d.kubevirt).decode()]
     if r.vgpus:
-        out += ["", _render_vgpus(r)]
-    return "\n".join(out)
+        out += ["", _render_vgpus(r, kubevirt=False)]
+    return "\n".join(out + _kubevirt_section(r))
 
 
-def _render_vgpus(r: wire_replies.PassthroughReply) -> str:
+def _render_vgpus(r: wire_replies.PassthroughReply, *, kubevirt: bool = True) -> str:
     rows = [["GPU", "TYPE", "MDEV UUID / VF", "VFIO", "RESOURCE"]]
     for v in r.vgpus:
         rows.append([v.gpu, v.type, v.uuid or v.vf or "-", v.vfio_device or "-", v.resource_name])
     out = [_table(rows)]
     for v in r.vgpus:
-        out += ["", f"libvirt <hostdev> for {v.type} {v.uuid or v.vf}:", "  " + v.libvirt_hostdev,
-                "KubeVirt permittedHostDevices entry:", "  " + msgspec.json.encode(v.kubevirt).decode()]
-    return "\n".join(out)
+        out += ["", f"libvirt <hostdev> for {v.type} {v.uuid or v.vf}:", "  " + v.libvirt_hostdev]
+    return "\n".join(out + (_kubevirt_section(r) if kubevirt else []))
+
+
+def _kubevirt_section(r: wire_replies.PassthroughReply) -> list[str]:
+    """The KubeVirt CR's spec.configuration as the daemon computed it (gpud.engine.binding
+    .passthrough.kubevirt_configuration): permittedHostDevices with one entry per resource (eight
+    GPUs or 32 VFs of one model are one entry), and where gpud makes vGPUs the switch that keeps
+    virt-handler from making or removing mdevs itself."""
+    cfg = r.kubevirt_configuration
+    out: list[str] = []
+    if "mediatedDevicesConfiguration" in cfg:
+        out += ["", "KubeVirt spec.configuration.mediatedDevicesConfiguration (gpud makes the vGPUs; KubeVirt >= 1.8, "
+                "older: the feature gate DisableMDEVConfiguration):",
+                "  " + msgspec.json.encode(cfg["mediatedDevicesConfiguration"]).decode()]
+    permitted = cfg.get("permittedHostDevices") or {}
+    if permitted:
+        out += ["", "KubeVirt permittedHostDevices (spec.configuration.permittedHostDevices):"]
+        for kind in sorted(permitted):
+            out.append(f"  {kind}:")
+            out += ["    - " + msgspec.json.encode(e).decode() for e in permitted[kind]]
+    return out
 
 
 def render_progress(e: wire.Event, totals: dict[str, int], done: dict[str, int]) -> str | None:
@@ -476,6 +492,14 @@ def render_kubernetes(k: wire_replies.KubernetesStatus | None) -> str:
         if a.other_agents:
             out += [f"  the operator's GPU agents on this node (gpud changes no GPU until they leave): "
                     f"{', '.join(a.other_agents)}"]
+    d = k.dra
+    if d is not None:
+        reg = {True: "registered with the kubelet", False: "kubelet REFUSED the registration",
+               None: "not registered yet (the kubelet has not called)"}[d.registered]
+        out += ["", f"DRA driver {d.driver} on node {d.node}: {reg}",
+                f"  published: {d.devices} device(s) in {d.slices} slice(s), pool generation {d.generation}"]
+        out += [f"  prepared: {c.claim} ({c.uid}): {', '.join(c.devices)}"
+                + (f" (leases {', '.join(c.leases)})" if c.leases else "") for c in d.claims] or ["  prepared: none"]
     return "\n".join(out)
 
 

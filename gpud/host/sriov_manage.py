@@ -13,6 +13,7 @@ the caller can name what holds the GPU.
 from __future__ import annotations
 
 import subprocess
+import threading
 import time
 from collections.abc import Callable
 
@@ -21,6 +22,13 @@ from msgspec import Struct
 from gpud.host.readonly import refuse_if
 
 DEFAULT_PATH = "/usr/lib/nvidia/sriov-manage"
+# One run at a time in this process: the script writes pci-pf-stub's `new_id` (and `remove_id`),
+# which the kernel makes global to the driver: every unbound device of that vendor:device probes
+# against it. Two GPUs of one model enabled side by side, one run's `new_id` grabbed the other GPU
+# while it was unbound, and that GPU's own bind failed EBUSY (left on pci-pf-stub with no vGPUs,
+# about one first apply in three). The runs of different GPUs are serialised here; the rest of
+# each GPU's work stays parallel.
+KERNEL_GLOBAL = threading.Lock()
 LOCK_REFUSED = "Cannot obtain unbindLock"
 
 
@@ -67,7 +75,8 @@ class SriovManage:
         refuse_if(self.read_only, f"sriov-manage {op}", pf)
         result = VfResult(False, None, "not run")
         for attempt in range(1, self.attempts + 1):
-            result = self._once(op, pf, attempt)
+            with KERNEL_GLOBAL:
+                result = self._once(op, pf, attempt)
             if result.ok or not result.lock_refused or attempt == self.attempts:
                 return result
             self._sleep(self.delay * attempt)

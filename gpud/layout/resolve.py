@@ -180,6 +180,7 @@ def resolve(parsed: ParsedLayout, gpus: Sequence[Gpu], gone: Sequence[KnownGpu] 
                 dynamic=entry.mig_dynamic,
             )
 
+    _check_iommu_groups(gpus, desired, key_path(layout.layouts_key, selected), errors)
     if parsed.ok:  # with parse errors, entries may be missing from the draft: no false alarms
         lpath = key_path(layout.layouts_key, selected)
         for gpu in gpus:
@@ -195,6 +196,35 @@ def resolve(parsed: ParsedLayout, gpus: Sequence[Gpu], gone: Sequence[KnownGpu] 
         selected=selected,
         layout=parsed.layout if not all_errors else None,
     )
+
+
+def _check_iommu_groups(gpus: Sequence[Gpu], desired: dict[str, DesiredGpu], lpath: str, errors: _Collector) -> None:
+    """A group is one unit: the IOMMU gives a VM all its endpoints or none, so two GPUs of one group
+    (behind a PCIe switch without ACS) cannot be one on vfio-pci and one on nvidia. A layout that
+    would split a group, counting a GPU it leaves out at the driver it is on now (gpud never moves
+    a GPU the layout does not name), is refused naming the group and its members: accepted, the
+    GPUs were moved between the drivers forever."""
+    groups: dict[int, list[Gpu]] = {}
+    for gpu in gpus:
+        if gpu.function.iommu_group is not None:
+            groups.setdefault(gpu.function.iommu_group, []).append(gpu)
+    for group, members in sorted(groups.items()):
+        if len(members) < 2:
+            continue
+        wants: list[tuple[Gpu, bool, str]] = []  # (gpu, on vfio-pci, why)
+        for g in sorted(members, key=lambda g: g.index):
+            d = desired.get(g.pci)
+            if d is not None:
+                wants.append((g, d.workload == "vm-passthrough", f"{d.workload} by {d.entry}"))
+            else:
+                on_vfio = g.function.driver == "vfio-pci"
+                wants.append((g, on_vfio, f"not in the layout, stays on {g.function.driver or 'no driver'}"))
+        if len({v for _, v, _ in wants}) < 2:
+            continue
+        first = next((desired[g.pci].entry for g, _, _ in wants if g.pci in desired), lpath)
+        parts = "; ".join(f"GPU {g.index} ({g.pci}) {'vfio-pci' if v else 'nvidia'}: {why}" for g, v, why in wants)
+        errors.add(first, f"IOMMU group {group} would be split across drivers ({parts}); a group is one unit: "
+                          "give all its GPUs vm-passthrough, or none of them")
 
 
 def check_text(text: str, file: str = "layout.yaml", gpus: Sequence[Gpu] = (), *,

@@ -35,6 +35,21 @@ def test_passthrough_device_as_clients_read_it(tmp_path):
     assert "0000:3b:00.1" in device["libvirt_hostdev"]  # the companion is named in the comment
 
 
+def test_passthrough_kubevirt_configuration_has_one_entry_per_resource():
+    """Eight H200s on vfio-pci are one KubeVirt resource; a second model is a second entry; no vGPU,
+    so KubeVirt's own mdev handling is left as the cluster set it."""
+    gpus = [Gpu(index=i, function=_fn(f"0000:{0x10 + i:02x}:00.0", group=i)) for i in range(8)]
+    gpus.append(Gpu(index=8, function=_fn("0000:a0:00.0", device=0x2331, group=8)))
+    reply = replies.passthrough_reply(passthrough.entries(gpus, dev_root="/nonexistent"))
+    assert len(reply.devices) == 9
+    assert msgspec.to_builtins(reply)["kubevirt_configuration"] == {"permittedHostDevices": {"pciHostDevices": [
+        {"pciVendorSelector": "10DE:2335", "resourceName": "nvidia.com/GH100_H200_SXM_141GB",
+         "externalResourceProvider": True},
+        # the plugin's pci.ids: "2331  GH100 [H100 PCIe]"
+        {"pciVendorSelector": "10DE:2331", "resourceName": "nvidia.com/GH100_H100_PCIE",
+         "externalResourceProvider": True}]}}
+
+
 def test_plan_steps_keep_their_wire_field_names():
     mig = Step(action="create-gi", pci=GPU0, profile="3g.71gb", profile_id=9, placement=Placement(4, 4))
     assert msgspec.to_builtins(replies.mig_step(mig)) == {

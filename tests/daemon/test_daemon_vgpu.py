@@ -90,6 +90,29 @@ def test_inventory_and_types(daemon) -> None:
     assert "T4-4Q" in d.ctl("vgpu", "types", "--gpu", "1").stdout
 
 
+def test_kubevirt_configuration_is_one_entry_per_resource(daemon) -> None:
+    """Four L40S-12Q VFs and two T4-4Q mdevs (counted in the simulator's state file) are two
+    resources: `gpudctl passthrough` prints the KubeVirt CR's configuration once, with one entry
+    each, and mediatedDevicesConfiguration.enabled=false (KubeVirt >= 1.8: gpud makes the vGPUs)
+    instead of the deprecated DisableMDEVConfiguration gate."""
+    d = daemon(["l40s", "t4"], LAYOUT, vgpu="vfio")
+    assert d.ctl("apply", "--wait", "--timeout", "120").returncode == 0
+    assert len(sim_vgpus(d.host, L40S)) == 4 and len(sim_vgpus(d.host, T4)) == 2
+    cfg = json.loads(d.ctl("passthrough", "--json").stdout)["kubevirt_configuration"]
+    assert cfg == {
+        "mediatedDevicesConfiguration": {"enabled": False},
+        "permittedHostDevices": {
+            # KubeVirt's own PCI device plugin serves VFs on nvidia with a vGPU type (kubevirt#16890)
+            "pciHostDevices": [{"pciVendorSelector": "10DE:26B9", "resourceName": "nvidia.com/NVIDIA_L40S-12Q",
+                                "externalResourceProvider": False}],
+            "mediatedDevices": [{"mdevNameSelector": "GRID T4-4Q", "resourceName": "nvidia.com/GRID_T4-4Q",
+                                 "externalResourceProvider": True}]}}
+    text = d.ctl("passthrough").stdout
+    assert text.count("KubeVirt permittedHostDevices") == 1 and text.count('"resourceName"') == 2
+    assert 'mediatedDevicesConfiguration (gpud makes the vGPUs' in text and '  {"enabled":false}' in text
+    assert "DisableMDEVConfiguration" in text
+
+
 def test_busy_vgpu_waits_names_the_vm_and_plan_shows_the_disruption(daemon) -> None:
     d = daemon(["l40s", "t4"], LAYOUT, vgpu="vfio")
     assert d.ctl("apply", "--wait", "--timeout", "120").returncode == 0

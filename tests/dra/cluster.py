@@ -68,10 +68,11 @@ class DraCluster:
 
     def start_scheduler(self) -> None:
         kc = self.server.admin_kubeconfig(self.dir / "scheduler.kubeconfig")
-        self.scheduler = subprocess.Popen(
-            [self.scheduler_bin, f"--kubeconfig={kc}", f"--authentication-kubeconfig={kc}",
-             f"--authorization-kubeconfig={kc}", "--leader-elect=false", "--secure-port=0", "--v=2"],
-            stdout=open(self.dir / "kube-scheduler.log", "ab"), stderr=subprocess.STDOUT, start_new_session=True)
+        with open(self.dir / "kube-scheduler.log", "ab") as log:  # the child has its own descriptor of it
+            self.scheduler = subprocess.Popen(
+                [self.scheduler_bin, f"--kubeconfig={kc}", f"--authentication-kubeconfig={kc}",
+                 f"--authorization-kubeconfig={kc}", "--leader-elect=false", "--secure-port=0", "--v=2"],
+                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
     def stop(self) -> None:
         real_server._stop(self.scheduler)
@@ -91,6 +92,10 @@ class DraCluster:
     def node(self, name: str) -> None:
         self.admin("POST", "/api/v1/nodes", {"apiVersion": "v1", "kind": "Node", "metadata": {
             "name": name, "labels": {"kubernetes.io/hostname": name}}})
+        # the not-ready taint admission puts on a new node (TaintNodesByCondition) is the node
+        # lifecycle controller's to remove once the kubelet reports Ready; no controller runs here
+        self.admin("PATCH", f"/api/v1/nodes/{name}", {"spec": {"taints": None}},
+                   content_type="application/merge-patch+json")
         self.admin("PATCH", f"/api/v1/nodes/{name}/status", {"status": {
             "capacity": {"cpu": "64", "memory": "512Gi", "pods": "500"},
             "allocatable": {"cpu": "64", "memory": "512Gi", "pods": "500"},
@@ -157,6 +162,25 @@ class DraCluster:
                     return c.get("message") or "unschedulable"
             return None
         return self.wait(f"pod {pod} found unschedulable", message)
+
+
+def skips() -> list:
+    """The DRA tests' markers: `apiserver` (a real kube-apiserver), and skips each with its
+    reason: binaries not built, gRPC code not generated, no openssl CLI."""
+    import pytest
+
+    from gpud.host import kubelet_plugin
+
+    _, why = dra_binaries()
+    try:
+        kubelet_plugin.proto()
+        proto = None
+    except kubelet_plugin.ProtoMissing as e:
+        proto = str(e)
+    ssl = real_server.have_openssl()
+    return [pytest.mark.apiserver, pytest.mark.skipif(why is not None, reason=why or ""),
+            pytest.mark.skipif(proto is not None, reason=proto or ""),
+            pytest.mark.skipif(ssl is not None, reason=ssl or "")]
 
 
 def _now() -> str:

@@ -7,6 +7,7 @@ the simulator's own state file (tests/leases/rig.sim_gis), never from gpud.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -16,19 +17,11 @@ from gpud.host import kubelet_plugin
 from gpud.host.kubelet_plugin import KubeletPlugin
 from gpud.model import Placement
 from gpud.plan.dra_slices import DEFAULT_DRIVER
-from tests.dra.cluster import DraCluster, dra_binaries
+from tests.dra.cluster import DraCluster, skips
 from tests.leases.rig import dynamic_rig, sim_gis
-from tests.support.kube_real_server import have_openssl
+from tests.support.simrig import SimRig
 
-_, WHY = dra_binaries()
-try:
-    kubelet_plugin.proto()
-    PROTO = None
-except kubelet_plugin.ProtoMissing as e:
-    PROTO = str(e)
-pytestmark = [pytest.mark.apiserver, pytest.mark.skipif(WHY is not None, reason=WHY or ""),
-              pytest.mark.skipif(PROTO is not None, reason=PROTO or ""),
-              pytest.mark.skipif(have_openssl() is not None, reason=have_openssl() or "")]
+pytestmark = skips()
 
 MIG = "mig.gpud.io"
 GPU = "gpu.gpud.io"
@@ -36,13 +29,6 @@ GPU = "gpu.gpud.io"
 
 def profile_is(name: str) -> str:
     return f"device.attributes['{DEFAULT_DRIVER}'].profile == '{name}'"
-
-
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    c = DraCluster(tmp_path_factory.mktemp("dra-cluster")).start()
-    yield c
-    c.stop()
 
 
 class SimNode:
@@ -56,12 +42,17 @@ class SimNode:
         self.plugin: KubeletPlugin | None = None
         self.api = None
 
-    async def start(self, gpus: tuple[str, ...] = ("h100-80gb:1",)) -> SimNode:
+    async def start(self, gpus: tuple[str, ...] = ("h100-80gb:1",), layout: str | None = None) -> SimNode:
         from gpud.host.kube import load_config
         from gpud.host.kube_dra import DraApi
 
         self.cluster.node(self.name)
-        self.rig = await dynamic_rig(self.tmp, gpus)
+        if layout is None:
+            self.rig = await dynamic_rig(self.tmp, gpus)
+        else:
+            self.rig = SimRig(self.tmp, gpus, state_dir=str(self.tmp / "state"))
+            assert await self.rig.apply(layout)
+            await self.rig.rec.leases.start()
         self.api = DraApi(self.name, DEFAULT_DRIVER, load_config(self.cluster.kubeconfig(self.tmp / "gpud.kubeconfig")))
         await self.boot()
         return self
@@ -227,6 +218,82 @@ async def test_a_claim_survives_a_gpud_restart_between_prepare_and_unprepare(clu
         assert list((await kubelet.prepare(claim)).devices) == list(got.devices)  # from the checkpoint
         assert [(n, pl) for n, pl, _ in sim_gis(node.rig)] == [("3g.40gb", at)]
         assert (await kubelet.unprepare(claim)).error == ""
+        assert sim_gis(node.rig) == []
+    finally:
+        await kubelet.close()
+
+
+PASSTHROUGH = """version: v1
+layouts:
+  d:
+    - devices: all
+      workload: vm-passthrough
+"""
+
+
+async def test_a_vfio_claim_is_handed_the_whole_iommu_group(cluster, tmp_path):
+    node = await SimNode(tmp_path, cluster, "vfio-node").start(("rtx6000-ada:1",), PASSTHROUGH)
+    kubelet = Kubelet(node.plugin)
+    try:
+        cluster.claim("vm-gpu", "vfio.gpud.io")
+        cluster.pod("vm", "vm-gpu", node=node.name)
+        (r,) = cluster.allocated("vm-gpu")
+        assert r["device"].endswith("-vfio")
+        claim = cluster.get_claim("vm-gpu")
+        got = await kubelet.prepare(claim)
+        assert got.error == ""
+        spec = json.loads((node.tmp / "cdi" / f"{DEFAULT_DRIVER}-claim_{claim['metadata']['uid']}.json").read_text())
+        (dev,) = spec["devices"]
+        # the group as the simulated kernel lists it: sys/kernel/iommu_groups/<n>/devices
+        groups = node.rig.dir / "sys" / "kernel" / "iommu_groups"
+        (group,) = [g for g in groups.iterdir() if (g / "devices" / node.driver.published.devices[r["device"]].pci).exists()]
+        members = sorted(p.name for p in (group / "devices").iterdir())
+        assert len(members) == 2  # the GPU and its HD-audio function
+        assert {"path": f"/dev/vfio/{group.name}"} in dev["containerEdits"]["deviceNodes"]
+        listed = next(e for e in dev["containerEdits"]["env"] if e.startswith("PCI_RESOURCE_GPUD_IO="))
+        assert sorted(listed.split("=", 1)[1].split(",")) == members
+        assert (await kubelet.unprepare(claim)).error == ""
+    finally:
+        await kubelet.close()
+        await node.close()
+
+
+async def test_a_placement_overlapping_an_allocated_one_is_never_allocated(cluster, node):
+    """A 4g.40gb holds memory slices 0-3; a 1g.10gb asked inside them stays unallocated although
+    every sum (compute, multiprocessors, memory) would fit; one asked beside them is allocated."""
+    ns = node.name[:20]
+    cluster.claim(f"{ns}-4g", MIG, profile_is("4g.40gb"))
+    cluster.pod(f"{ns}-4g", f"{ns}-4g", node=node.name)
+    assert node.placement(cluster.allocated(f"{ns}-4g")) == Placement(0, 4)
+    inside = f"{profile_is('1g.10gb')} && device.attributes['{DEFAULT_DRIVER}'].placementStart < 4"
+    cluster.claim(f"{ns}-in", MIG, inside)
+    cluster.pod(f"{ns}-in", f"{ns}-in", node=node.name)
+    assert cluster.unschedulable(f"{ns}-in")
+    beside = f"{profile_is('1g.10gb')} && device.attributes['{DEFAULT_DRIVER}'].placementStart >= 4"
+    cluster.claim(f"{ns}-out", MIG, beside)
+    cluster.pod(f"{ns}-out", f"{ns}-out", node=node.name)
+    assert node.placement(cluster.allocated(f"{ns}-out")).start >= 4
+
+
+async def test_the_seed_layout_is_reachable_through_claims_and_prepared(cluster, node):
+    """3g.40gb at slice 4 (a claim may select the placement attribute), then four 1g.10gb:
+    allocated by the scheduler, prepared by gpud; the simulator's state file then holds the seed's
+    layout."""
+    ns = node.name[:20]
+    names = [f"{ns}-3g"] + [f"{ns}-1g{i}" for i in range(4)]
+    kubelet = Kubelet(node.plugin)
+    try:
+        for name in names:
+            cel = (f"{profile_is('3g.40gb')} && device.attributes['{DEFAULT_DRIVER}'].placementStart == 4"
+                   if name.endswith("3g") else profile_is("1g.10gb"))
+            cluster.claim(name, MIG, cel)
+            cluster.pod(name, name, node=node.name)
+            cluster.allocated(name)
+            assert (await kubelet.prepare(cluster.get_claim(name))).error == ""
+        made = sorted(name for name, _, _ in sim_gis(node.rig))
+        assert made == ["1g.10gb"] * 4 + ["3g.40gb"]
+        for name in names:
+            assert (await kubelet.unprepare(cluster.get_claim(name))).error == ""
         assert sim_gis(node.rig) == []
     finally:
         await kubelet.close()

@@ -428,3 +428,43 @@ def test_all_disabled_any_host(n: int) -> None:
     r = check("version: v1\nmig-configs:\n  all-disabled:\n    - devices: all\n      mig-enabled: false\n", gpus)
     assert r.ok and len(r.desired) == n
     assert all(d.entry == "mig-configs.all-disabled[0]" for d in r.desired.values())
+
+
+def _grouped(*drivers: str) -> list[Gpu]:
+    """GPUs 0.. of one IOMMU group (a PCIe switch without ACS), on the given drivers."""
+    import msgspec
+
+    gpus = host(*["h100-80gb"] * len(drivers))
+    return [msgspec.structs.replace(g, function=msgspec.structs.replace(g.function, iommu_group=7, driver=drv),
+                                    nvml=g.nvml if drv == "nvidia" else None)
+            for g, drv in zip(gpus, drivers, strict=True)]
+
+
+def test_a_layout_splitting_an_iommu_group_across_drivers_is_refused() -> None:
+    """Issue 33 item 1: GPUs 0 and 1 share IOMMU group 7; passthrough for one and containers for
+    the other was accepted, and the GPUs were moved between the drivers forever."""
+    gpus = _grouped("nvidia", "nvidia")
+    r = check("""
+        version: v1
+        layouts:
+          a:
+            - devices: [0]
+              workload: vm-passthrough
+            - devices: [1]
+              workload: container
+        """, gpus)
+    assert errs(r) == [
+        "layout.yaml:4 layouts.a[0]: IOMMU group 7 would be split across drivers (GPU 0 (0000:18:00.0) vfio-pci: "
+        "vm-passthrough by layouts.a[0]; GPU 1 (0000:28:00.0) nvidia: container by layouts.a[1]); a group is one "
+        "unit: give all its GPUs vm-passthrough, or none of them"]
+    assert r.desired == {}
+
+
+def test_a_gpu_left_out_counts_at_its_driver_and_is_never_a_companion() -> None:
+    gpus = _grouped("nvidia", "nvidia")
+    r = check("version: v1\nlayouts:\n  a:\n    - devices: [0]\n      workload: vm-passthrough\n", gpus)
+    assert len(errs(r)) == 1 and "GPU 1 (0000:28:00.0) nvidia: not in the layout, stays on nvidia" in errs(r)[0]
+    both = check("version: v1\nlayouts:\n  a:\n    - devices: [0, 1]\n      workload: vm-passthrough\n", gpus)
+    assert errs(both) == [] and set(both.desired) == {g.pci for g in gpus}
+    none = check("version: v1\nlayouts:\n  a:\n    - devices: [0, 1]\n      workload: container\n", gpus)
+    assert errs(none) == []

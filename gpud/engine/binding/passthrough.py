@@ -89,3 +89,35 @@ def kubevirt_entry(e: PassthroughEntry) -> dict:
     # externalResourceProvider: the device plugin (kubevirt-gpu-device-plugin) advertises the
     # resource; KubeVirt's own plugin would need the GPU in its permitted list instead.
     return {"pciVendorSelector": e.vendor_device, "resourceName": e.resource_name, "externalResourceProvider": True}
+
+
+# KubeVirt's CR field lists under spec.configuration.permittedHostDevices
+KUBEVIRT_LISTS = {"pciHostDevices": "pciVendorSelector", "mediatedDevices": "mdevNameSelector"}
+
+
+def kubevirt_configuration(entries: Iterable[dict], *, vgpus: bool) -> dict:
+    """The KubeVirt CR's `spec.configuration` for what this host offers: `permittedHostDevices`
+    with one entry per resource (KubeVirt permits a resource, and the device plugin counts the
+    GPUs or VFs behind it: eight H200s are one entry, not eight), in first-seen order. Entries
+    without a resource name (a function no plugin advertises) cannot be permitted and are left out.
+    Where gpud makes vGPUs, virt-handler must not make or remove mdevs itself:
+    `mediatedDevicesConfiguration.enabled: false`, the field KubeVirt v1.8 added in place of the
+    `DisableMDEVConfiguration` feature gate (kubevirt#16220; the gate is a no-op from v1.9,
+    kubevirt#17620)."""
+    lists: dict[str, list[dict]] = {}
+    seen: set[tuple] = set()
+    for entry in entries:
+        # a vGPU's entry names its list; a passthrough GPU's is one pciHostDevices item
+        named = entry.items() if set(entry) <= set(KUBEVIRT_LISTS) else [("pciHostDevices", [entry])]
+        for kind, items in named:
+            for item in items:
+                key = (kind, item.get(KUBEVIRT_LISTS[kind]), item.get("resourceName"),
+                       item.get("externalResourceProvider"))
+                if not item.get("resourceName") or key in seen:
+                    continue
+                seen.add(key)
+                lists.setdefault(kind, []).append(dict(item))
+    config: dict = {"mediatedDevicesConfiguration": {"enabled": False}} if vgpus else {}
+    if lists:
+        config["permittedHostDevices"] = {k: lists[k] for k in KUBEVIRT_LISTS if k in lists}
+    return config

@@ -89,9 +89,15 @@ def foreign_placements(view: EngineView) -> dict[str, tuple[Placement, ...]]:
     return {k: tuple(v) for k, v in out.items()}
 
 
+UNHEALTHY_STATES = ("stuck", "gone")  # a driver write that never returned; the GPU left the bus
+
+
 def inputs_of(view: EngineView, node: str, driver: str, *, driver_version: str | None,
               unhealthy: frozenset[str] = frozenset()) -> DraInputs:
+    """The builder's inputs from the engine's view. Unhealthy: GPUs whose last state is stuck or
+    gone, beside what the caller adds (gpud reads no XIDs itself)."""
     desired = view.resolution.desired if view.resolution is not None else {}
+    unhealthy = unhealthy | {pci for pci, st in view.gpu_states.items() if st.state in UNHEALTHY_STATES}
     return DraInputs(node, view.observation.gpus, desired, driver=driver, driver_version=driver_version,
                      unhealthy=unhealthy, foreign=foreign_placements(view))
 
@@ -135,10 +141,12 @@ class DraDriver:
             return writes
 
     def device(self, name: str) -> SliceDevice | None:
-        if self.published is None or name not in self.published.devices:
-            self.published_now = self.build()
-            return self.published_now.devices.get(name)
-        return self.published.devices[name]
+        """What a published device stands for: from the pool last published, else as built now
+        (a restarted gpud before its first publish; a device the scheduler allocated just before a
+        change and still on the hardware)."""
+        if self.published is not None and name in self.published.devices:
+            return self.published.devices[name]
+        return self.build().devices.get(name)
 
     # ---- checkpoint ----------------------------------------------------------------------------
     def load(self) -> None:
@@ -288,5 +296,5 @@ class DraDriver:
         pub = self.published
         return {"driver": self.driver, "node": self.node, "generation": self.generation,
                 "slices": len(pub.slices) if pub else 0, "devices": len(pub.devices) if pub else 0,
-                "claims": {uid: {"claim": f"{c.namespace}/{c.name}", "devices": [d.device for d in c.devices],
-                                 "leases": list(c.leases)} for uid, c in self.claims.items()}}
+                "claims": [{"uid": uid, "claim": f"{c.namespace}/{c.name}", "devices": [d.device for d in c.devices],
+                            "leases": list(c.leases)} for uid, c in sorted(self.claims.items())]}

@@ -118,6 +118,14 @@ class DraService:
                 log.warning("DRA: watching the node's slices: %s", e)
                 await asyncio.sleep(1.0)
 
+    def status(self) -> dict | None:
+        """The driver's state for `gpudctl status --kube` (None before it started)."""
+        if self.driver is None:
+            return None
+        out = self.driver.status()
+        out["registered"] = self.plugin.registered if self.plugin is not None else None
+        return out
+
     async def stop(self) -> None:
         if self.plugin is not None:
             await self.plugin.stop()

@@ -1,0 +1,104 @@
+"""A gpud process with `--kube-node NODE --dra` on a simulated host, against the real kube-apiserver
+and kube-scheduler (v1.36.3): it publishes its pool, the scheduler allocates from it, the kubelet's
+side (the generated gRPC client) prepares and unprepares, and gpud is killed with SIGKILL between
+allocation and prepare and between prepare and unprepare. What was made is read from the
+simulator's state file."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+from gpud.host.kubelet_plugin import paths
+from gpud.model import Placement
+from gpud.plan.dra_slices import DEFAULT_DRIVER
+from gpud.profiles import MODELS
+from gpud.sim import gpu_rules
+from gpud.sim import state as simstate
+from tests.dra.cluster import skips
+from tests.dra.test_dra_scheduler import MIG, Kubelet, profile_is
+from tests.leases.rig import dynamic_layout
+from tests.support.daemon import Daemon, wait_until
+
+pytestmark = skips()
+NODE = "daemon-node"
+
+
+def gis(host) -> list[tuple[str, Placement]]:
+    """(GI profile name, placement) on the first GPU, from the simulator's state file."""
+    state = simstate.load(host)
+    g = state.gpus[sorted(state.gpus)[0]]
+    model = MODELS[g.model]
+    return sorted((gpu_rules.profile_of(model, gi.profile_id).name, Placement(gi.start, gi.size)) for gi in g.gis)
+
+
+class Plugin:
+    """What the kubelet's plugin watcher sees: the sockets under the kubelet root."""
+
+    def __init__(self, root) -> None:
+        self.registration_socket, self.dra_socket = paths(str(root), DEFAULT_DRIVER)
+
+
+def kill_9(d: Daemon) -> None:
+    os.kill(d.proc.pid, signal.SIGKILL)
+    d.proc.wait(30)
+
+
+async def test_gpud_killed_between_allocate_prepare_and_unprepare(cluster, tmp_path):
+    cluster.node(NODE)
+    kubeconfig = cluster.kubeconfig(tmp_path / "gpud.kubeconfig")
+    root = tmp_path / "kubelet"
+    d = Daemon(tmp_path, ["h100-80gb:1"], dynamic_layout(), extra_args=[
+        "--kube-node", NODE, "--kubeconfig", kubeconfig, "--dra", "--kubelet-root", str(root),
+        "--cdi-dir", str(tmp_path / "cdi")])
+    try:
+        slices = wait_until(lambda: [s for s in cluster.slices(NODE) if s["spec"].get("devices")], 60,
+                            "gpud's slices on the API server")
+        names = {dev["name"] for s in slices for dev in s["spec"]["devices"]}
+        assert "gpu-0" in names and "gpu-0-mig-1g-10gb-0" in names
+
+        cluster.claim("k9", MIG, profile_is("1g.10gb"))
+        cluster.pod("k9", "k9", node=NODE)
+        (r,) = cluster.allocated("k9")
+        dev = next(dev for s in slices for dev in s["spec"]["devices"] if dev["name"] == r["device"])
+        at = Placement(dev["attributes"]["placementStart"]["int"], dev["attributes"]["placementSize"]["int"])
+        claim = cluster.get_claim("k9")
+
+        kill_9(d)  # between allocation and prepare
+        d.start()
+        plugin = Plugin(root)
+        wait_until(lambda: os.path.exists(plugin.dra_socket), 30, "the DRA socket")
+        kubelet = Kubelet(plugin)
+        got = await kubelet.prepare(claim)
+        await kubelet.close()
+        assert got.error == "" and gis(d.host) == [("1g.10gb", at)]
+        shown = d.ctl("status", "--kube").stdout  # what is published (as the server holds it) and prepared
+        on_server = sum(len(s["spec"].get("devices") or ()) for s in cluster.slices(NODE))
+        assert f"published: {on_server} device(s)" in shown, shown
+        assert f"prepared: apps/k9 ({claim['metadata']['uid']}): {r['device']}" in shown, shown
+
+        kill_9(d)  # between prepare and unprepare
+        assert gis(d.host) == [("1g.10gb", at)]  # the instance outlives gpud
+        d.start()
+        wait_until(lambda: os.path.exists(plugin.dra_socket), 30, "the DRA socket")
+        kubelet = Kubelet(plugin)
+        again = await kubelet.prepare(claim)  # answered from the checkpoint, nothing made twice
+        assert list(again.devices) == list(got.devices) and gis(d.host) == [("1g.10gb", at)]
+        assert (await kubelet.unprepare(claim)).error == ""
+        await kubelet.close()
+        assert gis(d.host) == []
+
+        # a lease made outside Kubernetes: its placement and the whole GPU leave the pool
+        r = d.ctl("lease", "3g.40gb", "--start", "4", "--gpu", "0", "--json")
+        assert r.returncode == 0, r.stderr + r.stdout
+
+        def devices_now() -> set[str]:
+            return {dev["name"] for s in cluster.slices(NODE) for dev in s["spec"].get("devices") or ()}
+        wait_until(lambda: "gpu-0" not in devices_now(), 30, "the pool to drop what the lease holds")
+        left = devices_now()
+        assert "gpu-0-mig-1g-10gb-0" in left and not any(n.endswith("-4") or n.endswith("-5") or n.endswith("-6")
+                                                         for n in left if "mig" in n), left
+    finally:
+        if d.proc.poll() is None:
+            d.proc.terminate()
+            d.proc.wait(30)
