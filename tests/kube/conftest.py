@@ -1,13 +1,14 @@
-"""The Kubernetes tests' clusters: the API-emulator cluster (tests/kube/test_kube_agent.py), shared
+"""The Kubernetes tests' clusters: the API-emulator cluster (tests/support/kube_agent.py drives the agent on it), shared
 with the operator-cluster tests that drive the agent the same way, and the real kube-apiserver (one
 per session; tests that restart or compact it start their own), with a clean node on it per test."""
 
 from __future__ import annotations
 
+import kmock
 import pytest
 
-from tests.kube.test_kube_agent import cluster  # noqa: F401 - a fixture
-from tests.support.kube_cluster import NODE
+from tests.support.kube_cluster import NODE, write_kubeconfig
+from tests.support.kube_emulator import ApiServer
 from tests.support.kube_real_cluster import RealNode
 from tests.support.kube_real_server import RealServer, binaries, have_openssl
 
@@ -49,3 +50,13 @@ def real_node(real_server, tmp_path):
         yield node
     finally:
         node.close()
+
+
+@pytest.fixture
+async def cluster(tmp_path):
+    async with ApiServer() as api, kmock.Server(api):
+        kubeconfig = write_kubeconfig(tmp_path / "kubeconfig", str(api.url))
+        try:
+            yield api, kubeconfig
+        finally:
+            await api.end_watches()

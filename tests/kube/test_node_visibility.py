@@ -8,7 +8,7 @@ annotations), through the real client.
 from __future__ import annotations
 
 from gpud.engine.kube.agent import LAST_ERROR, MIG_CONFIG, MIG_STATE, Impact
-from tests.kube.test_kube_agent import (
+from tests.support.kube_agent import (
     BASE_LABELS,
     EngineStandIn,
     _agent,

@@ -9,7 +9,7 @@ controller does, so "gone before the change" holds only if gpud really turned th
 from __future__ import annotations
 
 from gpud.engine.kube.agent import MIG_CONFIG, MIG_STATE, Impact
-from tests.kube.test_kube_agent import (
+from tests.support.kube_agent import (
     BASE_LABELS,
     SETS,
     EngineStandIn,

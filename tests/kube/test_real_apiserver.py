@@ -28,7 +28,7 @@ from gpud.engine.kube.agent import (
     KubeAgent,
 )
 from gpud.host.kube import Gone, KubeApi, load_config
-from tests.kube.test_kube_agent import (
+from tests.support.kube_agent import (
     BASE_LABELS,
     CONTAINER,
     DCGM,

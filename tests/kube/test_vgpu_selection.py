@@ -20,7 +20,7 @@ from gpud.engine.kube.selection import (
     Selection,
     selection,
 )
-from tests.kube.test_kube_agent import (
+from tests.support.kube_agent import (
     BASE_LABELS,
     EngineStandIn,
     _agent,
