@@ -42,7 +42,7 @@ from gpud.sim import gpu_rules  # noqa: E402
 from gpud.sim import state as simstate  # noqa: E402
 from gpud.sim.state import SimGi, SimGpu  # noqa: E402
 from tests.leases.rig import dynamic_layout  # noqa: E402
-from tests.scenarios.harness import SimRig  # noqa: E402
+from tests.support.simrig import SimRig  # noqa: E402
 
 RESULTS = ROOT / "out" / "leases.md"
 # The request mix (GI profile name -> weight) per model: small profiles most often, as batch

@@ -28,7 +28,7 @@ from bench import migparted_model, migparted_real, plan_time  # noqa: E402
 from gpud.plan.mig import ci_name, plan_gpu  # noqa: E402
 from gpud.sim import cli as simcli  # noqa: E402
 from tests.scenarios.definitions import SCENARIOS, Scenario  # noqa: E402
-from tests.scenarios.harness import SimRig  # noqa: E402
+from tests.support.simrig import SimRig  # noqa: E402
 
 RESULTS = ROOT / "out" / "mig.md"  # the committed copy, bench/results/mig.md, only by `make bench-update`
 

@@ -24,6 +24,7 @@ GpuStateName = Literal[
     "reset-required",  # a mode change needs a GPU reset that policy or holders prevent
     "reboot-required",  # only a reboot settles the mode change
     "unmanaged",  # not in the selected layout: left untouched
+    "drift",  # was converged; the hardware changed behind gpud and no longer matches (the message says how)
     "read-only",  # read-only mode: would apply something
     "gone",  # the GPU left the PCI bus
 ]
@@ -33,12 +34,12 @@ Phase = Literal[
     "converged",  # every managed GPU matches the layout
     "invalid-layout",  # the file (or its resolution on this host) has errors: nothing new is applied
     # the GPU states a pass reports as its phase (PHASE_ORDER)
-    "failed", "stuck", "reset-required", "reboot-required", "waiting", "read-only", "applying", "pending",
+    "failed", "stuck", "reset-required", "reboot-required", "drift", "waiting", "read-only", "applying", "pending",
 ]
 
 # The states a whole pass reports as its phase, most urgent first (none of them: "converged").
 PHASE_ORDER: tuple[Phase, ...] = (
-    "failed", "stuck", "reset-required", "reboot-required", "waiting", "read-only", "applying", "pending",
+    "failed", "stuck", "reset-required", "reboot-required", "drift", "waiting", "read-only", "applying", "pending",
 )
 # Phases a layout is still working through (anything else: settled, until something changes).
 SETTLING_PHASES: tuple[Phase, ...] = ("starting", "applying", "waiting")

@@ -51,7 +51,7 @@ from gpud.host.state_files import Problems
 from gpud.layout.desired import DesiredGpu
 from gpud.layout.parse import ParsedLayout
 from gpud.layout.resolve import Resolution
-from gpud.layout.schema import MatchRule, Policy
+from gpud.layout.schema import Layout, MatchRule, Policy
 from gpud.model import Gpu
 from gpud.plan.binding import plan_binding
 from gpud.plan.lease_placement import dynamic_mode
@@ -114,6 +114,7 @@ class Reconciler:
         self.gpu_index = GpuIndex(index_path(state_dir), problems=self.state_problems)
         self.gpu_set = GpuSetNotes(bus)  # a change of the GPU set: said, and noted for status
         self._pass_layout: ParsedLayout | None = None  # the layout a running pass started with
+        self._concluded_under: Layout | None = None  # the layout the last pass concluded the GPU states for
         self.resolution: Resolution | None = None
         self.observation = Observation(gpus=(), functions=())
         self.gpu_states: dict[str, GpuState] = {}
@@ -389,7 +390,36 @@ class Reconciler:
             if pci not in present and st.state != "gone":  # left the bus but not numbered (not managed)
                 self.gpu_states[pci] = GpuState("gone", "the GPU disappeared from the PCI bus")
                 self.bus.publish("gpu-gone", "GPU removed", gpu=pci)
+        self._judge_drift()
         self._notify()
+
+    def _judge_drift(self) -> None:
+        """Every observation is compared with the layout: a GPU a pass left `converged` that no
+        longer matches (another tool changed MIG or a driver binding) is `drift`, with the step
+        that would put it back named, an event said once, and (policy on-drift: converge, the
+        default) a pass asked for. Judged only between passes and under the layout those states
+        were concluded for (a new layout's differences are `pending`, not drift)."""
+        res = self.resolution
+        if (res is None or res.errors or res.layout is None or res.layout is not self._concluded_under
+                or self.scheduler.running or self._pass_layout is not None):
+            return
+        drifted = False
+        for gpu in self.observation.gpus:
+            state, desired = self.gpu_states.get(gpu.pci), res.desired.get(gpu.pci)
+            if state is None or desired is None or state.state != "converged":
+                continue
+            action = self.next_action(gpu, desired)
+            if action is None or isinstance(action, GpuState):
+                continue
+            message = f"the hardware changed behind gpud and no longer matches the layout: {action.summary}"
+            self.gpu_states[gpu.pci] = GpuState("drift", message)
+            self.bus.publish("drift", message, gpu=gpu.pci)
+            drifted = True
+        if drifted:
+            self.phase = _phase(self.gpu_states.values())
+            policy = res.layout.policy
+            if policy.on_drift == "converge" and not self.read_only:
+                self.kick("drift")
 
     def _notify(self) -> None:
         for cb in self._listeners:
@@ -470,6 +500,8 @@ class Reconciler:
             if self._acted:  # a pass that changed nothing ends with the view it began with
                 await self.refresh_async()
         self.phase = _phase(self.gpu_states.values())
+        # the layout this pass's states were concluded under: later observations are judged against it
+        self._concluded_under = self.resolution.layout if self.resolution is not None else None
         self.reboot_policy.after_pass(self.phase)
         self.boot_rebuild.pass_ended(self.gpu_states, self.phase)
         self.completed_passes += 1

@@ -34,6 +34,7 @@ from gpud.layout.schema import (
     LEASE_MIG_MODE,
     LEASE_PLACEMENT,
     ON_BUSY,
+    ON_DRIFT,
     ON_INFEASIBLE,
     REBOOT,
     RESET,
@@ -61,7 +62,7 @@ LAYOUTS_SYNONYMS = ("mig-configs", "vgpu-configs")
 ENTRY_KEYS = ("devices", "device-filter", "workload", "mig-enabled", "mig-devices", "vgpu-devices")
 MATCH_KEYS = ("vendor", "device", "class")
 POLICY_KEYS = ("drain-units", "on-busy", "reset", "reboot", "lease-group", "lease-placement", "lease-mig-mode",
-               "on-infeasible", "apply")
+               "on-infeasible", "apply", "on-drift")
 HOOK_KEYS = ("command", "args", "env", "timeout")
 
 _UUID = re.compile(r"GPU-[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}")
@@ -748,7 +749,7 @@ class _Parser:
                 values["lease_group"] = group
         for key, allowed in (("on-busy", ON_BUSY), ("reset", RESET), ("reboot", REBOOT),
                              ("lease-placement", LEASE_PLACEMENT), ("lease-mig-mode", LEASE_MIG_MODE),
-                             ("on-infeasible", ON_INFEASIBLE), ("apply", APPLY)):
+                             ("on-infeasible", ON_INFEASIBLE), ("apply", APPLY), ("on-drift", ON_DRIFT)):
             if key in keys and (value := self.enum(keys[key][1], key_path("policy", key), allowed)) is not None:
                 values[key.replace("-", "_")] = value
         return Policy(**values)  # type: ignore[arg-type]

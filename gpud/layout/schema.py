@@ -23,6 +23,9 @@ ON_INFEASIBLE = ("refuse-file", "skip-gpu")
 # auto: a saved file is applied at once; manual: only `gpudctl apply` changes GPUs (status says
 # what is pending), so a file can be saved, planned and then applied
 APPLY = ("auto", "manual")
+# Hardware changed behind gpud (another tool changed MIG or a binding): a pass puts the layout back
+# (converge), or status, an event and the metric only say so (report)
+ON_DRIFT = ("converge", "report")
 LEASE_PLACEMENT = ("pack", "spread")  # across dynamic GPUs: fill used GPUs first, or the emptiest first
 LEASE_MIG_MODE = ("follow", "keep-on")  # Hopper+: MIG mode on at the first lease, off after the last; or kept on
 DYNAMIC = "dynamic"  # `mig-devices: dynamic`: the GPU's instances are made by leases (gpud.engine.leases)
@@ -111,6 +114,7 @@ class Policy(Struct, frozen=True, rename="kebab"):
     reboot: str = "never"  # never | allow
     on_infeasible: str = "refuse-file"  # refuse-file | skip-gpu
     apply: str = "auto"  # auto | manual
+    on_drift: str = "converge"  # converge | report: when the hardware no longer matches a converged GPU
     lease_group: str | None = None  # a group whose members may lease and release (root always may)
     lease_placement: str = "pack"  # pack | spread: how leases are spread over dynamic GPUs
     lease_mig_mode: str = "follow"  # follow | keep-on: MIG mode of a dynamic Hopper+ GPU without leases

@@ -11,7 +11,7 @@ import yaml
 from gpud.api.handlers import RequestHandler
 from gpud.engine.engine import Engine
 from tests.scenarios.definitions import layout, mig
-from tests.scenarios.harness import SimRig
+from tests.support.simrig import SimRig
 
 # H100 and A100 layouts of the file, valid and not on this host (an A100 has no 1g.10gb x 7)
 SOME = ("all-disabled", "all-enabled", "all-1g.10gb", "all-1g.5gb", "all-balanced", "all-7g.80gb", "all-2g.20gb",

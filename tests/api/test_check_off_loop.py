@@ -10,7 +10,7 @@ import pytest
 from gpud.api.handlers import RequestHandler
 from gpud.api.peers import Peer
 from gpud.engine.engine import Engine
-from tests.scenarios.harness import SimRig
+from tests.support.simrig import SimRig
 
 ROOT = Peer(pid=1, uid=0, gid=0, groups=frozenset({0}))
 

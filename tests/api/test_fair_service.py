@@ -23,8 +23,8 @@ from gpud.api.peers import Peer
 from gpud.api.server import serve
 from gpud.engine import layout_keeper
 from gpud.engine.engine import Engine
-from tests.scenarios.harness import SimRig
 from tests.support.api import Conn
+from tests.support.simrig import SimRig
 
 GUARD = 20.0
 GPUD = 4242  # the gpud group's id, as the server is told

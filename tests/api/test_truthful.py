@@ -18,7 +18,7 @@ from gpud.engine.engine import Engine
 from gpud.model import Gpu, PciFunction
 from gpud.sim import cli as simcli
 from tests.scenarios.definitions import layout, mig
-from tests.scenarios.harness import SimRig
+from tests.support.simrig import SimRig
 
 REPO = Path(__file__).resolve().parents[2]
 WHOLE = layout(mig("all", None))

@@ -142,6 +142,7 @@ def test_events_follow_shows_steps(daemon):
     finally:
         follower.kill()
         follower.wait()
+        follower.stdout.close()
 
 
 def test_read_only_daemon_plans_but_never_mutates(daemon):

@@ -7,8 +7,12 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from tests.daemon.test_daemon_vgpu import LAYOUT as VGPU_LAYOUT
 from tests.scenarios.definitions import layout
+
+pytestmark = pytest.mark.daemon
 
 
 def _kubevirt_lines(text: str) -> list[str]:

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import yaml
 
-from tests.kube import real_server
-from tests.kube.real_server import ADMIN_TOKEN, RealServer
+from tests.support import kube_real_server as real_server
+from tests.support.kube_real_server import ADMIN_TOKEN, RealServer
 
 DRA_VERSION = "v1.36.3"
 DEVICE_CLASSES = real_server.REPO / "deploy" / "dra" / "deviceclasses.yaml"

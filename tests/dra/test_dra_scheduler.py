@@ -19,7 +19,7 @@ from gpud.model import Placement
 from gpud.plan.dra_slices import DEFAULT_DRIVER
 from tests.dra.cluster import DraCluster, skips
 from tests.leases.rig import dynamic_rig, sim_gis
-from tests.scenarios.harness import SimRig
+from tests.support.simrig import SimRig
 
 pytestmark = skips()
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from gpud.sim.state import load, locked
 from gpud.sim.sysfs_tree import render
-from tests.scenarios.harness import SimRig
 from tests.support.clock import SteppedClock
+from tests.support.simrig import SimRig
 
 GPU, AUDIO = "0000:18:00.0", "0000:18:00.1"
 CONTAINER = "version: v1\nlayouts:\n  a:\n    - {devices: all, workload: container}\n"

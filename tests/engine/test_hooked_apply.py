@@ -13,7 +13,7 @@ import yaml
 
 from gpud.sim import state as simstate
 from tests.scenarios.definitions import layout, mig
-from tests.scenarios.harness import SimRig
+from tests.support.simrig import SimRig
 
 PHASES = ("apply-start", "pre-apply-mode", "pre-apply-config", "apply-exit")
 

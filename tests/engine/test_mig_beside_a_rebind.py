@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from gpud.sim import state as simstate
 from tests.scenarios.definitions import layout, mig
-from tests.scenarios.harness import SimRig
+from tests.support.simrig import SimRig
 
 
 async def test_mig_on_two_gpus_while_a_third_leaves_nvidia(tmp_path):

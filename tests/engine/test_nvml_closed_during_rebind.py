@@ -7,7 +7,7 @@ import asyncio
 
 from gpud.engine.binding import binder
 from tests.scenarios.definitions import layout
-from tests.scenarios.harness import SimRig
+from tests.support.simrig import SimRig
 
 
 async def test_status_reads_during_a_rebind_do_not_reopen_nvml(tmp_path, monkeypatch):

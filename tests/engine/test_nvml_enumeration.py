@@ -8,7 +8,7 @@ from __future__ import annotations
 from gpud.sim import kernel
 from gpud.sim import state as simstate
 from tests.scenarios.definitions import layout, mig
-from tests.scenarios.harness import SimRig
+from tests.support.simrig import SimRig
 
 
 def _truth(rig: SimRig, pci: str) -> tuple[str, int, int]:

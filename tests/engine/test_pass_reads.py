@@ -8,7 +8,7 @@ import asyncio
 from collections import Counter
 
 from tests.scenarios.definitions import layout, mig
-from tests.scenarios.harness import SimRig
+from tests.support.simrig import SimRig
 
 GPU0 = "0000:18:00.0"
 

@@ -9,7 +9,7 @@ from gpud.engine.mig import executor as mig_executor
 from gpud.engine.mig.executor import Outcome
 from gpud.host import logind
 from tests.scenarios.definitions import layout, mig
-from tests.scenarios.harness import SimRig
+from tests.support.simrig import SimRig
 
 
 @pytest.fixture

@@ -22,7 +22,7 @@ from gpud.host import logind
 from gpud.sim import state as simstate
 from gpud.sim.reboot import reboot
 from tests.scenarios.definitions import layout, mig
-from tests.scenarios.harness import SimRig
+from tests.support.simrig import SimRig
 
 LAYOUT = layout(mig([0], {"3g.20gb": 2}), mig([1], {"1g.10gb": 4, "3g.40gb": 1}),
                 {"devices": [2], "workload": "vm-passthrough"})

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from gpud.sim import state as simstate
 from tests.scenarios.definitions import layout
-from tests.scenarios.harness import SimRig
+from tests.support.simrig import SimRig
 
 
 async def test_reload_async_resolves_the_new_layout_before_the_pass(tmp_path):

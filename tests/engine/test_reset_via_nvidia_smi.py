@@ -12,8 +12,8 @@ import textwrap
 
 from gpud.sim.state import load
 from tests.scenarios.definitions import layout, mig
-from tests.scenarios.harness import SimRig
 from tests.support.processes import reap
+from tests.support.simrig import SimRig
 
 GPU0, GPU1 = "0000:18:00.0", "0000:2a:00.0"
 MIG_ON = layout(mig([0], {"7g.80gb": 1}))

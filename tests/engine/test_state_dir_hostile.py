@@ -21,9 +21,9 @@ from gpud.plan.vgpu import plan_vgpu
 from gpud.sim.state import load
 from gpud.vgpu_types import by_device
 from tests.scenarios.definitions import layout, mig
-from tests.scenarios.harness import SimRig
 from tests.scenarios.vgpu_definitions import SCENARIOS
 from tests.scenarios.vgpu_harness import VgpuRig
+from tests.support.simrig import SimRig
 
 FILES = ("gpu-index.json", "boot.json", "vgpu-record.json", "vgpu-names.json", "reboot-request.json")
 

@@ -8,7 +8,7 @@ from gpud.engine import status_line
 from gpud.sim import kernel
 from gpud.sim import state as simstate
 from tests.scenarios.definitions import layout
-from tests.scenarios.harness import SimRig
+from tests.support.simrig import SimRig
 
 
 async def test_a_gone_gpu_is_counted_apart_from_the_converged_ones(tmp_path):

@@ -12,7 +12,7 @@ from gpud.engine.apply_lock import ApplyLock
 from gpud.engine.reconciler import Reconciler
 from gpud.sim import kernel
 from gpud.sim.state import load
-from tests.scenarios.harness import SimRig
+from tests.support.simrig import SimRig
 
 BY_INDEX = ("version: v1\nlayouts:\n  a:\n    - {devices: [0], mig-enabled: true, mig-devices: {7g.80gb: 1}}\n"
             "    - {devices: [1], mig-enabled: false}\n")

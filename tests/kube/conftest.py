@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from tests.kube.cluster import NODE
-from tests.kube.real_cluster import RealNode
-from tests.kube.real_server import RealServer, binaries, have_openssl
 from tests.kube.test_kube_agent import cluster  # noqa: F401 - a fixture
+from tests.support.kube_cluster import NODE
+from tests.support.kube_real_cluster import RealNode
+from tests.support.kube_real_server import RealServer, binaries, have_openssl
 
 
 def real_server_or_skip():

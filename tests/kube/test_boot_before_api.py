@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.kube.cluster import NODE, EmulatorThread, write_kubeconfig
 from tests.support.daemon import Daemon, wait_until
+from tests.support.kube_cluster import NODE, EmulatorThread, write_kubeconfig
 
 pytestmark = pytest.mark.daemon
 

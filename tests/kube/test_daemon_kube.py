@@ -1,5 +1,5 @@
 """A gpud process with --kube-node on a simulated host, against the API emulator and a real
-kube-apiserver (tests/kube/real_server.py).
+kube-apiserver (tests/support/kube_real_server.py).
 
 Checked against sources gpud does not write itself: the simulator's state file (DIR/state.json:
 what the "hardware" really has), the node's versions as the API server stored them, the NFD file
@@ -12,9 +12,17 @@ import json
 
 import pytest
 
-from tests.kube.cluster import NODE, OPERATOR_NS, DaemonSet, DaemonSetController, EmulatorThread, client_for, write_kubeconfig
-from tests.kube.real_cluster import KmockNode, LoopThread, RealNode
 from tests.support.daemon import Daemon, wait_until
+from tests.support.kube_cluster import (
+    NODE,
+    OPERATOR_NS,
+    DaemonSet,
+    DaemonSetController,
+    EmulatorThread,
+    client_for,
+    write_kubeconfig,
+)
+from tests.support.kube_real_cluster import KmockNode, LoopThread, RealNode
 from tests.support.nfd import nfd_read
 
 pytestmark = pytest.mark.daemon

@@ -15,7 +15,7 @@ from pathlib import Path, PurePosixPath
 import pytest
 import yaml
 
-from tests.kube.real_server import REPO
+from tests.support.kube_real_server import REPO
 
 MANIFESTS = sorted([*(REPO / "deploy").rglob("*.yaml"), *(REPO / "packaging" / "kube").glob("*.yaml")])
 RBAC = REPO / "packaging" / "kube" / "gpud-rbac.yaml"

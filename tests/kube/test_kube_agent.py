@@ -28,8 +28,7 @@ from gpud.engine.kube.agent import (
 )
 from gpud.engine.kube.operands import OperandsNotPaused
 from gpud.host.kube import KubeApi, load_config
-from tests.kube.apiserver import ApiServer
-from tests.kube.cluster import (
+from tests.support.kube_cluster import (
     NODE,
     OPERATOR_NS,
     PAUSE_IMAGE,
@@ -39,6 +38,7 @@ from tests.kube.cluster import (
     until,
     write_kubeconfig,
 )
+from tests.support.kube_emulator import ApiServer
 
 DP = "nvidia.com/gpu.deploy.device-plugin"
 GFD = "nvidia.com/gpu.deploy.gpu-feature-discovery"

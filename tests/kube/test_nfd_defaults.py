@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 
 from gpud.engine.kube.node_labels_out import from_cluster
-from tests.kube.cluster import NODE, EmulatorThread, write_kubeconfig
 from tests.support.daemon import Daemon, wait_until
+from tests.support.kube_cluster import NODE, EmulatorThread, write_kubeconfig
 from tests.support.nfd import nfd_read
 
 GFD = "nvidia.com/gpu.deploy.gpu-feature-discovery"

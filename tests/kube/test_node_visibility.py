@@ -8,7 +8,6 @@ annotations), through the real client.
 from __future__ import annotations
 
 from gpud.engine.kube.agent import LAST_ERROR, MIG_CONFIG, MIG_STATE, Impact
-from tests.kube.cluster import NODE, until
 from tests.kube.test_kube_agent import (
     BASE_LABELS,
     EngineStandIn,
@@ -17,6 +16,7 @@ from tests.kube.test_kube_agent import (
     _node,
     running,
 )
+from tests.support.kube_cluster import NODE, until
 
 
 def _node_events(api):

@@ -9,7 +9,6 @@ controller does, so "gone before the change" holds only if gpud really turned th
 from __future__ import annotations
 
 from gpud.engine.kube.agent import MIG_CONFIG, MIG_STATE, Impact
-from tests.kube.cluster import NODE, OPERATOR_NS, DaemonSet, DaemonSetController, client_for, until
 from tests.kube.test_kube_agent import (
     BASE_LABELS,
     SETS,
@@ -21,6 +20,7 @@ from tests.kube.test_kube_agent import (
     _pods,
     running,
 )
+from tests.support.kube_cluster import NODE, OPERATOR_NS, DaemonSet, DaemonSetController, client_for, until
 
 MIG_MANAGER = "nvidia.com/gpu.deploy.mig-manager"
 VGPU_DM = "nvidia.com/gpu.deploy.vgpu-device-manager"

@@ -75,8 +75,8 @@ def test_a_name_neither_in_the_file_nor_all_disabled_is_still_an_error():
 
 # --- a gpud process under --kube-node, the ConfigMap's text as its layout file ----------------
 
-from tests.kube.cluster import NODE, EmulatorThread, write_kubeconfig  # noqa: E402
 from tests.support.daemon import Daemon, wait_until  # noqa: E402
+from tests.support.kube_cluster import NODE, EmulatorThread, write_kubeconfig  # noqa: E402
 
 CONFIG, STATE = "nvidia.com/mig.config", "nvidia.com/mig.config.state"
 GPU0, GPU1 = "0000:18:00.0", "0000:2a:00.0"

@@ -28,9 +28,6 @@ from gpud.engine.kube.agent import (
     KubeAgent,
 )
 from gpud.host.kube import Gone, KubeApi, load_config
-from tests.kube.cluster import NODE, OPERATOR_NS, PAUSE_IMAGE, DaemonSetController, client_for
-from tests.kube.real_cluster import RealNode
-from tests.kube.real_server import RBAC_YAML, narrowed_role
 from tests.kube.test_kube_agent import (
     BASE_LABELS,
     CONTAINER,
@@ -42,6 +39,9 @@ from tests.kube.test_kube_agent import (
     EngineStandIn,
     _changes,
 )
+from tests.support.kube_cluster import NODE, OPERATOR_NS, PAUSE_IMAGE, DaemonSetController, client_for
+from tests.support.kube_real_cluster import RealNode
+from tests.support.kube_real_server import RBAC_YAML, narrowed_role
 
 pytestmark = pytest.mark.apiserver
 

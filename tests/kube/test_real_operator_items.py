@@ -18,9 +18,6 @@ from pathlib import Path
 import pytest
 
 from gpud.engine.kube.agent import LAST_ERROR, MIG_CONFIG, MIG_STATE, VGPU_CONFIG, VGPU_STATE, WORKLOAD_CONFIG, Impact
-from tests.kube.cluster import NODE, OPERATOR_NS, PAUSE_IMAGE, DaemonSetController, client_for
-from tests.kube.real_cluster import RealNode
-from tests.kube.real_server import narrowed_role
 from tests.kube.test_kube_agent import BASE_LABELS, SETS, _changes
 from tests.kube.test_operator_agents import AGENT_SETS, MIG_MANAGER, VFIO_MANAGER, VGPU_DM
 from tests.kube.test_operator_configmap import FIXTURES, WITHOUT_ALL_DISABLED
@@ -28,6 +25,9 @@ from tests.kube.test_real_apiserver import RealEngine, _agent, _seed, _until_tru
 from tests.kube.test_workload_config import LAYOUT as WORKLOAD_LAYOUT
 from tests.kube.test_workload_config import PASSTHROUGH_SERVED
 from tests.support.daemon import Daemon, wait_until
+from tests.support.kube_cluster import NODE, OPERATOR_NS, PAUSE_IMAGE, DaemonSetController, client_for
+from tests.support.kube_real_cluster import RealNode
+from tests.support.kube_real_server import narrowed_role
 from tests.support.nfd import nfd_read
 
 pytestmark = pytest.mark.apiserver

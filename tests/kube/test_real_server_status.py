@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from tests.kube import real_server
+from tests.support import kube_real_server as real_server
 
 
 def test_a_failed_build_is_the_skip_reason(tmp_path, monkeypatch):

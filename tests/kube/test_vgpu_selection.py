@@ -20,7 +20,6 @@ from gpud.engine.kube.selection import (
     Selection,
     selection,
 )
-from tests.kube.cluster import NODE, until
 from tests.kube.test_kube_agent import (
     BASE_LABELS,
     EngineStandIn,
@@ -30,6 +29,7 @@ from tests.kube.test_kube_agent import (
     _node,
     running,
 )
+from tests.support.kube_cluster import NODE, until
 
 CHANGE = Impact(changed=("0000:18:00.0",), sandbox=("0000:18:00.0",))
 

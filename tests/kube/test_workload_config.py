@@ -13,8 +13,8 @@ import json
 import pytest
 
 from gpud.engine.kube.workload import plan_workload
-from tests.kube.cluster import NODE, EmulatorThread, write_kubeconfig
 from tests.support.daemon import Daemon, wait_until
+from tests.support.kube_cluster import NODE, EmulatorThread, write_kubeconfig
 
 WORKLOAD = "nvidia.com/gpu.workload.config"
 PASSTHROUGH_SERVED = "nvidia.com/gpud.workload.vm-passthrough.served"

@@ -739,7 +739,7 @@ def test_policy_errors() -> None:
         'layout.yaml:6 policy.reset: expected one of per-gpu, never, got "always"',
         "layout.yaml:7 policy.reboot: expected one of never, allow, got yes",
         'layout.yaml:8 policy.retries: unknown key "retries"; allowed: drain-units, on-busy, reset, reboot, lease-group, '
-        'lease-placement, lease-mig-mode, on-infeasible, apply',
+        'lease-placement, lease-mig-mode, on-infeasible, apply, on-drift',
     ]
 
 

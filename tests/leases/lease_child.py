@@ -11,7 +11,7 @@ import signal
 import sys
 from pathlib import Path
 
-from tests.scenarios import harness
+from tests.support import simrig as harness
 
 
 async def main(tmp: Path, profile: str, stage: str) -> None:

@@ -9,7 +9,7 @@ from gpud.model import Placement
 from gpud.profiles import MODELS
 from gpud.sim import gpu_rules
 from gpud.sim import state as simstate
-from tests.scenarios.harness import SimRig
+from tests.support.simrig import SimRig
 
 DYNAMIC = """version: v1
 layouts:

@@ -8,7 +8,7 @@ import pytest
 
 from gpud.sim import state as simstate
 from tests.leases.rig import dynamic_layout, foreign_gi
-from tests.scenarios.harness import SimRig
+from tests.support.simrig import SimRig
 
 
 @pytest.fixture

@@ -13,7 +13,7 @@ import pytest
 from gpud.engine.leases.engine import LeaseRefused
 from gpud.sim import state as simstate
 from tests.leases.rig import dynamic_rig, sim_gis
-from tests.scenarios.harness import SimRig
+from tests.support.simrig import SimRig
 
 
 async def restarted(rig: SimRig, tmp) -> list[dict]:

@@ -16,7 +16,7 @@ from gpud.api.replies import plan_reply
 from gpud.engine.engine import Engine
 from gpud.sim import cli as simcli
 from tests.scenarios.definitions import SCENARIOS, Scenario
-from tests.scenarios.harness import SimRig
+from tests.support.simrig import SimRig
 
 
 def _pick(devs: dict[str, tuple[str, int, int]], profile: str, nth: int) -> str:

@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from gpud.profiles import MODELS
 from tests.plan.test_mig_props import names_of
 from tests.scenarios.definitions import layout, mig
-from tests.scenarios.harness import SimRig
+from tests.support.simrig import SimRig
 
 MODELS_UNDER_TEST = ("a100-40gb", "h100-80gb", "h200")
 

@@ -88,7 +88,7 @@ class Daemon:
         return json.loads(r.stdout)
 
     def mutating_calls(self) -> int:
-        from tests.scenarios.harness import MUTATING
+        from tests.support.simrig import MUTATING
 
         calls = json.loads(self.sim("stats", "--json").stdout)["calls"]
         return sum(calls.get(f, 0) for f in MUTATING)

@@ -23,7 +23,7 @@ _STATE = {
     "converged": "success",
     "starting": "pending", "applying": "pending", "waiting": "pending", "read-only": "pending",
     "failed": "failed", "stuck": "failed", "reset-required": "failed", "reboot-required": "failed",
-    "invalid-layout": "failed",
+    "invalid-layout": "failed", "drift": "pending",
 }
 
 LABEL_SETS = ("all", "gpud")  # --nfd-labels: GFD's set + gpud's, or gpud's only

@@ -13,7 +13,7 @@ test can read what gpud asked and what the server answered. Admin is a static to
 is, with a token from the TokenRequest API (what `kubectl create token` does).
 
 No kube-controller-manager and no kubelet run: tests play the DaemonSet controller and the
-kubelet's part of pod deletion themselves (tests/kube/cluster.py).
+kubelet's part of pod deletion themselves (tests/support/kube_cluster.py).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""What the tests need around a real kube-apiserver (tests/kube/real_server.py): the node's versions
+"""What the tests need around a real kube-apiserver (tests/support/kube_real_server.py): the node's versions
 as the server streamed them, the kubelet's one part in pod deletion, and one sync view shared by
 the emulator and the real server so a scenario runs against both.
 
@@ -20,7 +20,7 @@ from pathlib import Path
 from lightkube import ApiError, Client, KubeConfig
 from lightkube.resources.core_v1 import Node, Pod
 
-from tests.kube.real_server import RealServer
+from tests.support.kube_real_server import RealServer
 
 
 class LoopThread:
@@ -231,7 +231,7 @@ class RealNode:
 
 
 class KmockNode:
-    """The same view over the API emulator in its thread (tests/kube/cluster.py EmulatorThread)."""
+    """The same view over the API emulator in its thread (tests/support/kube_cluster.py EmulatorThread)."""
 
     def __init__(self, emu, kubeconfig: str, node: str) -> None:
         self.emu, self.kubeconfig, self.node = emu, kubeconfig, node

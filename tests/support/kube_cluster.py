@@ -11,7 +11,7 @@ import yaml
 from lightkube import AsyncClient, KubeConfig
 from lightkube.resources.core_v1 import Node, Pod
 
-from tests.kube.apiserver import ApiServer
+from tests.support.kube_emulator import ApiServer
 
 NODE = "gpu-node-1"
 OPERATOR_NS = "gpu-operator"
