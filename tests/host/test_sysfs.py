@@ -10,7 +10,7 @@ import pytest
 
 from gpud.host.readonly import ReadOnlyError
 from gpud.host.sysfs import Sysfs, SysfsError
-from tests.sim.test_kernel import GPU, make_host
+from tests.support.sim_kernel_host import GPU, make_host
 
 
 def test_read_only_refuses_before_touching_anything(tmp_path):

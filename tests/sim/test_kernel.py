@@ -3,99 +3,40 @@
 from __future__ import annotations
 
 import errno
-import functools
 import os
 import threading
 
 import pytest
 
 from gpud.host.procs import Procs
-from gpud.host.sysfs import Sysfs, SysfsError
+from gpud.host.sysfs import SysfsError
 from gpud.sim import kernel
 from gpud.sim.kernel import Store
 from gpud.sim.state import (
-    SimFunction,
     SimGi,
-    SimGpu,
     SimProcess,
-    SimState,
     load,
     locked,
-    save,
 )
 from gpud.sim.sysfs_tree import render
-
-GPU, AUDIO, GPU2, NOGROUP = "0000:3b:00.0", "0000:3b:00.1", "0000:5d:00.0", "0000:00:06.0"
-UUID = "GPU-d187104d-6f24-f22c-6f22-72835236781d"
-
-
-def make_state() -> SimState:
-    """Two H200s: one with an HD-audio companion sharing IOMMU group 20, one alone in group 30,
-    and a third without IOMMU (like the fixture host)."""
-    def gpu_fn(addr, group):
-        return SimFunction(addr, 0x10DE, 0x2335, 0x10DE, 0x18BF, 0x030200, native_driver="nvidia",
-                           driver="nvidia", iommu_group=group)
-
-    st = SimState(loaded_modules=["nvidia", "snd_hda_intel"])
-    st.functions = {
-        GPU: gpu_fn(GPU, 20),
-        AUDIO: SimFunction(AUDIO, 0x10DE, 0x22BA, 0x10DE, 0x18BF, 0x040300, native_driver="snd_hda_intel",
-                           driver="snd_hda_intel", iommu_group=20),
-        GPU2: gpu_fn(GPU2, 30),
-        NOGROUP: gpu_fn(NOGROUP, None),
-    }
-    st.gpus = {
-        GPU: SimGpu(GPU, "h200", UUID, 0),
-        GPU2: SimGpu(GPU2, "h200", "GPU-22222222-0000-0000-0000-000000000002", 1),
-        NOGROUP: SimGpu(NOGROUP, "h200", "GPU-33333333-0000-0000-0000-000000000003", 2),
-    }
-    return st
-
-
-def make_host(path, state: SimState | None = None) -> str:
-    d = os.fspath(path)
-    os.makedirs(d, exist_ok=True)
-    st = state or make_state()
-    save(d, st)
-    render(d, st)
-    return d
+from tests.support.sim_kernel_host import (
+    AUDIO,
+    GPU,
+    GPU2,
+    NOGROUP,
+    UUID,
+    adapter,
+    add_process,
+    drop_processes,
+    make_host,
+    to_native,
+    to_vfio,
+)
 
 
 @pytest.fixture
 def host(tmp_path):
     return make_host(tmp_path / "host")
-
-
-def adapter(d, **kw) -> Sysfs:
-    return Sysfs(os.path.join(d, "sys"), store=Store(d, poll_interval=0.005, **kw),
-                 modprobe=functools.partial(kernel.modprobe, d))
-
-
-def add_process(d, proc: SimProcess) -> None:
-    with locked(d) as st:
-        st.processes.append(proc)
-        render(d, st)
-
-
-def drop_processes(d) -> None:
-    with locked(d) as st:
-        st.processes.clear()
-        render(d, st)
-
-
-def to_vfio(s: Sysfs, addr: str) -> None:
-    s.write(f"bus/pci/devices/{addr}/driver_override", "vfio-pci")
-    f = s.function(addr)
-    if f.driver:
-        s.write(f"bus/pci/drivers/{f.driver}/unbind", addr)
-    s.write("bus/pci/drivers_probe", addr)
-
-
-def to_native(s: Sysfs, addr: str) -> None:
-    s.write(f"bus/pci/devices/{addr}/driver_override", "\n")
-    if s.function(addr).driver:
-        s.write(f"bus/pci/devices/{addr}/driver/unbind", addr)  # through the device's driver link
-    s.write("bus/pci/drivers_probe", addr)
 
 
 def test_native_to_vfio_and_back_with_companion(host):

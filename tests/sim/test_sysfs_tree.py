@@ -11,7 +11,7 @@ from gpud.host.procs import Procs
 from gpud.host.sysfs import Sysfs
 from gpud.sim.state import SimCi, SimFunction, SimGi, SimGpu, SimProcess, SimState
 from gpud.sim.sysfs_tree import cap_minor, render
-from tests.sim.test_kernel import AUDIO, GPU, NOGROUP, UUID, make_host, make_state
+from tests.support.sim_kernel_host import AUDIO, GPU, NOGROUP, UUID, make_host, make_state
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures/h200/nvml-sysfs-readonly.json"
 

@@ -9,7 +9,7 @@ import socket
 from gpud.device_events import RESCAN, DeviceEvent
 from gpud.sim import uevents
 from gpud.sim.uevents import SimEvents
-from tests.sim.test_kernel import AUDIO, GPU, adapter, make_host, to_vfio
+from tests.support.sim_kernel_host import AUDIO, GPU, adapter, make_host, to_vfio
 
 
 async def _take(q: asyncio.Queue, n: int) -> list[DeviceEvent]:
