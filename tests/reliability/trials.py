@@ -1,6 +1,6 @@
 """The reliability suite's trials: gpud attacked as an adversary would, on the simulator.
 
-Each trial runs a real gpud process on a simulated host (tests/daemon/conftest.Daemon), does
+Each trial runs a real gpud process on a simulated host (tests/support/daemon.Daemon), does
 something hostile a bounded number of times, and records every try's outcome. A trial's
 `failures` are broken promises; the pytest wrapper (test_reliability.py) asserts there are none,
 and `bench/reliability.py` runs the same trials with larger counts and writes the tries and

@@ -1,6 +1,6 @@
 """The reliability suite's round-3 trials: files gpud writes or reads as root where a user can aim
 them, fair service to root, and a killed daemon's writer helpers. Each runs a real gpud process on
-its own small simulated host (tests/daemon/conftest.Daemon); outcomes are read from the files
+its own small simulated host (tests/support/daemon.Daemon); outcomes are read from the files
 themselves, /proc and the simulator's state file, not from gpud's word.
 """
 
