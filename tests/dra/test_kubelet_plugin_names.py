@@ -1,0 +1,35 @@
+"""Which registration socket makes `--dra-driver gpu.nvidia.com` refuse to start: NVIDIA's kubelet
+plugin registers as `<driver>-reg.sock` (or `<driver>-<uid>-reg.sock` with rolling updates) in the
+kubelet's plugins_registry (k8s.io/dynamic-resource-allocation kubeletplugin/draplugin.go)."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import tempfile
+from pathlib import Path
+
+from gpud.host.kubelet_plugin import other_plugin_registered, paths
+
+
+def test_nvidias_socket_is_found_and_gpuds_own_is_not():
+    tmp = tempfile.mkdtemp(prefix="kl-", dir="/tmp")  # a socket path must fit sun_path (108 bytes)
+    try:
+        check(Path(tmp))
+    finally:
+        shutil.rmtree(tmp)
+
+
+def check(tmp_path: Path) -> None:
+    own, _ = paths(str(tmp_path), "gpu.nvidia.com")
+    reg = tmp_path / "plugins_registry"
+    reg.mkdir()
+    assert other_plugin_registered(str(tmp_path), "gpu.nvidia.com", own) is None
+    with socket.socket(socket.AF_UNIX) as s:
+        s.bind(own)  # gpud's own registration socket
+        assert other_plugin_registered(str(tmp_path), "gpu.nvidia.com", own) is None
+        with socket.socket(socket.AF_UNIX) as nvidia:
+            theirs = str(reg / "gpu.nvidia.com-0b1c-reg.sock")
+            nvidia.bind(theirs)
+            assert other_plugin_registered(str(tmp_path), "gpu.nvidia.com", own) == theirs
+    assert other_plugin_registered(str(tmp_path), "other.example.com", own) is None
