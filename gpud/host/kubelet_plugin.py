@@ -16,6 +16,7 @@ does is the `Handler`'s business (gpud.engine.dra).
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -25,6 +26,7 @@ from msgspec import Struct
 
 DEFAULT_ROOT = "/var/lib/kubelet"
 SERVICES = ("v1.DRAPlugin", "v1beta1.DRAPlugin")
+MAX_SOCKET_PATH = 107  # sockaddr_un.sun_path: 108 bytes with the terminating NUL (unix(7))
 
 
 class ProtoMissing(RuntimeError):
@@ -133,6 +135,10 @@ class KubeletPlugin:
                 return reg.RegistrationStatusResponse()
 
         for path in (self.registration_socket, self.dra_socket):
+            if len(os.fsencode(path)) > MAX_SOCKET_PATH:  # grpc only says the bind failed
+                raise OSError(errno.ENAMETOOLONG, f"{path}: a Unix socket path has at most {MAX_SOCKET_PATH} "
+                              "bytes (unix(7)); choose a shorter --kubelet-root")
+        for path in (self.registration_socket, self.dra_socket):
             os.makedirs(os.path.dirname(path), exist_ok=True)
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)  # a socket left by a gpud that was killed
@@ -141,11 +147,15 @@ class KubeletPlugin:
         b1_grpc.add_DRAPluginServicer_to_server(servicer(b1, b1_grpc.DRAPluginServicer), dra)
         dra.add_insecure_port(f"unix://{self.dra_socket}")
         await dra.start()
-        registration = grpc.aio.server()
-        reg_grpc.add_RegistrationServicer_to_server(Registration(), registration)
-        # last: the kubelet's watcher acts on the socket's appearance, when the DRA socket is served
-        registration.add_insecure_port(f"unix://{self.registration_socket}")
-        await registration.start()
+        try:
+            registration = grpc.aio.server()
+            reg_grpc.add_RegistrationServicer_to_server(Registration(), registration)
+            # last: the kubelet's watcher acts on the socket's appearance, when the DRA socket is served
+            registration.add_insecure_port(f"unix://{self.registration_socket}")
+            await registration.start()
+        except BaseException:
+            await dra.stop(grace=None)  # no server left running without its registration
+            raise
         self._servers = [registration, dra]
 
     async def stop(self) -> None:

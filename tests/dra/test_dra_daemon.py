@@ -7,7 +7,9 @@ simulator's state file."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
+import tempfile
 
 from gpud.host.kubelet_plugin import paths
 from gpud.model import Placement
@@ -47,7 +49,7 @@ def kill_9(d: Daemon) -> None:
 async def test_gpud_killed_between_allocate_prepare_and_unprepare(cluster, tmp_path):
     cluster.node(NODE)
     kubeconfig = cluster.kubeconfig(tmp_path / "gpud.kubeconfig")
-    root = tmp_path / "kubelet"
+    root = tempfile.mkdtemp(prefix="kubelet.", dir="/tmp")  # tmp_path can outgrow a Unix socket path
     d = Daemon(tmp_path, ["h100-80gb:1"], dynamic_layout(), extra_args=[
         "--kube-node", NODE, "--kubeconfig", kubeconfig, "--dra", "--kubelet-root", str(root),
         "--cdi-dir", str(tmp_path / "cdi")])
@@ -102,3 +104,4 @@ async def test_gpud_killed_between_allocate_prepare_and_unprepare(cluster, tmp_p
         if d.proc.poll() is None:
             d.proc.terminate()
             d.proc.wait(30)
+        shutil.rmtree(root, ignore_errors=True)

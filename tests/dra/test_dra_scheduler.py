@@ -8,6 +8,8 @@ the simulator's own state file (tests/leases/rig.sim_gis), never from gpud.
 from __future__ import annotations
 
 import json
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -37,6 +39,8 @@ class SimNode:
 
     def __init__(self, tmp: Path, cluster: DraCluster, name: str) -> None:
         self.tmp, self.cluster, self.name = tmp, cluster, name
+        # the kubelet's sockets live here: pytest's tmp_path can outgrow a Unix socket path (107 bytes)
+        self.kubelet = Path(tempfile.mkdtemp(prefix="kubelet.", dir="/tmp"))
         self.rig = None
         self.driver: DraDriver | None = None
         self.plugin: KubeletPlugin | None = None
@@ -63,7 +67,7 @@ class SimNode:
                                 cdi_dir=str(self.tmp / "cdi"))
         await self.driver.start()
         await self.driver.publish()
-        self.plugin = KubeletPlugin(DEFAULT_DRIVER, self.driver, root=str(self.tmp / "kubelet"))
+        self.plugin = KubeletPlugin(DEFAULT_DRIVER, self.driver, root=str(self.kubelet))
         await self.plugin.start()
 
     async def close(self) -> None:
@@ -74,6 +78,7 @@ class SimNode:
             await self.api.close()
         if self.rig is not None:
             self.rig.close()
+        shutil.rmtree(self.kubelet, ignore_errors=True)
 
     def placement(self, results: list[dict]) -> Placement:
         assert self.driver is not None and self.driver.published is not None

@@ -33,3 +33,17 @@ def check(tmp_path: Path) -> None:
             nvidia.bind(theirs)
             assert other_plugin_registered(str(tmp_path), "gpu.nvidia.com", own) == theirs
     assert other_plugin_registered(str(tmp_path), "other.example.com", own) is None
+
+
+async def test_a_kubelet_root_too_long_for_a_socket_is_refused_by_name(tmp_path):
+    from gpud.host.kubelet_plugin import MAX_SOCKET_PATH, KubeletPlugin
+
+    root = tmp_path / ("k" * (MAX_SOCKET_PATH - len(str(tmp_path))))
+    plugin = KubeletPlugin("gpu.gpud.io", None, root=str(root))  # type: ignore[arg-type]
+    try:
+        await plugin.start()
+    except OSError as e:
+        assert "at most 107 bytes" in str(e) and "--kubelet-root" in str(e)
+    else:
+        raise AssertionError("a socket path longer than sun_path was taken")
+    assert not root.exists()  # refused before anything was made
