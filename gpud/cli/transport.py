@@ -77,6 +77,16 @@ class Client:
             self._sock.close()
             self._sock = None
 
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:  # a program that keeps no reference closes its connection too
+        if getattr(self, "_sock", None) is not None:
+            self.close()
+
     def _read(self) -> wire.Response | wire.EventFrame:
         assert self._sock is not None
         try:

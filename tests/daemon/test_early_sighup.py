@@ -40,9 +40,10 @@ def test_sighup_during_start_up_is_a_reload_not_a_death(tmp_path):
     config = tmp_path / "layout.yaml"
     config.write_text(layout(mig("all", None)))
     sock, log = tmp_path / "gpud.sock", tmp_path / "gpud.log"
-    proc = subprocess.Popen([sys.executable, "-c", CHILD, "--sim", str(host), "--config", str(config),
-                             "--socket", str(sock), "--state-dir", str(tmp_path / "state")],
-                            stdout=log.open("w"), stderr=subprocess.STDOUT, cwd=ROOT)
+    with log.open("w") as out:  # the child keeps its own copy of the descriptor
+        proc = subprocess.Popen([sys.executable, "-c", CHILD, "--sim", str(host), "--config", str(config),
+                                 "--socket", str(sock), "--state-dir", str(tmp_path / "state")],
+                                stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
     try:
         def answered() -> bool:
             return proc.poll() is not None or subprocess.run(

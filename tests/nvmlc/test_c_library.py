@@ -172,6 +172,8 @@ def test_an_open_session_of_a_go_program_blocks_the_reset_until_it_exits(goprobe
     finally:
         holder.stdin.close()
         holder.wait(timeout=60)
+        holder.stdout.close()
+        holder.stderr.close()
     assert load(host).sessions == []
     ok = subprocess.run([str(host / "bin" / "nvidia-smi"), "-r", "-i", "0000:18:00.0"], capture_output=True, text=True)
     assert ok.returncode == 0, ok.stdout

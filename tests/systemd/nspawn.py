@@ -228,3 +228,4 @@ class Container:
         finally:
             os.killpg(p.pid, signal.SIGTERM)
             p.wait(10)
+            p.stdout.close()
