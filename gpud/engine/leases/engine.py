@@ -87,7 +87,8 @@ class LeaseEngine:
         self._policy = policy
         self._reread_host = reread
         self._observed_at = observed_at
-        self._rereading: asyncio.Task[object] | None = None
+        self._rereading: asyncio.Task[None] | None = None
+        self._reread_wanted = False  # a change came after the read under way began
         self.read_only = read_only
         self._locks: dict[str, asyncio.Lock] = {}
         self._destroyed: dict[tuple[str, int], float] = {}  # (pci, GI id) -> when (monotonic) we destroyed it
@@ -429,9 +430,16 @@ class LeaseEngine:
 
     def _refresh(self) -> None:
         """Re-read the host in the background after a change (one read at a time, not awaited:
-        the lease's answer does not wait for it)."""
+        the lease's answer does not wait for it). A read already under way began before this
+        change, so another follows it: status and labels must not keep a released instance."""
+        self._reread_wanted = True
         if self._rereading is None or self._rereading.done():
-            self._rereading = asyncio.get_running_loop().create_task(self._reread_host())
+            self._rereading = asyncio.get_running_loop().create_task(self._reread_until_current())
+
+    async def _reread_until_current(self) -> None:
+        while self._reread_wanted:
+            self._reread_wanted = False
+            await self._reread_host()
 
     async def settled(self) -> None:
         """Wait for the background re-read a lease or release started (before NVML is closed)."""
