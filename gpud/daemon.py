@@ -42,6 +42,7 @@ if TYPE_CHECKING:  # imported with --kube-node only (they need gpud[kube])
     from gpud.engine.dra.service import DraService
     from gpud.engine.kube.agent import KubeAgent
     from gpud.engine.kube.applier import ReconcilerApplier
+    from gpud.engine.observe.discovery import Observation
     from gpud.engine.ports import Rebooter
     from gpud.host.cdi import CdiGenerator
 
@@ -216,6 +217,7 @@ class Daemon:
         self._kube_passes = 0
         self.dra: DraService | None = None  # with --dra
         self._labels_passes: tuple[int, tuple[str, ...]] | None = None
+        self._labels_seen: Observation | None = None  # the observation the labels were last written from
 
     def _start_kube(self, node: str, reboot: Rebooter) -> Rebooter:
         """--kube-node: the operator's label protocol, before the engine it guards (the applier is
@@ -319,8 +321,12 @@ class Daemon:
             except OSError as e:
                 log.warning("metrics not written to %s: %s", self.args.metrics_textfile, e)
         done = view.completed_passes
-        if (done, leased) != self._labels_passes:  # after every pass (and once at start), and each lease
+        # after every pass (and once at start), each lease, and, while no pass is running, each new
+        # observation: a lease's instance is read after its record changed, not before
+        settled = view.observation if view.phase not in SETTLING_PHASES else None
+        if (done, leased) != self._labels_passes or (settled is not None and settled is not self._labels_seen):
             self._labels_passes = (done, leased)
+            self._labels_seen = settled
             self._write_labels()
         if self.kube is not None and done != self._kube_passes and view.phase not in SETTLING_PHASES:
             self._kube_passes = done  # report a pass the agent did not start itself on the node
