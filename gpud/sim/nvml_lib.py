@@ -4,7 +4,7 @@ Only the library object is replaced, so nvidia-ml-py's own wrappers, ctypes stru
 marshalling and NVMLError classes run unchanged: the adapter under test is exercised exactly as on
 a real host, traps included (profile index vs id, placement passed by value, c_uint booleans).
 
-Every fake function takes the host lock, counts itself in `state.calls[<C symbol>]`, consumes a
+Every fake function takes the host lock, counts itself (gpud.sim.call_counts), consumes a
 matching `state.faults` entry (`gpud-sim fault`), and returns an int NVML return code. The state
 lives on disk (gpud.sim.state), so several processes share one simulated GPU host. Handles are
 process-local, as with the real library: real ctypes objects whose addresses map back to an
@@ -52,7 +52,7 @@ from gpud.sim.nvml_abi import (
     set_ptr,
     write_str,
 )
-from gpud.sim.state import SimCi, SimGi, SimGpu, SimSession, SimState, locked
+from gpud.sim.state import SimCi, SimGi, SimGpu, SimSession, SimState, StateCache
 from gpud.sim.sysfs_tree import render
 
 __all__ = ["FakeNvmlLib", "fault_matches", "function_names", "install", "swap_in", "uninstall"]
@@ -75,6 +75,7 @@ class FakeNvmlLib:
 
     def __init__(self, host_dir: str):
         self.host_dir = str(host_dir)
+        self._state = StateCache(self.host_dir)
         self._inits = 0
         self._handles: dict[tuple, Any] = {}  # identity -> ctypes buffer the handle points at
         self._keys: dict[int, tuple] = {}  # address -> identity
@@ -119,8 +120,7 @@ class FakeNvmlLib:
     def _call(self, name: str, impl: Callable[..., Any], args: tuple) -> Any:
         crash: BaseException | None = None
         result: Any = None
-        with locked(self.host_dir) as state:
-            state.calls[name] = state.calls.get(name, 0) + 1
+        with self._state.locked(name) as state:
             if name == "nvmlErrorString":
                 return impl(self, state, *args)
             for fault in list(state.faults):
