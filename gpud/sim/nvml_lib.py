@@ -615,9 +615,16 @@ def _no_processes(lib, state, handle, count_ref, infos):
 @nvml("nvmlDeviceGetComputeRunningProcesses_v3", "nvmlDeviceGetComputeRunningProcesses_v2",
        "nvmlDeviceGetComputeRunningProcesses")
 def _processes(lib, state, handle, count_ref, infos):
+    """A MIG device handle lists the processes in that MIG device. The GPU's own handle lists those on
+    the GPU and, with MIG on, those in every MIG device with their GI and CI ids: "In MIG mode, if
+    device handle is provided, the API returns aggregate information, only if the caller has
+    appropriate privileges" (NVML API reference, nvmlDeviceGetComputeRunningProcesses_v3), and
+    nvmlProcessInfo_t's gpuInstanceId/computeInstanceId are valid "if MIG is enabled". What an
+    unprivileged caller gets is not documented: the simulator answers every caller in full."""
     gpu, mig = lib.gpu(state, handle, allow_mig=True)
     if mig is None:
         rows = [(p, NOT_IN_MIG_INSTANCE, NOT_IN_MIG_INSTANCE) for p in gpu_processes(state, gpu)]
+        rows += [(p, gi.id, ci.id) for gi, ci in mig_devices(gpu) for p in mig_processes(state, ci)]
     else:
         gi, ci = mig
         rows = [(p, gi.id, ci.id) for p in mig_processes(state, ci)]

@@ -389,6 +389,7 @@ def test_mig_uuid_is_stable_for_the_life_of_the_ci(h200):
 
 
 def test_processes_per_gpu_and_per_mig_device(h200):
+    """A MIG device lists its processes; the GPU lists its own and, with MIG on, every MIG device's."""
     h0, h1 = handle(0), handle(1)
     gi = place(h0, 19, 0, 1)
     N.nvmlGpuInstanceCreateComputeInstance(gi, 0)
@@ -396,7 +397,11 @@ def test_processes_per_gpu_and_per_mig_device(h200):
     add_process(h200, N.nvmlDeviceGetUUID(m), pid=10, name="mig-job")
     add_process(h200, "0000:2a:00.0", pid=11)
     add_process(h200, N.nvmlDeviceGetUUID(h1), pid=12)
-    assert N.nvmlDeviceGetComputeRunningProcesses(h0) == []
+    # the GPU's own handle, MIG on: the aggregate, each process with its GI and CI ids (NVML API
+    # reference, nvmlDeviceGetComputeRunningProcesses_v3: "In MIG mode, if device handle is provided,
+    # the API returns aggregate information")
+    (agg,) = N.nvmlDeviceGetComputeRunningProcesses(h0)
+    assert (agg.pid, agg.gpuInstanceId, agg.computeInstanceId) == (10, 7, 0)
     procs = N.nvmlDeviceGetComputeRunningProcesses(h1)
     assert sorted(p.pid for p in procs) == [11, 12]
     assert procs[0].gpuInstanceId == 0xFFFFFFFF and procs[0].usedGpuMemory == 256 * 2**20
