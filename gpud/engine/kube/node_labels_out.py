@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 from msgspec import Struct
 
-from gpud.host import nfd
+from gpud.host.kube import nfd
 from gpud.model import Gpu
 from gpud.plan.node_labels import LabelInputs, NodeLabels, node_labels
 

@@ -124,7 +124,7 @@ class _Run:
         raise AssertionError("unreachable")
 
     def read(self, details: bool = True) -> NvmlGpu:
-        """The GPU as NVML sees it now (`details=False`: its layout only, see gpud.host.nvml.Nvml.gpu);
+        """The GPU as NVML sees it now (`details=False`: its layout only, see gpud.host.nvidia.nvml.Nvml.gpu);
         transient errors and a briefly missing GPU (just reset) are retried."""
         def attempt() -> NvmlGpu:
             try:
@@ -363,7 +363,7 @@ def execute(
     holders: Callable[[str], Sequence[Holder]] | None = None,
     in_use_window_s: float = 15.0,
 ) -> Outcome:
-    """Run `plan` on its GPU. `nvml` follows gpud.host.nvml.Nvml.
+    """Run `plan` on its GPU. `nvml` follows gpud.host.nvidia.nvml.Nvml.
     `on_step(step, result)` is called after each step ("done") and on the step that stops the run.
     `holders(pci)` may add device-node holders (from /proc) to what blocks a reset."""
     if plan.infeasible:
