@@ -3,8 +3,11 @@ the file NFD reads (read back with the NFD-side reader of test_nfd_features)."""
 
 from __future__ import annotations
 
+from typing import get_args
+
 import pytest
 
+from gpud.engine.gpu_state import Phase
 from gpud.engine.kube.node_labels_out import LabelsOut, Versions, layout_state
 from gpud.engine.observe.discovery import observe
 from gpud.host.kernel.sysfs import Sysfs
@@ -12,15 +15,24 @@ from gpud.host.nvidia.nvml import Nvml
 from gpud.layout.match import DEFAULT_MATCH
 from tests.support.nfd import nfd_read
 
-
-@pytest.mark.parametrize(("phase", "rebooting", "state"), [
+# Written out by hand (mig.config.state's values: success | pending | failed), not derived from the code.
+_CASES = [
     ("converged", False, "success"), ("applying", False, "pending"), ("waiting", False, "pending"),
     ("starting", False, "pending"), ("failed", False, "failed"), ("stuck", False, "failed"),
     ("invalid-layout", False, "failed"), ("reboot-required", False, "failed"),
-    ("reboot-required", True, "rebooting"),
-])
+    ("reboot-required", True, "rebooting"), ("pending", False, "pending"), ("drift", False, "pending"),
+    ("read-only", False, "pending"), ("reset-required", False, "failed"),
+]
+
+
+@pytest.mark.parametrize(("phase", "rebooting", "state"), _CASES)
 def test_phase_to_state(phase, rebooting, state):
     assert layout_state(phase, rebooting=rebooting) == state
+
+
+def test_every_phase_is_in_the_table_above():
+    named = {p for p, _, _ in _CASES}
+    assert named == set(get_args(Phase))
 
 
 def _gpus(sim_host):

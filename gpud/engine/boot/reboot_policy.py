@@ -6,7 +6,7 @@ reboot settled what it was for, and clears the marker once the host converged.""
 from __future__ import annotations
 
 from gpud.engine.events import EventBus
-from gpud.engine.gpu_state import GpuState
+from gpud.engine.gpu_state import GpuState, Phase
 from gpud.engine.ports import Rebooter
 from gpud.host.files.state_files import Problems
 from gpud.host.systemd.logind import BOOT_ID_PATH, clear_reboot_request, reboot_outcome
@@ -48,7 +48,7 @@ class RebootPolicy:
         return GpuState(st.state, f"{st.message}; an earlier reboot did not settle it, not rebooting again "
                                   f"(remove {self.state_dir}/reboot-request.json after fixing the cause)", st.holders)
 
-    def after_pass(self, phase: str) -> None:
+    def after_pass(self, phase: Phase) -> None:
         """After a pass: say whether the reboot gpud asked for settled what it was for; clear the
         marker once the host converged, keep it (no second reboot) while it did not."""
         if self.state_dir is None or self.read_only:

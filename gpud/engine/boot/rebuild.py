@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from gpud.engine.events import EventBus
-from gpud.engine.gpu_state import GpuState
+from gpud.engine.gpu_state import GpuState, Phase
 from gpud.host.files import state_files
 from gpud.host.systemd.logind import current_boot_id
 
@@ -76,7 +76,7 @@ class BootRebuild:
         if self.after_boot:
             self._changed.update(gpus)
 
-    def pass_ended(self, states: Mapping[str, GpuState], phase: str) -> None:
+    def pass_ended(self, states: Mapping[str, GpuState], phase: Phase) -> None:
         """After a pass: the first one that settles after a boot (any phase but applying/pending)
         is reported; the boot id is then remembered, so a restart in this boot claims nothing."""
         if not self.after_boot or phase in ("applying", "pending", "starting"):

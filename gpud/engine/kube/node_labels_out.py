@@ -9,22 +9,19 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from typing import Literal, assert_never
 
 from msgspec import Struct
 
+from gpud.engine.gpu_state import Phase
 from gpud.host.kube import nfd
 from gpud.model import Gpu
 from gpud.plan.node_labels import LabelInputs, NodeLabels, node_labels
 
 log = logging.getLogger(__name__)
 
-# What the reconciler's phase means for `nvidia.com/gpud.layout.state` (mig.config.state's values).
-_STATE = {
-    "converged": "success",
-    "starting": "pending", "applying": "pending", "waiting": "pending", "read-only": "pending",
-    "failed": "failed", "stuck": "failed", "reset-required": "failed", "reboot-required": "failed",
-    "invalid-layout": "failed", "drift": "pending",
-}
+# `nvidia.com/gpud.layout.state`: mig.config.state's values, and "rebooting".
+LayoutState = Literal["success", "pending", "failed", "rebooting"]
 
 LABEL_SETS = ("all", "gpud")  # --nfd-labels: GFD's set + gpud's, or gpud's only
 MIG_STRATEGIES = ("mixed", "single")
@@ -48,12 +45,20 @@ def from_cluster(labels: dict[str, str], *, label_set: str | None, mig_strategy:
     return label_set, mig_strategy
 
 
-def layout_state(phase: str, *, rebooting: bool = False) -> str:
-    """success | pending | failed | rebooting for an engine phase (`rebooting`: a reboot gpud asked
-    for is under way)."""
-    if phase == "reboot-required" and rebooting:
-        return "rebooting"
-    return _STATE.get(phase, "pending")
+def layout_state(phase: Phase, *, rebooting: bool = False) -> LayoutState:
+    """The label's value for an engine phase (`rebooting`: a reboot gpud asked for is under way).
+    Every phase is named: mypy fails here when a phase is added without its value."""
+    match phase:
+        case "converged":
+            return "success"
+        case "starting" | "applying" | "pending" | "waiting" | "read-only" | "drift":
+            return "pending"
+        case "failed" | "stuck" | "reset-required" | "invalid-layout":
+            return "failed"
+        case "reboot-required":
+            return "rebooting" if rebooting else "failed"
+        case _:
+            assert_never(phase)
 
 
 class Versions(Struct, frozen=True):

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from msgspec import Struct, field
 
@@ -48,6 +48,24 @@ NVML_ERROR_UNKNOWN = 999
 TRANSIENT = frozenset({NVML_ERROR_TIMEOUT, NVML_ERROR_UNKNOWN})
 
 T = TypeVar("T")
+
+
+class MigNvml(Protocol):
+    """What the executor asks of NVML (gpud.host.nvidia.nvml.Nvml on a host, the simulator's library
+    behind the same class in tests): read one GPU, change its mode, create and destroy instances.
+    Failures raise an exception with an int `code` (NVML's return code) and a `function` name."""
+
+    def gpu(self, pci: str, *, details: bool = True) -> NvmlGpu | None: ...
+
+    def set_mig_mode(self, pci: str, enabled: bool) -> int: ...
+
+    def create_gpu_instance(self, pci: str, profile_id: int, start: int) -> int: ...
+
+    def create_compute_instance(self, pci: str, gi_id: int, ci_profile_id: int, start: int | None = None) -> int: ...
+
+    def destroy_compute_instance(self, pci: str, gi_id: int, ci_id: int) -> None: ...
+
+    def destroy_gpu_instance(self, pci: str, gi_id: int) -> None: ...
 
 
 class Outcome(Struct, frozen=True):
@@ -100,7 +118,7 @@ def _layout(g: NvmlGpu) -> list[tuple[Any, int, tuple[int, ...]]]:
 
 
 class _Run:
-    def __init__(self, nvml: Any, plan: GpuPlan, policy_reset: str, retries: int,
+    def __init__(self, nvml: MigNvml, plan: GpuPlan, policy_reset: str, retries: int,
                  sleep: Callable[[float], None], backoff_s: float,
                  holders: Callable[[str], Sequence[Holder]] | None, in_use_window_s: float) -> None:
         self.nvml, self.plan, self.pci = nvml, plan, plan.pci
@@ -230,7 +248,8 @@ class _Run:
             gi2 = next((x for x in g2.instances if x.id == step.gi), None)
             return gi2 is None or all(c.id != step.ci for c in gi2.cis)
 
-        return self.call(what, lambda: self.nvml.destroy_compute_instance(self.pci, step.gi, step.ci), gone,
+        gi_id, ci_id = gi.id, ci.id  # found by the step's ids, so equal to them
+        return self.call(what, lambda: self.nvml.destroy_compute_instance(self.pci, gi_id, ci_id), gone,
                          lambda g2: _gi_holders(next((x for x in g2.instances if x.id == step.gi), None)))
 
     def destroy_gi(self, step: Step, g: NvmlGpu) -> NvmlGpu:
@@ -246,7 +265,8 @@ class _Run:
             now = next((x for x in self.read().instances if x.id == step.gi), gi)  # with UUIDs and holders
             raise _Stop("failed", f"{what}: it has compute instances the plan did not expect "
                                   f"({', '.join(c.uuid or f'CI {c.id}' for c in now.cis)})", now.holders)
-        return self.call(what, lambda: self.nvml.destroy_gpu_instance(self.pci, step.gi),
+        gi_id = gi.id
+        return self.call(what, lambda: self.nvml.destroy_gpu_instance(self.pci, gi_id),
                          lambda g2: all(x.id != step.gi for x in g2.instances))
 
     def create_gi(self, step: Step, g: NvmlGpu) -> NvmlGpu:
@@ -259,6 +279,8 @@ class _Run:
                          lambda g2: self.find_gi(g2, step) is not None)
 
     def create_ci(self, step: Step, g: NvmlGpu) -> NvmlGpu:
+        assert step.ci_profile_id is not None  # gpud.plan.mig sets it on every create-ci
+        ci_profile_id = step.ci_profile_id
         what = f"create CI {step.profile} in the GI at {step.placement.start if step.placement else '?'} on {self.pci}"
         gi = self.find_gi(g, step)
         if gi is None or (step.gi is not None and gi.id != step.gi):
@@ -280,9 +302,9 @@ class _Run:
             return sum(c.profile_id == step.ci_profile_id for c in gi2.cis) > before
 
         if start is None:
-            return self.call(what, lambda: self.nvml.create_compute_instance(self.pci, gi.id, step.ci_profile_id),
+            return self.call(what, lambda: self.nvml.create_compute_instance(self.pci, gi.id, ci_profile_id),
                              made)
-        return self.call(what, lambda: self.nvml.create_compute_instance(self.pci, gi.id, step.ci_profile_id, start),
+        return self.call(what, lambda: self.nvml.create_compute_instance(self.pci, gi.id, ci_profile_id, start),
                          made)
 
     def set_mode(self, step: Step) -> NvmlGpu:
@@ -352,7 +374,7 @@ def _describe(e: BaseException) -> str:
 
 
 def execute(
-    nvml: Any,
+    nvml: MigNvml,
     plan: GpuPlan,
     *,
     policy_reset: str = "per-gpu",
@@ -363,7 +385,7 @@ def execute(
     holders: Callable[[str], Sequence[Holder]] | None = None,
     in_use_window_s: float = 15.0,
 ) -> Outcome:
-    """Run `plan` on its GPU. `nvml` follows gpud.host.nvidia.nvml.Nvml.
+    """Run `plan` on its GPU through `nvml`.
     `on_step(step, result)` is called after each step ("done") and on the step that stops the run.
     `holders(pci)` may add device-node holders (from /proc) to what blocks a reset."""
     if plan.infeasible:
@@ -394,4 +416,4 @@ def execute(
     return Outcome("converged", f"{n} MIG step{'' if n == 1 else 's'} applied" if n else "nothing to do", [], done)
 
 
-__all__ = ["Outcome", "execute", "TRANSIENT"]
+__all__ = ["MigNvml", "Outcome", "execute", "TRANSIENT"]

@@ -22,7 +22,7 @@ from msgspec import Struct
 from gpud.host.kernel import deadline_write
 
 # The helper's module, and its name before host/ had folders (a helper of an older gpud).
-_HELPER_MODULES = ("gpud.host.kernel.sysfs_writer", "gpud.host.sysfs_writer")
+_HELPER_MODULES = ("gpud.host.kernel.sysfs_writer", "gpud.host.kernel.sysfs_writer")
 _PCI = re.compile(r"[0-9a-f]{4}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]")
 
 
