@@ -22,7 +22,7 @@ Attribute names are those of NVIDIA's DRA driver (k8s-dra-driver-gpu: `type`, `u
 `parentUUID`, `profile`, `productName`, `architecture`, `cudaComputeCapability`, `driverVersion`)
 plus the standard `resource.kubernetes.io/pciBusID` and `resource.kubernetes.io/pcieRoot`
 (k8s.io/dynamic-resource-allocation deviceattribute; the root complex is read from sysfs by
-gpud.host.sysfs.pcie_root), so CEL selectors written for NVIDIA's driver carry over and a claim
+gpud.host.kernel.sysfs.pcie_root), so CEL selectors written for NVIDIA's driver carry over and a claim
 can ask for a GPU and a NIC under one root complex (`matchAttribute`).
 
 Limits honoured (k8s.io/api resource/v1 types.go, v0.36.3): devices and sharedCounters live in

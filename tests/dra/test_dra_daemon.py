@@ -12,7 +12,7 @@ import signal
 import tempfile
 from pathlib import Path
 
-from gpud.host.kubelet_plugin import paths
+from gpud.host.kube.kubelet_plugin import paths
 from gpud.model import Placement
 from gpud.plan.dra_slices import DEFAULT_DRIVER
 from gpud.profiles import MODELS

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from gpud.host.sysfs import pcie_root
+from gpud.host.kernel.sysfs import pcie_root
 from gpud.layout.desired import DesiredGpu
 from gpud.model import Gpu, NvmlGpu, PciFunction
 from gpud.plan.dra_slices import STANDARD, DraInputs, build_slices
