@@ -19,6 +19,7 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Iterable
 from types import MappingProxyType
+from typing import Any
 
 import msgspec
 
@@ -631,7 +632,7 @@ class Reconciler:
         self.holder_watch.watch(waiting.holders)
         return waiting
 
-    def _set(self, pci: str, st: GpuState, **data) -> None:
+    def _set(self, pci: str, st: GpuState, **data: Any) -> None:
         old = self.gpu_states.get(pci)
         self.gpu_states[pci] = st
         if old is None or (old.state, old.message) != (st.state, st.message):

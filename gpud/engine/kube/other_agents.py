@@ -13,12 +13,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING
 
 from msgspec import Struct
 
 from gpud.engine.kube.operands import OperandsNotPaused
-from gpud.host.kube import KubeError, NodeView, PodView
+from gpud.engine.kube.selection import Selection
+from gpud.host.kube import KubeApi, KubeError, NodeView, PodView
+
+if TYPE_CHECKING:  # the agent mixes this class in
+    from gpud.engine.kube.agent import AgentStatus
 
 
 class OtherAgent(Struct, frozen=True):
@@ -40,11 +44,11 @@ OTHER_AGENTS = (
 class OtherAgentsOff:
     """Mixed into KubeAgent, whose members these are."""
 
-    api: Any
+    api: KubeApi
     namespace: str
     pod_timeout: float
-    status: Any
-    _active: Any
+    status: AgentStatus
+    _active: Selection | None
     _event: Callable[[str, str], None]
     _set_state: Callable[..., Awaitable[None]]
     _pods_gone_where: Callable[[Callable[[PodView], bool], str], Awaitable[None]]
