@@ -28,7 +28,7 @@ from gpud.engine.leases.engine import LeaseRefused
 from gpud.engine.leases.records import LeaseRecord
 from gpud.engine.observe.discovery import Observation
 from gpud.engine.queries import EngineError, InvalidLayout, NoSuchGpu, select_gpus
-from gpud.host.nvml import NvmlError
+from gpud.host.nvidia.nvml import NvmlError
 from gpud.layout.parse import ParsedLayout
 from gpud.layout.resolve import Resolution
 from gpud.loop_lag import LoopLagProbe

@@ -24,7 +24,7 @@ from gpud.engine.gpu_tasks import NvmlSessionGate, SharedDrain
 from gpud.engine.observe.holders import lock_holders, reset_holders
 from gpud.engine.ports import Drainer, Hardware
 from gpud.engine.vgpu.keeper import VgpuKeeper, changes_vfs, step_event
-from gpud.host.nvidia_smi import ResetResult
+from gpud.host.nvidia.gpu_reset import ResetResult
 from gpud.layout.desired import DesiredGpu
 from gpud.layout.schema import Policy
 from gpud.model import Gpu
@@ -156,7 +156,7 @@ class StepRunner:
         return GpuState(outcome.state, outcome.message, tuple(outcome.holders))
 
     async def reset(self, gpu: Gpu, why: str) -> GpuState:
-        """Reset one GPU the way the driver supports (gpud.host.nvidia_smi): drained, NVML closed
+        """Reset one GPU the way the driver supports (gpud.host.nvidia.gpu_reset): drained, NVML closed
         (no other GPU's NVML work runs meanwhile), `nvidia-smi -r -i <PCI>`, then the GPU re-read."""
         resetter = self.hw.reset
         if resetter is None:

@@ -20,7 +20,7 @@ from gpud.engine.mig import executor as mig_executor
 from gpud.engine.observe.discovery import observe
 from gpud.engine.observe.holders import device_holders
 from gpud.hardware import Hardware
-from gpud.host.nvidia_smi import ResetResult
+from gpud.host.nvidia.gpu_reset import ResetResult
 from gpud.layout.desired import DesiredGpu
 from gpud.layout.schema import MatchRule
 from gpud.model import Gpu, Holder, MigProfile, NvmlGpu, Placement
@@ -148,7 +148,7 @@ class _Exercise:
 
     # ---- reset and binding
     def reset_gpu(self) -> ResetResult:
-        """gpud's reset, as a pass makes it (gpud.host.nvidia_smi): gpud's own NVML session closed,
+        """gpud's reset, as a pass makes it (gpud.host.nvidia.gpu_reset): gpud's own NVML session closed,
         `nvidia-smi -r -i <PCI>` for a GPU on nvidia (sysfs otherwise), NVML opened again."""
         resetter = self.hw.reset
         assert resetter is not None  # gpud.hardware gives every host one, with the sysfs deadline

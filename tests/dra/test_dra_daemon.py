@@ -11,7 +11,7 @@ import shutil
 import signal
 import tempfile
 
-from gpud.host.kubelet_plugin import paths
+from gpud.host.kube.kubelet_plugin import paths
 from gpud.model import Placement
 from gpud.plan.dra_slices import DEFAULT_DRIVER
 from gpud.profiles import MODELS

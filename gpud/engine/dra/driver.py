@@ -2,7 +2,7 @@
 
 Publishing: after every engine pass, lease change and device event the daemon calls `publish()`;
 it builds the pool from the engine's view (gpud.plan.dra_slices, pure) and writes only what
-differs from what the API server holds (gpud.host.kube_dra), so at rest nothing is written. A
+differs from what the API server holds (gpud.host.kube.dra_api), so at rest nothing is written. A
 watch on the pool's slices puts right what someone else changed or deleted.
 
 Prepare (the kubelet's NodePrepareResources): the claim is read from the API server (its
@@ -40,8 +40,8 @@ import msgspec
 from gpud.engine.leases.engine import LeaseEngine, LeaseRefused
 from gpud.engine.leases.records import LeaseRecord
 from gpud.engine.view import EngineView
-from gpud.host import state_files
-from gpud.host.kubelet_plugin import ClaimRef, Prepared, PreparedDevice
+from gpud.host.files import state_files
+from gpud.host.kube.kubelet_plugin import ClaimRef, Prepared, PreparedDevice
 from gpud.model import Gpu, Placement
 from gpud.plan.dra_slices import DraInputs, DraSlices, SliceDevice, build_slices
 

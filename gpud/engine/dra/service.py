@@ -16,12 +16,12 @@ from typing import TYPE_CHECKING
 from gpud.engine.dra.driver import DEFAULT_CDI_DIR, DraDriver
 from gpud.engine.engine import Engine
 from gpud.engine.events import EventBus
-from gpud.host.nvml import NvmlError
+from gpud.host.nvidia.nvml import NvmlError
 from gpud.plan.dra_slices import NVIDIA_DRIVER
 
 if TYPE_CHECKING:  # imported with --dra only (they need gpud[dra])
-    from gpud.host.kube_dra import DraApi
-    from gpud.host.kubelet_plugin import KubeletPlugin
+    from gpud.host.kube.dra_api import DraApi
+    from gpud.host.kube.kubelet_plugin import KubeletPlugin
 
 log = logging.getLogger(__name__)
 
@@ -41,9 +41,9 @@ class DraService:
 
     async def start(self) -> None:
         try:
-            from gpud.host.kube import KubeError, load_config
-            from gpud.host.kube_dra import DraApi
-            from gpud.host.kubelet_plugin import KubeletPlugin, ProtoMissing, other_plugin_registered, paths, proto
+            from gpud.host.kube.dra_api import DraApi
+            from gpud.host.kube.kubelet_plugin import KubeletPlugin, ProtoMissing, other_plugin_registered, paths, proto
+            from gpud.host.kube.node_api import KubeError, load_config
         except ImportError as e:
             raise RuntimeError(f"--dra needs the DRA client libraries: pip install 'gpud[dra]' ({e})") from e
         try:
@@ -90,7 +90,7 @@ class DraService:
             watch.cancel()
 
     async def _publish(self) -> None:
-        from gpud.host.kube import KubeError
+        from gpud.host.kube.node_api import KubeError
 
         assert self.driver is not None
         try:
@@ -104,7 +104,7 @@ class DraService:
             log.info("DRA: %d slice write(s), pool generation %d", writes, self.driver.generation)
 
     async def _watch(self) -> None:
-        from gpud.host.kube import KubeError
+        from gpud.host.kube.node_api import KubeError
 
         assert self.api is not None and self.driver is not None
         while True:

@@ -19,7 +19,7 @@ from msgspec import Struct
 
 from gpud.engine.kube.operands import OperandsNotPaused
 from gpud.engine.kube.selection import Selection
-from gpud.host.kube import KubeApi, KubeError, NodeView, PodView
+from gpud.host.kube.node_api import KubeApi, KubeError, NodeView, PodView
 
 if TYPE_CHECKING:  # the agent mixes this class in
     from gpud.engine.kube.agent import AgentStatus

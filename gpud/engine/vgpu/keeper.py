@@ -17,9 +17,9 @@ import msgspec
 
 from gpud.engine.gpu_state import GpuState, VgpuAction
 from gpud.engine.vgpu.executor import execute
-from gpud.host import state_files
-from gpud.host.sriov_manage import SriovManage
-from gpud.host.vgpu_sysfs import VgpuSysfs
+from gpud.host.files import state_files
+from gpud.host.nvidia.sriov_manage import SriovManage
+from gpud.host.nvidia.vgpu_sysfs import VgpuSysfs
 from gpud.layout.desired import DesiredGpu
 from gpud.model import Gpu, Holder
 from gpud.plan.vgpu import VgpuPlan, VgpuRecord, VgpuStep, gi_profiles_of, plan_vgpu
