@@ -121,6 +121,8 @@ class AgentStatus(Struct):
 
 
 class KubeAgent(OtherAgentsOff):
+    status: AgentStatus  # the mixin knows only its own part of it
+
     def __init__(self, api: KubeApi, applier: Applier, *, namespace: str = DEFAULT_NAMESPACE, pod_timeout: float = 300.0,
                  on_event: Callable[[str, str], None] | None = None, retry_delay: float = 1.0,
                  max_conflicts: int = 8, default_vgpu: str | None = DEFAULT_VGPU_CONFIG,

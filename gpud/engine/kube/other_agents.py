@@ -13,16 +13,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from msgspec import Struct
 
 from gpud.engine.kube.operands import OperandsNotPaused
 from gpud.engine.kube.selection import Selection
 from gpud.host.kube.node_api import KubeApi, KubeError, NodeView, PodView
-
-if TYPE_CHECKING:  # the agent mixes this class in
-    from gpud.engine.kube.agent import AgentStatus
 
 
 class OtherAgent(Struct, frozen=True):
@@ -41,13 +38,19 @@ OTHER_AGENTS = (
 )
 
 
+class _Status(Protocol):
+    """The part of the agent's status (gpud.engine.kube.agent.AgentStatus) this mixin keeps."""
+
+    other_agents: list[str]
+
+
 class OtherAgentsOff:
     """Mixed into KubeAgent, whose members these are."""
 
     api: KubeApi
     namespace: str
     pod_timeout: float
-    status: AgentStatus
+    status: _Status
     _active: Selection | None
     _event: Callable[[str, str], None]
     _set_state: Callable[..., Awaitable[None]]
