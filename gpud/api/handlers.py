@@ -25,7 +25,7 @@ from gpud.engine.events import EventQueue
 from gpud.engine.kube.node_labels_out import LabelsOut
 from gpud.engine.leases.engine import LeaseRefused
 from gpud.engine.queries import EngineError, InvalidLayout, NoSuchGpu, select_gpus
-from gpud.host.nvml import NvmlError
+from gpud.host.nvidia.nvml import NvmlError
 from gpud.layout.resolve import Resolution
 from gpud.loop_lag import LoopLagProbe
 from gpud.model import Gpu

@@ -29,7 +29,7 @@ MAX_FRAME = 1 << 20  # 1 MiB: a status of a 16-GPU host with every instance is ~
 # The most entries a reply carries in a list that grows with its input (layout errors, warnings):
 # the rest are counted in the reply's `*_omitted` field and a last entry "... and N more".
 MAX_LISTED = 100
-# The largest layout text gpud reads or checks (gpud.host.layout_source.MAX_LAYOUT_BYTES): half a
+# The largest layout text gpud reads or checks (gpud.host.files.layout_source.MAX_LAYOUT_BYTES): half a
 # frame, so `check` of any acceptable layout fits in one request. gpudctl refuses more before sending.
 MAX_LAYOUT_TEXT = 512 * 1024
 HEADER = struct.Struct(">I")
