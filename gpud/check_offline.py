@@ -30,7 +30,7 @@ from gpud.engine.events import EventBus
 from gpud.engine.observe.gpu_index import FILE_NAME as INDEX_FILE
 from gpud.engine.observe.gpu_index import backup_path
 from gpud.hardware import HostConfig, build_hardware
-from gpud.host.nvml import NvmlError
+from gpud.host.nvidia.nvml import NvmlError
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:

@@ -31,9 +31,9 @@ from gpud.engine.gpu_state import SETTLING_PHASES
 from gpud.engine.kube.node_labels_out import LabelsOut, Versions, from_cluster, layout_state
 from gpud.engine.observe.observer import DEFAULT_MAX_AGE
 from gpud.hardware import HostConfig, build_hardware
-from gpud.host.early_signals import hold_sighup, take_sighup
-from gpud.host.nvml import NvmlError
-from gpud.host.sriov_manage import DEFAULT_PATH as SRIOV_MANAGE
+from gpud.host.nvidia.nvml import NvmlError
+from gpud.host.nvidia.sriov_manage import DEFAULT_PATH as SRIOV_MANAGE
+from gpud.host.systemd.early_signals import hold_sighup, take_sighup
 from gpud.loop_lag import LoopLagProbe
 
 PERSISTENCE_INTENT = "persistence-restore.json"  # in the state dir: GPUs whose persistence a reset left off
@@ -44,7 +44,7 @@ if TYPE_CHECKING:  # imported with --kube-node only (they need gpud[kube])
     from gpud.engine.kube.applier import ReconcilerApplier
     from gpud.engine.observe.discovery import Observation
     from gpud.engine.ports import Rebooter
-    from gpud.host.cdi import CdiGenerator
+    from gpud.host.nvidia.cdi import CdiGenerator
 
 log = logging.getLogger("gpud")
 SWITCH_INTERVAL = 0.0005  # seconds a worker thread may keep the GIL while the loop wants it
@@ -170,7 +170,7 @@ def host_config(args: DaemonConfig) -> HostConfig:
 
 class Daemon:
     def __init__(self, args: DaemonConfig) -> None:
-        from gpud.host.sd_notify import Notifier
+        from gpud.host.systemd.sd_notify import Notifier
 
         self.args = args
         self.notifier = Notifier()
@@ -226,7 +226,7 @@ class Daemon:
         try:
             from gpud.engine.kube.agent import KubeAgent
             from gpud.engine.kube.applier import KubeRebooter, ReconcilerApplier
-            from gpud.host.kube import KubeApi, KubeError, load_config
+            from gpud.host.kube.node_api import KubeApi, KubeError, load_config
         except ImportError as e:
             raise RuntimeError(f"--kube-node needs the Kubernetes client: pip install 'gpud[kube]' ({e})") from e
         try:
@@ -241,9 +241,9 @@ class Daemon:
         return KubeRebooter(agent, applier, reboot)
 
     def _cdi_generator(self, args: DaemonConfig) -> CdiGenerator | None:
-        """`nvidia-ctk cdi generate` after MIG changes (gpud.host.cdi): the toolkit from PATH on a
+        """`nvidia-ctk cdi generate` after MIG changes (gpud.host.nvidia.cdi): the toolkit from PATH on a
         real host, only the one given on a simulated host (never the real host's from a test)."""
-        from gpud.host.cdi import DEFAULT_SPEC, CdiGenerator
+        from gpud.host.nvidia.cdi import DEFAULT_SPEC, CdiGenerator
 
         root = self.host.root
         ctk = args.nvidia_ctk
@@ -385,7 +385,7 @@ class Daemon:
     # ---- life cycle --------------------------------------------------------------------------
     async def run(self) -> int:
         from gpud.api.server import serve
-        from gpud.host.sd_notify import listen_socket
+        from gpud.host.systemd.sd_notify import listen_socket
 
         loop = asyncio.get_running_loop()
         self.engine.subscribe(self._update_status)
@@ -394,7 +394,7 @@ class Daemon:
         except NvmlError as e:  # no nvidia driver (every GPU on vfio-pci, or none yet): serve anyway
             log.warning("NVML not available: %s", e)
         if not self.args.read_only:  # no write of ours races a helper an earlier gpud left writing
-            from gpud.host.writer_leftovers import end_leftovers
+            from gpud.host.kernel.writer_leftovers import end_leftovers
 
             for left in await asyncio.to_thread(end_leftovers, self.hw.sysfs.root):
                 what = f"the writer of {left.value} to {left.relpath} (pid {left.pid}) left by an earlier gpud"
@@ -446,7 +446,7 @@ class Daemon:
             # call would cause, so the systemd watchdog can be seen to restart us.
             loop.add_signal_handler(signal.SIGUSR2, _stall_forever)
         loop.add_signal_handler(signal.SIGHUP, self._reload_on_sighup, handler)
-        if take_sighup():  # one came during start-up (gpud.host.early_signals): honour it now
+        if take_sighup():  # one came during start-up (gpud.host.systemd.early_signals): honour it now
             log.info("SIGHUP during start-up: re-reading the layout")
             self._reload_on_sighup(handler)
         if self.kube is None or await self._start_with_remembered_layout():
@@ -467,7 +467,7 @@ class Daemon:
         else:
             self.hw.nvml.close()
         # The helpers of stuck unbinds were abandoned, not forgotten: none may outlive the daemon.
-        from gpud.host.deadline_write import end_stuck_writes
+        from gpud.host.kernel.deadline_write import end_stuck_writes
 
         for sw in await asyncio.to_thread(end_stuck_writes, self.args.stuck_writer_wait_s):
             log.warning("the writer of %s (pid %d) is still blocked in the kernel; killed, it ends when "

@@ -1,5 +1,5 @@
 """What a device event source hands the daemon, whichever kernel it listens to: udev's netlink
-monitor on a host (gpud.host.udev) or the simulator's datagram socket (gpud.sim.uevents). The
+monitor on a host (gpud.host.kernel.udev) or the simulator's datagram socket (gpud.sim.uevents). The
 daemon picks one at start; both deliver DeviceEvent through the same callback.
 
 Events are hints that make the daemon re-read sysfs/NVML, never state: netlink drops events when

@@ -25,7 +25,7 @@ from gpud.engine.events import EventQueue
 from gpud.engine.kube.node_labels_out import LabelsOut
 from gpud.engine.leases.engine import LeaseRefused
 from gpud.engine.queries import EngineError, InvalidLayout, NoSuchGpu, select_gpus
-from gpud.host.nvml import NvmlError
+from gpud.host.nvidia.nvml import NvmlError
 from gpud.layout.resolve import Resolution
 from gpud.loop_lag import LoopLagProbe
 from gpud.model import Gpu
@@ -228,6 +228,10 @@ class RequestHandler:
     async def op_mig_profiles(self, gpu: str | None = None) -> wire_replies.MigProfilesReply:
         view = await self.engine.refresh()
         return replies.mig_profiles_reply(select_gpus(view.observation.gpus, gpu))
+
+    async def op_mig_compute_profiles(self, gpu: str | None = None) -> wire_replies.MigComputeProfilesReply:
+        view = await self.engine.refresh()
+        return replies.mig_compute_profiles_reply(select_gpus(view.observation.gpus, gpu))
 
     async def op_passthrough(self) -> wire_replies.PassthroughReply:
         gpus = (await self.engine.refresh()).observation.gpus

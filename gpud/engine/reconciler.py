@@ -46,8 +46,8 @@ from gpud.engine.scheduler import PassScheduler
 from gpud.engine.steps import StepRunner
 from gpud.engine.vgpu.keeper import VgpuKeeper
 from gpud.engine.view import EngineView
-from gpud.host.logind import BOOT_ID_PATH
-from gpud.host.state_files import Problems
+from gpud.host.files.state_files import Problems
+from gpud.host.systemd.logind import BOOT_ID_PATH
 from gpud.layout.desired import DesiredGpu
 from gpud.layout.parse import ParsedLayout
 from gpud.layout.resolve import Resolution
@@ -90,10 +90,10 @@ class Reconciler:
         self.read_only = read_only
         self.drainer = drainer  # None: no system bus
         # `nvidia-ctk cdi generate` after MIG changes when the toolkit's refresh unit is absent
-        # (gpud.host.cdi.CdiGenerator; None: the toolkit is not installed)
+        # (gpud.host.nvidia.cdi.CdiGenerator; None: the toolkit is not installed)
         self.cdi_generate = cdi_generate
         self.udev_rules = udev_rules  # boot-time vfio overrides
-        # state files set aside or not written (gpud.host.state_files): an event each, and status
+        # state files set aside or not written (gpud.host.files.state_files): an event each, and status
         self.state_problems = Problems(lambda m: bus.publish("state-file", m))
         self.reboot_policy = RebootPolicy(rebooter=rebooter, state_dir=state_dir, read_only=read_only, bus=bus,
                                           boot_id_path=boot_id_path or BOOT_ID_PATH, problems=self.state_problems)

@@ -150,7 +150,7 @@ class StepRunner:
         return GpuState(outcome.state, outcome.message, tuple(outcome.holders))
 
     async def reset(self, gpu: Gpu, why: str) -> GpuState:
-        """Reset one GPU the way the driver supports (gpud.host.nvidia_smi): drained, NVML closed
+        """Reset one GPU the way the driver supports (gpud.host.nvidia.gpu_reset): drained, NVML closed
         (no other GPU's NVML work runs meanwhile), `nvidia-smi -r -i <PCI>`, then the GPU re-read."""
         resetter = self.hw.reset
         if resetter is None:

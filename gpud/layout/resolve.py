@@ -15,14 +15,9 @@ from msgspec import Struct, field
 
 from gpud.layout.desired import DesiredGpu, LayoutIssue
 from gpud.layout.names import ci_names, find_profile, parse_mig_name, sorted_names
-from gpud.layout.parse import (
-    ParsedLayout,
-    entry_path,
-    item_path,
-    key_path,
-    parse_layout,
-)
+from gpud.layout.parse import ParsedLayout, entry_path, parse_layout
 from gpud.layout.schema import Layout
+from gpud.layout.yaml_reader import item_path, key_path
 from gpud.model import Gpu, KnownGpu, MigProfile
 from gpud.profiles import NVIDIA, by_device, model_name, with_model_ci_profiles
 from gpud.vgpu_types import VgpuModel, mig_need, parse_vgpu_name, strip_prefix

@@ -1,7 +1,7 @@
 """`gpud qualify`, read-only: what gpud needs from this host and what may stop it, one check each.
 
 Reads through the adapters gpud itself uses (sysfs, NVML, /proc) plus two read-only ones
-(host.host_services, host.nvidia_smi_query); the adapters are built read-only, so a mutation would be
+(host.host_services, host.nvidia.smi_query); the adapters are built read-only, so a mutation would be
 refused before it reached the hardware. Every check ends in ok / warn / fail / unknown with what
 was found and what gpud does about it. Hardware facts and their sources: docs/qualify.md.
 """
@@ -16,9 +16,9 @@ from gpud import profiles as model_tables
 from gpud.engine.observe.discovery import Observation, observe
 from gpud.hardware import Hardware
 from gpud.host.host_services import HostServices
-from gpud.host.nvidia_smi_query import NvidiaSmi, NvidiaSmiError, SmiQuery
-from gpud.host.nvml import NvmlError
-from gpud.host.vgpu_sysfs import vfio_cdevs
+from gpud.host.nvidia.nvml import NvmlError
+from gpud.host.nvidia.smi_query import NvidiaSmi, NvidiaSmiError, SmiQuery
+from gpud.host.nvidia.vgpu_sysfs import vfio_cdevs
 from gpud.model import Gpu, Holder, MigProfile
 from gpud.pci import is_bridge
 from gpud.plan.reset_scope import NO_FABRIC_DEPENDENCY

@@ -146,7 +146,7 @@ class _Exercise:
 
     # ---- reset and binding
     def reset_gpu(self):
-        """gpud's reset, as a pass makes it (gpud.host.nvidia_smi): gpud's own NVML session closed,
+        """gpud's reset, as a pass makes it (gpud.host.nvidia.gpu_reset): gpud's own NVML session closed,
         `nvidia-smi -r -i <PCI>` for a GPU on nvidia (sysfs otherwise), NVML opened again."""
         resetter = self.hw.reset
         assert resetter is not None  # gpud.hardware gives every host one, with the sysfs deadline

@@ -8,7 +8,7 @@ loss is recorded by appending a byte to DIR/run/uevent.overflow *before* trying 
 which case the receiver drains it and then sees the counter grew. Either way it rescans.
 
 `SimEvents` is the receiving end: the daemon's device event source on a simulated host, with the
-same callback interface as gpud.host.udev.UdevEvents (gpud.device_events).
+same callback interface as gpud.host.kernel.udev.UdevEvents (gpud.device_events).
 """
 
 from __future__ import annotations

@@ -169,7 +169,7 @@ def skips() -> list:
     reason: binaries not built, gRPC code not generated, no openssl CLI."""
     import pytest
 
-    from gpud.host import kubelet_plugin
+    from gpud.host.kube import kubelet_plugin
 
     _, why = dra_binaries()
     try:

@@ -18,7 +18,7 @@ from gpud.engine.binding.udev_rules import UdevRules
 from gpud.engine.mig import executor as mig_executor
 from gpud.engine.mig.executor import Outcome
 from gpud.engine.reconciler import Reconciler
-from gpud.host import logind
+from gpud.host.systemd import logind
 from gpud.sim import state as simstate
 from gpud.sim.reboot import reboot
 from tests.scenarios.definitions import layout, mig

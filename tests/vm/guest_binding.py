@@ -21,11 +21,11 @@ import traceback
 
 from gpud.engine.binding import binder, passthrough, udev_rules
 from gpud.engine.observe.discovery import observe
-from gpud.host.deadline_write import stuck_writes
-from gpud.host.kmsg import last_kmsg_line
-from gpud.host.procs import Procs
-from gpud.host.sysfs import Sysfs
-from gpud.host.udev import UdevEvents
+from gpud.host.kernel.deadline_write import stuck_writes
+from gpud.host.kernel.kmsg import last_kmsg_line
+from gpud.host.kernel.procs import Procs
+from gpud.host.kernel.sysfs import Sysfs
+from gpud.host.kernel.udev import UdevEvents
 from gpud.layout.parse import parse_layout
 from gpud.layout.resolve import resolve
 from gpud.plan.binding import plan_binding

@@ -9,7 +9,7 @@ even a driver_override write or read of that device can then block. Hence:
   nothing has been written yet;
 - the caller's own NVML handle is closed through `before_unbind`, then nvidia's unbindLock is
   asked for (refused -> "waiting": a user /proc cannot show, e.g. nvidia-persistenced or DRM);
-- every write runs in a helper process with a deadline (gpud.host.deadline_write); on expiry the
+- every write runs in a helper process with a deadline (gpud.host.kernel.deadline_write); on expiry the
   outcome is "stuck" with what the kernel says (/proc/<helper>/wchan, stack, state, the last
   matching /dev/kmsg line) and the helper is abandoned to a reaper thread: the caller's thread
   returns, the event loop keeps serving, and later plans touching that device answer "stuck"
@@ -32,10 +32,10 @@ from typing import TypeVar
 from msgspec import Struct
 
 from gpud.engine.ports import Clock, SystemClock
-from gpud.host.deadline_write import WriteFailed, WriteStuck, stuck_writes, write_with_deadline
-from gpud.host.kmsg import read_text
+from gpud.host.kernel.deadline_write import WriteFailed, WriteStuck, stuck_writes, write_with_deadline
+from gpud.host.kernel.kmsg import read_text
+from gpud.host.kernel.sysfs import describe_error
 from gpud.host.readonly import ReadOnlyError, refuse_if
-from gpud.host.sysfs import describe_error
 from gpud.model import Holder
 from gpud.plan import binding
 

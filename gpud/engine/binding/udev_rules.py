@@ -18,8 +18,8 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable, Mapping, Sequence
 
+from gpud.host.files.safe_file import UnsafeFile, read_file, remove_file, write_file
 from gpud.host.readonly import refuse_if
-from gpud.host.safe_file import UnsafeFile, read_file, remove_file, write_file
 from gpud.model import Gpu
 from gpud.pci import is_bridge
 

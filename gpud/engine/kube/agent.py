@@ -53,7 +53,7 @@ from gpud.engine.kube.selection import (  # noqa: F401 - the protocol's names, r
     selection,
 )
 from gpud.engine.kube.workload import plan_workload
-from gpud.host.kube import Conflict, Gone, KubeError, NodeView, PodView
+from gpud.host.kube.node_api import Conflict, Gone, KubeError, NodeView, PodView
 from gpud.plan.operand_impact import Impact
 
 log = logging.getLogger(__name__)

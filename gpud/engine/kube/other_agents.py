@@ -18,7 +18,7 @@ from typing import Any
 from msgspec import Struct
 
 from gpud.engine.kube.operands import OperandsNotPaused
-from gpud.host.kube import KubeError, NodeView, PodView
+from gpud.host.kube.node_api import KubeError, NodeView, PodView
 
 
 class OtherAgent(Struct, frozen=True):

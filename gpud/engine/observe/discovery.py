@@ -14,8 +14,8 @@ from collections.abc import Sequence
 
 from msgspec import Struct
 
-from gpud.host.nvml import Nvml, NvmlError
-from gpud.host.sysfs import Sysfs
+from gpud.host.kernel.sysfs import Sysfs
+from gpud.host.nvidia.nvml import Nvml, NvmlError
 from gpud.layout.match import managed
 from gpud.model import Gpu, KnownGpu, NvmlGpu, PciFunction
 

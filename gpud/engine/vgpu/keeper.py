@@ -17,8 +17,8 @@ import msgspec
 
 from gpud.engine.gpu_state import GpuState, VgpuAction
 from gpud.engine.vgpu.executor import execute
-from gpud.host import state_files
-from gpud.host.vgpu_sysfs import VgpuSysfs
+from gpud.host.files import state_files
+from gpud.host.nvidia.vgpu_sysfs import VgpuSysfs
 from gpud.layout.desired import DesiredGpu
 from gpud.model import Gpu
 from gpud.plan.vgpu import VgpuPlan, VgpuRecord, VgpuStep, gi_profiles_of, plan_vgpu
@@ -32,7 +32,7 @@ class VgpuKeeper:
     def __init__(self, vgpu: VgpuSysfs, state_dir: str | None, problems: state_files.Problems | None = None,
                  *, vf_tool=None):
         self.vgpu = vgpu
-        self.vf_tool = vf_tool  # gpud.host.sriov_manage.SriovManage: the only way VFs change
+        self.vf_tool = vf_tool  # gpud.host.nvidia.sriov_manage.SriovManage: the only way VFs change
         self.state_dir = state_dir
         self.problems = problems if problems is not None else state_files.Problems()
         self.records: dict[str, VgpuRecord] = self._load()

@@ -25,9 +25,9 @@ import logging
 import os
 import re
 
-from gpud.host import state_files
-from gpud.host.procs import Procs
-from gpud.host.sysfs import Sysfs, SysfsError
+from gpud.host.files import state_files
+from gpud.host.kernel.procs import Procs
+from gpud.host.kernel.sysfs import Sysfs, SysfsError
 from gpud.model import Holder, VgpuDevice, VgpuOffer, VgpuState
 from gpud.vgpu_types import by_device, strip_prefix
 
@@ -300,7 +300,7 @@ class VgpuSysfs:
 
     def set_num_vfs(self, pf: str, count: int) -> None:
         """The raw kernel write: refused (ENOENT) while nvidia is bound; gpud enables an NVIDIA GPU's
-        VFs through gpud.host.sriov_manage instead."""
+        VFs through gpud.host.nvidia.sriov_manage instead."""
         self._write(f"bus/pci/devices/{pf}/sriov_numvfs", str(count))
 
     def set_vf_type(self, vf: str, type_id: int) -> None:

@@ -17,7 +17,7 @@ from lightkube import AsyncClient, KubeConfig
 from lightkube.codecs import from_dict
 from lightkube.resources.resource_v1 import ResourceClaim, ResourceSlice
 
-from gpud.host.kube import FIELD_MANAGER, KubeError, _translated
+from gpud.host.kube.node_api import FIELD_MANAGER, KubeError, _translated
 
 
 def _spec(obj: dict) -> dict:
