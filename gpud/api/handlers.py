@@ -229,6 +229,10 @@ class RequestHandler:
         view = await self.engine.refresh()
         return replies.mig_profiles_reply(select_gpus(view.observation.gpus, gpu))
 
+    async def op_mig_compute_profiles(self, gpu: str | None = None) -> wire_replies.MigComputeProfilesReply:
+        view = await self.engine.refresh()
+        return replies.mig_compute_profiles_reply(select_gpus(view.observation.gpus, gpu))
+
     async def op_passthrough(self) -> wire_replies.PassthroughReply:
         gpus = (await self.engine.refresh()).observation.gpus
         return replies.passthrough_reply(passthrough.entries(gpus, dev_root=self.dev_root), gpus)

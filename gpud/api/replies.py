@@ -20,19 +20,19 @@ from gpud.engine.gpu_state import BindAction, GpuState, MigAction, VgpuAction
 from gpud.engine.kube.node_labels_out import LabelsOut
 from gpud.engine.leases.records import LeaseRecord
 from gpud.engine.preview import GpuPreview, Rebind
-from gpud.engine.queries import remaining_capacity
+from gpud.engine.queries import ci_remaining_capacity, remaining_capacity
 from gpud.engine.vgpu.inventory import entry as vgpu_entry
 from gpud.engine.view import EngineView
 from gpud.host.kube.nfd import FeaturesRefused, read_features
 from gpud.layout.desired import DesiredGpu
-from gpud.layout.names import mig_device_name
+from gpud.layout.names import device_name, mig_device_name
 from gpud.layout.resolve import Resolution
 from gpud.model import Gpu, Holder, KnownGpu, MigProfile, Placement, VgpuDevice
 from gpud.plan.binding import BindStep
 from gpud.plan.mig import Destroyed, GpuPlan, Step
 from gpud.plan.node_labels import advertised
 from gpud.plan.vgpu import VgpuStep
-from gpud.profiles import GI_PROFILE_INDEX, NVIDIA, ModelInfo, by_device, model_name
+from gpud.profiles import GI_PROFILE_INDEX, NVIDIA, ModelInfo, by_device, model_name, with_model_ci_profiles
 from gpud.vgpu_types import by_device as vgpu_model_of
 from gpud.vgpu_types import parse_vgpu_name
 
@@ -436,6 +436,31 @@ def mig_profiles_reply(gpus: list[Gpu]) -> wire_replies.MigProfilesReply:
             reply.gpus.append(wire_replies.GpuProfiles(
                 index=g.index, pci=g.pci, model=model.name, source="table",
                 profiles=[table_profile_info(model, p) for p in _nvidia_smi_order(model.profiles)]))
+    return reply
+
+
+def mig_compute_profiles_reply(gpus: list[Gpu]) -> wire_replies.MigComputeProfilesReply:
+    """`nvidia-smi mig -lcip`: for each GPU instance there, its compute-instance profiles with how
+    many more of each it can take. NVML answers a GI profile's CI profiles through a live GI, so
+    they are the GPU's own (the model's table only where NVML gave none)."""
+    reply = wire_replies.MigComputeProfilesReply()
+    for g in gpus:
+        if g.nvml is None or not g.nvml.instances:
+            continue
+        by_id = {p.id: p for p in with_model_ci_profiles(g.nvml.profiles, g.function.device)}
+        out = wire_replies.GpuComputeProfiles(index=g.index, pci=g.pci, model=model_name(g))
+        for gi in sorted(g.nvml.instances, key=lambda i: (i.placement.start, i.id)):
+            prof = by_id.get(gi.profile_id)
+            if prof is None:
+                continue
+            rows = [wire_replies.ComputeProfileInfo(
+                id=c.id, name=device_name(prof, c.slices), slices=c.slices,
+                free=ci_remaining_capacity(c, gi.cis, prof.slices), total=c.instance_count, sms=c.sms,
+                default=c.slices == prof.slices, ce=prof.copy_engines, dec=prof.decoders, enc=prof.encoders,
+                jpg=prof.jpegs, ofa=prof.ofas) for c in sorted(prof.ci_profiles, key=lambda c: (c.slices, c.id))]
+            out.instances.append(wire_replies.GiComputeProfiles(gi=gi.id, profile=prof.name,
+                                                                placement=placement(gi.placement), profiles=rows))
+        reply.gpus.append(out)
     return reply
 
 

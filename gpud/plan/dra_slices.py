@@ -20,9 +20,10 @@ One pool per node (named after the node), every device once, published by gpud's
 
 Attribute names are those of NVIDIA's DRA driver (k8s-dra-driver-gpu: `type`, `uuid`,
 `parentUUID`, `profile`, `productName`, `architecture`, `cudaComputeCapability`, `driverVersion`)
-plus the standard `resource.kubernetes.io/pciBusID` (k8s.io/dynamic-resource-allocation
-deviceattribute), so CEL selectors written for NVIDIA's driver carry over. `pcieRoot` is not
-published: gpud's observed model holds the function's address, not its root port.
+plus the standard `resource.kubernetes.io/pciBusID` and `resource.kubernetes.io/pcieRoot`
+(k8s.io/dynamic-resource-allocation deviceattribute; the root complex is read from sysfs by
+gpud.host.kernel.sysfs.pcie_root), so CEL selectors written for NVIDIA's driver carry over and a claim
+can ask for a GPU and a NIC under one root complex (`matchAttribute`).
 
 Limits honoured (k8s.io/api resource/v1 types.go, v0.36.3): devices and sharedCounters live in
 separate slices of the pool; at most 8 counter sets per slice and 32 counters per set; at most 64
@@ -71,6 +72,7 @@ class DraInputs(Struct, frozen=True):
     # PCI -> placements held by something other than a DRA claim (leases from gpudctl, foreign
     # instances): never offered
     foreign: Mapping[str, tuple[Placement, ...]] = field(default_factory=dict)
+    pcie_roots: Mapping[str, str] = field(default_factory=dict)  # PCI -> "pci0000:15" (sysfs)
     generation: int = 1
 
 
@@ -118,6 +120,9 @@ def _s(v: str) -> dict:
 def _common(gpu: Gpu, inputs: DraInputs) -> dict[str, dict]:
     model = by_device(gpu.function.device)
     attrs: dict[str, dict] = {STANDARD + "pciBusID": _s(gpu.pci)}
+    root = inputs.pcie_roots.get(gpu.pci)
+    if root:
+        attrs[STANDARD + "pcieRoot"] = _s(root)
     name = gpu.nvml.name if gpu.nvml is not None else (model.name if model is not None else None)
     if name:
         attrs["productName"] = _s(name)

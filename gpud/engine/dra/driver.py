@@ -93,21 +93,25 @@ UNHEALTHY_STATES = ("stuck", "gone")  # a driver write that never returned; the 
 
 
 def inputs_of(view: EngineView, node: str, driver: str, *, driver_version: str | None,
-              unhealthy: frozenset[str] = frozenset()) -> DraInputs:
+              unhealthy: frozenset[str] = frozenset(),
+              pcie_root: Callable[[str], str | None] = lambda pci: None) -> DraInputs:
     """The builder's inputs from the engine's view. Unhealthy: GPUs whose last state is stuck or
     gone, beside what the caller adds (gpud reads no XIDs itself)."""
     desired = view.resolution.desired if view.resolution is not None else {}
     unhealthy = unhealthy | {pci for pci, st in view.gpu_states.items() if st.state in UNHEALTHY_STATES}
+    roots = {g.pci: r for g in view.observation.gpus if g.present and (r := pcie_root(g.pci))}
     return DraInputs(node, view.observation.gpus, desired, driver=driver, driver_version=driver_version,
-                     unhealthy=unhealthy, foreign=foreign_placements(view))
+                     unhealthy=unhealthy, foreign=foreign_placements(view), pcie_roots=roots)
 
 
 class DraDriver:
     def __init__(self, api: ClaimsApi, leases: LeaseEngine, view: Callable[[], EngineView], *,
                  state_dir: str | None, cdi_dir: str = DEFAULT_CDI_DIR,
                  driver_version: Callable[[], str | None] = lambda: None,
-                 unhealthy: Callable[[], frozenset[str]] = frozenset) -> None:
+                 unhealthy: Callable[[], frozenset[str]] = frozenset,
+                 pcie_root: Callable[[str], str | None] = lambda pci: None) -> None:
         self.api, self.leases, self._view = api, leases, view
+        self._pcie_root = pcie_root
         self.node, self.driver = api.node, api.driver
         self.cdi_dir = cdi_dir
         self.path = os.path.join(state_dir, CHECKPOINT) if state_dir else None
@@ -122,7 +126,7 @@ class DraDriver:
     def build(self) -> DraSlices:
         view = self._view()
         inputs = inputs_of(view, self.node, self.driver, driver_version=self._driver_version(),
-                           unhealthy=self._unhealthy())
+                           unhealthy=self._unhealthy(), pcie_root=self._pcie_root)
         return build_slices(msgspec.structs.replace(inputs, generation=max(self.generation, 1)))
 
     async def publish(self) -> int:

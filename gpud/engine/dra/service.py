@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 from gpud.engine.dra.driver import DEFAULT_CDI_DIR, DraDriver
 from gpud.engine.engine import Engine
 from gpud.engine.events import EventBus
+from gpud.host.kernel.sysfs import pcie_root
 from gpud.host.nvidia.nvml import NvmlError
 from gpud.plan.dra_slices import NVIDIA_DRIVER
 
@@ -34,6 +35,7 @@ class DraService:
         self.node, self.name, self.kubelet_root, self.kubeconfig = node, driver, kubelet_root, kubeconfig
         self.state_dir = state_dir
         self.cdi_dir = cdi_dir or (os.path.join(root, DEFAULT_CDI_DIR.lstrip("/")) if root else DEFAULT_CDI_DIR)
+        self.sys_root = os.path.join(root, "sys") if root else "/sys"
         self.driver: DraDriver | None = None
         self.plugin: KubeletPlugin | None = None
         self.api: DraApi | None = None
@@ -63,13 +65,22 @@ class DraService:
             raise RuntimeError(f"--dra: {e}") from e
         self.driver = DraDriver(self.api, self.engine.leases, lambda: self.engine.view,
                                 state_dir=self.state_dir,
-                                cdi_dir=self.cdi_dir, driver_version=self._driver_version)
+                                cdi_dir=self.cdi_dir, driver_version=self._driver_version,
+                                pcie_root=self._pcie_root)
         for message in await self.driver.start():
             self.bus.publish("dra", message)
         self.plugin = KubeletPlugin(name, self.driver, root=root)
         await self.plugin.start()
         self.engine.subscribe(self._dirty.set)
         self._dirty.set()
+
+    def _pcie_root(self, pci: str) -> str | None:
+        """The GPU's root complex; None (the attribute left out) where sysfs does not say."""
+        try:
+            return pcie_root(pci, self.sys_root)
+        except ValueError as e:
+            log.debug("DRA: no pcieRoot for %s: %s", pci, e)
+            return None
 
     def _driver_version(self) -> str | None:
         try:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import subprocess
 import threading
 from collections.abc import Callable
@@ -83,6 +84,32 @@ def _link_name(path: str) -> str | None:
         return os.path.basename(os.readlink(path))
     except (FileNotFoundError, NotADirectoryError, OSError):
         return None
+
+
+_BDF = re.compile(r"[0-9a-f]{4}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-9a-f]")
+
+
+def pcie_root(address: str, sys_root: str = "/sys") -> str:
+    """The PCIe root complex a function hangs under ("pci0000:15"), as Kubernetes' standard
+    attribute `resource.kubernetes.io/pcieRoot` defines it (k8s.io/dynamic-resource-allocation
+    deviceattribute, GetPCIeRootAttributeByPCIBusID, v0.36.3): the link bus/pci/devices/<address>
+    resolves, relative to its own directory, to devices/pci<domain>:<bus>/.../<address>, and the
+    root is its first component under devices/. Raises ValueError saying which rule failed."""
+    if not _BDF.fullmatch(address):
+        raise ValueError(f"PCI address {address!r}: not in domain:bus:device.function form (0000:3b:00.0)")
+    link = os.path.join("bus", "pci", "devices", address)
+    try:
+        target = os.readlink(os.path.join(sys_root, link))
+    except OSError as e:
+        raise ValueError(f"{os.path.join(sys_root, link)}: {e.strerror or e}") from None
+    if not os.path.isabs(target):
+        target = os.path.normpath(os.path.join(os.path.dirname(link), target))
+    parts = target.split(os.sep)
+    if len(parts) < 3 or parts[0] != "devices" or not parts[1].startswith("pci"):
+        raise ValueError(f"{os.path.join(sys_root, link)} -> {target}: not under devices/pci<domain>:<bus>")
+    if parts[-1] != address:
+        raise ValueError(f"{os.path.join(sys_root, link)} -> {target}: does not end in {address}")
+    return parts[1]
 
 
 class Sysfs:
