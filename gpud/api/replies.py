@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
@@ -36,6 +37,9 @@ from gpud.plan.vgpu import VgpuStep
 from gpud.profiles import GI_PROFILE_INDEX, NVIDIA, ModelInfo, by_device, model_name, with_model_ci_profiles
 from gpud.vgpu_types import by_device as vgpu_model_of
 from gpud.vgpu_types import parse_vgpu_name
+
+if TYPE_CHECKING:  # the kube agent's module loads the Kubernetes client: only with --kube-node
+    from gpud.engine.kube.agent import AgentStatus
 
 # ---------------------------------------------------------------------------------------------
 # Small records
@@ -232,10 +236,10 @@ def shown_state(view: EngineView, pci: str) -> GpuState | None:
 # Kubernetes
 
 
-def kubernetes_status(gpus: Sequence[Gpu], *, mig_strategy: str, agent=None, dra=None) -> wire_replies.KubernetesStatus:
+def kubernetes_status(gpus: Sequence[Gpu], *, mig_strategy: str, agent: AgentStatus | None = None,
+                      dra: dict[str, Any] | None = None) -> wire_replies.KubernetesStatus:
     """What the device plugins will advertise from the GPUs as observed; the label protocol's state
-    (`agent`: gpud.engine.kube.agent.AgentStatus, None without --kube-node); the DRA driver's
-    (`dra`: gpud.engine.dra.driver.DraDriver.status()'s record, None without --dra)."""
+    (None without --kube-node); the DRA driver's (its status record, None without --dra)."""
     ad = advertised(gpus, mig_strategy=mig_strategy)
     agent_status = None
     if agent is not None:
