@@ -51,8 +51,8 @@ E_IN_USE = "in-use"  # a release of an instance processes use, under on-busy: fa
 E_CONFLICT = "conflict"  # whole-GPU and MIG leases exclude each other; a lease still being made
 E_FAILED = "failed"  # NVML or the state directory refused; nothing leased
 
-READ_OPS = frozenset({"status", "check", "plan", "events", "version", "mig-profiles", "passthrough", "stats",
-                      "labels", "vgpu-types", "leases"})
+READ_OPS = frozenset({"status", "check", "plan", "events", "version", "mig-profiles", "mig-compute-profiles",
+                      "passthrough", "stats", "labels", "vgpu-types", "leases"})
 WRITE_OPS = frozenset({"apply", "reload", "select"})
 LEASE_OPS = frozenset({"lease", "release"})  # root, or members of the layout's policy.lease-group
 OPS = READ_OPS | WRITE_OPS | LEASE_OPS
@@ -179,6 +179,7 @@ ARGS: dict[str, type[msgspec.Struct]] = {
     "events": EventsArgs,
     "version": NoArgs,
     "mig-profiles": MigProfilesArgs,
+    "mig-compute-profiles": MigProfilesArgs,
     "passthrough": NoArgs,
     "stats": StatsArgs,
     "labels": NoArgs,

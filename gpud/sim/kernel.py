@@ -86,6 +86,7 @@ def _attach(st: SimState, f: SimFunction, drv: str, path: str, events: list[Ueve
         f.nvidia_probes += 1
         gpu.gis.clear()  # a new probe starts without GPU instances; MIG mode is the GPU's and stays
     f.driver = drv
+    f.binds += 1
     events.append(Uevent("bind", "pci", f.address, drv))
 
 

@@ -89,6 +89,9 @@ class SimFunction(msgspec.Struct):
     # times the nvidia driver has probed this function: an NVML session that enumerated an
     # earlier probe has lost the GPU, even when it is bound again at the same address
     nvidia_probes: int = 0
+    # times any driver has bound this function (really_probe succeeding): the simulator's own
+    # count of rebinds, for tests that a pass never repeats one that changed nothing
+    binds: int = 0
     physfn: str | None = None  # an SR-IOV virtual function: the address of its physical function
 
 
