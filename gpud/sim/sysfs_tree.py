@@ -160,7 +160,7 @@ def vfio_cdevs(state: SimState) -> dict[str, tuple[str, int]]:
     return {dev: (sysdir, n) for n, (dev, sysdir) in enumerate(sorted(found))}
 
 
-def process_devices(state: SimState, proc) -> list[str]:
+def process_devices(state: SimState, proc: SimProcess) -> list[str]:
     """Device paths (relative to DIR/dev) a SimProcess has open, as the kernel would show them: a
     VMM holding a vfio device through its cdev (`gpud-sim hold --cdev`) has only that open."""
     if proc.cdev:
