@@ -16,7 +16,7 @@ import sys
 
 import pytest
 
-from tests.systemd.nspawn import Container, REPO, missing_prerequisites
+from tests.systemd.nspawn import REPO, Container, missing_prerequisites
 
 pytestmark = pytest.mark.nspawn
 
