@@ -3,7 +3,7 @@
 gpud's reconciler in process on a simulated host (tests/support/simrig.SimRig), the calls counted
 by the simulator's own counters (`gpud-sim stats`). In one run, on hosts built the same way:
 
-- *no-op pass*: `converge()` on the converged host, with the session cache (gpud.host.nvml_static)
+- *no-op pass*: `converge()` on the converged host, with the session cache (gpud.host.nvidia.nvml_static)
   as shipped;
 - *baseline*: the same pass with that cache disabled (nothing stored: every read asks again what
   cannot change, as gpud did before the cache), the figure the target is a share of;
@@ -29,7 +29,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from gpud.host.nvml_static import SessionCache  # noqa: E402
+from gpud.host.nvidia.nvml_static import SessionCache  # noqa: E402
 from tests.scenarios.definitions import layout, mig  # noqa: E402
 from tests.support.simrig import SimRig  # noqa: E402
 
@@ -117,7 +117,7 @@ def main() -> int:
         "or `.venv/bin/python -m bench.nvml_reads`.",
         "",
         "gpud's reconciler in process on a simulated host; calls counted by the simulator. *baseline*: the same",
-        "pass, same run, with the session cache of what cannot change disabled (gpud.host.nvml_static: nothing",
+        "pass, same run, with the session cache of what cannot change disabled (gpud.host.nvidia.nvml_static: nothing",
         "stored, so every read asks the profile tables, placements, identity and MIG devices' ids again).",
         "",
         "| pass | NVML calls | per GPU | share of baseline | wall s (in process) |",

@@ -19,6 +19,7 @@ from gpud.cli.render import (
     event_json,
     pick_gpu,
     render_compute_instances,
+    render_compute_profiles,
     render_event,
     render_gpu,
     render_gpu_instances,
@@ -354,6 +355,12 @@ def cmd_mig_compute(c: Client, a: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_mig_compute_profiles(c: Client, a: argparse.Namespace) -> int:
+    r: wire_replies.MigComputeProfilesReply = c.request("mig-compute-profiles", {"gpu": a.gpu} if a.gpu is not None else {})
+    print(to_json(r) if a.json else render_compute_profiles(r))
+    return EXIT_OK
+
+
 def cmd_lease(c: Client, a: argparse.Namespace) -> int:
     args: dict[str, Any] = {"profile": a.profile, "owner": a.owner}
     if a.gpu is not None:
@@ -483,11 +490,13 @@ def _add_per_gpu_listing(sub: Any, group: str, group_help: str, name: str, name_
 
 
 def _add_mig(sub: Any) -> None:
-    s = sub.add_parser("mig", help="MIG information (nvidia-smi mig -lgip, -lgi, -lci)")
+    s = sub.add_parser("mig", help="MIG information (nvidia-smi mig -lgip, -lgi, -lci, -lcip)")
     listings = s.add_subparsers(dest="mig_command", metavar="COMMAND", required=True)
     for name, what, func in (("profiles", "GPU instance profiles and placements (-lgip/-lgipp)", cmd_mig_profiles),
                              ("instances", "GPU instances with their placements (-lgi)", cmd_mig_instances),
-                             ("compute", "compute instances with their placements and UUIDs (-lci)", cmd_mig_compute)):
+                             ("compute", "compute instances with their placements and UUIDs (-lci)", cmd_mig_compute),
+                             ("compute-profiles", "compute instance profiles of each GPU instance, free/total (-lcip)",
+                              cmd_mig_compute_profiles)):
         one = _with_json(listings.add_parser(name, help=what))
         one.add_argument("--gpu", metavar="SEL", help="index, PCI address or UUID")
         one.set_defaults(func=func)

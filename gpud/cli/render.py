@@ -445,6 +445,7 @@ def _kubevirt_section(r: wire_replies.PassthroughReply) -> list[str]:
         for kind in sorted(permitted):
             out.append(f"  {kind}:")
             out += ["    - " + msgspec.json.encode(e).decode() for e in permitted[kind]]
+    out += [f"warning: {w}" for w in r.kubevirt_warnings]
     return out
 
 
@@ -575,6 +576,20 @@ def render_gpu_instances(gpus: list[wire_replies.GpuStatus]) -> str:
             rows.append([str(g.index), str(gi), _gi_profile(insts[0].profile),
                          f"{insts[0].placement.start}:{insts[0].placement.size}", str(cis)])
     return _table(rows) if len(rows) > 1 else "no GPU instances"
+
+
+def render_compute_profiles(r: wire_replies.MigComputeProfilesReply) -> str:
+    """`nvidia-smi mig -lcip`: the compute-instance profiles of each GPU instance, with how many
+    more of each it can take; `*` after the id marks the default (the CI covering the whole GI),
+    as nvidia-smi marks it. Shared engines are the GI's, which its compute instances share."""
+    rows = [["GPU", "GI", "NAME", "ID", "FREE/TOTAL", "SM", "CE", "DEC", "ENC", "JPEG", "OFA"]]
+    for g in r.gpus:
+        for gi in g.instances:
+            for p in gi.profiles:
+                rows.append([str(g.index), str(gi.gi), f"MIG {p.name}", f"{p.id}{'*' if p.default else ''}",
+                             f"{p.free}/{p.total}", str(p.sms), str(p.ce), str(p.dec), str(p.enc), str(p.jpg),
+                             str(p.ofa)])
+    return _table(rows) if len(rows) > 1 else "no GPU instances (compute instance profiles are listed per GPU instance)"
 
 
 def render_compute_instances(gpus: list[wire_replies.GpuStatus]) -> str:

@@ -96,7 +96,7 @@ def step_count(action: Action) -> int:
 def converged_message(gpu: Gpu, desired: DesiredGpu) -> str:
     """What a converged GPU's status line says it is: its driver, vGPUs or MIG state."""
     if desired.workload == "vm-passthrough":
-        return f"on vfio-pci (IOMMU group {gpu.function.iommu_group})"
+        return f"on {gpu.function.driver or 'no driver'} (IOMMU group {gpu.function.iommu_group})"  # the kernel's word
     if desired.workload == "vm-vgpu":
         devices = gpu.vgpu.devices if gpu.vgpu is not None else ()
         counts: dict[str, int] = {}

@@ -10,7 +10,7 @@ import os
 
 import msgspec
 
-from gpud.host import state_files
+from gpud.host.files import state_files
 
 FILE_NAME = "layout-choice.json"
 

@@ -19,6 +19,7 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Iterable
 from types import MappingProxyType
+from typing import Any
 
 import msgspec
 
@@ -46,8 +47,8 @@ from gpud.engine.scheduler import PassScheduler
 from gpud.engine.steps import StepRunner
 from gpud.engine.vgpu.keeper import VgpuKeeper
 from gpud.engine.view import EngineView
-from gpud.host.logind import BOOT_ID_PATH
-from gpud.host.state_files import Problems
+from gpud.host.files.state_files import Problems
+from gpud.host.systemd.logind import BOOT_ID_PATH
 from gpud.layout.desired import DesiredGpu
 from gpud.layout.parse import ParsedLayout
 from gpud.layout.resolve import Resolution
@@ -90,10 +91,10 @@ class Reconciler:
         self.read_only = read_only
         self.drainer = drainer  # None: no system bus
         # `nvidia-ctk cdi generate` after MIG changes when the toolkit's refresh unit is absent
-        # (gpud.host.cdi.CdiGenerator; None: the toolkit is not installed)
+        # (gpud.host.nvidia.cdi.CdiGenerator; None: the toolkit is not installed)
         self.cdi_generate = cdi_generate
         self.udev_rules = udev_rules  # boot-time vfio overrides
-        # state files set aside or not written (gpud.host.state_files): an event each, and status
+        # state files set aside or not written (gpud.host.files.state_files): an event each, and status
         self.state_problems = Problems(lambda m: bus.publish("state-file", m))
         self.reboot_policy = RebootPolicy(rebooter=rebooter, state_dir=state_dir, read_only=read_only, bus=bus,
                                           boot_id_path=boot_id_path or BOOT_ID_PATH, problems=self.state_problems)
@@ -120,6 +121,9 @@ class Reconciler:
         self.gpu_states: dict[str, GpuState] = {}
         self.phase: Phase = "starting"
         self._acted = False  # whether the running pass has carried out any step
+        # one GPU of an IOMMU group converges at a time: each one's binding plan moves every
+        # endpoint of the group, so two side by side bound each other's functions twice
+        self._group_turns: dict[int, asyncio.Lock] = {}
         self._apply_wanted = False  # `gpudctl apply` asked for the next pass (policy.apply: manual)
         self._apply_now = False  # ... and the running pass is that one
         self.passes = 0  # passes started
@@ -537,9 +541,18 @@ class Reconciler:
                            lambda pci: self._converge_one(pci, resolution.desired[pci]))
 
     async def _converge_one(self, pci: str, desired: DesiredGpu) -> None:
-        """One GPU, inside its own safety net: its surprise must not stop the others."""
+        """One GPU, inside its own safety net: its surprise must not stop the others. GPUs of
+        one IOMMU group take turns, each planning from the read its predecessor's change left."""
+        gpu = self._gpu(pci)
+        group = gpu.function.iommu_group if gpu is not None else None
+        turn = self._group_turns.setdefault(group, asyncio.Lock()) if group is not None else None
         try:
-            self._set(pci, await self.reboot_policy.settle(pci, await self._converge_gpu(pci, desired), self.policy))
+            if turn is None:
+                state = await self._converge_gpu(pci, desired)
+            else:
+                async with turn:
+                    state = await self._converge_gpu(pci, desired)
+            self._set(pci, await self.reboot_policy.settle(pci, state, self.policy))
         except Exception as e:
             log.exception("GPU %s", pci)
             self._set(pci, GpuState("failed", f"internal error: {e}"))
@@ -631,7 +644,7 @@ class Reconciler:
         self.holder_watch.watch(waiting.holders)
         return waiting
 
-    def _set(self, pci: str, st: GpuState, **data) -> None:
+    def _set(self, pci: str, st: GpuState, **data: Any) -> None:
         old = self.gpu_states.get(pci)
         self.gpu_states[pci] = st
         if old is None or (old.state, old.message) != (st.state, st.message):
