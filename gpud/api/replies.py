@@ -23,6 +23,7 @@ from gpud.engine.leases.records import LeaseRecord
 from gpud.engine.preview import GpuPreview, Rebind
 from gpud.engine.queries import ci_remaining_capacity, remaining_capacity
 from gpud.engine.vgpu.inventory import entry as vgpu_entry
+from gpud.engine.vgpu.inventory import kubevirt_warnings, vf_resources
 from gpud.engine.view import EngineView
 from gpud.host.kube.nfd import FeaturesRefused, read_features
 from gpud.layout.desired import DesiredGpu
@@ -482,15 +483,18 @@ def passthrough_device(entry: PassthroughEntry) -> wire_replies.PassthroughDevic
 
 def passthrough_reply(entries: list[PassthroughEntry], gpus: tuple[Gpu, ...] = ()) -> wire_replies.PassthroughReply:
     vgpus = []
+    resources = vf_resources((g.function.device, d) for g in gpus for d in (g.vgpu.devices if g.vgpu is not None else ()))
     for g in gpus:
         for d in g.vgpu.devices if g.vgpu is not None else ():
-            e = vgpu_entry(g.pci, g.function.device, d)
+            e = vgpu_entry(g.pci, g.function.device, d, resources)
             vgpus.append(wire_replies.VgpuPassthrough(gpu=e.gpu, type=e.type, driver_name=e.driver_name, uuid=e.uuid, vf=e.vf,
                                                       vfio_device=e.vfio_device, resource_name=e.resource_name,
                                                       libvirt_hostdev=e.libvirt_hostdev, kubevirt=e.kubevirt))
     devices = [passthrough_device(e) for e in entries]
     config = kubevirt_configuration([d.kubevirt for d in devices] + [v.kubevirt for v in vgpus], vgpus=bool(vgpus))
-    return wire_replies.PassthroughReply(devices=devices, vgpus=vgpus, kubevirt_configuration=config)
+    warnings = kubevirt_warnings(resources, [(e.pci, e.vendor_device, e.resource_name) for e in entries])
+    return wire_replies.PassthroughReply(devices=devices, vgpus=vgpus, kubevirt_configuration=config,
+                                         kubevirt_warnings=warnings)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -445,6 +445,7 @@ def _kubevirt_section(r: wire_replies.PassthroughReply) -> list[str]:
         for kind in sorted(permitted):
             out.append(f"  {kind}:")
             out += ["    - " + msgspec.json.encode(e).decode() for e in permitted[kind]]
+    out += [f"warning: {w}" for w in r.kubevirt_warnings]
     return out
 
 
