@@ -32,7 +32,7 @@ from gpud.layout.resolve import Resolution
 from gpud.model import Gpu, Holder, KnownGpu, MigProfile, Placement, VgpuDevice
 from gpud.plan.binding import BindStep
 from gpud.plan.mig import Destroyed, GpuPlan, Step
-from gpud.plan.node_labels import advertised
+from gpud.plan.node_labels import Advertised, advertised
 from gpud.plan.vgpu import VgpuStep
 from gpud.profiles import GI_PROFILE_INDEX, NVIDIA, ModelInfo, by_device, model_name, with_model_ci_profiles
 from gpud.vgpu_types import by_device as vgpu_model_of
@@ -237,10 +237,11 @@ def shown_state(view: EngineView, pci: str) -> GpuState | None:
 
 
 def kubernetes_status(gpus: Sequence[Gpu], *, mig_strategy: str, agent: AgentStatus | None = None,
-                      dra: dict[str, Any] | None = None) -> wire_replies.KubernetesStatus:
-    """What the device plugins will advertise from the GPUs as observed; the label protocol's state
-    (None without --kube-node); the DRA driver's (its status record, None without --dra)."""
-    ad = advertised(gpus, mig_strategy=mig_strategy)
+                      dra: dict[str, Any] | None = None, ad: Advertised | None = None) -> wire_replies.KubernetesStatus:
+    """What the device plugins will advertise from the GPUs as observed (`ad`, when the caller kept
+    it for these GPUs); the label protocol's state (None without --kube-node); the DRA driver's (its
+    status record, None without --dra)."""
+    ad = ad if ad is not None else advertised(gpus, mig_strategy=mig_strategy)
     agent_status = None
     if agent is not None:
         agent_status = wire_replies.KubeAgentStatus(node=agent.node, connected=agent.connected, selected=agent.selected,
