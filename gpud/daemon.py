@@ -15,13 +15,14 @@ import os
 import signal
 import sys
 import threading
+from collections.abc import Coroutine
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from gpud import VERSION
 from gpud.api.handlers import RequestHandler
-from gpud.device_events import describe_device_event
+from gpud.device_events import DeviceEvent, describe_device_event
 from gpud.engine import status_line
 from gpud.engine.apply_lock import ApplyLock
 from gpud.engine.binding.udev_rules import UdevRules
@@ -192,7 +193,7 @@ class Daemon:
         self.engine = build_engine(
             self.hw, config_path=args.config, apply_lock=ApplyLock(self.host.lock_path), bus=self.bus,
             read_only=args.read_only, binder_timeout=args.unbind_timeout,
-            udev_rules=UdevRules(self.host.udev_rules, modules_load_path=None, read_only=args.read_only),
+            udev_rules=UdevRules(self.host.udev_rules, read_only=args.read_only),
             state_dir=args.state_dir, rebooter=rebooter, max_status_age=args.status_max_age,
             boot_id_path=self.host.boot_id_path, cdi_generate=self._cdi_generator(args),
             # the host's unit manager: on a real host D-Bus is imported and connected only when a
@@ -288,7 +289,7 @@ class Daemon:
             self._reload_timer.cancel()
         self._reload_timer = loop.call_later(delay, lambda: self._spawn(self._reload(why)))
 
-    def _spawn(self, coro) -> None:
+    def _spawn(self, coro: Coroutine[Any, Any, object]) -> None:
         task = asyncio.get_running_loop().create_task(coro)
         self._background.add(task)  # kept until done: the loop holds tasks only weakly
         task.add_done_callback(self._background.discard)
@@ -298,7 +299,7 @@ class Daemon:
         if not await self.engine.reload("layout changed"):
             await self.engine.refresh()  # a refused file: status shows its errors at once
 
-    def on_device_event(self, event) -> None:
+    def on_device_event(self, event: DeviceEvent) -> None:
         """A hint that a managed device (or the set of devices) changed: re-read and converge.
         Events of unrelated devices are ignored."""
         log.debug("device event %s", event)

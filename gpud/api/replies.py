@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
@@ -22,6 +23,7 @@ from gpud.engine.leases.records import LeaseRecord
 from gpud.engine.preview import GpuPreview, Rebind
 from gpud.engine.queries import ci_remaining_capacity, remaining_capacity
 from gpud.engine.vgpu.inventory import entry as vgpu_entry
+from gpud.engine.vgpu.inventory import kubevirt_warnings, vf_resources
 from gpud.engine.view import EngineView
 from gpud.host.kube.nfd import FeaturesRefused, read_features
 from gpud.layout.desired import DesiredGpu
@@ -35,6 +37,9 @@ from gpud.plan.vgpu import VgpuStep
 from gpud.profiles import GI_PROFILE_INDEX, NVIDIA, ModelInfo, by_device, model_name, with_model_ci_profiles
 from gpud.vgpu_types import by_device as vgpu_model_of
 from gpud.vgpu_types import parse_vgpu_name
+
+if TYPE_CHECKING:  # the kube agent's module loads the Kubernetes client: only with --kube-node
+    from gpud.engine.kube.agent import AgentStatus
 
 # ---------------------------------------------------------------------------------------------
 # Small records
@@ -231,10 +236,10 @@ def shown_state(view: EngineView, pci: str) -> GpuState | None:
 # Kubernetes
 
 
-def kubernetes_status(gpus: Sequence[Gpu], *, mig_strategy: str, agent=None, dra=None) -> wire_replies.KubernetesStatus:
+def kubernetes_status(gpus: Sequence[Gpu], *, mig_strategy: str, agent: AgentStatus | None = None,
+                      dra: dict[str, Any] | None = None) -> wire_replies.KubernetesStatus:
     """What the device plugins will advertise from the GPUs as observed; the label protocol's state
-    (`agent`: gpud.engine.kube.agent.AgentStatus, None without --kube-node); the DRA driver's
-    (`dra`: gpud.engine.dra.driver.DraDriver.status()'s record, None without --dra)."""
+    (None without --kube-node); the DRA driver's (its status record, None without --dra)."""
     ad = advertised(gpus, mig_strategy=mig_strategy)
     agent_status = None
     if agent is not None:
@@ -478,15 +483,18 @@ def passthrough_device(entry: PassthroughEntry) -> wire_replies.PassthroughDevic
 
 def passthrough_reply(entries: list[PassthroughEntry], gpus: tuple[Gpu, ...] = ()) -> wire_replies.PassthroughReply:
     vgpus = []
+    resources = vf_resources((g.function.device, d) for g in gpus for d in (g.vgpu.devices if g.vgpu is not None else ()))
     for g in gpus:
         for d in g.vgpu.devices if g.vgpu is not None else ():
-            e = vgpu_entry(g.pci, g.function.device, d)
+            e = vgpu_entry(g.pci, g.function.device, d, resources)
             vgpus.append(wire_replies.VgpuPassthrough(gpu=e.gpu, type=e.type, driver_name=e.driver_name, uuid=e.uuid, vf=e.vf,
                                                       vfio_device=e.vfio_device, resource_name=e.resource_name,
                                                       libvirt_hostdev=e.libvirt_hostdev, kubevirt=e.kubevirt))
     devices = [passthrough_device(e) for e in entries]
     config = kubevirt_configuration([d.kubevirt for d in devices] + [v.kubevirt for v in vgpus], vgpus=bool(vgpus))
-    return wire_replies.PassthroughReply(devices=devices, vgpus=vgpus, kubevirt_configuration=config)
+    warnings = kubevirt_warnings(resources, [(e.pci, e.vendor_device, e.resource_name) for e in entries])
+    return wire_replies.PassthroughReply(devices=devices, vgpus=vgpus, kubevirt_configuration=config,
+                                         kubevirt_warnings=warnings)
 
 
 # ---------------------------------------------------------------------------------------------

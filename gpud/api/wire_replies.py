@@ -404,6 +404,8 @@ class PassthroughReply(msgspec.Struct, kw_only=True):
     # the KubeVirt CR's spec.configuration (KubeVirt >= 1.8): permittedHostDevices, one entry per
     # resource, and mediatedDevicesConfiguration.enabled=false where gpud makes the vGPUs
     kubevirt_configuration: dict[str, Any] = {}
+    # what KubeVirt v1.9 does with these devices that the entries cannot say (gpud.engine.vgpu.inventory)
+    kubevirt_warnings: list[str] = []
 
 
 class VgpuTypeInfo(msgspec.Struct, kw_only=True):

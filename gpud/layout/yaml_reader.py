@@ -45,7 +45,7 @@ class _CountingLoader(yaml.SafeLoader):
         super().__init__(stream)
         self.aliases = 0
 
-    def compose_node(self, parent, index):
+    def compose_node(self, parent: yaml.Node | None, index: int) -> yaml.Node | None:
         if self.check_event(yaml.AliasEvent):
             self.aliases += 1
         return super().compose_node(parent, index)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from gpud import profiles as model_tables
 from gpud.engine.observe.discovery import Observation, observe
@@ -19,6 +19,7 @@ from gpud.host.host_services import HostServices
 from gpud.host.nvidia.nvml import NvmlError
 from gpud.host.nvidia.smi_query import NvidiaSmi, NvidiaSmiError, SmiQuery
 from gpud.host.nvidia.vgpu_sysfs import vfio_cdevs
+from gpud.layout.schema import MatchRule
 from gpud.model import Gpu, Holder, MigProfile
 from gpud.pci import is_bridge
 from gpud.plan.reset_scope import NO_FABRIC_DEPENDENCY
@@ -134,7 +135,7 @@ def host_checks(observation: Observation, services: HostServices) -> list[Check]
         checks.append(Check(group, "vfio-pci module", "ok", f"loaded ({vfio.evidence})"))
     elif vfio.available:
         checks.append(Check(group, "vfio-pci module", "ok", f"not loaded, available ({vfio.evidence})",
-                            "gpud loads it before the first passthrough (or ship /usr/lib/modules-load.d/gpud.conf)"))
+                            "gpud has systemd load it (modprobe@vfio_pci.service) before the first passthrough"))
     else:
         checks.append(Check(group, "vfio-pci module", "warn" if vfio.available is False else "unknown",
                             f"not loaded; {vfio.evidence}",
@@ -380,7 +381,7 @@ def _iommu_check(group: str, gpu: Gpu, observation: Observation) -> Check:
                  "the card's own functions follow the GPU to vfio-pci")
 
 
-def read_only_checks(hw: Hardware, services: HostServices, smi: NvidiaSmi, match) -> list[Check]:
+def read_only_checks(hw: Hardware, services: HostServices, smi: NvidiaSmi, match: Sequence[MatchRule]) -> list[Check]:
     checks, query = driver_checks(hw, smi, services)
     observation = observe(hw.sysfs, hw.nvml, match)
     if observation.nvml_error:

@@ -75,7 +75,7 @@ def _send(sock: socket.socket, path: Path, payload: bytes) -> bool | None:
 
 
 def emit(host_dir: str | os.PathLike, action: str, subsystem: str, address: str | None = None,
-         driver: str | None = None, **props) -> bool:
+         driver: str | None = None, **props: object) -> bool:
     """Send one event; never blocks. Returns True when it was queued to a listener."""
     path = socket_path(host_dir)
     if not path.exists():

@@ -32,10 +32,12 @@ import subprocess
 import sys
 import threading
 import time
+from typing import Any
 
 from msgspec import Struct
 
 from gpud.host.kernel.kmsg import kernel_reason
+from gpud.host.kernel.sysfs import Sysfs
 from gpud.host.kernel.sysfs_writer import READY
 from gpud.host.readonly import refuse_if
 
@@ -135,7 +137,7 @@ def register_foreign_stuck(pid: int, pci: str, path: str, value: str, reason: st
     return sw
 
 
-def store_spec(sysfs) -> list[str]:
+def store_spec(sysfs: Sysfs) -> list[str]:
     """The helper's --store arguments for the adapter's replacement of os.write, if any."""
     store = getattr(sysfs, "store", None)
     if store is None:
@@ -208,7 +210,7 @@ def _read_answer(fd: int, start_limit: float, timeout: float) -> tuple[bool, byt
         buf += chunk
 
 
-def write_with_deadline(sysfs, relpath: str, value: str, pci: str, timeout: float, kmsg: str = "/dev/kmsg") -> None:
+def write_with_deadline(sysfs: Sysfs, relpath: str, value: str, pci: str, timeout: float, kmsg: str = "/dev/kmsg") -> None:
     """One sysfs write of `value` to sysfs.root/relpath by the helper process. Returns when it is
     written; WriteFailed with the errno and meaning when refused; WriteStuck when it is still
     blocked `timeout` seconds after it began (the helper is then in the stuck registry)."""
@@ -241,10 +243,10 @@ class DeadlineSysfs:
     waits on the device lock, which a stuck unbind holds; a reset stuck in the kernel must not
     hang the pass (a watchdog would not see it: the event loop stays healthy)."""
 
-    def __init__(self, sysfs, timeout: float, kmsg: str = "/dev/kmsg") -> None:
+    def __init__(self, sysfs: Sysfs, timeout: float, kmsg: str = "/dev/kmsg") -> None:
         self._sysfs, self._timeout, self._kmsg = sysfs, timeout, kmsg
 
-    def __getattr__(self, name: str):
+    def __getattr__(self, name: str) -> Any:
         return getattr(self._sysfs, name)
 
     def reset(self, address: str) -> None:

@@ -30,13 +30,14 @@ import os
 import signal
 import struct
 import sys
+from collections.abc import Callable
 from typing import Any
 
 WRITTEN, REFUSED, HELPER_FAILED = 0, 1, 2
 READY = b"R"
 
 
-def load_factory(spec: str):
+def load_factory(spec: str) -> Callable[[str], Any]:
     """`module:attribute` -> the attribute (a callable taking one string)."""
     module, _, attr = spec.partition(":")
     if not module or not attr:

@@ -77,6 +77,16 @@ def _int(text: str | None, default: int = 0) -> int:
         return default
 
 
+def uevent_pci_id(text: str | None) -> str | None:
+    """The `PCI_ID=10DE:26B9` line of a PCI device's uevent, upper-case: the id KubeVirt's PCI
+    device plugin reads (pkg/virt-handler/device-manager/common.go, GetDevicePCIID)."""
+    for line in (text or "").splitlines():
+        key, sep, value = line.partition("=")
+        if sep and key.strip() == "PCI_ID" and value.strip():
+            return value.strip().upper()
+    return None
+
+
 def parse_creatable(text: str) -> list[tuple[int, str]]:
     """`creatable_vgpu_types` -> [(id, bare name)]; the header line and blank lines are skipped."""
     out = []
@@ -241,7 +251,8 @@ class VgpuSysfs:
                     group = self._group(self._dev(vf))
                     devices.append(VgpuDevice(type=self._name_of(device, current), parent=vf, vf=vf,
                                               type_id=current, gi=gi if gi >= 0 else None, vfio_group=group,
-                                              holders=self._holders(group, vf, self._dev(vf))))
+                                              holders=self._holders(group, vf, self._dev(vf)),
+                                              pci_id=uevent_pci_id(_read(self._dev(vf, "uevent")))))
                     continue
                 for type_id, name in pairs:
                     counts.setdefault(name, [type_id, 0])[1] += 1
