@@ -186,6 +186,9 @@ class SimState(msgspec.Struct):
     # decides whether a GPU resets alone (nvidia-smi(1), -r)
     fabric_manager: str = "running"
     persistent: list[str] = msgspec.field(default_factory=list)
+    # the kernel log ring as /dev/kmsg hands it out, one "<prio>,<seq>,<usec>,-;<text>" per record
+    # (Documentation/ABI/testing/dev-kmsg); only what the simulated driver logs (`gpud-sim xid`)
+    kmsg: list[str] = msgspec.field(default_factory=list)
 
 
 def count_reset(state: SimState, address: str, method: str) -> None:
