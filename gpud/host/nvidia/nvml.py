@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import os
 import threading
 from collections.abc import Callable, Iterable
 from ctypes import byref, c_uint
@@ -33,7 +34,7 @@ import pynvml
 from gpud.host.kernel.procs import process_name
 from gpud.host.nvidia.nvml_errors import NvmlError, call
 from gpud.host.nvidia.nvml_profiles import ci_profiles, gi_profiles, possible_placements
-from gpud.host.nvidia.nvml_static import GpuStatic, SessionCache
+from gpud.host.nvidia.nvml_static import GpuStatic, MigDeviceRecord, SessionCache
 from gpud.host.nvidia.nvml_users import SessionUsers
 from gpud.host.readonly import refuse_if
 from gpud.model import (
@@ -252,19 +253,16 @@ class Nvml:
         elif pci in self._cache.memory_stale:
             static = self._memory_again(h, static)
         current, pending = (mode if mode is not None else (None, None))
+        procs = self._query(pci, h, "nvmlDeviceGetComputeRunningProcesses") if details else []
         profiles: tuple[MigProfile, ...] = ()
         instances: tuple[GpuInstance, ...] = ()
         if mode is not None:
             if current == 1:
-                instances = self._instances(pci, h, static)
-                if details:
-                    instances = self._attach_ci_details(pci, h, instances)
+                instances = (self._instances_with_devices(pci, h, static, self._in_mig_devices(procs)) if details
+                             else self._instances(pci, h, static))
             profiles = self._profiles(pci, static, instances)
-        processes = () if not details else tuple(
-            Holder(pid=p.pid, name=self._process_name(p.pid), device=pci)
-            for p in self._query(pci, h, "nvmlDeviceGetComputeRunningProcesses")
-            if p.gpuInstanceId in (NOT_IN_MIG_INSTANCE, None)  # processes inside MIG devices are listed per device
-        )
+        processes = tuple(Holder(pid=p.pid, name=self._process_name(p.pid), device=pci)
+                          for p in procs if getattr(p, "gpuInstanceId", None) in (NOT_IN_MIG_INSTANCE, None))
         return NvmlGpu(pci=pci, uuid=static.uuid, name=static.name, minor=static.minor, memory_mb=static.memory_mb,
                        compute_capability=static.compute_capability,
                        mig_capable=mode is not None, mig_mode=current, mig_pending=pending,
@@ -332,9 +330,9 @@ class Nvml:
         self._cache.store_if(generation, lambda: self._cache.ci_profiles.__setitem__(key, found))
         return found
 
-    def _instances(self, pci: str, h: Any, static: GpuStatic) -> tuple[GpuInstance, ...]:
-        """GIs with their CIs (uuids and holders are filled in by `_attach_ci_details`)."""
-        gis: list[GpuInstance] = []
+    def _gis(self, pci: str, h: Any, static: GpuStatic) -> list[tuple[Any, GpuInstance]]:
+        """The GIs (handle, GI without its CIs), by id."""
+        gis: list[tuple[Any, GpuInstance]] = []
         used: set[int] = set()  # memory slices of the GIs found so far
         for prof in static.profiles:
             if prof.placements and all(used & set(range(p.start, p.start + p.size)) for p in prof.placements):
@@ -345,14 +343,17 @@ class Nvml:
                        h, prof.id, arr, byref(count))
             for i in range(count.value):
                 gi_info = self._call("nvmlGpuInstanceGetInfo", pci, pynvml.nvmlGpuInstanceGetInfo, arr[i])
-                if any(g.id == gi_info.id for g in gis):
+                if any(g.id == gi_info.id for _, g in gis):
                     continue
-                gis.append(GpuInstance(
-                    id=gi_info.id, profile_id=gi_info.profileId,
-                    placement=Placement(gi_info.placement.start, gi_info.placement.size),
-                    cis=self._cis(pci, arr[i], gi_info.profileId)))
+                gis.append((arr[i], GpuInstance(id=gi_info.id, profile_id=gi_info.profileId,
+                                                placement=Placement(gi_info.placement.start, gi_info.placement.size))))
                 used.update(range(gi_info.placement.start, gi_info.placement.start + gi_info.placement.size))
-        return tuple(sorted(gis, key=lambda g: g.id))
+        return sorted(gis, key=lambda hg: hg[1].id)
+
+    def _instances(self, pci: str, h: Any, static: GpuStatic) -> tuple[GpuInstance, ...]:
+        """GIs with their CIs as NVML lists them, without MIG UUIDs or holders (a step's check)."""
+        return tuple(msgspec.structs.replace(gi, cis=self._cis(pci, handle, gi.profile_id))
+                     for handle, gi in self._gis(pci, h, static))
 
     def _cis(self, pci: str, gi_handle: Any, gi_profile_id: int) -> tuple[ComputeInstance, ...]:
         cis: list[ComputeInstance] = []
@@ -367,45 +368,114 @@ class Nvml:
                                            start=info.placement.start))
         return tuple(sorted(cis, key=lambda c: c.id))
 
-    def _attach_ci_details(self, pci: str, h: Any, gis: tuple[GpuInstance, ...]) -> tuple[GpuInstance, ...]:
-        """MIG UUIDs and processes come from the MIG device handles, matched by (GI id, CI id)."""
-        details: dict[tuple[int, int], tuple[str, tuple[Holder, ...]]] = {}
-        wanted = {(gi.id, ci.id) for gi in gis for ci in gi.cis}
+    @staticmethod
+    def _in_mig_devices(procs: list[Any]) -> dict[tuple[int, int], list[int]] | None:
+        """The GPU handle's process list by (GI id, CI id), to stand for each MIG device's own list:
+        "In MIG mode, if device handle is provided, the API returns aggregate information, only if
+        the caller has appropriate privileges" (nvml.h, nvmlDeviceGetComputeRunningProcesses_v3),
+        each process with its GI and CI ids. None (ask each MIG device) unless gpud runs as root:
+        what a caller without those privileges gets is not documented."""
+        if os.geteuid() != 0:
+            return None
+        out: dict[tuple[int, int], list[int]] = {}
+        for p in procs:
+            gi, ci = getattr(p, "gpuInstanceId", None), getattr(p, "computeInstanceId", None)
+            if gi is not None and ci is not None and gi != NOT_IN_MIG_INSTANCE:
+                out.setdefault((gi, ci), []).append(p.pid)
+        return out
+
+    def _instances_with_devices(self, pci: str, h: Any, static: GpuStatic,
+                                in_devices: dict[tuple[int, int], list[int]] | None) -> tuple[GpuInstance, ...]:
+        """GIs with their CIs, MIG UUIDs and holders, read through the MIG devices.
+
+        Every CI is a MIG device (nvml.h, `nvmlDeviceGetMigDeviceHandleByIndex`), and what a MIG
+        device's UUID names cannot change while it exists: its GI and CI ids, the CI's profile and
+        placement (gpud.host.nvidia.nvml_static.MigDeviceRecord). So a MIG device seen before costs its
+        handle, its UUID and its processes; only a GI holding a device not seen before, or none,
+        has its CIs listed (and what they are kept). The processes in each come from the GPU's own
+        list (`in_devices`) where NVML gives it whole, else from each device. The indices stop being asked once every GI
+        found is filled by the CIs found: CIs of one GI never share a compute slice (nvml.h,
+        `nvmlGpuInstanceGetComputeInstancePossiblePlacements`), so no further one can exist."""
+        gis = self._gis(pci, h, static)
+        if not gis:
+            return ()
+        cache = self._cache
+        generation = cache.generation
+        gi_keys = {(gi.id, gi.profile_id, gi.placement.start, gi.placement.size) for _, gi in gis}
+        room = {gi.id: next((p.slices for p in static.profiles if p.id == gi.profile_id), 0) for _, gi in gis}
+        found: dict[int, list[ComputeInstance]] = {gi.id: [] for _, gi in gis}
+        unknown: dict[int, dict[int, tuple[str, tuple[Holder, ...]]]] = {}  # GI id -> CI id -> (uuid, holders)
         for i in range(self._max_mig_devices(pci, h)):
-            if wanted <= details.keys():
-                break  # every CI listed has its MIG device: what further indices hold is not in `gis`
+            if all(v <= 0 for v in room.values()):
+                break
             try:
                 m = pynvml.nvmlDeviceGetMigDeviceHandleByIndex(h, i)
             except pynvml.NVMLError as e:
                 if e.value in (pynvml.NVML_ERROR_NOT_FOUND, pynvml.NVML_ERROR_INVALID_ARGUMENT):
                     continue
                 raise NvmlError(e.value, "nvmlDeviceGetMigDeviceHandleByIndex", pci) from e
+            uuid = self._call("nvmlDeviceGetUUID", pci, pynvml.nvmlDeviceGetUUID, m)
+            known = cache.mig_devices.get(uuid)
+            if known is not None and known.pci == pci and known.gi in gi_keys:
+                holders = self._mig_holders(pci, m, uuid, in_devices, (known.gi_id, known.ci_id))
+                found[known.gi_id].append(ComputeInstance(id=known.ci_id, profile_id=known.profile_id,
+                                                          slices=known.slices, uuid=uuid, holders=holders,
+                                                          start=known.start))
+                room[known.gi_id] -= known.slices
+                continue
             gi_id = self._call("nvmlDeviceGetGpuInstanceId", pci, pynvml.nvmlDeviceGetGpuInstanceId, m)
             ci_id = self._call("nvmlDeviceGetComputeInstanceId", pci, pynvml.nvmlDeviceGetComputeInstanceId, m)
-            uuid = self._call("nvmlDeviceGetUUID", pci, pynvml.nvmlDeviceGetUUID, m)
-            procs = self._call("nvmlDeviceGetComputeRunningProcesses", pci,
-                               pynvml.nvmlDeviceGetComputeRunningProcesses, m)
-            holders = tuple(sorted(Holder(pid=p.pid, name=self._process_name(p.pid), device=uuid) for p in procs))
-            details[(gi_id, ci_id)] = (uuid, holders)
+            holders = self._mig_holders(pci, m, uuid, in_devices, (gi_id, ci_id))
+            if gi_id in found:
+                unknown.setdefault(gi_id, {})[ci_id] = (uuid, holders)
+                room[gi_id] = 0  # its CIs are listed below
         out = []
-        for gi in gis:
-            cis = []
-            for ci in gi.cis:
-                uuid, holders = details.get((gi.id, ci.id), ("", ()))
-                cis.append(ComputeInstance(id=ci.id, profile_id=ci.profile_id, slices=ci.slices,
-                                           uuid=uuid, holders=holders, start=ci.start))
-            out.append(GpuInstance(id=gi.id, profile_id=gi.profile_id, placement=gi.placement, cis=tuple(cis)))
+        for handle, gi in gis:
+            if gi.id in unknown or not found[gi.id]:
+                details = unknown.get(gi.id, {})
+                cis = []
+                for ci in self._cis(pci, handle, gi.profile_id):
+                    uuid, holders = details.get(ci.id, ("", ()))
+                    if not uuid:  # seen before, or no MIG device for it: as the device loop found it
+                        seen = next((c for c in found[gi.id] if c.id == ci.id), None)
+                        uuid, holders = (seen.uuid, seen.holders) if seen is not None else ("", ())
+                    cis.append(msgspec.structs.replace(ci, uuid=uuid, holders=holders))
+                    if uuid:
+                        record = MigDeviceRecord(
+                            pci=pci, gi=(gi.id, gi.profile_id, gi.placement.start, gi.placement.size), gi_id=gi.id,
+                            ci_id=ci.id, profile_id=ci.profile_id, slices=ci.slices, start=ci.start)
+                        cache.store_if(generation, functools.partial(cache.mig_devices.__setitem__, uuid, record))
+                out.append(msgspec.structs.replace(gi, cis=tuple(cis)))
+            else:
+                out.append(msgspec.structs.replace(gi, cis=tuple(sorted(found[gi.id], key=lambda c: c.id))))
         return tuple(out)
+
+    def _mig_holders(self, pci: str, m: Any, uuid: str, in_devices: dict[tuple[int, int], list[int]] | None = None,
+                     ids: tuple[int, int] | None = None) -> tuple[Holder, ...]:
+        if in_devices is not None and ids is not None:
+            pids = in_devices.get(ids, [])
+        else:
+            pids = [p.pid for p in self._call("nvmlDeviceGetComputeRunningProcesses", pci,
+                                              pynvml.nvmlDeviceGetComputeRunningProcesses, m)]
+        return tuple(sorted(Holder(pid=pid, name=self._process_name(pid), device=uuid) for pid in pids))
 
     @_in_session
     def mig_device(self, pci: str, gi_id: int, ci_id: int) -> tuple[str, tuple[Holder, ...]] | None:
         """The MIG device of one CI: its UUID and the processes in it (None: no such CI), without
         reading the whole GPU (a lease's answer, a release's busy check)."""
         h = self._handle(pci)
-        probe = GpuInstance(id=gi_id, profile_id=-1, placement=Placement(0, 0),
-                            cis=(ComputeInstance(id=ci_id, profile_id=-1, slices=0, uuid=""),))
-        ci = self._attach_ci_details(pci, h, (probe,))[0].cis[0]
-        return (ci.uuid, ci.holders) if ci.uuid else None
+        for i in range(self._max_mig_devices(pci, h)):
+            try:
+                m = pynvml.nvmlDeviceGetMigDeviceHandleByIndex(h, i)
+            except pynvml.NVMLError as e:
+                if e.value in (pynvml.NVML_ERROR_NOT_FOUND, pynvml.NVML_ERROR_INVALID_ARGUMENT):
+                    continue
+                raise NvmlError(e.value, "nvmlDeviceGetMigDeviceHandleByIndex", pci) from e
+            if (self._call("nvmlDeviceGetGpuInstanceId", pci, pynvml.nvmlDeviceGetGpuInstanceId, m) == gi_id and
+                    self._call("nvmlDeviceGetComputeInstanceId", pci, pynvml.nvmlDeviceGetComputeInstanceId, m) == ci_id):
+                uuid = self._call("nvmlDeviceGetUUID", pci, pynvml.nvmlDeviceGetUUID, m)
+                return uuid, self._mig_holders(pci, m, uuid)
+        return None
 
     def _max_mig_devices(self, pci: str, h: Any) -> int:
         """nvmlDeviceGetMaxMigDeviceCount with MIG on: the GPU's most MIG devices, kept for the session
@@ -482,13 +552,19 @@ class Nvml:
         gi = self._gi(pci, gi_id)
         ci = self._call("nvmlGpuInstanceGetComputeInstanceById", pci,
                         pynvml.nvmlGpuInstanceGetComputeInstanceById, gi, ci_id)
-        self._call("nvmlComputeInstanceDestroy", pci, pynvml.nvmlComputeInstanceDestroy, ci)
+        try:
+            self._call("nvmlComputeInstanceDestroy", pci, pynvml.nvmlComputeInstanceDestroy, ci)
+        finally:
+            self._cache.instances_changed(pci)  # its MIG device may come back under the same ids
 
     @_in_session
     def destroy_gpu_instance(self, pci: str, gi_id: int) -> None:
         refuse_if(self.read_only, "destroy_gpu_instance", pci)
         gi = self._gi(pci, gi_id)
-        self._call("nvmlGpuInstanceDestroy", pci, pynvml.nvmlGpuInstanceDestroy, gi)
+        try:
+            self._call("nvmlGpuInstanceDestroy", pci, pynvml.nvmlGpuInstanceDestroy, gi)
+        finally:
+            self._cache.instances_changed(pci)
 
     def _gi(self, pci: str, gi_id: int) -> Any:
         h = self._handle(pci)
