@@ -1,8 +1,10 @@
-"""NVML adapter: the only module in gpud that imports pynvml.
+"""NVML adapter: with its siblings nvml_profiles (the MIG profile tables) and nvml_errors, the only
+code in gpud that imports pynvml.
 
 Reads every GPU NVML can see into `gpud.model.NvmlGpu` records and performs the five MIG mutations
 the executor needs. Traps handled here, once (docs/hardware/mig-nvml.md):
-- GI profiles are queried by *index* constant but everything is keyed by the returned `.id`;
+- GI profiles are queried by *index* constant but everything is keyed by the returned `.id`
+  (nvml_profiles);
 - placements are caller-allocated (two calls) and the create placement goes `byref`;
 - a MIG device handle comes only from `nvmlDeviceGetMigDeviceHandleByIndex` (so it needs no
   `nvmlDeviceIsMigDeviceHandle`, whose c_uint answer is true even when `== 1` is not).
@@ -30,6 +32,8 @@ import msgspec
 import pynvml
 
 from gpud.host.kernel.procs import process_name
+from gpud.host.nvidia.nvml_errors import NvmlError, call
+from gpud.host.nvidia.nvml_profiles import ci_profiles, gi_profiles, possible_placements
 from gpud.host.nvidia.nvml_static import GpuStatic, MigDeviceRecord, SessionCache
 from gpud.host.nvidia.nvml_users import SessionUsers
 from gpud.host.readonly import refuse_if
@@ -48,26 +52,6 @@ from gpud.profiles import NOT_IN_MIG_INSTANCE
 log = logging.getLogger(__name__)
 
 _MIB = 1 << 20
-_SKIP = (pynvml.NVML_ERROR_NOT_SUPPORTED, pynvml.NVML_ERROR_INVALID_ARGUMENT)
-
-
-class NvmlError(Exception):
-    """An NVML call failed: which call, on which GPU, with NVML's code and message."""
-
-    def __init__(self, code: int, function: str, pci: str | None = None, message: str = ""):
-        self.code = code
-        self.function = function
-        self.pci = pci
-        self.message = message or _error_string(code)
-        where = f" on {pci}" if pci else ""
-        super().__init__(f"{function}{where}: {self.message} (NVML error {code})")
-
-
-def _error_string(code: int) -> str:
-    try:
-        return str(pynvml.NVMLError(code))
-    except Exception:  # noqa: BLE001 - the message is a nicety; the code is what matters
-        return f"NVML error {code}"
 
 
 _Method = TypeVar("_Method", bound=Callable[..., Any])
@@ -137,11 +121,7 @@ class Nvml:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _call(self, function: str, pci: str | None, fn: Any, *args: Any) -> Any:
-        try:
-            return fn(*args)
-        except pynvml.NVMLError as e:
-            raise NvmlError(e.value, function, pci) from e
+    _call = staticmethod(call)  # an NVML call; NvmlError naming it on failure
 
     def _ensure_open(self) -> None:
         if not self._open:
@@ -300,7 +280,7 @@ class Nvml:
             minor=self._optional(pci, "nvmlDeviceGetMinorNumber", h),
             memory_mb=self._query(pci, h, "nvmlDeviceGetMemoryInfo").total // _MIB,
             compute_capability=(int(compute[0]), int(compute[1])) if compute is not None else None,
-            mig_capable=mig_capable, profiles=self._gi_profiles(pci, h) if mig_capable else ())
+            mig_capable=mig_capable, profiles=gi_profiles(pci, h) if mig_capable else ())
         self._cache.store_if(generation, lambda: self._cache.gpus.__setitem__(pci, static))
         return static
 
@@ -328,29 +308,6 @@ class Nvml:
                 return None
             raise NvmlError(e.value, name, pci) from e
 
-    def _gi_profiles(self, pci: str, h: Any) -> tuple[MigProfile, ...]:
-        """The GI profiles with their possible placements, asked by every index constant NVML knows
-        and keyed by the profile *id* they answer with; CI profiles are added per read (`_profiles`)."""
-        raw: dict[int, Any] = {}
-        for index in range(pynvml.NVML_GPU_INSTANCE_PROFILE_COUNT):
-            try:
-                info = pynvml.nvmlDeviceGetGpuInstanceProfileInfo(h, index)
-            except pynvml.NVMLError as e:
-                if e.value in _SKIP:
-                    continue
-                raise NvmlError(e.value, "nvmlDeviceGetGpuInstanceProfileInfo", pci) from e
-            raw.setdefault(info.id, info)
-        out = []
-        for info in raw.values():
-            name = info.name.decode() if isinstance(info.name, bytes) else info.name
-            out.append(MigProfile(
-                id=info.id, name=name.removeprefix("MIG "), slices=info.sliceCount,
-                memory_mb=info.memorySizeMB, sms=info.multiprocessorCount,
-                instance_count=info.instanceCount, placements=self._placements(pci, h, info.id),
-                copy_engines=info.copyEngineCount, decoders=info.decoderCount,
-                encoders=info.encoderCount, jpegs=info.jpegCount, ofas=info.ofaCount))
-        return tuple(out)
-
     def _profiles(self, pci: str, static: GpuStatic, instances: tuple[GpuInstance, ...]) -> tuple[MigProfile, ...]:
         """The GI profiles, each with the CI profiles NVML lists for it. NVML answers those only
         through a live GI of that profile; without one they are absent (the planner fills them from
@@ -361,16 +318,6 @@ class Nvml:
             if p.id in live else p
             for p in static.profiles)
 
-    def _placements(self, pci: str, h: Any, profile_id: int) -> tuple[Placement, ...]:
-        count = c_uint(0)
-        fn = "nvmlDeviceGetGpuInstancePossiblePlacements"
-        self._call(fn, pci, pynvml.nvmlDeviceGetGpuInstancePossiblePlacements, h, profile_id, None, byref(count))
-        if count.value == 0:
-            return ()
-        arr = (pynvml.c_nvmlGpuInstancePlacement_t * count.value)()
-        self._call(fn, pci, pynvml.nvmlDeviceGetGpuInstancePossiblePlacements, h, profile_id, arr, byref(count))
-        return tuple(sorted(Placement(arr[i].start, arr[i].size) for i in range(count.value)))
-
     def _ci_profiles(self, pci: str, gi_handle: Any, gi_profile_id: int) -> dict[int, CiProfile]:
         """The CI profiles of GI profile `gi_profile_id`, asked through one of its GIs once a session
         (the same for every GI of the profile: docs/hardware/nvml-static-reads.md)."""
@@ -379,42 +326,9 @@ class Nvml:
         if known is not None:
             return known
         generation = self._cache.generation
-        found = self._gi_ci_profiles(pci, gi_handle)
+        found = ci_profiles(pci, gi_handle)
         self._cache.store_if(generation, lambda: self._cache.ci_profiles.__setitem__(key, found))
         return found
-
-    def _gi_ci_profiles(self, pci: str, gi_handle: Any) -> dict[int, CiProfile]:
-        out: dict[int, CiProfile] = {}
-        for index in range(pynvml.NVML_COMPUTE_INSTANCE_PROFILE_COUNT):
-            try:
-                info = pynvml.nvmlGpuInstanceGetComputeInstanceProfileInfo(
-                    gi_handle, index, pynvml.NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED)
-            except pynvml.NVMLError as e:
-                if e.value in _SKIP:
-                    continue
-                raise NvmlError(e.value, "nvmlGpuInstanceGetComputeInstanceProfileInfo", pci) from e
-            if info.id not in out:
-                out[info.id] = CiProfile(id=info.id, slices=info.sliceCount, instance_count=info.instanceCount,
-                                         sms=info.multiprocessorCount,
-                                         starts=self._ci_starts(pci, gi_handle, info.id))
-        return out
-
-    def _ci_starts(self, pci: str, gi_handle: Any, ci_profile_id: int) -> tuple[int, ...]:
-        """Where CIs of a profile may sit in this GI (compute slices), caller-allocated like the GI
-        call. A driver without the call answers nothing: the planner then uses the model's table."""
-        fn = "nvmlGpuInstanceGetComputeInstancePossiblePlacements"
-        count = c_uint(0)
-        try:
-            pynvml.nvmlGpuInstanceGetComputeInstancePossiblePlacements(gi_handle, ci_profile_id, None, byref(count))
-            if count.value == 0:
-                return ()
-            arr = (pynvml.c_nvmlComputeInstancePlacement_t * count.value)()
-            pynvml.nvmlGpuInstanceGetComputeInstancePossiblePlacements(gi_handle, ci_profile_id, arr, byref(count))
-        except pynvml.NVMLError as e:
-            if e.value in _SKIP or e.value == pynvml.NVML_ERROR_FUNCTION_NOT_FOUND:
-                return ()
-            raise NvmlError(e.value, fn, pci) from e
-        return tuple(sorted(arr[i].start for i in range(count.value)))
 
     def _gis(self, pci: str, h: Any, static: GpuStatic) -> list[tuple[Any, GpuInstance]]:
         """The GIs (handle, GI without its CIs), by id."""
@@ -601,7 +515,7 @@ class Nvml:
         static = self._cache.gpus.get(pci)
         placements = next((p.placements for p in static.profiles if p.id == profile_id), ()) if static else ()
         if not placements:
-            placements = self._placements(pci, h, profile_id)
+            placements = possible_placements(pci, h, profile_id)
         if not placements:
             raise NvmlError(pynvml.NVML_ERROR_INVALID_ARGUMENT, "nvmlDeviceGetGpuInstancePossiblePlacements",
                             pci, f"profile id {profile_id} has no placements")
