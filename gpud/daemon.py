@@ -193,7 +193,7 @@ class Daemon:
         self.engine = build_engine(
             self.hw, config_path=args.config, apply_lock=ApplyLock(self.host.lock_path), bus=self.bus,
             read_only=args.read_only, binder_timeout=args.unbind_timeout,
-            udev_rules=UdevRules(self.host.udev_rules, modules_load_path=None, read_only=args.read_only),
+            udev_rules=UdevRules(self.host.udev_rules, read_only=args.read_only),
             state_dir=args.state_dir, rebooter=rebooter, max_status_age=args.status_max_age,
             boot_id_path=self.host.boot_id_path, cdi_generate=self._cdi_generator(args),
             # the host's unit manager: on a real host D-Bus is imported and connected only when a

@@ -332,6 +332,9 @@ def desired_tree(host_dir: str | os.PathLike, state: SimState) -> dict[str, tupl
 
     vgpu.render(state, PCI_ROOT, d, f, ln)
 
+    # the kernel log (a regular file here: readers follow it by its records' sequence numbers)
+    f("dev/kmsg", "".join(r + "\n" for r in state.kmsg), 0o644)
+
     # nvidia: control node, caps, per-GPU node and /proc entries
     if NVIDIA in drivers:
         node("dev/nvidiactl", dev_nodes.NVIDIA, dev_nodes.NVIDIACTL_MINOR, 0o666)
