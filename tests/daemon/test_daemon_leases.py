@@ -92,8 +92,13 @@ def test_nfd_labels_follow_leases(daemon, tmp_path):
     read = lambda: (features / "gpud").read_text() if (features / "gpud").exists() else ""  # noqa: E731
     lease = json.loads(d.ctl("lease", "3g.40gb", "--json").stdout)
     wait_until(lambda: "nvidia.com/mig-3g.40gb.count=1" in read(), what="the lease's MIG device labelled")
+    # the device plugin's view: one resource per MIG device on the simulator's state file
+    advertised = lambda: d.status()["kubernetes"]["advertised"]["resources"]  # noqa: E731
+    assert gis(d) == [(4, 4, [lease["uuid"]])]
+    wait_until(lambda: advertised().get("nvidia.com/mig-3g.40gb") == 1, what="the MIG device advertised")
     assert d.ctl("release", lease["id"]).returncode == 0
     wait_until(lambda: "nvidia.com/mig-3g.40gb.count" not in read(), what="the label gone with the release")
+    assert gis(d) == [] and "nvidia.com/mig-3g.40gb" not in advertised()
 
 
 def test_check_and_plan_explain_a_dynamic_gpu_and_refuse_a_static_one_over_leases(daemon, tmp_path):
