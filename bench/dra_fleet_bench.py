@@ -2,7 +2,7 @@
 
 * N simulated nodes (default 50) x 8 dynamic H100 80GB: each node's pool is what gpud's slice
   builder (gpud.plan.dra_slices) makes for such a node, published through gpud's own adapter
-  (gpud.host.kube_dra); slices and bytes per node are read back from the API server.
+  (gpud.host.kube.dra_api); slices and bytes per node are read back from the API server.
 * Scheduler allocation latency of one `1g.10gb` claim (a pod using it, created; the claim's
   allocation seen by polling the server every 10 ms) with the fleet at 0%, 50% and 90% use,
   use being the share of GPUs held whole by other claims (each such claim consumes every counter
@@ -30,8 +30,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from gpud.host.kube import load_config  # noqa: E402
-from gpud.host.kube_dra import DraApi  # noqa: E402
+from gpud.host.kube.dra_api import DraApi  # noqa: E402
+from gpud.host.kube.node_api import load_config  # noqa: E402
 from gpud.layout.desired import DesiredGpu  # noqa: E402
 from gpud.model import Gpu, NvmlGpu, PciFunction  # noqa: E402
 from gpud.plan.dra_slices import DEFAULT_DRIVER, DraInputs, build_slices  # noqa: E402

@@ -57,7 +57,7 @@ layouts:
 def _lay_instances(host: Path) -> None:
     """MIG on and 7 x 1g.10gb (one CI each) on every GPU of `host`, through the simulator's NVML."""
     from gpud import sim
-    from gpud.host.nvml import Nvml
+    from gpud.host.nvidia.nvml import Nvml
 
     sim.install(host)
     try:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import os
 import uuid
 
-from gpud.host.sysfs import Sysfs, SysfsError
+from gpud.host.kernel.sysfs import Sysfs, SysfsError
 from gpud.vgpu_types import strip_prefix
 
 

@@ -23,6 +23,7 @@ import tempfile
 
 import msgspec
 
+from gpud.api import wire_replies
 from gpud.api.handlers import RequestHandler
 from gpud.engine.apply_lock import ApplyLock
 from gpud.engine.engine import build_engine
@@ -30,7 +31,7 @@ from gpud.engine.events import EventBus
 from gpud.engine.observe.gpu_index import FILE_NAME as INDEX_FILE
 from gpud.engine.observe.gpu_index import backup_path
 from gpud.hardware import HostConfig, build_hardware
-from gpud.host.nvml import NvmlError
+from gpud.host.nvidia.nvml import NvmlError
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -45,7 +46,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def check(text: str, path: str, *, all_layouts: bool = False, state_dir: str = "/var/lib/gpud",
-          sim: str | None = None):
+          sim: str | None = None) -> wire_replies.CheckReply:
     """The CheckReply the daemon would give for `text` on this host, from a read-only host."""
     with tempfile.TemporaryDirectory(prefix="gpud-check.") as tmp:
         index = os.path.join(state_dir, INDEX_FILE)

@@ -15,13 +15,14 @@ import os
 import signal
 import sys
 import threading
+from collections.abc import Coroutine
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from gpud import VERSION
 from gpud.api.handlers import RequestHandler
-from gpud.device_events import describe_device_event
+from gpud.device_events import DeviceEvent, describe_device_event
 from gpud.engine import status_line
 from gpud.engine.apply_lock import ApplyLock
 from gpud.engine.binding.udev_rules import UdevRules
@@ -31,9 +32,9 @@ from gpud.engine.gpu_state import SETTLING_PHASES
 from gpud.engine.kube.node_labels_out import LabelsOut, Versions, from_cluster, layout_state
 from gpud.engine.observe.observer import DEFAULT_MAX_AGE
 from gpud.hardware import HostConfig, build_hardware
-from gpud.host.early_signals import hold_sighup, take_sighup
-from gpud.host.nvml import NvmlError
-from gpud.host.sriov_manage import DEFAULT_PATH as SRIOV_MANAGE
+from gpud.host.nvidia.nvml import NvmlError
+from gpud.host.nvidia.sriov_manage import DEFAULT_PATH as SRIOV_MANAGE
+from gpud.host.systemd.early_signals import hold_sighup, take_sighup
 from gpud.loop_lag import LoopLagProbe
 
 PERSISTENCE_INTENT = "persistence-restore.json"  # in the state dir: GPUs whose persistence a reset left off
@@ -44,7 +45,7 @@ if TYPE_CHECKING:  # imported with --kube-node only (they need gpud[kube])
     from gpud.engine.kube.applier import ReconcilerApplier
     from gpud.engine.observe.discovery import Observation
     from gpud.engine.ports import Rebooter
-    from gpud.host.cdi import CdiGenerator
+    from gpud.host.nvidia.cdi import CdiGenerator
 
 log = logging.getLogger("gpud")
 SWITCH_INTERVAL = 0.0005  # seconds a worker thread may keep the GIL while the loop wants it
@@ -170,7 +171,7 @@ def host_config(args: DaemonConfig) -> HostConfig:
 
 class Daemon:
     def __init__(self, args: DaemonConfig) -> None:
-        from gpud.host.sd_notify import Notifier
+        from gpud.host.systemd.sd_notify import Notifier
 
         self.args = args
         self.notifier = Notifier()
@@ -192,7 +193,7 @@ class Daemon:
         self.engine = build_engine(
             self.hw, config_path=args.config, apply_lock=ApplyLock(self.host.lock_path), bus=self.bus,
             read_only=args.read_only, binder_timeout=args.unbind_timeout,
-            udev_rules=UdevRules(self.host.udev_rules, modules_load_path=None, read_only=args.read_only),
+            udev_rules=UdevRules(self.host.udev_rules, read_only=args.read_only),
             state_dir=args.state_dir, rebooter=rebooter, max_status_age=args.status_max_age,
             boot_id_path=self.host.boot_id_path, cdi_generate=self._cdi_generator(args),
             # the host's unit manager: on a real host D-Bus is imported and connected only when a
@@ -226,7 +227,7 @@ class Daemon:
         try:
             from gpud.engine.kube.agent import KubeAgent
             from gpud.engine.kube.applier import KubeRebooter, ReconcilerApplier
-            from gpud.host.kube import KubeApi, KubeError, load_config
+            from gpud.host.kube.node_api import KubeApi, KubeError, load_config
         except ImportError as e:
             raise RuntimeError(f"--kube-node needs the Kubernetes client: pip install 'gpud[kube]' ({e})") from e
         try:
@@ -241,9 +242,9 @@ class Daemon:
         return KubeRebooter(agent, applier, reboot)
 
     def _cdi_generator(self, args: DaemonConfig) -> CdiGenerator | None:
-        """`nvidia-ctk cdi generate` after MIG changes (gpud.host.cdi): the toolkit from PATH on a
+        """`nvidia-ctk cdi generate` after MIG changes (gpud.host.nvidia.cdi): the toolkit from PATH on a
         real host, only the one given on a simulated host (never the real host's from a test)."""
-        from gpud.host.cdi import DEFAULT_SPEC, CdiGenerator
+        from gpud.host.nvidia.cdi import DEFAULT_SPEC, CdiGenerator
 
         root = self.host.root
         ctk = args.nvidia_ctk
@@ -284,7 +285,7 @@ class Daemon:
             self._reload_timer.cancel()
         self._reload_timer = loop.call_later(delay, lambda: self._spawn(self._reload(why)))
 
-    def _spawn(self, coro) -> None:
+    def _spawn(self, coro: Coroutine[Any, Any, object]) -> None:
         task = asyncio.get_running_loop().create_task(coro)
         self._background.add(task)  # kept until done: the loop holds tasks only weakly
         task.add_done_callback(self._background.discard)
@@ -294,7 +295,7 @@ class Daemon:
         if not await self.engine.reload("layout changed"):
             await self.engine.refresh()  # a refused file: status shows its errors at once
 
-    def on_device_event(self, event) -> None:
+    def on_device_event(self, event: DeviceEvent) -> None:
         """A hint that a managed device (or the set of devices) changed: re-read and converge.
         Events of unrelated devices are ignored."""
         log.debug("device event %s", event)
@@ -385,7 +386,7 @@ class Daemon:
     # ---- life cycle --------------------------------------------------------------------------
     async def run(self) -> int:
         from gpud.api.server import serve
-        from gpud.host.sd_notify import listen_socket
+        from gpud.host.systemd.sd_notify import listen_socket
 
         loop = asyncio.get_running_loop()
         self.engine.subscribe(self._update_status)
@@ -394,7 +395,7 @@ class Daemon:
         except NvmlError as e:  # no nvidia driver (every GPU on vfio-pci, or none yet): serve anyway
             log.warning("NVML not available: %s", e)
         if not self.args.read_only:  # no write of ours races a helper an earlier gpud left writing
-            from gpud.host.writer_leftovers import end_leftovers
+            from gpud.host.kernel.writer_leftovers import end_leftovers
 
             for left in await asyncio.to_thread(end_leftovers, self.hw.sysfs.root):
                 what = f"the writer of {left.value} to {left.relpath} (pid {left.pid}) left by an earlier gpud"
@@ -446,7 +447,7 @@ class Daemon:
             # call would cause, so the systemd watchdog can be seen to restart us.
             loop.add_signal_handler(signal.SIGUSR2, _stall_forever)
         loop.add_signal_handler(signal.SIGHUP, self._reload_on_sighup, handler)
-        if take_sighup():  # one came during start-up (gpud.host.early_signals): honour it now
+        if take_sighup():  # one came during start-up (gpud.host.systemd.early_signals): honour it now
             log.info("SIGHUP during start-up: re-reading the layout")
             self._reload_on_sighup(handler)
         if self.kube is None or await self._start_with_remembered_layout():
@@ -467,7 +468,7 @@ class Daemon:
         else:
             self.hw.nvml.close()
         # The helpers of stuck unbinds were abandoned, not forgotten: none may outlive the daemon.
-        from gpud.host.deadline_write import end_stuck_writes
+        from gpud.host.kernel.deadline_write import end_stuck_writes
 
         for sw in await asyncio.to_thread(end_stuck_writes, self.args.stuck_writer_wait_s):
             log.warning("the writer of %s (pid %d) is still blocked in the kernel; killed, it ends when "

@@ -1,5 +1,5 @@
 """What a device event source hands the daemon, whichever kernel it listens to: udev's netlink
-monitor on a host (gpud.host.udev) or the simulator's datagram socket (gpud.sim.uevents). The
+monitor on a host (gpud.host.kernel.udev) or the simulator's datagram socket (gpud.sim.uevents). The
 daemon picks one at start; both deliver DeviceEvent through the same callback.
 
 Events are hints that make the daemon re-read sysfs/NVML, never state: netlink drops events when
@@ -12,10 +12,12 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import msgspec
+
+from gpud.model import Gpu
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +37,7 @@ _ACTION_WORDS = {"add": "added", "remove": "removed", "bind": "bound", "unbind":
                  "move": "moved", "online": "online", "offline": "offline"}
 
 
-def describe_device_event(event: DeviceEvent, gpus) -> tuple[str | None, str]:
+def describe_device_event(event: DeviceEvent, gpus: Sequence[Gpu]) -> tuple[str | None, str]:
     """(the GPU it concerns, one line for `gpudctl events`). A vfio event names an IOMMU group, not
     a PCI device: it is told as `/dev/vfio/<group>` and put on the GPU whose group it is."""
     if event.action == "rescan":

@@ -18,16 +18,16 @@ from pathlib import Path
 
 from gpud.device_events import DeviceEventSourceFactory
 from gpud.engine.ports import Drainer, Hardware, Rebooter  # Hardware re-exported: the adapters' record
-from gpud.host.deadline_write import DeadlineSysfs
-from gpud.host.logind import BOOT_ID_PATH, request_reboot
-from gpud.host.nvidia_smi import GpuReset
-from gpud.host.nvml import Nvml
-from gpud.host.procs import Procs
-from gpud.host.sriov_manage import DEFAULT_PATH as SRIOV_MANAGE
-from gpud.host.sriov_manage import SriovManage
-from gpud.host.sysfs import Sysfs
-from gpud.host.unit_drain import ManagerDrainer, OnDemandDrainer
-from gpud.host.vgpu_sysfs import VgpuSysfs, names_path
+from gpud.host.kernel.deadline_write import DeadlineSysfs
+from gpud.host.kernel.procs import Procs
+from gpud.host.kernel.sysfs import Sysfs
+from gpud.host.nvidia.gpu_reset import GpuReset
+from gpud.host.nvidia.nvml import Nvml
+from gpud.host.nvidia.sriov_manage import DEFAULT_PATH as SRIOV_MANAGE
+from gpud.host.nvidia.sriov_manage import SriovManage
+from gpud.host.nvidia.vgpu_sysfs import VgpuSysfs, names_path
+from gpud.host.systemd.logind import BOOT_ID_PATH, request_reboot
+from gpud.host.systemd.unit_drain import ManagerDrainer, OnDemandDrainer
 
 __all__ = ["APPLY_LOCK", "NFD_FEATURES", "UDEV_RULES", "Hardware", "Host", "HostConfig", "adapters", "build_hardware",
            "sim_nvidia_smi"]
@@ -78,7 +78,7 @@ def build_hardware(config: HostConfig) -> Host:
         raise ValueError("a replay needs the simulated host and read-only: a capture can be read, not changed")
     if config.sim:
         return _simulated(config, config.sim)
-    from gpud.host.udev import UdevEvents
+    from gpud.host.kernel.udev import UdevEvents
 
     ro = config.read_only
     hw = adapters(config, Sysfs("/sys", read_only=ro), Nvml(read_only=ro), Procs(read_only=ro),

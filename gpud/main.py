@@ -17,7 +17,7 @@ def main(argv: list[str] | None = None) -> int:
         from gpud.check_offline import main as check_main
 
         return check_main(argv[1:])
-    from gpud.host.early_signals import hold_sighup
+    from gpud.host.systemd.early_signals import hold_sighup
 
     hold_sighup()  # before the daemon's imports: a reload asked for during start-up must not kill it
     from gpud.daemon import main as daemon_main

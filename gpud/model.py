@@ -187,6 +187,9 @@ class VgpuDevice(Struct, frozen=True):
     # kubevirt-gpu-device-plugin reads for the resource name and KubeVirt's mdevNameSelector
     # matches. None for a VF vGPU (no mdev_type) or a file that could not be read.
     driver_name: str | None = None
+    # The VF's own PCI id as its uevent's PCI_ID gives it ("10DE:26B9"): what KubeVirt's PCI device
+    # plugin matches a pciHostDevices selector against (docs/kubevirt.md). None for an mdev.
+    pci_id: str | None = None
 
 
 class VgpuOffer(Struct, frozen=True):

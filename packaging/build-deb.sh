@@ -2,7 +2,7 @@
 # Builds dist/gpud_<version>-1_<arch>.deb for the release it runs on (Debian 12, Ubuntu 24.04 or 22.04:
 # any python3 >= 3.10; the package then depends on that python3.X): a virtualenv of its python3 at
 # /opt/gpud holding gpud and its dependencies (from PyPI at build time), /usr/bin links, the
-# systemd units, sysusers/tmpfiles/modules-load snippets and /etc/gpud/layout.yaml (conffile).
+# systemd units, sysusers/tmpfiles snippets and /etc/gpud/layout.yaml (conffile).
 #
 # The venv is built under a staging root and made to live at /opt/gpud: its scripts' shebangs
 # are rewritten and the bytecode is compiled for /opt/gpud paths (hash-checked, so it does not
@@ -85,7 +85,7 @@ chmod 0755 "$STAGE$PREFIX/bin/gpudctl"
 
 # 3. the rest of the file system
 install -d "$STAGE/usr/bin" "$STAGE/usr/lib/systemd/system" "$STAGE/usr/lib/sysusers.d" \
-  "$STAGE/usr/lib/tmpfiles.d" "$STAGE/usr/lib/modules-load.d" "$STAGE/etc/gpud" "$STAGE/usr/share/doc/gpud"
+  "$STAGE/usr/lib/tmpfiles.d" "$STAGE/etc/gpud" "$STAGE/usr/share/doc/gpud"
 for cmd in gpud gpudctl gpud-sim; do
   [ -x "$STAGE$PREFIX/bin/$cmd" ] || { echo "build-deb: $cmd missing from the venv" >&2; exit 1; }
   ln -s "$PREFIX/bin/$cmd" "$STAGE/usr/bin/$cmd"
@@ -93,7 +93,6 @@ done
 install -m 0644 "$REPO/systemd/gpud.service" "$REPO/systemd/gpud.socket" "$STAGE/usr/lib/systemd/system/"
 install -m 0644 "$REPO/packaging/sysusers.d/gpud.conf" "$STAGE/usr/lib/sysusers.d/gpud.conf"
 install -m 0644 "$REPO/packaging/tmpfiles.d/gpud.conf" "$STAGE/usr/lib/tmpfiles.d/gpud.conf"
-install -m 0644 "$REPO/packaging/modules-load.d/gpud.conf" "$STAGE/usr/lib/modules-load.d/gpud.conf"
 install -m 0644 "$REPO/etc/gpud/layout.yaml" "$STAGE/etc/gpud/layout.yaml"
 if [ -d "$REPO/etc/gpud/examples" ]; then
   cp -r "$REPO/etc/gpud/examples" "$STAGE/usr/share/doc/gpud/examples"

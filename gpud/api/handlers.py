@@ -11,7 +11,8 @@ import asyncio
 import contextvars
 import time
 from collections import Counter
-from typing import Any, Protocol
+from collections.abc import Awaitable
+from typing import TYPE_CHECKING, Any, Protocol
 
 from gpud import VERSION
 from gpud.api import replies, wire, wire_replies
@@ -24,11 +25,18 @@ from gpud.engine.engine import Engine
 from gpud.engine.events import EventQueue
 from gpud.engine.kube.node_labels_out import LabelsOut
 from gpud.engine.leases.engine import LeaseRefused
+from gpud.engine.leases.records import LeaseRecord
+from gpud.engine.observe.discovery import Observation
 from gpud.engine.queries import EngineError, InvalidLayout, NoSuchGpu, select_gpus
-from gpud.host.nvml import NvmlError
+from gpud.host.nvidia.nvml import NvmlError
+from gpud.layout.parse import ParsedLayout
 from gpud.layout.resolve import Resolution
 from gpud.loop_lag import LoopLagProbe
 from gpud.model import Gpu
+
+if TYPE_CHECKING:  # their modules load the Kubernetes client and gRPC: only with --kube-node / --dra
+    from gpud.engine.dra.service import DraService
+    from gpud.engine.kube.agent import KubeAgent
 
 # Engine refusals -> wire error codes (anything else unexpected is the server's "internal").
 # The lease engine's refusals -> wire error codes.
@@ -55,7 +63,7 @@ class RequestHandler:
 
     def __init__(self, engine: Engine, notifier: Notifier | None = None, *, dev_root: str = "/dev",
                  loop_lag: LoopLagProbe | None = None, labels: LabelsOut | None = None,
-                 kube_agent=None, dra=None) -> None:
+                 kube_agent: KubeAgent | None = None, dra: DraService | None = None) -> None:
         self.engine = engine
         self.notifier = notifier
         self.dev_root = dev_root
@@ -64,8 +72,8 @@ class RequestHandler:
         self.requests: Counter[str] = Counter()  # per op, in the stats window
         self._reads_at_reset = 0
         self.labels = labels  # the node labels written after each pass (None: not computed)
-        self.kube_agent = kube_agent  # gpud.engine.kube.agent.KubeAgent with --kube-node
-        self.dra = dra  # gpud.engine.dra.service.DraService with --dra
+        self.kube_agent = kube_agent  # with --kube-node
+        self.dra = dra  # with --dra
         # layout texts sent by clients are evaluated in per-user turns (gpud.api.fair_share)
         self.fair = FairShare()
         self._peer: contextvars.ContextVar[Peer | None] = contextvars.ContextVar("peer", default=None)
@@ -142,7 +150,8 @@ class RequestHandler:
                 (_, res), others = others[0], others[1:]
         return replies.check_reply(res, others=others)
 
-    async def _evaluate(self, text: str, path: str, *, select: str | None = None):
+    async def _evaluate(self, text: str, path: str, *, select: str | None = None,
+                        ) -> tuple[ParsedLayout, Resolution, Observation]:
         """One evaluation of a sent text, in the sender's turn (uid 0 without a peer: in-process)."""
         peer = self._peer.get()
         async with self.fair.turn(peer.uid if peer is not None else 0):
@@ -219,7 +228,7 @@ class RequestHandler:
         return replies.leases_reply(self.engine.view)
 
     @staticmethod
-    async def _leasing(call):
+    async def _leasing(call: Awaitable[LeaseRecord]) -> LeaseRecord:
         try:
             return await call
         except LeaseRefused as e:
@@ -228,6 +237,10 @@ class RequestHandler:
     async def op_mig_profiles(self, gpu: str | None = None) -> wire_replies.MigProfilesReply:
         view = await self.engine.refresh()
         return replies.mig_profiles_reply(select_gpus(view.observation.gpus, gpu))
+
+    async def op_mig_compute_profiles(self, gpu: str | None = None) -> wire_replies.MigComputeProfilesReply:
+        view = await self.engine.refresh()
+        return replies.mig_compute_profiles_reply(select_gpus(view.observation.gpus, gpu))
 
     async def op_passthrough(self) -> wire_replies.PassthroughReply:
         gpus = (await self.engine.refresh()).observation.gpus

@@ -4,7 +4,7 @@ Bare-metal hosts already run prometheus-node-exporter; its textfile collector pi
 `*.prom` files from a directory, so gpud needs no listening port (its unit allows no IP at all).
 The file is rewritten atomically after every pass and layout change, from the same
 `wire_replies.StatusReply` that `gpudctl status` reads, so the two never disagree. The text comes from
-prometheus_client (`generate_latest`), the write from `gpud.host.safe_file`: the textfile directory
+prometheus_client (`generate_latest`), the write from `gpud.host.files.safe_file`: the textfile directory
 often belongs to the exporter's user, and prometheus_client's own `write_to_textfile` opens a
 predictable temp name with a plain open(), which follows a link planted there (root would
 overwrite any file). A directory others may write is refused (OSError naming the reason).
@@ -19,7 +19,7 @@ from prometheus_client import CollectorRegistry, Gauge, generate_latest
 
 from gpud.api import wire_replies
 from gpud.engine.gpu_state import GpuStateName
-from gpud.host.safe_file import write_file
+from gpud.host.files.safe_file import write_file
 
 # Every GPU gets one `gpud_gpu_state` row per state the engine can report, exactly one of them 1.
 STATES: tuple[str, ...] = get_args(GpuStateName)

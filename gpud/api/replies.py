@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
@@ -20,21 +21,25 @@ from gpud.engine.gpu_state import BindAction, GpuState, MigAction, VgpuAction
 from gpud.engine.kube.node_labels_out import LabelsOut
 from gpud.engine.leases.records import LeaseRecord
 from gpud.engine.preview import GpuPreview, Rebind
-from gpud.engine.queries import remaining_capacity
+from gpud.engine.queries import ci_remaining_capacity, remaining_capacity
 from gpud.engine.vgpu.inventory import entry as vgpu_entry
+from gpud.engine.vgpu.inventory import kubevirt_warnings, vf_resources
 from gpud.engine.view import EngineView
-from gpud.host.nfd import FeaturesRefused, read_features
+from gpud.host.kube.nfd import FeaturesRefused, read_features
 from gpud.layout.desired import DesiredGpu
-from gpud.layout.names import mig_device_name
+from gpud.layout.names import device_name, mig_device_name
 from gpud.layout.resolve import Resolution
 from gpud.model import Gpu, Holder, KnownGpu, MigProfile, Placement, VgpuDevice
 from gpud.plan.binding import BindStep
 from gpud.plan.mig import Destroyed, GpuPlan, Step
 from gpud.plan.node_labels import advertised
 from gpud.plan.vgpu import VgpuStep
-from gpud.profiles import GI_PROFILE_INDEX, NVIDIA, ModelInfo, by_device, model_name
+from gpud.profiles import GI_PROFILE_INDEX, NVIDIA, ModelInfo, by_device, model_name, with_model_ci_profiles
 from gpud.vgpu_types import by_device as vgpu_model_of
 from gpud.vgpu_types import parse_vgpu_name
+
+if TYPE_CHECKING:  # the kube agent's module loads the Kubernetes client: only with --kube-node
+    from gpud.engine.kube.agent import AgentStatus
 
 # ---------------------------------------------------------------------------------------------
 # Small records
@@ -231,10 +236,10 @@ def shown_state(view: EngineView, pci: str) -> GpuState | None:
 # Kubernetes
 
 
-def kubernetes_status(gpus: Sequence[Gpu], *, mig_strategy: str, agent=None, dra=None) -> wire_replies.KubernetesStatus:
+def kubernetes_status(gpus: Sequence[Gpu], *, mig_strategy: str, agent: AgentStatus | None = None,
+                      dra: dict[str, Any] | None = None) -> wire_replies.KubernetesStatus:
     """What the device plugins will advertise from the GPUs as observed; the label protocol's state
-    (`agent`: gpud.engine.kube.agent.AgentStatus, None without --kube-node); the DRA driver's
-    (`dra`: gpud.engine.dra.driver.DraDriver.status()'s record, None without --dra)."""
+    (None without --kube-node); the DRA driver's (its status record, None without --dra)."""
     ad = advertised(gpus, mig_strategy=mig_strategy)
     agent_status = None
     if agent is not None:
@@ -439,6 +444,31 @@ def mig_profiles_reply(gpus: list[Gpu]) -> wire_replies.MigProfilesReply:
     return reply
 
 
+def mig_compute_profiles_reply(gpus: list[Gpu]) -> wire_replies.MigComputeProfilesReply:
+    """`nvidia-smi mig -lcip`: for each GPU instance there, its compute-instance profiles with how
+    many more of each it can take. NVML answers a GI profile's CI profiles through a live GI, so
+    they are the GPU's own (the model's table only where NVML gave none)."""
+    reply = wire_replies.MigComputeProfilesReply()
+    for g in gpus:
+        if g.nvml is None or not g.nvml.instances:
+            continue
+        by_id = {p.id: p for p in with_model_ci_profiles(g.nvml.profiles, g.function.device)}
+        out = wire_replies.GpuComputeProfiles(index=g.index, pci=g.pci, model=model_name(g))
+        for gi in sorted(g.nvml.instances, key=lambda i: (i.placement.start, i.id)):
+            prof = by_id.get(gi.profile_id)
+            if prof is None:
+                continue
+            rows = [wire_replies.ComputeProfileInfo(
+                id=c.id, name=device_name(prof, c.slices), slices=c.slices,
+                free=ci_remaining_capacity(c, gi.cis, prof.slices), total=c.instance_count, sms=c.sms,
+                default=c.slices == prof.slices, ce=prof.copy_engines, dec=prof.decoders, enc=prof.encoders,
+                jpg=prof.jpegs, ofa=prof.ofas) for c in sorted(prof.ci_profiles, key=lambda c: (c.slices, c.id))]
+            out.instances.append(wire_replies.GiComputeProfiles(gi=gi.id, profile=prof.name,
+                                                                placement=placement(gi.placement), profiles=rows))
+        reply.gpus.append(out)
+    return reply
+
+
 # ---------------------------------------------------------------------------------------------
 # passthrough
 
@@ -453,15 +483,18 @@ def passthrough_device(entry: PassthroughEntry) -> wire_replies.PassthroughDevic
 
 def passthrough_reply(entries: list[PassthroughEntry], gpus: tuple[Gpu, ...] = ()) -> wire_replies.PassthroughReply:
     vgpus = []
+    resources = vf_resources((g.function.device, d) for g in gpus for d in (g.vgpu.devices if g.vgpu is not None else ()))
     for g in gpus:
         for d in g.vgpu.devices if g.vgpu is not None else ():
-            e = vgpu_entry(g.pci, g.function.device, d)
+            e = vgpu_entry(g.pci, g.function.device, d, resources)
             vgpus.append(wire_replies.VgpuPassthrough(gpu=e.gpu, type=e.type, driver_name=e.driver_name, uuid=e.uuid, vf=e.vf,
                                                       vfio_device=e.vfio_device, resource_name=e.resource_name,
                                                       libvirt_hostdev=e.libvirt_hostdev, kubevirt=e.kubevirt))
     devices = [passthrough_device(e) for e in entries]
     config = kubevirt_configuration([d.kubevirt for d in devices] + [v.kubevirt for v in vgpus], vgpus=bool(vgpus))
-    return wire_replies.PassthroughReply(devices=devices, vgpus=vgpus, kubevirt_configuration=config)
+    warnings = kubevirt_warnings(resources, [(e.pci, e.vendor_device, e.resource_name) for e in entries])
+    return wire_replies.PassthroughReply(devices=devices, vgpus=vgpus, kubevirt_configuration=config,
+                                         kubevirt_warnings=warnings)
 
 
 # ---------------------------------------------------------------------------------------------

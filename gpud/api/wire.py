@@ -29,7 +29,7 @@ MAX_FRAME = 1 << 20  # 1 MiB: a status of a 16-GPU host with every instance is ~
 # The most entries a reply carries in a list that grows with its input (layout errors, warnings):
 # the rest are counted in the reply's `*_omitted` field and a last entry "... and N more".
 MAX_LISTED = 100
-# The largest layout text gpud reads or checks (gpud.host.layout_source.MAX_LAYOUT_BYTES): half a
+# The largest layout text gpud reads or checks (gpud.host.files.layout_source.MAX_LAYOUT_BYTES): half a
 # frame, so `check` of any acceptable layout fits in one request. gpudctl refuses more before sending.
 MAX_LAYOUT_TEXT = 512 * 1024
 HEADER = struct.Struct(">I")
@@ -51,8 +51,8 @@ E_IN_USE = "in-use"  # a release of an instance processes use, under on-busy: fa
 E_CONFLICT = "conflict"  # whole-GPU and MIG leases exclude each other; a lease still being made
 E_FAILED = "failed"  # NVML or the state directory refused; nothing leased
 
-READ_OPS = frozenset({"status", "check", "plan", "events", "version", "mig-profiles", "passthrough", "stats",
-                      "labels", "vgpu-types", "leases"})
+READ_OPS = frozenset({"status", "check", "plan", "events", "version", "mig-profiles", "mig-compute-profiles",
+                      "passthrough", "stats", "labels", "vgpu-types", "leases"})
 WRITE_OPS = frozenset({"apply", "reload", "select"})
 LEASE_OPS = frozenset({"lease", "release"})  # root, or members of the layout's policy.lease-group
 OPS = READ_OPS | WRITE_OPS | LEASE_OPS
@@ -179,6 +179,7 @@ ARGS: dict[str, type[msgspec.Struct]] = {
     "events": EventsArgs,
     "version": NoArgs,
     "mig-profiles": MigProfilesArgs,
+    "mig-compute-profiles": MigProfilesArgs,
     "passthrough": NoArgs,
     "stats": StatsArgs,
     "labels": NoArgs,

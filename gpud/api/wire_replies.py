@@ -340,6 +340,41 @@ class MigProfilesReply(msgspec.Struct, kw_only=True):
     gpus: list[GpuProfiles] = []
 
 
+class ComputeProfileInfo(msgspec.Struct, kw_only=True):
+    """One compute-instance profile of one GPU instance (a row of `nvidia-smi mig -lcip`)."""
+
+    id: int  # NVML CI profile id, what `nvidia-smi mig -cci` takes
+    name: str  # "1c.3g.40gb"; the GI's own name for the CI covering it ("3g.40gb")
+    slices: int
+    free: int  # how many more this GI can take (NVML's RemainingCapacity)
+    total: int  # the profile's instance count in a GI
+    sms: int
+    default: bool = False  # the CI covering the whole GI (nvidia-smi marks its id with `*`)
+    ce: int = 0  # shared engines: the GI's, which its CIs share
+    dec: int = 0
+    enc: int = 0
+    jpg: int = 0
+    ofa: int = 0
+
+
+class GiComputeProfiles(msgspec.Struct, kw_only=True):
+    gi: int
+    profile: str  # the GPU instance's profile: "3g.40gb"
+    placement: Placement
+    profiles: list[ComputeProfileInfo] = []
+
+
+class GpuComputeProfiles(msgspec.Struct, kw_only=True):
+    index: int
+    pci: str
+    model: str = ""
+    instances: list[GiComputeProfiles] = []
+
+
+class MigComputeProfilesReply(msgspec.Struct, kw_only=True):
+    gpus: list[GpuComputeProfiles] = []
+
+
 class PassthroughDevice(msgspec.Struct, kw_only=True):
     pci: str
     vendor_device: str  # "10de:2335"
@@ -369,6 +404,8 @@ class PassthroughReply(msgspec.Struct, kw_only=True):
     # the KubeVirt CR's spec.configuration (KubeVirt >= 1.8): permittedHostDevices, one entry per
     # resource, and mediatedDevicesConfiguration.enabled=false where gpud makes the vGPUs
     kubevirt_configuration: dict[str, Any] = {}
+    # what KubeVirt v1.9 does with these devices that the entries cannot say (gpud.engine.vgpu.inventory)
+    kubevirt_warnings: list[str] = []
 
 
 class VgpuTypeInfo(msgspec.Struct, kw_only=True):
@@ -448,6 +485,7 @@ RESULTS: dict[str, type[msgspec.Struct]] = {
     "events": EventsReply,
     "version": VersionReply,
     "mig-profiles": MigProfilesReply,
+    "mig-compute-profiles": MigComputeProfilesReply,
     "passthrough": PassthroughReply,
     "stats": StatsReply,
     "labels": LabelsReply,

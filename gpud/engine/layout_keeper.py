@@ -3,7 +3,7 @@ only when it has no errors. A bad file (missing, unreadable, invalid, naming GPU
 host does not have) never replaces the last good layout: gpud keeps applying that one and reports
 the file's problems until it is fixed.
 
-Reading is bounded (`gpud.host.layout_source`: a regular file of at most 1 MiB, never a FIFO or a
+Reading is bounded (`gpud.host.files.layout_source`: a regular file of at most 1 MiB, never a FIFO or a
 device), and the daemon parses and resolves off the event loop (`load_async`, `evaluate_async`),
 one text at a time, so a large `check` or file never stops status from being answered or the
 systemd watchdog from being pinged. The text of a file that non-root readers of status must not
@@ -21,7 +21,7 @@ import msgspec
 
 from gpud.engine.events import EventBus
 from gpud.engine.observe.discovery import Observation
-from gpud.host.layout_source import LayoutSource, LayoutUnreadable, check_text_size, read_layout
+from gpud.host.files.layout_source import LayoutSource, LayoutUnreadable, check_text_size, read_layout
 from gpud.layout.desired import LayoutIssue
 from gpud.layout.match import DEFAULT_MATCH
 from gpud.layout.parse import ParsedLayout, parse_layout

@@ -11,12 +11,12 @@ from typing import Protocol
 
 import msgspec
 
-from gpud.host.nvidia_smi import GpuReset
-from gpud.host.nvml import Nvml
-from gpud.host.procs import Procs
-from gpud.host.sriov_manage import SriovManage
-from gpud.host.sysfs import Sysfs
-from gpud.host.vgpu_sysfs import VgpuSysfs
+from gpud.host.kernel.procs import Procs
+from gpud.host.kernel.sysfs import Sysfs
+from gpud.host.nvidia.gpu_reset import GpuReset
+from gpud.host.nvidia.nvml import Nvml
+from gpud.host.nvidia.sriov_manage import SriovManage
+from gpud.host.nvidia.vgpu_sysfs import VgpuSysfs
 from gpud.layout.desired import DesiredGpu
 from gpud.model import Gpu
 

@@ -12,7 +12,7 @@ import time
 
 from gpud.engine.gpu_state import Action
 from gpud.engine.reconciler import Reconciler
-from gpud.model import Gpu, MigProfile, Placement
+from gpud.model import CiProfile, ComputeInstance, Gpu, MigProfile, Placement
 
 
 class EngineError(Exception):
@@ -49,6 +49,26 @@ def remaining_capacity(profile: MigProfile, used: list[Placement], existing: int
             taken |= placement.slices
             fits += 1
     return max(0, min(fits, profile.instance_count - existing))
+
+
+def ci_remaining_capacity(ci: CiProfile, cis: tuple[ComputeInstance, ...], gi_slices: int) -> int:
+    """NVML's nvmlGpuInstanceGetComputeInstanceRemainingCapacity for one GPU instance, by the
+    same rule as the GI count above: the CI profile's placements that still fit together beside
+    the CIs there, bounded by the instances the profile still allows. Where a CI's placement or
+    the profile's placements were not read, by compute slices left instead."""
+    same = sum(1 for c in cis if c.profile_id == ci.id)
+    left = ci.instance_count - same
+    if ci.starts and all(c.start is not None for c in cis):
+        taken = {s for c in cis if c.start is not None for s in range(c.start, c.start + c.slices)}
+        fits = 0
+        for start in ci.starts:
+            slots = set(range(start, start + ci.slices))
+            if not slots & taken:
+                taken |= slots
+                fits += 1
+    else:
+        fits = max(0, gi_slices - sum(c.slices for c in cis)) // max(ci.slices, 1)
+    return max(0, min(fits, left))
 
 
 async def start_apply(rec: Reconciler) -> int:

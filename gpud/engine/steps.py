@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from typing import Literal, Protocol
+from collections.abc import AsyncIterator, Callable
+from typing import Literal, ParamSpec, Protocol, TypeVar
 
 from gpud.engine.events import EventBus, event_fields
 from gpud.engine.gpu_state import Action, BindAction, GpuState, GpuStateName, MigAction, VgpuAction
@@ -23,11 +24,16 @@ from gpud.engine.gpu_tasks import NvmlSessionGate, SharedDrain
 from gpud.engine.observe.holders import lock_holders, reset_holders
 from gpud.engine.ports import Drainer, Hardware
 from gpud.engine.vgpu.keeper import VgpuKeeper, changes_vfs, step_event
+from gpud.host.nvidia.gpu_reset import ResetResult
 from gpud.layout.desired import DesiredGpu
 from gpud.layout.schema import Policy
 from gpud.model import Gpu
 from gpud.plan.binding import BindingPlan
-from gpud.plan.mig import GpuPlan
+from gpud.plan.mig import GpuPlan, Step
+from gpud.plan.vgpu import VgpuStep
+
+P = ParamSpec("P")
+T = TypeVar("T")
 
 
 class ThePass(Protocol):
@@ -85,14 +91,14 @@ class StepRunner:
         _, pending = await asyncio.wait(set(self.inflight), timeout=timeout)
         return not pending
 
-    async def _in_worker(self, fn, *args, **kwargs):
+    async def _in_worker(self, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
         fut = asyncio.ensure_future(asyncio.to_thread(fn, *args, **kwargs))
         self.inflight.add(fut)
         fut.add_done_callback(self.inflight.discard)
         return await asyncio.shield(fut)
 
     @contextlib.asynccontextmanager
-    async def _drained(self):
+    async def _drained(self) -> AsyncIterator[None]:
         policy = self._pass.policy
         units = list(policy.drain_units) if policy is not None else []
         if not units:
@@ -104,9 +110,9 @@ class StepRunner:
         async with self.shared_drain.drained(drainer, units):
             yield
 
-    def _with_nvml_closed(self, fn):
+    def _with_nvml_closed(self, fn: Callable[[], T]) -> Callable[[], T]:
         """`fn` run with gpud's NVML session closed; reads open it again on demand afterwards."""
-        def run():
+        def run() -> T:
             self.hw.nvml.suspend()
             try:
                 return fn()
@@ -119,7 +125,7 @@ class StepRunner:
 
         loop = asyncio.get_running_loop()
 
-        def on_step(step, result: str = "done") -> None:  # called from the worker thread
+        def on_step(step: Step, result: str = "done") -> None:  # called from the worker thread
             msg = f"{step} {result}"
             loop.call_soon_threadsafe(lambda: self.bus.publish("step", msg, gpu=gpu.pci, step=event_fields(step)))
 
@@ -150,7 +156,7 @@ class StepRunner:
         return GpuState(outcome.state, outcome.message, tuple(outcome.holders))
 
     async def reset(self, gpu: Gpu, why: str) -> GpuState:
-        """Reset one GPU the way the driver supports (gpud.host.nvidia_smi): drained, NVML closed
+        """Reset one GPU the way the driver supports (gpud.host.nvidia.gpu_reset): drained, NVML closed
         (no other GPU's NVML work runs meanwhile), `nvidia-smi -r -i <PCI>`, then the GPU re-read."""
         resetter = self.hw.reset
         if resetter is None:
@@ -170,7 +176,7 @@ class StepRunner:
                                                f"(mode {nv.mig_mode}, pending {nv.mig_pending}): reboot the host")
         return GpuState("converged", f"reset {gpu.pci} ({result.method})")
 
-    def _reset_refused(self, gpu: Gpu, why: str, result) -> GpuState:
+    def _reset_refused(self, gpu: Gpu, why: str, result: ResetResult) -> GpuState:
         """In use: the holders named (the pass waits or fails per on-busy, never kills); refused
         for another reason (a driver that cannot): reset-required with the tool's words, or a
         reboot where the policy allows one."""
@@ -188,7 +194,7 @@ class StepRunner:
     async def _vgpu(self, gpu: Gpu, action: VgpuAction) -> GpuState:
         loop = asyncio.get_running_loop()
 
-        def on_step(step) -> None:  # called from the worker thread: one event per vGPU
+        def on_step(step: VgpuStep) -> None:  # called from the worker thread: one event per vGPU
             line, data = step_event(step)
             loop.call_soon_threadsafe(lambda: self.bus.publish("vgpu", line, gpu=gpu.pci, step=data))
 

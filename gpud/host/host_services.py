@@ -20,7 +20,7 @@ from collections.abc import Iterable
 
 from msgspec import Struct
 
-from gpud.host.procs import process_name
+from gpud.host.kernel.procs import process_name
 
 COMM_LEN = 15  # bytes of a process name the kernel keeps in /proc/<pid>/comm
 

@@ -1,26 +1,17 @@
-"""layout.yaml text -> `Layout`, with every problem reported at once, by file, line and key path.
-
-Why not `yaml.safe_load` + msgspec.convert: the loaded dicts forget line numbers, duplicate keys
-silently overwrite, and YAML 1.1 re-types unquoted values (`0x233010DE` becomes an int,
-`0000:00:01.0` a sexagesimal *float*). So the text is composed into nodes (`yaml.compose`), which
-keep each key's line and the scalar exactly as written, and validated here by hand, with messages
-that say what was expected. `parse_layout` never raises on bad input; the daemon refuses to apply
-a file with errors and shows them all (mig-parted stopped at the first, or ignored some).
+"""layout.yaml v1, the grammar: YAML nodes (gpud.layout.yaml_reader) -> `Layout`, with every problem
+reported at once, by file, line and key path. `parse_layout` never raises on bad input; the daemon
+refuses to apply a file with errors and shows them all (mig-parted stopped at the first, or ignored
+some).
 """
 
 from __future__ import annotations
 
-import difflib
-import json
 import math
 import re
-from collections.abc import Iterator
 from typing import Literal
 
-import yaml
 from msgspec import Struct, field
-from yaml.constructor import SafeConstructor
-from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
+from yaml.nodes import MappingNode, Node, ScalarNode
 
 from gpud.layout.desired import LayoutIssue
 from gpud.layout.names import parse_mig_name
@@ -48,12 +39,26 @@ from gpud.layout.schema import (
     PciId,
     Policy,
 )
+from gpud.layout.yaml_reader import (
+    FLOAT,
+    INT,
+    MERGE,
+    NULL,
+    SCALARS,
+    STR,
+    NodeReader,
+    TooLarge,
+    is_null,
+    item_path,
+    key_path,
+    line_of,
+    one_of,
+    quote,
+    yaml11_note,
+)
 from gpud.mig_text import SYNTAX
 from gpud.pci import normalize_pci
 from gpud.vgpu_types import strip_prefix
-
-_TAG = "tag:yaml.org,2002:"
-_STR, _INT, _FLOAT, _BOOL, _NULL, _MERGE = (_TAG + t for t in ("str", "int", "float", "bool", "null", "merge"))
 
 TOP_KEYS = ("version", "selected", "layouts", "mig-configs", "vgpu-configs", "match", "policy", "hooks")
 # Synonyms of `layouts`, so mig-parted and vgpu-device-manager files load unchanged. Entries under
@@ -73,24 +78,7 @@ _HEX16 = re.compile(r"(?:0[xX])?([0-9a-fA-F]{1,4})")
 _UNIT = re.compile(r"[A-Za-z0-9:_.\\-]+(?:@[A-Za-z0-9:_.\\-]*)?(" + "|".join(re.escape(s) for s in UNIT_SUFFIXES) + ")")
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _VGPU_NAME = re.compile(r"[A-Za-z0-9]+(?:[-_][A-Za-z0-9]+)*")
-_PLAIN_KEY = re.compile(r"[A-Za-z0-9_-]+")
 _GROUP = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]{0,31}\$?")  # shadow-utils' portable group names
-
-_SCALARS = SafeConstructor()  # converts one scalar node at a time; keeps no state between calls
-
-
-class _CountingLoader(yaml.SafeLoader):
-    """yaml's safe composer, counting the aliases it resolves: only they make a short text a huge
-    tree, and the "too large" error must say which kind of large it is."""
-
-    def __init__(self, stream: str) -> None:
-        super().__init__(stream)
-        self.aliases = 0
-
-    def compose_node(self, parent, index):
-        if self.check_event(yaml.AliasEvent):
-            self.aliases += 1
-        return super().compose_node(parent, index)
 
 
 class ParsedLayout(Struct):
@@ -129,16 +117,6 @@ class ParsedLayout(Struct):
         return self.origins.get(path, path)
 
 
-def key_path(parent: str, key: str) -> str:
-    """`parent.key`; keys other than [A-Za-z0-9_-]+ are quoted: `mig-devices."1g.10gb"`."""
-    part = key if _PLAIN_KEY.fullmatch(key) else json.dumps(key)
-    return f"{parent}.{part}" if parent else part
-
-
-def item_path(parent: str, index: int) -> str:
-    return f"{parent}[{index}]"
-
-
 def entry_path(layouts_key: str, name: str, index: int) -> str:
     """Key path of one device entry: `layouts.partial-mig[0]`."""
     return item_path(key_path(layouts_key, name), index)
@@ -160,11 +138,11 @@ def parse_layout(text: str, file: str = "layout.yaml", *, select: str | None = N
     parser = _Parser(file, select, label_selects=label_selects)
     try:
         layout = parser.run(text)
-    except _TooLarge:
+    except TooLarge:
         if parser.aliases:
-            why = f"YAML aliases expand it to over {MAX_NODES} values"
+            why = f"YAML aliases expand it to over {parser.limit} values"
         else:
-            why = f"it has over {MAX_NODES} values (keys, list items, settings); a layout describes one host's GPUs"
+            why = f"it has over {parser.limit} values (keys, list items, settings); a layout describes one host's GPUs"
         parser.error(None, "", f"the layout is too large: {why}")
         layout = None
     except Exception as exc:  # noqa: BLE001 - a bug must still not take the daemon down
@@ -185,250 +163,32 @@ def parse_layout(text: str, file: str = "layout.yaml", *, select: str | None = N
     )
 
 
-def _line(node: Node) -> int:
-    return node.start_mark.line + 1
-
-
-def _quote(text: str, limit: int = 60) -> str:
-    if len(text) > limit:
-        text = text[: limit - 3] + "..."
-    return json.dumps(text)
-
-
-def _got(node: Node) -> str:
-    """How a node reads in `expected X, got Y`."""
-    if isinstance(node, MappingNode):
-        return "a mapping"
-    if isinstance(node, SequenceNode):
-        return "a list"
-    if not isinstance(node, ScalarNode):  # pragma: no cover - yaml only makes these three
-        return "an unknown node"
-    if node.tag == _NULL:
-        return "nothing"
-    if node.tag in (_INT, _FLOAT, _BOOL) and node.style is None:
-        return node.value if len(node.value) <= 60 else _quote(node.value)
-    return _quote(node.value)
-
-
-def _is_null(node: Node) -> bool:
-    return isinstance(node, ScalarNode) and node.tag == _NULL
-
-
 def _is_dynamic(node: Node) -> bool:
     """`mig-devices: dynamic`: the GPU's instances are made by leases, not listed in the file."""
-    return isinstance(node, ScalarNode) and node.tag == _STR and node.value == DYNAMIC
+    return isinstance(node, ScalarNode) and node.tag == STR and node.value == DYNAMIC
 
 
-def _one_of(values: tuple[str, ...]) -> str:
-    return ", ".join(values)
-
-
-# Aliases let a short file stand for a huge tree (`[*a, *a, ...]` nested); the validator stops
-# after visiting this many values rather than spend quadratic time on a `check` request.
-MAX_NODES = 100_000
 MAX_ERRORS = 100
 
 
-class _TooLarge(Exception):
-    pass
-
-
-class _Parser:
+class _Parser(NodeReader):
     def __init__(self, file: str, select: str | None = None, *, label_selects: bool = False) -> None:
-        self.file = file
+        super().__init__(file)
         self.select = select
         self.label_selects = label_selects
-        self.budget = MAX_NODES
-        self.aliases = 0  # aliases in the text (set once it is composed)
-        self.errors: list[LayoutIssue] = []
         self.warnings: list[LayoutIssue] = []
-        self.lines: dict[str, int] = {}
         self.origins: dict[str, str] = {}
         self.default_workload = "container"
-
-    # -- reporting -------------------------------------------------------------------------------
-
-    def error(self, node: Node | int | None, path: str, message: str) -> None:
-        line = _line(node) if isinstance(node, Node) else node
-        self.errors.append(LayoutIssue(self.file, line, path, message))
-
-    def expected(self, node: Node, path: str, what: str) -> None:
-        self.error(node, path, f"expected {what}, got {_got(node)}")
 
     def _renumbered(self, draft: str, original: str) -> None:
         if draft != original:
             self.origins[draft] = original
 
-    # -- generic shapes --------------------------------------------------------------------------
-
-    def mapping(
-        self, node: Node, path: str, allowed: tuple[str, ...], what: str = "a mapping"
-    ) -> dict[str, tuple[Node, Node]] | None:
-        """Known keys of a mapping -> (key node, value node); reports unknown and duplicate keys."""
-        if not isinstance(node, MappingNode):
-            self.expected(node, path, what)
-            return None
-        out: dict[str, tuple[Node, Node]] = {}
-        for name, kpath, key, value in self._unique_pairs(node, path):
-            if name not in allowed:
-                hint = difflib.get_close_matches(name, allowed, n=1)
-                did = f'; did you mean "{hint[0]}"?' if hint else ";"
-                self.error(key, kpath, f"unknown key {_quote(name)}{did} allowed: {_one_of(allowed)}")
-                continue
-            out[name] = (key, value)
-            self.lines[kpath] = _line(key)
-        return out
-
-    def free_mapping(self, node: Node, path: str, what: str) -> Iterator[tuple[str, Node, Node]]:
-        """Every (key, key node, value node) of a mapping whose keys are data (names, not fields)."""
-        if not isinstance(node, MappingNode):
-            self.expected(node, path, what)
-            return
-        for name, kpath, key, value in self._unique_pairs(node, path):
-            self.lines[kpath] = _line(key)
-            yield name, key, value
-
-    def _unique_pairs(self, node: MappingNode, path: str) -> Iterator[tuple[str, str, Node, Node]]:
-        """(name, key path, key node, value node) of a mapping, each key once; a repeated key is
-        an error (YAML would silently keep the last), except one brought in by a merge key."""
-        first: dict[str, int] = {}
-        for key, value, merged in self._pairs(node, path):
-            name = key.value
-            kpath = key_path(path, name)
-            if name in first:
-                if not merged:
-                    self.error(key, kpath, f"duplicate key (first at line {first[name]})")
-                continue
-            first[name] = _line(key)
-            yield name, kpath, key, value
-
-    def _spend(self, n: int) -> None:
-        self.budget -= n
-        if self.budget < 0:
-            raise _TooLarge
-
-    def _pairs(self, node: MappingNode, path: str) -> list[tuple[ScalarNode, Node, bool]]:
-        """Key/value pairs with YAML merge keys (`<<: *base`) applied: own keys first, then merged
-        ones (which the caller ignores when already present), flagged so they are not duplicates."""
-        self._spend(len(node.value) + 1)
-        own: list[tuple[ScalarNode, Node, bool]] = []
-        merged: list[tuple[ScalarNode, Node, bool]] = []
-        for key, value in node.value:
-            if isinstance(key, ScalarNode) and key.tag == _MERGE:
-                merged.extend(self._merged(value, path, {id(node)}))
-            elif not isinstance(key, ScalarNode) or key.tag == _NULL:
-                self.error(key, path, f"keys must be plain names, got {_got(key)}")
-            else:
-                own.append((key, value, False))
-        return own + merged
-
-    def _merged(self, value: Node, path: str, seen: set[int]) -> list[tuple[ScalarNode, Node, bool]]:
-        sources = value.value if isinstance(value, SequenceNode) else [value]
-        out: list[tuple[ScalarNode, Node, bool]] = []
-        self._spend(len(sources))
-        for src in sources:
-            if not isinstance(src, MappingNode):
-                self.error(src, path, f"a merge key (<<) takes a mapping or a list of mappings, got {_got(src)}")
-                continue
-            if id(src) in seen:
-                continue  # a mapping merged into itself through an alias
-            for key, val in src.value:
-                if isinstance(key, ScalarNode) and key.tag == _MERGE:
-                    out.extend(self._merged(val, path, seen | {id(src)}))
-                elif isinstance(key, ScalarNode) and key.tag != _NULL:
-                    out.append((key, val, True))
-        return out
-
-    def sequence(self, node: Node, path: str, what: str) -> list[tuple[str, Node]] | None:
-        if not isinstance(node, SequenceNode):
-            self.expected(node, path, what)
-            return None
-        self._spend(len(node.value) + 1)
-        items = []
-        for i, item in enumerate(node.value):
-            ipath = item_path(path, i)
-            self.lines[ipath] = _line(item)
-            items.append((ipath, item))
-        return items
-
-    def string(self, node: Node, path: str, what: str = "a string") -> str | None:
-        if isinstance(node, ScalarNode) and node.tag == _STR:
-            return node.value
-        self.expected(node, path, what)
-        return None
-
-    def text(self, node: Node, path: str, what: str) -> str | None:
-        """Any non-null scalar as written: `args: [-n, 5]` means the text "5", not the int 5."""
-        if isinstance(node, ScalarNode) and node.tag != _NULL:
-            return node.value
-        self.expected(node, path, what)
-        return None
-
-    def enum(self, node: Node, path: str, allowed: tuple[str, ...]) -> str | None:
-        if isinstance(node, ScalarNode) and node.tag == _STR and node.value in allowed:
-            return node.value
-        self.expected(node, path, f"one of {_one_of(allowed)}")
-        return None
-
-    def boolean(self, node: Node, path: str) -> bool | None:
-        if isinstance(node, ScalarNode) and node.tag == _BOOL:
-            try:
-                return bool(_SCALARS.construct_yaml_bool(node))
-            except Exception:  # noqa: BLE001 - `!!bool maybe`
-                pass
-        self.expected(node, path, "true or false")
-        return None
-
-    def integer(self, node: Node) -> int | None:
-        """The int a scalar denotes, or None; no reporting (callers word their own message).
-
-        Plain decimal only: YAML 1.1 also reads `010` as octal 8, `1_0` as 10, `0x1f`, `0b11` and
-        `1:30` (sexagesimal) as ints, which nobody means in a GPU index or a count.
-        """
-        if isinstance(node, ScalarNode) and node.tag == _INT:
-            if not _PLAIN_DECIMAL.fullmatch(node.value.strip()):
-                return None
-            try:
-                value = _SCALARS.construct_yaml_int(node)
-            except Exception:  # noqa: BLE001 - `!!int abc`
-                return None
-            return value if isinstance(value, int) and not isinstance(value, bool) else None
-        return None
-
-    def count(self, node: Node, path: str) -> int | None:
-        value = self.integer(node)
-        if value is None or value < 0:
-            self.expected(node, path, "a count >= 0" + _yaml11_note(node))
-            return None
-        return value
-
     # -- the file --------------------------------------------------------------------------------
 
     def run(self, text: str) -> Layout | None:
-        if not isinstance(text, str):
-            self.error(None, "", f"expected text, got {type(text).__name__}")
-            return None
-        loader: _CountingLoader | None = None
-        try:
-            loader = _CountingLoader(text)  # its reader already refuses control characters
-            root = loader.get_single_node()
-        except yaml.MarkedYAMLError as exc:
-            mark = exc.problem_mark or exc.context_mark
-            problem = ", ".join(p for p in (exc.context, exc.problem) if p) or "syntax error"
-            self.error(mark.line + 1 if mark else None, "", f"invalid YAML: {problem}")
-            return None
-        except yaml.YAMLError as exc:  # e.g. ReaderError: a control character
-            self.error(None, "", f"invalid YAML: {exc}")
-            return None
-        except RecursionError:
-            self.error(None, "", "invalid YAML: nested too deeply")
-            return None
-        finally:
-            if loader is not None:
-                self.aliases = loader.aliases
-                loader.dispose()
+        root = self.compose(text, empty='the file is empty; expected a mapping starting with "version: v1"')
         if root is None:
-            self.error(None, "", 'the file is empty; expected a mapping starting with "version: v1"')
             return None
         top = self.mapping(root, "", TOP_KEYS, 'a mapping with "version: v1" and "layouts"')
         if top is None:
@@ -442,7 +202,7 @@ class _Parser:
             self.error(root, "version", 'missing; expected "version: v1"')
         else:
             node = top["version"][1]
-            if isinstance(node, ScalarNode) and node.tag == _STR and node.value == "v1":
+            if isinstance(node, ScalarNode) and node.tag == STR and node.value == "v1":
                 version = "v1"
             else:
                 self.expected(node, "version", '"v1"')
@@ -450,7 +210,7 @@ class _Parser:
         layouts_key = "layouts"
         given = [k for k in ("layouts", *LAYOUTS_SYNONYMS) if k in top]
         if len(given) > 1:
-            key = max((top[k][0] for k in given), key=_line)
+            key = max((top[k][0] for k in given), key=line_of)
             self.error(key, key.value, f'use either "{given[0]}" or its synonym "{given[1]}", not both'
                        if len(given) == 2 else 'use one of "layouts", "mig-configs" and "vgpu-configs", not all three')
         elif given:
@@ -473,10 +233,10 @@ class _Parser:
         names: tuple[str, ...] = ()
         if isinstance(layouts_node, MappingNode):
             names = tuple(dict.fromkeys(
-                k.value for k, _ in layouts_node.value if isinstance(k, ScalarNode) and k.tag not in (_NULL, _MERGE)
+                k.value for k, _ in layouts_node.value if isinstance(k, ScalarNode) and k.tag not in (NULL, MERGE)
             ))
         selected = None
-        if "selected" in top and not _is_null(top["selected"][1]):
+        if "selected" in top and not is_null(top["selected"][1]):
             node = top["selected"][1]
             name = self.text(node, "selected", "the name of a layout")
             if name is not None:
@@ -484,27 +244,27 @@ class _Parser:
                     selected = name
                 elif name not in names and layouts_node is not None:
                     self.error(node, "selected",
-                               f"{_quote(name)} is not a layout in {layouts_key}; one of: {_one_of(names)}")
+                               f"{quote(name)} is not a layout in {layouts_key}; one of: {one_of(names)}")
         elif len(names) == 1:
             selected = names[0] if names[0] in layouts else None
         elif len(names) > 1 and self.select is None and not self.label_selects:
             self.error(top[layouts_key][0], "selected",
                        f'missing; {layouts_key} has {len(names)} layouts, so "selected" must name one of: '
-                       f"{_one_of(names)}")
+                       f"{one_of(names)}")
         if self.select is not None:  # the caller's choice (mig-parted's `-c`) wins over the file's
             selected = self.select if self.select in layouts else None
             if self.select not in layouts and self.select not in names and layouts_node is not None:
-                self.error(None, "selected", f"{_quote(self.select)} (chosen by the caller) is not a layout in "
-                                             f"{layouts_key}; one of: {_one_of(names)}")
+                self.error(None, "selected", f"{quote(self.select)} (chosen by the caller) is not a layout in "
+                                             f"{layouts_key}; one of: {one_of(names)}")
 
         match = DEFAULT_MATCH
-        if "match" in top and not _is_null(top["match"][1]):
+        if "match" in top and not is_null(top["match"][1]):
             match = self.match(top["match"][1]) or DEFAULT_MATCH
         policy = Policy()
-        if "policy" in top and not _is_null(top["policy"][1]):
+        if "policy" in top and not is_null(top["policy"][1]):
             policy = self.policy(top["policy"][1])
         hooks = Hooks()
-        if "hooks" in top and not _is_null(top["hooks"][1]):
+        if "hooks" in top and not is_null(top["hooks"][1]):
             hooks = self.hooks(top["hooks"][1])
 
         return Layout(version=version or "v1", selected=selected, layouts=layouts, layouts_key=layouts_key,
@@ -519,7 +279,7 @@ class _Parser:
             if not name:
                 self.error(key, lpath, "a layout name must not be empty")
                 continue
-            if _is_null(value):
+            if is_null(value):
                 out[name] = ()  # `name:` with nothing under it: a layout with no entries
                 continue
             items = self.sequence(value, lpath, "a list of device entries")
@@ -539,7 +299,7 @@ class _Parser:
             return None
 
         def get(key: str) -> Node | None:  # a key with a null value counts as absent
-            return keys[key][1] if key in keys and not _is_null(keys[key][1]) else None
+            return keys[key][1] if key in keys and not is_null(keys[key][1]) else None
 
         devices: Literal["all"] | tuple[int | str, ...] | None = None
         if (n := get("devices")) is None:
@@ -606,7 +366,7 @@ class _Parser:
     def devices(self, node: Node, path: str) -> Literal["all"] | tuple[int | str, ...] | None:
         what = '"all" or a list of GPU indices, PCI addresses or GPU UUIDs'
         if isinstance(node, ScalarNode):
-            if node.tag == _STR and node.value == "all":
+            if node.tag == STR and node.value == "all":
                 return "all"
             self.expected(node, path, what)
             return None
@@ -632,15 +392,15 @@ class _Parser:
 
     def selector(self, node: Node, path: str) -> int | str | None:
         what = "an index, PCI address or GPU UUID"
-        if isinstance(node, ScalarNode) and node.tag == _INT:
+        if isinstance(node, ScalarNode) and node.tag == INT:
             index = self.integer(node)
             if index is None:
-                self.expected(node, path, what + _yaml11_note(node))
+                self.expected(node, path, what + yaml11_note(node))
             elif index < 0:
                 self.expected(node, path, "a GPU index >= 0")
                 return None
             return index
-        if isinstance(node, ScalarNode) and node.tag != _NULL:
+        if isinstance(node, ScalarNode) and node.tag != NULL:
             # Unquoted `0000:00:01.0` is a YAML 1.1 float; the text as written is what counts.
             value = node.value.strip()
             if pci := normalize_pci(value):
@@ -664,7 +424,7 @@ class _Parser:
         return tuple(dict.fromkeys(i for i in ids if i is not None))
 
     def pci_id(self, node: Node, path: str) -> PciId | None:
-        if isinstance(node, ScalarNode) and node.tag != _NULL:
+        if isinstance(node, ScalarNode) and node.tag != NULL:
             value = node.value.strip()  # unquoted 0x233010DE is a YAML int; take the text
             if m := _FILTER_MIG_PARTED.fullmatch(value):
                 if m[3] is not None:
@@ -678,13 +438,13 @@ class _Parser:
         return None
 
     def mig_devices(self, node: Node, path: str) -> dict[str, int] | None:
-        if _is_null(node):
+        if is_null(node):
             return None
         out: dict[str, int] = {}
         for name, key, value in self.free_mapping(node, path, f'a mapping of MIG device name -> count, or "{DYNAMIC}"'):
             kpath = key_path(path, name)
             if parse_mig_name(name) is None:
-                self.error(key, kpath, f"{_quote(name)} is not a MIG device name; expected {SYNTAX}")
+                self.error(key, kpath, f"{quote(name)} is not a MIG device name; expected {SYNTAX}")
                 continue
             count = self.count(value, kpath)
             if count:  # 0 is allowed (mig-parted allows it) and means none
@@ -692,13 +452,13 @@ class _Parser:
         return out
 
     def vgpu_devices(self, node: Node, path: str) -> dict[str, int] | None:
-        if _is_null(node):
+        if is_null(node):
             return None
         out: dict[str, int] = {}
         for name, key, value in self.free_mapping(node, path, "a mapping of vGPU type name -> count"):
             kpath = key_path(path, name)
             if not _VGPU_NAME.fullmatch(strip_prefix(name)):
-                self.error(key, kpath, f'{_quote(name)} is not a vGPU type name; expected e.g. "H200X-1-18C"')
+                self.error(key, kpath, f'{quote(name)} is not a vGPU type name; expected e.g. "H200X-1-18C"')
                 continue
             count = self.count(value, kpath)
             if count:
@@ -729,7 +489,7 @@ class _Parser:
 
     def hex16(self, node: Node, path: str) -> int | None:
         # Text as written: unquoted 0x10de is an int and 0302 an octal int in YAML 1.1.
-        if isinstance(node, ScalarNode) and node.tag != _NULL and (m := _HEX16.fullmatch(node.value.strip())):
+        if isinstance(node, ScalarNode) and node.tag != NULL and (m := _HEX16.fullmatch(node.value.strip())):
             return int(m[1], 16)
         self.expected(node, path, 'a 16-bit hex value like "0x10de"')
         return None
@@ -739,9 +499,9 @@ class _Parser:
         if keys is None:
             return Policy()
         values: dict[str, object] = {}
-        if "drain-units" in keys and not _is_null(keys["drain-units"][1]):
+        if "drain-units" in keys and not is_null(keys["drain-units"][1]):
             values["drain_units"] = self.units(keys["drain-units"][1], "policy.drain-units")
-        if "lease-group" in keys and not _is_null(keys["lease-group"][1]):
+        if "lease-group" in keys and not is_null(keys["lease-group"][1]):
             group = self.string(keys["lease-group"][1], "policy.lease-group", "a group name")
             if group is not None and not _GROUP.fullmatch(group):
                 self.expected(keys["lease-group"][1], "policy.lease-group", "a group name")
@@ -766,7 +526,7 @@ class _Parser:
             if not _UNIT.fullmatch(name) or "@." in name:  # a template cannot be stopped
                 suffixes = ", ".join(UNIT_SUFFIXES)
                 self.error(item, ipath,
-                           f"{_quote(name)} is not a systemd unit name; expected a name ending in one of {suffixes}")
+                           f"{quote(name)} is not a systemd unit name; expected a name ending in one of {suffixes}")
                 continue
             out.append(name)
         return tuple(dict.fromkeys(out))
@@ -777,7 +537,7 @@ class _Parser:
             return Hooks()
         values: dict[str, tuple[Hook, ...]] = {}
         for point, (_, value) in keys.items():
-            if _is_null(value):
+            if is_null(value):
                 continue
             hpath = key_path("hooks", point)
             items = self.sequence(value, hpath, "a list of {command, args, env, timeout}")
@@ -793,7 +553,7 @@ class _Parser:
             return None
         ok = True
         command = None
-        if "command" not in keys or _is_null(keys["command"][1]):
+        if "command" not in keys or is_null(keys["command"][1]):
             self.error(node, path, 'missing key "command" (an absolute path)')
             ok = False
         else:
@@ -801,11 +561,11 @@ class _Parser:
             command = self.string(n, key_path(path, "command"), "an absolute path")
             if command is not None and not command.startswith("/"):
                 self.error(n, key_path(path, "command"),
-                           f"{_quote(command)} is not an absolute path; hooks run without a shell or PATH")
+                           f"{quote(command)} is not an absolute path; hooks run without a shell or PATH")
                 command = None
             ok = ok and command is not None
         args: list[str] = []
-        if "args" in keys and not _is_null(keys["args"][1]):
+        if "args" in keys and not is_null(keys["args"][1]):
             items = self.sequence(keys["args"][1], key_path(path, "args"), "a list of strings")
             ok = ok and items is not None
             for ipath, item in items or ():
@@ -813,21 +573,21 @@ class _Parser:
                 ok = ok and arg is not None
                 args.append(arg or "")
         env: dict[str, str] = {}
-        if "env" in keys and not _is_null(keys["env"][1]):
+        if "env" in keys and not is_null(keys["env"][1]):
             epath = key_path(path, "env")
             if not isinstance(keys["env"][1], MappingNode):
                 ok = False
             for name, key, value in self.free_mapping(keys["env"][1], epath, "a mapping of NAME -> value"):
                 kpath = key_path(epath, name)
                 if not _ENV_NAME.fullmatch(name):
-                    self.error(key, kpath, f"{_quote(name)} is not an environment variable name")
+                    self.error(key, kpath, f"{quote(name)} is not an environment variable name")
                     ok = False
                     continue
                 text = self.text(value, kpath, "a string")
                 ok = ok and text is not None
                 env[name] = text or ""
         timeout = None
-        if "timeout" in keys and not _is_null(keys["timeout"][1]):
+        if "timeout" in keys and not is_null(keys["timeout"][1]):
             n = keys["timeout"][1]
             timeout = self.seconds(n)
             if timeout is None:
@@ -841,30 +601,16 @@ class _Parser:
         if not isinstance(node, ScalarNode):
             return None
         value: object = None
-        if node.tag == _INT:
+        if node.tag == INT:
             value = self.integer(node)
-        elif node.tag == _FLOAT:
+        elif node.tag == FLOAT:
             try:
-                value = _SCALARS.construct_yaml_float(node)
+                value = SCALARS.construct_yaml_float(node)
             except Exception:  # noqa: BLE001 - `!!float abc`
                 return None
         if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0:
             return float(value)
         return None
-
-
-_PLAIN_DECIMAL = re.compile(r"[-+]?(0|[1-9][0-9]*)")
-
-
-def _yaml11_note(node: Node) -> str:
-    """What YAML 1.1 would have made of a non-decimal int, so the error says what was read."""
-    if not (isinstance(node, ScalarNode) and node.tag == _INT) or _PLAIN_DECIMAL.fullmatch(node.value.strip()):
-        return ""
-    try:
-        meant = _SCALARS.construct_yaml_int(node)
-    except Exception:  # noqa: BLE001 - `!!int abc`: not a number at all, the plain message says so
-        return ""
-    return f" in plain decimal (YAML 1.1 would read {node.value.strip()!r} as {meant})"
 
 
 def _selector_text(selector: int | str) -> str:

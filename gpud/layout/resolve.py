@@ -15,14 +15,9 @@ from msgspec import Struct, field
 
 from gpud.layout.desired import DesiredGpu, LayoutIssue
 from gpud.layout.names import ci_names, find_profile, parse_mig_name, sorted_names
-from gpud.layout.parse import (
-    ParsedLayout,
-    entry_path,
-    item_path,
-    key_path,
-    parse_layout,
-)
-from gpud.layout.schema import Layout
+from gpud.layout.parse import ParsedLayout, entry_path, parse_layout
+from gpud.layout.schema import DeviceEntry, Layout
+from gpud.layout.yaml_reader import item_path, key_path
 from gpud.model import Gpu, KnownGpu, MigProfile
 from gpud.profiles import NVIDIA, by_device, model_name, with_model_ci_profiles
 from gpud.vgpu_types import VgpuModel, mig_need, parse_vgpu_name, strip_prefix
@@ -296,7 +291,7 @@ def _check_mig(parsed: ParsedLayout, mig_devices: dict[str, int], epath: str, gp
 VGPU_SYNTAX = "<GPU>-<GB><A|B|C|Q> (time-sliced, e.g. L40S-12Q) or <GPU>-<G>-<GB><A|B|C|Q>[ME] (MIG-backed, e.g. A100-1-5C)"
 
 
-def vgpu_mig_layout(vgpu_devices: dict[str, int], entry, table: VgpuModel | None = None
+def vgpu_mig_layout(vgpu_devices: dict[str, int], entry: DeviceEntry, table: VgpuModel | None = None
                     ) -> tuple[bool | None, dict[str, int]]:
     """The MIG layout vGPU types imply (vgpu-device-manager's ToMigConfigSpecSlice): MIG-backed types
     need MIG on with as many GPU instances of their profile as their count fills, one type per
@@ -316,7 +311,7 @@ def vgpu_mig_layout(vgpu_devices: dict[str, int], entry, table: VgpuModel | None
     return entry.mig_enabled, dict(entry.mig_devices)
 
 
-def _check_vgpu(entry, epath: str, gpu: Gpu, table: VgpuModel | None, errors: _Collector,
+def _check_vgpu(entry: DeviceEntry, epath: str, gpu: Gpu, table: VgpuModel | None, errors: _Collector,
                 warnings: _Collector) -> dict[str, int] | None:
     """vGPU type names against the types this GPU's model offers (gpud.vgpu_types; sysfs shows the
     same names once the driver is asked); the message names the model and the valid types. Returns

@@ -11,6 +11,7 @@ something twice.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, cast
 
 from msgspec import Struct, field
@@ -148,12 +149,12 @@ def plan_binding(
                 **base,
             )
         steps = _to_vfio(endpoints, fn.iommu_group, drivers)
-        return BindingPlan(target=VFIO, steps=steps, disruption=_disruption_vfio(gpu, endpoints, steps), **base)
+        return BindingPlan(target=VFIO, steps=steps, disruption=_disruption_vfio(gpu, steps), **base)
     steps = _to_native(fn, endpoints[1:], native)
-    return BindingPlan(target="native", steps=steps, disruption=_disruption_native(gpu, endpoints, steps), **base)
+    return BindingPlan(target="native", steps=steps, disruption=_disruption_native(gpu, steps), **base)
 
 
-def _to_vfio(endpoints: list[PciFunction], group: int, drivers) -> tuple[BindStep, ...]:
+def _to_vfio(endpoints: list[PciFunction], group: int, drivers: frozenset[str] | set[str] | None) -> tuple[BindStep, ...]:
     steps: list[BindStep] = []
     for f in endpoints:
         if f.driver_override != VFIO:
@@ -209,11 +210,11 @@ def _to_native(fn: PciFunction, companions: list[PciFunction], native: str | Non
     return tuple(steps)
 
 
-def _unbinds(steps) -> dict[str, str]:
-    return {s.pci: s.driver for s in steps if s.action == UNBIND}
+def _unbinds(steps: Sequence[BindStep]) -> dict[str, str]:
+    return {s.pci: s.driver for s in steps if s.action == UNBIND and s.pci and s.driver}  # an unbind names both
 
 
-def _disruption_vfio(gpu: Gpu, endpoints, steps) -> BindDisruption:
+def _disruption_vfio(gpu: Gpu, steps: Sequence[BindStep]) -> BindDisruption:
     detached = _unbinds(steps)
     if not detached:
         return BindDisruption(detached={}, summary="no driver is taken away" if steps else "")
@@ -234,7 +235,7 @@ def _disruption_vfio(gpu: Gpu, endpoints, steps) -> BindDisruption:
     )
 
 
-def _disruption_native(gpu: Gpu, endpoints, steps) -> BindDisruption:
+def _disruption_native(gpu: Gpu, steps: Sequence[BindStep]) -> BindDisruption:
     detached = _unbinds(steps)
     if not detached:
         return BindDisruption(detached={}, summary="no driver is taken away" if steps else "")

@@ -20,17 +20,20 @@ One pool per node (named after the node), every device once, published by gpud's
 
 Attribute names are those of NVIDIA's DRA driver (k8s-dra-driver-gpu: `type`, `uuid`,
 `parentUUID`, `profile`, `productName`, `architecture`, `cudaComputeCapability`, `driverVersion`)
-plus the standard `resource.kubernetes.io/pciBusID` (k8s.io/dynamic-resource-allocation
-deviceattribute), so CEL selectors written for NVIDIA's driver carry over. `pcieRoot` is not
-published: gpud's observed model holds the function's address, not its root port.
+plus the standard `resource.kubernetes.io/pciBusID` and `resource.kubernetes.io/pcieRoot`
+(k8s.io/dynamic-resource-allocation deviceattribute; the root complex is read from sysfs by
+gpud.host.kernel.sysfs.pcie_root), so CEL selectors written for NVIDIA's driver carry over and a claim
+can ask for a GPU and a NIC under one root complex (`matchAttribute`).
 
 Limits honoured (k8s.io/api resource/v1 types.go, v0.36.3): devices and sharedCounters live in
 separate slices of the pool; at most 8 counter sets per slice and 32 counters per set; at most 64
-devices per slice once devices consume counters (128 otherwise); names are DNS labels.
+devices per slice once devices consume counters or carry taints (128 otherwise); names are DNS labels.
 
 Capacity used outside Kubernetes is never offered: a placement overlapping a foreign instance (a
 lease made through gpudctl, an instance nobody leased) and the whole GPU beside it are left out.
-A GPU that is missing or unhealthy publishes nothing.
+A GPU that is missing or unhealthy (stuck, gone) publishes nothing. A GPU the driver reported an
+Xid for keeps its devices, each carrying the device taint `<driver>/xid=<code>` (NoSchedule, or
+None for an application's error), as NVIDIA's DRA driver taints them (docs/dra.md).
 """
 
 from __future__ import annotations
@@ -71,6 +74,9 @@ class DraInputs(Struct, frozen=True):
     # PCI -> placements held by something other than a DRA claim (leases from gpudctl, foreign
     # instances): never offered
     foreign: Mapping[str, tuple[Placement, ...]] = field(default_factory=dict)
+    pcie_roots: Mapping[str, str] = field(default_factory=dict)  # PCI -> "pci0000:15" (sysfs)
+    # PCI -> device taints (KEP-5055) every device of that GPU carries: an Xid the driver reported
+    taints: Mapping[str, tuple[dict, ...]] = field(default_factory=dict)
     generation: int = 1
 
 
@@ -118,6 +124,9 @@ def _s(v: str) -> dict:
 def _common(gpu: Gpu, inputs: DraInputs) -> dict[str, dict]:
     model = by_device(gpu.function.device)
     attrs: dict[str, dict] = {STANDARD + "pciBusID": _s(gpu.pci)}
+    root = inputs.pcie_roots.get(gpu.pci)
+    if root:
+        attrs[STANDARD + "pcieRoot"] = _s(root)
     name = gpu.nvml.name if gpu.nvml is not None else (model.name if model is not None else None)
     if name:
         attrs["productName"] = _s(name)
@@ -310,6 +319,9 @@ def build_slices(inputs: DraInputs) -> DraSlices:
     groups: list[list[tuple[dict, SliceDevice]]] = []
     for gpu in sorted(inputs.gpus, key=lambda g: g.index):
         devs, cs = gpu_devices(gpu, inputs)
+        taints = inputs.taints.get(gpu.pci)
+        if taints:
+            devs = [(dict(d, taints=[dict(t) for t in taints]), sd) for d, sd in devs]
         if cs is not None:
             counter_sets.append(cs)
         if devs:
@@ -320,7 +332,8 @@ def build_slices(inputs: DraInputs) -> DraSlices:
     current: list[dict] = []
     consuming = False
     for devs in groups:
-        group_consumes = any("consumesCounters" in d for d, _ in devs)
+        # counters and taints are both "advanced features": 64 devices per slice, not 128
+        group_consumes = any("consumesCounters" in d or "taints" in d for d, _ in devs)
         for chunk_start in range(0, len(devs), MAX_DEVICES_CONSUMING):
             chunk = [d for d, _ in devs[chunk_start:chunk_start + MAX_DEVICES_CONSUMING]]
             limit = MAX_DEVICES_CONSUMING if (consuming or group_consumes) else MAX_DEVICES

@@ -199,11 +199,11 @@ def plan_gpu(gpu: Gpu, desired: DesiredGpu) -> GpuPlan:
     where = f"{model_name(gpu)} {gpu.pci}"
     nv = gpu.nvml
     if nv is None:
-        return _replace(base, infeasible=f"MIG on {where} cannot be managed: NVML does not see the GPU "
+        return msgspec.structs.replace(base, infeasible=f"MIG on {where} cannot be managed: NVML does not see the GPU "
                                          f"(driver: {gpu.function.driver or 'none'})")
     if not nv.mig_capable:
         if want:
-            return _replace(base, infeasible=f"{where} does not support MIG")
+            return msgspec.structs.replace(base, infeasible=f"{where} does not support MIG")
         return base
 
     mode = nv.mig_mode or 0
@@ -218,7 +218,7 @@ def plan_gpu(gpu: Gpu, desired: DesiredGpu) -> GpuPlan:
             specs = desired_specs(desired.mig_devices, profiles, where)
             assignments = solve(profiles, specs, [_existing(g) for g in existing], where=where)
         except Infeasible as e:
-            return _replace(base, infeasible=str(e) + _packing_note(desired.mig_devices, profiles))
+            return msgspec.structs.replace(base, infeasible=str(e) + _packing_note(desired.mig_devices, profiles))
 
     by_id = {p.id: p for p in profiles}
     keep = {a.keep: a for a in assignments if a.keep is not None}
@@ -302,7 +302,3 @@ def _ci_placement(gi: MigProfile, ci_profile_id: int, start: int | None) -> Plac
         return None
     ci = next((c for c in gi.ci_profiles if c.id == ci_profile_id), None)
     return Placement(start, ci.slices) if ci is not None else None
-
-
-def _replace(plan: GpuPlan, **kw) -> GpuPlan:
-    return msgspec.structs.replace(plan, **kw)

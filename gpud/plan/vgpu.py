@@ -26,10 +26,11 @@ from __future__ import annotations
 import uuid as uuidlib
 from typing import Literal
 
+import msgspec
 from msgspec import Struct, field
 
 from gpud.layout.desired import DesiredGpu
-from gpud.model import Holder, VgpuDevice, VgpuState
+from gpud.model import Holder, NvmlGpu, VgpuDevice, VgpuState
 from gpud.vgpu_types import VgpuModel, mig_need, parse_vgpu_name, strip_prefix
 
 VgpuAction = Literal["remove", "free-vf", "disable-vfs", "enable-vfs", "create-mdev", "set-vf-type"]
@@ -174,7 +175,7 @@ def plan_vgpu(*, pci: str, index: int, gpu_key: str, where: str, state: VgpuStat
     base = VgpuPlan(pci=pci, index=index, interface=state.interface)
     reason = check_rules(want, model, state, where)
     if reason is not None:
-        return _with(base, infeasible=reason)
+        return msgspec.structs.replace(base, infeasible=reason)
 
     # Survivors: per type, keep up to the count asked; busy ones and recorded identities first.
     recorded = {u for us in record.uuids.values() for u in us}
@@ -192,10 +193,10 @@ def plan_vgpu(*, pci: str, index: int, gpu_key: str, where: str, state: VgpuStat
     if gi_profiles is not None:
         reason = check_instances(want, model, kept, gi_profiles, where)
         if reason is not None:
-            return _with(base, infeasible=reason)
+            return msgspec.structs.replace(base, infeasible=reason)
     busy = sorted({h for d in doomed for h in d.holders})
     if busy:
-        return _with(base, kept=kept, removed=doomed, blocked_by=busy)
+        return msgspec.structs.replace(base, kept=kept, removed=doomed, blocked_by=busy)
 
     removals: list[VgpuStep] = []
     for d in doomed:
@@ -215,7 +216,7 @@ def plan_vgpu(*, pci: str, index: int, gpu_key: str, where: str, state: VgpuStat
             # The interface shows itself only once VFs exist: enable them (all, as sriov-manage -e
             # does) and plan the vGPUs on the next round.
             count = state.total_vfs or (model.total_vfs if model is not None else 0)
-            return _with(base, kept=kept, removed=doomed, removals=removals,
+            return msgspec.structs.replace(base, kept=kept, removed=doomed, removals=removals,
                          creations=[VgpuStep("enable-vfs", pci, count=count)])
         busy_parents = {d.parent for d in kept}
         free = [v for v in state.vfs if v not in busy_parents]
@@ -228,7 +229,7 @@ def plan_vgpu(*, pci: str, index: int, gpu_key: str, where: str, state: VgpuStat
                     pick = next((v for v in free if record.vfs.get(v) == vtype), None) or \
                         next((v for v in free if v not in record.vfs), None) or (free[0] if free else None)
                     if pick is None:
-                        return _with(base, infeasible=f"no free VF left on {where} for {vtype}")
+                        return msgspec.structs.replace(base, infeasible=f"no free VF left on {where} for {vtype}")
                     free.remove(pick)
                     if state.interface == "vfio":
                         creations.append(VgpuStep("set-vf-type", pci, type=vtype, vf=pick))
@@ -239,7 +240,7 @@ def plan_vgpu(*, pci: str, index: int, gpu_key: str, where: str, state: VgpuStat
                 new = _next_uuid(gpu_key, vtype, record, in_use)
                 in_use.add(new)
                 creations.append(VgpuStep("create-mdev", pci, type=vtype, uuid=new, parent=parent))
-    return _with(base, kept=kept, removed=doomed, removals=removals, creations=creations)
+    return msgspec.structs.replace(base, kept=kept, removed=doomed, removals=removals, creations=creations)
 
 
 def _next_uuid(gpu_key: str, vtype: str, record: VgpuRecord, in_use: set[str]) -> str:
@@ -253,13 +254,7 @@ def _next_uuid(gpu_key: str, vtype: str, record: VgpuRecord, in_use: set[str]) -
     return u
 
 
-def _with(plan: VgpuPlan, **changes) -> VgpuPlan:
-    fields = {f: getattr(plan, f) for f in plan.__struct_fields__}
-    fields.update(changes)
-    return VgpuPlan(**fields)
-
-
-def gi_profiles_of(nvml) -> dict[int, str] | None:
+def gi_profiles_of(nvml: NvmlGpu | None) -> dict[int, str] | None:
     """GI id -> profile name of an NvmlGpu's GPU instances (None when MIG is off or unknown)."""
     if nvml is None or not nvml.mig_capable or not nvml.mig_mode:
         return None

@@ -1,7 +1,7 @@
 """`gpud qualify`, read-only: what gpud needs from this host and what may stop it, one check each.
 
 Reads through the adapters gpud itself uses (sysfs, NVML, /proc) plus two read-only ones
-(host.host_services, host.nvidia_smi_query); the adapters are built read-only, so a mutation would be
+(host.host_services, host.nvidia.smi_query); the adapters are built read-only, so a mutation would be
 refused before it reached the hardware. Every check ends in ok / warn / fail / unknown with what
 was found and what gpud does about it. Hardware facts and their sources: docs/qualify.md.
 """
@@ -10,15 +10,16 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from gpud import profiles as model_tables
 from gpud.engine.observe.discovery import Observation, observe
 from gpud.hardware import Hardware
 from gpud.host.host_services import HostServices
-from gpud.host.nvidia_smi_query import NvidiaSmi, NvidiaSmiError, SmiQuery
-from gpud.host.nvml import NvmlError
-from gpud.host.vgpu_sysfs import vfio_cdevs
+from gpud.host.nvidia.nvml import NvmlError
+from gpud.host.nvidia.smi_query import NvidiaSmi, NvidiaSmiError, SmiQuery
+from gpud.host.nvidia.vgpu_sysfs import vfio_cdevs
+from gpud.layout.schema import MatchRule
 from gpud.model import Gpu, Holder, MigProfile
 from gpud.pci import is_bridge
 from gpud.plan.reset_scope import NO_FABRIC_DEPENDENCY
@@ -134,7 +135,7 @@ def host_checks(observation: Observation, services: HostServices) -> list[Check]
         checks.append(Check(group, "vfio-pci module", "ok", f"loaded ({vfio.evidence})"))
     elif vfio.available:
         checks.append(Check(group, "vfio-pci module", "ok", f"not loaded, available ({vfio.evidence})",
-                            "gpud loads it before the first passthrough (or ship /usr/lib/modules-load.d/gpud.conf)"))
+                            "gpud has systemd load it (modprobe@vfio_pci.service) before the first passthrough"))
     else:
         checks.append(Check(group, "vfio-pci module", "warn" if vfio.available is False else "unknown",
                             f"not loaded; {vfio.evidence}",
@@ -380,7 +381,7 @@ def _iommu_check(group: str, gpu: Gpu, observation: Observation) -> Check:
                  "the card's own functions follow the GPU to vfio-pci")
 
 
-def read_only_checks(hw: Hardware, services: HostServices, smi: NvidiaSmi, match) -> list[Check]:
+def read_only_checks(hw: Hardware, services: HostServices, smi: NvidiaSmi, match: Sequence[MatchRule]) -> list[Check]:
     checks, query = driver_checks(hw, smi, services)
     observation = observe(hw.sysfs, hw.nvml, match)
     if observation.nvml_error:

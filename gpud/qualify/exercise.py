@@ -12,7 +12,7 @@ refused before anything changes.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from gpud import profiles as model_tables
 from gpud.engine.binding import binder
@@ -20,7 +20,9 @@ from gpud.engine.mig import executor as mig_executor
 from gpud.engine.observe.discovery import observe
 from gpud.engine.observe.holders import device_holders
 from gpud.hardware import Hardware
+from gpud.host.nvidia.gpu_reset import ResetResult
 from gpud.layout.desired import DesiredGpu
+from gpud.layout.schema import MatchRule
 from gpud.model import Gpu, Holder, MigProfile, NvmlGpu, Placement
 from gpud.pci import normalize_pci
 from gpud.plan.binding import plan_binding
@@ -35,7 +37,7 @@ class _Abort(Exception):
 
 
 class _Exercise:
-    def __init__(self, hw: Hardware, gpu: Gpu, match, unbind_timeout: float):
+    def __init__(self, hw: Hardware, gpu: Gpu, match: Sequence[MatchRule], unbind_timeout: float) -> None:
         self.hw = hw
         self.pci = gpu.pci
         self.index = gpu.index
@@ -145,8 +147,8 @@ class _Exercise:
         return wrong
 
     # ---- reset and binding
-    def reset_gpu(self):
-        """gpud's reset, as a pass makes it (gpud.host.nvidia_smi): gpud's own NVML session closed,
+    def reset_gpu(self) -> ResetResult:
+        """gpud's reset, as a pass makes it (gpud.host.nvidia.gpu_reset): gpud's own NVML session closed,
         `nvidia-smi -r -i <PCI>` for a GPU on nvidia (sysfs otherwise), NVML opened again."""
         resetter = self.hw.reset
         assert resetter is not None  # gpud.hardware gives every host one, with the sysfs deadline
@@ -243,7 +245,7 @@ def _refusal(gpu: Gpu, holders: Callable[[str], list[Holder]]) -> str | None:
     return None
 
 
-def exercise(hw: Hardware, ref: str, *, match, unbind_timeout: float = 30.0) -> list[Check]:
+def exercise(hw: Hardware, ref: str, *, match: Sequence[MatchRule], unbind_timeout: float = 30.0) -> list[Check]:
     gpus = observe(hw.sysfs, hw.nvml, match).gpus
     gpu = select(gpus, ref)
     if gpu is None:

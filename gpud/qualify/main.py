@@ -18,7 +18,7 @@ from typing import Literal
 from gpud.engine.apply_lock import ApplyLock, ApplyLockBusy, ApplyLockRefused
 from gpud.hardware import Hardware, Host, HostConfig, build_hardware
 from gpud.host.host_services import HostServices
-from gpud.host.nvidia_smi_query import NvidiaSmi
+from gpud.host.nvidia.smi_query import NvidiaSmi
 from gpud.layout.match import DEFAULT_MATCH
 from gpud.qualify.report import Check, Report, counts, render_text, to_json, verdict
 

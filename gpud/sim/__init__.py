@@ -28,7 +28,7 @@ class _Store:
         return self._impl(abs_path, data)
 
     def child_spec(self) -> tuple[str, str]:
-        """How the sysfs writer process rebuilds this store (gpud.host.deadline_write)."""
+        """How the sysfs writer process rebuilds this store (gpud.host.kernel.deadline_write)."""
         return "gpud.sim.kernel:Store", str(self.host_dir)
 
 

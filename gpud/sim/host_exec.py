@@ -25,6 +25,7 @@ import os
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 MS_RDONLY = 0x1
@@ -147,7 +148,7 @@ def _proc_with(m: _Mounts, entries: dict[str, str], stash_root: str) -> None:
     m.libc.mount(b"none", b"/proc", None, MS_REMOUNT | MS_RDONLY, None)
 
 
-def enter_namespace(host_dir: Path, warn=print) -> None:
+def enter_namespace(host_dir: Path, warn: Callable[[str], object] = print) -> None:
     """Unshare the mount namespace and put the simulated host's files in place (see BINDS)."""
     m = _Mounts()
     m.unshare()

@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from typing import TextIO
 
 from gpud.sim.gpu_rules import reports_persistent, reset_gpu
 from gpud.sim.state import SimState, count_reset, load, locked
@@ -116,15 +117,14 @@ def in_use_message(addresses: list[str]) -> str:
     return "\n".join(lines)
 
 
-def reset(host_dir: str | os.PathLike, ids: list[str] | None, out=sys.stdout, err=sys.stderr) -> int:
+def reset(host_dir: str | os.PathLike, ids: list[str] | None, out: TextIO | None = None,
+          err: TextIO | None = None) -> int:
     """`nvidia-smi -r [-i ids]` on the simulated host; returns the exit status."""
+    out, err = out or sys.stdout, err or sys.stderr
     with locked(host_dir) as state:
-        if "nvidia" not in state.loaded_modules:
-            print(NO_DRIVER, file=out)
-            return EXIT_DRIVER_NOT_LOADED
-        targets = _targets(state, ids, err)
-        if targets is None:
-            return EXIT_NOT_FOUND
+        targets = _targets(state, ids, out, err)
+        if isinstance(targets, int):
+            return targets
         if not targets:
             print("No devices were found", file=out)
             return EXIT_NOT_FOUND
@@ -151,31 +151,34 @@ def reset(host_dir: str | os.PathLike, ids: list[str] | None, out=sys.stdout, er
     return EXIT_OK
 
 
-def _targets(state: SimState, ids: list[str] | None, err) -> list[str] | None:
+def _targets(state: SimState, ids: list[str] | None, out: TextIO, err: TextIO) -> list[str] | int:
+    """The GPUs `-i ids` names (all without it), or the exit status when the driver is not loaded
+    or an id names no GPU (the message printed)."""
+    if "nvidia" not in state.loaded_modules:
+        print(NO_DRIVER, file=out)
+        return EXIT_DRIVER_NOT_LOADED
     if ids is None:
         return nvml_gpus(state)
-    out = []
+    found: list[str] = []
     for ident in ids:
         a = resolve(state, ident)
         if a is None:
             print(f"No devices were found matching {ident!r}", file=err)
-            return None
-        if a not in out:
-            out.append(a)
-    return out
+            return EXIT_NOT_FOUND
+        if a not in found:
+            found.append(a)
+    return found
 
 
-def persistence(host_dir: str | os.PathLike, ids: list[str] | None, on: bool, out=None, err=None) -> int:
+def persistence(host_dir: str | os.PathLike, ids: list[str] | None, on: bool, out: TextIO | None = None,
+                err: TextIO | None = None) -> int:
     """`nvidia-smi -pm 0|1 [-i ids]`: legacy persistence flags, or the daemon's (it then opens or
     closes the GPU's node)."""
     out, err = out or sys.stdout, err or sys.stderr
     with locked(host_dir) as state:
-        if "nvidia" not in state.loaded_modules:
-            print(NO_DRIVER, file=out)
-            return EXIT_DRIVER_NOT_LOADED
-        targets = _targets(state, ids, err)
-        if targets is None:
-            return EXIT_NOT_FOUND
+        targets = _targets(state, ids, out, err)
+        if isinstance(targets, int):
+            return targets
         if on and state.persistence == "off":
             state.persistence = "legacy"
         for a in targets:
@@ -198,7 +201,8 @@ def persistence(host_dir: str | os.PathLike, ids: list[str] | None, on: bool, ou
     return EXIT_OK
 
 
-def query(host_dir: str | os.PathLike, ids: list[str] | None, fields: str, fmt: str, out=None, err=None) -> int:
+def query(host_dir: str | os.PathLike, ids: list[str] | None, fields: str, fmt: str, out: TextIO | None = None,
+          err: TextIO | None = None) -> int:
     """`--query-gpu=persistence_mode --format=csv,noheader`: one line per GPU."""
     out, err = out or sys.stdout, err or sys.stderr
     names = [f.strip() for f in fields.split(",") if f.strip()]
@@ -208,12 +212,9 @@ def query(host_dir: str | os.PathLike, ids: list[str] | None, fields: str, fmt: 
               file=err)
         return EXIT_INVALID_ARGUMENT
     state = load(host_dir)
-    if "nvidia" not in state.loaded_modules:
-        print(NO_DRIVER, file=out)
-        return EXIT_DRIVER_NOT_LOADED
-    targets = _targets(state, ids, err)
-    if targets is None:
-        return EXIT_NOT_FOUND
+    targets = _targets(state, ids, out, err)
+    if isinstance(targets, int):
+        return targets
     if "noheader" not in fmt.split(","):
         print(", ".join(names), file=out)
     for a in targets:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import ctypes
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import pynvml
 
@@ -136,6 +136,8 @@ def check_version(info: Any, expected: int) -> None:
 
 # --- the registry of C symbols ----------------------------------------------------------------
 
+F = TypeVar("F", bound=Callable[..., Any])
+
 # C symbol -> the fake function that answers it (called as fn(lib, state, *C arguments)).
 IMPLS: dict[str, Callable[..., Any]] = {}
 
@@ -144,11 +146,11 @@ IMPLS: dict[str, Callable[..., Any]] = {}
 UNLOCKED: set[str] = set()
 
 
-def nvml(*names: str, unlocked: bool = False, by_symbol: bool = False):
+def nvml(*names: str, unlocked: bool = False, by_symbol: bool = False) -> Callable[[F], F]:
     """Register the decorated function under `names` (default: its own name). With `by_symbol`
     it is called with `symbol=` the C symbol it answers, for the calls whose versions differ."""
 
-    def deco(fn):
+    def deco(fn: F) -> F:
         for n in names or (fn.__name__,):
             IMPLS[n] = functools.partial(fn, symbol=n) if by_symbol else fn
             if unlocked:

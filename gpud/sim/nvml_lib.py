@@ -91,7 +91,7 @@ class FakeNvmlLib:
         if fn is None:
             impl = IMPLS[name]
 
-            def fn(*args, _name=name, _impl=impl):
+            def fn(*args: Any, _name: str = name, _impl: Callable[..., Any] = impl) -> Any:
                 return self._call(_name, _impl, args)
 
             fn.__name__ = name
@@ -311,22 +311,22 @@ def nvmlErrorString(lib: FakeNvmlLib, state: SimState, result: Any) -> bytes:
 
 
 @nvml()
-def nvmlSystemGetDriverVersion(lib, state, buf, length):
+def nvmlSystemGetDriverVersion(lib: FakeNvmlLib, state: SimState, buf: Any, length: Any) -> None:
     write_str(buf, length, state.driver_version)
 
 
 @nvml()
-def nvmlSystemGetNVMLVersion(lib, state, buf, length):
+def nvmlSystemGetNVMLVersion(lib: FakeNvmlLib, state: SimState, buf: Any, length: Any) -> None:
     write_str(buf, length, f"{state.cuda_version // 1000}.{state.driver_version}")
 
 
 @nvml("nvmlSystemGetCudaDriverVersion", "nvmlSystemGetCudaDriverVersion_v2")
-def _cuda_version(lib, state, ref):
+def _cuda_version(lib: FakeNvmlLib, state: SimState, ref: Any) -> None:
     deref(ref).value = state.cuda_version
 
 
 @nvml()
-def nvmlSystemGetProcessName(lib, state, pid, buf, length):
+def nvmlSystemGetProcessName(lib: FakeNvmlLib, state: SimState, pid: Any, buf: Any, length: Any) -> None:
     """The name of any process, as the real library answers for pid 1 (its command line's first
     word: "/process_api", nvml-real.json): a simulated holder's name, else the machine's own
     process (the simulated host shares its process table: `gpud-sim exec` links /proc), else
@@ -347,7 +347,7 @@ def nvmlSystemGetProcessName(lib, state, pid, buf, length):
 
 
 @nvml()
-def nvmlGetExcludedDeviceCount(lib, state, ref):
+def nvmlGetExcludedDeviceCount(lib: FakeNvmlLib, state: SimState, ref: Any) -> None:
     """No GPU is excluded on a simulated host (the real H200's host answers 0)."""
     deref(ref).value = 0
 
@@ -356,12 +356,12 @@ def nvmlGetExcludedDeviceCount(lib, state, ref):
 
 
 @nvml("nvmlDeviceGetCount", "nvmlDeviceGetCount_v2")
-def _count(lib, state, ref):
+def _count(lib: FakeNvmlLib, state: SimState, ref: Any) -> None:
     deref(ref).value = len(lib.enumerated)
 
 
 @nvml("nvmlDeviceGetHandleByIndex", "nvmlDeviceGetHandleByIndex_v2")
-def _by_index(lib, state, index, ref):
+def _by_index(lib: FakeNvmlLib, state: SimState, index: Any, ref: Any) -> None:
     i = as_int(index)
     if i >= len(lib.enumerated):
         raise Ret(pynvml.NVML_ERROR_INVALID_ARGUMENT)
@@ -390,7 +390,7 @@ def _norm_bus_id(text: str) -> str:
 
 
 @nvml("nvmlDeviceGetHandleByPciBusId", "nvmlDeviceGetHandleByPciBusId_v2")
-def _by_pci(lib, state, bus_id, ref):
+def _by_pci(lib: FakeNvmlLib, state: SimState, bus_id: Any, ref: Any) -> None:
     text = bus_id.value if isinstance(bus_id, ctypes.c_char_p) else bus_id
     if not text:
         raise Ret(pynvml.NVML_ERROR_INVALID_ARGUMENT)
@@ -401,7 +401,7 @@ def _by_pci(lib, state, bus_id, ref):
 
 
 @nvml()
-def nvmlDeviceGetHandleByUUID(lib, state, uuid, ref):
+def nvmlDeviceGetHandleByUUID(lib: FakeNvmlLib, state: SimState, uuid: Any, ref: Any) -> None:
     text = uuid.value if isinstance(uuid, ctypes.c_char_p) else uuid
     if text is None:  # a NULL string; an empty one is only a UUID no GPU has (the real H200: NOT_FOUND)
         raise Ret(pynvml.NVML_ERROR_INVALID_ARGUMENT)
@@ -420,13 +420,13 @@ def nvmlDeviceGetHandleByUUID(lib, state, uuid, ref):
 
 
 @nvml()
-def nvmlDeviceGetIndex(lib, state, handle, ref):
+def nvmlDeviceGetIndex(lib: FakeNvmlLib, state: SimState, handle: Any, ref: Any) -> None:
     gpu, _ = lib.gpu(state, handle)
     deref(ref).value = list(lib.enumerated).index(gpu.address)
 
 
 @nvml()
-def nvmlDeviceGetName(lib, state, handle, buf, length):
+def nvmlDeviceGetName(lib: FakeNvmlLib, state: SimState, handle: Any, buf: Any, length: Any) -> None:
     gpu, mig = lib.gpu(state, handle, allow_mig=True)
     model = model_of(gpu)
     name = model.name if mig is None else f"{model.name} MIG {mig_name(model, *mig)}"
@@ -434,7 +434,7 @@ def nvmlDeviceGetName(lib, state, handle, buf, length):
 
 
 @nvml()
-def nvmlDeviceGetCudaComputeCapability(lib, state, handle, major_ref, minor_ref):
+def nvmlDeviceGetCudaComputeCapability(lib: FakeNvmlLib, state: SimState, handle: Any, major_ref: Any, minor_ref: Any) -> None:
     gpu, _ = lib.gpu(state, handle)
     major, minor = model_of(gpu).compute_capability
     deref(major_ref).value = major
@@ -442,13 +442,13 @@ def nvmlDeviceGetCudaComputeCapability(lib, state, handle, major_ref, minor_ref)
 
 
 @nvml()
-def nvmlDeviceGetUUID(lib, state, handle, buf, length):
+def nvmlDeviceGetUUID(lib: FakeNvmlLib, state: SimState, handle: Any, buf: Any, length: Any) -> None:
     gpu, mig = lib.gpu(state, handle, allow_mig=True)
     write_str(buf, length, gpu.uuid if mig is None else mig[1].uuid)
 
 
 @nvml()
-def nvmlDeviceGetSerial(lib, state, handle, buf, length):
+def nvmlDeviceGetSerial(lib: FakeNvmlLib, state: SimState, handle: Any, buf: Any, length: Any) -> None:
     gpu, _ = lib.gpu(state, handle)
     if not gpu.serial:
         raise Ret(pynvml.NVML_ERROR_NOT_SUPPORTED)
@@ -456,13 +456,13 @@ def nvmlDeviceGetSerial(lib, state, handle, buf, length):
 
 
 @nvml()
-def nvmlDeviceGetMinorNumber(lib, state, handle, ref):
+def nvmlDeviceGetMinorNumber(lib: FakeNvmlLib, state: SimState, handle: Any, ref: Any) -> None:
     gpu, _ = lib.gpu(state, handle)
     deref(ref).value = gpu.minor
 
 
 @nvml("nvmlDeviceGetPciInfo_v3", "nvmlDeviceGetPciInfo_v2", "nvmlDeviceGetPciInfo")
-def _pci_info(lib, state, handle, ref):
+def _pci_info(lib: FakeNvmlLib, state: SimState, handle: Any, ref: Any) -> None:
     gpu, _ = lib.gpu(state, handle, allow_mig=True)  # a MIG handle reports its parent's bus
     f = state.functions[gpu.address]
     info = deref(ref)
@@ -484,7 +484,7 @@ def _pci_info(lib, state, handle, ref):
 
 
 @nvml("nvmlDeviceGetMemoryInfo", "nvmlDeviceGetMemoryInfo_v2")
-def _memory(lib, state, handle, ref):
+def _memory(lib: FakeNvmlLib, state: SimState, handle: Any, ref: Any) -> None:
     """Total, used, free and (v2) reserved, as the real H200 splits them (nvml-real.json): the
     driver's reservation (catalog.RESERVED_BYTES) is `used` in v1 and `reserved` in v2, free is what
     is left in both. A v2 struct of another version is FUNCTION_NOT_FOUND (captured: version 0)."""
@@ -517,14 +517,14 @@ def _memory(lib, state, handle, ref):
 
 
 @nvml()
-def nvmlDeviceGetPersistenceMode(lib, state, handle, ref):
+def nvmlDeviceGetPersistenceMode(lib: FakeNvmlLib, state: SimState, handle: Any, ref: Any) -> None:
     """Enabled for a GPU in persistence mode, by `nvidia-smi -pm 1` or nvidia-persistenced in sight."""
     gpu, _ = lib.gpu(state, handle)
     deref(ref).value = 1 if reports_persistent(state, gpu.address) else 0
 
 
 @nvml()
-def nvmlDeviceGetVirtualizationMode(lib, state, handle, ref):
+def nvmlDeviceGetVirtualizationMode(lib: FakeNvmlLib, state: SimState, handle: Any, ref: Any) -> None:
     """The simulated host is bare metal: NONE, or HOST_VGPU on a GPU set up for vGPU. (The captured
     H200 answers PASSTHROUGH: it sits in a VM, docs/hardware/nvml-h200-diff.md.)"""
     gpu, _ = lib.gpu(state, handle)
@@ -543,20 +543,20 @@ def architecture(compute_capability: tuple[int, int]) -> int:
 
 
 @nvml()
-def nvmlDeviceGetArchitecture(lib, state, handle, ref):
+def nvmlDeviceGetArchitecture(lib: FakeNvmlLib, state: SimState, handle: Any, ref: Any) -> None:
     gpu, _ = lib.gpu(state, handle)
     deref(ref).value = architecture(model_of(gpu).compute_capability)
 
 
 @nvml()
-def nvmlDeviceGetComputeMode(lib, state, handle, ref):
+def nvmlDeviceGetComputeMode(lib: FakeNvmlLib, state: SimState, handle: Any, ref: Any) -> None:
     """DEFAULT: the simulator has no `nvidia-smi -c`."""
     lib.gpu(state, handle)
     deref(ref).value = pynvml.NVML_COMPUTEMODE_DEFAULT
 
 
 @nvml()
-def nvmlDeviceGetEccMode(lib, state, handle, current_ref, pending_ref):
+def nvmlDeviceGetEccMode(lib: FakeNvmlLib, state: SimState, handle: Any, current_ref: Any, pending_ref: Any) -> None:
     """ECC on, nothing pending (the H200's answer; every simulated model is a data-center GPU with
     ECC on by default, an assumption for the others: unknown)."""
     lib.gpu(state, handle)
@@ -565,7 +565,7 @@ def nvmlDeviceGetEccMode(lib, state, handle, current_ref, pending_ref):
 
 
 @nvml()
-def nvmlDeviceGetDefaultEccMode(lib, state, handle, ref):
+def nvmlDeviceGetDefaultEccMode(lib: FakeNvmlLib, state: SimState, handle: Any, ref: Any) -> None:
     lib.gpu(state, handle)
     deref(ref).value = 1
 
@@ -577,7 +577,7 @@ class _FabricInfoV3(ctypes.Structure):
 
 
 @nvml("nvmlDeviceGetGpuFabricInfoV", "nvmlDeviceGetGpuFabricInfo")
-def _fabric_info(lib, state, handle, ref):
+def _fabric_info(lib: FakeNvmlLib, state: SimState, handle: Any, ref: Any) -> None:
     """A GPU outside an NVLink fabric: state NOT_SUPPORTED, status SUCCESS, everything else 0 (the
     real H200, structs v2 and v3 alike; the version is left as given). On a simulated NVSwitch
     host a Hopper or later GPU is COMPLETED while Fabric Manager runs, NOT_STARTED while it is
@@ -605,7 +605,7 @@ def _fabric_info(lib, state, handle, ref):
 @nvml("nvmlDeviceGetGraphicsRunningProcesses_v3", "nvmlDeviceGetGraphicsRunningProcesses_v2",
       "nvmlDeviceGetGraphicsRunningProcesses", "nvmlDeviceGetMPSComputeRunningProcesses_v3",
       "nvmlDeviceGetMPSComputeRunningProcesses_v2", "nvmlDeviceGetMPSComputeRunningProcesses")
-def _no_processes(lib, state, handle, count_ref, infos):
+def _no_processes(lib: FakeNvmlLib, state: SimState, handle: Any, count_ref: Any, infos: Any) -> None:
     """Graphics and MPS clients: the simulator runs none (its holders are compute processes), so an
     empty list, as the idle H200 answers."""
     lib.gpu(state, handle, allow_mig=True)
@@ -614,7 +614,7 @@ def _no_processes(lib, state, handle, count_ref, infos):
 
 @nvml("nvmlDeviceGetComputeRunningProcesses_v3", "nvmlDeviceGetComputeRunningProcesses_v2",
        "nvmlDeviceGetComputeRunningProcesses")
-def _processes(lib, state, handle, count_ref, infos):
+def _processes(lib: FakeNvmlLib, state: SimState, handle: Any, count_ref: Any, infos: Any) -> int:
     gpu, mig = lib.gpu(state, handle, allow_mig=True)
     if mig is None:
         rows = [(p, NOT_IN_MIG_INSTANCE, NOT_IN_MIG_INSTANCE) for p in gpu_processes(state, gpu)]
@@ -653,18 +653,18 @@ class EventSet:
 
 
 @nvml()
-def nvmlEventSetCreate(lib, state, ref):
+def nvmlEventSetCreate(lib: FakeNvmlLib, state: SimState, ref: Any) -> None:
     set_ptr(deref(ref), lib.new_event_set())
 
 
 @nvml()
-def nvmlDeviceGetSupportedEventTypes(lib, state, handle, ref):
+def nvmlDeviceGetSupportedEventTypes(lib: FakeNvmlLib, state: SimState, handle: Any, ref: Any) -> None:
     lib.gpu(state, handle)
     deref(ref).value = SUPPORTED_EVENT_TYPES
 
 
 @nvml()
-def nvmlDeviceRegisterEvents(lib, state, handle, event_types, set_handle):
+def nvmlDeviceRegisterEvents(lib: FakeNvmlLib, state: SimState, handle: Any, event_types: Any, set_handle: Any) -> None:
     """Types the GPU does not support are NOT_SUPPORTED, as NVML's reference says of this call."""
     gpu, _ = lib.gpu(state, handle)
     types = as_int(event_types)
@@ -675,7 +675,7 @@ def nvmlDeviceRegisterEvents(lib, state, handle, event_types, set_handle):
 
 
 @nvml("nvmlEventSetWait_v2", "nvmlEventSetWait", unlocked=True)
-def _event_wait(lib, state, set_handle, data_ref, timeout_ms):
+def _event_wait(lib: FakeNvmlLib, state: SimState, set_handle: Any, data_ref: Any, timeout_ms: Any) -> None:
     """Blocks for the timeout (no event ever comes), then NVML_ERROR_TIMEOUT."""
     es = lib.event_set(set_handle)
     deref(data_ref)
@@ -687,7 +687,7 @@ def _event_wait(lib, state, set_handle, data_ref, timeout_ms):
 
 
 @nvml()
-def nvmlEventSetFree(lib, state, set_handle):
+def nvmlEventSetFree(lib: FakeNvmlLib, state: SimState, set_handle: Any) -> None:
     lib.free_event_set(set_handle)
 
 

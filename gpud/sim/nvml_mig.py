@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import ctypes
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import pynvml
 
@@ -21,9 +21,30 @@ from gpud.model import MigProfile
 from gpud.profiles import ModelInfo
 from gpud.sim.gpu_rules import busy, ci_slices, mig_devices, mig_processes, model_of, profile_of
 from gpud.sim.nvml_abi import SUCCESS, Ret, as_int, c_array, check_version, deref, nvml, placement_arg, set_ptr
-from gpud.sim.state import SimGpu
+from gpud.sim.state import SimCi, SimGi, SimGpu, SimState
 
 _MAX_MIG_DEVICES = 7
+
+
+class Handles(Protocol):
+    """What these calls ask of the library object (gpud.sim.nvml_lib.FakeNvmlLib, which imports
+    this module): the objects a caller's handle names, and the handles it is given for them."""
+
+    def key(self, handle: Any) -> tuple: ...
+
+    def gpu(self, state: SimState, handle: Any, *, allow_mig: bool = False) -> tuple[SimGpu, tuple | None]: ...
+
+    def gi(self, state: SimState, handle: Any) -> tuple[SimGpu, SimGi]: ...
+
+    def ci(self, state: SimState, handle: Any) -> tuple[SimGpu, SimGi, SimCi]: ...
+
+    def gpu_handle(self, gpu: SimGpu) -> int: ...
+
+    def gi_handle(self, gpu: SimGpu, gi: SimGi) -> int: ...
+
+    def ci_handle(self, gpu: SimGpu, gi: SimGi, ci: SimCi) -> int: ...
+
+    def mig_handle(self, gpu: SimGpu, gi: SimGi, ci: SimCi) -> int: ...
 
 # Index constants the real H200 answers with INVALID_ARGUMENT rather than NOT_SUPPORTED (fixture).
 _INVALID_GI_INDEXES = {pynvml.NVML_GPU_INSTANCE_PROFILE_3_SLICE_GFX}
@@ -33,7 +54,7 @@ _INVALID_GI_INDEXES = {pynvml.NVML_GPU_INSTANCE_PROFILE_3_SLICE_GFX}
 
 
 @nvml()
-def nvmlDeviceGetMigMode(lib, state, handle, current_ref, pending_ref):
+def nvmlDeviceGetMigMode(lib: Handles, state: SimState, handle: Any, current_ref: Any, pending_ref: Any) -> None:
     gpu, _ = lib.gpu(state, handle)
     if not model_of(gpu).mig_capable:
         raise Ret(pynvml.NVML_ERROR_NOT_SUPPORTED)
@@ -43,7 +64,7 @@ def nvmlDeviceGetMigMode(lib, state, handle, current_ref, pending_ref):
 
 
 @nvml()
-def nvmlDeviceSetMigMode(lib, state, handle, mode, status_ref):
+def nvmlDeviceSetMigMode(lib: Handles, state: SimState, handle: Any, mode: Any, status_ref: Any) -> None:
     """Hopper applies a change at once when idle; Ampere keeps it pending until a reset.
 
     Activation status: SUCCESS when applied (or nothing to change), IN_USE when processes keep the
@@ -78,7 +99,7 @@ def nvmlDeviceSetMigMode(lib, state, handle, mode, status_ref):
 
 
 @nvml()
-def nvmlDeviceGetMaxMigDeviceCount(lib, state, handle, ref):
+def nvmlDeviceGetMaxMigDeviceCount(lib: Handles, state: SimState, handle: Any, ref: Any) -> None:
     gpu, _ = lib.gpu(state, handle)
     if not model_of(gpu).mig_capable:
         raise Ret(pynvml.NVML_ERROR_NOT_SUPPORTED)
@@ -86,7 +107,7 @@ def nvmlDeviceGetMaxMigDeviceCount(lib, state, handle, ref):
 
 
 @nvml()
-def nvmlDeviceGetMigDeviceHandleByIndex(lib, state, handle, index, ref):
+def nvmlDeviceGetMigDeviceHandleByIndex(lib: Handles, state: SimState, handle: Any, index: Any, ref: Any) -> None:
     """An index past the MIG devices that exist, or any index with MIG off, is NOT_FOUND (the real
     H200 answers index 0 with MIG off so: tests/fixtures/h200/nvml-and-files.json)."""
     gpu, _ = lib.gpu(state, handle)
@@ -102,7 +123,7 @@ def nvmlDeviceGetMigDeviceHandleByIndex(lib, state, handle, index, ref):
 
 
 @nvml()
-def nvmlDeviceIsMigDeviceHandle(lib, state, handle, ref):
+def nvmlDeviceIsMigDeviceHandle(lib: Handles, state: SimState, handle: Any, ref: Any) -> None:
     key = lib.key(handle)
     if key[0] not in ("gpu", "mig"):
         raise Ret(pynvml.NVML_ERROR_INVALID_ARGUMENT)
@@ -110,7 +131,7 @@ def nvmlDeviceIsMigDeviceHandle(lib, state, handle, ref):
 
 
 @nvml("nvmlDeviceGetGpuInstanceId", "nvmlDeviceGetComputeInstanceId", by_symbol=True)
-def _instance_id(lib, state, handle, ref, *, symbol: str):
+def _instance_id(lib: Handles, state: SimState, handle: Any, ref: Any, *, symbol: str) -> None:
     """The GI (or CI) id of a MIG device; a whole-GPU handle is INVALID_ARGUMENT (the real H200,
     MIG off: nvml-and-files.json)."""
     _, mig = lib.gpu(state, handle, allow_mig=True)
@@ -120,7 +141,7 @@ def _instance_id(lib, state, handle, ref, *, symbol: str):
 
 
 @nvml("nvmlDeviceGetAttributes_v2", "nvmlDeviceGetAttributes")
-def _attributes(lib, state, handle, ref):
+def _attributes(lib: Handles, state: SimState, handle: Any, ref: Any) -> None:
     """A MIG device's share of its GPU: its compute instance's SMs and slices, its GPU instance's
     engines, slices and memory (the GI profile's, as NVML reports for the device). A whole GPU is
     NOT_SUPPORTED (the real H200, MIG off: nvml-and-files.json)."""
@@ -145,7 +166,7 @@ def _attributes(lib, state, handle, ref):
 
 
 @nvml()
-def nvmlDeviceGetDeviceHandleFromMigDeviceHandle(lib, state, handle, ref):
+def nvmlDeviceGetDeviceHandleFromMigDeviceHandle(lib: Handles, state: SimState, handle: Any, ref: Any) -> None:
     gpu, mig = lib.gpu(state, handle, allow_mig=True)
     if mig is None:
         raise Ret(pynvml.NVML_ERROR_INVALID_ARGUMENT)
@@ -155,7 +176,7 @@ def nvmlDeviceGetDeviceHandleFromMigDeviceHandle(lib, state, handle, ref):
 # --- GPU instance profiles and placements -------------------------------------------------------
 
 
-def _mig_model(lib, state, handle) -> tuple[SimGpu, ModelInfo]:
+def _mig_model(lib: Handles, state: SimState, handle: Any) -> tuple[SimGpu, ModelInfo]:
     gpu, _ = lib.gpu(state, handle)
     model = model_of(gpu)
     if not model.mig_capable:
@@ -221,7 +242,7 @@ def _profile_by_index(model: ModelInfo, index: int) -> MigProfile:
     return prof
 
 
-def _answer_gi_profile(lib, state, handle, ref, find: Callable[[ModelInfo], MigProfile]) -> None:
+def _answer_gi_profile(lib: Handles, state: SimState, handle: Any, ref: Any, find: Callable[[ModelInfo], MigProfile]) -> None:
     """Both GI profile info calls: MIG-capable GPU, the profile `find` picks from the model (it
     raises NVML's error when there is none), then the caller's struct by its version."""
     _, model = _mig_model(lib, state, handle)
@@ -230,13 +251,13 @@ def _answer_gi_profile(lib, state, handle, ref, find: Callable[[ModelInfo], MigP
 
 
 @nvml("nvmlDeviceGetGpuInstanceProfileInfo", "nvmlDeviceGetGpuInstanceProfileInfoV")
-def _gi_profile_info(lib, state, handle, index, ref):
+def _gi_profile_info(lib: Handles, state: SimState, handle: Any, index: Any, ref: Any) -> None:
     """Takes the profile *index* constant; answers with MIG disabled too (as the H200 does)."""
     _answer_gi_profile(lib, state, handle, ref, lambda model: _profile_by_index(model, as_int(index)))
 
 
 @nvml()
-def nvmlDeviceGetGpuInstanceProfileInfoByIdV(lib, state, handle, profile_id, ref):
+def nvmlDeviceGetGpuInstanceProfileInfoByIdV(lib: Handles, state: SimState, handle: Any, profile_id: Any, ref: Any) -> None:
     """Takes the profile *id*; an id the model lacks answers as _known_profile says."""
     _answer_gi_profile(lib, state, handle, ref, lambda model: _known_profile(model, profile_id, "info"))
 
@@ -271,7 +292,7 @@ def _known_profile(model: ModelInfo, profile_id: Any, call: str = "create") -> M
     return None
 
 
-def _fill_placements(placements, count_ref, items: list[tuple[int, int]], *, short_ok: bool = False) -> int:
+def _fill_placements(placements: Any, count_ref: Any, items: list[tuple[int, int]], *, short_ok: bool = False) -> int:
     """NVML's caller-allocated two-call pattern for placement lists: a NULL array asks for the
     count. An array with a count shorter than the list: the CI call (no capture) answers
     INSUFFICIENT_SIZE and the count; the GI call (`short_ok`) ignores the count, as the real H200
@@ -294,7 +315,8 @@ def _fill_placements(placements, count_ref, items: list[tuple[int, int]], *, sho
 
 
 @nvml("nvmlDeviceGetGpuInstancePossiblePlacements_v2", "nvmlDeviceGetGpuInstancePossiblePlacements", by_symbol=True)
-def _possible_placements(lib, state, handle, profile_id, placements, count_ref, *, symbol: str):
+def _possible_placements(lib: Handles, state: SimState, handle: Any, profile_id: Any, placements: Any, count_ref: Any, *,
+                         symbol: str) -> int:
     """Caller-allocated two-call pattern: NULL array -> count only. Works with MIG disabled. The
     unversioned symbol refuses the media-extension profiles (+me) with NOT_SUPPORTED, as the real
     H200 does for id 20 (nvml-real.json); the _v2 symbol lists them."""
@@ -307,13 +329,13 @@ def _possible_placements(lib, state, handle, profile_id, placements, count_ref, 
 
 
 @nvml()
-def nvmlDeviceGetGpuInstanceRemainingCapacity(lib, state, handle, profile_id, ref):
+def nvmlDeviceGetGpuInstanceRemainingCapacity(lib: Handles, state: SimState, handle: Any, profile_id: Any, ref: Any) -> None:
     gpu, model = _mig_model(lib, state, handle)
     prof = _known_profile(model, profile_id, "capacity")
     deref(ref).value = 0 if prof is None else rules.gi_capacity(gpu, prof)
 
 
-def _create_gi(lib, gpu: SimGpu, model: ModelInfo, profile_id: Any, start: int | None, size: int | None,
+def _create_gi(lib: Handles, gpu: SimGpu, model: ModelInfo, profile_id: Any, start: int | None, size: int | None,
                out_ref: Any) -> None:
     rules.require_mig_on(gpu)
     gi = rules.create_gi(gpu, model, _known_profile(model, profile_id, "create"), start, size)
@@ -321,20 +343,21 @@ def _create_gi(lib, gpu: SimGpu, model: ModelInfo, profile_id: Any, start: int |
 
 
 @nvml()
-def nvmlDeviceCreateGpuInstance(lib, state, handle, profile_id, out_ref):
+def nvmlDeviceCreateGpuInstance(lib: Handles, state: SimState, handle: Any, profile_id: Any, out_ref: Any) -> None:
     """Without a placement the driver takes the first free start of its preference order."""
     gpu, model = _mig_model(lib, state, handle)
     _create_gi(lib, gpu, model, profile_id, None, None, out_ref)
 
 
 @nvml()
-def nvmlDeviceCreateGpuInstanceWithPlacement(lib, state, handle, profile_id, placement, out_ref):
+def nvmlDeviceCreateGpuInstanceWithPlacement(lib: Handles, state: SimState, handle: Any, profile_id: Any, placement: Any,
+                                             out_ref: Any) -> None:
     gpu, model = _mig_model(lib, state, handle)
     _create_gi(lib, gpu, model, profile_id, *placement_arg(placement), out_ref)
 
 
 @nvml()
-def nvmlDeviceGetGpuInstances(lib, state, handle, profile_id, arr, count_ref):
+def nvmlDeviceGetGpuInstances(lib: Handles, state: SimState, handle: Any, profile_id: Any, arr: Any, count_ref: Any) -> None:
     """With MIG disabled the real H200 answers count 0 (fixture), not NOT_SUPPORTED."""
     gpu, model = _mig_model(lib, state, handle)
     prof = _known_profile(model, profile_id, "instances")
@@ -352,7 +375,7 @@ def nvmlDeviceGetGpuInstances(lib, state, handle, profile_id, arr, count_ref):
 
 
 @nvml()
-def nvmlDeviceGetGpuInstanceById(lib, state, handle, gi_id, out_ref):
+def nvmlDeviceGetGpuInstanceById(lib: Handles, state: SimState, handle: Any, gi_id: Any, out_ref: Any) -> None:
     """No such GPU instance, MIG off included, is NOT_FOUND (the real H200: nvml-and-files.json)."""
     gpu, _ = _mig_model(lib, state, handle)
     gi = next((g for g in gpu.gis if g.id == as_int(gi_id)), None)
@@ -362,7 +385,7 @@ def nvmlDeviceGetGpuInstanceById(lib, state, handle, gi_id, out_ref):
 
 
 @nvml()
-def nvmlGpuInstanceGetInfo(lib, state, gi_handle, ref):
+def nvmlGpuInstanceGetInfo(lib: Handles, state: SimState, gi_handle: Any, ref: Any) -> None:
     gpu, gi = lib.gi(state, gi_handle)
     info = deref(ref)
     set_ptr(info, lib.gpu_handle(gpu), offset=type(info).device.offset)
@@ -373,7 +396,7 @@ def nvmlGpuInstanceGetInfo(lib, state, gi_handle, ref):
 
 
 @nvml()
-def nvmlGpuInstanceDestroy(lib, state, gi_handle):
+def nvmlGpuInstanceDestroy(lib: Handles, state: SimState, gi_handle: Any) -> None:
     gpu, gi = lib.gi(state, gi_handle)
     if gi.cis or any(on_gi == gi.id for _, on_gi in sim_vgpu.placed(state, gpu.address)):
         raise Ret(pynvml.NVML_ERROR_IN_USE)  # compute instances, or a MIG-backed vGPU, live on it
@@ -384,7 +407,7 @@ def nvmlGpuInstanceDestroy(lib, state, gi_handle):
 
 
 @nvml("nvmlGpuInstanceGetComputeInstanceProfileInfo", "nvmlGpuInstanceGetComputeInstanceProfileInfoV")
-def _ci_profile_info(lib, state, gi_handle, index, eng_profile, ref):
+def _ci_profile_info(lib: Handles, state: SimState, gi_handle: Any, index: Any, eng_profile: Any, ref: Any) -> None:
     gpu, gi = lib.gi(state, gi_handle)
     idx, eng = as_int(index), as_int(eng_profile)
     if idx >= pynvml.NVML_COMPUTE_INSTANCE_PROFILE_COUNT or eng >= pynvml.NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_COUNT:
@@ -409,13 +432,15 @@ def _ci_profile_info(lib, state, gi_handle, index, eng_profile, ref):
 
 
 @nvml()
-def nvmlGpuInstanceGetComputeInstanceRemainingCapacity(lib, state, gi_handle, ci_profile_id, ref):
+def nvmlGpuInstanceGetComputeInstanceRemainingCapacity(lib: Handles, state: SimState, gi_handle: Any, ci_profile_id: Any,
+                                                       ref: Any) -> None:
     gpu, gi = lib.gi(state, gi_handle)
     deref(ref).value = rules.ci_capacity(model_of(gpu), gi, as_int(ci_profile_id))
 
 
 @nvml()
-def nvmlGpuInstanceGetComputeInstancePossiblePlacements(lib, state, gi_handle, ci_profile_id, placements, count_ref):
+def nvmlGpuInstanceGetComputeInstancePossiblePlacements(lib: Handles, state: SimState, gi_handle: Any, ci_profile_id: Any,
+                                                        placements: Any, count_ref: Any) -> int:
     """Caller-allocated two-call pattern, like the GI call: NULL array -> count only. Every
     placement of the profile, taken or not (NVML API reference: "only returns all the possible
     placements"), in compute slices."""
@@ -427,7 +452,7 @@ def nvmlGpuInstanceGetComputeInstancePossiblePlacements(lib, state, gi_handle, c
     return _fill_placements(placements, count_ref, [(start, ci_prof.slices) for start in ci_prof.starts])
 
 
-def _create_ci(lib, state, gi_handle: Any, ci_profile_id: Any, start: int | None, size: int | None,
+def _create_ci(lib: Handles, state: SimState, gi_handle: Any, ci_profile_id: Any, start: int | None, size: int | None,
                out_ref: Any) -> None:
     """Both CI creates (gpud.sim.gpu_rules.create_ci says where a CI goes)."""
     gpu, gi = lib.gi(state, gi_handle)
@@ -440,17 +465,19 @@ def _create_ci(lib, state, gi_handle: Any, ci_profile_id: Any, start: int | None
 
 
 @nvml()
-def nvmlGpuInstanceCreateComputeInstance(lib, state, gi_handle, ci_profile_id, out_ref):
+def nvmlGpuInstanceCreateComputeInstance(lib: Handles, state: SimState, gi_handle: Any, ci_profile_id: Any, out_ref: Any) -> None:
     _create_ci(lib, state, gi_handle, ci_profile_id, None, None, out_ref)
 
 
 @nvml()
-def nvmlGpuInstanceCreateComputeInstanceWithPlacement(lib, state, gi_handle, ci_profile_id, placement, out_ref):
+def nvmlGpuInstanceCreateComputeInstanceWithPlacement(lib: Handles, state: SimState, gi_handle: Any, ci_profile_id: Any,
+                                                      placement: Any, out_ref: Any) -> None:
     _create_ci(lib, state, gi_handle, ci_profile_id, *placement_arg(placement), out_ref)
 
 
 @nvml()
-def nvmlGpuInstanceGetComputeInstances(lib, state, gi_handle, ci_profile_id, arr, count_ref):
+def nvmlGpuInstanceGetComputeInstances(lib: Handles, state: SimState, gi_handle: Any, ci_profile_id: Any, arr: Any,
+                                       count_ref: Any) -> None:
     gpu, gi = lib.gi(state, gi_handle)
     pid = as_int(ci_profile_id)
     if pid >= pynvml.NVML_COMPUTE_INSTANCE_PROFILE_COUNT or arr is None:
@@ -467,7 +494,7 @@ def nvmlGpuInstanceGetComputeInstances(lib, state, gi_handle, ci_profile_id, arr
 
 
 @nvml()
-def nvmlGpuInstanceGetComputeInstanceById(lib, state, gi_handle, ci_id, out_ref):
+def nvmlGpuInstanceGetComputeInstanceById(lib: Handles, state: SimState, gi_handle: Any, ci_id: Any, out_ref: Any) -> None:
     gpu, gi = lib.gi(state, gi_handle)
     ci = next((c for c in gi.cis if c.id == as_int(ci_id)), None)
     if ci is None:
@@ -476,7 +503,7 @@ def nvmlGpuInstanceGetComputeInstanceById(lib, state, gi_handle, ci_id, out_ref)
 
 
 @nvml("nvmlComputeInstanceGetInfo_v2", "nvmlComputeInstanceGetInfo")
-def _ci_info(lib, state, ci_handle, ref):
+def _ci_info(lib: Handles, state: SimState, ci_handle: Any, ref: Any) -> None:
     gpu, gi, ci = lib.ci(state, ci_handle)
     model = model_of(gpu)
     info = deref(ref)
@@ -489,7 +516,7 @@ def _ci_info(lib, state, ci_handle, ref):
 
 
 @nvml()
-def nvmlComputeInstanceDestroy(lib, state, ci_handle):
+def nvmlComputeInstanceDestroy(lib: Handles, state: SimState, ci_handle: Any) -> None:
     _, gi, ci = lib.ci(state, ci_handle)
     if mig_processes(state, ci):
         raise Ret(pynvml.NVML_ERROR_IN_USE)

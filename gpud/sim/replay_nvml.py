@@ -27,7 +27,7 @@ import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import pynvml
 
@@ -124,12 +124,13 @@ class Capture:
 
 # --- the library object -------------------------------------------------------------------------
 
+F = TypeVar("F", bound=Callable[..., Any])
 _IMPLS: dict[str, Callable[..., Any]] = {}
 _NO_INIT = {"nvmlInit", "nvmlInit_v2", "nvmlInitWithFlags", "nvmlErrorString"}
 
 
-def _symbol(*names: str):
-    def deco(fn):
+def _symbol(*names: str) -> Callable[[F], F]:
+    def deco(fn: F) -> F:
         for n in names or (fn.__name__,):
             _IMPLS[n] = fn
         return fn

@@ -26,6 +26,7 @@ import argparse
 import os
 import sys
 from pathlib import Path
+from typing import TextIO
 
 from gpud.sim.kernel import Store, modprobe
 from gpud.sim.state import load, locked
@@ -55,7 +56,8 @@ def _persistence_on(host_dir: Path) -> None:
         render(host_dir, st)
 
 
-def run(host_dir: str | os.PathLike, op: str, bdf: str, out=None, err=None) -> int:
+def run(host_dir: str | os.PathLike, op: str, bdf: str, out: TextIO | None = None,
+        err: TextIO | None = None) -> int:
     out, err = out or sys.stdout, err or sys.stderr
     d = Path(os.path.abspath(host_dir))
     st = load(d)

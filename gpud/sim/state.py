@@ -89,6 +89,9 @@ class SimFunction(msgspec.Struct):
     # times the nvidia driver has probed this function: an NVML session that enumerated an
     # earlier probe has lost the GPU, even when it is bound again at the same address
     nvidia_probes: int = 0
+    # times any driver has bound this function (really_probe succeeding): the simulator's own
+    # count of rebinds, for tests that a pass never repeats one that changed nothing
+    binds: int = 0
     physfn: str | None = None  # an SR-IOV virtual function: the address of its physical function
 
 
@@ -183,6 +186,9 @@ class SimState(msgspec.Struct):
     # decides whether a GPU resets alone (nvidia-smi(1), -r)
     fabric_manager: str = "running"
     persistent: list[str] = msgspec.field(default_factory=list)
+    # the kernel log ring as /dev/kmsg hands it out, one "<prio>,<seq>,<usec>,-;<text>" per record
+    # (Documentation/ABI/testing/dev-kmsg); only what the simulated driver logs (`gpud-sim xid`)
+    kmsg: list[str] = msgspec.field(default_factory=list)
 
 
 def count_reset(state: SimState, address: str, method: str) -> None:

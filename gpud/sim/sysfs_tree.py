@@ -160,7 +160,7 @@ def vfio_cdevs(state: SimState) -> dict[str, tuple[str, int]]:
     return {dev: (sysdir, n) for n, (dev, sysdir) in enumerate(sorted(found))}
 
 
-def process_devices(state: SimState, proc) -> list[str]:
+def process_devices(state: SimState, proc: SimProcess) -> list[str]:
     """Device paths (relative to DIR/dev) a SimProcess has open, as the kernel would show them: a
     VMM holding a vfio device through its cdev (`gpud-sim hold --cdev`) has only that open."""
     if proc.cdev:
@@ -318,6 +318,9 @@ def desired_tree(host_dir: str | os.PathLike, state: SimState) -> dict[str, tupl
             ln(f"{base}/physfn", f"../{fn.physfn}")
 
     vgpu.render(state, PCI_ROOT, d, f, ln)
+
+    # the kernel log (a regular file here: readers follow it by its records' sequence numbers)
+    f("dev/kmsg", "".join(r + "\n" for r in state.kmsg), 0o644)
 
     # nvidia: control node, caps, per-GPU node and /proc entries
     if NVIDIA in drivers:

@@ -8,7 +8,7 @@ loss is recorded by appending a byte to DIR/run/uevent.overflow *before* trying 
 which case the receiver drains it and then sees the counter grew. Either way it rescans.
 
 `SimEvents` is the receiving end: the daemon's device event source on a simulated host, with the
-same callback interface as gpud.host.udev.UdevEvents (gpud.device_events).
+same callback interface as gpud.host.kernel.udev.UdevEvents (gpud.device_events).
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ def _send(sock: socket.socket, path: Path, payload: bytes) -> bool | None:
 
 
 def emit(host_dir: str | os.PathLike, action: str, subsystem: str, address: str | None = None,
-         driver: str | None = None, **props) -> bool:
+         driver: str | None = None, **props: object) -> bool:
     """Send one event; never blocks. Returns True when it was queued to a listener."""
     path = socket_path(host_dir)
     if not path.exists():

@@ -26,10 +26,12 @@ from __future__ import annotations
 import errno
 import re
 import time
+from collections.abc import Callable
+from typing import Protocol
 
 from gpud import profiles, vgpu_types
 from gpud.sim.kstrto import kstrtou, sysfs_error
-from gpud.sim.state import SimFunction, SimMdev, SimState, SimVf, SimVgpu, locked
+from gpud.sim.state import SimFunction, SimMdev, SimProcess, SimState, SimVf, SimVgpu, locked
 from gpud.sim.uevents import Uevent
 from gpud.vgpu_types import SYNTHETIC_ID_BASE, VgpuModel, VgpuType
 
@@ -71,7 +73,7 @@ def vf_address(pf: str, index: int) -> str:
     return f"{domain}:{bus}:{devfn >> 3:02x}.{devfn & 7}"
 
 
-def _event(action: str, subsystem: str, address: str | None, driver: str | None):
+def _event(action: str, subsystem: str, address: str | None, driver: str | None) -> Uevent:
     """A kernel uevent, sent by the simulated kernel once the change is saved."""
     return Uevent(action, subsystem, address, driver)
 
@@ -225,7 +227,7 @@ def vfio_group_of(st: SimState, device: str) -> int | None:
     return None
 
 
-def process_devices(st: SimState, proc) -> list[str] | None:
+def process_devices(st: SimState, proc: SimProcess) -> list[str] | None:
     """Device paths a process holding a vGPU has open; None when `proc` holds no vGPU."""
     if owner(st, proc.device) is None or proc.device in st.vgpu:
         return None
@@ -233,7 +235,7 @@ def process_devices(st: SimState, proc) -> list[str] | None:
     return ["vfio/vfio", f"vfio/{group}"] if group is not None else []
 
 
-def cmdline(proc) -> str | None:
+def cmdline(proc: SimProcess) -> str | None:
     """The NUL-separated command line of a simulated VM process (libvirt's qemu style)."""
     if not proc.vm:
         return None
@@ -243,7 +245,8 @@ def cmdline(proc) -> str | None:
 
 # ---- rendering (called by gpud.sim.sysfs_tree.desired_tree)
 
-def render(st: SimState, pci_root: str, d, f, ln) -> None:
+def render(st: SimState, pci_root: str, d: Callable[[str], None],
+           f: Callable[..., None], ln: Callable[[str, str], None]) -> None:
     """Add the vGPU attributes to the desired tree (`d`, `f`, `ln` as in desired_tree)."""
     any_mdev = False
     for pf, v in sorted(st.vgpu.items()):
@@ -447,7 +450,18 @@ def mdev_remove_now(st: SimState, uuid: str, events: list) -> bool:
     return True
 
 
-def mdev_remove(store, uuid: str, data: bytes, path: str) -> None:
+
+class _KernelStore(Protocol):
+    """The simulated kernel's write path (gpud.sim.kernel.Store, which imports this module)."""
+
+    dir: str
+    poll_interval: float
+    on_block: Callable[[str], None] | None
+
+    def _change(self, fn: Callable[[SimState, list[Uevent]], object]) -> object: ...
+
+
+def mdev_remove(store: _KernelStore, uuid: str, data: bytes, path: str) -> None:
     """mdev_sysfs.c remove_store: 0 does nothing; otherwise the device goes, and while a VM holds it
     open the write blocks (6.1: vfio_unregister_group_dev waits for the release)."""
 

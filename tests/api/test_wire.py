@@ -75,6 +75,10 @@ def test_every_result_struct_is_json_able_with_a_stable_shape():
         "select": wire_replies.LayoutStatus(path="/l", selected="a", chosen=True),
         "events": wire_replies.EventsReply(events=[wire.Event(time=0.0, kind="k")]),
         "version": wire_replies.VersionReply(version="0.1.0"), "mig-profiles": wire_replies.MigProfilesReply(),
+        "mig-compute-profiles": wire_replies.MigComputeProfilesReply(gpus=[wire_replies.GpuComputeProfiles(
+            index=0, pci="p", instances=[wire_replies.GiComputeProfiles(
+                gi=1, profile="3g.40gb", placement=wire_replies.Placement(start=0, size=4), profiles=[
+                    wire_replies.ComputeProfileInfo(id=0, name="1c.3g.40gb", slices=1, free=1, total=3, sms=16)])])]),
         "passthrough": wire_replies.PassthroughReply(devices=[wire_replies.PassthroughDevice(pci="p", vendor_device="10de:2335")],
                                                      vgpus=[wire_replies.VgpuPassthrough(gpu="p", type="L40S-12Q", vf="v")]),
         "stats": wire_replies.StatsReply(window_s=1.5, loop_lag=wire_replies.LoopLag(samples=3, p99_ms=2.5), requests={"status": 2}),

@@ -411,7 +411,7 @@ def test_apply_wait_prints_each_step_as_it_happens(daemon):
 
 
 def test_check_refuses_a_layout_over_gpuds_limit_before_sending(daemon, tmp_path):
-    from gpud.host.layout_source import MAX_LAYOUT_BYTES
+    from gpud.host.files.layout_source import MAX_LAYOUT_BYTES
 
     assert wire.MAX_LAYOUT_TEXT == MAX_LAYOUT_BYTES  # the client's bound is the daemon's
     big = tmp_path / "big.yaml"

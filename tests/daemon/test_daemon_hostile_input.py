@@ -114,7 +114,7 @@ def _helpers_of(host) -> list[int]:
             state = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[0]
         except OSError:
             continue
-        if b"gpud.host.sysfs_writer" in cmd and str(host).encode() in cmd and state != "Z":
+        if b"gpud.host.kernel.sysfs_writer" in cmd and str(host).encode() in cmd and state != "Z":
             pids.append(int(entry))
     return pids
 

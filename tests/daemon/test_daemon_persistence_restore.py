@@ -22,7 +22,7 @@ EMPTY = "version: v1\nlayouts:\n  hands-off: []\n"
 
 RESET = textwrap.dedent("""
     import sys
-    from gpud.host.nvidia_smi import GpuReset
+    from gpud.host.nvidia.gpu_reset import GpuReset
     GpuReset(sys.argv[1], intent_path=sys.argv[2]).reset(sys.argv[3], "nvidia")
 """)
 

@@ -10,8 +10,9 @@ import os
 import shutil
 import signal
 import tempfile
+from pathlib import Path
 
-from gpud.host.kubelet_plugin import paths
+from gpud.host.kube.kubelet_plugin import paths
 from gpud.model import Placement
 from gpud.plan.dra_slices import DEFAULT_DRIVER
 from gpud.profiles import MODELS
@@ -19,6 +20,7 @@ from gpud.sim import gpu_rules
 from gpud.sim import state as simstate
 from tests.dra.cluster import skips
 from tests.dra.test_dra_scheduler import MIG, Kubelet, profile_is
+from tests.dra.test_pcie_root import realpath_root
 from tests.leases.rig import dynamic_layout
 from tests.support.daemon import Daemon, wait_until
 
@@ -58,6 +60,11 @@ async def test_gpud_killed_between_allocate_prepare_and_unprepare(cluster, tmp_p
                             "gpud's slices on the API server")
         names = {dev["name"] for s in slices for dev in s["spec"]["devices"]}
         assert "gpu-0" in names and "gpu-0-mig-1g-10gb-0" in names
+        # the standard pcieRoot as the server stores it: where the simulated kernel's link leads
+        (pci,) = simstate.load(d.host).gpus
+        roots = {dev["attributes"]["resource.kubernetes.io/pcieRoot"]["string"]
+                 for s in slices for dev in s["spec"]["devices"]}
+        assert roots == {realpath_root(Path(d.host) / "sys", pci)}, roots
 
         cluster.claim("k9", MIG, profile_is("1g.10gb"))
         cluster.pod("k9", "k9", node=NODE)

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from gpud.engine.dra.driver import DraDriver
-from gpud.host import kubelet_plugin
-from gpud.host.kubelet_plugin import KubeletPlugin
+from gpud.host.kube import kubelet_plugin
+from gpud.host.kube.kubelet_plugin import KubeletPlugin
 from gpud.model import Placement
 from gpud.plan.dra_slices import DEFAULT_DRIVER
 from tests.dra.cluster import DraCluster, skips
@@ -47,8 +47,8 @@ class SimNode:
         self.api = None
 
     async def start(self, gpus: tuple[str, ...] = ("h100-80gb:1",), layout: str | None = None) -> SimNode:
-        from gpud.host.kube import load_config
-        from gpud.host.kube_dra import DraApi
+        from gpud.host.kube.dra_api import DraApi
+        from gpud.host.kube.node_api import load_config
 
         self.cluster.node(self.name)
         if layout is None:

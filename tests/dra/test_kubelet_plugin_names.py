@@ -9,7 +9,7 @@ import socket
 import tempfile
 from pathlib import Path
 
-from gpud.host.kubelet_plugin import other_plugin_registered, paths
+from gpud.host.kube.kubelet_plugin import other_plugin_registered, paths
 
 
 def test_nvidias_socket_is_found_and_gpuds_own_is_not():
@@ -36,7 +36,7 @@ def check(tmp_path: Path) -> None:
 
 
 async def test_a_kubelet_root_too_long_for_a_socket_is_refused_by_name(tmp_path):
-    from gpud.host.kubelet_plugin import MAX_SOCKET_PATH, KubeletPlugin
+    from gpud.host.kube.kubelet_plugin import MAX_SOCKET_PATH, KubeletPlugin
 
     root = tmp_path / ("k" * (MAX_SOCKET_PATH - len(str(tmp_path))))
     plugin = KubeletPlugin("gpu.gpud.io", None, root=str(root))  # type: ignore[arg-type]

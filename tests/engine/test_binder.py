@@ -18,10 +18,10 @@ import pytest
 
 from gpud.engine.binding import binder
 from gpud.engine.observe.discovery import companions_of
-from gpud.host.deadline_write import stuck_writes
-from gpud.host.kmsg import kernel_reason
-from gpud.host.procs import Procs
-from gpud.host.sysfs import Sysfs
+from gpud.host.kernel.deadline_write import stuck_writes
+from gpud.host.kernel.kmsg import kernel_reason
+from gpud.host.kernel.procs import Procs
+from gpud.host.kernel.sysfs import Sysfs
 from gpud.model import Gpu
 from gpud.plan import binding
 from gpud.plan.binding import plan_binding

@@ -8,7 +8,7 @@ import os
 from gpud.engine.events import EventBus
 from gpud.engine.layout_keeper import LayoutKeeper
 from gpud.engine.observe.discovery import Observation
-from gpud.host.layout_source import MAX_LAYOUT_BYTES
+from gpud.host.files.layout_source import MAX_LAYOUT_BYTES
 
 NO_GPUS = Observation(gpus=(), functions=())
 SECRET = "root:$6$Zq9SeCrEtHaSh$abcdefghijkl:19000:0:99999:7:::\ndaemon:*:19000:0:99999:7:::\n"

@@ -7,7 +7,7 @@ import pytest
 
 from gpud.engine.mig import executor as mig_executor
 from gpud.engine.mig.executor import Outcome
-from gpud.host import logind
+from gpud.host.systemd import logind
 from tests.scenarios.definitions import layout, mig
 from tests.support.simrig import SimRig
 

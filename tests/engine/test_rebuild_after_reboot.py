@@ -18,7 +18,7 @@ from gpud.engine.binding.udev_rules import UdevRules
 from gpud.engine.mig import executor as mig_executor
 from gpud.engine.mig.executor import Outcome
 from gpud.engine.reconciler import Reconciler
-from gpud.host import logind
+from gpud.host.systemd import logind
 from gpud.sim import state as simstate
 from gpud.sim.reboot import reboot
 from tests.scenarios.definitions import layout, mig
@@ -32,7 +32,7 @@ def _kw(tmp_path):
     host = tmp_path / "host"
     return dict(state_dir=str(tmp_path / "state"),
                 boot_id_path=str(host / "proc/sys/kernel/random/boot_id"),
-                udev_rules=UdevRules(str(host / "etc/udev/rules.d/70-gpud-vfio.rules"), modules_load_path=None))
+                udev_rules=UdevRules(str(host / "etc/udev/rules.d/70-gpud-vfio.rules")))
 
 
 def _daemon_start(rig: SimRig, tmp_path, **extra) -> Reconciler:

@@ -9,10 +9,10 @@ import signal
 
 import pytest
 
-from gpud.host import deadline_write
-from gpud.host.deadline_write import DeadlineSysfs
+from gpud.host.kernel import deadline_write
+from gpud.host.kernel.deadline_write import DeadlineSysfs
+from gpud.host.kernel.sysfs import Sysfs
 from gpud.host.readonly import ReadOnlyError
-from gpud.host.sysfs import Sysfs
 from tests.engine.kernel_stores import NeverFinishingReset, RefusingKernel
 
 

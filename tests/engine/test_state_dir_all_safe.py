@@ -1,5 +1,5 @@
 """Issue 33 item 7: every file gpud reads from its state dir goes through the one safe reader
-(gpud.host.state_files). A FIFO at `kube-layout.json` hung `gpud --kube-node` at start (and SIGTERM
+(gpud.host.files.state_files). A FIFO at `kube-layout.json` hung `gpud --kube-node` at start (and SIGTERM
 with it); `persistence-restore.json` was read the same raw way. Each is read in a thread joined
 with a bound, so the old blocking open fails the test instead of hanging it."""
 
@@ -12,7 +12,7 @@ import threading
 import pytest
 
 from gpud.engine.kube.applier import REMEMBERED, ReconcilerApplier
-from gpud.host.nvidia_smi import GpuReset
+from gpud.host.nvidia.gpu_reset import GpuReset
 
 INTENT = "persistence-restore.json"
 

@@ -15,7 +15,7 @@ import pytest
 
 from gpud.engine.gpu_state import VgpuAction
 from gpud.engine.vgpu.keeper import RECORD_FILE, VgpuKeeper
-from gpud.host import safe_file
+from gpud.host.files import safe_file
 from gpud.layout.desired import DesiredGpu
 from gpud.plan.vgpu import plan_vgpu
 from gpud.sim.state import load

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from gpud.engine.vgpu.executor import execute
-from gpud.host.sriov_manage import SriovManage
+from gpud.host.nvidia.sriov_manage import SriovManage
 from gpud.layout.desired import DesiredGpu
 from gpud.plan.vgpu import plan_vgpu
 from gpud.sim import kernel

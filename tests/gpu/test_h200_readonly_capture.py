@@ -25,9 +25,9 @@ from pathlib import Path
 import pynvml
 import pytest
 
-from gpud.host.nvml import Nvml, NvmlError
+from gpud.host.kernel.sysfs import Sysfs
+from gpud.host.nvidia.nvml import Nvml, NvmlError
 from gpud.host.readonly import ReadOnlyError
-from gpud.host.sysfs import Sysfs
 from gpud.sim import replay_nvml
 from tests.scenarios.definitions import layout, mig
 from tests.support.daemon import Daemon, wait_until

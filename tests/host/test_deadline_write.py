@@ -11,9 +11,9 @@ import time
 
 import pytest
 
-from gpud.host import deadline_write
-from gpud.host.deadline_write import WriteFailed, WriteStuck, write_with_deadline
-from gpud.host.sysfs import Sysfs
+from gpud.host.kernel import deadline_write
+from gpud.host.kernel.deadline_write import WriteFailed, WriteStuck, write_with_deadline
+from gpud.host.kernel.sysfs import Sysfs
 
 
 def _wait_for(cond, *, what: str, limit: float = 20.0) -> None:

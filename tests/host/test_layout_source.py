@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from gpud.host.layout_source import MAX_LAYOUT_BYTES, LayoutUnreadable, read_layout
+from gpud.host.files.layout_source import MAX_LAYOUT_BYTES, LayoutUnreadable, read_layout
 
 
 def read_in_thread(path, timeout: float = 30.0):

@@ -1,4 +1,4 @@
-"""gpud.host.nvml on simulated hosts: what it reads, what it changes, and what read-only forbids."""
+"""gpud.host.nvidia.nvml on simulated hosts: what it reads, what it changes, and what read-only forbids."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from gpud.host.nvml import Nvml, NvmlError, normalize_pci
+from gpud.host.nvidia.nvml import Nvml, NvmlError, normalize_pci
 from gpud.host.readonly import ReadOnlyError
 from gpud.model import Holder, Placement
 from gpud.profiles import MODELS

@@ -1,4 +1,4 @@
-"""gpud.host.nvml reads a GPU's fixed facts once per session (gpud.host.nvml_static) and drops
+"""gpud.host.nvidia.nvml reads a GPU's fixed facts once per session (gpud.host.nvidia.nvml_static) and drops
 them whenever the session closes: re-init, reset, rebind, hot-plug. The simulator's own call
 counters (its state file, what `gpud-sim stats` prints) say which NVML calls were made; its state
 file says what the GPUs hold."""
@@ -9,7 +9,7 @@ from collections import Counter
 
 import pytest
 
-from gpud.host.nvml import Nvml
+from gpud.host.nvidia.nvml import Nvml
 from gpud.profiles import MODELS
 from gpud.sim import kernel
 from gpud.sim.state import load, locked

@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from gpud.host.procs import Procs
+from gpud.host.kernel.procs import Procs
 from tests.support.processes import reap
 
 HOLD = "import sys; f = open(sys.argv[1], 'rb'); print('open', flush=True); sys.stdin.read()"

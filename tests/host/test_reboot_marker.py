@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 
-from gpud.host import logind
+from gpud.host.systemd import logind
 
 
 def test_the_marker_written_before_the_call_reads_back_as_written(tmp_path):

@@ -13,7 +13,7 @@ import threading
 
 import pytest
 
-from gpud.host import safe_file
+from gpud.host.files import safe_file
 
 NOBODY = 65534
 

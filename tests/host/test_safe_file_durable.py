@@ -1,10 +1,10 @@
-"""Durable whole-file replacement (host/safe_file.py write_file)."""
+"""Durable whole-file replacement (host/files/safe_file.py write_file)."""
 
 from __future__ import annotations
 
 import os
 
-from gpud.host import safe_file
+from gpud.host.files import safe_file
 
 
 def test_short_writes_are_completed(tmp_path, monkeypatch):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import stat
 import threading
 
-from gpud.host.sriov_manage import SriovManage
+from gpud.host.nvidia.sriov_manage import SriovManage
 
 SCRIPT = """#!/bin/sh
 dir={dir}

@@ -8,8 +8,8 @@ import threading
 
 import pytest
 
+from gpud.host.kernel.sysfs import Sysfs, SysfsError
 from gpud.host.readonly import ReadOnlyError
-from gpud.host.sysfs import Sysfs, SysfsError
 from tests.support.sim_kernel_host import GPU, make_host
 
 

@@ -12,7 +12,7 @@ import types
 import pytest
 
 from gpud.device_events import RESCAN, SUBSYSTEMS, DeviceEvent
-from gpud.host.udev import UdevEvents
+from gpud.host.kernel.udev import UdevEvents
 
 GPU = "0000:17:00.0"
 

@@ -8,9 +8,9 @@ import os
 
 import pytest
 
-from gpud.host.procs import Procs
-from gpud.host.sysfs import Sysfs
-from gpud.host.vgpu_sysfs import VgpuSysfs, parse_creatable, qemu_vm_name
+from gpud.host.kernel.procs import Procs
+from gpud.host.kernel.sysfs import Sysfs
+from gpud.host.nvidia.vgpu_sysfs import VgpuSysfs, parse_creatable, qemu_vm_name
 from gpud.sim import host as sim_paths
 from gpud.sim.cli import create, hold
 from gpud.sim.state import load
@@ -89,7 +89,7 @@ def test_current_vgpu_type_eio_and_eperm_say_what_to_check(tmp_path) -> None:
     """Errors the simulator never makes, as hardware returns them: each has its own meaning."""
     import errno as errno_mod
 
-    from gpud.host.vgpu_sysfs import VgpuError
+    from gpud.host.nvidia.vgpu_sysfs import VgpuError
 
     d = tmp_path / "h"
     create(d, ["l40s"], vgpu="vfio")

@@ -11,7 +11,7 @@ import sys
 import textwrap
 import time
 
-from gpud.host import deadline_write, writer_leftovers
+from gpud.host.kernel import deadline_write, writer_leftovers
 from tests.support.processes import reap
 
 PCI = "0000:fc:00.0"  # an address no other test uses: the stuck registry is per process
@@ -41,8 +41,8 @@ def test_a_helper_dies_with_a_daemon_killed_by_sigkill(tmp_path):
     root = _root(tmp_path)
     daemon = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
         import threading
-        from gpud.host.deadline_write import write_with_deadline
-        from gpud.host.sysfs import Sysfs
+        from gpud.host.kernel.deadline_write import write_with_deadline
+        from gpud.host.kernel.sysfs import Sysfs
         def work():  # from a worker thread that ends: the helper must not die with the thread
             try:
                 write_with_deadline(Sysfs({root!r}), {REL!r}, {PCI!r}, {PCI!r}, timeout=0.5, kmsg="/nonexistent")
@@ -67,7 +67,7 @@ def test_a_helper_dies_with_a_daemon_killed_by_sigkill(tmp_path):
 
 def _orphan(root):
     """A helper as an older gpud left it: no parent-death signal, writing under `root`."""
-    return subprocess.Popen([sys.executable, "-m", "gpud.host.sysfs_writer", "--root", root, "--", REL, PCI],
+    return subprocess.Popen([sys.executable, "-m", "gpud.host.kernel.sysfs_writer", "--root", root, "--", REL, PCI],
                             stdout=subprocess.PIPE, start_new_session=True)
 
 

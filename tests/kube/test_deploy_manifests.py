@@ -114,7 +114,7 @@ def test_every_manifest_parses_and_names_its_kind():
 
 
 def test_rbac_allows_every_request_the_kube_agent_makes():
-    needed = requests_in("gpud.host.kube")
+    needed = requests_in("gpud.host.kube.node_api")
     # the agent's reads, its node patches, pod deletions and the node Event, as the code makes them
     assert {("", "nodes", "patch"), ("", "pods", "delete"), ("", "events", "create")} <= needed
     have = allowed(RBAC, account=("kube-system", "gpud"))
@@ -123,7 +123,7 @@ def test_rbac_allows_every_request_the_kube_agent_makes():
 
 
 def test_dra_rbac_allows_every_request_the_dra_driver_makes():
-    needed = requests_in("gpud.host.kube_dra")
+    needed = requests_in("gpud.host.kube.dra_api")
     assert ("resource.k8s.io", "resourceslices", "update") in needed
     have = allowed(DRA_RBAC, account=("kube-system", "gpud"))
     assert needed <= have, f"requests the DRA RBAC file does not allow: {sorted(needed - have)}"
@@ -174,7 +174,7 @@ def test_daemonset_mounts_every_host_path_gpud_writes():
     (c,) = daemonset()["spec"]["template"]["spec"]["containers"]
     layout = {m["mountPath"] for m in c["volumeMounts"] if m["name"] == "layout"}
     assert layout == {str(PurePosixPath(d.config).parent)}
-    from gpud.host.sriov_manage import DEFAULT_PATH
+    from gpud.host.nvidia.sriov_manage import DEFAULT_PATH
 
     assert str(PurePosixPath(DEFAULT_PATH).parent) in mounts
 

@@ -25,7 +25,7 @@ from gpud.engine.kube.agent import (
     KubeAgent,
     Outcome,
 )
-from gpud.host.kube import KubeApi, load_config
+from gpud.host.kube.node_api import KubeApi, load_config
 from tests.support.kube_agent import (
     BASE_LABELS,
     CLIENT,

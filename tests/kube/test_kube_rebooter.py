@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 from gpud.engine.kube.applier import KubeRebooter
-from gpud.host.logind import REBOOT_MARKER, current_boot_id
+from gpud.host.systemd.logind import REBOOT_MARKER, current_boot_id
 
 
 class AgentRecorder:

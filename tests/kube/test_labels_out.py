@@ -10,8 +10,8 @@ import pytest
 from gpud.engine.gpu_state import Phase
 from gpud.engine.kube.node_labels_out import LabelsOut, Versions, layout_state
 from gpud.engine.observe.discovery import observe
-from gpud.host.nvml import Nvml
-from gpud.host.sysfs import Sysfs
+from gpud.host.kernel.sysfs import Sysfs
+from gpud.host.nvidia.nvml import Nvml
 from gpud.layout.match import DEFAULT_MATCH
 from tests.support.nfd import nfd_read
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from gpud.host import nfd
+from gpud.host.kube import nfd
 from tests.support.daemon import Daemon, wait_until
 from tests.support.nfd import nfd_read
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from gpud.host import nfd
+from gpud.host.kube import nfd
 from tests.support.nfd import MAX_FEATURE_FILE_SIZE, nfd_read
 
 LABELS = {"nvidia.com/gpu.product": "NVIDIA-H200", "nvidia.com/gpu.count": "8",

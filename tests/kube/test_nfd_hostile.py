@@ -12,7 +12,7 @@ import pytest
 from gpud.api import replies
 from gpud.cli.render import render_labels
 from gpud.engine.kube.node_labels_out import LabelsOut
-from gpud.host import nfd
+from gpud.host.kube import nfd
 
 LABELS = {"nvidia.com/gpu.count": "8", "nvidia.com/gpud.layout.state": "success"}
 

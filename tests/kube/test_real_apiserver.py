@@ -27,7 +27,7 @@ from gpud.engine.kube.agent import (
     Impact,
     KubeAgent,
 )
-from gpud.host.kube import Gone, KubeApi, load_config
+from gpud.host.kube.node_api import Gone, KubeApi, load_config
 from tests.support.kube_agent import (
     BASE_LABELS,
     CONTAINER,

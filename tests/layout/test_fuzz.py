@@ -8,8 +8,7 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gpud.layout import check_text, parse_layout
-from gpud.layout import parse as parse_module
+from gpud.layout import check_text, parse_layout, yaml_reader
 from gpud.layout.parse import ENTRY_KEYS, HOOK_KEYS, MATCH_KEYS, POLICY_KEYS, TOP_KEYS
 from gpud.layout.schema import HOOK_PHASES
 from tests.support.gpus import host, make_gpu
@@ -148,7 +147,7 @@ def test_alias_fan_out_is_bounded() -> None:
 def test_too_many_values_without_aliases_says_so_not_aliases(monkeypatch) -> None:
     """A big file with no alias gets an accurate message (it once blamed aliases). The budget is
     lowered so the file stays small: the same check as 20,000 layouts against 100,000 values."""
-    monkeypatch.setattr(parse_module, "MAX_NODES", 5_000)
+    monkeypatch.setattr(yaml_reader, "MAX_NODES", 5_000)
     text = "version: v1\nselected: l0\nlayouts: {" + ", ".join(f"l{i}: [{{devices: [0]}}]" for i in range(2_000)) + "}\n"
     parsed = parse_layout(text)
     assert [str(e) for e in parsed.errors] == [

@@ -7,7 +7,7 @@ import textwrap
 import msgspec
 import pytest
 
-from gpud.layout.parse import ParsedLayout, key_path, parse_layout
+from gpud.layout.parse import ParsedLayout, parse_layout
 from gpud.layout.schema import (
     DEFAULT_MATCH,
     DeviceEntry,
@@ -18,6 +18,7 @@ from gpud.layout.schema import (
     PciId,
     Policy,
 )
+from gpud.layout.yaml_reader import key_path
 from gpud.pci import normalize_pci
 
 

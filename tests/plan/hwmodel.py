@@ -38,7 +38,7 @@ MESSAGES = {3: "Not Supported", 2: "Invalid Argument", 6: "Not Found", 10: "Time
 
 
 class HwError(Exception):
-    """Same shape as gpud.host.nvml.NvmlError: .code, .function, .pci."""
+    """Same shape as gpud.host.nvidia.nvml.NvmlError: .code, .function, .pci."""
 
     def __init__(self, code: int, function: str = "", pci: str | None = None) -> None:
         self.message = MESSAGES.get(code, f"error {code}")
@@ -208,7 +208,7 @@ def apply_steps(hw: HwGpu, steps: Sequence) -> None:
 
 
 class FakeNvml:
-    """The gpud.host.nvml.Nvml contract over HwGpu models, with fault injection.
+    """The gpud.host.nvidia.nvml.Nvml contract over HwGpu models, with fault injection.
 
     `faults[method]` is a list of (code, applied) consumed one per call: the call raises HwError(code),
     after doing its work first when `applied` (a timeout that hides a success)."""
@@ -242,7 +242,7 @@ class FakeNvml:
         snap = g.snapshot()
         if details:
             return snap
-        # the layout only, as gpud.host.nvml answers it: no MIG UUIDs, holders or processes
+        # the layout only, as gpud.host.nvidia.nvml answers it: no MIG UUIDs, holders or processes
         bare = tuple(msgspec.structs.replace(gi, cis=tuple(msgspec.structs.replace(c, uuid="", holders=())
                                                                for c in gi.cis)) for gi in snap.instances)
         return msgspec.structs.replace(snap, instances=bare, processes=())

@@ -6,7 +6,7 @@ against the simulator's state file in test_sim_keeps_the_surviving_ci."""
 from __future__ import annotations
 
 from gpud.engine.mig.executor import execute
-from gpud.host.nvml import Nvml
+from gpud.host.nvidia.nvml import Nvml
 from gpud.layout.desired import DesiredGpu
 from gpud.model import Gpu, PciFunction, Placement
 from gpud.plan.ci_placement import ExistingCi, place_cis

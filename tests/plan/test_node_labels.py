@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from gpud.engine.observe.discovery import observe
-from gpud.host.nvml import Nvml
-from gpud.host.sysfs import Sysfs
+from gpud.host.kernel.sysfs import Sysfs
+from gpud.host.nvidia.nvml import Nvml
 from gpud.layout.match import DEFAULT_MATCH
 from gpud.plan.node_labels import (
     LabelInputs,

@@ -8,10 +8,10 @@ from __future__ import annotations
 import pytest
 
 from gpud.engine.vgpu.executor import execute
-from gpud.host.procs import Procs
-from gpud.host.sriov_manage import SriovManage
-from gpud.host.sysfs import Sysfs
-from gpud.host.vgpu_sysfs import VgpuSysfs
+from gpud.host.kernel.procs import Procs
+from gpud.host.kernel.sysfs import Sysfs
+from gpud.host.nvidia.sriov_manage import SriovManage
+from gpud.host.nvidia.vgpu_sysfs import VgpuSysfs
 from gpud.layout.desired import DesiredGpu
 from gpud.model import Holder, VgpuDevice, VgpuOffer, VgpuState
 from gpud.plan.vgpu import VgpuPlan, VgpuRecord, VgpuStep, check_instances, check_rules, derived_uuid, plan_vgpu

@@ -92,7 +92,7 @@ def test_kernel_module_against_nvml_driver_version(tmp_path):
 def test_nvidia_smi_q_of_the_real_h200_parses_into_nested_sections():
     from pathlib import Path
 
-    from gpud.host.nvidia_smi_query import parse_query
+    from gpud.host.nvidia.smi_query import parse_query
 
     text = (Path(__file__).resolve().parents[1] / "fixtures/h200-qualify/nvidia-smi-q-2026-12-01.txt").read_text()
     top, gpus = parse_query(text)

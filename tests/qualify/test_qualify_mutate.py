@@ -23,7 +23,7 @@ H200 = ROOT / "tests" / "fixtures" / "h200"
 
 
 def _nvml_on(host: Path, pci: str, code: str) -> None:
-    prog = ("import sys; from gpud import sim; sim.install(sys.argv[1]); from gpud.host.nvml import Nvml; "
+    prog = ("import sys; from gpud import sim; sim.install(sys.argv[1]); from gpud.host.nvidia.nvml import Nvml; "
             "n = Nvml(); n.open(); pci = sys.argv[2]; " + code + "; n.close()")
     subprocess.run([sys.executable, "-c", prog, str(host), pci], check=True, cwd=ROOT, timeout=120)
 

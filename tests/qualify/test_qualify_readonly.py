@@ -36,7 +36,7 @@ def _reported_placements(reason: str) -> dict[int, list[str]]:
 def _pend_mig_on(host: Path, pci: str) -> None:
     """Ask the simulated A100 for MIG on through NVML, as a user's nvidia-smi -mig 1 would: Ampere
     leaves it pending until a reset."""
-    code = ("import sys; from gpud import sim; sim.install(sys.argv[1]); from gpud.host.nvml import Nvml; "
+    code = ("import sys; from gpud import sim; sim.install(sys.argv[1]); from gpud.host.nvidia.nvml import Nvml; "
             "n = Nvml(); n.open(); n.set_mig_mode(sys.argv[2], True); n.close()")
     subprocess.run([sys.executable, "-c", code, str(host), pci], check=True, cwd=ROOT, timeout=120)
 

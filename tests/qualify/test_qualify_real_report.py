@@ -15,7 +15,7 @@ REPORT = FIX / "report.txt.json"
 
 
 def test_real_run_changed_nothing_and_agrees_with_nvidia_smi():
-    from gpud.host.nvidia_smi_query import parse_query
+    from gpud.host.nvidia.smi_query import parse_query
 
     assert (FIX / "before.txt").read_text() == (FIX / "after.txt").read_text()
     report = json.loads(REPORT.read_text())

@@ -178,7 +178,7 @@ def trial_writer_helpers(tmp: Path, kills: int) -> TrialResult:
             d.config.write_text("version: v1\nlayouts:\n  t:\n    - {devices: all, workload: vm-passthrough}\n")
             _answered(path, "reload")
             root = str(d.host / "sys")
-            from gpud.host.writer_leftovers import _helpers
+            from gpud.host.kernel.writer_leftovers import _helpers
 
             wait_until(lambda: bool(_helpers(root, "/proc")), timeout=120, what="the unbind's helper")
             pids = [p for p, _, _ in _helpers(root, "/proc")]

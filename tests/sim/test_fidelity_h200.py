@@ -14,7 +14,7 @@ from pathlib import Path
 import pynvml as N
 import pytest
 
-from gpud.host.nvml import Nvml
+from gpud.host.nvidia.nvml import Nvml
 
 FIX = Path(__file__).resolve().parents[1] / "fixtures" / "h200"
 PROBE = json.loads((FIX / "nvml-sysfs-readonly.json").read_text())

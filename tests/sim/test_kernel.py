@@ -8,8 +8,8 @@ import threading
 
 import pytest
 
-from gpud.host.procs import Procs
-from gpud.host.sysfs import SysfsError
+from gpud.host.kernel.procs import Procs
+from gpud.host.kernel.sysfs import SysfsError
 from gpud.sim import kernel
 from gpud.sim.kernel import Store
 from gpud.sim.state import (

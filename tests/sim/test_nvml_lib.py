@@ -1,4 +1,4 @@
-"""The fake NVML library driven through nvidia-ml-py's own wrappers (as gpud.host.nvml uses them)."""
+"""The fake NVML library driven through nvidia-ml-py's own wrappers (as gpud.host.nvidia.nvml uses them)."""
 
 from __future__ import annotations
 

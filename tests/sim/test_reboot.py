@@ -96,7 +96,7 @@ def test_vfs_and_vgpus_are_gone_after_a_reboot(tmp_path):
     """VFs (their PCI functions too) and mdev vGPUs do not survive a reboot (docs/vgpu.md): a host
     with a vendor-VFIO L40S (4 VFs, one with a vGPU type) and an mdev T4 (one vGPU) comes back
     with sriov_numvfs 0 and no mdev, as its state file and sysfs tree show."""
-    from gpud.host.sysfs import Sysfs
+    from gpud.host.kernel.sysfs import Sysfs
     from gpud.sim import host as sim_host_paths
 
     d = tmp_path / "host"

@@ -7,8 +7,8 @@ import os
 import re
 from pathlib import Path
 
-from gpud.host.procs import Procs
-from gpud.host.sysfs import Sysfs
+from gpud.host.kernel.procs import Procs
+from gpud.host.kernel.sysfs import Sysfs
 from gpud.sim.state import SimCi, SimFunction, SimGi, SimGpu, SimProcess, SimState
 from gpud.sim.sysfs_tree import cap_minor, render
 from tests.support.sim_kernel_host import AUDIO, GPU, NOGROUP, UUID, make_host, make_state

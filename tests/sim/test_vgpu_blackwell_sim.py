@@ -16,9 +16,9 @@ import os
 
 import pytest
 
-from gpud.host.procs import Procs
-from gpud.host.sysfs import Sysfs, SysfsError
-from gpud.host.vgpu_sysfs import VgpuSysfs
+from gpud.host.kernel.procs import Procs
+from gpud.host.kernel.sysfs import Sysfs, SysfsError
+from gpud.host.nvidia.vgpu_sysfs import VgpuSysfs
 from gpud.sim import host as sim_host_paths
 from gpud.sim.cli import create
 from gpud.sim.state import SimGi, load, locked

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from gpud.host.sysfs import Sysfs, SysfsError
+from gpud.host.kernel.sysfs import Sysfs, SysfsError
 from gpud.sim import host as sim_host_paths
 from gpud.sim.cli import SimCliError, create, hold, main, release
 from gpud.sim.kernel import Store

@@ -13,7 +13,7 @@ from gpud.engine.kube.agent import (
     Outcome,
 )
 from gpud.engine.kube.operands import OperandsNotPaused
-from gpud.host.kube import KubeApi, load_config
+from gpud.host.kube.node_api import KubeApi, load_config
 from tests.support.kube_cluster import (
     NODE,
     OPERATOR_NS,

@@ -7,7 +7,7 @@ from __future__ import annotations
 import functools
 import os
 
-from gpud.host.sysfs import Sysfs
+from gpud.host.kernel.sysfs import Sysfs
 from gpud.sim import kernel
 from gpud.sim.kernel import Store
 from gpud.sim.state import SimFunction, SimGpu, SimProcess, SimState, locked, save

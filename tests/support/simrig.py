@@ -15,12 +15,12 @@ from gpud.engine.apply_lock import ApplyLock
 from gpud.engine.events import EventBus
 from gpud.engine.ports import Clock, Hardware, SystemClock
 from gpud.engine.reconciler import Reconciler
-from gpud.host.deadline_write import DeadlineSysfs
-from gpud.host.nvidia_smi import GpuReset
-from gpud.host.nvml import Nvml
-from gpud.host.procs import Procs
-from gpud.host.sysfs import Sysfs
-from gpud.host.vgpu_sysfs import VgpuSysfs, names_path
+from gpud.host.kernel.deadline_write import DeadlineSysfs
+from gpud.host.kernel.procs import Procs
+from gpud.host.kernel.sysfs import Sysfs
+from gpud.host.nvidia.gpu_reset import GpuReset
+from gpud.host.nvidia.nvml import Nvml
+from gpud.host.nvidia.vgpu_sysfs import VgpuSysfs, names_path
 from gpud.profiles import MODELS
 from gpud.sim import cli as simcli
 from gpud.sim import state as simstate

@@ -4,8 +4,8 @@ import asyncio
 import json
 import sys
 
-from gpud.host.logind import reboot_outcome, request_reboot
-from gpud.host.unit_drain import SystemdError, UnitDrainer
+from gpud.host.systemd.logind import reboot_outcome, request_reboot
+from gpud.host.systemd.unit_drain import SystemdError, UnitDrainer
 
 
 async def states(d: UnitDrainer, units) -> dict:

@@ -64,7 +64,7 @@ def other_users_fds(pid):
 
 def drain(unit):
     def f():
-        from gpud.host.unit_drain import UnitDrainer
+        from gpud.host.systemd.unit_drain import UnitDrainer
 
         async def go():
             async with UnitDrainer(job_timeout=30) as d:
@@ -93,7 +93,7 @@ def gpud_writes() -> dict[str, str]:
     """A probe file beside every file gpud writes as a service, from gpud's own defaults, so a
     path added there is probed here too (the metrics directory is the README's example)."""
     from gpud.hardware import APPLY_LOCK, NFD_FEATURES, UDEV_RULES
-    from gpud.host.cdi import DEFAULT_SPEC
+    from gpud.host.nvidia.cdi import DEFAULT_SPEC
 
     dirs = {"apply-lock": APPLY_LOCK, "udev-rules": UDEV_RULES, "nfd-features": NFD_FEATURES,
             "cdi-spec": DEFAULT_SPEC, "metrics-textfile": "/var/lib/prometheus/node-exporter/gpud.prom"}

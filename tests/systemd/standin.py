@@ -1,4 +1,4 @@
-"""Stand-in services run by the container's systemd, using gpud.host.sd_notify the way the daemon
+"""Stand-in services run by the container's systemd, using gpud.host.systemd.sd_notify the way the daemon
 does. Each waits on FIFOs the test writes to, so every step is driven by an event.
 
   standin.py notify DIR     Type=notify: STATUS, then READY after DIR/go; SIGHUP -> RELOADING
@@ -15,7 +15,7 @@ import signal
 import sys
 import time
 
-from gpud.host.sd_notify import Notifier, child_env
+from gpud.host.systemd.sd_notify import Notifier, child_env
 
 
 def wait_fifo(path: str) -> str:

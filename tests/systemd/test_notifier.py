@@ -1,4 +1,4 @@
-"""gpud.host.sd_notify, unit_drain and logind without a service manager: the notify protocol on a socket of our own,
+"""gpud.host.systemd.sd_notify, unit_drain and logind without a service manager: the notify protocol on a socket of our own,
 socket activation through systemd-socket-activate, the JobRemoved buffer, the reboot marker."""
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ import time
 
 import pytest
 
-from gpud.host import logind, sd_notify
-from gpud.host.sd_notify import Notifier, child_env, watchdog_interval
-from gpud.host.unit_drain import SystemdError, _JobTracker
+from gpud.host.systemd import logind, sd_notify
+from gpud.host.systemd.sd_notify import Notifier, child_env, watchdog_interval
+from gpud.host.systemd.unit_drain import SystemdError, _JobTracker
 from tests.systemd.nspawn import REPO
 
 
@@ -128,7 +128,7 @@ def test_child_env_and_watchdog_interval():
 @pytest.mark.skipif(shutil.which("systemd-socket-activate") is None, reason="systemd-socket-activate missing")
 def test_listen_socket_from_socket_activation(tmp_path):
     sock_path = str(tmp_path / "gpud.sock")
-    child = ("import os, sys; from gpud.host.sd_notify import listen_socket; s = listen_socket(); "
+    child = ("import os, sys; from gpud.host.systemd.sd_notify import listen_socket; s = listen_socket(); "
              "assert s is not None and 'LISTEN_FDS' not in os.environ; c, _ = s.accept(); "
              "c.sendall(b'served by fd %d' % s.fileno())")
     p = subprocess.Popen(["systemd-socket-activate", "-l", sock_path, sys.executable, "-c", child],

@@ -1,4 +1,4 @@
-"""gpud.host.sd_notify, unit_drain and logind against a real systemd 252 (PID 1, D-Bus, logind) in a container: readiness
+"""gpud.host.systemd.sd_notify, unit_drain and logind against a real systemd 252 (PID 1, D-Bus, logind) in a container: readiness
 and STATUS, reload notifications, the watchdog, draining units, and the reboot request."""
 
 from __future__ import annotations

@@ -23,9 +23,9 @@ import sys
 import time
 
 from gpud.engine.vgpu.executor import execute
-from gpud.host.procs import Procs
-from gpud.host.sysfs import Sysfs, SysfsError
-from gpud.host.vgpu_sysfs import VgpuSysfs
+from gpud.host.kernel.procs import Procs
+from gpud.host.kernel.sysfs import Sysfs, SysfsError
+from gpud.host.nvidia.vgpu_sysfs import VgpuSysfs
 from gpud.layout.desired import DesiredGpu
 from gpud.plan.vgpu import VgpuRecord, plan_vgpu
 

@@ -9,7 +9,7 @@ even a driver_override write or read of that device can then block. Hence:
   nothing has been written yet;
 - the caller's own NVML handle is closed through `before_unbind`, then nvidia's unbindLock is
   asked for (refused -> "waiting": a user /proc cannot show, e.g. nvidia-persistenced or DRM);
-- every write runs in a helper process with a deadline (gpud.host.deadline_write); on expiry the
+- every write runs in a helper process with a deadline (gpud.host.kernel.deadline_write); on expiry the
   outcome is "stuck" with what the kernel says (/proc/<helper>/wchan, stack, state, the last
   matching /dev/kmsg line) and the helper is abandoned to a reaper thread: the caller's thread
   returns, the event loop keeps serving, and later plans touching that device answer "stuck"
@@ -27,24 +27,29 @@ import os
 import re
 import time
 from collections.abc import Callable, Iterable
-from typing import TypeVar
+from typing import Final, Literal, TypeVar
 
 from msgspec import Struct
 
 from gpud.engine.ports import Clock, SystemClock
-from gpud.host.deadline_write import WriteFailed, WriteStuck, stuck_writes, write_with_deadline
-from gpud.host.kmsg import read_text
+from gpud.host.kernel.deadline_write import WriteFailed, WriteStuck, stuck_writes, write_with_deadline
+from gpud.host.kernel.kmsg import read_text
+from gpud.host.kernel.procs import Procs
+from gpud.host.kernel.sysfs import Sysfs, describe_error
 from gpud.host.readonly import ReadOnlyError, refuse_if
-from gpud.host.sysfs import describe_error
 from gpud.model import Holder
 from gpud.plan import binding
 
-CONVERGED, WAITING, FAILED, STUCK = "converged", "waiting", "failed", "stuck"
+BindState = Literal["converged", "waiting", "failed", "stuck"]
+CONVERGED: Final = "converged"
+WAITING: Final = "waiting"
+FAILED: Final = "failed"
+STUCK: Final = "stuck"
 
 
 class BindOutcome(Struct, frozen=True):
     pci: str
-    state: str  # converged | waiting | failed | stuck
+    state: BindState
     message: str
     holders: tuple[Holder, ...] = ()
     done: tuple[str, ...] = ()  # the steps carried out, in order
@@ -67,8 +72,10 @@ def _needs(step: binding.BindStep, value: T | None, name: str) -> T:
 class _BindingRun:
     """One execution of one binding plan: its steps done so far and the unbindLocks it holds."""
 
-    def __init__(self, sysfs, procs, plan: binding.BindingPlan, *, before_unbind, timeout, verify_timeout, dev_root,
-                 check_holders, kmsg, clock: Clock, on_step) -> None:
+    def __init__(self, sysfs: Sysfs, procs: Procs, plan: binding.BindingPlan, *,
+                 before_unbind: Callable[[], None] | None, timeout: float, verify_timeout: float,
+                 dev_root: str, check_holders: bool, kmsg: str, clock: Clock,
+                 on_step: Callable[[binding.BindStep, str], None] | None) -> None:
         self.sysfs, self.procs, self.plan = sysfs, procs, plan
         self.before_unbind = before_unbind
         self.timeout, self.verify_timeout = timeout, verify_timeout
@@ -292,8 +299,8 @@ def _holders_text(holders: Iterable[Holder]) -> str:
 
 
 def execute(
-    sysfs,
-    procs,
+    sysfs: Sysfs,
+    procs: Procs,
     plan: binding.BindingPlan,
     *,
     before_unbind: Callable[[], None] | None = None,

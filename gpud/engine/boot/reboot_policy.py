@@ -8,8 +8,8 @@ from __future__ import annotations
 from gpud.engine.events import EventBus
 from gpud.engine.gpu_state import GpuState, Phase
 from gpud.engine.ports import Rebooter
-from gpud.host.logind import BOOT_ID_PATH, clear_reboot_request, reboot_outcome
-from gpud.host.state_files import Problems
+from gpud.host.files.state_files import Problems
+from gpud.host.systemd.logind import BOOT_ID_PATH, clear_reboot_request, reboot_outcome
 from gpud.layout.schema import Policy
 
 

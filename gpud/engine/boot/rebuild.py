@@ -17,8 +17,8 @@ from pathlib import Path
 
 from gpud.engine.events import EventBus
 from gpud.engine.gpu_state import GpuState, Phase
-from gpud.host import state_files
-from gpud.host.logind import current_boot_id
+from gpud.host.files import state_files
+from gpud.host.systemd.logind import current_boot_id
 
 log = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
 Publishing: after every engine pass, lease change and device event the daemon calls `publish()`;
 it builds the pool from the engine's view (gpud.plan.dra_slices, pure) and writes only what
-differs from what the API server holds (gpud.host.kube_dra), so at rest nothing is written. A
+differs from what the API server holds (gpud.host.kube.dra_api), so at rest nothing is written. A
 watch on the pool's slices puts right what someone else changed or deleted.
 
 Prepare (the kubelet's NodePrepareResources): the claim is read from the API server (its
@@ -32,7 +32,7 @@ import contextlib
 import json
 import logging
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 import msgspec
@@ -40,8 +40,8 @@ import msgspec
 from gpud.engine.leases.engine import LeaseEngine, LeaseRefused
 from gpud.engine.leases.records import LeaseRecord
 from gpud.engine.view import EngineView
-from gpud.host import state_files
-from gpud.host.kubelet_plugin import ClaimRef, Prepared, PreparedDevice
+from gpud.host.files import state_files
+from gpud.host.kube.kubelet_plugin import ClaimRef, Prepared, PreparedDevice
 from gpud.model import Gpu, Placement
 from gpud.plan.dra_slices import DraInputs, DraSlices, SliceDevice, build_slices
 
@@ -55,6 +55,7 @@ DEFAULT_CDI_DIR = "/var/run/cdi"
 class ClaimsApi(Protocol):
     node: str
     driver: str
+    taints_dropped: bool  # the server stored devices without the taints sent (DRADeviceTaints off)
 
     async def publish(self, wanted: list[dict]) -> int: ...
     async def claim(self, namespace: str, name: str) -> dict: ...
@@ -93,21 +94,28 @@ UNHEALTHY_STATES = ("stuck", "gone")  # a driver write that never returned; the 
 
 
 def inputs_of(view: EngineView, node: str, driver: str, *, driver_version: str | None,
-              unhealthy: frozenset[str] = frozenset()) -> DraInputs:
+              unhealthy: frozenset[str] = frozenset(),
+              pcie_root: Callable[[str], str | None] = lambda pci: None,
+              taints: Mapping[str, tuple[dict, ...]] | None = None) -> DraInputs:
     """The builder's inputs from the engine's view. Unhealthy: GPUs whose last state is stuck or
     gone, beside what the caller adds (gpud reads no XIDs itself)."""
     desired = view.resolution.desired if view.resolution is not None else {}
     unhealthy = unhealthy | {pci for pci, st in view.gpu_states.items() if st.state in UNHEALTHY_STATES}
+    roots = {g.pci: r for g in view.observation.gpus if g.present and (r := pcie_root(g.pci))}
     return DraInputs(node, view.observation.gpus, desired, driver=driver, driver_version=driver_version,
-                     unhealthy=unhealthy, foreign=foreign_placements(view))
+                     unhealthy=unhealthy, foreign=foreign_placements(view), pcie_roots=roots,
+                     taints=taints or {})
 
 
 class DraDriver:
     def __init__(self, api: ClaimsApi, leases: LeaseEngine, view: Callable[[], EngineView], *,
                  state_dir: str | None, cdi_dir: str = DEFAULT_CDI_DIR,
                  driver_version: Callable[[], str | None] = lambda: None,
-                 unhealthy: Callable[[], frozenset[str]] = frozenset) -> None:
+                 unhealthy: Callable[[], frozenset[str]] = frozenset,
+                 pcie_root: Callable[[str], str | None] = lambda pci: None,
+                 taints: Callable[[], Mapping[str, tuple[dict, ...]]] = dict) -> None:
         self.api, self.leases, self._view = api, leases, view
+        self._pcie_root, self._taints = pcie_root, taints
         self.node, self.driver = api.node, api.driver
         self.cdi_dir = cdi_dir
         self.path = os.path.join(state_dir, CHECKPOINT) if state_dir else None
@@ -121,8 +129,12 @@ class DraDriver:
     # ---- the pool ------------------------------------------------------------------------------
     def build(self) -> DraSlices:
         view = self._view()
+        unhealthy, taints = self._unhealthy(), dict(self._taints())
+        if self.api.taints_dropped:  # a server without DRADeviceTaints: what would not be scheduled goes
+            unhealthy |= {pci for pci, ts in taints.items() if any(t["effect"] == "NoSchedule" for t in ts)}
+            taints = {}
         inputs = inputs_of(view, self.node, self.driver, driver_version=self._driver_version(),
-                           unhealthy=self._unhealthy())
+                           unhealthy=unhealthy, pcie_root=self._pcie_root, taints=taints)
         return build_slices(msgspec.structs.replace(inputs, generation=max(self.generation, 1)))
 
     async def publish(self) -> int:
@@ -136,7 +148,13 @@ class DraDriver:
                 built = self.build()
             else:
                 self.generation = max(self.generation, 1)
+            dropped = self.api.taints_dropped
             writes = await self.api.publish(built.slices)
+            if self.api.taints_dropped and not dropped:  # learnt just now: publish without them
+                log.warning("DRA: the API server dropped the devices' taints (DRADeviceTaints off); "
+                            "devices of GPUs with a fatal Xid are withdrawn instead")
+                built = self.build()
+                writes += await self.api.publish(built.slices)
             self.published = built
             return writes
 

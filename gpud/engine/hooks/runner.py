@@ -28,7 +28,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 from gpud.engine.ports import Drainer
-from gpud.host.sd_notify import child_env
+from gpud.host.systemd.sd_notify import child_env
 from gpud.layout.schema import HOOK_PHASES, Hook, HookPhase, Hooks
 from gpud.py_compat import timeout
 
@@ -279,7 +279,7 @@ async def refresh_cdi(drainer: Drainer | None, *, log: Callable[[str], object] |
                       unit: str = CDI_REFRESH_UNIT, generate: Callable[[], Awaitable[str]] | None = None) -> bool:
     """After an apply that changed MIG devices, regenerate the CDI spec (the container toolkit
     does not notice on its own: nvidia-container-toolkit #1828). Restarts the unit through
-    systemd when it is installed; else runs `generate` (gpud.host.cdi: `nvidia-ctk cdi generate`)
+    systemd when it is installed; else runs `generate` (gpud.host.nvidia.cdi: `nvidia-ctk cdi generate`)
     when the toolkit is; False when neither could."""
     done = False
     if drainer is not None:

@@ -34,7 +34,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Protocol
 
 from msgspec import Struct
@@ -53,7 +53,7 @@ from gpud.engine.kube.selection import (  # noqa: F401 - the protocol's names, r
     selection,
 )
 from gpud.engine.kube.workload import plan_workload
-from gpud.host.kube import Conflict, Gone, KubeError, NodeView, PodView
+from gpud.host.kube.node_api import Conflict, Gone, KubeApi, KubeError, NodeView, PodView
 from gpud.plan.operand_impact import Impact
 
 log = logging.getLogger(__name__)
@@ -121,7 +121,9 @@ class AgentStatus(Struct):
 
 
 class KubeAgent(OtherAgentsOff):
-    def __init__(self, api, applier: Applier, *, namespace: str = DEFAULT_NAMESPACE, pod_timeout: float = 300.0,
+    status: AgentStatus  # the mixin knows only its own part of it
+
+    def __init__(self, api: KubeApi, applier: Applier, *, namespace: str = DEFAULT_NAMESPACE, pod_timeout: float = 300.0,
                  on_event: Callable[[str, str], None] | None = None, retry_delay: float = 1.0,
                  max_conflicts: int = 8, default_vgpu: str | None = DEFAULT_VGPU_CONFIG,
                  on_node: Callable[[dict[str, str]], None] | None = None) -> None:
@@ -290,7 +292,7 @@ class KubeAgent(OtherAgentsOff):
 
     # --- what the engine calls around its passes -------------------------------------------
     @contextlib.asynccontextmanager
-    async def operands_paused(self, impact: Impact):
+    async def operands_paused(self, impact: Impact) -> AsyncIterator[None]:
         """Around a pass's changes: pending, pause the operands that see a changing GPU and wait for
         their pods to go; afterwards restore them (not when a reboot was asked for). Raises
         OperandsNotPaused (restoring what it paused) when the operands cannot be taken off the

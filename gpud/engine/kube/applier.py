@@ -20,9 +20,9 @@ from gpud.engine.engine import Engine
 from gpud.engine.gpu_state import SETTLING_PHASES
 from gpud.engine.kube.agent import KubeAgent, Outcome
 from gpud.engine.ports import Rebooter
-from gpud.host import state_files
-from gpud.host.logind import reboot_outcome
-from gpud.host.safe_file import write_file
+from gpud.host.files import state_files
+from gpud.host.files.safe_file import write_file
+from gpud.host.systemd.logind import reboot_outcome
 from gpud.profiles import by_device
 
 log = logging.getLogger(__name__)

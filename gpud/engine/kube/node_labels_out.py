@@ -14,7 +14,7 @@ from typing import Literal, assert_never
 from msgspec import Struct
 
 from gpud.engine.gpu_state import Phase
-from gpud.host import nfd
+from gpud.host.kube import nfd
 from gpud.model import Gpu
 from gpud.plan.node_labels import LabelInputs, NodeLabels, node_labels
 

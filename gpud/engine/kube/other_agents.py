@@ -13,12 +13,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Protocol
 
 from msgspec import Struct
 
 from gpud.engine.kube.operands import OperandsNotPaused
-from gpud.host.kube import KubeError, NodeView, PodView
+from gpud.engine.kube.selection import Selection
+from gpud.host.kube.node_api import KubeApi, KubeError, NodeView, PodView
 
 
 class OtherAgent(Struct, frozen=True):
@@ -37,14 +38,20 @@ OTHER_AGENTS = (
 )
 
 
+class _Status(Protocol):
+    """The part of the agent's status (gpud.engine.kube.agent.AgentStatus) this mixin keeps."""
+
+    other_agents: list[str]
+
+
 class OtherAgentsOff:
     """Mixed into KubeAgent, whose members these are."""
 
-    api: Any
+    api: KubeApi
     namespace: str
     pod_timeout: float
-    status: Any
-    _active: Any
+    status: _Status
+    _active: Selection | None
     _event: Callable[[str, str], None]
     _set_state: Callable[..., Awaitable[None]]
     _pods_gone_where: Callable[[Callable[[PodView], bool], str], Awaitable[None]]

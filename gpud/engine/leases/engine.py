@@ -37,8 +37,8 @@ from gpud.engine.leases import executor, startup
 from gpud.engine.leases.records import LeaseBook, LeaseRecord, new_id
 from gpud.engine.observe.holder_watch import HolderWatch, process_key
 from gpud.engine.ports import Hardware
-from gpud.host.nvml import NvmlError
-from gpud.host.state_files import Problems
+from gpud.host.files.state_files import Problems
+from gpud.host.nvidia.nvml import NvmlError
 from gpud.layout.desired import DesiredGpu
 from gpud.layout.schema import Policy
 from gpud.model import Gpu, Holder, NvmlGpu, Placement

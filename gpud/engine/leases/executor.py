@@ -17,7 +17,7 @@ from collections.abc import Callable
 import msgspec
 
 from gpud.engine.leases.records import LeaseBook, LeaseRecord
-from gpud.host.nvml import Nvml, NvmlError
+from gpud.host.nvidia.nvml import Nvml, NvmlError
 from gpud.model import Holder
 
 

@@ -5,7 +5,7 @@ may fall between any two NVML calls. So each lease is written as an *intent* bef
 NVML change, rewritten after each one (`gi-made`, then `held` with the MIG UUID), and a release
 is written `releasing` before its first destroy and dropped after the last. At start
 (gpud.engine.leases.startup) every record is compared with what NVML shows, and the state tells
-exactly which calls had happened. The file is read strictly through gpud.host.state_files: a file
+exactly which calls had happened. The file is read strictly through gpud.host.files.state_files: a file
 not in this format is set aside and reported, never acted on.
 """
 
@@ -19,7 +19,7 @@ from typing import Literal
 import msgspec
 from msgspec import Struct
 
-from gpud.host import state_files
+from gpud.host.files import state_files
 from gpud.model import Placement
 
 RECORD_FILE = "leases.json"

@@ -21,7 +21,7 @@ import msgspec
 
 from gpud.engine.leases.executor import ignore_gone
 from gpud.engine.leases.records import LeaseBook, LeaseRecord
-from gpud.host.nvml import Nvml
+from gpud.host.nvidia.nvml import Nvml
 from gpud.model import GpuInstance, NvmlGpu
 
 Report = Callable[[str, str, str], None]  # (event kind, message, pci)

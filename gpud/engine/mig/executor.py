@@ -51,7 +51,7 @@ T = TypeVar("T")
 
 
 class MigNvml(Protocol):
-    """What the executor asks of NVML (gpud.host.nvml.Nvml on a host, the simulator's library
+    """What the executor asks of NVML (gpud.host.nvidia.nvml.Nvml on a host, the simulator's library
     behind the same class in tests): read one GPU, change its mode, create and destroy instances.
     Failures raise an exception with an int `code` (NVML's return code) and a `function` name."""
 
@@ -142,7 +142,7 @@ class _Run:
         raise AssertionError("unreachable")
 
     def read(self, details: bool = True) -> NvmlGpu:
-        """The GPU as NVML sees it now (`details=False`: its layout only, see gpud.host.nvml.Nvml.gpu);
+        """The GPU as NVML sees it now (`details=False`: its layout only, see gpud.host.nvidia.nvml.Nvml.gpu);
         transient errors and a briefly missing GPU (just reset) are retried."""
         def attempt() -> NvmlGpu:
             try:

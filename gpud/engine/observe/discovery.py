@@ -14,9 +14,10 @@ from collections.abc import Sequence
 
 from msgspec import Struct
 
-from gpud.host.nvml import Nvml, NvmlError
-from gpud.host.sysfs import Sysfs
+from gpud.host.kernel.sysfs import Sysfs
+from gpud.host.nvidia.nvml import Nvml, NvmlError
 from gpud.layout.match import managed
+from gpud.layout.schema import MatchRule
 from gpud.model import Gpu, KnownGpu, NvmlGpu, PciFunction
 
 log = logging.getLogger(__name__)
@@ -41,7 +42,7 @@ def companions_of(function: PciFunction, functions: Sequence[PciFunction]) -> tu
     return tuple(f for f in functions if f.slot == function.slot and f.address != function.address)
 
 
-def observe(sysfs: Sysfs, nvml: Nvml | None, match) -> Observation:
+def observe(sysfs: Sysfs, nvml: Nvml | None, match: Sequence[MatchRule]) -> Observation:
     functions = tuple(sysfs.functions())
     nvml_gpus: dict[str, NvmlGpu] = {}
     nvml_error = None

@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 import msgspec
 
-from gpud.host import state_files
+from gpud.host.files import state_files
 from gpud.model import Gpu, KnownGpu
 from gpud.profiles import model_name
 

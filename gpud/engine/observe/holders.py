@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import os
 
-from gpud.host.nvidia_smi import KNOWN_HOLDERS, PERSISTENCED
-from gpud.host.procs import Procs
-from gpud.host.sysfs import Sysfs
-from gpud.host.vgpu_sysfs import vfio_cdevs
+from gpud.host.kernel.procs import Procs
+from gpud.host.kernel.sysfs import Sysfs
+from gpud.host.nvidia.gpu_reset import KNOWN_HOLDERS, PERSISTENCED
+from gpud.host.nvidia.vgpu_sysfs import vfio_cdevs
 from gpud.model import Gpu, Holder
 
 
@@ -29,7 +29,7 @@ def device_holders(procs: Procs, pci: str) -> list[Holder]:
 
 def reset_holders(procs: Procs, pci: str) -> list[Holder]:
     """Holders a reset waits for: not nvidia-persistenced, whose hold on this GPU ends when the
-    reset turns persistence off for it (`nvidia-smi -pm 0 -i <PCI>`, gpud.host.nvidia_smi)."""
+    reset turns persistence off for it (`nvidia-smi -pm 0 -i <PCI>`, gpud.host.nvidia.gpu_reset)."""
     return [h for h in device_holders(procs, pci) if not PERSISTENCED.startswith(h.name or "-")]
 
 

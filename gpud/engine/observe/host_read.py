@@ -15,7 +15,7 @@ from gpud.engine.observe.discovery import Observation, observe
 from gpud.engine.observe.gpu_index import GpuIndex, SetChange
 from gpud.engine.ports import Hardware
 from gpud.engine.vgpu.keeper import VgpuKeeper
-from gpud.host.nvml import NvmlError
+from gpud.host.nvidia.nvml import NvmlError
 from gpud.layout.schema import MatchRule
 from gpud.model import Gpu, NvmlGpu
 

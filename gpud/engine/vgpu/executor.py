@@ -1,4 +1,4 @@
-"""Runs a VgpuPlan's steps through host.vgpu_sysfs, re-reading sysfs around each write.
+"""Runs a VgpuPlan's steps through host.nvidia.vgpu_sysfs, re-reading sysfs around each write.
 
 The plan names types, never ids: ids are per driver release, so each step reads the id from the
 VF's own creatable list (vendor VFIO) or the type directory from the parent's
@@ -14,9 +14,9 @@ from collections.abc import Callable
 
 from msgspec import Struct, field
 
-from gpud.host.sriov_manage import SriovManage
-from gpud.host.sysfs import SysfsError
-from gpud.host.vgpu_sysfs import VgpuSysfs
+from gpud.host.kernel.sysfs import SysfsError
+from gpud.host.nvidia.sriov_manage import SriovManage
+from gpud.host.nvidia.vgpu_sysfs import VgpuSysfs
 from gpud.model import Holder, VgpuDevice
 from gpud.plan.vgpu import VgpuPlan, VgpuRecord, VgpuStep
 

@@ -9,17 +9,26 @@
   R580 A100 host): read from the device, the model's prefix table is only the fallback.
 - A vendor-VFIO vGPU is its VF: a plain PCI hostdev of the VF, `managed='no'`, because the VF must
   stay on the nvidia driver (libvirt's managed mode would move it to vfio-pci, which refuses it).
-  KubeVirt's own PCI device plugin advertises such VFs (kubevirt#16890: a VF on `nvidia` with a
-  non-zero `current_vgpu_type`), so the entry is `externalResourceProvider: false`; the resource is
-  named `nvidia.com/` + the type as the driver prints it in `creatable_vgpu_types`, spaces turned
-  into `_` (`NVIDIA L40S-12Q` -> `nvidia.com/NVIDIA_L40S-12Q`), the name KubeVirt's VMs request.
+  KubeVirt's own PCI device plugin advertises such VFs (kubevirt#16890, v1.9), so the entry is
+  `externalResourceProvider: false`. How KubeVirt v1.9 takes them (pkg/virt-handler/device-manager:
+  device_controller.go, pci_device.go, nvidia.go, common.go): it keys one plugin per lower-cased
+  `pciVendorSelector` (a later entry with the same selector replaces an earlier one), walks
+  /sys/bus/pci/devices, reads each function's `PCI_ID` from its uevent, and puts under that
+  selector's resource every matching function on vfio-pci and every matching one on `nvidia` that is
+  no PF (no `sriov_totalvfs`) and has a `nvidia/current_vgpu_type` other than 0. So the selector is
+  the VF's own PCI id as its uevent says, one entry per id, and the resource cannot tell vGPU types
+  apart: the VFs of one id with one type are `nvidia.com/` + the type as the driver prints it
+  (`NVIDIA L40S-12Q` -> `nvidia.com/NVIDIA_L40S-12Q`), with several types
+  `nvidia.com/<the model's plugin name>_VGPU` and a warning (`kubevirt_warnings`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
+
 from msgspec import Struct
 
-from gpud.kubevirt_names import vgpu_resource
+from gpud.kubevirt_names import RESOURCE_NAMESPACE, kubevirt_name, vgpu_resource
 from gpud.model import VgpuDevice
 from gpud.vgpu_types import printed_name
 
@@ -49,7 +58,51 @@ def pci_hostdev(address: str) -> str:
             "</source></hostdev>")
 
 
-def entry(gpu: str, device_id: int, dev: VgpuDevice) -> VgpuEntry:
+def selector(device_id: int, dev: VgpuDevice) -> str:
+    """The pciVendorSelector that matches a VF vGPU: its own uevent PCI_ID, else (not read) the PF's id."""
+    return dev.pci_id or f"10DE:{device_id:04X}"
+
+
+def vf_resources(vfs: Iterable[tuple[int, VgpuDevice]]) -> dict[str, tuple[str, tuple[str, ...]]]:
+    """selector -> (resource, vGPU types under it) for the VF vGPUs given as (PF device id, device):
+    one resource per PCI id, as KubeVirt makes one plugin per selector (module docstring)."""
+    types: dict[str, dict[str, None]] = {}
+    for device_id, dev in vfs:
+        if dev.vf is not None:
+            types.setdefault(selector(device_id, dev), {})[dev.driver_name or printed_name(device_id, dev.type)] = None
+    out = {}
+    for sel, names in types.items():
+        if len(names) == 1:
+            out[sel] = (vgpu_resource(next(iter(names))), tuple(names))
+        else:
+            out[sel] = (f"{RESOURCE_NAMESPACE}/{kubevirt_name(int(sel.partition(':')[2], 16)).name}_VGPU", tuple(names))
+    return out
+
+
+def kubevirt_warnings(vf_resources: Mapping[str, tuple[str, tuple[str, ...]]],
+                      passthrough: Iterable[tuple[str, str, str]]) -> list[str]:
+    """What KubeVirt v1.9 does with these VFs that a reader would not expect: several vGPU types
+    under one PCI id share one resource; a GPU on vfio-pci with the VFs' PCI id (`passthrough`:
+    (PCI address, selector, NVIDIA plugin's resource)) lands in their resource too, since KubeVirt's
+    plugin takes every matching function on vfio-pci."""
+    out = []
+    for sel, (resource, names) in vf_resources.items():
+        if len(names) > 1:
+            out.append(f"vGPU VFs with PCI id {sel} carry {len(names)} types ({', '.join(names)}): KubeVirt (v1.9) "
+                       f"advertises every vGPU VF of one PCI id under one resource ({resource}), so a VM cannot "
+                       "choose among these types; give the GPUs of one model one vGPU type where VMs must choose")
+    for pci, sel, plugin_resource in passthrough:
+        got = vf_resources.get(sel.upper())
+        if got is not None:
+            out.append(f"GPU {pci} on vfio-pci has the PCI id {sel} of vGPU VFs: KubeVirt's own plugin for that id "
+                       f"advertises it under {got[0]} too (it takes every matching function on vfio-pci), besides "
+                       f"NVIDIA's plugin's {plugin_resource or 'resource'}: a VM asking for a vGPU may get the whole GPU")
+    return out
+
+
+def entry(gpu: str, device_id: int, dev: VgpuDevice,
+          resources: Mapping[str, tuple[str, tuple[str, ...]]] | None = None) -> VgpuEntry:
+    """`resources`: the host's `vf_resources`, which name a VF vGPU's resource (else its own type's)."""
     name = dev.driver_name or printed_name(device_id, dev.type)
     resource = vgpu_resource(name)
     vfio = f"/dev/vfio/{dev.vfio_group}" if dev.vfio_group is not None else None
@@ -58,7 +111,10 @@ def entry(gpu: str, device_id: int, dev: VgpuDevice) -> VgpuEntry:
                          resource_name=resource, libvirt_hostdev=mdev_hostdev(dev.uuid),
                          kubevirt={"mediatedDevices": [{"mdevNameSelector": name, "resourceName": resource,
                                                         "externalResourceProvider": True}]})
+    sel = selector(device_id, dev)
+    if resources is not None and sel in resources:
+        resource = resources[sel][0]
     return VgpuEntry(gpu=gpu, type=dev.type, driver_name=name, uuid=None, vf=dev.vf, vfio_device=vfio,
                      resource_name=resource, libvirt_hostdev=pci_hostdev(dev.vf or dev.parent),
-                     kubevirt={"pciHostDevices": [{"pciVendorSelector": f"10DE:{device_id:04X}",
-                                                   "resourceName": resource, "externalResourceProvider": False}]})
+                     kubevirt={"pciHostDevices": [{"pciVendorSelector": sel, "resourceName": resource,
+                                                   "externalResourceProvider": False}]})

@@ -17,10 +17,11 @@ import msgspec
 
 from gpud.engine.gpu_state import GpuState, VgpuAction
 from gpud.engine.vgpu.executor import execute
-from gpud.host import state_files
-from gpud.host.vgpu_sysfs import VgpuSysfs
+from gpud.host.files import state_files
+from gpud.host.nvidia.sriov_manage import SriovManage
+from gpud.host.nvidia.vgpu_sysfs import VgpuSysfs
 from gpud.layout.desired import DesiredGpu
-from gpud.model import Gpu
+from gpud.model import Gpu, Holder
 from gpud.plan.vgpu import VgpuPlan, VgpuRecord, VgpuStep, gi_profiles_of, plan_vgpu
 from gpud.profiles import model_name
 from gpud.vgpu_types import by_device
@@ -30,9 +31,9 @@ RECORD_FILE = "vgpu-record.json"
 
 class VgpuKeeper:
     def __init__(self, vgpu: VgpuSysfs, state_dir: str | None, problems: state_files.Problems | None = None,
-                 *, vf_tool=None):
+                 *, vf_tool: SriovManage | None = None) -> None:
         self.vgpu = vgpu
-        self.vf_tool = vf_tool  # gpud.host.sriov_manage.SriovManage: the only way VFs change
+        self.vf_tool = vf_tool  # the only way VFs change
         self.state_dir = state_dir
         self.problems = problems if problems is not None else state_files.Problems()
         self.records: dict[str, VgpuRecord] = self._load()
@@ -137,7 +138,8 @@ class VgpuKeeper:
         return VgpuAction(plan, "removals", "disable-vfs (before the MIG mode change)")
 
     # ---- running (in a worker thread)
-    def run(self, gpu: Gpu, action: VgpuAction, on_step: Callable[[VgpuStep], None], holders=None) -> GpuState:
+    def run(self, gpu: Gpu, action: VgpuAction, on_step: Callable[[VgpuStep], None],
+            holders: Callable[[str], list[Holder]] | None = None) -> GpuState:
         record = self.record(gpu)
         restoring = {u for us in record.uuids.values() for u in us} | set(record.vfs)
         outcome = execute(self.vgpu, action.plan, record, phase=action.phase, on_step=on_step,
@@ -177,7 +179,7 @@ def _summary(steps: list[VgpuStep]) -> str:
     return ", ".join(f"{n} x {label}" if n > 1 else label for label, n in counts.items())
 
 
-def _holder_text(h) -> str:
+def _holder_text(h: Holder) -> str:
     vm = f" (VM {h.vm})" if h.vm else ""
     return f"pid {h.pid} {h.name}{vm} on {h.device}"
 

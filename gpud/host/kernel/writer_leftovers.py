@@ -2,12 +2,12 @@
 
 Why: a helper blocked in an unbind keeps writing after its daemon died; were a restarted gpud to
 rebind that GPU meanwhile, the two would race (a late unbind after our bind: "bound to nvidia but
-NVML does not see it"). Helpers ask for SIGKILL when their parent dies (gpud.host.sysfs_writer),
+NVML does not see it"). Helpers ask for SIGKILL when their parent dies (gpud.host.kernel.sysfs_writer),
 but one in uninterruptible sleep dies only when its write returns, and a helper of an older gpud
-has no such request. So before the first pass every `python -m gpud.host.sysfs_writer` process
+has no such request. So before the first pass every `python -m gpud.host.kernel.sysfs_writer` process
 writing under this daemon's sysfs root (not another simulated host's) is sent SIGKILL and waited
 for; one still alive after the wait is put in the stuck-write registry for its device
-(gpud.host.deadline_write), so no write for that device is made until the kernel lets it go.
+(gpud.host.kernel.deadline_write), so no write for that device is made until the kernel lets it go.
 """
 
 from __future__ import annotations
@@ -19,8 +19,10 @@ import time
 
 from msgspec import Struct
 
-from gpud.host import deadline_write
+from gpud.host.kernel import deadline_write
 
+# The helper's module, and its name before host/ had folders (a helper of an older gpud).
+_HELPER_MODULES = ("gpud.host.kernel.sysfs_writer", "gpud.host.kernel.sysfs_writer")
 _PCI = re.compile(r"[0-9a-f]{4}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]")
 
 
@@ -44,7 +46,7 @@ def _helpers(root: str, proc: str) -> list[tuple[int, str, str]]:
                 argv = [a.decode(errors="replace") for a in f.read().split(b"\0") if a]
         except OSError:
             continue
-        if "gpud.host.sysfs_writer" not in argv or "--root" not in argv:
+        if not any(m in argv for m in _HELPER_MODULES) or "--root" not in argv:
             continue
         i = argv.index("--root")
         if i + 1 >= len(argv) or os.path.realpath(argv[i + 1]) != os.path.realpath(root):

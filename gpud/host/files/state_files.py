@@ -5,7 +5,7 @@ Why: gpud acts on these files as root at start and after every pass. A FIFO at o
 block the read forever (start hangs, or the loop after start), a directory would fail every pass
 with a traceback, and a file that is not in gpud's format could be taken for a real record (a
 garbage reboot marker read as "a reboot happened"). So every state file is read through
-`gpud.host.safe_file` (a regular file gpud owns, no link followed, at most `MAX_BYTES`), decoded
+`gpud.host.files.safe_file` (a regular file gpud owns, no link followed, at most `MAX_BYTES`), decoded
 strictly by its owner, and anything else is renamed aside (`NAME.set-aside-XXXXXXXX`, kept for a
 person to look at) and never acted on; `Problems` keeps what was said, for status and events.
 Writes go through safe_file (an unpredictable temp name, fsync, rename; a full disk leaves the
@@ -20,7 +20,7 @@ import os
 from collections.abc import Callable
 from typing import TypeVar
 
-from gpud.host import safe_file
+from gpud.host.files import safe_file
 
 log = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ Every mutating method passes `refuse_if` before touching NVML, so read-only mode
 host even through a bug further down.
 
 What cannot change while the session and the GPU stay the same (identity, profile tables,
-placements, the session's device list) is read once per session (gpud.host.nvml_static); an
+placements, the session's device list) is read once per session (gpud.host.nvidia.nvml_static); an
 observation asks only for what changes. `close` drops it all: every re-init, reset, rebind and
 hot-plug goes through a closed session.
 """
@@ -28,9 +28,9 @@ from typing import Any, TypeVar
 import msgspec
 import pynvml
 
-from gpud.host.nvml_static import GpuStatic, SessionCache
-from gpud.host.nvml_users import SessionUsers
-from gpud.host.procs import process_name
+from gpud.host.kernel.procs import process_name
+from gpud.host.nvidia.nvml_static import GpuStatic, SessionCache
+from gpud.host.nvidia.nvml_users import SessionUsers
 from gpud.host.readonly import refuse_if
 from gpud.model import (
     CiProfile,
@@ -73,7 +73,7 @@ _Method = TypeVar("_Method", bound=Callable[..., Any])
 
 
 def _in_session(method: _Method) -> _Method:
-    """A public NVML operation: a re-open of the session waits until it is done (host/nvml_users)."""
+    """A public NVML operation: a re-open of the session waits until it is done (host/nvidia/nvml_users)."""
 
     @functools.wraps(method)
     def wrapper(self: Nvml, *args: Any, **kwargs: Any) -> Any:
@@ -291,7 +291,7 @@ class Nvml:
                        profiles=profiles, instances=instances, processes=processes)
 
     def _read_static(self, h: Any, pci: str, *, mig_capable: bool) -> GpuStatic:
-        """What the GPU answers the same for the whole session (gpud.host.nvml_static), read and kept."""
+        """What the GPU answers the same for the whole session (gpud.host.nvidia.nvml_static), read and kept."""
         generation = self._cache.generation
         try:  # only node labels use it: an older driver without it must not hide the GPU
             compute = self._optional(pci, "nvmlDeviceGetCudaComputeCapability", h)

@@ -7,10 +7,10 @@ placement calls as "possible placements, not necessarily available" and the prof
 profile's capacities, not its use (docs/hardware/nvml-static-reads.md). They change only when the
 driver is reloaded, the GPU is reset or swapped, and each of those happens with gpud's NVML session
 closed (a rebind suspends it, a reset needs it closed, a hot-plug re-opens it): so a session's
-cache lives exactly as long as the session, and `gpud.host.nvml.Nvml.close` drops it.
+cache lives exactly as long as the session, and `gpud.host.nvidia.nvml.Nvml.close` drops it.
 
 An observation then asks NVML only what changes: the MIG mode, the instances, the MIG devices and
-the processes. This module holds the records; it does not import pynvml (gpud.host.nvml does).
+the processes. This module holds the records; it does not import pynvml (gpud.host.nvidia.nvml does).
 """
 
 from __future__ import annotations

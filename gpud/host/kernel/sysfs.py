@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import errno
 import os
-import subprocess
+import re
 import threading
 from collections.abc import Callable
 
@@ -83,6 +83,32 @@ def _link_name(path: str) -> str | None:
         return os.path.basename(os.readlink(path))
     except (FileNotFoundError, NotADirectoryError, OSError):
         return None
+
+
+_BDF = re.compile(r"[0-9a-f]{4}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-9a-f]")
+
+
+def pcie_root(address: str, sys_root: str = "/sys") -> str:
+    """The PCIe root complex a function hangs under ("pci0000:15"), as Kubernetes' standard
+    attribute `resource.kubernetes.io/pcieRoot` defines it (k8s.io/dynamic-resource-allocation
+    deviceattribute, GetPCIeRootAttributeByPCIBusID, v0.36.3): the link bus/pci/devices/<address>
+    resolves, relative to its own directory, to devices/pci<domain>:<bus>/.../<address>, and the
+    root is its first component under devices/. Raises ValueError saying which rule failed."""
+    if not _BDF.fullmatch(address):
+        raise ValueError(f"PCI address {address!r}: not in domain:bus:device.function form (0000:3b:00.0)")
+    link = os.path.join("bus", "pci", "devices", address)
+    try:
+        target = os.readlink(os.path.join(sys_root, link))
+    except OSError as e:
+        raise ValueError(f"{os.path.join(sys_root, link)}: {e.strerror or e}") from None
+    if not os.path.isabs(target):
+        target = os.path.normpath(os.path.join(os.path.dirname(link), target))
+    parts = target.split(os.sep)
+    if len(parts) < 3 or parts[0] != "devices" or not parts[1].startswith("pci"):
+        raise ValueError(f"{os.path.join(sys_root, link)} -> {target}: not under devices/pci<domain>:<bus>")
+    if parts[-1] != address:
+        raise ValueError(f"{os.path.join(sys_root, link)} -> {target}: does not end in {address}")
+    return parts[1]
 
 
 class Sysfs:
@@ -219,17 +245,20 @@ class Sysfs:
         self.write(f"bus/pci/devices/{address}/reset", "1")
 
     def load_module(self, name: str) -> None:
-        """modprobe `name` (e.g. vfio-pci); SysfsError(EIO) with modprobe's message on failure."""
+        """Load module `name` (vfio-pci) where it is not loaded: on a real host through systemd's
+        modprobe@ unit (gpud.host.systemd.modules: the service's sandbox loads no modules itself);
+        SysfsError(EIO) saying what was tried when it is still not loaded."""
         refuse_if(self.read_only, "modprobe", name)
         if os.path.isdir(self._p("module", name.replace("-", "_"))):
-            return  # loaded already (modules-load.d at boot): the unit forbids module loading
-        if self._modprobe is not None:
-            self._modprobe(name)
             return
         try:
-            r = subprocess.run(["modprobe", name], capture_output=True, text=True, timeout=120)
-        except (OSError, subprocess.TimeoutExpired) as e:
-            raise SysfsError(errno.EIO, f"modprobe {name} failed: {e}", name) from e
-        if r.returncode != 0:
-            msg = (r.stderr or r.stdout).strip() or f"exit status {r.returncode}"
-            raise SysfsError(errno.EIO, f"modprobe {name} failed: {msg}", name)
+            if self._modprobe is not None:
+                self._modprobe(name)
+                return
+            from gpud.host.systemd.modules import load_module
+
+            load_module(name, sys_root=self.root)
+        except SysfsError:
+            raise
+        except (OSError, RuntimeError) as e:
+            raise SysfsError(errno.EIO, str(e), name) from e

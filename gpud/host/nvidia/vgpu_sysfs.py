@@ -25,9 +25,9 @@ import logging
 import os
 import re
 
-from gpud.host import state_files
-from gpud.host.procs import Procs
-from gpud.host.sysfs import Sysfs, SysfsError
+from gpud.host.files import state_files
+from gpud.host.kernel.procs import Procs
+from gpud.host.kernel.sysfs import Sysfs, SysfsError
 from gpud.model import Holder, VgpuDevice, VgpuOffer, VgpuState
 from gpud.vgpu_types import by_device, strip_prefix
 
@@ -75,6 +75,16 @@ def _int(text: str | None, default: int = 0) -> int:
         return int(text, 0) if text is not None else default
     except ValueError:
         return default
+
+
+def uevent_pci_id(text: str | None) -> str | None:
+    """The `PCI_ID=10DE:26B9` line of a PCI device's uevent, upper-case: the id KubeVirt's PCI
+    device plugin reads (pkg/virt-handler/device-manager/common.go, GetDevicePCIID)."""
+    for line in (text or "").splitlines():
+        key, sep, value = line.partition("=")
+        if sep and key.strip() == "PCI_ID" and value.strip():
+            return value.strip().upper()
+    return None
 
 
 def parse_creatable(text: str) -> list[tuple[int, str]]:
@@ -241,7 +251,8 @@ class VgpuSysfs:
                     group = self._group(self._dev(vf))
                     devices.append(VgpuDevice(type=self._name_of(device, current), parent=vf, vf=vf,
                                               type_id=current, gi=gi if gi >= 0 else None, vfio_group=group,
-                                              holders=self._holders(group, vf, self._dev(vf))))
+                                              holders=self._holders(group, vf, self._dev(vf)),
+                                              pci_id=uevent_pci_id(_read(self._dev(vf, "uevent")))))
                     continue
                 for type_id, name in pairs:
                     counts.setdefault(name, [type_id, 0])[1] += 1
@@ -300,7 +311,7 @@ class VgpuSysfs:
 
     def set_num_vfs(self, pf: str, count: int) -> None:
         """The raw kernel write: refused (ENOENT) while nvidia is bound; gpud enables an NVIDIA GPU's
-        VFs through gpud.host.sriov_manage instead."""
+        VFs through gpud.host.nvidia.sriov_manage instead."""
         self._write(f"bus/pci/devices/{pf}/sriov_numvfs", str(count))
 
     def set_vf_type(self, vf: str, type_id: int) -> None:

@@ -9,12 +9,13 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable, Iterable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from gpud.py_compat import add_note
 from gpud.py_compat import timeout as time_limit
 
 if TYPE_CHECKING:  # dbus-fast is imported on the first drain, not at start
+    from dbus_fast import Message
     from dbus_fast.aio import MessageBus
 
 log = logging.getLogger("gpud.systemd")
@@ -106,7 +107,7 @@ class UnitDrainer:
         self._lock = asyncio.Lock()
 
     @classmethod
-    async def connect(cls, **kw) -> UnitDrainer:
+    async def connect(cls, **kw: Any) -> UnitDrainer:
         d = cls(**kw)
         await d._ensure()
         return d
@@ -115,7 +116,7 @@ class UnitDrainer:
         await self._ensure()
         return self
 
-    async def __aexit__(self, *exc) -> None:
+    async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
     async def close(self) -> None:
@@ -125,10 +126,10 @@ class UnitDrainer:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(bus.wait_for_disconnect(), 5)
 
-    async def _ensure(self):
+    async def _ensure(self) -> None:
         """Connect (again, after the bus went away) and subscribe to job signals."""
         if self._bus is not None and self._bus.connected:
-            return self._bus
+            return
         from dbus_fast import BusType
         from dbus_fast.aio import MessageBus
 
@@ -144,9 +145,8 @@ class UnitDrainer:
                          "AddMatch", "s", [rule])
         # JobRemoved is only sent to clients that subscribed.
         await self._call(SYSTEMD, SYSTEMD_PATH, MANAGER, "Subscribe", "", [])
-        return bus
 
-    def _on_message(self, msg) -> None:
+    def _on_message(self, msg: Message) -> None:
         from dbus_fast import MessageType
 
         if (msg.message_type == MessageType.SIGNAL and msg.member == "JobRemoved"
@@ -154,7 +154,7 @@ class UnitDrainer:
             _id, job, unit, result = msg.body
             self._jobs.feed(job, unit, result)
 
-    async def _call(self, dest: str, path: str, iface: str, member: str, sig: str, body: list):
+    async def _call(self, dest: str, path: str, iface: str, member: str, sig: str, body: list[Any]) -> list[Any]:
         from dbus_fast import DBusError, Message, MessageType
 
         bus = self._bus
@@ -298,7 +298,7 @@ class ManagerDrainer(UnitDrainer):
         self._manager_state = unit_state
         self._manager_job = job
 
-    async def _ensure(self):
+    async def _ensure(self) -> None:
         return None
 
     async def close(self) -> None:

@@ -11,7 +11,7 @@ starting with "." ignored, the directory watched so a change shows within about 
 * an unchanged label set leaves the file untouched (no rename, no NFD event, no node update);
 * a set that would not fit in 64 KiB is refused with the size, and the old file stays;
 * features.d may be writable by others (NFD is often deployed by another team): the file is read
-  and written only through `gpud.host.safe_file` (no link followed, a FIFO never blocks, a
+  and written only through `gpud.host.files.safe_file` (no link followed, a FIFO never blocks, a
   directory others may write refused unless sticky), and what `gpudctl labels` shows is read
   only from a regular file gpud owns (`FeaturesRefused` otherwise).
 """
@@ -22,7 +22,7 @@ import os
 import stat
 from collections.abc import Mapping
 
-from gpud.host import safe_file
+from gpud.host.files import safe_file
 
 DEFAULT_PATH = "/etc/kubernetes/node-feature-discovery/features.d/gpud"
 MAX_BYTES = 65536  # local.go MaxFeatureFileSize: a larger file is skipped entirely

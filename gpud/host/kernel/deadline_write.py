@@ -2,18 +2,18 @@
 
 Writing `unbind` for a busy nvidia GPU blocks uninterruptibly, a vfio-pci unbind waits while a VM
 holds the device, and a reset waits on the device lock such a write holds. So every such write is
-carried out by `gpud.host.sysfs_writer`, started with subprocess (fork+exec, safe from the worker
+carried out by `gpud.host.kernel.sysfs_writer`, started with subprocess (fork+exec, safe from the worker
 thread of a multithreaded daemon, which a bare os.fork is not). When the deadline passes first the
 write is "stuck": the helper is abandoned to a reaper thread (a process in D state cannot be
 killed), recorded in a process-wide registry with what the kernel says about it, and later writes
 for that device are refused without touching it until the kernel lets the helper finish.
 
 No helper outlives the daemon, even one killed with SIGKILL: each helper asks the kernel for
-SIGKILL when its parent dies (PR_SET_PDEATHSIG, in gpud.host.sysfs_writer). The kernel sends it
+SIGKILL when its parent dies (PR_SET_PDEATHSIG, in gpud.host.kernel.sysfs_writer). The kernel sends it
 when the *thread* that forked the helper ends, so every helper is started by one spawner thread
 that lives as long as the daemon; a worker thread that finishes never takes its helper with it.
 A helper in uninterruptible sleep dies when its write returns; a restarted daemon waits for such
-leftovers first (gpud.host.writer_leftovers).
+leftovers first (gpud.host.kernel.writer_leftovers).
 
 A replacement for os.write (the simulator's kernel) must be rebuildable in the helper: it offers
 `child_spec() -> ("module:factory", "argument")`, and the helper calls factory(argument).
@@ -32,12 +32,14 @@ import subprocess
 import sys
 import threading
 import time
+from typing import Any
 
 from msgspec import Struct
 
-from gpud.host.kmsg import kernel_reason
+from gpud.host.kernel.kmsg import kernel_reason
+from gpud.host.kernel.sysfs import Sysfs
+from gpud.host.kernel.sysfs_writer import READY
 from gpud.host.readonly import refuse_if
-from gpud.host.sysfs_writer import READY
 
 # How long the helper may take to start (interpreter and imports) before its write begins. Not the
 # write's deadline: a loaded host must never make a quick write look blocked.
@@ -135,7 +137,7 @@ def register_foreign_stuck(pid: int, pci: str, path: str, value: str, reason: st
     return sw
 
 
-def store_spec(sysfs) -> list[str]:
+def store_spec(sysfs: Sysfs) -> list[str]:
     """The helper's --store arguments for the adapter's replacement of os.write, if any."""
     store = getattr(sysfs, "store", None)
     if store is None:
@@ -208,12 +210,12 @@ def _read_answer(fd: int, start_limit: float, timeout: float) -> tuple[bool, byt
         buf += chunk
 
 
-def write_with_deadline(sysfs, relpath: str, value: str, pci: str, timeout: float, kmsg: str = "/dev/kmsg") -> None:
+def write_with_deadline(sysfs: Sysfs, relpath: str, value: str, pci: str, timeout: float, kmsg: str = "/dev/kmsg") -> None:
     """One sysfs write of `value` to sysfs.root/relpath by the helper process. Returns when it is
     written; WriteFailed with the errno and meaning when refused; WriteStuck when it is still
     blocked `timeout` seconds after it began (the helper is then in the stuck registry)."""
     path = os.path.join(sysfs.root, relpath)
-    argv = [sys.executable, "-m", "gpud.host.sysfs_writer", "--root", sysfs.root, "--parent", str(os.getpid()),
+    argv = [sys.executable, "-m", "gpud.host.kernel.sysfs_writer", "--root", sysfs.root, "--parent", str(os.getpid()),
             *store_spec(sysfs), "--", relpath, value]
     helper = _spawner.popen(argv)
     assert helper.stdout is not None  # stdout=PIPE
@@ -241,10 +243,10 @@ class DeadlineSysfs:
     waits on the device lock, which a stuck unbind holds; a reset stuck in the kernel must not
     hang the pass (a watchdog would not see it: the event loop stays healthy)."""
 
-    def __init__(self, sysfs, timeout: float, kmsg: str = "/dev/kmsg") -> None:
+    def __init__(self, sysfs: Sysfs, timeout: float, kmsg: str = "/dev/kmsg") -> None:
         self._sysfs, self._timeout, self._kmsg = sysfs, timeout, kmsg
 
-    def __getattr__(self, name: str):
+    def __getattr__(self, name: str) -> Any:
         return getattr(self._sysfs, name)
 
     def reset(self, address: str) -> None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncGenerator, Iterator, Mapping
 from typing import cast
 
 import httpx2
@@ -86,7 +86,7 @@ def _error(e: Exception) -> KubeError:
 
 
 @contextlib.contextmanager
-def _translated():
+def _translated() -> Iterator[None]:
     try:
         yield
     except (ApiError, httpx2.HTTPError, OSError) as e:
@@ -155,7 +155,7 @@ class KubeApi:
             await self._client.create(event)  # namespaced by its metadata
 
     async def watch_node(self, resource_version: str | None = None, *,
-                         server_timeout: int = 300) -> AsyncIterator[NodeView]:
+                         server_timeout: int = 300) -> AsyncGenerator[NodeView, None]:
         """The node's versions after `resource_version`; None: the node as it is now (the server's
         first event), then each change. The client re-opens the watch from the last version seen
         whenever the server ends it. Raises Gone when that version is older than the server keeps
@@ -173,7 +173,8 @@ class KubeApi:
             pods = [_pod(p) async for p in listing]
             return pods, listing.resourceVersion
 
-    async def watch_pods(self, resource_version: str, *, server_timeout: int = 60) -> AsyncIterator[tuple[str, PodView]]:
+    async def watch_pods(self, resource_version: str, *,
+                         server_timeout: int = 60) -> AsyncGenerator[tuple[str, PodView], None]:
         with _translated():
             async for kind, obj in self._client.watch(Pod, namespace=ALL_NS, fields={"spec.nodeName": self.node_name},
                                                       resource_version=resource_version,

@@ -14,8 +14,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from gpud.host import state_files
-from gpud.host.unit_drain import SystemdError
+from gpud.host.files import state_files
+from gpud.host.systemd.unit_drain import SystemdError
 
 log = logging.getLogger("gpud.systemd")
 

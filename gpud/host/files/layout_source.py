@@ -22,7 +22,7 @@ import os
 import stat
 from dataclasses import dataclass
 
-from gpud.host.safe_file import kind, read_up_to
+from gpud.host.files.safe_file import kind, read_up_to
 
 # A layout is a few KB; a 12,000-entry stress file is under 500 KB. Above this the file is refused.
 # Half the socket's frame limit, so a `check` of any acceptable text fits in one request frame
@@ -57,7 +57,7 @@ def hooks_refused(path: str, st: os.stat_result, uid: int | None = None) -> str:
     as `uid` (gpud's user, root), or "" when they may: the file and every directory above it, as
     written and as links resolve, are owned by that user and writable by no group or other user.
     A sticky directory (`/tmp`) may be writable by others: none of them can rename or remove an
-    entry gpud's user owns there (sticky(7)'s rule, as gpud.host.safe_file also takes it)."""
+    entry gpud's user owns there (sticky(7)'s rule, as gpud.host.files.safe_file also takes it)."""
     uid = os.geteuid() if uid is None else uid
     if st.st_uid != uid:
         return f"{path} is owned by uid {st.st_uid}, not by gpud's user (uid {uid})"

@@ -1,6 +1,6 @@
 """The helper process that carries out one sysfs write for the deadline writer.
 
-`python -m gpud.host.sysfs_writer --root ROOT [--parent PID] [--store MODULE:FACTORY ARG] RELPATH VALUE`
+`python -m gpud.host.kernel.sysfs_writer --root ROOT [--parent PID] [--store MODULE:FACTORY ARG] RELPATH VALUE`
 
 With `--parent` it dies with the daemon: it asks for SIGKILL when its parent dies
 (prctl PR_SET_PDEATHSIG) and exits at once if the parent is already gone (it died between the
@@ -17,7 +17,7 @@ means written, 1 refused (the message says why), 2 the helper itself failed.
 
 `--store` names a replacement for os.write that can be rebuilt in this process from an importable
 factory and one string argument (the simulator's kernel store: its factory and host directory);
-see gpud.host.deadline_write.store_spec.
+see gpud.host.kernel.deadline_write.store_spec.
 """
 
 from __future__ import annotations
@@ -30,13 +30,14 @@ import os
 import signal
 import struct
 import sys
+from collections.abc import Callable
 from typing import Any
 
 WRITTEN, REFUSED, HELPER_FAILED = 0, 1, 2
 READY = b"R"
 
 
-def load_factory(spec: str):
+def load_factory(spec: str) -> Callable[[str], Any]:
     """`module:attribute` -> the attribute (a callable taking one string)."""
     module, _, attr = spec.partition(":")
     if not module or not attr:
@@ -61,7 +62,7 @@ def die_with_parent(parent: int) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="gpud.host.sysfs_writer")
+    parser = argparse.ArgumentParser(prog="gpud.host.kernel.sysfs_writer")
     parser.add_argument("--root", required=True)
     parser.add_argument("--parent", type=int, help="die with this process (the daemon)")
     parser.add_argument("--store", nargs=2, metavar=("MODULE:FACTORY", "ARG"))
@@ -72,8 +73,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.parent is not None and not die_with_parent(args.parent):
         return HELPER_FAILED  # the daemon died before this helper began: nobody waits for its write
     try:
+        from gpud.host.kernel.sysfs import Sysfs, describe_error
         from gpud.host.readonly import ReadOnlyError
-        from gpud.host.sysfs import Sysfs, describe_error
 
         store = load_factory(args.store[0])(args.store[1]) if args.store else None
         sysfs = Sysfs(args.root, store=store)

@@ -118,14 +118,14 @@ class GpuReset:
     def _pending(self) -> list[str]:
         if self.intent_path is None:
             return []
-        from gpud.host import state_files  # the one safe reader: a FIFO here hung the start
+        from gpud.host.files import state_files  # the one safe reader: a FIFO here hung the start
 
         return state_files.load(self.intent_path, _decode_intent, limit=65536, what="persistence intent") or []
 
     def _intend(self, pci: str, pending: bool) -> None:
         if self.intent_path is None:
             return
-        from gpud.host.safe_file import remove_file, write_file
+        from gpud.host.files.safe_file import remove_file, write_file
 
         now = [p for p in self._pending() if p != pci] + ([pci] if pending else [])
         if now:

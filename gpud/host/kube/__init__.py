@@ -1,0 +1,1 @@
+"""Kubernetes: the node's labels and pods, DRA ResourceSlices and claims, the kubelet plugin, NFD's feature file."""
