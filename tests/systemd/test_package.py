@@ -40,7 +40,7 @@ def test_install_layout(installed):
     assert "usage: gpud-sim" in c.run(["gpud-sim", "--help"]).stdout
     # bytecode was compiled for /opt/gpud and is used read-only (no __pycache__ writes needed)
     r = c.run(["/opt/gpud/bin/python3", "-B", "-c", "import gpud.host.systemd.sd_notify as m; print(m.__file__, m.__cached__)"])
-    assert r.stdout.startswith("/opt/gpud/lib/python3.11/site-packages/gpud/host/sd_notify.py")
+    assert r.stdout.startswith("/opt/gpud/lib/python3.11/site-packages/gpud/host/systemd/sd_notify.py")
     assert not c.run(["grep", "-rl", "gpud-deb.", "/opt/gpud/bin", "/opt/gpud/pyvenv.cfg"], check=False).stdout
 
 
