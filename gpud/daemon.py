@@ -243,7 +243,8 @@ class Daemon:
 
     def _cdi_generator(self, args: DaemonConfig) -> CdiGenerator | None:
         """`nvidia-ctk cdi generate` after MIG changes (gpud.host.nvidia.cdi): the toolkit from PATH on a
-        real host, only the one given on a simulated host (never the real host's from a test)."""
+        real host, only the one given on a simulated host (never the real host's from a test), run
+        there as the host runs NVIDIA's programs (Host.tool_prefix, Host.driver_root)."""
         from gpud.host.nvidia.cdi import DEFAULT_SPEC, CdiGenerator
 
         root = self.host.root
@@ -253,7 +254,9 @@ class Daemon:
 
             ctk = "" if root else (shutil.which("nvidia-ctk") or "")
         spec = args.cdi_spec or (str(Path(root) / DEFAULT_SPEC.lstrip("/")) if root else DEFAULT_SPEC)
-        return CdiGenerator(ctk, spec) if ctk and not args.read_only else None
+        if not ctk or args.read_only:
+            return None
+        return CdiGenerator(ctk, spec, prefix=self.host.tool_prefix, driver_root=self.host.driver_root)
 
     def _publish(self, kind: str, message: str) -> None:
         self.bus.publish(kind, message)

@@ -1,5 +1,5 @@
-"""NVML adapter: with its siblings nvml_profiles (the MIG profile tables) and nvml_errors, the only
-code in gpud that imports pynvml.
+"""NVML adapter: with its siblings nvml_profiles (the MIG profile tables), nvml_instances (GIs, CIs
+and MIG devices) and nvml_errors, the only code in gpud that imports pynvml.
 
 Reads every GPU NVML can see into `gpud.model.NvmlGpu` records and performs the five MIG mutations
 the executor needs. Traps handled here, once (docs/hardware/mig-nvml.md):
@@ -22,29 +22,25 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-import os
 import threading
 from collections.abc import Callable, Iterable
-from ctypes import byref, c_uint
+from ctypes import byref
 from typing import Any, TypeVar
 
 import msgspec
 import pynvml
 
-from gpud.host.kernel.procs import process_name
 from gpud.host.nvidia.nvml_errors import NvmlError, call
-from gpud.host.nvidia.nvml_profiles import ci_profiles, gi_profiles, possible_placements
-from gpud.host.nvidia.nvml_static import GpuStatic, MigDeviceRecord, SessionCache
+from gpud.host.nvidia.nvml_instances import MigReader
+from gpud.host.nvidia.nvml_profiles import gi_profiles, possible_placements
+from gpud.host.nvidia.nvml_static import GpuStatic, SessionCache
 from gpud.host.nvidia.nvml_users import SessionUsers
 from gpud.host.readonly import refuse_if
 from gpud.model import (
-    CiProfile,
-    ComputeInstance,
     GpuInstance,
     Holder,
     MigProfile,
     NvmlGpu,
-    Placement,
 )
 from gpud.pci import normalize_pci
 from gpud.profiles import NOT_IN_MIG_INSTANCE
@@ -79,6 +75,7 @@ class Nvml:
         self._session = threading.RLock()  # open/close/suspend from the loop and worker threads
         self._cache = SessionCache()  # what the session need not read twice (dropped by close)
         self._users = SessionUsers()
+        self._mig = MigReader(self._cache, proc_root)  # instances and MIG devices (nvml_instances)
 
     # session ------------------------------------------------------------------------------------
     def open(self) -> None:
@@ -258,10 +255,10 @@ class Nvml:
         instances: tuple[GpuInstance, ...] = ()
         if mode is not None:
             if current == 1:
-                instances = (self._instances_with_devices(pci, h, static, self._in_mig_devices(procs)) if details
-                             else self._instances(pci, h, static))
+                instances = (self._mig.instances_with_devices(pci, h, static, self._mig.in_mig_devices(procs)) if details
+                             else self._mig.instances(pci, h, static))
             profiles = self._profiles(pci, static, instances)
-        processes = tuple(Holder(pid=p.pid, name=self._process_name(p.pid), device=pci)
+        processes = tuple(Holder(pid=p.pid, name=self._mig.process_name(p.pid), device=pci)
                           for p in procs if getattr(p, "gpuInstanceId", None) in (NOT_IN_MIG_INSTANCE, None))
         return NvmlGpu(pci=pci, uuid=static.uuid, name=static.name, minor=static.minor, memory_mb=static.memory_mb,
                        compute_capability=static.compute_capability,
@@ -318,184 +315,11 @@ class Nvml:
             if p.id in live else p
             for p in static.profiles)
 
-    def _ci_profiles(self, pci: str, gi_handle: Any, gi_profile_id: int) -> dict[int, CiProfile]:
-        """The CI profiles of GI profile `gi_profile_id`, asked through one of its GIs once a session
-        (the same for every GI of the profile: docs/hardware/nvml-static-reads.md)."""
-        key = (pci, gi_profile_id)
-        known = self._cache.ci_profiles.get(key)
-        if known is not None:
-            return known
-        generation = self._cache.generation
-        found = ci_profiles(pci, gi_handle)
-        self._cache.store_if(generation, lambda: self._cache.ci_profiles.__setitem__(key, found))
-        return found
-
-    def _gis(self, pci: str, h: Any, static: GpuStatic) -> list[tuple[Any, GpuInstance]]:
-        """The GIs (handle, GI without its CIs), by id."""
-        gis: list[tuple[Any, GpuInstance]] = []
-        used: set[int] = set()  # memory slices of the GIs found so far
-        for prof in static.profiles:
-            if prof.placements and all(used & set(range(p.start, p.start + p.size)) for p in prof.placements):
-                continue  # GIs never share a memory slice (nvml.h): no GI of this profile can exist
-            count = c_uint(0)
-            arr = (pynvml.c_nvmlGpuInstance_t * max(prof.instance_count, 1))()
-            self._call("nvmlDeviceGetGpuInstances", pci, pynvml.nvmlDeviceGetGpuInstances,
-                       h, prof.id, arr, byref(count))
-            for i in range(count.value):
-                gi_info = self._call("nvmlGpuInstanceGetInfo", pci, pynvml.nvmlGpuInstanceGetInfo, arr[i])
-                if any(g.id == gi_info.id for _, g in gis):
-                    continue
-                gis.append((arr[i], GpuInstance(id=gi_info.id, profile_id=gi_info.profileId,
-                                                placement=Placement(gi_info.placement.start, gi_info.placement.size))))
-                used.update(range(gi_info.placement.start, gi_info.placement.start + gi_info.placement.size))
-        return sorted(gis, key=lambda hg: hg[1].id)
-
-    def _instances(self, pci: str, h: Any, static: GpuStatic) -> tuple[GpuInstance, ...]:
-        """GIs with their CIs as NVML lists them, without MIG UUIDs or holders (a step's check)."""
-        return tuple(msgspec.structs.replace(gi, cis=self._cis(pci, handle, gi.profile_id))
-                     for handle, gi in self._gis(pci, h, static))
-
-    def _cis(self, pci: str, gi_handle: Any, gi_profile_id: int) -> tuple[ComputeInstance, ...]:
-        cis: list[ComputeInstance] = []
-        for ci_prof in self._ci_profiles(pci, gi_handle, gi_profile_id).values():
-            count = c_uint(0)
-            arr = (pynvml.c_nvmlComputeInstance_t * max(ci_prof.instance_count, 1))()
-            self._call("nvmlGpuInstanceGetComputeInstances", pci, pynvml.nvmlGpuInstanceGetComputeInstances,
-                       gi_handle, ci_prof.id, arr, byref(count))
-            for i in range(count.value):
-                info = self._call("nvmlComputeInstanceGetInfo", pci, pynvml.nvmlComputeInstanceGetInfo, arr[i])
-                cis.append(ComputeInstance(id=info.id, profile_id=info.profileId, slices=ci_prof.slices, uuid="",
-                                           start=info.placement.start))
-        return tuple(sorted(cis, key=lambda c: c.id))
-
-    @staticmethod
-    def _in_mig_devices(procs: list[Any]) -> dict[tuple[int, int], list[int]] | None:
-        """The GPU handle's process list by (GI id, CI id), to stand for each MIG device's own list:
-        "In MIG mode, if device handle is provided, the API returns aggregate information, only if
-        the caller has appropriate privileges" (nvml.h, nvmlDeviceGetComputeRunningProcesses_v3),
-        each process with its GI and CI ids. None (ask each MIG device) unless gpud runs as root:
-        what a caller without those privileges gets is not documented."""
-        if os.geteuid() != 0:
-            return None
-        out: dict[tuple[int, int], list[int]] = {}
-        for p in procs:
-            gi, ci = getattr(p, "gpuInstanceId", None), getattr(p, "computeInstanceId", None)
-            if gi is not None and ci is not None and gi != NOT_IN_MIG_INSTANCE:
-                out.setdefault((gi, ci), []).append(p.pid)
-        return out
-
-    def _instances_with_devices(self, pci: str, h: Any, static: GpuStatic,
-                                in_devices: dict[tuple[int, int], list[int]] | None) -> tuple[GpuInstance, ...]:
-        """GIs with their CIs, MIG UUIDs and holders, read through the MIG devices.
-
-        Every CI is a MIG device (nvml.h, `nvmlDeviceGetMigDeviceHandleByIndex`), and what a MIG
-        device's UUID names cannot change while it exists: its GI and CI ids, the CI's profile and
-        placement (gpud.host.nvidia.nvml_static.MigDeviceRecord). So a MIG device seen before costs its
-        handle, its UUID and its processes; only a GI holding a device not seen before, or none,
-        has its CIs listed (and what they are kept). The processes in each come from the GPU's own
-        list (`in_devices`) where NVML gives it whole, else from each device. The indices stop being asked once every GI
-        found is filled by the CIs found: CIs of one GI never share a compute slice (nvml.h,
-        `nvmlGpuInstanceGetComputeInstancePossiblePlacements`), so no further one can exist."""
-        gis = self._gis(pci, h, static)
-        if not gis:
-            return ()
-        cache = self._cache
-        generation = cache.generation
-        gi_keys = {(gi.id, gi.profile_id, gi.placement.start, gi.placement.size) for _, gi in gis}
-        room = {gi.id: next((p.slices for p in static.profiles if p.id == gi.profile_id), 0) for _, gi in gis}
-        found: dict[int, list[ComputeInstance]] = {gi.id: [] for _, gi in gis}
-        unknown: dict[int, dict[int, tuple[str, tuple[Holder, ...]]]] = {}  # GI id -> CI id -> (uuid, holders)
-        for i in range(self._max_mig_devices(pci, h)):
-            if all(v <= 0 for v in room.values()):
-                break
-            try:
-                m = pynvml.nvmlDeviceGetMigDeviceHandleByIndex(h, i)
-            except pynvml.NVMLError as e:
-                if e.value in (pynvml.NVML_ERROR_NOT_FOUND, pynvml.NVML_ERROR_INVALID_ARGUMENT):
-                    continue
-                raise NvmlError(e.value, "nvmlDeviceGetMigDeviceHandleByIndex", pci) from e
-            uuid = self._call("nvmlDeviceGetUUID", pci, pynvml.nvmlDeviceGetUUID, m)
-            known = cache.mig_devices.get(uuid)
-            if known is not None and known.pci == pci and known.gi in gi_keys:
-                holders = self._mig_holders(pci, m, uuid, in_devices, (known.gi_id, known.ci_id))
-                found[known.gi_id].append(ComputeInstance(id=known.ci_id, profile_id=known.profile_id,
-                                                          slices=known.slices, uuid=uuid, holders=holders,
-                                                          start=known.start))
-                room[known.gi_id] -= known.slices
-                continue
-            gi_id = self._call("nvmlDeviceGetGpuInstanceId", pci, pynvml.nvmlDeviceGetGpuInstanceId, m)
-            ci_id = self._call("nvmlDeviceGetComputeInstanceId", pci, pynvml.nvmlDeviceGetComputeInstanceId, m)
-            holders = self._mig_holders(pci, m, uuid, in_devices, (gi_id, ci_id))
-            if gi_id in found:
-                unknown.setdefault(gi_id, {})[ci_id] = (uuid, holders)
-                room[gi_id] = 0  # its CIs are listed below
-        out = []
-        for handle, gi in gis:
-            if gi.id in unknown or not found[gi.id]:
-                details = unknown.get(gi.id, {})
-                cis = []
-                for ci in self._cis(pci, handle, gi.profile_id):
-                    uuid, holders = details.get(ci.id, ("", ()))
-                    if not uuid:  # seen before, or no MIG device for it: as the device loop found it
-                        seen = next((c for c in found[gi.id] if c.id == ci.id), None)
-                        uuid, holders = (seen.uuid, seen.holders) if seen is not None else ("", ())
-                    cis.append(msgspec.structs.replace(ci, uuid=uuid, holders=holders))
-                    if uuid:
-                        record = MigDeviceRecord(
-                            pci=pci, gi=(gi.id, gi.profile_id, gi.placement.start, gi.placement.size), gi_id=gi.id,
-                            ci_id=ci.id, profile_id=ci.profile_id, slices=ci.slices, start=ci.start)
-                        cache.store_if(generation, functools.partial(cache.mig_devices.__setitem__, uuid, record))
-                out.append(msgspec.structs.replace(gi, cis=tuple(cis)))
-            else:
-                out.append(msgspec.structs.replace(gi, cis=tuple(sorted(found[gi.id], key=lambda c: c.id))))
-        return tuple(out)
-
-    def _mig_holders(self, pci: str, m: Any, uuid: str, in_devices: dict[tuple[int, int], list[int]] | None = None,
-                     ids: tuple[int, int] | None = None) -> tuple[Holder, ...]:
-        if in_devices is not None and ids is not None:
-            pids = in_devices.get(ids, [])
-        else:
-            pids = [p.pid for p in self._call("nvmlDeviceGetComputeRunningProcesses", pci,
-                                              pynvml.nvmlDeviceGetComputeRunningProcesses, m)]
-        return tuple(sorted(Holder(pid=pid, name=self._process_name(pid), device=uuid) for pid in pids))
-
     @_in_session
     def mig_device(self, pci: str, gi_id: int, ci_id: int) -> tuple[str, tuple[Holder, ...]] | None:
         """The MIG device of one CI: its UUID and the processes in it (None: no such CI), without
         reading the whole GPU (a lease's answer, a release's busy check)."""
-        h = self._handle(pci)
-        for i in range(self._max_mig_devices(pci, h)):
-            try:
-                m = pynvml.nvmlDeviceGetMigDeviceHandleByIndex(h, i)
-            except pynvml.NVMLError as e:
-                if e.value in (pynvml.NVML_ERROR_NOT_FOUND, pynvml.NVML_ERROR_INVALID_ARGUMENT):
-                    continue
-                raise NvmlError(e.value, "nvmlDeviceGetMigDeviceHandleByIndex", pci) from e
-            if (self._call("nvmlDeviceGetGpuInstanceId", pci, pynvml.nvmlDeviceGetGpuInstanceId, m) == gi_id and
-                    self._call("nvmlDeviceGetComputeInstanceId", pci, pynvml.nvmlDeviceGetComputeInstanceId, m) == ci_id):
-                uuid = self._call("nvmlDeviceGetUUID", pci, pynvml.nvmlDeviceGetUUID, m)
-                return uuid, self._mig_holders(pci, m, uuid)
-        return None
-
-    def _max_mig_devices(self, pci: str, h: Any) -> int:
-        """nvmlDeviceGetMaxMigDeviceCount with MIG on: the GPU's most MIG devices, kept for the session
-        (with MIG off it answers 0, so it is asked only with MIG on, and a mode change drops it)."""
-        known = self._cache.max_mig_devices.get(pci)
-        if known is not None:
-            return known
-        generation = self._cache.generation
-        n = int(self._call("nvmlDeviceGetMaxMigDeviceCount", pci, pynvml.nvmlDeviceGetMaxMigDeviceCount, h))
-        self._cache.store_if(generation, lambda: self._cache.max_mig_devices.__setitem__(pci, n))
-        return n
-
-    def _process_name(self, pid: int) -> str:
-        name = process_name(self.proc_root, pid)
-        if name:
-            return name
-        try:
-            return pynvml.nvmlSystemGetProcessName(pid) or "?"
-        except pynvml.NVMLError:
-            return "?"
+        return self._mig.mig_device(pci, self._handle(pci), gi_id, ci_id)
 
     # mutations ----------------------------------------------------------------------------------
     @_in_session
@@ -536,7 +360,7 @@ class Nvml:
                             pynvml.nvmlGpuInstanceCreateComputeInstance, gi, ci_profile_id)
         else:
             gi_profile = self._call("nvmlGpuInstanceGetInfo", pci, pynvml.nvmlGpuInstanceGetInfo, gi).profileId
-            prof = self._ci_profiles(pci, gi, gi_profile).get(ci_profile_id)
+            prof = self._mig.ci_profiles(pci, gi, gi_profile).get(ci_profile_id)
             if prof is None:
                 raise NvmlError(pynvml.NVML_ERROR_NOT_SUPPORTED, "nvmlGpuInstanceGetComputeInstanceProfileInfo",
                                 pci, f"GI {gi_id} offers no compute instance profile id {ci_profile_id}")
