@@ -15,7 +15,7 @@ from collections.abc import Awaitable
 from typing import TYPE_CHECKING, Any, Protocol
 
 from gpud import VERSION
-from gpud.api import replies, wire, wire_replies
+from gpud.api import plan_replies, replies, wire, wire_replies
 from gpud.api.fair_share import FairShare, cost_error
 from gpud.api.peers import Peer
 from gpud.api.server import ApiError
@@ -168,8 +168,8 @@ class RequestHandler:
             known = set(errors)
             errors += [s for s in map(str, resolution.errors) if s not in known]
         if errors or resolution is None:
-            return replies.plan_reply(errors=errors or ["no valid layout in force"])
-        return replies.plan_reply(resolution, self.engine.preview(resolution, observation))
+            return plan_replies.plan_reply(errors=errors or ["no valid layout in force"])
+        return plan_replies.plan_reply(resolution, self.engine.preview(resolution, observation))
 
     async def op_apply(self, wait: bool = False, timeout: float | None = None) -> wire_replies.ApplyReply:
         ticket = await self.engine.start_apply()

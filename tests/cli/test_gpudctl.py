@@ -442,7 +442,7 @@ def test_a_subdivided_ci_step_and_instance_show_their_compute_slot():
 def test_a_plan_step_reads_as_the_daemon_names_it_in_events():
     """`gpudctl plan` prints each MIG step with the words the daemon's events use for it (str of the
     planner's Step), after the trip through the wire's StepInfo."""
-    from gpud.api.replies import mig_step
+    from gpud.api.plan_replies import mig_step
     from gpud.cli.render import _describe_step
     from gpud.model import Placement
     from gpud.plan.mig import Step
