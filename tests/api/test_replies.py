@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import msgspec
 
-from gpud.api import plan_replies, replies, wire_replies
+from gpud.api import plan_replies, replies, wire_replies, wire_tables
 from gpud.engine.binding import passthrough
 from gpud.model import Gpu, Holder, PciFunction, Placement
 from gpud.plan.binding import BindStep
@@ -86,7 +86,7 @@ def test_mig_profiles_of_a_gpu_nvml_cannot_see_come_from_the_table_with_unknowns
 
     gpus = [Gpu(0, _fn("0000:18:00.0", device=0x2BB5)), Gpu(1, _fn("0000:2a:00.0", device=0x2901)),
             Gpu(2, _fn("0000:3a:00.0", device=0x26B9))]
-    reply = msgspec.convert(msgspec.to_builtins(replies.mig_profiles_reply(gpus)), wire_replies.MigProfilesReply)
+    reply = msgspec.convert(msgspec.to_builtins(replies.mig_profiles_reply(gpus)), wire_tables.MigProfilesReply)
     assert [(g.index, g.source, g.model) for g in reply.gpus] == [
         (0, "table", "NVIDIA RTX PRO 6000 Blackwell Server Edition"), (1, "table", "NVIDIA B200")]
     rtx, b200 = reply.gpus

@@ -305,11 +305,12 @@ CLI_MODULES = sorted(f"gpud.cli.{p.stem}" for p in (REPO / "gpud" / "cli").glob(
 
 def test_client_imports_nothing_heavy():
     """Every module of the client package, imported in a fresh interpreter, pulls in no heavy
-    dependency and of gpud itself only the package markers, the protocol (gpud.api.wire and
-    gpud.api.wire_replies) and the standard-library module of MIG words (gpud.mig_text)."""
+    dependency and of gpud itself only the package markers, the protocol (gpud.api.wire,
+    gpud.api.wire_replies, gpud.api.wire_tables) and the standard-library module of MIG words
+    (gpud.mig_text)."""
     assert {"gpud.cli.gpudctl", "gpud.cli.transport", "gpud.cli.render", "gpud.cli.commands"} <= set(CLI_MODULES)
     banned = ["pynvml", "yaml", "pyudev", "dbus_fast", "asyncinotify", "prometheus_client", "asyncio"]
-    allowed = ["gpud", "gpud.api", "gpud.api.wire", "gpud.api.wire_replies", "gpud.mig_text", "gpud.cli", *CLI_MODULES]
+    allowed = ["gpud", "gpud.api", "gpud.api.wire", "gpud.api.wire_replies", "gpud.api.wire_tables", "gpud.mig_text", "gpud.cli", *CLI_MODULES]
     code = ("import importlib, sys, json\n"
             f"for name in {CLI_MODULES!r}: importlib.import_module(name)\n"
             f"print(json.dumps([m for m in sys.modules if m in {banned!r} "
