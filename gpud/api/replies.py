@@ -22,9 +22,10 @@ from gpud.engine.kube.node_labels_out import LabelsOut
 from gpud.engine.leases.records import LeaseRecord
 from gpud.engine.queries import ci_remaining_capacity, remaining_capacity
 from gpud.engine.vgpu.inventory import entry as vgpu_entry
-from gpud.engine.vgpu.inventory import kubevirt_warnings, vf_resources
+from gpud.engine.vgpu.inventory import kubevirt_warnings
 from gpud.engine.view import EngineView
 from gpud.host.kube.nfd import FeaturesRefused, read_features
+from gpud.kubevirt_names import vf_resources
 from gpud.layout.desired import DesiredGpu
 from gpud.layout.names import device_name, mig_device_name
 from gpud.layout.resolve import Resolution

@@ -10,13 +10,15 @@ use (Documentation/admin-guide/devices.txt: char 60-63 and 120-127; 240-254 is t
 kernel hands those out dynamically, CHRDEV_MAJOR_DYN_END, so they are left alone) and only those
 this machine's /proc/devices does not list at the moment of creation. Each render checks again, so a
 driver registering one later makes the nodes move to another free major (the simulated
-/proc/devices follows); none free is refused. Without CAP_MKNOD (not root) the nodes are plain
-files, as before: nothing stats them as devices then.
+/proc/devices follows); none free is refused. Where nodes cannot be made (not root, or a device
+cgroup refuses them) they are plain files: nothing stats them as devices then.
 """
 
 from __future__ import annotations
 
 import os
+import stat
+import tempfile
 
 LOCAL_MAJORS = (*range(120, 128), *range(60, 64))
 REAL_PROC_DEVICES = "/proc/devices"
@@ -63,8 +65,29 @@ def majors(registered: set[int] | None = None) -> dict[str, int]:
     return {NVIDIA: free[0], NVIDIA_CAPS: free[1]}
 
 
-def can_mknod() -> bool:
-    return os.geteuid() == 0
+_mknod_works: dict[int, bool] = {}
+
+
+def can_mknod(major: int) -> bool:
+    """Whether this process may make a character node on `major`: root, and not refused by a
+    device cgroup (a container such as systemd-nspawn allows only its own devices). Probed once per
+    major, in a private temporary directory, the probe removed at once."""
+    if os.geteuid() != 0:
+        return False
+    if major not in _mknod_works:
+        d = tempfile.mkdtemp(prefix="gpud-sim-mknod.")
+        probe = os.path.join(d, "probe")
+        try:
+            check_safe({major})
+            os.mknod(probe, stat.S_IFCHR | 0o600, os.makedev(major, 0))
+            _mknod_works[major] = True
+        except PermissionError:
+            _mknod_works[major] = False
+        finally:
+            if os.path.lexists(probe):
+                os.unlink(probe)
+            os.rmdir(d)
+    return _mknod_works[major]
 
 
 def proc_devices(chosen: dict[str, int], registered_text: str | None = None) -> str:

@@ -259,16 +259,18 @@ def desired_tree(host_dir: str | os.PathLike, state: SimState) -> dict[str, tupl
     def ln(p: str, target: str) -> None:
         t[p] = (_LINK, target, 0)
 
-    chosen: dict[str, int] = {}
+    chosen: list[dict[str, int]] = []  # [the majors] once decided: [{}] where nodes cannot be made
 
     def node(p: str, driver: str, minor: int, mode: int) -> None:
-        """A character node of the simulated nvidia driver (gpud.sim.dev_nodes: safe majors only)."""
-        if not dev_nodes.can_mknod():
+        """A character node of the simulated nvidia driver (gpud.sim.dev_nodes: safe majors only),
+        or a plain file where nodes cannot be made."""
+        if not chosen:
+            m = dev_nodes.majors() if os.geteuid() == 0 else {}
+            chosen.append(m if m and all(dev_nodes.can_mknod(v) for v in m.values()) else {})
+        if not chosen[0]:
             f(p, "", mode)
             return
-        if not chosen:
-            chosen.update(dev_nodes.majors())
-        t[p] = (_CHAR, (chosen[driver], minor), mode)
+        t[p] = (_CHAR, (chosen[0][driver], minor), mode)
 
     for p in ("sys", "sys/devices", f"sys/{PCI_ROOT}", "sys/bus", "sys/bus/pci", "sys/bus/pci/devices",
               "sys/bus/pci/drivers", "sys/kernel", "sys/kernel/iommu_groups", "sys/module", "dev", "proc"):
@@ -367,8 +369,8 @@ def desired_tree(host_dir: str | os.PathLike, state: SimState) -> dict[str, tupl
                     for ci in gi.cis:
                         minor = cap_minor(gpu.minor, gi.id, ci.id)
                         node(f"dev/nvidia-caps/nvidia-cap{minor}", dev_nodes.NVIDIA_CAPS, minor, 0o444)
-        if chosen:
-            f("proc/devices", dev_nodes.proc_devices(chosen))
+        if chosen and chosen[0]:
+            f("proc/devices", dev_nodes.proc_devices(chosen[0]))
 
     for sysdir, n in vfio_cdevs(state).values():  # iommufd: one cdev per vfio device
         d(f"sys/{sysdir}/vfio-dev")

@@ -112,3 +112,42 @@ async def test_gpud_killed_between_allocate_prepare_and_unprepare(cluster, tmp_p
             d.proc.terminate()
             d.proc.wait(30)
         shutil.rmtree(root, ignore_errors=True)
+
+
+def test_publishing_as_gpu_nvidia_com_is_refused_while_nvidias_plugin_is_registered(cluster, tmp_path):
+    """`--dra-driver gpu.nvidia.com` beside NVIDIA's kubelet plugin (its registration socket in the
+    kubelet's plugins_registry): gpud refuses to start and says why; NVIDIA's socket is left alone.
+    Once NVIDIA's plugin is gone, gpud starts and registers under that name itself."""
+    import socket
+
+    cluster.node("nvidia-named")
+    kubeconfig = cluster.kubeconfig(tmp_path / "gpud.kubeconfig")
+    root = tempfile.mkdtemp(prefix="kubelet.", dir="/tmp")
+    theirs = os.path.join(root, "plugins_registry", "gpu.nvidia.com-reg.sock")
+    os.makedirs(os.path.dirname(theirs))
+    nvidia = socket.socket(socket.AF_UNIX)
+    nvidia.bind(theirs)
+    nvidia.listen()
+    args = ["--kube-node", "nvidia-named", "--kubeconfig", kubeconfig, "--dra", "--dra-driver", "gpu.nvidia.com",
+            "--kubelet-root", root, "--cdi-dir", str(tmp_path / "cdi")]
+    d = None
+    try:
+        try:
+            d = Daemon(tmp_path, ["h100-80gb:1"], dynamic_layout(), extra_args=args)
+        except AssertionError as e:
+            assert "NVIDIA's DRA kubelet plugin is registered on this node" in str(e) and theirs in str(e), str(e)
+        else:
+            raise AssertionError("gpud started beside NVIDIA's kubelet plugin under its driver name")
+        assert os.path.exists(theirs) and not cluster.slices("nvidia-named")
+        nvidia.close()
+        os.unlink(theirs)
+        d = Daemon(tmp_path / "again", ["h100-80gb:1"], dynamic_layout(), extra_args=args)
+        wait_until(lambda: any(s["spec"]["driver"] == "gpu.nvidia.com" for s in cluster.slices("nvidia-named")), 60,
+                   "the pool published as gpu.nvidia.com")
+        assert os.path.exists(paths(root, "gpu.nvidia.com")[0])
+    finally:
+        nvidia.close()
+        if d is not None and d.proc.poll() is None:
+            d.proc.terminate()
+            d.proc.wait(30)
+        shutil.rmtree(root, ignore_errors=True)

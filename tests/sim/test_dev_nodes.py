@@ -87,3 +87,16 @@ def test_the_simulated_lines_are_not_taken_for_a_drivers(tmp_path):
     create(host, ["h100-80gb:1"], [])
     sim = host / "proc/devices"
     assert dev_nodes.registered_char_majors(str(sim)) == _real_char_majors()
+
+
+def test_where_a_device_cgroup_refuses_nodes_they_are_plain_files(tmp_path, monkeypatch):
+    """systemd-nspawn's device cgroup refuses mknod of devices it does not list (EPERM)."""
+    def refused(*_a, **_k):
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(dev_nodes, "_mknod_works", {})
+    monkeypatch.setattr(os, "mknod", refused)
+    host = tmp_path / "host"
+    create(host, ["h100-80gb:1"], [])
+    assert stat.S_ISREG(os.lstat(host / "dev/nvidia0").st_mode)
+    assert not (host / "proc/devices").exists()

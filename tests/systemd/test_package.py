@@ -151,3 +151,12 @@ def test_the_deb_has_md5sums_a_real_maintainer_its_license_and_no_stray_scripts(
     assert (tmp_path / "x" / "usr/share/doc/gpud/LICENSE").read_text().lstrip().startswith("Apache License")
     bins = sorted(p.name for p in (tmp_path / "x" / "opt/gpud/bin").iterdir())
     assert [b for b in bins if not (b in ("gpud", "gpudctl", "gpud-sim") or b.startswith("python"))] == [], bins
+    # It depends on the python3.X it was built with (the release's own: 3.11 on Debian 12, 3.12 on
+    # Ubuntu 24.04, 3.10 on 22.04), and loads no module at boot by itself (vfio-pci comes with a
+    # layout that passes a GPU through: gpud's udev rule, or systemd's modprobe@ unit).
+    built_with = subprocess.run(["/usr/bin/python3", "-c", "import sys; print('%d.%d' % sys.version_info[:2])"],
+                                capture_output=True, text=True, check=True).stdout.strip()
+    depends = next(ln.split(": ", 1)[1] for ln in control.splitlines() if ln.startswith("Depends: "))
+    assert depends == f"python{built_with}, systemd (>= 247)", depends
+    assert not [p for p in shipped if "modules-load.d" in p], shipped
+    assert "modprobe" not in (tmp_path / "x" / "DEBIAN" / "postinst").read_text()
