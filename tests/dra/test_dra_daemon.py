@@ -6,6 +6,7 @@ simulator's state file."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -148,6 +149,76 @@ def test_publishing_as_gpu_nvidia_com_is_refused_while_nvidias_plugin_is_registe
     finally:
         nvidia.close()
         if d is not None and d.proc.poll() is None:
+            d.proc.terminate()
+            d.proc.wait(30)
+        shutil.rmtree(root, ignore_errors=True)
+
+
+VGPU_LAYOUT = """version: v1
+layouts:
+  vms:
+    - devices: [0]
+      workload: vm-vgpu
+      vgpu-devices: {"L40S-12Q": 4}
+    - devices: [1]
+      workload: vm-vgpu
+      vgpu-devices: {"GRID T4-4Q": 2}
+"""
+
+
+async def test_vgpus_are_published_as_kubevirt_takes_them_and_prepared(cluster, tmp_path):
+    """A vm-vgpu node (an L40S with vendor-VFIO vGPUs, a T4 with mdevs): every vGPU the simulator
+    made is one `type: vgpu` device on the server, the VF's address as its pciBusID or the mdev's
+    UUID as mDevUUID (KubeVirt VEP 10); a claim for one is allocated by the real scheduler and
+    prepare hands over the VF's /dev/vfio group as the simulated kernel lists it."""
+    from tests.daemon.test_daemon_vgpu import L40S, T4, sim_vgpus
+
+    cluster.node("vgpu-node")
+    kubeconfig = cluster.kubeconfig(tmp_path / "gpud.kubeconfig")
+    root = tempfile.mkdtemp(prefix="kubelet.", dir="/tmp")
+    d = Daemon(tmp_path, ["l40s", "t4"], VGPU_LAYOUT, vgpu="vfio", extra_args=[
+        "--kube-node", "vgpu-node", "--kubeconfig", kubeconfig, "--dra", "--kubelet-root", root,
+        "--cdi-dir", str(tmp_path / "cdi")])
+    try:
+        r = d.ctl("apply", "--wait", "--timeout", "120")
+        assert r.returncode == 0, r.stdout + r.stderr
+        want = sorted([(t, ("pci", vf)) for t, vf in sim_vgpus(d.host, L40S)]
+                      + [(t, ("mdev", u)) for t, u in sim_vgpus(d.host, T4)])
+        assert len(want) == 6
+
+        def published(slices):
+            out = []
+            for s in slices:
+                for dev in s["spec"].get("devices") or ():
+                    a = dev["attributes"]
+                    assert a["type"]["string"] == "vgpu"
+                    ident = ("mdev", a["mDevUUID"]["string"]) if "mDevUUID" in a else (
+                        "pci", a["resource.kubernetes.io/pciBusID"]["string"])
+                    out.append((a["profile"]["string"], ident))
+            return sorted(out)
+        cluster.watch_slices("vgpu-node", lambda s: published(s) == want, limit=120, what="the six vGPUs")
+
+        cluster.claim("vm-vgpu", "vgpu.gpud.io", "device.attributes['gpu.gpud.io'].profile == 'L40S-12Q'")
+        cluster.pod("vm-vgpu", "vm-vgpu", node="vgpu-node")
+        (alloc,) = cluster.allocated("vm-vgpu")
+        dev = next(x for s in cluster.slices("vgpu-node") for x in s["spec"]["devices"] if x["name"] == alloc["device"])
+        vf = dev["attributes"]["resource.kubernetes.io/pciBusID"]["string"]
+        claim = cluster.get_claim("vm-vgpu")
+        plugin = Plugin(root)
+        wait_until(lambda: os.path.exists(plugin.dra_socket), 30, "the DRA socket")
+        kubelet = Kubelet(plugin)
+        try:
+            got = await kubelet.prepare(claim)
+        finally:
+            await kubelet.close()
+        assert got.error == "", got.error
+        spec = json.loads((tmp_path / "cdi" / f"{DEFAULT_DRIVER}-claim_{claim['metadata']['uid']}.json").read_text())
+        (edits,) = [x["containerEdits"] for x in spec["devices"]]
+        group = os.path.basename(os.readlink(d.host / "sys" / "bus" / "pci" / "devices" / vf / "iommu_group"))
+        assert {"path": f"/dev/vfio/{group}"} in edits["deviceNodes"]
+        assert f"PCI_RESOURCE_GPUD_IO={vf}" in edits["env"]
+    finally:
+        if d.proc.poll() is None:
             d.proc.terminate()
             d.proc.wait(30)
         shutil.rmtree(root, ignore_errors=True)

@@ -270,11 +270,26 @@ class DraDriver:
                                               start=sd.placement.start if sd.placement is not None else None)
             return [*ctl, *rec.devices], [f"NVIDIA_VISIBLE_DEVICES={rec.uuid}"], rec
         if sd.kind == "vgpu":
-            return [], [f"MDEV_UUID={sd.vgpu_uuid or ''}"], None
+            return self._vgpu(sd, gpu), [f"MDEV_UUID={sd.vgpu_uuid}" if sd.vgpu_uuid else
+                                         f"PCI_RESOURCE_GPUD_IO={','.join(sd.group)}"], None
         minor = gpu.nvml.minor if gpu.nvml is not None else None
         nodes = [*ctl] + ([f"/dev/nvidia{minor}"] if minor is not None else [])
         uuid = sd.mig_uuid or (gpu.uuid or "")
         return nodes, [f"NVIDIA_VISIBLE_DEVICES={uuid}"], None
+
+    @staticmethod
+    def _vgpu(sd: SliceDevice, gpu: Gpu) -> list[str]:
+        """The vfio nodes a VM opens for the vGPU as the hardware shows it now: refused where it
+        is gone or a VM holds it already (nothing is taken from a running VM)."""
+        vf = sd.group[0] if sd.group else None
+        found = next((v for v in (gpu.vgpu.devices if gpu.vgpu is not None else ())
+                      if (sd.vgpu_uuid and v.uuid == sd.vgpu_uuid) or (vf and v.vf == vf)), None)
+        if found is None:
+            raise ValueError(f"{sd.name}: vGPU {sd.vgpu_uuid or vf} is gone from {gpu.pci}")
+        if found.holders:
+            raise ValueError(f"{sd.name}: vGPU {sd.vgpu_uuid or vf} is held by "
+                             f"{', '.join(f'{h.name} (pid {h.pid})' for h in found.holders)}")
+        return ["/dev/vfio/vfio"] + ([f"/dev/vfio/{found.vfio_group}"] if found.vfio_group is not None else [])
 
     def cdi_path(self, uid: str) -> str:
         return os.path.join(self.cdi_dir, f"{self.driver}-claim_{uid}.json")
