@@ -401,3 +401,28 @@ async def test_unprepare_never_touches_an_instance_made_outside_kubernetes(clust
         assert outside.id in {r.id for r in node.rig.rec.leases.leases()}
     finally:
         await kubelet.close()
+
+
+async def test_a_vfio_claim_is_refused_while_its_group_is_not_all_on_vfio_pci(cluster, tmp_path):
+    """The layout binds the IOMMU group, a claim never does: with the GPU's audio function taken
+    off vfio-pci after allocation, prepare answers an error naming it, writes no CDI spec and
+    binds nothing (the simulator's state file)."""
+    node = await SimNode(tmp_path, cluster, "vfio-off-node").start(("rtx6000-ada:1",), PASSTHROUGH)
+    kubelet = Kubelet(node.plugin)
+    try:
+        cluster.claim("vm-gpu-off", "vfio.gpud.io")
+        cluster.pod("vm-off", "vm-gpu-off", node=node.name)
+        cluster.allocated("vm-gpu-off")
+        claim = cluster.get_claim("vm-gpu-off")
+        (gpu_pci,) = simstate.load(node.rig.dir).gpus
+        audio = next(a for a, f in simstate.load(node.rig.dir).functions.items()
+                     if a != gpu_pci and a.rsplit(".", 1)[0] == gpu_pci.rsplit(".", 1)[0])
+        node.rig.hw.sysfs.write("bus/pci/drivers/vfio-pci/unbind", audio)
+        await node.rig.rec.refresh_async()
+        got = await kubelet.prepare(claim)
+        assert audio in got.error and "not on vfio-pci" in got.error, got.error
+        assert not (node.tmp / "cdi" / f"{DEFAULT_DRIVER}-claim_{claim['metadata']['uid']}.json").exists()
+        assert simstate.load(node.rig.dir).functions[audio].driver is None
+    finally:
+        await kubelet.close()
+        await node.close()
