@@ -66,6 +66,12 @@ async def test_gpud_killed_between_allocate_prepare_and_unprepare(cluster, tmp_p
         roots = {dev["attributes"]["resource.kubernetes.io/pcieRoot"]["string"]
                  for s in slices for dev in s["spec"]["devices"]}
         assert roots == {realpath_root(Path(d.host) / "sys", pci)}, roots
+        # the versions as NVIDIA's driver publishes them, from the simulator's own record
+        st = simstate.load(d.host)
+        major, rest = divmod(st.cuda_version, 1000)
+        versions = {(dev["attributes"]["driverVersion"]["version"], dev["attributes"]["cudaDriverVersion"]["version"])
+                    for s in slices for dev in s["spec"]["devices"]}
+        assert versions == {(".".join(str(int(p)) for p in st.driver_version.split(".")), f"{major}.{rest // 10}.0")}
 
         cluster.claim("k9", MIG, profile_is("1g.10gb"))
         cluster.pod("k9", "k9", node=NODE)
