@@ -160,16 +160,6 @@ def test_publishing_as_gpu_nvidia_com_is_refused_while_nvidias_plugin_is_registe
         shutil.rmtree(root, ignore_errors=True)
 
 
-VGPU_LAYOUT = """version: v1
-layouts:
-  vms:
-    - devices: [0]
-      workload: vm-vgpu
-      vgpu-devices: {"L40S-12Q": 4}
-    - devices: [1]
-      workload: vm-vgpu
-      vgpu-devices: {"GRID T4-4Q": 2}
-"""
 
 
 async def test_vgpus_are_published_as_kubevirt_takes_them_and_prepared(cluster, tmp_path):
@@ -177,12 +167,12 @@ async def test_vgpus_are_published_as_kubevirt_takes_them_and_prepared(cluster, 
     made is one `type: vgpu` device on the server, the VF's address as its pciBusID or the mdev's
     UUID as mDevUUID (KubeVirt VEP 10); a claim for one is allocated by the real scheduler and
     prepare hands over the VF's /dev/vfio group as the simulated kernel lists it."""
-    from tests.daemon.test_daemon_vgpu import L40S, T4, sim_vgpus
+    from tests.daemon.test_daemon_vgpu import L40S, LAYOUT, T4, sim_vgpus
 
     cluster.node("vgpu-node")
     kubeconfig = cluster.kubeconfig(tmp_path / "gpud.kubeconfig")
     root = tempfile.mkdtemp(prefix="kubelet.", dir="/tmp")
-    d = Daemon(tmp_path, ["l40s", "t4"], VGPU_LAYOUT, vgpu="vfio", extra_args=[
+    d = Daemon(tmp_path, ["l40s", "t4"], LAYOUT, vgpu="vfio", extra_args=[
         "--kube-node", "vgpu-node", "--kubeconfig", kubeconfig, "--dra", "--kubelet-root", root,
         "--cdi-dir", str(tmp_path / "cdi")])
     try:
