@@ -107,12 +107,20 @@ License: Apache-2.0
 EOF
 
 # 4. control files
-# Who answers for this build: DEBFULLNAME/DEBEMAIL as Debian's tools take them, else the author of
-# the commit it is built from (a real address, never a placeholder)
-MAINTAINER="${DEBFULLNAME:-$(git -C "$REPO" log -1 --format=%an 2>/dev/null || true)} <${DEBEMAIL:-$(git -C "$REPO" log -1 --format=%ae 2>/dev/null || true)}>"
-case "$MAINTAINER" in
-  " <>"|*" <>"|" <"*) echo "build-deb: set DEBFULLNAME and DEBEMAIL (no git author to take them from)" >&2; exit 1 ;;
-esac
+# Who answers for this build: DEBFULLNAME/DEBEMAIL as Debian's tools take them, else the project's
+# maintainers entry in pyproject.toml (the build needs no git: a stock machine may have none)
+PROJECT_MAINTAINER=$("$PYTHON" - "$REPO/pyproject.toml" <<'EOF'
+import re, sys  # no tomllib before 3.11
+m = re.search(r'^maintainers = \[\{ name = "([^"]+)", email = "([^"]+)" \}\]', open(sys.argv[1]).read(), re.M)
+print(f"{m[1]} <{m[2]}>" if m else "")
+EOF
+)
+if [ -n "${DEBFULLNAME:-}" ] && [ -n "${DEBEMAIL:-}" ]; then
+  MAINTAINER="$DEBFULLNAME <$DEBEMAIL>"
+else
+  MAINTAINER=$PROJECT_MAINTAINER
+fi
+[ -n "$MAINTAINER" ] || { echo "build-deb: set DEBFULLNAME and DEBEMAIL (pyproject.toml names no maintainers)" >&2; exit 1; }
 install -m 0644 "$REPO/LICENSE" "$STAGE/usr/share/doc/gpud/LICENSE"
 install -d "$STAGE/DEBIAN"
 SIZE=$(du -sk --exclude=DEBIAN "$STAGE" | cut -f1)

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import msgspec
 
-from gpud.api import replies, wire_replies
+from gpud.api import replies
 from gpud.engine.view import EngineView
 from gpud.model import Gpu
 from gpud.plan.node_labels import Advertised, advertised
+from gpud.wire import replies as wire_replies
 
 
 class StatusSnapshot:

@@ -94,6 +94,7 @@ UNHEALTHY_STATES = ("stuck", "gone")  # a driver write that never returned; the 
 
 
 def inputs_of(view: EngineView, node: str, driver: str, *, driver_version: str | None,
+              cuda_version: int | None = None,
               unhealthy: frozenset[str] = frozenset(),
               pcie_root: Callable[[str], str | None] = lambda pci: None,
               taints: Mapping[str, tuple[dict, ...]] | None = None) -> DraInputs:
@@ -103,6 +104,7 @@ def inputs_of(view: EngineView, node: str, driver: str, *, driver_version: str |
     unhealthy = unhealthy | {pci for pci, st in view.gpu_states.items() if st.state in UNHEALTHY_STATES}
     roots = {g.pci: r for g in view.observation.gpus if g.present and (r := pcie_root(g.pci))}
     return DraInputs(node, view.observation.gpus, desired, driver=driver, driver_version=driver_version,
+                     cuda_version=cuda_version,
                      unhealthy=unhealthy, foreign=foreign_placements(view), pcie_roots=roots,
                      taints=taints or {})
 
@@ -111,6 +113,7 @@ class DraDriver:
     def __init__(self, api: ClaimsApi, leases: LeaseEngine, view: Callable[[], EngineView], *,
                  state_dir: str | None, cdi_dir: str = DEFAULT_CDI_DIR,
                  driver_version: Callable[[], str | None] = lambda: None,
+                 cuda_version: Callable[[], int | None] = lambda: None,
                  unhealthy: Callable[[], frozenset[str]] = frozenset,
                  pcie_root: Callable[[str], str | None] = lambda pci: None,
                  taints: Callable[[], Mapping[str, tuple[dict, ...]]] = dict) -> None:
@@ -119,7 +122,7 @@ class DraDriver:
         self.node, self.driver = api.node, api.driver
         self.cdi_dir = cdi_dir
         self.path = os.path.join(state_dir, CHECKPOINT) if state_dir else None
-        self._driver_version, self._unhealthy = driver_version, unhealthy
+        self._driver_version, self._cuda_version, self._unhealthy = driver_version, cuda_version, unhealthy
         self.claims: dict[str, PreparedClaim] = {}
         self.published: DraSlices | None = None
         self.generation = 0
@@ -134,6 +137,7 @@ class DraDriver:
             unhealthy |= {pci for pci, ts in taints.items() if any(t["effect"] == "NoSchedule" for t in ts)}
             taints = {}
         inputs = inputs_of(view, self.node, self.driver, driver_version=self._driver_version(),
+                           cuda_version=self._cuda_version(),
                            unhealthy=unhealthy, pcie_root=self._pcie_root, taints=taints)
         return build_slices(msgspec.structs.replace(inputs, generation=max(self.generation, 1)))
 
@@ -270,11 +274,26 @@ class DraDriver:
                                               start=sd.placement.start if sd.placement is not None else None)
             return [*ctl, *rec.devices], [f"NVIDIA_VISIBLE_DEVICES={rec.uuid}"], rec
         if sd.kind == "vgpu":
-            return [], [f"MDEV_UUID={sd.vgpu_uuid or ''}"], None
+            return self._vgpu(sd, gpu), [f"MDEV_UUID={sd.vgpu_uuid}" if sd.vgpu_uuid else
+                                         f"PCI_RESOURCE_GPUD_IO={','.join(sd.group)}"], None
         minor = gpu.nvml.minor if gpu.nvml is not None else None
         nodes = [*ctl] + ([f"/dev/nvidia{minor}"] if minor is not None else [])
         uuid = sd.mig_uuid or (gpu.uuid or "")
         return nodes, [f"NVIDIA_VISIBLE_DEVICES={uuid}"], None
+
+    @staticmethod
+    def _vgpu(sd: SliceDevice, gpu: Gpu) -> list[str]:
+        """The vfio nodes a VM opens for the vGPU as the hardware shows it now: refused where it
+        is gone or a VM holds it already (nothing is taken from a running VM)."""
+        vf = sd.group[0] if sd.group else None
+        found = next((v for v in (gpu.vgpu.devices if gpu.vgpu is not None else ())
+                      if (sd.vgpu_uuid and v.uuid == sd.vgpu_uuid) or (vf and v.vf == vf)), None)
+        if found is None:
+            raise ValueError(f"{sd.name}: vGPU {sd.vgpu_uuid or vf} is gone from {gpu.pci}")
+        if found.holders:
+            raise ValueError(f"{sd.name}: vGPU {sd.vgpu_uuid or vf} is held by "
+                             f"{', '.join(f'{h.name} (pid {h.pid})' for h in found.holders)}")
+        return ["/dev/vfio/vfio"] + ([f"/dev/vfio/{found.vfio_group}"] if found.vfio_group is not None else [])
 
     def cdi_path(self, uid: str) -> str:
         return os.path.join(self.cdi_dir, f"{self.driver}-claim_{uid}.json")

@@ -1,8 +1,10 @@
-"""NVML adapter: the only module in gpud that imports pynvml.
+"""NVML adapter: with its siblings nvml_profiles (the MIG profile tables), nvml_instances (GIs, CIs
+and MIG devices) and nvml_errors, the only code in gpud that imports pynvml.
 
 Reads every GPU NVML can see into `gpud.model.NvmlGpu` records and performs the five MIG mutations
 the executor needs. Traps handled here, once (docs/hardware/mig-nvml.md):
-- GI profiles are queried by *index* constant but everything is keyed by the returned `.id`;
+- GI profiles are queried by *index* constant but everything is keyed by the returned `.id`
+  (nvml_profiles);
 - placements are caller-allocated (two calls) and the create placement goes `byref`;
 - a MIG device handle comes only from `nvmlDeviceGetMigDeviceHandleByIndex` (so it needs no
   `nvmlDeviceIsMigDeviceHandle`, whose c_uint answer is true even when `== 1` is not).
@@ -20,27 +22,25 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-import os
 import threading
 from collections.abc import Callable, Iterable
-from ctypes import byref, c_uint
+from ctypes import byref
 from typing import Any, TypeVar
 
 import msgspec
 import pynvml
 
-from gpud.host.kernel.procs import process_name
-from gpud.host.nvidia.nvml_static import GpuStatic, MigDeviceRecord, SessionCache
+from gpud.host.nvidia.nvml_errors import NvmlError, call
+from gpud.host.nvidia.nvml_instances import MigReader
+from gpud.host.nvidia.nvml_profiles import gi_profiles, possible_placements
+from gpud.host.nvidia.nvml_static import GpuStatic, SessionCache
 from gpud.host.nvidia.nvml_users import SessionUsers
 from gpud.host.readonly import refuse_if
 from gpud.model import (
-    CiProfile,
-    ComputeInstance,
     GpuInstance,
     Holder,
     MigProfile,
     NvmlGpu,
-    Placement,
 )
 from gpud.pci import normalize_pci
 from gpud.profiles import NOT_IN_MIG_INSTANCE
@@ -48,26 +48,6 @@ from gpud.profiles import NOT_IN_MIG_INSTANCE
 log = logging.getLogger(__name__)
 
 _MIB = 1 << 20
-_SKIP = (pynvml.NVML_ERROR_NOT_SUPPORTED, pynvml.NVML_ERROR_INVALID_ARGUMENT)
-
-
-class NvmlError(Exception):
-    """An NVML call failed: which call, on which GPU, with NVML's code and message."""
-
-    def __init__(self, code: int, function: str, pci: str | None = None, message: str = ""):
-        self.code = code
-        self.function = function
-        self.pci = pci
-        self.message = message or _error_string(code)
-        where = f" on {pci}" if pci else ""
-        super().__init__(f"{function}{where}: {self.message} (NVML error {code})")
-
-
-def _error_string(code: int) -> str:
-    try:
-        return str(pynvml.NVMLError(code))
-    except Exception:  # noqa: BLE001 - the message is a nicety; the code is what matters
-        return f"NVML error {code}"
 
 
 _Method = TypeVar("_Method", bound=Callable[..., Any])
@@ -95,6 +75,7 @@ class Nvml:
         self._session = threading.RLock()  # open/close/suspend from the loop and worker threads
         self._cache = SessionCache()  # what the session need not read twice (dropped by close)
         self._users = SessionUsers()
+        self._mig = MigReader(self._cache, proc_root)  # instances and MIG devices (nvml_instances)
 
     # session ------------------------------------------------------------------------------------
     def open(self) -> None:
@@ -137,11 +118,7 @@ class Nvml:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _call(self, function: str, pci: str | None, fn: Any, *args: Any) -> Any:
-        try:
-            return fn(*args)
-        except pynvml.NVMLError as e:
-            raise NvmlError(e.value, function, pci) from e
+    _call = staticmethod(call)  # an NVML call; NvmlError naming it on failure
 
     def _ensure_open(self) -> None:
         if not self._open:
@@ -287,10 +264,10 @@ class Nvml:
         instances: tuple[GpuInstance, ...] = ()
         if mode is not None:
             if current == 1:
-                instances = (self._instances_with_devices(pci, h, static, self._in_mig_devices(procs)) if details
-                             else self._instances(pci, h, static))
+                instances = (self._mig.instances_with_devices(pci, h, static, self._mig.in_mig_devices(procs)) if details
+                             else self._mig.instances(pci, h, static))
             profiles = self._profiles(pci, static, instances)
-        processes = tuple(Holder(pid=p.pid, name=self._process_name(p.pid), device=pci)
+        processes = tuple(Holder(pid=p.pid, name=self._mig.process_name(p.pid), device=pci)
                           for p in procs if getattr(p, "gpuInstanceId", None) in (NOT_IN_MIG_INSTANCE, None))
         return NvmlGpu(pci=pci, uuid=static.uuid, name=static.name, minor=static.minor, memory_mb=static.memory_mb,
                        compute_capability=static.compute_capability,
@@ -309,7 +286,7 @@ class Nvml:
             minor=self._optional(pci, "nvmlDeviceGetMinorNumber", h),
             memory_mb=self._query(pci, h, "nvmlDeviceGetMemoryInfo").total // _MIB,
             compute_capability=(int(compute[0]), int(compute[1])) if compute is not None else None,
-            mig_capable=mig_capable, profiles=self._gi_profiles(pci, h) if mig_capable else ())
+            mig_capable=mig_capable, profiles=gi_profiles(pci, h) if mig_capable else ())
         self._cache.store_if(generation, lambda: self._cache.gpus.__setitem__(pci, static))
         return static
 
@@ -337,29 +314,6 @@ class Nvml:
                 return None
             raise NvmlError(e.value, name, pci) from e
 
-    def _gi_profiles(self, pci: str, h: Any) -> tuple[MigProfile, ...]:
-        """The GI profiles with their possible placements, asked by every index constant NVML knows
-        and keyed by the profile *id* they answer with; CI profiles are added per read (`_profiles`)."""
-        raw: dict[int, Any] = {}
-        for index in range(pynvml.NVML_GPU_INSTANCE_PROFILE_COUNT):
-            try:
-                info = pynvml.nvmlDeviceGetGpuInstanceProfileInfo(h, index)
-            except pynvml.NVMLError as e:
-                if e.value in _SKIP:
-                    continue
-                raise NvmlError(e.value, "nvmlDeviceGetGpuInstanceProfileInfo", pci) from e
-            raw.setdefault(info.id, info)
-        out = []
-        for info in raw.values():
-            name = info.name.decode() if isinstance(info.name, bytes) else info.name
-            out.append(MigProfile(
-                id=info.id, name=name.removeprefix("MIG "), slices=info.sliceCount,
-                memory_mb=info.memorySizeMB, sms=info.multiprocessorCount,
-                instance_count=info.instanceCount, placements=self._placements(pci, h, info.id),
-                copy_engines=info.copyEngineCount, decoders=info.decoderCount,
-                encoders=info.encoderCount, jpegs=info.jpegCount, ofas=info.ofaCount))
-        return tuple(out)
-
     def _profiles(self, pci: str, static: GpuStatic, instances: tuple[GpuInstance, ...]) -> tuple[MigProfile, ...]:
         """The GI profiles, each with the CI profiles NVML lists for it. NVML answers those only
         through a live GI of that profile; without one they are absent (the planner fills them from
@@ -370,227 +324,11 @@ class Nvml:
             if p.id in live else p
             for p in static.profiles)
 
-    def _placements(self, pci: str, h: Any, profile_id: int) -> tuple[Placement, ...]:
-        count = c_uint(0)
-        fn = "nvmlDeviceGetGpuInstancePossiblePlacements"
-        self._call(fn, pci, pynvml.nvmlDeviceGetGpuInstancePossiblePlacements, h, profile_id, None, byref(count))
-        if count.value == 0:
-            return ()
-        arr = (pynvml.c_nvmlGpuInstancePlacement_t * count.value)()
-        self._call(fn, pci, pynvml.nvmlDeviceGetGpuInstancePossiblePlacements, h, profile_id, arr, byref(count))
-        return tuple(sorted(Placement(arr[i].start, arr[i].size) for i in range(count.value)))
-
-    def _ci_profiles(self, pci: str, gi_handle: Any, gi_profile_id: int) -> dict[int, CiProfile]:
-        """The CI profiles of GI profile `gi_profile_id`, asked through one of its GIs once a session
-        (the same for every GI of the profile: docs/hardware/nvml-static-reads.md)."""
-        key = (pci, gi_profile_id)
-        known = self._cache.ci_profiles.get(key)
-        if known is not None:
-            return known
-        generation = self._cache.generation
-        found = self._gi_ci_profiles(pci, gi_handle)
-        self._cache.store_if(generation, lambda: self._cache.ci_profiles.__setitem__(key, found))
-        return found
-
-    def _gi_ci_profiles(self, pci: str, gi_handle: Any) -> dict[int, CiProfile]:
-        out: dict[int, CiProfile] = {}
-        for index in range(pynvml.NVML_COMPUTE_INSTANCE_PROFILE_COUNT):
-            try:
-                info = pynvml.nvmlGpuInstanceGetComputeInstanceProfileInfo(
-                    gi_handle, index, pynvml.NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED)
-            except pynvml.NVMLError as e:
-                if e.value in _SKIP:
-                    continue
-                raise NvmlError(e.value, "nvmlGpuInstanceGetComputeInstanceProfileInfo", pci) from e
-            if info.id not in out:
-                out[info.id] = CiProfile(id=info.id, slices=info.sliceCount, instance_count=info.instanceCount,
-                                         sms=info.multiprocessorCount,
-                                         starts=self._ci_starts(pci, gi_handle, info.id))
-        return out
-
-    def _ci_starts(self, pci: str, gi_handle: Any, ci_profile_id: int) -> tuple[int, ...]:
-        """Where CIs of a profile may sit in this GI (compute slices), caller-allocated like the GI
-        call. A driver without the call answers nothing: the planner then uses the model's table."""
-        fn = "nvmlGpuInstanceGetComputeInstancePossiblePlacements"
-        count = c_uint(0)
-        try:
-            pynvml.nvmlGpuInstanceGetComputeInstancePossiblePlacements(gi_handle, ci_profile_id, None, byref(count))
-            if count.value == 0:
-                return ()
-            arr = (pynvml.c_nvmlComputeInstancePlacement_t * count.value)()
-            pynvml.nvmlGpuInstanceGetComputeInstancePossiblePlacements(gi_handle, ci_profile_id, arr, byref(count))
-        except pynvml.NVMLError as e:
-            if e.value in _SKIP or e.value == pynvml.NVML_ERROR_FUNCTION_NOT_FOUND:
-                return ()
-            raise NvmlError(e.value, fn, pci) from e
-        return tuple(sorted(arr[i].start for i in range(count.value)))
-
-    def _gis(self, pci: str, h: Any, static: GpuStatic) -> list[tuple[Any, GpuInstance]]:
-        """The GIs (handle, GI without its CIs), by id."""
-        gis: list[tuple[Any, GpuInstance]] = []
-        used: set[int] = set()  # memory slices of the GIs found so far
-        for prof in static.profiles:
-            if prof.placements and all(used & set(range(p.start, p.start + p.size)) for p in prof.placements):
-                continue  # GIs never share a memory slice (nvml.h): no GI of this profile can exist
-            count = c_uint(0)
-            arr = (pynvml.c_nvmlGpuInstance_t * max(prof.instance_count, 1))()
-            self._call("nvmlDeviceGetGpuInstances", pci, pynvml.nvmlDeviceGetGpuInstances,
-                       h, prof.id, arr, byref(count))
-            for i in range(count.value):
-                gi_info = self._call("nvmlGpuInstanceGetInfo", pci, pynvml.nvmlGpuInstanceGetInfo, arr[i])
-                if any(g.id == gi_info.id for _, g in gis):
-                    continue
-                gis.append((arr[i], GpuInstance(id=gi_info.id, profile_id=gi_info.profileId,
-                                                placement=Placement(gi_info.placement.start, gi_info.placement.size))))
-                used.update(range(gi_info.placement.start, gi_info.placement.start + gi_info.placement.size))
-        return sorted(gis, key=lambda hg: hg[1].id)
-
-    def _instances(self, pci: str, h: Any, static: GpuStatic) -> tuple[GpuInstance, ...]:
-        """GIs with their CIs as NVML lists them, without MIG UUIDs or holders (a step's check)."""
-        return tuple(msgspec.structs.replace(gi, cis=self._cis(pci, handle, gi.profile_id))
-                     for handle, gi in self._gis(pci, h, static))
-
-    def _cis(self, pci: str, gi_handle: Any, gi_profile_id: int) -> tuple[ComputeInstance, ...]:
-        cis: list[ComputeInstance] = []
-        for ci_prof in self._ci_profiles(pci, gi_handle, gi_profile_id).values():
-            count = c_uint(0)
-            arr = (pynvml.c_nvmlComputeInstance_t * max(ci_prof.instance_count, 1))()
-            self._call("nvmlGpuInstanceGetComputeInstances", pci, pynvml.nvmlGpuInstanceGetComputeInstances,
-                       gi_handle, ci_prof.id, arr, byref(count))
-            for i in range(count.value):
-                info = self._call("nvmlComputeInstanceGetInfo", pci, pynvml.nvmlComputeInstanceGetInfo, arr[i])
-                cis.append(ComputeInstance(id=info.id, profile_id=info.profileId, slices=ci_prof.slices, uuid="",
-                                           start=info.placement.start))
-        return tuple(sorted(cis, key=lambda c: c.id))
-
-    @staticmethod
-    def _in_mig_devices(procs: list[Any]) -> dict[tuple[int, int], list[int]] | None:
-        """The GPU handle's process list by (GI id, CI id), to stand for each MIG device's own list:
-        "In MIG mode, if device handle is provided, the API returns aggregate information, only if
-        the caller has appropriate privileges" (nvml.h, nvmlDeviceGetComputeRunningProcesses_v3),
-        each process with its GI and CI ids. None (ask each MIG device) unless gpud runs as root:
-        what a caller without those privileges gets is not documented."""
-        if os.geteuid() != 0:
-            return None
-        out: dict[tuple[int, int], list[int]] = {}
-        for p in procs:
-            gi, ci = getattr(p, "gpuInstanceId", None), getattr(p, "computeInstanceId", None)
-            if gi is not None and ci is not None and gi != NOT_IN_MIG_INSTANCE:
-                out.setdefault((gi, ci), []).append(p.pid)
-        return out
-
-    def _instances_with_devices(self, pci: str, h: Any, static: GpuStatic,
-                                in_devices: dict[tuple[int, int], list[int]] | None) -> tuple[GpuInstance, ...]:
-        """GIs with their CIs, MIG UUIDs and holders, read through the MIG devices.
-
-        Every CI is a MIG device (nvml.h, `nvmlDeviceGetMigDeviceHandleByIndex`), and what a MIG
-        device's UUID names cannot change while it exists: its GI and CI ids, the CI's profile and
-        placement (gpud.host.nvidia.nvml_static.MigDeviceRecord). So a MIG device seen before costs its
-        handle, its UUID and its processes; only a GI holding a device not seen before, or none,
-        has its CIs listed (and what they are kept). The processes in each come from the GPU's own
-        list (`in_devices`) where NVML gives it whole, else from each device. The indices stop being asked once every GI
-        found is filled by the CIs found: CIs of one GI never share a compute slice (nvml.h,
-        `nvmlGpuInstanceGetComputeInstancePossiblePlacements`), so no further one can exist."""
-        gis = self._gis(pci, h, static)
-        if not gis:
-            return ()
-        cache = self._cache
-        generation = cache.generation
-        gi_keys = {(gi.id, gi.profile_id, gi.placement.start, gi.placement.size) for _, gi in gis}
-        room = {gi.id: next((p.slices for p in static.profiles if p.id == gi.profile_id), 0) for _, gi in gis}
-        found: dict[int, list[ComputeInstance]] = {gi.id: [] for _, gi in gis}
-        unknown: dict[int, dict[int, tuple[str, tuple[Holder, ...]]]] = {}  # GI id -> CI id -> (uuid, holders)
-        for i in range(self._max_mig_devices(pci, h)):
-            if all(v <= 0 for v in room.values()):
-                break
-            try:
-                m = pynvml.nvmlDeviceGetMigDeviceHandleByIndex(h, i)
-            except pynvml.NVMLError as e:
-                if e.value in (pynvml.NVML_ERROR_NOT_FOUND, pynvml.NVML_ERROR_INVALID_ARGUMENT):
-                    continue
-                raise NvmlError(e.value, "nvmlDeviceGetMigDeviceHandleByIndex", pci) from e
-            uuid = self._call("nvmlDeviceGetUUID", pci, pynvml.nvmlDeviceGetUUID, m)
-            known = cache.mig_devices.get(uuid)
-            if known is not None and known.pci == pci and known.gi in gi_keys:
-                holders = self._mig_holders(pci, m, uuid, in_devices, (known.gi_id, known.ci_id))
-                found[known.gi_id].append(ComputeInstance(id=known.ci_id, profile_id=known.profile_id,
-                                                          slices=known.slices, uuid=uuid, holders=holders,
-                                                          start=known.start))
-                room[known.gi_id] -= known.slices
-                continue
-            gi_id = self._call("nvmlDeviceGetGpuInstanceId", pci, pynvml.nvmlDeviceGetGpuInstanceId, m)
-            ci_id = self._call("nvmlDeviceGetComputeInstanceId", pci, pynvml.nvmlDeviceGetComputeInstanceId, m)
-            holders = self._mig_holders(pci, m, uuid, in_devices, (gi_id, ci_id))
-            if gi_id in found:
-                unknown.setdefault(gi_id, {})[ci_id] = (uuid, holders)
-                room[gi_id] = 0  # its CIs are listed below
-        out = []
-        for handle, gi in gis:
-            if gi.id in unknown or not found[gi.id]:
-                details = unknown.get(gi.id, {})
-                cis = []
-                for ci in self._cis(pci, handle, gi.profile_id):
-                    uuid, holders = details.get(ci.id, ("", ()))
-                    if not uuid:  # seen before, or no MIG device for it: as the device loop found it
-                        seen = next((c for c in found[gi.id] if c.id == ci.id), None)
-                        uuid, holders = (seen.uuid, seen.holders) if seen is not None else ("", ())
-                    cis.append(msgspec.structs.replace(ci, uuid=uuid, holders=holders))
-                    if uuid:
-                        record = MigDeviceRecord(
-                            pci=pci, gi=(gi.id, gi.profile_id, gi.placement.start, gi.placement.size), gi_id=gi.id,
-                            ci_id=ci.id, profile_id=ci.profile_id, slices=ci.slices, start=ci.start)
-                        cache.store_if(generation, functools.partial(cache.mig_devices.__setitem__, uuid, record))
-                out.append(msgspec.structs.replace(gi, cis=tuple(cis)))
-            else:
-                out.append(msgspec.structs.replace(gi, cis=tuple(sorted(found[gi.id], key=lambda c: c.id))))
-        return tuple(out)
-
-    def _mig_holders(self, pci: str, m: Any, uuid: str, in_devices: dict[tuple[int, int], list[int]] | None = None,
-                     ids: tuple[int, int] | None = None) -> tuple[Holder, ...]:
-        if in_devices is not None and ids is not None:
-            pids = in_devices.get(ids, [])
-        else:
-            pids = [p.pid for p in self._call("nvmlDeviceGetComputeRunningProcesses", pci,
-                                              pynvml.nvmlDeviceGetComputeRunningProcesses, m)]
-        return tuple(sorted(Holder(pid=pid, name=self._process_name(pid), device=uuid) for pid in pids))
-
     @_in_session
     def mig_device(self, pci: str, gi_id: int, ci_id: int) -> tuple[str, tuple[Holder, ...]] | None:
         """The MIG device of one CI: its UUID and the processes in it (None: no such CI), without
         reading the whole GPU (a lease's answer, a release's busy check)."""
-        h = self._handle(pci)
-        for i in range(self._max_mig_devices(pci, h)):
-            try:
-                m = pynvml.nvmlDeviceGetMigDeviceHandleByIndex(h, i)
-            except pynvml.NVMLError as e:
-                if e.value in (pynvml.NVML_ERROR_NOT_FOUND, pynvml.NVML_ERROR_INVALID_ARGUMENT):
-                    continue
-                raise NvmlError(e.value, "nvmlDeviceGetMigDeviceHandleByIndex", pci) from e
-            if (self._call("nvmlDeviceGetGpuInstanceId", pci, pynvml.nvmlDeviceGetGpuInstanceId, m) == gi_id and
-                    self._call("nvmlDeviceGetComputeInstanceId", pci, pynvml.nvmlDeviceGetComputeInstanceId, m) == ci_id):
-                uuid = self._call("nvmlDeviceGetUUID", pci, pynvml.nvmlDeviceGetUUID, m)
-                return uuid, self._mig_holders(pci, m, uuid)
-        return None
-
-    def _max_mig_devices(self, pci: str, h: Any) -> int:
-        """nvmlDeviceGetMaxMigDeviceCount with MIG on: the GPU's most MIG devices, kept for the session
-        (with MIG off it answers 0, so it is asked only with MIG on, and a mode change drops it)."""
-        known = self._cache.max_mig_devices.get(pci)
-        if known is not None:
-            return known
-        generation = self._cache.generation
-        n = int(self._call("nvmlDeviceGetMaxMigDeviceCount", pci, pynvml.nvmlDeviceGetMaxMigDeviceCount, h))
-        self._cache.store_if(generation, lambda: self._cache.max_mig_devices.__setitem__(pci, n))
-        return n
-
-    def _process_name(self, pid: int) -> str:
-        name = process_name(self.proc_root, pid)
-        if name:
-            return name
-        try:
-            return pynvml.nvmlSystemGetProcessName(pid) or "?"
-        except pynvml.NVMLError:
-            return "?"
+        return self._mig.mig_device(pci, self._handle(pci), gi_id, ci_id)
 
     # mutations ----------------------------------------------------------------------------------
     @_in_session
@@ -610,7 +348,7 @@ class Nvml:
         static = self._cache.gpus.get(pci)
         placements = next((p.placements for p in static.profiles if p.id == profile_id), ()) if static else ()
         if not placements:
-            placements = self._placements(pci, h, profile_id)
+            placements = possible_placements(pci, h, profile_id)
         if not placements:
             raise NvmlError(pynvml.NVML_ERROR_INVALID_ARGUMENT, "nvmlDeviceGetGpuInstancePossiblePlacements",
                             pci, f"profile id {profile_id} has no placements")
@@ -631,7 +369,7 @@ class Nvml:
                             pynvml.nvmlGpuInstanceCreateComputeInstance, gi, ci_profile_id)
         else:
             gi_profile = self._call("nvmlGpuInstanceGetInfo", pci, pynvml.nvmlGpuInstanceGetInfo, gi).profileId
-            prof = self._ci_profiles(pci, gi, gi_profile).get(ci_profile_id)
+            prof = self._mig.ci_profiles(pci, gi, gi_profile).get(ci_profile_id)
             if prof is None:
                 raise NvmlError(pynvml.NVML_ERROR_NOT_SUPPORTED, "nvmlGpuInstanceGetComputeInstanceProfileInfo",
                                 pci, f"GI {gi_id} offers no compute instance profile id {ci_profile_id}")
