@@ -13,21 +13,10 @@ from gpud.sim import vgpu as sim_vgpu
 from gpud.sim.state import load, locked
 from gpud.sim.sysfs_tree import render
 from tests.support.daemon import wait_until
+from tests.support.vgpu_layouts import L40S, T4
+from tests.support.vgpu_layouts import L40S_AND_T4 as LAYOUT
 
 pytestmark = pytest.mark.daemon
-
-L40S, T4 = "0000:18:00.0", "0000:2a:00.0"
-LAYOUT = """\
-version: v1
-layouts:
-  vms:
-    - devices: [0]
-      workload: vm-vgpu
-      vgpu-devices: {"L40S-12Q": 4}
-    - devices: [1]
-      workload: vm-vgpu
-      vgpu-devices: {"GRID T4-4Q": 2}
-"""
 
 
 def sim_vgpus(host, pf: str) -> list[tuple[str, str]]:

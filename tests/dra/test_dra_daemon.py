@@ -19,10 +19,10 @@ from gpud.profiles import MODELS
 from gpud.sim import gpu_rules
 from gpud.sim import state as simstate
 from tests.dra.cluster import skips
-from tests.dra.test_dra_scheduler import MIG, Kubelet, profile_is
-from tests.dra.test_pcie_root import realpath_root
 from tests.leases.rig import dynamic_layout
 from tests.support.daemon import Daemon, wait_until
+from tests.support.dra_kubelet import MIG, Kubelet, profile_is
+from tests.support.pci_oracle import realpath_root
 
 pytestmark = skips()
 NODE = "daemon-node"

@@ -15,7 +15,7 @@ from gpud.engine.vgpu.inventory import entry
 from gpud.model import VgpuDevice
 from gpud.sim.cli import create
 from gpud.vgpu_types import printed_name
-from tests.host.test_vgpu_sysfs import adapter
+from tests.support.vgpu_host import adapter
 
 T4 = "0000:18:00.0"
 UUID = "0b5e4c1a-7d0e-4f0a-9a3e-2d5f6a7b8c90"
