@@ -425,30 +425,33 @@ class Nvml:
         for prof in static.profiles:
             if prof.placements and all(used & set(range(p.start, p.start + p.size)) for p in prof.placements):
                 continue  # GIs never share a memory slice (nvml.h): no GI of this profile can exist
-            count = c_uint(0)
-            arr = (pynvml.c_nvmlGpuInstance_t * max(prof.instance_count, 1))()
-            self._call("nvmlDeviceGetGpuInstances", pci, pynvml.nvmlDeviceGetGpuInstances,
-                       h, prof.id, arr, byref(count))
-            for i in range(count.value):
-                gi_info = self._call("nvmlGpuInstanceGetInfo", pci, pynvml.nvmlGpuInstanceGetInfo, arr[i])
+            for gi_handle in self._listed(pci, "nvmlDeviceGetGpuInstances", pynvml.nvmlDeviceGetGpuInstances,
+                                          pynvml.c_nvmlGpuInstance_t, prof.instance_count, h, prof.id):
+                gi_info = self._call("nvmlGpuInstanceGetInfo", pci, pynvml.nvmlGpuInstanceGetInfo, gi_handle)
                 if any(g.id == gi_info.id for g in gis):
                     continue
                 gis.append(GpuInstance(
                     id=gi_info.id, profile_id=gi_info.profileId,
                     placement=Placement(gi_info.placement.start, gi_info.placement.size),
-                    cis=self._cis(pci, arr[i], gi_info.profileId)))
+                    cis=self._cis(pci, gi_handle, gi_info.profileId)))
                 used.update(range(gi_info.placement.start, gi_info.placement.start + gi_info.placement.size))
         return tuple(sorted(gis, key=lambda g: g.id))
+
+    def _listed(self, pci: str, function: str, fn: Any, ctype: Any, capacity: int, *args: Any) -> list[Any]:
+        """NVML's caller-allocated list: `fn(*args, array, &count)` with room for `capacity` handles
+        (at least one), the handles it filled."""
+        count = c_uint(0)
+        arr = (ctype * max(capacity, 1))()
+        self._call(function, pci, fn, *args, arr, byref(count))
+        return [arr[i] for i in range(count.value)]
 
     def _cis(self, pci: str, gi_handle: Any, gi_profile_id: int) -> tuple[ComputeInstance, ...]:
         cis: list[ComputeInstance] = []
         for ci_prof in self._ci_profiles(pci, gi_handle, gi_profile_id).values():
-            count = c_uint(0)
-            arr = (pynvml.c_nvmlComputeInstance_t * max(ci_prof.instance_count, 1))()
-            self._call("nvmlGpuInstanceGetComputeInstances", pci, pynvml.nvmlGpuInstanceGetComputeInstances,
-                       gi_handle, ci_prof.id, arr, byref(count))
-            for i in range(count.value):
-                info = self._call("nvmlComputeInstanceGetInfo", pci, pynvml.nvmlComputeInstanceGetInfo, arr[i])
+            for ci_handle in self._listed(pci, "nvmlGpuInstanceGetComputeInstances",
+                                          pynvml.nvmlGpuInstanceGetComputeInstances, pynvml.c_nvmlComputeInstance_t,
+                                          ci_prof.instance_count, gi_handle, ci_prof.id):
+                info = self._call("nvmlComputeInstanceGetInfo", pci, pynvml.nvmlComputeInstanceGetInfo, ci_handle)
                 cis.append(ComputeInstance(id=info.id, profile_id=info.profileId, slices=ci_prof.slices, uuid="",
                                            start=info.placement.start))
         return tuple(sorted(cis, key=lambda c: c.id))
