@@ -12,6 +12,7 @@ from gpud.engine.kube.agent import MIG_CONFIG, MIG_STATE, Impact
 from tests.support.kube_agent import (
     AGENT_SETS,
     BASE_LABELS,
+    CHANGE,
     MIG_MANAGER,
     SETS,
     VFIO_MANAGER,
@@ -25,8 +26,6 @@ from tests.support.kube_agent import (
     running,
 )
 from tests.support.kube_cluster import NODE, OPERATOR_NS, DaemonSetController, client_for, until
-
-CHANGE = Impact(changed=("0000:18:00.0",), container=("0000:18:00.0",))
 
 
 async def test_operator_agents_are_turned_off_kept_off_and_gone_before_a_change(cluster):

@@ -28,6 +28,7 @@ from gpud.engine.kube.agent import (
 from gpud.host.kube.node_api import Gone, KubeApi
 from tests.support.kube_agent import (
     BASE_LABELS,
+    CHANGE,
     CONTAINER,
     DCGM,
     SANDBOX_DP,
@@ -45,7 +46,6 @@ from tests.support.kube_real_server import RBAC_YAML, narrowed_role
 pytestmark = pytest.mark.apiserver
 
 GPUD_USER = "system:serviceaccount:kube-system:gpud"
-CHANGE = Impact(changed=("0000:18:00.0",), container=("0000:18:00.0",))
 
 
 def _rbac_rules() -> set[tuple[str, str]]:

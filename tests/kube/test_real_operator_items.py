@@ -19,7 +19,7 @@ import pytest
 
 from gpud.engine.kube.agent import LAST_ERROR, MIG_CONFIG, MIG_STATE, VGPU_CONFIG, VGPU_STATE, WORKLOAD_CONFIG, Impact
 from tests.support.daemon import Daemon, wait_until
-from tests.support.kube_agent import AGENT_SETS, BASE_LABELS, MIG_MANAGER, SETS, VFIO_MANAGER, VGPU_DM, _changes
+from tests.support.kube_agent import AGENT_SETS, BASE_LABELS, CHANGE, MIG_MANAGER, SETS, VFIO_MANAGER, VGPU_DM, _changes
 from tests.support.kube_cluster import NODE, OPERATOR_NS, PAUSE_IMAGE, DaemonSetController, client_for
 from tests.support.kube_real_agent import RealEngine, running, until_true
 from tests.support.kube_real_agent import agent as _agent
@@ -32,7 +32,6 @@ from tests.support.operator_fixtures import FIXTURES, PASSTHROUGH_SERVED, WITHOU
 pytestmark = pytest.mark.apiserver
 
 GPU0, GPU1 = "0000:18:00.0", "0000:2a:00.0"
-CHANGE = Impact(changed=(GPU0,), container=(GPU0,))
 GFD = "nvidia.com/gpu.deploy.gpu-feature-discovery"
 STRATEGY = "nvidia.com/mig.strategy"
 

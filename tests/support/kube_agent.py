@@ -54,6 +54,9 @@ AGENT_SETS = [
     DaemonSet("nvidia-vfio-manager", OPERATOR_NS, "nvidia-vfio-manager", {VFIO_MANAGER: "true"}),
 ]
 
+# a pass changing the first GPU, seen by the container operands
+CHANGE = Impact(changed=("0000:18:00.0",), container=("0000:18:00.0",))
+
 VALIDATORS = ("nvidia-cuda-validator", "nvidia-device-plugin-validator", "nvidia-operator-validator")
 
 BASE_LABELS = {DP: "true", GFD: "true", DCGM_EXP: "true", DCGM: "true", NVSM: "false", CLIENT: "true",
