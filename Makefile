@@ -79,6 +79,7 @@ bench: $(STAMP) anchors nvmlc
 	$(PY) -m bench.vgpu_bench -o $(BENCH_OUT)/vgpu.md
 	$(PY) bench/client_startup.py -o $(BENCH_OUT)/client_startup.md
 	$(PY) -m bench.status_bench -o $(BENCH_OUT)/status.md
+	$(PY) -m bench.nvml_reads -o $(BENCH_OUT)/nvml-reads.md
 	$(PY) -m bench.scale_bench -o $(BENCH_OUT)/scale.md
 	$(PY) -m bench.check_bench -o $(BENCH_OUT)/check.md
 	$(PY) -m bench.lease_bench -o $(BENCH_OUT)/leases.md

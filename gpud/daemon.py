@@ -193,7 +193,7 @@ class Daemon:
         self.engine = build_engine(
             self.hw, config_path=args.config, apply_lock=ApplyLock(self.host.lock_path), bus=self.bus,
             read_only=args.read_only, binder_timeout=args.unbind_timeout,
-            udev_rules=UdevRules(self.host.udev_rules, modules_load_path=None, read_only=args.read_only),
+            udev_rules=UdevRules(self.host.udev_rules, read_only=args.read_only),
             state_dir=args.state_dir, rebooter=rebooter, max_status_age=args.status_max_age,
             boot_id_path=self.host.boot_id_path, cdi_generate=self._cdi_generator(args),
             # the host's unit manager: on a real host D-Bus is imported and connected only when a
@@ -243,7 +243,8 @@ class Daemon:
 
     def _cdi_generator(self, args: DaemonConfig) -> CdiGenerator | None:
         """`nvidia-ctk cdi generate` after MIG changes (gpud.host.nvidia.cdi): the toolkit from PATH on a
-        real host, only the one given on a simulated host (never the real host's from a test)."""
+        real host, only the one given on a simulated host (never the real host's from a test), run
+        there as the host runs NVIDIA's programs (Host.tool_prefix, Host.driver_root)."""
         from gpud.host.nvidia.cdi import DEFAULT_SPEC, CdiGenerator
 
         root = self.host.root
@@ -253,7 +254,9 @@ class Daemon:
 
             ctk = "" if root else (shutil.which("nvidia-ctk") or "")
         spec = args.cdi_spec or (str(Path(root) / DEFAULT_SPEC.lstrip("/")) if root else DEFAULT_SPEC)
-        return CdiGenerator(ctk, spec) if ctk and not args.read_only else None
+        if not ctk or args.read_only:
+            return None
+        return CdiGenerator(ctk, spec, prefix=self.host.tool_prefix, driver_root=self.host.driver_root)
 
     def _publish(self, kind: str, message: str) -> None:
         self.bus.publish(kind, message)
@@ -267,7 +270,11 @@ class Daemon:
 
     # ---- event sources ---------------------------------------------------------------------
     async def watch_config(self) -> None:
-        """Editors save in place, by atomic rename, or delete and re-create: watch the directory."""
+        """Editors save in place, by atomic rename, or delete and re-create: watch the directory.
+        A ConfigMap volume (the GPU Operator's way to hand mig-manager its file) is the file as a
+        link `config.yaml -> ..data/config.yaml`; the kubelet's edit renames a new `..data` link
+        over the old one and never touches the file's own entry, so the link's first component
+        in the same directory counts as the file too."""
         from asyncinotify import Inotify, Mask
 
         path = Path(self.args.config).absolute()
@@ -275,8 +282,8 @@ class Daemon:
         with Inotify() as ino:
             ino.add_watch(path.parent, mask)
             async for event in ino:
-                if event.name is not None and str(event.name) == path.name:
-                    self._schedule_reload(f"{path.name}: {event.mask!r}")
+                if event.name is not None and str(event.name) in _names_of(path):
+                    self._schedule_reload(f"{event.name}: {event.mask!r}")
 
     def _schedule_reload(self, why: str) -> None:
         loop = asyncio.get_running_loop()
@@ -522,6 +529,21 @@ class Daemon:
             exc = t.exception() if not t.cancelled() else None
             log.error("%s stopped unexpectedly: %r", t.get_name(), exc)
         return False
+
+
+def _names_of(path: Path) -> set[str]:
+    """The entries of `path`'s directory whose change changes what `path` reads: its own name and,
+    when it is a relative link through an entry of the same directory (`..data/config.yaml`), that
+    entry's name."""
+    names = {path.name}
+    try:
+        target = os.readlink(path)
+    except OSError:  # not a link, or gone
+        return names
+    first = Path(target).parts[0] if target and not os.path.isabs(target) else None
+    if first not in (None, ".", ".."):
+        names.add(first)
+    return names
 
 
 STATE_LOCK = "gpud.pid"  # in the state dir: held (flock) by the one gpud that uses it, its pid inside

@@ -69,6 +69,11 @@ class Host:
     # (gpud.sim.services), so nothing a simulated host does reaches the real machine's services
     drainer: Callable[[Callable[[str], None] | None], Drainer]  # called with on_event
     rebooter: Rebooter
+    # how a program of NVIDIA's (nvidia-ctk) runs on this host: argv prefix and the driver root
+    # it is given (a real host: as is, at /; the simulator: under `gpud-sim exec DIR`, whose NVML
+    # and /proc it then reads, with DIR as the root holding the driver's files and /dev nodes)
+    tool_prefix: tuple[str, ...] = ()
+    driver_root: str = "/"
 
 
 def build_hardware(config: HostConfig) -> Host:
@@ -114,6 +119,7 @@ def _simulated(config: HostConfig, sim_dir: str) -> Host:
                 udev_rules=config.udev_rules or str(d / UDEV_RULES.lstrip("/")),
                 nfd_features=config.nfd_features or str(d / NFD_FEATURES.lstrip("/")),
                 dev_root=str(host.dev_root), boot_id_path=boot_id, root=root,
+                tool_prefix=(sys.executable, "-m", "gpud.sim.cli", "exec", root, "--"), driver_root=root,
                 drainer=lambda on_event: ManagerDrainer(partial(services.unit_state, root),
                                                         partial(services.job, root), on_event=on_event),
                 rebooter=partial(request_reboot, boot_id_path=boot_id,

@@ -29,6 +29,9 @@ from importlib import resources
 
 from msgspec import Struct
 
+from gpud.model import VgpuDevice
+from gpud.vgpu_types import printed_name
+
 NVIDIA_VENDOR = "10de"
 RESOURCE_NAMESPACE = "nvidia.com"
 DATA_FILE = "kubevirt-nvidia-pci.ids"
@@ -111,3 +114,26 @@ def vgpu_resource(printed: str) -> str:
     turned into `_` (`NVIDIA L40S-12Q` -> `nvidia.com/NVIDIA_L40S-12Q`; docs/kubernetes.md). The
     plugin lists only /sys/bus/mdev/devices, so a vendor-VFIO vGPU (a VF) gets no resource from it."""
     return f"{RESOURCE_NAMESPACE}/{printed.replace(' ', '_')}"
+
+
+def selector(device_id: int, dev: VgpuDevice) -> str:
+    """The pciVendorSelector that matches a VF vGPU: its own uevent PCI_ID, else (not read) the PF's id."""
+    return dev.pci_id or f"10DE:{device_id:04X}"
+
+
+def vf_resources(vfs: Iterable[tuple[int, VgpuDevice]]) -> dict[str, tuple[str, tuple[str, ...]]]:
+    """selector -> (resource, vGPU types under it) for the VF vGPUs given as (PF device id, device):
+    one resource per PCI id, as KubeVirt (v1.9) makes one PCI device plugin per lower-cased
+    pciVendorSelector and puts every VF of that id with a vGPU type under it
+    (gpud.engine.vgpu.inventory and docs/kubevirt.md have the rules and their source)."""
+    types: dict[str, dict[str, None]] = {}
+    for device_id, dev in vfs:
+        if dev.vf is not None:
+            types.setdefault(selector(device_id, dev), {})[dev.driver_name or printed_name(device_id, dev.type)] = None
+    out = {}
+    for sel, names in types.items():
+        if len(names) == 1:
+            out[sel] = (vgpu_resource(next(iter(names))), tuple(names))
+        else:
+            out[sel] = (f"{RESOURCE_NAMESPACE}/{kubevirt_name(int(sel.partition(':')[2], 16)).name}_VGPU", tuple(names))
+    return out

@@ -2,7 +2,7 @@
 # Builds dist/gpud_<version>-1_<arch>.deb for the release it runs on (Debian 12, Ubuntu 24.04 or 22.04:
 # any python3 >= 3.10; the package then depends on that python3.X): a virtualenv of its python3 at
 # /opt/gpud holding gpud and its dependencies (from PyPI at build time), /usr/bin links, the
-# systemd units, sysusers/tmpfiles/modules-load snippets and /etc/gpud/layout.yaml (conffile).
+# systemd units, sysusers/tmpfiles snippets and /etc/gpud/layout.yaml (conffile).
 #
 # The venv is built under a staging root and made to live at /opt/gpud: its scripts' shebangs
 # are rewritten and the bytecode is compiled for /opt/gpud paths (hash-checked, so it does not
@@ -85,7 +85,7 @@ chmod 0755 "$STAGE$PREFIX/bin/gpudctl"
 
 # 3. the rest of the file system
 install -d "$STAGE/usr/bin" "$STAGE/usr/lib/systemd/system" "$STAGE/usr/lib/sysusers.d" \
-  "$STAGE/usr/lib/tmpfiles.d" "$STAGE/usr/lib/modules-load.d" "$STAGE/etc/gpud" "$STAGE/usr/share/doc/gpud"
+  "$STAGE/usr/lib/tmpfiles.d" "$STAGE/etc/gpud" "$STAGE/usr/share/doc/gpud"
 for cmd in gpud gpudctl gpud-sim; do
   [ -x "$STAGE$PREFIX/bin/$cmd" ] || { echo "build-deb: $cmd missing from the venv" >&2; exit 1; }
   ln -s "$PREFIX/bin/$cmd" "$STAGE/usr/bin/$cmd"
@@ -93,7 +93,6 @@ done
 install -m 0644 "$REPO/systemd/gpud.service" "$REPO/systemd/gpud.socket" "$STAGE/usr/lib/systemd/system/"
 install -m 0644 "$REPO/packaging/sysusers.d/gpud.conf" "$STAGE/usr/lib/sysusers.d/gpud.conf"
 install -m 0644 "$REPO/packaging/tmpfiles.d/gpud.conf" "$STAGE/usr/lib/tmpfiles.d/gpud.conf"
-install -m 0644 "$REPO/packaging/modules-load.d/gpud.conf" "$STAGE/usr/lib/modules-load.d/gpud.conf"
 install -m 0644 "$REPO/etc/gpud/layout.yaml" "$STAGE/etc/gpud/layout.yaml"
 if [ -d "$REPO/etc/gpud/examples" ]; then
   cp -r "$REPO/etc/gpud/examples" "$STAGE/usr/share/doc/gpud/examples"
@@ -108,12 +107,20 @@ License: Apache-2.0
 EOF
 
 # 4. control files
-# Who answers for this build: DEBFULLNAME/DEBEMAIL as Debian's tools take them, else the author of
-# the commit it is built from (a real address, never a placeholder)
-MAINTAINER="${DEBFULLNAME:-$(git -C "$REPO" log -1 --format=%an 2>/dev/null || true)} <${DEBEMAIL:-$(git -C "$REPO" log -1 --format=%ae 2>/dev/null || true)}>"
-case "$MAINTAINER" in
-  " <>"|*" <>"|" <"*) echo "build-deb: set DEBFULLNAME and DEBEMAIL (no git author to take them from)" >&2; exit 1 ;;
-esac
+# Who answers for this build: DEBFULLNAME/DEBEMAIL as Debian's tools take them, else the project's
+# maintainers entry in pyproject.toml (the build needs no git: a stock machine may have none)
+PROJECT_MAINTAINER=$("$PYTHON" - "$REPO/pyproject.toml" <<'EOF'
+import re, sys  # no tomllib before 3.11
+m = re.search(r'^maintainers = \[\{ name = "([^"]+)", email = "([^"]+)" \}\]', open(sys.argv[1]).read(), re.M)
+print(f"{m[1]} <{m[2]}>" if m else "")
+EOF
+)
+if [ -n "${DEBFULLNAME:-}" ] && [ -n "${DEBEMAIL:-}" ]; then
+  MAINTAINER="$DEBFULLNAME <$DEBEMAIL>"
+else
+  MAINTAINER=$PROJECT_MAINTAINER
+fi
+[ -n "$MAINTAINER" ] || { echo "build-deb: set DEBFULLNAME and DEBEMAIL (pyproject.toml names no maintainers)" >&2; exit 1; }
 install -m 0644 "$REPO/LICENSE" "$STAGE/usr/share/doc/gpud/LICENSE"
 install -d "$STAGE/DEBIAN"
 SIZE=$(du -sk --exclude=DEBIAN "$STAGE" | cut -f1)

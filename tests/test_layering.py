@@ -101,7 +101,7 @@ def test_nothing_outside_the_engine_touches_the_reconciler():
         "the Engine no longer holds the Reconciler as _rec: update this rule"
 
 
-CLIENT_MAY_IMPORT = ("gpud.api.wire", "gpud.api.wire_replies", "gpud.mig_text")
+CLIENT_MAY_IMPORT = ("gpud.api.wire", "gpud.api.wire_replies", "gpud.api.wire_tables", "gpud.mig_text")
 
 
 def test_client_imports_of_gpud_are_only_the_protocol_modules():

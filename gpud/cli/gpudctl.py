@@ -25,6 +25,7 @@ import os
 import sys
 
 from gpud.api import wire
+from gpud.cli.arguments import build_parser
 from gpud.cli.commands import (
     EXIT_ERROR,
     EXIT_INVALID,
@@ -35,7 +36,6 @@ from gpud.cli.commands import (
     EXIT_USAGE,
     LocalError,
     UsageError,
-    build_parser,
 )
 from gpud.cli.transport import Client, DaemonError, Unreachable, WaitTimeout
 

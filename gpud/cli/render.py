@@ -15,7 +15,7 @@ from gpud.api import wire, wire_replies
 from gpud.mig_text import MIG_ACTIONS, step_text, subdivided
 
 
-def _table(rows: list[list[str]]) -> str:
+def table(rows: list[list[str]]) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return "\n".join(
         "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=False)).rstrip() for r in rows
@@ -126,7 +126,7 @@ def render_status(r: wire_replies.StatusReply, width: int | None = None) -> str:
     head = f"gpud {r.version}: {phase}" if r.version else f"gpud: {phase}"
     out = [head + ("  [read-only]" if r.read_only and r.phase != "read-only" else "")]
     if r.gpus:
-        out += ["", _table(_status_rows(r.gpus, width))]
+        out += ["", table(_status_rows(r.gpus, width))]
     else:
         out += ["", "no GPUs managed"]
     lay = r.layout
@@ -188,7 +188,7 @@ def render_leases(leases: list[wire_replies.LeaseInfo], now: float | None = None
         rows.append([x.id, str(x.index) if x.index is not None else x.gpu, x.profile, x.placement or "-",
                      x.uuid or "-", x.owner or f"uid {x.uid}", str(x.pid) if x.pid is not None else "-",
                      _age(max(0.0, now - x.created)), x.state + (f" ({x.note})" if x.note else "")])
-    return _table(rows)
+    return table(rows)
 
 
 def _age(seconds: float) -> str:
@@ -290,48 +290,6 @@ def render_plan(r: wire_replies.PlanReply) -> str:
     return "\n".join(out)
 
 
-def render_mig_profiles(r: wire_replies.MigProfilesReply) -> str:
-    """`nvidia-smi mig -lgip` followed by `nvidia-smi mig -lgipp`. A GPU NVML cannot see is listed
-    from gpud's table of its model, after a note saying so; a value that table has no source for
-    is printed as `?`."""
-    bar = "+" + "-" * 79 + "+"
-    out = [bar,
-           "| GPU instance profiles:".ljust(80) + "|",
-           "| GPU   Name               ID    Instances   Memory     P2P    SM    DEC   ENC  |",
-           "|                                Free/Total   GiB              CE    JPEG  OFA  |",
-           "|" + "=" * 79 + "|"]
-    for g in r.gpus:
-        for p in g.profiles:
-            def shown(field: str, value: object, unknown: list[str] = p.unknown) -> str:
-                return "?" if field in unknown else str(value)
-            mem = shown("memory_mb", f"{p.memory_mb / 1024:.2f}")
-            first = (f"|{g.index:>4}  {'MIG ' + p.name:<18}{shown('id', p.id):>4}{shown('free', p.free):>6}/"
-                     f"{shown('total', p.total):<9}{mem:<11}{shown('p2p', 'Yes' if p.p2p else 'No'):<7}{shown('sms', p.sms):<7}"
-                     f"{shown('dec', p.dec):<6}{shown('enc', p.enc):<4}")
-            out.append(first.ljust(80) + "|")
-            out.append(f"|{'':<63}{shown('ce', p.ce):<6}{shown('jpg', p.jpg):<6}{shown('ofa', p.ofa):<4}".ljust(80) + "|")
-            out.append(bar)
-    if not any(g.profiles for g in r.gpus):
-        out.append("| No MIG-capable GPU found".ljust(80) + "|")
-        out.append(bar)
-    for g in r.gpus:
-        if g.source != "nvml":
-            out.append(f"GPU {g.index:>2} {g.pci} {g.model}: gpud's known table for this model, not read from NVML "
-                       "(NVML cannot see it on its current driver; sources: docs/hardware/mig-profiles.md; "
-                       "? where no source gives the value)")
-    for g in r.gpus:
-        for p in g.profiles:
-            pid = "?" if "id" in p.unknown else p.id
-            if "placements" in p.unknown:
-                out.append(f"GPU {g.index:>2} Profile ID {pid:>2} Placements: unknown")
-                continue
-            size = p.placements[0].size if p.placements else 0
-            starts = ",".join(str(pl.start) for pl in p.placements)
-            word = "Placements:" if len(p.placements) > 1 else "Placement :"
-            out.append(f"GPU {g.index:>2} Profile ID {pid:>2} {word} {{{starts}}}:{size}")
-    return "\n".join(out)
-
-
 def pick_gpu(r: wire_replies.StatusReply, selector: str) -> wire_replies.GpuStatus | None:
     """A GPU by index, PCI address (full or without the domain) or UUID, as the daemon selects."""
     sel = selector.strip().lower()
@@ -381,72 +339,6 @@ def render_gpu(g: wire_replies.GpuStatus) -> str:
     if g.vfio_device:
         out.append(f"  vfio:        {g.vfio_device}")
     return "\n".join(out)
-
-
-def render_vgpu_types(r: wire_replies.VgpuTypesReply) -> str:
-    """`gpudctl vgpu types`: the mig-profiles sibling: each type a GPU offers, how many still fit."""
-    if not r.gpus:
-        return "no GPU shows a vGPU interface"
-    out = []
-    for g in r.gpus:
-        out.append(f"GPU {g.index} {g.pci} {g.model} ({g.interface})")
-        rows = [["TYPE", "ID", "FB GB", "MIG PROFILE", "CREATABLE", "MAX"]]
-        for t in g.types:
-            rows.append([t.name, "-" if t.id is None else str(t.id), str(t.framebuffer_gb), t.mig_profile or "-",
-                         str(t.creatable), "-" if t.max is None else str(t.max)])
-        out += ["  " + line for line in _table(rows).splitlines()]
-    return "\n".join(out)
-
-
-def render_passthrough(r: wire_replies.PassthroughReply) -> str:
-    if not r.devices and not r.vgpus:
-        return "no GPU is bound for passthrough, and no vGPU exists"
-    if not r.devices:
-        return _render_vgpus(r)
-    rows = [["PCI", "ID", "IOMMU", "VFIO", "NUMA", "RESOURCE"]]
-    for d in r.devices:
-        rows.append([d.pci, d.vendor_device, "-" if d.iommu_group is None else str(d.iommu_group),
-                     d.vfio_device or "-", "-" if d.numa_node is None else str(d.numa_node),
-                     d.resource_name or "-"])
-    out = [_table(rows)]
-    for d in r.devices:
-        if d.libvirt_hostdev:
-            out += ["", f"libvirt <hostdev> for {d.pci}:"]
-            out += ["  " + line for line in d.libvirt_hostdev.strip().splitlines()]
-    if r.vgpus:
-        out += ["", _render_vgpus(r, kubevirt=False)]
-    return "\n".join(out + _kubevirt_section(r))
-
-
-def _render_vgpus(r: wire_replies.PassthroughReply, *, kubevirt: bool = True) -> str:
-    rows = [["GPU", "TYPE", "MDEV UUID / VF", "VFIO", "RESOURCE"]]
-    for v in r.vgpus:
-        rows.append([v.gpu, v.type, v.uuid or v.vf or "-", v.vfio_device or "-", v.resource_name])
-    out = [_table(rows)]
-    for v in r.vgpus:
-        out += ["", f"libvirt <hostdev> for {v.type} {v.uuid or v.vf}:", "  " + v.libvirt_hostdev]
-    return "\n".join(out + (_kubevirt_section(r) if kubevirt else []))
-
-
-def _kubevirt_section(r: wire_replies.PassthroughReply) -> list[str]:
-    """The KubeVirt CR's spec.configuration as the daemon computed it (gpud.engine.binding
-    .passthrough.kubevirt_configuration): permittedHostDevices with one entry per resource (eight
-    GPUs or 32 VFs of one model are one entry), and where gpud makes vGPUs the switch that keeps
-    virt-handler from making or removing mdevs itself."""
-    cfg = r.kubevirt_configuration
-    out: list[str] = []
-    if "mediatedDevicesConfiguration" in cfg:
-        out += ["", "KubeVirt spec.configuration.mediatedDevicesConfiguration (gpud makes the vGPUs; KubeVirt >= 1.8, "
-                "older: the feature gate DisableMDEVConfiguration):",
-                "  " + msgspec.json.encode(cfg["mediatedDevicesConfiguration"]).decode()]
-    permitted = cfg.get("permittedHostDevices") or {}
-    if permitted:
-        out += ["", "KubeVirt permittedHostDevices (spec.configuration.permittedHostDevices):"]
-        for kind in sorted(permitted):
-            out.append(f"  {kind}:")
-            out += ["    - " + msgspec.json.encode(e).decode() for e in permitted[kind]]
-    out += [f"warning: {w}" for w in r.kubevirt_warnings]
-    return out
 
 
 def render_progress(e: wire.Event, totals: dict[str, int], done: dict[str, int]) -> str | None:
@@ -537,70 +429,7 @@ def to_json(obj: Any) -> str:
     return msgspec.json.format(msgspec.json.encode(obj), indent=2).decode()
 
 
-
 # ---------------------------------------------------------------------------------------------
 # nvidia-smi's listings from a status reply: `-L`, `mig -lgi`, `mig -lci`
 
 
-def render_list(r: wire_replies.StatusReply) -> str:
-    """`nvidia-smi -L`: every managed GPU with its UUID (also one NVML no longer sees: the UUID
-    gpud last read for it, or "unknown"), then its MIG devices in placement order."""
-    out = []
-    for g in sorted(r.gpus, key=lambda x: x.index):
-        where = f"{g.driver}" if g.driver and g.driver != "nvidia" else ""
-        state = "gone" if g.state == "gone" else where
-        out.append(f"GPU {g.index}: {g.model or g.pci_id} (UUID: {g.uuid or 'unknown'})"
-                   + (f" [{g.pci}, {state}]" if state else f" [{g.pci}]"))
-        devices = [i for i in sorted(g.mig.instances, key=lambda i: (i.placement.start, i.gi, i.ci or 0))
-                   if i.ci is not None]
-        for n, inst in enumerate(devices):
-            out.append(f"  MIG {inst.profile:<12} Device {n:>2}: (UUID: {inst.uuid or '-'})")
-    return "\n".join(out) if out else "no GPUs managed"
-
-
-def _gi_profile(profile: str) -> str:
-    """The GPU instance profile of an instance row: `1c.3g.40gb` is a CI of a `3g.40gb` GI."""
-    head, _, rest = profile.partition(".")
-    return rest if head.endswith("c") and head[:-1].isdigit() else profile
-
-
-def render_gpu_instances(gpus: list[wire_replies.GpuStatus]) -> str:
-    """`nvidia-smi mig -lgi`: GPU instances, one row each, with their placements."""
-    rows = [["GPU", "GI", "PROFILE", "PLACEMENT", "COMPUTE INSTANCES"]]
-    for g in gpus:
-        by_gi: dict[int, list[wire_replies.InstanceStatus]] = {}
-        for inst in g.mig.instances:
-            by_gi.setdefault(inst.gi, []).append(inst)
-        for gi, insts in sorted(by_gi.items(), key=lambda kv: kv[1][0].placement.start):
-            cis = sum(1 for i in insts if i.ci is not None)
-            rows.append([str(g.index), str(gi), _gi_profile(insts[0].profile),
-                         f"{insts[0].placement.start}:{insts[0].placement.size}", str(cis)])
-    return _table(rows) if len(rows) > 1 else "no GPU instances"
-
-
-def render_compute_profiles(r: wire_replies.MigComputeProfilesReply) -> str:
-    """`nvidia-smi mig -lcip`: the compute-instance profiles of each GPU instance, with how many
-    more of each it can take; `*` after the id marks the default (the CI covering the whole GI),
-    as nvidia-smi marks it. Shared engines are the GI's, which its compute instances share."""
-    rows = [["GPU", "GI", "NAME", "ID", "FREE/TOTAL", "SM", "CE", "DEC", "ENC", "JPEG", "OFA"]]
-    for g in r.gpus:
-        for gi in g.instances:
-            for p in gi.profiles:
-                rows.append([str(g.index), str(gi.gi), f"MIG {p.name}", f"{p.id}{'*' if p.default else ''}",
-                             f"{p.free}/{p.total}", str(p.sms), str(p.ce), str(p.dec), str(p.enc), str(p.jpg),
-                             str(p.ofa)])
-    return _table(rows) if len(rows) > 1 else "no GPU instances (compute instance profiles are listed per GPU instance)"
-
-
-def render_compute_instances(gpus: list[wire_replies.GpuStatus]) -> str:
-    """`nvidia-smi mig -lci`: compute instances with their GPU instance and slot in it."""
-    rows = [["GPU", "GI", "CI", "PROFILE", "GI PLACEMENT", "CI PLACEMENT", "UUID"]]
-    for g in gpus:
-        for inst in sorted(g.mig.instances, key=lambda i: (i.placement.start, i.gi, i.ci or 0)):
-            if inst.ci is None:
-                continue
-            cp = inst.ci_placement
-            rows.append([str(g.index), str(inst.gi), str(inst.ci), inst.profile,
-                         f"{inst.placement.start}:{inst.placement.size}", f"{cp.start}:{cp.size}" if cp else "-",
-                         inst.uuid or "-"])
-    return _table(rows) if len(rows) > 1 else "no compute instances"

@@ -4,6 +4,7 @@ socket API and `gpudctl status` show, so they are a Literal of exactly those str
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Literal
 
 import msgspec
@@ -112,3 +113,25 @@ def converged_message(gpu: Gpu, desired: DesiredGpu) -> str:
         n = len(gpu.nvml.instances)
         return f"MIG on, {n} GPU instance{'' if n == 1 else 's'}"
     return "whole GPU"
+
+
+def concluded_phase(states: Iterable[GpuState]) -> Phase:
+    """What a pass concludes from its GPUs' states: the most urgent of PHASE_ORDER, else converged."""
+    names = {s.state for s in states}
+    for phase in PHASE_ORDER:
+        if phase in names:
+            return phase
+    return "converged"
+
+
+def phase_now(concluded: Phase, states: Iterable[GpuState], *, invalid: bool) -> Phase:
+    """The phase at this moment (status' top line): an invalid file (or resolution) first, then a
+    GPU being changed, then a change not started yet, else what the last pass concluded."""
+    if invalid:
+        return "invalid-layout"
+    names = {s.state for s in states}
+    if "applying" in names:
+        return "applying"
+    if "pending" in names:
+        return "pending"
+    return concluded

@@ -43,3 +43,12 @@ def save(state_dir: str | None, name: str | None) -> None:
             state_files.remove(path)
         return
     state_files.save(path, msgspec.json.encode(Choice(layout=name)) + b"\n")
+
+
+def keep(state_dir: str | None, name: str | None, problems: state_files.Problems) -> None:
+    """`save`, with a failure said as a state-file problem: the choice is in force all the same."""
+    try:
+        save(state_dir, name)
+    except OSError as e:
+        problems.say(FILE_NAME, f"the layout choice {name!r} is in force but was not kept ({e}): a restart "
+                     "goes back to the file's own")

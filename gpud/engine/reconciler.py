@@ -5,48 +5,49 @@ re-entrant: it recomputes what is left from what the hardware says now, so a wai
 event from udev, a daemon restart or an edit of the file all lead to the same place. Nothing is
 ever killed: busy GPUs wait (or fail, by policy) and name their holders.
 
-One concern, the pass itself: what a GPU needs next (`next_action`) and running it, GPU by GPU,
-and what the pass concludes. Everything else is handed to a module that holds it: the file
-(layout_keeper), when passes run (scheduler), reading the host (observe.observer, observe.host_read),
-a change of the GPU set (observe.gpu_set), running a step on the hardware (steps), the host-wide
-lock (apply_lock), the hook phases (hooks.phases), policy.reboot (boot.reboot_policy), waking on a
-holder's exit (observe.holder_watch).
+One concern, the pass itself: which GPUs change, running them, and what the pass concludes.
+Everything else is handed to a module that holds it: the file (layout_keeper), when passes run
+(scheduler), reading the host (observe.observer, observe.host_read), a change of the GPU set
+(observe.gpu_set), what a GPU needs next (next_action), each GPU's rounds (gpu_rounds), running a
+step on the hardware (steps), the operands and hook phases around the GPUs that change (pass_apply,
+hooks.phases), pending and drift between passes (between_passes), the host-wide lock (apply_lock),
+policy.reboot (boot.reboot_policy), waking on a holder's exit (observe.holder_watch), the published
+view (view).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable
 from types import MappingProxyType
 from typing import Any
 
-import msgspec
-
-from gpud.engine import layout_choice
+from gpud.engine import between_passes, layout_choice
 from gpud.engine.apply_lock import ApplyLock, ApplyLockRefused
 from gpud.engine.boot.reboot_policy import RebootPolicy
 from gpud.engine.boot.rebuild import BootRebuild, boot_id
 from gpud.engine.events import EventBus
 from gpud.engine.feasibility import judged
-from gpud.engine.gpu_state import PHASE_ORDER, Action, BindAction, GpuState, MigAction, Phase, converged_message, step_count
+from gpud.engine.gpu_rounds import GpuRounds
+from gpud.engine.gpu_state import Action, GpuState, Phase, concluded_phase, phase_now
 from gpud.engine.gpu_tasks import for_each_gpu
-from gpud.engine.hooks.phases import apply_with_hooks
-from gpud.engine.hooks.runner import HookFailed
-from gpud.engine.kube.operands import OperandGuard, OperandsNotPaused
-from gpud.engine.layout_keeper import LayoutKeeper, has_hooks
+from gpud.engine.kube.operands import OperandGuard
+from gpud.engine.layout_keeper import LayoutKeeper
 from gpud.engine.leases.engine import LeaseEngine
+from gpud.engine.next_action import next_action
 from gpud.engine.observe.discovery import Observation
 from gpud.engine.observe.gpu_index import GpuIndex, index_path
 from gpud.engine.observe.gpu_set import GpuSetNotes, gone_message
 from gpud.engine.observe.holder_watch import HolderWatch
 from gpud.engine.observe.host_read import HostReader
 from gpud.engine.observe.observer import DEFAULT_MAX_AGE, Observer
+from gpud.engine.pass_apply import PassApply
 from gpud.engine.ports import BootOverrides, Drainer, Hardware, Rebooter
 from gpud.engine.scheduler import PassScheduler
 from gpud.engine.steps import StepRunner
 from gpud.engine.vgpu.keeper import VgpuKeeper
-from gpud.engine.view import EngineView
+from gpud.engine.view import EngineView, ViewCache
 from gpud.host.files.state_files import Problems
 from gpud.host.systemd.logind import BOOT_ID_PATH
 from gpud.layout.desired import DesiredGpu
@@ -54,14 +55,9 @@ from gpud.layout.parse import ParsedLayout
 from gpud.layout.resolve import Resolution
 from gpud.layout.schema import Layout, MatchRule, Policy
 from gpud.model import Gpu
-from gpud.plan.binding import plan_binding
-from gpud.plan.lease_placement import dynamic_mode
-from gpud.plan.mig import plan_gpu
-from gpud.plan.operand_impact import impact
 
 log = logging.getLogger(__name__)
 
-MAX_ROUNDS = 8  # vGPUs off -> MIG off -> rebind -> MIG on -> VFs on -> vGPUs on is six; spares
 
 
 class Reconciler:
@@ -120,21 +116,17 @@ class Reconciler:
         self.observation = Observation(gpus=(), functions=())
         self.gpu_states: dict[str, GpuState] = {}
         self.phase: Phase = "starting"
-        self._acted = False  # whether the running pass has carried out any step
-        # one GPU of an IOMMU group converges at a time: each one's binding plan moves every
-        # endpoint of the group, so two side by side bound each other's functions twice
-        self._group_turns: dict[int, asyncio.Lock] = {}
         self._apply_wanted = False  # `gpudctl apply` asked for the next pass (policy.apply: manual)
         self._apply_now = False  # ... and the running pass is that one
         self.passes = 0  # passes started
         self.completed_passes = 0  # passes finished (phase says how they ended)
         self._listeners: list[Callable[[], None]] = []
-        self._view: EngineView | None = None
-        self._view_key: tuple[tuple[object, ...], tuple[object, ...]] | None = None
+        self._views = ViewCache()
         self.vgpus = VgpuKeeper(hardware.vgpu, state_dir if not read_only else None, self.state_problems,
                                 vf_tool=hardware.vf_tool)
         self.reader = HostReader(hardware, self.vgpus, self.gpu_index)
         self.steps = StepRunner(hardware, bus, self.vgpus, self, binder_timeout=binder_timeout)
+        self.rounds = GpuRounds(self, self.steps, self.holder_watch, self.reboot_policy)  # each GPU of a pass
         # the one current observation: read off the loop, re-read on change and while clients ask
         self.observer = Observer(self._read_host, self._install, max_age=max_status_age,
                                  busy=lambda: bool(self.steps.inflight))
@@ -188,11 +180,7 @@ class Reconciler:
         before = self.layout_file.select
         if await self.choose_layout_async(name):
             if not self.read_only:
-                try:
-                    layout_choice.save(self.state_dir, name)
-                except OSError as e:
-                    self.state_problems.say(layout_choice.FILE_NAME, f"the layout choice {name!r} is in force "
-                                            f"but was not kept ({e}): a restart goes back to the file's own")
+                layout_choice.keep(self.state_dir, name, self.state_problems)
             self.bus.publish("layout-selected", f"layout {name!r} chosen by gpudctl select" if name
                              else "the file's own `selected` is in force again")
             return True
@@ -237,65 +225,40 @@ class Reconciler:
         if self.layout is None or self.scheduler.running:
             return  # a running pass sets each GPU's state itself
         resolution = self.resolution = self.layout_file.resolve(self.observation)
-        if resolution is None or resolution.errors:
+        if resolution is None or resolution.errors or self.read_only:
             return
-        changed = False
-        for gpu in self.observation.gpus:
-            desired = resolution.desired.get(gpu.pci)
-            old = self.gpu_states.get(gpu.pci)
-            if desired is None or self.read_only or (old is not None and not old.converged):
-                continue
-            try:
-                action = self.next_action(gpu, desired)
-            except Exception:  # a surprise here must not refuse a reload; the pass will report it
-                log.exception("GPU %s: planning the pending change", gpu.pci)
-                continue
-            if isinstance(action, Action):
-                self.gpu_states[gpu.pci] = GpuState("pending", f"layout changed: {action.summary}, not started yet")
-                changed = True
-        if changed:
+        states = between_passes.pending(self.observation, resolution, self.gpu_states, self.next_action)
+        if states:
+            self.gpu_states.update(states)
             self._notify()
 
     def phase_now(self) -> Phase:
-        """The phase as it is at this moment (status' top line): an invalid file first, then a GPU
-        being changed, then a change not started yet, else what the last pass concluded."""
-        if self.layout_issues[0] or (self.resolution is not None and self.resolution.errors):
-            return "invalid-layout"
-        states = {s.state for s in self.gpu_states.values()}
-        if "applying" in states:
-            return "applying"
-        if "pending" in states:
-            return "pending"
-        return self.phase
+        """The phase as it is at this moment (gpud.engine.gpu_state.phase_now)."""
+        invalid = bool(self.layout_issues[0]) or (self.resolution is not None and bool(self.resolution.errors))
+        return phase_now(self.phase, self.gpu_states.values(), invalid=invalid)
 
     def view(self) -> EngineView:
         """The engine's state now as one frozen record (gpud.engine.view), rebuilt only when
-        something in it changed: the records are immutable (frozen structs, replaced rather than
-        edited), so they are compared by identity; the rest by value."""
+        something in it changed (ViewCache)."""
         states = self.gpu_states
         rebuilt = tuple((pci, tuple(what)) for pci, what in self.vgpus.rebuilt.items())  # a small, edited dict
         errors, warnings = self.layout_issues
         records = self.leases.book.records  # replaced, never edited, on each lease change
         label_selects = self.layout_file.label_selects
         chosen = self.selected is not None and self.selected == self.layout_file.select and not label_selects
-        key = ((self.observation, self.resolution, self.layout, records, *states.values()),
-               (self.phase, self.phase_now(), tuple(errors), tuple(warnings), tuple(states), self.config_path,
-                self.read_only, self.boot_rebuild.summary, rebuilt, self._problems(),
-                tuple(self.gpu_set.notes.items()), self.passes, self.completed_passes, label_selects, chosen))
-        old = self._view_key
-        if (self._view is not None and old is not None and len(old[0]) == len(key[0])
-                and all(a is b for a, b in zip(old[0], key[0], strict=True)) and old[1] == key[1]):
-            return self._view
-        self._view_key = key
-        self._view = EngineView(
-            observation=self.observation, resolution=self.resolution, gpu_states=MappingProxyType(dict(states)),
-            phase=self.phase, phase_now=self.phase_now(), layout=self.layout, layout_errors=tuple(errors),
-            layout_warnings=tuple(warnings), config_path=self.config_path, read_only=self.read_only,
-            notes=MappingProxyType(dict(self.gpu_set.notes)), problems=self._problems(),
-            rebuilt_after_boot=self.boot_rebuild.summary, vgpus_rebuilt=MappingProxyType(dict(rebuilt)),
-            passes=self.passes, completed_passes=self.completed_passes, leases=tuple(self.leases.leases()),
-            lease_free=MappingProxyType(self.leases.free()), label_selects=label_selects, chosen=chosen)
-        return self._view
+        return self._views.get(
+            (self.observation, self.resolution, self.layout, records, *states.values()),
+            (self.phase, self.phase_now(), tuple(errors), tuple(warnings), tuple(states), self.config_path,
+             self.read_only, self.boot_rebuild.summary, rebuilt, self._problems(),
+             tuple(self.gpu_set.notes.items()), self.passes, self.completed_passes, label_selects, chosen),
+            lambda: EngineView(
+                observation=self.observation, resolution=self.resolution, gpu_states=MappingProxyType(dict(states)),
+                phase=self.phase, phase_now=self.phase_now(), layout=self.layout, layout_errors=tuple(errors),
+                layout_warnings=tuple(warnings), config_path=self.config_path, read_only=self.read_only,
+                notes=MappingProxyType(dict(self.gpu_set.notes)), problems=self._problems(),
+                rebuilt_after_boot=self.boot_rebuild.summary, vgpus_rebuilt=MappingProxyType(dict(rebuilt)),
+                passes=self.passes, completed_passes=self.completed_passes, leases=tuple(self.leases.leases()),
+                lease_free=MappingProxyType(self.leases.free()), label_selects=label_selects, chosen=chosen))
 
     @property
     def selected(self) -> str | None:
@@ -352,7 +315,7 @@ class Reconciler:
     async def reread(self, pci: str) -> Gpu | None:
         """The host re-read; the GPU at `pci` as it is now (None: gone from the bus)."""
         await self.refresh_async()
-        return self._gpu(pci)
+        return self.gpu(pci)
 
     def _dynamic_gpus(self) -> list[tuple[Gpu, DesiredGpu]]:
         """The GPUs the layout in force marks `mig-devices: dynamic`, as last observed."""
@@ -361,9 +324,13 @@ class Reconciler:
             return []
         return [(g, d) for g in self.observation.gpus if (d := res.desired.get(g.pci)) is not None and d.dynamic]
 
-    def _gpu(self, pci: str) -> Gpu | None:
+    def gpu(self, pci: str) -> Gpu | None:
         """The GPU at `pci` in the last observation."""
         return next((g for g in self.observation.gpus if g.pci == pci), None)
+
+    async def reread_gpu(self, pci: str) -> None:
+        """Re-read one GPU (after its MIG steps, which change that GPU alone)."""
+        await self.observer.refresh_gpu(pci, self.reader.read_gpu)
 
     def refresh(self) -> Observation:
         """Re-read the host on the calling thread (the start-up read, before anything is served)."""
@@ -407,22 +374,13 @@ class Reconciler:
         if (res is None or res.errors or res.layout is None or res.layout is not self._concluded_under
                 or self.scheduler.running or self._pass_layout is not None):
             return
-        drifted = False
-        for gpu in self.observation.gpus:
-            state, desired = self.gpu_states.get(gpu.pci), res.desired.get(gpu.pci)
-            if state is None or desired is None or state.state != "converged":
-                continue
-            action = self.next_action(gpu, desired)
-            if action is None or isinstance(action, GpuState):
-                continue
-            message = f"the hardware changed behind gpud and no longer matches the layout: {action.summary}"
-            self.gpu_states[gpu.pci] = GpuState("drift", message)
-            self.bus.publish("drift", message, gpu=gpu.pci)
-            drifted = True
-        if drifted:
-            self.phase = _phase(self.gpu_states.values())
-            policy = res.layout.policy
-            if policy.on_drift == "converge" and not self.read_only:
+        drift = between_passes.drifted(self.observation, res, self.gpu_states, self.next_action)
+        for pci, state in drift.items():
+            self.gpu_states[pci] = state
+            self.bus.publish("drift", state.message, gpu=pci)
+        if drift:
+            self.phase = concluded_phase(self.gpu_states.values())
+            if res.layout.policy.on_drift == "converge" and not self.read_only:
                 self.kick("drift")
 
     def _notify(self) -> None:
@@ -431,48 +389,9 @@ class Reconciler:
 
     # ---- planning -----------------------------------------------------------------------------
     def next_action(self, gpu: Gpu, desired: DesiredGpu) -> Action | GpuState | None:
-        """The next thing this GPU needs, or None when it matches its entry. Returns a GpuState
-        when it cannot go on (infeasible, unknown model)."""
-        target_driver = "vfio-pci" if desired.workload == "vm-passthrough" else "nvidia"
-        if gpu.function.driver == "nvidia":
-            # vGPUs (and VFs) the layout no longer has go first: before a MIG change under them,
-            # before the GPU leaves nvidia; a held one stops everything here.
-            removal = self.vgpus.removals(gpu, desired)
-            if removal is not None:
-                return removal
-            if gpu.nvml is None:
-                return GpuState("failed", "bound to nvidia but NVML does not see it"
-                                + (f" ({self.observation.nvml_error})" if self.observation.nvml_error else ""))
-            mig_desired = desired
-            if target_driver != "nvidia" and gpu.nvml.mig_capable and (gpu.nvml.mig_mode or gpu.nvml.mig_pending):
-                # MIG state belongs to the nvidia driver: undo it before the GPU leaves.
-                mig_desired = msgspec.structs.replace(desired, mig_enabled=False, mig_devices={})
-            if mig_desired.dynamic and mig_desired is desired:
-                # Leases make this GPU's instances (gpud.engine.leases): the pass sees only to
-                # the mode, where leases cannot (an Ampere change needs a reset) or the policy
-                # keeps it on; never to an instance.
-                mig_desired = dynamic_mode(gpu, desired, self.policy)
-            if mig_desired.mig_enabled is not None and gpu.nvml.mig_capable:
-                plan = plan_gpu(gpu, mig_desired)
-                if plan.infeasible:
-                    return GpuState("failed", plan.infeasible)
-                if (taken := self.leases.taken_by(plan)) is not None:  # a static layout over leases
-                    return GpuState("failed", taken)
-                if plan.steps:
-                    if plan.mode_change and (off := self.vgpus.vfs_off_before_mode_change(gpu)) is not None:
-                        return off
-                    vfs = self.vgpus.vfs_before_instances(gpu, desired)
-                    if vfs is not None and not plan.mode_change:
-                        return vfs
-                    if vfs is not None and desired.mig_devices:  # the mode alone now, instances after the VFs
-                        plan = plan_gpu(gpu, msgspec.structs.replace(mig_desired, mig_devices={}))
-                    return MigAction(plan, f"{len(plan.steps)} MIG step(s)")
-        bplan = plan_binding(gpu, desired.workload, drivers=frozenset(self.hw.sysfs.drivers()))
-        if bplan.infeasible:
-            return GpuState("failed", bplan.infeasible)
-        if bplan.steps:
-            return BindAction(bplan, f"bind to {target_driver}")
-        return self.vgpus.creations(gpu, desired)
+        """The next thing this GPU needs (gpud.engine.next_action), or None when it matches its entry."""
+        return next_action(gpu, desired, vgpus=self.vgpus, leases=self.leases, policy=self.policy,
+                           drivers=frozenset(self.hw.sysfs.drivers()), nvml_error=self.observation.nvml_error)
 
     # ---- execution ----------------------------------------------------------------------------
     def request_apply(self, *, seen_since: float | None = None) -> int:
@@ -480,7 +399,7 @@ class Reconciler:
         self._apply_wanted = True
         return self.kick("apply requested", seen_since=seen_since)
 
-    def _held(self) -> bool:
+    def held(self) -> bool:
         """This pass only says what is pending: the layout in force is `apply: manual` and no
         `gpudctl apply` asked for it (with --kube-node the node label is that request)."""
         policy = self.policy
@@ -496,14 +415,14 @@ class Reconciler:
         async with self.apply_lock.held(lambda m: self.bus.publish("waiting", m)):
             self.passes += 1
             self._pass_layout = self.layout  # a reload during the pass takes effect in the next one
-            self._acted = False
+            self.rounds.acted = False
             try:
                 await self._converge_all()
             finally:
                 self._pass_layout = None
-            if self._acted:  # a pass that changed nothing ends with the view it began with
+            if self.rounds.acted:  # a pass that changed nothing ends with the view it began with
                 await self.refresh_async()
-        self.phase = _phase(self.gpu_states.values())
+        self.phase = concluded_phase(self.gpu_states.values())
         # the layout this pass's states were concluded under: later observations are judged against it
         self._concluded_under = self.resolution.layout if self.resolution is not None else None
         self.reboot_policy.after_pass(self.phase)
@@ -533,118 +452,29 @@ class Reconciler:
         self.boot_rebuild.will_change({g.pci: f"GPU {g.index} ({g.pci})" for g in self.observation.gpus if g.pci in todo})
         for gpu in self.observation.gpus:
             if gpu.pci not in resolution.desired:
-                self._set(gpu.pci, GpuState("unmanaged", "not in the selected layout: left untouched"))
+                self.set_state(gpu.pci, GpuState("unmanaged", "not in the selected layout: left untouched"))
         if todo:
-            await self._apply_guarded(todo, resolution)
+            await PassApply(todo, resolution, rounds=self.rounds, states=self.gpu_states, set_state=self.set_state,
+                            bus=self.bus, steps=self.steps, operand_guard=self.operand_guard,
+                            hooks_refused=self.layout_file.hooks_refused, config_path=self.config_path,
+                            drainer=self.drainer, cdi_generate=self.cdi_generate, gpus=self.observation.gpus).run()
         # the GPUs with nothing to do (re-checked)
         await for_each_gpu([p for p in sorted(resolution.desired) if p not in todo],
-                           lambda pci: self._converge_one(pci, resolution.desired[pci]))
-
-    async def _converge_one(self, pci: str, desired: DesiredGpu) -> None:
-        """One GPU, inside its own safety net: its surprise must not stop the others. GPUs of
-        one IOMMU group take turns, each planning from the read its predecessor's change left."""
-        gpu = self._gpu(pci)
-        group = gpu.function.iommu_group if gpu is not None else None
-        turn = self._group_turns.setdefault(group, asyncio.Lock()) if group is not None else None
-        try:
-            if turn is None:
-                state = await self._converge_gpu(pci, desired)
-            else:
-                async with turn:
-                    state = await self._converge_gpu(pci, desired)
-            self._set(pci, await self.reboot_policy.settle(pci, state, self.policy))
-        except Exception as e:
-            log.exception("GPU %s", pci)
-            self._set(pci, GpuState("failed", f"internal error: {e}"))
+                           lambda pci: self.rounds.converge(pci, resolution.desired[pci]))
 
     def _changing(self, resolution: Resolution) -> dict[str, Action]:
         """The GPUs a pass will change, with their first action: hooks run only when there is one."""
         todo = {}
         for gpu in self.observation.gpus:
             desired = resolution.desired.get(gpu.pci)
-            if desired is not None and not self.read_only and not self._held():
+            if desired is not None and not self.read_only and not self.held():
                 action = self.next_action(gpu, desired)
                 if isinstance(action, Action):
                     todo[gpu.pci] = action
         return todo
 
-    async def _apply_guarded(self, todo: dict[str, Action], resolution: Resolution) -> None:
-        """With --kube-node, the cluster's GPU operands that see a changing GPU leave the node
-        first and come back after (gpud.engine.kube.operands); if they cannot, nothing is changed."""
-        if self.operand_guard is None:
-            await self._apply_with_hooks(todo, resolution)
-            return
-        try:
-            async with self.operand_guard.operands_paused(impact(self.observation.gpus, resolution.desired, todo)):
-                await self._apply_with_hooks(todo, resolution)
-        except OperandsNotPaused as e:
-            for pci in todo:
-                self._set(pci, GpuState("failed", f"{e}; nothing changed"))
-
-    async def _apply_with_hooks(self, todo: dict[str, Action], resolution: Resolution) -> None:
-        """The GPUs that change, inside the layout's hook phases (see gpud.engine.hooks.phases)."""
-        self.steps.mig_changed.clear()
-        layout = resolution.layout  # hooks and steps from the same resolved layout, always
-        assert layout is not None  # a resolution without errors carries its layout
-        refused = self.layout_file.hooks_refused
-        if refused and has_hooks(layout.hooks):  # run without its hooks, an apply could do harm
-            self.bus.publish("hooks-refused", f"{self.config_path}: hooks refused, nothing changed: {refused}")
-            for pci in todo:
-                self._set(pci, GpuState("failed", f"the layout's hooks are refused, nothing changed: {refused}"))
-            return
-
-        def abort(pci: str, failure: HookFailed) -> None:
-            self._set(pci, GpuState("failed", f"hook aborted the apply, nothing changed: {failure}"))
-
-        await apply_with_hooks(
-            todo, resolution.desired, layout=layout, layout_path=self.config_path,
-            apply_one=lambda pci: self._converge_one(pci, resolution.desired[pci]),
-            converged=lambda pci: self.gpu_states[pci].converged,
-            changed_mig=lambda: bool(self.steps.mig_changed), abort=abort, drainer=self.drainer,
-            log=lambda line: self.bus.publish("hook", line), cdi_generate=self.cdi_generate,
-        )
-
-    async def _converge_gpu(self, pci: str, desired: DesiredGpu) -> GpuState:
-        for _ in range(MAX_ROUNDS):
-            gpu = self._gpu(pci)
-            if gpu is None:
-                return GpuState("gone", "the GPU disappeared from the PCI bus")
-            action = self.next_action(gpu, desired)
-            if action is None:
-                return GpuState("converged", converged_message(gpu, desired))
-            if isinstance(action, GpuState):
-                return action
-            if self.read_only:
-                return GpuState("read-only", f"read-only mode: would apply {action.summary}")
-            if self._held():
-                n = step_count(action)
-                return GpuState("pending", f"pending: {n} step{'s' if n != 1 else ''} (policy.apply: manual; "
-                                           "`gpudctl plan` shows them, `gpudctl apply` runs them)")
-            if action.kind in ("mig", "vgpu") and action.plan.blocked_by:  # nothing is touched while busy
-                names = ", ".join(f"pid {h.pid} {h.name}{f' (VM {h.vm})' if h.vm else ''} on {h.device}"
-                                  for h in action.plan.blocked_by)
-                return self._busy(GpuState("waiting", f"waiting for {names}", tuple(action.plan.blocked_by)))
-            self._set(pci, GpuState("applying", action.summary), steps=step_count(action))
-            outcome = await self.steps.run(gpu, action, desired)
-            self._acted = True
-            if outcome.state != "converged":
-                return self._busy(outcome) if outcome.state == "waiting" else outcome
-            if action.kind == "mig":
-                await self.observer.refresh_gpu(pci, self.reader.read_gpu)  # MIG steps change that GPU alone
-            else:
-                await self.refresh_async()
-        return GpuState("failed", f"still not converged after {MAX_ROUNDS} rounds")
-
-    def _busy(self, waiting: GpuState) -> GpuState:
-        """Holders block a step: wait for them to exit (`on-busy: wait`) or fail (`fail`)."""
-        if self.policy is not None and self.policy.on_busy == "fail":
-            return GpuState("failed", f"busy (on-busy: fail): {waiting.message}", waiting.holders)
-        if not waiting.holders:  # nothing's exit would ever wake the wait: never `waiting` on nothing
-            return GpuState("failed", f"{waiting.message}; no process to wait for")
-        self.holder_watch.watch(waiting.holders)
-        return waiting
-
-    def _set(self, pci: str, st: GpuState, **data: Any) -> None:
+    def set_state(self, pci: str, st: GpuState, **data: Any) -> None:
+        """A GPU's state; a change is published (an event) and notified."""
         old = self.gpu_states.get(pci)
         self.gpu_states[pci] = st
         if old is None or (old.state, old.message) != (st.state, st.message):
@@ -657,11 +487,3 @@ class Reconciler:
         # under policy.apply: manual too
         self._apply_wanted = True
         self.kick(f"pid {pid} exited")
-
-
-def _phase(states: Iterable[GpuState]) -> Phase:
-    names = {s.state for s in states}
-    for phase in PHASE_ORDER:
-        if phase in names:
-            return phase
-    return "converged"

@@ -10,7 +10,7 @@ so an unchanged engine hands out the same view object and a reader may cache by 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
@@ -72,3 +72,22 @@ class EngineView:
         """PCI -> the workload the layout in force gives it."""
         desired = self.resolution.desired if self.resolution is not None else {}
         return {pci: d.workload for pci, d in desired.items()}
+
+
+class ViewCache:
+    """The last view and what it was built from: `get` builds a new one only when something in it
+    changed. `records` are immutable (frozen structs, replaced rather than edited), so they are
+    compared by identity; `values` by value."""
+
+    def __init__(self) -> None:
+        self._view: EngineView | None = None
+        self._key: tuple[tuple[object, ...], tuple[object, ...]] | None = None
+
+    def get(self, records: tuple[object, ...], values: tuple[object, ...], build: Callable[[], EngineView]) -> EngineView:
+        old = self._key
+        if (self._view is not None and old is not None and len(old[0]) == len(records)
+                and all(a is b for a, b in zip(old[0], records, strict=True)) and old[1] == values):
+            return self._view
+        self._key = (records, values)
+        self._view = build()
+        return self._view

@@ -7,7 +7,9 @@ One pool per node (named after the node), every device once, published by gpud's
 * static MIG devices (`type: mig`): the MIG devices the layout made, one per compute instance;
 * passthrough GPUs (`type: vfio`): a GPU the layout put on vfio-pci, one device per GPU whose
   prepare hands the VM the whole IOMMU group (its companions are listed in `iommuGroupMembers`);
-* vGPUs (`type: vgpu`): the vGPU devices a vm-vgpu layout created;
+* vGPUs (`type: vgpu`): the vGPU devices a vm-vgpu layout created, as KubeVirt's DRA support
+  (VEP 10) takes them: an mdev by its `mDevUUID`, a vendor-VFIO vGPU by its VF's
+  `resource.kubernetes.io/pciBusID` (the GPU's own address is then `parentPciBusID`);
 * dynamic GPUs (`mig-devices: dynamic`) as partitionable devices (KEP-4815): one counter set per GPU
   with one counter per memory slice, one per profile whose instance count bounds it (the single
   `+me` profile holding the media engines), compute slices, multiprocessors and memory;
@@ -27,11 +29,13 @@ can ask for a GPU and a NIC under one root complex (`matchAttribute`).
 
 Limits honoured (k8s.io/api resource/v1 types.go, v0.36.3): devices and sharedCounters live in
 separate slices of the pool; at most 8 counter sets per slice and 32 counters per set; at most 64
-devices per slice once devices consume counters (128 otherwise); names are DNS labels.
+devices per slice once devices consume counters or carry taints (128 otherwise); names are DNS labels.
 
 Capacity used outside Kubernetes is never offered: a placement overlapping a foreign instance (a
 lease made through gpudctl, an instance nobody leased) and the whole GPU beside it are left out.
-A GPU that is missing or unhealthy publishes nothing.
+A GPU that is missing or unhealthy (stuck, gone) publishes nothing. A GPU the driver reported an
+Xid for keeps its devices, each carrying the device taint `<driver>/xid=<code>` (NoSchedule, or
+None for an application's error), as NVIDIA's DRA driver taints them (docs/dra.md).
 """
 
 from __future__ import annotations
@@ -49,6 +53,9 @@ from gpud.profiles import by_device
 DEFAULT_DRIVER = "gpu.gpud.io"  # gpud's own driver name; `--dra-driver gpu.nvidia.com` is NVIDIA's
 NVIDIA_DRIVER = "gpu.nvidia.com"
 STANDARD = "resource.kubernetes.io/"
+# what KubeVirt (VEP 10, GPUsWithDRA) reads for a mediated device; not standardised yet
+# (kubernetes/kubernetes#135552)
+MDEV_UUID = "mDevUUID"
 
 MAX_COUNTER_SETS = 8  # ResourceSliceMaxCounterSets
 MAX_COUNTERS = 32  # ResourceSliceMaxCountersPerCounterSet
@@ -73,6 +80,8 @@ class DraInputs(Struct, frozen=True):
     # instances): never offered
     foreign: Mapping[str, tuple[Placement, ...]] = field(default_factory=dict)
     pcie_roots: Mapping[str, str] = field(default_factory=dict)  # PCI -> "pci0000:15" (sysfs)
+    # PCI -> device taints (KEP-5055) every device of that GPU carries: an Xid the driver reported
+    taints: Mapping[str, tuple[dict, ...]] = field(default_factory=dict)
     generation: int = 1
 
 
@@ -86,7 +95,7 @@ class SliceDevice(Struct, frozen=True):
     placement: Placement | None = None  # dynamic MIG: the placement this device stands for
     mig_uuid: str | None = None  # static MIG: the MIG device's UUID
     dynamic: bool = False
-    group: tuple[str, ...] = ()  # vfio: every function of the IOMMU group
+    group: tuple[str, ...] = ()  # vfio: every function of the IOMMU group; vgpu: its VF
     vgpu_uuid: str | None = None
 
 
@@ -279,10 +288,15 @@ def gpu_devices(gpu: Gpu, inputs: DraInputs) -> tuple[list[tuple[dict, SliceDevi
             attrs = dict(base, type=_s("vgpu"), profile=_s(v.type))
             if gpu.uuid:
                 attrs["parentUUID"] = _s(gpu.uuid)
-            if v.uuid:
+            if v.uuid:  # an mdev: KubeVirt hands the VM the mediated device by this attribute
                 attrs["uuid"] = _s(v.uuid)
+                attrs[MDEV_UUID] = _s(v.uuid)
+            if v.vf:  # a vendor-VFIO vGPU: the VM is given the VF, KubeVirt takes it from pciBusID
+                attrs[STANDARD + "pciBusID"] = _s(v.vf)
+                attrs["parentPciBusID"] = _s(gpu.pci)
             out.append(({"name": name, "attributes": attrs},
-                        SliceDevice(name, "vgpu", gpu.pci, profile=v.type, vgpu_uuid=v.uuid)))
+                        SliceDevice(name, "vgpu", gpu.pci, profile=v.type, vgpu_uuid=v.uuid,
+                                    group=(v.vf,) if v.vf else ())))
         return out, None
     if want is not None and want.dynamic:
         # MIG mode may be off until the first lease (policy.lease-mig-mode: follow): the GPU's own
@@ -315,6 +329,9 @@ def build_slices(inputs: DraInputs) -> DraSlices:
     groups: list[list[tuple[dict, SliceDevice]]] = []
     for gpu in sorted(inputs.gpus, key=lambda g: g.index):
         devs, cs = gpu_devices(gpu, inputs)
+        taints = inputs.taints.get(gpu.pci)
+        if taints:
+            devs = [(dict(d, taints=[dict(t) for t in taints]), sd) for d, sd in devs]
         if cs is not None:
             counter_sets.append(cs)
         if devs:
@@ -325,7 +342,8 @@ def build_slices(inputs: DraInputs) -> DraSlices:
     current: list[dict] = []
     consuming = False
     for devs in groups:
-        group_consumes = any("consumesCounters" in d for d, _ in devs)
+        # counters and taints are both "advanced features": 64 devices per slice, not 128
+        group_consumes = any("consumesCounters" in d or "taints" in d for d, _ in devs)
         for chunk_start in range(0, len(devs), MAX_DEVICES_CONSUMING):
             chunk = [d for d, _ in devs[chunk_start:chunk_start + MAX_DEVICES_CONSUMING]]
             limit = MAX_DEVICES_CONSUMING if (consuming or group_consumes) else MAX_DEVICES

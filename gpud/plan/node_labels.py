@@ -26,7 +26,7 @@ from collections.abc import Mapping, Sequence
 from msgspec import Struct
 
 from gpud import profiles
-from gpud.kubevirt_names import kubevirt_name, vgpu_resource
+from gpud.kubevirt_names import kubevirt_name, selector, vf_resources, vgpu_resource
 from gpud.layout.names import device_name
 from gpud.layout.schema import WORKLOADS
 from gpud.model import CiProfile, Gpu, GpuInstance, MigProfile, NvmlGpu
@@ -74,7 +74,9 @@ class Advertised(Struct, frozen=True):
     """What the device plugins will advertise (resource -> count), and why one would refuse."""
 
     resources: dict[str, int]  # k8s-device-plugin: nvidia.com/gpu, nvidia.com/mig-1g.10gb
-    sandbox: dict[str, int]  # kubevirt-gpu-device-plugin: nvidia.com/GH100_H100_SXM5_80GB
+    # VM resources: kubevirt-gpu-device-plugin's (nvidia.com/GH100_H100_SXM5_80GB, mdev vGPUs) and
+    # KubeVirt's own PCI plugin's for VF vGPUs (v1.9, under the entry `gpudctl passthrough` prints)
+    sandbox: dict[str, int]
     problems: tuple[str, ...] = ()  # the device plugin would fail to start, with its reason
 
 
@@ -364,7 +366,8 @@ def node_labels(inputs: LabelInputs, *, gfd: bool = True) -> NodeLabels:
 
 def advertised(gpus: Sequence[Gpu], *, mig_strategy: str = "mixed") -> Advertised:
     """k8s-device-plugin's resources for the GPUs on nvidia, kubevirt-gpu-device-plugin's for the
-    NVIDIA functions on vfio-pci and the mdev vGPUs (one resource per type)."""
+    NVIDIA functions on vfio-pci and the mdev vGPUs (one resource per type), KubeVirt's own PCI
+    plugin's for the VF vGPUs (one resource per PCI id: gpud.kubevirt_names.vf_resources)."""
     if mig_strategy not in STRATEGIES:
         raise ValueError(f"mig strategy {mig_strategy!r}: expected one of {', '.join(STRATEGIES)}")
     visible = _visible(gpus)
@@ -399,6 +402,7 @@ def advertised(gpus: Sequence[Gpu], *, mig_strategy: str = "mixed") -> Advertise
                             "(mig-strategy=single) refuses to start")
         resources[GPU_RESOURCE] = resources.get(GPU_RESOURCE, 0) + len(devices)
     sandbox: dict[str, int] = {}
+    vfs = vf_resources((g.function.device, d) for g in gpus for d in (g.vgpu.devices if g.vgpu is not None else ()))
     for g in sorted(gpus, key=lambda g: g.index):
         for f in (g.function, *g.companions):
             if f.vendor == profiles.NVIDIA and f.driver in ("vfio-pci", "nvgrace_gpu_vfio_pci"):
@@ -407,5 +411,8 @@ def advertised(gpus: Sequence[Gpu], *, mig_strategy: str = "mixed") -> Advertise
         for vd in g.vgpu.devices if g.vgpu is not None else ():
             if vd.uuid is not None:  # an mdev: the plugin lists /sys/bus/mdev/devices (a VF vGPU: not)
                 name = vgpu_resource(printed_name(g.function.device, vd.type))
+                sandbox[name] = sandbox.get(name, 0) + 1
+            elif vd.vf is not None:  # KubeVirt's own plugin, once permitted as gpud suggests
+                name = vfs[selector(g.function.device, vd)][0]
                 sandbox[name] = sandbox.get(name, 0) + 1
     return Advertised(dict(sorted(resources.items())), dict(sorted(sandbox.items())), tuple(problems))

@@ -135,7 +135,7 @@ def host_checks(observation: Observation, services: HostServices) -> list[Check]
         checks.append(Check(group, "vfio-pci module", "ok", f"loaded ({vfio.evidence})"))
     elif vfio.available:
         checks.append(Check(group, "vfio-pci module", "ok", f"not loaded, available ({vfio.evidence})",
-                            "gpud loads it before the first passthrough (or ship /usr/lib/modules-load.d/gpud.conf)"))
+                            "gpud has systemd load it (modprobe@vfio_pci.service) before the first passthrough"))
     else:
         checks.append(Check(group, "vfio-pci module", "warn" if vfio.available is False else "unknown",
                             f"not loaded; {vfio.evidence}",

@@ -332,6 +332,11 @@ def _parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=what)
         p.add_argument("dir")
         p.add_argument("pci")
+    p = sub.add_parser("xid", help="the nvidia driver logs an Xid for a GPU (a record in DIR/dev/kmsg)")
+    p.add_argument("dir")
+    p.add_argument("pci")
+    p.add_argument("code", type=int)
+    p.add_argument("--text", default="", help="the message after the code")
     p = sub.add_parser("reboot", help="reboot the host: instances and overrides gone, udev rules applied")
     p.add_argument("dir")
     p = sub.add_parser("unit", help="install or remove a systemd unit of the simulated host")
@@ -393,6 +398,10 @@ def main(argv: list[str] | None = None) -> int:
 
             pci = _norm_pci(args.pci)
             getattr(kernel, args.cmd)(args.dir, pci)
+        elif args.cmd == "xid":
+            import gpud.sim.kernel as kernel
+
+            print(kernel.xid(args.dir, _norm_pci(args.pci), args.code, args.text))
         elif args.cmd == "unit":
             from gpud.sim import services
 

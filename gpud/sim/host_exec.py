@@ -7,12 +7,21 @@ What CMD gets (docs/nvml-c-library.md):
 - as root, a private mount namespace in which the simulated host's files stand where NVIDIA's
   tools read them: /sys/bus/pci, /sys/devices/pci0000:00 (beside the real /sys/devices/system and
   the rest), /sys/kernel/iommu_groups, /sys/class/mdev_bus and /sys/bus/mdev (where the host has
-  mdevs), /proc/driver (nvidia, nvidia-caps) and /proc/modules. Every bind is read-only: a write
+  mdevs), /proc/driver (nvidia, nvidia-caps), /proc/modules and /proc/devices (the simulated nvidia
+  majors added: gpud.sim.dev_nodes). Every bind is read-only: a write
   there fails with EROFS (the simulator's kernel is reached through `gpud --sim`, not these paths).
   The simulated tree's relative links resolve, since its /sys/bus and /sys/devices stand together.
   Where a target does not exist on this kernel (/sys/bus/mdev without the mdev module), its parent
   becomes a tmpfs holding the real entries (each bound back) and the simulated one.
 - not as root: the environment only (no namespace, the real /sys and /proc), said on stderr.
+
+- the driver's library files where a driver root holds them, DIR/usr/lib/<arch>-linux-gnu:
+  libnvidia-ml.so.<driver version>, a copy of the simulator's library refreshed to the build this
+  run serves (a tool resolves links under its driver root, so a link out of DIR would not be
+  found), and libcuda.so.<driver version>, empty (the simulated host has no CUDA; a program that
+  loads it fails), each with its .so.1 link, so NVIDIA's tools given `--driver-root DIR` find the
+  driver as on a real host (docs/hardware/dev-nodes.md);
+- the device nodes re-rendered first, so none has a major this machine's drivers hold now.
 
 CMD replaces this process, so its exit status is exec's; 127 when it cannot be started.
 """
@@ -22,6 +31,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import os
+import platform
 import subprocess
 import sys
 import tempfile
@@ -45,6 +55,7 @@ BINDS = (
     ("sys/bus/mdev", "/sys/bus/mdev", "replace"),
     ("proc/driver", "/proc/driver", "merge"),
     ("proc/modules", "/proc/modules", "replace"),
+    ("proc/devices", "/proc/devices", "replace"),
 )
 
 
@@ -174,6 +185,55 @@ def enter_namespace(host_dir: Path, warn: Callable[[str], object] = print) -> No
                  f"programs that read it will not find it")
 
 
+def lib_dir(host_dir: Path) -> Path:
+    """Where the simulated host's driver libraries lie (a Debian/Ubuntu multiarch directory, one of
+    nvidia-container-toolkit's library search paths under a driver root, pkg/lookup/library.go)."""
+    return host_dir / "usr" / "lib" / f"{platform.machine()}-linux-gnu"
+
+
+def driver_files(host_dir: Path, lib: Path, version: str) -> None:
+    """The driver's library files under DIR (see the module's docstring)."""
+    libs = lib_dir(host_dir)
+    libs.mkdir(parents=True, exist_ok=True)
+
+    def link(name: str, target: str) -> None:
+        path = libs / name
+        if path.is_symlink() and os.readlink(path) == target:
+            return
+        tmp = libs / f".{name}.tmp{os.getpid()}"
+        tmp.unlink(missing_ok=True)
+        os.symlink(target, tmp)
+        os.replace(tmp, path)
+
+    nvml = libs / f"libnvidia-ml.so.{version}"
+    data = lib.read_bytes()
+    if nvml.is_symlink() or not nvml.is_file() or nvml.read_bytes() != data:
+        tmp = libs / f".{nvml.name}.tmp{os.getpid()}"
+        tmp.write_bytes(data)
+        os.chmod(tmp, 0o755)
+        os.replace(tmp, nvml)
+    link("libnvidia-ml.so.1", f"libnvidia-ml.so.{version}")
+    cuda = libs / f"libcuda.so.{version}"
+    if not cuda.is_file():
+        cuda.write_bytes(b"")
+    link("libcuda.so.1", f"libcuda.so.{version}")
+
+
+def prepare(host_dir: Path, lib: Path) -> None:
+    """Re-render the host's trees (device nodes on majors still free) and lay out its driver files."""
+    from gpud.sim.dev_nodes import DevNodeError
+    from gpud.sim.state import locked
+    from gpud.sim.sysfs_tree import render
+
+    try:
+        with locked(host_dir) as st:
+            render(host_dir, st)
+            version = st.driver_version
+    except DevNodeError as e:
+        raise ExecError(str(e)) from None
+    driver_files(host_dir, lib, version)
+
+
 def run(host_dir: str | os.PathLike, argv: list[str], *, namespace: bool | None = None, header: str | None = None) -> int:
     """Build the library if needed and exec `argv` on the simulated host; returns only on failure."""
     from gpud.sim.nvmlc.build import BuildError, build
@@ -188,6 +248,7 @@ def run(host_dir: str | os.PathLike, argv: list[str], *, namespace: bool | None 
         lib = build(header)
     except BuildError as e:
         raise ExecError(str(e)) from None
+    prepare(d, lib)
     env = environment(d, lib)
     as_root = os.geteuid() == 0
     if namespace is None:

@@ -424,6 +424,29 @@ def unplug(host_dir: str | os.PathLike, pci: str) -> None:
     Store(host_dir)._change(out)
 
 
+KMSG_RING = 1000  # records kept; the real ring is bounded by bytes (CONFIG_LOG_BUF_SHIFT)
+
+
+def xid(host_dir: str | os.PathLike, pci: str, code: int, text: str = "") -> str:
+    """The nvidia driver reporting an Xid for the GPU at `pci`: one kernel log record in NVRM's
+    form, `NVRM: Xid (PCI:0000:18:00): 79, pid=..., name=..., <text>` (the PCI function left out,
+    as the driver prints it; NVIDIA's Xid documentation and dmesg captures in the wild). Only
+    the log: what the error does to the GPU is for other commands (`unplug` for a GPU that fell
+    off the bus). Returns the record."""
+    def log(st: SimState, events: list[Uevent]) -> str:
+        f = st.functions.get(pci)
+        if f is None or not f.present or f.driver != "nvidia" or pci not in st.gpus:
+            raise LookupError(f"{pci}: no GPU on the nvidia driver there; the driver logs Xids only for its GPUs")
+        seq = int(st.kmsg[-1].split(",", 2)[1]) + 1 if st.kmsg else 0
+        usec = int(time.monotonic() * 1_000_000)
+        record = (f"3,{seq},{usec},-;NVRM: Xid (PCI:{pci.rsplit('.', 1)[0]}): {code}, pid='<unknown>', "
+                  f"name=<unknown>, {text or 'simulated'}")
+        st.kmsg = [*st.kmsg, record][-KMSG_RING:]
+        return record
+
+    return str(Store(host_dir)._change(log))
+
+
 def plug(host_dir: str | os.PathLike, pci: str) -> None:
     """Hot add of the card holding `pci`: add events, then native drivers probe."""
     def add(st: SimState, events: list[Uevent]) -> None:

@@ -4,7 +4,7 @@ Only the library object is replaced, so nvidia-ml-py's own wrappers, ctypes stru
 marshalling and NVMLError classes run unchanged: the adapter under test is exercised exactly as on
 a real host, traps included (profile index vs id, placement passed by value, c_uint booleans).
 
-Every fake function takes the host lock, counts itself in `state.calls[<C symbol>]`, consumes a
+Every fake function takes the host lock, counts itself (gpud.sim.call_counts), consumes a
 matching `state.faults` entry (`gpud-sim fault`), and returns an int NVML return code. The state
 lives on disk (gpud.sim.state), so several processes share one simulated GPU host. Handles are
 process-local, as with the real library: real ctypes objects whose addresses map back to an
@@ -52,7 +52,7 @@ from gpud.sim.nvml_abi import (
     set_ptr,
     write_str,
 )
-from gpud.sim.state import SimCi, SimGi, SimGpu, SimSession, SimState, locked
+from gpud.sim.state import SimCi, SimGi, SimGpu, SimSession, SimState, StateCache
 from gpud.sim.sysfs_tree import render
 
 __all__ = ["FakeNvmlLib", "fault_matches", "function_names", "install", "swap_in", "uninstall"]
@@ -75,6 +75,7 @@ class FakeNvmlLib:
 
     def __init__(self, host_dir: str):
         self.host_dir = str(host_dir)
+        self._state = StateCache(self.host_dir)
         self._inits = 0
         self._handles: dict[tuple, Any] = {}  # identity -> ctypes buffer the handle points at
         self._keys: dict[int, tuple] = {}  # address -> identity
@@ -119,8 +120,7 @@ class FakeNvmlLib:
     def _call(self, name: str, impl: Callable[..., Any], args: tuple) -> Any:
         crash: BaseException | None = None
         result: Any = None
-        with locked(self.host_dir) as state:
-            state.calls[name] = state.calls.get(name, 0) + 1
+        with self._state.locked(name) as state:
             if name == "nvmlErrorString":
                 return impl(self, state, *args)
             for fault in list(state.faults):
@@ -615,9 +615,16 @@ def _no_processes(lib: FakeNvmlLib, state: SimState, handle: Any, count_ref: Any
 @nvml("nvmlDeviceGetComputeRunningProcesses_v3", "nvmlDeviceGetComputeRunningProcesses_v2",
        "nvmlDeviceGetComputeRunningProcesses")
 def _processes(lib: FakeNvmlLib, state: SimState, handle: Any, count_ref: Any, infos: Any) -> int:
+    """A MIG device handle lists the processes in that MIG device. The GPU's own handle lists those on
+    the GPU and, with MIG on, those in every MIG device with their GI and CI ids: "In MIG mode, if
+    device handle is provided, the API returns aggregate information, only if the caller has
+    appropriate privileges" (NVML API reference, nvmlDeviceGetComputeRunningProcesses_v3), and
+    nvmlProcessInfo_t's gpuInstanceId/computeInstanceId are valid "if MIG is enabled". What an
+    unprivileged caller gets is not documented: the simulator answers every caller in full."""
     gpu, mig = lib.gpu(state, handle, allow_mig=True)
     if mig is None:
         rows = [(p, NOT_IN_MIG_INSTANCE, NOT_IN_MIG_INSTANCE) for p in gpu_processes(state, gpu)]
+        rows += [(p, gi.id, ci.id) for gi, ci in mig_devices(gpu) for p in mig_processes(state, ci)]
     else:
         gi, ci = mig
         rows = [(p, gi.id, ci.id) for p in mig_processes(state, ci)]

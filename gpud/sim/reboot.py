@@ -177,6 +177,7 @@ def _boot(host_dir: str | os.PathLike, state: SimState) -> list[str]:
             notes.append(f"{address}: bound to {f.driver}" if f.driver else f"{address}: no driver")
     state.boot_id = str(uuid.uuid4())
     state.boots += 1
+    state.kmsg = []  # the kernel log ring is the running kernel's
     return notes
 
 

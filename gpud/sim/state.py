@@ -15,6 +15,9 @@ from pathlib import Path
 
 import msgspec
 
+from gpud.sim.call_counts import Counters, bump_generation
+from gpud.sim.call_counts import read as read_counts
+
 STATE_FILE = "state.json"
 PERSISTENCED_PID = 870  # the simulated nvidia-persistenced (`gpud-sim create --persistence daemon`)
 PERSISTENCE_MODES = ("off", "legacy", "daemon")
@@ -186,6 +189,9 @@ class SimState(msgspec.Struct):
     # decides whether a GPU resets alone (nvidia-smi(1), -r)
     fabric_manager: str = "running"
     persistent: list[str] = msgspec.field(default_factory=list)
+    # the kernel log ring as /dev/kmsg hands it out, one "<prio>,<seq>,<usec>,-;<text>" per record
+    # (Documentation/ABI/testing/dev-kmsg); only what the simulated driver logs (`gpud-sim xid`)
+    kmsg: list[str] = msgspec.field(default_factory=list)
 
 
 def count_reset(state: SimState, address: str, method: str) -> None:
@@ -198,21 +204,50 @@ def state_path(host_dir: str | os.PathLike) -> Path:
 
 
 def load(host_dir: str | os.PathLike) -> SimState:
-    """Read without the lock: a consistent snapshot because writers replace the file atomically."""
-    return msgspec.json.decode(state_path(host_dir).read_bytes(), type=SimState)
+    """Read without the lock: a consistent snapshot because writers replace the file atomically.
+    `calls` are the NVML call counters (gpud.sim.call_counts), exact as of now; the copy in the
+    file is as of its last save."""
+    state = msgspec.json.decode(state_path(host_dir).read_bytes(), type=SimState)
+    state.calls = _with_counts(host_dir, state).calls
+    return state
+
+
+def _with_counts(host_dir: str | os.PathLike, state: SimState) -> SimState:
+    """`state` with the counters' calls (a copy when they add any; `state` itself is not changed)."""
+    counted = read_counts(host_dir)
+    if not counted:
+        return state
+    return msgspec.structs.replace(state, calls=dict(sorted({**state.calls, **counted}.items())))
 
 
 def save(host_dir: str | os.PathLike, state: SimState) -> None:
+    """Replace the state file (under the host lock). The counters' generation moves on, so a
+    process's cached copy (StateCache) is read again."""
     path = state_path(host_dir)
     tmp = path.with_name(f".{STATE_FILE}.{os.getpid()}")
-    tmp.write_bytes(msgspec.json.format(msgspec.json.encode(state)))
+    tmp.write_bytes(msgspec.json.format(msgspec.json.encode(_with_counts(host_dir, state))))
     os.replace(tmp, path)
+    bump_generation(host_dir)
 
 
 # Run with (host_dir, state) after a save that dropped dead processes. The tree renderer
 # (gpud.sim.sysfs_tree, which imports this module) registers itself here, so the state layer
 # never imports the layer above it.
 AFTER_DEAD_DROPPED: list = []
+
+
+def _drop_dead(state: SimState) -> bool:
+    """Processes and NVML sessions of pids that have exited go, as the kernel closes their files."""
+    before = len(state.processes) + len(state.sessions)
+    state.processes = [p for p in state.processes if not p.real or _alive(p.pid)]
+    state.sessions = [s for s in state.sessions if _alive(s.pid)]
+    return len(state.processes) + len(state.sessions) != before
+
+
+def _after_dead_dropped(host_dir: str | os.PathLike, state: SimState) -> None:
+    # the kernel closed a dead process's files: its DIR/proc entry goes with it
+    for hook in AFTER_DEAD_DROPPED:
+        hook(host_dir, state)
 
 
 @contextlib.contextmanager
@@ -223,16 +258,57 @@ def locked(host_dir: str | os.PathLike, *, write: bool = True) -> Iterator[SimSt
     try:
         fcntl.flock(fd, fcntl.LOCK_EX if write else fcntl.LOCK_SH)
         state = load(host_dir)
-        before = len(state.processes) + len(state.sessions)
-        state.processes = [p for p in state.processes if not p.real or _alive(p.pid)]
-        state.sessions = [s for s in state.sessions if _alive(s.pid)]
-        gone = len(state.processes) + len(state.sessions) != before
+        gone = _drop_dead(state)
         yield state
         if write:
             save(host_dir, state)
             if gone:
-                # the kernel closed a dead process's files: its DIR/proc entry goes with it
-                for hook in AFTER_DEAD_DROPPED:
-                    hook(host_dir, state)
+                _after_dead_dropped(host_dir, state)
     finally:
         os.close(fd)
+
+
+class StateCache:
+    """One process's decoded copy of the state file, for the fake NVML library's calls.
+
+    Most NVML calls read: decoding the whole file for each and writing it back (as `locked` does)
+    cost 1.8 ms a call on 64 GPUs, growing with the host. Here the copy is kept while nobody saved
+    since (the counters' save generation and the file's identity say so), the call is counted in
+    the shared counters (gpud.sim.call_counts), and the file is written only when the call changed
+    the state: state.json stays the exact record of the hardware that tests read."""
+
+    def __init__(self, host_dir: str | os.PathLike):
+        self.dir = Path(host_dir)
+        self.counters = Counters(host_dir)
+        self._key: tuple | None = None
+        self._state: SimState | None = None
+        self._encoded = b""
+
+    def _file_key(self) -> tuple:
+        st = os.stat(state_path(self.dir))
+        return (self.counters.generation(), st.st_ino, st.st_mtime_ns, st.st_ctime_ns, st.st_size)
+
+    @contextlib.contextmanager
+    def locked(self, count: str) -> Iterator[SimState]:
+        """Hold the host lock exclusively, count `count`, yield the state; save it when changed."""
+        fd = os.open(self.dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            self.counters.bump(count)
+            key = self._file_key()
+            state = self._state
+            if state is None or key != self._key:
+                state = msgspec.json.decode(state_path(self.dir).read_bytes(), type=SimState)
+                self._encoded = msgspec.json.encode(state)
+            self._state, self._key = None, None  # until the call is through
+            gone = _drop_dead(state)
+            yield state
+            encoded = msgspec.json.encode(state)
+            if encoded != self._encoded:
+                save(self.dir, state)
+                if gone:
+                    _after_dead_dropped(self.dir, state)
+                key = self._file_key()
+            self._state, self._key, self._encoded = state, key, encoded
+        finally:
+            os.close(fd)

@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import os
 import shutil
+import stat
 from pathlib import Path
 
+import gpud.sim.dev_nodes as dev_nodes
 import gpud.sim.pci_files as pci_files
 import gpud.sim.vgpu as vgpu
 from gpud import profiles
@@ -44,7 +46,7 @@ GIS_PER_GPU = 15
 CAPS_PER_GPU = CAPS_PER_GI * GIS_PER_GPU
 
 # Entry kinds of the desired tree.
-_DIR, _FILE, _LINK = "d", "f", "l"
+_DIR, _FILE, _LINK, _CHAR = "d", "f", "l", "c"
 
 
 def module_name(name: str) -> str:
@@ -244,7 +246,7 @@ def information(state: SimState, address: str) -> str:
 
 def desired_tree(host_dir: str | os.PathLike, state: SimState) -> dict[str, tuple]:
     """Relative path -> (kind, payload, mode). payload: bytes for files (None: keep existing content,
-    create with b"0\\n"), link target for links."""
+    create with b"0\\n"), link target for links, (major, minor) for character nodes."""
     root = os.path.abspath(host_dir)
     t: dict[str, tuple] = {}
 
@@ -256,6 +258,19 @@ def desired_tree(host_dir: str | os.PathLike, state: SimState) -> dict[str, tupl
 
     def ln(p: str, target: str) -> None:
         t[p] = (_LINK, target, 0)
+
+    chosen: list[dict[str, int]] = []  # [the majors] once decided: [{}] where nodes cannot be made
+
+    def node(p: str, driver: str, minor: int, mode: int) -> None:
+        """A character node of the simulated nvidia driver (gpud.sim.dev_nodes: safe majors only),
+        or a plain file where nodes cannot be made."""
+        if not chosen:
+            m = dev_nodes.majors() if os.geteuid() == 0 else {}
+            chosen.append(m if m and all(dev_nodes.can_mknod(v) for v in m.values()) else {})
+        if not chosen[0]:
+            f(p, "", mode)
+            return
+        t[p] = (_CHAR, (chosen[0][driver], minor), mode)
 
     for p in ("sys", "sys/devices", f"sys/{PCI_ROOT}", "sys/bus", "sys/bus/pci", "sys/bus/pci/devices",
               "sys/bus/pci/drivers", "sys/kernel", "sys/kernel/iommu_groups", "sys/module", "dev", "proc"):
@@ -319,12 +334,15 @@ def desired_tree(host_dir: str | os.PathLike, state: SimState) -> dict[str, tupl
 
     vgpu.render(state, PCI_ROOT, d, f, ln)
 
+    # the kernel log (a regular file here: readers follow it by its records' sequence numbers)
+    f("dev/kmsg", "".join(r + "\n" for r in state.kmsg), 0o644)
+
     # nvidia: control node, caps, per-GPU node and /proc entries
     if NVIDIA in drivers:
-        f("dev/nvidiactl", "", 0o666)
+        node("dev/nvidiactl", dev_nodes.NVIDIA, dev_nodes.NVIDIACTL_MINOR, 0o666)
         d("dev/nvidia-caps")
-        f("dev/nvidia-caps/nvidia-cap1", "", 0o400)
-        f("dev/nvidia-caps/nvidia-cap2", "", 0o444)
+        node("dev/nvidia-caps/nvidia-cap1", dev_nodes.NVIDIA_CAPS, 1, 0o400)
+        node("dev/nvidia-caps/nvidia-cap2", dev_nodes.NVIDIA_CAPS, 2, 0o444)
         for p in ("proc/driver", "proc/driver/nvidia", "proc/driver/nvidia/gpus", "proc/driver/nvidia-caps"):
             d(p)
         f("proc/driver/nvidia/version",
@@ -339,16 +357,20 @@ def desired_tree(host_dir: str | os.PathLike, state: SimState) -> dict[str, tupl
         for addr, gpu in state.gpus.items():
             if not _nvidia_bound(state, addr):
                 continue
-            f(f"dev/nvidia{gpu.minor}", "", 0o666)
+            node(f"dev/nvidia{gpu.minor}", dev_nodes.NVIDIA, gpu.minor, 0o666)
             base = f"proc/driver/nvidia/gpus/{addr}"
             d(base)
             f(f"{base}/information", information(state, addr))
             f(f"{base}/unbindLock", None, 0o644)
             if gpu.mig_mode:
                 for gi in gpu.gis:
-                    f(f"dev/nvidia-caps/nvidia-cap{cap_minor(gpu.minor, gi.id)}", "", 0o444)
+                    minor = cap_minor(gpu.minor, gi.id)
+                    node(f"dev/nvidia-caps/nvidia-cap{minor}", dev_nodes.NVIDIA_CAPS, minor, 0o444)
                     for ci in gi.cis:
-                        f(f"dev/nvidia-caps/nvidia-cap{cap_minor(gpu.minor, gi.id, ci.id)}", "", 0o444)
+                        minor = cap_minor(gpu.minor, gi.id, ci.id)
+                        node(f"dev/nvidia-caps/nvidia-cap{minor}", dev_nodes.NVIDIA_CAPS, minor, 0o444)
+        if chosen and chosen[0]:
+            f("proc/devices", dev_nodes.proc_devices(chosen[0]))
 
     for sysdir, n in vfio_cdevs(state).values():  # iommufd: one cdev per vfio device
         d(f"sys/{sysdir}/vfio-dev")
@@ -406,6 +428,8 @@ def _scan(root: Path, rel: str, out: dict[str, str]) -> None:
             elif e.is_dir(follow_symlinks=False):
                 out[p] = _DIR
                 _scan(root, p, out)
+            elif stat.S_ISCHR(e.stat(follow_symlinks=False).st_mode):
+                out[p] = _CHAR
             else:
                 out[p] = _FILE
 
@@ -462,6 +486,18 @@ def render(host_dir: str | os.PathLike, state: SimState) -> None:
             tmp = _tmp(path)
             _remove(tmp, _FILE)
             os.symlink(payload, tmp)
+            os.replace(tmp, path)
+        elif kind == _CHAR:
+            major, minor = payload
+            if p in have:
+                st = path.stat()
+                if st.st_mode & 0o7777 == mode and st.st_rdev == os.makedev(major, minor):
+                    continue
+            dev_nodes.check_safe({major})
+            tmp = _tmp(path)
+            _remove(tmp, _FILE)
+            os.mknod(tmp, stat.S_IFCHR | mode, os.makedev(major, minor))
+            os.chmod(tmp, mode)
             os.replace(tmp, path)
         else:
             if p in have:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import msgspec
 
-from gpud.api import replies, wire_replies
+from gpud.api import plan_replies, replies, wire_replies, wire_tables
 from gpud.engine.binding import passthrough
 from gpud.model import Gpu, Holder, PciFunction, Placement
 from gpud.plan.binding import BindStep
@@ -52,24 +52,24 @@ def test_passthrough_kubevirt_configuration_has_one_entry_per_resource():
 
 def test_plan_steps_keep_their_wire_field_names():
     mig = Step(action="create-gi", pci=GPU0, profile="3g.71gb", profile_id=9, placement=Placement(4, 4))
-    assert msgspec.to_builtins(replies.mig_step(mig)) == {
+    assert msgspec.to_builtins(plan_replies.mig_step(mig)) == {
         "action": "create-gi", "profile": "3g.71gb", "placement": {"start": 4, "size": 4}, "uuid": None,
         "gi": None, "ci": None, "enabled": None, "driver": None, "pci": GPU0, "module": None, "group": None,
         "message": "", "ci_placement": None, "type": None, "vf": None, "count": None}
     ci = Step(action="create-ci", pci=GPU0, profile="1c.3g.71gb", profile_id=9, placement=Placement(4, 4),
               ci_profile_id=0, ci_placement=Placement(2, 1))
-    assert msgspec.to_builtins(replies.mig_step(ci))["ci_placement"] == {"start": 2, "size": 1}
-    bind = replies.bind_step(BindStep(action="bind", pci=GPU0, driver="vfio-pci"))
+    assert msgspec.to_builtins(plan_replies.mig_step(ci))["ci_placement"] == {"start": 2, "size": 1}
+    bind = plan_replies.bind_step(BindStep(action="bind", pci=GPU0, driver="vfio-pci"))
     assert (bind.action, bind.pci, bind.driver, bind.group) == ("bind", GPU0, "vfio-pci", None)
     gone = Destroyed(pci=GPU0, profile="1g.18gb", placement=Placement(0, 1), uuid="MIG-1",
                      holders=[Holder(pid=7, name="python3", device="MIG-1")])
-    assert msgspec.to_builtins(replies.destroyed(gone)) == {
+    assert msgspec.to_builtins(plan_replies.destroyed(gone)) == {
         "pci": GPU0, "profile": "1g.18gb", "placement": {"start": 0, "size": 1}, "uuid": "MIG-1",
         "holders": [{"pid": 7, "name": "python3", "device": "MIG-1", "vm": None}]}
 
 
 def test_plan_with_errors_is_empty_and_says_why():
-    reply = replies.plan_reply(errors=["layout.yaml:1 version: must be v1"])
+    reply = plan_replies.plan_reply(errors=["layout.yaml:1 version: must be v1"])
     assert msgspec.to_builtins(reply) == {
         "gpus": [], "disruption": {"destroyed": [], "vgpus_removed": [], "vfs_disabled": [], "mode_changes": [],
                                    "resets": [], "reset_with": [], "rebinds": []},
@@ -86,7 +86,7 @@ def test_mig_profiles_of_a_gpu_nvml_cannot_see_come_from_the_table_with_unknowns
 
     gpus = [Gpu(0, _fn("0000:18:00.0", device=0x2BB5)), Gpu(1, _fn("0000:2a:00.0", device=0x2901)),
             Gpu(2, _fn("0000:3a:00.0", device=0x26B9))]
-    reply = msgspec.convert(msgspec.to_builtins(replies.mig_profiles_reply(gpus)), wire_replies.MigProfilesReply)
+    reply = msgspec.convert(msgspec.to_builtins(replies.mig_profiles_reply(gpus)), wire_tables.MigProfilesReply)
     assert [(g.index, g.source, g.model) for g in reply.gpus] == [
         (0, "table", "NVIDIA RTX PRO 6000 Blackwell Server Edition"), (1, "table", "NVIDIA B200")]
     rtx, b200 = reply.gpus

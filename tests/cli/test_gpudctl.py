@@ -305,11 +305,12 @@ CLI_MODULES = sorted(f"gpud.cli.{p.stem}" for p in (REPO / "gpud" / "cli").glob(
 
 def test_client_imports_nothing_heavy():
     """Every module of the client package, imported in a fresh interpreter, pulls in no heavy
-    dependency and of gpud itself only the package markers, the protocol (gpud.api.wire and
-    gpud.api.wire_replies) and the standard-library module of MIG words (gpud.mig_text)."""
+    dependency and of gpud itself only the package markers, the protocol (gpud.api.wire,
+    gpud.api.wire_replies, gpud.api.wire_tables) and the standard-library module of MIG words
+    (gpud.mig_text)."""
     assert {"gpud.cli.gpudctl", "gpud.cli.transport", "gpud.cli.render", "gpud.cli.commands"} <= set(CLI_MODULES)
     banned = ["pynvml", "yaml", "pyudev", "dbus_fast", "asyncinotify", "prometheus_client", "asyncio"]
-    allowed = ["gpud", "gpud.api", "gpud.api.wire", "gpud.api.wire_replies", "gpud.mig_text", "gpud.cli", *CLI_MODULES]
+    allowed = ["gpud", "gpud.api", "gpud.api.wire", "gpud.api.wire_replies", "gpud.api.wire_tables", "gpud.mig_text", "gpud.cli", *CLI_MODULES]
     code = ("import importlib, sys, json\n"
             f"for name in {CLI_MODULES!r}: importlib.import_module(name)\n"
             f"print(json.dumps([m for m in sys.modules if m in {banned!r} "
@@ -442,7 +443,7 @@ def test_a_subdivided_ci_step_and_instance_show_their_compute_slot():
 def test_a_plan_step_reads_as_the_daemon_names_it_in_events():
     """`gpudctl plan` prints each MIG step with the words the daemon's events use for it (str of the
     planner's Step), after the trip through the wire's StepInfo."""
-    from gpud.api.replies import mig_step
+    from gpud.api.plan_replies import mig_step
     from gpud.cli.render import _describe_step
     from gpud.model import Placement
     from gpud.plan.mig import Step

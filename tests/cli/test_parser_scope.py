@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from gpud.cli.commands import COMMANDS, build_parser
+from gpud.cli.arguments import COMMANDS, build_parser
 
 LINES = [
     ["status"], ["status", "3", "--json"], ["--socket", "/tmp/s", "status", "--fresh"],

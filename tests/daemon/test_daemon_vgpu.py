@@ -221,12 +221,15 @@ def test_check_reports_vgpu_problems_with_exit_4(daemon) -> None:
 def test_kubevirt_device_plugin_resources_for_mdev_vgpus(daemon) -> None:
     """kubevirt-gpu-device-plugin advertises each mdev as `nvidia.com/` + its type's name with spaces
     as `_` (KubeVirt's docs: "GRID T4-1Q" -> nvidia.com/GRID_T4-1Q); it reads only
-    /sys/bus/mdev/devices, so the L40S's VF vGPUs are not its to advertise."""
+    /sys/bus/mdev/devices, so the L40S's VF vGPUs are KubeVirt's own PCI plugin's (v1.9), under the
+    pciHostDevices entry `gpudctl passthrough` prints (tests/daemon/test_passthrough_entries.py)."""
     d = daemon(["l40s", "t4"], LAYOUT, vgpu="vfio")
     assert d.ctl("apply", "--wait", "--timeout", "120").returncode == 0
     mdevs = [u for _, u in sim_vgpus(d.host, T4)]
+    vfs = [vf for _, vf in sim_vgpus(d.host, L40S)]
     sandbox = d.status()["kubernetes"]["advertised"]["sandbox"]
-    assert sandbox == {"nvidia.com/GRID_T4-4Q": len(mdevs)} and len(mdevs) == 2
+    assert sandbox == {"nvidia.com/GRID_T4-4Q": len(mdevs), "nvidia.com/NVIDIA_L40S-12Q": len(vfs)}
+    assert (len(mdevs), len(vfs)) == (2, 4)
     assert "nvidia.com/GRID_T4-4Q: 2" in d.ctl("status", "--kube").stdout
 
 

@@ -12,6 +12,7 @@ import os
 import subprocess
 import time
 import urllib.error
+import urllib.request
 from pathlib import Path
 
 import yaml
@@ -133,6 +134,32 @@ class DraCluster:
 
     def slices(self, node: str) -> list[dict]:
         return self.admin("GET", f"{RESOURCE}/resourceslices?fieldSelector=spec.nodeName={node}")["items"]
+
+    def watch_slices(self, node: str, until, limit: float = 60.0, what: str = "the node's slices") -> list[dict]:
+        """The node's slices as the server stores them, once `until(slices)` holds: listed, then
+        followed on a watch from that list's resourceVersion (each event applied; no polling).
+        Bounded by `limit` (the watch's timeoutSeconds and the socket's): a clear failure after."""
+        path = f"{RESOURCE}/resourceslices?fieldSelector=spec.nodeName={node}"
+        listing = self.admin("GET", path)
+        have = {s["metadata"]["name"]: s for s in listing["items"]}
+        if until(list(have.values())):
+            return list(have.values())
+        url = (f"{self.server.url}{path}&watch=1&resourceVersion={listing['metadata']['resourceVersion']}"
+               f"&timeoutSeconds={max(1, int(limit))}")
+        req = urllib.request.Request(url, headers={"Authorization": f"Bearer {ADMIN_TOKEN}"})
+        with urllib.request.urlopen(req, timeout=limit, context=self.server._ssl) as stream:
+            for line in stream:
+                ev = json.loads(line)
+                obj = ev["object"]
+                if ev["type"] in ("ADDED", "MODIFIED"):
+                    have[obj["metadata"]["name"]] = obj
+                elif ev["type"] == "DELETED":
+                    have.pop(obj["metadata"]["name"], None)
+                else:
+                    raise AssertionError(f"watching {what}: {ev['type']} {obj}")
+                if until(list(have.values())):
+                    return list(have.values())
+        raise AssertionError(f"{what}: not within {limit:.0f}s; logs in {self.dir}")
 
     # --- waiting on the scheduler (bounded: the condition, or a clear failure) ------------------------
     def wait(self, what: str, cond, limit: float = 60.0):

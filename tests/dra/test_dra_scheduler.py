@@ -18,6 +18,7 @@ from gpud.engine.dra.driver import DraDriver
 from gpud.host.kube.kubelet_plugin import KubeletPlugin
 from gpud.model import Placement
 from gpud.plan.dra_slices import DEFAULT_DRIVER
+from gpud.sim import state as simstate
 from tests.dra.cluster import DraCluster, skips
 from tests.leases.rig import dynamic_rig, restarted, sim_gis
 from tests.support.dra_kubelet import GPU, MIG, Kubelet, profile_is
@@ -253,6 +254,33 @@ async def test_the_seed_layout_is_reachable_through_claims_and_prepared(cluster,
         assert made == ["1g.10gb"] * 4 + ["3g.40gb"]
         for name in names:
             assert (await kubelet.unprepare(cluster.get_claim(name))).error == ""
+        assert sim_gis(node.rig) == []
+    finally:
+        await kubelet.close()
+
+
+async def test_unprepare_of_a_busy_claim_is_refused_and_nothing_is_killed(cluster, node):
+    """A process still on the claim's MIG device: unprepare answers an error (the kubelet asks
+    again), the instance and the process stay; once the process is gone, unprepare destroys it.
+    Holder and instance are the simulator's own records."""
+    from gpud.sim import cli as simcli
+
+    ns = node.name[:20]
+    cluster.claim(f"{ns}-b", MIG, profile_is("2g.20gb"))
+    cluster.pod(f"{ns}-b", f"{ns}-b", node=node.name)
+    at = node.placement(cluster.allocated(f"{ns}-b"))
+    claim = cluster.get_claim(f"{ns}-b")
+    kubelet = Kubelet(node.plugin)
+    try:
+        assert (await kubelet.prepare(claim)).error == ""
+        ((_, _, (mig_uuid,)),) = sim_gis(node.rig)
+        simcli.hold(node.rig.dir, mig_uuid, 4242, "trainer")
+        got = await kubelet.unprepare(claim)
+        assert got.error and "4242" in got.error, got.error
+        assert [(n, pl) for n, pl, _ in sim_gis(node.rig)] == [("2g.20gb", at)]
+        assert any(p.pid == 4242 for p in simstate.load(node.rig.dir).processes)
+        simcli.release(node.rig.dir, mig_uuid, 4242)
+        assert (await kubelet.unprepare(claim)).error == ""
         assert sim_gis(node.rig) == []
     finally:
         await kubelet.close()

@@ -37,20 +37,19 @@ def test_rules_cover_group_endpoints_but_not_bridges():
     assert lines == [
         f'ACTION=="add", SUBSYSTEM=="pci", KERNEL=="{a}", ATTR{{driver_override}}="vfio-pci", '
         f'RUN{{builtin}}+="kmod load vfio-pci"' for a in eps]
-    assert f"{udev_rules.MODULES_LOAD_PATH} lists it" in text
 
 
-def test_header_names_the_modules_load_file_the_package_installs():
-    """The rules' header tells a reader which file loads vfio-pci early: it must be one that exists
-    on a packaged host, i.e. one the package build installs, and that file must list vfio-pci."""
+def test_nothing_loads_vfio_pci_where_no_layout_needs_it():
+    """Issue 29 item 16: vfio-pci is loaded at boot only by the rules of pinned GPUs (each rule
+    loads it); the package ships no modules-load.d file and its scripts run no modprobe."""
     from pathlib import Path
 
     repo = Path(__file__).resolve().parents[2]
-    build = (repo / "packaging/build-deb.sh").read_text()
-    assert f'"$STAGE{udev_rules.MODULES_LOAD_PATH}"' in build
-    shipped = (repo / "packaging/modules-load.d/gpud.conf").read_text().split()
-    assert "vfio-pci" in shipped
-    assert udev_rules.UdevRules("/nonexistent/rules").modules_load_path is None  # gpud writes none itself
+    assert not (repo / "packaging/modules-load.d").exists()
+    for f in [repo / "packaging/build-deb.sh", *sorted((repo / "packaging/debian").iterdir())]:
+        text = f.read_text()
+        assert "modules-load" not in text and "modprobe" not in text, f
+    assert udev_rules.render([]) == ""
 
 
 def test_absent_desired_gpu_keeps_its_entry():
@@ -65,11 +64,9 @@ def test_render_refuses_malformed_addresses():
 
 def test_writer_is_atomic_idempotent_and_removes(tmp_path):
     path = tmp_path / "rules.d" / "70-gpud-vfio.rules"
-    mods = tmp_path / "modules-load.d" / "gpud-vfio.conf"
-    w = udev_rules.UdevRules(str(path), modules_load_path=str(mods))
+    w = udev_rules.UdevRules(str(path))
     assert w.sync(gpus(), desired(**{GPU0: "vm-passthrough"})) is True
     first = path.stat()
-    assert "vfio-pci" in mods.read_text()
     assert w.sync(gpus(), desired(**{GPU0: "vm-passthrough"})) is False
     assert path.stat().st_ino == first.st_ino  # not rewritten
     assert w.sync(gpus(), desired(**{GPU0: "vm-passthrough", GPU1: "vm-passthrough"})) is True
@@ -84,7 +81,7 @@ def test_writer_is_atomic_idempotent_and_removes(tmp_path):
 def test_writer_read_only(tmp_path):
     from gpud.host.readonly import ReadOnlyError
 
-    w = udev_rules.UdevRules(str(tmp_path / "r.rules"), modules_load_path=None, read_only=True)
+    w = udev_rules.UdevRules(str(tmp_path / "r.rules"), read_only=True)
     with pytest.raises(ReadOnlyError):
         w.sync(gpus(), desired(**{GPU0: "vm-passthrough"}))
 

@@ -32,7 +32,7 @@ def _kw(tmp_path):
     host = tmp_path / "host"
     return dict(state_dir=str(tmp_path / "state"),
                 boot_id_path=str(host / "proc/sys/kernel/random/boot_id"),
-                udev_rules=UdevRules(str(host / "etc/udev/rules.d/70-gpud-vfio.rules"), modules_load_path=None))
+                udev_rules=UdevRules(str(host / "etc/udev/rules.d/70-gpud-vfio.rules")))
 
 
 def _daemon_start(rig: SimRig, tmp_path, **extra) -> Reconciler:

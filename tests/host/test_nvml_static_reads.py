@@ -12,10 +12,13 @@ import pytest
 from gpud.host.nvidia.nvml import Nvml
 from gpud.profiles import MODELS
 from gpud.sim import kernel
-from gpud.sim.state import load, locked
+from gpud.sim.state import SimProcess, load, locked
 
 GPU0, GPU1 = "0000:18:00.0", "0000:2a:00.0"
 # Calls whose answers are fixed for a session: asked again only after the session closed.
+# What a MIG device seen before need not be asked again (its UUID names them while it exists).
+MIG_DEVICE_FIXED = ("nvmlDeviceGetGpuInstanceId", "nvmlDeviceGetComputeInstanceId",
+                    "nvmlGpuInstanceGetComputeInstances", "nvmlComputeInstanceGetInfo")
 STATIC = ("nvmlDeviceGetGpuInstanceProfileInfoV", "nvmlDeviceGetGpuInstancePossiblePlacements_v2",
           "nvmlGpuInstanceGetComputeInstanceProfileInfoV", "nvmlGpuInstanceGetComputeInstancePossiblePlacements",
           "nvmlDeviceGetName", "nvmlDeviceGetMemoryInfo", "nvmlDeviceGetCount", "nvmlDeviceGetHandleByIndex")
@@ -63,6 +66,7 @@ def test_a_second_read_asks_only_what_changes_and_sees_the_same(mig_host):
         c2 = _calls(mig_host)
     assert second == first
     assert _static_calls(c1, c2) == {}
+    assert not {f: c2[f] - c1[f] for f in MIG_DEVICE_FIXED if c2[f] - c1[f]}  # the MIG devices were seen
     assert c2["nvmlDeviceGetMigMode"] - c1["nvmlDeviceGetMigMode"] == 2  # what changes is asked each time
     with Nvml() as fresh:  # a new session reads everything and agrees
         assert fresh.gpus() == first
@@ -158,3 +162,54 @@ def test_a_mig_mode_change_asks_that_gpus_memory_again_and_keeps_its_tables(sim_
     assert after[GPU0].mig_mode == load(host.host_dir).gpus[GPU0].mig_mode == 1
     with Nvml() as fresh:  # a new session reads everything and agrees
         assert {g.pci: g for g in fresh.gpus()} == after
+
+
+def _read_cis(nvml: Nvml, pci: str) -> list[tuple[int, int, list[tuple[int, int, int | None, str]]]]:
+    g = nvml.gpu(pci)
+    assert g is not None
+    return sorted((gi.id, gi.profile_id, sorted((c.id, c.profile_id, c.start, c.uuid) for c in gi.cis))
+                  for gi in g.instances)
+
+
+def _state_cis(host, pci: str) -> list[tuple[int, int, list[tuple[int, int, int | None, str]]]]:
+    g = load(host.host_dir).gpus[pci]
+    return sorted((gi.id, gi.profile_id, sorted((c.id, c.profile_id, c.start, c.uuid) for c in gi.cis))
+                  for gi in g.gis)
+
+
+def test_a_ci_made_again_under_the_same_ids_is_read_as_the_new_one(mig_host):
+    """The 3g GI's one CI (3 slices) is destroyed and another client makes a 1-slice CI in its place,
+    under the same ids: the next read shows the new CI's profile, placement and UUID as the
+    simulator's state file holds them, not what was known of the old MIG device; gpud's own
+    destroy likewise."""
+    with Nvml() as nvml, Nvml() as other:
+        before = _read_cis(nvml, GPU0)
+        assert before == _state_cis(mig_host, GPU0)
+        gi3 = next(gi for gi in load(mig_host.host_dir).gpus[GPU0].gis if gi.profile_id == 9)
+        other.destroy_compute_instance(GPU0, gi3.id, gi3.cis[0].id)
+        assert other.create_compute_instance(GPU0, gi3.id, 0, start=1) == gi3.cis[0].id
+        after = _read_cis(nvml, GPU0)
+        assert after == _state_cis(mig_host, GPU0) != before
+        nvml.destroy_compute_instance(GPU0, gi3.id, gi3.cis[0].id)
+        nvml.create_compute_instance(GPU0, gi3.id, 1, start=0)
+        assert _read_cis(nvml, GPU0) == _state_cis(mig_host, GPU0) != after
+
+
+def test_the_processes_in_mig_devices_come_from_one_list_per_gpu(mig_host):
+    """As root, the GPU's own process list (NVML's aggregate in MIG mode, with GI and CI ids) gives
+    every MIG device's holders: one process query per GPU, the holders where the state file puts them."""
+    st = load(mig_host.host_dir)
+    cis = [ci for gi in st.gpus[GPU0].gis for ci in gi.cis]
+    with locked(mig_host.host_dir) as s:
+        s.processes.append(SimProcess(pid=4242, name="trainer", device=cis[1].uuid))
+        s.processes.append(SimProcess(pid=4243, name="whole", device=st.gpus[GPU1].uuid))
+    with Nvml() as nvml:
+        nvml.gpus()
+        c1 = _calls(mig_host)
+        gpus = {g.pci: g for g in nvml.gpus()}
+        c2 = _calls(mig_host)
+    held = {ci.uuid: [h.pid for h in ci.holders] for gi in gpus[GPU0].instances for ci in gi.cis}
+    assert held == {ci.uuid: [4242] if ci is cis[1] else [] for ci in cis}
+    assert [h.pid for h in gpus[GPU1].processes] == [4243] and gpus[GPU0].processes == ()
+    # one query per GPU, which nvidia-ml-py makes as two C calls when there are processes (size, then list)
+    assert c2["nvmlDeviceGetComputeRunningProcesses_v3"] - c1["nvmlDeviceGetComputeRunningProcesses_v3"] == 2 * 2

@@ -2,9 +2,10 @@
 mig-manager does under the operator's default cdi.enabled=true, when the toolkit's refresh unit
 is not there.
 
-The real nvidia-ctk cannot be installed here (it is not in Debian or PyPI): a stand-in executable
-records the arguments it was called with and writes the spec file, so what is checked is the exact
-command line gpud runs, and that it runs only after a pass that changed MIG devices.
+Here a stand-in executable records the arguments it was called with and writes the spec file, so
+what is checked is the exact command line gpud runs (on the simulated host: under `gpud-sim exec`,
+with the host's directory as the driver root), and that it runs only after a pass that changed MIG
+devices. NVIDIA's real nvidia-ctk runs in tests/nvmlc/test_nvidia_ctk.py.
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ def test_nvidia_ctk_regenerates_the_spec_after_a_mig_change_only(tmp_path):
         r = d.ctl("apply", "--wait")
         assert r.returncode == 0, r.stdout + r.stderr
         wait_until(lambda: _calls(calls), timeout=60, what="nvidia-ctk called")
-        assert _calls(calls) == [["cdi", "generate", f"--output={spec}"]]
+        assert _calls(calls) == [["cdi", "generate", f"--driver-root={d.host.resolve()}", f"--output={spec}"]]
         assert spec.read_text().startswith("cdiVersion")
         assert any(e["message"].startswith("CDI spec regenerated: ") for e in d.events())
         assert d.ctl("apply", "--wait").returncode == 0  # converged: no second call

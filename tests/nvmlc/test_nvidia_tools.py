@@ -9,7 +9,6 @@ A test skips only when its tool is absent, with the reason install-anchors recor
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 from collections import Counter
 from pathlib import Path
@@ -20,28 +19,17 @@ import yaml
 from gpud.profiles import MODELS
 from gpud.sim import catalog
 from gpud.sim.state import load
+from tests.support.anchors import anchor
 from tests.support.daemon import Daemon, wait_until
 from tests.support.nvmlc import gpud_sim_exec
 
 pytestmark = pytest.mark.tools
 
-ANCHORS = Path(os.environ.get("GPUD_ANCHORS", "/var/cache/gpud-anchors"))
 CONFIGS = Path(__file__).resolve().parents[1] / "fixtures" / "mig-parted"
 # GFD labels gpud does not write, and why (docs/kubernetes.md lists the same).
 GFD_ONLY = {
     "nvidia.com/gpu.machine",  # the host's DMI product name: not the GPU's, and the simulator has none
 }
-
-
-def anchor(name: str) -> Path:
-    status = ANCHORS / "status.json"
-    if not status.is_file():
-        pytest.skip(f"{name}: {status} missing: scripts/install-anchors has not run (make test runs it)")
-    entry = json.loads(status.read_text()).get(name, {})
-    binary = entry.get("binary")
-    if binary and os.access(binary, os.X_OK):
-        return Path(binary)
-    pytest.skip(f"{name} {entry.get('version', '')} unavailable: {entry.get('unavailable', 'not recorded')}")
 
 
 class DaemonOn(Daemon):

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from gpud.api.replies import mig_profiles_reply
-from gpud.cli.render import render_mig_profiles
+from gpud.cli.render_smi import render_mig_profiles
 from gpud.host.nvidia.nvml import Nvml
 from gpud.model import Gpu, PciFunction
 from gpud.profiles import MODELS

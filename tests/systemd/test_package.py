@@ -40,7 +40,7 @@ def test_install_layout(installed):
     assert "usage: gpud-sim" in c.run(["gpud-sim", "--help"]).stdout
     # bytecode was compiled for /opt/gpud and is used read-only (no __pycache__ writes needed)
     r = c.run(["/opt/gpud/bin/python3", "-B", "-c", "import gpud.host.systemd.sd_notify as m; print(m.__file__, m.__cached__)"])
-    assert r.stdout.startswith("/opt/gpud/lib/python3.11/site-packages/gpud/host/sd_notify.py")
+    assert r.stdout.startswith("/opt/gpud/lib/python3.11/site-packages/gpud/host/systemd/sd_notify.py")
     assert not c.run(["grep", "-rl", "gpud-deb.", "/opt/gpud/bin", "/opt/gpud/pyvenv.cfg"], check=False).stdout
 
 
@@ -151,3 +151,12 @@ def test_the_deb_has_md5sums_a_real_maintainer_its_license_and_no_stray_scripts(
     assert (tmp_path / "x" / "usr/share/doc/gpud/LICENSE").read_text().lstrip().startswith("Apache License")
     bins = sorted(p.name for p in (tmp_path / "x" / "opt/gpud/bin").iterdir())
     assert [b for b in bins if not (b in ("gpud", "gpudctl", "gpud-sim") or b.startswith("python"))] == [], bins
+    # It depends on the python3.X it was built with (the release's own: 3.11 on Debian 12, 3.12 on
+    # Ubuntu 24.04, 3.10 on 22.04), and loads no module at boot by itself (vfio-pci comes with a
+    # layout that passes a GPU through: gpud's udev rule, or systemd's modprobe@ unit).
+    built_with = subprocess.run(["/usr/bin/python3", "-c", "import sys; print('%d.%d' % sys.version_info[:2])"],
+                                capture_output=True, text=True, check=True).stdout.strip()
+    depends = next(ln.split(": ", 1)[1] for ln in control.splitlines() if ln.startswith("Depends: "))
+    assert depends == f"python{built_with}, systemd (>= 247)", depends
+    assert not [p for p in shipped if "modules-load.d" in p], shipped
+    assert "modprobe" not in (tmp_path / "x" / "DEBIAN" / "postinst").read_text()

@@ -198,8 +198,8 @@ async def main(out_dir: str) -> None:
         parsed = parse_layout(LAYOUT, select="passthrough")
         obs = observe(g.sysfs, None, parsed.layout.match)
         desired = resolve(parsed, obs.gpus).desired
-        changed = udev_rules.UdevRules(RULES, modules_load_path=None).sync(obs.gpus, desired)
-        unchanged = not udev_rules.UdevRules(RULES, modules_load_path=None).sync(obs.gpus, desired)
+        changed = udev_rules.UdevRules(RULES).sync(obs.gpus, desired)
+        unchanged = not udev_rules.UdevRules(RULES).sync(obs.gpus, desired)
         reload = sh("udevadm control --reload; echo rc=$?")
         n = len(g.events)
         sh(f"echo 1 > /sys/bus/pci/devices/{NIC1}/remove")
@@ -248,7 +248,7 @@ async def main(out_dir: str) -> None:
         ev = await g.wait_event(lambda e: e[0] == "remove" and e[1] == "vfio" and e[2] == str(group_a), 20, n)
         obs = observe(g.sysfs, None, parse_layout(LAYOUT).layout.match)
         parsed = parse_layout(LAYOUT, select="container")
-        rules_changed = udev_rules.UdevRules(RULES, modules_load_path=None).sync(
+        rules_changed = udev_rules.UdevRules(RULES).sync(
             obs.gpus, resolve(parsed, obs.gpus).desired)
         record("to_native", outcomes=outcomes, after=g.snapshot(), vfio_remove_event=ev,
                vfio_nodes={str(group_a): os.path.exists(f"/dev/vfio/{group_a}"),

@@ -9,13 +9,14 @@ goes back to containers.
 
 Known race (also driverctl's): if the nvidia module is already loaded (initramfs, or loaded by
 another GPU's add event processed first) it may bind before the rule runs; gpud's first pass after
-start rebinds such a GPU. vfio-pci must be loadable early: the package ships MODULES_LOAD_PATH
-(packaging/modules-load.d/gpud.conf), and each rule also loads it (keep nvidia out of the initramfs).
+start rebinds such a GPU. vfio-pci is loaded at boot only where a layout pins a GPU: each rule
+loads it (udev's kmod builtin, outside gpud's sandbox); nothing loads it on hosts without
+passthrough (no modules-load.d file). While gpud runs, it asks systemd for modprobe@vfio_pci.service
+when a layout needs the module (gpud.host.systemd.modules). Keep nvidia out of the initramfs.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterable, Mapping, Sequence
 
 from gpud.host.files.safe_file import UnsafeFile, read_file, remove_file, write_file
@@ -24,16 +25,12 @@ from gpud.model import Gpu
 from gpud.pci import is_bridge
 
 DEFAULT_PATH = "/etc/udev/rules.d/70-gpud-vfio.rules"
-# Installed by the package (packaging/build-deb.sh); gpud itself writes a modules-load file only
-# when told where (a host without the package).
-MODULES_LOAD_PATH = "/usr/lib/modules-load.d/gpud.conf"
-MODULES_LOAD_CONTENT = "# Written by gpud: vfio-pci must be there before passthrough GPUs are probed.\nvfio-pci\n"
 
 _HEADER = """\
 # Written by gpud from its layout; do not edit: every change of the layout rewrites this file.
 # Sets driver_override before a driver probes the device at boot, so the native driver never
-# claims a vm-passthrough GPU or another endpoint of its IOMMU group. vfio-pci must be loadable
-# early: {modules_load} lists it.
+# claims a vm-passthrough GPU or another endpoint of its IOMMU group, and loads vfio-pci for it:
+# only hosts whose layout passes a GPU through load vfio-pci at boot.
 """
 
 
@@ -54,12 +51,12 @@ def _workload(d: object) -> str:
     return d if isinstance(d, str) else getattr(d, "workload", "container")
 
 
-def render(endpoints: Iterable[str], *, modules_load: str = MODULES_LOAD_PATH) -> str:
+def render(endpoints: Iterable[str]) -> str:
     """The rules file for these PCI addresses; "" when there is nothing to pin."""
     addrs = sorted(set(endpoints))
     if not addrs:
         return ""
-    lines = [_HEADER.format(modules_load=modules_load)]
+    lines = [_HEADER]
     for a in addrs:
         _check_address(a)
         lines.append(
@@ -100,20 +97,12 @@ def write_if_changed(path: str, content: str, *, read_only: bool = False, mode: 
 
 
 class UdevRules:
-    """Keeps the rules file (and the modules-load.d hint) in step with the layout."""
+    """Keeps the rules file in step with the layout."""
 
-    def __init__(self, path: str = DEFAULT_PATH, *, modules_load_path: str | None = None,
-                 read_only: bool = False) -> None:
+    def __init__(self, path: str = DEFAULT_PATH, *, read_only: bool = False) -> None:
         self.path = path
-        self.modules_load_path = modules_load_path
         self.read_only = read_only
 
     def sync(self, gpus: Sequence[Gpu], desired: Mapping[str, object]) -> bool:
         """Rewrite the rules for the current layout; True when the file changed."""
-        endpoints = passthrough_endpoints(gpus, desired)
-        changed = write_if_changed(self.path, render(endpoints, modules_load=self.modules_load_path or MODULES_LOAD_PATH),
-                                   read_only=self.read_only)
-        # Left in place once written: other tools may rely on vfio-pci being loaded early too.
-        if self.modules_load_path and endpoints and not os.path.exists(self.modules_load_path):
-            write_if_changed(self.modules_load_path, MODULES_LOAD_CONTENT, read_only=self.read_only)
-        return changed
+        return write_if_changed(self.path, render(passthrough_endpoints(gpus, desired)), read_only=self.read_only)

@@ -32,7 +32,7 @@ import contextlib
 import json
 import logging
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 import msgspec
@@ -55,6 +55,7 @@ DEFAULT_CDI_DIR = "/var/run/cdi"
 class ClaimsApi(Protocol):
     node: str
     driver: str
+    taints_dropped: bool  # the server stored devices without the taints sent (DRADeviceTaints off)
 
     async def publish(self, wanted: list[dict]) -> int: ...
     async def claim(self, namespace: str, name: str) -> dict: ...
@@ -94,14 +95,16 @@ UNHEALTHY_STATES = ("stuck", "gone")  # a driver write that never returned; the 
 
 def inputs_of(view: EngineView, node: str, driver: str, *, driver_version: str | None,
               unhealthy: frozenset[str] = frozenset(),
-              pcie_root: Callable[[str], str | None] = lambda pci: None) -> DraInputs:
+              pcie_root: Callable[[str], str | None] = lambda pci: None,
+              taints: Mapping[str, tuple[dict, ...]] | None = None) -> DraInputs:
     """The builder's inputs from the engine's view. Unhealthy: GPUs whose last state is stuck or
     gone, beside what the caller adds (gpud reads no XIDs itself)."""
     desired = view.resolution.desired if view.resolution is not None else {}
     unhealthy = unhealthy | {pci for pci, st in view.gpu_states.items() if st.state in UNHEALTHY_STATES}
     roots = {g.pci: r for g in view.observation.gpus if g.present and (r := pcie_root(g.pci))}
     return DraInputs(node, view.observation.gpus, desired, driver=driver, driver_version=driver_version,
-                     unhealthy=unhealthy, foreign=foreign_placements(view), pcie_roots=roots)
+                     unhealthy=unhealthy, foreign=foreign_placements(view), pcie_roots=roots,
+                     taints=taints or {})
 
 
 class DraDriver:
@@ -109,9 +112,10 @@ class DraDriver:
                  state_dir: str | None, cdi_dir: str = DEFAULT_CDI_DIR,
                  driver_version: Callable[[], str | None] = lambda: None,
                  unhealthy: Callable[[], frozenset[str]] = frozenset,
-                 pcie_root: Callable[[str], str | None] = lambda pci: None) -> None:
+                 pcie_root: Callable[[str], str | None] = lambda pci: None,
+                 taints: Callable[[], Mapping[str, tuple[dict, ...]]] = dict) -> None:
         self.api, self.leases, self._view = api, leases, view
-        self._pcie_root = pcie_root
+        self._pcie_root, self._taints = pcie_root, taints
         self.node, self.driver = api.node, api.driver
         self.cdi_dir = cdi_dir
         self.path = os.path.join(state_dir, CHECKPOINT) if state_dir else None
@@ -125,8 +129,12 @@ class DraDriver:
     # ---- the pool ------------------------------------------------------------------------------
     def build(self) -> DraSlices:
         view = self._view()
+        unhealthy, taints = self._unhealthy(), dict(self._taints())
+        if self.api.taints_dropped:  # a server without DRADeviceTaints: what would not be scheduled goes
+            unhealthy |= {pci for pci, ts in taints.items() if any(t["effect"] == "NoSchedule" for t in ts)}
+            taints = {}
         inputs = inputs_of(view, self.node, self.driver, driver_version=self._driver_version(),
-                           unhealthy=self._unhealthy(), pcie_root=self._pcie_root)
+                           unhealthy=unhealthy, pcie_root=self._pcie_root, taints=taints)
         return build_slices(msgspec.structs.replace(inputs, generation=max(self.generation, 1)))
 
     async def publish(self) -> int:
@@ -140,7 +148,13 @@ class DraDriver:
                 built = self.build()
             else:
                 self.generation = max(self.generation, 1)
+            dropped = self.api.taints_dropped
             writes = await self.api.publish(built.slices)
+            if self.api.taints_dropped and not dropped:  # learnt just now: publish without them
+                log.warning("DRA: the API server dropped the devices' taints (DRADeviceTaints off); "
+                            "devices of GPUs with a fatal Xid are withdrawn instead")
+                built = self.build()
+                writes += await self.api.publish(built.slices)
             self.published = built
             return writes
 
@@ -256,11 +270,26 @@ class DraDriver:
                                               start=sd.placement.start if sd.placement is not None else None)
             return [*ctl, *rec.devices], [f"NVIDIA_VISIBLE_DEVICES={rec.uuid}"], rec
         if sd.kind == "vgpu":
-            return [], [f"MDEV_UUID={sd.vgpu_uuid or ''}"], None
+            return self._vgpu(sd, gpu), [f"MDEV_UUID={sd.vgpu_uuid}" if sd.vgpu_uuid else
+                                         f"PCI_RESOURCE_GPUD_IO={','.join(sd.group)}"], None
         minor = gpu.nvml.minor if gpu.nvml is not None else None
         nodes = [*ctl] + ([f"/dev/nvidia{minor}"] if minor is not None else [])
         uuid = sd.mig_uuid or (gpu.uuid or "")
         return nodes, [f"NVIDIA_VISIBLE_DEVICES={uuid}"], None
+
+    @staticmethod
+    def _vgpu(sd: SliceDevice, gpu: Gpu) -> list[str]:
+        """The vfio nodes a VM opens for the vGPU as the hardware shows it now: refused where it
+        is gone or a VM holds it already (nothing is taken from a running VM)."""
+        vf = sd.group[0] if sd.group else None
+        found = next((v for v in (gpu.vgpu.devices if gpu.vgpu is not None else ())
+                      if (sd.vgpu_uuid and v.uuid == sd.vgpu_uuid) or (vf and v.vf == vf)), None)
+        if found is None:
+            raise ValueError(f"{sd.name}: vGPU {sd.vgpu_uuid or vf} is gone from {gpu.pci}")
+        if found.holders:
+            raise ValueError(f"{sd.name}: vGPU {sd.vgpu_uuid or vf} is held by "
+                             f"{', '.join(f'{h.name} (pid {h.pid})' for h in found.holders)}")
+        return ["/dev/vfio/vfio"] + ([f"/dev/vfio/{found.vfio_group}"] if found.vfio_group is not None else [])
 
     def cdi_path(self, uid: str) -> str:
         return os.path.join(self.cdi_dir, f"{self.driver}-claim_{uid}.json")

@@ -11,11 +11,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from gpud.engine.dra.driver import DEFAULT_CDI_DIR, DraDriver
+from gpud.engine.dra.health import XidHealth
 from gpud.engine.engine import Engine
 from gpud.engine.events import EventBus
+from gpud.host.kernel.kmsg import follow, parse_xid
 from gpud.host.kernel.sysfs import pcie_root
 from gpud.host.nvidia.nvml import NvmlError
 from gpud.plan.dra_slices import NVIDIA_DRIVER
@@ -36,6 +39,8 @@ class DraService:
         self.state_dir = state_dir
         self.cdi_dir = cdi_dir or (os.path.join(root, DEFAULT_CDI_DIR.lstrip("/")) if root else DEFAULT_CDI_DIR)
         self.sys_root = os.path.join(root, "sys") if root else "/sys"
+        self.kmsg = os.path.join(root, "dev", "kmsg") if root else "/dev/kmsg"
+        self.health = XidHealth()
         self.driver: DraDriver | None = None
         self.plugin: KubeletPlugin | None = None
         self.api: DraApi | None = None
@@ -66,13 +71,37 @@ class DraService:
         self.driver = DraDriver(self.api, self.engine.leases, lambda: self.engine.view,
                                 state_dir=self.state_dir,
                                 cdi_dir=self.cdi_dir, driver_version=self._driver_version,
-                                pcie_root=self._pcie_root)
+                                pcie_root=self._pcie_root, taints=self._taints)
         for message in await self.driver.start():
             self.bus.publish("dra", message)
         self.plugin = KubeletPlugin(name, self.driver, root=root)
         await self.plugin.start()
         self.engine.subscribe(self._dirty.set)
         self._dirty.set()
+
+    def _taints(self) -> Mapping[str, tuple[dict, ...]]:
+        for m in self.health.observe(self.engine.view.observation.gpus):
+            self.bus.publish("dra", f"GPU {m.pci}: initialised afresh since its Xid {m.code}; its devices are "
+                             "offered untainted again")
+        return self.health.taints(self.name)
+
+    async def _follow_xids(self) -> None:
+        """The nvidia driver's Xid reports, as the kernel logs them: each marks its GPU's devices."""
+        try:
+            async for text in follow(self.kmsg):
+                xid = parse_xid(text)
+                if xid is None:
+                    continue
+                mark = self.health.record(xid, self.engine.view.observation.gpus)
+                if mark is not None:
+                    what = "not scheduled" if mark.fatal else "marked (an application's error)"
+                    self.bus.publish("dra", f"GPU {mark.pci}: Xid {mark.code} ({mark.text}): its devices are "
+                                     f"tainted {self.name}/xid={mark.code} and {what} until the GPU is "
+                                     "initialised afresh")
+                    self._dirty.set()
+        except OSError as e:
+            self.bus.publish("dra", f"{self.kmsg}: {e.strerror or e}: Xids are not followed, GPU health is "
+                             "not published")
 
     def _pcie_root(self, pci: str) -> str | None:
         """The GPU's root complex; None (the attribute left out) where sysfs does not say."""
@@ -92,6 +121,7 @@ class DraService:
         """Publish after each change; watch the pool so others' changes are put right."""
         assert self.api is not None
         watch = asyncio.create_task(self._watch(), name="dra-watch")
+        xids = asyncio.create_task(self._follow_xids(), name="dra-xids")
         try:
             while True:
                 await self._dirty.wait()
@@ -99,6 +129,7 @@ class DraService:
                 await self._publish()
         finally:
             watch.cancel()
+            xids.cancel()
 
     async def _publish(self) -> None:
         from gpud.host.kube.node_api import KubeError

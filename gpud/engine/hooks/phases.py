@@ -6,6 +6,7 @@ before-hook aborts the apply before the GPUs it would have touched are touched."
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Mapping
+from typing import Protocol
 
 from gpud.engine.gpu_state import Action
 from gpud.engine.gpu_tasks import for_each_gpu
@@ -15,25 +16,38 @@ from gpud.layout.desired import DesiredGpu
 from gpud.layout.schema import Layout
 
 
+class PassGpus(Protocol):
+    """The pass, as the hook phases drive it: each changing GPU applied, then asked how it ended."""
+
+    async def apply_gpu(self, pci: str) -> None: ...
+
+    def gpu_converged(self, pci: str) -> bool: ...
+
+    def mig_changed(self) -> bool:
+        """Whether MIG devices were created or destroyed (the CDI spec then needs a refresh)."""
+        ...
+
+    def hook_aborted(self, pci: str, failure: HookFailed) -> None:
+        """A GPU left untouched because a before-hook failed."""
+        ...
+
+    def hook_said(self, line: str) -> None:
+        """A line of a hook's output (or of the CDI refresh)."""
+        ...
+
+
 async def apply_with_hooks(
     todo: Mapping[str, Action],
     desired: Mapping[str, DesiredGpu],
     *,
     layout: Layout,
     layout_path: str,
-    apply_one: Callable[[str], Awaitable[None]],
-    converged: Callable[[str], bool],
-    changed_mig: Callable[[], bool],
-    abort: Callable[[str, HookFailed], None],
+    gpus: PassGpus,
     drainer: Drainer | None,
-    log: Callable[[str], object],
     cdi_generate: Callable[[], Awaitable[str]] | None = None,
 ) -> None:
-    """Run `apply_one(pci)` for each GPU of `todo` inside the hook phases. After the GPUs,
-    `converged(pci)` says whether a GPU got there and `changed_mig()` whether MIG devices were
-    created or destroyed; `abort(pci, failure)` is told of each GPU left untouched because a
-    before-hook failed."""
-    hooks = HookRunner(layout.hooks, log=log)
+    """Apply each GPU of `todo` (`gpus.apply_gpu`) inside the hook phases."""
+    hooks = HookRunner(layout.hooks, log=gpus.hook_said)
     # A GPU coming back from vfio-pci gets its MIG layout after the rebind: count it now.
     comes_back_with_mig = [p for p, a in todo.items() if a.kind == "bind" and desired[p].mig_enabled]
     mode_change = bool(comes_back_with_mig) or any(a.kind == "mig" and a.plan.mode_change for a in todo.values())
@@ -48,14 +62,14 @@ async def apply_with_hooks(
             if mig_config:
                 await hooks.run("pre-apply-config", info)
             done.update(todo)  # side by side, bounded: one GPU's slow step never holds up another
-            await for_each_gpu(sorted(todo), apply_one)
-            info.changed_mig = changed_mig()
-            failed = [p for p in todo if not converged(p)]
+            await for_each_gpu(sorted(todo), gpus.apply_gpu)
+            info.changed_mig = gpus.mig_changed()
+            failed = [p for p in todo if not gpus.gpu_converged(p)]
             if failed:
                 info.result, info.error = "failure", f"{len(failed)} GPU(s) not converged"
     except HookFailed as e:
         for pci in sorted(set(todo) - done):
-            abort(pci, e)
+            gpus.hook_aborted(pci, e)
         return
     if info.changed_mig and (drainer is not None or cdi_generate is not None):
-        await refresh_cdi(drainer, log=log, generate=cdi_generate)
+        await refresh_cdi(drainer, log=gpus.hook_said, generate=cdi_generate)

@@ -28,7 +28,7 @@ from collections.abc import Iterable, Mapping
 
 from msgspec import Struct
 
-from gpud.kubevirt_names import RESOURCE_NAMESPACE, kubevirt_name, vgpu_resource
+from gpud.kubevirt_names import selector, vgpu_resource
 from gpud.model import VgpuDevice
 from gpud.vgpu_types import printed_name
 
@@ -58,41 +58,20 @@ def pci_hostdev(address: str) -> str:
             "</source></hostdev>")
 
 
-def selector(device_id: int, dev: VgpuDevice) -> str:
-    """The pciVendorSelector that matches a VF vGPU: its own uevent PCI_ID, else (not read) the PF's id."""
-    return dev.pci_id or f"10DE:{device_id:04X}"
-
-
-def vf_resources(vfs: Iterable[tuple[int, VgpuDevice]]) -> dict[str, tuple[str, tuple[str, ...]]]:
-    """selector -> (resource, vGPU types under it) for the VF vGPUs given as (PF device id, device):
-    one resource per PCI id, as KubeVirt makes one plugin per selector (module docstring)."""
-    types: dict[str, dict[str, None]] = {}
-    for device_id, dev in vfs:
-        if dev.vf is not None:
-            types.setdefault(selector(device_id, dev), {})[dev.driver_name or printed_name(device_id, dev.type)] = None
-    out = {}
-    for sel, names in types.items():
-        if len(names) == 1:
-            out[sel] = (vgpu_resource(next(iter(names))), tuple(names))
-        else:
-            out[sel] = (f"{RESOURCE_NAMESPACE}/{kubevirt_name(int(sel.partition(':')[2], 16)).name}_VGPU", tuple(names))
-    return out
-
-
-def kubevirt_warnings(vf_resources: Mapping[str, tuple[str, tuple[str, ...]]],
+def kubevirt_warnings(resources: Mapping[str, tuple[str, tuple[str, ...]]],
                       passthrough: Iterable[tuple[str, str, str]]) -> list[str]:
     """What KubeVirt v1.9 does with these VFs that a reader would not expect: several vGPU types
     under one PCI id share one resource; a GPU on vfio-pci with the VFs' PCI id (`passthrough`:
     (PCI address, selector, NVIDIA plugin's resource)) lands in their resource too, since KubeVirt's
     plugin takes every matching function on vfio-pci."""
     out = []
-    for sel, (resource, names) in vf_resources.items():
+    for sel, (resource, names) in resources.items():
         if len(names) > 1:
             out.append(f"vGPU VFs with PCI id {sel} carry {len(names)} types ({', '.join(names)}): KubeVirt (v1.9) "
                        f"advertises every vGPU VF of one PCI id under one resource ({resource}), so a VM cannot "
                        "choose among these types; give the GPUs of one model one vGPU type where VMs must choose")
     for pci, sel, plugin_resource in passthrough:
-        got = vf_resources.get(sel.upper())
+        got = resources.get(sel.upper())
         if got is not None:
             out.append(f"GPU {pci} on vfio-pci has the PCI id {sel} of vGPU VFs: KubeVirt's own plugin for that id "
                        f"advertises it under {got[0]} too (it takes every matching function on vfio-pci), besides "

@@ -14,7 +14,6 @@ from __future__ import annotations
 import errno
 import os
 import re
-import subprocess
 import threading
 from collections.abc import Callable
 
@@ -246,17 +245,20 @@ class Sysfs:
         self.write(f"bus/pci/devices/{address}/reset", "1")
 
     def load_module(self, name: str) -> None:
-        """modprobe `name` (e.g. vfio-pci); SysfsError(EIO) with modprobe's message on failure."""
+        """Load module `name` (vfio-pci) where it is not loaded: on a real host through systemd's
+        modprobe@ unit (gpud.host.systemd.modules: the service's sandbox loads no modules itself);
+        SysfsError(EIO) saying what was tried when it is still not loaded."""
         refuse_if(self.read_only, "modprobe", name)
         if os.path.isdir(self._p("module", name.replace("-", "_"))):
-            return  # loaded already (modules-load.d at boot): the unit forbids module loading
-        if self._modprobe is not None:
-            self._modprobe(name)
             return
         try:
-            r = subprocess.run(["modprobe", name], capture_output=True, text=True, timeout=120)
-        except (OSError, subprocess.TimeoutExpired) as e:
-            raise SysfsError(errno.EIO, f"modprobe {name} failed: {e}", name) from e
-        if r.returncode != 0:
-            msg = (r.stderr or r.stdout).strip() or f"exit status {r.returncode}"
-            raise SysfsError(errno.EIO, f"modprobe {name} failed: {msg}", name)
+            if self._modprobe is not None:
+                self._modprobe(name)
+                return
+            from gpud.host.systemd.modules import load_module
+
+            load_module(name, sys_root=self.root)
+        except SysfsError:
+            raise
+        except (OSError, RuntimeError) as e:
+            raise SysfsError(errno.EIO, str(e), name) from e

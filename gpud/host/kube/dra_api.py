@@ -28,6 +28,32 @@ def _plain(model: Any) -> dict:
     return cast(dict, model.to_dict())
 
 
+def _devices(obj: dict) -> list[dict]:
+    return _spec(obj).get("devices") or []
+
+
+def _tainted(obj: dict) -> bool:
+    return any(d.get("taints") for d in _devices(obj))
+
+
+def _taint_times_kept(obj: dict, old: dict) -> dict:
+    """`obj` with each taint's timeAdded as the server stored it for the same device and taint:
+    the server sets it on create and update where it is not given (resource/v1 DeviceTaint), so
+    a taint sent again without it would differ at every comparison and be rewritten."""
+    stored = {d["name"]: {(t.get("key"), t.get("value"), t.get("effect")): t.get("timeAdded")
+                          for t in d.get("taints") or ()} for d in _devices(old)}
+    if not any(stored.values()):
+        return obj
+    devices = []
+    for d in _devices(obj):
+        times = stored.get(d["name"], {})
+        if d.get("taints") and times:
+            d = dict(d, taints=[dict(t, timeAdded=times[k]) if (k := (t.get("key"), t.get("value"), t.get("effect")))
+                                in times and times[k] and "timeAdded" not in t else t for t in d["taints"]])
+        devices.append(d)
+    return dict(obj, spec=dict(obj["spec"], devices=devices))
+
+
 class DraApi:
     """One driver's pool on one node, and the claims it prepares."""
 
@@ -35,6 +61,9 @@ class DraApi:
         self.node, self.driver = node, driver
         self._client = AsyncClient(config=config, timeout=httpx2.Timeout(timeout), field_manager=FIELD_MANAGER)
         self.writes = 0  # creates, updates and deletes made (status --kube, the bench)
+        # the server stored devices without the taints sent: DRADeviceTaints is off there (beta and
+        # on by default since 1.36, alpha and off in 1.33-1.35: k8s.io/kubernetes pkg/features)
+        self.taints_dropped = False
 
     async def close(self) -> None:
         await self._client.close()
@@ -62,13 +91,16 @@ class DraApi:
                 name = obj["metadata"]["name"]
                 old = have.pop(name, None)
                 if old is None:
-                    await self._client.create(cast(ResourceSlice, from_dict(obj)))
-                elif _spec(old) != _plain(from_dict(obj)).get("spec"):
-                    new = dict(obj, metadata=dict(obj["metadata"], resourceVersion=old["metadata"]["resourceVersion"]))
-                    await self._client.replace(cast(ResourceSlice, from_dict(new)))
+                    stored = await self._client.create(cast(ResourceSlice, from_dict(obj)))
                 else:
-                    continue
+                    obj = _taint_times_kept(obj, old)
+                    if _spec(old) == _plain(from_dict(obj)).get("spec"):
+                        continue
+                    new = dict(obj, metadata=dict(obj["metadata"], resourceVersion=old["metadata"]["resourceVersion"]))
+                    stored = await self._client.replace(cast(ResourceSlice, from_dict(new)))
                 writes += 1
+                if _tainted(obj) and not _tainted(_plain(stored)):
+                    self.taints_dropped = True
             for name in have:
                 await self._client.delete(ResourceSlice, name)
                 writes += 1

@@ -21,11 +21,17 @@ class CdiError(Exception):
 
 
 class CdiGenerator:
-    def __init__(self, nvidia_ctk: str, output: str = DEFAULT_SPEC, *, timeout: float = TIMEOUT_S) -> None:
+    """`prefix`: how a program runs on this host (empty on a real one); `driver_root`: where the
+    driver's libraries and device nodes are (nvidia-ctk's --driver-root; / needs no flag)."""
+
+    def __init__(self, nvidia_ctk: str, output: str = DEFAULT_SPEC, *, timeout: float = TIMEOUT_S,
+                 prefix: tuple[str, ...] = (), driver_root: str = "/") -> None:
         self.nvidia_ctk, self.output, self.timeout = nvidia_ctk, output, timeout
+        self.prefix, self.driver_root = prefix, driver_root
 
     def argv(self) -> list[str]:
-        return [self.nvidia_ctk, "cdi", "generate", f"--output={self.output}"]
+        root = [] if self.driver_root == "/" else [f"--driver-root={self.driver_root}"]
+        return [*self.prefix, self.nvidia_ctk, "cdi", "generate", *root, f"--output={self.output}"]
 
     async def __call__(self) -> str:
         """Run it; returns what happened. Raises CdiError (not found, failed, timed out)."""

@@ -1,8 +1,10 @@
-"""NVML adapter: the only module in gpud that imports pynvml.
+"""NVML adapter: with its siblings nvml_profiles (the MIG profile tables), nvml_instances (GIs, CIs
+and MIG devices) and nvml_errors, the only code in gpud that imports pynvml.
 
 Reads every GPU NVML can see into `gpud.model.NvmlGpu` records and performs the five MIG mutations
 the executor needs. Traps handled here, once (docs/hardware/mig-nvml.md):
-- GI profiles are queried by *index* constant but everything is keyed by the returned `.id`;
+- GI profiles are queried by *index* constant but everything is keyed by the returned `.id`
+  (nvml_profiles);
 - placements are caller-allocated (two calls) and the create placement goes `byref`;
 - a MIG device handle comes only from `nvmlDeviceGetMigDeviceHandleByIndex` (so it needs no
   `nvmlDeviceIsMigDeviceHandle`, whose c_uint answer is true even when `== 1` is not).
@@ -22,24 +24,23 @@ import functools
 import logging
 import threading
 from collections.abc import Callable, Iterable
-from ctypes import byref, c_uint
+from ctypes import byref
 from typing import Any, TypeVar
 
 import msgspec
 import pynvml
 
-from gpud.host.kernel.procs import process_name
+from gpud.host.nvidia.nvml_errors import NvmlError, call
+from gpud.host.nvidia.nvml_instances import MigReader
+from gpud.host.nvidia.nvml_profiles import gi_profiles, possible_placements
 from gpud.host.nvidia.nvml_static import GpuStatic, SessionCache
 from gpud.host.nvidia.nvml_users import SessionUsers
 from gpud.host.readonly import refuse_if
 from gpud.model import (
-    CiProfile,
-    ComputeInstance,
     GpuInstance,
     Holder,
     MigProfile,
     NvmlGpu,
-    Placement,
 )
 from gpud.pci import normalize_pci
 from gpud.profiles import NOT_IN_MIG_INSTANCE
@@ -47,26 +48,6 @@ from gpud.profiles import NOT_IN_MIG_INSTANCE
 log = logging.getLogger(__name__)
 
 _MIB = 1 << 20
-_SKIP = (pynvml.NVML_ERROR_NOT_SUPPORTED, pynvml.NVML_ERROR_INVALID_ARGUMENT)
-
-
-class NvmlError(Exception):
-    """An NVML call failed: which call, on which GPU, with NVML's code and message."""
-
-    def __init__(self, code: int, function: str, pci: str | None = None, message: str = ""):
-        self.code = code
-        self.function = function
-        self.pci = pci
-        self.message = message or _error_string(code)
-        where = f" on {pci}" if pci else ""
-        super().__init__(f"{function}{where}: {self.message} (NVML error {code})")
-
-
-def _error_string(code: int) -> str:
-    try:
-        return str(pynvml.NVMLError(code))
-    except Exception:  # noqa: BLE001 - the message is a nicety; the code is what matters
-        return f"NVML error {code}"
 
 
 _Method = TypeVar("_Method", bound=Callable[..., Any])
@@ -94,6 +75,7 @@ class Nvml:
         self._session = threading.RLock()  # open/close/suspend from the loop and worker threads
         self._cache = SessionCache()  # what the session need not read twice (dropped by close)
         self._users = SessionUsers()
+        self._mig = MigReader(self._cache, proc_root)  # instances and MIG devices (nvml_instances)
 
     # session ------------------------------------------------------------------------------------
     def open(self) -> None:
@@ -136,11 +118,7 @@ class Nvml:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _call(self, function: str, pci: str | None, fn: Any, *args: Any) -> Any:
-        try:
-            return fn(*args)
-        except pynvml.NVMLError as e:
-            raise NvmlError(e.value, function, pci) from e
+    _call = staticmethod(call)  # an NVML call; NvmlError naming it on failure
 
     def _ensure_open(self) -> None:
         if not self._open:
@@ -272,19 +250,16 @@ class Nvml:
         elif pci in self._cache.memory_stale:
             static = self._memory_again(h, static)
         current, pending = (mode if mode is not None else (None, None))
+        procs = self._query(pci, h, "nvmlDeviceGetComputeRunningProcesses") if details else []
         profiles: tuple[MigProfile, ...] = ()
         instances: tuple[GpuInstance, ...] = ()
         if mode is not None:
             if current == 1:
-                instances = self._instances(pci, h, static)
-                if details:
-                    instances = self._attach_ci_details(pci, h, instances)
+                instances = (self._mig.instances_with_devices(pci, h, static, self._mig.in_mig_devices(procs)) if details
+                             else self._mig.instances(pci, h, static))
             profiles = self._profiles(pci, static, instances)
-        processes = () if not details else tuple(
-            Holder(pid=p.pid, name=self._process_name(p.pid), device=pci)
-            for p in self._query(pci, h, "nvmlDeviceGetComputeRunningProcesses")
-            if p.gpuInstanceId in (NOT_IN_MIG_INSTANCE, None)  # processes inside MIG devices are listed per device
-        )
+        processes = tuple(Holder(pid=p.pid, name=self._mig.process_name(p.pid), device=pci)
+                          for p in procs if getattr(p, "gpuInstanceId", None) in (NOT_IN_MIG_INSTANCE, None))
         return NvmlGpu(pci=pci, uuid=static.uuid, name=static.name, minor=static.minor, memory_mb=static.memory_mb,
                        compute_capability=static.compute_capability,
                        mig_capable=mode is not None, mig_mode=current, mig_pending=pending,
@@ -302,7 +277,7 @@ class Nvml:
             minor=self._optional(pci, "nvmlDeviceGetMinorNumber", h),
             memory_mb=self._query(pci, h, "nvmlDeviceGetMemoryInfo").total // _MIB,
             compute_capability=(int(compute[0]), int(compute[1])) if compute is not None else None,
-            mig_capable=mig_capable, profiles=self._gi_profiles(pci, h) if mig_capable else ())
+            mig_capable=mig_capable, profiles=gi_profiles(pci, h) if mig_capable else ())
         self._cache.store_if(generation, lambda: self._cache.gpus.__setitem__(pci, static))
         return static
 
@@ -330,29 +305,6 @@ class Nvml:
                 return None
             raise NvmlError(e.value, name, pci) from e
 
-    def _gi_profiles(self, pci: str, h: Any) -> tuple[MigProfile, ...]:
-        """The GI profiles with their possible placements, asked by every index constant NVML knows
-        and keyed by the profile *id* they answer with; CI profiles are added per read (`_profiles`)."""
-        raw: dict[int, Any] = {}
-        for index in range(pynvml.NVML_GPU_INSTANCE_PROFILE_COUNT):
-            try:
-                info = pynvml.nvmlDeviceGetGpuInstanceProfileInfo(h, index)
-            except pynvml.NVMLError as e:
-                if e.value in _SKIP:
-                    continue
-                raise NvmlError(e.value, "nvmlDeviceGetGpuInstanceProfileInfo", pci) from e
-            raw.setdefault(info.id, info)
-        out = []
-        for info in raw.values():
-            name = info.name.decode() if isinstance(info.name, bytes) else info.name
-            out.append(MigProfile(
-                id=info.id, name=name.removeprefix("MIG "), slices=info.sliceCount,
-                memory_mb=info.memorySizeMB, sms=info.multiprocessorCount,
-                instance_count=info.instanceCount, placements=self._placements(pci, h, info.id),
-                copy_engines=info.copyEngineCount, decoders=info.decoderCount,
-                encoders=info.encoderCount, jpegs=info.jpegCount, ofas=info.ofaCount))
-        return tuple(out)
-
     def _profiles(self, pci: str, static: GpuStatic, instances: tuple[GpuInstance, ...]) -> tuple[MigProfile, ...]:
         """The GI profiles, each with the CI profiles NVML lists for it. NVML answers those only
         through a live GI of that profile; without one they are absent (the planner fills them from
@@ -363,158 +315,11 @@ class Nvml:
             if p.id in live else p
             for p in static.profiles)
 
-    def _placements(self, pci: str, h: Any, profile_id: int) -> tuple[Placement, ...]:
-        count = c_uint(0)
-        fn = "nvmlDeviceGetGpuInstancePossiblePlacements"
-        self._call(fn, pci, pynvml.nvmlDeviceGetGpuInstancePossiblePlacements, h, profile_id, None, byref(count))
-        if count.value == 0:
-            return ()
-        arr = (pynvml.c_nvmlGpuInstancePlacement_t * count.value)()
-        self._call(fn, pci, pynvml.nvmlDeviceGetGpuInstancePossiblePlacements, h, profile_id, arr, byref(count))
-        return tuple(sorted(Placement(arr[i].start, arr[i].size) for i in range(count.value)))
-
-    def _ci_profiles(self, pci: str, gi_handle: Any, gi_profile_id: int) -> dict[int, CiProfile]:
-        """The CI profiles of GI profile `gi_profile_id`, asked through one of its GIs once a session
-        (the same for every GI of the profile: docs/hardware/nvml-static-reads.md)."""
-        key = (pci, gi_profile_id)
-        known = self._cache.ci_profiles.get(key)
-        if known is not None:
-            return known
-        generation = self._cache.generation
-        found = self._gi_ci_profiles(pci, gi_handle)
-        self._cache.store_if(generation, lambda: self._cache.ci_profiles.__setitem__(key, found))
-        return found
-
-    def _gi_ci_profiles(self, pci: str, gi_handle: Any) -> dict[int, CiProfile]:
-        out: dict[int, CiProfile] = {}
-        for index in range(pynvml.NVML_COMPUTE_INSTANCE_PROFILE_COUNT):
-            try:
-                info = pynvml.nvmlGpuInstanceGetComputeInstanceProfileInfo(
-                    gi_handle, index, pynvml.NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED)
-            except pynvml.NVMLError as e:
-                if e.value in _SKIP:
-                    continue
-                raise NvmlError(e.value, "nvmlGpuInstanceGetComputeInstanceProfileInfo", pci) from e
-            if info.id not in out:
-                out[info.id] = CiProfile(id=info.id, slices=info.sliceCount, instance_count=info.instanceCount,
-                                         sms=info.multiprocessorCount,
-                                         starts=self._ci_starts(pci, gi_handle, info.id))
-        return out
-
-    def _ci_starts(self, pci: str, gi_handle: Any, ci_profile_id: int) -> tuple[int, ...]:
-        """Where CIs of a profile may sit in this GI (compute slices), caller-allocated like the GI
-        call. A driver without the call answers nothing: the planner then uses the model's table."""
-        fn = "nvmlGpuInstanceGetComputeInstancePossiblePlacements"
-        count = c_uint(0)
-        try:
-            pynvml.nvmlGpuInstanceGetComputeInstancePossiblePlacements(gi_handle, ci_profile_id, None, byref(count))
-            if count.value == 0:
-                return ()
-            arr = (pynvml.c_nvmlComputeInstancePlacement_t * count.value)()
-            pynvml.nvmlGpuInstanceGetComputeInstancePossiblePlacements(gi_handle, ci_profile_id, arr, byref(count))
-        except pynvml.NVMLError as e:
-            if e.value in _SKIP or e.value == pynvml.NVML_ERROR_FUNCTION_NOT_FOUND:
-                return ()
-            raise NvmlError(e.value, fn, pci) from e
-        return tuple(sorted(arr[i].start for i in range(count.value)))
-
-    def _instances(self, pci: str, h: Any, static: GpuStatic) -> tuple[GpuInstance, ...]:
-        """GIs with their CIs (uuids and holders are filled in by `_attach_ci_details`)."""
-        gis: list[GpuInstance] = []
-        used: set[int] = set()  # memory slices of the GIs found so far
-        for prof in static.profiles:
-            if prof.placements and all(used & set(range(p.start, p.start + p.size)) for p in prof.placements):
-                continue  # GIs never share a memory slice (nvml.h): no GI of this profile can exist
-            for gi_handle in self._listed(pci, "nvmlDeviceGetGpuInstances", pynvml.nvmlDeviceGetGpuInstances,
-                                          pynvml.c_nvmlGpuInstance_t, prof.instance_count, h, prof.id):
-                gi_info = self._call("nvmlGpuInstanceGetInfo", pci, pynvml.nvmlGpuInstanceGetInfo, gi_handle)
-                if any(g.id == gi_info.id for g in gis):
-                    continue
-                gis.append(GpuInstance(
-                    id=gi_info.id, profile_id=gi_info.profileId,
-                    placement=Placement(gi_info.placement.start, gi_info.placement.size),
-                    cis=self._cis(pci, gi_handle, gi_info.profileId)))
-                used.update(range(gi_info.placement.start, gi_info.placement.start + gi_info.placement.size))
-        return tuple(sorted(gis, key=lambda g: g.id))
-
-    def _listed(self, pci: str, function: str, fn: Any, ctype: Any, capacity: int, *args: Any) -> list[Any]:
-        """NVML's caller-allocated list: `fn(*args, array, &count)` with room for `capacity` handles
-        (at least one), the handles it filled."""
-        count = c_uint(0)
-        arr = (ctype * max(capacity, 1))()
-        self._call(function, pci, fn, *args, arr, byref(count))
-        return [arr[i] for i in range(count.value)]
-
-    def _cis(self, pci: str, gi_handle: Any, gi_profile_id: int) -> tuple[ComputeInstance, ...]:
-        cis: list[ComputeInstance] = []
-        for ci_prof in self._ci_profiles(pci, gi_handle, gi_profile_id).values():
-            for ci_handle in self._listed(pci, "nvmlGpuInstanceGetComputeInstances",
-                                          pynvml.nvmlGpuInstanceGetComputeInstances, pynvml.c_nvmlComputeInstance_t,
-                                          ci_prof.instance_count, gi_handle, ci_prof.id):
-                info = self._call("nvmlComputeInstanceGetInfo", pci, pynvml.nvmlComputeInstanceGetInfo, ci_handle)
-                cis.append(ComputeInstance(id=info.id, profile_id=info.profileId, slices=ci_prof.slices, uuid="",
-                                           start=info.placement.start))
-        return tuple(sorted(cis, key=lambda c: c.id))
-
-    def _attach_ci_details(self, pci: str, h: Any, gis: tuple[GpuInstance, ...]) -> tuple[GpuInstance, ...]:
-        """MIG UUIDs and processes come from the MIG device handles, matched by (GI id, CI id)."""
-        details: dict[tuple[int, int], tuple[str, tuple[Holder, ...]]] = {}
-        wanted = {(gi.id, ci.id) for gi in gis for ci in gi.cis}
-        for i in range(self._max_mig_devices(pci, h)):
-            if wanted <= details.keys():
-                break  # every CI listed has its MIG device: what further indices hold is not in `gis`
-            try:
-                m = pynvml.nvmlDeviceGetMigDeviceHandleByIndex(h, i)
-            except pynvml.NVMLError as e:
-                if e.value in (pynvml.NVML_ERROR_NOT_FOUND, pynvml.NVML_ERROR_INVALID_ARGUMENT):
-                    continue
-                raise NvmlError(e.value, "nvmlDeviceGetMigDeviceHandleByIndex", pci) from e
-            gi_id = self._call("nvmlDeviceGetGpuInstanceId", pci, pynvml.nvmlDeviceGetGpuInstanceId, m)
-            ci_id = self._call("nvmlDeviceGetComputeInstanceId", pci, pynvml.nvmlDeviceGetComputeInstanceId, m)
-            uuid = self._call("nvmlDeviceGetUUID", pci, pynvml.nvmlDeviceGetUUID, m)
-            procs = self._call("nvmlDeviceGetComputeRunningProcesses", pci,
-                               pynvml.nvmlDeviceGetComputeRunningProcesses, m)
-            holders = tuple(sorted(Holder(pid=p.pid, name=self._process_name(p.pid), device=uuid) for p in procs))
-            details[(gi_id, ci_id)] = (uuid, holders)
-        out = []
-        for gi in gis:
-            cis = []
-            for ci in gi.cis:
-                uuid, holders = details.get((gi.id, ci.id), ("", ()))
-                cis.append(ComputeInstance(id=ci.id, profile_id=ci.profile_id, slices=ci.slices,
-                                           uuid=uuid, holders=holders, start=ci.start))
-            out.append(GpuInstance(id=gi.id, profile_id=gi.profile_id, placement=gi.placement, cis=tuple(cis)))
-        return tuple(out)
-
     @_in_session
     def mig_device(self, pci: str, gi_id: int, ci_id: int) -> tuple[str, tuple[Holder, ...]] | None:
         """The MIG device of one CI: its UUID and the processes in it (None: no such CI), without
         reading the whole GPU (a lease's answer, a release's busy check)."""
-        h = self._handle(pci)
-        probe = GpuInstance(id=gi_id, profile_id=-1, placement=Placement(0, 0),
-                            cis=(ComputeInstance(id=ci_id, profile_id=-1, slices=0, uuid=""),))
-        ci = self._attach_ci_details(pci, h, (probe,))[0].cis[0]
-        return (ci.uuid, ci.holders) if ci.uuid else None
-
-    def _max_mig_devices(self, pci: str, h: Any) -> int:
-        """nvmlDeviceGetMaxMigDeviceCount with MIG on: the GPU's most MIG devices, kept for the session
-        (with MIG off it answers 0, so it is asked only with MIG on, and a mode change drops it)."""
-        known = self._cache.max_mig_devices.get(pci)
-        if known is not None:
-            return known
-        generation = self._cache.generation
-        n = int(self._call("nvmlDeviceGetMaxMigDeviceCount", pci, pynvml.nvmlDeviceGetMaxMigDeviceCount, h))
-        self._cache.store_if(generation, lambda: self._cache.max_mig_devices.__setitem__(pci, n))
-        return n
-
-    def _process_name(self, pid: int) -> str:
-        name = process_name(self.proc_root, pid)
-        if name:
-            return name
-        try:
-            return pynvml.nvmlSystemGetProcessName(pid) or "?"
-        except pynvml.NVMLError:
-            return "?"
+        return self._mig.mig_device(pci, self._handle(pci), gi_id, ci_id)
 
     # mutations ----------------------------------------------------------------------------------
     @_in_session
@@ -534,7 +339,7 @@ class Nvml:
         static = self._cache.gpus.get(pci)
         placements = next((p.placements for p in static.profiles if p.id == profile_id), ()) if static else ()
         if not placements:
-            placements = self._placements(pci, h, profile_id)
+            placements = possible_placements(pci, h, profile_id)
         if not placements:
             raise NvmlError(pynvml.NVML_ERROR_INVALID_ARGUMENT, "nvmlDeviceGetGpuInstancePossiblePlacements",
                             pci, f"profile id {profile_id} has no placements")
@@ -555,7 +360,7 @@ class Nvml:
                             pynvml.nvmlGpuInstanceCreateComputeInstance, gi, ci_profile_id)
         else:
             gi_profile = self._call("nvmlGpuInstanceGetInfo", pci, pynvml.nvmlGpuInstanceGetInfo, gi).profileId
-            prof = self._ci_profiles(pci, gi, gi_profile).get(ci_profile_id)
+            prof = self._mig.ci_profiles(pci, gi, gi_profile).get(ci_profile_id)
             if prof is None:
                 raise NvmlError(pynvml.NVML_ERROR_NOT_SUPPORTED, "nvmlGpuInstanceGetComputeInstanceProfileInfo",
                                 pci, f"GI {gi_id} offers no compute instance profile id {ci_profile_id}")
@@ -571,13 +376,19 @@ class Nvml:
         gi = self._gi(pci, gi_id)
         ci = self._call("nvmlGpuInstanceGetComputeInstanceById", pci,
                         pynvml.nvmlGpuInstanceGetComputeInstanceById, gi, ci_id)
-        self._call("nvmlComputeInstanceDestroy", pci, pynvml.nvmlComputeInstanceDestroy, ci)
+        try:
+            self._call("nvmlComputeInstanceDestroy", pci, pynvml.nvmlComputeInstanceDestroy, ci)
+        finally:
+            self._cache.instances_changed(pci)  # its MIG device may come back under the same ids
 
     @_in_session
     def destroy_gpu_instance(self, pci: str, gi_id: int) -> None:
         refuse_if(self.read_only, "destroy_gpu_instance", pci)
         gi = self._gi(pci, gi_id)
-        self._call("nvmlGpuInstanceDestroy", pci, pynvml.nvmlGpuInstanceDestroy, gi)
+        try:
+            self._call("nvmlGpuInstanceDestroy", pci, pynvml.nvmlGpuInstanceDestroy, gi)
+        finally:
+            self._cache.instances_changed(pci)
 
     def _gi(self, pci: str, gi_id: int) -> Any:
         h = self._handle(pci)

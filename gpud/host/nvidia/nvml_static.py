@@ -37,6 +37,22 @@ class GpuStatic:
     profiles: tuple[MigProfile, ...] = ()
 
 
+@dataclass(frozen=True)
+class MigDeviceRecord:
+    """What a MIG device's UUID names, fixed while the device exists: a CI is created with its GI
+    and CI ids, profile and placement and keeps them until destroyed, and the UUID "uniquely
+    identifies the subscribed MIG compute instance" (docs/hardware/nvml-static-reads.md). Used
+    only while its GI answers the same id, profile and placement; dropped when gpud changes the GPU."""
+
+    pci: str
+    gi: tuple[int, int, int, int]  # the GI's id, profile id, placement start and size
+    gi_id: int
+    ci_id: int
+    profile_id: int
+    slices: int
+    start: int | None
+
+
 @dataclass
 class SessionCache:
     """Per-session caches, dropped at nvmlShutdown. `generation` counts sessions: a read that began
@@ -49,6 +65,7 @@ class SessionCache:
     # (PCI address, GI profile id) -> the CI profiles NVML lists for a GI of that profile
     ci_profiles: dict[tuple[str, int], dict[int, CiProfile]] = field(default_factory=dict)
     max_mig_devices: dict[str, int] = field(default_factory=dict)  # asked with MIG on (0 with it off)
+    mig_devices: dict[str, MigDeviceRecord] = field(default_factory=dict)  # by MIG device UUID
     memory_stale: set[str] = field(default_factory=set)  # GPUs whose total memory is asked again
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -59,6 +76,7 @@ class SessionCache:
             self.gpus.clear()
             self.ci_profiles.clear()
             self.max_mig_devices.clear()
+            self.mig_devices.clear()
             self.memory_stale.clear()
 
     def mode_changed(self, pci: str) -> None:
@@ -69,6 +87,14 @@ class SessionCache:
         with self.lock:
             self.max_mig_devices.pop(pci, None)
             self.memory_stale.add(pci)
+            for uuid in [u for u, r in self.mig_devices.items() if r.pci == pci]:
+                del self.mig_devices[uuid]
+
+    def instances_changed(self, pci: str) -> None:
+        """gpud created or destroyed an instance on `pci`: its MIG device records are asked again."""
+        with self.lock:
+            for uuid in [u for u, r in self.mig_devices.items() if r.pci == pci]:
+                del self.mig_devices[uuid]
 
     def handle_of(self, pci: str) -> Any | None:
         """The device handle this session enumerated for `pci`, if it did."""
