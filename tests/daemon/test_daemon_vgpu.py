@@ -11,21 +11,11 @@ from gpud.sim import vgpu as sim_vgpu
 from gpud.sim.state import load, locked
 from gpud.sim.sysfs_tree import render
 from tests.support.daemon import start_until_ready, wait_until
+from tests.support.vgpu_host import sim_vgpus
 from tests.support.vgpu_layouts import L40S, T4
 from tests.support.vgpu_layouts import L40S_AND_T4 as LAYOUT
 
 pytestmark = pytest.mark.daemon
-
-
-def sim_vgpus(host, pf: str) -> list[tuple[str, str]]:
-    """(type, VF or mdev UUID) from the simulator's state file."""
-    st = load(host)
-    types = sim_vgpu.sim_types(sim_vgpu.vgpu_model(st, pf))
-    by_vfio = {t.vfio_id: t.name for t in types}
-    by_mdev = {t.mdev_id: t.name for t in types}
-    v = st.vgpu[pf]
-    return sorted([(by_vfio[vf.vgpu_type], vf.address) for vf in v.vfs if vf.vgpu_type]
-                  + [(by_mdev[m.type_id], m.uuid) for m in v.mdevs])
 
 
 def status_vgpus(status: dict, pf: str) -> list[tuple[str, str]]:

@@ -171,7 +171,8 @@ async def test_vgpus_are_published_as_kubevirt_takes_them_and_prepared(cluster, 
     made is one `type: vgpu` device on the server, the VF's address as its pciBusID or the mdev's
     UUID as mDevUUID (KubeVirt VEP 10); a claim for one is allocated by the real scheduler and
     prepare hands over the VF's /dev/vfio group as the simulated kernel lists it."""
-    from tests.daemon.test_daemon_vgpu import L40S, T4, sim_vgpus
+    from tests.support.vgpu_host import sim_vgpus
+    from tests.support.vgpu_layouts import L40S, T4
 
     cluster.node("vgpu-node")
     kubeconfig = cluster.kubeconfig(tmp_path / "gpud.kubeconfig")

@@ -14,7 +14,6 @@ from gpud.engine.leases.engine import LeaseRefused
 from gpud.sim import state as simstate
 from tests.leases.rig import dynamic_rig, restarted, sim_gis
 
-
 # Every step of a lease, in order (gpud.engine.leases.executor): the GPU starts with MIG off, so the
 # first lease turns it on (`mode-on`). What a new gpud finds: `None` nothing of the lease (it never
 # reached the disk), `lease-dropped` (rolled back: no instance left), `lease-adopted` (GI and CI

@@ -127,3 +127,16 @@ class Daemon:
                 self.proc.kill()
                 self.proc.wait()
         return self.proc.returncode
+
+
+class DaemonOn(Daemon):
+    """gpud on a host that already exists (the tests' Daemon makes its own)."""
+
+    def __init__(self, tmp: Path, host: Path, layout: str, extra_args: list[str] = ()) -> None:
+        self.tmp, self.host = tmp, host
+        self.config = tmp / "etc" / "layout.yaml"
+        self.config.parent.mkdir(parents=True, exist_ok=True)
+        self.config.write_text(layout)
+        self.socket, self.log, self.state_dir = tmp / "gpud.sock", tmp / "gpud.log", tmp / "state"
+        self.extra_args = list(extra_args)
+        self.start(mode="w")

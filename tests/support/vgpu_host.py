@@ -25,6 +25,17 @@ def adapter(d: Path) -> VgpuSysfs:
     return VgpuSysfs(fs, Procs(str(h.proc_root), str(h.dev_root)), names_file=str(d / "names.json"))
 
 
+def sim_vgpus(host: Path, pf: str) -> list[tuple[str, str]]:
+    """(type, VF or mdev UUID) of the GPU at `pf`, from the simulator's state file."""
+    st = load(host)
+    types = sim_vgpu.sim_types(sim_vgpu.vgpu_model(st, pf))
+    by_vfio = {t.vfio_id: t.name for t in types}
+    by_mdev = {t.mdev_id: t.name for t in types}
+    v = st.vgpu[pf]
+    return sorted([(by_vfio[vf.vgpu_type], vf.address) for vf in v.vfs if vf.vgpu_type]
+                  + [(by_mdev[m.type_id], m.uuid) for m in v.mdevs])
+
+
 def want(pci: str, types: dict[str, int], workload: str = "vm-vgpu") -> DesiredGpu:
     return DesiredGpu(pci=pci, index=0, entry="layouts.x[0]", workload=workload, vgpu_devices=types)
 
@@ -62,9 +73,4 @@ class Host:
 
     def devices(self) -> list[tuple[str, str]]:
         """(type name, uuid or VF) from the simulator's state file."""
-        st = load(self.dir)
-        v = st.vgpu[self.pf]
-        types = {t.vfio_id: t.name for t in sim_vgpu.sim_types(sim_vgpu.vgpu_model(st, self.pf))}
-        mtypes = {t.mdev_id: t.name for t in sim_vgpu.sim_types(sim_vgpu.vgpu_model(st, self.pf))}
-        return sorted([(types[vf.vgpu_type], vf.address) for vf in v.vfs if vf.vgpu_type]
-                      + [(mtypes[m.type_id], m.uuid) for m in v.mdevs])
+        return sim_vgpus(self.dir, self.pf)
