@@ -31,6 +31,16 @@ def _listed(pci: str, function: str, fn: Any, ctype: Any, capacity: int, *args: 
     return [arr[i] for i in range(count.value)]
 
 
+def _mig_device_at(pci: str, h: Any, index: int) -> Any | None:
+    """The MIG device handle at `index` of the GPU, or None where that index holds none."""
+    try:
+        return pynvml.nvmlDeviceGetMigDeviceHandleByIndex(h, index)
+    except pynvml.NVMLError as e:
+        if e.value in (pynvml.NVML_ERROR_NOT_FOUND, pynvml.NVML_ERROR_INVALID_ARGUMENT):
+            return None
+        raise NvmlError(e.value, "nvmlDeviceGetMigDeviceHandleByIndex", pci) from e
+
+
 class MigReader:
     def __init__(self, cache: SessionCache, proc_root: str) -> None:
         self._cache = cache
@@ -120,12 +130,9 @@ class MigReader:
         for i in range(self.max_mig_devices(pci, h)):
             if all(v <= 0 for v in room.values()):
                 break
-            try:
-                m = pynvml.nvmlDeviceGetMigDeviceHandleByIndex(h, i)
-            except pynvml.NVMLError as e:
-                if e.value in (pynvml.NVML_ERROR_NOT_FOUND, pynvml.NVML_ERROR_INVALID_ARGUMENT):
-                    continue
-                raise NvmlError(e.value, "nvmlDeviceGetMigDeviceHandleByIndex", pci) from e
+            m = _mig_device_at(pci, h, i)
+            if m is None:
+                continue
             uuid = call("nvmlDeviceGetUUID", pci, pynvml.nvmlDeviceGetUUID, m)
             known = cache.mig_devices.get(uuid)
             if known is not None and known.pci == pci and known.gi in gi_keys:
@@ -195,12 +202,9 @@ class MigReader:
         """The MIG device of one CI: its UUID and the processes in it (None: no such CI), without
         reading the whole GPU (a lease's answer, a release's busy check)."""
         for i in range(self.max_mig_devices(pci, h)):
-            try:
-                m = pynvml.nvmlDeviceGetMigDeviceHandleByIndex(h, i)
-            except pynvml.NVMLError as e:
-                if e.value in (pynvml.NVML_ERROR_NOT_FOUND, pynvml.NVML_ERROR_INVALID_ARGUMENT):
-                    continue
-                raise NvmlError(e.value, "nvmlDeviceGetMigDeviceHandleByIndex", pci) from e
+            m = _mig_device_at(pci, h, i)
+            if m is None:
+                continue
             if (call("nvmlDeviceGetGpuInstanceId", pci, pynvml.nvmlDeviceGetGpuInstanceId, m) == gi_id and
                     call("nvmlDeviceGetComputeInstanceId", pci, pynvml.nvmlDeviceGetComputeInstanceId, m) == ci_id):
                 uuid = call("nvmlDeviceGetUUID", pci, pynvml.nvmlDeviceGetUUID, m)
