@@ -2,7 +2,7 @@
 commands (gpud.engine.engine), so `gpudctl` never sees anything the engine does not itself act on.
 
 The engine refuses with its own errors (`gpud.engine.queries.EngineError`); this module is where
-each becomes a wire error code, and every reply is a `gpud.api.wire_replies` struct built by `replies`.
+each becomes a wire error code, and every reply is a `gpud.wire.replies` struct built by `replies`.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from collections.abc import Awaitable
 from typing import TYPE_CHECKING, Any, Protocol
 
 from gpud import VERSION
-from gpud.api import plan_replies, replies, wire, wire_replies, wire_tables
+from gpud.api import plan_replies, replies
 from gpud.api.fair_share import FairShare, cost_error
 from gpud.api.peers import Peer
 from gpud.api.server import ApiError
@@ -33,6 +33,9 @@ from gpud.layout.parse import ParsedLayout
 from gpud.layout.resolve import Resolution
 from gpud.loop_lag import LoopLagProbe
 from gpud.model import Gpu
+from gpud.wire import protocol as wire
+from gpud.wire import replies as wire_replies
+from gpud.wire import tables as wire_tables
 
 if TYPE_CHECKING:  # their modules load the Kubernetes client and gRPC: only with --kube-node / --dra
     from gpud.engine.dra.service import DraService

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from gpud.api import wire_replies
 from gpud.api.replies import DYNAMIC_NOTE, capped, holders, placement
 from gpud.engine.gpu_state import BindAction, GpuState, MigAction, VgpuAction
 from gpud.engine.preview import GpuPreview, Rebind
@@ -15,6 +14,7 @@ from gpud.model import Gpu, VgpuDevice
 from gpud.plan.binding import BindStep
 from gpud.plan.mig import Destroyed, GpuPlan, Step
 from gpud.plan.vgpu import VgpuStep
+from gpud.wire import replies as wire_replies
 
 
 def mig_step(step: Step) -> wire_replies.StepInfo:

@@ -1,4 +1,4 @@
-"""The socket's replies, built from the engine's typed records straight into `gpud.api.wire`'s structs.
+"""The socket's replies, built from the engine's typed records straight into `gpud.wire`'s structs.
 
 The engine keeps domain objects (Gpu, GpuState, GpuPlan, BindingPlan, PassthroughEntry); this
 module is the one place they become what a client reads. Every reply is constructed as its wire
@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from gpud import VERSION
-from gpud.api import wire, wire_replies, wire_tables
 from gpud.engine.binding.passthrough import PassthroughEntry, kubevirt_configuration, kubevirt_entry
 from gpud.engine.gpu_state import GpuState
 from gpud.engine.kube.node_labels_out import LabelsOut
@@ -34,6 +33,9 @@ from gpud.plan.node_labels import advertised
 from gpud.profiles import GI_PROFILE_INDEX, NVIDIA, ModelInfo, by_device, model_name, with_model_ci_profiles
 from gpud.vgpu_types import by_device as vgpu_model_of
 from gpud.vgpu_types import parse_vgpu_name
+from gpud.wire import protocol as wire
+from gpud.wire import replies as wire_replies
+from gpud.wire import tables as wire_tables
 
 if TYPE_CHECKING:  # the kube agent's module loads the Kubernetes client: only with --kube-node
     from gpud.engine.kube.agent import AgentStatus

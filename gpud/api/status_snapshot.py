@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import msgspec
 
-from gpud.api import replies, wire_replies
+from gpud.api import replies
 from gpud.engine.view import EngineView
+from gpud.wire import replies as wire_replies
 
 
 class StatusSnapshot:

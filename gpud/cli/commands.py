@@ -13,7 +13,6 @@ from typing import Any
 
 import msgspec
 
-from gpud.api import wire, wire_replies, wire_tables
 from gpud.cli.escape import escaped, term
 from gpud.cli.render import (
     event_json,
@@ -38,6 +37,9 @@ from gpud.cli.render_smi import (
 )
 from gpud.cli.render_vm import render_passthrough, render_vgpu_types
 from gpud.cli.transport import NO_LIMIT, Client, Unreachable
+from gpud.wire import protocol as wire
+from gpud.wire import replies as wire_replies
+from gpud.wire import tables as wire_tables
 
 DEFAULT_LAYOUT = "/etc/gpud/layout.yaml"
 

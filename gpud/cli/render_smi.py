@@ -4,8 +4,9 @@ compute-profiles` (mig -lcip), `mig compute-instances` (mig -lci). Pure, like gp
 
 from __future__ import annotations
 
-from gpud.api import wire_replies, wire_tables
 from gpud.cli.render import table
+from gpud.wire import replies as wire_replies
+from gpud.wire import tables as wire_tables
 
 
 def render_mig_profiles(r: wire_tables.MigProfilesReply) -> str:

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import msgspec
 
-from gpud.api import wire_tables
 from gpud.cli.render import table
+from gpud.wire import tables as wire_tables
 
 
 def render_vgpu_types(r: wire_tables.VgpuTypesReply) -> str:

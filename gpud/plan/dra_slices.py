@@ -21,7 +21,8 @@ One pool per node (named after the node), every device once, published by gpud's
   exclusive ones are bounded by their profile's instance count.
 
 Attribute names are those of NVIDIA's DRA driver (k8s-dra-driver-gpu: `type`, `uuid`,
-`parentUUID`, `profile`, `productName`, `architecture`, `cudaComputeCapability`, `driverVersion`)
+`parentUUID`, `profile`, `productName`, `architecture`, `cudaComputeCapability`, `driverVersion`,
+`cudaDriverVersion`; its `brand` is not, gpud does not read NVML's brand)
 plus the standard `resource.kubernetes.io/pciBusID` and `resource.kubernetes.io/pcieRoot`
 (k8s.io/dynamic-resource-allocation deviceattribute; the root complex is read from sysfs by
 gpud.host.kernel.sysfs.pcie_root), so CEL selectors written for NVIDIA's driver carry over and a claim
@@ -75,6 +76,7 @@ class DraInputs(Struct, frozen=True):
     desired: Mapping[str, DesiredGpu] = field(default_factory=dict)  # PCI -> what the layout asks
     driver: str = DEFAULT_DRIVER
     driver_version: str | None = None  # NVML: "550.54.15"
+    cuda_version: int | None = None  # NVML's nvmlSystemGetCudaDriverVersion: 12080 for CUDA 12.8
     unhealthy: frozenset[str] = frozenset()  # PCI addresses of GPUs not to offer (XID, lost)
     # PCI -> placements held by something other than a DRA claim (leases from gpudctl, foreign
     # instances): never offered
@@ -144,6 +146,9 @@ def _common(gpu: Gpu, inputs: DraInputs) -> dict[str, dict]:
     v = semver(inputs.driver_version)
     if v:
         attrs["driverVersion"] = {"version": v}
+    if inputs.cuda_version:
+        major, minor = divmod(inputs.cuda_version, 1000)
+        attrs["cudaDriverVersion"] = {"version": f"{major}.{minor // 10}.0"}
     attrs["index"] = {"int": gpu.index}
     return attrs
 

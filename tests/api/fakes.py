@@ -10,9 +10,10 @@ import threading
 import time
 from typing import Any
 
-from gpud.api import wire_replies, wire_tables
 from gpud.api.peers import Peer
 from gpud.api.server import ApiError, ApiServer, serve
+from gpud.wire import replies as wire_replies
+from gpud.wire import tables as wire_tables
 
 P = wire_replies.Placement
 H = wire_replies.HolderInfo

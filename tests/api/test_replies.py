@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import msgspec
 
-from gpud.api import plan_replies, replies, wire_replies, wire_tables
+from gpud.api import plan_replies, replies
 from gpud.engine.binding import passthrough
 from gpud.model import Gpu, Holder, PciFunction, Placement
 from gpud.plan.binding import BindStep
 from gpud.plan.mig import Destroyed, Step
+from gpud.wire import replies as wire_replies
+from gpud.wire import tables as wire_tables
 
 GPU0 = "0000:3b:00.0"
 

@@ -11,7 +11,9 @@ import sys
 import msgspec
 import pytest
 
-from gpud.api import wire, wire_replies, wire_tables
+from gpud.wire import protocol as wire
+from gpud.wire import replies as wire_replies
+from gpud.wire import tables as wire_tables
 from tests.api.fakes import plan_reply, status_reply
 
 
@@ -183,7 +185,7 @@ async def test_async_reader():
 def test_the_protocol_modules_import_only_stdlib_and_msgspec():
     # what msgspec itself pulls in (typing_extensions) is msgspec's business, not ours
     code = (
-        "import sys, msgspec; before = set(sys.modules); import gpud.api.wire, gpud.api.wire_replies; "
+        "import sys, msgspec; before = set(sys.modules); import gpud.wire.protocol, gpud.wire.replies; "
         "new = {m.split('.')[0] for m in set(sys.modules) - before}; "
         "print(' '.join(sorted(new - set(sys.stdlib_module_names))))"
     )

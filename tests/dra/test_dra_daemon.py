@@ -66,6 +66,12 @@ async def test_gpud_killed_between_allocate_prepare_and_unprepare(cluster, tmp_p
         roots = {dev["attributes"]["resource.kubernetes.io/pcieRoot"]["string"]
                  for s in slices for dev in s["spec"]["devices"]}
         assert roots == {realpath_root(Path(d.host) / "sys", pci)}, roots
+        # the versions as NVIDIA's driver publishes them, from the simulator's own record
+        st = simstate.load(d.host)
+        major, rest = divmod(st.cuda_version, 1000)
+        versions = {(dev["attributes"]["driverVersion"]["version"], dev["attributes"]["cudaDriverVersion"]["version"])
+                    for s in slices for dev in s["spec"]["devices"]}
+        assert versions == {(".".join(str(int(p)) for p in st.driver_version.split(".")), f"{major}.{rest // 10}.0")}
 
         cluster.claim("k9", MIG, profile_is("1g.10gb"))
         cluster.pod("k9", "k9", node=NODE)
@@ -154,16 +160,6 @@ def test_publishing_as_gpu_nvidia_com_is_refused_while_nvidias_plugin_is_registe
         shutil.rmtree(root, ignore_errors=True)
 
 
-VGPU_LAYOUT = """version: v1
-layouts:
-  vms:
-    - devices: [0]
-      workload: vm-vgpu
-      vgpu-devices: {"L40S-12Q": 4}
-    - devices: [1]
-      workload: vm-vgpu
-      vgpu-devices: {"GRID T4-4Q": 2}
-"""
 
 
 async def test_vgpus_are_published_as_kubevirt_takes_them_and_prepared(cluster, tmp_path):
@@ -173,11 +169,12 @@ async def test_vgpus_are_published_as_kubevirt_takes_them_and_prepared(cluster, 
     prepare hands over the VF's /dev/vfio group as the simulated kernel lists it."""
     from tests.support.vgpu_host import sim_vgpus
     from tests.support.vgpu_layouts import L40S, T4
+    from tests.support.vgpu_layouts import L40S_AND_T4 as LAYOUT
 
     cluster.node("vgpu-node")
     kubeconfig = cluster.kubeconfig(tmp_path / "gpud.kubeconfig")
     root = tempfile.mkdtemp(prefix="kubelet.", dir="/tmp")
-    d = Daemon(tmp_path, ["l40s", "t4"], VGPU_LAYOUT, vgpu="vfio", extra_args=[
+    d = Daemon(tmp_path, ["l40s", "t4"], LAYOUT, vgpu="vfio", extra_args=[
         "--kube-node", "vgpu-node", "--kubeconfig", kubeconfig, "--dra", "--kubelet-root", root,
         "--cdi-dir", str(tmp_path / "cdi")])
     try:

@@ -284,3 +284,99 @@ async def test_unprepare_of_a_busy_claim_is_refused_and_nothing_is_killed(cluste
         assert sim_gis(node.rig) == []
     finally:
         await kubelet.close()
+
+
+STATIC_AND_WHOLE = """version: v1
+layouts:
+  d:
+    - devices: [0]
+      mig-enabled: true
+      mig-devices: {"3g.40gb": 2}
+    - devices: [1]
+      mig-enabled: false
+"""
+
+
+async def test_static_mig_and_whole_gpus_are_prepared_without_making_anything(cluster, tmp_path):
+    """A static MIG device and a whole GPU exist already: prepare creates and destroys nothing
+    (the simulator's state file before and after) and hands over what the simulator says they
+    are: the MIG device's UUID, the GPU's UUID and its /dev/nvidia<minor>."""
+    node = await SimNode(tmp_path, cluster, "static-node").start(("h100-80gb:2",), STATIC_AND_WHOLE)
+    kubelet = Kubelet(node.plugin)
+    try:
+        before = simstate.load(node.rig.dir)
+        whole_pci = sorted(before.gpus)[1]
+        cluster.claim("static-mig", MIG, profile_is("3g.40gb"))
+        cluster.pod("static-mig", "static-mig", node=node.name)
+        cluster.claim("whole", GPU)
+        cluster.pod("whole", "whole", node=node.name)
+        cluster.allocated("static-mig")
+        cluster.allocated("whole")
+        got = {}
+        for name in ("static-mig", "whole"):
+            claim = cluster.get_claim(name)
+            assert (await kubelet.prepare(claim)).error == ""
+            got[name] = json.loads((node.tmp / "cdi" / f"{DEFAULT_DRIVER}-claim_{claim['metadata']['uid']}.json")
+                                   .read_text())["devices"][0]["containerEdits"]
+        after = simstate.load(node.rig.dir)
+        assert after.gpus == before.gpus  # nothing created or destroyed
+        mig_uuids = {ci.uuid for gi in after.gpus[sorted(after.gpus)[0]].gis for ci in gi.cis}
+        (env,) = [e for e in got["static-mig"]["env"] if e.startswith("NVIDIA_VISIBLE_DEVICES=")]
+        assert env.split("=", 1)[1] in mig_uuids and len(mig_uuids) == 2
+        whole = after.gpus[whole_pci]
+        assert f"NVIDIA_VISIBLE_DEVICES={whole.uuid}" in got["whole"]["env"]
+        assert {"path": f"/dev/nvidia{whole.minor}"} in got["whole"]["deviceNodes"]
+        for name in ("static-mig", "whole"):
+            assert (await kubelet.unprepare(cluster.get_claim(name))).error == ""
+        assert simstate.load(node.rig.dir).gpus == before.gpus
+    finally:
+        await kubelet.close()
+        await node.close()
+
+
+async def test_unprepare_never_touches_an_instance_made_outside_kubernetes(cluster, node):
+    """A lease made outside Kubernetes beside a claim's instance on one GPU: the claim's
+    unprepare destroys its own instance only."""
+    ns = node.name[:20]
+    outside = await node.rig.rec.leases.lease("3g.40gb", start=4, owner="job")
+    await node.driver.publish()
+    cluster.claim(f"{ns}-own", MIG, profile_is("1g.10gb"))
+    cluster.pod(f"{ns}-own", f"{ns}-own", node=node.name)
+    at = node.placement(cluster.allocated(f"{ns}-own"))
+    assert not at.slices & {4, 5, 6, 7}  # what the lease holds was never offered
+    claim = cluster.get_claim(f"{ns}-own")
+    kubelet = Kubelet(node.plugin)
+    try:
+        assert (await kubelet.prepare(claim)).error == ""
+        assert sorted((n, pl) for n, pl, _ in sim_gis(node.rig)) == sorted(
+            [("1g.10gb", at), ("3g.40gb", Placement(4, 4))])
+        assert (await kubelet.unprepare(claim)).error == ""
+        assert [(n, pl) for n, pl, _ in sim_gis(node.rig)] == [("3g.40gb", Placement(4, 4))]
+        assert outside.id in {r.id for r in node.rig.rec.leases.leases()}
+    finally:
+        await kubelet.close()
+
+
+async def test_a_vfio_claim_is_refused_while_its_group_is_not_all_on_vfio_pci(cluster, tmp_path):
+    """The layout binds the IOMMU group, a claim never does: with the GPU's audio function taken
+    off vfio-pci after allocation, prepare answers an error naming it, writes no CDI spec and
+    binds nothing (the simulator's state file)."""
+    node = await SimNode(tmp_path, cluster, "vfio-off-node").start(("rtx6000-ada:1",), PASSTHROUGH)
+    kubelet = Kubelet(node.plugin)
+    try:
+        cluster.claim("vm-gpu-off", "vfio.gpud.io")
+        cluster.pod("vm-off", "vm-gpu-off", node=node.name)
+        cluster.allocated("vm-gpu-off")
+        claim = cluster.get_claim("vm-gpu-off")
+        (gpu_pci,) = simstate.load(node.rig.dir).gpus
+        audio = next(a for a, f in simstate.load(node.rig.dir).functions.items()
+                     if a != gpu_pci and a.rsplit(".", 1)[0] == gpu_pci.rsplit(".", 1)[0])
+        node.rig.hw.sysfs.write("bus/pci/drivers/vfio-pci/unbind", audio)
+        await node.rig.rec.refresh_async()
+        got = await kubelet.prepare(claim)
+        assert audio in got.error and "not on vfio-pci" in got.error, got.error
+        assert not (node.tmp / "cdi" / f"{DEFAULT_DRIVER}-claim_{claim['metadata']['uid']}.json").exists()
+        assert simstate.load(node.rig.dir).functions[audio].driver is None
+    finally:
+        await kubelet.close()
+        await node.close()

@@ -94,6 +94,7 @@ UNHEALTHY_STATES = ("stuck", "gone")  # a driver write that never returned; the 
 
 
 def inputs_of(view: EngineView, node: str, driver: str, *, driver_version: str | None,
+              cuda_version: int | None = None,
               unhealthy: frozenset[str] = frozenset(),
               pcie_root: Callable[[str], str | None] = lambda pci: None,
               taints: Mapping[str, tuple[dict, ...]] | None = None) -> DraInputs:
@@ -103,6 +104,7 @@ def inputs_of(view: EngineView, node: str, driver: str, *, driver_version: str |
     unhealthy = unhealthy | {pci for pci, st in view.gpu_states.items() if st.state in UNHEALTHY_STATES}
     roots = {g.pci: r for g in view.observation.gpus if g.present and (r := pcie_root(g.pci))}
     return DraInputs(node, view.observation.gpus, desired, driver=driver, driver_version=driver_version,
+                     cuda_version=cuda_version,
                      unhealthy=unhealthy, foreign=foreign_placements(view), pcie_roots=roots,
                      taints=taints or {})
 
@@ -111,6 +113,7 @@ class DraDriver:
     def __init__(self, api: ClaimsApi, leases: LeaseEngine, view: Callable[[], EngineView], *,
                  state_dir: str | None, cdi_dir: str = DEFAULT_CDI_DIR,
                  driver_version: Callable[[], str | None] = lambda: None,
+                 cuda_version: Callable[[], int | None] = lambda: None,
                  unhealthy: Callable[[], frozenset[str]] = frozenset,
                  pcie_root: Callable[[str], str | None] = lambda pci: None,
                  taints: Callable[[], Mapping[str, tuple[dict, ...]]] = dict) -> None:
@@ -119,7 +122,7 @@ class DraDriver:
         self.node, self.driver = api.node, api.driver
         self.cdi_dir = cdi_dir
         self.path = os.path.join(state_dir, CHECKPOINT) if state_dir else None
-        self._driver_version, self._unhealthy = driver_version, unhealthy
+        self._driver_version, self._cuda_version, self._unhealthy = driver_version, cuda_version, unhealthy
         self.claims: dict[str, PreparedClaim] = {}
         self.published: DraSlices | None = None
         self.generation = 0
@@ -134,6 +137,7 @@ class DraDriver:
             unhealthy |= {pci for pci, ts in taints.items() if any(t["effect"] == "NoSchedule" for t in ts)}
             taints = {}
         inputs = inputs_of(view, self.node, self.driver, driver_version=self._driver_version(),
+                           cuda_version=self._cuda_version(),
                            unhealthy=unhealthy, pcie_root=self._pcie_root, taints=taints)
         return build_slices(msgspec.structs.replace(inputs, generation=max(self.generation, 1)))
 

@@ -1,6 +1,6 @@
 """The typed result of each op of the gpud socket protocol (`RESULTS`), and their decoding.
 
-gpud/api/wire.py holds the envelope these travel in (frames, requests, responses, events, the
+gpud/wire/protocol.py holds the envelope these travel in (frames, requests, responses, events, the
 arguments of each op); this module holds what a `Response.result` is, op by op (the table ops'
 structs in wire_tables.py). The daemon builds these structs (gpud/api/replies.py) and `gpudctl`
 decodes into them, so like wire.py this module imports only the standard library, msgspec and
@@ -18,8 +18,8 @@ from typing import Any
 
 import msgspec
 
-from gpud.api.wire import PROTOCOL, Event, FrameError
-from gpud.api.wire_tables import (
+from gpud.wire.protocol import PROTOCOL, Event, FrameError
+from gpud.wire.tables import (
     MigComputeProfilesReply,
     MigProfilesReply,
     PassthroughReply,

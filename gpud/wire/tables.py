@@ -1,7 +1,7 @@
 """The typed results of the table ops of the gpud socket protocol: `mig-profiles` and
 `mig-compute-profiles` (nvidia-smi mig -lgip/-lcip's rows), `passthrough` (devices and vGPUs for
 VMs, with libvirt's and KubeVirt's configuration) and `vgpu-types`. Part of the client's contract
-with gpud/api/wire.py and gpud/api/wire_replies.py (whose RESULTS maps each op to its struct), and
+with gpud/wire/protocol.py and gpud/wire/replies.py (whose RESULTS maps each op to its struct), and
 like them it imports only the standard library, msgspec and the contract's own modules."""
 
 # No `from __future__ import annotations` here, as in wire_replies.py (msgspec compiles annotation
