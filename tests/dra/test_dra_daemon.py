@@ -215,6 +215,12 @@ async def test_vgpus_are_published_as_kubevirt_takes_them_and_prepared(cluster, 
         group = os.path.basename(os.readlink(d.host / "sys" / "bus" / "pci" / "devices" / vf / "iommu_group"))
         assert {"path": f"/dev/vfio/{group}"} in edits["deviceNodes"]
         assert f"PCI_RESOURCE_GPUD_IO={vf}" in edits["env"]
+        # what KubeVirt's virt-launcher reads (KEP-5304 metadata, VEP 10): the VF's address
+        (mount,) = edits["mounts"]
+        assert mount["hostPath"].startswith(os.path.join(root, "plugins", DEFAULT_DRIVER) + "/")
+        ((dev_meta,),) = [r["devices"] for r in json.loads(Path(mount["hostPath"]).read_text())["requests"]]
+        assert dev_meta["attributes"]["resource.kubernetes.io/pciBusID"] == {"string": vf}
+        assert "mDevUUID" not in dev_meta["attributes"]
     finally:
         if d.proc.poll() is None:
             d.proc.terminate()

@@ -57,7 +57,7 @@ class SimNode:
     async def boot(self) -> None:
         assert self.rig is not None and self.api is not None
         self.driver = DraDriver(self.api, self.rig.rec.leases, self.rig.rec.view, state_dir=str(self.tmp / "state"),
-                                cdi_dir=str(self.tmp / "cdi"))
+                                cdi_dir=str(self.tmp / "cdi"), metadata_dir=str(self.tmp / "meta"))
         await self.driver.start()
         await self.driver.publish()
         self.plugin = KubeletPlugin(DEFAULT_DRIVER, self.driver, root=str(self.kubelet))
@@ -149,12 +149,29 @@ async def test_prepare_makes_the_allocated_placement_and_unprepare_destroys_it(c
         spec = (node.tmp / "cdi" / f"{DEFAULT_DRIVER}-claim_{uid}.json").read_text()
         assert gis[0][2][0] in spec  # the MIG device's UUID, from the simulator's state file
 
+        # KEP-5304's device metadata, mounted where KubeVirt's virt-launcher reads it, holding the
+        # device's attributes as the server stores them in the slice
+        (mount,) = json.loads(spec)["devices"][0]["containerEdits"]["mounts"]
+        name = claim["metadata"]["name"]
+        assert mount["containerPath"] == (f"/var/run/kubernetes.io/dra-device-attributes/resourceclaims/{name}/gpu/"
+                                          f"{DEFAULT_DRIVER}-metadata.json") and mount["options"] == ["ro", "bind"]
+        meta = json.loads(Path(mount["hostPath"]).read_text())
+        assert (meta["apiVersion"], meta["kind"]) == ("metadata.resource.k8s.io/v1alpha1", "DeviceMetadata")
+        assert (meta["metadata"]["name"], meta["metadata"]["uid"]) == (name, uid)
+        ((req,),) = [meta["requests"]]
+        on_server = next(d for s in cluster.slices(node.name) for d in s["spec"].get("devices") or ()
+                         if d["name"] == dev.device_name)
+        assert req["name"] == "gpu" and req["devices"] == [{"driver": DEFAULT_DRIVER, "pool": node.name,
+                                                            "name": dev.device_name,
+                                                            "attributes": on_server["attributes"]}]
+
         again = await kubelet.prepare(claim)  # the second container, or a kubelet retry: prepared once
         assert list(again.devices) == list(got.devices) and len(sim_gis(node.rig)) == 1
 
         assert (await kubelet.unprepare(claim)).error == ""
         assert sim_gis(node.rig) == []
         assert not (node.tmp / "cdi" / f"{DEFAULT_DRIVER}-claim_{uid}.json").exists()
+        assert not Path(mount["hostPath"]).exists()
     finally:
         await kubelet.close()
 
