@@ -113,6 +113,7 @@ class Reconciler:
         self._concluded_under: Layout | None = None  # the layout the last pass concluded the GPU states for
         self.resolution: Resolution | None = None
         self.observation = Observation(gpus=(), functions=())
+        self._drivers_seen: tuple[Observation, frozenset[str]] | None = None
         self.gpu_states: dict[str, GpuState] = {}
         self.phase: Phase = "starting"
         self._apply_wanted = False  # `gpudctl apply` asked for the next pass (policy.apply: manual)
@@ -390,7 +391,17 @@ class Reconciler:
     def next_action(self, gpu: Gpu, desired: DesiredGpu) -> Action | GpuState | None:
         """The next thing this GPU needs (gpud.engine.next_action), or None when it matches its entry."""
         return next_action(gpu, desired, vgpus=self.vgpus, leases=self.leases, policy=self.policy,
-                           drivers=frozenset(self.hw.sysfs.drivers()), nvml_error=self.observation.nvml_error)
+                           drivers=self._drivers(), nvml_error=self.observation.nvml_error)
+
+    def _drivers(self) -> frozenset[str]:
+        """The kernel's PCI drivers, listed once per observation: next_action runs on the loop for
+        every GPU, and each listing there handed the GIL to a busy worker (up to its switch
+        interval) while clients waited. A driver loaded since (gpud's own modprobe in a bind step)
+        is seen with the observation that step's re-read makes."""
+        kept = self._drivers_seen
+        if kept is None or kept[0] is not self.observation:
+            kept = self._drivers_seen = (self.observation, frozenset(self.hw.sysfs.drivers()))
+        return kept[1]
 
     # ---- execution ----------------------------------------------------------------------------
     def request_apply(self, *, seen_since: float | None = None) -> int:
