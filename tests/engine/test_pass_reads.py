@@ -108,3 +108,25 @@ def test_the_kernels_drivers_are_listed_once_per_observation_not_per_gpu(tmp_pat
         assert listed and len(listed) == len({id(o) for o in listed})  # never twice for one observation
     finally:
         rig.close()
+
+
+def test_a_no_op_pass_plans_each_gpu_once(tmp_path, monkeypatch):
+    """Planning runs on the loop: a pass that finds nothing to do plans each GPU once, not once to
+    see which GPUs change and again in each GPU's rounds."""
+    from gpud.engine import reconciler
+    from gpud.plan.mig import plan_gpu
+
+    rig = SimRig(tmp_path, ("h100-80gb:4",))
+    try:
+        assert asyncio.run(rig.apply(layout(mig([0, 1, 2, 3], {"1g.10gb": 7}))))
+        planned: list[str] = []
+
+        def counted(gpu, desired):
+            planned.append(gpu.pci)
+            return plan_gpu(gpu, desired)
+
+        monkeypatch.setattr(reconciler, "plan_gpu", counted)
+        asyncio.run(rig.rec.converge())
+        assert sorted(planned) == sorted(g.pci for g in rig.rec.observation.gpus)
+    finally:
+        rig.close()
