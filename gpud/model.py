@@ -120,6 +120,9 @@ class NvmlGpu(Struct, frozen=True):
     instances: tuple[GpuInstance, ...] = ()
     processes: tuple[Holder, ...] = ()  # compute processes on the whole GPU
     compute_capability: tuple[int, int] | None = None  # CUDA (major, minor): GFD's gpu.family
+    # the nvidia module's CoherentGPUMemoryMode as /proc/driver/nvidia/params states it ("driver":
+    # CDMM, "numa" or "": NUMA; None: not stated), for a coherent (Grace) GPU: docs/hardware/grace.md
+    coherent_memory_mode: str | None = None
 
     def profile(self, profile_id: int) -> MigProfile | None:
         return next((p for p in self.profiles if p.id == profile_id), None)

@@ -80,6 +80,9 @@ class ModelInfo(Struct, frozen=True):
     # ...)), the newest branch the driver is at or above applies; `profiles` holds the names the
     # sources give for drivers below every entry. gpud itself takes names from NVML on a real host.
     renamed: tuple[tuple[int, tuple[tuple[int, str], ...]], ...] = ()
+    # a Grace superchip's GPU (memory coherent with the CPU over NVLink-C2C): the nvidia driver's
+    # CDMM applies to it (docs/hardware/grace.md)
+    coherent: bool = False
 
     def names_for(self, driver_version: str | None) -> dict[int, str]:
         """Profile id -> the name a driver of `driver_version` gives it, where it differs from the
@@ -379,18 +382,19 @@ MODELS: dict[str, ModelInfo] = {
         ModelInfo("gb200", "NVIDIA GB200", 0x2941, None, 0, "blackwell", GB200,
                   source=_CAPTURES + "gb200: github.com/NVIDIA/mig-parted/issues/227 (-lgip of a production "
                                      "board, first four rows)",
-                  unknown=_GB200_UNKNOWN + ((WHOLE_GPU, ("memory_mb",)),)),
+                  unknown=_GB200_UNKNOWN + ((WHOLE_GPU, ("memory_mb",)),), coherent=True),
         ModelInfo("gh200-144gb", "NVIDIA GH200 144G HBM3e", 0x2348, None, 0, "hopper", GH200_144GB,
                   source=_CAPTURES + "gh200-144gb: github.com/NVIDIA/mig-parted/pull/139 (-lgip, first four rows)",
-                  unknown=_GH200_144GB_UNKNOWN + ((WHOLE_GPU, ("memory_mb",)),)),
+                  unknown=_GH200_144GB_UNKNOWN + ((WHOLE_GPU, ("memory_mb",)),), coherent=True),
         ModelInfo("gh200-96gb", "NVIDIA GH200 480GB", 0x2342, None, 97871, "hopper", GH200_96GB,
                   source=_CAPTURES + "gh200-96gb: github.com/kf-cuanschutz/NVIDIA_Grace_Hopper_benchmarking_logs_ "
                                      "(-lgip, all seven rows, driver 550.54.15)",
-                  inferred=_inferred_7(GH200_96GB) + ((WHOLE_GPU, ("memory_mb",)),)),
+                  inferred=_inferred_7(GH200_96GB) + ((WHOLE_GPU, ("memory_mb",)),), coherent=True),
         ModelInfo("gb300", "NVIDIA GB300", 0x31C2, None, 0, "blackwell", GB300,
                   source="github.com/NVIDIA/dgx-spark-playbooks nvidia/station-mig (ids, names by driver; "
                          "no -lgip); mig-parted config-default.yaml (counts)",
-                  unknown=_GB300_UNKNOWN + ((WHOLE_GPU, ("memory_mb",)),), renamed=((610, _GB300_R61X),)),
+                  unknown=_GB300_UNKNOWN + ((WHOLE_GPU, ("memory_mb",)),), renamed=((610, _GB300_R61X),),
+                  coherent=True),
         ModelInfo("l40s", "NVIDIA L40S", 0x26B9, 0x1851, 46068, "ada"),
         ModelInfo("t4", "Tesla T4", 0x1EB8, 0x12A2, 15360, "turing"),
         ModelInfo("rtx6000-ada", "NVIDIA RTX 6000 Ada Generation", 0x26B1, 0x16A1, 49140, "ada",

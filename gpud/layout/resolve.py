@@ -261,6 +261,14 @@ def _no_such_gpu(selector: int | str, gpus: Sequence[Gpu]) -> str:
     return f"no managed GPU at {selector}; {host}"
 
 
+def in_cdmm(gpu: Gpu) -> bool:
+    """A Grace superchip's GPU whose driver runs CDMM (docs/hardware/grace.md); CDMM has no effect
+    on other GPUs (nvidia's nv-reg.h; GPU Operator 25.3.2: "ignored on other GPU platforms")."""
+    model = by_device(gpu.function.device) if gpu.function.vendor == NVIDIA else None
+    return bool(model is not None and model.coherent and gpu.nvml is not None
+                and gpu.nvml.coherent_memory_mode == "driver")
+
+
 def _check_mig(parsed: ParsedLayout, mig_devices: dict[str, int], epath: str, gpu: Gpu,
                errors: _Collector, warnings: _Collector) -> None:
     """MIG names against this GPU's own table; the message names the model and the valid names."""
@@ -273,6 +281,12 @@ def _check_mig(parsed: ParsedLayout, mig_devices: dict[str, int], epath: str, gp
         return
     if not profiles:
         errors.per_gpu(mpath, f"{model} at {_AT} does not support MIG", gpu.pci)
+        return
+    if in_cdmm(gpu):
+        errors.per_gpu(mpath, f"{model} at {_AT}: MIG is not available while the nvidia driver manages this GPU's "
+                              "coherent memory (CDMM: CoherentGPUMemoryMode \"driver\" in /proc/driver/nvidia/params); "
+                              "NVIDIA lists CDMM as not compatible with MIG (GPU Operator 25.3.2 release notes, known "
+                              "issues); load nvidia with NVreg_CoherentGPUMemoryMode=numa to use MIG", gpu.pci)
         return
     for name in mig_devices:
         if find_profile(name, profiles) is not None:

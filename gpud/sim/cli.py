@@ -50,7 +50,7 @@ class SimCliError(Exception):
 def create(host_dir: str | os.PathLike, gpu_specs: list[str], mig_on: Sequence[int] = (),
            nvswitch: bool = False, vgpu: str | None = None, persistence: str = "legacy",
            fabric_manager: str = "running", persistenced_socket: str = "reachable",
-           driver: str | None = None) -> SimState:
+           driver: str | None = None, cdmm: bool = False) -> SimState:
     """Write DIR/state.json for a new host, render its sysfs/dev/proc trees and write its
     nvidia-smi (DIR/bin/nvidia-smi). `nvswitch`: the GPUs sit on an HGX baseboard with NVSwitches
     (of the first GPU's architecture) and `fabric_manager` ("running" or "stopped") says whether
@@ -59,7 +59,8 @@ def create(host_dir: str | os.PathLike, gpu_specs: list[str], mig_on: Sequence[i
     as many hosts and the lent H200 run), "daemon" (nvidia-persistenced) or "off"; on for every GPU.
     `persistenced_socket`: "reachable" (nvidia-smi talks to the daemon) or "hidden" (the daemon out
     of its sight, in another container). `driver`: the driver version (NVML's, /proc/driver/nvidia's),
-    which also picks the profile names of a model whose names differ by driver branch."""
+    which also picks the profile names of a model whose names differ by driver branch. `cdmm`: the
+    nvidia module runs CDMM (CoherentGPUMemoryMode=driver)."""
     from gpud.sim.sysfs_tree import lay_out
 
     d = Path(host_dir)
@@ -71,6 +72,8 @@ def create(host_dir: str | os.PathLike, gpu_specs: list[str], mig_on: Sequence[i
         if not re.fullmatch(r"\d{3}\.\d+(\.\d+)?", driver):
             raise SimCliError(f"--driver {driver!r}: expected a driver version such as 580.159.04")
         state.driver_version = driver
+    if cdmm:
+        state.coherent_memory_mode = "driver"
     if nvswitch:
         catalog.add_nvswitches(state, catalog.model(models[0]).arch)
     if vgpu is not None:
@@ -323,6 +326,9 @@ def _parser() -> argparse.ArgumentParser:
                    help=f"the NVIDIA driver version the host runs (default {SimState().driver_version}); where a "
                    "model's MIG profile names differ by driver branch (GB300: R59x 1g.35gb, R61x 1g.31gb) NVML "
                    "answers this driver's")
+    p.add_argument("--cdmm", action="store_true",
+                   help="the nvidia module loaded with NVreg_CoherentGPUMemoryMode=driver (CDMM): Grace GPUs refuse "
+                   "MIG (docs/hardware/grace.md)")
     for name in ("hold", "release"):
         p = sub.add_parser(name, help=f"{name} a GPU or MIG device as a process would")
         p.add_argument("dir")
@@ -390,7 +396,7 @@ def main(argv: list[str] | None = None) -> int:
                 if args.fabric_manager and not args.nvswitch:
                     raise SimCliError("--fabric-manager needs --nvswitch (Fabric Manager runs on NVSwitch hosts)")
                 state = create(args.dir, args.gpu, args.mig_on, args.nvswitch, args.vgpu, args.persistence,
-                               args.fabric_manager or "running", args.persistenced_socket, args.driver)
+                               args.fabric_manager or "running", args.persistenced_socket, args.driver, args.cdmm)
             except catalog.CatalogError as e:
                 print(f"gpud-sim: {e}", file=sys.stderr)
                 return 2

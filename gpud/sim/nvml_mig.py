@@ -77,6 +77,10 @@ def nvmlDeviceSetMigMode(lib: Handles, state: SimState, handle: Any, mode: Any, 
     mode = as_int(mode)
     if mode not in (0, 1):
         raise Ret(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+    if mode == 1 and model.coherent and state.coherent_memory_mode == "driver":
+        # CDMM "is not compatible with MIG" (GPU Operator 25.3.2 known issues); the driver's own
+        # answer was never published: NOT_SUPPORTED, as for a GPU without MIG (docs/hardware/grace.md)
+        raise Ret(pynvml.NVML_ERROR_NOT_SUPPORTED)
     status = deref(status_ref)
     if mode == 0 and gpu.gis:
         raise Ret(pynvml.NVML_ERROR_IN_USE)

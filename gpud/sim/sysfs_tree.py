@@ -345,6 +345,8 @@ def desired_tree(host_dir: str | os.PathLike, state: SimState) -> dict[str, tupl
         node("dev/nvidia-caps/nvidia-cap2", dev_nodes.NVIDIA_CAPS, 2, 0o444)
         for p in ("proc/driver", "proc/driver/nvidia", "proc/driver/nvidia/gpus", "proc/driver/nvidia-caps"):
             d(p)
+        # only the parameter the simulator models (the real file lists every NVreg_ one)
+        f("proc/driver/nvidia/params", f'CoherentGPUMemoryMode: "{state.coherent_memory_mode}"\n')
         f("proc/driver/nvidia/version",
           f"NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  {state.driver_version}  Release Build\n")
         top = max((g.minor for g in state.gpus.values()), default=-1)
