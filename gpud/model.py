@@ -94,6 +94,9 @@ class PciFunction(Struct, frozen=True):
     driver_override: str | None = None
     iommu_group: int | None = None
     numa_node: int = -1
+    # the VFIO variant driver the kernel's modules.alias names for it (nvgrace_gpu_vfio_pci on a
+    # Grace GPU); None: plain vfio-pci (gpud.host.kernel.module_alias)
+    vfio_variant: str | None = None
 
     @property
     def pci_id(self) -> str:

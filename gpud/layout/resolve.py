@@ -19,6 +19,7 @@ from gpud.layout.parse import ParsedLayout, entry_path, parse_layout
 from gpud.layout.schema import DeviceEntry, Layout
 from gpud.layout.yaml_reader import item_path, key_path
 from gpud.model import Gpu, KnownGpu, MigProfile
+from gpud.pci import is_vfio
 from gpud.profiles import NVIDIA, by_device, model_name, with_model_ci_profiles
 from gpud.vgpu_types import VgpuModel, mig_need, parse_vgpu_name, strip_prefix
 from gpud.vgpu_types import by_device as vgpu_model_of
@@ -212,7 +213,7 @@ def _check_iommu_groups(gpus: Sequence[Gpu], desired: dict[str, DesiredGpu], lpa
             if d is not None:
                 wants.append((g, d.workload == "vm-passthrough", f"{d.workload} by {d.entry}"))
             else:
-                on_vfio = g.function.driver == "vfio-pci"
+                on_vfio = is_vfio(g.function.driver)
                 wants.append((g, on_vfio, f"not in the layout, stays on {g.function.driver or 'no driver'}"))
         if len({v for _, v, _ in wants}) < 2:
             continue

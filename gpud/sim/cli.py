@@ -31,6 +31,7 @@ import msgspec
 import pynvml
 
 import gpud.sim.catalog as catalog
+import gpud.sim.modules_alias as modules_alias
 from gpud.pci import normalize_pci
 from gpud.sim.state import (
     FABRIC_MANAGER_STATES,
@@ -98,6 +99,7 @@ def create(host_dir: str | os.PathLike, gpu_specs: list[str], mig_on: Sequence[i
     state.fabric_manager = fabric_manager
     state.persistent = sorted(state.gpus) if persistence != "off" else []
     lay_out(d, state)
+    modules_alias.write(d, state)
     for tool, module in (("nvidia-smi", "gpud.sim.nvidia_smi"), ("sriov-manage", "gpud.sim.sriov_manage")):
         write_tool(d, tool, module)
     return state
