@@ -105,6 +105,14 @@ class DraSlices(Struct, frozen=True):
     slices: list[dict]  # ResourceSlice objects, as the API takes them
     devices: dict[str, SliceDevice]  # device name -> what it is
 
+    def attributes(self, name: str) -> dict:
+        """The attributes the named device is published with ({} for none of this pool)."""
+        for s in self.slices:
+            for d in s["spec"].get("devices") or ():
+                if d["name"] == name:
+                    return dict(d["attributes"])
+        return {}
+
 
 def device_name(*parts: object) -> str:
     """A DNS label from parts: `gpu-0-mig-1g-10gb-me-3`."""

@@ -20,10 +20,10 @@ from gpud.profiles import MODELS
 from gpud.sim import gpu_rules
 from gpud.sim import state as simstate
 from tests.dra.cluster import skips
-from tests.dra.test_dra_scheduler import MIG, Kubelet, profile_is
-from tests.dra.test_pcie_root import realpath_root
 from tests.leases.rig import dynamic_layout
 from tests.support.daemon import Daemon, wait_until
+from tests.support.dra_kubelet import MIG, Kubelet, profile_is
+from tests.support.pci_oracle import realpath_root
 
 pytestmark = skips()
 NODE = "daemon-node"
@@ -160,16 +160,6 @@ def test_publishing_as_gpu_nvidia_com_is_refused_while_nvidias_plugin_is_registe
         shutil.rmtree(root, ignore_errors=True)
 
 
-VGPU_LAYOUT = """version: v1
-layouts:
-  vms:
-    - devices: [0]
-      workload: vm-vgpu
-      vgpu-devices: {"L40S-12Q": 4}
-    - devices: [1]
-      workload: vm-vgpu
-      vgpu-devices: {"GRID T4-4Q": 2}
-"""
 
 
 async def test_vgpus_are_published_as_kubevirt_takes_them_and_prepared(cluster, tmp_path):
@@ -177,12 +167,14 @@ async def test_vgpus_are_published_as_kubevirt_takes_them_and_prepared(cluster, 
     made is one `type: vgpu` device on the server, the VF's address as its pciBusID or the mdev's
     UUID as mDevUUID (KubeVirt VEP 10); a claim for one is allocated by the real scheduler and
     prepare hands over the VF's /dev/vfio group as the simulated kernel lists it."""
-    from tests.daemon.test_daemon_vgpu import L40S, T4, sim_vgpus
+    from tests.support.vgpu_host import sim_vgpus
+    from tests.support.vgpu_layouts import L40S, T4
+    from tests.support.vgpu_layouts import L40S_AND_T4 as LAYOUT
 
     cluster.node("vgpu-node")
     kubeconfig = cluster.kubeconfig(tmp_path / "gpud.kubeconfig")
     root = tempfile.mkdtemp(prefix="kubelet.", dir="/tmp")
-    d = Daemon(tmp_path, ["l40s", "t4"], VGPU_LAYOUT, vgpu="vfio", extra_args=[
+    d = Daemon(tmp_path, ["l40s", "t4"], LAYOUT, vgpu="vfio", extra_args=[
         "--kube-node", "vgpu-node", "--kubeconfig", kubeconfig, "--dra", "--kubelet-root", root,
         "--cdi-dir", str(tmp_path / "cdi")])
     try:
@@ -223,6 +215,12 @@ async def test_vgpus_are_published_as_kubevirt_takes_them_and_prepared(cluster, 
         group = os.path.basename(os.readlink(d.host / "sys" / "bus" / "pci" / "devices" / vf / "iommu_group"))
         assert {"path": f"/dev/vfio/{group}"} in edits["deviceNodes"]
         assert f"PCI_RESOURCE_GPUD_IO={vf}" in edits["env"]
+        # what KubeVirt's virt-launcher reads (KEP-5304 metadata, VEP 10): the VF's address
+        (mount,) = edits["mounts"]
+        assert mount["hostPath"].startswith(os.path.join(root, "plugins", DEFAULT_DRIVER) + "/")
+        ((dev_meta,),) = [r["devices"] for r in json.loads(Path(mount["hostPath"]).read_text())["requests"]]
+        assert dev_meta["attributes"]["resource.kubernetes.io/pciBusID"] == {"string": vf}
+        assert "mDevUUID" not in dev_meta["attributes"]
     finally:
         if d.proc.poll() is None:
             d.proc.terminate()
