@@ -199,3 +199,29 @@ def test_everything_the_client_loads_is_the_standard_library_and_msgspec():
     # the walk reached the protocol and the MIG words the client prints
     assert {GPUD / "wire" / "protocol.py", GPUD / "wire" / "replies.py", GPUD / "mig_text.py"} <= seen
     assert outside - set(sys.stdlib_module_names) - {"msgspec"} == set()
+
+
+TESTS = GPUD.parent / "tests"
+
+
+def _test_module_imports(path: Path) -> set[str]:
+    """The test modules (test_*.py, conftest.py) that `path` imports, by dotted name."""
+    out = set()
+    for name in _imports(path):
+        if _within(name, "tests") and any(part.startswith("test_") or part == "conftest" for part in name.split(".")[1:]):
+            out.add(name)
+    return out
+
+
+def test_the_checker_sees_an_import_of_a_test_module(tmp_path):
+    f = tmp_path / "m.py"
+    f.write_text("def f():\n    from tests.kube.test_x import helper\n")
+    assert _test_module_imports(f) == {"tests.kube.test_x", "tests.kube.test_x.helper"}
+
+
+def test_no_module_under_tests_imports_a_test_module():
+    """What tests share lives in tests/support/ (or a harness module of its folder), never in a test
+    module: importing one runs its module-level code and collects nothing, and ties one test file's
+    edits to another's."""
+    found = {str(p.relative_to(TESTS)): sorted(_test_module_imports(p)) for p in sorted(TESTS.rglob("*.py"))}
+    assert {k: v for k, v in found.items() if v} == {}

@@ -29,7 +29,7 @@ from gpud.layout.desired import DesiredGpu
 from gpud.layout.names import device_name, mig_device_name
 from gpud.layout.resolve import Resolution
 from gpud.model import Gpu, Holder, KnownGpu, MigProfile, Placement
-from gpud.plan.node_labels import advertised
+from gpud.plan.node_labels import Advertised, advertised
 from gpud.profiles import GI_PROFILE_INDEX, NVIDIA, ModelInfo, by_device, model_name, with_model_ci_profiles
 from gpud.vgpu_types import by_device as vgpu_model_of
 from gpud.vgpu_types import parse_vgpu_name
@@ -236,10 +236,11 @@ def shown_state(view: EngineView, pci: str) -> GpuState | None:
 
 
 def kubernetes_status(gpus: Sequence[Gpu], *, mig_strategy: str, agent: AgentStatus | None = None,
-                      dra: dict[str, Any] | None = None) -> wire_replies.KubernetesStatus:
-    """What the device plugins will advertise from the GPUs as observed; the label protocol's state
-    (None without --kube-node); the DRA driver's (its status record, None without --dra)."""
-    ad = advertised(gpus, mig_strategy=mig_strategy)
+                      dra: dict[str, Any] | None = None, ad: Advertised | None = None) -> wire_replies.KubernetesStatus:
+    """What the device plugins will advertise from the GPUs as observed (`ad`, when the caller kept
+    it for these GPUs); the label protocol's state (None without --kube-node); the DRA driver's (its
+    status record, None without --dra)."""
+    ad = ad if ad is not None else advertised(gpus, mig_strategy=mig_strategy)
     agent_status = None
     if agent is not None:
         agent_status = wire_replies.KubeAgentStatus(node=agent.node, connected=agent.connected, selected=agent.selected,

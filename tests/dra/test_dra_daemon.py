@@ -20,10 +20,10 @@ from gpud.profiles import MODELS
 from gpud.sim import gpu_rules
 from gpud.sim import state as simstate
 from tests.dra.cluster import skips
-from tests.dra.test_dra_scheduler import MIG, Kubelet, profile_is
-from tests.dra.test_pcie_root import realpath_root
 from tests.leases.rig import dynamic_layout
 from tests.support.daemon import Daemon, wait_until
+from tests.support.dra_kubelet import MIG, Kubelet, profile_is
+from tests.support.pci_oracle import realpath_root
 
 pytestmark = skips()
 NODE = "daemon-node"
@@ -167,7 +167,9 @@ async def test_vgpus_are_published_as_kubevirt_takes_them_and_prepared(cluster, 
     made is one `type: vgpu` device on the server, the VF's address as its pciBusID or the mdev's
     UUID as mDevUUID (KubeVirt VEP 10); a claim for one is allocated by the real scheduler and
     prepare hands over the VF's /dev/vfio group as the simulated kernel lists it."""
-    from tests.daemon.test_daemon_vgpu import L40S, LAYOUT, T4, sim_vgpus
+    from tests.support.vgpu_host import sim_vgpus
+    from tests.support.vgpu_layouts import L40S, T4
+    from tests.support.vgpu_layouts import L40S_AND_T4 as LAYOUT
 
     cluster.node("vgpu-node")
     kubeconfig = cluster.kubeconfig(tmp_path / "gpud.kubeconfig")

@@ -17,8 +17,8 @@ import time
 
 from gpud.sim import state as simstate
 from tests.dra.cluster import skips
-from tests.dra.test_dra_scheduler import MIG, profile_is
 from tests.support.daemon import Daemon
+from tests.support.dra_kubelet import MIG, profile_is
 
 pytestmark = skips()
 NODE = "follow-node"

@@ -15,24 +15,16 @@ from pathlib import Path
 import pytest
 
 from gpud.engine.dra.driver import DraDriver
-from gpud.host.kube import kubelet_plugin
 from gpud.host.kube.kubelet_plugin import KubeletPlugin
 from gpud.model import Placement
 from gpud.plan.dra_slices import DEFAULT_DRIVER
 from gpud.sim import state as simstate
 from tests.dra.cluster import DraCluster, skips
-from tests.leases.rig import dynamic_rig, sim_gis
+from tests.leases.rig import dynamic_rig, restarted, sim_gis
+from tests.support.dra_kubelet import GPU, MIG, Kubelet, profile_is
 from tests.support.simrig import SimRig
 
 pytestmark = skips()
-
-MIG = "mig.gpud.io"
-GPU = "gpu.gpud.io"
-
-
-def profile_is(name: str) -> str:
-    return f"device.attributes['{DEFAULT_DRIVER}'].profile == '{name}'"
-
 
 class SimNode:
     """One simulated node: gpud's reconciler and lease engine (a SimRig), its DRA driver publishing
@@ -87,42 +79,6 @@ class SimNode:
         sd = self.driver.published.devices[r["device"]]
         assert r["pool"] == self.name and r["driver"] == DEFAULT_DRIVER and sd.placement is not None
         return sd.placement
-
-
-class Kubelet:
-    """The kubelet's side of DRA: the generated stubs on gpud's sockets, nothing hand-made."""
-
-    def __init__(self, plugin: KubeletPlugin) -> None:
-        import grpc
-
-        self.v1, self.v1_grpc, _, _, self.reg, self.reg_grpc = kubelet_plugin.proto()
-        self.plugin = plugin
-        self.dra = grpc.aio.insecure_channel(f"unix://{plugin.dra_socket}")
-        self.registration = grpc.aio.insecure_channel(f"unix://{plugin.registration_socket}")
-
-    async def close(self) -> None:
-        await self.dra.close()
-        await self.registration.close()
-
-    async def register(self):
-        stub = self.reg_grpc.RegistrationStub(self.registration)
-        info = await stub.GetInfo(self.reg.InfoRequest())
-        await stub.NotifyRegistrationStatus(self.reg.RegistrationStatus(plugin_registered=True))
-        return info
-
-    async def prepare(self, claim: dict):
-        m = claim["metadata"]
-        stub = self.v1_grpc.DRAPluginStub(self.dra)
-        got = await stub.NodePrepareResources(self.v1.NodePrepareResourcesRequest(
-            claims=[self.v1.Claim(namespace=m["namespace"], uid=m["uid"], name=m["name"])]))
-        return got.claims[m["uid"]]
-
-    async def unprepare(self, claim: dict):
-        m = claim["metadata"]
-        stub = self.v1_grpc.DRAPluginStub(self.dra)
-        got = await stub.NodeUnprepareResources(self.v1.NodeUnprepareResourcesRequest(
-            claims=[self.v1.Claim(namespace=m["namespace"], uid=m["uid"], name=m["name"])]))
-        return got.claims[m["uid"]]
 
 
 @pytest.fixture
@@ -232,8 +188,6 @@ async def test_a_claim_survives_a_gpud_restart_between_prepare_and_unprepare(clu
     await kubelet.close()
     # a new gpud process: its own NVML session, reconciler and lease records read from the state dir
     await node.plugin.stop()
-    from tests.leases.test_lease_restart import restarted
-
     await restarted(node.rig, node.tmp)
     await node.boot()
     kubelet = Kubelet(node.plugin)

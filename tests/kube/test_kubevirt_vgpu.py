@@ -16,7 +16,7 @@ from gpud.engine.vgpu.inventory import entry
 from gpud.model import VgpuDevice
 from gpud.sim.cli import create
 from gpud.vgpu_types import printed_name
-from tests.host.test_vgpu_sysfs import adapter
+from tests.support.vgpu_host import adapter
 
 T4 = "0000:18:00.0"
 UUID = "0b5e4c1a-7d0e-4f0a-9a3e-2d5f6a7b8c90"
@@ -59,8 +59,8 @@ def test_vf_selector_is_the_vfs_own_uevent_pci_id(tmp_path):
     (pkg/virt-handler/device-manager/common.go, GetDevicePCIID), so gpud reads the VF's own: a VF
     whose uevent says another device id than its PF is selected by that id, not the PF's."""
     from gpud.sim.state import load
-    from tests.host.test_vgpu_sysfs import L40S
     from tests.sim.vfs import set_vfs
+    from tests.support.vgpu_layouts import L40S
 
     d = tmp_path / "h"
     create(d, ["l40s"], vgpu="vfio")
