@@ -1,8 +1,10 @@
 """Reliability soak at full scale: the trials of tests/reliability/trials.py (socket abuse, bad
-layouts, hot-remove, unplug/plug storm, NVML faults, kill -9 during 8-GPU applies, and round 3's:
-root's files, fair service, kill -9 with a blocked writer) with the counts of the attacks, on the simulator and the daemon's own Unix socket only. Writes the tries and
-outcomes of every trial to bench/results/reliability.md. `make test` runs the same trials at CI
-scale and writes nothing here.
+layouts, hot-remove, unplug/plug storm, NVML faults, kill -9 during 8-GPU applies; round 3's:
+root's files, fair service, kill -9 with a blocked writer; round 4's Kubernetes faults against a
+real kube-apiserver: mig.config flapped, ConfigMap deleted mid-apply, API server stopped, 410 storm)
+with the counts of the attacks, on the simulator, the daemon's own Unix socket and a loopback API
+server. Writes the tries and outcomes of every trial to bench/results/reliability.md. `make test`
+runs the same trials at CI scale and writes nothing here.
 
 Run: make reliability   (or .venv/bin/python -m bench.reliability [--scale ci])
 """
@@ -22,7 +24,8 @@ sys.path.insert(0, str(ROOT))
 
 from dataclasses import replace  # noqa: E402
 
-from tests.reliability.trials import CI, FULL, TRIALS, Scale, TrialResult, run_all  # noqa: E402
+from tests.reliability.trials import CI, FULL, KUBE, TRIALS, Scale, TrialResult, run_all  # noqa: E402
+from tests.reliability.trials_kube import available as kube_available  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results" / "reliability.md"
 
@@ -35,10 +38,12 @@ def report(results: list[TrialResult], scale_name: str, seconds: float) -> str:
         f"{platform.machine()} with {_cpus()} CPU(s), Python {platform.python_version()}, in {seconds:.0f} s.",
         "Every trial runs a real gpud process on a simulated 8 x H100 80GB host "
         "([tests/reliability/trials.py](../../tests/reliability/trials.py); the round-3 trials of "
-        "[trials_files.py](../../tests/reliability/trials_files.py) on 1 or 2 GPUs of their own); hardware "
-        "outcomes, the planted files' targets and the helpers' fate are read from "
+        "[trials_files.py](../../tests/reliability/trials_files.py) on 1 or 2 GPUs of their own; the round-4 "
+        "Kubernetes trials of [trials_kube.py](../../tests/reliability/trials_kube.py) on 2 GPUs, with "
+        "`--kube-node` against a real kube-apiserver and etcd, the layout a ConfigMap volume as the kubelet "
+        "writes one); hardware outcomes, the planted files' targets and the helpers' fate are read from "
         "the simulator's own `state.json` and compared with the layout through NVIDIA's GI profile ids, "
-        "not through gpud.",
+        "not through gpud; the node's labels are fresh reads from the API server.",
         "",
         "| trial | promise | tries | outcomes | broken | seconds |",
         "|---|---|---:|---|---:|---:|",
@@ -67,8 +72,11 @@ def _units(scale: Scale, only: tuple[str, ...], jobs: int) -> list[Unit]:
     the long ones, dealt out among the others (each with its own seed, so no two repeat a try)."""
     if jobs == 1:
         return [(scale, only, 13)]
-    quick = tuple(t for t in only if t not in ("kill9", "faults"))
+    quick = tuple(t for t in only if t not in ("kill9", "faults", *KUBE))
+    kube = tuple(t for t in only if t in KUBE)
     units: list[Unit] = [(scale, quick, 13)] if quick else []
+    if kube:  # the API server outage's minute runs beside the rest
+        units.append((scale, kube, 17))
     long = [(t, {"kill9": "kills", "faults": "faults"}[t]) for t in ("faults", "kill9") if t in only]
     slots = max(1, jobs - len(units))
     for i, (trial, key) in enumerate(long):
@@ -123,6 +131,8 @@ def main(argv: list[str] | None = None) -> int:
         if not hasattr(scale, key) or not value.isdigit():
             ap.error(f"--set {item}: expected KEY=N with KEY one of {', '.join(vars(scale))}")
         scale = replace(scale, **{key: int(value)})
+    if any(t in KUBE for t in only) and (why := kube_available()) is not None:
+        ap.error(f"the Kubernetes trials need a real kube-apiserver: {why} (or --only without {','.join(KUBE)})")
     t0 = time.monotonic()
     units = _units(scale, only, max(1, args.jobs))
     if len(units) == 1:

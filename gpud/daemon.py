@@ -270,7 +270,11 @@ class Daemon:
 
     # ---- event sources ---------------------------------------------------------------------
     async def watch_config(self) -> None:
-        """Editors save in place, by atomic rename, or delete and re-create: watch the directory."""
+        """Editors save in place, by atomic rename, or delete and re-create: watch the directory.
+        A ConfigMap volume (the GPU Operator's way to hand mig-manager its file) is the file as a
+        link `config.yaml -> ..data/config.yaml`; the kubelet's edit renames a new `..data` link
+        over the old one and never touches the file's own entry, so the link's first component
+        in the same directory counts as the file too."""
         from asyncinotify import Inotify, Mask
 
         path = Path(self.args.config).absolute()
@@ -278,8 +282,8 @@ class Daemon:
         with Inotify() as ino:
             ino.add_watch(path.parent, mask)
             async for event in ino:
-                if event.name is not None and str(event.name) == path.name:
-                    self._schedule_reload(f"{path.name}: {event.mask!r}")
+                if event.name is not None and str(event.name) in _names_of(path):
+                    self._schedule_reload(f"{event.name}: {event.mask!r}")
 
     def _schedule_reload(self, why: str) -> None:
         loop = asyncio.get_running_loop()
@@ -525,6 +529,21 @@ class Daemon:
             exc = t.exception() if not t.cancelled() else None
             log.error("%s stopped unexpectedly: %r", t.get_name(), exc)
         return False
+
+
+def _names_of(path: Path) -> set[str]:
+    """The entries of `path`'s directory whose change changes what `path` reads: its own name and,
+    when it is a relative link through an entry of the same directory (`..data/config.yaml`), that
+    entry's name."""
+    names = {path.name}
+    try:
+        target = os.readlink(path)
+    except OSError:  # not a link, or gone
+        return names
+    first = Path(target).parts[0] if target and not os.path.isabs(target) else None
+    if first not in (None, ".", ".."):
+        names.add(first)
+    return names
 
 
 STATE_LOCK = "gpud.pid"  # in the state dir: held (flock) by the one gpud that uses it, its pid inside

@@ -620,17 +620,25 @@ class Scale:
     fair_checkers: int = 4
     fair_applies: int = 10
     writer_kills: int = 1
+    kube_flaps: int = 2  # tests/reliability/trials_kube.py
+    kube_deletions: int = 3
+    kube_outages: int = 1
+    kube_outage_s: int = 10
+    kube_rounds: int = 6
 
 
 CI = Scale(frames=24, flood=150, slow=20, bad_layouts=8, kills=1, faults=2, hot_removes=1, storm_events=20,
-           followers=40, checks=2, file_rounds=6, fair_rounds=1, fair_checkers=4, fair_applies=10, writer_kills=1)
+           followers=40, checks=2, file_rounds=6, fair_rounds=1, fair_checkers=4, fair_applies=10, writer_kills=1,
+           kube_flaps=2, kube_deletions=3, kube_outages=1, kube_outage_s=10, kube_rounds=6)
 FULL = Scale(frames=107, flood=500, slow=60, bad_layouts=34, kills=34, faults=48, hot_removes=4, storm_events=200,
              followers=135, checks=5,  # the counts of issue 13's attack
-             file_rounds=30, fair_rounds=3, fair_checkers=16, fair_applies=60, writer_kills=8)  # and round 3's
+             file_rounds=30, fair_rounds=3, fair_checkers=16, fair_applies=60, writer_kills=8,  # and round 3's
+             kube_flaps=10, kube_deletions=9, kube_outages=2, kube_outage_s=60, kube_rounds=30)  # and round 4's
 
 
-TRIALS = ("abuse", "bad", "measured", "hotremove", "storm", "faults", "kill9", "files", "fair", "writers")
-OWN_HOSTS = ("files", "fair", "writers")  # trials that start gpud on small hosts of their own
+KUBE = ("kube-flap", "kube-configmap", "kube-outage", "kube-410")  # against a real kube-apiserver
+TRIALS = ("abuse", "bad", "measured", "hotremove", "storm", "faults", "kill9", "files", "fair", "writers", *KUBE)
+OWN_HOSTS = ("files", "fair", "writers", *KUBE)  # trials that start gpud on small hosts of their own
 
 
 def run_all(tmp: Path, scale: Scale, seed: int = 13, only: tuple[str, ...] = TRIALS) -> list[TrialResult]:
@@ -651,6 +659,13 @@ def run_all(tmp: Path, scale: Scale, seed: int = 13, only: tuple[str, ...] = TRI
     timed("files", round3.trial_root_files, tmp, rng, scale.file_rounds)
     timed("fair", round3.trial_fair_service, tmp, scale.fair_rounds, scale.fair_checkers, scale.fair_applies)
     timed("writers", round3.trial_writer_helpers, tmp, scale.writer_kills)
+    if any(t in KUBE for t in only):
+        from tests.reliability import trials_kube as round4
+
+        if round4.available() is None:  # without the server's binaries these trials are left out
+            results += round4.run_kube(tmp, rng, flaps=scale.kube_flaps, deletions=scale.kube_deletions,
+                                       outages=scale.kube_outages, outage_s=scale.kube_outage_s,
+                                       storm_rounds=scale.kube_rounds, only=only)
     if all(t in OWN_HOSTS for t in only):
         return results
     first = MIG_LAYOUTS[0]
