@@ -44,6 +44,7 @@ from gpud.engine.view import EngineView
 from gpud.host.files import state_files
 from gpud.host.kube.kubelet_plugin import ClaimRef, Prepared, PreparedDevice
 from gpud.model import Gpu, Placement
+from gpud.pci import is_vfio
 from gpud.plan.dra_slices import DraInputs, DraSlices, SliceDevice, build_slices
 
 log = logging.getLogger(__name__)
@@ -265,7 +266,7 @@ class DraDriver:
         ctl = ["/dev/nvidiactl"]
         if sd.kind == "vfio":
             group = gpu.function.iommu_group
-            off = [f.address for f in (gpu.function, *gpu.companions) if f.driver != "vfio-pci"]
+            off = [f.address for f in (gpu.function, *gpu.companions) if not is_vfio(f.driver)]
             if off:
                 raise ValueError(f"{sd.name}: {', '.join(off)} not on vfio-pci (the layout binds the group, "
                                  "a claim does not)")
