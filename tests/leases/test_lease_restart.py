@@ -12,21 +12,7 @@ import pytest
 
 from gpud.engine.leases.engine import LeaseRefused
 from gpud.sim import state as simstate
-from tests.leases.rig import dynamic_rig, sim_gis
-from tests.support.simrig import SimRig
-
-
-async def restarted(rig: SimRig, tmp) -> list[dict]:
-    """What a new gpud process does at start: its own NVML session and reconciler, records read."""
-    rig.new_process(str(tmp / "state"))
-    rig.rec = type(rig.rec)(rig.hw, config_path=str(rig.config), apply_lock=rig.rec.apply_lock, bus=rig.bus,
-                            state_dir=str(tmp / "state"))
-    assert rig.rec.load_config()
-    rig.rec.refresh()
-    before = len(rig.bus.recent())
-    await rig.rec.leases.start()
-    return rig.bus.recent()[before:]
-
+from tests.leases.rig import dynamic_rig, restarted, sim_gis
 
 # Every step of a lease, in order (gpud.engine.leases.executor): the GPU starts with MIG off, so the
 # first lease turns it on (`mode-on`). What a new gpud finds: `None` nothing of the lease (it never
