@@ -243,7 +243,9 @@ def why(frag: list[tuple[float, list[Policy]]]) -> list[str]:
                    f"{f.refused_with_room // 2}; gpud has {g.refused_with_room}, of which {scattered} had "
                    f"the free slices scattered over GPUs (first-fit: "
                    f"{f.refused_with_room - f.refused_on_one_gpu}) and {big} were 7g.80gb requests, which need a "
-                   f"whole empty GPU (first-fit: {f.with_room_by_profile.get('7g.80gb', 0)}).")
+                   f"whole empty GPU (first-fit: {f.with_room_by_profile.get('7g.80gb', 0)})"
+                   + (": the scattered ones alone are more than the target allows."
+                      if scattered > f.refused_with_room / 2 else "."))
     if not out:
         return []
     return ["Where the target is missed:", "", *out, "",
