@@ -40,8 +40,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench import venvs  # noqa: E402
-from gpud.api import wire_replies  # noqa: E402
 from gpud.api.server import serve  # noqa: E402
+from gpud.wire import replies as wire_replies  # noqa: E402
 
 
 def _status() -> wire_replies.StatusReply:

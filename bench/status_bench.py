@@ -30,9 +30,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from gpud.api import wire  # noqa: E402
 from gpud.cli.transport import NO_LIMIT, Client  # noqa: E402
 from gpud.loop_lag import percentile  # noqa: E402
+from gpud.wire import protocol as wire  # noqa: E402
 
 GPUS = "h100-80gb:8"
 WHOLE = """version: v1

@@ -8,7 +8,7 @@ refused), and nothing of gpud's state is written: the daemon's GPU index map, wh
 is read from a copy in a temporary directory, so indices and remembered UUIDs are the daemon's.
 
   gpud check [--all-layouts] [--path NAME] [--state-dir DIR] [--sim DIR] FILE|-
-prints the reply as JSON (gpud.api.wire_replies.CheckReply); exit 0 valid, 4 invalid, 1 failed.
+prints the reply as JSON (gpud.wire.replies.CheckReply); exit 0 valid, 4 invalid, 1 failed.
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ import tempfile
 
 import msgspec
 
-from gpud.api import wire_replies
 from gpud.api.handlers import RequestHandler
 from gpud.engine.apply_lock import ApplyLock
 from gpud.engine.engine import build_engine
@@ -32,6 +31,7 @@ from gpud.engine.observe.gpu_index import FILE_NAME as INDEX_FILE
 from gpud.engine.observe.gpu_index import backup_path
 from gpud.hardware import HostConfig, build_hardware
 from gpud.host.nvidia.nvml import NvmlError
+from gpud.wire import replies as wire_replies
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:

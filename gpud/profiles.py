@@ -203,55 +203,43 @@ def _seven(pid: int, name: str, gib: str, count: int, sms: int, dec: int, enc: i
     return (pid, name, gib, count, sms, dec, enc, ce, jpeg, ofa, _SEVEN_SLICE_STARTS[pid], _SEVEN_SLICE_SIZE[pid])
 
 
+# (instances, SM, DEC, ENC, CE, JPEG, OFA) per profile id: the same in every capture of a family
+# (each model's rows are still compared with its own capture: tests/sim/test_fidelity_captures.py).
+Engines = tuple[int, int, int, int, int, int, int]
+_GA100: dict[int, Engines] = {19: (7, 14, 0, 0, 1, 0, 0), 20: (1, 14, 1, 0, 1, 1, 1), 15: (4, 14, 1, 0, 1, 0, 0),
+                              14: (3, 28, 1, 0, 2, 0, 0), 9: (2, 42, 2, 0, 3, 0, 0), 5: (1, 56, 2, 0, 4, 0, 0),
+                              0: (1, 98, 5, 0, 7, 1, 1)}
+_HOPPER: dict[int, Engines] = {19: (7, 16, 1, 0, 1, 1, 0), 20: (1, 16, 1, 0, 1, 1, 1), 15: (4, 26, 1, 0, 1, 1, 0),
+                               14: (3, 32, 2, 0, 2, 2, 0), 9: (2, 60, 3, 0, 3, 3, 0), 5: (1, 64, 4, 0, 4, 4, 0),
+                               0: (1, 132, 7, 0, 8, 7, 1)}
+_SEVEN_IDS = (19, 20, 15, 14, 9, 5, 0)  # the -lgip order of every 7-slice capture
+
+
+def _family(engines: dict[int, Engines], *sized: tuple[str, str], ids: tuple[int, ...] = _SEVEN_IDS) -> tuple[Row, ...]:
+    """A 7-slice model's rows: its own (name, GiB) per profile id in `ids`, its family's engines."""
+    return tuple(_seven(pid, name, gib, *engines[pid]) for pid, (name, gib) in zip(ids, sized, strict=True))
+
+
 # A100-SXM4-40GB: NVIDIA MIG user guide, "Getting started with MIG" (-lgip and -lgipp).
-A100_40GB = _table((
-    _seven(19, "1g.5gb", "4.75", 7, 14, 0, 0, 1, 0, 0),
-    _seven(20, "1g.5gb+me", "4.75", 1, 14, 1, 0, 1, 1, 1),
-    _seven(15, "1g.10gb", "9.62", 4, 14, 1, 0, 1, 0, 0),
-    _seven(14, "2g.10gb", "9.62", 3, 28, 1, 0, 2, 0, 0),
-    _seven(9, "3g.20gb", "19.50", 2, 42, 2, 0, 3, 0, 0),
-    _seven(5, "4g.20gb", "19.50", 1, 56, 2, 0, 4, 0, 0),
-    _seven(0, "7g.40gb", "39.25", 1, 98, 5, 0, 7, 1, 1),
-))
+A100_40GB = _table(_family(_GA100,
+    ("1g.5gb", "4.75"), ("1g.5gb+me", "4.75"), ("1g.10gb", "9.62"), ("2g.10gb", "9.62"), ("3g.20gb", "19.50"),
+    ("4g.20gb", "19.50"), ("7g.40gb", "39.25")))
 # A100 80GB PCIe, driver 515.86.01: this driver has no 1g.20gb (id 15) profile.
-A100_80GB = _table((
-    _seven(19, "1g.10gb", "9.50", 7, 14, 0, 0, 1, 0, 0),
-    _seven(20, "1g.10gb+me", "9.50", 1, 14, 1, 0, 1, 1, 1),
-    _seven(14, "2g.20gb", "19.50", 3, 28, 1, 0, 2, 0, 0),
-    _seven(9, "3g.40gb", "39.25", 2, 42, 2, 0, 3, 0, 0),
-    _seven(5, "4g.40gb", "39.25", 1, 56, 2, 0, 4, 0, 0),
-    _seven(0, "7g.80gb", "79.00", 1, 98, 5, 0, 7, 1, 1),
-))
+A100_80GB = _table(_family(_GA100,
+    ("1g.10gb", "9.50"), ("1g.10gb+me", "9.50"), ("2g.20gb", "19.50"), ("3g.40gb", "39.25"), ("4g.40gb", "39.25"),
+    ("7g.80gb", "79.00"), ids=(19, 20, 14, 9, 5, 0)))
 # H100 80GB HBM3 (driver not stated by the capture).
-H100_80GB = _table((
-    _seven(19, "1g.10gb", "9.75", 7, 16, 1, 0, 1, 1, 0),
-    _seven(20, "1g.10gb+me", "9.75", 1, 16, 1, 0, 1, 1, 1),
-    _seven(15, "1g.20gb", "19.62", 4, 26, 1, 0, 1, 1, 0),
-    _seven(14, "2g.20gb", "19.62", 3, 32, 2, 0, 2, 2, 0),
-    _seven(9, "3g.40gb", "39.50", 2, 60, 3, 0, 3, 3, 0),
-    _seven(5, "4g.40gb", "39.50", 1, 64, 4, 0, 4, 4, 0),
-    _seven(0, "7g.80gb", "79.25", 1, 132, 7, 0, 8, 7, 1),
-))
+H100_80GB = _table(_family(_HOPPER,
+    ("1g.10gb", "9.75"), ("1g.10gb+me", "9.75"), ("1g.20gb", "19.62"), ("2g.20gb", "19.62"), ("3g.40gb", "39.50"),
+    ("4g.40gb", "39.50"), ("7g.80gb", "79.25")))
 # H100 NVL, driver 560.35.03.
-H100_NVL = _table((
-    _seven(19, "1g.12gb", "10.75", 7, 16, 1, 0, 1, 1, 0),
-    _seven(20, "1g.12gb+me", "10.75", 1, 16, 1, 0, 1, 1, 1),
-    _seven(15, "1g.24gb", "21.62", 4, 26, 1, 0, 1, 1, 0),
-    _seven(14, "2g.24gb", "21.62", 3, 32, 2, 0, 2, 2, 0),
-    _seven(9, "3g.47gb", "46.38", 2, 60, 3, 0, 3, 3, 0),
-    _seven(5, "4g.47gb", "46.38", 1, 64, 4, 0, 4, 4, 0),
-    _seven(0, "7g.94gb", "93.12", 1, 132, 7, 0, 8, 7, 1),
-))
+H100_NVL = _table(_family(_HOPPER,
+    ("1g.12gb", "10.75"), ("1g.12gb+me", "10.75"), ("1g.24gb", "21.62"), ("2g.24gb", "21.62"), ("3g.47gb", "46.38"),
+    ("4g.47gb", "46.38"), ("7g.94gb", "93.12")))
 # H200 141GB, driver 580.159.04: this project's own read-only capture (tests/fixtures/h200).
-H200 = _table((
-    _seven(19, "1g.18gb", "16.00", 7, 16, 1, 0, 1, 1, 0),
-    _seven(20, "1g.18gb+me", "16.00", 1, 16, 1, 0, 1, 1, 1),
-    _seven(15, "1g.35gb", "32.50", 4, 26, 1, 0, 1, 1, 0),
-    _seven(14, "2g.35gb", "32.50", 3, 32, 2, 0, 2, 2, 0),
-    _seven(9, "3g.71gb", "69.75", 2, 60, 3, 0, 3, 3, 0),
-    _seven(5, "4g.71gb", "69.75", 1, 64, 4, 0, 4, 4, 0),
-    _seven(0, "7g.141gb", "140.00", 1, 132, 7, 0, 8, 7, 1),
-))
+H200 = _table(_family(_HOPPER,
+    ("1g.18gb", "16.00"), ("1g.18gb+me", "16.00"), ("1g.35gb", "32.50"), ("2g.35gb", "32.50"), ("3g.71gb", "69.75"),
+    ("4g.71gb", "69.75"), ("7g.141gb", "140.00")))
 # A30 24GB (4 memory slices, 4 compute slices); a pre-R525 driver: no 2g.12gb+me yet.
 A30 = _table((
     (14, "1g.6gb", "5.81", 4, 14, 1, 0, 1, 0, 0, (0, 1, 2, 3), 1),
@@ -296,23 +284,14 @@ GB200, _GB200_UNKNOWN = _partial((
     _seven(14, "2g.47gb", "45.50", 3, 38, 2, 0, 0, 0, 0),  # its CE/JPEG/OFA line is cut off
 ), (("3g.93gb", 2, 9), ("4g.93gb", 1, 5), ("7g.186gb", 1, 0)),
     cut_off=(("2g.47gb", ("copy_engines", "jpegs", "ofas")),))
-GH200_144GB, _GH200_144GB_UNKNOWN = _partial((
-    _seven(19, "1g.18gb", "17.50", 7, 16, 1, 0, 1, 1, 0),
-    _seven(20, "1g.18gb+me", "17.50", 1, 16, 1, 0, 1, 1, 1),
-    _seven(15, "1g.36gb", "35.25", 4, 26, 1, 0, 1, 1, 0),
-    _seven(14, "2g.36gb", "35.25", 3, 32, 2, 0, 2, 2, 0),
-), (("3g.72gb", 2, None), ("4g.72gb", 1, None), ("7g.144gb", 1, None)))
+GH200_144GB, _GH200_144GB_UNKNOWN = _partial(_family(
+    _HOPPER, ("1g.18gb", "17.50"), ("1g.18gb+me", "17.50"), ("1g.36gb", "35.25"), ("2g.36gb", "35.25"),
+    ids=(19, 20, 15, 14)), (("3g.72gb", 2, None), ("4g.72gb", 1, None), ("7g.144gb", 1, None)))
 # GH200 96GB (GH200 480GB), driver 550.54.15: a complete public -lgip (tests/fixtures/captures/
 # gh200-96gb); no -lgipp or -lcip, so its placements and CI profiles are inferred (_INFERRED_7).
-GH200_96GB = _table((
-    _seven(19, "1g.12gb", "11.00", 7, 16, 1, 0, 1, 1, 0),
-    _seven(20, "1g.12gb+me", "11.00", 1, 16, 1, 0, 1, 1, 1),
-    _seven(15, "1g.24gb", "23.00", 4, 26, 1, 0, 1, 1, 0),
-    _seven(14, "2g.24gb", "23.00", 3, 32, 2, 0, 2, 2, 0),
-    _seven(9, "3g.48gb", "46.50", 2, 60, 3, 0, 3, 3, 0),
-    _seven(5, "4g.48gb", "46.50", 1, 64, 4, 0, 4, 4, 0),
-    _seven(0, "7g.96gb", "93.00", 1, 132, 7, 0, 8, 7, 1),
-))
+GH200_96GB = _table(_family(_HOPPER,
+    ("1g.12gb", "11.00"), ("1g.12gb+me", "11.00"), ("1g.24gb", "23.00"), ("2g.24gb", "23.00"), ("3g.48gb", "46.50"),
+    ("4g.48gb", "46.50"), ("7g.96gb", "93.00")))
 
 
 def _inferred_7(profiles: tuple[MigProfile, ...]) -> tuple[tuple[str, tuple[str, ...]], ...]:

@@ -30,6 +30,8 @@ FORBIDDEN = {
     "daemon": ("gpud.cli", "gpud.sim", "gpud.qualify", "gpud.main"),
     "check_offline": ("gpud.cli", "gpud.sim", "gpud.daemon", "gpud.qualify", "gpud.main"),
     "main": ("gpud.sim",),
+    # the client's contract: the standard library, msgspec and the MIG words (gpud.mig_text) only
+    "wire": ("gpud.layout", "gpud.plan", "gpud.host", "gpud.engine", "gpud.api", "gpud.cli", "gpud.sim", *ABOVE),
 }
 
 
@@ -101,14 +103,14 @@ def test_nothing_outside_the_engine_touches_the_reconciler():
         "the Engine no longer holds the Reconciler as _rec: update this rule"
 
 
-CLIENT_MAY_IMPORT = ("gpud.api.wire", "gpud.api.wire_replies", "gpud.mig_text")
+CLIENT_MAY_IMPORT = ("gpud.wire", "gpud.mig_text")  # the client's contract: one package, and the MIG words
 
 
 def test_client_imports_of_gpud_are_only_the_protocol_modules():
     bad = [f"{path.name} imports {name}" for path in sorted((GPUD / "cli").glob("*.py"))
            for name in sorted(_imports(path))
            if _within(name, "gpud") and not (_within(name, "gpud.cli") or any(_within(name, m) for m in CLIENT_MAY_IMPORT)
-                                             or name in ("gpud.api", "gpud"))]
+                                             or name == "gpud")]
     assert bad == []
 
 
@@ -195,5 +197,31 @@ def test_everything_the_client_loads_is_the_standard_library_and_msgspec():
             else:
                 outside.add(name.split(".")[0])
     # the walk reached the protocol and the MIG words the client prints
-    assert {GPUD / "api" / "wire.py", GPUD / "api" / "wire_replies.py", GPUD / "mig_text.py"} <= seen
+    assert {GPUD / "wire" / "protocol.py", GPUD / "wire" / "replies.py", GPUD / "mig_text.py"} <= seen
     assert outside - set(sys.stdlib_module_names) - {"msgspec"} == set()
+
+
+TESTS = GPUD.parent / "tests"
+
+
+def _test_module_imports(path: Path) -> set[str]:
+    """The test modules (test_*.py, conftest.py) that `path` imports, by dotted name."""
+    out = set()
+    for name in _imports(path):
+        if _within(name, "tests") and any(part.startswith("test_") or part == "conftest" for part in name.split(".")[1:]):
+            out.add(name)
+    return out
+
+
+def test_the_checker_sees_an_import_of_a_test_module(tmp_path):
+    f = tmp_path / "m.py"
+    f.write_text("def f():\n    from tests.kube.test_x import helper\n")
+    assert _test_module_imports(f) == {"tests.kube.test_x", "tests.kube.test_x.helper"}
+
+
+def test_no_module_under_tests_imports_a_test_module():
+    """What tests share lives in tests/support/ (or a harness module of its folder), never in a test
+    module: importing one runs its module-level code and collects nothing, and ties one test file's
+    edits to another's."""
+    found = {str(p.relative_to(TESTS)): sorted(_test_module_imports(p)) for p in sorted(TESTS.rglob("*.py"))}
+    assert {k: v for k, v in found.items() if v} == {}

@@ -2,7 +2,7 @@
 commands (gpud.engine.engine), so `gpudctl` never sees anything the engine does not itself act on.
 
 The engine refuses with its own errors (`gpud.engine.queries.EngineError`); this module is where
-each becomes a wire error code, and every reply is a `gpud.api.wire_replies` struct built by `replies`.
+each becomes a wire error code, and every reply is a `gpud.wire.replies` struct built by `replies`.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from collections.abc import Awaitable
 from typing import TYPE_CHECKING, Any, Protocol
 
 from gpud import VERSION
-from gpud.api import replies, wire, wire_replies
+from gpud.api import plan_replies, replies
 from gpud.api.fair_share import FairShare, cost_error
 from gpud.api.peers import Peer
 from gpud.api.server import ApiError
@@ -33,6 +33,9 @@ from gpud.layout.parse import ParsedLayout
 from gpud.layout.resolve import Resolution
 from gpud.loop_lag import LoopLagProbe
 from gpud.model import Gpu
+from gpud.wire import protocol as wire
+from gpud.wire import replies as wire_replies
+from gpud.wire import tables as wire_tables
 
 if TYPE_CHECKING:  # their modules load the Kubernetes client and gRPC: only with --kube-node / --dra
     from gpud.engine.dra.service import DraService
@@ -110,7 +113,8 @@ class RequestHandler:
         strategy = self.labels.mig_strategy if self.labels is not None else "mixed"
         agent = self.kube_agent.status if self.kube_agent is not None else None
         dra = self.dra.status() if self.dra is not None else None
-        return replies.kubernetes_status(gpus, mig_strategy=strategy, agent=agent, dra=dra)
+        return replies.kubernetes_status(gpus, mig_strategy=strategy, agent=agent, dra=dra,
+                                         ad=self.status_snapshot.advertised(gpus, strategy))
 
     async def op_labels(self) -> wire_replies.LabelsReply:
         if self.labels is None:
@@ -168,8 +172,8 @@ class RequestHandler:
             known = set(errors)
             errors += [s for s in map(str, resolution.errors) if s not in known]
         if errors or resolution is None:
-            return replies.plan_reply(errors=errors or ["no valid layout in force"])
-        return replies.plan_reply(resolution, self.engine.preview(resolution, observation))
+            return plan_replies.plan_reply(errors=errors or ["no valid layout in force"])
+        return plan_replies.plan_reply(resolution, self.engine.preview(resolution, observation))
 
     async def op_apply(self, wait: bool = False, timeout: float | None = None) -> wire_replies.ApplyReply:
         ticket = await self.engine.start_apply()
@@ -234,19 +238,19 @@ class RequestHandler:
         except LeaseRefused as e:
             raise ApiError(_LEASE_CODES.get(e.code, wire.E_FAILED), str(e)) from e
 
-    async def op_mig_profiles(self, gpu: str | None = None) -> wire_replies.MigProfilesReply:
+    async def op_mig_profiles(self, gpu: str | None = None) -> wire_tables.MigProfilesReply:
         view = await self.engine.refresh()
         return replies.mig_profiles_reply(select_gpus(view.observation.gpus, gpu))
 
-    async def op_mig_compute_profiles(self, gpu: str | None = None) -> wire_replies.MigComputeProfilesReply:
+    async def op_mig_compute_profiles(self, gpu: str | None = None) -> wire_tables.MigComputeProfilesReply:
         view = await self.engine.refresh()
         return replies.mig_compute_profiles_reply(select_gpus(view.observation.gpus, gpu))
 
-    async def op_passthrough(self) -> wire_replies.PassthroughReply:
+    async def op_passthrough(self) -> wire_tables.PassthroughReply:
         gpus = (await self.engine.refresh()).observation.gpus
         return replies.passthrough_reply(passthrough.entries(gpus, dev_root=self.dev_root), gpus)
 
-    async def op_vgpu_types(self, gpu: str | None = None) -> wire_replies.VgpuTypesReply:
+    async def op_vgpu_types(self, gpu: str | None = None) -> wire_tables.VgpuTypesReply:
         """The vGPU types each GPU offers, with how many are still creatable: read fresh, as the
         counts move with every vGPU created anywhere on the GPU."""
         view = await self.engine.refresh()

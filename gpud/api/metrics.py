@@ -17,9 +17,9 @@ from typing import get_args
 
 from prometheus_client import CollectorRegistry, Gauge, generate_latest
 
-from gpud.api import wire_replies
 from gpud.engine.gpu_state import GpuStateName
 from gpud.host.files.safe_file import write_file
+from gpud.wire import replies as wire_replies
 
 # Every GPU gets one `gpud_gpu_state` row per state the engine can report, exactly one of them 1.
 STATES: tuple[str, ...] = get_args(GpuStateName)

@@ -16,7 +16,7 @@ import struct
 
 import msgspec
 
-from gpud.api import wire
+from gpud.wire import protocol as wire
 
 _UCRED = struct.Struct("iII")  # struct ucred: pid_t pid; uid_t uid; gid_t gid
 # SO_PEERGROUPS (Linux 4.13): the peer's supplementary groups as of connect(), race-free. 59 on

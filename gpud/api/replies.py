@@ -1,4 +1,4 @@
-"""The socket's replies, built from the engine's typed records straight into `gpud.api.wire`'s structs.
+"""The socket's replies, built from the engine's typed records straight into `gpud.wire`'s structs.
 
 The engine keeps domain objects (Gpu, GpuState, GpuPlan, BindingPlan, PassthroughEntry); this
 module is the one place they become what a client reads. Every reply is constructed as its wire
@@ -15,12 +15,10 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from gpud import VERSION
-from gpud.api import wire, wire_replies
 from gpud.engine.binding.passthrough import PassthroughEntry, kubevirt_configuration, kubevirt_entry
-from gpud.engine.gpu_state import BindAction, GpuState, MigAction, VgpuAction
+from gpud.engine.gpu_state import GpuState
 from gpud.engine.kube.node_labels_out import LabelsOut
 from gpud.engine.leases.records import LeaseRecord
-from gpud.engine.preview import GpuPreview, Rebind
 from gpud.engine.queries import ci_remaining_capacity, remaining_capacity
 from gpud.engine.vgpu.inventory import entry as vgpu_entry
 from gpud.engine.vgpu.inventory import kubevirt_warnings
@@ -30,14 +28,14 @@ from gpud.kubevirt_names import vf_resources
 from gpud.layout.desired import DesiredGpu
 from gpud.layout.names import device_name, mig_device_name
 from gpud.layout.resolve import Resolution
-from gpud.model import Gpu, Holder, KnownGpu, MigProfile, Placement, VgpuDevice
-from gpud.plan.binding import BindStep
-from gpud.plan.mig import Destroyed, GpuPlan, Step
-from gpud.plan.node_labels import advertised
-from gpud.plan.vgpu import VgpuStep
+from gpud.model import Gpu, Holder, KnownGpu, MigProfile, Placement
+from gpud.plan.node_labels import Advertised, advertised
 from gpud.profiles import GI_PROFILE_INDEX, NVIDIA, ModelInfo, by_device, model_name, with_model_ci_profiles
 from gpud.vgpu_types import by_device as vgpu_model_of
 from gpud.vgpu_types import parse_vgpu_name
+from gpud.wire import protocol as wire
+from gpud.wire import replies as wire_replies
+from gpud.wire import tables as wire_tables
 
 if TYPE_CHECKING:  # the kube agent's module loads the Kubernetes client: only with --kube-node
     from gpud.engine.kube.agent import AgentStatus
@@ -238,10 +236,11 @@ def shown_state(view: EngineView, pci: str) -> GpuState | None:
 
 
 def kubernetes_status(gpus: Sequence[Gpu], *, mig_strategy: str, agent: AgentStatus | None = None,
-                      dra: dict[str, Any] | None = None) -> wire_replies.KubernetesStatus:
-    """What the device plugins will advertise from the GPUs as observed; the label protocol's state
-    (None without --kube-node); the DRA driver's (its status record, None without --dra)."""
-    ad = advertised(gpus, mig_strategy=mig_strategy)
+                      dra: dict[str, Any] | None = None, ad: Advertised | None = None) -> wire_replies.KubernetesStatus:
+    """What the device plugins will advertise from the GPUs as observed (`ad`, when the caller kept
+    it for these GPUs); the label protocol's state (None without --kube-node); the DRA driver's (its
+    status record, None without --dra)."""
+    ad = ad if ad is not None else advertised(gpus, mig_strategy=mig_strategy)
     agent_status = None
     if agent is not None:
         agent_status = wire_replies.KubeAgentStatus(node=agent.node, connected=agent.connected, selected=agent.selected,
@@ -271,101 +270,6 @@ def labels_reply(out: LabelsOut) -> wire_replies.LabelsReply:
 # plan
 
 
-def mig_step(step: Step) -> wire_replies.StepInfo:
-    return wire_replies.StepInfo(action=step.action, pci=step.pci, profile=step.profile,
-                                 placement=placement(step.placement) if step.placement is not None else None,
-                                 gi=step.gi, ci=step.ci, uuid=step.uuid, enabled=step.enabled,
-                                 ci_placement=placement(step.ci_placement) if step.ci_placement is not None else None)
-
-
-def bind_step(step: BindStep) -> wire_replies.StepInfo:
-    return wire_replies.StepInfo(action=step.action, pci=step.pci, driver=step.driver, module=step.module, group=step.group)
-
-
-def vgpu_step(step: VgpuStep) -> wire_replies.StepInfo:
-    return wire_replies.StepInfo(action=step.action, pci=step.parent or step.pci, type=step.type, uuid=step.uuid, vf=step.vf,
-                                 count=step.count)
-
-
-def vgpu_removed(pci: str, dev: VgpuDevice) -> wire_replies.VgpuRemovedInfo:
-    return wire_replies.VgpuRemovedInfo(pci=pci, type=dev.type, uuid=dev.uuid, vf=dev.vf, holders=holders(dev.holders))
-
-
-def destroyed(item: Destroyed) -> wire_replies.DestroyedInfo:
-    return wire_replies.DestroyedInfo(pci=item.pci, profile=item.profile, placement=placement(item.placement),
-                                      uuid=item.uuid, holders=holders(item.holders))
-
-
-def _gpu_plan(p: GpuPreview, disruption: wire_replies.Disruption) -> wire_replies.GpuPlanInfo:
-    gpu, action = p.gpu, p.action
-    entry = wire_replies.GpuPlanInfo(index=gpu.index, pci=gpu.pci,
-                                     dynamic=DYNAMIC_NOTE if p.desired is not None and p.desired.dynamic else None)
-    if isinstance(action, GpuState):
-        entry.infeasible = action.message
-    elif isinstance(action, MigAction):
-        plan: GpuPlan = action.plan
-        entry.steps = [mig_step(s) for s in plan.steps]
-        entry.blocked_by = holders(plan.blocked_by)
-        disruption.destroyed += [destroyed(x) for x in plan.destroyed]
-        if plan.mode_change:
-            disruption.mode_changes.append(gpu.pci)
-        if plan.reset:
-            disruption.resets.append(gpu.pci)
-            disruption.reset_with = sorted(set(disruption.reset_with) | set(p.reset_with))
-    elif isinstance(action, VgpuAction):
-        vplan = action.plan
-        entry.steps = [vgpu_step(s) for s in vplan.steps]
-        entry.blocked_by = holders(vplan.blocked_by)
-        disruption.vgpus_removed += [vgpu_removed(gpu.pci, d) for d in vplan.removed]
-        if any(s.action == "disable-vfs" for s in vplan.steps):
-            disruption.vfs_disabled.append(gpu.pci)
-    elif isinstance(action, BindAction):
-        entry.steps = [bind_step(s) for s in action.plan.steps]
-    if p.then is not None:
-        entry.steps.append(_THEN[p.then](p))
-    if p.rebind is not None:
-        _add_rebind(gpu, p.rebind, disruption)
-    return entry
-
-
-# What follows a GPU's next action, as the plan's last line.
-_THEN = {
-    "bind": lambda p: wire_replies.StepInfo(action="bind", driver="vfio-pci"),
-    "vgpu": lambda p: wire_replies.StepInfo(action="then-vgpu", message="vGPUs are created once the MIG layout is in place"),
-    "workload": lambda p: wire_replies.StepInfo(action="then-workload", message=f"then {p.desired.workload}"),
-    "mig": lambda p: wire_replies.StepInfo(action="then-mig", message="MIG is planned once nvidia has the GPU"),
-}
-
-
-def _add_rebind(gpu: Gpu, rebind: Rebind, disruption: wire_replies.Disruption) -> None:
-    """A driver change is a disruption like a destroyed MIG device: containers (or a VM) lose the
-    GPU and every endpoint of its IOMMU group that leaves its driver."""
-    plan = rebind.plan
-    d = plan.disruption
-    if not d.detached:
-        return
-    disruption.rebinds.append(wire_replies.RebindInfo(
-        pci=gpu.pci, to=plan.target, detached=dict(d.detached), leaves_nvml=d.leaves_nvml,
-        mig_instances=d.mig_instances, vfio_group=d.vfio_group, holders=holders(rebind.holders),
-        summary=d.summary))
-
-
-def plan_reply(resolution: Resolution | None = None, previews: Sequence[GpuPreview] = (),
-               *, errors: list[str] | None = None) -> wire_replies.PlanReply:
-    """What a pass would do now, without doing it (`gpudctl plan`): the engine's preview of
-    `resolution` (gpud.engine.preview), translated. With `errors`, the plan is empty and says why."""
-    if errors:
-        shown, omitted = capped(errors, "errors")
-        return wire_replies.PlanReply(errors=shown, errors_omitted=omitted)
-    if resolution is None:
-        return wire_replies.PlanReply()
-    warnings, warnings_omitted = capped([str(w) for w in resolution.warnings], "warnings")
-    reply = wire_replies.PlanReply(warnings=warnings, warnings_omitted=warnings_omitted)
-    for p in previews:
-        reply.gpus.append(_gpu_plan(p, reply.disruption))
-    return reply
-
-
 # ---------------------------------------------------------------------------------------------
 # apply
 
@@ -387,13 +291,13 @@ def apply_reply(view: EngineView, finished: bool) -> wire_replies.ApplyReply:
 # mig profiles
 
 
-def profile_info(gpu: Gpu, profile: MigProfile) -> wire_replies.ProfileInfo:
+def profile_info(gpu: Gpu, profile: MigProfile) -> wire_tables.ProfileInfo:
     """A profile as NVML states it for this GPU; without NVML (the GPU is not on nvidia) no MIG
     instance can exist, so every instance the profile allows is free."""
     instances = gpu.nvml.instances if gpu.nvml is not None else ()
     existing = [gi for gi in instances if gi.profile_id == profile.id]
     used = [gi.placement for gi in instances]
-    return wire_replies.ProfileInfo(
+    return wire_tables.ProfileInfo(
         id=profile.id, name=profile.name, memory_mb=profile.memory_mb, sms=profile.sms, slices=profile.slices,
         free=remaining_capacity(profile, used, len(existing)),  # NVML answers this with MIG off too
         total=profile.instance_count, placements=[placement(p) for p in profile.placements],
@@ -407,14 +311,14 @@ _WIRE_FIELD = {"id": "id", "memory_mb": "memory_mb", "sms": "sms", "instance_cou
                "jpegs": "jpg", "ofas": "ofa"}
 
 
-def table_profile_info(model: ModelInfo, profile: MigProfile) -> wire_replies.ProfileInfo:
+def table_profile_info(model: ModelInfo, profile: MigProfile) -> wire_tables.ProfileInfo:
     """A row of gpud's table of known models, for a GPU NVML cannot see: what no source gives is
     marked unknown; how many instances are free is unknown too (nothing can count them)."""
     fields = model.unknown_fields(profile.name)
     unknown = [_WIRE_FIELD[f] for f in fields if f in _WIRE_FIELD]
     if "memory_mb" in fields:  # a profile no listing shows: not even its P2P flag is known
         unknown.append("p2p")
-    return wire_replies.ProfileInfo(
+    return wire_tables.ProfileInfo(
         id=profile.id, name=profile.name, memory_mb=profile.memory_mb, sms=profile.sms, slices=profile.slices,
         free=0, total=profile.instance_count, placements=[placement(p) for p in profile.placements],
         ce=profile.copy_engines, dec=profile.decoders, enc=profile.encoders, jpg=profile.jpegs, ofa=profile.ofas,
@@ -427,44 +331,44 @@ def _nvidia_smi_order(profiles: tuple[MigProfile, ...]) -> list[MigProfile]:
     return sorted(profiles, key=lambda p: (p.slices, GI_PROFILE_INDEX.get(p.id, p.id)))
 
 
-def mig_profiles_reply(gpus: list[Gpu]) -> wire_replies.MigProfilesReply:
+def mig_profiles_reply(gpus: list[Gpu]) -> wire_tables.MigProfilesReply:
     """NVML's table of each MIG-capable GPU; for a GPU NVML cannot see, gpud's table of its model."""
-    reply = wire_replies.MigProfilesReply()
+    reply = wire_tables.MigProfilesReply()
     for g in gpus:
         if g.nvml is not None:
             if g.nvml.mig_capable:
-                reply.gpus.append(wire_replies.GpuProfiles(
+                reply.gpus.append(wire_tables.GpuProfiles(
                     index=g.index, pci=g.pci, model=model_name(g),
                     profiles=[profile_info(g, p) for p in _nvidia_smi_order(g.nvml.profiles)]))
             continue
         model = by_device(g.function.device) if g.function.vendor == NVIDIA else None
         if model is not None and model.mig_capable:
-            reply.gpus.append(wire_replies.GpuProfiles(
+            reply.gpus.append(wire_tables.GpuProfiles(
                 index=g.index, pci=g.pci, model=model.name, source="table",
                 profiles=[table_profile_info(model, p) for p in _nvidia_smi_order(model.profiles)]))
     return reply
 
 
-def mig_compute_profiles_reply(gpus: list[Gpu]) -> wire_replies.MigComputeProfilesReply:
+def mig_compute_profiles_reply(gpus: list[Gpu]) -> wire_tables.MigComputeProfilesReply:
     """`nvidia-smi mig -lcip`: for each GPU instance there, its compute-instance profiles with how
     many more of each it can take. NVML answers a GI profile's CI profiles through a live GI, so
     they are the GPU's own (the model's table only where NVML gave none)."""
-    reply = wire_replies.MigComputeProfilesReply()
+    reply = wire_tables.MigComputeProfilesReply()
     for g in gpus:
         if g.nvml is None or not g.nvml.instances:
             continue
         by_id = {p.id: p for p in with_model_ci_profiles(g.nvml.profiles, g.function.device)}
-        out = wire_replies.GpuComputeProfiles(index=g.index, pci=g.pci, model=model_name(g))
+        out = wire_tables.GpuComputeProfiles(index=g.index, pci=g.pci, model=model_name(g))
         for gi in sorted(g.nvml.instances, key=lambda i: (i.placement.start, i.id)):
             prof = by_id.get(gi.profile_id)
             if prof is None:
                 continue
-            rows = [wire_replies.ComputeProfileInfo(
+            rows = [wire_tables.ComputeProfileInfo(
                 id=c.id, name=device_name(prof, c.slices), slices=c.slices,
                 free=ci_remaining_capacity(c, gi.cis, prof.slices), total=c.instance_count, sms=c.sms,
                 default=c.slices == prof.slices, ce=prof.copy_engines, dec=prof.decoders, enc=prof.encoders,
                 jpg=prof.jpegs, ofa=prof.ofas) for c in sorted(prof.ci_profiles, key=lambda c: (c.slices, c.id))]
-            out.instances.append(wire_replies.GiComputeProfiles(gi=gi.id, profile=prof.name,
+            out.instances.append(wire_tables.GiComputeProfiles(gi=gi.id, profile=prof.name,
                                                                 placement=placement(gi.placement), profiles=rows))
         reply.gpus.append(out)
     return reply
@@ -474,27 +378,27 @@ def mig_compute_profiles_reply(gpus: list[Gpu]) -> wire_replies.MigComputeProfil
 # passthrough
 
 
-def passthrough_device(entry: PassthroughEntry) -> wire_replies.PassthroughDevice:
-    return wire_replies.PassthroughDevice(
+def passthrough_device(entry: PassthroughEntry) -> wire_tables.PassthroughDevice:
+    return wire_tables.PassthroughDevice(
         pci=entry.pci, vendor_device=entry.vendor_device, resource_name=entry.resource_name,
         iommu_group=entry.iommu_group, vfio_device=entry.vfio_device, numa_node=entry.numa_node,
         libvirt_hostdev=entry.libvirt_hostdev, kubevirt=kubevirt_entry(entry),
     )
 
 
-def passthrough_reply(entries: list[PassthroughEntry], gpus: tuple[Gpu, ...] = ()) -> wire_replies.PassthroughReply:
+def passthrough_reply(entries: list[PassthroughEntry], gpus: tuple[Gpu, ...] = ()) -> wire_tables.PassthroughReply:
     vgpus = []
     resources = vf_resources((g.function.device, d) for g in gpus for d in (g.vgpu.devices if g.vgpu is not None else ()))
     for g in gpus:
         for d in g.vgpu.devices if g.vgpu is not None else ():
             e = vgpu_entry(g.pci, g.function.device, d, resources)
-            vgpus.append(wire_replies.VgpuPassthrough(gpu=e.gpu, type=e.type, driver_name=e.driver_name, uuid=e.uuid, vf=e.vf,
+            vgpus.append(wire_tables.VgpuPassthrough(gpu=e.gpu, type=e.type, driver_name=e.driver_name, uuid=e.uuid, vf=e.vf,
                                                       vfio_device=e.vfio_device, resource_name=e.resource_name,
                                                       libvirt_hostdev=e.libvirt_hostdev, kubevirt=e.kubevirt))
     devices = [passthrough_device(e) for e in entries]
     config = kubevirt_configuration([d.kubevirt for d in devices] + [v.kubevirt for v in vgpus], vgpus=bool(vgpus))
     warnings = kubevirt_warnings(resources, [(e.pci, e.vendor_device, e.resource_name) for e in entries])
-    return wire_replies.PassthroughReply(devices=devices, vgpus=vgpus, kubevirt_configuration=config,
+    return wire_tables.PassthroughReply(devices=devices, vgpus=vgpus, kubevirt_configuration=config,
                                          kubevirt_warnings=warnings)
 
 
@@ -502,10 +406,10 @@ def passthrough_reply(entries: list[PassthroughEntry], gpus: tuple[Gpu, ...] = (
 # vgpu types
 
 
-def vgpu_types_reply(gpus: list[Gpu]) -> wire_replies.VgpuTypesReply:
+def vgpu_types_reply(gpus: list[Gpu]) -> wire_tables.VgpuTypesReply:
     """The types each GPU offers (the driver's lists), with how many more fit now; gpud's table
     adds the per-GPU maximum, and lists its types for a GPU whose VFs are not enabled yet."""
-    reply = wire_replies.VgpuTypesReply()
+    reply = wire_tables.VgpuTypesReply()
     for g in gpus:
         if g.vgpu is None:
             continue
@@ -517,12 +421,12 @@ def vgpu_types_reply(gpus: list[Gpu]) -> wire_replies.VgpuTypesReply:
             o = offers.get(name)
             parsed = parse_vgpu_name(name)
             known = table.find(name) if table is not None else None
-            types.append(wire_replies.VgpuTypeInfo(
+            types.append(wire_tables.VgpuTypeInfo(
                 name=name, id=o.type_id if o is not None else None,
                 mig_profile=(known.mig_profile if known is not None else parsed.mig_profile if parsed is not None
                              else None),
                 framebuffer_gb=parsed.framebuffer_gb if parsed is not None else 0,
                 creatable=o.creatable if o is not None else 0, max=known.max_instances if known else None))
-        reply.gpus.append(wire_replies.GpuVgpuTypes(index=g.index, pci=g.pci, model=model_name(g), interface=g.vgpu.interface,
+        reply.gpus.append(wire_tables.GpuVgpuTypes(index=g.index, pci=g.pci, model=model_name(g), interface=g.vgpu.interface,
                                                     types=types))
     return reply

@@ -31,11 +31,12 @@ from typing import Any, Literal, Protocol
 
 import msgspec
 
-from gpud.api import wire, wire_replies
 from gpud.api.peers import Peer, authorize, group_id, may_connect, peer_credentials
 from gpud.api.socket_file import ServerError, bind_socket, unlink_own
 from gpud.engine.events import EventQueue, overflow_event
 from gpud.py_compat import timeout
+from gpud.wire import protocol as wire
+from gpud.wire import replies as wire_replies
 
 log = logging.getLogger("gpud.api")
 

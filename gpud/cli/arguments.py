@@ -9,7 +9,6 @@ import argparse
 import os
 from typing import Any
 
-from gpud.api import wire
 from gpud.cli.commands import (
     DEFAULT_LAYOUT,
     EXIT_STILL_WORKING,
@@ -37,6 +36,7 @@ from gpud.cli.commands import (
     terminal_width,
 )
 from gpud.cli.transport import DEFAULT_SOCKET, DEFAULT_TIMEOUT
+from gpud.wire import protocol as wire
 
 
 class _Formatter(argparse.HelpFormatter):

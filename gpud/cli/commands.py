@@ -13,7 +13,6 @@ from typing import Any
 
 import msgspec
 
-from gpud.api import wire, wire_replies
 from gpud.cli.escape import escaped, term
 from gpud.cli.render import (
     event_json,
@@ -38,6 +37,9 @@ from gpud.cli.render_smi import (
 )
 from gpud.cli.render_vm import render_passthrough, render_vgpu_types
 from gpud.cli.transport import NO_LIMIT, Client, Unreachable
+from gpud.wire import protocol as wire
+from gpud.wire import replies as wire_replies
+from gpud.wire import tables as wire_tables
 
 DEFAULT_LAYOUT = "/etc/gpud/layout.yaml"
 
@@ -315,7 +317,7 @@ def cmd_version(c: Client, a: argparse.Namespace) -> int:
 
 
 def cmd_mig_profiles(c: Client, a: argparse.Namespace) -> int:
-    r: wire_replies.MigProfilesReply = c.request("mig-profiles", {"gpu": a.gpu} if a.gpu is not None else {})
+    r: wire_tables.MigProfilesReply = c.request("mig-profiles", {"gpu": a.gpu} if a.gpu is not None else {})
     print(to_json(r) if a.json else render_mig_profiles(r))
     return EXIT_OK
 
@@ -357,7 +359,7 @@ def cmd_mig_compute(c: Client, a: argparse.Namespace) -> int:
 
 
 def cmd_mig_compute_profiles(c: Client, a: argparse.Namespace) -> int:
-    r: wire_replies.MigComputeProfilesReply = c.request("mig-compute-profiles", {"gpu": a.gpu} if a.gpu is not None else {})
+    r: wire_tables.MigComputeProfilesReply = c.request("mig-compute-profiles", {"gpu": a.gpu} if a.gpu is not None else {})
     print(to_json(r) if a.json else render_compute_profiles(r))
     return EXIT_OK
 
@@ -388,12 +390,12 @@ def cmd_leases(c: Client, a: argparse.Namespace) -> int:
 
 
 def cmd_vgpu_types(c: Client, a: argparse.Namespace) -> int:
-    r: wire_replies.VgpuTypesReply = c.request("vgpu-types", {"gpu": a.gpu} if a.gpu is not None else {})
+    r: wire_tables.VgpuTypesReply = c.request("vgpu-types", {"gpu": a.gpu} if a.gpu is not None else {})
     print(to_json(r) if a.json else render_vgpu_types(r))
     return EXIT_OK
 
 
 def cmd_passthrough(c: Client, a: argparse.Namespace) -> int:
-    r: wire_replies.PassthroughReply = c.request("passthrough")
+    r: wire_tables.PassthroughReply = c.request("passthrough")
     print(to_json(r) if a.json else render_passthrough(r))
     return EXIT_OK

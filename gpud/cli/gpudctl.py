@@ -1,7 +1,7 @@
 """gpudctl: the thin client of gpud, and its entry point (`main`).
 
-The package imports only the standard library, msgspec and the protocol (`gpud.api.wire`,
-`gpud.api.wire_replies`, `gpud.mig_text`): people run it in loops and scripts, so start-up time
+The package imports only the standard library, msgspec and the protocol (`gpud.wire.protocol`,
+`gpud.wire.replies`, `gpud.mig_text`): people run it in loops and scripts, so start-up time
 matters more than anything it could share with the daemon.
 Three parts: `transport` (the blocking socket and typed replies), `render` (reply -> text) and
 `commands` (arguments -> request -> output -> exit code); this module maps failures to exit codes.
@@ -24,7 +24,6 @@ from __future__ import annotations
 import os
 import sys
 
-from gpud.api import wire
 from gpud.cli.arguments import build_parser
 from gpud.cli.commands import (
     EXIT_ERROR,
@@ -38,6 +37,7 @@ from gpud.cli.commands import (
     UsageError,
 )
 from gpud.cli.transport import Client, DaemonError, Unreachable, WaitTimeout
+from gpud.wire import protocol as wire
 
 
 def _as_written(message: str) -> str:

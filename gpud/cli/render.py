@@ -11,8 +11,9 @@ from typing import Any
 
 import msgspec
 
-from gpud.api import wire, wire_replies
 from gpud.mig_text import MIG_ACTIONS, step_text, subdivided
+from gpud.wire import protocol as wire
+from gpud.wire import replies as wire_replies
 
 
 def table(rows: list[list[str]]) -> str:

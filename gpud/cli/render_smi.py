@@ -4,11 +4,12 @@ compute-profiles` (mig -lcip), `mig compute-instances` (mig -lci). Pure, like gp
 
 from __future__ import annotations
 
-from gpud.api import wire_replies
 from gpud.cli.render import table
+from gpud.wire import replies as wire_replies
+from gpud.wire import tables as wire_tables
 
 
-def render_mig_profiles(r: wire_replies.MigProfilesReply) -> str:
+def render_mig_profiles(r: wire_tables.MigProfilesReply) -> str:
     """`nvidia-smi mig -lgip` followed by `nvidia-smi mig -lgipp`. A GPU NVML cannot see is listed
     from gpud's table of its model, after a note saying so; a value that table has no source for
     is printed as `?`."""
@@ -86,7 +87,7 @@ def render_gpu_instances(gpus: list[wire_replies.GpuStatus]) -> str:
     return table(rows) if len(rows) > 1 else "no GPU instances"
 
 
-def render_compute_profiles(r: wire_replies.MigComputeProfilesReply) -> str:
+def render_compute_profiles(r: wire_tables.MigComputeProfilesReply) -> str:
     """`nvidia-smi mig -lcip`: the compute-instance profiles of each GPU instance, with how many
     more of each it can take; `*` after the id marks the default (the CI covering the whole GI),
     as nvidia-smi marks it. Shared engines are the GI's, which its compute instances share."""

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import msgspec
 
-from gpud.api import wire_replies
 from gpud.cli.render import table
+from gpud.wire import tables as wire_tables
 
 
-def render_vgpu_types(r: wire_replies.VgpuTypesReply) -> str:
+def render_vgpu_types(r: wire_tables.VgpuTypesReply) -> str:
     """`gpudctl vgpu types`: the mig-profiles sibling: each type a GPU offers, how many still fit."""
     if not r.gpus:
         return "no GPU shows a vGPU interface"
@@ -25,7 +25,7 @@ def render_vgpu_types(r: wire_replies.VgpuTypesReply) -> str:
     return "\n".join(out)
 
 
-def render_passthrough(r: wire_replies.PassthroughReply) -> str:
+def render_passthrough(r: wire_tables.PassthroughReply) -> str:
     if not r.devices and not r.vgpus:
         return "no GPU is bound for passthrough, and no vGPU exists"
     if not r.devices:
@@ -45,7 +45,7 @@ def render_passthrough(r: wire_replies.PassthroughReply) -> str:
     return "\n".join(out + _kubevirt_section(r))
 
 
-def _render_vgpus(r: wire_replies.PassthroughReply, *, kubevirt: bool = True) -> str:
+def _render_vgpus(r: wire_tables.PassthroughReply, *, kubevirt: bool = True) -> str:
     rows = [["GPU", "TYPE", "MDEV UUID / VF", "VFIO", "RESOURCE"]]
     for v in r.vgpus:
         rows.append([v.gpu, v.type, v.uuid or v.vf or "-", v.vfio_device or "-", v.resource_name])
@@ -55,7 +55,7 @@ def _render_vgpus(r: wire_replies.PassthroughReply, *, kubevirt: bool = True) ->
     return "\n".join(out + (_kubevirt_section(r) if kubevirt else []))
 
 
-def _kubevirt_section(r: wire_replies.PassthroughReply) -> list[str]:
+def _kubevirt_section(r: wire_tables.PassthroughReply) -> list[str]:
     """The KubeVirt CR's spec.configuration as the daemon computed it (gpud.engine.binding
     .passthrough.kubevirt_configuration): permittedHostDevices with one entry per resource (eight
     GPUs or 32 VFs of one model are one entry), and where gpud makes vGPUs the switch that keeps

@@ -1,7 +1,7 @@
 """gpudctl's transport: one blocking Unix-socket connection to gpud, requests and typed replies.
 
 No asyncio: people run gpudctl in loops and scripts, so start-up time matters more than anything
-it could share with the daemon. Every reply is decoded into its `gpud.api.wire_replies` struct, the same
+it could share with the daemon. Every reply is decoded into its `gpud.wire.replies` struct, the same
 one the daemon built, so client and daemon cannot disagree on a field.
 """
 
@@ -13,8 +13,9 @@ import select
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from gpud.api import wire, wire_replies
 from gpud.cli.escape import escaped
+from gpud.wire import protocol as wire
+from gpud.wire import replies as wire_replies
 
 DEFAULT_SOCKET = "/run/gpud/gpud.sock"
 DEFAULT_TIMEOUT = 30.0  # seconds for one reply; `apply --wait` and `events -f` wait longer

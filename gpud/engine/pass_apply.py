@@ -1,6 +1,6 @@
 """The GPUs one pass changes, applied inside what must surround them: with --kube-node the
-cluster's GPU operands that see them leave the node first and come back after
-(gpud.engine.kube.operands); a layout whose hooks were refused changes nothing; then the hook
+cluster's GPU operands that see them leave the node first and come back after (engine.ports
+.OperandGuard: the kube agent); a layout whose hooks were refused changes nothing; then the hook
 phases (gpud.engine.hooks.phases) around the GPUs, side by side. `PassApply` is what those phases
 drive (hooks.phases.PassGpus): each GPU converged by the pass, its outcome, the hooks' lines.
 """
@@ -14,9 +14,8 @@ from gpud.engine.gpu_rounds import GpuRounds
 from gpud.engine.gpu_state import Action, GpuState
 from gpud.engine.hooks.phases import apply_with_hooks
 from gpud.engine.hooks.runner import HookFailed
-from gpud.engine.kube.operands import OperandGuard, OperandsNotPaused
 from gpud.engine.layout_keeper import has_hooks
-from gpud.engine.ports import Drainer
+from gpud.engine.ports import Drainer, OperandGuard, OperandsNotPaused
 from gpud.engine.steps import StepRunner
 from gpud.layout.resolve import Resolution
 from gpud.model import Gpu

@@ -19,6 +19,7 @@ from gpud.host.nvidia.sriov_manage import SriovManage
 from gpud.host.nvidia.vgpu_sysfs import VgpuSysfs
 from gpud.layout.desired import DesiredGpu
 from gpud.model import Gpu
+from gpud.plan.operand_impact import Impact
 
 
 class Clock(Protocol):
@@ -76,3 +77,20 @@ class Rebooter(Protocol):
     for the same cause did not settle it."""
 
     async def __call__(self, state_dir: str, reason: str) -> bool: ...
+
+
+class OperandsNotPaused(Exception):
+    """The operands that see the changing GPUs could not be taken off the node: change nothing."""
+
+
+class OperandGuard(Protocol):
+    """The seam between a pass and the cluster's GPU operands: what the pass calls around the GPUs
+    it changes. Without Kubernetes there is none; with `--kube-node` it is the kube agent
+    (gpud.engine.kube.agent), which nothing here imports (that would pull in the Kubernetes client)."""
+
+    def operands_paused(self, impact: Impact) -> contextlib.AbstractAsyncContextManager[None]:
+        """The body runs with the operands that see `impact`'s GPUs paused (none for no change);
+        raises OperandsNotPaused before the body when they cannot be."""
+
+    async def before_reboot(self, reason: str) -> None:
+        """Called before the engine asks for a reboot."""

@@ -32,7 +32,6 @@ from gpud.engine.feasibility import judged
 from gpud.engine.gpu_rounds import GpuRounds
 from gpud.engine.gpu_state import Action, GpuState, Phase, concluded_phase, phase_now
 from gpud.engine.gpu_tasks import for_each_gpu
-from gpud.engine.kube.operands import OperandGuard
 from gpud.engine.layout_keeper import LayoutKeeper
 from gpud.engine.leases.engine import LeaseEngine
 from gpud.engine.next_action import next_action
@@ -43,7 +42,7 @@ from gpud.engine.observe.holder_watch import HolderWatch
 from gpud.engine.observe.host_read import HostReader
 from gpud.engine.observe.observer import DEFAULT_MAX_AGE, Observer
 from gpud.engine.pass_apply import PassApply
-from gpud.engine.ports import BootOverrides, Drainer, Hardware, Rebooter
+from gpud.engine.ports import BootOverrides, Drainer, Hardware, OperandGuard, Rebooter
 from gpud.engine.scheduler import PassScheduler
 from gpud.engine.steps import StepRunner
 from gpud.engine.vgpu.keeper import VgpuKeeper

@@ -7,7 +7,9 @@ One pool per node (named after the node), every device once, published by gpud's
 * static MIG devices (`type: mig`): the MIG devices the layout made, one per compute instance;
 * passthrough GPUs (`type: vfio`): a GPU the layout put on vfio-pci, one device per GPU whose
   prepare hands the VM the whole IOMMU group (its companions are listed in `iommuGroupMembers`);
-* vGPUs (`type: vgpu`): the vGPU devices a vm-vgpu layout created;
+* vGPUs (`type: vgpu`): the vGPU devices a vm-vgpu layout created, as KubeVirt's DRA support
+  (VEP 10) takes them: an mdev by its `mDevUUID`, a vendor-VFIO vGPU by its VF's
+  `resource.kubernetes.io/pciBusID` (the GPU's own address is then `parentPciBusID`);
 * dynamic GPUs (`mig-devices: dynamic`) as partitionable devices (KEP-4815): one counter set per GPU
   with one counter per memory slice, one per profile whose instance count bounds it (the single
   `+me` profile holding the media engines), compute slices, multiprocessors and memory;
@@ -19,7 +21,8 @@ One pool per node (named after the node), every device once, published by gpud's
   exclusive ones are bounded by their profile's instance count.
 
 Attribute names are those of NVIDIA's DRA driver (k8s-dra-driver-gpu: `type`, `uuid`,
-`parentUUID`, `profile`, `productName`, `architecture`, `cudaComputeCapability`, `driverVersion`)
+`parentUUID`, `profile`, `productName`, `architecture`, `cudaComputeCapability`, `driverVersion`,
+`cudaDriverVersion`; its `brand` is not, gpud does not read NVML's brand)
 plus the standard `resource.kubernetes.io/pciBusID` and `resource.kubernetes.io/pcieRoot`
 (k8s.io/dynamic-resource-allocation deviceattribute; the root complex is read from sysfs by
 gpud.host.kernel.sysfs.pcie_root), so CEL selectors written for NVIDIA's driver carry over and a claim
@@ -51,6 +54,9 @@ from gpud.profiles import by_device
 DEFAULT_DRIVER = "gpu.gpud.io"  # gpud's own driver name; `--dra-driver gpu.nvidia.com` is NVIDIA's
 NVIDIA_DRIVER = "gpu.nvidia.com"
 STANDARD = "resource.kubernetes.io/"
+# what KubeVirt (VEP 10, GPUsWithDRA) reads for a mediated device; not standardised yet
+# (kubernetes/kubernetes#135552)
+MDEV_UUID = "mDevUUID"
 
 MAX_COUNTER_SETS = 8  # ResourceSliceMaxCounterSets
 MAX_COUNTERS = 32  # ResourceSliceMaxCountersPerCounterSet
@@ -70,6 +76,7 @@ class DraInputs(Struct, frozen=True):
     desired: Mapping[str, DesiredGpu] = field(default_factory=dict)  # PCI -> what the layout asks
     driver: str = DEFAULT_DRIVER
     driver_version: str | None = None  # NVML: "550.54.15"
+    cuda_version: int | None = None  # NVML's nvmlSystemGetCudaDriverVersion: 12080 for CUDA 12.8
     unhealthy: frozenset[str] = frozenset()  # PCI addresses of GPUs not to offer (XID, lost)
     # PCI -> placements held by something other than a DRA claim (leases from gpudctl, foreign
     # instances): never offered
@@ -90,13 +97,21 @@ class SliceDevice(Struct, frozen=True):
     placement: Placement | None = None  # dynamic MIG: the placement this device stands for
     mig_uuid: str | None = None  # static MIG: the MIG device's UUID
     dynamic: bool = False
-    group: tuple[str, ...] = ()  # vfio: every function of the IOMMU group
+    group: tuple[str, ...] = ()  # vfio: every function of the IOMMU group; vgpu: its VF
     vgpu_uuid: str | None = None
 
 
 class DraSlices(Struct, frozen=True):
     slices: list[dict]  # ResourceSlice objects, as the API takes them
     devices: dict[str, SliceDevice]  # device name -> what it is
+
+    def attributes(self, name: str) -> dict:
+        """The attributes the named device is published with ({} for none of this pool)."""
+        for s in self.slices:
+            for d in s["spec"].get("devices") or ():
+                if d["name"] == name:
+                    return dict(d["attributes"])
+        return {}
 
 
 def device_name(*parts: object) -> str:
@@ -139,6 +154,9 @@ def _common(gpu: Gpu, inputs: DraInputs) -> dict[str, dict]:
     v = semver(inputs.driver_version)
     if v:
         attrs["driverVersion"] = {"version": v}
+    if inputs.cuda_version:
+        major, minor = divmod(inputs.cuda_version, 1000)
+        attrs["cudaDriverVersion"] = {"version": f"{major}.{minor // 10}.0"}
     attrs["index"] = {"int": gpu.index}
     return attrs
 
@@ -283,10 +301,15 @@ def gpu_devices(gpu: Gpu, inputs: DraInputs) -> tuple[list[tuple[dict, SliceDevi
             attrs = dict(base, type=_s("vgpu"), profile=_s(v.type))
             if gpu.uuid:
                 attrs["parentUUID"] = _s(gpu.uuid)
-            if v.uuid:
+            if v.uuid:  # an mdev: KubeVirt hands the VM the mediated device by this attribute
                 attrs["uuid"] = _s(v.uuid)
+                attrs[MDEV_UUID] = _s(v.uuid)
+            if v.vf:  # a vendor-VFIO vGPU: the VM is given the VF, KubeVirt takes it from pciBusID
+                attrs[STANDARD + "pciBusID"] = _s(v.vf)
+                attrs["parentPciBusID"] = _s(gpu.pci)
             out.append(({"name": name, "attributes": attrs},
-                        SliceDevice(name, "vgpu", gpu.pci, profile=v.type, vgpu_uuid=v.uuid)))
+                        SliceDevice(name, "vgpu", gpu.pci, profile=v.type, vgpu_uuid=v.uuid,
+                                    group=(v.vf,) if v.vf else ())))
         return out, None
     if want is not None and want.dynamic:
         # MIG mode may be off until the first lease (policy.lease-mig-mode: follow): the GPU's own

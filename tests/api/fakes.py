@@ -10,9 +10,10 @@ import threading
 import time
 from typing import Any
 
-from gpud.api import wire_replies
 from gpud.api.peers import Peer
 from gpud.api.server import ApiError, ApiServer, serve
+from gpud.wire import replies as wire_replies
+from gpud.wire import tables as wire_tables
 
 P = wire_replies.Placement
 H = wire_replies.HolderInfo
@@ -57,7 +58,7 @@ def status_reply() -> wire_replies.StatusReply:
     )
 
 
-def h200_profiles() -> list[wire_replies.ProfileInfo]:
+def h200_profiles() -> list[wire_tables.ProfileInfo]:
     rows = [  # id, name, count, MiB, SMs, dec, enc, ce, jpg, ofa, starts, size
         (19, "1g.18gb", 7, 16384, 16, 1, 0, 1, 1, 0, [0, 1, 2, 3, 4, 5, 6], 1),
         (20, "1g.18gb+me", 1, 16384, 16, 1, 0, 1, 1, 1, [0, 1, 2, 3, 4, 5, 6], 1),
@@ -68,7 +69,7 @@ def h200_profiles() -> list[wire_replies.ProfileInfo]:
         (0, "7g.141gb", 1, 143360, 132, 7, 0, 8, 7, 1, [0], 8),
     ]
     return [
-        wire_replies.ProfileInfo(id=i, name=n, memory_mb=m, sms=sm, slices=int(n[0]), free=c, total=c,
+        wire_tables.ProfileInfo(id=i, name=n, memory_mb=m, sms=sm, slices=int(n[0]), free=c, total=c,
                                  placements=[P(start=s, size=z) for s in st], ce=ce, dec=dec, enc=enc, jpg=j, ofa=o)
         for i, n, c, m, sm, dec, enc, ce, j, o, st, z in rows
     ]
@@ -111,9 +112,9 @@ class FakeHandler:
             "apply": wire_replies.ApplyReply(phase="converged", converged=True, message="all GPUs converged"),
             "reload": wire_replies.LayoutStatus(path="/etc/gpud/layout.yaml", selected="partial-mig", valid=True),
             "version": wire_replies.VersionReply(version="0.1.0", driver="550.90.07", nvml="12.550.90.07"),
-            "mig-profiles": wire_replies.MigProfilesReply(gpus=[wire_replies.GpuProfiles(
+            "mig-profiles": wire_tables.MigProfilesReply(gpus=[wire_tables.GpuProfiles(
                 index=0, pci="0000:3b:00.0", model="NVIDIA H200", profiles=h200_profiles())]),
-            "passthrough": wire_replies.PassthroughReply(devices=[wire_replies.PassthroughDevice(
+            "passthrough": wire_tables.PassthroughReply(devices=[wire_tables.PassthroughDevice(
                 pci="0000:9a:00.0", vendor_device="10de:2335", resource_name="nvidia.com/GH100_H200_SXM_141GB",
                 iommu_group=88, vfio_device="/dev/vfio/88", numa_node=1,
                 libvirt_hostdev=("<hostdev mode='subsystem' type='pci' managed='no'>\n  <source>\n"

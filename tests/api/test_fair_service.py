@@ -17,12 +17,12 @@ import threading
 
 import pytest
 
-from gpud.api import wire
 from gpud.api.handlers import RequestHandler
 from gpud.api.peers import Peer
 from gpud.api.server import serve
 from gpud.engine import layout_keeper
 from gpud.engine.engine import Engine
+from gpud.wire import protocol as wire
 from tests.support.api import Conn
 from tests.support.simrig import SimRig
 

@@ -9,8 +9,9 @@ from typing import get_args
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from gpud.api import metrics, wire_replies
+from gpud.api import metrics
 from gpud.engine.gpu_state import GpuStateName
+from gpud.wire import replies as wire_replies
 
 PCI = "0000:18:00.0"
 

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import msgspec
 
-from gpud.api import replies, wire_replies
+from gpud.api import plan_replies, replies
 from gpud.engine.binding import passthrough
 from gpud.model import Gpu, Holder, PciFunction, Placement
 from gpud.plan.binding import BindStep
 from gpud.plan.mig import Destroyed, Step
+from gpud.wire import replies as wire_replies
+from gpud.wire import tables as wire_tables
 
 GPU0 = "0000:3b:00.0"
 
@@ -52,24 +54,24 @@ def test_passthrough_kubevirt_configuration_has_one_entry_per_resource():
 
 def test_plan_steps_keep_their_wire_field_names():
     mig = Step(action="create-gi", pci=GPU0, profile="3g.71gb", profile_id=9, placement=Placement(4, 4))
-    assert msgspec.to_builtins(replies.mig_step(mig)) == {
+    assert msgspec.to_builtins(plan_replies.mig_step(mig)) == {
         "action": "create-gi", "profile": "3g.71gb", "placement": {"start": 4, "size": 4}, "uuid": None,
         "gi": None, "ci": None, "enabled": None, "driver": None, "pci": GPU0, "module": None, "group": None,
         "message": "", "ci_placement": None, "type": None, "vf": None, "count": None}
     ci = Step(action="create-ci", pci=GPU0, profile="1c.3g.71gb", profile_id=9, placement=Placement(4, 4),
               ci_profile_id=0, ci_placement=Placement(2, 1))
-    assert msgspec.to_builtins(replies.mig_step(ci))["ci_placement"] == {"start": 2, "size": 1}
-    bind = replies.bind_step(BindStep(action="bind", pci=GPU0, driver="vfio-pci"))
+    assert msgspec.to_builtins(plan_replies.mig_step(ci))["ci_placement"] == {"start": 2, "size": 1}
+    bind = plan_replies.bind_step(BindStep(action="bind", pci=GPU0, driver="vfio-pci"))
     assert (bind.action, bind.pci, bind.driver, bind.group) == ("bind", GPU0, "vfio-pci", None)
     gone = Destroyed(pci=GPU0, profile="1g.18gb", placement=Placement(0, 1), uuid="MIG-1",
                      holders=[Holder(pid=7, name="python3", device="MIG-1")])
-    assert msgspec.to_builtins(replies.destroyed(gone)) == {
+    assert msgspec.to_builtins(plan_replies.destroyed(gone)) == {
         "pci": GPU0, "profile": "1g.18gb", "placement": {"start": 0, "size": 1}, "uuid": "MIG-1",
         "holders": [{"pid": 7, "name": "python3", "device": "MIG-1", "vm": None}]}
 
 
 def test_plan_with_errors_is_empty_and_says_why():
-    reply = replies.plan_reply(errors=["layout.yaml:1 version: must be v1"])
+    reply = plan_replies.plan_reply(errors=["layout.yaml:1 version: must be v1"])
     assert msgspec.to_builtins(reply) == {
         "gpus": [], "disruption": {"destroyed": [], "vgpus_removed": [], "vfs_disabled": [], "mode_changes": [],
                                    "resets": [], "reset_with": [], "rebinds": []},
@@ -86,7 +88,7 @@ def test_mig_profiles_of_a_gpu_nvml_cannot_see_come_from_the_table_with_unknowns
 
     gpus = [Gpu(0, _fn("0000:18:00.0", device=0x2BB5)), Gpu(1, _fn("0000:2a:00.0", device=0x2901)),
             Gpu(2, _fn("0000:3a:00.0", device=0x26B9))]
-    reply = msgspec.convert(msgspec.to_builtins(replies.mig_profiles_reply(gpus)), wire_replies.MigProfilesReply)
+    reply = msgspec.convert(msgspec.to_builtins(replies.mig_profiles_reply(gpus)), wire_tables.MigProfilesReply)
     assert [(g.index, g.source, g.model) for g in reply.gpus] == [
         (0, "table", "NVIDIA RTX PRO 6000 Blackwell Server Edition"), (1, "table", "NVIDIA B200")]
     rtx, b200 = reply.gpus
@@ -97,3 +99,17 @@ def test_mig_profiles_of_a_gpu_nvml_cannot_see_come_from_the_table_with_unknowns
                                            "jpg", "ofa", "p2p"}
     assert row["3g.90gb"].total == 2  # the instance count NVIDIA's default MIG config gives
     assert row["3g.90gb"].id == 9  # the id GKE's MIG partitioner passes to nvidia-smi mig -cgi
+
+
+def test_what_the_device_plugins_advertise_is_worked_out_once_per_observation():
+    """Every status answer carries it; fifty clients must not each walk every GPU again."""
+    from gpud.api.status_snapshot import StatusSnapshot
+    from gpud.plan.node_labels import advertised
+
+    gpus = tuple(Gpu(i, _fn(f"0000:{0x10 + i:02x}:00.0", group=i)) for i in range(4))
+    snap = StatusSnapshot()
+    first = snap.advertised(gpus, "mixed")
+    assert first == advertised(gpus, mig_strategy="mixed") and first.sandbox  # vfio-pci: the sandbox plugin
+    assert snap.advertised(gpus, "mixed") is first  # the same observation: kept
+    fewer = gpus[:2]  # a new observation: worked out again
+    assert snap.advertised(fewer, "mixed") == advertised(fewer, mig_strategy="mixed") != first

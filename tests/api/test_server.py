@@ -19,11 +19,12 @@ import textwrap
 import msgspec
 import pytest
 
-from gpud.api import wire, wire_replies
 from gpud.api.peers import Peer, authorize, peer_credentials, read_proc_groups
 from gpud.api.server import ApiError, serve
 from gpud.api.socket_file import ServerError
 from gpud.engine.events import EventBus, EventQueue
+from gpud.wire import protocol as wire
+from gpud.wire import replies as wire_replies
 from tests.api.fakes import FakeHandler, status_reply
 from tests.support.api import GUARD, Conn
 
@@ -309,7 +310,7 @@ def test_peer_credentials_of_a_real_socket():
 # drops to uid/gid 65534 and the given groups before it connects.
 CHILD = textwrap.dedent("""
     import json, os, socket, sys
-    from gpud.api import wire
+    from gpud.wire import protocol as wire
     path, groups, ops = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3:]
     os.setgroups(groups); os.setgid(65534); os.setuid(65534)
     s = socket.socket(socket.AF_UNIX)
@@ -647,7 +648,7 @@ async def test_close_does_not_wait_for_a_follower_that_stopped_reading(sockdir):
 FOLLOWERS = textwrap.dedent("""
     import os, socket, sys, time
     sys.path.insert(0, os.getcwd())
-    from gpud.api import wire
+    from gpud.wire import protocol as wire
     path, n = sys.argv[1], int(sys.argv[2])
     os.setgroups([]); os.setgid(65534); os.setuid(65534)   # nobody, in nogroup (which plays gpud)
     held, refused = [], 0

@@ -11,7 +11,9 @@ import sys
 import msgspec
 import pytest
 
-from gpud.api import wire, wire_replies
+from gpud.wire import protocol as wire
+from gpud.wire import replies as wire_replies
+from gpud.wire import tables as wire_tables
 from tests.api.fakes import plan_reply, status_reply
 
 
@@ -74,18 +76,18 @@ def test_every_result_struct_is_json_able_with_a_stable_shape():
         "apply": wire_replies.ApplyReply(phase="failed"), "reload": wire_replies.LayoutStatus(path="/l"),
         "select": wire_replies.LayoutStatus(path="/l", selected="a", chosen=True),
         "events": wire_replies.EventsReply(events=[wire.Event(time=0.0, kind="k")]),
-        "version": wire_replies.VersionReply(version="0.1.0"), "mig-profiles": wire_replies.MigProfilesReply(),
-        "mig-compute-profiles": wire_replies.MigComputeProfilesReply(gpus=[wire_replies.GpuComputeProfiles(
-            index=0, pci="p", instances=[wire_replies.GiComputeProfiles(
+        "version": wire_replies.VersionReply(version="0.1.0"), "mig-profiles": wire_tables.MigProfilesReply(),
+        "mig-compute-profiles": wire_tables.MigComputeProfilesReply(gpus=[wire_tables.GpuComputeProfiles(
+            index=0, pci="p", instances=[wire_tables.GiComputeProfiles(
                 gi=1, profile="3g.40gb", placement=wire_replies.Placement(start=0, size=4), profiles=[
-                    wire_replies.ComputeProfileInfo(id=0, name="1c.3g.40gb", slices=1, free=1, total=3, sms=16)])])]),
-        "passthrough": wire_replies.PassthroughReply(devices=[wire_replies.PassthroughDevice(pci="p", vendor_device="10de:2335")],
-                                                     vgpus=[wire_replies.VgpuPassthrough(gpu="p", type="L40S-12Q", vf="v")]),
+                    wire_tables.ComputeProfileInfo(id=0, name="1c.3g.40gb", slices=1, free=1, total=3, sms=16)])])]),
+        "passthrough": wire_tables.PassthroughReply(devices=[wire_tables.PassthroughDevice(pci="p", vendor_device="10de:2335")],
+                                                     vgpus=[wire_tables.VgpuPassthrough(gpu="p", type="L40S-12Q", vf="v")]),
         "stats": wire_replies.StatsReply(window_s=1.5, loop_lag=wire_replies.LoopLag(samples=3, p99_ms=2.5), requests={"status": 2}),
         "labels": wire_replies.LabelsReply(path="/f", result="written", file={"nvidia.com/gpu.count": "8"},
                                            labels={"nvidia.com/gpu.count": "8"}),
-        "vgpu-types": wire_replies.VgpuTypesReply(gpus=[wire_replies.GpuVgpuTypes(index=0, pci="p", types=[
-            wire_replies.VgpuTypeInfo(name="H200X-1-18C", id=1414, mig_profile="1g.18gb", creatable=7, max=7)])]),
+        "vgpu-types": wire_tables.VgpuTypesReply(gpus=[wire_tables.GpuVgpuTypes(index=0, pci="p", types=[
+            wire_tables.VgpuTypeInfo(name="H200X-1-18C", id=1414, mig_profile="1g.18gb", creatable=7, max=7)])]),
         "lease": LEASE,
         "release": wire_replies.ReleaseReply(lease=LEASE, message="lease l-1 released"),
         "leases": wire_replies.LeasesReply(leases=[LEASE]),
@@ -183,7 +185,7 @@ async def test_async_reader():
 def test_the_protocol_modules_import_only_stdlib_and_msgspec():
     # what msgspec itself pulls in (typing_extensions) is msgspec's business, not ours
     code = (
-        "import sys, msgspec; before = set(sys.modules); import gpud.api.wire, gpud.api.wire_replies; "
+        "import sys, msgspec; before = set(sys.modules); import gpud.wire.protocol, gpud.wire.replies; "
         "new = {m.split('.')[0] for m in set(sys.modules) - before}; "
         "print(' '.join(sorted(new - set(sys.stdlib_module_names))))"
     )

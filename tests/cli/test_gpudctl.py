@@ -11,9 +11,10 @@ import sys
 import threading
 from pathlib import Path
 
-from gpud.api import wire, wire_replies
 from gpud.api.server import ApiError
 from gpud.cli import render
+from gpud.wire import protocol as wire
+from gpud.wire import replies as wire_replies
 from tests.api.fakes import GPU0_UUID, MIG_UUIDS, ThreadedServer
 from tests.support.processes import reap
 
@@ -305,11 +306,12 @@ CLI_MODULES = sorted(f"gpud.cli.{p.stem}" for p in (REPO / "gpud" / "cli").glob(
 
 def test_client_imports_nothing_heavy():
     """Every module of the client package, imported in a fresh interpreter, pulls in no heavy
-    dependency and of gpud itself only the package markers, the protocol (gpud.api.wire and
-    gpud.api.wire_replies) and the standard-library module of MIG words (gpud.mig_text)."""
+    dependency and of gpud itself only the package markers, the protocol (gpud.wire: protocol,
+    replies, tables) and the standard-library module of MIG words
+    (gpud.mig_text)."""
     assert {"gpud.cli.gpudctl", "gpud.cli.transport", "gpud.cli.render", "gpud.cli.commands"} <= set(CLI_MODULES)
     banned = ["pynvml", "yaml", "pyudev", "dbus_fast", "asyncinotify", "prometheus_client", "asyncio"]
-    allowed = ["gpud", "gpud.api", "gpud.api.wire", "gpud.api.wire_replies", "gpud.mig_text", "gpud.cli", *CLI_MODULES]
+    allowed = ["gpud", "gpud.wire", "gpud.wire.protocol", "gpud.wire.replies", "gpud.wire.tables", "gpud.mig_text", "gpud.cli", *CLI_MODULES]
     code = ("import importlib, sys, json\n"
             f"for name in {CLI_MODULES!r}: importlib.import_module(name)\n"
             f"print(json.dumps([m for m in sys.modules if m in {banned!r} "
@@ -424,8 +426,8 @@ def test_check_refuses_a_layout_over_gpuds_limit_before_sending(daemon, tmp_path
 
 
 def test_a_subdivided_ci_step_and_instance_show_their_compute_slot():
-    from gpud.api import wire_replies as wr
     from gpud.cli.render import _describe_step, render_gpu
+    from gpud.wire import replies as wr
 
     step = wr.StepInfo(action="create-ci", profile="1c.3g.71gb", placement=wr.Placement(start=4, size=4),
                       ci_placement=wr.Placement(start=2, size=1))
@@ -442,7 +444,7 @@ def test_a_subdivided_ci_step_and_instance_show_their_compute_slot():
 def test_a_plan_step_reads_as_the_daemon_names_it_in_events():
     """`gpudctl plan` prints each MIG step with the words the daemon's events use for it (str of the
     planner's Step), after the trip through the wire's StepInfo."""
-    from gpud.api.replies import mig_step
+    from gpud.api.plan_replies import mig_step
     from gpud.cli.render import _describe_step
     from gpud.model import Placement
     from gpud.plan.mig import Step

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from gpud.api import wire_replies
 from gpud.cli.render import render_kubernetes
+from gpud.wire import replies as wire_replies
 
 
 def _render(**agent) -> str:

@@ -92,5 +92,27 @@ def test_nfd_labels_follow_leases(daemon, tmp_path):
     read = lambda: (features / "gpud").read_text() if (features / "gpud").exists() else ""  # noqa: E731
     lease = json.loads(d.ctl("lease", "3g.40gb", "--json").stdout)
     wait_until(lambda: "nvidia.com/mig-3g.40gb.count=1" in read(), what="the lease's MIG device labelled")
+    # the device plugin's view: one resource per MIG device on the simulator's state file
+    advertised = lambda: d.status()["kubernetes"]["advertised"]["resources"]  # noqa: E731
+    assert gis(d) == [(4, 4, [lease["uuid"]])]
+    wait_until(lambda: advertised().get("nvidia.com/mig-3g.40gb") == 1, what="the MIG device advertised")
     assert d.ctl("release", lease["id"]).returncode == 0
     wait_until(lambda: "nvidia.com/mig-3g.40gb.count" not in read(), what="the label gone with the release")
+    assert gis(d) == [] and "nvidia.com/mig-3g.40gb" not in advertised()
+
+
+def test_check_and_plan_explain_a_dynamic_gpu_and_refuse_a_static_one_over_leases(daemon, tmp_path):
+    d = daemon(["h100-80gb:1"], dynamic_layout())
+    lease = json.loads(d.ctl("lease", "3g.40gb", "--owner", "slurm-3", "--json").stdout)
+    before, calls = gis(d), d.mutating_calls()
+    chk = d.ctl("check", str(d.config))
+    assert chk.returncode == 0, chk.stdout + chk.stderr
+    assert "note: GPU 0" in chk.stdout and "MIG on demand (mig-devices: dynamic)" in chk.stdout
+    plan = d.ctl("plan")
+    assert plan.returncode == 0 and "nothing to do" in plan.stdout and "MIG on demand" in plan.stdout
+    static = tmp_path / "static.yaml"
+    static.write_text("version: v1\nlayouts:\n  s:\n    - devices: all\n      mig-enabled: true\n"
+                      "      mig-devices: {\"1g.10gb\": 7}\n")
+    refused = d.ctl("check", str(static))
+    assert refused.returncode == 4 and lease["id"] in refused.stdout and "slurm-3" in refused.stdout
+    assert gis(d) == before == [(4, 4, [lease["uuid"]])] and d.mutating_calls() == calls  # nothing changed

@@ -10,18 +10,10 @@ import pytest
 
 from gpud.sim.state import load
 from tests.support.daemon import wait_until
+from tests.support.vgpu_layouts import L40S
+from tests.support.vgpu_layouts import L40S_ONLY as LAYOUT
 
 pytestmark = pytest.mark.daemon
-
-L40S = "0000:18:00.0"
-LAYOUT = """\
-version: v1
-layouts:
-  vms:
-    - devices: [0]
-      workload: vm-vgpu
-      vgpu-devices: {"L40S-12Q": 4}
-"""
 
 
 def _gpu(d) -> dict:

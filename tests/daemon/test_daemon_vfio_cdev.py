@@ -9,10 +9,10 @@ import json
 import pytest
 
 from gpud.sim.state import load
-from tests.daemon.test_daemon_sriov_manage import L40S
-from tests.daemon.test_daemon_sriov_manage import LAYOUT as VGPU
 from tests.scenarios.definitions import layout
 from tests.support.daemon import wait_until
+from tests.support.vgpu_layouts import L40S
+from tests.support.vgpu_layouts import L40S_ONLY as VGPU
 
 pytestmark = pytest.mark.daemon
 

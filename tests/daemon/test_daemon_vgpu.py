@@ -4,41 +4,18 @@ driven by the real gpudctl; results compared with the simulator's state file."""
 from __future__ import annotations
 
 import json
-import socket
-import time
 
 import pytest
 
 from gpud.sim import vgpu as sim_vgpu
 from gpud.sim.state import load, locked
 from gpud.sim.sysfs_tree import render
-from tests.support.daemon import wait_until
+from tests.support.daemon import start_until_ready, wait_until
+from tests.support.vgpu_host import sim_vgpus
+from tests.support.vgpu_layouts import L40S, T4
+from tests.support.vgpu_layouts import L40S_AND_T4 as LAYOUT
 
 pytestmark = pytest.mark.daemon
-
-L40S, T4 = "0000:18:00.0", "0000:2a:00.0"
-LAYOUT = """\
-version: v1
-layouts:
-  vms:
-    - devices: [0]
-      workload: vm-vgpu
-      vgpu-devices: {"L40S-12Q": 4}
-    - devices: [1]
-      workload: vm-vgpu
-      vgpu-devices: {"GRID T4-4Q": 2}
-"""
-
-
-def sim_vgpus(host, pf: str) -> list[tuple[str, str]]:
-    """(type, VF or mdev UUID) from the simulator's state file."""
-    st = load(host)
-    types = sim_vgpu.sim_types(sim_vgpu.vgpu_model(st, pf))
-    by_vfio = {t.vfio_id: t.name for t in types}
-    by_mdev = {t.mdev_id: t.name for t in types}
-    v = st.vgpu[pf]
-    return sorted([(by_vfio[vf.vgpu_type], vf.address) for vf in v.vfs if vf.vgpu_type]
-                  + [(by_mdev[m.type_id], m.uuid) for m in v.mdevs])
 
 
 def status_vgpus(status: dict, pf: str) -> list[tuple[str, str]]:
@@ -257,20 +234,8 @@ def test_ready_waits_for_the_vgpus_a_reboot_took(daemon) -> None:
     with locked(d.host) as st:
         sim_vgpu.clear_for_reboot(st)
         render(d.host, st)
-    path = str(d.tmp / "notify.sock")
-    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
-        sock.bind(path)
-        sock.settimeout(5)
-        d.start(notify_socket=path)
-        messages: list[str] = []
-        deadline = time.monotonic() + 150
-        while not any("READY=1" in m.split("\n") for m in messages):
-            assert time.monotonic() < deadline, f"no READY=1; got {messages}\n" + d.log.read_text()[-2000:]
-            try:
-                messages.append(sock.recv(4096).decode())
-            except TimeoutError:
-                continue
-        at_ready = sim_vgpus(d.host, L40S), sim_vgpus(d.host, T4)
+    messages = start_until_ready(d)
+    at_ready = sim_vgpus(d.host, L40S), sim_vgpus(d.host, T4)
     assert at_ready == before
     assert any("STATUS=rebuilding vGPUs of 2 GPU(s)" in m for m in messages)
 

@@ -9,8 +9,8 @@ import json
 
 import pytest
 
-from tests.daemon.test_daemon_vgpu import LAYOUT as VGPU_LAYOUT
 from tests.scenarios.definitions import layout
+from tests.support.vgpu_layouts import L40S_AND_T4 as VGPU_LAYOUT
 
 pytestmark = pytest.mark.daemon
 

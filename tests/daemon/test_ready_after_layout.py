@@ -5,33 +5,14 @@ simulator's own state file, when the READY datagram arrives."""
 
 from __future__ import annotations
 
-import socket
-import time
-
 import pytest
 
 from tests.scenarios.definitions import layout, mig
+from tests.support.daemon import start_until_ready
 
 pytestmark = pytest.mark.daemon
 
 GPU0 = "0000:18:00.0"
-
-
-def _ready_messages(d, path: str) -> list[str]:
-    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
-        sock.bind(path)
-        sock.settimeout(5)
-        d.start(notify_socket=path)
-        messages: list[str] = []
-        deadline = time.monotonic() + 150
-        while not any("READY=1" in m.split("\n") for m in messages):
-            assert time.monotonic() < deadline, f"no READY=1; got {messages}\n" + d.log.read_text()[-2000:]
-            try:
-                messages.append(sock.recv(4096).decode())
-            except TimeoutError:
-                continue
-        d.gis_at_ready = len(d.sim_state()["gpus"][GPU0]["gis"])
-    return messages
 
 
 def test_ready_waits_for_the_mig_layout_a_reboot_took(daemon):
@@ -40,8 +21,8 @@ def test_ready_waits_for_the_mig_layout_a_reboot_took(daemon):
     assert d.stop() == 0
     assert d.sim("reboot").returncode == 0
     assert d.sim_state()["gpus"][GPU0]["gis"] == []  # Hopper: gone with the reboot
-    messages = _ready_messages(d, str(d.tmp / "notify.sock"))
-    assert d.gis_at_ready == 5, messages
+    messages = start_until_ready(d)
+    assert len(d.sim_state()["gpus"][GPU0]["gis"]) == 5, messages
     assert any("STATUS=converging 1 GPU(s) before ready" in m for m in messages), messages
 
 
@@ -49,5 +30,5 @@ def test_a_restart_with_nothing_to_do_is_ready_at_once(daemon):
     d = daemon(["h100-80gb"], layout(mig([0], {"1g.10gb": 7})))
     assert d.ctl("apply", "--wait", "--timeout", "60").returncode == 0
     assert d.stop() == 0
-    messages = _ready_messages(d, str(d.tmp / "notify.sock"))
+    messages = start_until_ready(d)
     assert not any("before ready" in m for m in messages), messages

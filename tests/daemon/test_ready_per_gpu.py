@@ -7,7 +7,6 @@ from the simulator's state file and the notify datagrams, not from gpud's view."
 from __future__ import annotations
 
 import socket
-import time
 from pathlib import Path
 
 import pytest
@@ -15,7 +14,7 @@ import pytest
 from gpud.sim import vgpu as sim_vgpu
 from gpud.sim.state import load, locked
 from gpud.sim.sysfs_tree import render
-from tests.support.daemon import wait_until
+from tests.support.daemon import until_ready, wait_until
 
 pytestmark = pytest.mark.daemon
 
@@ -77,17 +76,6 @@ def _datagrams(sock: socket.socket) -> list[str]:
         sock.setblocking(True)
 
 
-def _until_ready(d, sock: socket.socket, messages: list[str]) -> None:
-    sock.settimeout(5)
-    deadline = time.monotonic() + 180
-    while not any("READY=1" in m.split("\n") for m in messages):
-        assert time.monotonic() < deadline, f"no READY=1; got {messages}\n" + d.log.read_text()[-3000:]
-        try:
-            messages.append(sock.recv(4096).decode())
-        except TimeoutError:
-            continue
-
-
 def test_ready_waits_for_a_gpu_whose_boot_work_is_slow(daemon) -> None:
     d = daemon(["l40s", "l40s"], LAYOUT, vgpu="vfio")
     _rebooted_with(d, GATED)
@@ -100,7 +88,7 @@ def test_ready_waits_for_a_gpu_whose_boot_work_is_slow(daemon) -> None:
         assert not any("READY=1" in m.split("\n") for m in messages), messages  # its work is under way
         assert _vgpus(d.host, GPU1) == 0
         (d.host / "gate").touch()
-        _until_ready(d, sock, messages)
+        until_ready(d, sock, messages, 180)
         at_ready = _vgpus(d.host, GPU0), _vgpus(d.host, GPU1)
     assert at_ready == (2, 2), messages
 
@@ -113,7 +101,7 @@ def test_ready_comes_when_a_gpus_boot_work_fails_and_names_it(daemon) -> None:
         sock.bind(path)
         d.start(notify_socket=path)
         messages: list[str] = []
-        _until_ready(d, sock, messages)
+        until_ready(d, sock, messages, 180)
         at_ready = _vgpus(d.host, GPU0), _vgpus(d.host, GPU1)
     assert at_ready == (2, 0)  # the other GPU's work is done; this one's failed
     ready = next(m for m in messages if "READY=1" in m.split("\n"))

@@ -12,7 +12,7 @@ from ctypes import byref, c_uint
 import pytest
 
 from gpud import VERSION
-from gpud.api import wire
+from gpud.wire import protocol as wire
 from tests.scenarios.definitions import layout, mig
 from tests.support.daemon import ROOT
 

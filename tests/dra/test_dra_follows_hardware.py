@@ -17,8 +17,8 @@ import time
 
 from gpud.sim import state as simstate
 from tests.dra.cluster import skips
-from tests.dra.test_dra_scheduler import MIG, profile_is
 from tests.support.daemon import Daemon
+from tests.support.dra_kubelet import MIG, profile_is
 
 pytestmark = skips()
 NODE = "follow-node"
@@ -132,6 +132,14 @@ def test_the_pool_follows_leases_layout_unplug_and_xids(cluster, tmp_path):
             dev.get("taints") for dev in of_gpu(s, 0).values()), what="GPU 0 back untainted")
         (r,) = cluster.allocated("after-xid")
         assert r["device"].startswith("gpu-0-mig-1g-10gb-")
+
+        # the label protocol on the same node: a layout asked by node label is applied and reported
+        cluster.admin("PATCH", f"/api/v1/nodes/{NODE}", {"metadata": {"labels": {"nvidia.com/mig.config": "d"}}},
+                      content_type="application/merge-patch+json")
+        cluster.wait("nvidia.com/mig.config.state=success", lambda: (cluster.admin(
+            "GET", f"/api/v1/nodes/{NODE}")["metadata"].get("labels") or {}).get("nvidia.com/mig.config.state")
+            == "success", limit=120)
+        assert of_gpu(cluster.slices(NODE), 0)  # and the pool is still published
     finally:
         if d.proc.poll() is None:
             d.proc.terminate()

@@ -15,23 +15,16 @@ from pathlib import Path
 import pytest
 
 from gpud.engine.dra.driver import DraDriver
-from gpud.host.kube import kubelet_plugin
 from gpud.host.kube.kubelet_plugin import KubeletPlugin
 from gpud.model import Placement
 from gpud.plan.dra_slices import DEFAULT_DRIVER
+from gpud.sim import state as simstate
 from tests.dra.cluster import DraCluster, skips
-from tests.leases.rig import dynamic_rig, sim_gis
+from tests.leases.rig import dynamic_rig, restarted, sim_gis
+from tests.support.dra_kubelet import GPU, MIG, Kubelet, profile_is
 from tests.support.simrig import SimRig
 
 pytestmark = skips()
-
-MIG = "mig.gpud.io"
-GPU = "gpu.gpud.io"
-
-
-def profile_is(name: str) -> str:
-    return f"device.attributes['{DEFAULT_DRIVER}'].profile == '{name}'"
-
 
 class SimNode:
     """One simulated node: gpud's reconciler and lease engine (a SimRig), its DRA driver publishing
@@ -64,7 +57,7 @@ class SimNode:
     async def boot(self) -> None:
         assert self.rig is not None and self.api is not None
         self.driver = DraDriver(self.api, self.rig.rec.leases, self.rig.rec.view, state_dir=str(self.tmp / "state"),
-                                cdi_dir=str(self.tmp / "cdi"))
+                                cdi_dir=str(self.tmp / "cdi"), metadata_dir=str(self.tmp / "meta"))
         await self.driver.start()
         await self.driver.publish()
         self.plugin = KubeletPlugin(DEFAULT_DRIVER, self.driver, root=str(self.kubelet))
@@ -86,42 +79,6 @@ class SimNode:
         sd = self.driver.published.devices[r["device"]]
         assert r["pool"] == self.name and r["driver"] == DEFAULT_DRIVER and sd.placement is not None
         return sd.placement
-
-
-class Kubelet:
-    """The kubelet's side of DRA: the generated stubs on gpud's sockets, nothing hand-made."""
-
-    def __init__(self, plugin: KubeletPlugin) -> None:
-        import grpc
-
-        self.v1, self.v1_grpc, _, _, self.reg, self.reg_grpc = kubelet_plugin.proto()
-        self.plugin = plugin
-        self.dra = grpc.aio.insecure_channel(f"unix://{plugin.dra_socket}")
-        self.registration = grpc.aio.insecure_channel(f"unix://{plugin.registration_socket}")
-
-    async def close(self) -> None:
-        await self.dra.close()
-        await self.registration.close()
-
-    async def register(self):
-        stub = self.reg_grpc.RegistrationStub(self.registration)
-        info = await stub.GetInfo(self.reg.InfoRequest())
-        await stub.NotifyRegistrationStatus(self.reg.RegistrationStatus(plugin_registered=True))
-        return info
-
-    async def prepare(self, claim: dict):
-        m = claim["metadata"]
-        stub = self.v1_grpc.DRAPluginStub(self.dra)
-        got = await stub.NodePrepareResources(self.v1.NodePrepareResourcesRequest(
-            claims=[self.v1.Claim(namespace=m["namespace"], uid=m["uid"], name=m["name"])]))
-        return got.claims[m["uid"]]
-
-    async def unprepare(self, claim: dict):
-        m = claim["metadata"]
-        stub = self.v1_grpc.DRAPluginStub(self.dra)
-        got = await stub.NodeUnprepareResources(self.v1.NodeUnprepareResourcesRequest(
-            claims=[self.v1.Claim(namespace=m["namespace"], uid=m["uid"], name=m["name"])]))
-        return got.claims[m["uid"]]
 
 
 @pytest.fixture
@@ -192,12 +149,29 @@ async def test_prepare_makes_the_allocated_placement_and_unprepare_destroys_it(c
         spec = (node.tmp / "cdi" / f"{DEFAULT_DRIVER}-claim_{uid}.json").read_text()
         assert gis[0][2][0] in spec  # the MIG device's UUID, from the simulator's state file
 
+        # KEP-5304's device metadata, mounted where KubeVirt's virt-launcher reads it, holding the
+        # device's attributes as the server stores them in the slice
+        (mount,) = json.loads(spec)["devices"][0]["containerEdits"]["mounts"]
+        name = claim["metadata"]["name"]
+        assert mount["containerPath"] == (f"/var/run/kubernetes.io/dra-device-attributes/resourceclaims/{name}/gpu/"
+                                          f"{DEFAULT_DRIVER}-metadata.json") and mount["options"] == ["ro", "bind"]
+        meta = json.loads(Path(mount["hostPath"]).read_text())
+        assert (meta["apiVersion"], meta["kind"]) == ("metadata.resource.k8s.io/v1alpha1", "DeviceMetadata")
+        assert (meta["metadata"]["name"], meta["metadata"]["uid"]) == (name, uid)
+        ((req,),) = [meta["requests"]]
+        on_server = next(d for s in cluster.slices(node.name) for d in s["spec"].get("devices") or ()
+                         if d["name"] == dev.device_name)
+        assert req["name"] == "gpu" and req["devices"] == [{"driver": DEFAULT_DRIVER, "pool": node.name,
+                                                            "name": dev.device_name,
+                                                            "attributes": on_server["attributes"]}]
+
         again = await kubelet.prepare(claim)  # the second container, or a kubelet retry: prepared once
         assert list(again.devices) == list(got.devices) and len(sim_gis(node.rig)) == 1
 
         assert (await kubelet.unprepare(claim)).error == ""
         assert sim_gis(node.rig) == []
         assert not (node.tmp / "cdi" / f"{DEFAULT_DRIVER}-claim_{uid}.json").exists()
+        assert not Path(mount["hostPath"]).exists()
     finally:
         await kubelet.close()
 
@@ -214,8 +188,6 @@ async def test_a_claim_survives_a_gpud_restart_between_prepare_and_unprepare(clu
     await kubelet.close()
     # a new gpud process: its own NVML session, reconciler and lease records read from the state dir
     await node.plugin.stop()
-    from tests.leases.test_lease_restart import restarted
-
     await restarted(node.rig, node.tmp)
     await node.boot()
     kubelet = Kubelet(node.plugin)
@@ -302,3 +274,126 @@ async def test_the_seed_layout_is_reachable_through_claims_and_prepared(cluster,
         assert sim_gis(node.rig) == []
     finally:
         await kubelet.close()
+
+
+async def test_unprepare_of_a_busy_claim_is_refused_and_nothing_is_killed(cluster, node):
+    """A process still on the claim's MIG device: unprepare answers an error (the kubelet asks
+    again), the instance and the process stay; once the process is gone, unprepare destroys it.
+    Holder and instance are the simulator's own records."""
+    from gpud.sim import cli as simcli
+
+    ns = node.name[:20]
+    cluster.claim(f"{ns}-b", MIG, profile_is("2g.20gb"))
+    cluster.pod(f"{ns}-b", f"{ns}-b", node=node.name)
+    at = node.placement(cluster.allocated(f"{ns}-b"))
+    claim = cluster.get_claim(f"{ns}-b")
+    kubelet = Kubelet(node.plugin)
+    try:
+        assert (await kubelet.prepare(claim)).error == ""
+        ((_, _, (mig_uuid,)),) = sim_gis(node.rig)
+        simcli.hold(node.rig.dir, mig_uuid, 4242, "trainer")
+        got = await kubelet.unprepare(claim)
+        assert got.error and "4242" in got.error, got.error
+        assert [(n, pl) for n, pl, _ in sim_gis(node.rig)] == [("2g.20gb", at)]
+        assert any(p.pid == 4242 for p in simstate.load(node.rig.dir).processes)
+        simcli.release(node.rig.dir, mig_uuid, 4242)
+        assert (await kubelet.unprepare(claim)).error == ""
+        assert sim_gis(node.rig) == []
+    finally:
+        await kubelet.close()
+
+
+STATIC_AND_WHOLE = """version: v1
+layouts:
+  d:
+    - devices: [0]
+      mig-enabled: true
+      mig-devices: {"3g.40gb": 2}
+    - devices: [1]
+      mig-enabled: false
+"""
+
+
+async def test_static_mig_and_whole_gpus_are_prepared_without_making_anything(cluster, tmp_path):
+    """A static MIG device and a whole GPU exist already: prepare creates and destroys nothing
+    (the simulator's state file before and after) and hands over what the simulator says they
+    are: the MIG device's UUID, the GPU's UUID and its /dev/nvidia<minor>."""
+    node = await SimNode(tmp_path, cluster, "static-node").start(("h100-80gb:2",), STATIC_AND_WHOLE)
+    kubelet = Kubelet(node.plugin)
+    try:
+        before = simstate.load(node.rig.dir)
+        whole_pci = sorted(before.gpus)[1]
+        cluster.claim("static-mig", MIG, profile_is("3g.40gb"))
+        cluster.pod("static-mig", "static-mig", node=node.name)
+        cluster.claim("whole", GPU)
+        cluster.pod("whole", "whole", node=node.name)
+        cluster.allocated("static-mig")
+        cluster.allocated("whole")
+        got = {}
+        for name in ("static-mig", "whole"):
+            claim = cluster.get_claim(name)
+            assert (await kubelet.prepare(claim)).error == ""
+            got[name] = json.loads((node.tmp / "cdi" / f"{DEFAULT_DRIVER}-claim_{claim['metadata']['uid']}.json")
+                                   .read_text())["devices"][0]["containerEdits"]
+        after = simstate.load(node.rig.dir)
+        assert after.gpus == before.gpus  # nothing created or destroyed
+        mig_uuids = {ci.uuid for gi in after.gpus[sorted(after.gpus)[0]].gis for ci in gi.cis}
+        (env,) = [e for e in got["static-mig"]["env"] if e.startswith("NVIDIA_VISIBLE_DEVICES=")]
+        assert env.split("=", 1)[1] in mig_uuids and len(mig_uuids) == 2
+        whole = after.gpus[whole_pci]
+        assert f"NVIDIA_VISIBLE_DEVICES={whole.uuid}" in got["whole"]["env"]
+        assert {"path": f"/dev/nvidia{whole.minor}"} in got["whole"]["deviceNodes"]
+        for name in ("static-mig", "whole"):
+            assert (await kubelet.unprepare(cluster.get_claim(name))).error == ""
+        assert simstate.load(node.rig.dir).gpus == before.gpus
+    finally:
+        await kubelet.close()
+        await node.close()
+
+
+async def test_unprepare_never_touches_an_instance_made_outside_kubernetes(cluster, node):
+    """A lease made outside Kubernetes beside a claim's instance on one GPU: the claim's
+    unprepare destroys its own instance only."""
+    ns = node.name[:20]
+    outside = await node.rig.rec.leases.lease("3g.40gb", start=4, owner="job")
+    await node.driver.publish()
+    cluster.claim(f"{ns}-own", MIG, profile_is("1g.10gb"))
+    cluster.pod(f"{ns}-own", f"{ns}-own", node=node.name)
+    at = node.placement(cluster.allocated(f"{ns}-own"))
+    assert not at.slices & {4, 5, 6, 7}  # what the lease holds was never offered
+    claim = cluster.get_claim(f"{ns}-own")
+    kubelet = Kubelet(node.plugin)
+    try:
+        assert (await kubelet.prepare(claim)).error == ""
+        assert sorted((n, pl) for n, pl, _ in sim_gis(node.rig)) == sorted(
+            [("1g.10gb", at), ("3g.40gb", Placement(4, 4))])
+        assert (await kubelet.unprepare(claim)).error == ""
+        assert [(n, pl) for n, pl, _ in sim_gis(node.rig)] == [("3g.40gb", Placement(4, 4))]
+        assert outside.id in {r.id for r in node.rig.rec.leases.leases()}
+    finally:
+        await kubelet.close()
+
+
+async def test_a_vfio_claim_is_refused_while_its_group_is_not_all_on_vfio_pci(cluster, tmp_path):
+    """The layout binds the IOMMU group, a claim never does: with the GPU's audio function taken
+    off vfio-pci after allocation, prepare answers an error naming it, writes no CDI spec and
+    binds nothing (the simulator's state file)."""
+    node = await SimNode(tmp_path, cluster, "vfio-off-node").start(("rtx6000-ada:1",), PASSTHROUGH)
+    kubelet = Kubelet(node.plugin)
+    try:
+        cluster.claim("vm-gpu-off", "vfio.gpud.io")
+        cluster.pod("vm-off", "vm-gpu-off", node=node.name)
+        cluster.allocated("vm-gpu-off")
+        claim = cluster.get_claim("vm-gpu-off")
+        (gpu_pci,) = simstate.load(node.rig.dir).gpus
+        audio = next(a for a, f in simstate.load(node.rig.dir).functions.items()
+                     if a != gpu_pci and a.rsplit(".", 1)[0] == gpu_pci.rsplit(".", 1)[0])
+        node.rig.hw.sysfs.write("bus/pci/drivers/vfio-pci/unbind", audio)
+        await node.rig.rec.refresh_async()
+        got = await kubelet.prepare(claim)
+        assert audio in got.error and "not on vfio-pci" in got.error, got.error
+        assert not (node.tmp / "cdi" / f"{DEFAULT_DRIVER}-claim_{claim['metadata']['uid']}.json").exists()
+        assert simstate.load(node.rig.dir).functions[audio].driver is None
+    finally:
+        await kubelet.close()
+        await node.close()

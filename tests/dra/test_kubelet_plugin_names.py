@@ -26,8 +26,10 @@ def check(tmp_path: Path) -> None:
     reg.mkdir()
     assert other_plugin_registered(str(tmp_path), "gpu.nvidia.com", own) is None
     with socket.socket(socket.AF_UNIX) as s:
-        s.bind(own)  # gpud's own registration socket
+        s.bind(own)  # gpud's own registration socket, left by a killed gpud: nothing listens
         assert other_plugin_registered(str(tmp_path), "gpu.nvidia.com", own) is None
+        s.listen()  # a live plugin on that very path: NVIDIA's, under its default name
+        assert other_plugin_registered(str(tmp_path), "gpu.nvidia.com", own) == own
         with socket.socket(socket.AF_UNIX) as nvidia:
             theirs = str(reg / "gpu.nvidia.com-0b1c-reg.sock")
             nvidia.bind(theirs)

@@ -20,14 +20,9 @@ from gpud.plan.dra_slices import STANDARD, DraInputs, build_slices
 from gpud.profiles import MODELS
 from gpud.sim import cli as simcli
 from gpud.sim import state as simstate
+from tests.support.pci_oracle import realpath_root
 
 CAPTURE = Path(__file__).resolve().parents[1] / "fixtures" / "h200" / "nvml-sysfs-readonly.json"
-
-
-def realpath_root(sys_root: Path, address: str) -> str:
-    """The oracle: where the kernel's link leads, as the OS resolves it, first part under devices/."""
-    real = Path(os.path.realpath(sys_root / "bus" / "pci" / "devices" / address))
-    return real.relative_to(sys_root.resolve() / "devices").parts[0]
 
 
 def test_every_simulated_gpu_gets_the_root_its_sysfs_link_leads_to(tmp_path):

@@ -15,6 +15,7 @@ from gpud.sim import host as sim_paths
 from gpud.sim.cli import create, hold
 from gpud.sim.state import load
 from tests.sim.vfs import set_vfs
+from tests.support.vgpu_host import adapter
 
 L40S, A100, T4 = "0000:18:00.0", "0000:2a:00.0", "0000:5d:00.0"
 
@@ -33,12 +34,6 @@ def test_qemu_vm_name(tmp_path) -> None:
     assert qemu_vm_name(str(tmp_path), 7) == "db-2"
     assert qemu_vm_name(str(tmp_path), 8) == "legacy-vm"
     assert qemu_vm_name(str(tmp_path), 9) is None
-
-
-def adapter(d) -> VgpuSysfs:
-    h = sim_paths(d)
-    fs = Sysfs(str(h.sys_root), store=h.store, dev_root=str(h.dev_root))
-    return VgpuSysfs(fs, Procs(str(h.proc_root), str(h.dev_root)), names_file=str(d / "names.json"))
 
 
 def test_reads_agree_with_the_state_file(tmp_path) -> None:

@@ -10,12 +10,13 @@ Oracle: the sysfs tree's own `name` file, rewritten here to what another driver 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 from gpud.engine.vgpu.inventory import entry
 from gpud.model import VgpuDevice
 from gpud.sim.cli import create
 from gpud.vgpu_types import printed_name
-from tests.host.test_vgpu_sysfs import adapter
+from tests.support.vgpu_host import adapter
 
 T4 = "0000:18:00.0"
 UUID = "0b5e4c1a-7d0e-4f0a-9a3e-2d5f6a7b8c90"
@@ -51,3 +52,26 @@ def test_vf_vgpu_is_kubevirts_own_not_external():
     e = entry("0000:18:00.0", 0x26B9, dev)
     assert e.kubevirt == {"pciHostDevices": [{"pciVendorSelector": "10DE:26B9", "resourceName": "nvidia.com/NVIDIA_L40S-12Q",
                                               "externalResourceProvider": False}]}
+
+
+def test_vf_selector_is_the_vfs_own_uevent_pci_id(tmp_path):
+    """KubeVirt v1.9 matches pciVendorSelector against each function's uevent PCI_ID
+    (pkg/virt-handler/device-manager/common.go, GetDevicePCIID), so gpud reads the VF's own: a VF
+    whose uevent says another device id than its PF is selected by that id, not the PF's."""
+    from gpud.sim.state import load
+    from tests.sim.vfs import set_vfs
+    from tests.support.vgpu_layouts import L40S
+
+    d = tmp_path / "h"
+    create(d, ["l40s"], vgpu="vfio")
+    a = adapter(d)
+    set_vfs(d, L40S, 2)
+    vf = load(d).vgpu[L40S].vfs[1].address
+    a.set_vf_type(vf, next(i for i, n in a.creatable_on(vf) if n == "L40S-12Q"))
+    uevent = Path(a._dev(vf, "uevent"))
+    text = uevent.read_text()
+    assert "PCI_ID=10DE:26B9" in text
+    uevent.write_text(text.replace("PCI_ID=10DE:26B9", "PCI_ID=10de:26ba"))  # what another VF id would read
+    (dev,) = a.read(L40S).devices
+    assert dev.pci_id == "10DE:26BA"
+    assert entry(L40S, 0x26B9, dev).kubevirt["pciHostDevices"][0]["pciVendorSelector"] == "10DE:26BA"

@@ -10,8 +10,13 @@ from __future__ import annotations
 
 from gpud.engine.kube.agent import MIG_CONFIG, MIG_STATE, Impact
 from tests.support.kube_agent import (
+    AGENT_SETS,
     BASE_LABELS,
+    CHANGE,
+    MIG_MANAGER,
     SETS,
+    VFIO_MANAGER,
+    VGPU_DM,
     EngineStandIn,
     _agent,
     _changes,
@@ -20,17 +25,7 @@ from tests.support.kube_agent import (
     _pods,
     running,
 )
-from tests.support.kube_cluster import NODE, OPERATOR_NS, DaemonSet, DaemonSetController, client_for, until
-
-MIG_MANAGER = "nvidia.com/gpu.deploy.mig-manager"
-VGPU_DM = "nvidia.com/gpu.deploy.vgpu-device-manager"
-VFIO_MANAGER = "nvidia.com/gpu.deploy.vfio-manager"
-AGENT_SETS = [
-    DaemonSet("nvidia-mig-manager", OPERATOR_NS, "nvidia-mig-manager", {MIG_MANAGER: "true"}),
-    DaemonSet("nvidia-vgpu-device-manager", OPERATOR_NS, "nvidia-vgpu-device-manager", {VGPU_DM: "true"}),
-    DaemonSet("nvidia-vfio-manager", OPERATOR_NS, "nvidia-vfio-manager", {VFIO_MANAGER: "true"}),
-]
-CHANGE = Impact(changed=("0000:18:00.0",), container=("0000:18:00.0",))
+from tests.support.kube_cluster import NODE, OPERATOR_NS, DaemonSetController, client_for, until
 
 
 async def test_operator_agents_are_turned_off_kept_off_and_gone_before_a_change(cluster):

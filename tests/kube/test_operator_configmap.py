@@ -9,31 +9,13 @@ state file for what the hardware holds after a label selected a layout.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import yaml
 
 from gpud.layout import parse_layout
 from gpud.layout.schema import ALL_DISABLED, DeviceEntry
-
-FIXTURES = Path(__file__).parent.parent / "fixtures" / "mig-parted"
-CONFIGS = ("config-default.yaml", "examples-config.yaml")
-
-WITHOUT_ALL_DISABLED = """\
-version: v1
-mig-configs:
-  all-1g.10gb:
-    - devices: all
-      mig-enabled: true
-      mig-devices: {"1g.10gb": 7}
-  half:
-    - devices: [0]
-      mig-enabled: true
-      mig-devices: {"3g.40gb": 2}
-    - devices: [1]
-      mig-enabled: false
-"""
+from tests.support.operator_fixtures import CONFIGS, FIXTURES, WITHOUT_ALL_DISABLED
 
 
 @pytest.mark.parametrize("name", CONFIGS)

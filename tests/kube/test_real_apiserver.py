@@ -11,7 +11,6 @@ it a pod bound to a node never goes away on a real server).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 
 import pytest
 import yaml
@@ -25,72 +24,28 @@ from gpud.engine.kube.agent import (
     VGPU_CONFIG,
     VGPU_STATE,
     Impact,
-    KubeAgent,
 )
-from gpud.host.kube.node_api import Gone, KubeApi, load_config
+from gpud.host.kube.node_api import Gone, KubeApi
 from tests.support.kube_agent import (
     BASE_LABELS,
+    CHANGE,
     CONTAINER,
     DCGM,
     SANDBOX_DP,
     SANDBOX_VAL,
     SETS,
-    VALIDATORS,
-    EngineStandIn,
     _changes,
 )
-from tests.support.kube_cluster import NODE, OPERATOR_NS, PAUSE_IMAGE, DaemonSetController, client_for
+from tests.support.kube_cluster import NODE, OPERATOR_NS, DaemonSetController, client_for
+from tests.support.kube_real_agent import RealEngine, running, until_true
+from tests.support.kube_real_agent import agent as _agent
+from tests.support.kube_real_agent import seed as _seed
 from tests.support.kube_real_cluster import RealNode
 from tests.support.kube_real_server import RBAC_YAML, narrowed_role
 
 pytestmark = pytest.mark.apiserver
 
 GPUD_USER = "system:serviceaccount:kube-system:gpud"
-CHANGE = Impact(changed=("0000:18:00.0",), container=("0000:18:00.0",))
-
-
-class RealEngine(EngineStandIn):
-    def __init__(self, node: RealNode, impacts, **kw) -> None:
-        super().__init__(None, impacts, **kw)
-        self.node = node
-
-    def snapshot(self):
-        return self.node.pods(), self.node.labels()
-
-
-def _seed(node: RealNode, labels: dict[str, str]) -> None:
-    node.put_node(labels)
-    for app in VALIDATORS:
-        node.put_pod({"metadata": {"name": f"{app}-x1", "namespace": OPERATOR_NS, "labels": {"app": app}},
-                      "spec": {"nodeName": NODE, "containers": [{"name": "v", "image": PAUSE_IMAGE}]}})
-
-
-@contextlib.asynccontextmanager
-async def running(agent: KubeAgent):
-    task = asyncio.create_task(agent.run())
-    try:
-        yield task
-    finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-        await agent.api.close()
-
-
-def _agent(kubeconfig: str, engine, api_cls=KubeApi, **kw) -> KubeAgent:
-    agent = KubeAgent(api_cls(NODE, load_config(kubeconfig)), engine, retry_delay=0.2, **kw)
-    engine.agent = agent
-    return agent
-
-
-async def _until_true(predicate, what: str, limit: float = 60.0) -> None:
-    """Poll a fresh read of the server until `predicate` holds (fails only if it never does)."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + limit
-    while not await asyncio.to_thread(predicate):
-        if loop.time() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.05)
 
 
 def _rbac_rules() -> set[tuple[str, str]]:
@@ -124,14 +79,14 @@ async def test_mig_change_under_the_documented_role_every_request_allowed(real_s
         async with running(agent):
             await asyncio.wait_for(waiting.wait(), 60)
             dp_pod = f"{OPERATOR_NS}/nvidia-device-plugin-daemonset-{NODE}"
-            await _until_true(lambda: dp_pod in set(node.pods()) - set(node.pods(terminating=False)),
+            await until_true(lambda: dp_pod in set(node.pods()) - set(node.pods(terminating=False)),
                               "the controller's graceful delete of the device plugin's pod")
             assert engine.applied == []  # marked for deletion is not gone: nothing applied yet
             node.kubelet.hold.set()
             await node.until(lambda labels: labels.get(MIG_STATE) == "success", "state success")
         # the controller brings the operands back once their labels are true again
         await node.until(lambda labels: all(labels.get(k) == "true" for k in CONTAINER), "labels restored")
-        await _until_true(lambda: all(f"{ds.namespace}/{ds.name}-{NODE}" in node.pods(terminating=False)
+        await until_true(lambda: all(f"{ds.namespace}/{ds.name}-{NODE}" in node.pods(terminating=False)
                                       for ds in SETS), "the operands back")
     await controller.close()
 
@@ -199,7 +154,7 @@ async def test_a_missing_verb_is_a_clear_error_not_a_stall(real_server, real_nod
         except TimeoutError:
             raise AssertionError(f"no event says {denied!r}: {events}") from None
         # where an operator reads it: gpud's status (the API error, or the failed change's reason)
-        await _until_true(lambda: denied in agent.status.message or any(denied in m for m in shown),
+        await until_true(lambda: denied in agent.status.message or any(denied in m for m in shown),
                           f"gpud's status to say {denied!r} (it said {shown[-3:]})")
     await controller.close()
     assert (verb, resource, 403) in _requests(real_server, f"system:serviceaccount:kube-system:{name}")
@@ -279,7 +234,7 @@ async def test_a_watch_outliving_etcd_compaction_gets_410_and_relists(own_real_s
                              {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": f"noise-{i}"}})
             server.compact()
             # until the client re-opened its watch (every 2 s) and was told 410
-            await _until_true(lambda: ShortWatch.gone >= 1, "a 410 on the re-opened node watch")
+            await until_true(lambda: ShortWatch.gone >= 1, "a 410 on the re-opened node watch")
             node.merge_labels({MIG_CONFIG: "b"})
             await node.until(lambda labels: labels.get(MIG_STATE) == "success" and engine.selected[-1:] == ["b"],
                              "b followed after the relist")

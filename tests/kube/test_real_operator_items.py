@@ -18,22 +18,20 @@ from pathlib import Path
 import pytest
 
 from gpud.engine.kube.agent import LAST_ERROR, MIG_CONFIG, MIG_STATE, VGPU_CONFIG, VGPU_STATE, WORKLOAD_CONFIG, Impact
-from tests.kube.test_operator_agents import AGENT_SETS, MIG_MANAGER, VFIO_MANAGER, VGPU_DM
-from tests.kube.test_operator_configmap import FIXTURES, WITHOUT_ALL_DISABLED
-from tests.kube.test_real_apiserver import RealEngine, _agent, _seed, _until_true, running
-from tests.kube.test_workload_config import LAYOUT as WORKLOAD_LAYOUT
-from tests.kube.test_workload_config import PASSTHROUGH_SERVED
 from tests.support.daemon import Daemon, wait_until
-from tests.support.kube_agent import BASE_LABELS, SETS, _changes
+from tests.support.kube_agent import AGENT_SETS, BASE_LABELS, CHANGE, MIG_MANAGER, SETS, VFIO_MANAGER, VGPU_DM, _changes
 from tests.support.kube_cluster import NODE, OPERATOR_NS, PAUSE_IMAGE, DaemonSetController, client_for
+from tests.support.kube_real_agent import RealEngine, running, until_true
+from tests.support.kube_real_agent import agent as _agent
+from tests.support.kube_real_agent import seed as _seed
 from tests.support.kube_real_cluster import RealNode
 from tests.support.kube_real_server import narrowed_role
 from tests.support.nfd import nfd_read
+from tests.support.operator_fixtures import FIXTURES, PASSTHROUGH_SERVED, WITHOUT_ALL_DISABLED, WORKLOAD_LAYOUT
 
 pytestmark = pytest.mark.apiserver
 
 GPU0, GPU1 = "0000:18:00.0", "0000:2a:00.0"
-CHANGE = Impact(changed=(GPU0,), container=(GPU0,))
 GFD = "nvidia.com/gpu.deploy.gpu-feature-discovery"
 STRATEGY = "nvidia.com/mig.strategy"
 
@@ -153,7 +151,7 @@ async def test_item1_operator_agents_turned_off_and_gone_before_a_change(real_se
     engine = RealEngine(node, {"partial": CHANGE})
     controller = client_for(node.admin_kubeconfig)
     async with DaemonSetController(controller, NODE, SETS + AGENT_SETS):
-        await _until_true(lambda: f"{OPERATOR_NS}/nvidia-mig-manager-{NODE}" in node.pods(), "mig-manager's pod")
+        await until_true(lambda: f"{OPERATOR_NS}/nvidia-mig-manager-{NODE}" in node.pods(), "mig-manager's pod")
         agent = _agent(node.kubeconfig, engine)
         async with running(agent):
             await node.until(lambda labels: labels.get(MIG_STATE) == "success", "state success")
@@ -220,7 +218,7 @@ async def test_item5_unlabelled_vm_vgpu_node_gets_the_default(real_server, real_
         await node.until(lambda labels: labels.get(VGPU_STATE) == "success", "default applied")
         assert engine.selected == ["default"]
         node.merge_labels({VGPU_CONFIG: "a10-4q"})
-        await _until_true(lambda: len(engine.applied) == 2 and node.labels().get(VGPU_STATE) == "success",
+        await until_true(lambda: len(engine.applied) == 2 and node.labels().get(VGPU_STATE) == "success",
                           "a10-4q applied")
     assert engine.selected == ["default", "a10-4q"]
     node.settle()
@@ -245,7 +243,7 @@ async def test_item7_rebooting_is_on_the_server_before_the_reboot(real_server, r
     engine.reboots = Recorded()
     agent = _agent(node.kubeconfig, engine)
     async with running(agent):
-        await _until_true(lambda: engine.reboots == ["all-balanced"], "the reboot")
+        await until_true(lambda: engine.reboots == ["all-balanced"], "the reboot")
     assert seen_at_reboot == ["rebooting"]
 
 
@@ -277,7 +275,7 @@ async def test_item7_failure_is_an_event_and_an_annotation_on_the_real_node(real
     engine = _failing_engine(node)
     agent = _agent(node.kubeconfig, engine)
     async with running(agent):
-        await _until_true(lambda: node.labels().get(MIG_STATE) == "failed" and _describe_events(real_server, NODE, uid)
+        await until_true(lambda: node.labels().get(MIG_STATE) == "failed" and _describe_events(real_server, NODE, uid)
                           and LAST_ERROR in _annotations(real_server), "the failure recorded")
         (event,) = _describe_events(real_server, NODE, uid)
         assert event["type"] == "Warning" and event["reason"] == "GPULayoutFailed"
@@ -285,7 +283,7 @@ async def test_item7_failure_is_an_event_and_an_annotation_on_the_real_node(real
         assert "policy.reboot is never" in event["message"]
         assert _annotations(real_server)[LAST_ERROR] == agent.status.message == event["message"]
         node.merge_labels({MIG_CONFIG: "ok"})
-        await _until_true(lambda: node.labels().get(MIG_STATE) == "success" and LAST_ERROR not in
+        await until_true(lambda: node.labels().get(MIG_STATE) == "success" and LAST_ERROR not in
                           _annotations(real_server), "the annotation removed")
     assert len(_describe_events(real_server, NODE, uid)) == 1  # a success is no warning
 
@@ -302,9 +300,9 @@ async def test_item7_without_events_create_the_annotation_is_still_written(real_
     events: list[str] = []
     agent = _agent(kubeconfig, _failing_engine(node), on_event=lambda k, m: events.append(m))
     async with running(agent):
-        await _until_true(lambda: node.labels().get(MIG_STATE) == "failed" and LAST_ERROR in _annotations(real_server),
+        await until_true(lambda: node.labels().get(MIG_STATE) == "failed" and LAST_ERROR in _annotations(real_server),
                           "the annotation without the Event")
-        await _until_true(lambda: any("events create" in e for e in events), "the missing verb reported")
+        await until_true(lambda: any("events create" in e for e in events), "the missing verb reported")
     assert _annotations(real_server)[LAST_ERROR] == agent.status.message
     assert _describe_events(real_server, NODE, uid) == []
     (said,) = [e for e in events if "events create" in e]

@@ -15,25 +15,14 @@ import pytest
 from gpud.engine.kube.workload import plan_workload
 from tests.support.daemon import Daemon, wait_until
 from tests.support.kube_cluster import NODE, EmulatorThread, write_kubeconfig
+from tests.support.operator_fixtures import PASSTHROUGH_SERVED
+from tests.support.operator_fixtures import WORKLOAD_LAYOUT as LAYOUT
 
 WORKLOAD = "nvidia.com/gpu.workload.config"
-PASSTHROUGH_SERVED = "nvidia.com/gpud.workload.vm-passthrough.served"
 CONFIG, STATE = "nvidia.com/mig.config", "nvidia.com/mig.config.state"
 # gpu-operator controllers/state_manager.go gpuStateLabels (operands only)
 SANDBOX_FAMILY = {"sandbox-device-plugin", "sandbox-validator"}
 
-LAYOUT = """version: v1
-layouts:
-  whole:
-    - devices: all
-  mixed:
-    - devices: [0]
-    - devices: [1]
-      workload: vm-passthrough
-  vms:
-    - devices: all
-      workload: vm-passthrough
-"""
 
 
 @pytest.mark.parametrize(("workloads", "node", "label", "unserved"), [

@@ -2,15 +2,11 @@
 
 from __future__ import annotations
 
-import re
-from pathlib import Path
-
 import pytest
 
 from gpud.layout import check_text, parse_layout
+from tests.support.example_layout import EXAMPLE, uncommented
 from tests.support.gpus import host
-
-EXAMPLE = Path(__file__).resolve().parents[2] / "etc" / "gpud" / "layout.yaml"
 
 
 def test_as_shipped_changes_nothing() -> None:
@@ -22,22 +18,9 @@ def test_as_shipped_changes_nothing() -> None:
     assert r.layout is not None and r.layout.hooks.apply_exit == ()
 
 
-def _uncommented() -> str:
-    """The file with the commented example layouts, match and hooks turned into YAML."""
-    out = []
-    for line in EXAMPLE.read_text().splitlines():
-        m = re.match(r"^(\s*)# ( *(?:- |[a-z0-9-]+:(?: |$)|\{).*)$", line)
-        if m and not line.lstrip().startswith("# ---"):
-            line = m[1] + m[2]
-        if line.startswith("hooks: {}"):
-            line = "hooks:"
-        out.append(line)
-    return "\n".join(out) + "\n"
-
-
 @pytest.mark.parametrize("layout", ["partial-mig", "vms-and-containers", "vgpu", "all-1g"])
 def test_commented_examples_are_valid(layout: str) -> None:
-    text = _uncommented()
+    text = uncommented()
     parsed = parse_layout(text, select=layout)
     assert parsed.ok, [str(e) for e in parsed.errors]
     assert set(parsed.layout.layouts) == {"as-is", "partial-mig", "vms-and-containers", "vgpu", "all-1g"}
@@ -46,11 +29,11 @@ def test_commented_examples_are_valid(layout: str) -> None:
 
 
 def test_partial_mig_example_on_h100_host(h100x8) -> None:
-    r = check_text(_uncommented(), gpus=h100x8, select="partial-mig")
+    r = check_text(uncommented(), gpus=h100x8, select="partial-mig")
     assert r.ok and r.desired[h100x8[0].pci].mig_devices == {"1g.10gb": 4, "3g.40gb": 1}
 
 
 def test_all_1g_example_on_mixed_host() -> None:
     gpus = host("h100-80gb", "h200")
-    r = check_text(_uncommented(), gpus=gpus, select="all-1g")
+    r = check_text(uncommented(), gpus=gpus, select="all-1g")
     assert r.ok and [d.mig_devices for d in r.desired.values()] == [{"1g.10gb": 7}, {"1g.18gb": 7}]

@@ -8,6 +8,7 @@ import textwrap
 
 from gpud.layout import check_text
 from gpud.model import Gpu, PciFunction
+from tests.support.example_layout import EXAMPLE, uncommented
 
 
 def gpu(index: int, device: int, address: str) -> Gpu:
@@ -123,12 +124,8 @@ def test_vgpu_device_manager_file_loads_unchanged() -> None:
 
 
 def test_shipped_vgpu_example_resolves_on_an_h200() -> None:
-    from pathlib import Path
-
-    from tests.layout.test_example import _uncommented
-
-    assert Path(__file__).resolve().parents[2].joinpath("etc/gpud/layout.yaml").exists()
-    r = check_text(_uncommented(), "layout.yaml", [GPUS[2]], select="vgpu")
+    assert EXAMPLE.exists()
+    r = check_text(uncommented(), "layout.yaml", [GPUS[2]], select="vgpu")
     assert r.errors == []
     (d,) = r.desired.values()
     assert (d.mig_enabled, d.mig_devices) == (True, {"1g.18gb": 4, "3g.71gb": 1})

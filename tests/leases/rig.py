@@ -53,3 +53,15 @@ def foreign_gi(rig: SimRig, name: str, start: int | None = None, index: int = 0)
 
 def pci(rig: SimRig, index: int = 0) -> str:
     return sorted(simstate.load(rig.dir).gpus)[index]
+
+
+async def restarted(rig: SimRig, tmp) -> list[dict]:
+    """What a new gpud process does at start: its own NVML session and reconciler, records read."""
+    rig.new_process(str(tmp / "state"))
+    rig.rec = type(rig.rec)(rig.hw, config_path=str(rig.config), apply_lock=rig.rec.apply_lock, bus=rig.bus,
+                            state_dir=str(tmp / "state"))
+    assert rig.rec.load_config()
+    rig.rec.refresh()
+    before = len(rig.bus.recent())
+    await rig.rec.leases.start()
+    return rig.bus.recent()[before:]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import subprocess
+import threading
 
 import pytest
 
@@ -11,6 +12,7 @@ from gpud.engine.leases.engine import LeaseRefused
 from gpud.model import Placement
 from gpud.sim import state as simstate
 from tests.leases.rig import dynamic_rig, foreign_gi, pci, sim_gis
+from tests.support.simrig import SimRig
 
 SEED = ("1g.10gb", "1g.10gb", "1g.10gb", "3g.40gb", "1g.10gb")
 
@@ -175,3 +177,39 @@ async def test_mig_mode_is_not_left_pending_when_a_process_holds_the_gpu(h100):
     g = next(iter(simstate.load(h100.dir).gpus.values()))
     assert (g.mig_mode, g.mig_pending, g.gis) == (0, 0, []) and child.poll() is None
     assert h100.rec.leases.leases() == []
+
+
+async def test_lease_and_release_never_wait_behind_a_static_apply_of_another_gpu(tmp_path):
+    """GPU 1's static apply is held inside its first GI creation until the test lets it go; a lease
+    and its release on dynamic GPU 0 complete meanwhile (were they queued behind the apply, they
+    would wait for ever: the apply is let go only after them)."""
+    rig = SimRig(tmp_path, ("h100-80gb:2",), state_dir=str(tmp_path / "state"))
+    entered, go = threading.Event(), threading.Event()
+    static_pci = pci(rig, 1)
+    real_create = rig.hw.nvml.create_gpu_instance
+
+    def held_create(gpu: str, profile_id: int, start: int) -> int:
+        if gpu == static_pci:
+            entered.set()
+            go.wait(120)
+        return real_create(gpu, profile_id, start)
+
+    rig.hw.nvml.create_gpu_instance = held_create  # type: ignore[method-assign]
+    try:
+        rig.config.write_text("version: v1\nlayouts:\n  d:\n    - devices: [0]\n      mig-enabled: true\n"
+                              "      mig-devices: dynamic\n    - devices: [1]\n      mig-enabled: true\n"
+                              "      mig-devices: {\"1g.10gb\": 7}\n")
+        assert rig.rec.load_config()
+        await rig.rec.leases.start()
+        apply = asyncio.create_task(rig.rec.converge())
+        assert await asyncio.to_thread(entered.wait, 120)  # the static apply is inside its NVML work
+        lease = await asyncio.wait_for(rig.rec.leases.lease("3g.40gb"), 60)
+        assert [(n, u) for n, _, u in sim_gis(rig, 0)] == [("3g.40gb", [lease.uuid])] and sim_gis(rig, 1) == []
+        await asyncio.wait_for(rig.rec.leases.release(lease.id), 60)
+        assert sim_gis(rig, 0) == [] and not apply.done()
+        go.set()
+        await asyncio.wait_for(apply, 120)
+        assert [n for n, _, _ in sim_gis(rig, 1)] == ["1g.10gb"] * 7
+    finally:
+        go.set()
+        rig.close()

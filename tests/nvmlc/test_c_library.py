@@ -20,8 +20,8 @@ import pytest
 
 from gpud.sim.nvmlc import build
 from gpud.sim.state import load
-from tests.sim.test_fidelity_h200 import parse_lgip
 from tests.support.nvmlc import probe
+from tests.support.smi_mig_tables import lgip_by_id
 
 pytestmark = pytest.mark.tools
 
@@ -106,7 +106,7 @@ def test_go_nvml_sees_the_host_as_state_json_says(goprobe, sim_dir):
     assert (h200["mig_capable"], h200["mig_enabled"], h200["max_mig_devices"], h200["mig_devices"]) == \
         (True, False, REAL["nvmlDeviceGetMaxMigDeviceCount"]["ok"], [])
     # go-nvlib names each GI profile from its memory and the GPU's: the real H200's names
-    lgip = parse_lgip((FIX / "nvidia-smi-mig-lgip.txt").read_text())
+    lgip = lgip_by_id((FIX / "nvidia-smi-mig-lgip.txt").read_text())
     assert {p for p in h200["profiles"] if "c." not in p} == {row["name"] for row in lgip.values()}
     l40s = dump["gpus"][2]
     assert (l40s["mig_capable"], l40s["profiles"], l40s["mig_devices"]) == (False, None, [])

@@ -22,9 +22,8 @@ import yaml
 from gpud.sim import dev_nodes, nvml_lib
 from gpud.sim.host_exec import run_counted
 from gpud.sim.state import load
-from tests.nvmlc.test_nvidia_tools import DaemonOn
 from tests.support.anchors import anchor
-from tests.support.daemon import wait_until
+from tests.support.daemon import DaemonOn, wait_until
 
 pytestmark = pytest.mark.tools
 

@@ -20,7 +20,7 @@ from gpud.profiles import MODELS
 from gpud.sim import catalog
 from gpud.sim.state import load
 from tests.support.anchors import anchor
-from tests.support.daemon import Daemon, wait_until
+from tests.support.daemon import DaemonOn, wait_until
 from tests.support.nvmlc import gpud_sim_exec
 
 pytestmark = pytest.mark.tools
@@ -30,19 +30,6 @@ CONFIGS = Path(__file__).resolve().parents[1] / "fixtures" / "mig-parted"
 GFD_ONLY = {
     "nvidia.com/gpu.machine",  # the host's DMI product name: not the GPU's, and the simulator has none
 }
-
-
-class DaemonOn(Daemon):
-    """gpud on a host that already exists (the tests' Daemon makes its own)."""
-
-    def __init__(self, tmp: Path, host: Path, layout: str, extra_args: list[str] = ()) -> None:
-        self.tmp, self.host = tmp, host
-        self.config = tmp / "etc" / "layout.yaml"
-        self.config.parent.mkdir(parents=True, exist_ok=True)
-        self.config.write_text(layout)
-        self.socket, self.log, self.state_dir = tmp / "gpud.sock", tmp / "gpud.log", tmp / "state"
-        self.extra_args = list(extra_args)
-        self.start(mode="w")
 
 
 def per_gpu(config: dict, label: str, models: list[str]) -> list[tuple[bool, Counter]] | None:

@@ -316,3 +316,10 @@ def hold(hw: HwGpu, start: int, pid: int = 4242, name: str = "python3") -> Holde
         c.holders = (h,)
     assert h is not None
     return h
+
+
+def names_of(profiles: tuple[MigProfile, ...]) -> list[str]:
+    """The GI profile names, then the CI-in-GI names (`<c>c.<gi>`) of every smaller CI profile."""
+    out = [p.name for p in profiles]
+    out += [f"{c.slices}c.{p.name}" for p in profiles for c in p.ci_profiles if c.slices < p.slices]
+    return out

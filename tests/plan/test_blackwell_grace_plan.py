@@ -21,7 +21,7 @@ from gpud.model import CiProfile, MigProfile, Placement
 from gpud.plan.mig import plan_gpu
 from gpud.profiles import MODELS
 from tests.plan.hwmodel import HwGpu, apply_steps, gpu_of
-from tests.sim.test_fidelity_captures import by_id, read_lgip
+from tests.support.smi_mig_tables import by_id, read_lgip
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 PCI = "0000:3b:00.0"

@@ -15,11 +15,11 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from gpud.layout.desired import DesiredGpu
-from gpud.model import Holder, MigProfile, Placement
+from gpud.model import Holder, Placement
 from gpud.plan.mig import ci_name, desired_specs, plan_gpu
 from gpud.plan.placement import W_BUSY, W_CI, W_GI, ExistingGi, GiSpec
 from gpud.profiles import MODELS
-from tests.plan.hwmodel import MIG_MODELS, HwError, HwGpu, apply_steps, gpu_of, make_hw
+from tests.plan.hwmodel import MIG_MODELS, HwError, HwGpu, apply_steps, gpu_of, make_hw, names_of
 
 PCI = "0000:3b:00.0"
 SETTINGS = settings(derandomize=True, max_examples=200, deadline=None,
@@ -94,12 +94,6 @@ def brute_best(model: str, specs: list[GiSpec], existing: list[ExistingGi]) -> i
 
 
 # ---- strategies --------------------------------------------------------------------------------
-def names_of(profiles: tuple[MigProfile, ...]) -> list[str]:
-    out = [p.name for p in profiles]
-    out += [f"{c.slices}c.{p.name}" for p in profiles for c in p.ci_profiles if c.slices < p.slices]
-    return out
-
-
 @st.composite
 def current_state(draw, model: str) -> HwGpu:
     hw = make_hw(model, PCI, mode=draw(st.sampled_from([1, 1, 1, 0])))

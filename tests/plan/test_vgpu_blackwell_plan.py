@@ -20,8 +20,8 @@ from gpud.sim.cli import create
 from gpud.sim.state import SimGi, load, locked
 from gpud.sim.sysfs_tree import render
 from gpud.vgpu_types import by_device
-from tests.plan.test_vgpu_plan import Host
 from tests.sim.vfs import set_vfs
+from tests.support.vgpu_host import Host
 
 RTX = "0000:18:00.0"
 MODEL = by_device(0x2BB5)

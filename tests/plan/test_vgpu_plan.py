@@ -8,27 +8,18 @@ from __future__ import annotations
 import pytest
 
 from gpud.engine.vgpu.executor import execute
-from gpud.host.kernel.procs import Procs
-from gpud.host.kernel.sysfs import Sysfs
-from gpud.host.nvidia.sriov_manage import SriovManage
-from gpud.host.nvidia.vgpu_sysfs import VgpuSysfs
-from gpud.layout.desired import DesiredGpu
 from gpud.model import Holder, VgpuDevice, VgpuOffer, VgpuState
 from gpud.plan.vgpu import VgpuPlan, VgpuRecord, VgpuStep, check_instances, check_rules, derived_uuid, plan_vgpu
-from gpud.sim import host as sim_paths
 from gpud.sim import vgpu as sim_vgpu
 from gpud.sim.cli import create, hold, release
 from gpud.sim.state import SimGi, load, locked
 from gpud.sim.sysfs_tree import render
 from gpud.vgpu_types import by_device
 from tests.sim.vfs import set_vfs
+from tests.support.vgpu_host import Host, want
 
 L40S, A100, H200, T4 = "0000:18:00.0", "0000:2a:00.0", "0000:3a:00.0", "0000:5d:00.0"
 L40S_MODEL, T4_MODEL = by_device(0x26B9), by_device(0x1EB8)
-
-
-def want(pci: str, types: dict[str, int], workload: str = "vm-vgpu") -> DesiredGpu:
-    return DesiredGpu(pci=pci, index=0, entry="layouts.x[0]", workload=workload, vgpu_devices=types)
 
 
 # ---- rules, before any change
@@ -92,47 +83,6 @@ def test_new_mdevs_reuse_recorded_uuids_then_derive() -> None:
 
 
 # ---- applied to the simulator
-
-class Host:
-    def __init__(self, d, pf: str):
-        self.dir, self.pf = d, pf
-        h = sim_paths(d)
-        sysfs = Sysfs(str(h.sys_root), store=h.store, dev_root=str(h.dev_root))
-        self.vgpu = VgpuSysfs(sysfs, Procs(str(h.proc_root), str(h.dev_root)), names_file=str(d / "names.json"))
-        self.record = VgpuRecord()
-        self.writes = 0
-
-    def gi_profiles(self) -> dict[int, str]:
-        st = load(self.dir)
-        return sim_vgpu._gi_profile_names(st, self.pf)
-
-    def apply(self, types: dict[str, int], workload: str = "vm-vgpu", mig: bool = False):
-        """Up to three rounds (enable VFs, then vGPUs), as the engine does; returns the last plan."""
-        plan = None
-        for _ in range(3):
-            state = self.vgpu.read(self.pf)
-            plan = plan_vgpu(pci=self.pf, index=0, gpu_key=self.pf, where=self.pf, state=state,
-                             desired=want(self.pf, types, workload), model=by_device(load(self.dir).functions[self.pf].device),
-                             record=self.record, gi_profiles=self.gi_profiles() if mig else None)
-            if plan.infeasible or plan.blocked_by or not plan.steps:
-                return plan
-            out = execute(self.vgpu, plan, self.record, on_step=lambda s: self._count(),
-                          vf_tool=SriovManage(str(self.dir / "bin" / "sriov-manage")))
-            assert out.state == "done", out.message
-        return plan
-
-    def _count(self) -> None:
-        self.writes += 1
-
-    def devices(self) -> list[tuple[str, str]]:
-        """(type name, uuid or VF) from the simulator's state file."""
-        st = load(self.dir)
-        v = st.vgpu[self.pf]
-        types = {t.vfio_id: t.name for t in sim_vgpu.sim_types(sim_vgpu.vgpu_model(st, self.pf))}
-        mtypes = {t.mdev_id: t.name for t in sim_vgpu.sim_types(sim_vgpu.vgpu_model(st, self.pf))}
-        return sorted([(types[vf.vgpu_type], vf.address) for vf in v.vfs if vf.vgpu_type]
-                      + [(mtypes[m.type_id], m.uuid) for m in v.mdevs])
-
 
 @pytest.fixture
 def vfio(tmp_path):

@@ -12,7 +12,7 @@ from collections import Counter
 
 import pytest
 
-from gpud.api.replies import plan_reply
+from gpud.api.plan_replies import plan_reply
 from gpud.engine.engine import Engine
 from gpud.sim import cli as simcli
 from tests.scenarios.definitions import SCENARIOS, Scenario

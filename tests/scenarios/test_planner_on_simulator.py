@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gpud.profiles import MODELS
-from tests.plan.test_mig_props import names_of
+from tests.plan.hwmodel import names_of
 from tests.scenarios.definitions import layout, mig
 from tests.support.simrig import SimRig
 

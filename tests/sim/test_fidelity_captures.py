@@ -3,13 +3,12 @@
 
 The references are text files published from real GPUs (tests/fixtures/captures/<model>/, each
 with a README naming source and driver; the H200 one is this project's own capture). They are read
-by the small parser below, which shares no code with gpud: a mistake in gpud's tables cannot
+by the small parser in tests/support/smi_mig_tables.py, which shares no code with gpud: a mistake in gpud's tables cannot
 cancel out against the same mistake in the test.
 """
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import pytest
@@ -20,6 +19,7 @@ from gpud.host.nvidia.nvml import Nvml
 from gpud.model import Gpu, PciFunction
 from gpud.profiles import MODELS
 from gpud.sim import catalog
+from tests.support.smi_mig_tables import PLACEMENT_LINE, by_id, read_lgip, read_lgipp
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 CAPTURES = FIXTURES / "captures"
@@ -40,53 +40,6 @@ SOURCES = {
     # No GH200 -lgipp was published: the Hopper placements of the H100 80GB capture (inferred, README there).
     "gh200-96gb": (CAPTURES / "gh200-96gb", CAPTURES / "h100-80gb"),
 }
-
-# A number, or `?` where gpudctl prints a value no source gives (nvidia-smi itself never does).
-_N = r"(?:\d+|\?)"
-_FIRST = re.compile(rf"^\|\s*\d+\s+MIG\s+(?P<name>\S+)\s+(?P<id>{_N})\s+(?P<free>{_N})/(?P<total>{_N})\s+"
-                    rf"(?P<gib>\d+\.\d\d|\?)\s+(?P<p2p>Yes|No|\?)\s+(?P<sm>{_N})\s+(?P<dec>{_N})\s+(?P<enc>{_N})\s*\|$")
-_SECOND = re.compile(rf"^\|\s+(?P<ce>{_N})\s+(?P<jpeg>{_N})\s+(?P<ofa>{_N})\s*\|$")
-_PLACEMENTS = re.compile(r"^GPU\s+\d+\s+Profile ID\s+(\d+)\s+Placements?\s*:\s*\{([\d,]+)\}:(\d+)\s*$")
-
-
-def _value(key: str, v: str) -> object:
-    return v if key in ("name", "gib", "p2p") or v == "?" else int(v)
-
-
-def read_lgip(text: str) -> list[dict]:
-    """Every profile row, in listed order, with the fields of its two table lines (a second line
-    cut off in the source leaves ce/jpeg/ofa out)."""
-    rows: list[dict] = []
-    lines = text.splitlines()
-    for i, line in enumerate(lines):
-        first = _FIRST.match(line)
-        if first is None:
-            continue
-        row = {k: _value(k, v) for k, v in first.groupdict().items()}
-        second = _SECOND.match(lines[i + 1]) if i + 1 < len(lines) else None
-        if second is not None:
-            row.update({k: int(v) if v != "?" else v for k, v in second.groupdict().items()})
-        else:
-            assert i + 1 == len(lines), f"second line of {first['name']}: {lines[i + 1]!r}"
-        rows.append(row)
-    return rows
-
-
-def by_id(rows: list[dict]) -> dict[int, dict]:
-    out = {r["id"]: r for r in rows}
-    assert len(out) == len(rows), "a profile id listed twice"
-    return out
-
-
-def read_lgipp(text: str) -> dict[int, list[tuple[int, int]]]:
-    """Profile id -> [(start, size)] in the listed order."""
-    out: dict[int, list[tuple[int, int]]] = {}
-    for line in text.splitlines():
-        m = _PLACEMENTS.match(line)
-        assert m is not None, f"not a placement line: {line!r}"
-        out[int(m[1])] = [(int(s), int(m[3])) for s in m[2].split(",")]
-    return out
-
 
 def capture(model: str) -> tuple[dict[int, dict], dict[int, list[tuple[int, int]]]]:
     lgip_dir, lgipp_dir = SOURCES[model]
@@ -219,7 +172,7 @@ def test_a_gpu_nvml_cannot_see_is_listed_from_the_table_with_unknowns_marked(mod
         for key in ("ce", "jpeg", "ofa"):
             assert row[key] == want.get(key, "?"), (row["name"], key)
     assert "Placements: unknown" in printed and "NVML cannot see it on its current driver" in printed
-    assert not any(_PLACEMENTS.match(line) for line in printed.splitlines())  # no -lgipp was published
+    assert not any(PLACEMENT_LINE.match(line) for line in printed.splitlines())  # no -lgipp was published
 
 
 def _differences(a: dict[int, dict], b: dict[int, dict]) -> dict[tuple[int, str], tuple]:

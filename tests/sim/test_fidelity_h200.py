@@ -15,6 +15,7 @@ import pynvml as N
 import pytest
 
 from gpud.host.nvidia.nvml import Nvml
+from tests.support.smi_mig_tables import lgip_by_id, read_lgipp
 
 FIX = Path(__file__).resolve().parents[1] / "fixtures" / "h200"
 PROBE = json.loads((FIX / "nvml-sysfs-readonly.json").read_text())
@@ -30,36 +31,9 @@ def gpu(sim_host):
     return g
 
 
-def parse_lgip(text: str) -> dict[int, dict]:
-    """`nvidia-smi mig -lgip`: two lines per profile (name, id, free/total, GiB, P2P, SM, DEC, ENC /
-    CE, JPEG, OFA)."""
-    rows: dict[int, dict] = {}
-    lines = text.splitlines()
-    first = re.compile(r"^\|\s+\d+\s+MIG (\S+)\s+(\d+)\s+(\d+)/(\d+)\s+([\d.]+)\s+(\w+)\s+(\d+)\s+(\d+)\s+(\d+)\s+\|$")
-    second = re.compile(r"^\|\s+(\d+)\s+(\d+)\s+(\d+)\s+\|$")
-    for i, line in enumerate(lines):
-        m = first.match(line)
-        if not m:
-            continue
-        m2 = second.match(lines[i + 1])
-        assert m2, lines[i + 1]
-        name, pid, free, total, gib, p2p, sm, dec, enc = m.groups()
-        ce, jpeg, ofa = m2.groups()
-        rows[int(pid)] = dict(name=name, free=int(free), total=int(total), gib=gib, p2p=p2p, sm=int(sm),
-                              dec=int(dec), enc=int(enc), ce=int(ce), jpeg=int(jpeg), ofa=int(ofa))
-    return rows
-
-
-def parse_lgipp(text: str) -> dict[int, list[tuple[int, int]]]:
-    out = {}
-    for m in re.finditer(r"Profile ID\s+(\d+) Placements?\s*: \{([\d,]+)\}:(\d+)", text):
-        out[int(m.group(1))] = [(int(s), int(m.group(3))) for s in m.group(2).split(",")]
-    return out
-
-
 def test_parsers_read_every_profile():
-    assert len(parse_lgip((FIX / "nvidia-smi-mig-lgip.txt").read_text())) == 7
-    assert len(parse_lgipp((FIX / "nvidia-smi-mig-lgipp.txt").read_text())) == 7
+    assert len(lgip_by_id((FIX / "nvidia-smi-mig-lgip.txt").read_text())) == 7
+    assert len(read_lgipp((FIX / "nvidia-smi-mig-lgipp.txt").read_text())) == 7
 
 
 def test_device_identity(gpu):
@@ -87,8 +61,8 @@ def test_profiles_match_the_nvml_probe(gpu):
 
 
 def test_profiles_match_nvidia_smi(gpu):
-    lgip = parse_lgip((FIX / "nvidia-smi-mig-lgip.txt").read_text())
-    lgipp = parse_lgipp((FIX / "nvidia-smi-mig-lgipp.txt").read_text())
+    lgip = lgip_by_id((FIX / "nvidia-smi-mig-lgip.txt").read_text())
+    lgipp = read_lgipp((FIX / "nvidia-smi-mig-lgipp.txt").read_text())
     ours = {p.id: p for p in gpu.profiles}
     assert set(ours) == set(lgip) == set(lgipp)
     for pid, row in lgip.items():

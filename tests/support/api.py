@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 from typing import ClassVar
 
-from gpud.api import wire
+from gpud.wire import protocol as wire
 
 GUARD = 10.0  # seconds: only a bound on a hung test, never a timing assertion
 

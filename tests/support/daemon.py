@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -25,6 +26,30 @@ def wait_until(cond, timeout: float = 30.0, what: str = "condition"):
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
         time.sleep(0.05)
+
+
+def until_ready(d: Daemon, sock: socket.socket, messages: list[str], limit: float = 150.0) -> None:
+    """Read sd_notify datagrams from `sock` into `messages` until one says READY=1 (bounded:
+    failing with the daemon's log tail after `limit` seconds)."""
+    sock.settimeout(5)
+    deadline = time.monotonic() + limit
+    while not any("READY=1" in m.split("\n") for m in messages):
+        assert time.monotonic() < deadline, f"no READY=1; got {messages}\n" + d.log.read_text()[-3000:]
+        try:
+            messages.append(sock.recv(4096).decode())
+        except TimeoutError:
+            continue
+
+
+def start_until_ready(d: Daemon, limit: float = 150.0) -> list[str]:
+    """Start `d` with a NOTIFY_SOCKET of the test's own; its datagrams up to READY=1."""
+    path = str(d.tmp / "notify.sock")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+        sock.bind(path)
+        d.start(notify_socket=path)
+        messages: list[str] = []
+        until_ready(d, sock, messages, limit)
+    return messages
 
 
 class Daemon:
@@ -102,3 +127,16 @@ class Daemon:
                 self.proc.kill()
                 self.proc.wait()
         return self.proc.returncode
+
+
+class DaemonOn(Daemon):
+    """gpud on a host that already exists (the tests' Daemon makes its own)."""
+
+    def __init__(self, tmp: Path, host: Path, layout: str, extra_args: list[str] = ()) -> None:
+        self.tmp, self.host = tmp, host
+        self.config = tmp / "etc" / "layout.yaml"
+        self.config.parent.mkdir(parents=True, exist_ok=True)
+        self.config.write_text(layout)
+        self.socket, self.log, self.state_dir = tmp / "gpud.sock", tmp / "gpud.log", tmp / "state"
+        self.extra_args = list(extra_args)
+        self.start(mode="w")

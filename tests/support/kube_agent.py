@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import AsyncIterator
+from typing import Any
 
 from gpud.engine.kube.agent import (
     Impact,
@@ -42,6 +44,19 @@ SETS = [
               {SANDBOX_DP: "true"}),
     DaemonSet("nvidia-sandbox-validator", OPERATOR_NS, "nvidia-sandbox-validator", {SANDBOX_VAL: "true"}),
 ]
+# the operator's own GPU agents, which gpud keeps off its node (gpud.engine.kube.other_agents)
+MIG_MANAGER = "nvidia.com/gpu.deploy.mig-manager"
+VGPU_DM = "nvidia.com/gpu.deploy.vgpu-device-manager"
+VFIO_MANAGER = "nvidia.com/gpu.deploy.vfio-manager"
+AGENT_SETS = [
+    DaemonSet("nvidia-mig-manager", OPERATOR_NS, "nvidia-mig-manager", {MIG_MANAGER: "true"}),
+    DaemonSet("nvidia-vgpu-device-manager", OPERATOR_NS, "nvidia-vgpu-device-manager", {VGPU_DM: "true"}),
+    DaemonSet("nvidia-vfio-manager", OPERATOR_NS, "nvidia-vfio-manager", {VFIO_MANAGER: "true"}),
+]
+
+# a pass changing the first GPU, seen by the container operands
+CHANGE = Impact(changed=("0000:18:00.0",), container=("0000:18:00.0",))
+
 VALIDATORS = ("nvidia-cuda-validator", "nvidia-device-plugin-validator", "nvidia-operator-validator")
 
 BASE_LABELS = {DP: "true", GFD: "true", DCGM_EXP: "true", DCGM: "true", NVSM: "false", CLIENT: "true",
@@ -54,7 +69,7 @@ class EngineStandIn:
     reboot calls `before_reboot` and returns "rebooting" when the reboot is allowed and not yet
     tried. At each change it records what the API server holds at that moment."""
 
-    def __init__(self, api: ApiServer, impacts: dict[str, Impact], *, needs_reboot: set[str] = frozenset(),
+    def __init__(self, api: ApiServer | None, impacts: dict[str, Impact], *, needs_reboot: set[str] = frozenset(),
                  reboot: bool = False, rebooted_before: bool = False, mig_capable: bool = True) -> None:
         self.api, self.impacts, self.needs_reboot = api, impacts, needs_reboot
         self.allow_reboot, self.rebooted_before, self.capable = reboot, rebooted_before, mig_capable
@@ -94,6 +109,7 @@ class EngineStandIn:
 
     def snapshot(self) -> tuple[list[str], dict[str, str]]:
         """The pods on the node and its labels, as the API server holds them at this moment."""
+        assert self.api is not None  # None: a subclass reads another server (tests/support/kube_real_agent)
         pods = sorted(f"{ns}/{name}" for (p, ns, name), o in self.api._store.items()
                       if p == "pods" and o["spec"].get("nodeName") == NODE)
         return pods, dict(self.api.get("nodes", NODE)["metadata"]["labels"])
@@ -115,7 +131,9 @@ def _pods(api: ApiServer) -> list[str]:
 
 
 @contextlib.asynccontextmanager
-async def running(agent: KubeAgent):
+async def running(agent: KubeAgent, *, close_api: bool = False) -> AsyncIterator[asyncio.Task]:
+    """The agent's run loop as a task for the body; cancelled after it (and its API client closed
+    with `close_api`)."""
     task = asyncio.create_task(agent.run())
     try:
         yield task
@@ -123,10 +141,12 @@ async def running(agent: KubeAgent):
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
+        if close_api:
+            await agent.api.close()
 
 
-def _agent(kubeconfig: str, engine, **kw) -> KubeAgent:
-    agent = KubeAgent(KubeApi(NODE, load_config(kubeconfig)), engine, **kw)
+def _agent(kubeconfig: str, engine: EngineStandIn, api_cls: type[KubeApi] = KubeApi, **kw: Any) -> KubeAgent:
+    agent = KubeAgent(api_cls(NODE, load_config(kubeconfig)), engine, **kw)
     engine.agent = agent
     return agent
 

@@ -32,6 +32,7 @@ import contextlib
 import json
 import logging
 import os
+import shutil
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
@@ -50,6 +51,8 @@ log = logging.getLogger(__name__)
 CHECKPOINT = "dra-claims.json"
 OWNER_PREFIX = "dra:"
 DEFAULT_CDI_DIR = "/var/run/cdi"
+METADATA_CONTAINER_DIR = "/var/run/kubernetes.io/dra-device-attributes"  # api/metadata ContainerDir
+POD_CLAIM_ANNOTATION = "resource.kubernetes.io/pod-claim-name"  # resource/v1 PodResourceClaimAnnotation
 
 
 class ClaimsApi(Protocol):
@@ -94,6 +97,7 @@ UNHEALTHY_STATES = ("stuck", "gone")  # a driver write that never returned; the 
 
 
 def inputs_of(view: EngineView, node: str, driver: str, *, driver_version: str | None,
+              cuda_version: int | None = None,
               unhealthy: frozenset[str] = frozenset(),
               pcie_root: Callable[[str], str | None] = lambda pci: None,
               taints: Mapping[str, tuple[dict, ...]] | None = None) -> DraInputs:
@@ -103,6 +107,7 @@ def inputs_of(view: EngineView, node: str, driver: str, *, driver_version: str |
     unhealthy = unhealthy | {pci for pci, st in view.gpu_states.items() if st.state in UNHEALTHY_STATES}
     roots = {g.pci: r for g in view.observation.gpus if g.present and (r := pcie_root(g.pci))}
     return DraInputs(node, view.observation.gpus, desired, driver=driver, driver_version=driver_version,
+                     cuda_version=cuda_version,
                      unhealthy=unhealthy, foreign=foreign_placements(view), pcie_roots=roots,
                      taints=taints or {})
 
@@ -111,15 +116,18 @@ class DraDriver:
     def __init__(self, api: ClaimsApi, leases: LeaseEngine, view: Callable[[], EngineView], *,
                  state_dir: str | None, cdi_dir: str = DEFAULT_CDI_DIR,
                  driver_version: Callable[[], str | None] = lambda: None,
+                 cuda_version: Callable[[], int | None] = lambda: None,
                  unhealthy: Callable[[], frozenset[str]] = frozenset,
                  pcie_root: Callable[[str], str | None] = lambda pci: None,
-                 taints: Callable[[], Mapping[str, tuple[dict, ...]]] = dict) -> None:
+                 taints: Callable[[], Mapping[str, tuple[dict, ...]]] = dict,
+                 metadata_dir: str | None = None) -> None:
         self.api, self.leases, self._view = api, leases, view
         self._pcie_root, self._taints = pcie_root, taints
         self.node, self.driver = api.node, api.driver
         self.cdi_dir = cdi_dir
+        self.metadata_dir = metadata_dir  # KEP-5304 device metadata files (None: not written)
         self.path = os.path.join(state_dir, CHECKPOINT) if state_dir else None
-        self._driver_version, self._unhealthy = driver_version, unhealthy
+        self._driver_version, self._cuda_version, self._unhealthy = driver_version, cuda_version, unhealthy
         self.claims: dict[str, PreparedClaim] = {}
         self.published: DraSlices | None = None
         self.generation = 0
@@ -134,6 +142,7 @@ class DraDriver:
             unhealthy |= {pci for pci, ts in taints.items() if any(t["effect"] == "NoSchedule" for t in ts)}
             taints = {}
         inputs = inputs_of(view, self.node, self.driver, driver_version=self._driver_version(),
+                           cuda_version=self._cuda_version(),
                            unhealthy=unhealthy, pcie_root=self._pcie_root, taints=taints)
         return build_slices(msgspec.structs.replace(inputs, generation=max(self.generation, 1)))
 
@@ -243,6 +252,7 @@ class DraDriver:
                 with contextlib.suppress(LeaseRefused):
                     await self.leases.release(lid, why="released (its claim's prepare failed)", wait=False)
             raise
+        self._write_metadata(claim, mine, edits)
         self._write_cdi(c.uid, edits)
         self.claims[c.uid] = PreparedClaim(c.namespace, c.name, tuple(devices), tuple(leases))
         self._save()
@@ -270,11 +280,60 @@ class DraDriver:
                                               start=sd.placement.start if sd.placement is not None else None)
             return [*ctl, *rec.devices], [f"NVIDIA_VISIBLE_DEVICES={rec.uuid}"], rec
         if sd.kind == "vgpu":
-            return [], [f"MDEV_UUID={sd.vgpu_uuid or ''}"], None
+            return self._vgpu(sd, gpu), [f"MDEV_UUID={sd.vgpu_uuid}" if sd.vgpu_uuid else
+                                         f"PCI_RESOURCE_GPUD_IO={','.join(sd.group)}"], None
         minor = gpu.nvml.minor if gpu.nvml is not None else None
         nodes = [*ctl] + ([f"/dev/nvidia{minor}"] if minor is not None else [])
         uuid = sd.mig_uuid or (gpu.uuid or "")
         return nodes, [f"NVIDIA_VISIBLE_DEVICES={uuid}"], None
+
+    @staticmethod
+    def _vgpu(sd: SliceDevice, gpu: Gpu) -> list[str]:
+        """The vfio nodes a VM opens for the vGPU as the hardware shows it now: refused where it
+        is gone or a VM holds it already (nothing is taken from a running VM)."""
+        vf = sd.group[0] if sd.group else None
+        found = next((v for v in (gpu.vgpu.devices if gpu.vgpu is not None else ())
+                      if (sd.vgpu_uuid and v.uuid == sd.vgpu_uuid) or (vf and v.vf == vf)), None)
+        if found is None:
+            raise ValueError(f"{sd.name}: vGPU {sd.vgpu_uuid or vf} is gone from {gpu.pci}")
+        if found.holders:
+            raise ValueError(f"{sd.name}: vGPU {sd.vgpu_uuid or vf} is held by "
+                             f"{', '.join(f'{h.name} (pid {h.pid})' for h in found.holders)}")
+        return ["/dev/vfio/vfio"] + ([f"/dev/vfio/{found.vfio_group}"] if found.vfio_group is not None else [])
+
+    def _write_metadata(self, claim: dict, results: list[dict], edits: list[dict]) -> None:
+        """The device metadata of KEP-5304 (k8s.io/dynamic-resource-allocation api/metadata
+        v1alpha1, written as its kubeletplugin helper writes it): per request one file
+        `<metadata dir>/<namespace>_<claim>/<request>/metadata.json` holding a DeviceMetadata
+        with each allocated device's published attributes, bind-mounted read-only into the
+        container at /var/run/kubernetes.io/dra-device-attributes/resourceclaims/<claim>/<request>/
+        <driver>-metadata.json (resourceclaimtemplates/<pod claim name>/... for a claim made from a
+        template). KubeVirt's virt-launcher reads a VM's device (pciBusID, mDevUUID) from it."""
+        if self.metadata_dir is None:
+            return
+        meta = claim["metadata"]
+        pod_claim = (meta.get("annotations") or {}).get(POD_CLAIM_ANNOTATION)
+        published = self.published if self.published is not None else self.build()
+        by_request: dict[str, list[tuple[int, dict]]] = {}
+        for k, r in enumerate(results):
+            request = r["request"].split("/", 1)[0]  # a subrequest's file is its request's
+            by_request.setdefault(request, []).append((k, r))
+        for request, got in by_request.items():
+            doc = {"apiVersion": "metadata.resource.k8s.io/v1alpha1", "kind": "DeviceMetadata",
+                   "metadata": {"name": meta["name"], "namespace": meta["namespace"], "uid": meta["uid"],
+                                "generation": 1},
+                   **({"podClaimName": pod_claim} if pod_claim else {}),
+                   "requests": [{"name": request, "devices": [
+                       {"driver": self.driver, "pool": r["pool"], "name": r["device"],
+                        "attributes": published.attributes(r["device"])} for _, r in got]}]}
+            host = os.path.join(self.metadata_dir, f"{meta['namespace']}_{meta['name']}", request, "metadata.json")
+            os.makedirs(os.path.dirname(host), mode=0o755, exist_ok=True)
+            state_files.save(host, json.dumps(doc).encode(), mode=0o644)
+            where = ("resourceclaimtemplates", pod_claim) if pod_claim else ("resourceclaims", meta["name"])
+            container = "/".join((METADATA_CONTAINER_DIR, *where, request, f"{self.driver}-metadata.json"))
+            first = edits[got[0][0]]["containerEdits"]
+            first.setdefault("mounts", []).append({"hostPath": host, "containerPath": container,
+                                                   "options": ["ro", "bind"]})
 
     def cdi_path(self, uid: str) -> str:
         return os.path.join(self.cdi_dir, f"{self.driver}-claim_{uid}.json")
@@ -305,6 +364,8 @@ class DraDriver:
                     return str(e)  # busy: the kubelet asks again; nothing was killed
         with contextlib.suppress(FileNotFoundError):
             state_files.remove(self.cdi_path(c.uid))
+        if self.metadata_dir is not None:
+            shutil.rmtree(os.path.join(self.metadata_dir, f"{c.namespace}_{c.name}"), ignore_errors=True)
         if self.claims.pop(c.uid, None) is not None:
             self._save()
         return ""

@@ -71,7 +71,9 @@ class DraService:
         self.driver = DraDriver(self.api, self.engine.leases, lambda: self.engine.view,
                                 state_dir=self.state_dir,
                                 cdi_dir=self.cdi_dir, driver_version=self._driver_version,
-                                pcie_root=self._pcie_root, taints=self._taints)
+                                cuda_version=self._cuda_version,
+                                pcie_root=self._pcie_root, taints=self._taints,
+                                metadata_dir=os.path.join(os.path.dirname(paths(root, name)[1]), "dra-device-metadata"))
         for message in await self.driver.start():
             self.bus.publish("dra", message)
         self.plugin = KubeletPlugin(name, self.driver, root=root)
@@ -109,6 +111,12 @@ class DraService:
             return pcie_root(pci, self.sys_root)
         except ValueError as e:
             log.debug("DRA: no pcieRoot for %s: %s", pci, e)
+            return None
+
+    def _cuda_version(self) -> int | None:
+        try:
+            return self.engine.versions.cuda()
+        except NvmlError:
             return None
 
     def _driver_version(self) -> str | None:

@@ -39,8 +39,17 @@ from typing import Protocol
 
 from msgspec import Struct
 
-from gpud.engine.kube.operands import OperandsNotPaused
-from gpud.engine.kube.other_agents import OTHER_AGENTS, OtherAgent, OtherAgentsOff  # noqa: F401 - re-exported
+from gpud.engine.kube.operands import (  # noqa: F401 - the operator's names, re-exported
+    DEFAULT_NAMESPACE,
+    OPERANDS,
+    OTHER_AGENTS,
+    PAUSED,
+    PAUSED_MIG,
+    PAUSED_VGPU,
+    Operand,
+    OperatorPods,
+    OtherAgent,
+)
 from gpud.engine.kube.selection import (  # noqa: F401 - the protocol's names, re-exported
     DEFAULT_VGPU_CONFIG,
     MIG_CAPABLE,
@@ -53,43 +62,13 @@ from gpud.engine.kube.selection import (  # noqa: F401 - the protocol's names, r
     selection,
 )
 from gpud.engine.kube.workload import plan_workload
-from gpud.host.kube.node_api import Conflict, Gone, KubeApi, KubeError, NodeView, PodView
+from gpud.engine.ports import OperandsNotPaused
+from gpud.host.kube.node_api import Gone, KubeApi, KubeError, NodeView
 from gpud.plan.operand_impact import Impact
 
 log = logging.getLogger(__name__)
 
-PAUSED_MIG = "paused-for-mig-change"
-PAUSED_VGPU = "paused-for-vgpu-change"
-PAUSED = (PAUSED_MIG, PAUSED_VGPU)
-DEFAULT_NAMESPACE = "gpu-operator"
-CLIENT = "*client*"  # the operand whose pods are any DaemonSet's that select on its label
-
-
-class Operand(Struct, frozen=True):
-    label: str  # nvidia.com/gpu.deploy.<name>
-    app: str | None  # pods' `app` label in the operator's namespace; None: not waited for; CLIENT
-    side: str  # "container" | "sandbox"
-
-    @property
-    def paused(self) -> str:
-        return PAUSED_MIG if self.side == "container" else PAUSED_VGPU
-
-
-OPERANDS = (
-    Operand("nvidia.com/gpu.deploy.device-plugin", "nvidia-device-plugin-daemonset", "container"),
-    Operand("nvidia.com/gpu.deploy.gpu-feature-discovery", "gpu-feature-discovery", "container"),
-    Operand("nvidia.com/gpu.deploy.dcgm-exporter", "nvidia-dcgm-exporter", "container"),
-    Operand("nvidia.com/gpu.deploy.dcgm", "nvidia-dcgm", "container"),
-    Operand("nvidia.com/gpu.deploy.nvsm", None, "container"),
-    Operand("nvidia.com/gpu.deploy.client", CLIENT, "container"),
-    Operand("nvidia.com/gpu.deploy.sandbox-device-plugin", "nvidia-sandbox-device-plugin-daemonset", "sandbox"),
-    Operand("nvidia.com/gpu.deploy.sandbox-validator", "nvidia-sandbox-validator", "sandbox"),
-)
-BY_LABEL = {op.label: op for op in OPERANDS}
-
 LAST_ERROR = "nvidia.com/gpud.last-error"  # node annotation: the last failure, until a success
-VALIDATORS_BEFORE = ("nvidia-cuda-validator", "nvidia-device-plugin-validator")
-VALIDATOR_AFTER = "nvidia-operator-validator"
 
 
 class Outcome(Struct, frozen=True):
@@ -120,9 +99,7 @@ class AgentStatus(Struct):
     unserved: list[str] = []  # GPUs of a mixed layout the operator's operands will not serve, and why
 
 
-class KubeAgent(OtherAgentsOff):
-    status: AgentStatus  # the mixin knows only its own part of it
-
+class KubeAgent:
     def __init__(self, api: KubeApi, applier: Applier, *, namespace: str = DEFAULT_NAMESPACE, pod_timeout: float = 300.0,
                  on_event: Callable[[str, str], None] | None = None, retry_delay: float = 1.0,
                  max_conflicts: int = 8, default_vgpu: str | None = DEFAULT_VGPU_CONFIG,
@@ -130,10 +107,8 @@ class KubeAgent(OtherAgentsOff):
         self.api = api
         self.applier = applier
         self.namespace = namespace
-        self.pod_timeout = pod_timeout
         self.on_event = on_event or (lambda kind, message: None)
         self.retry_delay = retry_delay
-        self.max_conflicts = max_conflicts
         self.default_vgpu = default_vgpu  # applied on a vm-vgpu node without vgpu.config (kube.selection)
         self.on_node = on_node or (lambda labels: None)  # every version of the node's labels
         self._node_uid = ""
@@ -143,7 +118,9 @@ class KubeAgent(OtherAgentsOff):
         self.boot_window = False
         self._last_error_shown = False  # the node carries LAST_ERROR (a success removes it)
         self.status = AgentStatus(node=api.node_name)
-        self._paused: set[str] = set()  # operand labels this agent (or a crashed run) left paused
+        # the operator's pods: operands paused and restored, its own GPU agents kept off
+        self.pods = OperatorPods(api, self.status, self._event, namespace=namespace, pod_timeout=pod_timeout,
+                                 max_conflicts=max_conflicts)
         self._active: Selection | None = None  # the label selection in force (None: the file's)
         self._changed = False  # a pass changed hardware since the state was last reported
         self._rebooting = False
@@ -153,7 +130,11 @@ class KubeAgent(OtherAgentsOff):
         self.selected_once = asyncio.Event()
         self._handled: tuple[str | None, ...] | None = None
         self._refresh = asyncio.Event()
-        self.conflicts = 0  # 409s met and retried (for status and tests)
+
+    @property
+    def conflicts(self) -> int:
+        """409s met and retried (for status and tests)."""
+        return self.pods.conflicts
 
     # --- the loop ----------------------------------------------------------------------------
     async def run(self) -> None:
@@ -170,7 +151,7 @@ class KubeAgent(OtherAgentsOff):
                 if self.status.message.startswith("Kubernetes API:"):
                     self.status.message = ""  # answered again; the protocol's own messages stay
                 delay = self.retry_delay
-                self._paused |= {k for k, v in node.labels.items() if k in BY_LABEL and v in PAUSED}
+                self.pods.found_paused(node)
                 node = await self._publish_capable(node)
                 await self._follow(node)
             except Gone:
@@ -225,7 +206,7 @@ class KubeAgent(OtherAgentsOff):
         self._refresh.set()
 
     async def _maybe_handle(self, node: NodeView) -> None:
-        await self._keep_agents_off(node)  # someone set one back to true: false again
+        await self.pods.keep_agents_off(node)  # someone set one back to true: false again
         self.on_node(node.labels)
         chosen = selection(node.labels, layouts=self.applier.layouts(), default_vgpu=self.default_vgpu).layout
         # The uid is part of the key: a node deleted and created again under this name is new to
@@ -251,7 +232,7 @@ class KubeAgent(OtherAgentsOff):
             self._active = None
             self.selected_once.set()
             await self.applier.apply(None)
-            await self._restore_quietly()
+            await self.pods.restore_quietly()
             return None
         layouts = list(self.applier.layouts())
         if sel.layout not in layouts:
@@ -287,7 +268,7 @@ class KubeAgent(OtherAgentsOff):
         message = outcome.message
         if outcome.state != "success" and after_reboot:
             message = f"{message}; still not settled after the reboot gpud asked for"
-        await self._restore_quietly()  # what a crash or the reboot left paused
+        await self.pods.restore_quietly()  # what a crash or the reboot left paused
         return await self._finish(sel, "success" if outcome.state == "success" else "failed", message)
 
     # --- what the engine calls around its passes -------------------------------------------
@@ -309,20 +290,26 @@ class KubeAgent(OtherAgentsOff):
         if self._active is not None:
             await self._set_state(self._active, "pending",
                                   f"{len(impact.changed)} GPU(s) change: {', '.join(impact.changed)}")
-        await self._other_agents_gone()
+        try:
+            await self.pods.other_agents_gone()
+        except OperandsNotPaused as e:
+            if self._active is not None:
+                with contextlib.suppress(KubeError):
+                    await self._set_state(self._active, "failed", str(e))
+            raise
         sides = impact.sides()
         if sides:
             try:
-                await self._pause(sides)
+                await self.pods.pause(sides)
             except (KubeError, TimeoutError) as e:
-                await self._restore_quietly()
+                await self.pods.restore_quietly()
                 reason = "they did not leave in time" if isinstance(e, TimeoutError) else str(e)
                 raise OperandsNotPaused(f"could not take the GPU operands off the node: {reason}") from e
         try:
             yield
         finally:
             if not self._rebooting:
-                await self._restore_quietly()
+                await self.pods.restore_quietly()
 
     async def before_reboot(self, reason: str) -> None:
         """The engine is about to ask for a reboot: say so on the node first; keep operands paused."""
@@ -368,7 +355,7 @@ class KubeAgent(OtherAgentsOff):
     async def _publish_capable(self, node: NodeView) -> NodeView:
         value = "true" if self.applier.mig_capable() else "false"
         change = {MIG_CAPABLE: value} if node.labels.get(MIG_CAPABLE) != value else {}
-        change |= self._agents_off(node)
+        change |= self.pods.agents_off(node)
         if change:
             node = await self.api.patch_labels(change)
         return node
@@ -394,104 +381,6 @@ class KubeAgent(OtherAgentsOff):
             for m in plan.messages:
                 self._event("kube", m)
         self.status.workload_config, self.status.unserved = plan.effective, plan.messages
-
-    # --- operands ----------------------------------------------------------------------------
-    async def _patch_from_fresh(self, compute: Callable[[NodeView], dict[str, str]]) -> dict[str, str]:
-        """Read the node, compute a label change from it, write it only if the node is still at the
-        version read; on 409 read again and recompute."""
-        for _ in range(self.max_conflicts):
-            node = await self.api.node()
-            change = compute(node)
-            if not change:
-                return {}
-            try:
-                await self.api.patch_labels(change, resource_version=node.resource_version)
-                return change
-            except Conflict:
-                self.conflicts += 1
-        raise KubeError(409, "Conflict", f"node {self.api.node_name} kept changing under {self.max_conflicts} attempts")
-
-    async def _pause(self, sides: set[str]) -> None:
-        def compute(node: NodeView) -> dict[str, str]:
-            return {op.label: op.paused for op in OPERANDS if op.side in sides and node.labels.get(op.label) == "true"}
-
-        paused = await self._patch_from_fresh(compute)
-        self._paused |= set(paused)
-        self.status.paused = sorted(self._paused)
-        if paused:
-            self._event("kube-pause", f"paused {', '.join(sorted(paused))}")
-        waiting = {BY_LABEL[label] for label in self._paused}
-        await asyncio.wait_for(self._pods_gone_where(lambda p: self._is_operand_pod(p, waiting), "operand"), self.pod_timeout)
-        if "container" in sides:
-            # The validators run CUDA on the GPUs: deleted pods must be gone (a graceful delete only
-            # marks a pod until the kubelet stopped it) before the GPUs change, as `kubectl delete`
-            # waits in mig-manager's script.
-            removed = await self._delete_pods(VALIDATORS_BEFORE)
-            if removed:
-                await asyncio.wait_for(self._pods_gone_where(lambda p: (p.namespace, p.name) in removed, "validator"),
-                                       self.pod_timeout)
-
-    async def _restore(self) -> None:
-        def compute(node: NodeView) -> dict[str, str]:
-            return {label: "true" for label in self._paused if node.labels.get(label) in PAUSED}
-
-        restored = await self._patch_from_fresh(compute)
-        was = set(self._paused)
-        self._paused.clear()
-        self.status.paused = []
-        if restored:
-            self._event("kube-pause", f"restored {', '.join(sorted(restored))}")
-        if any(BY_LABEL[label].side == "container" for label in was):
-            await self._delete_pods((VALIDATOR_AFTER,))
-
-    async def _restore_quietly(self) -> None:
-        try:
-            await self._restore()
-        except KubeError as e:  # the labels stay paused; the next pass restores them
-            self._event("kube", f"could not restore the operand labels yet: {e}")
-
-    def _is_operand_pod(self, pod: PodView, operands: set[Operand]) -> bool:
-        for op in operands:
-            if op.app == CLIENT:
-                if pod.controller_kind == "DaemonSet" and op.label in pod.node_selector:
-                    return True
-            elif op.app is not None and pod.namespace == self.namespace and pod.labels.get("app") == op.app:
-                return True
-        return False
-
-    async def _pods_gone_where(self, matches: Callable[[PodView], bool], what: str) -> None:
-        """Until no pod `matches` names is left on the node (deleted, not merely terminating): one
-        list, then its watch."""
-        while True:
-            pods, rv = await self.api.pods()
-            left = {(p.namespace, p.name) for p in pods if matches(p)}
-            if not left:
-                return
-            self._event("kube-pause", f"waiting for {len(left)} {what} pod(s) to leave: "
-                                      f"{', '.join(f'{ns}/{n}' for ns, n in sorted(left))}")
-            try:
-                async with contextlib.aclosing(self.api.watch_pods(rv)) as events:
-                    async for kind, pod in events:
-                        key = (pod.namespace, pod.name)
-                        if kind == "DELETED":
-                            left.discard(key)
-                        elif matches(pod):
-                            left.add(key)
-                        if not left:
-                            return
-            except Gone:
-                continue
-
-    async def _delete_pods(self, apps: Sequence[str]) -> set[tuple[str, str]]:
-        """Delete the operator's pods of `apps` on the node; returns those deleted."""
-        pods, _ = await self.api.pods()
-        removed = set()
-        for p in pods:
-            if p.namespace == self.namespace and p.labels.get("app") in apps:
-                if await self.api.delete_pod(p.namespace, p.name):
-                    removed.add((p.namespace, p.name))
-                    self._event("kube-pause", f"removed {p.namespace}/{p.name}")
-        return removed
 
     def _event(self, kind: str, message: str) -> None:
         log.info("%s", message)

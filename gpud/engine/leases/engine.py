@@ -208,6 +208,7 @@ class LeaseEngine:
         return done
 
     def _make_sync(self, rec: LeaseRecord, mode_on: bool) -> LeaseRecord:
+        self.on_stage(rec, "before-intent")
         try:
             self.book.put(rec)  # the intent, before any NVML change
         except OSError as e:

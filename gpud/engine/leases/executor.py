@@ -2,12 +2,12 @@
 
 make:    intent (written by the caller) -> [MIG mode on] -> create GI -> `gi-made` -> create CI ->
          read its MIG UUID -> `held`.
-unmake:  `releasing` -> destroy CI -> destroy GI -> record dropped -> [MIG mode off]
-         (`on_stage`: `releasing`, `ci-destroyed`, `gi-destroyed`).
+unmake:  `releasing` -> destroy CI -> destroy GI -> record dropped -> [MIG mode off].
 A failure after the GI was made destroys that GI again (it is idle: no CI, nothing can run in it)
 before the lease is refused, so a refused lease leaves the GPU as it found it. `on_stage(stage)`
-is told after each record write and NVML change (`intent`, `gi-made`, `ci-made`, `held`): the
-events, and the tests that kill the daemon at each of them.
+is told between every two steps: `mode-on`, `gi-created` (the GI made, its id not yet written),
+`gi-made`, `ci-made`, `held`; `before-releasing`, `releasing`, `ci-destroyed`, `gi-destroyed`,
+`dropped` (the engine adds `before-intent` and `intent`): the tests kill the daemon at each of them.
 """
 
 from __future__ import annotations
@@ -45,11 +45,13 @@ def make(nvml: Nvml, book: LeaseBook, rec: LeaseRecord, *, mode_on: bool, on_sta
             book.drop(rec.id)
             raise LeaseFailed(f"MIG mode on {rec.gpu} could not be turned on now: processes use the GPU "
                               f"(NVML activation status {status}); nothing leased, the mode left off")
+        on_stage("mode-on")
     try:
         gi = nvml.create_gpu_instance(rec.gpu, rec.gi_profile_id, rec.placement.start)
     except NvmlError as e:
         raise LeaseFailed(f"creating {rec.profile} at {rec.placement.start}:{rec.placement.size} on "
                           f"{rec.gpu}: {e}", e) from e
+    on_stage("gi-created")
     rec = msgspec.structs.replace(rec, state="gi-made", gi=gi)
     book.put(rec)
     on_stage("gi-made")
@@ -94,6 +96,7 @@ def unmake(nvml: Nvml, book: LeaseBook, rec: LeaseRecord, *, mode_off: Callable[
     """Destroy the lease's CI and GI and drop its record. The caller checked it is idle; NVML's
     IN_USE here (a process started meanwhile) leaves the lease `releasing` and raises. Returns
     whether MIG mode was turned off after it (`mode_off()` says whether it should be)."""
+    on_stage("before-releasing")
     rec = msgspec.structs.replace(rec, state="releasing")
     book.put(rec)
     on_stage("releasing")
@@ -108,6 +111,7 @@ def unmake(nvml: Nvml, book: LeaseBook, rec: LeaseRecord, *, mode_off: Callable[
         except NvmlError as e:
             raise LeaseFailed(f"releasing {rec.id} on {rec.gpu}: {e}", e) from e
     book.drop(rec.id)
+    on_stage("dropped")
     if mode_off():
         return nvml.set_mig_mode(rec.gpu, False) == 0
     return False

@@ -26,7 +26,7 @@ from gpud.host.files.safe_file import kind, read_up_to
 
 # A layout is a few KB; a 12,000-entry stress file is under 500 KB. Above this the file is refused.
 # Half the socket's frame limit, so a `check` of any acceptable text fits in one request frame
-# (gpud.api.wire.MAX_LAYOUT_TEXT is the same number; a test keeps them equal).
+# (gpud.wire.protocol.MAX_LAYOUT_TEXT is the same number; a test keeps them equal).
 MAX_LAYOUT_BYTES = 512 * 1024
 
 

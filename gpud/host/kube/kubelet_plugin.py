@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import socket
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol
@@ -170,7 +171,10 @@ def other_plugin_registered(root: str, driver: str, own: str) -> str | None:
     """The registration socket of another kubelet plugin for `driver` (NVIDIA's DRA plugin when
     gpud publishes as gpu.nvidia.com), or None. NVIDIA's kubelet plugin registers as
     `<root>/plugins_registry/gpu.nvidia.com-reg.sock` (k8s.io/dynamic-resource-allocation
-    kubeletplugin's default name); any live socket there but gpud's own counts."""
+    kubeletplugin's default name), `<driver>-<uid>-reg.sock` with rolling updates: any socket of
+    that driver's name counts, and gpud's own path too while something listens on it (gpud has
+    not started serving: the listener is another plugin, which a start would unlink and take
+    over). A socket there that nothing listens on is one a killed gpud left."""
     reg_dir = os.path.join(root, "plugins_registry")
     try:
         names = os.listdir(reg_dir)
@@ -178,6 +182,18 @@ def other_plugin_registered(root: str, driver: str, own: str) -> str | None:
         return None
     for name in sorted(names):
         path = os.path.join(reg_dir, name)
-        if path != own and name.startswith(driver) and name.endswith(".sock"):
+        if not (name.startswith(driver) and name.endswith(".sock")):
+            continue
+        if path != own or _listening(path):
             return path
     return None
+
+
+def _listening(path: str) -> bool:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(2.0)
+        try:
+            s.connect(path)
+        except OSError:
+            return False
+    return True

@@ -126,6 +126,15 @@ class Nvml:
 
     # reads --------------------------------------------------------------------------------------
     @_in_session
+    def persistence_mode(self, pci: str) -> bool | None:
+        """Whether persistence mode is on for the GPU (None: NVML cannot say)."""
+        try:
+            return self._call("nvmlDeviceGetPersistenceMode", pci, pynvml.nvmlDeviceGetPersistenceMode,
+                              self._handle(pci)) == pynvml.NVML_FEATURE_ENABLED
+        except NvmlError:
+            return None
+
+    @_in_session
     def driver_version(self) -> str:
         self._ensure_open()
         return self._call("nvmlSystemGetDriverVersion", None, pynvml.nvmlSystemGetDriverVersion)

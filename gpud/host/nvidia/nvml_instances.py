@@ -22,6 +22,25 @@ from gpud.model import CiProfile, ComputeInstance, GpuInstance, Holder, Placemen
 from gpud.profiles import NOT_IN_MIG_INSTANCE
 
 
+def _listed(pci: str, function: str, fn: Any, ctype: Any, capacity: int, *args: Any) -> list[Any]:
+    """NVML's caller-allocated list: `fn(*args, array, &count)` with room for `capacity` handles
+    (at least one), the handles it filled."""
+    count = c_uint(0)
+    arr = (ctype * max(capacity, 1))()
+    call(function, pci, fn, *args, arr, byref(count))
+    return [arr[i] for i in range(count.value)]
+
+
+def _mig_device_at(pci: str, h: Any, index: int) -> Any | None:
+    """The MIG device handle at `index` of the GPU, or None where that index holds none."""
+    try:
+        return pynvml.nvmlDeviceGetMigDeviceHandleByIndex(h, index)
+    except pynvml.NVMLError as e:
+        if e.value in (pynvml.NVML_ERROR_NOT_FOUND, pynvml.NVML_ERROR_INVALID_ARGUMENT):
+            return None
+        raise NvmlError(e.value, "nvmlDeviceGetMigDeviceHandleByIndex", pci) from e
+
+
 class MigReader:
     def __init__(self, cache: SessionCache, proc_root: str) -> None:
         self._cache = cache
@@ -46,15 +65,12 @@ class MigReader:
         for prof in static.profiles:
             if prof.placements and all(used & set(range(p.start, p.start + p.size)) for p in prof.placements):
                 continue  # GIs never share a memory slice (nvml.h): no GI of this profile can exist
-            count = c_uint(0)
-            arr = (pynvml.c_nvmlGpuInstance_t * max(prof.instance_count, 1))()
-            call("nvmlDeviceGetGpuInstances", pci, pynvml.nvmlDeviceGetGpuInstances,
-                       h, prof.id, arr, byref(count))
-            for i in range(count.value):
-                gi_info = call("nvmlGpuInstanceGetInfo", pci, pynvml.nvmlGpuInstanceGetInfo, arr[i])
+            for gi_handle in _listed(pci, "nvmlDeviceGetGpuInstances", pynvml.nvmlDeviceGetGpuInstances,
+                                     pynvml.c_nvmlGpuInstance_t, prof.instance_count, h, prof.id):
+                gi_info = call("nvmlGpuInstanceGetInfo", pci, pynvml.nvmlGpuInstanceGetInfo, gi_handle)
                 if any(g.id == gi_info.id for _, g in gis):
                     continue
-                gis.append((arr[i], GpuInstance(id=gi_info.id, profile_id=gi_info.profileId,
+                gis.append((gi_handle, GpuInstance(id=gi_info.id, profile_id=gi_info.profileId,
                                                 placement=Placement(gi_info.placement.start, gi_info.placement.size))))
                 used.update(range(gi_info.placement.start, gi_info.placement.start + gi_info.placement.size))
         return sorted(gis, key=lambda hg: hg[1].id)
@@ -67,12 +83,9 @@ class MigReader:
     def _cis(self, pci: str, gi_handle: Any, gi_profile_id: int) -> tuple[ComputeInstance, ...]:
         cis: list[ComputeInstance] = []
         for ci_prof in self.ci_profiles(pci, gi_handle, gi_profile_id).values():
-            count = c_uint(0)
-            arr = (pynvml.c_nvmlComputeInstance_t * max(ci_prof.instance_count, 1))()
-            call("nvmlGpuInstanceGetComputeInstances", pci, pynvml.nvmlGpuInstanceGetComputeInstances,
-                       gi_handle, ci_prof.id, arr, byref(count))
-            for i in range(count.value):
-                info = call("nvmlComputeInstanceGetInfo", pci, pynvml.nvmlComputeInstanceGetInfo, arr[i])
+            for ci_handle in _listed(pci, "nvmlGpuInstanceGetComputeInstances", pynvml.nvmlGpuInstanceGetComputeInstances,
+                                     pynvml.c_nvmlComputeInstance_t, ci_prof.instance_count, gi_handle, ci_prof.id):
+                info = call("nvmlComputeInstanceGetInfo", pci, pynvml.nvmlComputeInstanceGetInfo, ci_handle)
                 cis.append(ComputeInstance(id=info.id, profile_id=info.profileId, slices=ci_prof.slices, uuid="",
                                            start=info.placement.start))
         return tuple(sorted(cis, key=lambda c: c.id))
@@ -117,12 +130,9 @@ class MigReader:
         for i in range(self.max_mig_devices(pci, h)):
             if all(v <= 0 for v in room.values()):
                 break
-            try:
-                m = pynvml.nvmlDeviceGetMigDeviceHandleByIndex(h, i)
-            except pynvml.NVMLError as e:
-                if e.value in (pynvml.NVML_ERROR_NOT_FOUND, pynvml.NVML_ERROR_INVALID_ARGUMENT):
-                    continue
-                raise NvmlError(e.value, "nvmlDeviceGetMigDeviceHandleByIndex", pci) from e
+            m = _mig_device_at(pci, h, i)
+            if m is None:
+                continue
             uuid = call("nvmlDeviceGetUUID", pci, pynvml.nvmlDeviceGetUUID, m)
             known = cache.mig_devices.get(uuid)
             if known is not None and known.pci == pci and known.gi in gi_keys:
@@ -192,12 +202,9 @@ class MigReader:
         """The MIG device of one CI: its UUID and the processes in it (None: no such CI), without
         reading the whole GPU (a lease's answer, a release's busy check)."""
         for i in range(self.max_mig_devices(pci, h)):
-            try:
-                m = pynvml.nvmlDeviceGetMigDeviceHandleByIndex(h, i)
-            except pynvml.NVMLError as e:
-                if e.value in (pynvml.NVML_ERROR_NOT_FOUND, pynvml.NVML_ERROR_INVALID_ARGUMENT):
-                    continue
-                raise NvmlError(e.value, "nvmlDeviceGetMigDeviceHandleByIndex", pci) from e
+            m = _mig_device_at(pci, h, i)
+            if m is None:
+                continue
             if (call("nvmlDeviceGetGpuInstanceId", pci, pynvml.nvmlDeviceGetGpuInstanceId, m) == gi_id and
                     call("nvmlDeviceGetComputeInstanceId", pci, pynvml.nvmlDeviceGetComputeInstanceId, m) == ci_id):
                 uuid = call("nvmlDeviceGetUUID", pci, pynvml.nvmlDeviceGetUUID, m)

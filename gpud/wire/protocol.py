@@ -1,6 +1,6 @@
 """The gpud socket protocol: frames, requests, responses, events, the arguments of each op and errors.
 
-One concern, the protocol's envelope: this module and gpud/api/wire_replies.py (the typed result of
+One concern, the protocol's envelope: this module and gpud/wire/replies.py (the typed result of
 each op) are together the one definition of every message on the socket; each name has one home.
 
 Shared by the daemon (asyncio) and `gpudctl` (a blocking socket), so this module imports only the

@@ -1,0 +1,51 @@
+"""The kubelet's side of DRA against gpud's plugin sockets (the generated gRPC stubs, nothing
+hand-made), and the device classes and selectors the DRA tests claim with."""
+
+from __future__ import annotations
+
+from gpud.host.kube import kubelet_plugin
+from gpud.host.kube.kubelet_plugin import KubeletPlugin
+from gpud.plan.dra_slices import DEFAULT_DRIVER
+
+MIG = "mig.gpud.io"
+GPU = "gpu.gpud.io"
+
+
+def profile_is(name: str) -> str:
+    return f"device.attributes['{DEFAULT_DRIVER}'].profile == '{name}'"
+
+
+class Kubelet:
+    """The kubelet's side of DRA: the generated stubs on gpud's sockets, nothing hand-made."""
+
+    def __init__(self, plugin: KubeletPlugin) -> None:
+        import grpc
+
+        self.v1, self.v1_grpc, _, _, self.reg, self.reg_grpc = kubelet_plugin.proto()
+        self.plugin = plugin
+        self.dra = grpc.aio.insecure_channel(f"unix://{plugin.dra_socket}")
+        self.registration = grpc.aio.insecure_channel(f"unix://{plugin.registration_socket}")
+
+    async def close(self) -> None:
+        await self.dra.close()
+        await self.registration.close()
+
+    async def register(self):
+        stub = self.reg_grpc.RegistrationStub(self.registration)
+        info = await stub.GetInfo(self.reg.InfoRequest())
+        await stub.NotifyRegistrationStatus(self.reg.RegistrationStatus(plugin_registered=True))
+        return info
+
+    async def prepare(self, claim: dict):
+        m = claim["metadata"]
+        stub = self.v1_grpc.DRAPluginStub(self.dra)
+        got = await stub.NodePrepareResources(self.v1.NodePrepareResourcesRequest(
+            claims=[self.v1.Claim(namespace=m["namespace"], uid=m["uid"], name=m["name"])]))
+        return got.claims[m["uid"]]
+
+    async def unprepare(self, claim: dict):
+        m = claim["metadata"]
+        stub = self.v1_grpc.DRAPluginStub(self.dra)
+        got = await stub.NodeUnprepareResources(self.v1.NodeUnprepareResourcesRequest(
+            claims=[self.v1.Claim(namespace=m["namespace"], uid=m["uid"], name=m["name"])]))
+        return got.claims[m["uid"]]
