@@ -176,6 +176,9 @@ class DraService:
             return None
         out = self.driver.status()
         out["registered"] = self.plugin.registered if self.plugin is not None else None
+        out["xids"] = [{"pci": m.pci, "xid": m.code, "effect": "NoSchedule" if m.fatal else "None", "text": m.text}
+                       for m in sorted(self.health.marks.values(), key=lambda m: m.pci)]
+        out["taints_dropped"] = self.api.taints_dropped if self.api is not None else False
         return out
 
     async def stop(self) -> None:
