@@ -30,6 +30,7 @@ from gpud.kubevirt_names import kubevirt_name, selector, vf_resources, vgpu_reso
 from gpud.layout.names import device_name
 from gpud.layout.schema import WORKLOADS
 from gpud.model import CiProfile, Gpu, GpuInstance, MigProfile, NvmlGpu
+from gpud.pci import is_vfio
 from gpud.vgpu_types import printed_name
 
 PREFIX = "nvidia.com/"
@@ -319,8 +320,10 @@ def serving_workload(gpu: Gpu, workloads: Mapping[str, str]) -> str | None:
     """The workload a GPU serves right now: the layout's, once its driver agrees; an unmanaged GPU
     by its driver. None while it is between drivers (or on none)."""
     driver = gpu.function.driver
-    wanted = workloads.get(gpu.pci) or {"nvidia": "container", "vfio-pci": "vm-passthrough"}.get(driver or "")
-    ok = {"container": "nvidia", "vm-vgpu": "nvidia", "vm-passthrough": "vfio-pci"}.get(wanted or "")
+    wanted = workloads.get(gpu.pci) or ("vm-passthrough" if is_vfio(driver) else {"nvidia": "container"}.get(driver or ""))
+    if wanted == "vm-passthrough":
+        return wanted if is_vfio(driver) and gpu.present else None
+    ok = {"container": "nvidia", "vm-vgpu": "nvidia"}.get(wanted or "")
     return wanted if ok is not None and driver == ok and gpu.present else None
 
 
@@ -405,7 +408,7 @@ def advertised(gpus: Sequence[Gpu], *, mig_strategy: str = "mixed") -> Advertise
     vfs = vf_resources((g.function.device, d) for g in gpus for d in (g.vgpu.devices if g.vgpu is not None else ()))
     for g in sorted(gpus, key=lambda g: g.index):
         for f in (g.function, *g.companions):
-            if f.vendor == profiles.NVIDIA and f.driver in ("vfio-pci", "nvgrace_gpu_vfio_pci"):
+            if f.vendor == profiles.NVIDIA and is_vfio(f.driver):
                 name = kubevirt_name(f.device).resource
                 sandbox[name] = sandbox.get(name, 0) + 1
         for vd in g.vgpu.devices if g.vgpu is not None else ():

@@ -211,6 +211,9 @@ class SimState(msgspec.Struct):
     resets: dict[str, dict[str, int]] = msgspec.field(default_factory=dict)
     sessions: list[SimSession] = msgspec.field(default_factory=list)
     driver_version: str = "580.159.04"
+    # the nvidia module's CoherentGPUMemoryMode ("" unset, "numa", "driver" = CDMM), as
+    # /proc/driver/nvidia/params states it; CDMM refuses MIG on a Grace GPU (docs/hardware/grace.md)
+    coherent_memory_mode: str = ""
     # /proc/sys/kernel/random/boot_id of the simulated host: `gpud-sim reboot` draws a new one
     boot_id: str = FIRST_BOOT_ID
     boots: int = 0  # reboots since `gpud-sim create`
