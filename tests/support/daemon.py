@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from gpud.sim import cli as simcli
@@ -53,7 +54,7 @@ def start_until_ready(d: Daemon, limit: float = 150.0) -> list[str]:
 
 
 class Daemon:
-    def __init__(self, tmp: Path, gpus: list[str], layout: str, extra_args: list[str] = (),
+    def __init__(self, tmp: Path, gpus: list[str], layout: str, extra_args: Sequence[str] = (),
                  nvswitch: bool = False, vgpu: str | None = None, persistence: str = "legacy",
                  fabric_manager: str = "running") -> None:
         self.tmp = tmp
@@ -132,7 +133,7 @@ class Daemon:
 class DaemonOn(Daemon):
     """gpud on a host that already exists (the tests' Daemon makes its own)."""
 
-    def __init__(self, tmp: Path, host: Path, layout: str, extra_args: list[str] = ()) -> None:
+    def __init__(self, tmp: Path, host: Path, layout: str, extra_args: Sequence[str] = ()) -> None:
         self.tmp, self.host = tmp, host
         self.config = tmp / "etc" / "layout.yaml"
         self.config.parent.mkdir(parents=True, exist_ok=True)
