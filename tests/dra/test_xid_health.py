@@ -21,7 +21,7 @@ def test_a_real_nvrm_line_and_a_kmsg_record_parse():
     # the form dmesg shows (NVIDIA's Xid catalogue; leptonai/gpud's documentation quotes one)
     line = "NVRM: Xid (PCI:0000:CB:00): 13, pid='<unknown>', name=<unknown>, Graphics SM Warp Exception on (GPC 7"
     assert parse_xid(line) == ("0000:cb:00", 13, "pid='<unknown>', name=<unknown>, Graphics SM Warp Exception on (GPC 7")
-    assert present(parse_xid("NVRM: loading NVIDIA UNIX x86_64 Kernel Module")) is None
+    assert parse_xid("NVRM: loading NVIDIA UNIX x86_64 Kernel Module") is None
     assert parse_record("3,17,1234567,-;NVRM: Xid (PCI:0000:18:00): 79, x") == (17, "NVRM: Xid (PCI:0000:18:00): 79, x")
     assert parse_record("3,17,1234567,c,caller=T1;text\n SUBSYSTEM=pci") == (17, "text")
     assert parse_record("no record") is None
