@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 import tempfile
 import time
@@ -27,6 +28,7 @@ sys.path.insert(0, str(ROOT))
 from bench import migparted_model, migparted_real, plan_time  # noqa: E402
 from gpud.plan.mig import ci_name, plan_gpu  # noqa: E402
 from gpud.sim import cli as simcli  # noqa: E402
+from gpud.sim.state import SAVE_EVERY_CALL  # noqa: E402
 from tests.scenarios.definitions import SCENARIOS, Scenario  # noqa: E402
 from tests.support.simrig import SimRig  # noqa: E402
 
@@ -177,6 +179,12 @@ def main() -> int:
         with tempfile.TemporaryDirectory() as tmp:
             g = asyncio.run(run(sc, "gpud", Path(tmp) / "g"))
             m = asyncio.run(run(sc, other, Path(tmp) / "m", tool))
+            if tool is None:  # the recording's simulator, for a like-for-like wall time
+                os.environ[SAVE_EVERY_CALL] = "1"
+                try:
+                    g["wall_s_as_recorded"] = asyncio.run(run(sc, "gpud", Path(tmp) / "g2"))["wall_s"]
+                finally:
+                    del os.environ[SAVE_EVERY_CALL]
         rows.append((sc, g, m))
         print(f"{sc.name:40s} gpud {g['mutating']:3d} calls {g['needless']} needless {g['resets']} resets | "
               f"{other} {m['mutating']:3d} calls {m['needless']} needless {m['resets']} resets "
@@ -203,14 +211,24 @@ def _real_walls(rows, tool) -> tuple[dict[str, float], str] | None:
     if rec is None:
         return None
     walls = {name: r["wall_s"] for name, r in rec["scenarios"].items()}
-    return walls, f"its last recorded run ({rec['recorded']}; bench/results/migparted-v0.15.0-recorded.json), NOT this run"
+    return walls, (f"its last recorded run ({rec['recorded']}; bench/results/migparted-v0.15.0-recorded.json), "
+                   "NOT this run. That run's simulator read and wrote its whole state file at every NVML call; "
+                   "today's writes it only when a call changes the host, which makes every NVML user faster. So "
+                   "gpud is timed here twice: on today's simulator, and on the simulator as the recording had it "
+                   f"(`{SAVE_EVERY_CALL}=1`: every call reads and writes the file again). The targets are judged "
+                   "on the second, like for like")
+
+
+def _gpud_wall(g: dict) -> float:
+    """gpud's wall time to set against the other tool's: on the recording's simulator when timed so."""
+    return g.get("wall_s_as_recorded", g["wall_s"])
 
 
 def _wall_targets(rows, walls: dict[str, float]) -> tuple[bool, list[str], float, float]:
     """(met, scenarios where gpud is slower, gpud total, mig-parted total): gpud at or below the
     real tool in every scenario and at most 60% of its total."""
-    slower = [sc.name for sc, g, _ in rows if sc.name in walls and g["wall_s"] > walls[sc.name]]
-    g_total = sum(g["wall_s"] for sc, g, _ in rows if sc.name in walls)
+    slower = [sc.name for sc, g, _ in rows if sc.name in walls and _gpud_wall(g) > walls[sc.name]]
+    g_total = sum(_gpud_wall(g) for sc, g, _ in rows if sc.name in walls)
     m_total = sum(walls[sc.name] for sc, _, _ in rows if sc.name in walls)
     return (not slower and all(sc.name in walls for sc, _, _ in rows) and g_total <= 0.6 * m_total,
             slower, g_total, m_total)
@@ -272,14 +290,20 @@ def write(rows, times, results: Path, label: str, real: bool,
     if real_walls is not None:
         walls, source = real_walls
         met, slower, g_total, m_total = _wall_targets(rows, walls)
+        as_rec = all("wall_s_as_recorded" in g for _, g, _ in rows)
         lines += ["", "## Wall time against the real nvidia-mig-parted", "",
-                  f"The real tool's wall time comes from {source}; gpud's from this run.", "",
-                  "| scenario | gpud wall s | mig-parted wall s | gpud / mig-parted |", "|---|---:|---:|---:|"]
+                  f"The real tool's wall time comes from {source}; gpud's from this run.", ""]
+        if as_rec:
+            lines += ["| scenario | gpud wall s (today's simulator) | gpud wall s (the recording's simulator) | "
+                      "mig-parted wall s (recorded) | gpud / mig-parted (same simulator) |", "|---|---:|---:|---:|---:|"]
+        else:
+            lines += ["| scenario | gpud wall s | mig-parted wall s | gpud / mig-parted |", "|---|---:|---:|---:|"]
         for sc, g, _ in rows:
             if sc.name in walls:
-                lines.append(f"| {sc.name} | {g['wall_s']:.2f} | {walls[sc.name]:.2f} | "
-                             f"{g['wall_s'] / walls[sc.name]:.2f} |")
-        lines += [f"| **total** | {g_total:.1f} | {m_total:.1f} | {g_total / m_total:.2f} |", "",
+                lines.append(f"| {sc.name} | {g['wall_s']:.2f} | " + (f"{_gpud_wall(g):.2f} | " if as_rec else "")
+                             + f"{walls[sc.name]:.2f} | {_gpud_wall(g) / walls[sc.name]:.2f} |")
+        today = f"{sum(g['wall_s'] for sc, g, _ in rows if sc.name in walls):.1f} | " if as_rec else ""
+        lines += [f"| **total** | {today}{g_total:.1f} | {m_total:.1f} | {g_total / m_total:.2f} |", "",
                   f"Target: gpud at or below the real tool in every scenario "
                   f"({'met' if not slower else 'MISSED in ' + ', '.join(slower)}) and at most 60% of its total "
                   f"({g_total / m_total:.0%}): {'met' if met else 'MISSED'}."]

@@ -24,7 +24,7 @@ sys.path.insert(0, str(ROOT))
 
 from dataclasses import replace  # noqa: E402
 
-from tests.reliability.trials import CI, FULL, KUBE, TRIALS, Scale, TrialResult, run_all  # noqa: E402
+from tests.reliability.trials import CI, FULL, KUBE, TRIALS, Scale, TrialResult, crashed, run_all  # noqa: E402
 from tests.reliability.trials_kube import available as kube_available  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results" / "reliability.md"
@@ -92,7 +92,10 @@ def _units(scale: Scale, only: tuple[str, ...], jobs: int) -> list[Unit]:
 def _run_unit(unit: Unit) -> list[TrialResult]:
     scale, only, seed = unit
     with tempfile.TemporaryDirectory(prefix="gpud-reliability-") as tmp:
-        return run_all(Path(tmp), scale, seed=seed, only=only)
+        try:
+            return run_all(Path(tmp), scale, seed=seed, only=only)
+        except Exception as e:  # noqa: BLE001 - one host's set-up failing must not hang the pool (its
+            return [crashed(",".join(only), e)]  # exception may not survive pickling back to it)
 
 
 def _merge(results: list[TrialResult]) -> list[TrialResult]:

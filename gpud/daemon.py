@@ -417,7 +417,7 @@ class Daemon:
             self.dra = DraService(self.engine, self.bus, node=a.kube_node or "", driver=a.dra_driver,
                                   kubelet_root=a.kubelet_root, kubeconfig=a.kubeconfig,
                                   state_dir=None if a.read_only else a.state_dir, cdi_dir=a.cdi_dir,
-                                  root=self.host.root)
+                                  root=self.host.root, boot_id_path=self.host.boot_id_path)
             await self.dra.start()
         handler = RequestHandler(self.engine, notifier=self.notifier, dev_root=self.host.dev_root,
                                  loop_lag=self.loop_lag, labels=self.labels, kube_agent=self.kube,

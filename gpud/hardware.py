@@ -19,6 +19,7 @@ from pathlib import Path
 from gpud.device_events import DeviceEventSourceFactory
 from gpud.engine.ports import Drainer, Hardware, Rebooter  # Hardware re-exported: the adapters' record
 from gpud.host.kernel.deadline_write import DeadlineSysfs
+from gpud.host.kernel.module_alias import ModuleAliases
 from gpud.host.kernel.procs import Procs
 from gpud.host.kernel.sysfs import Sysfs
 from gpud.host.nvidia.gpu_reset import GpuReset
@@ -86,7 +87,7 @@ def build_hardware(config: HostConfig) -> Host:
     from gpud.host.kernel.udev import UdevEvents
 
     ro = config.read_only
-    hw = adapters(config, Sysfs("/sys", read_only=ro), Nvml(read_only=ro), Procs(read_only=ro),
+    hw = adapters(config, Sysfs("/sys", read_only=ro, aliases=ModuleAliases()), Nvml(read_only=ro), Procs(read_only=ro),
                   nvidia_smi="nvidia-smi", sriov_manage=SRIOV_MANAGE)
     return Host(hw=hw, device_events=UdevEvents, lock_path=config.lock or APPLY_LOCK,
                 udev_rules=config.udev_rules or UDEV_RULES, nfd_features=config.nfd_features or NFD_FEATURES,
@@ -97,7 +98,7 @@ def build_hardware(config: HostConfig) -> Host:
 
 def _simulated(config: HostConfig, sim_dir: str) -> Host:
     from gpud import sim
-    from gpud.sim import services
+    from gpud.sim import modules_alias, services
     from gpud.sim.uevents import SimEvents
 
     host = sim.install(sim_dir)
@@ -106,7 +107,8 @@ def _simulated(config: HostConfig, sim_dir: str) -> Host:
 
         replay_nvml.install(config.replay)
     ro = config.read_only
-    hw = adapters(config, Sysfs(str(host.sys_root), read_only=ro, store=host.store, modprobe=host.modprobe),
+    hw = adapters(config, Sysfs(str(host.sys_root), read_only=ro, store=host.store, modprobe=host.modprobe,
+                                aliases=ModuleAliases(str(modules_alias.path(sim_dir)))),
                   Nvml(read_only=ro, proc_root=str(host.proc_root)),
                   Procs(str(host.proc_root), str(host.dev_root), read_only=ro, store=host.store),
                   nvidia_smi=sim_nvidia_smi(sim_dir),

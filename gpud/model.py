@@ -94,6 +94,9 @@ class PciFunction(Struct, frozen=True):
     driver_override: str | None = None
     iommu_group: int | None = None
     numa_node: int = -1
+    # the VFIO variant driver the kernel's modules.alias names for it (nvgrace_gpu_vfio_pci on a
+    # Grace GPU); None: plain vfio-pci (gpud.host.kernel.module_alias)
+    vfio_variant: str | None = None
 
     @property
     def pci_id(self) -> str:
@@ -120,6 +123,9 @@ class NvmlGpu(Struct, frozen=True):
     instances: tuple[GpuInstance, ...] = ()
     processes: tuple[Holder, ...] = ()  # compute processes on the whole GPU
     compute_capability: tuple[int, int] | None = None  # CUDA (major, minor): GFD's gpu.family
+    # the nvidia module's CoherentGPUMemoryMode as /proc/driver/nvidia/params states it ("driver":
+    # CDMM, "numa" or "": NUMA; None: not stated), for a coherent (Grace) GPU: docs/hardware/grace.md
+    coherent_memory_mode: str | None = None
 
     def profile(self, profile_id: int) -> MigProfile | None:
         return next((p for p in self.profiles if p.id == profile_id), None)

@@ -40,3 +40,12 @@ BRIDGE_CLASSES = (0x0600, 0x0604)
 def is_bridge(class_code: int) -> bool:
     """`class_code` is sysfs's 24-bit `class` (base, sub, prog-if)."""
     return (class_code >> 8) in BRIDGE_CLASSES
+
+
+VFIO_PCI = "vfio-pci"
+
+
+def is_vfio(driver: str | None) -> bool:
+    """vfio-pci or one of Linux's VFIO variant drivers (built on vfio-pci-core; every one in
+    drivers/vfio/pci is named <something>_vfio_pci: nvgrace_gpu_vfio_pci, mlx5_vfio_pci, ...)."""
+    return driver == VFIO_PCI or (driver or "").endswith("_vfio_pci")

@@ -57,9 +57,9 @@ PROFILE_FIELDS = ("id", "memory_mb", "sms", "instance_count", "placements", "ci_
 # Compute capability per architecture, from NVIDIA's CUDA GPUs list (developer.nvidia.com/cuda-gpus):
 # T4 (Turing) 7.5, A100 8.0, L40S (Ada) 8.9, H100/H200 9.0.
 _COMPUTE = {"turing": (7, 5), "ampere": (8, 0), "ada": (8, 9), "hopper": (9, 0)}
-# Blackwell boards differ by die (NVIDIA's CUDA GPUs list): B200/GB200 (GB100) 10.0, RTX PRO 6000
-# Blackwell Server Edition (GB202) 12.0.
-_COMPUTE_BY_MODEL = {"b200": (10, 0), "gb200": (10, 0), "rtx-pro-6000": (12, 0)}
+# Blackwell boards differ by die (NVIDIA's CUDA GPUs list): B200/GB200 (GB100) 10.0, GB300 10.3,
+# RTX PRO 6000 Blackwell Server Edition (GB202) 12.0.
+_COMPUTE_BY_MODEL = {"b200": (10, 0), "gb200": (10, 0), "rtx-pro-6000": (12, 0), "gb300": (10, 3)}
 
 
 class ModelInfo(Struct, frozen=True):
@@ -76,6 +76,22 @@ class ModelInfo(Struct, frozen=True):
     # (profile name, fields whose values are inferred by analogy, not read from a source): the
     # simulator serves them and says so (`gpud-sim create`); docs/hardware/mig-profiles.md lists them
     inferred: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    # profile names that differ by driver branch, ids the same: (first driver branch, ((id, name),
+    # ...)), the newest branch the driver is at or above applies; `profiles` holds the names the
+    # sources give for drivers below every entry. gpud itself takes names from NVML on a real host.
+    renamed: tuple[tuple[int, tuple[tuple[int, str], ...]], ...] = ()
+    # a Grace superchip's GPU (memory coherent with the CPU over NVLink-C2C): the nvidia driver's
+    # CDMM applies to it (docs/hardware/grace.md)
+    coherent: bool = False
+
+    def names_for(self, driver_version: str | None) -> dict[int, str]:
+        """Profile id -> the name a driver of `driver_version` gives it, where it differs from the
+        table's ({} for an unparsable or older version)."""
+        try:
+            branch = int((driver_version or "").split(".", 1)[0])
+        except ValueError:
+            return {}
+        return next((dict(names) for first, names in sorted(self.renamed, reverse=True) if branch >= first), {})
 
     @property
     def mig_capable(self) -> bool:
@@ -104,13 +120,21 @@ class ModelInfo(Struct, frozen=True):
     @property
     def gi_index(self) -> dict[int, int]:
         """Profile id -> the NVML index constant that answers it (rows whose id is known)."""
-        known = [p for p in self.profiles if "id" not in self.unknown_fields(p.name)]
+        known = [replace(p, memory_mb=p.memory_mb or _named_mb(p.name)) for p in self.profiles
+                 if "id" not in self.unknown_fields(p.name)]
         plain_1g = [p.memory_mb for p in known if p.slices == 1 and _suffix(p.name) == ""]
         return {p.id: index_constant(p, min(plain_1g, default=0)) for p in known}
 
 
 def _suffix(name: str) -> str:
     return name[name.index("gb") + 2:]
+
+
+def _named_mb(name: str) -> int:
+    """The memory a profile's name states (1g.70gb: 70 GB, in MiB), for comparing rows whose
+    memory no source gives (which of two plain 1g profiles is the double-memory one)."""
+    figure = name.split(".", 1)[1]
+    return int(figure[:figure.index("gb")]) * 10**9 // 2**20
 
 
 def index_constant(p: MigProfile, smallest_1g_mb: int) -> int:
@@ -299,6 +323,16 @@ def _inferred_7(profiles: tuple[MigProfile, ...]) -> tuple[tuple[str, tuple[str,
     -lgipp shows, and the CI-split rule (docs/hardware/mig-profiles.md)."""
     return tuple((p.name, ("placements", "ci_profiles")) for p in profiles)
 
+# GB300 (Grace Blackwell Ultra, 0x31C2): no -lgip of it was published. Ids: NVIDIA's DGX Station
+# GB300 MIG playbook (NVIDIA/dgx-spark-playbooks nvidia/station-mig and the mig-configure skill),
+# which also says the names depend on the driver, the ids not: R59x names below, R61x `_GB300_R61X`.
+# Counts: NVIDIA's default MIG config (mig-parted config-default.yaml, GB300 added in 75449116).
+# Memory, SMs, engines, placements, CI profiles and the GPU's total: no source.
+GB300, _GB300_UNKNOWN = _partial((), (
+    ("1g.35gb", 7, 19), ("1g.35gb+me", 1, 20), ("1g.70gb", 4, 15), ("2g.70gb", 3, 14),
+    ("3g.139gb", 2, 9), ("4g.139gb", 1, 5), ("7g.278gb", 1, 0)))
+_GB300_R61X = ((19, "1g.31gb"), (20, "1g.31gb+me"), (9, "3g.126gb"), (5, "4g.126gb"), (0, "7g.251gb"))
+
 _CAPTURES = "tests/fixtures/captures/"
 
 MODELS: dict[str, ModelInfo] = {
@@ -327,14 +361,19 @@ MODELS: dict[str, ModelInfo] = {
         ModelInfo("gb200", "NVIDIA GB200", 0x2941, None, 0, "blackwell", GB200,
                   source=_CAPTURES + "gb200: github.com/NVIDIA/mig-parted/issues/227 (-lgip of a production "
                                      "board, first four rows)",
-                  unknown=_GB200_UNKNOWN + ((WHOLE_GPU, ("memory_mb",)),)),
+                  unknown=_GB200_UNKNOWN + ((WHOLE_GPU, ("memory_mb",)),), coherent=True),
         ModelInfo("gh200-144gb", "NVIDIA GH200 144G HBM3e", 0x2348, None, 0, "hopper", GH200_144GB,
                   source=_CAPTURES + "gh200-144gb: github.com/NVIDIA/mig-parted/pull/139 (-lgip, first four rows)",
-                  unknown=_GH200_144GB_UNKNOWN + ((WHOLE_GPU, ("memory_mb",)),)),
+                  unknown=_GH200_144GB_UNKNOWN + ((WHOLE_GPU, ("memory_mb",)),), coherent=True),
         ModelInfo("gh200-96gb", "NVIDIA GH200 480GB", 0x2342, None, 97871, "hopper", GH200_96GB,
                   source=_CAPTURES + "gh200-96gb: github.com/kf-cuanschutz/NVIDIA_Grace_Hopper_benchmarking_logs_ "
                                      "(-lgip, all seven rows, driver 550.54.15)",
-                  inferred=_inferred_7(GH200_96GB) + ((WHOLE_GPU, ("memory_mb",)),)),
+                  inferred=_inferred_7(GH200_96GB) + ((WHOLE_GPU, ("memory_mb",)),), coherent=True),
+        ModelInfo("gb300", "NVIDIA GB300", 0x31C2, None, 0, "blackwell", GB300,
+                  source="github.com/NVIDIA/dgx-spark-playbooks nvidia/station-mig (ids, names by driver; "
+                         "no -lgip); mig-parted config-default.yaml (counts)",
+                  unknown=_GB300_UNKNOWN + ((WHOLE_GPU, ("memory_mb",)),), renamed=((610, _GB300_R61X),),
+                  coherent=True),
         ModelInfo("l40s", "NVIDIA L40S", 0x26B9, 0x1851, 46068, "ada"),
         ModelInfo("t4", "Tesla T4", 0x1EB8, 0x12A2, 15360, "turing"),
         ModelInfo("rtx6000-ada", "NVIDIA RTX 6000 Ada Generation", 0x26B1, 0x16A1, 49140, "ada",

@@ -113,7 +113,8 @@ class RequestHandler:
         strategy = self.labels.mig_strategy if self.labels is not None else "mixed"
         agent = self.kube_agent.status if self.kube_agent is not None else None
         dra = self.dra.status() if self.dra is not None else None
-        return replies.kubernetes_status(gpus, mig_strategy=strategy, agent=agent, dra=dra)
+        return replies.kubernetes_status(gpus, mig_strategy=strategy, agent=agent, dra=dra,
+                                         ad=self.status_snapshot.advertised(gpus, strategy))
 
     async def op_labels(self) -> wire_replies.LabelsReply:
         if self.labels is None:

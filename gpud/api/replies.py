@@ -29,7 +29,8 @@ from gpud.layout.desired import DesiredGpu
 from gpud.layout.names import device_name, mig_device_name
 from gpud.layout.resolve import Resolution
 from gpud.model import Gpu, Holder, KnownGpu, MigProfile, Placement
-from gpud.plan.node_labels import advertised
+from gpud.pci import is_vfio
+from gpud.plan.node_labels import Advertised, advertised
 from gpud.profiles import GI_PROFILE_INDEX, NVIDIA, ModelInfo, by_device, model_name, with_model_ci_profiles
 from gpud.vgpu_types import by_device as vgpu_model_of
 from gpud.vgpu_types import parse_vgpu_name
@@ -121,7 +122,7 @@ def gpu_status(gpu: Gpu, desired: DesiredGpu | None, state: GpuState | None,
     if desired is not None:
         workload = desired.workload
     else:
-        workload = {"nvidia": "container", "vfio-pci": "vm-passthrough"}.get(driver or "", "unmanaged")
+        workload = "vm-passthrough" if is_vfio(driver) else {"nvidia": "container"}.get(driver or "", "unmanaged")
     group = gpu.function.iommu_group
     return wire_replies.GpuStatus(
         index=gpu.index,
@@ -145,7 +146,7 @@ def gpu_status(gpu: Gpu, desired: DesiredGpu | None, state: GpuState | None,
         holders=holders(state.holders) if state else [],
         group=[wire_replies.GroupMember(pci=c.address, driver=c.driver, class_=f"0x{c.class_code:06x}")
                for c in gpu.companions],
-        vfio_device=f"/dev/vfio/{group}" if driver == "vfio-pci" and group is not None else None,
+        vfio_device=f"/dev/vfio/{group}" if is_vfio(driver) and group is not None else None,
         vgpu=vgpu_status(gpu, rebuilt or []),
         dynamic=desired is not None and desired.dynamic,
         leases=[lease_info(r, gpu.index) for r in leases or ()],
@@ -236,10 +237,11 @@ def shown_state(view: EngineView, pci: str) -> GpuState | None:
 
 
 def kubernetes_status(gpus: Sequence[Gpu], *, mig_strategy: str, agent: AgentStatus | None = None,
-                      dra: dict[str, Any] | None = None) -> wire_replies.KubernetesStatus:
-    """What the device plugins will advertise from the GPUs as observed; the label protocol's state
-    (None without --kube-node); the DRA driver's (its status record, None without --dra)."""
-    ad = advertised(gpus, mig_strategy=mig_strategy)
+                      dra: dict[str, Any] | None = None, ad: Advertised | None = None) -> wire_replies.KubernetesStatus:
+    """What the device plugins will advertise from the GPUs as observed (`ad`, when the caller kept
+    it for these GPUs); the label protocol's state (None without --kube-node); the DRA driver's (its
+    status record, None without --dra)."""
+    ad = ad if ad is not None else advertised(gpus, mig_strategy=mig_strategy)
     agent_status = None
     if agent is not None:
         agent_status = wire_replies.KubeAgentStatus(node=agent.node, connected=agent.connected, selected=agent.selected,

@@ -19,7 +19,7 @@ from gpud.engine.vgpu.keeper import VgpuKeeper
 from gpud.layout.desired import DesiredGpu
 from gpud.layout.schema import Policy
 from gpud.model import Gpu
-from gpud.plan.binding import plan_binding
+from gpud.plan.binding import plan_binding, vfio_driver
 from gpud.plan.lease_placement import dynamic_mode
 from gpud.plan.mig import plan_gpu
 
@@ -28,7 +28,7 @@ def next_action(gpu: Gpu, desired: DesiredGpu, *, vgpus: VgpuKeeper, leases: Lea
                 drivers: frozenset[str], nvml_error: str | None) -> Action | GpuState | None:
     """The next thing this GPU needs, or None when it matches its entry (`drivers`: the kernel's
     PCI drivers; `nvml_error`: why NVML could not be read, for the message)."""
-    target_driver = "vfio-pci" if desired.workload == "vm-passthrough" else "nvidia"
+    target_driver = vfio_driver(gpu.function) if desired.workload == "vm-passthrough" else "nvidia"
     if gpu.function.driver == "nvidia":
         removal = vgpus.removals(gpu, desired)
         if removal is not None:

@@ -162,8 +162,12 @@ class StepRunner:
         if resetter is None:
             return GpuState("reset-required", f"{why}; no reset tool is configured (--nvidia-smi)")
         self.bus.publish("step", f"reset {gpu.pci}: {' '.join(resetter.argv(gpu.pci))}", gpu=gpu.pci)
+        # persistence mode (turned off for the reset) from our own session while it is open: one
+        # nvidia-smi start fewer than asking it
+        persistent = await self._in_worker(self.hw.nvml.persistence_mode, gpu.pci) if gpu.function.driver == "nvidia" else None
         async with self.nvml_gate.hold("closed"), self._drained():
-            result = await self._in_worker(self._with_nvml_closed(lambda: resetter.reset(gpu.pci, gpu.function.driver)))
+            result = await self._in_worker(self._with_nvml_closed(
+                lambda: resetter.reset(gpu.pci, gpu.function.driver, persistent)))
         self.bus.publish("reset", f"{'done' if result.ok else 'refused'} ({result.method}): {result.summary()}",
                          gpu=gpu.pci)
         if not result.ok:

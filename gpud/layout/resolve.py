@@ -19,6 +19,7 @@ from gpud.layout.parse import ParsedLayout, entry_path, parse_layout
 from gpud.layout.schema import DeviceEntry, Layout
 from gpud.layout.yaml_reader import item_path, key_path
 from gpud.model import Gpu, KnownGpu, MigProfile
+from gpud.pci import is_vfio
 from gpud.profiles import NVIDIA, by_device, model_name, with_model_ci_profiles
 from gpud.vgpu_types import VgpuModel, mig_need, parse_vgpu_name, strip_prefix
 from gpud.vgpu_types import by_device as vgpu_model_of
@@ -212,7 +213,7 @@ def _check_iommu_groups(gpus: Sequence[Gpu], desired: dict[str, DesiredGpu], lpa
             if d is not None:
                 wants.append((g, d.workload == "vm-passthrough", f"{d.workload} by {d.entry}"))
             else:
-                on_vfio = g.function.driver == "vfio-pci"
+                on_vfio = is_vfio(g.function.driver)
                 wants.append((g, on_vfio, f"not in the layout, stays on {g.function.driver or 'no driver'}"))
         if len({v for _, v, _ in wants}) < 2:
             continue
@@ -261,6 +262,14 @@ def _no_such_gpu(selector: int | str, gpus: Sequence[Gpu]) -> str:
     return f"no managed GPU at {selector}; {host}"
 
 
+def in_cdmm(gpu: Gpu) -> bool:
+    """A Grace superchip's GPU whose driver runs CDMM (docs/hardware/grace.md); CDMM has no effect
+    on other GPUs (nvidia's nv-reg.h; GPU Operator 25.3.2: "ignored on other GPU platforms")."""
+    model = by_device(gpu.function.device) if gpu.function.vendor == NVIDIA else None
+    return bool(model is not None and model.coherent and gpu.nvml is not None
+                and gpu.nvml.coherent_memory_mode == "driver")
+
+
 def _check_mig(parsed: ParsedLayout, mig_devices: dict[str, int], epath: str, gpu: Gpu,
                errors: _Collector, warnings: _Collector) -> None:
     """MIG names against this GPU's own table; the message names the model and the valid names."""
@@ -273,6 +282,12 @@ def _check_mig(parsed: ParsedLayout, mig_devices: dict[str, int], epath: str, gp
         return
     if not profiles:
         errors.per_gpu(mpath, f"{model} at {_AT} does not support MIG", gpu.pci)
+        return
+    if in_cdmm(gpu):
+        errors.per_gpu(mpath, f"{model} at {_AT}: MIG is not available while the nvidia driver manages this GPU's "
+                              "coherent memory (CDMM: CoherentGPUMemoryMode \"driver\" in /proc/driver/nvidia/params); "
+                              "NVIDIA lists CDMM as not compatible with MIG (GPU Operator 25.3.2 release notes, known "
+                              "issues); load nvidia with NVreg_CoherentGPUMemoryMode=numa to use MIG", gpu.pci)
         return
     for name in mig_devices:
         if find_profile(name, profiles) is not None:

@@ -18,7 +18,7 @@ from msgspec import Struct, field
 
 from gpud.layout.schema import WORKLOADS
 from gpud.model import Gpu, Holder, PciFunction
-from gpud.pci import is_bridge, pci_sort_key
+from gpud.pci import is_bridge, is_vfio, pci_sort_key
 
 VFIO = "vfio-pci"
 VFIO_MODULE = "vfio-pci"  # modprobe name (module vfio_pci, driver directory vfio-pci)
@@ -85,6 +85,12 @@ class BindingPlan(Struct, frozen=True):
         return not self.steps and self.infeasible is None
 
 
+def vfio_driver(function: PciFunction) -> str:
+    """The VFIO driver that takes this function: the variant driver modules.alias names for it
+    (nvgrace_gpu_vfio_pci on a Grace GPU, docs/hardware/grace.md), else vfio-pci."""
+    return function.vfio_variant or VFIO
+
+
 def native_driver_for(function: PciFunction) -> str | None:
     """nvidia for an NVIDIA display controller; otherwise None: whatever the kernel probes."""
     if function.vendor == NVIDIA_VENDOR and function.class_code >> 16 == 0x03:
@@ -139,7 +145,7 @@ def plan_binding(
                 "amd_iommu=on, and VT-d/AMD-Vi in the firmware)",
                 **base,
             )
-        if gpu.vgpu is not None and gpu.vgpu.vfs and fn.driver != VFIO:
+        if gpu.vgpu is not None and gpu.vgpu.vfs and not is_vfio(fn.driver):
             # vfio_pci_probe (drivers/vfio/pci/vfio_pci.c): "Cannot bind to PF with SR-IOV enabled",
             # EBUSY; a drivers_probe would only leave the GPU unbound
             return BindingPlan(
@@ -155,20 +161,26 @@ def plan_binding(
 
 
 def _to_vfio(endpoints: list[PciFunction], group: int, drivers: frozenset[str] | set[str] | None) -> tuple[BindStep, ...]:
+    """Each endpoint to its VFIO driver (`vfio_driver`: a variant driver binds, like vfio-pci, only
+    through driver_override), its module loaded first where its driver is not registered."""
     steps: list[BindStep] = []
+    probed: list[str] = []
     for f in endpoints:
-        if f.driver_override != VFIO:
-            steps.append(BindStep(SET_OVERRIDE, pci=f.address, driver=VFIO))
-        if f.driver != VFIO:
+        target = vfio_driver(f)
+        if f.driver_override != target:
+            steps.append(BindStep(SET_OVERRIDE, pci=f.address, driver=target))
+        if f.driver != target:
             if f.driver is not None:
                 steps.append(BindStep(UNBIND, pci=f.address, driver=f.driver))
             steps.append(BindStep(PROBE, pci=f.address))
-            steps.append(BindStep(VERIFY_DRIVER, pci=f.address, driver=VFIO))
+            steps.append(BindStep(VERIFY_DRIVER, pci=f.address, driver=target))
+            probed.append(target)
     if not steps:
         return ()
-    if any(s.action == PROBE for s in steps):
-        if drivers is None or VFIO not in drivers:
-            steps.insert(0, BindStep(LOAD_MODULE, module=VFIO_MODULE, driver=VFIO))
+    if probed:
+        for target in reversed(sorted(set(probed))):
+            if drivers is None or target not in drivers:
+                steps.insert(0, BindStep(LOAD_MODULE, module=VFIO_MODULE if target == VFIO else target, driver=target))
         steps.append(BindStep(VERIFY_VFIO_NODE, group=group))
     return tuple(steps)
 
@@ -178,13 +190,13 @@ def _to_native(fn: PciFunction, companions: list[PciFunction], native: str | Non
     left_vfio = False
     # The GPU itself: must end bound to its native driver.
     gpu_ok_override = fn.driver_override is None or (native is not None and fn.driver_override == native)
-    gpu_ok_driver = fn.driver is not None and fn.driver != VFIO and (native is None or fn.driver == native)
+    gpu_ok_driver = fn.driver is not None and not is_vfio(fn.driver) and (native is None or fn.driver == native)
     if not gpu_ok_override:
         steps.append(BindStep(CLEAR_OVERRIDE, pci=fn.address))
     if not gpu_ok_driver:
         if fn.driver is not None:
             steps.append(BindStep(UNBIND, pci=fn.address, driver=fn.driver))
-            left_vfio |= fn.driver == VFIO
+            left_vfio |= is_vfio(fn.driver)
         steps.append(BindStep(PROBE, pci=fn.address))
         steps.append(
             BindStep(VERIFY_DRIVER, pci=fn.address, driver=native) if native else BindStep(VERIFY_NATIVE, pci=fn.address)
@@ -193,7 +205,7 @@ def _to_native(fn: PciFunction, companions: list[PciFunction], native: str | Non
     # is right, but none at all is not converged: a rebind cut short (gpud killed between the
     # unbind and the probe) leaves the HD-audio function on no driver, with no override to show it.
     for c in companions:
-        if c.driver_override != VFIO and c.driver != VFIO:
+        if not is_vfio(c.driver_override) and not is_vfio(c.driver):
             if c.driver is None:
                 steps.append(BindStep(PROBE, pci=c.address))
                 steps.append(BindStep(VERIFY_NATIVE, pci=c.address))
@@ -202,7 +214,7 @@ def _to_native(fn: PciFunction, companions: list[PciFunction], native: str | Non
             steps.append(BindStep(CLEAR_OVERRIDE, pci=c.address))
         if c.driver is not None:
             steps.append(BindStep(UNBIND, pci=c.address, driver=c.driver))
-            left_vfio |= c.driver == VFIO
+            left_vfio |= is_vfio(c.driver)
         steps.append(BindStep(PROBE, pci=c.address))
         steps.append(BindStep(VERIFY_NATIVE, pci=c.address))
     if left_vfio and fn.iommu_group is not None:
@@ -239,7 +251,7 @@ def _disruption_native(gpu: Gpu, steps: Sequence[BindStep]) -> BindDisruption:
     detached = _unbinds(steps)
     if not detached:
         return BindDisruption(detached={}, summary="no driver is taken away" if steps else "")
-    group = gpu.function.iommu_group if VFIO in detached.values() else None
+    group = gpu.function.iommu_group if any(is_vfio(d) for d in detached.values()) else None
     parts = [f"{pci} leaves {drv}" for pci, drv in detached.items()]
     if group is not None:
         parts.append(f"a VM using /dev/vfio/{group} loses the device")

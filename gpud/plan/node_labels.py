@@ -30,6 +30,7 @@ from gpud.kubevirt_names import kubevirt_name, selector, vf_resources, vgpu_reso
 from gpud.layout.names import device_name
 from gpud.layout.schema import WORKLOADS
 from gpud.model import CiProfile, Gpu, GpuInstance, MigProfile, NvmlGpu
+from gpud.pci import is_vfio
 from gpud.vgpu_types import printed_name
 
 PREFIX = "nvidia.com/"
@@ -319,8 +320,10 @@ def serving_workload(gpu: Gpu, workloads: Mapping[str, str]) -> str | None:
     """The workload a GPU serves right now: the layout's, once its driver agrees; an unmanaged GPU
     by its driver. None while it is between drivers (or on none)."""
     driver = gpu.function.driver
-    wanted = workloads.get(gpu.pci) or {"nvidia": "container", "vfio-pci": "vm-passthrough"}.get(driver or "")
-    ok = {"container": "nvidia", "vm-vgpu": "nvidia", "vm-passthrough": "vfio-pci"}.get(wanted or "")
+    wanted = workloads.get(gpu.pci) or ("vm-passthrough" if is_vfio(driver) else {"nvidia": "container"}.get(driver or ""))
+    if wanted == "vm-passthrough":
+        return wanted if is_vfio(driver) and gpu.present else None
+    ok = {"container": "nvidia", "vm-vgpu": "nvidia"}.get(wanted or "")
     return wanted if ok is not None and driver == ok and gpu.present else None
 
 

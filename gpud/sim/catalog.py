@@ -59,11 +59,12 @@ def offered() -> list[str]:
     return sorted(k for k in MODELS if sim_model(k).complete)
 
 
-def model(key: str) -> ModelInfo:
-    """The model as the simulator serves it (gpud/sim/inferred.py completes some)."""
+def model(key: str, driver_version: str | None = None) -> ModelInfo:
+    """The model as the simulator serves it (gpud/sim/inferred.py completes some; profile names by
+    the driver where they differ by driver branch)."""
     if key not in MODELS:
         raise CatalogError(f"unknown GPU model {key!r}; known: {', '.join(offered())}")
-    m = sim_model(key)
+    m = sim_model(key, driver_version)
     if not m.complete:
         raise CatalogError(f"GPU model {key!r} ({m.name}) cannot be simulated: no source gives its "
                            f"MIG table whole ({missing_parts(m)}; see docs/hardware/mig-profiles.md); "

@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -30,6 +31,7 @@ import msgspec
 import pynvml
 
 import gpud.sim.catalog as catalog
+import gpud.sim.modules_alias as modules_alias
 from gpud.pci import normalize_pci
 from gpud.sim.state import (
     FABRIC_MANAGER_STATES,
@@ -48,7 +50,8 @@ class SimCliError(Exception):
 
 def create(host_dir: str | os.PathLike, gpu_specs: list[str], mig_on: Sequence[int] = (),
            nvswitch: bool = False, vgpu: str | None = None, persistence: str = "legacy",
-           fabric_manager: str = "running", persistenced_socket: str = "reachable") -> SimState:
+           fabric_manager: str = "running", persistenced_socket: str = "reachable",
+           driver: str | None = None, cdmm: bool = False) -> SimState:
     """Write DIR/state.json for a new host, render its sysfs/dev/proc trees and write its
     nvidia-smi (DIR/bin/nvidia-smi). `nvswitch`: the GPUs sit on an HGX baseboard with NVSwitches
     (of the first GPU's architecture) and `fabric_manager` ("running" or "stopped") says whether
@@ -56,7 +59,9 @@ def create(host_dir: str | os.PathLike, gpu_specs: list[str], mig_on: Sequence[i
     interface ("vfio" or "mdev") of its vGPU-capable GPUs. `persistence`: "legacy" (`nvidia-smi -pm 1`,
     as many hosts and the lent H200 run), "daemon" (nvidia-persistenced) or "off"; on for every GPU.
     `persistenced_socket`: "reachable" (nvidia-smi talks to the daemon) or "hidden" (the daemon out
-    of its sight, in another container)."""
+    of its sight, in another container). `driver`: the driver version (NVML's, /proc/driver/nvidia's),
+    which also picks the profile names of a model whose names differ by driver branch. `cdmm`: the
+    nvidia module runs CDMM (CoherentGPUMemoryMode=driver)."""
     from gpud.sim.sysfs_tree import lay_out
 
     d = Path(host_dir)
@@ -64,6 +69,12 @@ def create(host_dir: str | os.PathLike, gpu_specs: list[str], mig_on: Sequence[i
         raise SimCliError(f"{d}: already a simulated host")
     models = catalog.parse_gpu_specs(gpu_specs)
     state = catalog.build(models, mig_on)
+    if driver is not None:
+        if not re.fullmatch(r"\d{3}\.\d+(\.\d+)?", driver):
+            raise SimCliError(f"--driver {driver!r}: expected a driver version such as 580.159.04")
+        state.driver_version = driver
+    if cdmm:
+        state.coherent_memory_mode = "driver"
     if nvswitch:
         catalog.add_nvswitches(state, catalog.model(models[0]).arch)
     if vgpu is not None:
@@ -88,6 +99,7 @@ def create(host_dir: str | os.PathLike, gpu_specs: list[str], mig_on: Sequence[i
     state.fabric_manager = fabric_manager
     state.persistent = sorted(state.gpus) if persistence != "off" else []
     lay_out(d, state)
+    modules_alias.write(d, state)
     for tool, module in (("nvidia-smi", "gpud.sim.nvidia_smi"), ("sriov-manage", "gpud.sim.sriov_manage")):
         write_tool(d, tool, module)
     return state
@@ -225,13 +237,13 @@ def stats(host_dir: str | os.PathLike) -> dict:
 
 def summary(state: SimState) -> dict:
     """A JSON-able view of the host for `show`."""
-    from gpud.profiles import MODELS
+    from gpud.sim.inferred import sim_model
 
     gpus = []
     for index, address in enumerate(sorted(state.gpus)):
         g = state.gpus[address]
         f = state.functions.get(address)
-        m = MODELS[g.model]
+        m = sim_model(g.model, state.driver_version)
         names = {p.id: p.name for p in m.profiles}
         gpus.append({
             "index": index, "pci": address, "model": g.model, "name": m.name, "uuid": g.uuid,
@@ -312,6 +324,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--persistenced-socket", choices=PERSISTENCED_SOCKETS, default="reachable",
                    help="with --persistence daemon: nvidia-smi reaches the daemon's socket and handles its "
                    "hold around a reset (default), or not (hidden: the hold refuses nvidia-smi -r)")
+    p.add_argument("--driver", metavar="VERSION",
+                   help=f"the NVIDIA driver version the host runs (default {SimState().driver_version}); where a "
+                   "model's MIG profile names differ by driver branch (GB300: R59x 1g.35gb, R61x 1g.31gb) NVML "
+                   "answers this driver's")
+    p.add_argument("--cdmm", action="store_true",
+                   help="the nvidia module loaded with NVreg_CoherentGPUMemoryMode=driver (CDMM): Grace GPUs refuse "
+                   "MIG (docs/hardware/grace.md)")
     for name in ("hold", "release"):
         p = sub.add_parser(name, help=f"{name} a GPU or MIG device as a process would")
         p.add_argument("dir")
@@ -379,12 +398,12 @@ def main(argv: list[str] | None = None) -> int:
                 if args.fabric_manager and not args.nvswitch:
                     raise SimCliError("--fabric-manager needs --nvswitch (Fabric Manager runs on NVSwitch hosts)")
                 state = create(args.dir, args.gpu, args.mig_on, args.nvswitch, args.vgpu, args.persistence,
-                               args.fabric_manager or "running", args.persistenced_socket)
+                               args.fabric_manager or "running", args.persistenced_socket, args.driver, args.cdmm)
             except catalog.CatalogError as e:
                 print(f"gpud-sim: {e}", file=sys.stderr)
                 return 2
             for key in sorted({g.model for g in state.gpus.values()}):
-                if (parts := catalog.inferred_parts(catalog.model(key))) is not None:
+                if (parts := catalog.inferred_parts(catalog.model(key, state.driver_version))) is not None:
                     print(f"gpud-sim: {key} has inferred cells, served as if a source gave them "
                           f"(docs/hardware/mig-profiles.md): {parts}", file=sys.stderr)
         elif args.cmd == "hold":

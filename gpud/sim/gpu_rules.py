@@ -22,9 +22,10 @@ from gpud.sim.state import SimCi, SimGi, SimGpu, SimProcess, SimState
 
 MIB = 1 << 20
 
-def model_of(gpu: SimGpu) -> ModelInfo:
-    """The GPU's model as the simulator serves it (inferred cells filled: gpud/sim/inferred.py)."""
-    return sim_model(gpu.model)
+def model_of(gpu: SimGpu, driver_version: str) -> ModelInfo:
+    """The GPU's model as the simulator serves it under the host's driver (profile names by driver
+    branch, inferred cells filled: gpud/sim/inferred.py)."""
+    return sim_model(gpu.model, driver_version)
 
 
 def visible_gpus(state: SimState) -> list[SimGpu]:

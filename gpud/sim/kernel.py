@@ -36,7 +36,7 @@ from gpud.sim.state import SimFunction, SimState, count_reset, locked
 from gpud.sim.sysfs_tree import (
     NVIDIA,
     PCI_ROOT,
-    VFIO_PCI,
+    VFIO_DRIVERS,
     driver_of_module,
     gpu_holders,
     loaded_drivers,
@@ -59,19 +59,19 @@ def matches(f: SimFunction, drv: str) -> bool:
     """driver_match_device for PCI: driver_override decides alone when set; vfio-pci has no ids."""
     if f.driver_override:
         return f.driver_override == drv
-    return drv != VFIO_PCI and f.native_driver == drv
+    return drv not in VFIO_DRIVERS and f.native_driver == drv
 
 
 def _attach(st: SimState, f: SimFunction, drv: str, path: str, events: list[Uevent]) -> None:
     """really_probe: bind `f` (known unbound and matching) to `drv`, or raise the probe's errno."""
     if f.driver is not None:
         raise sysfs_error(errno.EBUSY, path)
-    if drv != VFIO_PCI and f.iommu_group is not None and f.iommu_group in vfio_groups(st) \
+    if drv not in VFIO_DRIVERS and f.iommu_group is not None and f.iommu_group in vfio_groups(st) \
             and vfio_holders(st, f.iommu_group):
         raise sysfs_error(errno.EBUSY, path)  # DMA ownership: the group is owned by a user (VM)
-    if drv == VFIO_PCI and f.iommu_group is None:
+    if drv in VFIO_DRIVERS and f.iommu_group is None:
         raise sysfs_error(errno.EINVAL, path)
-    if drv == VFIO_PCI and any(v.physfn == f.address for v in st.functions.values()):
+    if drv in VFIO_DRIVERS and any(v.physfn == f.address for v in st.functions.values()):
         # vfio_pci_probe: "Cannot bind to PF with SR-IOV enabled" (drivers/vfio/pci/vfio_pci.c)
         raise sysfs_error(errno.EBUSY, path)
     if drv == NVIDIA:
@@ -113,7 +113,7 @@ def _blocked(st: SimState, f: SimFunction, drv: str) -> bool:
         return True
     if drv == NVIDIA:
         return bool(gpu_holders(st, f.address) or session_holders(st, f.address))
-    if drv == VFIO_PCI:
+    if drv in VFIO_DRIVERS:
         return f.iommu_group in vfio_groups(st) and bool(vfio_holders(st, f.iommu_group))
     return False
 

@@ -428,7 +428,7 @@ def nvmlDeviceGetIndex(lib: FakeNvmlLib, state: SimState, handle: Any, ref: Any)
 @nvml()
 def nvmlDeviceGetName(lib: FakeNvmlLib, state: SimState, handle: Any, buf: Any, length: Any) -> None:
     gpu, mig = lib.gpu(state, handle, allow_mig=True)
-    model = model_of(gpu)
+    model = model_of(gpu, state.driver_version)
     name = model.name if mig is None else f"{model.name} MIG {mig_name(model, *mig)}"
     write_str(buf, length, name)
 
@@ -436,7 +436,7 @@ def nvmlDeviceGetName(lib: FakeNvmlLib, state: SimState, handle: Any, buf: Any, 
 @nvml()
 def nvmlDeviceGetCudaComputeCapability(lib: FakeNvmlLib, state: SimState, handle: Any, major_ref: Any, minor_ref: Any) -> None:
     gpu, _ = lib.gpu(state, handle)
-    major, minor = model_of(gpu).compute_capability
+    major, minor = model_of(gpu, state.driver_version).compute_capability
     deref(major_ref).value = major
     deref(minor_ref).value = minor
 
@@ -493,7 +493,7 @@ def _memory(lib: FakeNvmlLib, state: SimState, handle: Any, ref: Any) -> None:
     versioned = any(f[0] == "version" for f in type(info)._fields_)
     if versioned and info.version != pynvml.nvmlMemory_v2:
         raise Ret(pynvml.NVML_ERROR_FUNCTION_NOT_FOUND)
-    model = model_of(gpu)
+    model = model_of(gpu, state.driver_version)
     if mig is None:
         total = model.memory_mb * MIB
         reserved = RESERVED_BYTES.get(model.key, 0)
@@ -545,7 +545,7 @@ def architecture(compute_capability: tuple[int, int]) -> int:
 @nvml()
 def nvmlDeviceGetArchitecture(lib: FakeNvmlLib, state: SimState, handle: Any, ref: Any) -> None:
     gpu, _ = lib.gpu(state, handle)
-    deref(ref).value = architecture(model_of(gpu).compute_capability)
+    deref(ref).value = architecture(model_of(gpu, state.driver_version).compute_capability)
 
 
 @nvml()
@@ -588,7 +588,8 @@ def _fabric_info(lib: FakeNvmlLib, state: SimState, handle: Any, ref: Any) -> No
         view = _FabricInfoV3.from_address(ctypes.addressof(info))
         view.healthSummary = 0
     fabric = pynvml.NVML_GPU_FABRIC_STATE_NOT_SUPPORTED
-    if model_of(gpu).compute_capability[0] >= 9 and any(is_nvswitch(f) for f in state.functions.values() if f.present):
+    switched = any(is_nvswitch(f) for f in state.functions.values() if f.present)
+    if model_of(gpu, state.driver_version).compute_capability[0] >= 9 and switched:
         fabric = (pynvml.NVML_GPU_FABRIC_STATE_COMPLETED if state.fabric_manager == "running"
                   else pynvml.NVML_GPU_FABRIC_STATE_NOT_STARTED)
     ctypes.memset(ctypes.addressof(info.clusterUuid), 0, 16)

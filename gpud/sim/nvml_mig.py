@@ -56,7 +56,7 @@ _INVALID_GI_INDEXES = {pynvml.NVML_GPU_INSTANCE_PROFILE_3_SLICE_GFX}
 @nvml()
 def nvmlDeviceGetMigMode(lib: Handles, state: SimState, handle: Any, current_ref: Any, pending_ref: Any) -> None:
     gpu, _ = lib.gpu(state, handle)
-    if not model_of(gpu).mig_capable:
+    if not model_of(gpu, state.driver_version).mig_capable:
         raise Ret(pynvml.NVML_ERROR_NOT_SUPPORTED)
     current, pending = deref(current_ref), deref(pending_ref)
     current.value = gpu.mig_mode
@@ -71,12 +71,16 @@ def nvmlDeviceSetMigMode(lib: Handles, state: SimState, handle: Any, mode: Any, 
     change pending, RESET_REQUIRED for an idle Ampere GPU (inferred: the change waits for a reset).
     """
     gpu, _ = lib.gpu(state, handle)
-    model = model_of(gpu)
+    model = model_of(gpu, state.driver_version)
     if not model.mig_capable:
         raise Ret(pynvml.NVML_ERROR_NOT_SUPPORTED)
     mode = as_int(mode)
     if mode not in (0, 1):
         raise Ret(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+    if mode == 1 and model.coherent and state.coherent_memory_mode == "driver":
+        # CDMM "is not compatible with MIG" (GPU Operator 25.3.2 known issues); the driver's own
+        # answer was never published: NOT_SUPPORTED, as for a GPU without MIG (docs/hardware/grace.md)
+        raise Ret(pynvml.NVML_ERROR_NOT_SUPPORTED)
     status = deref(status_ref)
     if mode == 0 and gpu.gis:
         raise Ret(pynvml.NVML_ERROR_IN_USE)
@@ -101,7 +105,7 @@ def nvmlDeviceSetMigMode(lib: Handles, state: SimState, handle: Any, mode: Any, 
 @nvml()
 def nvmlDeviceGetMaxMigDeviceCount(lib: Handles, state: SimState, handle: Any, ref: Any) -> None:
     gpu, _ = lib.gpu(state, handle)
-    if not model_of(gpu).mig_capable:
+    if not model_of(gpu, state.driver_version).mig_capable:
         raise Ret(pynvml.NVML_ERROR_NOT_SUPPORTED)
     deref(ref).value = _MAX_MIG_DEVICES if gpu.mig_mode == 1 else 0
 
@@ -111,7 +115,7 @@ def nvmlDeviceGetMigDeviceHandleByIndex(lib: Handles, state: SimState, handle: A
     """An index past the MIG devices that exist, or any index with MIG off, is NOT_FOUND (the real
     H200 answers index 0 with MIG off so: tests/fixtures/h200/nvml-and-files.json)."""
     gpu, _ = lib.gpu(state, handle)
-    if not model_of(gpu).mig_capable:
+    if not model_of(gpu, state.driver_version).mig_capable:
         raise Ret(pynvml.NVML_ERROR_NOT_SUPPORTED)
     i = as_int(index)
     if gpu.mig_mode == 1 and i >= _MAX_MIG_DEVICES:
@@ -149,7 +153,7 @@ def _attributes(lib: Handles, state: SimState, handle: Any, ref: Any) -> None:
     if mig is None:
         raise Ret(pynvml.NVML_ERROR_NOT_SUPPORTED)
     gi, ci = mig
-    model = model_of(gpu)
+    model = model_of(gpu, state.driver_version)
     prof = profile_of(model, gi.profile_id)
     assert prof is not None
     ci_prof = next((c for c in prof.ci_profiles if c.id == ci.profile_id), None)
@@ -178,7 +182,7 @@ def nvmlDeviceGetDeviceHandleFromMigDeviceHandle(lib: Handles, state: SimState, 
 
 def _mig_model(lib: Handles, state: SimState, handle: Any) -> tuple[SimGpu, ModelInfo]:
     gpu, _ = lib.gpu(state, handle)
-    model = model_of(gpu)
+    model = model_of(gpu, state.driver_version)
     if not model.mig_capable:
         raise Ret(pynvml.NVML_ERROR_NOT_SUPPORTED)
     return gpu, model
@@ -412,7 +416,7 @@ def _ci_profile_info(lib: Handles, state: SimState, gi_handle: Any, index: Any, 
     idx, eng = as_int(index), as_int(eng_profile)
     if idx >= pynvml.NVML_COMPUTE_INSTANCE_PROFILE_COUNT or eng >= pynvml.NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_COUNT:
         raise Ret(pynvml.NVML_ERROR_INVALID_ARGUMENT)
-    prof = rules.gi_profile(model_of(gpu), gi)
+    prof = rules.gi_profile(model_of(gpu, state.driver_version), gi)
     ci_prof = next((c for c in prof.ci_profiles if c.id == idx), None)  # CI ids equal their index
     if ci_prof is None:
         raise Ret(pynvml.NVML_ERROR_NOT_SUPPORTED)
@@ -435,7 +439,7 @@ def _ci_profile_info(lib: Handles, state: SimState, gi_handle: Any, index: Any, 
 def nvmlGpuInstanceGetComputeInstanceRemainingCapacity(lib: Handles, state: SimState, gi_handle: Any, ci_profile_id: Any,
                                                        ref: Any) -> None:
     gpu, gi = lib.gi(state, gi_handle)
-    deref(ref).value = rules.ci_capacity(model_of(gpu), gi, as_int(ci_profile_id))
+    deref(ref).value = rules.ci_capacity(model_of(gpu, state.driver_version), gi, as_int(ci_profile_id))
 
 
 @nvml()
@@ -448,7 +452,7 @@ def nvmlGpuInstanceGetComputeInstancePossiblePlacements(lib: Handles, state: Sim
     pid = as_int(ci_profile_id)
     if pid >= pynvml.NVML_COMPUTE_INSTANCE_PROFILE_COUNT:
         raise Ret(pynvml.NVML_ERROR_INVALID_ARGUMENT)
-    ci_prof = rules.ci_profile(model_of(gpu), gi, pid)
+    ci_prof = rules.ci_profile(model_of(gpu, state.driver_version), gi, pid)
     return _fill_placements(placements, count_ref, [(start, ci_prof.slices) for start in ci_prof.starts])
 
 
@@ -460,7 +464,7 @@ def _create_ci(lib: Handles, state: SimState, gi_handle: Any, ci_profile_id: Any
     pid = as_int(ci_profile_id)
     if pid >= pynvml.NVML_COMPUTE_INSTANCE_PROFILE_COUNT:
         raise Ret(pynvml.NVML_ERROR_INVALID_ARGUMENT)
-    ci = rules.create_ci(model_of(gpu), gi, pid, start, size)
+    ci = rules.create_ci(model_of(gpu, state.driver_version), gi, pid, start, size)
     set_ptr(deref(out_ref), lib.ci_handle(gpu, gi, ci))
 
 
@@ -505,7 +509,7 @@ def nvmlGpuInstanceGetComputeInstanceById(lib: Handles, state: SimState, gi_hand
 @nvml("nvmlComputeInstanceGetInfo_v2", "nvmlComputeInstanceGetInfo")
 def _ci_info(lib: Handles, state: SimState, ci_handle: Any, ref: Any) -> None:
     gpu, gi, ci = lib.ci(state, ci_handle)
-    model = model_of(gpu)
+    model = model_of(gpu, state.driver_version)
     info = deref(ref)
     set_ptr(info, lib.gpu_handle(gpu), offset=type(info).device.offset)
     set_ptr(info, lib.gi_handle(gpu, gi), offset=type(info).gpuInstance.offset)

@@ -10,6 +10,8 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import select
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -57,9 +59,45 @@ class SimProcess(msgspec.Struct):
     cdev: bool = False  # holds a vfio device through /dev/vfio/devices/vfioN (iommufd), not its group
 
 
+# pid -> a pidfd of the process seen alive: it turns readable when that process exits (a zombie
+# included), so a later check is one poll instead of a signal and a /proc read, and a pid reused
+# by another process is never taken for the first (pidfd_open(2)).
+_PIDFDS: dict[int, int] = {}
+_PIDFDS_LOCK = threading.Lock()
+
+
 def _alive(pid: int) -> bool:
     """A live process of this machine. A zombie is not: the kernel closed its files at exit, so it
     holds no device node and NVML no longer lists it."""
+    with _PIDFDS_LOCK:
+        fd = _PIDFDS.get(pid)
+        if fd is not None:
+            if not _exited(fd):
+                return True
+            os.close(fd)
+            del _PIDFDS[pid]
+            return False
+    if not _alive_now(pid):
+        return False
+    try:
+        fd = os.pidfd_open(pid)
+    except OSError:
+        return True  # no pidfds here (old kernel, seccomp): asked afresh next time
+    with _PIDFDS_LOCK:
+        if pid in _PIDFDS or _exited(fd):
+            os.close(fd)
+        else:
+            _PIDFDS[pid] = fd
+    return True
+
+
+def _exited(pidfd: int) -> bool:
+    poller = select.poll()
+    poller.register(pidfd, select.POLLIN)
+    return bool(poller.poll(0))
+
+
+def _alive_now(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -173,6 +211,9 @@ class SimState(msgspec.Struct):
     resets: dict[str, dict[str, int]] = msgspec.field(default_factory=dict)
     sessions: list[SimSession] = msgspec.field(default_factory=list)
     driver_version: str = "580.159.04"
+    # the nvidia module's CoherentGPUMemoryMode ("" unset, "numa", "driver" = CDMM), as
+    # /proc/driver/nvidia/params states it; CDMM refuses MIG on a Grace GPU (docs/hardware/grace.md)
+    coherent_memory_mode: str = ""
     # /proc/sys/kernel/random/boot_id of the simulated host: `gpud-sim reboot` draws a new one
     boot_id: str = FIRST_BOOT_ID
     boots: int = 0  # reboots since `gpud-sim create`
@@ -268,6 +309,11 @@ def locked(host_dir: str | os.PathLike, *, write: bool = True) -> Iterator[SimSt
         os.close(fd)
 
 
+# Set to "1": every NVML call reads and writes the state file again, as the simulator did until
+# 2026-12-04 (what bench/mig_bench.py runs gpud on to compare with a recording made then).
+SAVE_EVERY_CALL = "GPUD_SIM_SAVE_EVERY_CALL"
+
+
 class StateCache:
     """One process's decoded copy of the state file, for the fake NVML library's calls.
 
@@ -297,14 +343,15 @@ class StateCache:
             self.counters.bump(count)
             key = self._file_key()
             state = self._state
-            if state is None or key != self._key:
+            every = os.environ.get(SAVE_EVERY_CALL) == "1"
+            if state is None or key != self._key or every:
                 state = msgspec.json.decode(state_path(self.dir).read_bytes(), type=SimState)
                 self._encoded = msgspec.json.encode(state)
             self._state, self._key = None, None  # until the call is through
             gone = _drop_dead(state)
             yield state
             encoded = msgspec.json.encode(state)
-            if encoded != self._encoded:
+            if every or encoded != self._encoded:
                 save(self.dir, state)
                 if gone:
                     _after_dead_dropped(self.dir, state)

@@ -36,6 +36,12 @@ from gpud.sim.state import (
 PCI_ROOT = "devices/pci0000:00"
 NVIDIA = "nvidia"
 VFIO_PCI = "vfio-pci"
+# Linux's VFIO variant driver for Grace GPUs (drivers/vfio/pci/nvgrace-gpu: module nvgrace-gpu-vfio-pci,
+# pci_driver .name KBUILD_MODNAME) and the device ids of its table, each PCI_DRIVER_OVERRIDE_DEVICE_VFIO:
+# bound only through driver_override, found by userspace in modules.alias (docs/hardware/grace.md)
+NVGRACE = "nvgrace_gpu_vfio_pci"
+NVGRACE_IDS = (0x2342, 0x2345, 0x2348)
+VFIO_DRIVERS = frozenset({VFIO_PCI, NVGRACE})  # vfio-pci-core drivers: a group node, no auto-probe
 # module name -> PCI driver name, where they differ (module names use "_", modprobe accepts both).
 MODULE_DRIVERS = {"vfio_pci": VFIO_PCI, "xhci_pci": "xhci_hcd", "nvidia_nvswitch": "nvidia-nvswitch",
                   "pci_pf_stub": "pci-pf-stub"}
@@ -84,7 +90,7 @@ def vfio_groups(state: SimState) -> set[int]:
             groups.setdefault(f.iommu_group, []).append(f)
     return {
         g for g, fs in groups.items()
-        if all(f.driver in (None, VFIO_PCI) for f in fs) and any(f.driver == VFIO_PCI for f in fs)
+        if all(f.driver is None or f.driver in VFIO_DRIVERS for f in fs) and any(f.driver in VFIO_DRIVERS for f in fs)
     }
 
 
@@ -139,7 +145,7 @@ def vfio_holders(state: SimState, group: int | None) -> list:
     """SimProcesses with /dev/vfio/<group> open: holders of a vfio-bound endpoint of the group."""
     if group is None:
         return []
-    addrs = {f.address for f in group_members(state, group) if f.driver == VFIO_PCI}
+    addrs = {f.address for f in group_members(state, group) if f.driver in VFIO_DRIVERS}
     return [p for p in state.processes if p.device in addrs]
 
 
@@ -154,7 +160,7 @@ def vfio_cdevs(state: SimState) -> dict[str, tuple[str, int]]:
     found: list[tuple[str, str]] = []
     here = present(state)
     for a, fn in sorted(here.items()):
-        if fn.driver == VFIO_PCI:
+        if fn.driver in VFIO_DRIVERS:
             found.append((a, f"{PCI_ROOT}/{a}"))
     for v in state.vgpu.values():  # a VF or mdev of a removed card went with it (no sysfs dir to hold a cdev)
         found += [(vf.address, f"{PCI_ROOT}/{vf.address}") for vf in v.vfs if vf.vgpu_type and vf.address in here]
@@ -172,7 +178,7 @@ def process_devices(state: SimState, proc: SimProcess) -> list[str]:
     if held_vgpu is not None:
         return held_vgpu
     fn = state.functions.get(proc.device)
-    if fn is not None and fn.present and fn.driver == VFIO_PCI:
+    if fn is not None and fn.present and fn.driver in VFIO_DRIVERS:
         if fn.iommu_group in vfio_groups(state):
             return ["vfio/vfio", f"vfio/{fn.iommu_group}"]
         return []
@@ -345,6 +351,8 @@ def desired_tree(host_dir: str | os.PathLike, state: SimState) -> dict[str, tupl
         node("dev/nvidia-caps/nvidia-cap2", dev_nodes.NVIDIA_CAPS, 2, 0o444)
         for p in ("proc/driver", "proc/driver/nvidia", "proc/driver/nvidia/gpus", "proc/driver/nvidia-caps"):
             d(p)
+        # only the parameter the simulator models (the real file lists every NVreg_ one)
+        f("proc/driver/nvidia/params", f'CoherentGPUMemoryMode: "{state.coherent_memory_mode}"\n')
         f("proc/driver/nvidia/version",
           f"NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  {state.driver_version}  Release Build\n")
         top = max((g.minor for g in state.gpus.values()), default=-1)
@@ -380,7 +388,7 @@ def desired_tree(host_dir: str | os.PathLike, state: SimState) -> dict[str, tupl
         d("dev/vfio/devices")
         f(f"dev/vfio/devices/vfio{n}", "", 0o600)
     groups = vfio_groups(state)
-    if VFIO_PCI in drivers:
+    if drivers & VFIO_DRIVERS:
         d("dev/vfio")
         f("dev/vfio/vfio", "", 0o666)
     for g in groups:

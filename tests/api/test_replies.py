@@ -99,3 +99,17 @@ def test_mig_profiles_of_a_gpu_nvml_cannot_see_come_from_the_table_with_unknowns
                                            "jpg", "ofa", "p2p"}
     assert row["3g.90gb"].total == 2  # the instance count NVIDIA's default MIG config gives
     assert row["3g.90gb"].id == 9  # the id GKE's MIG partitioner passes to nvidia-smi mig -cgi
+
+
+def test_what_the_device_plugins_advertise_is_worked_out_once_per_observation():
+    """Every status answer carries it; fifty clients must not each walk every GPU again."""
+    from gpud.api.status_snapshot import StatusSnapshot
+    from gpud.plan.node_labels import advertised
+
+    gpus = tuple(Gpu(i, _fn(f"0000:{0x10 + i:02x}:00.0", group=i)) for i in range(4))
+    snap = StatusSnapshot()
+    first = snap.advertised(gpus, "mixed")
+    assert first == advertised(gpus, mig_strategy="mixed") and first.sandbox  # vfio-pci: the sandbox plugin
+    assert snap.advertised(gpus, "mixed") is first  # the same observation: kept
+    fewer = gpus[:2]  # a new observation: worked out again
+    assert snap.advertised(fewer, "mixed") == advertised(fewer, mig_strategy="mixed") != first

@@ -11,6 +11,7 @@ server's audit log)."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import tempfile
 import time
@@ -123,6 +124,15 @@ def test_the_pool_follows_leases_layout_unplug_and_xids(cluster, tmp_path):
         cluster.claim("after-xid", MIG, profile_is("1g.10gb"))
         cluster.pod("after-xid", "after-xid", node=NODE)
         assert cluster.unschedulable("after-xid")
+
+        # a gpud restart (it reads the kernel log from its end) keeps the taint
+        d.stop()
+        d.start()
+        cluster.wait("the restarted gpud's first publish", lambda: re.search(
+            r"published: [1-9]\d* device", d.ctl("status", "--kube").stdout))
+        for dev in of_gpu(cluster.slices(NODE), 0).values():
+            assert [t["value"] for t in dev.get("taints") or ()] == ["79"], dev
+        assert (cluster.get_claim("after-xid").get("status") or {}).get("allocation") is None
 
         # initialised afresh (out and back in): the taint goes and the scheduler allocates GPU 0
         assert d.sim("unplug", gpu0).returncode == 0

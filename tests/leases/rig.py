@@ -46,7 +46,7 @@ def foreign_gi(rig: SimRig, name: str, start: int | None = None, index: int = 0)
     """Someone else's GI with a CI (`nvidia-smi mig -cgi ... -C`), made by the simulator's own rules."""
     with simstate.locked(rig.dir) as state:
         g = state.gpus[sorted(state.gpus)[index]]
-        model = gpu_rules.model_of(g)
+        model = gpu_rules.model_of(g, state.driver_version)
         prof = next(p for p in model.profiles if p.name == name)
         gi = gpu_rules.create_gi(g, model, prof, start, prof.placements[0].size if start is not None else None)
         gpu_rules.create_ci(model, gi, next(c.id for c in prof.ci_profiles if c.slices == prof.slices), None, None)

@@ -642,6 +642,17 @@ TRIALS = ("abuse", "bad", "measured", "hotremove", "storm", "faults", "kill9", "
 OWN_HOSTS = ("files", "fair", "writers", *KUBE)  # trials that start gpud on small hosts of their own
 
 
+def crashed(key: str, e: BaseException) -> TrialResult:
+    """A trial that raised instead of recording its tries: one broken promise, with where it broke."""
+    import traceback
+
+    where = traceback.extract_tb(e.__traceback__)[-1]
+    r = TrialResult(f"{key} (crashed)", "the trial runs to its end")
+    r.tries = 1
+    r.fail(f"{type(e).__name__}: {e} at {Path(where.filename).name}:{where.lineno}")
+    return r
+
+
 def run_all(tmp: Path, scale: Scale, seed: int = 13, only: tuple[str, ...] = TRIALS) -> list[TrialResult]:
     """Every trial in `only` once, in TRIALS' order, on one simulated 8 x H100 host."""
     rng = random.Random(seed)
@@ -651,7 +662,10 @@ def run_all(tmp: Path, scale: Scale, seed: int = 13, only: tuple[str, ...] = TRI
         if key not in only:
             return
         t0 = time.monotonic()
-        result = fn(*args)
+        try:
+            result = fn(*args)
+        except Exception as e:  # noqa: BLE001 - a trial that crashed is reported as one, never lost
+            result = crashed(key, e)
         result.seconds = time.monotonic() - t0
         results.append(result)
 

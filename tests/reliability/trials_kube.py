@@ -29,7 +29,7 @@ from pathlib import Path
 import yaml
 
 from gpud.engine.kube.agent import MIG_CONFIG, MIG_STATE
-from tests.reliability.trials import TrialResult, hardware_mismatches, serving
+from tests.reliability.trials import TrialResult, crashed, hardware_mismatches, serving
 from tests.support.configmap_volume import ConfigMapVolume
 from tests.support.daemon import Daemon
 from tests.support.kube_cluster import NODE
@@ -362,7 +362,10 @@ def run_kube(tmp: Path, rng: random.Random, *, flaps: int, deletions: int, outag
                               ("kube-410", trial_gone_storm, (storm_rounds,))):
             if key in only:
                 t0 = time.monotonic()
-                result = fn(k, rng, *args)
+                try:
+                    result = fn(k, rng, *args)
+                except Exception as e:  # noqa: BLE001 - reported as a crashed trial, never lost
+                    result = crashed(key, e)
                 result.seconds = time.monotonic() - t0
                 results.append(result)
     finally:

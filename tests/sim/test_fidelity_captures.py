@@ -50,7 +50,7 @@ def capture(model: str) -> tuple[dict[int, dict], dict[int, list[tuple[int, int]
 def test_every_simulated_mig_model_has_a_capture():
     """A model the simulator offers with a MIG table must be listed here, with its files."""
     mig_models = {k for k in catalog.offered() if MODELS[k].mig_capable}
-    assert mig_models == set(SOURCES) | set(PARTLY_CAPTURED)
+    assert mig_models == set(SOURCES) | set(PARTLY_CAPTURED) | set(NOT_CAPTURED)
     for lgip_dir, lgipp_dir in SOURCES.values():
         assert (lgip_dir / "nvidia-smi-mig-lgip.txt").is_file() and (lgipp_dir / "nvidia-smi-mig-lgipp.txt").is_file()
     for model, (lgip_dir, _) in SOURCES.items():
@@ -101,6 +101,9 @@ def test_gpud_reads_the_captured_table_from_the_simulator(model, sim_host):
 
 # Models whose published -lgip stops after four rows: the simulator serves the rest inferred.
 PARTLY_CAPTURED = {"b200": CAPTURES / "b200", "gb200": CAPTURES / "gb200", "gh200-144gb": CAPTURES / "gh200-144gb"}
+# no -lgip of it was ever published: ids, names and counts only (docs/hardware/mig-profiles.md),
+# every other cell inferred; tests/sim/test_driver_profile_names.py checks what is sourced
+NOT_CAPTURED = {"gb300"}
 
 
 @pytest.mark.parametrize("model", sorted(PARTLY_CAPTURED))
@@ -222,9 +225,9 @@ def test_gpud_sim_create_says_which_cells_are_inferred(tmp_path):
     import subprocess
     import sys
 
-    def create(model: str) -> str:
-        res = subprocess.run([sys.executable, "-m", "gpud.sim.cli", "create", str(tmp_path / model), "--gpu", model],
-                             capture_output=True, text=True, timeout=120)
+    def create(model: str, *extra: str) -> str:
+        res = subprocess.run([sys.executable, "-m", "gpud.sim.cli", "create", str(tmp_path / f"{model}{len(extra)}"),
+                              "--gpu", model, *extra], capture_output=True, text=True, timeout=120)
         assert res.returncode == 0, res.stderr
         return res.stderr
 
@@ -232,3 +235,11 @@ def test_gpud_sim_create_says_which_cells_are_inferred(tmp_path):
     assert "gh200-96gb has inferred cells" in said and "placements, ci_profiles" in said
     assert "the GPU's total memory" in said
     assert "inferred" not in create("h200")
+    # every model gpud's own table knows only in part says so too, naming its inferred rows
+    for key in ("b200", "gb200", "gh200-144gb", "gb300"):
+        assert MODELS[key].unknown, key
+        said = create(key)
+        assert f"{key} has inferred cells" in said and all(p.name in said for p in MODELS[key].profiles
+                                                           if MODELS[key].unknown_fields(p.name)), (key, said)
+    said = create("gb300", "--driver", "610.43.02")  # the R61x names of the inferred rows
+    assert "1g.31gb" in said and "7g.251gb" in said and "1g.35gb" not in said

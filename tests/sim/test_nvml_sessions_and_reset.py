@@ -268,3 +268,25 @@ def test_nvswitch_gpu_resets_alone_with_fabric_manager_or_on_hopper(tmp_path, mo
     r = nvidia_smi(d, "-r", "-i", GPU0)
     assert r.returncode == 0, r.stdout
     assert resets(d) == {GPU0: {"nvidia-smi": 1}} and load(d).gpus[GPU0].mig_mode == 1
+
+
+@pytest.mark.parametrize("persistence,socket", [("off", "reachable"), ("legacy", "reachable"),
+                                                 ("daemon", "reachable"), ("daemon", "hidden")])
+def test_nvml_persistence_mode_answers_what_nvidia_smi_reports(tmp_path, persistence, socket):
+    """gpud reads persistence mode through its own NVML session before a reset instead of starting
+    `nvidia-smi --query-gpu=persistence_mode` (nvidia-smi is built on NVML): the two must agree
+    in every persistence setup the simulator has, before and after `-pm 0`."""
+    from gpud import sim
+    from gpud.host.nvidia.nvml import Nvml
+
+    d = tmp_path / "host"
+    create(d, ["a100-80gb:2"], persistence=persistence, persistenced_socket=socket)
+    sim.install(d)
+    try:
+        for _ in range(2):
+            said = nvidia_smi(d, "--query-gpu=persistence_mode", "--format=csv,noheader", "-i", GPU0).stdout.strip()
+            with Nvml() as nvml:
+                assert nvml.persistence_mode(GPU0) == {"Enabled": True, "Disabled": False}[said]
+            nvidia_smi(d, "-pm", "0", "-i", GPU0)
+    finally:
+        sim.uninstall()

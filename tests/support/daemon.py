@@ -64,11 +64,11 @@ def start_until_ready(d: Daemon, limit: float = 150.0) -> list[str]:
 class Daemon:
     def __init__(self, tmp: Path, gpus: list[str], layout: str, extra_args: Sequence[str] = (),
                  nvswitch: bool = False, vgpu: str | None = None, persistence: str = "legacy",
-                 fabric_manager: str = "running") -> None:
+                 fabric_manager: str = "running", driver: str | None = None, cdmm: bool = False) -> None:
         self.tmp = tmp
         self.host = tmp / "host"
         simcli.create(self.host, gpus, nvswitch=nvswitch, vgpu=vgpu, persistence=persistence,
-                      fabric_manager=fabric_manager)
+                      fabric_manager=fabric_manager, driver=driver, cdmm=cdmm)
         self.config = tmp / "etc" / "layout.yaml"
         self.config.parent.mkdir()
         self.config.write_text(layout)

@@ -199,12 +199,12 @@ class _BindingRun:
                 raise WriteFailed(self.dev(pci, "driver"), None,
                                   f"{pci} is on {self.driver(pci) or 'no driver'} after probe, expected {s.driver}")
         elif a == binding.VERIFY_NATIVE:
-            if not self.wait_until(lambda: self.driver(pci) not in (None, binding.VFIO)):
+            if not self.wait_until(lambda: self.driver(pci) is not None and not binding.is_vfio(self.driver(pci))):
                 raise WriteFailed(self.dev(pci, "driver"), None,
                                   f"{pci} is on {self.driver(pci) or 'no driver'} after probe, expected its native driver")
         elif a == binding.VERIFY_RELEASED:
-            if not self.wait_until(lambda: self.driver(pci) != binding.VFIO):
-                raise WriteFailed(self.dev(pci, "driver"), None, f"{pci} is still on vfio-pci")
+            if not self.wait_until(lambda: not binding.is_vfio(self.driver(pci))):
+                raise WriteFailed(self.dev(pci, "driver"), None, f"{pci} is still on {self.driver(pci)}")
         else:
             raise WriteFailed("", None, f"unknown step {a!r}")
 
@@ -367,6 +367,8 @@ def execute(
         run.done.append(str(s))
         if on_step is not None:
             on_step(s, "done")
-    target = "vfio-pci" if plan.target == binding.VFIO else (plan.native_driver or "native drivers")
+    verified = [s.driver for s in plan.steps if s.action == binding.VERIFY_DRIVER and s.pci == pci and s.driver]
+    target = (verified[-1] if verified else "vfio-pci") if plan.target == binding.VFIO \
+        else (plan.native_driver or "native drivers")
     return BindOutcome(pci, CONVERGED, f"{len(plan.endpoints)} endpoint(s) on {target}", done=tuple(run.done))
 

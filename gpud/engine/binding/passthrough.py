@@ -14,6 +14,7 @@ from msgspec import Struct
 
 from gpud.kubevirt_names import kubevirt_name
 from gpud.model import Gpu, PciFunction
+from gpud.pci import is_vfio
 from gpud.profiles import NVIDIA, known_model_name
 
 
@@ -82,7 +83,7 @@ def entry_for(gpu: Gpu, *, dev_root: str = "/dev") -> PassthroughEntry:
 def entries(gpus: Iterable[Gpu], *, dev_root: str = "/dev") -> list[PassthroughEntry]:
     """GPUs on vfio-pci, in index order."""
     return [entry_for(g, dev_root=dev_root) for g in sorted(gpus, key=lambda g: g.index)
-            if g.function.driver == "vfio-pci"]
+            if is_vfio(g.function.driver)]
 
 
 def kubevirt_entry(e: PassthroughEntry) -> dict:

@@ -23,6 +23,7 @@ from gpud.host.files.safe_file import UnsafeFile, read_file, remove_file, write_
 from gpud.host.readonly import refuse_if
 from gpud.model import Gpu
 from gpud.pci import is_bridge
+from gpud.plan.binding import VFIO, vfio_driver
 
 DEFAULT_PATH = "/etc/udev/rules.d/70-gpud-vfio.rules"
 
@@ -51,17 +52,22 @@ def _workload(d: object) -> str:
     return d if isinstance(d, str) else getattr(d, "workload", "container")
 
 
-def render(endpoints: Iterable[str]) -> str:
-    """The rules file for these PCI addresses; "" when there is nothing to pin."""
+def render(endpoints: Iterable[str], drivers: Mapping[str, str] | None = None) -> str:
+    """The rules file for these PCI addresses; "" when there is nothing to pin. `drivers`: an
+    endpoint's VFIO variant driver where modules.alias names one (gpud.plan.binding.vfio_driver),
+    else vfio-pci; the driver's module has the same name."""
     addrs = sorted(set(endpoints))
     if not addrs:
         return ""
     lines = [_HEADER]
     for a in addrs:
         _check_address(a)
+        drv = (drivers or {}).get(a, VFIO)
+        if not all(c.isalnum() or c in "_-" for c in drv):
+            raise ValueError(f"not a driver name: {drv!r}")
         lines.append(
-            f'ACTION=="add", SUBSYSTEM=="pci", KERNEL=="{a}", ATTR{{driver_override}}="vfio-pci", '
-            f'RUN{{builtin}}+="kmod load vfio-pci"\n'
+            f'ACTION=="add", SUBSYSTEM=="pci", KERNEL=="{a}", ATTR{{driver_override}}="{drv}", '
+            f'RUN{{builtin}}+="kmod load {drv}"\n'
         )
     return "".join(lines)
 
@@ -105,4 +111,5 @@ class UdevRules:
 
     def sync(self, gpus: Sequence[Gpu], desired: Mapping[str, object]) -> bool:
         """Rewrite the rules for the current layout; True when the file changed."""
-        return write_if_changed(self.path, render(passthrough_endpoints(gpus, desired)), read_only=self.read_only)
+        drivers = {f.address: vfio_driver(f) for g in gpus for f in (g.function, *g.companions)}
+        return write_if_changed(self.path, render(passthrough_endpoints(gpus, desired), drivers), read_only=self.read_only)

@@ -7,9 +7,11 @@ or None (a mark the scheduler ignores) for the Xids its list calls application e
 device of the GPU the report names (the driver prints the GPU's PCI domain:bus:device).
 
 A mark stays until the kernel initialises the GPU afresh: gpud sees it off the nvidia driver or
-off the bus (an unbind and bind, a hot-unplug, a reboot), and the marks are forgotten when it
-comes back. NVIDIA's driver keeps its taints until its plugin restarts; whether an Xid's cause
-survives a reset is not documented, so the kinder rule (the GPU is offered again) is chosen.
+off the bus (an unbind and bind, a hot-unplug), or the host rebooted; the marks are forgotten
+then. They are kept in STATE_DIR/dra-xids.json with the boot id, so a restarted gpud (which
+reads the kernel log from its end) still taints the GPU; a file of another boot is dropped.
+NVIDIA's driver keeps its taints until its plugin restarts; whether an Xid's cause survives a
+re-initialisation is not documented, so the kinder rule (the GPU is offered again) is chosen.
 A GPU lost (gone from the bus, or stuck in a driver write) is withdrawn from the pool altogether
 (gpud.engine.dra.driver.UNHEALTHY_STATES): nothing could be prepared on it.
 """
@@ -18,10 +20,14 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
+import msgspec
 from msgspec import Struct
 
+from gpud.host.files import state_files
 from gpud.host.kernel.kmsg import Xid
 from gpud.model import Gpu
+
+XID_FILE = "dra-xids.json"
 
 # Xids NVIDIA's DRA driver (and device plugin) leave schedulable: application errors
 APPLICATION_XIDS = frozenset({13, 31, 43, 45, 68, 109})
@@ -37,9 +43,27 @@ class XidMark(Struct, frozen=True):
         return self.code not in APPLICATION_XIDS
 
 
+class _Saved(Struct, frozen=True):
+    boot_id: str
+    marks: tuple[XidMark, ...]
+
+
 class XidHealth:
-    def __init__(self) -> None:
+    def __init__(self, path: str | None = None, boot_id: str | None = None) -> None:
+        """`path`: where the marks are kept (None: not kept); `boot_id`: this boot's (None: unknown,
+        nothing is kept, since a file could not be told from an earlier boot's)."""
+        self.path = path if boot_id else None
+        self.boot_id = boot_id or ""
         self.marks: dict[str, XidMark] = {}
+        if self.path is not None:
+            saved = state_files.load(self.path, lambda b: msgspec.json.decode(b, type=_Saved), what="Xid marks")
+            if saved is not None and saved.boot_id == self.boot_id:
+                self.marks = {m.pci: m for m in saved.marks}
+
+    def _save(self) -> None:
+        if self.path is not None:
+            state_files.save(self.path, msgspec.json.encode(_Saved(self.boot_id, tuple(self.marks.values()))),
+                             mode=0o600)
 
     def record(self, xid: Xid, gpus: Iterable[Gpu]) -> XidMark | None:
         """Mark the GPU the report names (None: no such GPU on nvidia). A fatal mark is not
@@ -50,6 +74,7 @@ class XidHealth:
                 mark = XidMark(gpu.pci, xid.code, xid.text)
                 if old is None or mark.fatal or not old.fatal:
                     self.marks[gpu.pci] = mark
+                    self._save()
                 return self.marks[gpu.pci]
         return None
 
@@ -59,6 +84,8 @@ class XidHealth:
         gone = [m for pci, m in self.marks.items() if pci not in on]
         for m in gone:
             del self.marks[m.pci]
+        if gone:
+            self._save()
         return gone
 
     def taints(self, driver: str) -> Mapping[str, tuple[dict, ...]]:

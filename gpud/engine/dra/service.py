@@ -14,8 +14,9 @@ import os
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
+from gpud.engine.boot.rebuild import boot_id
 from gpud.engine.dra.driver import DEFAULT_CDI_DIR, DraDriver
-from gpud.engine.dra.health import XidHealth
+from gpud.engine.dra.health import XID_FILE, XidHealth
 from gpud.engine.engine import Engine
 from gpud.engine.events import EventBus
 from gpud.host.kernel.kmsg import follow, parse_xid
@@ -32,7 +33,8 @@ log = logging.getLogger(__name__)
 
 class DraService:
     def __init__(self, engine: Engine, bus: EventBus, *, node: str, driver: str, kubelet_root: str,
-                 kubeconfig: str | None, state_dir: str | None, cdi_dir: str | None, root: str | None) -> None:
+                 kubeconfig: str | None, state_dir: str | None, cdi_dir: str | None, root: str | None,
+                 boot_id_path: str | None = None) -> None:
         """`state_dir` None: no checkpoint (read-only); `root`: the simulated host's directory."""
         self.engine, self.bus = engine, bus
         self.node, self.name, self.kubelet_root, self.kubeconfig = node, driver, kubelet_root, kubeconfig
@@ -40,7 +42,7 @@ class DraService:
         self.cdi_dir = cdi_dir or (os.path.join(root, DEFAULT_CDI_DIR.lstrip("/")) if root else DEFAULT_CDI_DIR)
         self.sys_root = os.path.join(root, "sys") if root else "/sys"
         self.kmsg = os.path.join(root, "dev", "kmsg") if root else "/dev/kmsg"
-        self.health = XidHealth()
+        self.health = XidHealth(os.path.join(state_dir, XID_FILE) if state_dir else None, boot_id(boot_id_path))
         self.driver: DraDriver | None = None
         self.plugin: KubeletPlugin | None = None
         self.api: DraApi | None = None

@@ -17,6 +17,7 @@ from gpud.host.kernel.sysfs import Sysfs
 from gpud.host.nvidia.gpu_reset import KNOWN_HOLDERS, PERSISTENCED
 from gpud.host.nvidia.vgpu_sysfs import vfio_cdevs
 from gpud.model import Gpu, Holder
+from gpud.pci import is_vfio
 
 
 def device_holders(procs: Procs, pci: str) -> list[Holder]:
@@ -48,7 +49,7 @@ def rebind_holders(sysfs: Sysfs, procs: Procs, gpu: Gpu) -> tuple[Holder, ...]:
     minor = procs.nvidia_minor(gpu.pci) if gpu.function.driver == "nvidia" else None
     if minor is not None:
         paths.append(f"/dev/nvidia{minor}")
-    if gpu.function.driver == "vfio-pci":
+    if is_vfio(gpu.function.driver):
         if gpu.function.iommu_group is not None:
             paths.append(f"/dev/vfio/{gpu.function.iommu_group}")
         device_dir = os.path.join(sysfs.root, "bus/pci/devices", gpu.pci)

@@ -17,6 +17,7 @@ import re
 import threading
 from collections.abc import Callable
 
+from gpud.host.kernel.module_alias import ModuleAliases
 from gpud.host.readonly import refuse_if
 from gpud.model import PciFunction
 from gpud.pci import pci_sort_key
@@ -115,8 +116,10 @@ class Sysfs:
     def __init__(self, root: str = "/sys", *, read_only: bool = False,
                  store: Callable[[str, bytes], int] | None = None,
                  modprobe: Callable[[str], None] | None = None,
-                 dev_root: str | None = None, lock_timeout: float = 2.0):
+                 dev_root: str | None = None, lock_timeout: float = 2.0,
+                 aliases: ModuleAliases | None = None):
         self.root = os.path.abspath(root)
+        self.aliases = aliases  # modules.alias: which VFIO driver takes a device (None: vfio-pci)
         self.read_only = read_only
         self.dev_root = dev_root or os.path.join(os.path.dirname(self.root), "dev")
         self.lock_timeout = lock_timeout
@@ -166,6 +169,8 @@ class Sysfs:
                 driver_override=self.driver_override(address),
                 iommu_group=int(group) if group is not None and group.isdigit() else None,
                 numa_node=int(vals["numa_node"]) if vals["numa_node"] not in (None, "") else -1,
+                vfio_variant=(self.aliases.vfio_variant(_read(os.path.join(base, "modalias")))
+                              if self.aliases is not None else None),
             )
         except ValueError:
             return None

@@ -94,11 +94,14 @@ class GpuReset:
         refuse_if(self.read_only, "persistence mode", pci)
         return self._run(["-pm", "1" if on else "0", "-i", pci])
 
-    def reset(self, pci: str, driver: str | None) -> ResetResult:
+    def reset(self, pci: str, driver: str | None, persistent: bool | None = None) -> ResetResult:
+        """`persistent`: persistence mode as the caller's NVML session read it before closing
+        (nvmlDeviceGetPersistenceMode, what nvidia-smi's `persistence_mode` reports: nvidia-smi is
+        built on NVML); None: nvidia-smi is asked (one more process start)."""
         refuse_if(self.read_only, "reset", pci)
         if driver != "nvidia":
             return self._sysfs_reset(pci)
-        if not self.persistence(pci):
+        if not (self.persistence(pci) if persistent is None else persistent):
             return self._run(["-r", "-i", pci])
         self._intend(pci, True)
         off = self.set_persistence(pci, False)

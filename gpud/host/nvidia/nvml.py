@@ -30,6 +30,7 @@ from typing import Any, TypeVar
 import msgspec
 import pynvml
 
+from gpud.host.nvidia.driver_params import coherent_memory_mode
 from gpud.host.nvidia.nvml_errors import NvmlError, call
 from gpud.host.nvidia.nvml_instances import MigReader
 from gpud.host.nvidia.nvml_profiles import gi_profiles, possible_placements
@@ -125,6 +126,15 @@ class Nvml:
             self.open()
 
     # reads --------------------------------------------------------------------------------------
+    @_in_session
+    def persistence_mode(self, pci: str) -> bool | None:
+        """Whether persistence mode is on for the GPU (None: NVML cannot say)."""
+        try:
+            return self._call("nvmlDeviceGetPersistenceMode", pci, pynvml.nvmlDeviceGetPersistenceMode,
+                              self._handle(pci)) == pynvml.NVML_FEATURE_ENABLED
+        except NvmlError:
+            return None
+
     @_in_session
     def driver_version(self) -> str:
         self._ensure_open()
@@ -263,7 +273,8 @@ class Nvml:
         return NvmlGpu(pci=pci, uuid=static.uuid, name=static.name, minor=static.minor, memory_mb=static.memory_mb,
                        compute_capability=static.compute_capability,
                        mig_capable=mode is not None, mig_mode=current, mig_pending=pending,
-                       profiles=profiles, instances=instances, processes=processes)
+                       profiles=profiles, instances=instances, processes=processes,
+                       coherent_memory_mode=coherent_memory_mode(self.proc_root))
 
     def _read_static(self, h: Any, pci: str, *, mig_capable: bool) -> GpuStatic:
         """What the GPU answers the same for the whole session (gpud.host.nvidia.nvml_static), read and kept."""
