@@ -91,7 +91,7 @@ def test_marks_outlive_a_gpud_restart_in_the_same_boot_only(tmp_path):
     path = str(tmp_path / "state" / "dra-xids.json")
     g = _gpu("0000:18:00.0")
     h = XidHealth(path, "boot-a")
-    h.record(parse_xid("NVRM: Xid (PCI:0000:18:00): 79, x"), [g])
+    h.record(present(parse_xid("NVRM: Xid (PCI:0000:18:00): 79, x")), [g])
     assert XidHealth(path, "boot-a").taints("d") == h.taints("d") != {}  # a restarted gpud
     assert XidHealth(path, "boot-b").marks == {}  # after a reboot: initialised afresh
     assert XidHealth(path, None).marks == {}  # boot unknown: nothing claimed
