@@ -14,7 +14,7 @@ import pytest
 from gpud.sim import vgpu as sim_vgpu
 from gpud.sim.state import load, locked
 from gpud.sim.sysfs_tree import render
-from tests.support.daemon import notified, start_until_ready, until_ready, wait_until
+from tests.support.daemon import notified, until_ready, wait_until
 
 pytestmark = pytest.mark.daemon
 
@@ -93,8 +93,10 @@ def test_ready_waits_for_a_gpu_whose_boot_work_is_slow(daemon) -> None:
 def test_ready_comes_when_a_gpus_boot_work_fails_and_names_it(daemon) -> None:
     d = daemon(["l40s", "l40s"], LAYOUT, vgpu="vfio")
     _rebooted_with(d, FAILING)
-    messages = start_until_ready(d, 180)
-    at_ready = _vgpus(d.host, GPU0), _vgpus(d.host, GPU1)
+    with notified(d) as sock:
+        messages: list[str] = []
+        until_ready(d, sock, messages, 180)
+        at_ready = _vgpus(d.host, GPU0), _vgpus(d.host, GPU1)
     assert at_ready == (2, 0)  # the other GPU's work is done; this one's failed
     ready = next(m for m in messages if "READY=1" in m.split("\n"))
     status_lines = [line for m in messages[:messages.index(ready) + 1] for line in m.split("\n")
