@@ -394,6 +394,9 @@ def render_kubernetes(k: wire_replies.KubernetesStatus | None) -> str:
                 f"  published: {d.devices} device(s) in {d.slices} slice(s), pool generation {d.generation}"]
         out += [f"  prepared: {c.claim} ({c.uid}): {', '.join(c.devices)}"
                 + (f" (leases {', '.join(c.leases)})" if c.leases else "") for c in d.claims] or ["  prepared: none"]
+        gone = " (the API server drops taints: withdrawn instead)" if d.taints_dropped else ""
+        out += [f"  unhealthy: GPU {x.pci}: Xid {x.xid}, its devices tainted {d.driver}/xid={x.xid}:{x.effect}"
+                + (gone if x.effect == "NoSchedule" else "") + (f" ({x.text})" if x.text else "") for x in d.xids]
     return "\n".join(out)
 
 

@@ -34,6 +34,10 @@ class DaemonError(Exception):
         self.code = code
         self.message = message
 
+    def __reduce__(self) -> tuple[type[DaemonError], tuple[str, str]]:
+        """Pickled as made: a process pool sends a worker's exception back to its parent."""
+        return (type(self), (self.code, self.message))
+
 
 class WaitTimeout(Exception):
     """No reply within the client's own deadline."""

@@ -26,6 +26,14 @@ filled by the rule above). The rule
 reaches the seed's partial layout on an empty H100 80GB lease by lease: 1g.10gb at 0, 1, 2, then
 3g.40gb at 4, then 1g.10gb at 3 (tests/plan/test_lease_placement.py). Foreign instances (made by
 someone else) are occupied slices like any other: never chosen, never moved.
+
+Alternatives measured on bench/lease_bench.py's churn (8 x H100, loads 12-24, seeds 27, 1, 2) did
+no better than this rule by more than a few percent of first-fit's refusals: the scarcity as
+r**n (r 0.5-0.9) instead of 1/(n+1); a lexicographic key (empty GPUs kept, then 4g, 3g, 2g ...
+slots host-wide); small and half-GPU profiles segregated onto separate GPUs (worse within a GPU);
+even a rule told each lease's end in advance. What keeps the heavy loads above half of first-fit's
+refusals with room are refusals whose free slices lie scattered over GPUs, which only moving
+running instances would join (bench/results/leases.md counts them).
 """
 
 from __future__ import annotations

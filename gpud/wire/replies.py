@@ -160,6 +160,13 @@ class DraClaimStatus(msgspec.Struct, kw_only=True):
     leases: list[str] = []  # the MIG leases its prepare made (gpudctl leases lists them)
 
 
+class DraXid(msgspec.Struct, kw_only=True):
+    pci: str
+    xid: int
+    effect: str  # the devices' taint: NoSchedule, or None (an application's Xid: still scheduled)
+    text: str = ""
+
+
 class DraStatus(msgspec.Struct, kw_only=True):
     """--dra: the pool gpud publishes as the node's DRA driver, and the claims it prepared."""
 
@@ -170,6 +177,8 @@ class DraStatus(msgspec.Struct, kw_only=True):
     devices: int = 0
     registered: bool | None = None  # what the kubelet last said (None: it has not called)
     claims: list[DraClaimStatus] = []
+    xids: list[DraXid] = []  # GPUs whose devices carry an Xid taint (until initialised afresh)
+    taints_dropped: bool = False  # the API server drops taints: those GPUs are withdrawn instead
 
 
 class KubernetesStatus(msgspec.Struct, kw_only=True):

@@ -11,3 +11,4 @@ def test_small_churn_is_valid_and_no_worse_than_first_fit():
     assert gpud.invalid == first_fit.invalid == 0
     assert gpud.granted + gpud.refused == first_fit.granted + first_fit.refused == 600
     assert gpud.refused_with_room <= first_fit.refused_with_room
+    assert gpud.refused_on_one_gpu <= first_fit.refused_on_one_gpu <= first_fit.refused_with_room

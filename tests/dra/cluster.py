@@ -50,12 +50,13 @@ def dra_binaries() -> tuple[dict[str, str], str | None]:
 
 
 class DraCluster:
-    def __init__(self, workdir: Path) -> None:
+    def __init__(self, workdir: Path, server_args: tuple[str, ...] = ()) -> None:
         bins, why = dra_binaries()
         if why:
             raise RuntimeError(why)
         self.dir = workdir
-        self.server = RealServer(workdir, bins={k: bins[k] for k in ("etcd", "kube-apiserver")})
+        self.server = RealServer(workdir, bins={k: bins[k] for k in ("etcd", "kube-apiserver")},
+                                 extra_args=server_args)
         self.scheduler_bin = bins["kube-scheduler"]
         self.scheduler: subprocess.Popen | None = None
 

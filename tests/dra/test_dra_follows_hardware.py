@@ -132,6 +132,8 @@ def test_the_pool_follows_leases_layout_unplug_and_xids(cluster, tmp_path):
             r"published: [1-9]\d* device", d.ctl("status", "--kube").stdout))
         for dev in of_gpu(cluster.slices(NODE), 0).values():
             assert [t["value"] for t in dev.get("taints") or ()] == ["79"], dev
+        shown = d.ctl("status", "--kube").stdout  # and says so
+        assert f"unhealthy: GPU {gpu0}: Xid 79, its devices tainted gpu.gpud.io/xid=79:NoSchedule" in shown, shown
         assert (cluster.get_claim("after-xid").get("status") or {}).get("allocation") is None
 
         # initialised afresh (out and back in): the taint goes and the scheduler allocates GPU 0

@@ -97,3 +97,4 @@ def test_marks_outlive_a_gpud_restart_in_the_same_boot_only(tmp_path):
     assert XidHealth(path, None).marks == {}  # boot unknown: nothing claimed
     h.observe([_gpu(g.pci, driver=None)])
     assert XidHealth(path, "boot-a").marks == {}
+

@@ -102,3 +102,24 @@ async def test_a_group_member_moved_back_behind_gpud_is_not_called_on_vfio(tmp_p
         assert _status(rig)[gpu1][:1] == ("converged",)
     finally:
         rig.close()
+
+
+async def test_the_attacks_split_layout_moves_nothing_over_passes(tmp_path):
+    """The attack's walk: passthrough for GPU 0 and containers for GPU 1 of one group (the layout
+    that made the GPUs move between the drivers forever). Refused when loaded, and passes after it,
+    asked for or not, bind nothing."""
+    rig = SimRig(tmp_path, ("rtx6000-ada:2",))
+    try:
+        members = _one_group(rig)
+        assert await rig.apply(CONTAINER)
+        before = _binds(rig, members)
+        split = ("version: v1\nlayouts:\n  a:\n    - {devices: [0], workload: vm-passthrough}\n"
+                 "    - {devices: [1], workload: container}\n")
+        assert not await rig.apply(split)
+        for _ in range(PASSES):
+            await rig.rec.converge()
+        assert _binds(rig, members) == before
+        errors = replies.status_reply(rig.rec.view()).layout.errors
+        assert any("would be split across drivers" in e for e in errors), errors
+    finally:
+        rig.close()

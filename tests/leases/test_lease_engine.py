@@ -214,3 +214,16 @@ async def test_lease_and_release_never_wait_behind_a_static_apply_of_another_gpu
     finally:
         go.set()
         rig.close()
+
+
+async def test_every_layout_name_leases_its_gi_and_ci(h100):
+    """A CI variant makes a smaller CI in the GI; `+me` is a GI profile of its own: both as the
+    simulator's state file names its MIG devices."""
+    small_ci = await h100.rec.leases.lease("1c.3g.40gb")
+    me = await h100.rec.leases.lease("1g.10gb+me")
+    on_file = {uuid: name for uuid, (name, _, _) in h100.mig_devices()[0].items()}
+    assert on_file == {small_ci.uuid: "1c.3g.40gb", me.uuid: "1g.10gb+me"}
+    with pytest.raises(LeaseRefused) as e:
+        await h100.rec.leases.lease("5g.50gb")
+    assert e.value.code == "no-room" and "not a MIG profile" in str(e.value) and "1g.10gb+me" in str(e.value)
+    assert set(h100.mig_devices()[0]) == {small_ci.uuid, me.uuid}  # nothing changed

@@ -97,7 +97,8 @@ class RealServer:
     """etcd plus kube-apiserver in `workdir`. `watch_cache=False` serves watches from etcd itself,
     so an etcd compaction reaches a watch that resumes from an older version (410)."""
 
-    def __init__(self, workdir: Path, *, watch_cache: bool = True, bins: dict[str, str] | None = None) -> None:
+    def __init__(self, workdir: Path, *, watch_cache: bool = True, bins: dict[str, str] | None = None,
+                 extra_args: tuple[str, ...] = ()) -> None:
         if bins is None:
             bins, why = binaries()
             if why:
@@ -106,6 +107,7 @@ class RealServer:
         self.dir = Path(workdir)
         self.certs = self.dir / "pki"
         self.watch_cache = watch_cache
+        self.extra_args = tuple(extra_args)  # more kube-apiserver flags (a feature gate turned off)
         self.etcd_port, self.peer_port, self.port = free_port(), free_port(), free_port()
         self.etcd: subprocess.Popen | None = None
         self.apiserver: subprocess.Popen | None = None
@@ -161,7 +163,7 @@ class RealServer:
                 "--audit-log-format=json", "--audit-log-mode=blocking",
                 "--etcd-compaction-interval=0",  # the tests compact etcd themselves, when they mean to
                 f"--cert-dir={self.dir / 'apiserver-certs'}", "--profiling=false",
-                f"--watch-cache={'true' if self.watch_cache else 'false'}"]
+                f"--watch-cache={'true' if self.watch_cache else 'false'}", *self.extra_args]
         with open(self.dir / "kube-apiserver.log", "ab") as log:
             self.apiserver = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         self._wait(lambda: self._http(f"{self.url}/readyz", token=ADMIN_TOKEN) == "ok", self.apiserver,
