@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
+
+# The simulated NVML library skips comparing the host's state after a getter (it only reads); in
+# the tests it compares, and a getter that changed the state fails the call (gpud.sim.state).
+# Daemons and tools the tests start inherit it.
+os.environ.setdefault("GPUD_SIM_CHECK_READS", "1")
 
 
 @pytest.fixture
@@ -13,7 +20,7 @@ def sim_host(tmp_path):
     from gpud import sim
     from gpud.sim.cli import create
 
-    made = []
+    made: list[sim.SimHost] = []
 
     def make(*gpus: str, mig_on=()) -> sim.SimHost:
         d = tmp_path / f"simhost{len(made)}"
