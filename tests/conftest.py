@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
+
+# The simulated NVML library skips comparing the host's state after a getter (it only reads); in
+# the tests it compares, and a getter that changed the state fails the call (gpud.sim.state).
+# Daemons and tools the tests start inherit it.
+os.environ.setdefault("GPUD_SIM_CHECK_READS", "1")
 
 
 @pytest.fixture

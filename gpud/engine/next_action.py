@@ -11,6 +11,8 @@ The pass (engine/reconciler.py), its preview (gpudctl plan) and the file's verdi
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import msgspec
 
 from gpud.engine.gpu_state import Action, BindAction, GpuState, MigAction
@@ -21,13 +23,15 @@ from gpud.layout.schema import Policy
 from gpud.model import Gpu
 from gpud.plan.binding import plan_binding, vfio_driver
 from gpud.plan.lease_placement import dynamic_mode
-from gpud.plan.mig import plan_gpu
+from gpud.plan.mig import GpuPlan, plan_gpu
 
 
 def next_action(gpu: Gpu, desired: DesiredGpu, *, vgpus: VgpuKeeper, leases: LeaseEngine, policy: Policy | None,
-                drivers: frozenset[str], nvml_error: str | None) -> Action | GpuState | None:
+                drivers: frozenset[str], nvml_error: str | None,
+                plan_mig: Callable[[Gpu, DesiredGpu], GpuPlan] = plan_gpu) -> Action | GpuState | None:
     """The next thing this GPU needs, or None when it matches its entry (`drivers`: the kernel's
-    PCI drivers; `nvml_error`: why NVML could not be read, for the message)."""
+    PCI drivers; `nvml_error`: why NVML could not be read, for the message; `plan_mig`: plan_gpu, or
+    one that keeps its answers for the same GPU view)."""
     target_driver = vfio_driver(gpu.function) if desired.workload == "vm-passthrough" else "nvidia"
     if gpu.function.driver == "nvidia":
         removal = vgpus.removals(gpu, desired)
@@ -44,7 +48,7 @@ def next_action(gpu: Gpu, desired: DesiredGpu, *, vgpus: VgpuKeeper, leases: Lea
             # to an instance.
             mig_desired = dynamic_mode(gpu, desired, policy)
         if mig_desired.mig_enabled is not None and gpu.nvml.mig_capable:
-            plan = plan_gpu(gpu, mig_desired)
+            plan = plan_mig(gpu, mig_desired)
             if plan.infeasible:
                 return GpuState("failed", plan.infeasible)
             if (taken := leases.taken_by(plan)) is not None:  # a static layout over leases

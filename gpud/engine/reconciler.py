@@ -54,6 +54,7 @@ from gpud.layout.parse import ParsedLayout
 from gpud.layout.resolve import Resolution
 from gpud.layout.schema import Layout, MatchRule, Policy
 from gpud.model import Gpu
+from gpud.plan.mig import GpuPlan, plan_gpu
 
 log = logging.getLogger(__name__)
 
@@ -113,6 +114,8 @@ class Reconciler:
         self._concluded_under: Layout | None = None  # the layout the last pass concluded the GPU states for
         self.resolution: Resolution | None = None
         self.observation = Observation(gpus=(), functions=())
+        self._drivers_seen: tuple[Observation, frozenset[str]] | None = None
+        self._plans: dict[tuple[int, int], tuple[Gpu, DesiredGpu, GpuPlan]] = {}
         self.gpu_states: dict[str, GpuState] = {}
         self.phase: Phase = "starting"
         self._apply_wanted = False  # `gpudctl apply` asked for the next pass (policy.apply: manual)
@@ -390,7 +393,31 @@ class Reconciler:
     def next_action(self, gpu: Gpu, desired: DesiredGpu) -> Action | GpuState | None:
         """The next thing this GPU needs (gpud.engine.next_action), or None when it matches its entry."""
         return next_action(gpu, desired, vgpus=self.vgpus, leases=self.leases, policy=self.policy,
-                           drivers=frozenset(self.hw.sysfs.drivers()), nvml_error=self.observation.nvml_error)
+                           drivers=self._drivers(), nvml_error=self.observation.nvml_error, plan_mig=self._plan_mig)
+
+    def _plan_mig(self, gpu: Gpu, desired: DesiredGpu) -> GpuPlan:
+        """plan_gpu (pure), kept for the same GPU view and entry: a pass asks it of every GPU on the
+        loop more than once (which GPUs change, then each GPU's rounds), 3 ms a GPU; at 64 GPUs
+        that held every client up for a second. The view is an observation's record, never
+        changed: a GPU read again is a new one."""
+        kept = self._plans.get((id(gpu), id(desired)))
+        if kept is not None and kept[0] is gpu and kept[1] is desired:
+            return kept[2]
+        if len(self._plans) > 4 * len(self.observation.gpus) + 16:
+            self._plans.clear()  # views of earlier observations
+        plan = plan_gpu(gpu, desired)
+        self._plans[(id(gpu), id(desired))] = (gpu, desired, plan)  # held: the ids stay theirs
+        return plan
+
+    def _drivers(self) -> frozenset[str]:
+        """The kernel's PCI drivers, listed once per observation: next_action runs on the loop for
+        every GPU, and each listing there handed the GIL to a busy worker (up to its switch
+        interval) while clients waited. A driver loaded since (gpud's own modprobe in a bind step)
+        is seen with the observation that step's re-read makes."""
+        kept = self._drivers_seen
+        if kept is None or kept[0] is not self.observation:
+            kept = self._drivers_seen = (self.observation, frozenset(self.hw.sysfs.drivers()))
+        return kept[1]
 
     # ---- execution ----------------------------------------------------------------------------
     def request_apply(self, *, seen_since: float | None = None) -> int:

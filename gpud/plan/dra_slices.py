@@ -49,6 +49,7 @@ from msgspec import Struct, field
 from gpud.layout.desired import DesiredGpu
 from gpud.layout.resolve import gpu_profiles
 from gpud.model import ComputeInstance, Gpu, GpuInstance, MigProfile, Placement
+from gpud.pci import is_vfio
 from gpud.profiles import by_device
 
 DEFAULT_DRIVER = "gpu.gpud.io"  # gpud's own driver name; `--dra-driver gpu.nvidia.com` is NVIDIA's
@@ -213,7 +214,7 @@ def _counters(values: Mapping[str, int]) -> dict[str, dict]:
 def _workload(gpu: Gpu, want: DesiredGpu | None) -> str:
     if want is not None:
         return want.workload
-    return "vm-passthrough" if gpu.function.driver == "vfio-pci" else "container"
+    return "vm-passthrough" if is_vfio(gpu.function.driver) else "container"
 
 
 def _static_mig(gpu: Gpu, base: dict, out: list[tuple[dict, SliceDevice]]) -> None:
@@ -279,7 +280,7 @@ def gpu_devices(gpu: Gpu, inputs: DraInputs) -> tuple[list[tuple[dict, SliceDevi
     base = _common(gpu, inputs)
     out: list[tuple[dict, SliceDevice]] = []
     if workload == "vm-passthrough":
-        if gpu.function.driver != "vfio-pci":
+        if not is_vfio(gpu.function.driver):
             return [], None  # the layout has not moved it yet: nothing a VM could take
         group = (gpu.pci, *(c.address for c in gpu.companions))
         attrs = dict(base, type=_s("vfio"))

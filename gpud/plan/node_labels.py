@@ -408,7 +408,7 @@ def advertised(gpus: Sequence[Gpu], *, mig_strategy: str = "mixed") -> Advertise
     vfs = vf_resources((g.function.device, d) for g in gpus for d in (g.vgpu.devices if g.vgpu is not None else ()))
     for g in sorted(gpus, key=lambda g: g.index):
         for f in (g.function, *g.companions):
-            if f.vendor == profiles.NVIDIA and f.driver in ("vfio-pci", "nvgrace_gpu_vfio_pci"):
+            if f.vendor == profiles.NVIDIA and is_vfio(f.driver):
                 name = kubevirt_name(f.device).resource
                 sandbox[name] = sandbox.get(name, 0) + 1
         for vd in g.vgpu.devices if g.vgpu is not None else ():

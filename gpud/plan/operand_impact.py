@@ -19,6 +19,7 @@ from msgspec import Struct
 
 from gpud.layout.desired import DesiredGpu
 from gpud.model import Gpu
+from gpud.pci import is_vfio
 
 _TARGET_DRIVER = {"container": "nvidia", "vm-vgpu": "nvidia", "vm-passthrough": "vfio-pci"}
 
@@ -45,6 +46,6 @@ def impact(gpus: Sequence[Gpu], desired: Mapping[str, DesiredGpu], changing: Ite
         target = _TARGET_DRIVER.get(want.workload) if want is not None else now
         if "nvidia" in (now, target):
             container.append(pci)
-        if "vfio-pci" in (now, target) or (want is not None and want.workload == "vm-vgpu"):
+        if is_vfio(now) or is_vfio(target) or (want is not None and want.workload == "vm-vgpu"):
             sandbox.append(pci)
     return Impact(tuple(changed), tuple(container), tuple(sandbox))

@@ -21,7 +21,7 @@ from gpud.host.nvidia.smi_query import NvidiaSmi, NvidiaSmiError, SmiQuery
 from gpud.host.nvidia.vgpu_sysfs import vfio_cdevs
 from gpud.layout.schema import MatchRule
 from gpud.model import Gpu, Holder, MigProfile
-from gpud.pci import is_bridge
+from gpud.pci import is_bridge, is_vfio
 from gpud.plan.reset_scope import NO_FABRIC_DEPENDENCY
 from gpud.qualify.report import Check
 
@@ -237,7 +237,7 @@ def _gpu_holders(hw: Hardware, gpu: Gpu) -> list[Holder]:
     minor = hw.procs.nvidia_minor(gpu.pci) if gpu.function.driver == "nvidia" else None
     if minor is not None:
         paths.append(f"/dev/nvidia{minor}")
-    if gpu.function.driver == "vfio-pci":
+    if is_vfio(gpu.function.driver):
         if gpu.function.iommu_group is not None:
             paths.append(f"/dev/vfio/{gpu.function.iommu_group}")
         device_dir = os.path.join(hw.sysfs.root, "bus/pci/devices", gpu.pci)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import re
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -70,6 +71,11 @@ _CHANGES_DEVICES = frozenset({
 })
 
 
+# Calls that only read the host (getters, by NVML's naming): their state is not compared after the
+# call unless checked (gpud.sim.state.StateCache.locked).
+_READ_NAME = re.compile(r"nvml(Device|GpuInstance|ComputeInstance|System|Vgpu\w*|Unit)Get|nvmlDeviceIs")
+
+
 class FakeNvmlLib:
     """Stands in for `CDLL("libnvidia-ml.so.1")`: attribute lookup yields C-like functions."""
 
@@ -120,11 +126,12 @@ class FakeNvmlLib:
     def _call(self, name: str, impl: Callable[..., Any], args: tuple) -> Any:
         crash: BaseException | None = None
         result: Any = None
-        with self._state.locked(name) as state:
+        with self._state.locked(name, reads=_READ_NAME.match(name) is not None) as state:
             if name == "nvmlErrorString":
                 return impl(self, state, *args)
             for fault in list(state.faults):
                 if fault_matches(fault.function, name):
+                    self._state.dirty = True
                     fault.seen += 1
                     if fault.seen >= fault.nth:
                         state.faults.remove(fault)

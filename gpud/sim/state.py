@@ -312,6 +312,8 @@ def locked(host_dir: str | os.PathLike, *, write: bool = True) -> Iterator[SimSt
 # Set to "1": every NVML call reads and writes the state file again, as the simulator did until
 # 2026-12-04 (what bench/mig_bench.py runs gpud on to compare with a recording made then).
 SAVE_EVERY_CALL = "GPUD_SIM_SAVE_EVERY_CALL"
+# Set to "1": a read-only NVML call that changed the state is an error (StateCache.locked).
+CHECK_READS = "GPUD_SIM_CHECK_READS"
 
 
 class StateCache:
@@ -329,14 +331,19 @@ class StateCache:
         self._key: tuple | None = None
         self._state: SimState | None = None
         self._encoded = b""
+        self.dirty = False  # set by the caller, under the lock, when it changed the state itself
 
     def _file_key(self) -> tuple:
         st = os.stat(state_path(self.dir))
         return (self.counters.generation(), st.st_ino, st.st_mtime_ns, st.st_ctime_ns, st.st_size)
 
     @contextlib.contextmanager
-    def locked(self, count: str) -> Iterator[SimState]:
-        """Hold the host lock exclusively, count `count`, yield the state; save it when changed."""
+    def locked(self, count: str, *, reads: bool = False) -> Iterator[SimState]:
+        """Hold the host lock exclusively, count `count`, yield the state; save it when changed.
+        `reads`: the call only reads (an NVML getter), so unless the caller marks the state
+        `dirty` (it consumed a fault) or a dead process was dropped, it is not compared with the
+        copy (encoding the whole state costs as much as the call); with GPUD_SIM_CHECK_READS=1
+        (the test suite sets it) it is, and a read that changed it is an error of the simulator."""
         fd = os.open(self.dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
@@ -348,8 +355,14 @@ class StateCache:
                 state = msgspec.json.decode(state_path(self.dir).read_bytes(), type=SimState)
                 self._encoded = msgspec.json.encode(state)
             self._state, self._key = None, None  # until the call is through
+            self.dirty = False
             gone = _drop_dead(state)
             yield state
+            if reads and not (every or gone or self.dirty):
+                if os.environ.get(CHECK_READS) == "1" and msgspec.json.encode(state) != self._encoded:
+                    raise AssertionError(f"simulator: the read-only NVML call {count} changed the host's state")
+                self._state, self._key = state, key
+                return
             encoded = msgspec.json.encode(state)
             if every or encoded != self._encoded:
                 save(self.dir, state)

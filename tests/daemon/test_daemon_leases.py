@@ -3,13 +3,22 @@ Slurm prolog reads, and every outcome checked in the simulator's own state file.
 
 from __future__ import annotations
 
+import grp
 import json
+import os
+import shutil
 import signal
+import subprocess
+import sys
+import tempfile
+import textwrap
+from pathlib import Path
 
 import pytest
 
+import gpud
 from tests.leases.rig import dynamic_layout
-from tests.support.daemon import wait_until
+from tests.support.daemon import Daemon, wait_until
 
 pytestmark = pytest.mark.daemon
 
@@ -116,3 +125,51 @@ def test_check_and_plan_explain_a_dynamic_gpu_and_refuse_a_static_one_over_lease
     refused = d.ctl("check", str(static))
     assert refused.returncode == 4 and lease["id"] in refused.stdout and "slurm-3" in refused.stdout
     assert gis(d) == before == [(4, 4, [lease["uuid"]])] and d.mutating_calls() == calls  # nothing changed
+
+
+# A real non-root client: started as root (to import from root's Python), it drops to uid/gid
+# 65534 (nobody/nogroup) and the given supplementary groups, then sends one `lease`.
+AS_NOBODY = textwrap.dedent("""
+    import json, os, socket, sys
+    from gpud.wire import protocol as wire
+    path, groups = sys.argv[1], json.loads(sys.argv[2])
+    os.setgroups(groups); os.setgid(65534); os.setuid(65534)
+    s = socket.socket(socket.AF_UNIX)
+    s.connect(path)
+    s.sendall(wire.encode_frame(wire.Request(id=1, op="lease", args={"profile": "2g.20gb", "owner": "nobody"})))
+    r = wire.decode_message(wire.FrameReader().read_sync(s))
+    print(json.dumps("ok" if r.ok else r.error.code))
+""")
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to change uid")
+def test_only_the_lease_group_may_lease_and_a_refusal_changes_nothing(tmp_path):
+    """Socket group nogroup (read-only, as `gpud`), `policy.lease-group: daemon`: nobody without
+    `daemon` is refused and the simulator's state file is unchanged; with it, the lease is made."""
+    shared = Path(tempfile.mkdtemp(prefix="gpud-lease-sock-"))
+    os.chmod(shared, 0o755)  # the socket itself is 0660 root:nogroup
+
+    class OnSharedSocket(Daemon):
+        def start(self, mode: str = "a", notify_socket: str | None = None) -> None:
+            self.socket = shared / "gpud.sock"
+            super().start(mode, notify_socket)
+
+    d = OnSharedSocket(tmp_path, ["h100-80gb:1"], dynamic_layout(**{"lease-group": "daemon"}),
+                       ["--socket-group", grp.getgrgid(65534).gr_name])
+    try:
+        def as_nobody(groups: list[int]) -> str:
+            done = subprocess.run([sys.executable, "-c", AS_NOBODY, str(d.socket), json.dumps(groups)],
+                                  capture_output=True, text=True, timeout=60, cwd=os.path.dirname(gpud.__file__) + "/..")
+            assert done.returncode == 0, done.stderr
+            return json.loads(done.stdout)
+
+        calls = d.mutating_calls()
+        assert as_nobody([]) == "forbidden"
+        assert gis(d) == [] and d.mutating_calls() == calls  # refused: nothing changed
+        assert as_nobody([1]) == "ok"  # a member of policy.lease-group
+        leases = json.loads(d.ctl("leases", "--json").stdout)["leases"]
+        assert [(x["owner"], x["uid"]) for x in leases] == [("nobody", 65534)]
+        assert gis(d) == [(0, 2, [leases[0]["uuid"]])]
+    finally:
+        d.stop()
+        shutil.rmtree(shared, ignore_errors=True)

@@ -57,7 +57,8 @@ class SimNode:
     async def boot(self) -> None:
         assert self.rig is not None and self.api is not None
         self.driver = DraDriver(self.api, self.rig.rec.leases, self.rig.rec.view, state_dir=str(self.tmp / "state"),
-                                cdi_dir=str(self.tmp / "cdi"), metadata_dir=str(self.tmp / "meta"))
+                                cdi_dir=str(self.tmp / "cdi"), metadata_dir=str(self.tmp / "meta"),
+                                refresh=self.rig.rec.refresh_async)
         await self.driver.start()
         await self.driver.publish()
         self.plugin = KubeletPlugin(DEFAULT_DRIVER, self.driver, root=str(self.kubelet))
@@ -397,3 +398,36 @@ async def test_a_vfio_claim_is_refused_while_its_group_is_not_all_on_vfio_pci(cl
     finally:
         await kubelet.close()
         await node.close()
+
+
+async def test_an_instance_made_behind_gpud_leaves_the_pool_once_a_prepare_meets_it(cluster, node):
+    """Someone's `nvidia-smi mig -cgi` raises no event gpud hears: the pool still offers that
+    placement and the scheduler may allocate it. Prepare then makes nothing (NVML refuses the
+    overlap), answers an error, reads the hardware again and republishes without it."""
+    from tests.leases.rig import foreign_gi
+
+    ns = node.name[:20]
+    at = f"device.attributes['{DEFAULT_DRIVER}'].placementStart"
+    kubelet = Kubelet(node.plugin)
+    try:
+        # a claim's instance at 0 first: MIG on (it follows the leases), as another tool needs it
+        cluster.claim(f"{ns}-a", MIG, f"{profile_is('1g.10gb')} && {at} == 0")
+        cluster.pod(f"{ns}-a", f"{ns}-a", node=node.name)
+        cluster.allocated(f"{ns}-a")
+        assert (await kubelet.prepare(cluster.get_claim(f"{ns}-a"))).error == ""
+        foreign_gi(node.rig, "3g.40gb", 4)
+        cluster.claim(f"{ns}-x", MIG, f"{profile_is('1g.10gb')} && {at} == 4")
+        cluster.pod(f"{ns}-x", f"{ns}-x", node=node.name)
+        assert node.placement(cluster.allocated(f"{ns}-x")) == Placement(4, 1)
+        got = await kubelet.prepare(cluster.get_claim(f"{ns}-x"))
+        assert got.error
+        # nothing made
+        assert sorted((n, pl) for n, pl, _ in sim_gis(node.rig)) == [("1g.10gb", Placement(0, 1)),
+                                                                    ("3g.40gb", Placement(4, 4))]
+    finally:
+        await kubelet.close()
+    slices = cluster.watch_slices(node.name, lambda s: "gpu-0" not in {d["name"] for x in s
+                                                                         for d in x["spec"].get("devices") or ()})
+    starts = {d["attributes"]["placementStart"]["int"] for x in slices for d in x["spec"].get("devices") or ()
+              if "placementStart" in d["attributes"]}
+    assert starts and not starts & {4, 5, 6}

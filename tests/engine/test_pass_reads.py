@@ -87,3 +87,46 @@ def test_an_apply_on_a_converged_host_reads_it_once(tmp_path):
         assert made["nvmlDeviceGetMigMode"] == 2  # one read of each GPU, for the file and the pass
     finally:
         rig.close()
+
+
+def test_the_kernels_drivers_are_listed_once_per_observation_not_per_gpu(tmp_path):
+    """What each GPU needs next is judged on the loop for every GPU; the drivers list it uses is read
+    once per host read, not once per GPU (each listing is a system call on the loop)."""
+    rig = SimRig(tmp_path, ("h100-80gb:4",))
+    try:
+        assert asyncio.run(rig.apply(layout(mig([0, 1, 2, 3], {"1g.10gb": 7}))))
+        sysfs = rig.hw.sysfs
+        listed = []
+        drivers = sysfs.drivers
+
+        def counted():
+            listed.append(rig.rec.observation)
+            return drivers()
+
+        sysfs.drivers = counted  # type: ignore[method-assign]
+        asyncio.run(rig.rec.converge())
+        assert listed and len(listed) == len({id(o) for o in listed})  # never twice for one observation
+    finally:
+        rig.close()
+
+
+def test_a_no_op_pass_plans_each_gpu_once(tmp_path, monkeypatch):
+    """Planning runs on the loop: a pass that finds nothing to do plans each GPU once, not once to
+    see which GPUs change and again in each GPU's rounds."""
+    from gpud.engine import reconciler
+    from gpud.plan.mig import plan_gpu
+
+    rig = SimRig(tmp_path, ("h100-80gb:4",))
+    try:
+        assert asyncio.run(rig.apply(layout(mig([0, 1, 2, 3], {"1g.10gb": 7}))))
+        planned: list[str] = []
+
+        def counted(gpu, desired):
+            planned.append(gpu.pci)
+            return plan_gpu(gpu, desired)
+
+        monkeypatch.setattr(reconciler, "plan_gpu", counted)
+        asyncio.run(rig.rec.converge())
+        assert sorted(planned) == sorted(g.pci for g in rig.rec.observation.gpus)
+    finally:
+        rig.close()

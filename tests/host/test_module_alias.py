@@ -34,3 +34,10 @@ def test_no_file_means_vfio_pci_and_a_new_file_is_read(tmp_path):
     assert a.vfio_variant(alias) is None
     f.write_text(ALIASES)
     assert a.vfio_variant(alias) == "nvgrace_gpu_vfio_pci"
+
+
+def test_every_vfio_pci_core_driver_counts_as_vfio():
+    from gpud.pci import is_vfio
+
+    assert is_vfio("vfio-pci") and is_vfio("nvgrace_gpu_vfio_pci") and is_vfio("mlx5_vfio_pci")
+    assert not is_vfio("nvidia") and not is_vfio(None) and not is_vfio("")

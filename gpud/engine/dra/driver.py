@@ -33,7 +33,7 @@ import json
 import logging
 import os
 import shutil
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 import msgspec
@@ -44,6 +44,7 @@ from gpud.engine.view import EngineView
 from gpud.host.files import state_files
 from gpud.host.kube.kubelet_plugin import ClaimRef, Prepared, PreparedDevice
 from gpud.model import Gpu, Placement
+from gpud.pci import is_vfio
 from gpud.plan.dra_slices import DraInputs, DraSlices, SliceDevice, build_slices
 
 log = logging.getLogger(__name__)
@@ -120,12 +121,14 @@ class DraDriver:
                  unhealthy: Callable[[], frozenset[str]] = frozenset,
                  pcie_root: Callable[[str], str | None] = lambda pci: None,
                  taints: Callable[[], Mapping[str, tuple[dict, ...]]] = dict,
-                 metadata_dir: str | None = None) -> None:
+                 metadata_dir: str | None = None,
+                 refresh: Callable[[], Awaitable[object]] | None = None) -> None:
         self.api, self.leases, self._view = api, leases, view
         self._pcie_root, self._taints = pcie_root, taints
         self.node, self.driver = api.node, api.driver
         self.cdi_dir = cdi_dir
         self.metadata_dir = metadata_dir  # KEP-5304 device metadata files (None: not written)
+        self._refresh = refresh  # re-read the host (the engine's refresh)
         self.path = os.path.join(state_dir, CHECKPOINT) if state_dir else None
         self._driver_version, self._cuda_version, self._unhealthy = driver_version, cuda_version, unhealthy
         self.claims: dict[str, PreparedClaim] = {}
@@ -206,6 +209,7 @@ class DraDriver:
     # ---- prepare -------------------------------------------------------------------------------
     async def prepare(self, claims: Sequence[ClaimRef]) -> dict[str, Prepared]:
         out: dict[str, Prepared] = {}
+        refused = False
         for c in claims:
             lock = self._claim_locks.setdefault(c.uid, asyncio.Lock())
             async with lock:
@@ -213,8 +217,13 @@ class DraDriver:
                     out[c.uid] = await self._prepare(c)
                 except (LeaseRefused, OSError, ValueError, KeyError) as e:
                     log.warning("prepare %s/%s: %s", c.namespace, c.name, e)
+                    refused = refused or isinstance(e, LeaseRefused)
                     out[c.uid] = Prepared(error=f"{type(e).__name__}: {e}" if not isinstance(e, LeaseRefused) else str(e))
-        if any(not p.error for p in out.values()):
+        if refused and self._refresh is not None:
+            # the hardware was not as the pool said (an instance made behind gpud, which raises
+            # no event): read it again so the pool stops offering what is taken
+            await self._refresh()
+        if refused or any(not p.error for p in out.values()):
             await self.publish()
         return out
 
@@ -265,7 +274,7 @@ class DraDriver:
         ctl = ["/dev/nvidiactl"]
         if sd.kind == "vfio":
             group = gpu.function.iommu_group
-            off = [f.address for f in (gpu.function, *gpu.companions) if f.driver != "vfio-pci"]
+            off = [f.address for f in (gpu.function, *gpu.companions) if not is_vfio(f.driver)]
             if off:
                 raise ValueError(f"{sd.name}: {', '.join(off)} not on vfio-pci (the layout binds the group, "
                                  "a claim does not)")

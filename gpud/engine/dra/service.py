@@ -74,7 +74,7 @@ class DraService:
                                 state_dir=self.state_dir,
                                 cdi_dir=self.cdi_dir, driver_version=self._driver_version,
                                 cuda_version=self._cuda_version,
-                                pcie_root=self._pcie_root, taints=self._taints,
+                                pcie_root=self._pcie_root, taints=self._taints, refresh=self.engine.refresh,
                                 metadata_dir=os.path.join(os.path.dirname(paths(root, name)[1]), "dra-device-metadata"))
         for message in await self.driver.start():
             self.bus.publish("dra", message)
