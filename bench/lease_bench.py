@@ -35,6 +35,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -72,7 +73,7 @@ async def latency(model: str, cycles: int, seed: int) -> dict:
             rnd = random.Random(seed)
             names, weights = zip(*MIX[model].items(), strict=True)
             lease_s, release_s, lease_calls, release_calls, lease_mut, release_mut = [], [], [], [], [], []
-            held = []
+            held: list[Any] = []
             for _ in range(cycles):
                 # keep a few leases around, so placements are chosen among others
                 while len(held) > 6:

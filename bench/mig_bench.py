@@ -21,6 +21,7 @@ import tempfile
 import time
 from collections import Counter
 from pathlib import Path
+from typing import Protocol
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -30,6 +31,7 @@ from gpud.plan.mig import ci_name, plan_gpu  # noqa: E402
 from gpud.sim import cli as simcli  # noqa: E402
 from gpud.sim.state import SAVE_EVERY_CALL  # noqa: E402
 from tests.scenarios.definitions import SCENARIOS, Scenario  # noqa: E402
+from tests.support.present import present  # noqa: E402
 from tests.support.simrig import SimRig  # noqa: E402
 
 RESULTS = ROOT / "out" / "mig.md"  # the committed copy, bench/results/mig.md, only by `make bench-update`
@@ -43,7 +45,7 @@ def _target(rig: SimRig) -> set[tuple[int, str, int]]:
     """(GPU index, MIG device name, GI start) of every MIG device gpud's planner would end with."""
     out = set()
     for g in rig.rec.observation.gpus:
-        d = rig.rec.resolution.desired.get(g.pci)
+        d = present(rig.rec.resolution).desired.get(g.pci)
         if d is None or g.nvml is None or not g.nvml.mig_capable:
             continue
         plan = plan_gpu(g, d)
@@ -53,7 +55,13 @@ def _target(rig: SimRig) -> set[tuple[int, str, int]]:
     return out
 
 
-def _matches(rig: SimRig, sc: Scenario, after) -> bool:
+class MigModes(Protocol):
+    """What the scoring asks of a rig (gpud's SimRig): a GPU's MIG mode by index."""
+
+    def mig_mode(self, index: int, /) -> int: ...
+
+
+def _matches(rig: MigModes, sc: Scenario, after) -> bool:
     """Every expected GPU as asked, but for exactly one of `fails_one_of` (the one the fault hit)."""
     wrong = []
     for idx, want in sc.expect.items():
@@ -65,7 +73,7 @@ def _matches(rig: SimRig, sc: Scenario, after) -> bool:
     return not wrong
 
 
-def _ok(rig: SimRig, sc: Scenario, before, after, failed: int, *, exited: int | None = None) -> bool:
+def _ok(rig: MigModes, sc: Scenario, before, after, failed: int, *, exited: int | None = None) -> bool:
     """The host ends as the scenario says: expected GPUs as asked; where the layout must be refused
     (infeasible, busy with on-busy: fail), nothing changed; a converging scenario did not fail.
     `exited`: the other tool's exit status. A run that exited non-zero failed, whatever the scenario
@@ -99,7 +107,7 @@ async def run(sc: Scenario, strategy: str, tmp: Path, tool: Path | None = None) 
         rig.resets.clear()
         t = time.perf_counter()
         for g in rig.rec.observation.gpus:
-            d = rig.rec.resolution.desired.get(g.pci)
+            d = present(rig.rec.resolution).desired.get(g.pci)
             if d is not None and g.nvml is not None and g.nvml.mig_capable and d.mig_enabled is not None:
                 plan_gpu(g, d)
         plan_ms = (time.perf_counter() - t) * 1000
@@ -112,6 +120,7 @@ async def run(sc: Scenario, strategy: str, tmp: Path, tool: Path | None = None) 
             # the tool's own NVML session and `nvidia-smi -r` must not meet ours
             rig.hw.nvml.close()
             try:
+                assert tool is not None  # the mig-parted strategy runs only with the binary
                 out = migparted_real.apply(tool, rig.dir, sc.after, tmp)
             finally:
                 rig.hw.nvml.open()
@@ -119,7 +128,7 @@ async def run(sc: Scenario, strategy: str, tmp: Path, tool: Path | None = None) 
             extra = {"output": out["output"], "rc": out["rc"]}
             plan_ms = 0.0
         else:  # "model"
-            desired = {p: (bool(d.mig_enabled), dict(d.mig_devices)) for p, d in rig.rec.resolution.desired.items()
+            desired = {p: (bool(d.mig_enabled), dict(d.mig_devices)) for p, d in present(rig.rec.resolution).desired.items()
                        if d.mig_enabled is not None}
             extra = migparted_model.apply(rig, desired)
             failed = extra["rc"] = extra["failed"]

@@ -121,7 +121,7 @@ def apply(rig, desired: dict[str, tuple[bool, dict[str, int]]]) -> dict[str, int
                 # lists CI profiles only once a GI exists, so they cannot be looked up beforehand)
                 parsed = parse_mig_name(name)
                 gi = next((x for x in gpus[p].nvml.profiles if parsed and x.name == parsed.gi_name), None)
-                if gi is None:
+                if gi is None or parsed is None:
                     raise MigPartedFailed(f"{name}: not a MIG profile of this GPU")
                 items += [(gi.id, parsed.ci_slices or gi.slices)] * count
             _clear(h)

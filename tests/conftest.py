@@ -20,7 +20,7 @@ def sim_host(tmp_path):
     from gpud import sim
     from gpud.sim.cli import create
 
-    made = []
+    made: list[sim.SimHost] = []
 
     def make(*gpus: str, mig_on=()) -> sim.SimHost:
         d = tmp_path / f"simhost{len(made)}"

@@ -15,9 +15,11 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.present import present
+
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "scripts" / "install-go"
-PIN = re.search(r"^GO_PIN=(\S+)", SCRIPT.read_text(), re.M)[1]
+PIN = present(re.search(r"^GO_PIN=(\S+)", SCRIPT.read_text(), re.M))[1]
 
 
 def _go_minor(go: str) -> int | None:

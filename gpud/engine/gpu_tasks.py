@@ -23,7 +23,7 @@ import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Literal
 
-from gpud.engine.ports import Drainer
+from gpud.engine.ports import UnitStopper
 
 PARALLEL_GPUS = 4  # GPUs converging at once in one pass
 
@@ -85,7 +85,7 @@ class SharedDrain:
         self._lock = asyncio.Lock()
 
     @contextlib.asynccontextmanager
-    async def drained(self, drainer: Drainer, units: list[str]) -> AsyncIterator[None]:
+    async def drained(self, drainer: UnitStopper, units: list[str]) -> AsyncIterator[None]:
         async with self._lock:
             if self._users == 0:
                 stack = contextlib.AsyncExitStack()

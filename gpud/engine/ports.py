@@ -53,14 +53,19 @@ class Hardware(msgspec.Struct):
     clock: Clock = msgspec.field(default_factory=SystemClock)  # a test's own where real waits cost only time
 
 
-class Drainer(Protocol):
-    """Stops and starts the GPU client units around a disruptive step (systemd's UnitDrainer)."""
-
+class UnitStopper(Protocol):
     def drained(self, units: Iterable[str]) -> contextlib.AbstractAsyncContextManager[list[str]]:
         """The body runs with `units` stopped; what was stopped is started again afterwards."""
 
+
+class UnitRestarter(Protocol):
     async def restart_if_present(self, unit: str) -> bool:
         """Restart `unit` when it is installed; False when it is not."""
+
+
+class Drainer(UnitStopper, UnitRestarter, Protocol):
+    """Stops and starts the GPU client units around a disruptive step (systemd's UnitDrainer); a
+    caller that needs only one half names that half."""
 
 
 class BootOverrides(Protocol):

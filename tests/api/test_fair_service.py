@@ -14,16 +14,19 @@ import shutil
 import socket
 import tempfile
 import threading
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import pytest
 
 from gpud.api.handlers import RequestHandler
 from gpud.api.peers import Peer
-from gpud.api.server import serve
+from gpud.api.server import ApiServer, serve
 from gpud.engine import layout_keeper
 from gpud.engine.engine import Engine
 from gpud.wire import protocol as wire
 from tests.support.api import Conn
+from tests.support.present import present
 from tests.support.simrig import SimRig
 
 GUARD = 20.0
@@ -41,9 +44,17 @@ def sockdir():
     shutil.rmtree(d, ignore_errors=True)
 
 
+class _Rig(SimRig):
+    """The rig with an API server over its engine, and connections to it as any uid."""
+
+    open_as: Callable[..., Awaitable[Conn]]
+    handler: RequestHandler
+    server: ApiServer
+
+
 @pytest.fixture
 async def daemon(tmp_path, sockdir):
-    rig = SimRig(tmp_path, ("h100-80gb:2",))
+    rig = _Rig(tmp_path, ("h100-80gb:2",))
     rig.config.write_text(FILE)
     assert rig.rec.load_config()
     rig.rec.refresh()
@@ -67,7 +78,7 @@ async def daemon(tmp_path, sockdir):
         # suite (a container sharing the host's network) may share: a random part keeps names apart.
         s.bind(f"\0gpud-fair-{token}-{next(counter)}-{pid if pid is not None else next(counter) + 10}-{uid}")
         s.setblocking(False)
-        await asyncio.get_running_loop().sock_connect(s, server.path)
+        await asyncio.get_running_loop().sock_connect(s, present(server.path))
         return Conn(*await asyncio.open_unix_connection(sock=s))
 
     rig.open_as, rig.handler, rig.server = open_as, handler, server
@@ -106,7 +117,7 @@ async def _until(cond, what: str):
 
 async def test_roots_reload_is_answered_while_members_checks_fill_the_queue(daemon):
     rig = daemon
-    release, order = threading.Event(), []
+    release, order = threading.Event(), list[str]()
     entered = _hold_parses(rig.rec.layout_file, release, order)
     members = [await rig.open_as(MEMBER + i % 4) for i in range(16)]
     try:
@@ -129,7 +140,7 @@ async def test_roots_reload_is_answered_while_members_checks_fill_the_queue(daem
 
 async def test_a_member_flooding_checks_does_not_hold_back_another_members(daemon):
     rig = daemon
-    release, order = threading.Event(), []
+    release, order = threading.Event(), list[str]()
     _hold_parses(rig.rec.layout_file, release, order, held="flood-0.yaml")
     flood = [await rig.open_as(MEMBER) for _ in range(8)]
     sent = []
@@ -162,9 +173,14 @@ async def test_a_check_whose_cost_is_unbounded_is_refused(daemon):
 
 async def test_applies_that_arrive_together_share_one_read_and_one_pass(daemon, monkeypatch):
     rig = daemon
-    reads = []
+    reads: list[str] = []
     real = layout_keeper.read_layout
-    monkeypatch.setattr(layout_keeper, "read_layout", lambda p, *a, **k: (reads.append(p), real(p, *a, **k))[1])
+
+    def read_layout(p: str, *a: Any, **k: Any) -> Any:
+        reads.append(p)
+        return real(p, *a, **k)
+
+    monkeypatch.setattr(layout_keeper, "read_layout", read_layout)
     rig.config.write_text("version: v1\nlayouts:\n  a:\n    - {devices: [0], mig-enabled: true, mig-devices: {7g.80gb: 1}}\n"
                           "    - {devices: [1], mig-enabled: false}\n")
     passes_before = rig.rec.passes
@@ -184,7 +200,7 @@ async def test_the_event_stream_of_a_waiting_apply_is_never_evicted(daemon):
     server = rig.server
     server.max_connections = 10
     server.root_reserve = 2
-    release, order = threading.Event(), []
+    release, order = threading.Event(), list[str]()
     _hold_parses(rig.rec.layout_file, release, order)
     pid = 777
     follower = await rig.open_as(0, pid)

@@ -27,6 +27,7 @@ from gpud.wire import protocol as wire
 from gpud.wire import replies as wire_replies
 from tests.api.fakes import FakeHandler, status_reply
 from tests.support.api import GUARD, Conn
+from tests.support.present import present
 
 root_only = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to change uid / chown")
 
@@ -85,12 +86,12 @@ async def test_handler_errors(running):
     handler.replies["status"] = {"phase": "converged"}  # not the StatusReply struct: a handler bug
     c = await Conn.open(server.path)
     resp = await c.call("reload")
-    assert (resp.ok, resp.error.code, resp.error.message) == (False, "invalid-layout",
+    assert (resp.ok, present(resp.error).code, present(resp.error).message) == (False, "invalid-layout",
                                                              "layout.yaml:3 layouts: expected a map")
     resp = await c.call("plan")
-    assert resp.error.code == wire.E_INTERNAL and "boom" in resp.error.message
+    assert present(resp.error).code == wire.E_INTERNAL and "boom" in present(resp.error).message
     resp = await c.call("status")
-    assert resp.error.code == wire.E_INTERNAL and "StatusReply" in resp.error.message
+    assert present(resp.error).code == wire.E_INTERNAL and "StatusReply" in present(resp.error).message
     assert (await c.call("version")).ok  # handler errors do not end the connection
     c.close()
 
@@ -99,7 +100,7 @@ async def test_bad_args_are_answered_and_the_connection_stays(running):
     _, server = running
     c = await Conn.open(server.path)
     resp = await c.call("apply", {"wait": "yes"})
-    assert resp.error.code == wire.E_BAD_ARGS and "wait" in resp.error.message
+    assert present(resp.error).code == wire.E_BAD_ARGS and "wait" in present(resp.error).message
     assert (await c.call("version")).ok
     c.close()
 
@@ -108,7 +109,7 @@ async def test_unknown_op_is_answered_then_closed(running):
     _, server = running
     c = await Conn.open(server.path)
     resp = await c.call("reboot-everything")
-    assert resp.error.code == wire.E_UNKNOWN_OP
+    assert present(resp.error).code == wire.E_UNKNOWN_OP
     assert await c.closed_by_server()
 
 
@@ -142,13 +143,13 @@ async def test_truncated_frame_is_answered_then_closed(running):
 async def test_oversize_frame_is_refused_unread_then_closed(sockdir):
     server = await serve(FakeHandler(), f"{sockdir}/s", group=None, max_frame=1024)
     async with server:
-        c = await Conn.open(server.path)
+        c = await Conn.open(present(server.path))
         c.writer.write(wire.HEADER.pack(1025))  # no body: the server must not wait for it
         resp = await c.recv()
         assert resp.error.code == wire.E_TOO_LARGE
         assert await c.closed_by_server()
         # right at the limit is fine
-        c = await Conn.open(server.path)
+        c = await Conn.open(present(server.path))
         overhead = len(msgspec.msgpack.encode({"id": 1, "op": "version", "args": {"p": "x" * 1000}})) - 1000
         payload = msgspec.msgpack.encode({"id": 1, "op": "version", "args": {"p": "x" * (1024 - overhead)}})
         assert len(payload) == 1024
@@ -161,7 +162,7 @@ async def test_oversize_frame_is_refused_unread_then_closed(sockdir):
 async def test_idle_connection_is_closed(sockdir):
     server = await serve(FakeHandler(), f"{sockdir}/s", group=None, idle_timeout=0.05)
     async with server:
-        c = await Conn.open(server.path)
+        c = await Conn.open(present(server.path))
         assert (await c.call("version")).ok
         assert await c.closed_by_server()  # no request follows: the server hangs up
         assert server.connections == 0 or await _until(lambda: server.connections == 0)
@@ -185,7 +186,7 @@ async def test_slow_handler_does_not_block_other_connections(running):
             await gate.wait()
         return await _orig(op, args, peer)
 
-    handler.handle = slow_apply
+    handler.handle = slow_apply  # the fake's own handler, slowed for apply
     a, b = await Conn.open(server.path), await Conn.open(server.path)
     rid = await a.send("apply", {"wait": True})
     assert (await b.call("status")).ok  # answered while apply is still waiting
@@ -206,13 +207,13 @@ async def test_when_full_a_busy_connection_is_kept_and_the_new_one_refused(sockd
             await gate.wait()
         return await _orig(op, args, peer)
 
-    handler.handle = slow_apply
+    handler.handle = slow_apply  # type: ignore[method-assign]  # the fake's own handler, slowed for apply
     server = await serve(handler, f"{sockdir}/s", group=None, max_connections=1)
     async with server:
-        a = await Conn.open(server.path)
+        a = await Conn.open(present(server.path))
         rid = await a.send("apply", {"wait": True})  # a is in the middle of a request
         await asyncio.wait_for(started.wait(), GUARD)
-        b = await Conn.open(server.path)
+        b = await Conn.open(present(server.path))
         resp = await b.recv()
         assert resp.error.code == wire.E_BUSY and resp.error.message == "too many connections to gpud"
         assert await b.closed_by_server()
@@ -225,10 +226,10 @@ async def test_when_full_a_busy_connection_is_kept_and_the_new_one_refused(sockd
 async def test_when_full_the_oldest_idle_connection_makes_room(sockdir):
     server = await serve(FakeHandler(), f"{sockdir}/s", group=None, max_connections=2)
     async with server:
-        old, newer = await Conn.open(server.path), await Conn.open(server.path)
+        old, newer = await Conn.open(present(server.path)), await Conn.open(present(server.path))
         assert (await old.call("version")).ok
         assert (await newer.call("version")).ok  # newer was active last
-        third = await Conn.open(server.path)
+        third = await Conn.open(present(server.path))
         assert (await third.call("status")).ok
         assert await old.closed_by_server()
         assert (await newer.call("version")).ok
@@ -347,9 +348,9 @@ async def test_real_group_member_may_read_but_not_apply(sockdir):
     # nogroup (65534) plays `gpud`; the child's primary gid is 65534
     server = await serve(FakeHandler(), f"{sockdir}/s", group=grp.getgrgid(65534).gr_name)
     async with server:
-        assert await _as_nobody(server.path, [], "status", "version") == {"replies": ["ok", "ok"]}
-        assert await _as_nobody(server.path, [], "apply", "status") == {"replies": ["forbidden", "closed"]}
-        assert await _as_nobody(server.path, [], "reload") == {"replies": ["forbidden"]}
+        assert await _as_nobody(present(server.path), [], "status", "version") == {"replies": ["ok", "ok"]}
+        assert await _as_nobody(present(server.path), [], "apply", "status") == {"replies": ["forbidden", "closed"]}
+        assert await _as_nobody(present(server.path), [], "reload") == {"replies": ["forbidden"]}
 
 
 @root_only
@@ -357,8 +358,8 @@ async def test_real_supplementary_group_member_may_read(sockdir):
     group = grp.getgrgid(1).gr_name  # "daemon" plays `gpud`, held only as a supplementary group
     server = await serve(FakeHandler(), f"{sockdir}/s", group=group)
     async with server:
-        assert await _as_nobody(server.path, [1], "status") == {"replies": ["ok"]}
-        assert await _as_nobody(server.path, [1], "apply") == {"replies": ["forbidden"]}
+        assert await _as_nobody(present(server.path), [1], "status") == {"replies": ["ok"]}
+        assert await _as_nobody(present(server.path), [1], "apply") == {"replies": ["forbidden"]}
 
 
 @root_only
@@ -367,10 +368,10 @@ async def test_real_stranger_is_kept_out_by_mode_and_by_credentials(sockdir):
     async with server:
         # 0660 root:daemon: the file system refuses the connection
         import errno
-        assert await _as_nobody(server.path, [], "status") == {"connect": errno.EACCES}
+        assert await _as_nobody(present(server.path), [], "status") == {"connect": errno.EACCES}
         # even with a careless 0666 socket (SocketMode's default), SO_PEERCRED refuses the request
-        os.chmod(server.path, 0o666)
-        assert await _as_nobody(server.path, [], "status") == {"replies": ["forbidden"]}
+        os.chmod(present(server.path), 0o666)
+        assert await _as_nobody(present(server.path), [], "status") == {"replies": ["forbidden"]}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -397,7 +398,7 @@ async def test_socket_is_0600_without_the_group(sockdir, group):
     finally:
         os.umask(old)
     async with server:
-        assert stat.S_IMODE(os.stat(server.path).st_mode) == 0o600
+        assert stat.S_IMODE(os.stat(present(server.path)).st_mode) == 0o600
         assert server.gpud_gid is None
     assert os.umask(old) == old  # restored
 
@@ -506,7 +507,7 @@ async def test_events_from_an_async_iterator_source(sockdir):
     handler.unsubscribe = None  # type: ignore[assignment]  # no unsubscribe: aclose() the iterator
     server = await serve(handler, f"{sockdir}/s", group=None)
     async with server:
-        c = await Conn.open(server.path)
+        c = await Conn.open(present(server.path))
         await c.call("events", {"follow": True})
         handler.queue.put_nowait(wire.Event(time=1.0, kind="wait", gpu="0000:5c:00.0", message="pid 4121"))
         frame = await c.recv()
@@ -519,7 +520,7 @@ async def test_slow_follower_loses_events_with_a_marker_and_does_not_stall_other
     handler = FakeHandler()
     server = await serve(handler, f"{sockdir}/s", group=None, event_queue=8)
     async with server:
-        slow, fast = await Conn.open(server.path), await Conn.open(server.path)
+        slow, fast = await Conn.open(present(server.path)), await Conn.open(present(server.path))
         await slow.call("events", {"follow": True})
         await fast.call("events", {"follow": True})
         blob = "x" * 65536
@@ -547,10 +548,10 @@ class BusHandler(FakeHandler):
         super().__init__()
         self.bus = EventBus(queue_size=queue_size)
 
-    def subscribe(self) -> EventQueue:
+    def subscribe(self) -> EventQueue:  # type: ignore[override]  # the engine's own queue where the fake hands a plain one
         return self.bus.subscribe()
 
-    def unsubscribe(self, queue: EventQueue) -> None:
+    def unsubscribe(self, queue: EventQueue) -> None:  # type: ignore[override]  # as subscribe
         self.bus.unsubscribe(queue)
         self.unsubscribed += 1
         self.gone.set()
@@ -566,7 +567,7 @@ async def test_engine_bus_queue_is_the_one_bound_between_engine_and_client(sockd
     handler = BusHandler(queue_size=8)
     server = await serve(handler, f"{sockdir}/s", group=None, event_queue=10_000)  # not the bound used
     async with server:
-        slow, fast = await Conn.open(server.path), await Conn.open(server.path)
+        slow, fast = await Conn.open(present(server.path)), await Conn.open(present(server.path))
         await slow.call("events", {"follow": True})
         await fast.call("events", {"follow": True})
         blob = "x" * 65536
@@ -605,7 +606,7 @@ async def test_event_queue_marks_the_gap_where_events_were_lost():
 async def test_close_ends_followers(sockdir):
     handler = FakeHandler()
     server = await serve(handler, f"{sockdir}/s", group=None)
-    c = await Conn.open(server.path)
+    c = await Conn.open(present(server.path))
     await c.call("events", {"follow": True})
     await server.close()
     assert await c.closed_by_server()
@@ -620,7 +621,7 @@ async def test_history_is_trimmed_to_fit_one_frame(sockdir):
     async with server:
         for i in range(40):
             handler.publish("step", str(i), blob="x" * 200)
-        c = await Conn.open(server.path)
+        c = await Conn.open(present(server.path))
         for follow in (False, True):
             reply = wire_replies.decode_result("events", (await c.call("events", {"follow": follow})).result)
             kept = [int(e.message) for e in reply.events]
@@ -631,7 +632,7 @@ async def test_history_is_trimmed_to_fit_one_frame(sockdir):
 async def test_close_does_not_wait_for_a_follower_that_stopped_reading(sockdir):
     handler = FakeHandler()
     server = await serve(handler, f"{sockdir}/s", group=None, event_queue=4)
-    stuck = await Conn.open(server.path)
+    stuck = await Conn.open(present(server.path))
     await stuck.call("events", {"follow": True})
     for i in range(100):  # 6.5 MB nobody reads: the server's writes to it block
         handler.publish("step", str(i), blob="x" * 65536)
@@ -672,18 +673,18 @@ async def test_non_reading_followers_of_another_user_never_lock_root_out(sockdir
     server = await serve(handler, f"{sockdir}/s", group=grp.getgrgid(65534).gr_name, idle_timeout=600)
     async with server:
         child = await asyncio.create_subprocess_exec(
-            sys.executable, "-c", FOLLOWERS, server.path, "135", stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            sys.executable, "-c", FOLLOWERS, present(present(server.path)), "135", stdin=subprocess.PIPE, stdout=subprocess.PIPE,
             stderr=subprocess.PIPE, cwd=os.path.dirname(os.path.dirname(os.path.dirname(wire.__file__))))
         try:
-            line = await asyncio.wait_for(child.stdout.readline(), 120)
-            assert line.decode().strip() == "connected 135", (line, await child.stderr.read())
+            line = await asyncio.wait_for(present(child.stdout).readline(), 120)
+            assert line.decode().strip() == "connected 135", (line, await present(child.stderr).read())
             await _until(lambda: len(handler.bus._subscribers) >= 16)  # its share is subscribed
             blob = "x" * 4096
             for i in range(200):  # 800 KB of events nobody reads
                 handler.publish("step", str(i), blob=blob)
                 await asyncio.sleep(0)
             for op, args in (("status", {}), ("apply", {"wait": False}), ("reload", {})):
-                c = await Conn.open(server.path)
+                c = await Conn.open(present(server.path))
                 resp = await c.call(op, args)
                 assert resp.ok, (op, resp.error)
                 c.close()
@@ -692,7 +693,7 @@ async def test_non_reading_followers_of_another_user_never_lock_root_out(sockdir
             # every subscription left is bounded: the queue of a stalled follower was dropped
             await _until(lambda: all(len(q._items) <= 51 for q in handler.bus._subscribers))
         finally:
-            child.stdin.close()
+            present(child.stdin).close()
             await child.wait()
         await _until(lambda: not handler.bus._subscribers)  # gone with their connections
 
@@ -711,7 +712,7 @@ async def test_per_uid_limit_and_root_reserve_with_injected_peers(sockdir):
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         s.bind(f"\0gpud-test-{token}-{next(counter)}-{uid}")
         s.setblocking(False)
-        await asyncio.get_running_loop().sock_connect(s, server.path)
+        await asyncio.get_running_loop().sock_connect(s, present(present(server.path)))
         return Conn(*await asyncio.open_unix_connection(sock=s))
 
     server = await serve(FakeHandler(), f"{sockdir}/s", group=None, max_connections=8, max_per_uid=3,

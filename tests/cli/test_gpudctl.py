@@ -16,6 +16,7 @@ from gpud.cli import render
 from gpud.wire import protocol as wire
 from gpud.wire import replies as wire_replies
 from tests.api.fakes import GPU0_UUID, MIG_UUIDS, ThreadedServer
+from tests.support.present import present
 from tests.support.processes import reap
 
 REPO = Path(__file__).resolve().parents[2]
@@ -204,9 +205,9 @@ def test_events_follow_until_interrupted(daemon):
                             # ignored, and Python then never turns it into KeyboardInterrupt
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
-        assert proc.stdout.readline().rstrip().endswith("layout: loaded")  # history: now subscribed
+        assert present(proc.stdout).readline().rstrip().endswith("layout: loaded")  # history: now subscribed
         daemon.call(daemon.handler.publish, "wait", "pid 4121 python holds /dev/nvidia1", "0000:5c:00.0")
-        assert proc.stdout.readline().rstrip().endswith("wait 0000:5c:00.0: pid 4121 python holds /dev/nvidia1")
+        assert present(proc.stdout).readline().rstrip().endswith("wait 0000:5c:00.0: pid 4121 python holds /dev/nvidia1")
         proc.send_signal(signal.SIGINT)
         assert proc.wait(30) == 0
     finally:
@@ -221,10 +222,10 @@ def test_events_follow_ends_with_3_when_the_daemon_goes(tmp_path):
     try:
         srv.call(srv.handler.publish, "layout", "loaded")
         # wait until the client is following (its history line is printed), then stop the daemon
-        assert proc.stdout.readline().rstrip().endswith("layout: loaded")
+        assert present(proc.stdout).readline().rstrip().endswith("layout: loaded")
         srv.stop()
         assert proc.wait(30) == 3
-        assert "closed the connection" in proc.stderr.read()
+        assert "closed the connection" in present(proc.stderr).read()
     finally:
         reap(proc)
 

@@ -11,6 +11,7 @@ import pytest
 
 from tests.scenarios.definitions import SEED, layout, mig
 from tests.support.daemon import ROOT, wait_until
+from tests.support.present import present
 
 pytestmark = pytest.mark.daemon
 
@@ -133,7 +134,7 @@ def test_events_follow_shows_steps(daemon):
     try:
         d.config.write_text(layout(mig([0], {"1g.10gb": 2})))
         seen = []
-        for line in follower.stdout:
+        for line in present(follower.stdout):
             seen.append(line)
             if "converged" in line:
                 break
@@ -142,7 +143,7 @@ def test_events_follow_shows_steps(daemon):
     finally:
         follower.kill()
         follower.wait()
-        follower.stdout.close()
+        present(follower.stdout).close()
 
 
 def test_read_only_daemon_plans_but_never_mutates(daemon):

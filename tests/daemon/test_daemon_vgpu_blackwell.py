@@ -13,6 +13,7 @@ import pytest
 
 from gpud.sim import vgpu as sim_vgpu
 from gpud.sim.state import load
+from tests.support.present import present
 
 pytestmark = pytest.mark.daemon
 
@@ -34,7 +35,7 @@ def test_mig_backed_vgpus_share_gfx_instances(daemon) -> None:
     st = load(d.host)
     gpu = st.gpus[RTX]
     assert gpu.mig_mode == 1 and sorted(gi.profile_id for gi in gpu.gis) == [47, 47, 47]
-    names = {t.vfio_id: t.name for t in sim_vgpu.sim_types(sim_vgpu.vgpu_model(st, RTX))}
+    names = {t.vfio_id: t.name for t in sim_vgpu.sim_types(present(sim_vgpu.vgpu_model(st, RTX)))}
     on: dict[int, Counter] = {}
     for vf in st.vgpu[RTX].vfs:
         if vf.vgpu_type:

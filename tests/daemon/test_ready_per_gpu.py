@@ -14,7 +14,7 @@ import pytest
 from gpud.sim import vgpu as sim_vgpu
 from gpud.sim.state import load, locked
 from gpud.sim.sysfs_tree import render
-from tests.support.daemon import start_until_ready, until_ready, wait_until
+from tests.support.daemon import notified, start_until_ready, until_ready, wait_until
 
 pytestmark = pytest.mark.daemon
 
@@ -79,10 +79,7 @@ def _datagrams(sock: socket.socket) -> list[str]:
 def test_ready_waits_for_a_gpu_whose_boot_work_is_slow(daemon) -> None:
     d = daemon(["l40s", "l40s"], LAYOUT, vgpu="vfio")
     _rebooted_with(d, GATED)
-    path = str(d.tmp / "notify.sock")
-    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
-        sock.bind(path)
-        d.start(notify_socket=path)
+    with notified(d) as sock:
         wait_until(lambda: (d.host / "enabling-started").exists(), 120, "the second GPU's VF enabling to start")
         messages = _datagrams(sock)
         assert not any("READY=1" in m.split("\n") for m in messages), messages  # its work is under way
@@ -96,10 +93,7 @@ def test_ready_waits_for_a_gpu_whose_boot_work_is_slow(daemon) -> None:
 def test_ready_comes_when_a_gpus_boot_work_fails_and_names_it(daemon) -> None:
     d = daemon(["l40s", "l40s"], LAYOUT, vgpu="vfio")
     _rebooted_with(d, FAILING)
-    path = str(d.tmp / "notify.sock")
-    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
-        sock.bind(path)
-        d.start(notify_socket=path)
+    with notified(d) as sock:
         messages: list[str] = []
         until_ready(d, sock, messages, 180)
         at_ready = _vgpus(d.host, GPU0), _vgpus(d.host, GPU1)

@@ -24,6 +24,7 @@ from tests.leases.rig import dynamic_layout
 from tests.support.daemon import Daemon, wait_until
 from tests.support.dra_kubelet import MIG, Kubelet, profile_is
 from tests.support.pci_oracle import realpath_root
+from tests.support.present import present
 
 pytestmark = skips()
 NODE = "daemon-node"
@@ -34,7 +35,7 @@ def gis(host) -> list[tuple[str, Placement]]:
     state = simstate.load(host)
     g = state.gpus[sorted(state.gpus)[0]]
     model = MODELS[g.model]
-    return sorted((gpu_rules.profile_of(model, gi.profile_id).name, Placement(gi.start, gi.size)) for gi in g.gis)
+    return sorted((present(gpu_rules.profile_of(model, gi.profile_id)).name, Placement(gi.start, gi.size)) for gi in g.gis)
 
 
 class Plugin:

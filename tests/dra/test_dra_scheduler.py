@@ -11,6 +11,7 @@ import json
 import shutil
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
@@ -22,9 +23,14 @@ from gpud.sim import state as simstate
 from tests.dra.cluster import DraCluster, skips
 from tests.leases.rig import dynamic_rig, restarted, sim_gis
 from tests.support.dra_kubelet import GPU, MIG, Kubelet, profile_is
+from tests.support.present import present
 from tests.support.simrig import SimRig
 
+if TYPE_CHECKING:
+    from gpud.host.kube.dra_api import DraApi
+
 pytestmark = skips()
+
 
 class SimNode:
     """One simulated node: gpud's reconciler and lease engine (a SimRig), its DRA driver publishing
@@ -34,10 +40,10 @@ class SimNode:
         self.tmp, self.cluster, self.name = tmp, cluster, name
         # the kubelet's sockets live here: pytest's tmp_path can outgrow a Unix socket path (107 bytes)
         self.kubelet = Path(tempfile.mkdtemp(prefix="kubelet.", dir="/tmp"))
-        self.rig = None
+        self.rig: SimRig | None = None
         self.driver: DraDriver | None = None
         self.plugin: KubeletPlugin | None = None
-        self.api = None
+        self.api: DraApi | None = None
 
     async def start(self, gpus: tuple[str, ...] = ("h100-80gb:1",), layout: str | None = None) -> SimNode:
         from gpud.host.kube.dra_api import DraApi
@@ -47,9 +53,9 @@ class SimNode:
         if layout is None:
             self.rig = await dynamic_rig(self.tmp, gpus)
         else:
-            self.rig = SimRig(self.tmp, gpus, state_dir=str(self.tmp / "state"))
-            assert await self.rig.apply(layout)
-            await self.rig.rec.leases.start()
+            rig = self.rig = SimRig(self.tmp, gpus, state_dir=str(self.tmp / "state"))
+            assert await rig.apply(layout)
+            await rig.rec.leases.start()
         self.api = DraApi(self.name, DEFAULT_DRIVER, load_config(self.cluster.kubeconfig(self.tmp / "gpud.kubeconfig")))
         await self.boot()
         return self
@@ -127,7 +133,7 @@ async def test_whole_gpu_stays_unallocated_while_a_mig_claim_holds_it(cluster, n
 
 async def test_prepare_makes_the_allocated_placement_and_unprepare_destroys_it(cluster, node):
     ns = node.name[:20]
-    kubelet = Kubelet(node.plugin)
+    kubelet = Kubelet(present(node.plugin))
     try:
         info = await kubelet.register()
         assert (info.type, info.name, info.endpoint) == ("DRAPlugin", DEFAULT_DRIVER, node.plugin.dra_socket)
@@ -183,7 +189,7 @@ async def test_a_claim_survives_a_gpud_restart_between_prepare_and_unprepare(clu
     cluster.pod(f"{ns}-r", f"{ns}-r", node=node.name)
     at = node.placement(cluster.allocated(f"{ns}-r"))
     claim = cluster.get_claim(f"{ns}-r")
-    kubelet = Kubelet(node.plugin)
+    kubelet = Kubelet(present(node.plugin))
     got = await kubelet.prepare(claim)
     assert got.error == ""
     await kubelet.close()
@@ -191,7 +197,7 @@ async def test_a_claim_survives_a_gpud_restart_between_prepare_and_unprepare(clu
     await node.plugin.stop()
     await restarted(node.rig, node.tmp)
     await node.boot()
-    kubelet = Kubelet(node.plugin)
+    kubelet = Kubelet(present(node.plugin))
     try:
         assert list((await kubelet.prepare(claim)).devices) == list(got.devices)  # from the checkpoint
         assert [(n, pl) for n, pl, _ in sim_gis(node.rig)] == [("3g.40gb", at)]
@@ -211,7 +217,7 @@ layouts:
 
 async def test_a_vfio_claim_is_handed_the_whole_iommu_group(cluster, tmp_path):
     node = await SimNode(tmp_path, cluster, "vfio-node").start(("rtx6000-ada:1",), PASSTHROUGH)
-    kubelet = Kubelet(node.plugin)
+    kubelet = Kubelet(present(node.plugin))
     try:
         cluster.claim("vm-gpu", "vfio.gpud.io")
         cluster.pod("vm", "vm-gpu", node=node.name)
@@ -223,8 +229,8 @@ async def test_a_vfio_claim_is_handed_the_whole_iommu_group(cluster, tmp_path):
         spec = json.loads((node.tmp / "cdi" / f"{DEFAULT_DRIVER}-claim_{claim['metadata']['uid']}.json").read_text())
         (dev,) = spec["devices"]
         # the group as the simulated kernel lists it: sys/kernel/iommu_groups/<n>/devices
-        groups = node.rig.dir / "sys" / "kernel" / "iommu_groups"
-        (group,) = [g for g in groups.iterdir() if (g / "devices" / node.driver.published.devices[r["device"]].pci).exists()]
+        groups = present(node.rig).dir / "sys" / "kernel" / "iommu_groups"
+        (group,) = [g for g in groups.iterdir() if (g / "devices" / present(present(node.driver).published).devices[r["device"]].pci).exists()]
         members = sorted(p.name for p in (group / "devices").iterdir())
         assert len(members) == 2  # the GPU and its HD-audio function
         assert {"path": f"/dev/vfio/{group.name}"} in dev["containerEdits"]["deviceNodes"]
@@ -259,7 +265,7 @@ async def test_the_seed_layout_is_reachable_through_claims_and_prepared(cluster,
     layout."""
     ns = node.name[:20]
     names = [f"{ns}-3g"] + [f"{ns}-1g{i}" for i in range(4)]
-    kubelet = Kubelet(node.plugin)
+    kubelet = Kubelet(present(node.plugin))
     try:
         for name in names:
             cel = (f"{profile_is('3g.40gb')} && device.attributes['{DEFAULT_DRIVER}'].placementStart == 4"
@@ -288,7 +294,7 @@ async def test_unprepare_of_a_busy_claim_is_refused_and_nothing_is_killed(cluste
     cluster.pod(f"{ns}-b", f"{ns}-b", node=node.name)
     at = node.placement(cluster.allocated(f"{ns}-b"))
     claim = cluster.get_claim(f"{ns}-b")
-    kubelet = Kubelet(node.plugin)
+    kubelet = Kubelet(present(node.plugin))
     try:
         assert (await kubelet.prepare(claim)).error == ""
         ((_, _, (mig_uuid,)),) = sim_gis(node.rig)
@@ -320,9 +326,9 @@ async def test_static_mig_and_whole_gpus_are_prepared_without_making_anything(cl
     (the simulator's state file before and after) and hands over what the simulator says they
     are: the MIG device's UUID, the GPU's UUID and its /dev/nvidia<minor>."""
     node = await SimNode(tmp_path, cluster, "static-node").start(("h100-80gb:2",), STATIC_AND_WHOLE)
-    kubelet = Kubelet(node.plugin)
+    kubelet = Kubelet(present(node.plugin))
     try:
-        before = simstate.load(node.rig.dir)
+        before = simstate.load(present(node.rig).dir)
         whole_pci = sorted(before.gpus)[1]
         cluster.claim("static-mig", MIG, profile_is("3g.40gb"))
         cluster.pod("static-mig", "static-mig", node=node.name)
@@ -336,7 +342,7 @@ async def test_static_mig_and_whole_gpus_are_prepared_without_making_anything(cl
             assert (await kubelet.prepare(claim)).error == ""
             got[name] = json.loads((node.tmp / "cdi" / f"{DEFAULT_DRIVER}-claim_{claim['metadata']['uid']}.json")
                                    .read_text())["devices"][0]["containerEdits"]
-        after = simstate.load(node.rig.dir)
+        after = simstate.load(present(node.rig).dir)
         assert after.gpus == before.gpus  # nothing created or destroyed
         mig_uuids = {ci.uuid for gi in after.gpus[sorted(after.gpus)[0]].gis for ci in gi.cis}
         (env,) = [e for e in got["static-mig"]["env"] if e.startswith("NVIDIA_VISIBLE_DEVICES=")]
@@ -346,7 +352,7 @@ async def test_static_mig_and_whole_gpus_are_prepared_without_making_anything(cl
         assert {"path": f"/dev/nvidia{whole.minor}"} in got["whole"]["deviceNodes"]
         for name in ("static-mig", "whole"):
             assert (await kubelet.unprepare(cluster.get_claim(name))).error == ""
-        assert simstate.load(node.rig.dir).gpus == before.gpus
+        assert simstate.load(present(node.rig).dir).gpus == before.gpus
     finally:
         await kubelet.close()
         await node.close()
@@ -363,7 +369,7 @@ async def test_unprepare_never_touches_an_instance_made_outside_kubernetes(clust
     at = node.placement(cluster.allocated(f"{ns}-own"))
     assert not at.slices & {4, 5, 6, 7}  # what the lease holds was never offered
     claim = cluster.get_claim(f"{ns}-own")
-    kubelet = Kubelet(node.plugin)
+    kubelet = Kubelet(present(node.plugin))
     try:
         assert (await kubelet.prepare(claim)).error == ""
         assert sorted((n, pl) for n, pl, _ in sim_gis(node.rig)) == sorted(
@@ -380,21 +386,21 @@ async def test_a_vfio_claim_is_refused_while_its_group_is_not_all_on_vfio_pci(cl
     off vfio-pci after allocation, prepare answers an error naming it, writes no CDI spec and
     binds nothing (the simulator's state file)."""
     node = await SimNode(tmp_path, cluster, "vfio-off-node").start(("rtx6000-ada:1",), PASSTHROUGH)
-    kubelet = Kubelet(node.plugin)
+    kubelet = Kubelet(present(node.plugin))
     try:
         cluster.claim("vm-gpu-off", "vfio.gpud.io")
         cluster.pod("vm-off", "vm-gpu-off", node=node.name)
         cluster.allocated("vm-gpu-off")
         claim = cluster.get_claim("vm-gpu-off")
-        (gpu_pci,) = simstate.load(node.rig.dir).gpus
-        audio = next(a for a, f in simstate.load(node.rig.dir).functions.items()
+        (gpu_pci,) = simstate.load(present(node.rig).dir).gpus
+        audio = next(a for a, f in simstate.load(present(node.rig).dir).functions.items()
                      if a != gpu_pci and a.rsplit(".", 1)[0] == gpu_pci.rsplit(".", 1)[0])
-        node.rig.hw.sysfs.write("bus/pci/drivers/vfio-pci/unbind", audio)
-        await node.rig.rec.refresh_async()
+        present(node.rig).hw.sysfs.write("bus/pci/drivers/vfio-pci/unbind", audio)
+        await present(node.rig).rec.refresh_async()
         got = await kubelet.prepare(claim)
         assert audio in got.error and "not on vfio-pci" in got.error, got.error
         assert not (node.tmp / "cdi" / f"{DEFAULT_DRIVER}-claim_{claim['metadata']['uid']}.json").exists()
-        assert simstate.load(node.rig.dir).functions[audio].driver is None
+        assert simstate.load(present(node.rig).dir).functions[audio].driver is None
     finally:
         await kubelet.close()
         await node.close()

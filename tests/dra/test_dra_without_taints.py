@@ -11,6 +11,7 @@ from gpud.host.kube.dra_api import DraApi
 from gpud.host.kube.node_api import load_config
 from tests.dra.cluster import DraCluster, skips
 from tests.leases.rig import dynamic_rig
+from tests.support.present import present
 
 pytestmark = skips()
 
@@ -28,7 +29,8 @@ async def test_a_server_without_device_taints_gets_the_gpu_withdrawn(tmp_path):
         rig = await dynamic_rig(tmp_path, ("h100-80gb:2",))
         bad, good = sorted(g.pci for g in rig.rec.view().observation.gpus)
         health = XidHealth()
-        health.record(parse_xid(f"NVRM: Xid (PCI:{bad.rsplit('.', 1)[0]}): 79, x"), rig.rec.view().observation.gpus)
+        health.record(present(parse_xid(f"NVRM: Xid (PCI:{bad.rsplit('.', 1)[0]}): 79, x")),
+                      rig.rec.view().observation.gpus)
         api = DraApi("no-taints", "gpu.gpud.io", load_config(cluster.kubeconfig(tmp_path / "k")))
         driver = DraDriver(api, rig.rec.leases, rig.rec.view, state_dir=None, cdi_dir=str(tmp_path / "cdi"),
                            taints=lambda: health.taints("gpu.gpud.io"))
@@ -38,7 +40,7 @@ async def test_a_server_without_device_taints_gets_the_gpu_withdrawn(tmp_path):
         assert stored and not any(d.get("taints") for d in stored)
         pcis = {d["attributes"]["resource.kubernetes.io/pciBusID"]["string"] for d in stored}
         assert pcis == {good}
-        assert await driver.publish() == 0 and await api.publish(driver.published.slices) == 0
+        assert await driver.publish() == 0 and await api.publish(present(driver.published).slices) == 0
     finally:
         if api is not None:
             await api.close()

@@ -14,6 +14,7 @@ from gpud.model import Gpu, PciFunction
 from gpud.sim import cli as simcli
 from gpud.sim import kernel
 from gpud.sim import state as simstate
+from tests.support.present import present
 
 
 def test_a_real_nvrm_line_and_a_kmsg_record_parse():
@@ -47,7 +48,7 @@ async def test_the_simulator_logs_and_gpud_follows_each_record_once(tmp_path):
                 break
         kernel.xid(tmp_path, b, 13)
         for _ in range(60):
-            if parse_xid(got[-1]).code == 13:
+            if present(parse_xid(got[-1])).code == 13:
                 break
             await asyncio.sleep(0.5)
     finally:
@@ -55,9 +56,9 @@ async def test_the_simulator_logs_and_gpud_follows_each_record_once(tmp_path):
     # what it handed out is exactly the records logged after it started, each once, in order
     logged = [r.split(";", 1)[1] for r in simstate.load(tmp_path).kmsg]
     assert got and got == logged[len(logged) - len(got):] and len(got) < len(logged)
-    assert [x[:2] for x in map(parse_xid, got)][-1] == (b.rsplit(".", 1)[0], 13)
-    assert {parse_xid(t)[:2] for t in got[:-1]} == {(a.rsplit(".", 1)[0], 79)}
-    assert [parse_record(r)[0] for r in simstate.load(tmp_path).kmsg] == list(range(len(logged)))
+    assert [present(parse_xid(x))[:2] for x in got][-1] == (b.rsplit(".", 1)[0], 13)
+    assert {present(parse_xid(t))[:2] for t in got[:-1]} == {(a.rsplit(".", 1)[0], 79)}
+    assert [present(parse_record(r))[0] for r in simstate.load(tmp_path).kmsg] == list(range(len(logged)))
 
 
 def test_the_driver_logs_xids_only_for_its_gpus(tmp_path):
@@ -76,11 +77,11 @@ def _gpu(pci: str, driver: str | None = "nvidia", present: bool = True) -> Gpu:
 def test_marks_fatal_and_application_xids_and_forgets_them_when_the_gpu_is_initialised_afresh():
     h = XidHealth()
     g = _gpu("0000:18:00.0")
-    assert h.record(parse_xid("NVRM: Xid (PCI:0000:99:00): 79, x"), [g]) is None  # no such GPU
-    assert h.record(parse_xid("NVRM: Xid (PCI:0000:18:00): 13, x"), [g]).fatal is False
+    assert h.record(present(parse_xid("NVRM: Xid (PCI:0000:99:00): 79, x")), [g]) is None  # no such GPU
+    assert present(h.record(present(parse_xid("NVRM: Xid (PCI:0000:18:00): 13, x")), [g])).fatal is False
     assert h.taints("gpu.gpud.io") == {g.pci: ({"key": "gpu.gpud.io/xid", "value": "13", "effect": "None"},)}
-    assert h.record(parse_xid("NVRM: Xid (PCI:0000:18:00): 79, x"), [g]).fatal is True
-    assert h.record(parse_xid("NVRM: Xid (PCI:0000:18:00): 31, x"), [g]).code == 79  # not softened
+    assert present(h.record(present(parse_xid("NVRM: Xid (PCI:0000:18:00): 79, x")), [g])).fatal is True
+    assert present(h.record(present(parse_xid("NVRM: Xid (PCI:0000:18:00): 31, x")), [g])).code == 79  # not softened
     assert h.observe([g]) == [] and h.marks
     assert [m.code for m in h.observe([_gpu(g.pci, driver=None)])] == [79]  # off nvidia: forgotten
     assert h.taints("gpu.gpud.io") == {}
@@ -90,7 +91,7 @@ def test_marks_outlive_a_gpud_restart_in_the_same_boot_only(tmp_path):
     path = str(tmp_path / "state" / "dra-xids.json")
     g = _gpu("0000:18:00.0")
     h = XidHealth(path, "boot-a")
-    h.record(parse_xid("NVRM: Xid (PCI:0000:18:00): 79, x"), [g])
+    h.record(present(parse_xid("NVRM: Xid (PCI:0000:18:00): 79, x")), [g])
     assert XidHealth(path, "boot-a").taints("d") == h.taints("d") != {}  # a restarted gpud
     assert XidHealth(path, "boot-b").marks == {}  # after a reboot: initialised afresh
     assert XidHealth(path, None).marks == {}  # boot unknown: nothing claimed

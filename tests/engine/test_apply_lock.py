@@ -12,6 +12,7 @@ import sys
 import pytest
 
 from gpud.engine.apply_lock import ApplyLock, ApplyLockBusy, ApplyLockRefused
+from tests.support.present import present
 from tests.support.processes import reap
 
 # Another gpud, as far as the lock goes: flock, then its record in gpud's format.
@@ -29,7 +30,7 @@ sys.stdin.read()          # hold until the test closes our stdin
 def hold(path, record: str = "gpud pid=PID\n") -> subprocess.Popen:
     other = subprocess.Popen([sys.executable, "-c", HOLD, str(path), record], stdin=subprocess.PIPE,
                              stdout=subprocess.PIPE, text=True)
-    assert other.stdout.readline().strip() == "held"
+    assert present(other.stdout).readline().strip() == "held"
     return other
 
 
@@ -54,7 +55,7 @@ async def test_second_holder_waits_for_the_first(tmp_path):
         task, waits, entered = await first_wait_notice(ApplyLock(path))
         assert f"another gpud (pid {other.pid}) is applying" in waits[0]
         assert not entered.is_set()
-        other.stdin.close()  # the other process lets go
+        present(other.stdin).close()  # the other process lets go
         await asyncio.wait_for(task, 30)
         assert entered.is_set()
         assert path.read_bytes() == f"gpud pid={os.getpid()}\n".encode()

@@ -30,6 +30,7 @@ from gpud.sim import kernel as simkernel
 from gpud.sim import state as simstate
 from gpud.sim.state import SimProcess
 from gpud.sim.sysfs_tree import render
+from tests.support.present import present
 
 ADA = catalog.gpu_address(0)  # rtx6000-ada: GPU + HD audio companion in one IOMMU group
 ADA_AUDIO = ADA[:-1] + "1"
@@ -150,9 +151,14 @@ def test_unbind_lock_refused_means_waiting(sim):
 
 def test_unbind_lock_granted_when_idle(sim):
     sysfs, procs = adapters(sim)
-    taken = []
+    taken: list[str] = []
     real_take = procs.take_unbind_lock
-    procs.take_unbind_lock = lambda pci: taken.append(pci) or real_take(pci)
+
+    def take(pci: str) -> bool:
+        taken.append(pci)
+        return real_take(pci)
+
+    procs.take_unbind_lock = take  # the real lock, counted
     out = binder.execute(sysfs, procs, plan_binding(gpu(sysfs, H200), "vm-passthrough"), timeout=10)
     assert out.state == "converged", out
     assert taken == [H200]
@@ -179,7 +185,7 @@ def test_held_nvidia_unbind_blocks_and_becomes_stuck_without_blocking_caller(sim
     plan = plan_binding(gpu(sysfs, H200), "vm-passthrough")
     out = binder.execute(sysfs, procs, plan, timeout=0.5, check_holders=False)
     assert out.state == "stuck", out
-    assert out.stuck_pid and "unbind" in out.step and "state" in out.message
+    assert out.stuck_pid and "unbind" in present(out.step) and "state" in present(out.message)
     assert "set-override" in out.done[-1]
     # a second pass must not write to the device again
     again = binder.execute(sysfs, procs, plan_binding(gpu(sysfs, H200), "vm-passthrough"), timeout=0.5)
@@ -224,7 +230,7 @@ async def test_hang_is_stuck_while_the_event_loop_keeps_serving(sim):
 def test_stuck_writer_from_a_thread_does_not_block_other_threads(sim):
     sysfs, procs = adapters(sim)
     simkernel.hang(sim.host_dir, H200)
-    result = {}
+    result: dict[str, binder.BindOutcome] = {}
     t = threading.Thread(target=lambda: result.update(
         out=binder.execute(sysfs, procs, plan_binding(gpu(sysfs, H200), "vm-passthrough"), timeout=0.5)))
     t.start()
@@ -264,14 +270,14 @@ def test_probe_that_binds_nothing_is_caught_by_verification(sim):
     sysfs.write("bus/pci/drivers/nvidia/unbind", H200)
     out = binder.execute(sysfs, procs, plan_binding(gpu(sysfs, H200), "container"), timeout=5,
                          verify_timeout=0.2)
-    assert out.state == "failed" and "expected nvidia" in out.message and out.step.startswith("verify-driver")
+    assert out.state == "failed" and "expected nvidia" in out.message and present(out.step).startswith("verify-driver")
 
 
 def test_read_only_refuses_before_any_write(sim):
     sysfs, procs = adapters(sim, read_only=True)
     out = binder.execute(sysfs, procs, plan_binding(gpu(sysfs, H200), "vm-passthrough"), timeout=5)
     assert out.state == "failed" and "read-only" in out.message
-    assert Sysfs(str(sim.sys_root)).function(H200).driver_override is None
+    assert present(Sysfs(str(sim.sys_root)).function(H200)).driver_override is None
 
 
 def test_infeasible_plan_fails_without_touching(sim):

@@ -39,9 +39,9 @@ async def test_a_companion_no_driver_takes_is_not_converged(tmp_path):
             st.loaded_modules.remove("snd_hda_intel")
             render(rig.dir, st)
         assert await rig.apply(CONTAINER)
-        st = rig.rec.gpu_states[GPU]
+        gst = rig.rec.gpu_states[GPU]
         assert load(rig.dir).functions[AUDIO].driver is None
-        assert st.state != "converged" and AUDIO in st.message and "no driver" in st.message, st
+        assert gst.state != "converged" and AUDIO in gst.message and "no driver" in gst.message, gst
         assert clock.slept >= 10.0  # it waited out the binder's verify deadline, in no real time
     finally:
         rig.close()

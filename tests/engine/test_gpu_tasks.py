@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import AsyncIterator, Iterable
 
 from gpud.engine.gpu_tasks import NvmlSessionGate, SharedDrain, for_each_gpu
 
 
 def test_at_most_limit_gpus_run_at_once_and_all_run():
     async def main():
-        running, peak, done = 0, 0, []
+        running, peak, done = 0, 0, list[str]()
         release = asyncio.Event()
 
         async def work(pci):
@@ -83,11 +84,11 @@ def test_nvml_work_and_unbinds_exclude_each_other_while_each_kind_runs_together(
 
 
 class RecordingDrainer:
-    def __init__(self, log):
+    def __init__(self, log: list[tuple]) -> None:
         self.log = log
 
     @contextlib.asynccontextmanager
-    async def drained(self, units):
+    async def drained(self, units: Iterable[str]) -> AsyncIterator[list[str]]:
         self.log.append(("stop", tuple(units)))
         yield list(units)
         self.log.append(("start", tuple(units)))
@@ -95,7 +96,7 @@ class RecordingDrainer:
 
 def test_drained_units_stay_stopped_until_the_last_gpu_is_done():
     async def main():
-        log = []
+        log: list[tuple] = []
         drain, drainer = SharedDrain(), RecordingDrainer(log)
         first_done = asyncio.Event()
 

@@ -94,7 +94,7 @@ async def test_a_layout_taken_while_the_pass_reads_the_host_brings_its_own_hooks
     before = gpus_on_file(rig)
     new = with_hooks(layout(mig([0], {"3g.20gb": 2})), {"apply-start": cmd})
     rec, read = rig.rec, rig.rec.refresh_async
-    taken = []
+    taken: list[bool] = []
 
     async def read_then_edit(*a, **kw):
         got = await read(*a, **kw)

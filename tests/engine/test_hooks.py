@@ -7,6 +7,7 @@ import hashlib
 import os
 import select
 import stat
+from typing import Any
 
 import pytest
 
@@ -14,6 +15,7 @@ from gpud.engine.hooks import runner as hooks_mod
 from gpud.engine.hooks.runner import ApplyInfo, HookFailed, HookRunner, refresh_cdi
 from gpud.layout.parse import parse_layout
 from gpud.layout.schema import Hook, Hooks
+from tests.support.present import present
 
 
 def script(tmp_path, name: str, body: str) -> str:
@@ -24,8 +26,8 @@ def script(tmp_path, name: str, body: str) -> str:
 
 
 def info(**kw) -> ApplyInfo:
-    base = dict(layout="/etc/gpud/layout.yaml", selected="partial-mig",
-                gpus=["0000:19:00.0", "0000:3b:00.0"], mode_change=True)
+    base: dict[str, Any] = dict(layout="/etc/gpud/layout.yaml", selected="partial-mig",
+                                gpus=["0000:19:00.0", "0000:3b:00.0"], mode_change=True)
     base.update(kw)
     return ApplyInfo(**base)
 
@@ -204,13 +206,18 @@ hooks:
     assert parsed.ok, parsed.errors
     timeouts = []
     real_timeout = hooks_mod.timeout
-    monkeypatch.setattr(hooks_mod, "timeout", lambda s: timeouts.append(s) or real_timeout(s))
-    await HookRunner(parsed.layout.hooks, log=lines.append, output=lines.append).run("pre-apply-mode", info())
+
+    def timeout(s: float) -> Any:
+        timeouts.append(s)
+        return real_timeout(s)
+
+    monkeypatch.setattr(hooks_mod, "timeout", timeout)
+    await HookRunner(present(parsed.layout).hooks, log=lines.append, output=lines.append).run("pre-apply-mode", info())
     assert "pre-apply-mode hook show.sh: first V" in lines
     assert timeouts[0] == hooks_mod.DEFAULT_TIMEOUT
-    assert await HookRunner(parsed.layout.hooks, log=lines.append, output=lines.append).run("apply-exit", info()) == []
+    assert await HookRunner(present(parsed.layout).hooks, log=lines.append, output=lines.append).run("apply-exit", info()) == []
     with pytest.raises(ValueError, match="unknown hook phase 'post-apply'"):
-        await HookRunner(parsed.layout.hooks, log=lines.append, output=lines.append).run("post-apply", info())
+        await HookRunner(present(parsed.layout).hooks, log=lines.append, output=lines.append).run("post-apply", info())  # type: ignore[arg-type]  # an unknown phase, on purpose
 
 
 class FakeDrainer:

@@ -9,6 +9,7 @@ from gpud.engine.events import EventBus
 from gpud.engine.layout_keeper import LayoutKeeper
 from gpud.engine.observe.discovery import Observation
 from gpud.host.files.layout_source import MAX_LAYOUT_BYTES
+from tests.support.present import present
 
 NO_GPUS = Observation(gpus=(), functions=())
 SECRET = "root:$6$Zq9SeCrEtHaSh$abcdefghijkl:19000:0:99999:7:::\ndaemon:*:19000:0:99999:7:::\n"
@@ -104,19 +105,19 @@ async def test_a_chosen_layout_stays_in_force_across_reloads(tmp_path):
     path = tmp_path / "layout.yaml"
     path.write_text(TWO_LAYOUTS)
     k, _ = keeper(path)
-    assert await k.load_async() and k.layout.selected == "first"
-    assert await k.choose_async("second") and k.layout.selected == "second"
-    assert await k.load_async() and k.layout.selected == "second"  # a file re-read keeps the label's choice
-    assert await k.choose_async(None) and k.layout.selected == "first"
+    assert await k.load_async() and present(k.layout).selected == "first"
+    assert await k.choose_async("second") and present(k.layout).selected == "second"
+    assert await k.load_async() and present(k.layout).selected == "second"  # a file re-read keeps the label's choice
+    assert await k.choose_async(None) and present(k.layout).selected == "first"
 
 
 async def test_evaluating_a_text_honours_its_own_choice_and_leaves_the_one_in_force(tmp_path):
     path = tmp_path / "layout.yaml"
     path.write_text(TWO_LAYOUTS)
     k, _ = keeper(path)
-    assert await k.choose_async("second") and k.layout.selected == "second"
+    assert await k.choose_async("second") and present(k.layout).selected == "second"
     _, resolution, _ = await k.evaluate_async(TWO_LAYOUTS, str(path), select="second")
     assert resolution.selected == "second" and not resolution.errors
     _, refused, _ = await k.evaluate_async(TWO_LAYOUTS, str(path), select="third")
     assert refused.errors  # a name the file does not offer is an error, as for `selected`
-    assert k.layout.selected == "second"  # evaluating another text changes nothing
+    assert present(k.layout).selected == "second"  # evaluating another text changes nothing

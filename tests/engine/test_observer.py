@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from typing import Any
 
 import pytest
 
@@ -42,7 +43,7 @@ async def _entered(host: Host) -> None:
 
 
 async def test_reads_run_off_the_loop_and_concurrent_callers_share_one():
-    host, installed = Host(), []
+    host, installed = Host(), list[Any]()
     obs = _observer(host, installed)
     host.gate.clear()
     since = time.monotonic()  # five requests that arrived together
@@ -56,7 +57,7 @@ async def test_reads_run_off_the_loop_and_concurrent_callers_share_one():
 
 
 async def test_a_read_begun_before_the_request_is_not_taken_as_fresh():
-    host, installed = Host(), []
+    host, installed = Host(), list[Any]()
     obs = _observer(host, installed)
     host.gate.clear()
     first = asyncio.create_task(obs.refresh())
@@ -70,7 +71,7 @@ async def test_a_read_begun_before_the_request_is_not_taken_as_fresh():
 
 
 async def test_a_cancelled_caller_does_not_cancel_the_shared_read():
-    host, installed = Host(), []
+    host, installed = Host(), list[Any]()
     obs = _observer(host, installed)
     host.gate.clear()
     leaving = asyncio.create_task(obs.refresh())
@@ -85,7 +86,7 @@ async def test_a_cancelled_caller_does_not_cancel_the_shared_read():
 
 
 async def test_an_older_read_finishing_late_never_replaces_a_newer_observation():
-    host, installed = Host(), []
+    host, installed = Host(), list[Any]()
     obs = _observer(host, installed)
     host.gate.clear()
     slow = asyncio.create_task(obs.refresh())
@@ -104,7 +105,7 @@ async def test_an_older_read_finishing_late_never_replaces_a_newer_observation()
 
 
 async def test_background_reread_is_bounded_by_max_age_and_waits_for_hardware_steps():
-    host, installed = Host(), []
+    host, installed = Host(), list[Any]()
     busy = [False]
     obs = _observer(host, installed, max_age=3600, busy=lambda: busy[0])
     await obs.refresh()

@@ -12,6 +12,10 @@ from tests.scenarios.definitions import layout, mig
 from tests.support.simrig import SimRig
 
 
+class _Rig(SimRig):
+    asked: list[str]  # the reboots asked for, in order
+
+
 @pytest.fixture
 def rig(tmp_path, monkeypatch):
     asked: list[str] = []
@@ -26,7 +30,7 @@ def rig(tmp_path, monkeypatch):
         return True
 
     (tmp_path / "state").mkdir()
-    r = SimRig(tmp_path, ("a100-40gb:2",), state_dir=str(tmp_path / "state"), rebooter=fake_logind)
+    r = _Rig(tmp_path, ("a100-40gb:2",), state_dir=str(tmp_path / "state"), rebooter=fake_logind)
     r.asked = asked
 
     def reboot_needed(nvml, plan, **kw):

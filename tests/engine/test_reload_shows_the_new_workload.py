@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from gpud.sim import state as simstate
 from tests.scenarios.definitions import layout
+from tests.support.present import present
 from tests.support.simrig import SimRig
 
 
@@ -16,14 +17,14 @@ async def test_reload_async_resolves_the_new_layout_before_the_pass(tmp_path):
         assert await rig.apply(layout({"devices": "all", "workload": "container", "mig-enabled": False}))
         (pci,) = simstate.load(rig.dir).gpus
         assert simstate.load(rig.dir).functions[pci].driver == "nvidia"  # on the container driver
-        assert rig.rec.resolution.desired[pci].workload == "container"
+        assert present(rig.rec.resolution).desired[pci].workload == "container"
 
         rig.config.write_text(layout({"devices": "all", "workload": "vm-passthrough"}))
         assert await rig.rec.reload_async("test edit")
 
         state = rig.rec.gpu_states[pci]
         assert state.state == "pending" and "vfio-pci" in state.message
-        assert rig.rec.resolution.desired[pci].workload == "vm-passthrough"
+        assert present(rig.rec.resolution).desired[pci].workload == "vm-passthrough"
         assert simstate.load(rig.dir).functions[pci].driver == "nvidia"  # nothing applied yet
     finally:
         rig.close()

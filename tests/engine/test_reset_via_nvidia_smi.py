@@ -12,6 +12,7 @@ import textwrap
 
 from gpud.sim.state import load
 from tests.scenarios.definitions import layout, mig
+from tests.support.present import present
 from tests.support.processes import reap
 from tests.support.simrig import SimRig
 
@@ -41,8 +42,8 @@ async def test_reset_with_gpuds_own_session_open_is_refused_by_nvidia_smi(tmp_pa
     """What proves the order by behaviour: keep NVML open across the reset and the simulated
     nvidia-smi refuses ("In use by another client"), as the real one does."""
     rig = SimRig(tmp_path, ("a100-80gb",))
-    rig.hw.nvml.suspend = lambda: None  # a gpud that forgets to close its session
-    rig.hw.nvml.resume = lambda: None
+    rig.hw.nvml.suspend = lambda: None  # type: ignore[method-assign]  # a gpud that forgets to close its session
+    rig.hw.nvml.resume = lambda: None  # type: ignore[method-assign]
     try:
         assert await rig.apply(MIG_ON)
         st = rig.rec.gpu_states[GPU0]
@@ -69,13 +70,13 @@ async def test_another_processes_nvml_session_is_named_and_waited_for(tmp_path):
     p = subprocess.Popen([sys.executable, "-c", HOSTENGINE, str(rig.dir)], stdin=subprocess.PIPE,
                          stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": os.getcwd()})
     try:
-        assert p.stdout.readline().strip() == "open"
+        assert present(p.stdout).readline().strip() == "open"
         assert await rig.apply(MIG_ON)
         st = rig.rec.gpu_states[GPU0]
         assert st.state == "waiting", st.message
         assert [h.pid for h in st.holders] == [p.pid] and f"pid {p.pid}" in st.message
         assert resets(rig) == {} and p.poll() is None  # nothing reset, nothing killed
-        p.stdin.close()
+        present(p.stdin).close()
         p.wait(30)
         await rig.rec.converge()
         assert rig.rec.gpu_states[GPU0].state == "converged", rig.rec.gpu_states[GPU0].message
@@ -118,7 +119,7 @@ async def test_a_reset_that_claims_success_but_changes_nothing_asks_for_a_reboot
     inert = tmp_path / "inert-nvidia-smi"
     inert.write_text("#!/bin/sh\necho \"GPU 00000000:18:00.0 was successfully reset.\"\n")
     inert.chmod(0o755)
-    rig.hw.reset.command = [str(inert)]
+    present(rig.hw.reset).command = [str(inert)]
     try:
         assert await rig.apply(MIG_ON)
         st = rig.rec.gpu_states[GPU0]

@@ -10,6 +10,7 @@ import json
 import os
 import threading
 from types import SimpleNamespace
+from typing import cast
 
 import pytest
 
@@ -17,6 +18,7 @@ from gpud.engine.gpu_state import VgpuAction
 from gpud.engine.vgpu.keeper import RECORD_FILE, VgpuKeeper
 from gpud.host.files import safe_file
 from gpud.layout.desired import DesiredGpu
+from gpud.model import Gpu
 from gpud.plan.vgpu import plan_vgpu
 from gpud.sim.state import load
 from gpud.vgpu_types import by_device
@@ -125,7 +127,7 @@ def test_a_full_disk_during_a_vgpu_apply_says_what_was_done(tmp_path, monkeypatc
     state = tmp_path / "state"
     state.mkdir()
     keeper = VgpuKeeper(rig.vgpu, str(state))
-    gpu = SimpleNamespace(nvml=None, pci=rig.pf, index=sc.gpu)
+    gpu = cast(Gpu, SimpleNamespace(nvml=None, pci=rig.pf, index=sc.gpu))  # the fields the keeper reads
     st = load(rig.dir)
     desired = DesiredGpu(pci=rig.pf, index=sc.gpu, entry="layouts.x[0]", workload="vm-vgpu",
                          vgpu_devices={"T4-4Q": 3})

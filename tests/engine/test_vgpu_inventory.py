@@ -7,6 +7,7 @@ import xml.etree.ElementTree as ET
 
 from gpud.engine.vgpu.inventory import entry
 from gpud.model import VgpuDevice
+from tests.support.present import present
 
 
 def test_mdev_entry() -> None:
@@ -14,7 +15,7 @@ def test_mdev_entry() -> None:
     e = entry("0000:5d:00.0", 0x1EB8, dev)
     host = ET.fromstring(e.libvirt_hostdev)
     assert (host.get("type"), host.get("model")) == ("mdev", "vfio-pci")
-    assert host.find("source/address").get("uuid") == dev.uuid
+    assert present(host.find("source/address")).get("uuid") == dev.uuid
     assert e.kubevirt == {"mediatedDevices": [{"mdevNameSelector": "GRID T4-4Q", "resourceName": "nvidia.com/GRID_T4-4Q",
                                                "externalResourceProvider": True}]}
     assert e.vfio_device == "/dev/vfio/201"
@@ -26,6 +27,6 @@ def test_vf_entry() -> None:
     host = ET.fromstring(e.libvirt_hostdev)
     assert (host.get("type"), host.get("managed")) == ("pci", "no")  # the VF stays on nvidia
     addr = host.find("source/address")
-    assert (addr.get("domain"), addr.get("bus"), addr.get("slot"), addr.get("function")) == ("0x0000", "0x18", "0x00", "0x5")
+    assert (present(addr).get("domain"), present(addr).get("bus"), present(addr).get("slot"), present(addr).get("function")) == ("0x0000", "0x18", "0x00", "0x5")
     assert e.kubevirt == {"pciHostDevices": [{"pciVendorSelector": "10DE:26B9", "resourceName": "nvidia.com/NVIDIA_L40S-12Q",
                                               "externalResourceProvider": False}]}

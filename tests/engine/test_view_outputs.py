@@ -5,6 +5,7 @@ Reconciler, no host and no simulator. The expected values are written out, not c
 from __future__ import annotations
 
 from types import MappingProxyType
+from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -35,7 +36,7 @@ def _view(**kw) -> EngineView:
                                  (Holder(pid=41, name="python3", device="/dev/nvidia1"),)),
         "0000:3a:00.0": GpuState("gone", "GPU 2 left the PCI bus"),
     }
-    base = dict(observation=Observation(gpus=gpus, functions=tuple(g.function for g in gpus), gone=gone),
+    base: dict[str, Any] = dict(observation=Observation(gpus=gpus, functions=tuple(g.function for g in gpus), gone=gone),
                 resolution=None, gpu_states=MappingProxyType(states), phase="waiting", phase_now="waiting",
                 layout=None, layout_errors=(), layout_warnings=("layout.yaml:3 devices: GPU 5 is not on this host",),
                 config_path="/etc/gpud/layout.yaml", read_only=False, notes=MappingProxyType({"0000:3a:00.0": "GPU 2 gone"}),

@@ -31,6 +31,7 @@ from gpud.host.readonly import ReadOnlyError
 from gpud.sim import replay_nvml
 from tests.scenarios.definitions import layout, mig
 from tests.support.daemon import Daemon, wait_until
+from tests.support.present import present
 
 ROOT = Path(__file__).resolve().parents[2]
 CAP = ROOT / "tests" / "fixtures" / "h200-gpud-readonly"
@@ -173,7 +174,7 @@ def test_read_only_refusals_equal_the_real_runs(replay_session):
             except ReadOnlyError as e:
                 lines.append(f"{name} refused: {e}")
         g2 = nv.gpu(g.pci)
-        lines.append(f"unchanged: {before == (g2.mig_mode, g2.mig_pending, len(g2.instances))} {before}")
+        lines.append(f"unchanged: {before == (present(g2).mig_mode, present(g2).mig_pending, len(present(g2).instances))} {before}")
     finally:
         nv.close()
     assert lines == (CAP / "readonly-refusals.txt").read_text().splitlines()

@@ -12,6 +12,7 @@ from gpud.host.readonly import ReadOnlyError
 from gpud.model import Holder, Placement
 from gpud.profiles import MODELS
 from gpud.sim.state import SimFault, SimProcess, load, locked
+from tests.support.present import present
 
 GPU0, GPU1 = "0000:18:00.0", "0000:2a:00.0"
 PROBE = Path(__file__).resolve().parents[1] / "fixtures" / "h200" / "nvml-sysfs-readonly.json"
@@ -145,7 +146,7 @@ def test_processes_with_names_from_proc_then_nvml(sim_host):
     nvml = Nvml(proc_root=str(host.proc_root))
     gi = nvml.create_gpu_instance(GPU0, 19, 0)
     nvml.create_compute_instance(GPU0, gi, 0)
-    mig_uuid = nvml.gpu(GPU0).instances[0].cis[0].uuid
+    mig_uuid = present(nvml.gpu(GPU0)).instances[0].cis[0].uuid
     with locked(host.host_dir) as st:
         st.processes += [SimProcess(pid=301, name="mig-worker", device=mig_uuid),
                          SimProcess(pid=302, name="nvml-name", device=GPU1)]
@@ -168,7 +169,7 @@ def test_read_only_refuses_before_touching_nvml(sim_host):
     before = load(host.host_dir).calls
     ro = Nvml(read_only=True)
     g = ro.gpu(GPU0)
-    assert len(g.instances) == 1
+    assert len(present(g).instances) == 1
     for call in (lambda: ro.set_mig_mode(GPU0, False), lambda: ro.create_gpu_instance(GPU0, 9, 4),
                  lambda: ro.create_compute_instance(GPU0, gi, 0), lambda: ro.create_compute_instance(GPU0, gi, 0, 0),
                  lambda: ro.destroy_compute_instance(GPU0, gi, 0),

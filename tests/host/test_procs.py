@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from gpud.host.kernel.procs import Procs
+from tests.support.present import present
 from tests.support.processes import reap
 
 HOLD = "import sys; f = open(sys.argv[1], 'rb'); print('open', flush=True); sys.stdin.read()"
@@ -21,14 +22,14 @@ def test_holders_on_real_proc(tmp_path):
     child = subprocess.Popen([sys.executable, "-c", HOLD, str(dev / "nvidia7")],
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
-        assert child.stdout.readline() == "open\n"  # the file is open now
+        assert present(child.stdout).readline() == "open\n"  # the file is open now
         procs = Procs("/proc", str(dev))
         found = procs.holders(["/dev/nvidia7", "/dev/nvidiactl"])
         comm = Path(f"/proc/{child.pid}/comm").read_text().strip()
         assert [(h.pid, h.name, h.device) for h in found] == [(child.pid, comm, "/dev/nvidia7")]
         assert procs.holders(["/dev/nvidiactl"]) == []
     finally:
-        child.stdin.close()  # it exits
+        present(child.stdin).close()  # it exits
         child.wait(10)
         reap(child)
     assert Procs("/proc", str(dev)).holders(["/dev/nvidia7"]) == []

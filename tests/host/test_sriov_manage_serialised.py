@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import stat
 import threading
+from typing import Any
 
 from gpud.host.nvidia.sriov_manage import SriovManage
 
@@ -35,7 +36,7 @@ def test_vf_enabling_of_two_gpus_never_overlaps(tmp_path):
     script.chmod(script.stat().st_mode | stat.S_IXUSR)
     tool = SriovManage(str(script))
     pfs = ["0000:18:00.0", "0000:2a:00.0"]
-    results = {}
+    results: dict[str, Any] = {}
     threads = [threading.Thread(target=lambda p=p: results.__setitem__(p, tool.enable(p))) for p in pfs]
     for t in threads:
         t.start()

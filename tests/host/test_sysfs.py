@@ -10,14 +10,19 @@ import pytest
 
 from gpud.host.kernel.sysfs import Sysfs, SysfsError
 from gpud.host.readonly import ReadOnlyError
+from tests.support.present import present
 from tests.support.sim_kernel_host import GPU, make_host
 
 
 def test_read_only_refuses_before_touching_anything(tmp_path):
     d = make_host(tmp_path)
-    calls = []
-    s = Sysfs(os.path.join(d, "sys"), read_only=True, store=lambda p, b: calls.append(p),
-              modprobe=lambda n: calls.append(n))
+    calls: list[str] = []
+
+    def store(path: str, data: bytes) -> int:
+        calls.append(path)
+        return len(data)
+
+    s = Sysfs(os.path.join(d, "sys"), read_only=True, store=store, modprobe=calls.append)
     with pytest.raises(ReadOnlyError, match="read-only mode: refusing sysfs write"):
         s.write(f"bus/pci/devices/{GPU}/driver_override", "vfio-pci")
     with pytest.raises(ReadOnlyError):
@@ -25,7 +30,7 @@ def test_read_only_refuses_before_touching_anything(tmp_path):
     with pytest.raises(ReadOnlyError):
         s.load_module("vfio-pci")
     assert calls == []
-    assert s.function(GPU).driver == "nvidia"  # reading still works
+    assert present(s.function(GPU)).driver == "nvidia"  # reading still works
 
 
 def test_real_write_is_one_os_write(tmp_path, monkeypatch):
@@ -34,7 +39,12 @@ def test_real_write_is_one_os_write(tmp_path, monkeypatch):
     target.write_bytes(b"")
     writes = []
     real_write = os.write
-    monkeypatch.setattr(os, "write", lambda fd, data: writes.append(data) or real_write(fd, data))
+
+    def write(fd: int, data: bytes) -> int:
+        writes.append(data)
+        return real_write(fd, data)
+
+    monkeypatch.setattr(os, "write", write)
     Sysfs(str(tmp_path)).write("bus/pci/drivers_probe", GPU)
     assert writes == [GPU.encode()] and target.read_bytes() == GPU.encode()
 
@@ -63,7 +73,7 @@ def test_stuck_driver_override_read_does_not_block(tmp_path):
     for driver_override, whose open() blocks until a writer appears."""
     d = make_host(tmp_path)
     s = Sysfs(os.path.join(d, "sys"), lock_timeout=0.05)
-    assert s.function(GPU).driver_override is None  # seen once
+    assert present(s.function(GPU)).driver_override is None  # seen once
     path = os.path.join(d, "sys/devices/pci0000:00", GPU, "driver_override")
     os.unlink(path)
     os.mkfifo(path)
@@ -82,4 +92,4 @@ def test_stuck_driver_override_read_does_not_block(tmp_path):
     os.unlink(path)
     with open(path, "w") as f:
         f.write("vfio-pci\n")
-    assert s.function(GPU).driver_override == "vfio-pci" and s.stuck == set()
+    assert present(s.function(GPU)).driver_override == "vfio-pci" and s.stuck == set()

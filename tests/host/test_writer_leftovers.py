@@ -12,6 +12,7 @@ import textwrap
 import time
 
 from gpud.host.kernel import deadline_write, writer_leftovers
+from tests.support.present import present
 from tests.support.processes import reap
 
 PCI = "0000:fc:00.0"  # an address no other test uses: the stuck registry is per process
@@ -52,7 +53,7 @@ def test_a_helper_dies_with_a_daemon_killed_by_sigkill(tmp_path):
         threading.Event().wait()
         """)], stdout=subprocess.PIPE, text=True)
     try:
-        assert daemon.stdout.readline().startswith("stuck")
+        assert present(daemon.stdout).readline().startswith("stuck")
         helpers = _helpers(root)
         assert len(helpers) == 1  # alive after its starting thread ended
         pid = helpers[0][0]

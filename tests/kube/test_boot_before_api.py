@@ -10,6 +10,7 @@ import pytest
 
 from tests.support.daemon import Daemon, wait_until
 from tests.support.kube_cluster import NODE, EmulatorThread, write_kubeconfig
+from tests.support.present import present
 
 pytestmark = pytest.mark.daemon
 
@@ -40,7 +41,7 @@ def test_the_labels_layout_is_rebuilt_after_a_reboot_with_the_api_server_down(tm
     d = Daemon(tmp_path / "d", ["h100-80gb:2"], LAYOUT, ["--kube-node", NODE, "--kubeconfig", kubeconfig,
                                                          "--nfd-features", str(tmp_path / "none" / "gpud")])
     try:
-        wait_until(lambda: emu.read(lambda: emu.api.get("nodes", NODE)["metadata"]["labels"]).get(STATE) == "success",
+        wait_until(lambda: emu.read(lambda: present(emu.api.get("nodes", NODE))["metadata"]["labels"]).get(STATE) == "success",
                    timeout=120, what="partial-mig applied")
         assert _gis(d) == [9, 19, 19, 19, 19]
     finally:

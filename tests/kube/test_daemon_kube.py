@@ -9,6 +9,7 @@ read the way nfd-worker reads it, and the device plugins' naming rules.
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import pytest
 
@@ -72,6 +73,8 @@ def cluster(request, tmp_path):
     """The node on the API emulator or on a real kube-apiserver (gpud as the documented
     ServiceAccount), the DaemonSet controller stand-in running on it; yields (view, kubeconfig)."""
     seed = {DP: "true", GFD: "true", DCGM: "true", SANDBOX_DP: "true", CONFIG: "whole"}
+    view: RealNode | KmockNode
+    loop: LoopThread | EmulatorThread
     if request.param == "real":
         server = request.getfixturevalue("real_server")
         view = RealNode(server, tmp_path, NODE)
@@ -82,7 +85,7 @@ def cluster(request, tmp_path):
         emu.call(emu.api.put_object("nodes", {"metadata": {"name": NODE, "labels": seed}}))
         kubeconfig = admin = write_kubeconfig(tmp_path / "kubeconfig", emu.url)
         view, loop = KmockNode(emu, kubeconfig, NODE), emu
-    holder = {}
+    holder: dict[str, Any] = {}
 
     async def start_controller():
         holder["client"] = client_for(admin)
@@ -98,7 +101,7 @@ def cluster(request, tmp_path):
         yield view, kubeconfig
     finally:
         loop.call(stop_controller())
-        if request.param == "real":
+        if isinstance(view, RealNode):
             view.close()
             loop.close()
             # every request gpud made was allowed by the documented role

@@ -57,11 +57,13 @@ def requests_in(module: str) -> set[tuple[str, str, str]]:
 
     out = set()
     for node in ast.walk(tree):
-        f = node.func if isinstance(node, ast.Call) else None
+        if not isinstance(node, ast.Call):
+            continue
+        f = node.func
         if (isinstance(f, ast.Attribute) and isinstance(f.value, ast.Attribute) and f.value.attr == "_client"
                 and f.attr in VERB):
-            cls = resource_of(node.args[0])  # type: ignore[union-attr]
-            out.add((cls._api_info.resource.group, cls._api_info.plural, VERB[f.attr]))
+            info = resource_of(node.args[0])._api_info  # type: ignore[attr-defined]  # lightkube's resource classes
+            out.add((info.resource.group, info.plural, VERB[f.attr]))
     return out
 
 
@@ -225,9 +227,9 @@ def test_real_apiserver_accepts_each_manifest_in_a_dry_run(real_server, path):
         url = API_PATHS[d["kind"]].format(ns=d["metadata"].get("namespace")) + "?dryRun=All&fieldValidation=Strict"
         try:
             got = real_server.admin("POST", url, d)
-        except urllib.error.HTTPError as e:
-            with e:
-                pytest.fail(f"{path}: {d['kind']} refused: {e.code} {e.read().decode()[:500]}")
+        except urllib.error.HTTPError as err:
+            with err:
+                pytest.fail(f"{path}: {d['kind']} refused: {err.code} {err.read().decode()[:500]}")
         assert got["kind"] == d["kind"] and got["metadata"]["name"] == d["metadata"]["name"]
         with pytest.raises(urllib.error.HTTPError) as e:  # dry run: nothing was stored
             real_server.admin("GET", API_PATHS[d["kind"]].format(ns=d["metadata"].get("namespace"))

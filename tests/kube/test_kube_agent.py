@@ -147,7 +147,7 @@ async def test_stale_patch_gets_409_and_a_concurrent_false_is_kept(cluster):
     api, kubeconfig = cluster
     await _node(api, {**BASE_LABELS, MIG_CONFIG: "partial-mig"})
     engine = EngineStandIn(api, {"partial-mig": Impact(changed=("0000:18:00.0",), container=("0000:18:00.0",))})
-    raced = []
+    raced: list[str] = []
 
     async def admin_turns_dcgm_off(verb, plural, name, body):
         meta = (body or {}).get("metadata", {}) if isinstance(body, dict) else {}

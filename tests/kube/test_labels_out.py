@@ -14,6 +14,7 @@ from gpud.host.kernel.sysfs import Sysfs
 from gpud.host.nvidia.nvml import Nvml
 from gpud.layout.match import DEFAULT_MATCH
 from tests.support.nfd import nfd_read
+from tests.support.present import present
 
 # Written out by hand (mig.config.state's values: success | pending | failed), not derived from the code.
 _CASES = [
@@ -69,7 +70,7 @@ def test_without_nfd_directory_nothing_is_written(sim_host, tmp_path):
     out = LabelsOut(str(tmp_path / "absent" / "gpud"))
     out.write(out.inputs(gpus, workloads={}, layout=None, state="pending", versions=Versions()))
     assert out.last_result == "no-directory" and not (tmp_path / "absent").exists()
-    assert out.last.labels["nvidia.com/gpud.layout.state"] == "pending"
+    assert present(out.last).labels["nvidia.com/gpud.layout.state"] == "pending"
 
 
 def test_unknown_label_set_is_refused():

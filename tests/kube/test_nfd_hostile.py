@@ -13,6 +13,7 @@ from gpud.api import replies
 from gpud.cli.render import render_labels
 from gpud.engine.kube.node_labels_out import LabelsOut
 from gpud.host.kube import nfd
+from tests.support.present import present
 
 LABELS = {"nvidia.com/gpu.count": "8", "nvidia.com/gpud.layout.state": "success"}
 
@@ -71,7 +72,7 @@ def test_labels_never_show_a_file_gpud_did_not_write(tmp_path):
     (d / "gpud").write_text("planted=1\n")
     os.chown(d / "gpud", 65534, 65534)
     reply = replies.labels_reply(LabelsOut(str(d / "gpud")))
-    assert reply.file is None and "uid 65534" in reply.file_refused
+    assert reply.file is None and "uid 65534" in present(reply.file_refused)
 
 
 def test_the_pass_replaces_a_link_at_the_path_without_writing_through_it(tmp_path):
@@ -94,6 +95,6 @@ def test_a_world_writable_features_directory_is_refused_with_the_reason(tmp_path
     from gpud.plan.node_labels import LabelInputs
     out.write(LabelInputs(gpus=(), driver_version=None, cuda_driver_version=None, compute={}, workloads={},
                           layout=None, state="success", mig_strategy="mixed"))
-    assert out.last_result.startswith("error: ") and "not sticky" in out.last_result
+    assert present(out.last_result).startswith("error: ") and "not sticky" in present(out.last_result)
     assert any("not sticky" in m for m in events)
     assert os.listdir(d) == []

@@ -16,6 +16,7 @@ import yaml
 from gpud.layout import parse_layout
 from gpud.layout.schema import ALL_DISABLED, DeviceEntry
 from tests.support.operator_fixtures import CONFIGS, FIXTURES, WITHOUT_ALL_DISABLED
+from tests.support.present import present
 
 
 @pytest.mark.parametrize("name", CONFIGS)
@@ -30,14 +31,14 @@ def test_nvidias_configmap_without_selected_is_refused_without_a_label_and_loads
 
     kube = parse_layout(text, name, label_selects=True)
     assert kube.ok, [str(e) for e in kube.errors]
-    assert kube.layout.selected is None  # nothing in force until a label selects
-    assert list(kube.layout.layouts) == offered
+    assert present(kube.layout).selected is None  # nothing in force until a label selects
+    assert list(present(kube.layout).layouts) == offered
     for label in offered:  # every value of nvidia.com/mig.config the operator's users may set
         chosen = parse_layout(text, name, select=label, label_selects=True)
-        assert chosen.ok and chosen.layout.selected == label, label
+        assert chosen.ok and present(chosen.layout).selected == label, label
     # the file's own all-disabled stays the file's
     file_all_disabled = yaml.safe_load(text)["mig-configs"]["all-disabled"]
-    assert [e.mig_enabled for e in kube.layout.layouts["all-disabled"]] == [d["mig-enabled"] for d in file_all_disabled]
+    assert [e.mig_enabled for e in present(kube.layout).layouts["all-disabled"]] == [d["mig-enabled"] for d in file_all_disabled]
 
 
 def test_all_disabled_exists_under_kube_even_when_the_file_lacks_it():
@@ -46,8 +47,8 @@ def test_all_disabled_exists_under_kube_even_when_the_file_lacks_it():
     assert not plain.ok and "all-disabled" in str(plain.errors[0])
     kube = parse_layout(WITHOUT_ALL_DISABLED, select="all-disabled", label_selects=True)
     assert kube.ok, [str(e) for e in kube.errors]
-    assert kube.layout.selected == "all-disabled"
-    assert kube.layout.entries == ALL_DISABLED == (DeviceEntry(devices="all", workload="container", mig_enabled=False),)
+    assert present(kube.layout).selected == "all-disabled"
+    assert present(kube.layout).entries == ALL_DISABLED == (DeviceEntry(devices="all", workload="container", mig_enabled=False),)
 
 
 def test_a_name_neither_in_the_file_nor_all_disabled_is_still_an_error():

@@ -164,7 +164,7 @@ async def test_another_writer_during_a_pass_gets_409_and_its_false_is_kept(real_
     node = real_node
     _seed(node, {**BASE_LABELS, MIG_CONFIG: "partial-mig"})
     engine = RealEngine(node, {"partial-mig": CHANGE})
-    raced = []
+    raced: list[str] = []
 
     class RacedApi(KubeApi):
         async def patch_labels(self, labels, *, resource_version=None):

@@ -275,8 +275,8 @@ async def test_item7_failure_is_an_event_and_an_annotation_on_the_real_node(real
     engine = _failing_engine(node)
     agent = _agent(node.kubeconfig, engine)
     async with running(agent):
-        await until_true(lambda: node.labels().get(MIG_STATE) == "failed" and _describe_events(real_server, NODE, uid)
-                          and LAST_ERROR in _annotations(real_server), "the failure recorded")
+        await until_true(lambda: bool(node.labels().get(MIG_STATE) == "failed" and _describe_events(real_server, NODE, uid)
+                                      and LAST_ERROR in _annotations(real_server)), "the failure recorded")
         (event,) = _describe_events(real_server, NODE, uid)
         assert event["type"] == "Warning" and event["reason"] == "GPULayoutFailed"
         assert event["metadata"]["namespace"] == "default" and event["source"]["component"] == "gpud"

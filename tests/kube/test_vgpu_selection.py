@@ -30,6 +30,7 @@ from tests.support.kube_agent import (
     running,
 )
 from tests.support.kube_cluster import NODE, until
+from tests.support.present import present
 
 CHANGE = Impact(changed=("0000:18:00.0",), sandbox=("0000:18:00.0",))
 
@@ -52,7 +53,7 @@ def test_selection(labels, layouts, layout, states):
 
 def test_two_names_neither_all_disabled_are_an_error():
     got = selection({MIG_CONFIG: "a", VGPU_CONFIG: "b"})
-    assert got.layout is None and "name different layouts" in got.error
+    assert got.layout is None and "name different layouts" in present(got.error)
     assert selection({WORKLOAD_CONFIG: "vm-vgpu"}, layouts=("default",), default_vgpu=None) == Selection(None, ())
 
 

@@ -17,6 +17,7 @@ from tests.support.daemon import Daemon, wait_until
 from tests.support.kube_cluster import NODE, EmulatorThread, write_kubeconfig
 from tests.support.operator_fixtures import PASSTHROUGH_SERVED
 from tests.support.operator_fixtures import WORKLOAD_LAYOUT as LAYOUT
+from tests.support.present import present
 
 WORKLOAD = "nvidia.com/gpu.workload.config"
 CONFIG, STATE = "nvidia.com/mig.config", "nvidia.com/mig.config.state"
@@ -57,7 +58,7 @@ def test_daemon_sets_the_workload_config_and_says_what_a_mixed_layout_leaves_uns
                                                              "--nfd-features", str(tmp_path / "none" / "gpud")])
 
         def labels():
-            return emu.read(lambda: emu.api.get("nodes", NODE)["metadata"]["labels"])
+            return emu.read(lambda: present(emu.api.get("nodes", NODE))["metadata"]["labels"])
 
         def relabel(value):
             emu.call(emu.api.put_object("nodes", {"metadata": {"name": NODE, "labels": {CONFIG: value}}}))

@@ -7,6 +7,7 @@ import pytest
 from gpud.layout import check_text, parse_layout
 from tests.support.example_layout import EXAMPLE, uncommented
 from tests.support.gpus import host
+from tests.support.present import present
 
 
 def test_as_shipped_changes_nothing() -> None:
@@ -14,7 +15,7 @@ def test_as_shipped_changes_nothing() -> None:
     r = check_text(EXAMPLE.read_text(), str(EXAMPLE), gpus)
     assert r.ok and r.desired == {} and r.selected == "as-is"
     assert [w.message for w in r.warnings] == [
-        f"GPU {g.index} ({g.pci}, {g.nvml.name}) is not in layout as-is; left untouched" for g in gpus]
+        f"GPU {g.index} ({g.pci}, {present(g.nvml).name}) is not in layout as-is; left untouched" for g in gpus]
     assert r.layout is not None and r.layout.hooks.apply_exit == ()
 
 
@@ -23,9 +24,9 @@ def test_commented_examples_are_valid(layout: str) -> None:
     text = uncommented()
     parsed = parse_layout(text, select=layout)
     assert parsed.ok, [str(e) for e in parsed.errors]
-    assert set(parsed.layout.layouts) == {"as-is", "partial-mig", "vms-and-containers", "vgpu", "all-1g"}
-    assert len(parsed.layout.match) == 2
-    assert parsed.layout.hooks.apply_start and parsed.layout.hooks.apply_exit
+    assert set(present(parsed.layout).layouts) == {"as-is", "partial-mig", "vms-and-containers", "vgpu", "all-1g"}
+    assert len(present(parsed.layout).match) == 2
+    assert present(parsed.layout).hooks.apply_start and present(parsed.layout).hooks.apply_exit
 
 
 def test_partial_mig_example_on_h100_host(h100x8) -> None:

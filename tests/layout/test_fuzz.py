@@ -12,6 +12,7 @@ from gpud.layout import check_text, parse_layout, yaml_reader
 from gpud.layout.parse import ENTRY_KEYS, HOOK_KEYS, MATCH_KEYS, POLICY_KEYS, TOP_KEYS
 from gpud.layout.schema import HOOK_PHASES
 from tests.support.gpus import host, make_gpu
+from tests.support.present import present
 
 GPUS = host("h100-80gb", "h200", "l40s") + [make_gpu("a100-40gb", 3, nvml=False)]
 KEYS = sorted({*TOP_KEYS, *ENTRY_KEYS, *MATCH_KEYS, *POLICY_KEYS, *HOOK_KEYS, *HOOK_PHASES,
@@ -111,7 +112,7 @@ def test_near_valid_layouts(doc: dict) -> None:
     _check_issues(text)
     res = check_text(text, "f.yaml", GPUS)
     if res.ok:
-        entries = res.layout.entries
+        entries = present(res.layout).entries
         assert all(d.entry.startswith(f"layouts.{res.selected}[") for d in res.desired.values())
         assert len(res.desired) + sum("left untouched" in w.message for w in res.warnings) == len(GPUS) or not entries
     for issue in res.errors:

@@ -7,6 +7,7 @@ from gpud.layout.parse import parse_layout
 from gpud.layout.schema import MatchRule
 from gpud.model import PciFunction
 from gpud.pci import pci_sort_key
+from tests.support.present import present
 
 
 def fn(address: str, vendor: int = 0x10DE, device: int = 0x2335, cls: int = 0x030200) -> PciFunction:
@@ -84,7 +85,7 @@ def test_pci_sort_key_is_numeric() -> None:
 
 def test_match_from_a_file() -> None:
     p = parse_layout('version: v1\nlayouts: {a: []}\nmatch:\n  - {vendor: "0x10de", device: "0x26b1"}\n')
-    assert [f.address for f in managed(HOST, p.layout.match)] == ["0000:3b:00.0"]
+    assert [f.address for f in managed(HOST, present(p.layout).match)] == ["0000:3b:00.0"]
 
 
 def test_malformed_address_is_not_managed() -> None:

@@ -6,6 +6,7 @@ import pytest
 
 from gpud.layout import check_text, parse_layout
 from tests.support.gpus import host
+from tests.support.present import present
 
 # NVIDIA's default mig-parted config, abridged: same keys, same forms (`mig-configs`, unquoted and
 # quoted names, device-filter lists in mig-parted's 0xDEVICEVENDOR form, `mig-devices: {}`).
@@ -105,11 +106,11 @@ CONFIGS = ["all-disabled", "all-enabled", "all-1g.5gb", "all-1g.5gb.me", "all-1g
 def test_loads_unchanged() -> None:
     p = parse_layout(MIG_PARTED, "config.yaml", select="all-balanced")
     assert p.ok, [str(e) for e in p.errors]
-    assert p.layout.layouts_key == "mig-configs"
-    assert list(p.layout.layouts) == CONFIGS
-    assert p.layout.selected == "all-balanced"
+    assert present(p.layout).layouts_key == "mig-configs"
+    assert list(present(p.layout).layouts) == CONFIGS
+    assert present(p.layout).selected == "all-balanced"
     assert p.line('mig-configs."all-1g.10gb"[1]') == 34
-    assert p.layout.layouts["all-3g.40gb"][0].mig_devices == {"3g.40gb": 2}
+    assert present(p.layout).layouts["all-3g.40gb"][0].mig_devices == {"3g.40gb": 2}
 
 
 def test_without_a_choice_selected_is_required() -> None:
@@ -128,7 +129,7 @@ def test_choice_not_in_file() -> None:
 
 def test_choice_overrides_the_file() -> None:
     p = parse_layout("version: v1\nselected: a\nlayouts:\n  a: []\n  b: []\n", select="b")
-    assert p.ok and p.layout.selected == "b"
+    assert p.ok and present(p.layout).selected == "b"
 
 
 def test_all_balanced_on_a_mixed_host() -> None:

@@ -12,6 +12,7 @@ from gpud.layout.names import (
     sorted_names,
 )
 from gpud.profiles import MODELS
+from tests.support.present import present
 
 H100 = MODELS["h100-80gb"].profiles
 H200 = MODELS["h200"].profiles
@@ -53,28 +54,28 @@ def test_parse_invalid(name: str) -> None:
 
 
 def test_parse_non_str_is_none() -> None:
-    assert parse_mig_name(5) is None  # type: ignore[arg-type]
+    assert parse_mig_name(5) is None  # a non-str, on purpose
 
 
 def test_gi_name() -> None:
-    assert parse_mig_name("1c.3g.40gb").gi_name == "3g.40gb"
-    assert parse_mig_name("1g.10gb+me").gi_name == "1g.10gb+me"
+    assert present(parse_mig_name("1c.3g.40gb")).gi_name == "3g.40gb"
+    assert present(parse_mig_name("1g.10gb+me")).gi_name == "1g.10gb+me"
 
 
 def test_find_profile_gi_only() -> None:
-    profile, ci = find_profile("3g.71gb", H200)
+    profile, ci = present(find_profile("3g.71gb", H200))
     assert (profile.id, profile.name, ci) == (9, "3g.71gb", None)
-    profile, ci = find_profile("1g.18gb+me", H200)
+    profile, ci = present(find_profile("1g.18gb+me", H200))
     assert (profile.id, ci) == (20, None)
-    assert find_profile("1g.35gb", H200)[0].id == 15
+    assert present(find_profile("1g.35gb", H200))[0].id == 15
 
 
 def test_find_profile_with_ci() -> None:
-    profile, ci = find_profile("1c.3g.40gb", H100)
+    profile, ci = present(find_profile("1c.3g.40gb", H100))
     assert profile.id == 9 and ci is not None and (ci.slices, ci.id) == (1, 0)
-    profile, ci = find_profile("3c.3g.40gb", H100)
+    profile, ci = present(find_profile("3c.3g.40gb", H100))
     assert ci is not None and ci.slices == 3
-    profile, ci = find_profile("4c.7g.80gb", H100)
+    profile, ci = present(find_profile("4c.7g.80gb", H100))
     assert profile.id == 0 and ci is not None and ci.id == 3
 
 
@@ -87,7 +88,7 @@ def test_find_profile_per_model() -> None:
     """mig-parted #157: one name, resolved against each model's own table."""
     assert find_profile("1g.10gb", H100) is not None
     assert find_profile("1g.10gb", H200) is None
-    assert find_profile("1g.10gb", A100_40)[0].id == 15  # the A100-40GB's double-memory 1g
+    assert present(find_profile("1g.10gb", A100_40))[0].id == 15  # the A100-40GB's double-memory 1g
     assert find_profile("1g.10gb", ()) is None
     assert find_profile("not a name", H100) is None
 
@@ -98,7 +99,7 @@ def test_sorted_names() -> None:
 
 
 def test_ci_names() -> None:
-    four_g = find_profile("4g.40gb", H100)[0]
+    four_g = present(find_profile("4g.40gb", H100))[0]
     assert ci_names(four_g) == ["1c.4g.40gb", "2c.4g.40gb", "4c.4g.40gb"]
 
 

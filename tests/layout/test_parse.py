@@ -20,6 +20,7 @@ from gpud.layout.schema import (
 )
 from gpud.layout.yaml_reader import key_path
 from gpud.pci import normalize_pci
+from tests.support.present import present
 
 
 def parse(text: str, file: str = "layout.yaml") -> ParsedLayout:
@@ -122,12 +123,12 @@ def test_minimal_defaults() -> None:
 
 def test_null_layout_is_empty() -> None:
     p = parse("version: v1\nlayouts:\n  nothing:\n")
-    assert p.ok and p.layout.layouts == {"nothing": ()}
+    assert p.ok and present(p.layout).layouts == {"nothing": ()}
 
 
 def test_null_optional_sections_mean_defaults() -> None:
     p = parse("version: v1\nselected:\nlayouts: {a: []}\nmatch:\npolicy:\nhooks:\n")
-    assert p.ok and p.layout.selected == "a" and p.layout.match == DEFAULT_MATCH
+    assert p.ok and present(p.layout).selected == "a" and present(p.layout).match == DEFAULT_MATCH
 
 
 # -- YAML-level problems -------------------------------------------------------------------------
@@ -281,7 +282,7 @@ def test_empty_layout_name() -> None:
 
 
 def test_selected_one_layout_is_implicit() -> None:
-    assert parse("version: v1\nmig-configs:\n  only: []\n").layout.selected == "only"
+    assert present(parse("version: v1\nmig-configs:\n  only: []\n").layout).selected == "only"
 
 
 def test_selected_required_with_several() -> None:
@@ -307,7 +308,7 @@ def test_selected_names_an_invalid_layout_reports_only_the_layout() -> None:
 
 def test_selected_numeric_name() -> None:
     p = parse("version: v1\nselected: 1\nlayouts:\n  1: []\n  2: []\n")
-    assert p.ok and p.layout.selected == "1"
+    assert p.ok and present(p.layout).selected == "1"
 
 
 def test_selected_with_mig_configs_message_uses_that_word() -> None:
@@ -343,7 +344,7 @@ def test_devices_missing() -> None:
 
 def test_devices_all() -> None:
     p = parse(entry("- devices: all"))
-    assert p.ok and p.layout.entries == (DeviceEntry(devices="all"),)
+    assert p.ok and present(p.layout).entries == (DeviceEntry(devices="all"),)
 
 
 @pytest.mark.parametrize(("value", "got"), [("0", "0"), ("ALL", '"ALL"'), ("{}", "a mapping"), ('"0"', '"0"')])
@@ -371,7 +372,7 @@ def test_selectors_normalised() -> None:
     """)
     p = parse(text)
     assert p.ok, p.errors
-    assert p.layout.entries[0].devices == (
+    assert present(p.layout).entries[0].devices == (
         0, 7, "0000:3b:00.0", "0000:5e:00.0", "0000:00:01.0", "10000:e1:00.0",
         "GPU-0c1e3b9a-1234-5678-9abc-def012345678", 3)
 
@@ -435,7 +436,7 @@ def test_device_filter_forms() -> None:
     """)
     p = parse(text)
     assert p.ok, p.errors
-    assert [e.device_filter for e in p.layout.entries] == [
+    assert [e.device_filter for e in present(p.layout).entries] == [
         (PciId(0x10DE, 0x2330),),
         (PciId(0x10DE, 0x2335),),
         (PciId(0x10DE, 0x2331), PciId(0x10DE, 0x2321), PciId(0x10DE, 0x2330)),
@@ -444,7 +445,7 @@ def test_device_filter_forms() -> None:
 
 def test_device_filter_dedupes() -> None:
     p = parse(entry('- devices: all\n  device-filter: ["10de:2330", "0x233010DE"]'))
-    assert p.layout.entries[0].device_filter == (PciId(0x10DE, 0x2330),)
+    assert present(p.layout).entries[0].device_filter == (PciId(0x10DE, 0x2330),)
 
 
 @pytest.mark.parametrize(
@@ -479,11 +480,11 @@ def test_device_filter_empty_list() -> None:
 @pytest.mark.parametrize("workload", ["container", "vm-passthrough", "vm-vgpu"])
 def test_workloads(workload: str) -> None:
     p = parse(entry(f"- devices: all\n  workload: {workload}"))
-    assert p.ok and p.layout.entries[0].workload == workload
+    assert p.ok and present(p.layout).entries[0].workload == workload
 
 
 def test_workload_default_is_container() -> None:
-    assert parse(entry("- devices: all")).layout.entries[0].workload == "container"
+    assert present(parse(entry("- devices: all")).layout).entries[0].workload == "container"
 
 
 def test_workload_unknown() -> None:
@@ -495,11 +496,11 @@ def test_workload_unknown() -> None:
 def test_mig_enabled_yaml_booleans(value: str, expected: bool) -> None:
     extra = "\n  mig-devices: {}" if expected else ""
     p = parse(entry(f"- devices: all\n  mig-enabled: {value}{extra}"))
-    assert p.ok and p.layout.entries[0].mig_enabled is expected
+    assert p.ok and present(p.layout).entries[0].mig_enabled is expected
 
 
 def test_mig_enabled_absent_is_none() -> None:
-    assert parse(entry("- devices: all")).layout.entries[0].mig_enabled is None
+    assert present(parse(entry("- devices: all")).layout).entries[0].mig_enabled is None
 
 
 def test_mig_enabled_not_bool() -> None:
@@ -517,7 +518,7 @@ def test_mig_enabled_true_needs_mig_devices() -> None:
 
 def test_mig_enabled_true_with_empty_mig_devices_is_mig_parted_all_enabled() -> None:
     p = parse(entry("- devices: all\n  mig-enabled: true\n  mig-devices: {}"))
-    assert p.ok and p.layout.entries[0] == DeviceEntry(devices="all", mig_enabled=True, mig_devices={})
+    assert p.ok and present(p.layout).entries[0] == DeviceEntry(devices="all", mig_enabled=True, mig_devices={})
 
 
 def test_mig_enabled_false_forbids_mig_devices() -> None:
@@ -533,12 +534,12 @@ def test_mig_devices_without_mig_enabled() -> None:
 
 def test_mig_devices_zero_counts_are_dropped() -> None:
     p = parse(entry('- devices: all\n  mig-enabled: true\n  mig-devices: {"1g.10gb": 0, "3g.40gb": 1}'))
-    assert p.ok and p.layout.entries[0].mig_devices == {"3g.40gb": 1}
+    assert p.ok and present(p.layout).entries[0].mig_devices == {"3g.40gb": 1}
 
 
 def test_mig_devices_names_kept_as_written() -> None:
     p = parse(entry('- devices: all\n  mig-enabled: true\n  mig-devices: {"1c.3g.40gb": 3, 1g.10gb+me: 1}'))
-    assert p.ok and p.layout.entries[0].mig_devices == {"1c.3g.40gb": 3, "1g.10gb+me": 1}
+    assert p.ok and present(p.layout).entries[0].mig_devices == {"1c.3g.40gb": 3, "1g.10gb+me": 1}
 
 
 def test_mig_device_name_syntax() -> None:
@@ -568,7 +569,7 @@ def test_vm_passthrough_with_mig() -> None:
 
 def test_vgpu_devices() -> None:
     p = parse(entry('- devices: all\n  workload: vm-vgpu\n  vgpu-devices: {"H200X-1-18C": 4, A100-4C: 0}'))
-    assert p.ok and p.layout.entries[0].vgpu_devices == {"H200X-1-18C": 4}
+    assert p.ok and present(p.layout).entries[0].vgpu_devices == {"H200X-1-18C": 4}
 
 
 def test_vgpu_devices_need_vm_vgpu() -> None:
@@ -639,8 +640,8 @@ def test_aliases_and_merge_keys() -> None:
     """
     p = parse(text)
     assert p.ok, p.errors
-    assert [e.devices for e in p.layout.entries] == [(0,), (1,), (2,)]
-    assert all(e.mig_devices == {"3g.40gb": 2} for e in p.layout.entries)
+    assert [e.devices for e in present(p.layout).entries] == [(0,), (1,), (2,)]
+    assert all(e.mig_devices == {"3g.40gb": 2} for e in present(p.layout).entries)
 
 
 def test_merge_of_non_mapping() -> None:
@@ -669,7 +670,7 @@ def test_match_forms() -> None:
     """
     p = parse(text)
     assert p.ok, p.errors
-    assert p.layout.match == (
+    assert present(p.layout).match == (
         MatchRule(0x10DE, None, 0x0302), MatchRule(0x10DE, None, 0x0300), MatchRule(0x10DE, 0x2335, None))
 
 
@@ -714,7 +715,7 @@ def test_policy_values() -> None:
     """
     p = parse(text)
     assert p.ok, p.errors
-    assert p.layout.policy == Policy(
+    assert present(p.layout).policy == Policy(
         drain_units=("nvidia-dcgm.service", "dcgm-exporter.service", "kubelet.service", "foo@bar.service", "x.socket"),
         on_busy="fail", reset="never", reboot="allow")
 
@@ -771,7 +772,7 @@ def test_hooks_values() -> None:
     """
     p = parse(text)
     assert p.ok, p.errors
-    assert p.layout.hooks == Hooks(
+    assert present(p.layout).hooks == Hooks(
         apply_start=(Hook("/usr/bin/logger", ("-t", "gpud", "5", "yes"), {"LANG": "C", "N": "1"}, 2.5),),
         apply_exit=(Hook("/usr/bin/systemctl", ("restart", "nvidia-cdi-refresh.service"), {}, 30.0),),
     )
@@ -870,7 +871,7 @@ def test_explicit_tags_do_not_crash() -> None:
 
 def test_null_mig_devices_means_none() -> None:
     p = parse(entry("- devices: all\n  mig-enabled: true\n  mig-devices:\n  workload: vm-vgpu\n  vgpu-devices:"))
-    assert p.ok and p.layout.entries[0].mig_devices == {} and p.layout.entries[0].vgpu_devices == {}
+    assert p.ok and present(p.layout).entries[0].mig_devices == {} and present(p.layout).entries[0].vgpu_devices == {}
 
 
 def test_long_values_are_shortened() -> None:
@@ -891,7 +892,7 @@ def test_nested_merge_keys() -> None:
     """
     p = parse(text)
     assert [e.path for e in p.errors] == ["base", "more"]  # unknown top-level keys, nothing else
-    assert p.draft.entries == (DeviceEntry(devices="all", workload="vm-passthrough", mig_enabled=False),)
+    assert present(p.draft).entries == (DeviceEntry(devices="all", workload="vm-passthrough", mig_enabled=False),)
 
 
 def test_hooks_shapes() -> None:
@@ -967,4 +968,4 @@ def test_mig_count_plain_decimal_only() -> None:
 
 def test_plain_decimal_indices_still_read() -> None:
     p = parse(entry("- devices: [0, 10, +3]"))
-    assert p.ok and p.layout.entries[0].devices == (0, 10, 3)
+    assert p.ok and present(p.layout).entries[0].devices == (0, 10, 3)

@@ -11,6 +11,7 @@ from gpud.layout.resolve import Resolution, gpu_profiles
 from gpud.model import Gpu, NvmlGpu, PciFunction
 from gpud.profiles import MODELS, model_name
 from tests.support.gpus import gpu_uuid, host, make_gpu
+from tests.support.present import present
 
 H200_VALID = "1g.18gb, 1g.18gb+me, 1g.35gb, 2g.35gb, 3g.71gb, 4g.71gb, 7g.141gb"
 H100_VALID = "1g.10gb, 1g.10gb+me, 1g.20gb, 2g.20gb, 3g.40gb, 4g.40gb, 7g.80gb"
@@ -326,7 +327,7 @@ def test_nvml_table_wins_over_the_static_one() -> None:
     base = make_gpu("h100-80gb", 0)
     profiles = tuple(p for p in MODELS["h100-80gb"].profiles if p.id in (19, 0))
     gpu = Gpu(index=0, function=base.function, nvml=NvmlGpu(
-        pci=base.pci, uuid=base.nvml.uuid, name="NVIDIA H100 80GB HBM3", mig_capable=True, profiles=profiles))
+        pci=base.pci, uuid=present(base.nvml).uuid, name="NVIDIA H100 80GB HBM3", mig_capable=True, profiles=profiles))
     r = check('version: v1\nlayouts:\n  a:\n    - devices: all\n      mig-enabled: true\n      mig-devices: {"3g.40gb": 2}\n', [gpu])
     assert errs(r) == [
         'layout.yaml:6 layouts.a[0].mig-devices."3g.40gb": 3g.40gb is not a MIG profile of NVIDIA H100 80GB HBM3 at '

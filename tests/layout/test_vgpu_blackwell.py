@@ -19,6 +19,7 @@ import pytest
 from gpud.layout import check_text
 from gpud.vgpu_types import by_device, parse_vgpu_name, strip_prefix
 from tests.support.gpus import make_gpu
+from tests.support.present import present
 
 CAPTURES = Path(__file__).resolve().parents[1] / "fixtures" / "captures" / "rtx-pro-6000"
 RTX = "0000:18:00.0"
@@ -66,7 +67,7 @@ def test_a_printed_name_is_keyed_by_its_last_token() -> None:
         assert strip_prefix(printed) == short
         parsed = parse_vgpu_name(printed)
         assert parsed is not None and parsed.board == "DC", printed
-        assert by_device(0x2BB5).find(printed) is not None, printed
+        assert present(by_device(0x2BB5)).find(printed) is not None, printed
     # a name that is not NVIDIA's stays whole: the kernel's mtty sample has two types ending in "serial"
     assert strip_prefix("Dual port serial") == "Dual port serial"
 
@@ -74,14 +75,14 @@ def test_a_printed_name_is_keyed_by_its_last_token() -> None:
 def test_the_model_has_nvidias_counts_and_the_hosts_types() -> None:
     table = by_device(0x2BB5)
     for name, n in NVIDIA_COUNTS.items():
-        assert table.find(name).max_instances == n, name
+        assert present(present(table).find(name)).max_instances == n, name
     listed = {strip_prefix(p) for p in printed_names()}
-    assert listed <= set(table.names())
+    assert listed <= set(present(table).names())
     for line in (CAPTURES / "vgpu-types-time-sliced.txt").read_text().splitlines():
         m = re.match(r"type: nvidia-(\d+), name: .* (\S+), spec: .*max_instance=(\d+)$", line)
         if m:
-            t = table.find(m[2])
-            assert (t.vfio_id, t.max_instances) == (int(m[1]), int(m[3])), line
+            t = present(table).find(m[2])
+            assert (present(t).vfio_id, present(t).max_instances) == (int(m[1]), int(m[3])), line
 
 
 @pytest.mark.parametrize(("devices", "mig", "vgpus"), [

@@ -16,7 +16,7 @@ from tests.support import simrig as harness
 
 async def main(tmp: Path, profile: str, stage: str) -> None:
     real_create = harness.simcli.create
-    harness.simcli.create = lambda *a, **k: None  # the host exists: attach to it
+    harness.simcli.create = lambda *a, **k: None  # type: ignore[assignment]  # the host exists: attach to it
     try:
         rig = harness.SimRig(tmp, (), state_dir=str(tmp / "state"))
     finally:

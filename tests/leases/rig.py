@@ -9,6 +9,7 @@ from gpud.model import Placement
 from gpud.profiles import MODELS
 from gpud.sim import gpu_rules
 from gpud.sim import state as simstate
+from tests.support.present import present
 from tests.support.simrig import SimRig
 
 DYNAMIC = """version: v1
@@ -37,7 +38,7 @@ def sim_gis(rig: SimRig, index: int = 0) -> list[tuple[str, Placement, list[str]
     state = simstate.load(rig.dir)
     g = state.gpus[sorted(state.gpus)[index]]
     model = MODELS[g.model]
-    return sorted((gpu_rules.profile_of(model, gi.profile_id).name, Placement(gi.start, gi.size),
+    return sorted((present(gpu_rules.profile_of(model, gi.profile_id)).name, Placement(gi.start, gi.size),
                    [c.uuid for c in gi.cis]) for gi in g.gis)
 
 

@@ -12,6 +12,7 @@ from gpud.engine.leases.engine import LeaseRefused
 from gpud.model import Placement
 from gpud.sim import state as simstate
 from tests.leases.rig import dynamic_rig, foreign_gi, pci, sim_gis
+from tests.support.present import present
 from tests.support.simrig import SimRig
 
 SEED = ("1g.10gb", "1g.10gb", "1g.10gb", "3g.40gb", "1g.10gb")
@@ -73,7 +74,7 @@ async def test_busy_release_fails_under_on_busy_fail_and_kills_nothing(tmp_path)
     rig = await dynamic_rig(tmp_path, ("h100-80gb:1",), **{"on-busy": "fail"})
     try:
         lease = await rig.rec.leases.lease("1g.10gb")
-        child = rig.hold(lease.uuid, "train.py")
+        child = rig.hold(present(lease.uuid), "train.py")
         with pytest.raises(LeaseRefused) as e:
             await rig.rec.leases.release(lease.id)
         assert e.value.code == "busy" and f"pid {child.pid} train.py" in str(e.value)
@@ -188,11 +189,11 @@ async def test_lease_and_release_never_wait_behind_a_static_apply_of_another_gpu
     static_pci = pci(rig, 1)
     real_create = rig.hw.nvml.create_gpu_instance
 
-    def held_create(gpu: str, profile_id: int, start: int) -> int:
-        if gpu == static_pci:
+    def held_create(pci: str, profile_id: int, start: int) -> int:
+        if pci == static_pci:
             entered.set()
             go.wait(120)
-        return real_create(gpu, profile_id, start)
+        return real_create(pci, profile_id, start)
 
     rig.hw.nvml.create_gpu_instance = held_create  # type: ignore[method-assign]
     try:

@@ -51,8 +51,8 @@ async def test_kill_9_at_each_step_of_a_lease(tmp_path, stage, outcome):
             assert [(n, u) for n, _, u in gis] == [("3g.40gb", [leases[0].uuid])]
             assert rig.mutating(calls) == 0  # adopting needs no NVML change
             calls = rig.calls()
-            again = await restarted(rig, tmp_path)  # records and NVML agree: nothing to do
-            assert rig.mutating(calls) == 0 and [e for e in again if e["kind"].startswith("lease")] == []
+            events = await restarted(rig, tmp_path)  # records and NVML agree: nothing to do
+            assert rig.mutating(calls) == 0 and [e for e in events if e["kind"].startswith("lease")] == []
             await rig.rec.leases.release(leases[0].id)
             assert sim_gis(rig) == [] and rig.mig_mode(0) == 0  # the last release turns MIG off
     finally:

@@ -42,6 +42,7 @@ import sys
 import tempfile
 import time
 from ctypes import byref, c_uint
+from typing import Any
 
 import pynvml as N
 
@@ -92,7 +93,7 @@ class Recorder:
 
     def call(self, fn_name: str, argdesc: str, thunk, *, keep=None):
         """Run `thunk()`; record ok/value or the NVML error code. Returns the raw value or None."""
-        row = {"fn": fn_name, "args": argdesc}
+        row: dict[str, Any] = {"fn": fn_name, "args": argdesc}
         t0 = time.perf_counter()
         raw = None
         try:
@@ -228,7 +229,7 @@ def fabric_v(h, ver):
 
 def placements_err(fn_name, argdesc, rec, thunk):
     """Like rec.call, but keeps the count an erroring two-call returned."""
-    row = {"fn": fn_name, "args": argdesc}
+    row: dict[str, Any] = {"fn": fn_name, "args": argdesc}
     try:
         row["ok"] = jsonable(thunk())
     except N.NVMLError as e:
@@ -248,7 +249,7 @@ def placements_err(fn_name, argdesc, rec, thunk):
 def sysfs_attrs(root: str, address: str) -> dict:
     """A few read-only attributes of the GPU's PCI function (real /sys or the simulated tree)."""
     d = os.path.join(root, "bus/pci/devices", address)
-    out = {"exists": os.path.isdir(d)}
+    out: dict[str, object] = {"exists": os.path.isdir(d)}
     for a in ("vendor", "device", "subsystem_vendor", "subsystem_device", "class", "revision", "numa_node",
               "reset_method", "sriov_totalvfs", "sriov_numvfs", "sriov_vf_device", "driver_override",
               "current_link_speed", "current_link_width", "max_link_speed", "max_link_width", "d3cold_allowed",
@@ -445,6 +446,7 @@ def probe(sim_model: str | None, sim_dir: str | None) -> dict:
         bus = txt(pci.busId) if pci is not None else None
         legacy = txt(pci.busIdLegacy) if pci is not None else None
         if bus:
+            assert legacy is not None  # both come from the same pci record
             rec.call("nvmlDeviceGetHandleByPciBusId", f"{p},own busId", lambda: N.nvmlDeviceGetHandleByPciBusId(bus),
                      keep=lambda x: "<handle>")
             rec.call("nvmlDeviceGetHandleByPciBusId", f"{p},own busIdLegacy lower",
@@ -593,7 +595,9 @@ def diff(real: dict, sim: dict, gpud_src: str | None, tool_calls: str | None) ->
             else:
                 same += 1
             continue
-        fn = (r_rows.get(k) or s_rows.get(k))["fn"]
+        either = r_rows.get(k) or s_rows.get(k)
+        assert either is not None  # k comes from one of the two
+        fn = either["fn"]
         why = []
         cls = "meaningful?"
         for pat, reason in COSMETIC:

@@ -21,6 +21,7 @@ import pytest
 from gpud.sim.nvmlc import build
 from gpud.sim.state import load
 from tests.support.nvmlc import probe
+from tests.support.present import present
 from tests.support.smi_mig_tables import lgip_by_id
 
 pytestmark = pytest.mark.tools
@@ -163,17 +164,17 @@ def test_an_open_session_of_a_go_program_blocks_the_reset_until_it_exits(goprobe
     holder = subprocess.Popen([sys.executable, "-m", "gpud.sim.cli", "exec", str(host), "--", str(goprobe), "hold"],
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        assert holder.stdout.readline().strip() == "open"
+        assert present(holder.stdout).readline().strip() == "open"
         session = load(host).sessions
         assert [(s.pid, s.name) for s in session] == [(holder.pid, "goprobe")]
         refused = subprocess.run([str(host / "bin" / "nvidia-smi"), "-r", "-i", "0000:18:00.0"],
                                  capture_output=True, text=True)
         assert refused.returncode == 255 and "In use by another client" in refused.stdout
     finally:
-        holder.stdin.close()
+        present(holder.stdin).close()
         holder.wait(timeout=60)
-        holder.stdout.close()
-        holder.stderr.close()
+        present(holder.stdout).close()
+        present(holder.stderr).close()
     assert load(host).sessions == []
     ok = subprocess.run([str(host / "bin" / "nvidia-smi"), "-r", "-i", "0000:18:00.0"], capture_output=True, text=True)
     assert ok.returncode == 0, ok.stdout

@@ -22,6 +22,7 @@ from gpud.sim.state import load
 from tests.support.anchors import anchor
 from tests.support.daemon import DaemonOn, wait_until
 from tests.support.nvmlc import gpud_sim_exec
+from tests.support.present import present
 
 pytestmark = pytest.mark.tools
 
@@ -102,7 +103,7 @@ def test_mig_parted_apply_converges_and_gpud_agrees(tmp_path, sim_dir, nvml_so, 
     host = sim_dir(model)
     res = gpud_sim_exec(host, str(tool), "apply", "-f", str(cfg), "-c", label, timeout=300)
     assert res.returncode == 0, res.stdout + res.stderr
-    assert [(on, +c) for on, c in observed(host)] == [(on, +c) for on, c in want]
+    assert [(on, +c) for on, c in observed(host)] == [(on, +c) for on, c in present(want)]
     layout = cfg.read_text() + f"selected: {label}\n"
     d = DaemonOn(tmp_path / "gpud-after", host, layout, ["--read-only"])
     try:
@@ -130,7 +131,7 @@ def test_mig_parted_apply_converges_and_gpud_agrees(tmp_path, sim_dir, nvml_so, 
     for entry in exported:
         for i in (range(1) if entry["devices"] == "all" else entry["devices"]):
             got[i] = (bool(entry["mig-enabled"]), +Counter(entry.get("mig-devices") or {}))
-    assert got == [(on, +c) for on, c in want]
+    assert got == [(on, +c) for on, c in present(want)]
 
 
 GFD_CASES = [(key, strategy) for key in catalog.offered() for strategy in ("single", "mixed")]

@@ -291,7 +291,7 @@ def gpu_of(hw: HwGpu, index: int = 0, *, model: str | None = None):
     return Gpu(index, fn, nvml=hw.snapshot())
 
 
-def build(hw: HwGpu, layout: Sequence[tuple[str, int]] | Sequence[tuple[str, int, Sequence[str]]]) -> dict[int, int]:
+def build(hw: HwGpu, layout: Sequence[tuple[str, int] | tuple[str, int, Sequence[str]]]) -> dict[int, int]:
     """Create GIs by (GI name, start[, CI names]) with full CIs by default; returns start -> GI id."""
     ids = {}
     for item in layout:

@@ -26,6 +26,7 @@ from gpud.plan.binding import (
     VERIFY_VFIO_NODE,
     plan_binding,
 )
+from tests.support.present import present
 
 GPU = "0000:3b:00.0"
 
@@ -95,7 +96,7 @@ def test_unbound_companion_gets_probed_without_unbind():
 def test_no_iommu_group_is_infeasible_with_a_reason():
     plan = plan_binding(h200(group=None), "vm-passthrough")
     assert plan.steps == () and not plan.converged
-    assert "IOMMU" in plan.infeasible and "intel_iommu=on" in plan.infeasible
+    assert "IOMMU" in present(plan.infeasible) and "intel_iommu=on" in present(plan.infeasible)
 
 
 def test_bridges_in_the_group_are_left_alone():
@@ -168,7 +169,7 @@ def test_non_nvidia_function_accepts_whatever_the_kernel_probes():
 
 
 def test_unknown_workload_is_infeasible():
-    assert "unknown workload" in plan_binding(h200(), "vm-gpu").infeasible
+    assert "unknown workload" in present(plan_binding(h200(), "vm-gpu").infeasible)
 
 
 def test_disruption_names_mig_instances_and_holders():
@@ -237,5 +238,5 @@ def test_a_pf_with_vfs_enabled_is_refused_for_vfio_with_the_kernels_reason():
     gpu = msgspec.structs.replace(h200(), vgpu=VgpuState(interface="vfio", total_vfs=16,
                                                           vfs=("0000:18:00.4", "0000:18:00.5")))
     plan = plan_binding(gpu, "vm-passthrough")
-    assert plan.steps == () and "2 SR-IOV VFs enabled" in plan.infeasible and "EBUSY" in plan.infeasible
+    assert plan.steps == () and "2 SR-IOV VFs enabled" in present(plan.infeasible) and "EBUSY" in present(plan.infeasible)
     assert plan_binding(h200(), "vm-passthrough").infeasible is None

@@ -22,6 +22,7 @@ from gpud.plan.dra_slices import (
 from gpud.profiles import MODELS
 from gpud.sim import gpu_rules
 from gpud.sim.state import SimGpu
+from tests.support.present import present
 
 MIG_MODELS = [k for k, m in MODELS.items() if m.mig_capable and not m.unknown]
 
@@ -84,7 +85,7 @@ def test_counters_admit_exactly_what_the_simulator_creates(model: str, seed: int
         try:
             prof = next(p for p in m.profiles if p.name == sd.profile)
             assert sd.placement is not None
-            gpu_rules.create_gi(sim, m, gpu_rules.profile_of(m, prof.id), sd.placement.start, sd.placement.size)
+            gpu_rules.create_gi(sim, m, present(gpu_rules.profile_of(m, prof.id)), sd.placement.start, sd.placement.size)
             created = True
         except gpu_rules.Refused:
             created = False

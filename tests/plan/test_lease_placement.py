@@ -17,6 +17,7 @@ from gpud.plan.lease_placement import Choice, NoRoom, Room, UnknownProfile, choo
 from gpud.profiles import MODELS
 from gpud.sim import gpu_rules
 from gpud.sim.state import SimGpu
+from tests.support.present import present
 
 SETTINGS = settings(derandomize=True, max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 H100 = MODELS["h100-80gb"]
@@ -39,7 +40,7 @@ def lease(gpus: list[SimGpu], name: str, spread: bool = False):
     if isinstance(got, Choice):
         g = next(g for g in gpus if g.address == got.pci)
         model = MODELS[g.model]
-        gpu_rules.create_gi(g, model, gpu_rules.profile_of(model, got.profile.id), got.placement.start,
+        gpu_rules.create_gi(g, model, present(gpu_rules.profile_of(model, got.profile.id)), got.placement.start,
                             got.placement.size)
     return got
 
@@ -48,7 +49,7 @@ def test_seed_partial_layout_lease_by_lease_on_an_empty_h100():
     g = sim_gpu("h100-80gb", 1)
     for name in ("1g.10gb", "1g.10gb", "1g.10gb", "3g.40gb", "1g.10gb"):
         assert isinstance(lease([g], name), Choice), name
-    layout = sorted((gpu_rules.profile_of(H100, gi.profile_id).name, gi.start) for gi in g.gis)
+    layout = sorted((present(gpu_rules.profile_of(H100, gi.profile_id)).name, gi.start) for gi in g.gis)
     assert layout == [("1g.10gb", 0), ("1g.10gb", 1), ("1g.10gb", 2), ("1g.10gb", 3), ("3g.40gb", 4)]
 
 

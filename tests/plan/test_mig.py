@@ -11,6 +11,7 @@ from gpud.plan.mig import GpuPlan, plan_gpu
 from gpud.plan.placement import ExistingGi, GiSpec, Infeasible, solve
 from gpud.profiles import MODELS
 from tests.plan.hwmodel import apply_steps, build, gpu_of, hold, make_hw
+from tests.support.present import present
 
 PCI = "0000:3b:00.0"
 
@@ -24,7 +25,7 @@ def plan(hw, devs=None, enabled=True) -> GpuPlan:
 
 
 def creates(p: GpuPlan) -> list[tuple[str, int]]:
-    return [(s.profile, s.placement.start) for s in p.steps if s.action == "create-gi"]
+    return [(present(s.profile), present(s.placement).start) for s in p.steps if s.action == "create-gi"]
 
 
 def actions(p: GpuPlan) -> list[str]:
@@ -221,7 +222,7 @@ def test_non_mig_gpu():
     from gpud.model import Gpu, NvmlGpu, PciFunction
 
     m = MODELS["l40s"]
-    g = Gpu(0, PciFunction(PCI, 0x10DE, m.device, 0x10DE, m.subsystem_device, 0x030200, "nvidia"),
+    g = Gpu(0, PciFunction(PCI, 0x10DE, m.device, 0x10DE, present(m.subsystem_device), 0x030200, "nvidia"),
             nvml=NvmlGpu(PCI, "GPU-1", m.name))
     assert plan_gpu(g, want({"1g.10gb": 1})).infeasible == f"NVIDIA L40S {PCI} does not support MIG"
     assert plan_gpu(g, want(enabled=False)).steps == []

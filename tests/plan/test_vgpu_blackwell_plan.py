@@ -21,6 +21,7 @@ from gpud.sim.state import SimGi, load, locked
 from gpud.sim.sysfs_tree import render
 from gpud.vgpu_types import by_device
 from tests.sim.vfs import set_vfs
+from tests.support.present import present
 from tests.support.vgpu_host import Host
 
 RTX = "0000:18:00.0"
@@ -46,7 +47,7 @@ def test_instances_hold_several_vgpus_of_one_type() -> None:
     # kept vGPUs keep their instance: one DC-1-24Q on instance 1 leaves one instance for DC-1-3Q
     kept = [VgpuDevice(type="DC-1-24Q", parent="vf0", vf="vf0", gi=1)]
     assert check_instances({"DC-1-24Q": 1, "DC-1-3Q": 8}, MODEL, kept, two, WHERE) is None
-    assert "need 3 GPU instances" in check_instances({"DC-1-24Q": 1, "DC-1-3Q": 9}, MODEL, kept, two, WHERE)
+    assert "need 3 GPU instances" in present(check_instances({"DC-1-24Q": 1, "DC-1-3Q": 9}, MODEL, kept, two, WHERE))
     # a kept DC-1-3Q instance has room for seven more before a second one is needed
     kept = [VgpuDevice(type="DC-1-3Q", parent="vf0", vf="vf0", gi=2)]
     assert check_instances({"DC-1-3Q": 8, "DC-1-24Q": 1}, MODEL, kept, two, WHERE) is None
@@ -71,7 +72,7 @@ def rtx(tmp_path):
 def occupancy(d) -> dict[int, Counter]:
     """GI id -> vGPU types on it, from the simulator's state file."""
     st = load(d)
-    names = {t.vfio_id: t.name for t in sim_vgpu.sim_types(sim_vgpu.vgpu_model(st, RTX))}
+    names = {t.vfio_id: t.name for t in sim_vgpu.sim_types(present(sim_vgpu.vgpu_model(st, RTX)))}
     out: dict[int, Counter] = {}
     for vf in st.vgpu[RTX].vfs:
         if vf.vgpu_type:
@@ -82,7 +83,7 @@ def occupancy(d) -> dict[int, Counter]:
 def test_several_vgpus_per_instance_on_the_simulator(rtx) -> None:
     host = Host(rtx, RTX)
     plan = host.apply({"DC-1-3Q": 9, "DC-1-24Q": 1}, mig=True)
-    assert plan.infeasible is None and not plan.blocked_by
+    assert present(plan).infeasible is None and not present(plan).blocked_by
     assert sorted(occupancy(rtx).values(), key=lambda c: sorted(c.items())) == [
         Counter({"DC-1-24Q": 1}), Counter({"DC-1-3Q": 1}), Counter({"DC-1-3Q": 8})]
     before = occupancy(rtx)
@@ -91,6 +92,6 @@ def test_several_vgpus_per_instance_on_the_simulator(rtx) -> None:
     assert sorted(sum(c.values()) for c in after.values()) == [1, 2, 8]
     assert set(after) == set(before)
     plan = host.apply({"DC-1-3Q": 17, "DC-1-24Q": 1}, mig=True)
-    assert plan.infeasible == (f"18 MIG-backed vGPUs need 4 GPU instances 1g.24gb+gfx on {RTX} (vGPUs to an "
+    assert present(plan).infeasible == (f"18 MIG-backed vGPUs need 4 GPU instances 1g.24gb+gfx on {RTX} (vGPUs to an "
                                "instance: DC-1-3Q: 8); the MIG layout has 3")
     assert occupancy(rtx) == after  # nothing changed

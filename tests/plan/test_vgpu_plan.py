@@ -16,6 +16,7 @@ from gpud.sim.state import SimGi, load, locked
 from gpud.sim.sysfs_tree import render
 from gpud.vgpu_types import by_device
 from tests.sim.vfs import set_vfs
+from tests.support.present import present
 from tests.support.vgpu_host import Host, want
 
 L40S, A100, H200, T4 = "0000:18:00.0", "0000:2a:00.0", "0000:3a:00.0", "0000:5d:00.0"
@@ -47,7 +48,7 @@ def test_mig_backed_needs_instances() -> None:
     reason = check_instances({"H200X-1-18C": 3}, h200, [], two, "H200")
     assert reason == "3 MIG-backed vGPUs need 3 GPU instances 1g.18gb on H200; the MIG layout has 2"
     assert check_instances({"H200X-1-18C": 2}, h200, [], two, "H200") is None
-    assert "one GPU runs one kind" in check_rules({"H200X-1-18C": 1, "H200X-4C": 1}, h200, state, "H200")
+    assert "one GPU runs one kind" in present(check_rules({"H200X-1-18C": 1, "H200X-4C": 1}, h200, state, "H200"))
 
 
 def test_the_drivers_offer_is_the_truth() -> None:
@@ -103,7 +104,7 @@ def test_vfio_seed_then_count_change_keeps_survivors(vfio) -> None:
     assert [t for t, _ in first] == ["L40S-12Q"] * 4
     assert len(load(vfio).vgpu[L40S].vfs) == 32  # all VFs enabled, as sriov-manage -e does
     host.writes = 0
-    assert host.apply({"L40S-12Q": 4}).steps == [] and host.writes == 0  # re-apply: nothing written
+    assert present(host.apply({"L40S-12Q": 4})).steps == [] and host.writes == 0  # re-apply: nothing written
     host.apply({"L40S-12Q": 2})
     after = host.devices()
     assert set(after) < set(first) and len(after) == 2 and host.writes == 2
@@ -117,7 +118,7 @@ def test_vfio_type_change_and_busy_vf(vfio) -> None:
     vf = host.devices()[0][1]
     hold(vfio, vf, 4242, vm="web-1")
     plan = host.apply({"L40S-24Q": 2})
-    assert plan.blocked_by == [Holder(pid=4242, name="qemu-system-x86", device=vf, vm="web-1")]
+    assert present(plan).blocked_by == [Holder(pid=4242, name="qemu-system-x86", device=vf, vm="web-1")]
     assert [t for t, _ in host.devices()] == ["L40S-12Q"] * 2  # nothing changed
     release(vfio, vf, 4242)
     host.apply({"L40S-24Q": 2})
@@ -181,7 +182,7 @@ def test_mig_backed_vgpus_sit_on_instances(vfio) -> None:
     on = sorted((vf.vgpu_type, vf.gpu_instance_id) for vf in st.vgpu[H200].vfs if vf.vgpu_type)
     assert [gi for _, gi in on] == [1, 2, 3, 4] and on[0][0] == 1414
     plan = host.apply({"H200X-1-18C": 4}, mig=True)
-    assert plan.infeasible == (f"4 MIG-backed vGPUs need 4 GPU instances 1g.18gb on {H200}; the MIG layout has 3")
+    assert present(plan).infeasible == (f"4 MIG-backed vGPUs need 4 GPU instances 1g.18gb on {H200}; the MIG layout has 3")
 
 
 @pytest.mark.parametrize("bad", [VgpuStep("create-mdev", T4, type="T4-4Q", parent=T4),  # no uuid

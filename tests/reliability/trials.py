@@ -22,6 +22,7 @@ import socket
 import struct
 import time
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -58,7 +59,7 @@ class TrialResult:
         self.outcomes["BROKEN"] += 1
 
 
-def layout_text(per_gpu: list[dict[str, int] | None]) -> str:
+def layout_text(per_gpu: Sequence[dict[str, int] | None]) -> str:
     entries = []
     for i, devices in enumerate(per_gpu):
         entry: dict = {"devices": [i], "mig-enabled": devices is not None}
@@ -68,7 +69,7 @@ def layout_text(per_gpu: list[dict[str, int] | None]) -> str:
     return yaml.safe_dump({"version": "v1", "layouts": {"t": entries}}, sort_keys=False)
 
 
-def hardware_mismatches(d: Daemon, per_gpu: list[dict[str, int] | None], pcis: list[str]) -> list[str]:
+def hardware_mismatches(d: Daemon, per_gpu: Sequence[dict[str, int] | None], pcis: list[str]) -> list[str]:
     """What state.json says that the layout does not: missing, leaked or doubled instances."""
     sim = d.sim_state()
     wrong = []

@@ -41,7 +41,7 @@ NS, CM, KEY = "gpu-operator", "gpud-layout", "config.yaml"
 
 # Two contents of the ConfigMap: the same names, other layouts (a ConfigMap re-created with other
 # content must be followed for the name the label already selects).
-CONTENTS = [
+CONTENTS: list[dict[str, list[dict[str, int] | None]]] = [
     {"a": [{"3g.40gb": 2}, {"7g.80gb": 1}], "b": [{"1g.10gb": 7}, {"3g.40gb": 2}],
      "c": [{"4g.40gb": 1, "2g.20gb": 1}, {"1g.10gb": 7}], "d": [None, {"4g.40gb": 1}]},
     {"a": [{"1g.10gb": 7}, None], "b": [{"4g.40gb": 1}, {"4g.40gb": 1, "2g.20gb": 1}],

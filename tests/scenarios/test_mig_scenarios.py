@@ -16,6 +16,7 @@ from gpud.api.plan_replies import plan_reply
 from gpud.engine.engine import Engine
 from gpud.sim import cli as simcli
 from tests.scenarios.definitions import SCENARIOS, Scenario
+from tests.support.present import present
 from tests.support.simrig import SimRig
 
 
@@ -96,7 +97,7 @@ async def test_scenario(sc: Scenario, tmp_path):
         # Converged means converged: planning again yields no step for any converged GPU.
         rig.rec.refresh()
         view = rig.rec.view()
-        for entry in plan_reply(view.resolution, Engine(rig.rec).preview(view.resolution, view.observation)).gpus:
+        for entry in plan_reply(view.resolution, Engine(rig.rec).preview(present(view.resolution), view.observation)).gpus:
             if rig.rec.gpu_states[entry.pci].state == "converged":
                 assert entry.steps == [], entry
     finally:

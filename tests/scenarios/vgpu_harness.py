@@ -21,6 +21,7 @@ from gpud.sim.state import SimGi, load, locked
 from gpud.sim.sysfs_tree import render
 from gpud.vgpu_types import by_device
 from tests.scenarios.vgpu_definitions import Step, VgpuScenario
+from tests.support.present import present
 
 VM_PID = 4100
 
@@ -39,7 +40,7 @@ def sim_devices(d: Path, pf: str) -> dict[str, str]:
     """identity (VF address or mdev UUID) -> type name, from the simulator's state file."""
     st = load(d)
     v = st.vgpu[pf]
-    types = sim_vgpu.sim_types(sim_vgpu.vgpu_model(st, pf))
+    types = sim_vgpu.sim_types(present(sim_vgpu.vgpu_model(st, pf)))
     by_vfio = {t.vfio_id: t.name for t in types}
     by_mdev = {t.mdev_id: t.name for t in types}
     out = {vf.address: by_vfio[vf.vgpu_type] for vf in v.vfs if vf.vgpu_type}
@@ -118,7 +119,7 @@ class VgpuRig:
                 self._place_gis()
             if out.state != "done":
                 raise AssertionError(f"{self.sc.name}: executor {out.state}: {out.message}")
-        return plan
+        return present(plan, "a plan")
 
 
 def outcome(plan: VgpuPlan) -> str:

@@ -19,6 +19,7 @@ from gpud.sim.state import (
     locked,
 )
 from gpud.sim.sysfs_tree import render
+from tests.support.present import present
 from tests.support.sim_kernel_host import (
     AUDIO,
     GPU,
@@ -48,18 +49,18 @@ def test_native_to_vfio_and_back_with_companion(host):
 
     to_vfio(s, GPU)
     gpu = s.function(GPU)
-    assert (gpu.driver, gpu.driver_override) == ("vfio-pci", "vfio-pci")
+    assert (present(gpu).driver, present(gpu).driver_override) == ("vfio-pci", "vfio-pci")
     assert s.vfio_device_path(20) is None  # audio still on snd_hda_intel: group not viable
     assert not os.path.exists(os.path.join(host, "dev/nvidia0"))
     assert not os.path.exists(os.path.join(host, f"proc/driver/nvidia/gpus/{GPU}"))
 
     to_vfio(s, AUDIO)
-    assert s.function(AUDIO).driver == "vfio-pci"
+    assert present(s.function(AUDIO)).driver == "vfio-pci"
     assert s.vfio_device_path(20) == os.path.join(host, "dev/vfio/20")
     assert sorted(os.listdir(os.path.join(host, "sys/bus/pci/drivers/vfio-pci"))) == sorted(
         [GPU, AUDIO, "bind", "unbind", "new_id", "remove_id"])
     # the untouched GPU kept its driver and node
-    assert s.function(GPU2).driver == "nvidia"
+    assert present(s.function(GPU2)).driver == "nvidia"
 
     to_native(s, GPU)
     to_native(s, AUDIO)
@@ -101,9 +102,9 @@ def test_errnos(host):
     w("bus/pci/drivers/nvidia/unbind", NOGROUP)
     assert _errno(lambda: w("bus/pci/drivers/vfio-pci/bind", NOGROUP)).errno == errno.EINVAL
     w("bus/pci/drivers_probe", NOGROUP)  # succeeds even though nothing binds
-    assert s.function(NOGROUP).driver is None
+    assert present(s.function(NOGROUP)).driver is None
     # nothing above changed a driver it should not have
-    assert s.function(GPU).driver == "nvidia" and s.function(GPU).driver_override is None
+    assert present(s.function(GPU)).driver == "nvidia" and present(s.function(GPU)).driver_override is None
 
 
 def test_reset_busy_with_holder_and_applies_pending_mig_mode(host):
@@ -129,7 +130,7 @@ def test_dma_ownership_conflict_in_group(host):
     assert e.errno == errno.EBUSY and "IOMMU group" in e.meaning
     drop_processes(host)
     s.write("bus/pci/drivers/snd_hda_intel/bind", AUDIO)
-    assert s.function(AUDIO).driver == "snd_hda_intel"
+    assert present(s.function(AUDIO)).driver == "snd_hda_intel"
     assert s.vfio_device_path(20) is None
 
 
@@ -149,11 +150,11 @@ def _blocking_unbind(host, drv, addr, release):
     t.start()
     assert blocked.wait(10), "unbind never blocked"
     assert t.is_alive()
-    assert s.function(addr).driver == drv  # still bound while blocked
+    assert present(s.function(addr)).driver == drv  # still bound while blocked
     release()
     t.join(10)
     assert not t.is_alive() and not errors
-    assert s.function(addr).driver is None
+    assert present(s.function(addr)).driver is None
 
 
 def test_unbind_of_held_gpu_blocks_until_holder_leaves(host):
@@ -192,8 +193,8 @@ def test_remove_forgets_override_and_rescan_probes_native(host):
     assert _errno(lambda: s.write("bus/pci/drivers_probe", GPU)).errno == errno.ENODEV
     s.write("bus/pci/rescan", "1")
     gpu = s.function(GPU)
-    assert (gpu.driver, gpu.driver_override) == ("nvidia", None)
-    assert s.function(AUDIO).driver == "snd_hda_intel"
+    assert (present(gpu).driver, present(gpu).driver_override) == ("nvidia", None)
+    assert present(s.function(AUDIO)).driver == "snd_hda_intel"
     assert s.group_members(20) == [GPU, AUDIO]
 
 
@@ -202,9 +203,9 @@ def test_modprobe_claims_overridden_unbound_devices(host):
     s.write(f"bus/pci/devices/{GPU2}/driver_override", "vfio-pci")
     s.write("bus/pci/drivers/nvidia/unbind", GPU2)
     s.write("bus/pci/drivers_probe", GPU2)  # vfio-pci not loaded: nothing binds, no error
-    assert s.function(GPU2).driver is None
+    assert present(s.function(GPU2)).driver is None
     s.load_module("vfio-pci")
-    assert s.function(GPU2).driver == "vfio-pci"
+    assert present(s.function(GPU2)).driver == "vfio-pci"
     assert s.vfio_device_path(30) is not None
 
 
@@ -214,8 +215,8 @@ def test_new_id_grabs_every_matching_unbound_device(host):
     for a in (GPU, GPU2):
         s.write("bus/pci/drivers/nvidia/unbind", a)
     s.write("bus/pci/drivers/vfio-pci/new_id", "10de 2335")
-    assert s.function(GPU).driver == s.function(GPU2).driver == "vfio-pci"
-    assert s.function(NOGROUP).driver == "nvidia"  # bound devices are left alone
+    assert present(s.function(GPU)).driver == present(s.function(GPU2)).driver == "vfio-pci"
+    assert present(s.function(NOGROUP)).driver == "nvidia"  # bound devices are left alone
     assert _errno(lambda: s.write("bus/pci/drivers/vfio-pci/new_id", "zz")).errno == errno.EINVAL
 
 
@@ -237,7 +238,7 @@ def test_unplug_and_plug_whole_card(host):
     assert s.function(GPU) is None and s.function(AUDIO) is None
     assert load(host).functions[GPU].present is False
     kernel.plug(host, AUDIO)
-    assert s.function(GPU).driver == "nvidia" and s.function(AUDIO).driver == "snd_hda_intel"
+    assert present(s.function(GPU)).driver == "nvidia" and present(s.function(AUDIO)).driver == "snd_hda_intel"
     with pytest.raises(LookupError):
         kernel.unplug(host, "0000:99:00.0")
 

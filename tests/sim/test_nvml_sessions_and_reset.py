@@ -21,6 +21,7 @@ from gpud.sim.cli import create, hold
 from gpud.sim.cli import main as sim_main
 from gpud.sim.kernel import Store
 from gpud.sim.state import load, locked
+from tests.support.present import present
 from tests.support.processes import reap
 
 GPU0, GPU1 = "0000:18:00.0", "0000:2a:00.0"
@@ -47,7 +48,7 @@ def nvml_holder():
     def start(host_dir):
         p = subprocess.Popen([sys.executable, "-c", HOLDER, str(host_dir)], stdin=subprocess.PIPE,
                              stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": os.getcwd()})
-        assert p.stdout.readline().strip() == "open"
+        assert present(p.stdout).readline().strip() == "open"
         started.append(p)
         return p
 

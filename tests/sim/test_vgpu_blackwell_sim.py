@@ -17,13 +17,13 @@ import os
 import pytest
 
 from gpud.host.kernel.procs import Procs
-from gpud.host.kernel.sysfs import Sysfs, SysfsError
+from gpud.host.kernel.sysfs import Sysfs
 from gpud.host.nvidia.vgpu_sysfs import VgpuSysfs
 from gpud.sim import host as sim_host_paths
 from gpud.sim.cli import create
 from gpud.sim.state import SimGi, load, locked
 from gpud.sim.sysfs_tree import render
-from tests.sim.vfs import set_vfs
+from tests.sim.vfs import set_vfs, write_err
 
 RTX = "0000:18:00.0"
 PREFIX = "NVIDIA RTX Pro 6000 Blackwell "
@@ -40,12 +40,6 @@ def creatable(d, vf: str) -> dict[str, int]:
         lines = f.read().splitlines()
     assert lines[0] == "ID    : vGPU Name"
     return {b.strip(): int(a) for a, b in (line.split(":", 1) for line in lines[1:])}
-
-
-def write_err(fs: Sysfs, rel: str, value: str) -> int:
-    with pytest.raises(SysfsError) as info:
-        fs.write(rel, value)
-    return info.value.errno
 
 
 @pytest.fixture

@@ -11,13 +11,13 @@ from pathlib import Path
 
 import pytest
 
-from gpud.host.kernel.sysfs import Sysfs, SysfsError
+from gpud.host.kernel.sysfs import Sysfs
 from gpud.sim import host as sim_host_paths
 from gpud.sim.cli import SimCliError, create, hold, main, release
 from gpud.sim.kernel import Store
 from gpud.sim.state import SimGi, load, locked
 from gpud.sim.sysfs_tree import render
-from tests.sim.vfs import set_vfs
+from tests.sim.vfs import set_vfs, write_err
 
 L40S, A100, H200, T4 = "0000:18:00.0", "0000:2a:00.0", "0000:3a:00.0", "0000:5d:00.0"
 MDEV_UUID = "5d7c1b0e-2c8a-4a55-8a52-0c3d6c9e1f01"
@@ -51,12 +51,6 @@ def creatable(d, vf: str) -> list[tuple[int, str]]:
     lines = read(d, f"bus/pci/devices/{vf}/nvidia/creatable_vgpu_types").splitlines()
     assert lines[0] == "ID    : vGPU Name"
     return [(int(a), b.strip()) for a, b in (line.split(":", 1) for line in lines[1:])]
-
-
-def write_err(fs: Sysfs, rel: str, value: str) -> int:
-    with pytest.raises(SysfsError) as info:
-        fs.write(rel, value)
-    return info.value.errno
 
 
 def test_create_lays_out_each_interface(vfio_host, mdev_host) -> None:

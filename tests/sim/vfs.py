@@ -9,8 +9,12 @@ from __future__ import annotations
 
 import os
 
+import pytest
+
+from gpud.host.kernel.sysfs import Sysfs, SysfsError
 from gpud.sim.kernel import Store, modprobe
 from gpud.sim.state import load
+from tests.support.present import present
 
 
 def set_vfs(d, pf: str, n: int) -> None:
@@ -33,3 +37,10 @@ def set_vfs(d, pf: str, n: int) -> None:
     finally:
         w("sys/bus/pci/drivers/pci-pf-stub/unbind", pf)
         w("sys/bus/pci/drivers/nvidia/bind", pf)
+
+
+def write_err(fs: Sysfs, rel: str, value: str) -> int:
+    """The errno of a sysfs write the test expects to be refused."""
+    with pytest.raises(SysfsError) as info:
+        fs.write(rel, value)
+    return present(info.value.errno, "an errno")

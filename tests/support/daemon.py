@@ -3,12 +3,14 @@ kube, gpu and nvmlc tests share (the `daemon` fixture of tests/daemon/conftest.p
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from gpud.sim import cli as simcli
@@ -41,19 +43,26 @@ def until_ready(d: Daemon, sock: socket.socket, messages: list[str], limit: floa
             continue
 
 
-def start_until_ready(d: Daemon, limit: float = 150.0) -> list[str]:
-    """Start `d` with a NOTIFY_SOCKET of the test's own; its datagrams up to READY=1."""
+@contextlib.contextmanager
+def notified(d: Daemon) -> Iterator[socket.socket]:
+    """`d` started with a NOTIFY_SOCKET of the test's own: the socket its datagrams arrive on."""
     path = str(d.tmp / "notify.sock")
     with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
         sock.bind(path)
         d.start(notify_socket=path)
-        messages: list[str] = []
+        yield sock
+
+
+def start_until_ready(d: Daemon, limit: float = 150.0) -> list[str]:
+    """Start `d` with a NOTIFY_SOCKET of the test's own; its datagrams up to READY=1."""
+    messages: list[str] = []
+    with notified(d) as sock:
         until_ready(d, sock, messages, limit)
     return messages
 
 
 class Daemon:
-    def __init__(self, tmp: Path, gpus: list[str], layout: str, extra_args: list[str] = (),
+    def __init__(self, tmp: Path, gpus: list[str], layout: str, extra_args: Sequence[str] = (),
                  nvswitch: bool = False, vgpu: str | None = None, persistence: str = "legacy",
                  fabric_manager: str = "running", driver: str | None = None, cdmm: bool = False) -> None:
         self.tmp = tmp
@@ -132,7 +141,7 @@ class Daemon:
 class DaemonOn(Daemon):
     """gpud on a host that already exists (the tests' Daemon makes its own)."""
 
-    def __init__(self, tmp: Path, host: Path, layout: str, extra_args: list[str] = ()) -> None:
+    def __init__(self, tmp: Path, host: Path, layout: str, extra_args: Sequence[str] = ()) -> None:
         self.tmp, self.host = tmp, host
         self.config = tmp / "etc" / "layout.yaml"
         self.config.parent.mkdir(parents=True, exist_ok=True)

@@ -3,8 +3,9 @@ hand-made), and the device classes and selectors the DRA tests claim with."""
 
 from __future__ import annotations
 
+from typing import Protocol
+
 from gpud.host.kube import kubelet_plugin
-from gpud.host.kube.kubelet_plugin import KubeletPlugin
 from gpud.plan.dra_slices import DEFAULT_DRIVER
 
 MIG = "mig.gpud.io"
@@ -15,10 +16,17 @@ def profile_is(name: str) -> str:
     return f"device.attributes['{DEFAULT_DRIVER}'].profile == '{name}'"
 
 
+class PluginSockets(Protocol):
+    """Where a DRA plugin serves (gpud's KubeletPlugin, or the paths a test computes for a daemon's)."""
+
+    registration_socket: str
+    dra_socket: str
+
+
 class Kubelet:
     """The kubelet's side of DRA: the generated stubs on gpud's sockets, nothing hand-made."""
 
-    def __init__(self, plugin: KubeletPlugin) -> None:
+    def __init__(self, plugin: PluginSockets) -> None:
         import grpc
 
         self.v1, self.v1_grpc, _, _, self.reg, self.reg_grpc = kubelet_plugin.proto()

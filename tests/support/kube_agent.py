@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Collection
 from typing import Any
 
 from gpud.engine.kube.agent import (
@@ -23,6 +23,7 @@ from tests.support.kube_cluster import (
     DaemonSet,
 )
 from tests.support.kube_emulator import ApiServer
+from tests.support.present import present
 
 DP = "nvidia.com/gpu.deploy.device-plugin"
 GFD = "nvidia.com/gpu.deploy.gpu-feature-discovery"
@@ -69,7 +70,7 @@ class EngineStandIn:
     reboot calls `before_reboot` and returns "rebooting" when the reboot is allowed and not yet
     tried. At each change it records what the API server holds at that moment."""
 
-    def __init__(self, api: ApiServer | None, impacts: dict[str, Impact], *, needs_reboot: set[str] = frozenset(),
+    def __init__(self, api: ApiServer | None, impacts: dict[str, Impact], *, needs_reboot: Collection[str] = frozenset(),
                  reboot: bool = False, rebooted_before: bool = False, mig_capable: bool = True) -> None:
         self.api, self.impacts, self.needs_reboot = api, impacts, needs_reboot
         self.allow_reboot, self.rebooted_before, self.capable = reboot, rebooted_before, mig_capable
@@ -92,12 +93,12 @@ class EngineStandIn:
             return Outcome("failed", str(e))
 
     async def _pass(self, layout, impact):
-        async with self.agent.operands_paused(impact):
+        async with present(self.agent).operands_paused(impact):
             if impact.changed:
                 self.applied.append((layout, *self.snapshot()))
             if layout in self.needs_reboot:
                 if self.allow_reboot and not self.rebooted_before:  # the engine's reboot policy and marker
-                    await self.agent.before_reboot("GPU 0: MIG mode change pending until a reboot")
+                    await present(self.agent).before_reboot("GPU 0: MIG mode change pending until a reboot")
                     self.reboots.append(layout)
                     return Outcome("rebooting", "reboot requested")
                 why = "an earlier reboot did not settle it" if self.rebooted_before else "policy.reboot is never"
@@ -112,7 +113,7 @@ class EngineStandIn:
         assert self.api is not None  # None: a subclass reads another server (tests/support/kube_real_agent)
         pods = sorted(f"{ns}/{name}" for (p, ns, name), o in self.api._store.items()
                       if p == "pods" and o["spec"].get("nodeName") == NODE)
-        return pods, dict(self.api.get("nodes", NODE)["metadata"]["labels"])
+        return pods, dict(present(self.api.get("nodes", NODE))["metadata"]["labels"])
 
 
 async def _node(api: ApiServer, labels: dict[str, str]) -> None:
@@ -123,7 +124,7 @@ async def _node(api: ApiServer, labels: dict[str, str]) -> None:
 
 
 def _labels(api: ApiServer) -> dict[str, str]:
-    return api.get("nodes", NODE)["metadata"]["labels"]
+    return present(api.get("nodes", NODE))["metadata"]["labels"]
 
 
 def _pods(api: ApiServer) -> list[str]:

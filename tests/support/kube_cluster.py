@@ -6,12 +6,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Callable
+from typing import cast
 
 import yaml
 from lightkube import AsyncClient, KubeConfig
 from lightkube.resources.core_v1 import Node, Pod
 
 from tests.support.kube_emulator import ApiServer
+from tests.support.present import present
 
 NODE = "gpu-node-1"
 OPERATOR_NS = "gpu-operator"
@@ -76,8 +78,8 @@ class DaemonSetController:
             except Exception:  # noqa: BLE001 - 404
                 have = False
             if want and not have:
-                await self.client.create(Pod.from_dict({"apiVersion": "v1", "kind": "Pod", **ds.pod(self.node)}),
-                                         namespace=ds.namespace)
+                # namespaced by its metadata (ds.namespace)
+                await self.client.create(cast(Pod, Pod.from_dict({"apiVersion": "v1", "kind": "Pod", **ds.pod(self.node)})))
             elif have and not want:
                 await self.terminating.wait()
                 await self.client.delete(Pod, name, namespace=ds.namespace)
@@ -86,23 +88,24 @@ class DaemonSetController:
         while True:
             try:
                 node = await self.client.get(Node, self.node)
-                await self._sync(node.metadata.labels or {})
+                await self._sync(present(node.metadata).labels or {})
                 async for _, changed in self.client.watch(Node, fields={"metadata.name": self.node},
-                                                          resource_version=node.metadata.resourceVersion):
-                    await self._sync(changed.metadata.labels or {})
+                                                          resource_version=present(node.metadata).resourceVersion):
+                    await self._sync(present(changed.metadata).labels or {})
             except Exception:  # noqa: BLE001 - the API server restarting: read again, as an informer does
                 await asyncio.sleep(0.2)
 
     async def __aenter__(self):
         node = await self.client.get(Node, self.node)
-        await self._sync(node.metadata.labels or {})
+        await self._sync(present(node.metadata).labels or {})
         self._task = asyncio.create_task(self._run())
         return self
 
     async def __aexit__(self, *exc):
-        self._task.cancel()
+        task = present(self._task, "a started controller")
+        task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
-            await self._task
+            await task
 
 
 def client_for(kubeconfig: str) -> AsyncClient:
@@ -150,7 +153,7 @@ class EmulatorThread:
         return self.call(read())
 
     def close(self) -> None:
-        self.loop.call_soon_threadsafe(self._stop.set)
+        self.loop.call_soon_threadsafe(present(self._stop).set)
         self.thread.join(30)
         if not self.thread.is_alive():
             self.loop.close()

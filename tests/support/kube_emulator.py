@@ -59,7 +59,7 @@ def _field(obj: dict, path: str) -> str | None:
 
 
 def _selector_terms(text: str | None) -> list[tuple[str, str, str | None]]:
-    terms = []
+    terms: list[tuple[str, str, str | None]] = []
     for term in filter(None, (t.strip() for t in (text or "").split(","))):
         if "!=" in term:
             k, v = term.split("!=", 1)
@@ -188,7 +188,7 @@ class ApiServer(KubernetesEmulator):
     def resource_version(self) -> int:
         return self._rv
 
-    def get(self, plural: str, name: str, namespace: str | None = None) -> dict | None:
+    def get(self, plural: str, name: str, namespace: str | None = None) -> dict | None:  # type: ignore[override]  # the store, not kmock's HTTP GET handler
         obj = self._store.get((plural, namespace, name))
         return copy.deepcopy(obj) if obj is not None else None
 

@@ -14,13 +14,16 @@ import contextlib
 import threading
 import time
 import urllib.error
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
+from typing import Any
 
+import httpx2
 from lightkube import ApiError, Client, KubeConfig
 from lightkube.resources.core_v1 import Node, Pod
 
 from tests.support.kube_real_server import RealServer
+from tests.support.present import present
 
 
 class LoopThread:
@@ -45,13 +48,24 @@ class _Watcher:
     """A thread that follows a watch through server restarts and 410s (relisting), as an informer does."""
 
     def __init__(self, kubeconfig: str) -> None:
-        self.client = Client(config=KubeConfig.from_file(kubeconfig), timeout=30)
+        self.client = Client(config=KubeConfig.from_file(kubeconfig), timeout=httpx2.Timeout(30))
         self._stop = threading.Event()
         self.thread = threading.Thread(target=self._loop, daemon=True)
 
     def start(self):
         self.thread.start()
         return self
+
+    # what a watcher of one kind provides
+    def relist(self) -> str:
+        """List the objects (each told through `event`); returns the list's resourceVersion."""
+        raise NotImplementedError
+
+    def watch(self, rv: str) -> Iterator[tuple[str, Any]]:
+        raise NotImplementedError
+
+    def event(self, kind: str, obj: Any) -> None:
+        raise NotImplementedError
 
     def _loop(self) -> None:
         try:
@@ -99,7 +113,7 @@ class NodeRecorder(_Watcher):
         listing = self.client.list(Node, fields={"metadata.name": self.node})
         items = list(listing)
         with self.cond:
-            now = dict(items[0].metadata.labels or {}) if items else None
+            now = dict(present(items[0].metadata).labels or {}) if items else None
             if not self.versions or self.versions[-1] != now:
                 self.versions.append(now)
             self.cond.notify_all()
@@ -185,7 +199,7 @@ class RealNode:
                 raise
             self.merge_labels(labels)
 
-    def merge_labels(self, labels: dict[str, str | None]) -> None:
+    def merge_labels(self, labels: Mapping[str, str | None]) -> None:
         self.server.admin("PATCH", f"/api/v1/nodes/{self.node}", {"metadata": {"labels": labels}},
                           content_type="application/merge-patch+json")
 

@@ -33,6 +33,8 @@ from pathlib import Path
 
 import yaml
 
+from tests.support.present import present
+
 KUBE_VERSION = "v1.34.12"
 REPO = Path(__file__).resolve().parents[2]
 RBAC_YAML = REPO / "packaging" / "kube" / "gpud-rbac.yaml"
@@ -110,7 +112,7 @@ class RealServer:
         self.etcd: subprocess.Popen | None = None
         self.apiserver: subprocess.Popen | None = None
         self.audit_log = self.dir / "audit.log"
-        self._ssl = None
+        self._ssl: ssl.SSLContext | None = None
 
     @property
     def url(self) -> str:
@@ -215,7 +217,7 @@ class RealServer:
         """What a cluster has before gpud joins: the operator's namespaces with their `default`
         ServiceAccount (kube-controller-manager's job), and gpud's RBAC applied as documented."""
         self._wait(lambda: self.admin("GET", "/api/v1/namespaces/kube-system")["metadata"]["name"] == "kube-system",
-                   self.apiserver, "namespace kube-system")
+                   present(self.apiserver, "a running kube-apiserver"), "namespace kube-system")
         for ns in NAMESPACES:
             self._create("/api/v1/namespaces", {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}})
         for ns in (*NAMESPACES, "default"):
@@ -266,7 +268,7 @@ class RealServer:
     def audit(self, username: str) -> list[dict]:
         """Every request `username` made, as the server recorded it (stage ResponseComplete,
         or ResponseStarted for a watch), with the response's status code."""
-        out = []
+        out: list[dict] = []
         if not self.audit_log.exists():
             return out
         for line in self.audit_log.read_text().splitlines():
@@ -278,7 +280,7 @@ class RealServer:
 
 
 
-def narrowed_role(server: RealServer, kubeconfig: Path, name: str, rules) -> Path:
+def narrowed_role(server: RealServer, kubeconfig: Path, name: str, rules) -> str:
     """The documented role (packaging/kube/gpud-rbac.yaml) with its rules passed through `rules`,
     applied under `name` and bound to an identity of its own: `kubeconfig` is written for it."""
     docs = [d for d in yaml.safe_load_all(RBAC_YAML.read_text()) if d]

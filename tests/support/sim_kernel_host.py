@@ -12,6 +12,7 @@ from gpud.sim import kernel
 from gpud.sim.kernel import Store
 from gpud.sim.state import SimFunction, SimGpu, SimProcess, SimState, locked, save
 from gpud.sim.sysfs_tree import render
+from tests.support.present import present
 
 GPU, AUDIO, GPU2, NOGROUP = "0000:3b:00.0", "0000:3b:00.1", "0000:5d:00.0", "0000:00:06.0"
 UUID = "GPU-d187104d-6f24-f22c-6f22-72835236781d"
@@ -69,13 +70,13 @@ def drop_processes(d) -> None:
 def to_vfio(s: Sysfs, addr: str) -> None:
     s.write(f"bus/pci/devices/{addr}/driver_override", "vfio-pci")
     f = s.function(addr)
-    if f.driver:
-        s.write(f"bus/pci/drivers/{f.driver}/unbind", addr)
+    if present(f).driver:
+        s.write(f"bus/pci/drivers/{present(f).driver}/unbind", addr)
     s.write("bus/pci/drivers_probe", addr)
 
 
 def to_native(s: Sysfs, addr: str) -> None:
     s.write(f"bus/pci/devices/{addr}/driver_override", "\n")
-    if s.function(addr).driver:
+    if present(s.function(addr)).driver:
         s.write(f"bus/pci/devices/{addr}/driver/unbind", addr)  # through the device's driver link
     s.write("bus/pci/drivers_probe", addr)

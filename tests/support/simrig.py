@@ -44,7 +44,7 @@ class _Resets:
     """GPU resets the simulated kernel carried out since the last `clear()`."""
 
     def __init__(self, host_dir: Path) -> None:
-        self.dir, self.base = host_dir, Counter()
+        self.dir, self.base = host_dir, Counter[str]()
 
     def _now(self) -> Counter[str]:
         return Counter({pci: sum(by_method.values()) for pci, by_method in simstate.load(self.dir).resets.items()})

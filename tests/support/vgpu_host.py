@@ -16,6 +16,7 @@ from gpud.sim import host as sim_paths
 from gpud.sim import vgpu as sim_vgpu
 from gpud.sim.state import load
 from gpud.vgpu_types import by_device
+from tests.support.present import present
 
 
 def adapter(d: Path) -> VgpuSysfs:
@@ -28,7 +29,7 @@ def adapter(d: Path) -> VgpuSysfs:
 def sim_vgpus(host: Path, pf: str) -> list[tuple[str, str]]:
     """(type, VF or mdev UUID) of the GPU at `pf`, from the simulator's state file."""
     st = load(host)
-    types = sim_vgpu.sim_types(sim_vgpu.vgpu_model(st, pf))
+    types = sim_vgpu.sim_types(present(sim_vgpu.vgpu_model(st, pf)))
     by_vfio = {t.vfio_id: t.name for t in types}
     by_mdev = {t.mdev_id: t.name for t in types}
     v = st.vgpu[pf]

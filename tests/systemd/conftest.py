@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.present import present
 from tests.systemd.nspawn import REPO, Container, missing_prerequisites, python_binds
 
 
@@ -55,7 +56,7 @@ def container(nspawn_ok, tmp_path_factory):
 @pytest.fixture(scope="session")
 def installed(container, deb_path):
     """gpud installed in the container from the .deb, as on a fresh Debian 12."""
-    dest = container.share / deb_path.name
+    dest = present(container.share) / deb_path.name
     shutil.copy(deb_path, dest)
     r = container.run(["dpkg", "-i", f"/share/{deb_path.name}"], check=False, timeout=300)
     assert r.returncode == 0, f"dpkg -i failed:\n{r.stdout}\n{r.stderr}"

@@ -102,7 +102,7 @@ def gpud_writes() -> dict[str, str]:
 
 if __name__ == "__main__":
     out_path, nobody_pid, unit = sys.argv[1:4]
-    r = {}
+    r: dict[str, object] = {}
     check(r, "ctypes-callback", ctypes_callback)
     check(r, "imports", imports)
     check(r, "udev-netlink", udev_netlink)

@@ -22,6 +22,8 @@ import time
 import uuid
 from pathlib import Path
 
+from tests.support.present import present
+
 REPO = Path(__file__).resolve().parents[2]
 CLEAN_ENV = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8",
              "SYSTEMD_PAGER": "", "SYSTEMD_COLORS": "0", "TERM": "dumb"}
@@ -71,6 +73,7 @@ class Container:
         self.pid1: int | None = None
         self.workdir = Path(tempfile.mkdtemp(prefix=self.name + "-"))
         self.log_path = self.workdir / "console.log"
+        self.share: Path | None = None  # the host side of a bind a fixture sets up, if any
 
     # ---- life cycle --------------------------------------------------------------------------
     def start(self) -> Container:
@@ -113,15 +116,15 @@ class Container:
             try:
                 msg = ns.recv(4096).decode(errors="replace")
             except TimeoutError:
-                if self.proc.poll() is not None:
-                    raise RuntimeError(f"systemd-nspawn exited {self.proc.returncode}\n{self.console()}") from None
+                if present(self.proc).poll() is not None:
+                    raise RuntimeError(f"systemd-nspawn exited {present(self.proc).returncode}\n{self.console()}") from None
                 continue
             if "READY=1" in msg.split("\n"):
                 return
 
     def _find_pid1(self) -> int:
         """The container's init is the only child of the nspawn process."""
-        for task in Path(f"/proc/{self.proc.pid}/task").iterdir():
+        for task in Path(f"/proc/{present(self.proc).pid}/task").iterdir():
             children = (task / "children").read_text().split()
             if children:
                 return int(children[0])
@@ -207,7 +210,7 @@ class Container:
                              start_new_session=True)
         try:
             # Raw reads: a buffered readline() would hide lines it read ahead from select().
-            fd = p.stdout.fileno()
+            fd = present(p.stdout).fileno()
             deadline = time.monotonic() + timeout
             seen: list[str] = []
             buf = b""
@@ -228,4 +231,4 @@ class Container:
         finally:
             os.killpg(p.pid, signal.SIGTERM)
             p.wait(10)
-            p.stdout.close()
+            present(p.stdout).close()

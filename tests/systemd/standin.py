@@ -26,7 +26,7 @@ def wait_fifo(path: str) -> str:
 
 
 def notify(d: str) -> None:
-    sys.stdout.reconfigure(line_buffering=True)
+    sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]  # sys.stdout is a TextIOWrapper here
     n = Notifier()
     assert "NOTIFY_SOCKET" not in child_env()
     n.status("waiting for go")
@@ -75,12 +75,12 @@ def fake_logind(record: str) -> None:
             super().__init__("org.freedesktop.login1.Manager")
 
         @method()
-        def Reboot(self, interactive: "b") -> None:  # noqa: F821 (dbus signature)
+        def Reboot(self, interactive: "b") -> None:  # type: ignore[name-defined]  # noqa: F821 - a D-Bus signature, as dbus-fast reads it
             with open(record, "a") as f:
                 f.write(f"Reboot interactive={interactive}\n")
 
         @method()
-        def CanReboot(self) -> "s":  # noqa: F821
+        def CanReboot(self) -> "s":  # type: ignore[name-defined]  # noqa: F821 - a D-Bus signature
             return "yes"
 
     async def main() -> None:

@@ -19,6 +19,7 @@ import pytest
 from gpud.host.systemd import logind, sd_notify
 from gpud.host.systemd.sd_notify import Notifier, child_env, watchdog_interval
 from gpud.host.systemd.unit_drain import SystemdError, _JobTracker
+from tests.support.present import present
 from tests.systemd.nspawn import REPO
 
 
@@ -147,7 +148,7 @@ def test_listen_socket_from_socket_activation(tmp_path):
     finally:
         p.terminate()
         p.wait(10)
-        p.stderr.close()
+        present(p.stderr).close()
     assert sd_notify.listen_socket({}) is None
     assert sd_notify.listen_socket({"LISTEN_PID": "1", "LISTEN_FDS": "1"}) is None
 
@@ -194,4 +195,4 @@ async def test_reboot_marker_prevents_a_loop(tmp_path):
     assert not (state / logind.REBOOT_MARKER).exists()
     # a corrupt marker counts as a past reboot
     (state / logind.REBOOT_MARKER).write_text("{")
-    assert logind.reboot_outcome(str(state), boot_id_path=str(boot)).rebooted is True
+    assert present(logind.reboot_outcome(str(state), boot_id_path=str(boot))).rebooted is True

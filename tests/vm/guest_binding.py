@@ -29,6 +29,7 @@ from gpud.host.kernel.udev import UdevEvents
 from gpud.layout.parse import parse_layout
 from gpud.layout.resolve import resolve
 from gpud.plan.binding import plan_binding
+from tests.support.present import present
 from tests.vm import guest_vgpu
 
 NIC0, AUDIO, NIC1 = "0000:00:10.0", "0000:00:10.1", "0000:00:11.0"
@@ -97,7 +98,7 @@ class Guest:
         return f.driver if f else "ABSENT"
 
     def snapshot(self):
-        return {p: {"driver": self.drv(p), "override": (self.sysfs.function(p) or None) and self.sysfs.function(p).driver_override}
+        return {p: {"driver": self.drv(p), "override": (self.sysfs.function(p) or None) and present(self.sysfs.function(p)).driver_override}
                 for p in (NIC0, AUDIO, NIC1)}
 
     def on_event(self, ev) -> None:
@@ -129,7 +130,7 @@ class Guest:
         """One gpud pass: observe -> resolve the layout -> plan -> execute, per managed device."""
         parsed = parse_layout(LAYOUT, select=layout_name)
         assert parsed.ok, parsed.errors
-        obs = observe(self.sysfs, None, parsed.layout.match)
+        obs = observe(self.sysfs, None, present(parsed.layout).match)
         res = resolve(parsed, obs.gpus)
         out = {}
         for gpu in obs.gpus:
@@ -150,7 +151,7 @@ async def main(out_dir: str) -> None:
     loop = asyncio.get_running_loop()
     ticker = asyncio.create_task(g.ticker())
     record("env", kernel=os.uname().release,
-           groups={p: (g.sysfs.function(p).iommu_group if g.sysfs.function(p) else None) for p in (NIC0, AUDIO, NIC1)},
+           groups={p: (present(g.sysfs.function(p)).iommu_group if g.sysfs.function(p) else None) for p in (NIC0, AUDIO, NIC1)},
            udevd=bool(sh("pidof systemd-udevd || pgrep -f systemd-udevd")),
            vfio_loaded=os.path.isdir("/sys/bus/pci/drivers/vfio-pci"), before=g.snapshot())
 
@@ -161,11 +162,11 @@ async def main(out_dir: str) -> None:
         try:
             src.start(loop)
             record("monitors", **{name: "started"})
-        except Exception as e:  # noqa: BLE001 - recorded for the host to judge
-            record("monitors", **{name: f"failed: {e}"})
+        except Exception as err:  # noqa: BLE001 - recorded for the host to judge
+            record("monitors", **{name: f"failed: {err}"})
 
-    group_a = g.sysfs.function(NIC0).iommu_group
-    group_b = g.sysfs.function(NIC1).iommu_group
+    group_a = present(g.sysfs.function(NIC0)).iommu_group
+    group_b = present(g.sysfs.function(NIC1)).iommu_group
 
     async def phase(name, coro):
         try:
@@ -186,7 +187,7 @@ async def main(out_dir: str) -> None:
 
     # B: the inventory a VM manager reads.
     async def b():
-        obs = observe(g.sysfs, None, parse_layout(LAYOUT).layout.match)
+        obs = observe(g.sysfs, None, present(parse_layout(LAYOUT).layout).match)
         items = passthrough.entries(obs.gpus)
         record("inventory", entries=[{"pci": e.pci, "vendor_device": e.vendor_device, "resource_name": e.resource_name,
                                       "vfio_device": e.vfio_device, "companions": list(e.companions),
@@ -196,7 +197,7 @@ async def main(out_dir: str) -> None:
     # C: boot persistence with the real udevd, then remove + rescan handled.
     async def c():
         parsed = parse_layout(LAYOUT, select="passthrough")
-        obs = observe(g.sysfs, None, parsed.layout.match)
+        obs = observe(g.sysfs, None, present(parsed.layout).match)
         desired = resolve(parsed, obs.gpus).desired
         changed = udev_rules.UdevRules(RULES).sync(obs.gpus, desired)
         unchanged = not udev_rules.UdevRules(RULES).sync(obs.gpus, desired)
@@ -221,7 +222,7 @@ async def main(out_dir: str) -> None:
     async def d():
         holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(group_b), NIC1], stdin=subprocess.PIPE,
                                   stdout=subprocess.PIPE, text=True)
-        ready = await loop.run_in_executor(None, holder.stdout.readline)
+        ready = await loop.run_in_executor(None, present(holder.stdout).readline)
         waiting = await g.converge("container", only=NIC1)
         ticks0 = g.ticks
         stuck = await g.converge("container", only=NIC1, check_holders=False, timeout=8.0)
@@ -229,7 +230,7 @@ async def main(out_dir: str) -> None:
         stuck_pid = stuck.get(NIC1, {}).get("stuck_pid")
         again = await g.converge("container", only=NIC1, timeout=8.0)
         wchan = open(f"/proc/{stuck_pid}/wchan").read() if stuck_pid and os.path.exists(f"/proc/{stuck_pid}") else None
-        holder.stdin.close()  # release the device: the abandoned unbind can finish
+        present(holder.stdin).close()  # release the device: the abandoned unbind can finish
         await loop.run_in_executor(None, holder.wait)
         deadline = time.monotonic() + 60
         while stuck_writes() and time.monotonic() < deadline:
@@ -246,7 +247,7 @@ async def main(out_dir: str) -> None:
         n = len(g.events)
         outcomes = await g.converge("container")
         ev = await g.wait_event(lambda e: e[0] == "remove" and e[1] == "vfio" and e[2] == str(group_a), 20, n)
-        obs = observe(g.sysfs, None, parse_layout(LAYOUT).layout.match)
+        obs = observe(g.sysfs, None, present(parse_layout(LAYOUT).layout).match)
         parsed = parse_layout(LAYOUT, select="container")
         rules_changed = udev_rules.UdevRules(RULES).sync(
             obs.gpus, resolve(parsed, obs.gpus).desired)
@@ -340,6 +341,7 @@ async def run_daemon(out_dir: str) -> None:
         events = ctl("events").stdout
     finally:
         proc.terminate()
+        rc: int | str
         try:
             rc = proc.wait(30)
         except subprocess.TimeoutExpired:

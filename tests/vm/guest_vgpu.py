@@ -28,6 +28,7 @@ from gpud.host.kernel.sysfs import Sysfs, SysfsError
 from gpud.host.nvidia.vgpu_sysfs import VgpuSysfs
 from gpud.layout.desired import DesiredGpu
 from gpud.plan.vgpu import VgpuRecord, plan_vgpu
+from tests.support.present import present
 
 PARENT = "mtty"
 TYPE = "Dual port serial"
@@ -78,7 +79,7 @@ def run_mdev(record, holder_src: str, out_dir: str) -> None:
     group = next(d.vfio_group for d in state.devices if d.uuid == created[0])
     holder = subprocess.Popen([sys.executable, "-c", holder_src, str(group), created[0]], stdin=subprocess.PIPE,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    ready = holder.stdout.readline().strip()
+    ready = present(holder.stdout).readline().strip()
     held = v.read(PARENT)
     shrink = _plan(v, 1, rec)
     record("mdev", holder_ready=ready, holder_pid=holder.pid,
@@ -96,7 +97,7 @@ def run_mdev(record, holder_src: str, out_dir: str) -> None:
         raw_blocked = False
     except subprocess.TimeoutExpired:
         raw_blocked, raw_out = True, ""
-    holder.stdin.close()
+    present(holder.stdin).close()
     holder.wait(30)
     if raw_blocked:
         raw_out = raw.communicate(timeout=60)[0]

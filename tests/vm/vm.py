@@ -18,6 +18,8 @@ import subprocess
 import sys
 import time
 
+from tests.support.present import present
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 VNG_BIN = "/opt/vng/bin"
 QEMU_OPTS = ("-machine q35,kernel-irqchip=split -device intel-iommu,intremap=on "
@@ -79,7 +81,7 @@ def boot(out_dir: str, guest_script: str, *, timeout: float = 1500.0, python: st
     kernel = find_kernel()
     env = dict(os.environ, PATH=os.pathsep.join([VNG_BIN, os.environ.get("PATH", "")]))
     guest_cmd = f"cd {REPO} && PYTHONPATH={REPO} {python} {guest_script} {out_dir}"
-    cmd = [vng_path(), "-r", kernel, "--disable-kvm", "--cpus", "2", "--memory", "1G",
+    cmd: list[str] = [present(vng_path(), "vng"), "-r", present(kernel, "a guest kernel"), "--disable-kvm", "--cpus", "2", "--memory", "1G",
            f"--rwdir={out_dir}", "--append", "intel_iommu=on", f"--qemu-opts={QEMU_OPTS}",
            "--exec", guest_cmd]
     t0 = time.monotonic()

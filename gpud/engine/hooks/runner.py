@@ -27,7 +27,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
-from gpud.engine.ports import Drainer
+from gpud.engine.ports import UnitRestarter
 from gpud.host.systemd.sd_notify import child_env
 from gpud.layout.schema import HOOK_PHASES, Hook, HookPhase, Hooks
 from gpud.py_compat import timeout
@@ -275,7 +275,7 @@ async def _kill_group(proc: asyncio.subprocess.Process) -> None:
     await proc.wait()
 
 
-async def refresh_cdi(drainer: Drainer | None, *, log: Callable[[str], object] | None = None,
+async def refresh_cdi(drainer: UnitRestarter | None, *, log: Callable[[str], object] | None = None,
                       unit: str = CDI_REFRESH_UNIT, generate: Callable[[], Awaitable[str]] | None = None) -> bool:
     """After an apply that changed MIG devices, regenerate the CDI spec (the container toolkit
     does not notice on its own: nvidia-container-toolkit #1828). Restarts the unit through

@@ -13,12 +13,13 @@ import contextlib
 import json
 import logging
 import os
+from typing import Protocol
 
 from gpud.engine import status_line
 from gpud.engine.boot.reboot_policy import RebootRefused
 from gpud.engine.engine import Engine
 from gpud.engine.gpu_state import SETTLING_PHASES
-from gpud.engine.kube.agent import KubeAgent, Outcome
+from gpud.engine.kube.agent import Outcome
 from gpud.engine.ports import Rebooter
 from gpud.host.files import state_files
 from gpud.host.files.safe_file import write_file
@@ -116,11 +117,25 @@ class ReconcilerApplier:
         return False
 
 
+class RebootAnnouncer(Protocol):
+    """The part of the kube agent a reboot needs (gpud.engine.kube.agent.KubeAgent)."""
+
+    async def before_reboot(self, reason: str) -> None: ...
+
+    def reboot_cancelled(self) -> None: ...
+
+
+class RebootFlag(Protocol):
+    """Where the rebooter says a reboot was asked for (ReconcilerApplier)."""
+
+    reboot_requested: bool
+
+
 class KubeRebooter:
     """The engine's rebooter with --kube-node: `state=rebooting` on the node before logind is asked
     (the operator's contract), nothing on the node when the reboot marker refuses a second one."""
 
-    def __init__(self, agent: KubeAgent, applier: ReconcilerApplier, reboot: Rebooter) -> None:
+    def __init__(self, agent: RebootAnnouncer, applier: RebootFlag, reboot: Rebooter) -> None:
         self.agent, self.applier, self.reboot = agent, applier, reboot
 
     async def __call__(self, state_dir: str, reason: str) -> bool:
