@@ -301,7 +301,7 @@ def write(rows, times, results: Path, label: str, real: bool,
         met, slower, g_total, m_total = _wall_targets(rows, walls)
         as_rec = all("wall_s_as_recorded" in g for _, g, _ in rows)
         lines += ["", "## Wall time against the real nvidia-mig-parted", "",
-                  f"The real tool's wall time comes from {source}; gpud's from this run.", ""]
+                  f"gpud's wall time is from this run; the real tool's from {source}.", ""]
         if as_rec:
             lines += ["| scenario | gpud wall s (today's simulator) | gpud wall s (the recording's simulator) | "
                       "mig-parted wall s (recorded) | gpud / mig-parted (same simulator) |", "|---|---:|---:|---:|---:|"]

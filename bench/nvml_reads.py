@@ -37,18 +37,18 @@ N_GPUS = 8
 ALL = list(range(N_GPUS))
 
 
-class NoStaticCache(SessionCache):
-    """The session cache with nothing stored: every read asks NVML for everything."""
-
-    def store_if(self, generation, put) -> None:  # type: ignore[no-untyped-def]
-        return None
+def _disable(cache: SessionCache) -> None:
+    """The session's cache emptied and never stored into again (every holder of it, the MIG
+    reader included, shares this one object): every read asks NVML for everything."""
+    cache.clear()
+    cache.store_if = lambda generation, put: None  # type: ignore[method-assign]
 
 
 def _rig(tmp: Path, *, cached: bool) -> SimRig:
     rig = SimRig(tmp, (f"h100-80gb:{N_GPUS}",))
-    if not cached:
-        rig.hw.nvml._cache = NoStaticCache()
     assert asyncio.run(rig.apply(layout(mig(ALL, {"1g.10gb": 7}))))
+    if not cached:
+        _disable(rig.hw.nvml._cache)
     return rig
 
 

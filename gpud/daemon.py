@@ -514,8 +514,15 @@ class Daemon:
             done.cancel()
             return
         if not done.result():
-            log.warning("the first pass did not end within %g s; ready anyway, it goes on", limit)
-            self.bus.publish("warning", f"the first pass did not end within {limit:g} s of start; ready anyway")
+            # READY promises each GPU's boot work done or failed and said: those still at it are named
+            view = self.engine.view
+            index = {g.pci: g.index for g in view.observation.gpus}
+            unfinished = [f"GPU {index.get(pci, '?')} ({pci}) {st.state if st else 'starting'}"
+                          for pci in pending
+                          if (st := view.gpu_states.get(pci)) is None or st.state in SETTLING_PHASES]
+            still = f"; still at work: {', '.join(unfinished)}" if unfinished else ""
+            log.warning("the first pass did not end within %g s; ready anyway, it goes on%s", limit, still)
+            self.bus.publish("warning", f"the first pass did not end within {limit:g} s of start; ready anyway{still}")
 
     async def _wait_stop_or_failure(self, tasks: list[asyncio.Task]) -> bool:
         """True on a requested stop; False when an event source died (systemd then restarts us,

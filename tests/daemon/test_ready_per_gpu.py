@@ -14,7 +14,7 @@ import pytest
 from gpud.sim import vgpu as sim_vgpu
 from gpud.sim.state import load, locked
 from gpud.sim.sysfs_tree import render
-from tests.support.daemon import notified, until_ready, wait_until
+from tests.support.daemon import notified, start_until_ready, until_ready, wait_until
 
 pytestmark = pytest.mark.daemon
 
@@ -107,3 +107,16 @@ def test_ready_comes_when_a_gpus_boot_work_fails_and_names_it(daemon) -> None:
     failed = [e for e in d.events() if e.get("gpu") == GPU1 and e["kind"] == "failed"]
     assert failed and "sriov-manage" in failed[0]["message"], d.events()[-10:]
     assert not [e for e in d.events() if e.get("gpu") == GPU0 and e["kind"] == "failed"]
+
+
+def test_ready_past_its_limit_names_the_gpu_still_at_work(daemon) -> None:
+    """READY waits at most DaemonConfig.first_pass_wait_s (60 s, inside systemd's start timeout):
+    a GPU whose boot work outlasts it is named as still at work when READY comes anyway."""
+    d = daemon(["l40s", "l40s"], LAYOUT, vgpu="vfio")
+    _rebooted_with(d, GATED)
+    start_until_ready(d, 180)  # the gate stays shut: READY comes at the limit
+    assert (d.host / "enabling-started").exists() and _vgpus(d.host, GPU1) == 0
+    warning = [e["message"] for e in d.events() if e["kind"] == "warning" and "ready anyway" in e["message"]]
+    assert warning and f"still at work: GPU 1 ({GPU1}) applying" in warning[0], warning
+    (d.host / "gate").touch()
+    wait_until(lambda: _vgpus(d.host, GPU1) == 2, 120, "the second GPU's vGPUs after the gate")

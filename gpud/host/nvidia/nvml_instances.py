@@ -124,8 +124,10 @@ class MigReader:
         cache = self._cache
         generation = cache.generation
         gi_keys = {(gi.id, gi.profile_id, gi.placement.start, gi.placement.size) for _, gi in gis}
+        handle_of = {gi.id: (handle, gi.profile_id) for handle, gi in gis}
         room = {gi.id: next((p.slices for p in static.profiles if p.id == gi.profile_id), 0) for _, gi in gis}
         found: dict[int, list[ComputeInstance]] = {gi.id: [] for _, gi in gis}
+        listed: dict[int, tuple[ComputeInstance, ...]] = {}  # GI id -> its CIs, for a GI holding a new device
         unknown: dict[int, dict[int, tuple[str, tuple[Holder, ...]]]] = {}  # GI id -> CI id -> (uuid, holders)
         for i in range(self.max_mig_devices(pci, h)):
             if all(v <= 0 for v in room.values()):
@@ -147,13 +149,18 @@ class MigReader:
             holders = self.mig_holders(pci, m, uuid, in_devices, (gi_id, ci_id))
             if gi_id in found:
                 unknown.setdefault(gi_id, {})[ci_id] = (uuid, holders)
-                room[gi_id] = 0  # its CIs are listed below
+                if gi_id not in listed:
+                    # The GI's CIs say how many devices it holds: the scan goes on until each one's
+                    # UUID is found (a GI's other new CIs come at later indices).
+                    listed[gi_id] = self._cis(pci, *handle_of[gi_id])
+                    room[gi_id] = sum(c.slices for c in listed[gi_id]) - sum(c.slices for c in found[gi_id])
+                room[gi_id] -= next((c.slices for c in listed[gi_id] if c.id == ci_id), 0)
         out = []
         for handle, gi in gis:
             if gi.id in unknown or not found[gi.id]:
                 details = unknown.get(gi.id, {})
                 cis = []
-                for ci in self._cis(pci, handle, gi.profile_id):
+                for ci in listed.get(gi.id) or self._cis(pci, handle, gi.profile_id):
                     uuid, holders = details.get(ci.id, ("", ()))
                     if not uuid:  # seen before, or no MIG device for it: as the device loop found it
                         seen = next((c for c in found[gi.id] if c.id == ci.id), None)
