@@ -8,7 +8,6 @@ kubelet's side of DRA is the gRPC client of tests/dra (the generated code, no ha
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import time
 import urllib.error
@@ -32,21 +31,8 @@ def dra_binaries() -> tuple[dict[str, str], str | None]:
     if why:
         return {}, why
     status = real_server.anchor_dir().parent / DRA_VERSION / "status.json"
-    try:
-        st = json.loads(status.read_text())
-    except FileNotFoundError:
-        return {}, f"{status} missing: scripts/install-kube-scheduler has not run (make test runs it)"
-    except ValueError as e:
-        return {}, f"{status} unreadable: {e}"
-    out, missing = {"etcd": base["etcd"]}, []
-    for name in ("kube-apiserver", "kube-scheduler"):
-        entry = st.get(name) or {}
-        path = entry.get("binary")
-        if path and os.access(path, os.X_OK):
-            out[name] = path
-        else:
-            missing.append(f"{name}: {entry.get('unavailable') or f'not built ({status})'}")
-    return (out, None) if not missing else ({}, "; ".join(missing))
+    out, why = real_server.built(status, ("kube-apiserver", "kube-scheduler"), "scripts/install-kube-scheduler")
+    return ({"etcd": base["etcd"], **out}, None) if not why else ({}, why)
 
 
 class DraCluster:

@@ -59,14 +59,19 @@ class TrialResult:
         self.outcomes["BROKEN"] += 1
 
 
-def layout_text(per_gpu: Sequence[dict[str, int] | None]) -> str:
+def layout_entries(per_gpu: Sequence[dict[str, int] | None]) -> list[dict]:
+    """One entry per GPU index: MIG on with these devices, or off (None)."""
     entries = []
     for i, devices in enumerate(per_gpu):
         entry: dict = {"devices": [i], "mig-enabled": devices is not None}
         if devices is not None:
             entry["mig-devices"] = devices
         entries.append(entry)
-    return yaml.safe_dump({"version": "v1", "layouts": {"t": entries}}, sort_keys=False)
+    return entries
+
+
+def layout_text(per_gpu: Sequence[dict[str, int] | None]) -> str:
+    return yaml.safe_dump({"version": "v1", "layouts": {"t": layout_entries(per_gpu)}}, sort_keys=False)
 
 
 def hardware_mismatches(d: Daemon, per_gpu: Sequence[dict[str, int] | None], pcis: list[str]) -> list[str]:

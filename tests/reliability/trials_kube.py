@@ -29,7 +29,7 @@ from pathlib import Path
 import yaml
 
 from gpud.engine.kube.agent import MIG_CONFIG, MIG_STATE
-from tests.reliability.trials import TrialResult, crashed, hardware_mismatches, serving
+from tests.reliability.trials import TrialResult, crashed, hardware_mismatches, layout_entries, serving
 from tests.support.configmap_volume import ConfigMapVolume
 from tests.support.daemon import Daemon
 from tests.support.kube_cluster import NODE
@@ -52,15 +52,7 @@ NAMES = sorted(CONTENTS[0])
 
 def layouts_text(content: dict[str, list[dict[str, int] | None]]) -> str:
     """The layout file: every name, no `selected` (under --kube-node the node label selects)."""
-    out: dict = {"version": "v1", "layouts": {}}
-    for name, per_gpu in content.items():
-        entries = []
-        for i, devices in enumerate(per_gpu):
-            entry: dict = {"devices": [i], "mig-enabled": devices is not None}
-            if devices is not None:
-                entry["mig-devices"] = devices
-            entries.append(entry)
-        out["layouts"][name] = entries
+    out = {"version": "v1", "layouts": {name: layout_entries(per_gpu) for name, per_gpu in content.items()}}
     return yaml.safe_dump(out, sort_keys=False)
 
 

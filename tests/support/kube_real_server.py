@@ -46,17 +46,17 @@ def anchor_dir() -> Path:
     return Path(os.environ.get("GPUD_ANCHORS", "/var/cache/gpud-anchors")) / "kube" / KUBE_VERSION
 
 
-def binaries() -> tuple[dict[str, str], str | None]:
-    """({name: path}, None) when both binaries are there; else ({}, the reason)."""
-    status = anchor_dir() / "status.json"
+def built(status: Path, names: tuple[str, ...], script: str) -> tuple[dict[str, str], str | None]:
+    """({name: path}, None) when every one of `names` is built, as the install script's
+    status.json records; else ({}, the reason)."""
     try:
         st = json.loads(status.read_text())
     except FileNotFoundError:
-        return {}, f"{status} missing: scripts/install-kube-apiserver has not run (make test runs it)"
+        return {}, f"{status} missing: {script} has not run (make test runs it)"
     except ValueError as e:
         return {}, f"{status} unreadable: {e}"
     out, why = {}, []
-    for name in ("kube-apiserver", "etcd"):
+    for name in names:
         entry = st.get(name) or {}
         path = entry.get("binary")
         if path and os.access(path, os.X_OK):
@@ -64,6 +64,11 @@ def binaries() -> tuple[dict[str, str], str | None]:
         else:
             why.append(f"{name}: {entry.get('unavailable') or f'not built ({status})'}")
     return (out, None) if not why else ({}, "; ".join(why))
+
+
+def binaries() -> tuple[dict[str, str], str | None]:
+    """({name: path}, None) when both binaries are there; else ({}, the reason)."""
+    return built(anchor_dir() / "status.json", ("kube-apiserver", "etcd"), "scripts/install-kube-apiserver")
 
 
 def free_port() -> int:
