@@ -9,7 +9,7 @@ never a user parsing `--json`.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -207,12 +207,15 @@ def check_reply(resolution: Resolution, *, others: Sequence[tuple[str, Resolutio
                                             if d.dynamic])
 
 
-def status_reply(view: EngineView, *, kubernetes: wire_replies.KubernetesStatus | None = None) -> wire_replies.StatusReply:
-    """What the engine last observed and concluded, never what it intended."""
+def status_reply(view: EngineView, *, kubernetes: wire_replies.KubernetesStatus | None = None,
+                 status_of: Callable[..., wire_replies.GpuStatus] | None = None) -> wire_replies.StatusReply:
+    """What the engine last observed and concluded, never what it intended. `status_of`: gpu_status,
+    or one that keeps a GPU's answer while its inputs stay the same."""
     res = view.resolution
-    gpus = [gpu_status(g, res.desired.get(g.pci) if res else None, shown_state(view, g.pci),
-                       list(view.vgpus_rebuilt.get(g.pci, ())) or None,
-                       [r for r in view.leases if r.gpu == g.pci], view.lease_free.get(g.pci))
+    status_of = status_of or gpu_status
+    gpus = [status_of(g, res.desired.get(g.pci) if res else None, shown_state(view, g.pci),
+                      list(view.vgpus_rebuilt.get(g.pci, ())) or None,
+                      [r for r in view.leases if r.gpu == g.pci], view.lease_free.get(g.pci))
             for g in view.observation.gpus]
     gpus += [gone_gpu_status(k, view.gpu_states.get(k.pci)) for k in view.observation.gone]
     gpus.sort(key=lambda g: g.index)

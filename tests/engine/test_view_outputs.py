@@ -78,3 +78,31 @@ def test_an_invalid_file_shows_in_every_output(tmp_path):
                if not s.labels}
     assert samples["gpud_layout_valid"] == 0
     assert samples["gpud_reconcile_passes"] == 4
+
+
+def test_a_new_view_rebuilds_only_the_gpus_whose_part_changed(monkeypatch):
+    """During an apply every step makes a new view; the status answer for it is the one a fresh
+    build gives, while only the GPU whose record or state changed is built again."""
+    import dataclasses
+
+    from gpud.api.status_snapshot import StatusSnapshot
+
+    built: list[str] = []
+    real = replies.gpu_status
+
+    def counted(gpu, *a, **kw):
+        built.append(gpu.pci)
+        return real(gpu, *a, **kw)
+
+    monkeypatch.setattr(replies, "gpu_status", counted)
+    snap = StatusSnapshot()
+    first = _view()
+    assert snap.reply(first, observed_at=1.0, age=0.0).gpus == replies.status_reply(first).gpus
+    built.clear()
+    states = dict(first.gpu_states)
+    states["0000:18:00.0"] = GpuState("applying", "step 3 of 7")
+    second = dataclasses.replace(first, gpu_states=MappingProxyType(states))
+    got = snap.reply(second, observed_at=2.0, age=0.0)
+    assert built == ["0000:18:00.0"]
+    built.clear()
+    assert got.gpus == replies.status_reply(second).gpus
