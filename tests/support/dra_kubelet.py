@@ -3,7 +3,7 @@ hand-made), and the device classes and selectors the DRA tests claim with."""
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, Protocol
 
 from gpud.host.kube import kubelet_plugin
 from gpud.plan.dra_slices import DEFAULT_DRIVER
@@ -44,16 +44,17 @@ class Kubelet:
         await stub.NotifyRegistrationStatus(self.reg.RegistrationStatus(plugin_registered=True))
         return info
 
-    async def prepare(self, claim: dict):
-        m = claim["metadata"]
-        stub = self.v1_grpc.DRAPluginStub(self.dra)
-        got = await stub.NodePrepareResources(self.v1.NodePrepareResourcesRequest(
-            claims=[self.v1.Claim(namespace=m["namespace"], uid=m["uid"], name=m["name"])]))
-        return got.claims[m["uid"]]
+    async def prepare(self, claim: dict) -> Any:
+        """NodePrepareResources for one claim (the API server's object): the plugin's answer for it."""
+        return await self._call("NodePrepareResources", claim)
 
-    async def unprepare(self, claim: dict):
+    async def unprepare(self, claim: dict) -> Any:
+        return await self._call("NodeUnprepareResources", claim)
+
+    async def _call(self, method: str, claim: dict) -> Any:
         m = claim["metadata"]
         stub = self.v1_grpc.DRAPluginStub(self.dra)
-        got = await stub.NodeUnprepareResources(self.v1.NodeUnprepareResourcesRequest(
-            claims=[self.v1.Claim(namespace=m["namespace"], uid=m["uid"], name=m["name"])]))
+        request = getattr(self.v1, f"{method}Request")(
+            claims=[self.v1.Claim(namespace=m["namespace"], uid=m["uid"], name=m["name"])])
+        got = await getattr(stub, method)(request)
         return got.claims[m["uid"]]

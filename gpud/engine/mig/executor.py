@@ -33,13 +33,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol, TypeVar
+from typing import Protocol, TypeVar
 
 from msgspec import Struct, field
 
 from gpud.engine.gpu_state import GpuStateName
 from gpud.host.readonly import ReadOnlyError
-from gpud.model import GpuInstance, Holder, NvmlGpu
+from gpud.model import GpuInstance, Holder, NvmlGpu, Placement
 from gpud.plan.mig import GpuPlan, Step
 
 NVML_ERROR_TIMEOUT = 10
@@ -113,7 +113,7 @@ def _all_holders(g: NvmlGpu) -> list[Holder]:
     return list(g.processes) + [h for gi in g.instances for h in gi.holders]
 
 
-def _layout(g: NvmlGpu) -> list[tuple[Any, int, tuple[int, ...]]]:
+def _layout(g: NvmlGpu) -> list[tuple[Placement, int, tuple[int, ...]]]:
     return sorted((gi.placement, gi.profile_id, tuple(sorted(c.profile_id for c in gi.cis))) for gi in g.instances)
 
 
@@ -162,7 +162,7 @@ class _Run:
         return self.with_retries(attempt)
 
     # ---- one NVML call, judged by the state after it ---------------------------------------------
-    def call(self, what: str, fn: Callable[[], Any], done: Callable[[NvmlGpu], bool],
+    def call(self, what: str, fn: Callable[[], object], done: Callable[[NvmlGpu], bool],
              busy: Callable[[NvmlGpu], list[Holder]] = lambda g: []) -> NvmlGpu:
         def attempt() -> NvmlGpu:
             try:
@@ -361,7 +361,7 @@ class _Run:
 _NEEDS_DETAILS = frozenset({"destroy-ci", "reset"})
 
 
-def _fmt(layout: list[tuple[Any, int, tuple[int, ...]]]) -> str:
+def _fmt(layout: list[tuple[Placement, int, tuple[int, ...]]]) -> str:
     if not layout:
         return "no instances"
     return "[" + ", ".join(f"{pid}@{pl.start}{list(cis)}" for pl, pid, cis in layout) + "]"
