@@ -54,11 +54,15 @@ class LayoutKeeper:
 
     def __init__(self, path: str, bus: EventBus,
                  observe: Callable[[tuple[MatchRule, ...]], Observation], judge: Judge | None = None, *,
-                 label_selects: bool = False) -> None:
+                 label_selects: bool = False,
+                 prepare: Callable[[Resolution, Observation], None] | None = None) -> None:
         self.path = path
         self.bus = bus
         self.observe = observe
         self.judge = judge  # every text is judged so: the daemon's file, `check` and `plan` alike
+        # run in the worker thread that resolved a text, before the judge runs on the loop: pure
+        # work the judge will ask for (the reconciler plans the GPUs there)
+        self.prepare = prepare
         self.layout: ParsedLayout | None = None
         # why the hooks of `layout` may not run as root ("" when they may): its file, or a
         # directory above it, is another user's or writable by a group or others
@@ -212,7 +216,13 @@ class LayoutKeeper:
         match = self._match_of(parsed)
         # without an async reader (tests, tools) the keeper's own `observe` reads on the loop
         obs = await observe(match) if observe is not None else self.observe(match)
-        resolution = await asyncio.to_thread(resolve, parsed, obs.gpus, gone=obs.gone, index_problem=obs.index_problem)
+        def resolved() -> Resolution:
+            resolution = resolve(parsed, obs.gpus, gone=obs.gone, index_problem=obs.index_problem)
+            if self.prepare is not None:
+                self.prepare(resolution, obs)
+            return resolution
+
+        resolution = await asyncio.to_thread(resolved)
         return parsed, self._judged(parsed, resolution, obs), obs
 
     def _judged(self, parsed: ParsedLayout, resolution: Resolution, obs: Observation) -> Resolution:

@@ -99,7 +99,7 @@ class Reconciler:
                                         problems=self.state_problems)
         # label_selects (--kube-node): the node label chooses the layout, `selected` may be absent
         self.layout_file = LayoutKeeper(config_path, bus, self._observe, judge=lambda *a: judged(self.next_action, *a),
-                                        label_selects=label_selects)
+                                        label_selects=label_selects, prepare=self._plan_ahead)
         self.state_dir = state_dir
         # `gpudctl select NAME`, kept across restarts (engine/layout_choice); a node label replaces it,
         # so with --kube-node a choice kept from before does not count
@@ -115,7 +115,7 @@ class Reconciler:
         self.resolution: Resolution | None = None
         self.observation = Observation(gpus=(), functions=())
         self._drivers_seen: tuple[Observation, frozenset[str]] | None = None
-        self._plans: dict[tuple[int, int], tuple[Gpu, DesiredGpu, GpuPlan]] = {}
+        self._plans: dict[int, tuple[Gpu, list[tuple[DesiredGpu, GpuPlan]]]] = {}
         self.gpu_states: dict[str, GpuState] = {}
         self.phase: Phase = "starting"
         self._apply_wanted = False  # `gpudctl apply` asked for the next pass (policy.apply: manual)
@@ -344,8 +344,13 @@ class Reconciler:
         return await self.observer.refresh()
 
     def _read_host(self) -> Observation:
-        """The host as the layout in force's `match:` selects it; blocking, run in a worker thread."""
-        return self.reader.read(self.layout_file.match, commit=True)
+        """The host as the layout in force's `match:` selects it; blocking, run in a worker thread,
+        which also plans its GPUs for the entries in force (`_plan_ahead`)."""
+        observation = self.reader.read(self.layout_file.match, commit=True)
+        resolution = self.resolution
+        if resolution is not None and not resolution.errors:
+            self._plan_ahead(resolution, observation)
+        return observation
 
     def _install(self, observation: Observation) -> None:
         """Take a new observation, on the loop: changes of the GPU set said first, the layout
@@ -395,18 +400,33 @@ class Reconciler:
         return next_action(gpu, desired, vgpus=self.vgpus, leases=self.leases, policy=self.policy,
                            drivers=self._drivers(), nvml_error=self.observation.nvml_error, plan_mig=self._plan_mig)
 
+    def _plan_ahead(self, resolution: Resolution, observation: Observation) -> None:
+        """In a worker thread (one that resolved a layout, or read the host): each GPU's MIG plan for
+        its entry, kept for the judge and the pass that follow on the loop (plan_gpu is pure; at
+        64 GPUs planning them all on the loop held every client up ~0.1-0.2 s). An entry of a
+        later resolution that equals it finds the plan too."""
+        for gpu in observation.gpus:
+            desired = resolution.desired.get(gpu.pci)
+            if (desired is not None and desired.mig_enabled is not None and not desired.dynamic
+                    and gpu.nvml is not None and gpu.nvml.mig_capable and gpu.function.driver == "nvidia"):
+                self._plan_mig(gpu, desired)
+
     def _plan_mig(self, gpu: Gpu, desired: DesiredGpu) -> GpuPlan:
-        """plan_gpu (pure), kept for the same GPU view and entry: a pass asks it of every GPU on the
-        loop more than once (which GPUs change, then each GPU's rounds), 3 ms a GPU; at 64 GPUs
-        that held every client up for a second. The view is an observation's record, never
-        changed: a GPU read again is a new one."""
-        kept = self._plans.get((id(gpu), id(desired)))
-        if kept is not None and kept[0] is gpu and kept[1] is desired:
-            return kept[2]
-        if len(self._plans) > 4 * len(self.observation.gpus) + 16:
+        """plan_gpu (pure), kept for the same GPU view and an equal entry: a pass asks it of every
+        GPU on the loop more than once (the file's judge, which GPUs change, each GPU's rounds),
+        3 ms a GPU; at 64 GPUs that held every client up for a second. The view is an
+        observation's record, never changed: a GPU read again is a new one; entries are compared
+        by value (each resolution makes its own)."""
+        kept = self._plans.get(id(gpu))
+        if kept is not None and kept[0] is gpu:
+            for d, plan in kept[1]:
+                if d is desired or d == desired:
+                    return plan
+        if len(self._plans) > 16 * max(len(self.observation.gpus), 16):
             self._plans.clear()  # views of earlier observations
         plan = plan_gpu(gpu, desired)
-        self._plans[(id(gpu), id(desired))] = (gpu, desired, plan)  # held: the ids stay theirs
+        entries = kept[1] if kept is not None and kept[0] is gpu else []
+        self._plans[id(gpu)] = (gpu, [*entries[-3:], (desired, plan)])  # the view held: its id stays its own
         return plan
 
     def _drivers(self) -> frozenset[str]:

@@ -130,3 +130,38 @@ def test_a_no_op_pass_plans_each_gpu_once(tmp_path, monkeypatch):
         assert sorted(planned) == sorted(g.pci for g in rig.rec.observation.gpus)
     finally:
         rig.close()
+
+
+def test_an_apply_on_a_converged_host_plans_off_the_loop(tmp_path, monkeypatch):
+    """The GPUs' MIG plans are made in the worker thread that resolved the file for `gpudctl apply`;
+    its judge and the pass that follows on the loop find them made (planning 64 GPUs on the loop
+    held every client up)."""
+    import threading
+
+    from gpud.engine import reconciler
+    from gpud.engine.queries import start_apply
+    from gpud.plan.mig import plan_gpu
+
+    rig = SimRig(tmp_path, ("h100-80gb:4",))
+    on_loop: list[str] = []
+    off_loop: list[str] = []
+
+    def counted(gpu, desired):
+        (on_loop if threading.current_thread() is threading.main_thread() else off_loop).append(gpu.pci)
+        return plan_gpu(gpu, desired)
+
+    async def go() -> None:
+        assert await rig.apply(layout(mig([0, 1, 2, 3], {"1g.10gb": 7})))
+        monkeypatch.setattr(reconciler, "plan_gpu", counted)
+        runner = asyncio.create_task(rig.rec.run(debounce=0))
+        try:
+            assert await rig.rec.wait_for(await start_apply(rig.rec), 60)
+        finally:
+            runner.cancel()
+
+    try:
+        asyncio.run(go())
+        assert {s.state for s in rig.rec.gpu_states.values()} == {"converged"}
+        assert sorted(off_loop) == sorted(g.pci for g in rig.rec.observation.gpus) and on_loop == []
+    finally:
+        rig.close()
