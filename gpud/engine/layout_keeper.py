@@ -182,6 +182,12 @@ class LayoutKeeper:
         if done is not None and done[0] is self.layout and done[1] is obs:
             return done[2]
         resolution = resolve(self.layout, obs.gpus, gone=obs.gone, index_problem=obs.index_problem)
+        layout = self.layout.layout
+        if self.judge is not None and layout is not None and layout.policy.on_infeasible == "skip-gpu":
+            # judged as the load judged it: its infeasible GPUs stay warnings on every later read
+            # of the host (the file in force is never refused here: under the default rule an
+            # infeasibility found after the load fails only that GPU, in its state)
+            resolution = self.judge(self.layout, resolution, obs)
         self._resolved = (self.layout, obs, resolution)
         return resolution
 

@@ -65,6 +65,10 @@ def test_skip_gpu_policy_applies_the_others_and_both_say_valid(daemon):
     assert rows[GPU0]["state"] == "failed" and "7 x 1g.10gb exceeds" in rows[GPU0]["message"]
     assert rows[GPU1]["state"] == "converged"
     assert _gis(d, GPU1) == 4 and _gis(d, GPU0) == 0
+    # The warning stays while the file is in force: a status read after a new read of the host
+    # (--fresh) resolves the file again and judges it again, as the load did.
+    for seen in (st, json.loads(d.ctl("status", "--fresh", "--json").stdout)):
+        assert any("infeasible: 7 x 1g.10gb" in w for w in seen["layout"]["warnings"]), seen["layout"]
 
 
 def test_on_infeasible_takes_only_its_two_values(daemon):

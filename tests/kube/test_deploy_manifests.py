@@ -259,8 +259,12 @@ def test_kubevirt_page_samples_parse_and_use_gpuds_entries():
         pci="0000:1b:00.0", index=0, vendor_device="10DE:2335", device_name=h200.pci_ids_name or "",
         resource_name=h200.resource, iommu_group=1, vfio_device="/dev/vfio/1", numa_node=0, companions=(),
         libvirt_hostdev="", name_source=h200.source))
-    assert [set(e) for e in phd["pciHostDevices"]] == [set(sample)]
-    assert phd["pciHostDevices"][0] == sample
+    whole, vf = phd["pciHostDevices"]
+    assert whole == sample
+    # the SR-IOV vGPU entry: KubeVirt's own plugin (not external), the resource named as gpud names it
+    from gpud.kubevirt_names import vgpu_resource
+    assert set(vf) == set(sample) and vf["externalResourceProvider"] is False
+    assert vf["resourceName"] == vgpu_resource("NVIDIA L40S-12Q")
     permitted = {e["resourceName"] for kind in phd.values() for e in kind}
     gpus = vm["spec"]["template"]["spec"]["domain"]["devices"]["gpus"]
     assert {g["deviceName"] for g in gpus} <= permitted
