@@ -24,6 +24,7 @@ from types import MappingProxyType
 from typing import Any
 
 from gpud.engine import between_passes, layout_choice
+from gpud.engine.action_inputs import DriverList, PlanMemo
 from gpud.engine.apply_lock import ApplyLock, ApplyLockRefused
 from gpud.engine.boot.reboot_policy import RebootPolicy
 from gpud.engine.boot.rebuild import BootRebuild, boot_id
@@ -46,7 +47,7 @@ from gpud.engine.ports import BootOverrides, Drainer, Hardware, OperandGuard, Re
 from gpud.engine.scheduler import PassScheduler
 from gpud.engine.steps import StepRunner
 from gpud.engine.vgpu.keeper import VgpuKeeper
-from gpud.engine.view import EngineView, ViewCache
+from gpud.engine.view import EngineView, ViewCache, said_once
 from gpud.host.files.state_files import Problems
 from gpud.host.systemd.logind import BOOT_ID_PATH
 from gpud.layout.desired import DesiredGpu
@@ -54,7 +55,7 @@ from gpud.layout.parse import ParsedLayout
 from gpud.layout.resolve import Resolution
 from gpud.layout.schema import Layout, MatchRule, Policy
 from gpud.model import Gpu
-from gpud.plan.mig import GpuPlan, plan_gpu
+from gpud.plan.mig import GpuPlan
 
 log = logging.getLogger(__name__)
 
@@ -98,8 +99,10 @@ class Reconciler:
         self.boot_rebuild = BootRebuild(state_dir, boot_id(boot_id_path), bus, read_only=read_only,
                                         problems=self.state_problems)
         # label_selects (--kube-node): the node label chooses the layout, `selected` may be absent
+        self.plans = PlanMemo()  # MIG plans per GPU view and entry, planned ahead in worker threads
+        self.drivers = DriverList(self.hw.sysfs)  # the kernel's PCI drivers, listed once per observation
         self.layout_file = LayoutKeeper(config_path, bus, self._observe, judge=lambda *a: judged(self.next_action, *a),
-                                        label_selects=label_selects, prepare=self._plan_ahead)
+                                        label_selects=label_selects, prepare=self.plans.plan_ahead)
         self.state_dir = state_dir
         # `gpudctl select NAME`, kept across restarts (engine/layout_choice); a node label replaces it,
         # so with --kube-node a choice kept from before does not count
@@ -114,8 +117,6 @@ class Reconciler:
         self._concluded_under: Layout | None = None  # the layout the last pass concluded the GPU states for
         self.resolution: Resolution | None = None
         self.observation = Observation(gpus=(), functions=())
-        self._drivers_seen: tuple[Observation, frozenset[str]] | None = None
-        self._plans: dict[int, tuple[Gpu, list[tuple[DesiredGpu, GpuPlan]]]] = {}
         self.gpu_states: dict[str, GpuState] = {}
         self.phase: Phase = "starting"
         self._apply_wanted = False  # `gpudctl apply` asked for the next pass (policy.apply: manual)
@@ -248,16 +249,17 @@ class Reconciler:
         records = self.leases.book.records  # replaced, never edited, on each lease change
         label_selects = self.layout_file.label_selects
         chosen = self.selected is not None and self.selected == self.layout_file.select and not label_selects
+        problems = said_once(self.state_problems.list(), self.gpu_index.problem)
         return self._views.get(
             (self.observation, self.resolution, self.layout, records, *states.values()),
             (self.phase, self.phase_now(), tuple(errors), tuple(warnings), tuple(states), self.config_path,
-             self.read_only, self.boot_rebuild.summary, rebuilt, self._problems(),
+             self.read_only, self.boot_rebuild.summary, rebuilt, problems,
              tuple(self.gpu_set.notes.items()), self.passes, self.completed_passes, label_selects, chosen),
             lambda: EngineView(
                 observation=self.observation, resolution=self.resolution, gpu_states=MappingProxyType(dict(states)),
                 phase=self.phase, phase_now=self.phase_now(), layout=self.layout, layout_errors=tuple(errors),
                 layout_warnings=tuple(warnings), config_path=self.config_path, read_only=self.read_only,
-                notes=MappingProxyType(dict(self.gpu_set.notes)), problems=self._problems(),
+                notes=MappingProxyType(dict(self.gpu_set.notes)), problems=problems,
                 rebuilt_after_boot=self.boot_rebuild.summary, vgpus_rebuilt=MappingProxyType(dict(rebuilt)),
                 passes=self.passes, completed_passes=self.completed_passes, leases=tuple(self.leases.leases()),
                 lease_free=MappingProxyType(self.leases.free()), label_selects=label_selects, chosen=chosen))
@@ -266,14 +268,6 @@ class Reconciler:
     def selected(self) -> str | None:
         layout = self.layout
         return layout.layout.selected if layout is not None and layout.layout is not None else None
-
-    def _problems(self) -> tuple[str, ...]:
-        """What is wrong with gpud's state files (set aside, not written), each said once."""
-        out = self.state_problems.list()
-        index = self.gpu_index.problem
-        if index and index not in out:
-            out = [*(m for m in out if not index.startswith(m)), index]
-        return tuple(out)
 
     @property
     def policy(self) -> Policy | None:
@@ -345,11 +339,11 @@ class Reconciler:
 
     def _read_host(self) -> Observation:
         """The host as the layout in force's `match:` selects it; blocking, run in a worker thread,
-        which also plans its GPUs for the entries in force (`_plan_ahead`)."""
+        which also plans its GPUs for the entries in force (gpud.engine.action_inputs)."""
         observation = self.reader.read(self.layout_file.match, commit=True)
         resolution = self.resolution
         if resolution is not None and not resolution.errors:
-            self._plan_ahead(resolution, observation)
+            self.plans.plan_ahead(resolution, observation)
         return observation
 
     def _install(self, observation: Observation) -> None:
@@ -398,46 +392,11 @@ class Reconciler:
     def next_action(self, gpu: Gpu, desired: DesiredGpu) -> Action | GpuState | None:
         """The next thing this GPU needs (gpud.engine.next_action), or None when it matches its entry."""
         return next_action(gpu, desired, vgpus=self.vgpus, leases=self.leases, policy=self.policy,
-                           drivers=self._drivers(), nvml_error=self.observation.nvml_error, plan_mig=self._plan_mig)
-
-    def _plan_ahead(self, resolution: Resolution, observation: Observation) -> None:
-        """In a worker thread (one that resolved a layout, or read the host): each GPU's MIG plan for
-        its entry, kept for the judge and the pass that follow on the loop (plan_gpu is pure; at
-        64 GPUs planning them all on the loop held every client up ~0.1-0.2 s). An entry of a
-        later resolution that equals it finds the plan too."""
-        for gpu in observation.gpus:
-            desired = resolution.desired.get(gpu.pci)
-            if (desired is not None and desired.mig_enabled is not None and not desired.dynamic
-                    and gpu.nvml is not None and gpu.nvml.mig_capable and gpu.function.driver == "nvidia"):
-                self._plan_mig(gpu, desired)
+                           drivers=self.drivers.of(self.observation), nvml_error=self.observation.nvml_error,
+                           plan_mig=self._plan_mig)
 
     def _plan_mig(self, gpu: Gpu, desired: DesiredGpu) -> GpuPlan:
-        """plan_gpu (pure), kept for the same GPU view and an equal entry: a pass asks it of every
-        GPU on the loop more than once (the file's judge, which GPUs change, each GPU's rounds),
-        3 ms a GPU; at 64 GPUs that held every client up for a second. The view is an
-        observation's record, never changed: a GPU read again is a new one; entries are compared
-        by value (each resolution makes its own)."""
-        kept = self._plans.get(id(gpu))
-        if kept is not None and kept[0] is gpu:
-            for d, plan in kept[1]:
-                if d is desired or d == desired:
-                    return plan
-        if len(self._plans) > 16 * max(len(self.observation.gpus), 16):
-            self._plans.clear()  # views of earlier observations
-        plan = plan_gpu(gpu, desired)
-        entries = kept[1] if kept is not None and kept[0] is gpu else []
-        self._plans[id(gpu)] = (gpu, [*entries[-3:], (desired, plan)])  # the view held: its id stays its own
-        return plan
-
-    def _drivers(self) -> frozenset[str]:
-        """The kernel's PCI drivers, listed once per observation: next_action runs on the loop for
-        every GPU, and each listing there handed the GIL to a busy worker (up to its switch
-        interval) while clients waited. A driver loaded since (gpud's own modprobe in a bind step)
-        is seen with the observation that step's re-read makes."""
-        kept = self._drivers_seen
-        if kept is None or kept[0] is not self.observation:
-            kept = self._drivers_seen = (self.observation, frozenset(self.hw.sysfs.drivers()))
-        return kept[1]
+        return self.plans.plan(gpu, desired, gpus=len(self.observation.gpus))
 
     # ---- execution ----------------------------------------------------------------------------
     def request_apply(self, *, seen_since: float | None = None) -> int:

@@ -91,3 +91,11 @@ class ViewCache:
         self._key = (records, values)
         self._view = build()
         return self._view
+
+
+def said_once(problems: list[str], index_problem: str | None) -> tuple[str, ...]:
+    """What is wrong with gpud's state files (set aside, not written), each said once: the GPU
+    index map's problem replaces the shorter notes it begins with."""
+    if index_problem and index_problem not in problems:
+        problems = [*(m for m in problems if not index_problem.startswith(m)), index_problem]
+    return tuple(problems)

@@ -113,7 +113,7 @@ def test_the_kernels_drivers_are_listed_once_per_observation_not_per_gpu(tmp_pat
 def test_a_no_op_pass_plans_each_gpu_once(tmp_path, monkeypatch):
     """Planning runs on the loop: a pass that finds nothing to do plans each GPU once, not once to
     see which GPUs change and again in each GPU's rounds."""
-    from gpud.engine import reconciler
+    from gpud.engine import action_inputs
     from gpud.plan.mig import plan_gpu
 
     rig = SimRig(tmp_path, ("h100-80gb:4",))
@@ -125,7 +125,7 @@ def test_a_no_op_pass_plans_each_gpu_once(tmp_path, monkeypatch):
             planned.append(gpu.pci)
             return plan_gpu(gpu, desired)
 
-        monkeypatch.setattr(reconciler, "plan_gpu", counted)
+        monkeypatch.setattr(action_inputs, "plan_gpu", counted)
         asyncio.run(rig.rec.converge())
         assert sorted(planned) == sorted(g.pci for g in rig.rec.observation.gpus)
     finally:
@@ -138,7 +138,7 @@ def test_an_apply_on_a_converged_host_plans_off_the_loop(tmp_path, monkeypatch):
     held every client up)."""
     import threading
 
-    from gpud.engine import reconciler
+    from gpud.engine import action_inputs
     from gpud.engine.queries import start_apply
     from gpud.plan.mig import plan_gpu
 
@@ -152,7 +152,7 @@ def test_an_apply_on_a_converged_host_plans_off_the_loop(tmp_path, monkeypatch):
 
     async def go() -> None:
         assert await rig.apply(layout(mig([0, 1, 2, 3], {"1g.10gb": 7})))
-        monkeypatch.setattr(reconciler, "plan_gpu", counted)
+        monkeypatch.setattr(action_inputs, "plan_gpu", counted)
         runner = asyncio.create_task(rig.rec.run(debounce=0))
         try:
             assert await rig.rec.wait_for(await start_apply(rig.rec), 60)
