@@ -13,22 +13,6 @@ from tests.support.simrig import SimRig
 GPU0 = "0000:18:00.0"
 
 
-def _spy(rig: SimRig) -> list[str]:
-    """Records every GPU the adapter reads, by PCI address ("*" for a read of all)."""
-    seen: list[str] = []
-    nvml = rig.hw.nvml
-    gpus, gpu = nvml.gpus, nvml.gpu
-
-    def all_gpus(**kw):
-        seen.append("*")
-        return gpus(**kw)
-
-    def one_gpu(pci, **kw):
-        seen.append(pci)
-        return gpu(pci, **kw)
-
-    nvml.gpus, nvml.gpu = all_gpus, one_gpu  # type: ignore[method-assign]
-    return seen
 
 
 def test_a_pass_that_changes_nothing_reads_the_host_once(tmp_path):
@@ -51,7 +35,7 @@ def test_a_pass_that_changes_one_gpu_reads_that_gpu_alone_until_its_end(tmp_path
     rig = SimRig(tmp_path, ("h100-80gb:4",))
     try:
         assert asyncio.run(rig.apply(layout(mig([0, 1, 2, 3], {"1g.10gb": 7}))))
-        seen = _spy(rig)
+        seen = rig.read_spy()
         rig.config.write_text(layout(mig([0], {"3g.40gb": 2}), mig([1, 2, 3], {"1g.10gb": 7})))
         assert rig.rec.load_config()
         seen.clear()

@@ -113,6 +113,23 @@ class SimRig:
     def calls(self) -> Counter[str]:
         return Counter(simstate.load(self.dir).calls)
 
+    def read_spy(self) -> list[str]:
+        """From now on, every GPU the NVML adapter reads, by PCI address ("*" for a read of all)."""
+        seen: list[str] = []
+        nvml = self.hw.nvml
+        gpus, gpu = nvml.gpus, nvml.gpu
+
+        def all_gpus(**kw):
+            seen.append("*")
+            return gpus(**kw)
+
+        def one_gpu(pci, **kw):
+            seen.append(pci)
+            return gpu(pci, **kw)
+
+        nvml.gpus, nvml.gpu = all_gpus, one_gpu  # type: ignore[method-assign]
+        return seen
+
     def mutating(self, before: Counter[str]) -> int:
         after = self.calls()
         return sum(after[f] - before[f] for f in MUTATING)
