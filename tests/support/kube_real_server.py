@@ -276,7 +276,9 @@ class RealServer:
         out: list[dict] = []
         if not self.audit_log.exists():
             return out
-        for line in self.audit_log.read_text().splitlines():
+        text = self.audit_log.read_text()
+        # the server may be writing its last line now: only whole (newline-ended) lines count
+        for line in text[:text.rfind("\n") + 1].splitlines():
             ev = json.loads(line)
             if ev.get("user", {}).get("username") == username and ev.get("stage") in ("ResponseComplete",
                                                                                        "ResponseStarted"):

@@ -28,9 +28,11 @@ def _sandbox() -> list[str]:
     text = (REPO / "systemd" / "gpud.service").read_text()
     service = text.split("[Service]", 1)[1].split("\n[", 1)[0]
     lines = [ln.strip() for ln in service.splitlines() if ln.strip() and not ln.startswith("#")]
-    # but ProtectHome: it hides where this test's interpreter and repository are bound from (the
-    # packaged gpud lives in /opt/gpud); it has no bearing on module loading
-    props = [ln for ln in lines if ln.split("=", 1)[0].startswith(keys) and not ln.startswith("ProtectHome=")]
+    # but ProtectHome and PrivateTmp: they hide where this test's interpreter and repository are
+    # bound from when the checkout lives under /home or /tmp (the packaged gpud lives in /opt/gpud);
+    # neither has any bearing on module loading
+    props = [ln for ln in lines if ln.split("=", 1)[0].startswith(keys)
+             and not ln.startswith(("ProtectHome=", "PrivateTmp="))]
     assert any(p == "ProtectKernelModules=yes" for p in props) and not any("CAP_SYS_MODULE" in p for p in props)
     return [a for p in props for a in ("-p", p)]
 
