@@ -18,7 +18,6 @@ of an instance) and give no words for the steps of an older daemon's reply.
 from __future__ import annotations
 
 import re
-from typing import Protocol
 
 # `[Nc.]Ng.NNgb[suffix]`. The suffixes are the GI profile variants NVML names (nvml.h
 # NVML_GPU_INSTANCE_PROFILE_*_REV1 / _GFX / _NO_ME / _ALL_ME): `+me` media extensions (A30, A100,
@@ -52,40 +51,43 @@ def subdivided(name: str | None) -> bool:
     return parts is not None and parts[0] is not None and parts[0] < parts[1]
 
 
-class _Slot(Protocol):
-    @property
-    def start(self) -> int: ...
+TYPE_CHECKING = False
+if TYPE_CHECKING:  # the shape step_text reads, for mypy: `typing` is a cost every gpudctl run would pay
+    from typing import Protocol
 
-    @property
-    def size(self) -> int: ...
+    class _Slot(Protocol):
+        @property
+        def start(self) -> int: ...
 
+        @property
+        def size(self) -> int: ...
 
-class MigStep(Protocol):
-    """What a step line is made of: plan/mig.py's Step and the wire's StepInfo both have it."""
+    class MigStep(Protocol):
+        """What a step line is made of: plan/mig.py's Step and the wire's StepInfo both have it."""
 
-    @property
-    def action(self) -> str: ...
+        @property
+        def action(self) -> str: ...
 
-    @property
-    def profile(self) -> str | None: ...
+        @property
+        def profile(self) -> str | None: ...
 
-    @property
-    def placement(self) -> _Slot | None: ...
+        @property
+        def placement(self) -> _Slot | None: ...
 
-    @property
-    def gi(self) -> int | None: ...
+        @property
+        def gi(self) -> int | None: ...
 
-    @property
-    def ci(self) -> int | None: ...
+        @property
+        def ci(self) -> int | None: ...
 
-    @property
-    def ci_placement(self) -> _Slot | None: ...
+        @property
+        def ci_placement(self) -> _Slot | None: ...
 
-    @property
-    def uuid(self) -> str | None: ...
+        @property
+        def uuid(self) -> str | None: ...
 
-    @property
-    def enabled(self) -> bool | None: ...
+        @property
+        def enabled(self) -> bool | None: ...
 
 
 def step_text(s: MigStep) -> str:

@@ -9,9 +9,6 @@ import argparse
 import math
 import os
 import sys
-from typing import Any
-
-import msgspec
 
 from gpud.cli.escape import escaped, term
 from gpud.cli.render import (
@@ -37,9 +34,15 @@ from gpud.cli.render_smi import (
 )
 from gpud.cli.render_vm import render_passthrough, render_vgpu_types
 from gpud.cli.transport import NO_LIMIT, Client, Unreachable
-from gpud.wire import protocol as wire
-from gpud.wire import replies as wire_replies
-from gpud.wire import tables as wire_tables
+from gpud.cli.view import reply
+from gpud.wire import frames
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:  # the structs the replies are read as (gpud.cli.view): for mypy, not imported at run time
+    from typing import Any
+
+    from gpud.wire import replies as wire_replies
+    from gpud.wire import tables as wire_tables
 
 DEFAULT_LAYOUT = "/etc/gpud/layout.yaml"
 
@@ -113,7 +116,7 @@ def cmd_labels(c: Client, a: argparse.Namespace) -> int:
 def _read_layout(path: str) -> tuple[str, str]:
     """The layout text as the client sees it, with the path errors should name; gpud's size limit
     is checked here too (reading at most one byte past it), so a huge file is never sent."""
-    limit = wire.MAX_LAYOUT_TEXT
+    limit = frames.MAX_LAYOUT_TEXT
     try:
         if path == "-":
             data, where = sys.stdin.buffer.read(limit + 1), "<stdin>"
@@ -151,9 +154,7 @@ def cmd_check(c: Client, a: argparse.Namespace) -> int:
     try:
         r: wire_replies.CheckReply = c.request("check", args)
     except Unreachable as e:  # no daemon: the same check in a process of its own, the host only read
-        r = _check_offline(text, path, a.all_layouts, e)
-        if not a.json:
-            r = escaped(r)
+        r = _check_offline(text, path, a.all_layouts, e, shown=not a.json)
     if a.json:
         print(to_json(r))
     else:
@@ -166,9 +167,11 @@ def cmd_check(c: Client, a: argparse.Namespace) -> int:
     return _layout_exit(r.valid, r.errors)
 
 
-def _check_offline(text: str, path: str, all_layouts: bool, why: Unreachable) -> wire_replies.CheckReply:
+def _check_offline(text: str, path: str, all_layouts: bool, why: Unreachable, *, shown: bool) -> wire_replies.CheckReply:
     """`gpud check` (gpud.check_offline): the daemon's code in another process, so gpudctl itself
-    stays light; its reply is the daemon's own type."""
+    stays light; its reply is the daemon's own type, as JSON, read as the daemon's would be
+    (`shown`: escaped for a terminal)."""
+    import json
     import subprocess
 
     print(f"gpudctl: {why}; checking offline (the host is only read)", file=sys.stderr)
@@ -176,7 +179,8 @@ def _check_offline(text: str, path: str, all_layouts: bool, why: Unreachable) ->
     done = subprocess.run(argv, input=text.encode(), capture_output=True)
     if done.returncode not in (0, 4):
         raise LocalError(f"the offline check failed: {done.stderr.decode(errors='replace').strip()[-2000:]}")
-    return msgspec.json.decode(done.stdout, type=wire_replies.CheckReply)
+    doc = json.loads(done.stdout)
+    return reply("check", escaped(doc) if shown else doc)
 
 
 def cmd_plan(c: Client, a: argparse.Namespace) -> int:
@@ -307,11 +311,11 @@ def cmd_version(c: Client, a: argparse.Namespace) -> int:
     if a.json:
         print(to_json(r))
         return EXIT_OK
-    lines = [f"gpudctl {mine} (protocol {wire.PROTOCOL})", f"gpud    {r.version} (protocol {r.protocol})",
+    lines = [f"gpudctl {mine} (protocol {frames.PROTOCOL})", f"gpud    {r.version} (protocol {r.protocol})",
              f"driver  {r.driver or '-'}", f"NVML    {r.nvml or '-'}"]
     print("\n".join(lines))
-    if r.protocol != wire.PROTOCOL:
-        print(f"gpudctl: warning: gpud speaks protocol {r.protocol}, this client {wire.PROTOCOL}",
+    if r.protocol != frames.PROTOCOL:
+        print(f"gpudctl: warning: gpud speaks protocol {r.protocol}, this client {frames.PROTOCOL}",
               file=sys.stderr)
     return EXIT_OK
 
