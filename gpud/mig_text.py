@@ -23,7 +23,9 @@ import re
 # NVML_GPU_INSTANCE_PROFILE_*_REV1 / _GFX / _NO_ME / _ALL_ME): `+me` media extensions (A30, A100,
 # Hopper, Blackwell), `+gfx` graphics, `-me` no media engines, `+me.all` all of them (RTX PRO
 # Blackwell; docs/hardware/mig-profiles.md). Which ones a GPU has is its table's business.
-_NAME = re.compile(r"(?:([1-9][0-9]?)c\.)?([1-9][0-9]?)g\.([1-9][0-9]{0,3})gb(\+me\.all|\+me|-me|\+gfx|)")
+# A pattern, compiled by `re` (and kept in its cache) at the first name read: `gpudctl status` reads
+# none, and compiling at import would be paid by each of its runs.
+_NAME = r"(?:([1-9][0-9]?)c\.)?([1-9][0-9]?)g\.([1-9][0-9]{0,3})gb(\+me\.all|\+me|-me|\+gfx|)"
 
 SYNTAX = ("[Nc.]Ng.NNgb[+me|+me.all|-me|+gfx], e.g. 1g.10gb, 1g.10gb+me, 1c.3g.40gb, 1g.24gb+gfx, "
           "2g.48gb-me")
@@ -35,7 +37,7 @@ MIG_ACTIONS = frozenset({"set-mig-mode", "destroy-ci", "destroy-gi", "create-gi"
 def split_name(name: str) -> tuple[int | None, int, int, str] | None:
     """(compute slices or None for the GI's whole CI, GI slices, memory GB, suffix) of a MIG device
     name; None when `name` is not one. A CI larger than its GI is not a name."""
-    m = _NAME.fullmatch(name) if isinstance(name, str) else None
+    m = re.fullmatch(_NAME, name) if isinstance(name, str) else None
     if m is None:
         return None
     ci, gi, mem, suffix = m.groups()

@@ -1,6 +1,8 @@
 """gpudctl's commands: parsed arguments in, one request (or a stream) to gpud, text out, exit code back.
 
-Exit codes are stable for scripts; gpudctl.py documents them.
+Exit codes are stable for scripts; gpudctl.py documents them. The nvidia-smi shaped tables
+(render_smi) and the VM views (render_vm) are imported by their commands only: a `status` does not
+pay for them.
 """
 
 from __future__ import annotations
@@ -25,14 +27,6 @@ from gpud.cli.render import (
     render_status,
     to_json,
 )
-from gpud.cli.render_smi import (
-    render_compute_instances,
-    render_compute_profiles,
-    render_gpu_instances,
-    render_list,
-    render_mig_profiles,
-)
-from gpud.cli.render_vm import render_passthrough, render_vgpu_types
 from gpud.cli.transport import NO_LIMIT, Client, Unreachable
 from gpud.cli.view import reply
 from gpud.wire import frames
@@ -321,6 +315,7 @@ def cmd_version(c: Client, a: argparse.Namespace) -> int:
 
 
 def cmd_mig_profiles(c: Client, a: argparse.Namespace) -> int:
+    from gpud.cli.render_smi import render_mig_profiles
     r: wire_tables.MigProfilesReply = c.request("mig-profiles", {"gpu": a.gpu} if a.gpu is not None else {})
     print(to_json(r) if a.json else render_mig_profiles(r))
     return EXIT_OK
@@ -338,6 +333,7 @@ def _status_gpus(c: Client, a: argparse.Namespace) -> tuple[wire_replies.StatusR
 
 
 def cmd_list(c: Client, a: argparse.Namespace) -> int:
+    from gpud.cli.render_smi import render_list
     r, _ = _status_gpus(c, a)
     if a.json:
         print(to_json([{"index": g.index, "pci": g.pci, "uuid": g.uuid, "model": g.model,
@@ -349,6 +345,7 @@ def cmd_list(c: Client, a: argparse.Namespace) -> int:
 
 
 def cmd_mig_instances(c: Client, a: argparse.Namespace) -> int:
+    from gpud.cli.render_smi import render_gpu_instances
     _, gpus = _status_gpus(c, a)
     print(to_json([{"index": g.index, "instances": g.mig.instances} for g in gpus]) if a.json
           else render_gpu_instances(gpus))
@@ -356,6 +353,7 @@ def cmd_mig_instances(c: Client, a: argparse.Namespace) -> int:
 
 
 def cmd_mig_compute(c: Client, a: argparse.Namespace) -> int:
+    from gpud.cli.render_smi import render_compute_instances
     _, gpus = _status_gpus(c, a)
     print(to_json([{"index": g.index, "instances": [i for i in g.mig.instances if i.ci is not None]} for g in gpus])
           if a.json else render_compute_instances(gpus))
@@ -363,6 +361,7 @@ def cmd_mig_compute(c: Client, a: argparse.Namespace) -> int:
 
 
 def cmd_mig_compute_profiles(c: Client, a: argparse.Namespace) -> int:
+    from gpud.cli.render_smi import render_compute_profiles
     r: wire_tables.MigComputeProfilesReply = c.request("mig-compute-profiles", {"gpu": a.gpu} if a.gpu is not None else {})
     print(to_json(r) if a.json else render_compute_profiles(r))
     return EXIT_OK
@@ -394,12 +393,14 @@ def cmd_leases(c: Client, a: argparse.Namespace) -> int:
 
 
 def cmd_vgpu_types(c: Client, a: argparse.Namespace) -> int:
+    from gpud.cli.render_vm import render_vgpu_types
     r: wire_tables.VgpuTypesReply = c.request("vgpu-types", {"gpu": a.gpu} if a.gpu is not None else {})
     print(to_json(r) if a.json else render_vgpu_types(r))
     return EXIT_OK
 
 
 def cmd_passthrough(c: Client, a: argparse.Namespace) -> int:
+    from gpud.cli.render_vm import render_passthrough
     r: wire_tables.PassthroughReply = c.request("passthrough")
     print(to_json(r) if a.json else render_passthrough(r))
     return EXIT_OK

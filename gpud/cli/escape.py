@@ -21,8 +21,11 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:
     from typing import Any
 
-# C0 (but not printable space), DEL, C1; line/paragraph separators; bidi embeddings/overrides/isolates
-_UNSAFE = re.compile("[\\\\\x00-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
+# C0 (but not printable space), DEL, C1; line/paragraph separators; bidi embeddings/overrides/isolates.
+# Every one of them but the backslash is a character str.isprintable() refuses (Cc, Zl, Zp, Cf), so
+# a printable string without a backslash needs no look at all: the pattern is compiled only for a
+# string that might need escaping (most replies have none, and compiling is paid per run).
+_UNSAFE = "[\\\\\x00-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069]"
 _NAMED = {"\\": "\\\\", "\n": "\\n", "\r": "\\r", "\t": "\\t"}
 
 
@@ -41,11 +44,14 @@ MULTILINE = frozenset({"libvirt_hostdev"})
 
 def term(text: str, *, lines: bool = False) -> str:
     """`text` with nothing a terminal would act on (`lines`: newlines kept)."""
-    if not _UNSAFE.search(text):
+    if text.isprintable() and "\\" not in text:
+        return text
+    unsafe = re.compile(_UNSAFE)  # re's cache keeps it
+    if not unsafe.search(text):
         return text
     if lines:
-        return "\n".join(_UNSAFE.sub(_one, part) for part in text.split("\n"))
-    return _UNSAFE.sub(_one, text)
+        return "\n".join(unsafe.sub(_one, part) for part in text.split("\n"))
+    return unsafe.sub(_one, text)
 
 
 def escaped(value: Any) -> Any:

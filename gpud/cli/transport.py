@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import _socket  # the C module `socket` wraps: see Client._connect
 import math
-import select
 
 import msgpack
 
@@ -152,6 +151,8 @@ class Client:
     def next_event(self, timeout: float) -> wire.Event | None:
         """After `follow()`: the next event if one arrives within `timeout` seconds, else None.
         Waits for the socket to be readable first, so a frame is never cut by the timeout."""
+        import select  # only `apply --wait` waits for events with a timeout
+
         assert self._sock is not None, "follow() first"
         readable, _, _ = select.select([self._sock], [], [], timeout)
         if not readable:
