@@ -56,9 +56,11 @@ def test_launcher_answers_and_ignores_the_environment(daemon, tmp_path):
 # archive modules, which argparse's help formatter imports for the terminal size), threading (only
 # `apply --wait`), locale (argparse's gettext look-ups), typing_extensions and the inspect it pulls
 # in, msgspec (and typing, which came with it: the client reads replies with msgpack, gpud.cli.view),
-# the daemon's side of gpud.
+# what only other commands use (the MIG words, the nvidia-smi tables, the VM views, select for
+# `apply --wait`, json for --json), the daemon's side of gpud.
 NOT_IMPORTED = ("socket", "shutil", "threading", "locale", "bz2", "lzma", "typing_extensions", "inspect",
-                "msgspec", "typing", "gpud.wire.protocol", "gpud.wire.replies",
+                "msgspec", "typing", "gpud.wire.protocol", "gpud.wire.replies", "gpud.mig_text", "gpud.cli.render_smi",
+                "gpud.cli.render_vm", "select", "json",
                 "gpud.engine", "gpud.host", "gpud.sim", "gpud.plan", "gpud.layout", "yaml", "pynvml", "asyncio")
 
 
