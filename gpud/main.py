@@ -6,34 +6,7 @@ from __future__ import annotations
 
 import sys
 
-# The daemon's options that reach a cluster over TLS (and their argparse abbreviations, `=VALUE`
-# forms): --kube-node, --kubeconfig, --kube-namespace, --dra, --dra-driver. Any argument starting
-# so keeps TLS: a false match costs only the memory below, a missed one would cost the cluster.
-TLS_OPTION_PREFIXES = ("--k", "--dr")
-
-
-def daemon_needs_tls(argv: list[str]) -> bool:
-    """Whether a daemon started with `argv` may talk TLS (Kubernetes mode): otherwise it serves a
-    Unix socket and talks to local services only (NVML, sysfs, udev, D-Bus, inotify)."""
-    return any(arg.startswith(TLS_OPTION_PREFIXES) for arg in argv)
-
-
-def import_asyncio_without_tls() -> bool:
-    """Import asyncio as on a Python built without `ssl`: asyncio imports ssl at its own import only
-    to offer TLS, and ssl maps OpenSSL's libcrypto and libssl (about 4.5 MiB resident here, 3.7 MiB
-    on the H200, more than a fifth of the daemon's memory above Python + NVML; docs/internals.md,
-    bench/results/daemon-memory.md). asyncio's modules then hold `ssl = None` (their own fallback:
-    a TLS connection would fail with "Python ssl module is not available"); `import ssl` itself
-    works again afterwards, for whatever else wants it. False when asyncio or ssl is already
-    imported (nothing to save)."""
-    if "asyncio" in sys.modules or "ssl" in sys.modules:
-        return False
-    sys.modules["ssl"] = None  # type: ignore[assignment]  # `import ssl` raises ImportError meanwhile
-    try:
-        import asyncio  # noqa: F401
-    finally:
-        del sys.modules["ssl"]
-    return True
+from gpud.asyncio_tls import daemon_needs_tls, import_asyncio_without_tls
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -49,7 +22,7 @@ def main(argv: list[str] | None = None) -> int:
     from gpud.host.systemd.early_signals import hold_sighup
 
     hold_sighup()  # before the daemon's imports: a reload asked for during start-up must not kill it
-    if not daemon_needs_tls(argv):
+    if not daemon_needs_tls(argv):  # before the daemon's imports, as gpud.daemon does under python -m
         import_asyncio_without_tls()
     from gpud.daemon import main as daemon_main
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from gpud.main import daemon_needs_tls
+from gpud.asyncio_tls import daemon_needs_tls
 from tests.support.daemon import ROOT, wait_until
 
 pytestmark = pytest.mark.daemon
@@ -42,13 +42,14 @@ def _within(name: str, package: str) -> bool:
     return name == package or name.startswith(package + ".")
 
 
-def test_the_default_mode_loads_neither_other_modes_nor_openssl(tmp_path):
+@pytest.mark.parametrize("entry", ["gpud.main", "gpud.daemon"])  # /usr/bin/gpud's, and python -m gpud.daemon
+def test_the_default_mode_loads_neither_other_modes_nor_openssl(tmp_path, entry):
     config = tmp_path / "layout.yaml"
     config.write_text("version: v1\nlayouts:\n  hands-off: []\n")
     sock, log = tmp_path / "gpud.sock", tmp_path / "gpud.log"
     with log.open("w") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-X", "importtime", "-m", "gpud.main", "--read-only", "--config", str(config),
+            [sys.executable, "-X", "importtime", "-m", entry, "--read-only", "--config", str(config),
              "--socket", str(sock), "--state-dir", str(tmp_path / "state"), "--lock", str(tmp_path / "apply.lock"),
              "--nfd-features", str(tmp_path / "nfd"), "--udev-rules", str(tmp_path / "udev.rules")],
             stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
@@ -71,7 +72,7 @@ def test_the_default_mode_loads_neither_other_modes_nor_openssl(tmp_path):
         except subprocess.TimeoutExpired:
             proc.kill()
     # the log is read as meant: the daemon and its event sources are in it
-    assert {"gpud.daemon", "gpud.engine.reconciler", "pyudev", "asyncinotify"} <= imported
+    assert {"gpud.engine.reconciler", "gpud.api.server", "pyudev", "asyncinotify"} <= imported
     assert sorted(m for m in imported if any(_within(m, p) for p in NOT_IN_DEFAULT_MODE)) == []
     assert sorted(m for m in mapped if m.startswith(("libcrypto.", "libssl."))) == []
 
@@ -92,7 +93,7 @@ def test_tls_is_kept_for_the_kubernetes_options(argv, tls):
 
 CHILD_WITHOUT_TLS = """
 import sys
-from gpud.main import import_asyncio_without_tls
+from gpud.asyncio_tls import import_asyncio_without_tls
 assert import_asyncio_without_tls()
 import asyncio
 import asyncio.sslproto, ssl  # ssl itself imports again
