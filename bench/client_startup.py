@@ -1,8 +1,9 @@
 """How long `gpudctl version` and `gpudctl status` take, end to end, against a fake gpud.
 
 gpudctl is run in loops and from scripts, so its wall time is mostly interpreter start-up plus
-imports. This measures it (and the floors it cannot beat: a bare interpreter, and one that only
-imports msgspec), started every way it is installed or run:
+imports. This measures it (and the floors it cannot beat: a bare interpreter, one that only imports
+msgpack, which gpudctl reads the wire with, and one that only imports msgspec, which it read it with
+until gpud.cli.view), started every way it is installed or run:
 - `python -m gpud.cli.gpudctl` in this venv;
 - the script `pip install .` and `pip install -e .` put in a venv (packaging/gpudctl-pip.in, built
   and installed offline into fresh venvs by bench/venvs.py), and beside each, for comparison, the
@@ -88,11 +89,11 @@ def start_server(path: str) -> tuple[asyncio.AbstractEventLoop, Any, threading.T
 
 def _write_launcher(path: Path) -> None:
     """packaging/gpudctl.in filled in as build-deb.sh does, for this checkout and interpreter."""
-    import msgspec
+    import msgpack
 
     text = (REPO / "packaging" / "gpudctl.in").read_text()
     text = text.replace("@PYTHON@", os.path.realpath(sys.executable)).replace(
-        "@PATHS@", repr([str(REPO), str(Path(msgspec.__file__).parents[1])]))
+        "@PATHS@", repr([str(REPO), str(Path(msgpack.__file__).parents[1])]))
     path.write_text(text)
     path.chmod(0o755)
 
@@ -161,6 +162,7 @@ def main() -> int:
         ("python -I -S -c pass (floor of the launcher and the pip script)",
          [os.path.realpath(py), "-I", "-S", "-c", "pass"]),
         ("python -c pass (floor, a fresh venv)", [str(fresh / "python"), "-c", "pass"]),
+        ("python -c 'import msgpack' (floor, a fresh venv)", [str(fresh / "python"), "-c", "import msgpack"]),
         ("python -c 'import msgspec' (floor, a fresh venv)", [str(fresh / "python"), "-c", "import msgspec"]),
         ("gpudctl version (package launcher, -I -S)", [str(launcher), "version"]),
         ("gpudctl status (package launcher, -I -S)", [str(launcher), "status"]),

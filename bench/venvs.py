@@ -5,8 +5,10 @@ script (tests/cli/test_pip_script.py).
 pip's two steps, each done by the real tool: setuptools' PEP 517 hooks build the wheel (build_wheel
 or build_editable, the hooks pip calls) from a copy of the tree, run by this interpreter with its
 setuptools (the [test] extra); then pip installs that wheel into a fresh venv (`pip --python`,
-no index). msgspec, gpudctl's one dependency, is copied into the venv from this interpreter's
-site-packages with its dist-info: it is not what is under test, and the copy needs no network.
+no index). msgpack (what gpudctl reads the wire with) and msgspec (the wire structs, which it
+imports only to fill a field an older gpud did not send) are copied into the venv from this
+interpreter's site-packages with their dist-info: they are not what is under test, and the copy
+needs no network.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import msgpack
 import msgspec
 
 REPO = Path(__file__).resolve().parents[1]
@@ -41,18 +44,19 @@ def build_wheel(source: Path, out: Path, *, editable: bool = False) -> Path:
 
 
 def make_venv(path: Path, wheel: Path) -> Path:
-    """A fresh venv at `path` with `wheel` installed by pip and msgspec beside it; returns its bin/."""
+    """A fresh venv at `path` with `wheel` installed by pip and msgpack and msgspec beside it; returns its bin/."""
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(path)], check=True, timeout=120)
     py = path / "bin" / "python"
     subprocess.run([sys.executable, "-m", "pip", "--python", str(py), "install", "-q", "--no-deps", "--no-index",
                     str(wheel)], check=True, timeout=300, capture_output=True)
     site = Path(subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
                                check=True, capture_output=True, text=True).stdout.strip())
-    here = Path(msgspec.__file__).parent
-    shutil.copytree(here, site / "msgspec", ignore=shutil.ignore_patterns("__pycache__"))
-    for info in here.parent.glob("msgspec-*.dist-info"):
-        shutil.copytree(info, site / info.name)
-    subprocess.run([str(py), "-m", "compileall", "-q", str(site / "msgspec")], check=True, timeout=120)
+    for module in (msgpack, msgspec):
+        here = Path(module.__file__ or "").parent
+        shutil.copytree(here, site / here.name, ignore=shutil.ignore_patterns("__pycache__"))
+        for info in here.parent.glob(f"{here.name}-*.dist-info"):
+            shutil.copytree(info, site / info.name)
+        subprocess.run([str(py), "-m", "compileall", "-q", str(site / here.name)], check=True, timeout=120)
     return path / "bin"
 
 

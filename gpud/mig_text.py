@@ -18,13 +18,14 @@ of an instance) and give no words for the steps of an older daemon's reply.
 from __future__ import annotations
 
 import re
-from typing import Protocol
 
 # `[Nc.]Ng.NNgb[suffix]`. The suffixes are the GI profile variants NVML names (nvml.h
 # NVML_GPU_INSTANCE_PROFILE_*_REV1 / _GFX / _NO_ME / _ALL_ME): `+me` media extensions (A30, A100,
 # Hopper, Blackwell), `+gfx` graphics, `-me` no media engines, `+me.all` all of them (RTX PRO
 # Blackwell; docs/hardware/mig-profiles.md). Which ones a GPU has is its table's business.
-_NAME = re.compile(r"(?:([1-9][0-9]?)c\.)?([1-9][0-9]?)g\.([1-9][0-9]{0,3})gb(\+me\.all|\+me|-me|\+gfx|)")
+# A pattern, compiled by `re` (and kept in its cache) at the first name read: `gpudctl status` reads
+# none, and compiling at import would be paid by each of its runs.
+_NAME = r"(?:([1-9][0-9]?)c\.)?([1-9][0-9]?)g\.([1-9][0-9]{0,3})gb(\+me\.all|\+me|-me|\+gfx|)"
 
 SYNTAX = ("[Nc.]Ng.NNgb[+me|+me.all|-me|+gfx], e.g. 1g.10gb, 1g.10gb+me, 1c.3g.40gb, 1g.24gb+gfx, "
           "2g.48gb-me")
@@ -36,7 +37,7 @@ MIG_ACTIONS = frozenset({"set-mig-mode", "destroy-ci", "destroy-gi", "create-gi"
 def split_name(name: str) -> tuple[int | None, int, int, str] | None:
     """(compute slices or None for the GI's whole CI, GI slices, memory GB, suffix) of a MIG device
     name; None when `name` is not one. A CI larger than its GI is not a name."""
-    m = _NAME.fullmatch(name) if isinstance(name, str) else None
+    m = re.fullmatch(_NAME, name) if isinstance(name, str) else None
     if m is None:
         return None
     ci, gi, mem, suffix = m.groups()
@@ -52,40 +53,43 @@ def subdivided(name: str | None) -> bool:
     return parts is not None and parts[0] is not None and parts[0] < parts[1]
 
 
-class _Slot(Protocol):
-    @property
-    def start(self) -> int: ...
+TYPE_CHECKING = False
+if TYPE_CHECKING:  # the shape step_text reads, for mypy: `typing` is a cost every gpudctl run would pay
+    from typing import Protocol
 
-    @property
-    def size(self) -> int: ...
+    class _Slot(Protocol):
+        @property
+        def start(self) -> int: ...
 
+        @property
+        def size(self) -> int: ...
 
-class MigStep(Protocol):
-    """What a step line is made of: plan/mig.py's Step and the wire's StepInfo both have it."""
+    class MigStep(Protocol):
+        """What a step line is made of: plan/mig.py's Step and the wire's StepInfo both have it."""
 
-    @property
-    def action(self) -> str: ...
+        @property
+        def action(self) -> str: ...
 
-    @property
-    def profile(self) -> str | None: ...
+        @property
+        def profile(self) -> str | None: ...
 
-    @property
-    def placement(self) -> _Slot | None: ...
+        @property
+        def placement(self) -> _Slot | None: ...
 
-    @property
-    def gi(self) -> int | None: ...
+        @property
+        def gi(self) -> int | None: ...
 
-    @property
-    def ci(self) -> int | None: ...
+        @property
+        def ci(self) -> int | None: ...
 
-    @property
-    def ci_placement(self) -> _Slot | None: ...
+        @property
+        def ci_placement(self) -> _Slot | None: ...
 
-    @property
-    def uuid(self) -> str | None: ...
+        @property
+        def uuid(self) -> str | None: ...
 
-    @property
-    def enabled(self) -> bool | None: ...
+        @property
+        def enabled(self) -> bool | None: ...
 
 
 def step_text(s: MigStep) -> str:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import os
-from typing import Any
 
 from gpud.cli.commands import (
     DEFAULT_LAYOUT,
@@ -36,7 +35,11 @@ from gpud.cli.commands import (
     terminal_width,
 )
 from gpud.cli.transport import DEFAULT_SOCKET, DEFAULT_TIMEOUT
-from gpud.wire import protocol as wire
+from gpud.wire import frames
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any
 
 
 class _Formatter(argparse.HelpFormatter):
@@ -212,7 +215,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     command, gets all of them (the full list, or argparse's "invalid choice")."""
     only = _command_named(argv) if argv is not None else None
     p = _Parser(prog="gpudctl", description="Query and drive gpud, the GPU layout daemon.")
-    p.add_argument("--version", action="version", version=f"gpudctl {client_version()} (protocol {wire.PROTOCOL})",
+    p.add_argument("--version", action="version", version=f"gpudctl {client_version()} (protocol {frames.PROTOCOL})",
                    help="gpudctl's version (without asking gpud: `gpudctl version` has gpud's, the driver's)")
     p.add_argument("--socket", default=os.environ.get("GPUD_SOCKET") or DEFAULT_SOCKET,
                    help=f"gpud socket (default: $GPUD_SOCKET or {DEFAULT_SOCKET})")

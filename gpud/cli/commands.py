@@ -1,6 +1,8 @@
 """gpudctl's commands: parsed arguments in, one request (or a stream) to gpud, text out, exit code back.
 
-Exit codes are stable for scripts; gpudctl.py documents them.
+Exit codes are stable for scripts; gpudctl.py documents them. The nvidia-smi shaped tables
+(render_smi) and the VM views (render_vm) are imported by their commands only: a `status` does not
+pay for them.
 """
 
 from __future__ import annotations
@@ -9,9 +11,6 @@ import argparse
 import math
 import os
 import sys
-from typing import Any
-
-import msgspec
 
 from gpud.cli.escape import escaped, term
 from gpud.cli.render import (
@@ -28,18 +27,16 @@ from gpud.cli.render import (
     render_status,
     to_json,
 )
-from gpud.cli.render_smi import (
-    render_compute_instances,
-    render_compute_profiles,
-    render_gpu_instances,
-    render_list,
-    render_mig_profiles,
-)
-from gpud.cli.render_vm import render_passthrough, render_vgpu_types
 from gpud.cli.transport import NO_LIMIT, Client, Unreachable
-from gpud.wire import protocol as wire
-from gpud.wire import replies as wire_replies
-from gpud.wire import tables as wire_tables
+from gpud.cli.view import reply
+from gpud.wire import frames
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:  # the structs the replies are read as (gpud.cli.view): for mypy, not imported at run time
+    from typing import Any
+
+    from gpud.wire import replies as wire_replies
+    from gpud.wire import tables as wire_tables
 
 DEFAULT_LAYOUT = "/etc/gpud/layout.yaml"
 
@@ -113,7 +110,7 @@ def cmd_labels(c: Client, a: argparse.Namespace) -> int:
 def _read_layout(path: str) -> tuple[str, str]:
     """The layout text as the client sees it, with the path errors should name; gpud's size limit
     is checked here too (reading at most one byte past it), so a huge file is never sent."""
-    limit = wire.MAX_LAYOUT_TEXT
+    limit = frames.MAX_LAYOUT_TEXT
     try:
         if path == "-":
             data, where = sys.stdin.buffer.read(limit + 1), "<stdin>"
@@ -151,9 +148,7 @@ def cmd_check(c: Client, a: argparse.Namespace) -> int:
     try:
         r: wire_replies.CheckReply = c.request("check", args)
     except Unreachable as e:  # no daemon: the same check in a process of its own, the host only read
-        r = _check_offline(text, path, a.all_layouts, e)
-        if not a.json:
-            r = escaped(r)
+        r = _check_offline(text, path, a.all_layouts, e, shown=not a.json)
     if a.json:
         print(to_json(r))
     else:
@@ -166,9 +161,11 @@ def cmd_check(c: Client, a: argparse.Namespace) -> int:
     return _layout_exit(r.valid, r.errors)
 
 
-def _check_offline(text: str, path: str, all_layouts: bool, why: Unreachable) -> wire_replies.CheckReply:
+def _check_offline(text: str, path: str, all_layouts: bool, why: Unreachable, *, shown: bool) -> wire_replies.CheckReply:
     """`gpud check` (gpud.check_offline): the daemon's code in another process, so gpudctl itself
-    stays light; its reply is the daemon's own type."""
+    stays light; its reply is the daemon's own type, as JSON, read as the daemon's would be
+    (`shown`: escaped for a terminal)."""
+    import json
     import subprocess
 
     print(f"gpudctl: {why}; checking offline (the host is only read)", file=sys.stderr)
@@ -176,7 +173,8 @@ def _check_offline(text: str, path: str, all_layouts: bool, why: Unreachable) ->
     done = subprocess.run(argv, input=text.encode(), capture_output=True)
     if done.returncode not in (0, 4):
         raise LocalError(f"the offline check failed: {done.stderr.decode(errors='replace').strip()[-2000:]}")
-    return msgspec.json.decode(done.stdout, type=wire_replies.CheckReply)
+    doc = json.loads(done.stdout)
+    return reply("check", escaped(doc) if shown else doc)
 
 
 def cmd_plan(c: Client, a: argparse.Namespace) -> int:
@@ -307,16 +305,17 @@ def cmd_version(c: Client, a: argparse.Namespace) -> int:
     if a.json:
         print(to_json(r))
         return EXIT_OK
-    lines = [f"gpudctl {mine} (protocol {wire.PROTOCOL})", f"gpud    {r.version} (protocol {r.protocol})",
+    lines = [f"gpudctl {mine} (protocol {frames.PROTOCOL})", f"gpud    {r.version} (protocol {r.protocol})",
              f"driver  {r.driver or '-'}", f"NVML    {r.nvml or '-'}"]
     print("\n".join(lines))
-    if r.protocol != wire.PROTOCOL:
-        print(f"gpudctl: warning: gpud speaks protocol {r.protocol}, this client {wire.PROTOCOL}",
+    if r.protocol != frames.PROTOCOL:
+        print(f"gpudctl: warning: gpud speaks protocol {r.protocol}, this client {frames.PROTOCOL}",
               file=sys.stderr)
     return EXIT_OK
 
 
 def cmd_mig_profiles(c: Client, a: argparse.Namespace) -> int:
+    from gpud.cli.render_smi import render_mig_profiles
     r: wire_tables.MigProfilesReply = c.request("mig-profiles", {"gpu": a.gpu} if a.gpu is not None else {})
     print(to_json(r) if a.json else render_mig_profiles(r))
     return EXIT_OK
@@ -334,6 +333,7 @@ def _status_gpus(c: Client, a: argparse.Namespace) -> tuple[wire_replies.StatusR
 
 
 def cmd_list(c: Client, a: argparse.Namespace) -> int:
+    from gpud.cli.render_smi import render_list
     r, _ = _status_gpus(c, a)
     if a.json:
         print(to_json([{"index": g.index, "pci": g.pci, "uuid": g.uuid, "model": g.model,
@@ -345,6 +345,7 @@ def cmd_list(c: Client, a: argparse.Namespace) -> int:
 
 
 def cmd_mig_instances(c: Client, a: argparse.Namespace) -> int:
+    from gpud.cli.render_smi import render_gpu_instances
     _, gpus = _status_gpus(c, a)
     print(to_json([{"index": g.index, "instances": g.mig.instances} for g in gpus]) if a.json
           else render_gpu_instances(gpus))
@@ -352,6 +353,7 @@ def cmd_mig_instances(c: Client, a: argparse.Namespace) -> int:
 
 
 def cmd_mig_compute(c: Client, a: argparse.Namespace) -> int:
+    from gpud.cli.render_smi import render_compute_instances
     _, gpus = _status_gpus(c, a)
     print(to_json([{"index": g.index, "instances": [i for i in g.mig.instances if i.ci is not None]} for g in gpus])
           if a.json else render_compute_instances(gpus))
@@ -359,6 +361,7 @@ def cmd_mig_compute(c: Client, a: argparse.Namespace) -> int:
 
 
 def cmd_mig_compute_profiles(c: Client, a: argparse.Namespace) -> int:
+    from gpud.cli.render_smi import render_compute_profiles
     r: wire_tables.MigComputeProfilesReply = c.request("mig-compute-profiles", {"gpu": a.gpu} if a.gpu is not None else {})
     print(to_json(r) if a.json else render_compute_profiles(r))
     return EXIT_OK
@@ -390,12 +393,14 @@ def cmd_leases(c: Client, a: argparse.Namespace) -> int:
 
 
 def cmd_vgpu_types(c: Client, a: argparse.Namespace) -> int:
+    from gpud.cli.render_vm import render_vgpu_types
     r: wire_tables.VgpuTypesReply = c.request("vgpu-types", {"gpu": a.gpu} if a.gpu is not None else {})
     print(to_json(r) if a.json else render_vgpu_types(r))
     return EXIT_OK
 
 
 def cmd_passthrough(c: Client, a: argparse.Namespace) -> int:
+    from gpud.cli.render_vm import render_passthrough
     r: wire_tables.PassthroughReply = c.request("passthrough")
     print(to_json(r) if a.json else render_passthrough(r))
     return EXIT_OK

@@ -8,15 +8,24 @@ of an error) is escaped before rendering: C0 and C1 control characters, DEL and 
 separators and bidirectional overrides become visible `\\n`, `\\x1b`, `\\u202e` forms, and a
 backslash is doubled so the escaped form cannot be forged either. `--json` prints the reply
 exactly as gpud sent it (JSON escapes control characters itself).
+
+Replies are escaped as decoded, before gpud.cli.view reads them as structs: plain maps, lists and
+strings, so escaping needs no schema (and no msgspec).
 """
 
+from __future__ import annotations
+
 import re
-from typing import Any
 
-import msgspec
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any
 
-# C0 (but not printable space), DEL, C1; line/paragraph separators; bidi embeddings/overrides/isolates
-_UNSAFE = re.compile("[\\\\\x00-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
+# C0 (but not printable space), DEL, C1; line/paragraph separators; bidi embeddings/overrides/isolates.
+# Every one of them but the backslash is a character str.isprintable() refuses (Cc, Zl, Zp, Cf), so
+# a printable string without a backslash needs no look at all: the pattern is compiled only for a
+# string that might need escaping (most replies have none, and compiling is paid per run).
+_UNSAFE = "[\\\\\x00-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069]"
 _NAMED = {"\\": "\\\\", "\n": "\\n", "\r": "\\r", "\t": "\\t"}
 
 
@@ -28,40 +37,38 @@ def _one(m: re.Match[str]) -> str:
 
 
 # Fields gpud composes as several lines from values it checked (the libvirt <hostdev> XML, made
-# from a PCI address): their newlines are kept, anything else is escaped.
+# from a PCI address): their newlines are kept, anything else is escaped. Named by their key in a
+# reply's map.
 MULTILINE = frozenset({"libvirt_hostdev"})
 
 
 def term(text: str, *, lines: bool = False) -> str:
     """`text` with nothing a terminal would act on (`lines`: newlines kept)."""
-    if not _UNSAFE.search(text):
+    if text.isprintable() and "\\" not in text:
+        return text
+    unsafe = re.compile(_UNSAFE)  # re's cache keeps it
+    if not unsafe.search(text):
         return text
     if lines:
-        return "\n".join(_UNSAFE.sub(_one, part) for part in text.split("\n"))
-    return _UNSAFE.sub(_one, text)
+        return "\n".join(unsafe.sub(_one, part) for part in text.split("\n"))
+    return unsafe.sub(_one, text)
 
 
 def escaped(value: Any) -> Any:
-    """`value` (a reply struct, list, dict or string) with every string in it escaped by `term`."""
+    """`value` (a decoded reply: maps, lists, strings, numbers) with every string in it escaped by
+    `term`, map keys too; what needs no change is returned as it is."""
     if isinstance(value, str):
         return term(value)
-    if isinstance(value, msgspec.Struct):
-        changes = {}
-        for name in value.__struct_fields__:
-            old = getattr(value, name)
-            new = term(old, lines=True) if name in MULTILINE and isinstance(old, str) else escaped(old)
-            if new is not old:
-                changes[name] = new
-        return msgspec.structs.replace(value, **changes) if changes else value
+    if isinstance(value, dict):
+        items = [(escaped(k), term(v, lines=True) if k in MULTILINE and isinstance(v, str) else escaped(v))
+                 for k, v in value.items()]
+        if all(k is k0 and v is v0 for (k, v), (k0, v0) in zip(items, value.items(), strict=True)):
+            return value
+        return dict(items)
     if isinstance(value, list):
         new_list = [escaped(v) for v in value]
         return value if all(a is b for a, b in zip(new_list, value, strict=True)) else new_list
     if isinstance(value, tuple):
         new_tuple = tuple(escaped(v) for v in value)
         return value if all(a is b for a, b in zip(new_tuple, value, strict=True)) else new_tuple
-    if isinstance(value, dict):
-        items = [(escaped(k), escaped(v)) for k, v in value.items()]
-        if all(k is k0 and v is v0 for (k, v), (k0, v0) in zip(items, value.items(), strict=True)):
-            return value
-        return dict(items)
     return value

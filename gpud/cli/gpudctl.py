@@ -1,9 +1,10 @@
 """gpudctl: the thin client of gpud, and its entry point (`main`).
 
-The package imports only the standard library, msgspec and the protocol (`gpud.wire.protocol`,
-`gpud.wire.replies`, `gpud.mig_text`): people run it in loops and scripts, so start-up time
-matters more than anything it could share with the daemon.
-Three parts: `transport` (the blocking socket and typed replies), `render` (reply -> text) and
+The package imports only the standard library, msgpack and the protocol's msgspec-free part
+(`gpud.wire.frames`, `gpud.mig_text`): people run it in loops and scripts, so start-up time
+matters more than anything it could share with the daemon. Replies are read as gpud's wire structs
+through gpud.cli.view, which imports msgspec and the structs only for a field an older gpud did not send.
+Three parts: `transport` (the blocking socket and the replies), `render` (reply -> text) and
 `commands` (arguments -> request -> output -> exit code); this module maps failures to exit codes.
 
 Exit codes (stable, for scripts):
@@ -37,7 +38,7 @@ from gpud.cli.commands import (
     UsageError,
 )
 from gpud.cli.transport import Client, DaemonError, Unreachable, WaitTimeout
-from gpud.wire import protocol as wire
+from gpud.wire import frames
 
 
 def _as_written(message: str) -> str:
@@ -82,17 +83,17 @@ def main(argv: list[str] | None = None) -> int:
         _err(str(e))
         return EXIT_NOT_CONVERGED if a.command == "apply" else EXIT_STILL_WORKING
     except DaemonError as e:
-        _err(e.message if e.code == wire.E_INVALID_LAYOUT else str(e))
-        if e.code == wire.E_INVALID_LAYOUT:
+        _err(e.message if e.code == frames.E_INVALID_LAYOUT else str(e))
+        if e.code == frames.E_INVALID_LAYOUT:
             return EXIT_INVALID
-        if e.code == wire.E_TIMEOUT and a.command == "apply":
+        if e.code == frames.E_TIMEOUT and a.command == "apply":
             return EXIT_NOT_CONVERGED
-        if e.code in (wire.E_NO_ROOM, wire.E_NOT_FOUND, wire.E_CONFLICT) and a.command in ("lease", "release"):
+        if e.code in (frames.E_NO_ROOM, frames.E_NOT_FOUND, frames.E_CONFLICT) and a.command in ("lease", "release"):
             return EXIT_INVALID
-        if e.code == wire.E_IN_USE and a.command == "release":
+        if e.code == frames.E_IN_USE and a.command == "release":
             return EXIT_NOT_CONVERGED
         return EXIT_ERROR
-    except wire.FrameError as e:
+    except frames.FrameError as e:
         _err(f"protocol error: {e}")
         return EXIT_ERROR
     except BrokenPipeError:
@@ -110,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def run() -> None:
     """gpudctl as a program: main(), its output flushed, then the process ends at once. The
-    interpreter's normal exit tears down every module and object one by one (msgspec, typing,
+    interpreter's normal exit tears down every module and object one by one (argparse, re,
     the reply), about 6 ms on the lent H200 host (bench/results/h200-status-timing.md): a sixth
     of a `gpudctl status`, for memory the kernel frees anyway. gpudctl registers no atexit work
     and leaves no file open for writing, so nothing is lost by skipping it."""

@@ -2,12 +2,13 @@
 packaging/gpudctl-pip.in, and the package's launcher, packaging/gpudctl.in).
 
 One thing happens before the client is imported, and only in a process that is gpudctl alone:
-typing_extensions is marked absent. msgspec's `_utils` (imported by its C core at every import of
+typing_extensions is marked absent. gpudctl imports msgspec only to fill a field an older gpud did
+not send (gpud.cli.view), and then msgspec's `_utils` (imported by its C core at every import of
 msgspec, 0.18 to 0.23) takes `get_type_hints`, `Required` and `NotRequired` from typing_extensions
 when it can and from `typing` otherwise; typing_extensions itself imports `inspect` (with ast, dis
 and tokenize), about 12 ms of a gpudctl run on a 2-core host when some other package of the
 environment installed it. The client's types use `typing` alone (it imports only the standard
-library, msgspec and the protocol modules: tests/test_layering.py), so `typing`'s answers are the same.
+library, msgpack, msgspec and the protocol modules: tests/test_layering.py), so `typing`'s answers are the same.
 """
 
 from __future__ import annotations

@@ -7,13 +7,15 @@ The tables follow nvidia-smi's where one exists (`mig profiles` is `nvidia-smi m
 from __future__ import annotations
 
 import time
-from typing import Any
-
-import msgspec
 
 from gpud.mig_text import MIG_ACTIONS, step_text, subdivided
-from gpud.wire import protocol as wire
-from gpud.wire import replies as wire_replies
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:  # the structs the replies are read as (gpud.cli.view): for mypy, not imported at run time
+    from typing import Any
+
+    from gpud.wire import protocol as wire
+    from gpud.wire import replies as wire_replies
 
 
 def table(rows: list[list[str]]) -> str:
@@ -425,12 +427,44 @@ def render_event(e: wire.Event) -> str:
 
 def event_json(e: wire.Event) -> str:
     """One event per line for `events --json`: compact, so a follower can read it line by line."""
-    return msgspec.json.encode(e).decode()
+    return json_text(e, compact=True)
 
 
 def to_json(obj: Any) -> str:
-    """What `--json` prints: the reply struct with every field, indented."""
-    return msgspec.json.format(msgspec.json.encode(obj), indent=2).decode()
+    """What `--json` prints: the reply with every field, indented."""
+    return json_text(obj)
+
+
+def json_text(obj: Any, *, compact: bool = False) -> str:
+    """`obj` (a reply as gpud sent it, gpud.cli.view; or a wire struct) as JSON: UTF-8 as it is,
+    the fields in the struct's order. What msgspec.json printed, without importing msgspec for it:
+    the same document, numbers in Python's spelling (1e-05 where msgspec wrote 0.00001), and a
+    number that is not finite (which JSON cannot hold) as null, as msgspec wrote it."""
+    import json
+
+    spacing = {"separators": (",", ":")} if compact else {"indent": 2}
+    try:
+        return json.dumps(obj, ensure_ascii=False, allow_nan=False, default=_builtins, **spacing)
+    except ValueError:  # NaN or an infinity somewhere: null, as msgspec.json writes it
+        return json.dumps(_finite(obj), ensure_ascii=False, default=_builtins, **spacing)
+
+
+def _builtins(obj: Any) -> Any:
+    """A wire struct (a reply built in this process, as tests render them) as
+    msgspec gives it to JSON: a map of every field by its wire name."""
+    import msgspec
+
+    return msgspec.to_builtins(obj)
+
+
+def _finite(obj: Any) -> Any:
+    if isinstance(obj, float):
+        return obj if obj - obj == 0 else None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    return _finite(_builtins(obj)) if hasattr(obj, "__struct_fields__") else obj
 
 
 # ---------------------------------------------------------------------------------------------

@@ -5,8 +5,11 @@ compute-profiles` (mig -lcip), `mig compute-instances` (mig -lci). Pure, like gp
 from __future__ import annotations
 
 from gpud.cli.render import table
-from gpud.wire import replies as wire_replies
-from gpud.wire import tables as wire_tables
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:  # the structs the replies are read as (gpud.cli.view)
+    from gpud.wire import replies as wire_replies
+    from gpud.wire import tables as wire_tables
 
 
 def render_mig_profiles(r: wire_tables.MigProfilesReply) -> str:

@@ -4,10 +4,11 @@ gpud.cli.render."""
 
 from __future__ import annotations
 
-import msgspec
+from gpud.cli.render import json_text, table
 
-from gpud.cli.render import table
-from gpud.wire import tables as wire_tables
+TYPE_CHECKING = False
+if TYPE_CHECKING:  # the structs the replies are read as (gpud.cli.view)
+    from gpud.wire import tables as wire_tables
 
 
 def render_vgpu_types(r: wire_tables.VgpuTypesReply) -> str:
@@ -65,12 +66,12 @@ def _kubevirt_section(r: wire_tables.PassthroughReply) -> list[str]:
     if "mediatedDevicesConfiguration" in cfg:
         out += ["", "KubeVirt spec.configuration.mediatedDevicesConfiguration (gpud makes the vGPUs; KubeVirt >= 1.8, "
                 "older: the feature gate DisableMDEVConfiguration):",
-                "  " + msgspec.json.encode(cfg["mediatedDevicesConfiguration"]).decode()]
+                "  " + json_text(cfg["mediatedDevicesConfiguration"], compact=True)]
     permitted = cfg.get("permittedHostDevices") or {}
     if permitted:
         out += ["", "KubeVirt permittedHostDevices (spec.configuration.permittedHostDevices):"]
         for kind in sorted(permitted):
             out.append(f"  {kind}:")
-            out += ["    - " + msgspec.json.encode(e).decode() for e in permitted[kind]]
+            out += ["    - " + json_text(e, compact=True) for e in permitted[kind]]
     out += [f"warning: {w}" for w in r.kubevirt_warnings]
     return out

@@ -1,21 +1,29 @@
-"""gpudctl's transport: one blocking Unix-socket connection to gpud, requests and typed replies.
+"""gpudctl's transport: one blocking Unix-socket connection to gpud, requests and replies.
 
-No asyncio: people run gpudctl in loops and scripts, so start-up time matters more than anything
-it could share with the daemon. Every reply is decoded into its `gpud.wire.replies` struct, the same
-one the daemon built, so client and daemon cannot disagree on a field.
+No asyncio and no msgspec: people run gpudctl in loops and scripts, so start-up time matters more
+than anything it could share with the daemon. Frames are MessagePack either way: the client reads
+and writes them with `msgpack` (the daemon with msgspec's typed structs), and every reply is read
+through gpud.cli.view as the `gpud.wire.replies` struct the daemon built.
 """
 
 from __future__ import annotations
 
 import _socket  # the C module `socket` wraps: see Client._connect
 import math
-import select
-from collections.abc import Callable, Iterator
-from typing import Any
+
+import msgpack
 
 from gpud.cli.escape import escaped
-from gpud.wire import protocol as wire
-from gpud.wire import replies as wire_replies
+from gpud.cli.view import EVENT, reply
+from gpud.wire import frames
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:  # the types only: importing `typing` and the structs costs a run time it does not use
+    from collections.abc import Callable, Iterator
+    from typing import Any
+
+    from gpud.wire import protocol as wire
+    from gpud.wire import replies as wire_replies
 
 DEFAULT_SOCKET = "/run/gpud/gpud.sock"
 DEFAULT_TIMEOUT = 30.0  # seconds for one reply; `apply --wait` and `events -f` wait longer
@@ -53,7 +61,7 @@ class Client:
         self.path = path
         self.timeout = timeout
         self._shown: Callable[[Any], Any] = escaped if escape else _exact
-        self._reader = wire.FrameReader()
+        self._reader = frames.FrameReader()
         self._sock: _socket.socket | None = None
         self._next_id = 1
 
@@ -92,7 +100,9 @@ class Client:
         if getattr(self, "_sock", None) is not None:
             self.close()
 
-    def _read(self) -> wire.Response | wire.EventFrame:
+    def _read(self) -> dict[str, Any]:
+        """The next frame from gpud: a response `{id, ok, result, error}`, or an event frame `{id, event}`
+        (the shapes of gpud.wire.protocol's Response and EventFrame), checked as far as gpudctl relies on."""
         assert self._sock is not None
         try:
             payload = self._reader.read_sync(self._sock)
@@ -103,31 +113,33 @@ class Client:
             raise Unreachable(f"lost the connection to gpud at {self.path}: {e.strerror or e}") from None
         if payload is None:
             raise Unreachable(f"gpud at {self.path} closed the connection")
-        return wire.decode_message(payload)
+        return _message(payload)
 
     def request(self, op: str, args: dict[str, Any] | None = None, *, timeout: float | None = None) -> Any:
-        """Send one request, return its result as the op's wire struct; DaemonError on an error
-        response. `timeout`: seconds for this reply (None: the client's; NO_LIMIT: no limit)."""
+        """Send one request, return its result read as the op's wire struct (gpud.cli.view); DaemonError
+        on an error response. `timeout`: seconds for this reply (None: the client's; NO_LIMIT: no limit)."""
         sock = self._connect()
         rid = self._next_id
         self._next_id += 1
         sock.settimeout(_socket_timeout(self.timeout if timeout is None else timeout))
         try:
-            sock.sendall(wire.encode_frame(wire.Request(id=rid, op=op, args=args or {})))
+            sock.sendall(frames.frame(msgpack.packb({"id": rid, "op": op, "args": args or {}})))
         except OSError as e:
             raise Unreachable(f"lost the connection to gpud at {self.path}: {e.strerror or e}") from None
         msg = self._read()
-        if not isinstance(msg, wire.Response) or msg.id not in (rid, 0):
-            raise wire.FrameError(f"unexpected frame from gpud (waiting for reply {rid})")
-        if not msg.ok:
-            err = msg.error or wire.ErrorInfo(code=wire.E_INTERNAL, message="error without detail")
-            raise DaemonError(err.code, self._shown(err.message))
-        return self._shown(wire_replies.decode_result(op, msg.result))
+        if "ok" not in msg or msg["id"] not in (rid, 0):
+            raise frames.FrameError(f"unexpected frame from gpud (waiting for reply {rid})")
+        if not msg["ok"]:
+            raise _daemon_error(msg, self._shown)
+        result = msg.get("result")
+        if not isinstance(result, dict):
+            raise frames.FrameError(f"malformed {op} result from gpud: expected a map, got {type(result).__name__}")
+        return reply(op, self._shown(result))
 
     def events(self) -> Iterator[wire.Event]:
         """Yield the recent history, then every new event until gpud closes the stream."""
-        reply: wire_replies.EventsReply = self.request("events", {"follow": True}, timeout=NO_LIMIT)
-        yield from reply.events  # escaped with the reply
+        history: wire_replies.EventsReply = self.request("events", {"follow": True}, timeout=NO_LIMIT)
+        yield from history.events  # escaped with the reply
         yield from self._frames()
 
     def follow(self) -> Iterator[wire.Event]:
@@ -139,25 +151,60 @@ class Client:
     def next_event(self, timeout: float) -> wire.Event | None:
         """After `follow()`: the next event if one arrives within `timeout` seconds, else None.
         Waits for the socket to be readable first, so a frame is never cut by the timeout."""
+        import select  # only `apply --wait` waits for events with a timeout
+
         assert self._sock is not None, "follow() first"
         readable, _, _ = select.select([self._sock], [], [], timeout)
         if not readable:
             return None
-        msg = self._read()
-        if isinstance(msg, wire.EventFrame):
-            return self._shown(msg.event)
-        if not msg.ok and msg.error is not None:
-            raise DaemonError(msg.error.code, self._shown(msg.error.message))
-        raise wire.FrameError("unexpected reply on an event stream")
+        event = self._event(self._read())
+        if event is None:
+            raise frames.FrameError("unexpected reply on an event stream")
+        return event
 
     def _frames(self) -> Iterator[wire.Event]:
         while True:
-            msg = self._read()
-            if isinstance(msg, wire.EventFrame):
-                yield self._shown(msg.event)
-            elif not msg.ok and msg.error is not None:
-                raise DaemonError(msg.error.code, self._shown(msg.error.message))
+            event = self._event(self._read())
+            if event is not None:
+                yield event
 
+    def _event(self, msg: dict[str, Any]) -> Any:
+        """An event frame's event; None for a response that is no error; DaemonError for one that is."""
+        if "ok" not in msg:
+            return reply(EVENT, self._shown(msg["event"]))
+        if not msg["ok"] and msg.get("error") is not None:
+            raise _daemon_error(msg, self._shown)
+        return None
+
+
+def _message(payload: bytes) -> dict[str, Any]:
+    """A frame's map, with the fields of a Response or an EventFrame that gpudctl reads checked."""
+    try:
+        msg = msgpack.unpackb(payload)
+    except (ValueError, TypeError) as e:  # msgpack's errors are ValueErrors; TypeError: an unhashable key
+        raise frames.FrameError(f"malformed message from gpud: {e}") from None
+    if not isinstance(msg, dict) or not _is_int(msg.get("id")):
+        raise frames.FrameError("malformed message from gpud: not a map with an integer `id`")
+    if "event" in msg and "ok" not in msg:
+        if not isinstance(msg["event"], dict):
+            raise frames.FrameError("malformed message from gpud: `event` is not a map")
+        return msg
+    if not isinstance(msg.get("ok"), bool):
+        raise frames.FrameError("malformed message from gpud: no boolean `ok`")
+    error = msg.get("error")
+    if error is not None and not (isinstance(error, dict) and isinstance(error.get("code"), str)
+                                  and isinstance(error.get("message"), str)):
+        raise frames.FrameError("malformed message from gpud: `error` is not a map of a code and a message")
+    return msg
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _daemon_error(msg: dict[str, Any], shown: Callable[[Any], Any]) -> DaemonError:
+    error = msg.get("error") or {"code": frames.E_INTERNAL, "message": "error without detail"}
+    return DaemonError(error["code"], shown(error["message"]))
 
 
 def _exact(value: Any) -> Any:

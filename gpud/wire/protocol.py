@@ -1,76 +1,62 @@
-"""The gpud socket protocol: frames, requests, responses, events, the arguments of each op and errors.
+"""The gpud socket protocol: requests, responses, events and the arguments of each op, as msgspec
+structs; with gpud/wire/frames.py (framing, limits, error codes, the ops: re-exported here).
 
-One concern, the protocol's envelope: this module and gpud/wire/replies.py (the typed result of
-each op) are together the one definition of every message on the socket; each name has one home.
+One concern, the protocol's envelope: this module, gpud/wire/frames.py and gpud/wire/replies.py
+(the typed result of each op) are together the one definition of every message on the socket;
+each name has one home.
 
-Shared by the daemon (asyncio) and `gpudctl` (a blocking socket), so this module imports only the
-standard library and msgspec: the client's start-up time is a product feature, and every import
-here is paid by every `gpudctl` run.
+The daemon encodes and decodes with these structs. `gpudctl` does not import this module on its
+paths (msgspec's import is most of a client's start-up): it reads the same MessagePack with
+`msgpack` and reads replies through gpud.cli.view, typed against these structs for mypy.
 
 Wire format (protocol 1): each frame is a 4-byte big-endian unsigned payload length followed by
 one MessagePack map. Client -> daemon: `Request {id, op, args}`. Daemon -> client: one
 `Response {id, ok, result, error}` per request; for `events` with `follow=true` the response (the
 recent history) is followed by `EventFrame {id, event}` frames until the client closes.
-Replies are msgspec Structs encoded as maps; unknown fields are ignored on decode and every
-field added later gets a default, so old clients keep working against newer daemons.
+Replies are msgspec Structs encoded as maps with every field (no omitted defaults, no tags, no
+arrays for structs); unknown fields are ignored on decode and every field added later gets a
+default, so old clients keep working against newer daemons.
 """
 
 # No `from __future__ import annotations` here: msgspec would then compile every field's annotation
 # string when a client first decodes a reply, which costs more than evaluating them once as the
 # classes are made. Classes are defined before they are used in annotations.
 import math
-import struct
 from typing import Any
 
 import msgspec
 
-PROTOCOL = 1
-MAX_FRAME = 1 << 20  # 1 MiB: a status of a 16-GPU host with every instance is ~40 KiB
-# The most entries a reply carries in a list that grows with its input (layout errors, warnings):
-# the rest are counted in the reply's `*_omitted` field and a last entry "... and N more".
-MAX_LISTED = 100
-# The largest layout text gpud reads or checks (gpud.host.files.layout_source.MAX_LAYOUT_BYTES): half a
-# frame, so `check` of any acceptable layout fits in one request. gpudctl refuses more before sending.
-MAX_LAYOUT_TEXT = 512 * 1024
-HEADER = struct.Struct(">I")
-
-# Error codes the server itself produces; handlers add their own (e.g. "invalid-layout").
-E_BAD_FRAME = "bad-frame"  # not MessagePack, not a map, or missing id/op
-E_TOO_LARGE = "too-large"  # frame above the limit; the connection is closed unread
-E_UNKNOWN_OP = "unknown-op"
-E_BAD_ARGS = "bad-args"
-E_FORBIDDEN = "forbidden"
-E_BUSY = "busy"  # too many connections
-E_INTERNAL = "internal"
-E_INVALID_LAYOUT = "invalid-layout"
-E_TIMEOUT = "timeout"
-# Lease refusals (gpud.engine.leases): gpudctl exits 4 for no-room / not-found / conflict, 5 for in-use.
-E_NO_ROOM = "no-room"  # no dynamic GPU has room; the message names the shortfall
-E_NOT_FOUND = "not-found"
-E_IN_USE = "in-use"  # a release of an instance processes use, under on-busy: fail
-E_CONFLICT = "conflict"  # whole-GPU and MIG leases exclude each other; a lease still being made
-E_FAILED = "failed"  # NVML or the state directory refused; nothing leased
-
-READ_OPS = frozenset({"status", "check", "plan", "events", "version", "mig-profiles", "mig-compute-profiles",
-                      "passthrough", "stats", "labels", "vgpu-types", "leases"})
-WRITE_OPS = frozenset({"apply", "reload", "select"})
-LEASE_OPS = frozenset({"lease", "release"})  # root, or members of the layout's policy.lease-group
-OPS = READ_OPS | WRITE_OPS | LEASE_OPS
-
-
-class FrameError(ValueError):
-    """A frame that cannot be read: truncated, too large, or not a valid message."""
-
-    code = E_BAD_FRAME
-
-    def __init__(self, message: str, *, request_id: int = 0) -> None:
-        super().__init__(message)
-        self.request_id = request_id  # best effort, so the error response can name the request
-
-
-class FrameTooLarge(FrameError):
-    code = E_TOO_LARGE
-
+# The framing and vocabulary the client shares without msgspec: re-exported, so `protocol` stays the
+# one name the daemon imports for the whole protocol.
+from gpud.wire.frames import (  # noqa: F401
+    E_BAD_ARGS,
+    E_BAD_FRAME,
+    E_BUSY,
+    E_CONFLICT,
+    E_FAILED,
+    E_FORBIDDEN,
+    E_IN_USE,
+    E_INTERNAL,
+    E_INVALID_LAYOUT,
+    E_NO_ROOM,
+    E_NOT_FOUND,
+    E_TIMEOUT,
+    E_TOO_LARGE,
+    E_UNKNOWN_OP,
+    HEADER,
+    LEASE_OPS,
+    MAX_FRAME,
+    MAX_LAYOUT_TEXT,
+    MAX_LISTED,
+    OPS,
+    PROTOCOL,
+    READ_OPS,
+    WRITE_OPS,
+    FrameError,
+    FrameReader,
+    FrameTooLarge,
+    frame,
+)
 
 # ---------------------------------------------------------------------------------------------
 # Envelope
@@ -200,10 +186,7 @@ _request_decoder: msgspec.msgpack.Decoder | None = None  # the daemon's, made at
 
 def encode_frame(obj: Any, *, max_frame: int = MAX_FRAME) -> bytes:
     """Length-prefixed MessagePack. Refuses to produce a frame the peer would reject."""
-    payload = _encoder.encode(obj)
-    if len(payload) > max_frame:
-        raise FrameTooLarge(f"frame of {len(payload)} bytes exceeds the limit of {max_frame}")
-    return HEADER.pack(len(payload)) + payload
+    return frame(_encoder.encode(obj), max_frame=max_frame)
 
 
 def _guess_id(payload: bytes) -> int:
@@ -238,59 +221,3 @@ def decode_message(payload: bytes) -> Response | EventFrame:
         raise FrameError(f"malformed message from gpud: {e}") from None
     except RecursionError:
         raise FrameError("malformed message from gpud: nested too deeply") from None
-
-
-
-class FrameReader:
-    """Reads length-prefixed frames from a blocking socket (client) or a StreamReader (server).
-
-    Both return the payload bytes, or None on a clean end of stream between frames; a stream that
-    ends inside a frame, or a length above `max_frame`, raises FrameError/FrameTooLarge without
-    reading the oversized body.
-    """
-
-    __slots__ = ("max_frame",)
-
-    def __init__(self, max_frame: int = MAX_FRAME) -> None:
-        self.max_frame = max_frame
-
-    def _check(self, header: bytes) -> int:
-        (n,) = HEADER.unpack(header)
-        if n > self.max_frame:
-            raise FrameTooLarge(f"frame of {n} bytes exceeds the limit of {self.max_frame}")
-        return n
-
-    def read_sync(self, sock: Any) -> bytes | None:
-        header = _recv_exactly(sock, HEADER.size, eof_ok=True)
-        if header is None:
-            return None
-        n = self._check(header)
-        return _recv_exactly(sock, n, eof_ok=False) if n else b""
-
-    async def read_async(self, reader: Any) -> bytes | None:
-        # asyncio.IncompleteReadError subclasses EOFError: no asyncio import needed here
-        try:
-            header = await reader.readexactly(HEADER.size)
-        except EOFError as e:
-            if not getattr(e, "partial", b""):
-                return None
-            raise FrameError("connection closed inside a frame header") from None
-        n = self._check(header)
-        try:
-            return await reader.readexactly(n) if n else b""
-        except EOFError:
-            raise FrameError("connection closed inside a frame") from None
-
-
-def _recv_exactly(sock: Any, n: int, *, eof_ok: bool) -> bytes | None:
-    buf = bytearray(n)
-    view = memoryview(buf)
-    got = 0
-    while got < n:
-        k = sock.recv_into(view[got:], n - got)
-        if k == 0:
-            if got == 0 and eof_ok:
-                return None
-            raise FrameError("connection closed inside a frame")
-        got += k
-    return bytes(buf)

@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-import msgspec
+import msgpack
 
 REPO = Path(__file__).resolve().parents[2]
 TEMPLATE = REPO / "packaging" / "gpudctl.in"
@@ -18,7 +18,7 @@ TEMPLATE = REPO / "packaging" / "gpudctl.in"
 
 def _launcher(tmp: Path) -> Path:
     """The template filled in as build-deb.sh does, for this checkout and this interpreter."""
-    site = str(Path(msgspec.__file__).parents[1])
+    site = str(Path(msgpack.__file__).parents[1])
     text = TEMPLATE.read_text().replace("@PYTHON@", os.path.realpath(sys.executable)).replace(
         "@PATHS@", repr([str(REPO), site]))
     path = tmp / "gpudctl"
@@ -55,8 +55,10 @@ def test_launcher_answers_and_ignores_the_environment(daemon, tmp_path):
 # lent H200 host (bench/results/h200-status-timing.md): socket's enum wrappers, shutil (and its
 # archive modules, which argparse's help formatter imports for the terminal size), threading (only
 # `apply --wait`), locale (argparse's gettext look-ups), typing_extensions and the inspect it pulls
-# in (msgspec takes typing's answers instead: gpud/cli/program.py), the daemon's side of gpud.
+# in, msgspec (and typing, which came with it: the client reads replies with msgpack, gpud.cli.view),
+# the daemon's side of gpud.
 NOT_IMPORTED = ("socket", "shutil", "threading", "locale", "bz2", "lzma", "typing_extensions", "inspect",
+                "msgspec", "typing", "gpud.wire.protocol", "gpud.wire.replies",
                 "gpud.engine", "gpud.host", "gpud.sim", "gpud.plan", "gpud.layout", "yaml", "pynvml", "asyncio")
 
 
@@ -76,4 +78,4 @@ def test_status_imports_only_what_it_uses(daemon, tmp_path):
     loaded = set(r.stderr.split("MODULES ", 1)[1].split())
     unwanted = sorted(m for m in loaded if m in NOT_IMPORTED or m.startswith(tuple(n + "." for n in NOT_IMPORTED)))
     assert not unwanted, unwanted
-    assert "gpud.cli.render" in loaded and "msgspec" in loaded  # the check saw a real run
+    assert "gpud.cli.render" in loaded and "msgpack" in loaded  # the check saw a real run
