@@ -108,6 +108,11 @@ def _entry_point_script(path: Path, python: Path) -> Path:
     return path
 
 
+FLOOR = "python -I -S -c pass (floor of the launcher and the pip script)"
+LAUNCHER_STATUS = "gpudctl status (package launcher, -I -S)"
+PIP_STATUS = "gpudctl status (pip install .: its gpudctl)"
+
+
 def measure(cases: list[tuple[str, list[str]]], n: int, env: dict[str, str],
             python_m_env: dict[str, str]) -> dict[str, tuple[list[float], list[float]]]:
     """(wall ms, CPU ms) of each command, n runs each after one warm-up, the commands in turn."""
@@ -159,13 +164,13 @@ def main() -> int:
     _write_launcher(launcher)
     fresh = installed["pip install ."]
     cases = [
-        ("python -I -S -c pass (floor of the launcher and the pip script)",
+        (FLOOR,
          [os.path.realpath(py), "-I", "-S", "-c", "pass"]),
         ("python -c pass (floor, a fresh venv)", [str(fresh / "python"), "-c", "pass"]),
         ("python -c 'import msgpack' (floor, a fresh venv)", [str(fresh / "python"), "-c", "import msgpack"]),
         ("python -c 'import msgspec' (floor, a fresh venv)", [str(fresh / "python"), "-c", "import msgspec"]),
         ("gpudctl version (package launcher, -I -S)", [str(launcher), "version"]),
-        ("gpudctl status (package launcher, -I -S)", [str(launcher), "status"]),
+        (LAUNCHER_STATUS, [str(launcher), "status"]),
     ]
     for kind, bin_dir in installed.items():
         cases += [(f"gpudctl status ({kind}: its gpudctl)", [str(bin_dir / "gpudctl"), "status"]),
@@ -199,12 +204,18 @@ def main() -> int:
         "CPU: its user + system time). `status` answers for 8 GPUs.",
         "Reproduce: `make bench` (writes out/client_startup.md) or `.venv/bin/python bench/client_startup.py`.",
         "",
-        "| command | p50 | p95 | min | max | CPU p50 |",
-        "|---|---:|---:|---:|---:|---:|",
+        "| command | p50 | p95 | min | max | CPU p50 | p50 / floor |",
+        "|---|---:|---:|---:|---:|---:|---:|",
     ]
+    floor = statistics.median(rows[FLOOR][0])
     for name, (xs, cpu) in rows.items():
         lines.append(f"| {name} | {statistics.median(xs):.1f} | {pct(xs, 95):.1f} | {min(xs):.1f} | {max(xs):.1f} "
-                     f"| {statistics.median(cpu):.1f} |")
+                     f"| {statistics.median(cpu):.1f} | {statistics.median(xs) / floor:.2f}x |")
+    pip_p50, launcher_p50 = statistics.median(rows[PIP_STATUS][0]), statistics.median(rows[LAUNCHER_STATUS][0])
+    lines += ["", f"Issue 28's client targets, in this run: `gpudctl status` from a pip install at most 3x the bare "
+              f"interpreter by median: **{pip_p50 / floor:.2f}x** ({pip_p50:.1f} / {floor:.1f} ms); from the package's launcher "
+              f"{launcher_p50 / floor:.2f}x here (its target, 1.5x `nvidia-smi -L` by median, is measured on the GPU host: "
+              "scripts/h200-status-timing)."]
     lines += ["", "The package installs the launcher as /usr/bin/gpudctl (packaging/gpudctl.in, filled in by "
               "packaging/build-deb.sh); pip installs packaging/gpudctl-pip.in (setup.py), which pays one /bin/sh "
               "start before Python, since a wheel cannot carry -I -S. An entry point's console script pays `site` "

@@ -12,7 +12,7 @@ import math
 import os
 import sys
 
-from gpud.cli.escape import escaped, term
+from gpud.cli.escape import term
 from gpud.cli.render import (
     event_json,
     pick_gpu,
@@ -174,7 +174,7 @@ def _check_offline(text: str, path: str, all_layouts: bool, why: Unreachable, *,
     if done.returncode not in (0, 4):
         raise LocalError(f"the offline check failed: {done.stderr.decode(errors='replace').strip()[-2000:]}")
     doc = json.loads(done.stdout)
-    return reply("check", escaped(doc) if shown else doc)
+    return reply("check", doc, escape=shown)
 
 
 def cmd_plan(c: Client, a: argparse.Namespace) -> int:

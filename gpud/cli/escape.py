@@ -9,17 +9,13 @@ separators and bidirectional overrides become visible `\\n`, `\\x1b`, `\\u202e` 
 backslash is doubled so the escaped form cannot be forged either. `--json` prints the reply
 exactly as gpud sent it (JSON escapes control characters itself).
 
-Replies are escaped as decoded, before gpud.cli.view reads them as structs: plain maps, lists and
-strings, so escaping needs no schema (and no msgspec).
+Replies are escaped as gpud.cli.view reads the decoded maps (`reply(..., escape=True)`): every
+string, map keys too, with `term`; a field of MULTILINE keeps its newlines.
 """
 
 from __future__ import annotations
 
 import re
-
-TYPE_CHECKING = False
-if TYPE_CHECKING:
-    from typing import Any
 
 # C0 (but not printable space), DEL, C1; line/paragraph separators; bidi embeddings/overrides/isolates.
 # Every one of them but the backslash is a character str.isprintable() refuses (Cc, Zl, Zp, Cf), so
@@ -52,23 +48,3 @@ def term(text: str, *, lines: bool = False) -> str:
     if lines:
         return "\n".join(unsafe.sub(_one, part) for part in text.split("\n"))
     return unsafe.sub(_one, text)
-
-
-def escaped(value: Any) -> Any:
-    """`value` (a decoded reply: maps, lists, strings, numbers) with every string in it escaped by
-    `term`, map keys too; what needs no change is returned as it is."""
-    if isinstance(value, str):
-        return term(value)
-    if isinstance(value, dict):
-        items = [(escaped(k), term(v, lines=True) if k in MULTILINE and isinstance(v, str) else escaped(v))
-                 for k, v in value.items()]
-        if all(k is k0 and v is v0 for (k, v), (k0, v0) in zip(items, value.items(), strict=True)):
-            return value
-        return dict(items)
-    if isinstance(value, list):
-        new_list = [escaped(v) for v in value]
-        return value if all(a is b for a, b in zip(new_list, value, strict=True)) else new_list
-    if isinstance(value, tuple):
-        new_tuple = tuple(escaped(v) for v in value)
-        return value if all(a is b for a, b in zip(new_tuple, value, strict=True)) else new_tuple
-    return value

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import time
 
-from gpud.mig_text import MIG_ACTIONS, step_text, subdivided
-
 TYPE_CHECKING = False
 if TYPE_CHECKING:  # the structs the replies are read as (gpud.cli.view): for mypy, not imported at run time
     from typing import Any
@@ -203,6 +201,8 @@ def _age(seconds: float) -> str:
 def _describe_step(s: wire_replies.StepInfo) -> str:
     """One step, single-spaced: the action, then what it acts on, each named once. A MIG step reads
     as the daemon's events name it (gpud.mig_text.step_text)."""
+    from gpud.mig_text import MIG_ACTIONS, step_text  # the MIG words: a plan's, not every run's
+
     if s.action in MIG_ACTIONS:
         text = step_text(s)
     elif s.action == "load-module":
@@ -305,6 +305,8 @@ def pick_gpu(r: wire_replies.StatusReply, selector: str) -> wire_replies.GpuStat
 
 def render_gpu(g: wire_replies.GpuStatus) -> str:
     """`gpudctl status GPU`: everything status knows about one GPU, messages whole."""
+    from gpud.mig_text import subdivided  # the MIG words: this view's, not every run's
+
     out = [f"GPU {g.index}  {g.pci}  {g.model or '-'}",
            f"  uuid:        {g.uuid or '- (not visible to NVML)'}",
            f"  pci id:      {g.pci_id or '-'}",

@@ -13,13 +13,13 @@ import math
 
 import msgpack
 
-from gpud.cli.escape import escaped
+from gpud.cli.escape import term
 from gpud.cli.view import EVENT, reply
 from gpud.wire import frames
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:  # the types only: importing `typing` and the structs costs a run time it does not use
-    from collections.abc import Callable, Iterator
+    from collections.abc import Iterator
     from typing import Any
 
     from gpud.wire import protocol as wire
@@ -60,7 +60,7 @@ class Client:
         (gpud.cli.escape), for display; without it they are exactly as gpud sent them."""
         self.path = path
         self.timeout = timeout
-        self._shown: Callable[[Any], Any] = escaped if escape else _exact
+        self._escape = escape
         self._reader = frames.FrameReader()
         self._sock: _socket.socket | None = None
         self._next_id = 1
@@ -130,11 +130,11 @@ class Client:
         if "ok" not in msg or msg["id"] not in (rid, 0):
             raise frames.FrameError(f"unexpected frame from gpud (waiting for reply {rid})")
         if not msg["ok"]:
-            raise _daemon_error(msg, self._shown)
+            raise _daemon_error(msg, self._escape)
         result = msg.get("result")
         if not isinstance(result, dict):
             raise frames.FrameError(f"malformed {op} result from gpud: expected a map, got {type(result).__name__}")
-        return reply(op, self._shown(result))
+        return reply(op, result, escape=self._escape)
 
     def events(self) -> Iterator[wire.Event]:
         """Yield the recent history, then every new event until gpud closes the stream."""
@@ -171,9 +171,9 @@ class Client:
     def _event(self, msg: dict[str, Any]) -> Any:
         """An event frame's event; None for a response that is no error; DaemonError for one that is."""
         if "ok" not in msg:
-            return reply(EVENT, self._shown(msg["event"]))
+            return reply(EVENT, msg["event"], escape=self._escape)
         if not msg["ok"] and msg.get("error") is not None:
-            raise _daemon_error(msg, self._shown)
+            raise _daemon_error(msg, self._escape)
         return None
 
 
@@ -202,13 +202,9 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _daemon_error(msg: dict[str, Any], shown: Callable[[Any], Any]) -> DaemonError:
+def _daemon_error(msg: dict[str, Any], escape: bool) -> DaemonError:
     error = msg.get("error") or {"code": frames.E_INTERNAL, "message": "error without detail"}
-    return DaemonError(error["code"], shown(error["message"]))
-
-
-def _exact(value: Any) -> Any:
-    return value
+    return DaemonError(error["code"], term(error["message"]) if escape else error["message"])
 
 
 def _socket_timeout(seconds: float) -> float | None:

@@ -27,6 +27,8 @@ holds every struct to both.
 
 from __future__ import annotations
 
+from gpud.cli.escape import MULTILINE, term
+
 TYPE_CHECKING = False
 if TYPE_CHECKING:  # `typing` itself is a cost every run would pay
     from typing import Any
@@ -54,20 +56,28 @@ class Reply(dict):
         return _missing(self, name)
 
 
-def reply(root: str, value: Any) -> Any:
-    """`value` (the decoded result of op `root`, or an event for EVENT) with every map a Reply."""
-    return _wrap(value, root, ())
+def reply(root: str, value: Any, *, escape: bool = False) -> Any:
+    """`value` (the decoded result of op `root`, or an event for EVENT) with every map a Reply;
+    `escape`: every string in it, map keys too, made safe for a terminal (gpud.cli.escape)."""
+    return _wrap(value, root, (), escape)
 
 
-def _wrap(value: Any, root: str, path: tuple[str, ...]) -> Any:
+def _wrap(value: Any, root: str, path: tuple[str, ...], escape: bool) -> Any:
     if isinstance(value, dict):
         r = Reply()
         for k, v in value.items():
-            r[k] = _wrap(v, root, (*path, k)) if isinstance(v, (dict, list)) else v
+            if isinstance(v, (dict, list)):
+                v = _wrap(v, root, (*path, k), escape)
+            elif escape and isinstance(v, str):
+                v = term(v, lines=k in MULTILINE)
+            r[term(k) if escape and isinstance(k, str) else k] = v
         r._at = (root, path)
         return r
     if isinstance(value, list):
-        return [_wrap(v, root, path) if isinstance(v, (dict, list)) else v for v in value]
+        return [_wrap(v, root, path, escape) if isinstance(v, (dict, list))
+                else term(v) if escape and isinstance(v, str) else v for v in value]
+    if escape and isinstance(value, str):
+        return term(value)
     return value
 
 
@@ -92,7 +102,7 @@ def _missing(r: Reply, name: str) -> Any:
     else:
         what = "event" if root == EVENT else f"{root} result"
         raise frames.FrameError(f"malformed {what} from gpud: {'.'.join((*path, field.encode_name))} is missing")
-    r[field.encode_name] = shown = _wrap(msgspec.to_builtins(value), root, (*path, field.encode_name))
+    r[field.encode_name] = shown = _wrap(msgspec.to_builtins(value), root, (*path, field.encode_name), False)
     return shown
 
 

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import sys
 
-from gpud.cli.escape import escaped, term
+from gpud.cli.escape import term
+from gpud.cli.view import reply
 
 UNSAFE = {*range(0x00, 0x20), *range(0x7F, 0xA0), 0x2028, 0x2029, *range(0x202A, 0x202F), *range(0x2066, 0x206A)}
 
@@ -23,7 +24,9 @@ def test_escaped_forms():
     assert term("a\\b") == "a\\\\b" and term("x\x1b[2J") == "x\\x1b[2J" and term("\u202egnp.exe") == "\\u202egnp.exe"
     assert term("l1\nl2\t") == "l1\\nl2\\t" and term("l1\nl2\x07", lines=True) == "l1\nl2\\x07"
     assert term("caf\u00e9 \u00a0 \U0001f600") == "caf\u00e9 \u00a0 \U0001f600"  # printable or not, only the list is escaped
-    reply = {"name": "ok", "holders": [{"name": "p\x1b"}], "libvirt_hostdev": "<a>\n<b\x1b/>", "n": 3}
-    assert escaped(reply) == {"name": "ok", "holders": [{"name": "p\\x1b"}], "libvirt_hostdev": "<a>\n<b\\x1b/>", "n": 3}
-    clean = {"a": ["b", {"c": "d"}]}
-    assert escaped(clean) is clean  # nothing to change: the same object, no copy
+    sent = {"name": "ok", "holders": [{"name": "p\x1b"}], "libvirt_hostdev": "<a>\n<b\x1b/>", "n": 3,
+            "labels": {"k\x1b": ["v\n"]}}
+    shown = reply("passthrough", sent, escape=True)
+    assert shown == {"name": "ok", "holders": [{"name": "p\\x1b"}], "libvirt_hostdev": "<a>\n<b\\x1b/>", "n": 3,
+                     "labels": {"k\\x1b": ["v\\n"]}}
+    assert reply("passthrough", sent) == sent and reply("passthrough", sent).holders[0].name == "p\x1b"  # --json: exact

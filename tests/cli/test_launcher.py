@@ -56,19 +56,22 @@ def test_launcher_answers_and_ignores_the_environment(daemon, tmp_path):
 # archive modules, which argparse's help formatter imports for the terminal size), threading (only
 # `apply --wait`), locale (argparse's gettext look-ups), typing_extensions and the inspect it pulls
 # in, msgspec (and typing, which came with it: the client reads replies with msgpack, gpud.cli.view),
-# the daemon's side of gpud.
+# what only other commands use (the MIG words, the nvidia-smi tables, the VM views, select for
+# `apply --wait`, json for --json), the daemon's side of gpud.
 NOT_IMPORTED = ("socket", "shutil", "threading", "locale", "bz2", "lzma", "typing_extensions", "inspect",
-                "msgspec", "typing", "gpud.wire.protocol", "gpud.wire.replies",
+                "msgspec", "typing", "gpud.wire.protocol", "gpud.wire.replies", "gpud.mig_text", "gpud.cli.render_smi",
+                "gpud.cli.render_vm", "select", "json",
                 "gpud.engine", "gpud.host", "gpud.sim", "gpud.plan", "gpud.layout", "yaml", "pynvml", "asyncio")
 
 
 def test_status_imports_only_what_it_uses(daemon, tmp_path):
     """The launcher's run of `status`, printing the modules it loaded as the process ends (gpudctl
-    ends it with os._exit)."""
+    ends it with os._exit), and whether the garbage collector was on again by then."""
     launcher = _launcher(tmp_path)
     text = launcher.read_text().replace(
         "\nrun()", "\nimport os\nend = os._exit\n"
-        "def _exit(code):\n    print('MODULES', ' '.join(sorted(k for k, v in sys.modules.items() if v is not None)), file=sys.stderr)\n    sys.stderr.flush()\n"
+        "def _exit(code):\n    import gc\n    print('GC', gc.isenabled(), file=sys.stderr)\n"
+        "    print('MODULES', ' '.join(sorted(k for k, v in sys.modules.items() if v is not None)), file=sys.stderr)\n    sys.stderr.flush()\n"
         "    end(code)\nos._exit = _exit\nrun()")
     assert text != launcher.read_text()
     launcher.write_text(text)
@@ -79,3 +82,4 @@ def test_status_imports_only_what_it_uses(daemon, tmp_path):
     unwanted = sorted(m for m in loaded if m in NOT_IMPORTED or m.startswith(tuple(n + "." for n in NOT_IMPORTED)))
     assert not unwanted, unwanted
     assert "gpud.cli.render" in loaded and "msgpack" in loaded  # the check saw a real run
+    assert "GC True" in r.stderr  # off only while the client was imported (gpud/cli/program.py)

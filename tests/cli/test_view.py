@@ -22,6 +22,7 @@ import pytest
 
 from gpud.api import server
 from gpud.cli import commands, gpudctl, transport, view
+from gpud.cli.escape import MULTILINE, term
 from gpud.wire import frames
 from gpud.wire import protocol as wire
 from gpud.wire import replies as wire_replies
@@ -80,8 +81,21 @@ def test_every_struct_reads_the_same_from_its_map():
 # Every command both ways
 
 
-def _typed(root: str, value: Any) -> Any:
+def _escaped(value: Any, key: str | None = None) -> Any:
+    """Every string of a decoded reply through escape.term, as gpudctl escaped them before the view."""
+    if isinstance(value, str):
+        return term(value, lines=key in MULTILINE)
+    if isinstance(value, dict):
+        return {term(k): _escaped(v, k) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_escaped(v) for v in value]
+    return value
+
+
+def _typed(root: str, value: Any, *, escape: bool = False) -> Any:
     """How gpudctl read a reply before gpud.cli.view: msgspec's typed decode into the op's struct."""
+    if escape:
+        value = _escaped(value)
     if root == view.EVENT:
         return msgspec.convert(value, wire.Event)
     return wire_replies.decode_result(root, value)
