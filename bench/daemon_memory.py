@@ -85,7 +85,8 @@ def daemon(tmp: Path, args: list[str], env: dict[str, str], layout: str = HANDS_
     with log.open("w") as out:
         proc = subprocess.Popen([sys.executable, "-m", "gpud.main", "--config", str(tmp / "layout.yaml"),
                                  "--socket", str(sock), "--state-dir", str(tmp / "state"), "--lock", str(tmp / "apply.lock"),
-                                 "--nfd-features", str(tmp / "nfd"), "--udev-rules", str(tmp / "udev.rules"), *args],
+                                 "--nfd-features", str(tmp / "nfd"), "--udev-rules", str(tmp / "udev.rules"),
+                                 "--log-level", "INFO", *args],
                                 stdout=out, stderr=subprocess.STDOUT, cwd=REPO, env=env)
     try:
         deadline = time.monotonic() + 120

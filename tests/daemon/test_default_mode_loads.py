@@ -51,7 +51,8 @@ def test_the_default_mode_loads_neither_other_modes_nor_openssl(tmp_path, entry)
         proc = subprocess.Popen(
             [sys.executable, "-X", "importtime", "-m", entry, "--read-only", "--config", str(config),
              "--socket", str(sock), "--state-dir", str(tmp_path / "state"), "--lock", str(tmp_path / "apply.lock"),
-             "--nfd-features", str(tmp_path / "nfd"), "--udev-rules", str(tmp_path / "udev.rules")],
+             "--nfd-features", str(tmp_path / "nfd"), "--udev-rules", str(tmp_path / "udev.rules"),
+             "--log-level", "INFO"],  # its READY line is read
             stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
     try:
         def gpudctl(*args: str) -> subprocess.CompletedProcess:
