@@ -83,6 +83,7 @@ bench: $(STAMP) anchors nvmlc
 	$(PY) -m bench.scale_bench -o $(BENCH_OUT)/scale.md
 	$(PY) -m bench.check_bench -o $(BENCH_OUT)/check.md
 	$(PY) -m bench.lease_bench -o $(BENCH_OUT)/leases.md
+	$(PY) -m bench.daemon_memory -o $(BENCH_OUT)/daemon-memory.md
 
 bench-update:
 	$(MAKE) bench BENCH_OUT=bench/results

@@ -7,13 +7,20 @@ device event, on a holder's exit, and on request.
 
 from __future__ import annotations
 
+import sys
+
+if __name__ == "__main__":  # `python -m gpud.daemon`: asyncio as gpud.main imports it, before the imports below
+    from gpud.asyncio_tls import daemon_needs_tls, import_asyncio_without_tls
+
+    if not daemon_needs_tls(sys.argv[1:]):
+        import_asyncio_without_tls()
+
 import argparse
 import asyncio
 import faulthandler
 import logging
 import os
 import signal
-import sys
 import threading
 from collections.abc import Coroutine
 from dataclasses import dataclass

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import sys
 
+from gpud.asyncio_tls import daemon_needs_tls, import_asyncio_without_tls
+
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
@@ -20,6 +22,8 @@ def main(argv: list[str] | None = None) -> int:
     from gpud.host.systemd.early_signals import hold_sighup
 
     hold_sighup()  # before the daemon's imports: a reload asked for during start-up must not kill it
+    if not daemon_needs_tls(argv):  # before the daemon's imports, as gpud.daemon does under python -m
+        import_asyncio_without_tls()
     from gpud.daemon import main as daemon_main
 
     return daemon_main(argv)

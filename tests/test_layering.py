@@ -30,6 +30,8 @@ FORBIDDEN = {
     "daemon": ("gpud.cli", "gpud.sim", "gpud.qualify", "gpud.main"),
     "check_offline": ("gpud.cli", "gpud.sim", "gpud.daemon", "gpud.qualify", "gpud.main"),
     "main": ("gpud.sim",),
+    # imported by both entry points before anything else (asyncio's first import): nothing of gpud
+    "asyncio_tls": ("gpud",),
     # the client's contract: the standard library, msgspec and the MIG words (gpud.mig_text) only
     "wire": ("gpud.layout", "gpud.plan", "gpud.host", "gpud.engine", "gpud.api", "gpud.cli", "gpud.sim", *ABOVE),
 }

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import logging
 import os
 import signal
@@ -161,6 +160,8 @@ class HookRunner:
             raise HookFailed(phase, hook.command, None, [], reason=f"could not be started: {e.strerror}") from e
         finally:
             os.close(w)
+
+        import hashlib  # here, when a hook runs: hashlib maps OpenSSL's libcrypto (docs/internals.md)
 
         digest = hashlib.sha256()
         lines = 0

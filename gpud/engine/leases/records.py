@@ -12,7 +12,6 @@ not in this format is set aside and reported, never acted on.
 from __future__ import annotations
 
 import os
-import secrets
 import threading
 from typing import Literal
 
@@ -54,7 +53,7 @@ class LeaseRecord(Struct, frozen=True, kw_only=True):
 
 def new_id() -> str:
     """Short, unguessable, never reused in practice: `l-1a2b3c4d5e`."""
-    return "l-" + secrets.token_hex(5)
+    return "l-" + os.urandom(5).hex()  # secrets.token_hex without hashlib (gpud.host.files.safe_file)
 
 
 def _decode(data: bytes) -> dict[str, LeaseRecord]:

@@ -30,7 +30,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
-import secrets
 import stat
 from collections.abc import Callable
 
@@ -64,8 +63,10 @@ def kind(mode: int) -> str:
 
 
 def temp_name(name: str) -> str:
-    """A dotfile name beside `name` that no other user can guess (128 random bits)."""
-    return f".{name}.gpud-{secrets.token_hex(16)}"
+    """A dotfile name beside `name` that no other user can guess (128 random bits from the kernel's
+    CSPRNG: what secrets.token_hex does, without secrets' import of hmac and hashlib, which map
+    OpenSSL's libcrypto into the daemon: docs/internals.md, "What the daemon loads when")."""
+    return f".{name}.gpud-{os.urandom(16).hex()}"
 
 
 def _split(path: str) -> tuple[str, str]:
@@ -220,7 +221,7 @@ def set_aside(path: str) -> str | None:
     directory, name = _split(path)
     dfd = _open_dir(directory)
     try:
-        aside = f"{name}.set-aside-{secrets.token_hex(4)}"
+        aside = f"{name}.set-aside-{os.urandom(4).hex()}"
         try:
             os.rename(name, aside, src_dir_fd=dfd, dst_dir_fd=dfd)
         except FileNotFoundError:
