@@ -7,7 +7,7 @@ gpud.wire.tables) as a map of every field by its wire name, nested structs as ma
 arrays, omitting nothing (no omit_defaults, tags or array_like there: gpud.wire.protocol); `msgpack`
 decodes that into the values msgspec's typed decode holds. A `Reply` is such a map whose keys read
 as attributes, so the render code reads from it exactly what it read from the struct
-(tests/cli/test_view.py compares every command's output both ways).
+(tests/cli/test_view.py and tests/daemon/test_client_view.py compare every command's output both ways).
 
 The structs stay the one definition of the replies. The client's functions are annotated with
 them (under TYPE_CHECKING: mypy checks every attribute the client reads against them), and a map

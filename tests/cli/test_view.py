@@ -7,13 +7,11 @@ rules that make a map read like its struct are held for every struct of the prot
 
 from __future__ import annotations
 
-import io
 import json
 import keyword
 import time
 import types
 import typing
-from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
 from typing import Any
 
@@ -21,13 +19,13 @@ import msgspec
 import pytest
 
 from gpud.api import server
-from gpud.cli import commands, gpudctl, transport, view
-from gpud.cli.escape import MULTILINE, term
+from gpud.cli import view
 from gpud.wire import frames
 from gpud.wire import protocol as wire
 from gpud.wire import replies as wire_replies
 from gpud.wire import tables as wire_tables
 from tests.api.fakes import MIG_UUIDS, ThreadedServer
+from tests.support.client_view import both_ways
 
 REPO = Path(__file__).resolve().parents[2]
 H200 = REPO / "tests" / "fixtures" / "h200-gpud-readonly"
@@ -81,42 +79,6 @@ def test_every_struct_reads_the_same_from_its_map():
 # Every command both ways
 
 
-def _escaped(value: Any, key: str | None = None) -> Any:
-    """Every string of a decoded reply through escape.term, as gpudctl escaped them before the view."""
-    if isinstance(value, str):
-        return term(value, lines=key in MULTILINE)
-    if isinstance(value, dict):
-        return {term(k): _escaped(v, k) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_escaped(v) for v in value]
-    return value
-
-
-def _typed(root: str, value: Any, *, escape: bool = False) -> Any:
-    """How gpudctl read a reply before gpud.cli.view: msgspec's typed decode into the op's struct."""
-    if escape:
-        value = _escaped(value)
-    if root == view.EVENT:
-        return msgspec.convert(value, wire.Event)
-    return wire_replies.decode_result(root, value)
-
-
-def _gpudctl(argv: list[str]) -> tuple[int, str, str]:
-    out, err = io.StringIO(), io.StringIO()
-    with redirect_stdout(out), redirect_stderr(err):
-        code = gpudctl.main(argv)
-    return code, out.getvalue(), err.getvalue()
-
-
-def _both_ways(monkeypatch: pytest.MonkeyPatch, argv: list[str]) -> tuple[tuple[int, str, str], tuple[int, str, str]]:
-    viewed = _gpudctl(argv)
-    with monkeypatch.context() as m:
-        m.setattr(transport, "reply", _typed)
-        m.setattr(commands, "reply", _typed)
-        typed = _gpudctl(argv)
-    return viewed, typed
-
-
 COMMANDS = [
     ["status"], ["status", "--json"], ["status", "0"], ["status", "1", "--json"], ["status", "--kube"], ["list"],
     ["list", "--json"], ["mig", "instances"], ["mig", "compute", "--json"], ["mig", "compute"], ["mig", "profiles"],
@@ -135,7 +97,7 @@ def _run_all(srv: ThreadedServer, monkeypatch: pytest.MonkeyPatch, tmp_path: Pat
     compared = 0
     for argv in commands_:
         full = ["--socket", srv.path, *[str(layout) if w == "LAYOUT" else w for w in argv]]
-        viewed, typed = _both_ways(monkeypatch, full)
+        viewed, typed = both_ways(monkeypatch, full)
         assert viewed == typed, argv
         assert viewed[0] == 0 or argv[0] == "check", (argv, viewed)
         compared += 1
@@ -257,7 +219,7 @@ def test_the_replies_of_gpud_on_the_real_h200_print_the_same(monkeypatch, tmp_pa
         with monkeypatch.context() as m:
             m.setattr(server, "wire_replies", types.SimpleNamespace(RESULTS=dict.fromkeys(recorded, object)))
             assert _run_all(srv, monkeypatch, tmp_path, text) == len(text)
-            viewed, typed = _both_ways(monkeypatch, ["--socket", srv.path, "status", "--json"])
+            viewed, typed = both_ways(monkeypatch, ["--socket", srv.path, "status", "--json"])
         sent, filled = json.loads(viewed[1]), json.loads(typed[1])
         assert sent == recorded["status"] and set(filled) - set(sent) == missing
         assert _within(sent, filled)
