@@ -40,9 +40,11 @@ class StatusSnapshot:
                     leases: list[Any], lease_free: Any) -> wire_replies.GpuStatus:
         """replies.gpu_status, kept per GPU while its inputs stay the same: during an apply each
         step's re-read makes a new view, and rebuilding every GPU's answer for it held the loop
-        3 ms at 64 GPUs. A GPU with leases is built afresh (its answer carries their ages)."""
+        3 ms at 64 GPUs. The observer keeps an unchanged GPU's record as the same object
+        (discovery.keep_unchanged); its desired entry comes from a new resolution after each re-read,
+        so it is compared by value. A GPU with leases is built afresh (its answer carries their ages)."""
         kept = self._gpus.get(gpu.pci)
-        if (kept is not None and not leases and kept[0] is gpu and kept[1] is desired and kept[2] == state
+        if (kept is not None and not leases and kept[0] is gpu and kept[1] == desired and kept[2] == state
                 and kept[3] == rebuilt and kept[4] == lease_free):
             return kept[5]
         out = replies.gpu_status(gpu, desired, state, rebuilt, leases, lease_free)

@@ -13,10 +13,12 @@ import pytest
 
 from gpud.engine.observe.discovery import Observation
 from gpud.engine.observe.observer import Observer
+from gpud.model import Gpu, Holder, PciFunction
 
 
 class Host:
-    """Each read returns a new Observation (told apart by identity) and can be held mid-read."""
+    """Each read returns a new Observation that differs from the others (an unchanged read is kept
+    as the observation in force, below), told apart by identity; a read can be held mid-read."""
 
     def __init__(self) -> None:
         self.reads: list[Observation] = []
@@ -29,7 +31,7 @@ class Host:
         self.threads.add(threading.current_thread().name)
         self.entered.release()
         assert self.gate.wait(30)
-        obs = Observation(gpus=(), functions=())
+        obs = Observation(gpus=(), functions=(), nvml_error=f"read {len(self.reads) + 1}")
         self.reads.append(obs)
         return obs
 
@@ -124,3 +126,53 @@ async def test_background_reread_is_bounded_by_max_age_and_waits_for_hardware_st
     await obs._background
     assert len(host.reads) == 2 and installed[-1] is host.reads[-1]
     assert 0.0 <= obs.age() < 3600
+
+
+# ---- what did not change stays the same object ---------------------------------------------------
+def _gpu(index: int, holder: int | None = None) -> Gpu:
+    """A new record each call: equal records from separate reads are separate objects."""
+    pci = f"0000:{0x18 + index:02x}:00.0"
+    fn = PciFunction(address=pci, vendor=0x10DE, device=0x2330, subsystem_vendor=0x10DE, subsystem_device=0x16C1,
+                     class_code=0x030200, driver="nvidia", iommu_group=10 + index)
+    holders = (Holder(pid=holder, name="python3", device=f"/dev/nvidia{index}"),) if holder else ()
+    return Gpu(index=index, function=fn, holders=holders)
+
+
+async def test_a_read_that_found_the_host_unchanged_keeps_the_observation_in_force():
+    """What is built from an observation (resolution, view, the status reply, labels) is kept by
+    identity: a background re-read of an unchanged host must not make it all new on the loop."""
+    reads: list[Observation] = []
+
+    def read() -> Observation:
+        gpus = (_gpu(0), _gpu(1))
+        reads.append(Observation(gpus=gpus, functions=tuple(g.function for g in gpus)))
+        return reads[-1]
+
+    installed: list[Observation] = []
+    obs = Observer(read, installed.append)
+    first = await obs.refresh()
+    started = obs.started
+    again = await obs.refresh()
+    assert len(reads) == 2 and reads[1] is not reads[0] and reads[1] == reads[0]
+    assert again is first and installed == [first, first]
+    assert obs.reads == 2 and obs.started > started  # the answer's age is the new read's
+
+
+async def test_a_read_keeps_each_unchanged_gpu_record_and_takes_the_changed_one():
+    holder: list[int | None] = [None, None, None]
+
+    def read() -> Observation:
+        gpus = tuple(_gpu(i, h) for i, h in enumerate(holder))
+        return Observation(gpus=gpus, functions=tuple(g.function for g in gpus))
+
+    obs = Observer(read, lambda o: None)
+    first = await obs.refresh()
+    holder[1] = 41  # a process opened GPU 1
+    second = await obs.refresh()
+    assert second is not first and second.functions is first.functions
+    assert second.gpus[0] is first.gpus[0] and second.gpus[2] is first.gpus[2]
+    assert second.gpus[1] is not first.gpus[1] and second.gpus[1].holders[0].pid == 41
+    assert second == read()  # the content is the read's, whatever objects carry it
+    # one GPU read again alone after a step, found as it was: the record in force is kept
+    third = await obs.refresh_gpu(second.gpus[1].pci, lambda g: _gpu(1, 41))
+    assert third.gpus[1] is second.gpus[1]

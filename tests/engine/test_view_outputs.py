@@ -106,3 +106,39 @@ def test_a_new_view_rebuilds_only_the_gpus_whose_part_changed(monkeypatch):
     assert built == ["0000:18:00.0"]
     built.clear()
     assert got.gpus == replies.status_reply(second).gpus
+
+
+def test_a_new_resolution_with_the_same_entries_rebuilds_no_gpu(monkeypatch):
+    """Each re-read of the host resolves the layout again (new DesiredGpu objects, equal to the
+    last ones): with the GPUs' records kept (observer: keep_unchanged) no GPU's part is rebuilt."""
+    import dataclasses
+
+    from gpud.api.status_snapshot import StatusSnapshot
+    from gpud.layout.desired import DesiredGpu
+    from gpud.layout.resolve import Resolution
+
+    built: list[str] = []
+    real = replies.gpu_status
+
+    def counted(gpu, *a, **kw):
+        built.append(gpu.pci)
+        return real(gpu, *a, **kw)
+
+    def resolution() -> Resolution:
+        return Resolution(desired={"0000:18:00.0": DesiredGpu(pci="0000:18:00.0", index=0, entry="layouts.mig[0]",
+                                                              mig_enabled=True, mig_devices={"1g.10gb": 7})})
+
+    monkeypatch.setattr(replies, "gpu_status", counted)
+    snap = StatusSnapshot()
+    first = _view(resolution=resolution())
+    snap.reply(first, observed_at=1.0, age=0.0)
+    assert sorted(built) == ["0000:18:00.0", "0000:2a:00.0"]
+    built.clear()
+    second = dataclasses.replace(first, resolution=resolution(), passes=5)
+    got = snap.reply(second, observed_at=2.0, age=0.0)
+    assert built == [] and got.gpus == replies.status_reply(second).gpus
+    changed = Resolution(desired={"0000:18:00.0": DesiredGpu(pci="0000:18:00.0", index=0, entry="layouts.mig[0]",
+                                                             mig_enabled=True, mig_devices={"1g.10gb": 3})})
+    built.clear()  # (the oracle's build above counted too)
+    snap.reply(dataclasses.replace(first, resolution=changed), observed_at=3.0, age=0.0)
+    assert built == ["0000:18:00.0"]

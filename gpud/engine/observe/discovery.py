@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
-from msgspec import Struct
+from msgspec import Struct, structs
 
 from gpud.host.kernel.sysfs import Sysfs
 from gpud.host.nvidia.nvml import Nvml, NvmlError
@@ -32,6 +32,30 @@ class Observation(Struct, frozen=True):
     # NVML was closed for a rebind during the read: the GPUs' NVML parts are the last good view,
     # fine to show, not to plan MIG steps from (engine/reconciler.py re-reads before it does)
     nvml_stale: bool = False
+
+
+def keep_unchanged(new: Observation, old: Observation) -> Observation:
+    """`new`, with each part equal to `old`'s replaced by `old`'s own object: `old` itself when
+    nothing changed. What is built from an observation (the layout's resolution, the engine's
+    view, each GPU's part of the status reply, node labels) is kept by identity, so a re-read that
+    found the host as it was costs nothing on the event loop, and one that found one GPU changed
+    rebuilds that GPU's parts only. Called in the worker thread that read `new`: comparing 64 GPUs
+    with their MIG devices is work the loop does not do."""
+    if new == old:
+        return old
+    before = {g.pci: g for g in old.gpus}
+    gpus = tuple(same_if_equal(g, before.get(g.pci)) for g in new.gpus)
+    gpus = old.gpus if gpus == old.gpus else gpus
+    functions = old.functions if new.functions == old.functions else new.functions
+    gone = old.gone if new.gone == old.gone else new.gone
+    if all(a is b for a, b in zip(gpus, new.gpus, strict=True)) and functions is new.functions and gone is new.gone:
+        return new  # nothing of `old` to keep
+    return structs.replace(new, gpus=gpus, functions=functions, gone=gone)
+
+
+def same_if_equal(new: Gpu, old: Gpu | None) -> Gpu:
+    """`old` where it equals `new` (see keep_unchanged), else `new`."""
+    return old if old is not None and old == new else new
 
 
 def companions_of(function: PciFunction, functions: Sequence[PciFunction]) -> tuple[PciFunction, ...]:

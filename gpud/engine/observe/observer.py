@@ -28,7 +28,7 @@ from collections.abc import Callable
 
 import msgspec
 
-from gpud.engine.observe.discovery import Observation
+from gpud.engine.observe.discovery import Observation, keep_unchanged, same_if_equal
 from gpud.model import Gpu
 
 log = logging.getLogger(__name__)
@@ -99,11 +99,16 @@ class Observer:
 
     async def _read_and_take(self, started: float, wall: float) -> Observation:
         try:
-            obs = await asyncio.to_thread(self._read)
+            obs = await asyncio.to_thread(self._read_kept)
             self._take(obs, started, wall)
             return obs
         finally:
             self._running = None  # at once, not in a later callback: fresh() reads it
+
+    def _read_kept(self) -> Observation:
+        """A read, what did not change kept as the objects in force (discovery.keep_unchanged),
+        in the worker thread."""
+        return keep_unchanged(self._read(), self._current)
 
     def _take(self, obs: Observation, started: float, wall: float) -> None:
         if started < self.started:  # a read that began before the one in force: older news
@@ -126,7 +131,7 @@ class Observer:
         if gpu is None:
             return await self.refresh()
         started = time.monotonic()
-        fresh = await asyncio.to_thread(read_gpu, gpu)
+        fresh = await asyncio.to_thread(lambda: _kept(read_gpu(gpu), gpu))
         if fresh is None:
             return await self.refresh()
         if started > self._gpu_read.get(pci, 0.0) and started > self.started:
@@ -154,6 +159,10 @@ class Observer:
             await self.refresh()
         except Exception:  # the next poke tries again; the pass reports hardware errors itself
             log.exception("background re-read of the host failed")
+
+
+def _kept(fresh: Gpu | None, gpu: Gpu) -> Gpu | None:
+    return same_if_equal(fresh, gpu) if fresh is not None else None
 
 
 def _retrieve(task: asyncio.Task) -> None:
