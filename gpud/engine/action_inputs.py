@@ -10,7 +10,7 @@ entries are compared by value (each resolution makes its own).
 
 The kernel's PCI drivers: listing them on the loop handed the GIL to a busy worker (up to its
 switch interval) while clients waited. A driver loaded since (gpud's own modprobe in a bind step)
-is seen with the observation that step's re-read makes."""
+is seen with that step's re-read."""
 
 from __future__ import annotations
 
@@ -59,11 +59,13 @@ class _Sysfs(Protocol):
 class DriverList:
     def __init__(self, sysfs: _Sysfs) -> None:
         self.sysfs = sysfs
-        self._seen: tuple[Observation, frozenset[str]] | None = None
+        self._seen: tuple[Observation, int, frozenset[str]] | None = None
 
-    def of(self, observation: Observation) -> frozenset[str]:
-        """The kernel's PCI drivers, listed once for `observation`."""
+    def of(self, observation: Observation, read: int) -> frozenset[str]:
+        """The kernel's PCI drivers, listed once for `observation` as host read number `read`
+        (a read that found the host unchanged keeps the observation object: a module loaded
+        meanwhile is still listed anew)."""
         kept = self._seen
-        if kept is None or kept[0] is not observation:
-            kept = self._seen = (observation, frozenset(self.sysfs.drivers()))
-        return kept[1]
+        if kept is None or kept[0] is not observation or kept[1] != read:
+            kept = self._seen = (observation, read, frozenset(self.sysfs.drivers()))
+        return kept[2]

@@ -100,7 +100,7 @@ class Reconciler:
                                         problems=self.state_problems)
         # label_selects (--kube-node): the node label chooses the layout, `selected` may be absent
         self.plans = PlanMemo()  # MIG plans per GPU view and entry, planned ahead in worker threads
-        self.drivers = DriverList(self.hw.sysfs)  # the kernel's PCI drivers, listed once per observation
+        self.drivers = DriverList(self.hw.sysfs)  # the kernel's PCI drivers, listed once per host read
         self.layout_file = LayoutKeeper(config_path, bus, self._observe, judge=lambda *a: judged(self.next_action, *a),
                                         label_selects=label_selects, prepare=self.plans.plan_ahead)
         self.state_dir = state_dir
@@ -392,7 +392,7 @@ class Reconciler:
     def next_action(self, gpu: Gpu, desired: DesiredGpu) -> Action | GpuState | None:
         """The next thing this GPU needs (gpud.engine.next_action), or None when it matches its entry."""
         return next_action(gpu, desired, vgpus=self.vgpus, leases=self.leases, policy=self.policy,
-                           drivers=self.drivers.of(self.observation), nvml_error=self.observation.nvml_error,
+                           drivers=self.drivers.of(self.observation, self.observer.reads), nvml_error=self.observation.nvml_error,
                            plan_mig=self._plan_mig)
 
     def _plan_mig(self, gpu: Gpu, desired: DesiredGpu) -> GpuPlan:
