@@ -14,6 +14,8 @@ from collections import Counter
 from collections.abc import Awaitable
 from typing import TYPE_CHECKING, Any, Protocol
 
+import msgspec
+
 from gpud import VERSION
 from gpud.api import plan_replies, replies
 from gpud.api.fair_share import FairShare, cost_error
@@ -100,6 +102,20 @@ class RequestHandler:
 
     def unsubscribe(self, queue: EventQueue) -> None:
         self.engine.events.unsubscribe(queue)
+
+    async def encoded(self, op: str, args: dict[str, Any], peer: Peer) -> msgspec.Raw | None:
+        """The reply of `op` already encoded where one is kept (status: its snapshot's bytes, the
+        same for fifty clients but for the answer's age), else None: `handle` answers it."""
+        if op != "status":
+            return None
+        self.requests[op] += 1
+        try:
+            view = await self.engine.read_for_status(bool(args.get("fresh")))
+        except EngineError as e:
+            raise ApiError(_CODES.get(type(e), wire.E_INTERNAL), str(e)) from e
+        return self.status_snapshot.encoded(view, observed_at=self.engine.observed_at,
+                                            age=self.engine.observation_age(),
+                                            kubernetes=self._kubernetes(view.observation.gpus))
 
     async def op_status(self, fresh: bool = False) -> wire_replies.StatusReply:
         """From the observation in memory, at once, with its age; `fresh`: from one read after

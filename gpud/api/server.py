@@ -58,7 +58,9 @@ class Handler(Protocol):
     asyncio.Queue or an async iterator of events (wire.Event or dicts of its shape) that starts
     collecting immediately; `recent_events` the history, oldest first. If the handler has
     `unsubscribe(source)`, it is called when the subscriber goes away. If it has `lease_group()`,
-    members of the group it names (the layout's policy.lease-group) may use the lease ops.
+    members of the group it names (the layout's policy.lease-group) may use the lease ops. If it
+    has `encoded(op, args, peer)`, that is asked first: a msgspec.Raw holding the op's reply
+    struct as MessagePack, sent as it is (one encoding shared by many clients), or None.
     """
 
     async def handle(self, op: str, args: dict[str, Any], peer: Peer) -> Any: ...
@@ -315,7 +317,11 @@ class ApiServer:
         await self._send(writer, self._error(req.id, wire.E_FORBIDDEN, f"{req.op} needs {need}"))
 
     async def _call(self, req: wire.Request, args: dict[str, Any], peer: Peer) -> wire.Response:
+        encoded = getattr(self.handler, "encoded", None)
         try:
+            raw = await encoded(req.op, args, peer) if encoded is not None else None
+            if raw is not None:  # the handler's own encoding of the op's reply struct
+                return wire.Response(id=req.id, ok=True, result=raw)
             result = await self.handler.handle(req.op, args, peer)
         except ApiError as e:
             return self._error(req.id, e.code, e.message)
