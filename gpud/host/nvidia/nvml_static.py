@@ -10,7 +10,8 @@ closed (a rebind suspends it, a reset needs it closed, a hot-plug re-opens it): 
 cache lives exactly as long as the session, and `gpud.host.nvidia.nvml.Nvml.close` drops it.
 
 An observation then asks NVML only what changes: the MIG mode, the MIG devices and the processes,
-and the GIs and CIs only when the MIG devices are not exactly those of the last read (`layouts`). This module holds the records; it does not import pynvml (gpud.host.nvidia.nvml does).
+and the GIs and CIs only when the MIG devices are not exactly those of the last read (`layouts`).
+This module holds the records; it does not import pynvml (gpud.host.nvidia.nvml does).
 """
 
 from __future__ import annotations
