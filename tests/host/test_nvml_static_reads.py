@@ -213,3 +213,112 @@ def test_the_processes_in_mig_devices_come_from_one_list_per_gpu(mig_host):
     assert [h.pid for h in gpus[GPU1].processes] == [4243] and gpus[GPU0].processes == ()
     # one query per GPU, which nvidia-ml-py makes as two C calls when there are processes (size, then list)
     assert c2["nvmlDeviceGetComputeRunningProcesses_v3"] - c1["nvmlDeviceGetComputeRunningProcesses_v3"] == 2 * 2
+
+
+# A packed GPU: 7 x 1g.10gb (GI profile 19, one 1-slice CI each) use every memory slice a GI could
+# take, so a read that finds the same MIG devices lists no GI (MigReader._unchanged).
+GI_LISTING = ("nvmlDeviceGetGpuInstances", "nvmlGpuInstanceGetInfo")
+
+
+@pytest.fixture
+def packed_host(sim_host):
+    host = sim_host("h100-80gb:2", mig_on=[0, 1])
+    n = Nvml()
+    for start in range(7):
+        n.create_compute_instance(GPU0, n.create_gpu_instance(GPU0, 19, start), 0)
+    n.close()
+    return host
+
+
+def _asked(before: Counter[str], after: Counter[str], names: tuple[str, ...]) -> dict[str, int]:
+    return {f: after[f] - before[f] for f in names if after[f] - before[f]}
+
+
+def test_an_unchanged_packed_gpu_is_read_through_its_mig_devices_alone(packed_host):
+    """The read after one that found the same MIG devices lists no GI and no CI: one handle and one
+    UUID per MIG device, and shows what the state file holds."""
+    with Nvml() as nvml:
+        first = _read_cis(nvml, GPU0)
+        c1 = _calls(packed_host)
+        second = _read_cis(nvml, GPU0)
+        c2 = _calls(packed_host)
+    assert second == first == _state_cis(packed_host, GPU0)
+    assert _asked(c1, c2, GI_LISTING + MIG_DEVICE_FIXED) == {}
+    assert c2["nvmlDeviceGetUUID"] - c1["nvmlDeviceGetUUID"] == 7
+
+
+def test_a_gi_made_again_in_the_same_place_by_someone_else_shows_its_new_mig_device(packed_host):
+    """Another client destroys a 1g GI with its CI and makes it again, same profile and placement
+    (and, by the simulator's lowest free id, the same GI and CI ids): only the MIG device's UUID
+    tells, and the next read shows the new one."""
+    with Nvml() as nvml, Nvml() as other:
+        before = _read_cis(nvml, GPU0)
+        _read_cis(nvml, GPU0)
+        gi = next(g for g in load(packed_host.host_dir).gpus[GPU0].gis if g.start == 3)
+        other.destroy_compute_instance(GPU0, gi.id, gi.cis[0].id)
+        other.destroy_gpu_instance(GPU0, gi.id)
+        again = other.create_gpu_instance(GPU0, 19, 3)
+        other.create_compute_instance(GPU0, again, 0)
+        after = _read_cis(nvml, GPU0)
+    assert after == _state_cis(packed_host, GPU0)
+    assert {u for *_, cis in before for *_, u in cis} != {u for *_, cis in after for *_, u in cis}
+
+
+def test_a_ci_made_again_under_a_kept_gi_shows_its_new_mig_device(packed_host):
+    with Nvml() as nvml, Nvml() as other:
+        _read_cis(nvml, GPU0)
+        before = _read_cis(nvml, GPU0)
+        gi = load(packed_host.host_dir).gpus[GPU0].gis[0]
+        other.destroy_compute_instance(GPU0, gi.id, gi.cis[0].id)
+        other.create_compute_instance(GPU0, gi.id, 0)
+        after = _read_cis(nvml, GPU0)
+    assert after == _state_cis(packed_host, GPU0) != before
+
+
+def test_a_ci_destroyed_by_someone_else_leaves_its_gi_shown_empty(packed_host):
+    with Nvml() as nvml, Nvml() as other:
+        _read_cis(nvml, GPU0)
+        _read_cis(nvml, GPU0)
+        gi = load(packed_host.host_dir).gpus[GPU0].gis[2]
+        other.destroy_compute_instance(GPU0, gi.id, gi.cis[0].id)
+        after = _read_cis(nvml, GPU0)
+        assert after == _state_cis(packed_host, GPU0)
+        assert (gi.id, gi.profile_id, []) in after
+        other.create_compute_instance(GPU0, gi.id, 0)
+        assert _read_cis(nvml, GPU0) == _state_cis(packed_host, GPU0)
+
+
+def test_a_gi_reshaped_in_freed_slices_by_someone_else_is_read_as_the_new_one(packed_host):
+    """The 1g at slice 6 gives way to a 1g.20gb (profile 15) at 6-7: the set of memory slices in use
+    grows, the MIG device is new; the next read shows the new GI's profile and placement."""
+    with Nvml() as nvml, Nvml() as other:
+        _read_cis(nvml, GPU0)
+        _read_cis(nvml, GPU0)
+        gi = next(g for g in load(packed_host.host_dir).gpus[GPU0].gis if g.start == 6)
+        other.destroy_compute_instance(GPU0, gi.id, gi.cis[0].id)
+        other.destroy_gpu_instance(GPU0, gi.id)
+        other.create_compute_instance(GPU0, other.create_gpu_instance(GPU0, 15, 6), 0)
+        assert _read_layout(nvml, GPU0) == _layout(packed_host, GPU0)
+
+
+def test_an_empty_gi_made_in_free_memory_by_someone_else_is_seen(mig_host):
+    """GPU 0 leaves memory slices 2-3 free: a GI made there without a CI has no MIG device, and the
+    next read lists it all the same."""
+    with Nvml() as nvml, Nvml() as other:
+        _read_cis(nvml, GPU0)
+        _read_cis(nvml, GPU0)
+        other.create_gpu_instance(GPU0, 19, 2)
+        after = _read_layout(nvml, GPU0)
+    assert after == _layout(mig_host, GPU0) and len(after) == 4
+
+
+def test_a_process_started_in_an_unchanged_mig_device_is_seen(packed_host):
+    with Nvml() as nvml:
+        _read_cis(nvml, GPU0)
+        _read_cis(nvml, GPU0)
+        ci = load(packed_host.host_dir).gpus[GPU0].gis[4].cis[0]
+        with locked(packed_host.host_dir) as s:
+            s.processes.append(SimProcess(pid=5151, name="job", device=ci.uuid))
+        g = nvml.gpu(GPU0)
+    assert g is not None
+    assert {c.uuid: [h.pid for h in c.holders] for gi in g.instances for c in gi.cis if c.holders} == {ci.uuid: [5151]}

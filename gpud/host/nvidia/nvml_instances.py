@@ -18,7 +18,7 @@ from gpud.host.kernel.procs import process_name as proc_name
 from gpud.host.nvidia import nvml_profiles as profile_tables
 from gpud.host.nvidia.nvml_errors import NvmlError, call
 from gpud.host.nvidia.nvml_static import GpuStatic, MigDeviceRecord, SessionCache
-from gpud.model import CiProfile, ComputeInstance, GpuInstance, Holder, Placement
+from gpud.model import CiProfile, ComputeInstance, GpuInstance, Holder, MigProfile, Placement
 from gpud.profiles import NOT_IN_MIG_INSTANCE
 
 
@@ -39,6 +39,12 @@ def _mig_device_at(pci: str, h: Any, index: int) -> Any | None:
         if e.value in (pynvml.NVML_ERROR_NOT_FOUND, pynvml.NVML_ERROR_INVALID_ARGUMENT):
             return None
         raise NvmlError(e.value, "nvmlDeviceGetMigDeviceHandleByIndex", pci) from e
+
+
+def _no_room(prof: MigProfile, used: set[int]) -> bool:
+    """Whether every possible placement of `prof` overlaps a memory slice in `used`: GIs never share
+    a memory slice (nvml.h), so no GI of this profile can exist beside the GIs that use them."""
+    return bool(prof.placements) and all(used & set(range(p.start, p.start + p.size)) for p in prof.placements)
 
 
 class MigReader:
@@ -63,8 +69,8 @@ class MigReader:
         gis: list[tuple[Any, GpuInstance]] = []
         used: set[int] = set()  # memory slices of the GIs found so far
         for prof in static.profiles:
-            if prof.placements and all(used & set(range(p.start, p.start + p.size)) for p in prof.placements):
-                continue  # GIs never share a memory slice (nvml.h): no GI of this profile can exist
+            if _no_room(prof, used):
+                continue
             for gi_handle in _listed(pci, "nvmlDeviceGetGpuInstances", pynvml.nvmlDeviceGetGpuInstances,
                                      pynvml.c_nvmlGpuInstance_t, prof.instance_count, h, prof.id):
                 gi_info = call("nvmlGpuInstanceGetInfo", pci, pynvml.nvmlGpuInstanceGetInfo, gi_handle)
@@ -117,12 +123,19 @@ class MigReader:
         has its CIs listed (and what they are kept). The processes in each come from the GPU's own
         list (`in_devices`) where NVML gives it whole, else from each device. The indices stop being asked once every GI
         found is filled by the CIs found: CIs of one GI never share a compute slice (nvml.h,
-        `nvmlGpuInstanceGetComputeInstancePossiblePlacements`), so no further one can exist."""
-        gis = self._gis(pci, h, static)
-        if not gis:
-            return ()
+        `nvmlGpuInstanceGetComputeInstancePossiblePlacements`), so no further one can exist.
+
+        Before all that, `_unchanged`: when the MIG devices are exactly those of the last read, the
+        GIs are not listed at all."""
         cache = self._cache
         generation = cache.generation
+        same = self._unchanged(pci, h, static, in_devices)
+        if same is not None:
+            return same
+        gis = self._gis(pci, h, static)
+        if not gis:
+            cache.store_if(generation, functools.partial(cache.layouts.pop, pci, None))
+            return ()
         gi_keys = {(gi.id, gi.profile_id, gi.placement.start, gi.placement.size) for _, gi in gis}
         handle_of = {gi.id: (handle, gi.profile_id) for handle, gi in gis}
         room = {gi.id: next((p.slices for p in static.profiles if p.id == gi.profile_id), 0) for _, gi in gis}
@@ -174,7 +187,59 @@ class MigReader:
                 out.append(msgspec.structs.replace(gi, cis=tuple(cis)))
             else:
                 out.append(msgspec.structs.replace(gi, cis=tuple(sorted(found[gi.id], key=lambda c: c.id))))
+        if all(gi.cis and all(c.uuid for c in gi.cis) for gi in out):
+            cache.store_if(generation, functools.partial(cache.layouts.__setitem__, pci, tuple(out)))
+        else:  # an empty GI, or a CI without a MIG device: nothing a MIG device could vouch for
+            cache.store_if(generation, functools.partial(cache.layouts.pop, pci, None))
         return tuple(out)
+
+    def _unchanged(self, pci: str, h: Any, static: GpuStatic,
+                   in_devices: dict[tuple[int, int], list[int]] | None) -> tuple[GpuInstance, ...] | None:
+        """The last read's GIs and CIs with fresh holders, when NVML still shows exactly its MIG
+        devices; None (read the GIs) on any difference or doubt.
+
+        A MIG device's UUID is "globally unique" and "immutable for the lifetime of a MIG device"
+        (nvml.h, `nvmlDeviceGetUUID`): a UUID answered now is the CI the last read found, with its
+        GI and CI ids, profile and placement, inside the same GI (a CI cannot outlive its GI or
+        move; a GI or CI made again is a new MIG device with a new UUID). What else could exist:
+        - another GI: only in memory slices the known GIs leave free (GIs never overlap: nvml.h,
+          `nvmlDeviceGetGpuInstancePossiblePlacements_v2`), so each profile with a placement there
+          is listed (`nvmlDeviceGetGpuInstances`) and must answer none; a packed GPU asks nothing;
+        - another CI in a known GI: it is a MIG device (nvml.h, `nvmlDeviceGetMigDeviceHandleByIndex`),
+          so the indices are asked to the end unless every GI is filled by its CIs' compute slices;
+        - a GI without a CI has no MIG device to vouch for it: such a layout is never kept.
+        Any UUID not in the last read, or one of its UUIDs not found, means a change: None."""
+        last = self._cache.layouts.get(pci)
+        if not last:
+            return None
+        used: set[int] = set()
+        for gi in last:
+            used.update(range(gi.placement.start, gi.placement.start + gi.placement.size))
+        for prof in static.profiles:
+            if _no_room(prof, used):
+                continue
+            if _listed(pci, "nvmlDeviceGetGpuInstances", pynvml.nvmlDeviceGetGpuInstances,
+                       pynvml.c_nvmlGpuInstance_t, prof.instance_count, h, prof.id):
+                return None  # a GI where the last read found free memory
+        room = {p.id: p.slices for p in static.profiles}
+        filled = all(sum(c.slices for c in gi.cis) >= room.get(gi.profile_id, 0) for gi in last)
+        expected = {c.uuid: (gi.id, c.id) for gi in last for c in gi.cis}
+        holders: dict[str, tuple[Holder, ...]] = {}
+        for i in range(self.max_mig_devices(pci, h)):
+            if filled and len(holders) == len(expected):
+                break
+            m = _mig_device_at(pci, h, i)
+            if m is None:
+                continue
+            uuid = call("nvmlDeviceGetUUID", pci, pynvml.nvmlDeviceGetUUID, m)
+            if uuid not in expected or uuid in holders:
+                return None
+            holders[uuid] = self.mig_holders(pci, m, uuid, in_devices, expected[uuid])
+        if len(holders) != len(expected):
+            return None
+        return tuple(msgspec.structs.replace(gi, cis=tuple(msgspec.structs.replace(c, holders=holders[c.uuid])
+                                                           for c in gi.cis))
+                     for gi in last)
 
     def mig_holders(self, pci: str, m: Any, uuid: str, in_devices: dict[tuple[int, int], list[int]] | None = None,
                      ids: tuple[int, int] | None = None) -> tuple[Holder, ...]:

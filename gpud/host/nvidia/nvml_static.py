@@ -9,8 +9,9 @@ driver is reloaded, the GPU is reset or swapped, and each of those happens with 
 closed (a rebind suspends it, a reset needs it closed, a hot-plug re-opens it): so a session's
 cache lives exactly as long as the session, and `gpud.host.nvidia.nvml.Nvml.close` drops it.
 
-An observation then asks NVML only what changes: the MIG mode, the instances, the MIG devices and
-the processes. This module holds the records; it does not import pynvml (gpud.host.nvidia.nvml does).
+An observation then asks NVML only what changes: the MIG mode, the MIG devices and the processes,
+and the GIs and CIs only when the MIG devices are not exactly those of the last read (`layouts`).
+This module holds the records; it does not import pynvml (gpud.host.nvidia.nvml does).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
-from gpud.model import CiProfile, MigProfile
+from gpud.model import CiProfile, GpuInstance, MigProfile
 
 
 @dataclass(frozen=True)
@@ -66,6 +67,9 @@ class SessionCache:
     ci_profiles: dict[tuple[str, int], dict[int, CiProfile]] = field(default_factory=dict)
     max_mig_devices: dict[str, int] = field(default_factory=dict)  # asked with MIG on (0 with it off)
     mig_devices: dict[str, MigDeviceRecord] = field(default_factory=dict)  # by MIG device UUID
+    # PCI address -> its GIs and CIs as the last read found them, every CI with its MIG device's
+    # UUID: what a read that finds exactly those MIG devices again shows (MigReader._unchanged)
+    layouts: dict[str, tuple[GpuInstance, ...]] = field(default_factory=dict)
     memory_stale: set[str] = field(default_factory=set)  # GPUs whose total memory is asked again
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -77,6 +81,7 @@ class SessionCache:
             self.ci_profiles.clear()
             self.max_mig_devices.clear()
             self.mig_devices.clear()
+            self.layouts.clear()
             self.memory_stale.clear()
 
     def mode_changed(self, pci: str) -> None:
@@ -86,6 +91,7 @@ class SessionCache:
         memory is asked again (nothing says whether it moves with the mode)."""
         with self.lock:
             self.max_mig_devices.pop(pci, None)
+            self.layouts.pop(pci, None)
             self.memory_stale.add(pci)
             for uuid in [u for u, r in self.mig_devices.items() if r.pci == pci]:
                 del self.mig_devices[uuid]
@@ -93,6 +99,7 @@ class SessionCache:
     def instances_changed(self, pci: str) -> None:
         """gpud created or destroyed an instance on `pci`: its MIG device records are asked again."""
         with self.lock:
+            self.layouts.pop(pci, None)
             for uuid in [u for u, r in self.mig_devices.items() if r.pci == pci]:
                 del self.mig_devices[uuid]
 
