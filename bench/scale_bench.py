@@ -142,6 +142,12 @@ def main() -> int:
         "more GPUs the host has. The machine's other work competes with the daemon, the 50 clients' two",
         "processes and the simulator alike (load average above).",
         "",
+        "*status*: answered from a snapshot rebuilt only for the parts whose records changed (a re-read keeps",
+        "every unchanged GPU's record as the object in force) and encoded once per snapshot, only its time,",
+        "age and Kubernetes part per request (docs/internals.md, the status section). *loop lag*: the daemon's",
+        "own probe, how late a 10 ms timer fires. The loop's own work during the apply is small; what remains",
+        "is the worker thread's simulated NVML holding the interpreter's lock, on the cores the clients share.",
+        "",
         "| GPUs | no-op pass NVML calls | calls per GPU | no-op pass wall s | RSS after first pass MB | RSS MB |",
         "|---:|---:|---:|---:|---:|---:|",
     ]
