@@ -10,7 +10,6 @@ tmp_path, and read-only mode refuses any mutating call."""
 
 from __future__ import annotations
 
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -19,6 +18,7 @@ import pytest
 
 from gpud.asyncio_tls import daemon_needs_tls
 from tests.support.daemon import ROOT, wait_until
+from tests.support.processes import stop
 
 pytestmark = pytest.mark.daemon
 
@@ -67,11 +67,7 @@ def test_the_default_mode_loads_neither_other_modes_nor_openssl(tmp_path, entry)
         assert status.returncode == 0 and "hands-off" in status.stdout, status.stdout + status.stderr
         imported, mapped = _imported(log.read_text()), _mapped(proc.pid)
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop(proc)
     # the log is read as meant: the daemon and its event sources are in it
     assert {"gpud.engine.reconciler", "gpud.api.server", "pyudev", "asyncinotify"} <= imported
     assert sorted(m for m in imported if any(_within(m, p) for p in NOT_IN_DEFAULT_MODE)) == []

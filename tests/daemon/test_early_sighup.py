@@ -6,7 +6,6 @@ the test does not depend on timing."""
 
 from __future__ import annotations
 
-import signal
 import subprocess
 import sys
 
@@ -15,6 +14,7 @@ import pytest
 from gpud.sim import cli as simcli
 from tests.scenarios.definitions import layout, mig
 from tests.support.daemon import ROOT, wait_until
+from tests.support.processes import stop
 
 pytestmark = pytest.mark.daemon
 
@@ -53,9 +53,4 @@ def test_sighup_during_start_up_is_a_reload_not_a_death(tmp_path):
         assert proc.poll() is None, f"gpud exited with {proc.returncode}:\n{log.read_text()}"
         wait_until(lambda: "SIGHUP during start-up: re-reading the layout" in log.read_text(), what="the reload")
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop(proc)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import subprocess
 
 
@@ -11,3 +12,14 @@ def reap(p: subprocess.Popen) -> int:
     with p:  # Popen.__exit__ closes stdin, stdout and stderr, then waits
         p.kill()
     return p.returncode
+
+
+def stop(p: subprocess.Popen, timeout: float = 30) -> int:
+    """Ask `p` to stop as systemd would (SIGTERM), kill it if it has not within `timeout` seconds;
+    its exit status."""
+    p.send_signal(signal.SIGTERM)
+    try:
+        return p.wait(timeout)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        return p.wait()
