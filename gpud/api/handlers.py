@@ -8,10 +8,11 @@ each becomes a wire error code, and every reply is a `gpud.wire.replies` struct 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import time
 from collections import Counter
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Iterator
 from typing import TYPE_CHECKING, Any, Protocol
 
 import msgspec
@@ -30,6 +31,7 @@ from gpud.engine.leases.engine import LeaseRefused
 from gpud.engine.leases.records import LeaseRecord
 from gpud.engine.observe.discovery import Observation
 from gpud.engine.queries import EngineError, InvalidLayout, NoSuchGpu, select_gpus
+from gpud.engine.view import EngineView
 from gpud.host.nvidia.nvml import NvmlError
 from gpud.layout.parse import ParsedLayout
 from gpud.layout.resolve import Resolution
@@ -89,10 +91,8 @@ class RequestHandler:
             raise ApiError(wire.E_UNKNOWN_OP, f"unknown request {op!r}")
         self.requests[op] += 1
         self._peer.set(peer)  # this request's task only: its evaluations take this uid's turns
-        try:
+        with _engine_errors():
             return await answer(**(args or {}))
-        except EngineError as e:
-            raise ApiError(_CODES.get(type(e), wire.E_INTERNAL), str(e)) from e
 
     def recent_events(self) -> list[dict[str, Any]]:
         return self.engine.events.recent()
@@ -109,21 +109,22 @@ class RequestHandler:
         if op != "status":
             return None
         self.requests[op] += 1
-        try:
-            view = await self.engine.read_for_status(bool(args.get("fresh")))
-        except EngineError as e:
-            raise ApiError(_CODES.get(type(e), wire.E_INTERNAL), str(e)) from e
-        return self.status_snapshot.encoded(view, observed_at=self.engine.observed_at,
-                                            age=self.engine.observation_age(),
-                                            kubernetes=self._kubernetes(view.observation.gpus))
+        with _engine_errors():
+            view, stamp = await self._status_of(bool(args.get("fresh")))
+        return self.status_snapshot.encoded(view, **stamp)
 
     async def op_status(self, fresh: bool = False) -> wire_replies.StatusReply:
-        """From the observation in memory, at once, with its age; `fresh`: from one read after
-        the request arrived. Asking also keeps the observation from growing older than the
-        observer's bound (holders change without any event)."""
+        view, stamp = await self._status_of(fresh)
+        return self.status_snapshot.reply(view, **stamp)
+
+    async def _status_of(self, fresh: bool) -> tuple[EngineView, dict[str, Any]]:
+        """The view a status answers from and what is stamped on it: from the observation in
+        memory, at once, with its age; `fresh`: from one read after the request arrived. Asking
+        also keeps the observation from growing older than the observer's bound (holders change
+        without any event)."""
         view = await self.engine.read_for_status(fresh)
-        return self.status_snapshot.reply(view, observed_at=self.engine.observed_at, age=self.engine.observation_age(),
-                                          kubernetes=self._kubernetes(view.observation.gpus))
+        return view, {"observed_at": self.engine.observed_at, "age": self.engine.observation_age(),
+                      "kubernetes": self._kubernetes(view.observation.gpus)}
 
     def _kubernetes(self, gpus: tuple[Gpu, ...]) -> wire_replies.KubernetesStatus:
         strategy = self.labels.mig_strategy if self.labels is not None else "mixed"
@@ -301,3 +302,12 @@ def _memory() -> tuple[int, int]:
     except (OSError, ValueError, IndexError):
         pass
     return values["VmRSS"], values["VmHWM"]
+
+
+@contextlib.contextmanager
+def _engine_errors() -> Iterator[None]:
+    """An engine's refusal as the API error a client reads (its code by the refusal's kind)."""
+    try:
+        yield
+    except EngineError as e:
+        raise ApiError(_CODES.get(type(e), wire.E_INTERNAL), str(e)) from e
