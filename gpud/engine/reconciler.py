@@ -132,7 +132,7 @@ class Reconciler:
         self.rounds = GpuRounds(self, self.steps, self.holder_watch, self.reboot_policy)  # each GPU of a pass
         # the one current observation: read off the loop, re-read on change and while clients ask
         self.observer = Observer(self._read_host, self._install, max_age=max_status_age,
-                                 busy=lambda: bool(self.steps.inflight))
+                                 busy=lambda: bool(self.steps.inflight), prepare=self._plan_ahead)
         # MIG on demand on the dynamic GPUs: beside the pass, never behind it (engine/leases)
         self.leases = LeaseEngine(hardware, bus, state_dir=state_dir, problems=self.state_problems,
                                   gate=self.steps.nvml_gate, dynamic=self._dynamic_gpus, policy=lambda: self.policy,
@@ -338,13 +338,16 @@ class Reconciler:
         return await self.observer.refresh()
 
     def _read_host(self) -> Observation:
-        """The host as the layout in force's `match:` selects it; blocking, run in a worker thread,
-        which also plans its GPUs for the entries in force (gpud.engine.action_inputs)."""
-        observation = self.reader.read(self.layout_file.match, commit=True)
+        """The host as the layout in force's `match:` selects it; blocking, run in a worker thread."""
+        return self.reader.read(self.layout_file.match, commit=True)
+
+    def _plan_ahead(self, observation: Observation) -> None:
+        """In the reading thread, once the read's unchanged GPUs are the views in force: plan its
+        GPUs for the entries in force (gpud.engine.action_inputs); a GPU planned before is found
+        kept, so only a changed one is planned."""
         resolution = self.resolution
         if resolution is not None and not resolution.errors:
             self.plans.plan_ahead(resolution, observation)
-        return observation
 
     def _install(self, observation: Observation) -> None:
         """Take a new observation, on the loop: changes of the GPU set said first, the layout

@@ -94,9 +94,10 @@ def test_the_kernels_drivers_are_listed_once_per_observation_not_per_gpu(tmp_pat
         rig.close()
 
 
-def test_a_no_op_pass_plans_each_gpu_once(tmp_path, monkeypatch):
-    """Planning runs on the loop: a pass that finds nothing to do plans each GPU once, not once to
-    see which GPUs change and again in each GPU's rounds."""
+def test_a_no_op_pass_plans_no_gpu_again(tmp_path, monkeypatch):
+    """A pass whose host read found every GPU as it was plans none of them: the read keeps the GPU
+    views in force, whose plans were made before (not once more for the discarded copies, nor once
+    to see which GPUs change and again in each GPU's rounds)."""
     from gpud.engine import action_inputs
     from gpud.plan.mig import plan_gpu
 
@@ -110,8 +111,10 @@ def test_a_no_op_pass_plans_each_gpu_once(tmp_path, monkeypatch):
             return plan_gpu(gpu, desired)
 
         monkeypatch.setattr(action_inputs, "plan_gpu", counted)
+        reads = rig.rec.observer.reads
         asyncio.run(rig.rec.converge())
-        assert sorted(planned) == sorted(g.pci for g in rig.rec.observation.gpus)
+        assert rig.rec.observer.reads > reads  # the pass did read the host again
+        assert planned == []
     finally:
         rig.close()
 
@@ -137,6 +140,9 @@ def test_an_apply_on_a_converged_host_plans_off_the_loop(tmp_path, monkeypatch):
     async def go() -> None:
         assert await rig.apply(layout(mig([0, 1, 2, 3], {"1g.10gb": 7})))
         monkeypatch.setattr(action_inputs, "plan_gpu", counted)
+        # the plans made while converging are forgotten (an unchanged re-read would find them kept
+        # and plan nothing): the apply has to make every GPU's plan again, and must do it off the loop
+        rig.rec.plans._plans.clear()
         runner = asyncio.create_task(rig.rec.run(debounce=0))
         try:
             assert await rig.rec.wait_for(await start_apply(rig.rec), 60)

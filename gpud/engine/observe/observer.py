@@ -38,12 +38,16 @@ DEFAULT_MAX_AGE = 1.0  # seconds: how stale an answer may get while clients keep
 
 class Observer:
     """`read()` reads the host (blocking, thread-safe); `install(obs)` takes a result on the loop.
+    `prepare(obs)` works out, in the reading thread, what the loop will want of a read once its
+    unchanged parts are the objects in force (what is kept by identity is then found kept).
     `busy()` says when a background re-read must not start (hardware steps in flight re-read
     by themselves when they finish)."""
 
     def __init__(self, read: Callable[[], Observation], install: Callable[[Observation], None], *,
-                 max_age: float = DEFAULT_MAX_AGE, busy: Callable[[], bool] = lambda: False) -> None:
+                 max_age: float = DEFAULT_MAX_AGE, busy: Callable[[], bool] = lambda: False,
+                 prepare: Callable[[Observation], None] = lambda obs: None) -> None:
         self._read = read
+        self._prepare = prepare
         self._install = install
         self.max_age = max_age
         self._busy = busy
@@ -66,7 +70,7 @@ class Observer:
         """Read on the calling thread and install: for the start-up read, before there is anything
         to serve, and for callers that are not on the loop's critical path."""
         started, wall = time.monotonic(), time.time()
-        obs = self._read()
+        obs = self._read_kept()
         self._take(obs, started, wall)
         return obs
 
@@ -107,8 +111,10 @@ class Observer:
 
     def _read_kept(self) -> Observation:
         """A read, what did not change kept as the objects in force (discovery.keep_unchanged),
-        in the worker thread."""
-        return keep_unchanged(self._read(), self._current)
+        then prepared, in the worker thread."""
+        obs = keep_unchanged(self._read(), self._current)
+        self._prepare(obs)
+        return obs
 
     def _take(self, obs: Observation, started: float, wall: float) -> None:
         if started < self.started:  # a read that began before the one in force: older news
