@@ -12,9 +12,11 @@ semantics (`gpud.sim.kernel`) need: loaded drivers, usable VFIO groups, who hold
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import stat
+import uuid
 from pathlib import Path
 
 import gpud.sim.dev_nodes as dev_nodes
@@ -250,6 +252,18 @@ def information(state: SimState, address: str) -> str:
     )
 
 
+@functools.lru_cache(maxsize=8)
+def mig_minors(top: int) -> bytes:
+    """/proc/driver/nvidia-caps/mig-minors for GPU minors 0..top (the same text for every host of
+    that size: made once, not on every render)."""
+    lines = ["config 1", "monitor 2"]
+    for m in range(top + 1):
+        for g in range(GIS_PER_GPU):
+            lines.append(f"gpu{m}/gi{g}/access {cap_minor(m, g)}")
+            lines += [f"gpu{m}/gi{g}/ci{c}/access {cap_minor(m, g, c)}" for c in range(8)]
+    return ("\n".join(lines) + "\n").encode()
+
+
 def desired_tree(host_dir: str | os.PathLike, state: SimState) -> dict[str, tuple]:
     """Relative path -> (kind, payload, mode). payload: bytes for files (None: keep existing content,
     create with b"0\\n"), link target for links, (major, minor) for character nodes."""
@@ -355,13 +369,7 @@ def desired_tree(host_dir: str | os.PathLike, state: SimState) -> dict[str, tupl
         f("proc/driver/nvidia/params", f'CoherentGPUMemoryMode: "{state.coherent_memory_mode}"\n')
         f("proc/driver/nvidia/version",
           f"NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  {state.driver_version}  Release Build\n")
-        top = max((g.minor for g in state.gpus.values()), default=-1)
-        lines = ["config 1", "monitor 2"]
-        for m in range(top + 1):
-            for g in range(GIS_PER_GPU):
-                lines.append(f"gpu{m}/gi{g}/access {cap_minor(m, g)}")
-                lines += [f"gpu{m}/gi{g}/ci{c}/access {cap_minor(m, g, c)}" for c in range(8)]
-        f("proc/driver/nvidia-caps/mig-minors", "\n".join(lines) + "\n")
+        f("proc/driver/nvidia-caps/mig-minors", mig_minors(max((g.minor for g in state.gpus.values()), default=-1)))
         for addr, gpu in state.gpus.items():
             if not _nvidia_bound(state, addr):
                 continue
@@ -467,10 +475,67 @@ def lay_out(host_dir: str | os.PathLike, state: SimState) -> None:
         render(d, st)
 
 
+# What this process rendered last, per host root: (pid, token, the desired tree written). The
+# token is also in the host's RENDER_MARK file, which every render writes when it is not already its
+# own: while the file still holds this process's token, no other process has rendered since, the
+# tree on disk is exactly the cached one, and a render writes only the entries whose desired value
+# changed. At 64 GPUs a full render (scan the tree, read back every file) costs about 37 ms, and a
+# MIG change makes one per NVML call. Writers of the tree are renders only: the simulated kernel's
+# stores (gpud.sim.kernel) change the state and render, like everything else here. Renders of one
+# host are serialised by the host lock, so the cache needs no lock of its own.
+_RENDERED: dict[str, tuple[int, str, dict[str, tuple]]] = {}
+RENDER_MARK = "run/tree-render"
+
+
 def render(host_dir: str | os.PathLike, state: SimState) -> None:
     """(Re)write DIR/sys, DIR/dev, DIR/proc to match `state`, touching only what changed."""
     root = Path(os.path.abspath(host_dir))
     want = desired_tree(root, state)
+    key, pid = str(root), os.getpid()
+    mine = _RENDERED.pop(key, None)  # gone until this render completes: a failure forgets it
+    mark = root / RENDER_MARK
+    if mine is not None and mine[0] == pid and _read_mark(mark) == mine[1]:
+        _render_changes(root, mine[2], want)
+        token = mine[1]
+    else:
+        _render_all(root, want)
+        token = f"{pid}-{uuid.uuid4().hex}"
+        mark.parent.mkdir(parents=True, exist_ok=True)
+        tmp = _tmp(mark)
+        tmp.write_text(token)
+        os.replace(tmp, mark)
+    _RENDERED[key] = (pid, token, want)
+
+
+def _read_mark(mark: Path) -> str | None:
+    try:
+        return mark.read_text()
+    except FileNotFoundError:
+        return None
+
+
+def _render_changes(root: Path, before: dict[str, tuple], want: dict[str, tuple]) -> None:
+    """Bring the tree from `before` (known to be on disk) to `want`: only the entries that differ."""
+    gone = [p for p, e in before.items() if (w := want.get(p)) is None or w[0] != e[0]]
+    removed: set[str] = set()
+    for p in sorted(gone, key=lambda s: s.count("/"), reverse=True):
+        _remove(root / p, before[p][0])
+        removed.add(p)
+    if any(before[p][0] == _DIR for p in removed):  # a directory took what was under it along
+        prefixes = tuple(p + "/" for p in removed if before[p][0] == _DIR)
+        removed |= {p for p in before if p.startswith(prefixes)}
+    changed = []
+    for p, entry in want.items():
+        old = None if p in removed else before.get(p)
+        if old == entry or (old is not None and old[0] == _FILE == entry[0] and entry[1] is None):
+            continue  # unchanged (a file whose content the kernel store owns is left alone)
+        changed.append(p)
+    for p in sorted(changed, key=lambda s: (s.count("/"), s)):
+        _put(root / p, want[p], exists=p in before and p not in removed)
+
+
+def _render_all(root: Path, want: dict[str, tuple]) -> None:
+    """Scan the tree and bring it to `want`, comparing every entry with what is on disk."""
     have: dict[str, str] = {}
     for top in ("sys", "dev", "proc"):
         if (root / top).is_dir():
@@ -483,41 +548,45 @@ def render(host_dir: str | os.PathLike, state: SimState) -> None:
             _remove(root / p, have[p])
             have.pop(p)
     for p in sorted(want, key=lambda s: (s.count("/"), s)):
-        kind, payload, mode = want[p]
+        kind, payload, mode = entry = want[p]
         path = root / p
-        if kind == _DIR:
-            if p not in have:
-                path.mkdir(exist_ok=True)
-        elif kind == _LINK:
-            if p in have and os.readlink(path) == payload:
+        if p in have:
+            if kind == _DIR:
                 continue
-            tmp = _tmp(path)
-            _remove(tmp, _FILE)
-            os.symlink(payload, tmp)
-            os.replace(tmp, path)
-        elif kind == _CHAR:
-            major, minor = payload
-            if p in have:
+            if kind == _LINK and os.readlink(path) == payload:
+                continue
+            if kind == _CHAR:
                 st = path.stat()
-                if st.st_mode & 0o7777 == mode and st.st_rdev == os.makedev(major, minor):
+                if st.st_mode & 0o7777 == mode and st.st_rdev == os.makedev(*payload):
                     continue
-            dev_nodes.check_safe({major})
-            tmp = _tmp(path)
-            _remove(tmp, _FILE)
-            os.mknod(tmp, stat.S_IFCHR | mode, os.makedev(major, minor))
-            os.chmod(tmp, mode)
-            os.replace(tmp, path)
-        else:
-            if p in have:
+            if kind == _FILE:
                 if payload is None:
                     continue  # content owned by the kernel store (unbindLock)
                 st = path.stat()
                 if st.st_mode & 0o7777 == mode and st.st_size == len(payload) and path.read_bytes() == payload:
                     continue
-            tmp = _tmp(path)
-            tmp.write_bytes(b"0\n" if payload is None else payload)
-            os.chmod(tmp, mode)
-            os.replace(tmp, path)
+        _put(path, entry, exists=p in have)
+
+
+def _put(path: Path, entry: tuple, *, exists: bool) -> None:
+    """Write one entry of the desired tree, replacing atomically what is there."""
+    kind, payload, mode = entry
+    if kind == _DIR:
+        path.mkdir(exist_ok=True)
+        return
+    tmp = _tmp(path)
+    _remove(tmp, _FILE)
+    if kind == _LINK:
+        os.symlink(payload, tmp)
+    elif kind == _CHAR:
+        major, minor = payload
+        dev_nodes.check_safe({major})
+        os.mknod(tmp, stat.S_IFCHR | mode, os.makedev(major, minor))
+        os.chmod(tmp, mode)
+    else:
+        tmp.write_bytes(b"0\n" if payload is None else payload)
+        os.chmod(tmp, mode)
+    os.replace(tmp, path)
 
 
 AFTER_DEAD_DROPPED.append(render)

@@ -5,6 +5,10 @@ from __future__ import annotations
 import json
 import os
 import re
+import stat
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 
 from gpud.host.kernel.procs import Procs
@@ -134,3 +138,61 @@ def test_render_is_incremental(tmp_path):
                        f"proc/driver/nvidia/gpus/{a}", f"proc/driver/nvidia/gpus/{a}/information",
                        f"proc/driver/nvidia/gpus/{a}/unbindLock"}
     assert not any(".tmp" in p for p in after)
+
+
+def _contents(root: str) -> dict[str, tuple]:
+    """Every entry under sys/, dev/ and proc/: (kind, what it holds, mode)."""
+    out: dict[str, tuple] = {}
+    for top in ("sys", "dev", "proc"):
+        for dirpath, dirs, files in os.walk(os.path.join(root, top)):
+            for n in dirs + files:
+                p = os.path.join(dirpath, n)
+                st = os.lstat(p)
+                rel = os.path.relpath(p, root)
+                if os.path.islink(p):
+                    out[rel] = ("l", os.readlink(p))
+                elif os.path.isdir(p):
+                    out[rel] = ("d",)
+                elif stat.S_ISCHR(st.st_mode):
+                    out[rel] = ("c", st.st_rdev, st.st_mode & 0o7777)
+                else:
+                    out[rel] = ("f", Path(p).read_bytes(), st.st_mode & 0o7777)
+    return out
+
+
+def test_renders_after_changes_leave_the_tree_a_fresh_render_makes(tmp_path):
+    # a render in the process that rendered last writes only what changed (its cached tree):
+    # after a run of changes, the tree equals one laid out afresh from the final state
+    st = _eight_gpus()
+    d = make_host(tmp_path / "a", st)
+    gpu = st.gpus["0000:18:00.0"]
+    gpu.mig_mode = True
+    gpu.gis.append(SimGi(id=1, profile_id=19, start=0, size=1, cis=[SimCi(id=0, profile_id=0, uuid=UUID)]))
+    render(d, st)
+    st.functions["0000:38:00.0"].driver = None  # unbound: its links, node and /proc entries go
+    render(d, st)
+    st.processes.append(SimProcess(pid=100, name="trainer", device=UUID))
+    render(d, st)
+    st.functions["0000:38:00.0"].driver = "vfio-pci"
+    st.loaded_modules.append("vfio_pci")
+    gpu.gis[0].cis.clear()
+    st.processes.clear()
+    render(d, st)
+    assert _contents(d) == _contents(make_host(tmp_path / "b", st))
+
+
+def test_a_render_after_another_process_rendered_reads_the_tree_again(tmp_path):
+    st = _eight_gpus()
+    d = make_host(tmp_path, st)  # this process rendered last: it keeps the tree it wrote
+    other = textwrap.dedent("""
+        import sys
+        from gpud.sim.state import locked
+        from gpud.sim.sysfs_tree import render
+        with locked(sys.argv[1]) as st:
+            st.functions["0000:38:00.0"].driver = None
+            render(sys.argv[1], st)
+    """)
+    subprocess.run([sys.executable, "-c", other, d], check=True, cwd=Path(__file__).resolve().parents[2])
+    assert not os.path.lexists(os.path.join(d, "sys/bus/pci/drivers/nvidia/0000:38:00.0"))
+    render(d, st)  # this process's state still has the GPU on nvidia: the tree must say so again
+    assert _contents(d) == _contents(make_host(tmp_path / "fresh", st))
