@@ -172,7 +172,7 @@ def parse_args(argv: list[str] | None = None) -> DaemonConfig:
 
 def host_config(args: DaemonConfig) -> HostConfig:
     """The host the command line names; the daemon's arguments themselves stay as parsed."""
-    return HostConfig(sim=args.sim, replay=args.replay, read_only=args.read_only, lock=args.lock,
+    return HostConfig(sim=args.sim, replay=args.replay, read_only=args.read_only, sim_nvml_process=True, lock=args.lock,
                       udev_rules=args.udev_rules, nfd_features=args.nfd_features, nvidia_smi=args.nvidia_smi,
                       sriov_manage=args.sriov_manage, state_dir=args.state_dir, unbind_timeout=args.unbind_timeout)
 

@@ -45,6 +45,9 @@ class HostConfig:
     sim: str | None = None  # the simulated host's directory (gpud-sim create); None: this machine
     replay: str | None = None  # with sim and read_only: NVML answers from a real GPU's capture
     read_only: bool = False
+    # with sim: the simulated NVML library served from a child process (gpud.sim.nvml_process), so
+    # its Python work does not hold the daemon's interpreter lock (a real driver's ioctls do not)
+    sim_nvml_process: bool = False
     lock: str | None = None
     udev_rules: str | None = None
     nfd_features: str | None = None
@@ -101,7 +104,7 @@ def _simulated(config: HostConfig, sim_dir: str) -> Host:
     from gpud.sim import modules_alias, services
     from gpud.sim.uevents import SimEvents
 
-    host = sim.install(sim_dir)
+    host = sim.install(sim_dir, process=config.sim_nvml_process and not config.replay)
     if config.replay:
         from gpud.sim import replay_nvml
 

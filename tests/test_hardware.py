@@ -78,7 +78,8 @@ def test_the_daemon_reads_its_arguments_without_changing_them(sim_dir):
     config = host_config(args)
     build_hardware(config)
     assert vars(args) == before
-    assert config == HostConfig(sim=str(sim_dir), read_only=True, lock="/x/apply.lock", state_dir="/var/lib/gpud")
+    assert config == HostConfig(sim=str(sim_dir), read_only=True, sim_nvml_process=True, lock="/x/apply.lock",
+                                state_dir="/var/lib/gpud")
 
 
 @pytest.mark.parametrize("entry", ["daemon", "qualify"])

@@ -62,15 +62,21 @@ def host(host_dir: str | os.PathLike) -> SimHost:
                    uevent_socket=d / "run" / "uevent.sock", store=_Store(d), modprobe=_Modprobe(d))
 
 
-def install(host_dir: str | os.PathLike) -> SimHost:
-    """Replace pynvml's C library with the fake one serving DIR; `uninstall()` restores it."""
+def install(host_dir: str | os.PathLike, *, process: bool = False) -> SimHost:
+    """Replace pynvml's C library with the fake one serving DIR; `uninstall()` restores it.
+    `process`: the fake library runs in a child process (gpud.sim.nvml_process)."""
     import gpud.sim.nvml_lib as nvml_lib
     from gpud.sim.state import state_path
 
     h = host(host_dir)
     if not state_path(h.host_dir).is_file():
         raise FileNotFoundError(f"{h.host_dir}: not a simulated host (run `gpud-sim create {h.host_dir}`)")
-    nvml_lib.install(str(h.host_dir))
+    if process:
+        from gpud.sim.nvml_process import RemoteNvmlLib
+
+        nvml_lib.swap_in(RemoteNvmlLib(str(h.host_dir)))
+    else:
+        nvml_lib.install(str(h.host_dir))
     return h
 
 

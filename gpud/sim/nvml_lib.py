@@ -79,8 +79,12 @@ _READ_NAME = re.compile(r"nvml(Device|GpuInstance|ComputeInstance|System|Vgpu\w*
 class FakeNvmlLib:
     """Stands in for `CDLL("libnvidia-ml.so.1")`: attribute lookup yields C-like functions."""
 
-    def __init__(self, host_dir: str):
+    def __init__(self, host_dir: str, *, pid: int | None = None, comm: str | None = None):
         self.host_dir = str(host_dir)
+        # the process whose NVML session this is: this one, or the daemon a child serves
+        # (gpud.sim.nvml_process), whose session DIR/proc shows under the daemon's pid and name
+        self.pid = os.getpid() if pid is None else pid
+        self.comm = comm
         self._state = StateCache(self.host_dir)
         self._inits = 0
         self._handles: dict[tuple, Any] = {}  # identity -> ctypes buffer the handle points at
@@ -282,7 +286,7 @@ def nvmlShutdown(lib: FakeNvmlLib, state: SimState) -> int:
 # Session tracking: what this library's open session holds, kept in the state file so
 # the simulated kernel and nvidia-smi see it from other processes.
 def _session_owner(lib: FakeNvmlLib) -> str:
-    return f"{os.getpid()}:{id(lib):x}"
+    return f"{lib.pid}:{id(lib):x}"
 
 
 def open_session(lib: FakeNvmlLib, state: SimState) -> None:
@@ -290,7 +294,7 @@ def open_session(lib: FakeNvmlLib, state: SimState) -> None:
     gpus = sorted(a for a, f in state.functions.items() if f.present and f.driver == "nvidia" and a in state.gpus)
     owner = _session_owner(lib)
     state.sessions = [s for s in state.sessions if s.owner != owner]
-    state.sessions.append(SimSession(owner=owner, pid=os.getpid(), name=_comm(), gpus=gpus))
+    state.sessions.append(SimSession(owner=owner, pid=lib.pid, name=lib.comm or _comm(), gpus=gpus))
     _render(lib, state)
 
 
@@ -729,6 +733,9 @@ def install(host_dir: str) -> FakeNvmlLib:
 def uninstall() -> None:
     if not _saved:
         return
+    close = getattr(pynvml.nvmlLib, "close", None)
+    if close is not None:
+        close()  # a child serving it (gpud.sim.nvml_process)
     pynvml.nvmlLib = _saved.pop()
     pynvml._nvmlGetFunctionPointer_cache.clear()
     if pynvml.nvmlLib is None:
