@@ -229,7 +229,7 @@ class RequestHandler:
     # ---- leases (gpud.engine.leases): MIG on demand on the dynamic GPUs ------------------------
     def lease_group(self) -> str | None:
         """The group whose members may lease (the layout in force's policy.lease-group)."""
-        policy = self.engine.view.policy
+        policy = self.engine.policy
         return policy.lease_group if policy is not None else None
 
     async def op_lease(self, profile: str, gpu: str | None = None, owner: str = "", pid: int | None = None,

@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from gpud.engine.leases.engine import LeaseEngine
     from gpud.engine.ports import Hardware
     from gpud.engine.reconciler import Reconciler
+    from gpud.layout.schema import Policy
 
 
 def build_engine(hardware: Hardware, **settings: Any) -> Engine:
@@ -64,6 +65,13 @@ class Engine:
     def view(self) -> EngineView:
         """The engine's state now (the same object while nothing changed)."""
         return self._rec.view()
+
+    @property
+    def policy(self) -> Policy | None:
+        """The layout in force's policy (what `view.policy` says, without building a view: every
+        API request asks it, for the lease group)."""
+        parsed = self._rec.layout
+        return parsed.layout.policy if parsed is not None and parsed.layout is not None else None
 
     def subscribe(self, callback: Callable[[], None]) -> None:
         """`callback()` after every change the engine makes or hears of; it reads `view`."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import get_args
 
+import msgspec
 import pytest
 
 from gpud.engine.gpu_state import Phase
@@ -76,3 +77,23 @@ def test_without_nfd_directory_nothing_is_written(sim_host, tmp_path):
 def test_unknown_label_set_is_refused():
     with pytest.raises(ValueError, match="label set 'gfd'"):
         LabelsOut(None, label_set="gfd")
+
+
+def test_labels_are_made_again_only_when_what_they_come_from_changed(sim_host):
+    # each observation asks for the labels; the same GPU records and values give the same labels
+    # back without making them again, a replaced record (a GPU read as changed) makes them anew
+    from gpud.plan.node_labels import node_labels
+
+    gpus, driver = _gpus(sim_host)
+    out = LabelsOut(None)
+    ask = lambda gs, state="success": out.inputs(gs, workloads={}, layout="whole", state=state,  # noqa: E731
+                                                 versions=Versions(driver=driver, cuda=13000))
+    first = out.compute(ask(gpus))
+    assert out.compute(ask(tuple(gpus))) is first
+    moved = msgspec.structs.replace(gpus[1].function, driver="vfio-pci")
+    changed = (gpus[0], msgspec.structs.replace(gpus[1], function=moved, nvml=None))
+    again = out.compute(ask(changed))
+    assert again is not first and again.labels == node_labels(ask(changed)).labels != first.labels
+    assert out.compute(ask(changed, state="pending")).labels["nvidia.com/gpud.layout.state"] == "pending"
+    out.set_mode("gpud", "mixed")  # another label set: made again
+    assert all(k.startswith("nvidia.com/gpud.") for k in out.compute(ask(changed, state="pending")).labels)
