@@ -338,8 +338,11 @@ class Daemon:
                 log.warning("metrics not written to %s: %s", self.args.metrics_textfile, e)
         done = view.completed_passes
         # after every pass (and once at start), each lease, and, while no pass is running, each new
-        # observation: a lease's instance is read after its record changed, not before
-        settled = view.observation if view.phase not in SETTLING_PHASES else None
+        # observation: a lease's instance is read after its record changed, not before. A pass
+        # re-reads each GPU after each step while `phase` still says how the last one ended: its
+        # observations wait for its end (at 64 GPUs, labels cost milliseconds on the loop each)
+        running = view.passes != view.completed_passes
+        settled = view.observation if view.phase not in SETTLING_PHASES and not running else None
         if (done, leased) != self._labels_passes or (settled is not None and settled is not self._labels_seen):
             self._labels_passes = (done, leased)
             self._labels_seen = settled
