@@ -49,12 +49,17 @@ layouts:
       mig-devices: {"7g.80gb": 1}
 """
 STATUS_FRAME = wire.encode_frame(wire.Request(id=1, op="status", args={}))
+# Seconds the load runs before a phase's window opens: 50 connections opened at once, and the
+# client processes starting, are not status under load (their first answers wait behind the
+# accepts: up to 100 ms on the lent machine, bench/results/scale-device.md).
+WARM_UP = 0.5
 
 
 # ---- load: one process, several connections ----------------------------------------------------
-async def _client(path: str, stop: asyncio.Event, latencies: list[float], errors: list[str],
+async def _client(path: str, stop: asyncio.Event, latencies: list[tuple[float, float]], errors: list[str],
                   interval: float | None, offset: float) -> None:
-    """One connection: `status` every `interval` seconds (None: back to back), timing each."""
+    """One connection: `status` every `interval` seconds (None: back to back), timing each: (when
+    the answer came, on the machine's monotonic clock, the latency)."""
     reader, writer = await asyncio.open_unix_connection(path)
     frames = wire.FrameReader()
     due = time.perf_counter() + offset
@@ -68,7 +73,8 @@ async def _client(path: str, stop: asyncio.Event, latencies: list[float], errors
             t0 = time.perf_counter()
             writer.write(STATUS_FRAME)
             payload = await frames.read_async(reader)
-            latencies.append(time.perf_counter() - t0)
+            t1 = time.perf_counter()
+            latencies.append((time.monotonic(), t1 - t0))
             if payload is None:
                 errors.append("connection closed")
                 return
@@ -81,8 +87,8 @@ async def _client(path: str, stop: asyncio.Event, latencies: list[float], errors
 
 
 def _load_worker(path: str, connections: int, interval: float | None, go, stop_flag, results) -> None:
-    async def main() -> tuple[list[float], list[str]]:
-        latencies: list[float] = []
+    async def main() -> tuple[list[tuple[float, float]], list[str]]:
+        latencies: list[tuple[float, float]] = []
         errors: list[str] = []
         stop = asyncio.Event()
         spread = (interval or 0.0) / max(1, connections)
@@ -100,7 +106,9 @@ def _load_worker(path: str, connections: int, interval: float | None, go, stop_f
 
 class Load:
     """`clients` connections spread over `processes` processes, asking status at `rate` requests/s
-    in all (each connection every clients/rate seconds), or back to back when `rate` is None."""
+    in all (each connection every clients/rate seconds), or back to back when `rate` is None.
+    `measure()` starts the window: answers that came before it (the connections being opened, all
+    at once, and the client processes starting) are not counted."""
 
     def __init__(self, path: str, clients: int, processes: int, rate: float | None) -> None:
         interval = clients / rate if rate else None
@@ -114,21 +122,24 @@ class Load:
         for p in self.procs:
             p.start()
         self.go.set()
-        self.started = time.perf_counter()
+        self.started = time.monotonic()
         return self
 
+    def measure(self) -> None:
+        self.started = time.monotonic()
+
     def finish(self) -> tuple[float, list[float], list[str]]:
+        ended = time.monotonic()
         self.stop.set()
         latencies: list[float] = []
         errors: list[str] = []
         for _ in self.procs:
             lat, err = self.results.get(timeout=120)
-            latencies += lat
+            latencies += [dt for when, dt in lat if self.started <= when <= ended]
             errors += err
-        elapsed = time.perf_counter() - self.started
         for p in self.procs:
             p.join(30)
-        return elapsed, latencies, errors
+        return ended - self.started, latencies, errors
 
     def __exit__(self, *exc) -> None:
         for p in self.procs:
@@ -223,11 +234,14 @@ class Gpud:
 # ---- phases -----------------------------------------------------------------------------------------
 def phase(gpud: Gpud, name: str, clients: int, processes: int, rate: float | None, seconds: float | None,
           during=None) -> dict:
-    """Load for `seconds`, or for as long as `during()` (run in a thread) takes."""
-    gpud.request("stats", {"reset": True})
-    cpu0 = gpud.cpu_seconds()
+    """Load for `seconds`, or for as long as `during()` (run in a thread) takes, once the load has
+    run WARM_UP seconds: the window (latencies, the daemon's loop lag, its CPU) starts after it."""
     box: dict = {}
     with Load(gpud.socket, clients, processes, rate) as load:
+        time.sleep(WARM_UP)
+        gpud.request("stats", {"reset": True})
+        cpu0 = gpud.cpu_seconds()
+        load.measure()
         if during is None:
             time.sleep(seconds)
         else:
