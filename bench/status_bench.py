@@ -343,8 +343,8 @@ def main() -> int:
     lines += [f"- at rest, back to back: {flat_out['rate']:,.0f} answered/s, "
               f"{'met' if flat_out['rate'] >= 2000 and not flat_out['errors'] else 'NOT met'} (>= 2,000/s).",
               f"- RSS <= 40 MB: {'met' if max(rss_end, busy['peak']) <= 40 * mb else 'NOT met'} "
-              f"(peak {busy['peak'] / mb:.1f} MB, the simulated NVML library's own data included: it runs in "
-              "gpud's process, where the real libnvidia-ml.so would).", ""]
+              f"(peak {busy['peak'] / mb:.1f} MB; the simulated NVML library runs in a child process, "
+              "gpud/sim/nvml_process.py, so its data is not counted: a real libnvidia-ml.so would add its own).", ""]
     text = "\n".join(lines)
     Path(a.o).parent.mkdir(parents=True, exist_ok=True)
     Path(a.o).write_text(text)
