@@ -79,6 +79,8 @@ class LayoutKeeper:
         self.label_selects = label_selects
         # the one resolution of (layout in force, observation): a load's own is reused, not redone
         self._resolved: tuple[ParsedLayout, Observation, Resolution] | None = None
+        # (layout, observation, its resolution before the judge) worked out in a reading thread
+        self._ahead: tuple[ParsedLayout, Observation, Resolution] | None = None
 
     async def choose_async(self, name: str | None, observe: AsyncObserve | None = None) -> bool:
         """Put layout `name` of the file in force instead of the file's `selected` (None: the
@@ -181,7 +183,11 @@ class LayoutKeeper:
         done = self._resolved
         if done is not None and done[0] is self.layout and done[1] is obs:
             return done[2]
-        resolution = resolve(self.layout, obs.gpus, gone=obs.gone, index_problem=obs.index_problem)
+        ahead = self._ahead
+        if ahead is not None and ahead[0] is self.layout and ahead[1] is obs:
+            resolution = ahead[2]
+        else:
+            resolution = resolve(self.layout, obs.gpus, gone=obs.gone, index_problem=obs.index_problem)
         layout = self.layout.layout
         if self.judge is not None and layout is not None and layout.policy.on_infeasible == "skip-gpu":
             # judged as the load judged it: its infeasible GPUs stay warnings on every later read
@@ -189,6 +195,17 @@ class LayoutKeeper:
             # infeasibility found after the load fails only that GPU, in its state)
             resolution = self.judge(self.layout, resolution, obs)
         self._resolved = (self.layout, obs, resolution)
+        return resolution
+
+    def resolve_ahead(self, obs: Observation) -> Resolution | None:
+        """In the thread that read `obs`: the layout in force resolved against it (pure work, about
+        a millisecond at 64 GPUs), kept for `resolve`, which takes it on the loop when the layout
+        is still the one it was made for and adds the judge's part there."""
+        parsed = self.layout
+        if parsed is None:
+            return None
+        resolution = resolve(parsed, obs.gpus, gone=obs.gone, index_problem=obs.index_problem)
+        self._ahead = (parsed, obs, resolution)
         return resolution
 
     # ---- any text (check, plan) ---------------------------------------------------------------

@@ -342,10 +342,11 @@ class Reconciler:
         return self.reader.read(self.layout_file.match, commit=True)
 
     def _plan_ahead(self, observation: Observation) -> None:
-        """In the reading thread, once the read's unchanged GPUs are the views in force: plan its
-        GPUs for the entries in force (gpud.engine.action_inputs); a GPU planned before is found
-        kept, so only a changed one is planned."""
-        resolution = self.resolution
+        """In the reading thread, once the read's unchanged GPUs are the views in force: resolve
+        the layout in force against it (taken by `_install` on the loop) and plan its GPUs for
+        their entries (gpud.engine.action_inputs); a GPU planned before is found kept, so only a
+        changed one is planned."""
+        resolution = self.layout_file.resolve_ahead(observation) or self.resolution
         if resolution is not None and not resolution.errors:
             self.plans.plan_ahead(resolution, observation)
 

@@ -155,3 +155,36 @@ def test_an_apply_on_a_converged_host_plans_off_the_loop(tmp_path, monkeypatch):
         assert sorted(off_loop) == sorted(g.pci for g in rig.rec.observation.gpus) and on_loop == []
     finally:
         rig.close()
+
+
+def test_a_gpu_read_again_after_a_step_is_resolved_off_the_loop(tmp_path, monkeypatch):
+    """After each step of a pass its GPU is read again and the observation installed on the loop;
+    the layout is resolved against it in the reading thread (at 64 GPUs about a millisecond of the
+    loop's time per step otherwise), and the loop takes that resolution."""
+    import threading
+
+    from gpud.engine import layout_keeper
+
+    rig = SimRig(tmp_path, ("h100-80gb:4",))
+    on_loop: list[int] = []
+    off_loop: list[int] = []
+    real = layout_keeper.resolve
+
+    def counted(parsed, gpus, **kw):
+        (on_loop if threading.current_thread() is threading.main_thread() else off_loop).append(len(gpus))
+        return real(parsed, gpus, **kw)
+
+    async def go() -> None:
+        assert await rig.apply(layout(mig([0, 1, 2, 3], {"1g.10gb": 7})))
+        rig.config.write_text(layout(mig([0, 1, 2, 3], {"3g.40gb": 2})))
+        assert rig.rec.load_config()  # the new file resolved once, as taken (not a step's work)
+        monkeypatch.setattr(layout_keeper, "resolve", counted)
+        await rig.rec.converge()
+
+    try:
+        asyncio.run(go())
+        assert {s.state for s in rig.rec.gpu_states.values()} == {"converged"}
+        assert all(g.nvml is not None and len(g.nvml.instances) == 2 for g in rig.rec.observation.gpus)
+        assert len(off_loop) >= 4 and on_loop == []  # a re-read of each GPU after its steps, at least
+    finally:
+        rig.close()

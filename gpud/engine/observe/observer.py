@@ -137,16 +137,28 @@ class Observer:
         if gpu is None:
             return await self.refresh()
         started = time.monotonic()
-        fresh = await asyncio.to_thread(lambda: _kept(read_gpu(gpu), gpu))
+        base = self._current
+        fresh, ahead = await asyncio.to_thread(self._read_one, base, gpu, read_gpu)
         if fresh is None:
             return await self.refresh()
         if started > self._gpu_read.get(pci, 0.0) and started > self.started:
             self._gpu_read[pci] = started
-            obs = msgspec.structs.replace(self._current, gpus=tuple(fresh if g.pci == pci else g
-                                                                    for g in self._current.gpus))
+            # the observation prepared in the reading thread, unless another read came in meanwhile
+            obs = ahead if ahead is not None and self._current is base else _with(self._current, fresh)
             self._current = obs
             self._install(obs)
         return self._current
+
+    def _read_one(self, base: Observation, gpu: Gpu, read_gpu: Callable[[Gpu], Gpu | None],
+                  ) -> tuple[Gpu | None, Observation | None]:
+        """In the worker thread: GPU `gpu` read again (kept as it was when equal), and `base` with
+        it, prepared as a whole read is (`prepare`: what the loop will want of it, worked out here)."""
+        fresh = _kept(read_gpu(gpu), gpu)
+        if fresh is None:
+            return None, None
+        obs = _with(base, fresh)
+        self._prepare(obs)
+        return fresh, obs
 
     # ---- the bounded background re-read ------------------------------------------------------
     def poke(self) -> None:
@@ -165,6 +177,11 @@ class Observer:
             await self.refresh()
         except Exception:  # the next poke tries again; the pass reports hardware errors itself
             log.exception("background re-read of the host failed")
+
+
+def _with(obs: Observation, gpu: Gpu) -> Observation:
+    """`obs` with the GPU of `gpu`'s address replaced by it."""
+    return msgspec.structs.replace(obs, gpus=tuple(gpu if g.pci == gpu.pci else g for g in obs.gpus))
 
 
 def _kept(fresh: Gpu | None, gpu: Gpu) -> Gpu | None:
