@@ -168,18 +168,38 @@ class MigDevice(Struct, frozen=True):
 
 def mig_devices(gpus: Sequence[Gpu]) -> list[MigDevice]:
     """Every MIG device of every MIG-enabled GPU NVML sees, in GPU index then placement order."""
-    out = []
+    out: list[MigDevice] = []
     for gpu, nv in _visible(gpus):
-        if not _mig_enabled(nv):
-            continue
-        for gi in sorted(nv.instances, key=lambda g: (g.placement.start, g.id)):
-            prof = nv.profile(gi.profile_id)
-            if prof is None:
-                continue
-            for ci in sorted(gi.cis, key=lambda c: c.id):
-                out.append(MigDevice(gpu=gpu, name=device_name(prof, ci.slices), gi_profile=prof,
-                                     ci_slices=ci.slices, multiprocessors=_ci_sms(prof, gi, ci.slices)))
+        if _mig_enabled(nv):
+            out += _gpu_mig_devices(gpu, nv)
     return out
+
+
+# GPU record's id -> (the record, its MIG devices). Records are frozen and a re-read keeps an
+# unchanged GPU's record as the same object (gpud.engine.observe.discovery.keep_unchanged), so a
+# GPU's devices are worked out once per record, not once per observation of the whole host (at 64
+# GPUs with 7 each, every GPU step of an apply asked for all 448 on the event loop). Bounded: the
+# records of a few observations.
+_DEVICES_OF: dict[int, tuple[Gpu, tuple[MigDevice, ...]]] = {}
+_DEVICES_KEPT = 4096
+
+
+def _gpu_mig_devices(gpu: Gpu, nv: NvmlGpu) -> tuple[MigDevice, ...]:
+    kept = _DEVICES_OF.get(id(gpu))
+    if kept is not None and kept[0] is gpu:
+        return kept[1]
+    out = []
+    for gi in sorted(nv.instances, key=lambda g: (g.placement.start, g.id)):
+        prof = nv.profile(gi.profile_id)
+        if prof is None:
+            continue
+        for ci in sorted(gi.cis, key=lambda c: c.id):
+            out.append(MigDevice(gpu=gpu, name=device_name(prof, ci.slices), gi_profile=prof,
+                                 ci_slices=ci.slices, multiprocessors=_ci_sms(prof, gi, ci.slices)))
+    if len(_DEVICES_OF) >= _DEVICES_KEPT:
+        _DEVICES_OF.clear()
+    _DEVICES_OF[id(gpu)] = (gpu, tuple(out))
+    return tuple(out)
 
 
 def _ci_sms(prof: MigProfile, gi: GpuInstance, slices: int) -> int:

@@ -23,6 +23,7 @@ from gpud.plan.node_labels import (
     gfd_labels,
     gpud_labels,
     label_problem,
+    mig_devices,
     node_labels,
     product,
     sanitise,
@@ -160,6 +161,22 @@ def test_seed_example_8_h100_partial_mig(sim_host):
     assert labels["nvidia.com/gpu.count"] == "8"
     assert labels["nvidia.com/mig-1g.10gb.count"] == "4"
     assert labels["nvidia.com/mig-1g.10gb.product"] == "NVIDIA-H100-80GB-HBM3-MIG-1g.10gb"
+
+
+def test_a_gpus_mig_devices_are_worked_out_once_per_record(sim_host):
+    """Each observation asks for every GPU's MIG devices (what the device plugin advertises); a
+    record a re-read kept is the same object and gives the same devices back, a new record of the
+    same GPU (its instances changed) gives its own."""
+    host = sim_host("h100-80gb:2")
+    _mig(GPU0, [(19, 0, 1), (19, 1, 1)])
+    gpus, _ = _observe(host)
+    first = mig_devices(gpus)
+    again = mig_devices(tuple(gpus))
+    assert [d.name for d in first] == ["1g.10gb", "1g.10gb"] and all(a is b for a, b in zip(first, again, strict=True))
+    _mig(GPU0, [(9, 4, 3)])
+    changed, _ = _observe(host)
+    assert [d.name for d in mig_devices(changed)] == ["1g.10gb", "1g.10gb", "3g.40gb"]
+    assert advertised(changed).resources == {"nvidia.com/gpu": 1, "nvidia.com/mig-1g.10gb": 2, "nvidia.com/mig-3g.40gb": 1}
 
 
 def test_media_extension_profile_and_sub_divided_compute_instance(sim_host):
