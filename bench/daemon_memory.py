@@ -47,6 +47,9 @@ SIM = ("import pynvml\nfrom gpud import sim\nsim.install(os.environ['SIM_HOST'])
 FLOORS = [
     ("python -c pass", ""),
     ("+ import pynvml (the floor here: no NVML library)", "import pynvml\n"),
+    ("+ the chosen dependencies: asyncio (no TLS, as the default mode), msgspec, PyYAML, asyncinotify",
+     "from gpud.asyncio_tls import import_asyncio_without_tls\nimport_asyncio_without_tls()\n"
+     "import pynvml, msgspec, yaml, asyncinotify\n"),
     ("+ import gpud.daemon (as a library: asyncio with ssl)", "import gpud.daemon\n"),
     ("+ the default mode's imports (gpud.main's start, event sources)", DEFAULT_START),
     ("+ the default mode's imports, the simulator installed, every GPU read", DEFAULT_START + SIM),
@@ -136,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
                                                     dict(env, MALLOC_ARENA_MAX="2"), ALL_1G)),
     ]
     f = dict(floors)
-    bare, pynvml, library, default, sim = (f[label]["rss"] for label, _ in FLOORS)
+    bare, pynvml, deps, library, default, sim = (f[label]["rss"] for label, _ in FLOORS)
     real, real_tls, on_sim, busy_rss, busy_arenas = (m["rss"] for _, m in daemons)
     lines = [f"# The daemon's memory on {platform.node()}", "",
              f"{time.strftime('%Y-%m-%d %H:%M:%S')}, Python {platform.python_version()}, {os.cpu_count()} CPUs, "
@@ -148,15 +151,18 @@ def main(argv: list[str] | None = None) -> int:
     lines += [f"| {label} | {m['rss']:.1f} | {m['anon']:.1f} | {m['file']:.1f} | {m['pss']:.1f} | {m['threads']:.0f} |"
               for label, m in [*floors, *daemons]]
     lines += ["",
+              f"- The dependencies the project chose, alone (asyncio without TLS, msgspec, PyYAML, asyncinotify): "
+              f"**{deps - pynvml:+.1f} MiB** above the pynvml floor, before any of gpud's code.",
               f"- The daemon's imports (the default mode's start) above the pynvml floor: **{default - pynvml:+.1f} MiB** "
               f"({default - bare:.1f} above bare Python); imported as a library, with asyncio's ssl: {library - pynvml:+.1f}.",
               f"- The default-mode daemon after its first pass above the pynvml floor: **{real - pynvml:+.1f} MiB**; "
               f"above its own imports: {real - default:+.1f} (what running adds: the event loop, the first pass's "
               "state, the worker threads' stacks and arenas).",
               f"- asyncio without TLS in the default mode: {real - real_tls:+.1f} MiB (OpenSSL's libraries not mapped).",
-              f"- The simulator's share: {sim - default:+.1f} MiB (its modules, its host state, every GPU read once, "
-              f"in a process of the daemon's imports); the daemon on {GPUS.replace(':', ' x ')} less that share: "
-              f"{on_sim - (sim - default) - pynvml:+.1f} above the floor.",
+              f"- The simulator's share in-process: {sim - default:+.1f} MiB (its modules, its host state, every GPU "
+              f"read once, in a process of the daemon's imports); `gpud --sim` serves its NVML library from a child "
+              f"process (gpud/sim/nvml_process.py), so the daemon on {GPUS.replace(':', ' x ')} holds only the "
+              f"simulated kernel's and the client's part: {on_sim - pynvml:+.1f} above the floor.",
               f"- After laying 56 MIG instances (worker threads at work): {busy_rss - on_sim:+.1f} MiB over the read-only "
               f"daemon on the simulator; MALLOC_ARENA_MAX=2 there: {busy_arenas - busy_rss:+.1f} MiB.",
               "",
