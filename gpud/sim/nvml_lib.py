@@ -294,7 +294,7 @@ def open_session(lib: FakeNvmlLib, state: SimState) -> None:
     gpus = sorted(a for a, f in state.functions.items() if f.present and f.driver == "nvidia" and a in state.gpus)
     owner = _session_owner(lib)
     state.sessions = [s for s in state.sessions if s.owner != owner]
-    state.sessions.append(SimSession(owner=owner, pid=lib.pid, name=lib.comm or _comm(), gpus=gpus))
+    state.sessions.append(SimSession(owner=owner, pid=lib.pid, name=lib.comm or own_comm(), gpus=gpus))
     _render(lib, state)
 
 
@@ -304,7 +304,8 @@ def close_session(lib: FakeNvmlLib, state: SimState) -> None:
     _render(lib, state)
 
 
-def _comm() -> str:
+def own_comm() -> str:
+    """This process's name as the kernel keeps it (/proc/self/comm)."""
     try:
         with open("/proc/self/comm") as f:
             return f.read().strip()

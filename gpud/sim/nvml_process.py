@@ -167,8 +167,8 @@ class RemoteNvmlLib:
     calling thread, so threads wait on the child side by side, as they would on a driver)."""
 
     def __init__(self, host_dir: str):
-        import gpud.sim.nvml_lib  # noqa: F401 - registers every fake function in IMPLS
         from gpud.sim.nvml_abi import IMPLS
+        from gpud.sim.nvml_lib import own_comm  # importing it registers every fake function in IMPLS
 
         self.host_dir = str(host_dir)
         self._names = frozenset(IMPLS)  # the functions the fake library has (others: not found)
@@ -176,7 +176,7 @@ class RemoteNvmlLib:
         self._local = threading.local()
         self._dir = tempfile.mkdtemp(prefix="gpud-sim-nvml-")
         self._address = os.path.join(self._dir, "nvml.sock")
-        comm = _comm()
+        comm = own_comm()
         self._child = subprocess.Popen(
             [sys.executable, "-m", "gpud.sim.nvml_process", self.host_dir, self._address, str(os.getpid()), comm],
             stdin=subprocess.PIPE, close_fds=True)
@@ -244,14 +244,6 @@ class RemoteNvmlLib:
                 os.rmdir(path) if path == self._dir else os.unlink(path)
             except OSError:
                 pass
-
-
-def _comm() -> str:
-    try:
-        with open("/proc/self/comm") as f:
-            return f.read().strip()
-    except OSError:
-        return "python3"
 
 
 # --- the child ----------------------------------------------------------------------------------

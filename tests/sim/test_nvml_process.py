@@ -37,6 +37,14 @@ def host(tmp_path):
     return d
 
 
+@pytest.fixture
+def served(host):
+    """The host's simulated NVML served from a child process, for this test."""
+    sim.install(host, process=True)
+    yield host
+    sim.uninstall()
+
+
 def _read(host, *, process: bool):
     sim.install(host, process=process)
     try:
@@ -50,50 +58,36 @@ def test_reads_equal_the_in_process_simulator(host):
     assert _read(host, process=True) == _read(host, process=False)
 
 
-def test_changes_land_in_the_state_file_and_answers_come_back(host):
-    sim.install(host, process=True)
-    try:
-        assert isinstance(N.nvmlLib, RemoteNvmlLib)
-        with Nvml() as nvml:
-            gi = nvml.create_gpu_instance(GPU0, 19, 0)  # 1g.10gb at slot 0
-            nvml.create_compute_instance(GPU0, gi, 0)
-            read = {g.pci: g for g in nvml.gpus()}[GPU0]
-        state = load(host)
-        gis = state.gpus[GPU0].gis
-        assert [(g.id, g.profile_id, g.start) for g in gis] == [(gi, 19, 0)]
-        assert [ci.uuid for ci in gis[0].cis] == [ci.uuid for g in read.instances for ci in g.cis]
-    finally:
-        sim.uninstall()
+def test_changes_land_in_the_state_file_and_answers_come_back(served):
+    assert isinstance(N.nvmlLib, RemoteNvmlLib)
+    with Nvml() as nvml:
+        gi = nvml.create_gpu_instance(GPU0, 19, 0)  # 1g.10gb at slot 0
+        nvml.create_compute_instance(GPU0, gi, 0)
+        read = {g.pci: g for g in nvml.gpus()}[GPU0]
+    gis = load(served).gpus[GPU0].gis
+    assert [(g.id, g.profile_id, g.start) for g in gis] == [(gi, 19, 0)]
+    assert [ci.uuid for ci in gis[0].cis] == [ci.uuid for g in read.instances for ci in g.cis]
 
 
-def test_the_session_is_the_callers(host):
-    sim.install(host, process=True)
-    try:
-        N.nvmlInit()
-        sessions = load(host).sessions
-        assert [s.pid for s in sessions] == [os.getpid()]
-        fds = os.listdir(host / "proc" / str(os.getpid()) / "fd")
-        assert fds  # DIR/proc shows this process holding the device nodes, not the child
-        N.nvmlShutdown()
-        assert load(host).sessions == []
-    finally:
-        sim.uninstall()
+def test_the_session_is_the_callers(served):
+    N.nvmlInit()
+    assert [s.pid for s in load(served).sessions] == [os.getpid()]
+    # DIR/proc shows this process holding the device nodes, not the child
+    assert os.listdir(served / "proc" / str(os.getpid()) / "fd")
+    N.nvmlShutdown()
+    assert load(served).sessions == []
 
 
-def test_an_error_code_and_a_raised_error_cross(host):
-    sim.install(host, process=True)
-    try:
-        N.nvmlInit()
-        with pytest.raises(N.NVMLError_InvalidArgument):
-            N.nvmlDeviceGetHandleByIndex(7)
-        handle = N.nvmlDeviceGetHandleByIndex(0)
-        with pytest.raises(TypeError, match="placement passed by value"):
-            # the trap the in-process library reports: a placement passed by value, raised here too
-            N.nvmlLib.nvmlDeviceCreateGpuInstanceWithPlacement(
-                handle, ctypes.c_uint(19), N.c_nvmlGpuInstancePlacement_t(0, 1), ctypes.byref(N.c_nvmlGpuInstance_t()))
-        N.nvmlShutdown()
-    finally:
-        sim.uninstall()
+def test_an_error_code_and_a_raised_error_cross(served):
+    N.nvmlInit()
+    with pytest.raises(N.NVMLError_InvalidArgument):
+        N.nvmlDeviceGetHandleByIndex(7)
+    handle = N.nvmlDeviceGetHandleByIndex(0)
+    with pytest.raises(TypeError, match="placement passed by value"):
+        # the trap the in-process library reports: a placement passed by value, raised here too
+        N.nvmlLib.nvmlDeviceCreateGpuInstanceWithPlacement(
+            handle, ctypes.c_uint(19), N.c_nvmlGpuInstancePlacement_t(0, 1), ctypes.byref(N.c_nvmlGpuInstance_t()))
+    N.nvmlShutdown()
 
 
 def test_a_structure_pointing_into_the_callers_memory_is_refused():
