@@ -56,7 +56,12 @@ if TYPE_CHECKING:  # imported with --kube-node only (they need gpud[kube])
     from gpud.host.nvidia.cdi import CdiGenerator
 
 log = logging.getLogger("gpud")
-SWITCH_INTERVAL = 0.0005  # seconds a worker thread may keep the GIL while the loop wants it
+# Seconds a worker thread may keep the GIL while the loop wants it. Each answer takes the GIL back
+# several times (after epoll, recv, send), each time after a worker that took it meanwhile was made
+# to drop it: on the lent 16-CPU machine, status p99 at 64 GPUs during an apply was 20-40 ms at
+# 0.5 ms and 1 ms, 3.6-10.6 ms at 0.05 ms (scale_bench, alternating runs; docs/internals.md);
+# no difference beyond the noise on 2 cores.
+SWITCH_INTERVAL = 0.00005
 
 
 @dataclass(frozen=True)
