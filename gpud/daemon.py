@@ -58,10 +58,17 @@ if TYPE_CHECKING:  # imported with --kube-node only (they need gpud[kube])
 log = logging.getLogger("gpud")
 # Seconds a worker thread may keep the GIL while the loop wants it. Each answer takes the GIL back
 # several times (after epoll, recv, send), each time after a worker that took it meanwhile was made
-# to drop it: on the lent 16-CPU machine, status p99 at 64 GPUs during an apply was 20-40 ms at
-# 0.5 ms and 1 ms, 3.6-10.6 ms at 0.05 ms (scale_bench, alternating runs; docs/internals.md);
-# no difference beyond the noise on 2 cores.
-SWITCH_INTERVAL = 0.00005
+# to drop it; with many CPUs the workers are always running and ready to take it. Measured with
+# scale_bench at 64 GPUs during an apply (status p99, alternating runs; docs/internals.md): on the
+# lent 16-CPU machine 20-40 ms at 0.5 ms and 1 ms, 3.6-12 ms at 0.05 ms; on this project's 2-CPU
+# machine 5.1-5.9 ms at 0.5 ms, 6.4-10 ms at 0.05 ms (there the waiting threads are off the CPUs).
+MANY_CPUS_SWITCH_INTERVAL = 0.00005
+FEW_CPUS_SWITCH_INTERVAL = 0.0005
+
+
+def switch_interval(cpus: int) -> float:
+    """The GIL switch interval for a daemon that may run on `cpus` CPUs."""
+    return MANY_CPUS_SWITCH_INTERVAL if cpus > 2 else FEW_CPUS_SWITCH_INTERVAL
 
 
 @dataclass(frozen=True)
@@ -609,7 +616,7 @@ def main(argv: list[str] | None = None) -> int:
     # Host reads and hardware steps run in worker threads; while one runs Python code (pynvml's
     # wrappers, the simulator's NVML), the loop thread waits for the GIL up to the switch
     # interval after every system call it makes (5 ms by default), which every client would feel.
-    sys.setswitchinterval(SWITCH_INTERVAL)
+    sys.setswitchinterval(switch_interval(len(os.sched_getaffinity(0))))
     # What start-up made (every module, its tables, the parsed arguments) lives as long as the
     # process: moved out of the collector's reach (gc.freeze, Python's docs), a full collection no
     # longer walks it. A full collection holds the GIL from start to end, however short the switch
