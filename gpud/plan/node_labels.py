@@ -175,6 +175,37 @@ def mig_devices(gpus: Sequence[Gpu]) -> list[MigDevice]:
     return out
 
 
+def _mig_enabled_of(visible: list[tuple[Gpu, NvmlGpu]]) -> list[tuple[Gpu, NvmlGpu]]:
+    """The visible GPUs with MIG enabled, in index order."""
+    return [(g, nv) for g, nv in visible if _mig_enabled(nv)]
+
+
+# GPU record's id -> (the record, its mixed-strategy resources and refusals), kept as _DEVICES_OF is
+_MIXED_OF: dict[int, tuple[Gpu, tuple[tuple[str, int], ...], list[str]]] = {}
+
+
+def _mixed_part(gpu: Gpu, devices: tuple[MigDevice, ...]) -> tuple[tuple[tuple[str, int], ...], list[str]]:
+    """One GPU's share of the mixed strategy's resources (each MIG device as its resource), and the
+    refusals its devices cause, in placement order."""
+    kept = _MIXED_OF.get(id(gpu))
+    if kept is not None and kept[0] is gpu:
+        return kept[1], kept[2]
+    counts: dict[str, int] = {}
+    problems: list[str] = []
+    for d in devices:
+        if not d.spans_gi:
+            problems.append(f"MIG device {d.name} on GPU {d.gpu.index} ({d.gpu.pci}): its compute instance does "
+                            "not span its GPU instance, so no resource matches it and the device plugin "
+                            "(mig-strategy=mixed) refuses to start")
+            continue
+        key = f"{PREFIX}mig-{d.resource_suffix}"
+        counts[key] = counts.get(key, 0) + 1
+    if len(_MIXED_OF) >= _DEVICES_KEPT:
+        _MIXED_OF.clear()
+    _MIXED_OF[id(gpu)] = (gpu, tuple(counts.items()), problems)
+    return tuple(counts.items()), problems
+
+
 # GPU record's id -> (the record, its MIG devices). Records are frozen and a re-read keeps an
 # unchanged GPU's record as the same object (gpud.engine.observe.discovery.keep_unchanged), so a
 # GPU's devices are worked out once per record, not once per observation of the whole host (at 64
@@ -408,14 +439,11 @@ def advertised(gpus: Sequence[Gpu], *, mig_strategy: str = "mixed") -> Advertise
     if full:
         resources[GPU_RESOURCE] = len(full)
     if mig_strategy == "mixed":
-        for d in devices:
-            if not d.spans_gi:
-                problems.append(f"MIG device {d.name} on GPU {d.gpu.index} ({d.gpu.pci}): its compute instance does "
-                                "not span its GPU instance, so no resource matches it and the device plugin "
-                                "(mig-strategy=mixed) refuses to start")
-                continue
-            key = f"{PREFIX}mig-{d.resource_suffix}"
-            resources[key] = resources.get(key, 0) + 1
+        for g, nv in _mig_enabled_of(visible):
+            counts, refusals = _mixed_part(g, _gpu_mig_devices(g, nv))
+            for key, n in counts:
+                resources[key] = resources.get(key, 0) + n
+            problems += refusals
     elif devices:
         if full:
             problems.append("GPUs with MIG enabled and disabled on one node: the device plugin "
