@@ -210,9 +210,9 @@ def _mixed_part(gpu: Gpu, devices: tuple[MigDevice, ...]) -> tuple[tuple[tuple[s
 # unchanged GPU's record as the same object (gpud.engine.observe.discovery.keep_unchanged), so a
 # GPU's devices are worked out once per record, not once per observation of the whole host (at 64
 # GPUs with 7 each, every GPU step of an apply asked for all 448 on the event loop). Bounded: the
-# records of a few observations.
+# records of a few observations (each entry keeps its record alive until the table is cleared).
 _DEVICES_OF: dict[int, tuple[Gpu, tuple[MigDevice, ...]]] = {}
-_DEVICES_KEPT = 4096
+_DEVICES_KEPT = 512
 
 
 def _gpu_mig_devices(gpu: Gpu, nv: NvmlGpu) -> tuple[MigDevice, ...]:

@@ -484,6 +484,7 @@ def lay_out(host_dir: str | os.PathLike, state: SimState) -> None:
 # stores (gpud.sim.kernel) change the state and render, like everything else here. Renders of one
 # host are serialised by the host lock, so the cache needs no lock of its own.
 _RENDERED: dict[str, tuple[int, str, dict[str, tuple]]] = {}
+_RENDERED_KEPT = 8
 RENDER_MARK = "run/tree-render"
 
 
@@ -505,6 +506,8 @@ def render(host_dir: str | os.PathLike, state: SimState) -> None:
         tmp.write_text(token)
         os.replace(tmp, mark)
     _RENDERED[key] = (pid, token, want)
+    while len(_RENDERED) > _RENDERED_KEPT:  # a test process renders many hosts: keep the latest few
+        _RENDERED.pop(next(iter(_RENDERED)))
 
 
 def _read_mark(mark: Path) -> str | None:
