@@ -21,7 +21,8 @@ Pure: no I/O; the caller passes what it observed.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, TypeVar
 
 from msgspec import Struct
 
@@ -175,62 +176,61 @@ def mig_devices(gpus: Sequence[Gpu]) -> list[MigDevice]:
     return out
 
 
-def _mig_enabled_of(visible: list[tuple[Gpu, NvmlGpu]]) -> list[tuple[Gpu, NvmlGpu]]:
-    """The visible GPUs with MIG enabled, in index order."""
-    return [(g, nv) for g, nv in visible if _mig_enabled(nv)]
+# GPU record's id -> (the record, what was worked out of it), one table per kind of result.
+# Records are frozen and a re-read keeps an unchanged GPU's record as the same object
+# (gpud.engine.observe.discovery.keep_unchanged), so a GPU's MIG devices and its share of the
+# mixed strategy's resources are worked out once per record, not once per observation of the whole
+# host (at 64 GPUs with 7 each, every GPU step of an apply asked for all 448 on the event loop).
+# Bounded: the records of a few observations (each entry keeps its record alive until cleared).
+_DEVICES_OF: dict[int, tuple[Gpu, Any]] = {}
+_MIXED_OF: dict[int, tuple[Gpu, Any]] = {}
+_RECORDS_KEPT = 512
+_T = TypeVar("_T")
 
 
-# GPU record's id -> (the record, its mixed-strategy resources and refusals), kept as _DEVICES_OF is
-_MIXED_OF: dict[int, tuple[Gpu, tuple[tuple[str, int], ...], list[str]]] = {}
+def _per_record(table: dict[int, tuple[Gpu, Any]], gpu: Gpu, make: Callable[[], _T]) -> _T:
+    kept = table.get(id(gpu))
+    if kept is not None and kept[0] is gpu:
+        return kept[1]
+    value = make()
+    if len(table) >= _RECORDS_KEPT:
+        table.clear()
+    table[id(gpu)] = (gpu, value)
+    return value
 
 
-def _mixed_part(gpu: Gpu, devices: tuple[MigDevice, ...]) -> tuple[tuple[tuple[str, int], ...], list[str]]:
+def _mixed_part(gpu: Gpu, devices: tuple[MigDevice, ...]) -> tuple[tuple[tuple[str, int], ...], tuple[str, ...]]:
     """One GPU's share of the mixed strategy's resources (each MIG device as its resource), and the
     refusals its devices cause, in placement order."""
-    kept = _MIXED_OF.get(id(gpu))
-    if kept is not None and kept[0] is gpu:
-        return kept[1], kept[2]
-    counts: dict[str, int] = {}
-    problems: list[str] = []
-    for d in devices:
-        if not d.spans_gi:
-            problems.append(f"MIG device {d.name} on GPU {d.gpu.index} ({d.gpu.pci}): its compute instance does "
-                            "not span its GPU instance, so no resource matches it and the device plugin "
-                            "(mig-strategy=mixed) refuses to start")
-            continue
-        key = f"{PREFIX}mig-{d.resource_suffix}"
-        counts[key] = counts.get(key, 0) + 1
-    if len(_MIXED_OF) >= _DEVICES_KEPT:
-        _MIXED_OF.clear()
-    _MIXED_OF[id(gpu)] = (gpu, tuple(counts.items()), problems)
-    return tuple(counts.items()), problems
+    def make() -> tuple[tuple[tuple[str, int], ...], tuple[str, ...]]:
+        counts: dict[str, int] = {}
+        problems: list[str] = []
+        for d in devices:
+            if not d.spans_gi:
+                problems.append(f"MIG device {d.name} on GPU {d.gpu.index} ({d.gpu.pci}): its compute instance "
+                                "does not span its GPU instance, so no resource matches it and the device plugin "
+                                "(mig-strategy=mixed) refuses to start")
+                continue
+            key = f"{PREFIX}mig-{d.resource_suffix}"
+            counts[key] = counts.get(key, 0) + 1
+        return tuple(counts.items()), tuple(problems)
 
-
-# GPU record's id -> (the record, its MIG devices). Records are frozen and a re-read keeps an
-# unchanged GPU's record as the same object (gpud.engine.observe.discovery.keep_unchanged), so a
-# GPU's devices are worked out once per record, not once per observation of the whole host (at 64
-# GPUs with 7 each, every GPU step of an apply asked for all 448 on the event loop). Bounded: the
-# records of a few observations (each entry keeps its record alive until the table is cleared).
-_DEVICES_OF: dict[int, tuple[Gpu, tuple[MigDevice, ...]]] = {}
-_DEVICES_KEPT = 512
+    return _per_record(_MIXED_OF, gpu, make)
 
 
 def _gpu_mig_devices(gpu: Gpu, nv: NvmlGpu) -> tuple[MigDevice, ...]:
-    kept = _DEVICES_OF.get(id(gpu))
-    if kept is not None and kept[0] is gpu:
-        return kept[1]
-    out = []
-    for gi in sorted(nv.instances, key=lambda g: (g.placement.start, g.id)):
-        prof = nv.profile(gi.profile_id)
-        if prof is None:
-            continue
-        for ci in sorted(gi.cis, key=lambda c: c.id):
-            out.append(MigDevice(gpu=gpu, name=device_name(prof, ci.slices), gi_profile=prof,
-                                 ci_slices=ci.slices, multiprocessors=_ci_sms(prof, gi, ci.slices)))
-    if len(_DEVICES_OF) >= _DEVICES_KEPT:
-        _DEVICES_OF.clear()
-    _DEVICES_OF[id(gpu)] = (gpu, tuple(out))
-    return tuple(out)
+    def make() -> tuple[MigDevice, ...]:
+        out = []
+        for gi in sorted(nv.instances, key=lambda g: (g.placement.start, g.id)):
+            prof = nv.profile(gi.profile_id)
+            if prof is None:
+                continue
+            for ci in sorted(gi.cis, key=lambda c: c.id):
+                out.append(MigDevice(gpu=gpu, name=device_name(prof, ci.slices), gi_profile=prof,
+                                     ci_slices=ci.slices, multiprocessors=_ci_sms(prof, gi, ci.slices)))
+        return tuple(out)
+
+    return _per_record(_DEVICES_OF, gpu, make)
 
 
 def _ci_sms(prof: MigProfile, gi: GpuInstance, slices: int) -> int:
@@ -439,7 +439,9 @@ def advertised(gpus: Sequence[Gpu], *, mig_strategy: str = "mixed") -> Advertise
     if full:
         resources[GPU_RESOURCE] = len(full)
     if mig_strategy == "mixed":
-        for g, nv in _mig_enabled_of(visible):
+        for g, nv in visible:
+            if not _mig_enabled(nv):
+                continue
             counts, refusals = _mixed_part(g, _gpu_mig_devices(g, nv))
             for key, n in counts:
                 resources[key] = resources.get(key, 0) + n
