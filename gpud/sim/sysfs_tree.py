@@ -502,9 +502,7 @@ def render(host_dir: str | os.PathLike, state: SimState) -> None:
         _render_all(root, want)
         token = f"{pid}-{uuid.uuid4().hex}"
         mark.parent.mkdir(parents=True, exist_ok=True)
-        tmp = _tmp(mark)
-        tmp.write_text(token)
-        os.replace(tmp, mark)
+        _put(mark, (_FILE, token.encode(), 0o644))
     _RENDERED[key] = (pid, token, want)
     while len(_RENDERED) > _RENDERED_KEPT:  # a test process renders many hosts: keep the latest few
         _RENDERED.pop(next(iter(_RENDERED)))
@@ -534,7 +532,7 @@ def _render_changes(root: Path, before: dict[str, tuple], want: dict[str, tuple]
             continue  # unchanged (a file whose content the kernel store owns is left alone)
         changed.append(p)
     for p in sorted(changed, key=lambda s: (s.count("/"), s)):
-        _put(root / p, want[p], exists=p in before and p not in removed)
+        _put(root / p, want[p])
 
 
 def _render_all(root: Path, want: dict[str, tuple]) -> None:
@@ -568,10 +566,10 @@ def _render_all(root: Path, want: dict[str, tuple]) -> None:
                 st = path.stat()
                 if st.st_mode & 0o7777 == mode and st.st_size == len(payload) and path.read_bytes() == payload:
                     continue
-        _put(path, entry, exists=p in have)
+        _put(path, entry)
 
 
-def _put(path: Path, entry: tuple, *, exists: bool) -> None:
+def _put(path: Path, entry: tuple) -> None:
     """Write one entry of the desired tree, replacing atomically what is there."""
     kind, payload, mode = entry
     if kind == _DIR:
