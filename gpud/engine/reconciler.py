@@ -131,8 +131,10 @@ class Reconciler:
         self.steps = StepRunner(hardware, bus, self.vgpus, self, binder_timeout=binder_timeout)
         self.rounds = GpuRounds(self, self.steps, self.holder_watch, self.reboot_policy)  # each GPU of a pass
         # the one current observation: read off the loop, re-read on change and while clients ask
+        # (no background read of the whole host while a pass runs: the pass re-reads what it changes,
+        # and the whole host at its end; at 64 GPUs such a read is ~1,000 NVML calls beside its own)
         self.observer = Observer(self._read_host, self._install, max_age=max_status_age,
-                                 busy=lambda: bool(self.steps.inflight), prepare=self._plan_ahead)
+                                 busy=lambda: bool(self.steps.inflight) or self.pass_running, prepare=self._plan_ahead)
         # MIG on demand on the dynamic GPUs: beside the pass, never behind it (engine/leases)
         self.leases = LeaseEngine(hardware, bus, state_dir=state_dir, problems=self.state_problems,
                                   gate=self.steps.nvml_gate, dynamic=self._dynamic_gpus, policy=lambda: self.policy,
@@ -234,6 +236,11 @@ class Reconciler:
         if states:
             self.gpu_states.update(states)
             self._notify()
+
+    @property
+    def pass_running(self) -> bool:
+        """A pass is under way: scheduled (from its debounce on) or called directly (start-up, tests)."""
+        return self.scheduler.running or self._pass_layout is not None
 
     def phase_now(self) -> Phase:
         """The phase as it is at this moment (gpud.engine.gpu_state.phase_now)."""
@@ -377,7 +384,7 @@ class Reconciler:
         were concluded for (a new layout's differences are `pending`, not drift)."""
         res = self.resolution
         if (res is None or res.errors or res.layout is None or res.layout is not self._concluded_under
-                or self.scheduler.running or self._pass_layout is not None):
+                or self.pass_running):
             return
         drift = between_passes.drifted(self.observation, res, self.gpu_states, self.next_action)
         for pci, state in drift.items():

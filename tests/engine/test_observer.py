@@ -176,3 +176,37 @@ async def test_a_read_keeps_each_unchanged_gpu_record_and_takes_the_changed_one(
     # one GPU read again alone after a step, found as it was: the record in force is kept
     third = await obs.refresh_gpu(second.gpus[1].pci, lambda g: _gpu(1, 41))
     assert third.gpus[1] is second.gpus[1]
+
+
+# ---- the reconciler's wiring: no background read of the whole host while a pass runs ---------------
+async def test_no_background_reread_while_a_pass_runs(tmp_path):
+    """Between one GPU's steps and the next, no step is in flight but the pass is still running: it
+    re-reads what it changes and the whole host at its end, so a client's look starts no read of all
+    GPUs then (at 64 GPUs one costs about 1,000 NVML calls and competes with the pass's own)."""
+    from tests.scenarios.definitions import layout
+    from tests.support.simrig import SimRig
+
+    rig = SimRig(tmp_path, ("h100-80gb:2",))
+    try:
+        assert await rig.apply(layout({"devices": "all", "mig-enabled": True, "mig-devices": {"1g.10gb": 7}}))
+        observer = rig.rec.observer
+        observer.max_age = 0.0
+        started: list[bool] = []
+        refresh_gpu = observer.refresh_gpu
+
+        async def poke_after(pci, read_gpu):  # a client looks as a GPU's MIG steps end
+            out = await refresh_gpu(pci, read_gpu)
+            assert rig.rec.pass_running and not rig.rec.steps.inflight
+            observer.poke()
+            started.append(observer._background is not None and not observer._background.done())
+            return out
+
+        observer.refresh_gpu = poke_after  # type: ignore[method-assign]
+        assert await rig.apply(layout({"devices": "all", "mig-enabled": True, "mig-devices": {"3g.40gb": 2}}))
+        assert started and not any(started)
+        observer.refresh_gpu = refresh_gpu  # type: ignore[method-assign]
+        observer.poke()  # the pass over: a look re-reads again
+        assert observer._background is not None
+        await observer._background
+    finally:
+        rig.close()
