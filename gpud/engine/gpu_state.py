@@ -5,7 +5,7 @@ socket API and `gpudctl status` show, so they are a Literal of exactly those str
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Literal
+from typing import Any, Literal
 
 import msgspec
 
@@ -56,6 +56,47 @@ class GpuState(msgspec.Struct, frozen=True):
     @property
     def converged(self) -> bool:
         return self.state in ("converged", "unmanaged")
+
+
+class GpuStates(dict[str, GpuState]):
+    """PCI -> GpuState, with `version` moved on by every change: what is built from the whole table
+    (the engine's view, asked for by every `status` request) tells it changed by one comparison
+    instead of one per GPU. The states are frozen, so a change is always one of these calls."""
+
+    version = 0
+
+    def __setitem__(self, pci: str, state: GpuState) -> None:
+        super().__setitem__(pci, state)
+        self.version += 1
+
+    def __delitem__(self, pci: str) -> None:
+        super().__delitem__(pci)
+        self.version += 1
+
+    def update(self, *args: Any, **kw: GpuState) -> None:  # dict.update does not call __setitem__
+        super().update(*args, **kw)
+        self.version += 1
+
+    def __ior__(self, other: Any) -> GpuStates:  # type: ignore[override,misc]
+        self.update(other)
+        return self
+
+    def setdefault(self, pci: str, state: GpuState) -> GpuState:
+        if pci not in self:
+            self.version += 1
+        return super().setdefault(pci, state)
+
+    def pop(self, pci: str, *default: Any) -> Any:
+        self.version += 1
+        return super().pop(pci, *default)
+
+    def popitem(self) -> tuple[str, GpuState]:
+        self.version += 1
+        return super().popitem()
+
+    def clear(self) -> None:
+        super().clear()
+        self.version += 1
 
 
 class MigAction(msgspec.Struct, frozen=True):

@@ -31,7 +31,7 @@ from gpud.engine.boot.rebuild import BootRebuild, boot_id
 from gpud.engine.events import EventBus
 from gpud.engine.feasibility import judged
 from gpud.engine.gpu_rounds import GpuRounds
-from gpud.engine.gpu_state import Action, GpuState, Phase, concluded_phase, phase_now
+from gpud.engine.gpu_state import Action, GpuState, GpuStates, Phase, concluded_phase, phase_now
 from gpud.engine.gpu_tasks import for_each_gpu
 from gpud.engine.layout_keeper import LayoutKeeper
 from gpud.engine.leases.engine import LeaseEngine
@@ -117,7 +117,7 @@ class Reconciler:
         self._concluded_under: Layout | None = None  # the layout the last pass concluded the GPU states for
         self.resolution: Resolution | None = None
         self.observation = Observation(gpus=(), functions=())
-        self.gpu_states: dict[str, GpuState] = {}
+        self.gpu_states = GpuStates()
         self.phase: Phase = "starting"
         self._apply_wanted = False  # `gpudctl apply` asked for the next pass (policy.apply: manual)
         self._apply_now = False  # ... and the running pass is that one
@@ -257,9 +257,9 @@ class Reconciler:
         label_selects = self.layout_file.label_selects
         chosen = self.selected is not None and self.selected == self.layout_file.select and not label_selects
         problems = said_once(self.state_problems.list(), self.gpu_index.problem)
-        return self._views.get(
-            (self.observation, self.resolution, self.layout, records, *states.values()),
-            (self.phase, self.phase_now(), tuple(errors), tuple(warnings), tuple(states), self.config_path,
+        return self._views.get(  # (phase_now follows from the states, the phase and the errors)
+            (self.observation, self.resolution, self.layout, records),
+            (states.version, self.phase, tuple(errors), tuple(warnings), self.config_path,
              self.read_only, self.boot_rebuild.summary, rebuilt, problems,
              tuple(self.gpu_set.notes.items()), self.passes, self.completed_passes, label_selects, chosen),
             lambda: EngineView(
