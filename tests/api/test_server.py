@@ -168,6 +168,42 @@ async def test_idle_connection_is_closed(sockdir):
         assert server.connections == 0 or await _until(lambda: server.connections == 0)
 
 
+async def test_a_client_that_stops_mid_frame_is_closed(sockdir):
+    server = await serve(FakeHandler(), f"{sockdir}/s", group=None, idle_timeout=0.05)
+    async with server:
+        c = await Conn.open(present(server.path))
+        c.writer.write(wire.HEADER.pack(100) + b"\x81")  # a frame of 100 bytes announced, 1 sent
+        assert await c.closed_by_server()
+        assert server.connections == 0 or await _until(lambda: server.connections == 0)
+
+
+async def test_a_request_being_answered_is_not_idle(sockdir):
+    """The idle limit is for waiting on the client, never on gpud: an answer that takes longer
+    than it is still sent."""
+    handler = FakeHandler()
+    gate, started = asyncio.Event(), asyncio.Event()
+
+    async def slow_apply(op, args, peer, _orig=handler.handle):
+        if op == "apply":
+            started.set()
+            await gate.wait()
+        return await _orig(op, args, peer)
+
+    handler.handle = slow_apply  # type: ignore[method-assign]
+    server = await serve(handler, f"{sockdir}/s", group=None, idle_timeout=0.05)
+    async with server:
+        c = await Conn.open(present(server.path))
+        rid = await c.send("apply", {"wait": True})
+        await asyncio.wait_for(started.wait(), GUARD)
+        idle = await Conn.open(present(server.path))  # sweeps happen meanwhile: it is closed by one
+        assert await idle.closed_by_server()
+        assert server.connections == 1  # ... and the answering one is kept
+        gate.set()
+        resp = await c.recv()
+        assert resp.id == rid and resp.ok
+        c.close()
+
+
 async def _until(cond) -> bool:
     """Yield to the loop until cond() holds (bounded by the test guard, no timing assumption)."""
     async def poll():
