@@ -11,7 +11,7 @@ import pytest
 from gpud.host.kernel.sysfs import Sysfs, SysfsError
 from gpud.host.readonly import ReadOnlyError
 from tests.support.present import present
-from tests.support.sim_kernel_host import GPU, make_host
+from tests.support.sim_kernel_host import AUDIO, GPU, GPU2, make_host
 
 
 def test_read_only_refuses_before_touching_anything(tmp_path):
@@ -68,6 +68,45 @@ def test_missing_tree_reads_empty(tmp_path):
     assert s.function(GPU) is None and s.vfio_device_path(3) is None
 
 
+def test_a_stuck_read_leaves_the_functions_after_it_read(tmp_path):
+    """A full read reads every driver_override in turn on one helper thread: the one stuck on its
+    device lock is reported with the value last seen, the functions after it with their own (read
+    on a new thread), and only it is `stuck`."""
+    d = make_host(tmp_path)
+    s = Sysfs(os.path.join(d, "sys"), lock_timeout=0.05)
+    base = os.path.join(d, "sys/devices/pci0000:00")
+    with open(os.path.join(base, GPU2, "driver_override"), "w") as f:
+        f.write("vfio-pci\n")
+    started = []
+    real_start = threading.Thread.start
+
+    def counting_start(self):
+        started.append(self.name)
+        real_start(self)
+
+    threading.Thread.start = counting_start  # type: ignore[method-assign]
+    try:
+        assert {f.address: f.driver_override for f in s.functions()}[GPU2] == "vfio-pci"
+        assert started.count("sysfs-read") == 1  # one thread for the whole read
+        seen_audio = s.function(AUDIO)
+        path = os.path.join(base, GPU, "driver_override")  # GPU sorts before AUDIO and GPU2
+        os.unlink(path)
+        os.mkfifo(path)
+        with open(os.path.join(base, GPU2, "driver_override"), "w") as f:
+            f.write("(null)\n")
+        started.clear()
+        fns = {f.address: f for f in s.functions()}
+    finally:
+        threading.Thread.start = real_start  # type: ignore[method-assign]
+    assert s.stuck == {GPU} and fns[GPU].driver_override is None
+    assert fns[GPU2].driver_override is None and fns[AUDIO] == seen_audio  # read after the stuck one
+    assert started.count("sysfs-read") == 2
+    fd = os.open(path, os.O_RDWR | os.O_NONBLOCK)  # a writer appears: the stuck open returns
+    os.close(fd)
+    s._stuck_reads[GPU].thread.join(5)
+    assert not s._stuck_reads[GPU].thread.is_alive()
+
+
 def test_stuck_driver_override_read_does_not_block(tmp_path):
     """A device whose lock is held (unbind in progress) must not stall a full read: a FIFO stands in
     for driver_override, whose open() blocks until a writer appears."""
@@ -88,7 +127,7 @@ def test_stuck_driver_override_read_does_not_block(tmp_path):
     fd = os.open(path, os.O_WRONLY)
     os.write(fd, b"vfio-pci\n")
     os.close(fd)
-    s._stuck_reads[GPU].join(5)
+    s._stuck_reads[GPU].thread.join(5)
     os.unlink(path)
     with open(path, "w") as f:
         f.write("vfio-pci\n")

@@ -2,8 +2,9 @@
 
 Reads are plain file reads, except `driver_override`: the kernel takes the device lock to show it,
 and an unbind stuck in an nvidia driver holds that lock forever, so that one attribute is read on
-a helper thread with a deadline; on timeout the last value seen is reported and the address is
-listed in `Sysfs.stuck` (the read thread is left behind, never piled up).
+a helper thread (one for all the functions of a host read), each read with a deadline; on timeout
+the last value seen is reported and the address is listed in `Sysfs.stuck` (the read thread is left
+behind, never piled up: the address is not read again until that read returns).
 Writes are one `os.write` on an fd opened O_WRONLY (a buffered file object would report the
 kernel's error only at close), or the simulator's `store(abs_path, bytes)`; errors come back as
 SysfsError with the errno and what it means for that attribute (docs/hardware/driver-binding.md).
@@ -15,6 +16,7 @@ import errno
 import os
 import re
 import threading
+import time
 from collections.abc import Callable
 
 from gpud.host.kernel.module_alias import ModuleAliases
@@ -57,6 +59,47 @@ def describe_error(e: OSError) -> str:
         return str(e)
     return f"{errno.errorcode.get(e.errno, e.errno)}: {meaning(e.filename or '', e.errno)}"
 
+
+
+class _LockedReads:
+    """Reads that may wait on a device lock, done in turn by one daemon thread of their own; the
+    caller waits until they are all done or one has run longer than its deadline."""
+
+    def __init__(self, items: list[tuple[str, str]]) -> None:
+        self.items = items
+        self.results: dict[str, str | None | OSError] = {}
+        self._began = time.monotonic()  # when the read in progress began
+        self._done = threading.Condition()
+        self.thread = threading.Thread(target=self._run, name="sysfs-read", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        for key, path in self.items:
+            try:
+                value: str | None | OSError = _read(path)
+            except OSError as e:
+                value = e
+            with self._done:  # the next read begins now: its deadline counts from here
+                self.results[key] = value
+                self._began = time.monotonic()
+                self._done.notify_all()
+
+    def returned(self, key: str) -> bool:
+        with self._done:
+            return key in self.results
+
+    def wait(self, limit: float) -> int:
+        """How many of the items were read, in order, before one took longer than `limit` seconds
+        (all of them: none did)."""
+        with self._done:
+            while True:
+                n = len(self.results)
+                if n == len(self.items):
+                    return n
+                left = self._began + limit - time.monotonic()
+                if left <= 0:
+                    return n
+                self._done.wait(left)
 
 class SysfsError(OSError):
     """A sysfs write the kernel refused: `errno`, `path`, and `meaning` for a human."""
@@ -126,7 +169,7 @@ class Sysfs:
         self._store = store
         self._modprobe = modprobe
         self._override_seen: dict[str, str | None] = {}
-        self._stuck_reads: dict[str, threading.Thread] = {}
+        self._stuck_reads: dict[str, _LockedReads] = {}
         self.stuck: set[str] = set()  # addresses whose device lock did not answer (unbind in progress?)
 
     def _p(self, *parts: str) -> str:
@@ -146,10 +189,14 @@ class Sysfs:
                      if not n.startswith(".") and not os.path.islink(self._p("bus/pci/devices", n, "physfn"))]
         except FileNotFoundError:
             return []
-        out = [f for f in (self.function(n) for n in sorted(names, key=pci_sort_key)) if f is not None]
-        return out
+        ordered = sorted(names, key=pci_sort_key)
+        overrides = self.driver_overrides(ordered)  # one helper thread for them all
+        return [f for f in (self._function(n, overrides[n]) for n in ordered) if f is not None]
 
     def function(self, address: str) -> PciFunction | None:
+        return self._function(address, self.driver_override(address))
+
+    def _function(self, address: str, driver_override: str | None) -> PciFunction | None:
         base = self._p("bus/pci/devices", address)
         vals = {k: _read(os.path.join(base, k))
                 for k in ("vendor", "device", "subsystem_vendor", "subsystem_device", "class", "numa_node")}
@@ -166,7 +213,7 @@ class Sysfs:
                 subsystem_device=int(vals["subsystem_device"] or "0", 16),
                 class_code=int(class_code, 16),
                 driver=_link_name(os.path.join(base, "driver")),
-                driver_override=self.driver_override(address),
+                driver_override=driver_override,
                 iommu_group=int(group) if group is not None and group.isdigit() else None,
                 numa_node=int(vals["numa_node"]) if vals["numa_node"] not in (None, "") else -1,
                 vfio_variant=(self.aliases.vfio_variant(_read(os.path.join(base, "modalias")))
@@ -177,32 +224,41 @@ class Sysfs:
 
     def driver_override(self, address: str) -> str | None:
         """driver_override, or the last value seen when the device lock does not answer in time."""
-        path = self._p("bus/pci/devices", address, "driver_override")
-        pending = self._stuck_reads.get(address)
-        if pending is not None and pending.is_alive():
-            self.stuck.add(address)
-            return self._override_seen.get(address)
-        box: dict[str, object] = {}
+        return self.driver_overrides([address])[address]
 
-        def run() -> None:
-            try:
-                box["v"] = _read(path)
-            except OSError as e:
-                box["e"] = e
-
-        t = threading.Thread(target=run, name=f"sysfs-read {address}", daemon=True)
-        t.start()
-        t.join(self.lock_timeout)
-        if t.is_alive():
-            self._stuck_reads[address] = t
+    def driver_overrides(self, addresses: list[str]) -> dict[str, str | None]:
+        """driver_override of each address, read in turn on one helper thread, each read with its
+        own deadline (`lock_timeout`). A read that misses it leaves its address `stuck`, reported
+        with the value last seen, and the addresses after it are read on a new thread; while that
+        read has not returned, the address is not read again. One thread per call, not per
+        address: at 64 GPUs a thread started for each read was a quarter of a host read's Python
+        work, and each start hands the interpreter's lock back and forth with the event loop."""
+        out: dict[str, str | None] = {}
+        todo = []
+        for address in addresses:
+            pending = self._stuck_reads.get(address)
+            if pending is not None and not pending.returned(address):
+                self.stuck.add(address)
+                out[address] = self._override_seen.get(address)
+            else:
+                todo.append(address)
+        while todo:
+            reads = _LockedReads([(a, self._p("bus/pci/devices", a, "driver_override")) for a in todo])
+            missed = reads.wait(self.lock_timeout)
+            for address in todo[:missed]:
+                self._stuck_reads.pop(address, None)
+                self.stuck.discard(address)
+                v = reads.results[address]
+                value = None if v in (None, "", "(null)") or isinstance(v, OSError) else str(v)
+                self._override_seen[address] = out[address] = value
+            if missed == len(todo):
+                break
+            address = todo[missed]
+            self._stuck_reads[address] = reads
             self.stuck.add(address)
-            return self._override_seen.get(address)
-        self._stuck_reads.pop(address, None)
-        self.stuck.discard(address)
-        v = box.get("v")
-        value = None if v in (None, "", "(null)") else str(v)
-        self._override_seen[address] = value
-        return value
+            out[address] = self._override_seen.get(address)
+            todo = todo[missed + 1:]
+        return out
 
     def group_members(self, group: int) -> list[str]:
         try:
