@@ -14,6 +14,7 @@ name lines only.
 from __future__ import annotations
 
 import asyncio
+import collections
 import time
 from collections.abc import Awaitable, Callable
 
@@ -35,6 +36,8 @@ Judge = Callable[[ParsedLayout, Resolution, Observation], Resolution]
 
 # Errors carried by one `layout-invalid` event: the event history must stay small enough to send.
 EVENT_ERRORS = 20
+# resolutions made ahead in reading threads that are kept: one per GPU step running at once, and more
+AHEAD_KEPT = 16
 
 
 def _unquoted(issues: list[str], lines: list[int | None], what: str, why: str, path: str) -> list[str]:
@@ -80,7 +83,9 @@ class LayoutKeeper:
         # the one resolution of (layout in force, observation): a load's own is reused, not redone
         self._resolved: tuple[ParsedLayout, Observation, Resolution] | None = None
         # (layout, observation, its resolution before the judge) worked out in a reading thread
-        self._ahead: tuple[ParsedLayout, Observation, Resolution] | None = None
+        # resolutions made in reading threads, newest last: several GPUs' re-reads prepare theirs at
+        # once (each step's GPU is read again in its own thread), so one slot lost all but the last
+        self._ahead: collections.deque[tuple[ParsedLayout, Observation, Resolution]] = collections.deque(maxlen=AHEAD_KEPT)
 
     async def choose_async(self, name: str | None, observe: AsyncObserve | None = None) -> bool:
         """Put layout `name` of the file in force instead of the file's `selected` (None: the
@@ -183,11 +188,9 @@ class LayoutKeeper:
         done = self._resolved
         if done is not None and done[0] is self.layout and done[1] is obs:
             return done[2]
-        ahead = self._ahead
-        if ahead is not None and ahead[0] is self.layout and ahead[1] is obs:
-            resolution = ahead[2]
-        else:
-            resolution = resolve(self.layout, obs.gpus, gone=obs.gone, index_problem=obs.index_problem)
+        ahead = next((r for parsed, seen, r in list(self._ahead) if parsed is self.layout and seen is obs), None)
+        resolution = ahead if ahead is not None else resolve(self.layout, obs.gpus, gone=obs.gone,
+                                                               index_problem=obs.index_problem)
         layout = self.layout.layout
         if self.judge is not None and layout is not None and layout.policy.on_infeasible == "skip-gpu":
             # judged as the load judged it: its infeasible GPUs stay warnings on every later read
@@ -205,7 +208,7 @@ class LayoutKeeper:
         if parsed is None:
             return None
         resolution = resolve(parsed, obs.gpus, gone=obs.gone, index_problem=obs.index_problem)
-        self._ahead = (parsed, obs, resolution)
+        self._ahead.append((parsed, obs, resolution))  # deque.append: atomic across threads
         return resolution
 
     # ---- any text (check, plan) ---------------------------------------------------------------

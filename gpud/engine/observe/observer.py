@@ -142,24 +142,35 @@ class Observer:
         fresh, ahead = await asyncio.to_thread(self._read_one, base, gpu, read_gpu)
         if fresh is None:
             return await self.refresh()
-        if started > self._gpu_read.get(pci, 0.0) and started > self.started:
+        # Another read taken meanwhile (the pass steps several GPUs at once, each read again in its
+        # own thread) makes what was prepared stale: it is prepared again off the loop on the
+        # observation now in force, rather than the layout resolved on the loop (milliseconds at
+        # 64 GPUs). Each time round is another read's doing, and a pass's reads are finite.
+        while self._current is not base and self._newest(pci, started):
+            base = self._current
+            ahead = await asyncio.to_thread(self._prepared, _with(base, fresh))
+        if self._newest(pci, started):
             self._gpu_read[pci] = started
-            # the observation prepared in the reading thread, unless another read came in meanwhile
-            obs = ahead if ahead is not None and self._current is base else _with(self._current, fresh)
-            self._current = obs
-            self._install(obs)
+            self._current = ahead
+            self._install(ahead)
         return self._current
 
+    def _newest(self, pci: str, started: float) -> bool:
+        """A read of `pci` begun at `started` is newer than what is in force for it."""
+        return started > self._gpu_read.get(pci, 0.0) and started > self.started
+
+    def _prepared(self, obs: Observation) -> Observation:
+        self._prepare(obs)
+        return obs
+
     def _read_one(self, base: Observation, gpu: Gpu, read_gpu: Callable[[Gpu], Gpu | None],
-                  ) -> tuple[Gpu | None, Observation | None]:
+                  ) -> tuple[Gpu | None, Observation]:
         """In the worker thread: GPU `gpu` read again (kept as it was when equal), and `base` with
         it, prepared as a whole read is (`prepare`: what the loop will want of it, worked out here)."""
         fresh = _kept(read_gpu(gpu), gpu)
         if fresh is None:
-            return None, None
-        obs = _with(base, fresh)
-        self._prepare(obs)
-        return fresh, obs
+            return None, base
+        return fresh, self._prepared(_with(base, fresh))
 
     # ---- the bounded background re-read ------------------------------------------------------
     def poke(self) -> None:
