@@ -40,7 +40,8 @@ layouts:
       mig-enabled: true
       mig-devices: {"1g.10gb": 7}
 """
-# The apply the clients run against at the largest size: the first 8 GPUs change, the others stay.
+# The applies the clients run against at the largest size: the first 8 GPUs change, the others stay.
+BUSY_APPLIES = 4
 def some_balanced(n: int) -> str:
     rest = list(range(8, n))
     return """version: v1
@@ -90,8 +91,8 @@ def measure(n: int, *, with_status_load: bool, clients: int) -> dict:
         out = {"n": n, "noop_wall": sorted(walls)[1], "noop_calls": sorted(calls)[1], "rss_first": rss_first,
                "rss": gpud.rss()}
         if with_status_load:
-            def apply_some() -> str:
-                gpud.config.write_text(some_balanced(n))
+            def apply(text: str) -> str:
+                gpud.config.write_text(text)
                 c = Client(gpud.socket, timeout=NO_LIMIT)
                 try:
                     r = c.request("apply", {"wait": True}, timeout=NO_LIMIT)
@@ -100,8 +101,11 @@ def measure(n: int, *, with_status_load: bool, clients: int) -> dict:
                 finally:
                     c.close()
 
-            out["busy"] = status_bench.phase(gpud, f"during an apply changing 8 of {n} GPUs", clients, 2, 2000.0, None,
-                                             during=apply_some)
+            # one apply's p99 rests on its ~60 slowest answers: on a shared 2-CPU machine it varies
+            # 2x from one apply to the next, so several are measured, there and back
+            out["busy"] = [status_bench.phase(gpud, f"during an apply changing 8 of {n} GPUs", clients, 2, 2000.0, None,
+                                              during=lambda text=text: apply(text))
+                           for text in [some_balanced(n), ALL_1G] * (BUSY_APPLIES // 2)]
             out["rss_end"] = gpud.rss()
         return out
     finally:
@@ -155,18 +159,23 @@ def main() -> int:
     for r in rows:
         lines.append(f"| {r['n']} | {r['noop_calls']} | {r['noop_calls'] / r['n']:.1f} | {r['noop_wall']:.3f} | "
                      f"{r['rss_first'] / MB:.1f} | {r['rss'] / MB:.1f} |")
-    busy = big.get("busy")
+    applies = big.get("busy")
     lines += ["", f"RSS growth from {small['n']} to {big['n']} GPUs: {per_gpu:.3f} MB per GPU."]
-    if busy is not None:
-        lines += ["", f"`status` at {big['n']} GPUs, {a.clients} clients (2,000 requests/s asked), {busy['name']}: "
-                  f"p50 {busy['p50']:.2f} ms, p99 {busy['p99']:.2f} ms, max {busy['max']:.1f} ms, "
-                  f"{busy['rate']:.0f} answered/s, {len(busy['errors'])} errors; loop lag p99 {busy['lag'].p99_ms:.2f} ms; "
-                  f"apply: `{busy['result']}`."]
+    if applies:
+        median_p99 = sorted(b["p99"] for b in applies)[len(applies) // 2]
+        lines += ["", f"`status` at {big['n']} GPUs, {a.clients} clients (2,000 requests/s asked), during {len(applies)} "
+                  f"applies one after the other, each changing 8 of {big['n']} GPUs (there, back, there, back): "
+                  f"p99 median {median_p99:.2f} ms (the upper median).", "",
+                  "| apply | answers | p50 ms | p99 ms | max ms | answered/s | errors | loop lag p99 ms | apply result |",
+                  "|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+        lines += [f"| {i + 1} | {b['requests']} | {b['p50']:.2f} | {b['p99']:.2f} | {b['max']:.1f} | {b['rate']:.0f} | "
+                  f"{len(b['errors'])} | {b['lag'].p99_ms:.2f} | `{b['result']}` |" for i, b in enumerate(applies)]
     met = [(f"no-op pass at {big['n']} GPUs < 1 s", big["noop_wall"] < 1.0),
            ("RSS growth < 0.5 MB per GPU", per_gpu < 0.5)]
-    if busy is not None:
-        met.append((f"status p99 < 2 ms with {a.clients} clients during an apply",
-                    busy["p99"] < 2.0 and not busy["errors"] and busy["result"] is not None))
+    if applies:
+        met.append((f"status p99 < 2 ms with {a.clients} clients during an apply (median of {len(applies)})",
+                    median_p99 < 2.0 and not any(b["errors"] for b in applies)
+                    and all(b["result"] is not None for b in applies)))
     lines += ["", "Targets (issue 28): " + "; ".join(f"{what}: {'met' if ok else 'NOT met'}" for what, ok in met) + ".", ""]
     text = "\n".join(lines)
     Path(a.o).parent.mkdir(parents=True, exist_ok=True)
