@@ -168,6 +168,21 @@ async def test_idle_connection_is_closed(sockdir):
         assert server.connections == 0 or await _until(lambda: server.connections == 0)
 
 
+def _gated_apply() -> tuple[FakeHandler, asyncio.Event, asyncio.Event]:
+    """The fake handler with `apply` held until `gate` is set (`started` says it is held)."""
+    handler = FakeHandler()
+    gate, started = asyncio.Event(), asyncio.Event()
+
+    async def slow_apply(op, args, peer, _orig=handler.handle):
+        if op == "apply":
+            started.set()
+            await gate.wait()
+        return await _orig(op, args, peer)
+
+    handler.handle = slow_apply  # type: ignore[method-assign]  # the fake's own handler, slowed for apply
+    return handler, gate, started
+
+
 async def test_a_client_that_stops_mid_frame_is_closed(sockdir):
     server = await serve(FakeHandler(), f"{sockdir}/s", group=None, idle_timeout=0.05)
     async with server:
@@ -180,16 +195,7 @@ async def test_a_client_that_stops_mid_frame_is_closed(sockdir):
 async def test_a_request_being_answered_is_not_idle(sockdir):
     """The idle limit is for waiting on the client, never on gpud: an answer that takes longer
     than it is still sent."""
-    handler = FakeHandler()
-    gate, started = asyncio.Event(), asyncio.Event()
-
-    async def slow_apply(op, args, peer, _orig=handler.handle):
-        if op == "apply":
-            started.set()
-            await gate.wait()
-        return await _orig(op, args, peer)
-
-    handler.handle = slow_apply  # type: ignore[method-assign]
+    handler, gate, started = _gated_apply()
     server = await serve(handler, f"{sockdir}/s", group=None, idle_timeout=0.05)
     async with server:
         c = await Conn.open(present(server.path))
@@ -234,16 +240,7 @@ async def test_slow_handler_does_not_block_other_connections(running):
 
 
 async def test_when_full_a_busy_connection_is_kept_and_the_new_one_refused(sockdir):
-    handler = FakeHandler()
-    gate, started = asyncio.Event(), asyncio.Event()
-
-    async def slow_apply(op, args, peer, _orig=handler.handle):
-        if op == "apply":
-            started.set()
-            await gate.wait()
-        return await _orig(op, args, peer)
-
-    handler.handle = slow_apply  # type: ignore[method-assign]  # the fake's own handler, slowed for apply
+    handler, gate, started = _gated_apply()
     server = await serve(handler, f"{sockdir}/s", group=None, max_connections=1)
     async with server:
         a = await Conn.open(present(server.path))
