@@ -382,8 +382,14 @@ MODELS: dict[str, ModelInfo] = {
 }
 
 
+# PCI device id -> the first model of MODELS with it (asked for every GPU of every host read)
+_BY_DEVICE: dict[int, ModelInfo] = {}
+for _m in MODELS.values():
+    _BY_DEVICE.setdefault(_m.device, _m)
+
+
 def by_device(device_id: int) -> ModelInfo | None:
-    return next((m for m in MODELS.values() if m.device == device_id), None)
+    return _BY_DEVICE.get(device_id)
 
 
 def known_model_name(gpu: Gpu) -> str | None:
@@ -405,9 +411,22 @@ def with_model_ci_profiles(observed: tuple[MigProfile, ...], device_id: int) -> 
     through a live GPU instance of it, so a profile without one came back with none; it takes
     them from the known model's table (the ids and sizes NVML gives through a live GI of that
     profile). Profiles NVML did describe, and unknown models, stay as they are."""
+    kept = _WITH_CI.get((id(observed), device_id))
+    if kept is not None and kept[0] is observed:
+        return kept[1]
     model = by_device(device_id)
     if model is None:
         return observed
     table = {p.id: p.ci_profiles for p in model.profiles}
-    return tuple(p if p.ci_profiles or p.id not in table else replace(p, ci_profiles=table[p.id])
-                 for p in observed)
+    out = tuple(p if p.ci_profiles or p.id not in table else replace(p, ci_profiles=table[p.id]) for p in observed)
+    if len(_WITH_CI) >= _WITH_CI_KEPT:
+        _WITH_CI.clear()
+    _WITH_CI[(id(observed), device_id)] = (observed, out)
+    return out
+
+
+# (id of a GPU's observed table, device id) -> (that table, the result): a GPU's table is read once
+# per NVML session and kept (host/nvidia/nvml.py), so each layout resolution asks with the same
+# object for every GPU; the table is held here, so its id is not reused while kept
+_WITH_CI: dict[tuple[int, int], tuple[tuple[MigProfile, ...], tuple[MigProfile, ...]]] = {}
+_WITH_CI_KEPT = 1024
