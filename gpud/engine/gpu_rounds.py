@@ -57,6 +57,7 @@ class GpuRounds:
         self._holder_watch = holder_watch
         self._reboot_policy = reboot_policy
         self.acted = False  # whether a step was carried out since the pass began (the pass resets it)
+        self.running = 0  # GPUs whose rounds are under way (their steps, and the re-reads after them)
         self._group_turns: dict[int, asyncio.Lock] = {}
 
     async def converge(self, pci: str, desired: DesiredGpu) -> None:
@@ -65,6 +66,7 @@ class GpuRounds:
         gpu = rec.gpu(pci)
         group = gpu.function.iommu_group if gpu is not None else None
         turn = self._group_turns.setdefault(group, asyncio.Lock()) if group is not None else None
+        self.running += 1
         try:
             if turn is None:
                 state = await self._rounds(pci, desired)
@@ -75,6 +77,8 @@ class GpuRounds:
         except Exception as e:
             log.exception("GPU %s", pci)
             rec.set_state(pci, GpuState("failed", f"internal error: {e}"))
+        finally:
+            self.running -= 1
 
     async def _rounds(self, pci: str, desired: DesiredGpu) -> GpuState:
         rec = self._rec

@@ -131,10 +131,13 @@ class Reconciler:
         self.steps = StepRunner(hardware, bus, self.vgpus, self, binder_timeout=binder_timeout)
         self.rounds = GpuRounds(self, self.steps, self.holder_watch, self.reboot_policy)  # each GPU of a pass
         # the one current observation: read off the loop, re-read on change and while clients ask
-        # (no background read of the whole host while a pass runs: the pass re-reads what it changes,
-        # and the whole host at its end; at 64 GPUs such a read is ~1,000 NVML calls beside its own)
+        # (no background read of the whole host while a pass's GPUs are in their rounds: the pass
+        # re-reads each GPU it changes, and the whole host at its end; at 64 GPUs such a read is
+        # ~1,000 NVML calls beside its own. While a pass waits (the apply lock, hooks, operands,
+        # the CDI refresh) nothing re-reads for it, so clients' looks do.)
         self.observer = Observer(self._read_host, self._install, max_age=max_status_age,
-                                 busy=lambda: bool(self.steps.inflight) or self.pass_running, prepare=self._plan_ahead)
+                                 busy=lambda: bool(self.steps.inflight) or self.rounds.running > 0,
+                                 prepare=self._plan_ahead)
         # MIG on demand on the dynamic GPUs: beside the pass, never behind it (engine/leases)
         self.leases = LeaseEngine(hardware, bus, state_dir=state_dir, problems=self.state_problems,
                                   gate=self.steps.nvml_gate, dynamic=self._dynamic_gpus, policy=lambda: self.policy,
@@ -239,7 +242,7 @@ class Reconciler:
 
     @property
     def pass_running(self) -> bool:
-        """A pass is under way: scheduled (from its debounce on) or called directly (start-up, tests)."""
+        """A pass is under way: run by the scheduler (after its debounce) or called directly (start-up, tests)."""
         return self.scheduler.running or self._pass_layout is not None
 
     def phase_now(self) -> Phase:

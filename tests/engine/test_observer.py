@@ -178,11 +178,12 @@ async def test_a_read_keeps_each_unchanged_gpu_record_and_takes_the_changed_one(
     assert third.gpus[1] is second.gpus[1]
 
 
-# ---- the reconciler's wiring: no background read of the whole host while a pass runs ---------------
-async def test_no_background_reread_while_a_pass_runs(tmp_path):
-    """Between one GPU's steps and the next, no step is in flight but the pass is still running: it
-    re-reads what it changes and the whole host at its end, so a client's look starts no read of all
-    GPUs then (at 64 GPUs one costs about 1,000 NVML calls and competes with the pass's own)."""
+# ---- the reconciler's wiring: no background read of the whole host while a pass's GPUs step --------
+async def test_no_background_reread_while_a_pass_steps_its_gpus(tmp_path):
+    """Between one GPU's steps and the next, no step is in flight but the GPU is still in its
+    rounds: the pass re-reads what it changes and the whole host at its end, so a client's look
+    starts no read of all GPUs then (at 64 GPUs one costs about 1,000 NVML calls and competes with
+    the pass's own)."""
     from tests.scenarios.definitions import layout
     from tests.support.simrig import SimRig
 
@@ -196,7 +197,7 @@ async def test_no_background_reread_while_a_pass_runs(tmp_path):
 
         async def poke_after(pci, read_gpu):  # a client looks as a GPU's MIG steps end
             out = await refresh_gpu(pci, read_gpu)
-            assert rig.rec.pass_running and not rig.rec.steps.inflight
+            assert rig.rec.rounds.running and not rig.rec.steps.inflight
             observer.poke()
             started.append(observer._background is not None and not observer._background.done())
             return out
@@ -208,5 +209,42 @@ async def test_no_background_reread_while_a_pass_runs(tmp_path):
         observer.poke()  # the pass over: a look re-reads again
         assert observer._background is not None
         await observer._background
+    finally:
+        rig.close()
+
+
+async def test_a_pass_waiting_for_the_apply_lock_leaves_looks_their_reads(tmp_path):
+    """A pass that waits (here for the apply lock another gpud holds; hooks, operands and the CDI
+    refresh are waits too) re-reads nothing meanwhile: a client's look still re-reads the host, or
+    status would show the host as it was when the pass began for as long as it waits."""
+    import fcntl
+    import os
+
+    from gpud.engine.apply_lock import open_lock_file
+    from tests.scenarios.definitions import layout
+    from tests.support.simrig import SimRig
+
+    rig = SimRig(tmp_path, ("h100-80gb:1",))
+    try:
+        assert await rig.apply(layout({"devices": "all", "mig-enabled": False}))
+        observer = rig.rec.observer
+        observer.max_age = 0.0
+        fd = open_lock_file(rig.dir / "apply.lock")
+        fcntl.flock(fd, fcntl.LOCK_EX)  # another gpud applying
+        runner = asyncio.create_task(rig.rec.run(debounce=0))
+        try:
+            ticket = rig.rec.kick("test")
+            while not rig.rec.scheduler.running:  # the pass has begun: it waits for the lock
+                await asyncio.sleep(0)
+            reads = observer.reads
+            observer.poke()
+            assert observer._background is not None
+            await observer._background
+            assert observer.reads == reads + 1 and rig.rec.scheduler.running
+        finally:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            os.close(fd)
+        assert await rig.rec.wait_for(ticket, 60)
+        runner.cancel()
     finally:
         rig.close()

@@ -9,8 +9,9 @@ observation and re-reads the host only:
   device events and holder exits (they start a pass), a layout change, NVML re-opened after a
   rebind (the pass's re-read after the bind step);
 - at a bounded rate while clients ask (`poke`): holders start and stop without any event, so an
-  answer is never older than `max_age` plus one read while someone is looking, but for the length
-  of a pass (`busy`: the pass re-reads what it changes, and the whole host at its end);
+  answer is never older than `max_age` plus one read while someone is looking, but while a pass's
+  GPUs are in their rounds (`busy`: the pass re-reads each GPU it changes, and the whole host at
+  its end);
 - when a client asks for a fresh one (`fresh`, `gpudctl status --fresh`);
 - one GPU alone after the engine changed its MIG layout (`refresh_gpu`): the others did not change.
 
