@@ -103,8 +103,11 @@ def test_a_stuck_read_leaves_the_functions_after_it_read(tmp_path):
     assert started.count("sysfs-read") == 2
     fd = os.open(path, os.O_RDWR | os.O_NONBLOCK)  # a writer appears: the stuck open returns
     os.close(fd)
-    s._stuck_reads[GPU].thread.join(5)
-    assert not s._stuck_reads[GPU].thread.is_alive()
+    left_behind = s._stuck_reads[GPU]
+    left_behind.thread.join(5)
+    assert not left_behind.thread.is_alive()
+    # the thread left behind stopped at the stuck read: the functions after it were read by another
+    assert list(left_behind.results)[-1] == GPU and AUDIO not in left_behind.results
 
 
 def test_stuck_driver_override_read_does_not_block(tmp_path):

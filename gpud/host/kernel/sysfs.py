@@ -69,12 +69,16 @@ class _LockedReads:
         self.items = items
         self.results: dict[str, str | None | OSError] = {}
         self._began = time.monotonic()  # when the read in progress began
+        self._abandoned = False  # the caller gave up waiting: the reads after the current one are not made
         self._done = threading.Condition()
         self.thread = threading.Thread(target=self._run, name="sysfs-read", daemon=True)
         self.thread.start()
 
     def _run(self) -> None:
         for key, path in self.items:
+            with self._done:
+                if self._abandoned:  # read on a new thread, or not wanted: another device lock not taken
+                    return
             try:
                 value: str | None | OSError = _read(path)
             except OSError as e:
@@ -90,7 +94,7 @@ class _LockedReads:
 
     def wait(self, limit: float) -> int:
         """How many of the items were read, in order, before one took longer than `limit` seconds
-        (all of them: none did)."""
+        (all of them: none did). Those after it are then left unread by this thread."""
         with self._done:
             while True:
                 n = len(self.results)
@@ -98,6 +102,7 @@ class _LockedReads:
                     return n
                 left = self._began + limit - time.monotonic()
                 if left <= 0:
+                    self._abandoned = True
                     return n
                 self._done.wait(left)
 
