@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import Any, Protocol
 
 from gpud.engine.boot.reboot_policy import RebootPolicy
@@ -58,6 +59,7 @@ class GpuRounds:
         self._reboot_policy = reboot_policy
         self.acted = False  # whether a step was carried out since the pass began (the pass resets it)
         self.running = 0  # GPUs whose rounds are under way (their steps, and the re-reads after them)
+        self.ended = 0.0  # time.monotonic() when the last GPU's rounds ended
         self._group_turns: dict[int, asyncio.Lock] = {}
 
     async def converge(self, pci: str, desired: DesiredGpu) -> None:
@@ -79,6 +81,7 @@ class GpuRounds:
             rec.set_state(pci, GpuState("failed", f"internal error: {e}"))
         finally:
             self.running -= 1
+            self.ended = time.monotonic()
 
     async def _rounds(self, pci: str, desired: DesiredGpu) -> GpuState:
         rec = self._rec

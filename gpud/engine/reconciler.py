@@ -440,7 +440,9 @@ class Reconciler:
             finally:
                 self._pass_layout = None
             if self.rounds.acted:  # a pass that changed nothing ends with the view it began with
-                await self.refresh_async()
+                # a read begun after its GPUs' rounds ended sees all it changed: one a client's look
+                # started meanwhile (hooks and the CDI refresh may follow the rounds) is that read
+                await self.observer.fresh(self.rounds.ended)
         self.phase = concluded_phase(self.gpu_states.values())
         # the layout this pass's states were concluded under: later observations are judged against it
         self._concluded_under = self.resolution.layout if self.resolution is not None else None

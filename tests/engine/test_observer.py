@@ -248,3 +248,37 @@ async def test_a_pass_waiting_for_the_apply_lock_leaves_looks_their_reads(tmp_pa
         runner.cancel()
     finally:
         rig.close()
+
+
+async def test_a_read_a_look_started_after_the_rounds_is_the_pass_end_read(tmp_path):
+    """The pass ends with a read of the whole host begun after its GPUs' rounds ended; when a
+    client's look started one in that window (the rounds are over, hooks or the CDI refresh may
+    still run), the pass takes it rather than reading all GPUs again."""
+    from tests.scenarios.definitions import layout
+    from tests.support.simrig import SimRig
+
+    rig = SimRig(tmp_path, ("h100-80gb:2",))
+    try:
+        assert await rig.apply(layout({"devices": "all", "mig-enabled": True, "mig-devices": {"1g.10gb": 7}}))
+        observer, rounds = rig.rec.observer, rig.rec.rounds
+        observer.max_age = 0.0
+        looked: list[float] = []
+        converge = rounds.converge
+
+        async def look_after(pci, desired):  # a client looks as the last GPU's rounds end
+            await converge(pci, desired)
+            if rounds.running == 0:
+                observer.poke()
+                looked.append(observer._running_since)
+            return None
+
+        rounds.converge = look_after  # type: ignore[method-assign]
+        seen = rig.read_spy()
+        assert await rig.apply(layout({"devices": "all", "mig-enabled": True, "mig-devices": {"3g.40gb": 2}}))
+        assert looked and looked[-1] >= rounds.ended  # the look's read began after the rounds
+        last_gpu = max(i for i, x in enumerate(seen) if x != "*")
+        assert seen[last_gpu + 1:] == ["*"]  # after the GPUs' reads, one of the whole host: the look's
+        assert observer.started == looked[-1]  # the observation in force is that read
+        assert [len(g.nvml.instances) for g in rig.rec.observation.gpus if g.nvml] == [2, 2]
+    finally:
+        rig.close()

@@ -176,18 +176,21 @@ class Observer:
     # ---- the bounded background re-read ------------------------------------------------------
     def poke(self) -> None:
         """A client looked: re-read in the background if the observation is older than `max_age`
-        and nothing else is reading or changing the hardware. Never waits."""
+        and nothing else is reading or changing the hardware. Never waits. The read starts here,
+        not in a later callback: whoever asks for a read begun after this moment joins it."""
         if self._running is not None or self._busy():
             return
         if self._background is not None and not self._background.done():
             return
         if self.started and time.monotonic() - self.started < self.max_age:
             return
-        self._background = asyncio.get_running_loop().create_task(self._background_read(), name="observer")
+        self._background = asyncio.get_running_loop().create_task(self._background_read(self._start_read()),
+                                                                  name="observer")
 
-    async def _background_read(self) -> None:
+    @staticmethod
+    async def _background_read(read: asyncio.Task[Observation]) -> None:
         try:
-            await self.refresh()
+            await read
         except Exception:  # the next poke tries again; the pass reports hardware errors itself
             log.exception("background re-read of the host failed")
 
