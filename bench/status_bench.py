@@ -78,7 +78,9 @@ async def _client(path: str, stop: asyncio.Event, latencies: list[tuple[float, f
             if payload is None:
                 errors.append("connection closed")
                 return
-            if len(latencies) % 500 == 1:  # check the answer now and then, not on the clock
+            # an error reply is a short frame and a status a long one: each short one is read,
+            # a status now and then (reading 80 KB each time would load the clients' CPUs)
+            if len(payload) < 1024 or len(latencies) % 500 == 1:
                 msg = wire.decode_message(payload)
                 if not getattr(msg, "ok", False):
                     errors.append(f"error reply: {msg}")
@@ -172,7 +174,7 @@ class Gpud:
     before the daemon starts, `layout` in force; started and converged once."""
 
     def __init__(self, tmp: Path, *, gpus: str = GPUS, mig_on: tuple[int, ...] = (), layout: str = WHOLE,
-                 prepare=None) -> None:
+                 prepare=None, replica: bool = True) -> None:
         from gpud.sim import cli as simcli
 
         self.host = tmp / "host"
@@ -183,13 +185,17 @@ class Gpud:
         self.config = tmp / "layout.yaml"
         self.config.write_text(layout)
         self.socket = str(tmp / "gpud.sock")
+        # where `gpudctl status` is answered: the status replica's socket, or with replica=False
+        # (gpud --no-status-replica) the daemon's own
+        self.status_socket = wire.status_socket(self.socket) if replica else self.socket
         # the checkout first; a PYTHONPATH already set (dependencies installed with --target) kept after it
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
         env.pop("NOTIFY_SOCKET", None)
         self.log = (tmp / "gpud.log").open("w")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "gpud.daemon", "--sim", str(self.host), "--config", str(self.config),
-             "--socket", self.socket, "--state-dir", str(tmp / "state"), "--log-level", "WARNING"],
+             "--socket", self.socket, "--state-dir", str(tmp / "state"), "--log-level", "WARNING",
+             *([] if replica else ["--no-status-replica"])],
             stdout=self.log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
         self.client = Client(self.socket, timeout=120)
         deadline = time.monotonic() + 180
@@ -198,6 +204,8 @@ class Gpud:
                 raise RuntimeError(f"gpud exited; see {tmp / 'gpud.log'}")
             try:
                 self.client.request("version")
+                if replica and not Path(self.status_socket).exists():
+                    raise RuntimeError("the status replica is not listening yet")
                 break
             except Exception:
                 if time.monotonic() > deadline:
@@ -210,11 +218,18 @@ class Gpud:
         self.client.close()  # a fresh connection: gpud closes idle ones after 60 s
         return self.client.request(op, args)
 
-    def rss(self) -> int:
-        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
+    def rss(self, pid: int | None = None) -> int:
+        """VmRSS of the daemon (or of its child `pid`), in bytes."""
+        for line in Path(f"/proc/{pid or self.proc.pid}/status").read_text().splitlines():
             if line.startswith("VmRSS:"):
                 return int(line.split()[1]) * 1024
         return 0
+
+    def replica_rss(self) -> int:
+        """VmRSS of the status replica (0 without one)."""
+        out = subprocess.run(["pgrep", "-P", str(self.proc.pid), "-f", "gpud.api.status_replica"],
+                             capture_output=True, text=True).stdout.split()
+        return self.rss(int(out[0])) if out else 0
 
     def cpu_seconds(self) -> float:
         """CPU time the daemon has used (user + system, all its threads)."""
@@ -233,11 +248,12 @@ class Gpud:
 
 # ---- phases -----------------------------------------------------------------------------------------
 def phase(gpud: Gpud, name: str, clients: int, processes: int, rate: float | None, seconds: float | None,
-          during=None) -> dict:
+          during=None, path: str | None = None) -> dict:
     """Load for `seconds`, or for as long as `during()` (run in a thread) takes, once the load has
-    run WARM_UP seconds: the window (latencies, the daemon's loop lag, its CPU) starts after it."""
+    run WARM_UP seconds: the window (latencies, the daemon's loop lag, its CPU) starts after it.
+    `path`: the socket asked (default: where `gpudctl status` asks, gpud.status_socket)."""
     box: dict = {}
-    with Load(gpud.socket, clients, processes, rate) as load:
+    with Load(path or gpud.status_socket, clients, processes, rate) as load:
         time.sleep(WARM_UP)
         gpud.request("stats", {"reset": True})
         cpu0 = gpud.cpu_seconds()

@@ -44,6 +44,7 @@ from gpud.host.nvidia.nvml import NvmlError
 from gpud.host.nvidia.sriov_manage import DEFAULT_PATH as SRIOV_MANAGE
 from gpud.host.systemd.early_signals import hold_sighup, take_sighup
 from gpud.loop_lag import LoopLagProbe
+from gpud.wire.frames import status_socket
 
 PERSISTENCE_INTENT = "persistence-restore.json"  # in the state dir: GPUs whose persistence a reset left off
 
@@ -84,6 +85,7 @@ class DaemonConfig:
     replay: str | None = None
     lock: str | None = None
     socket_group: str = "gpud"
+    status_replica: bool = True  # answer plain `status` from a process of its own (gpud.api.status_replica)
     udev_rules: str | None = None
     metrics_textfile: str | None = None
     unbind_timeout: float = 30.0  # seconds before an unbind is declared stuck
@@ -124,6 +126,10 @@ def parse_args(argv: list[str] | None = None) -> DaemonConfig:
     ap.add_argument("--lock", help="host-wide apply lock (default /run/gpud/apply.lock, or DIR/apply.lock with --sim; "
                     "its directory must be writable only by gpud's user)")
     ap.add_argument("--socket-group", default="gpud", help="group allowed to read status (default gpud)")
+    ap.add_argument("--no-status-replica", dest="status_replica", action="store_false",
+                    help="answer every `status` in the daemon itself, not from the status replica beside the "
+                    "socket (SOCKET without .sock + -status.sock), a process that answers from the daemon's last "
+                    "snapshot while the daemon's own interpreter is busy with an apply")
     ap.add_argument("--udev-rules", help="udev rules file that keeps passthrough GPUs off nvidia at boot "
                     "(default /etc/udev/rules.d/70-gpud-vfio.rules, or DIR/etc/udev/rules.d/... with --sim)")
     ap.add_argument("--metrics-textfile", help="write Prometheus metrics to this file (node exporter's "
@@ -449,6 +455,10 @@ class Daemon:
             server = await serve(handler, self.args.socket, sock=listen_socket(), group=self.args.socket_group)
         except OSError as e:
             raise RuntimeError(f"cannot serve on {self.args.socket}: {e.strerror or e}") from e
+        feed = None
+        if self.args.status_replica:
+            feed = handler.status_feed(status_socket(self.args.socket), server.gpud_gid, like=self.args.socket)
+            self.engine.subscribe(feed.changed)
         events = self.device_events(self.on_device_event)
         try:
             events.start(loop)
@@ -465,6 +475,8 @@ class Daemon:
         ]
         if self.kube is not None:
             tasks.append(asyncio.create_task(self.kube.run(), name="kube"))
+        if feed is not None:
+            tasks.append(asyncio.create_task(feed.run(), name="status-replica"))
         if self.dra is not None:
             tasks.append(asyncio.create_task(self.dra.run(), name="dra"))
         interval = self.notifier.watchdog_interval()
@@ -503,6 +515,8 @@ class Daemon:
         for sw in await asyncio.to_thread(end_stuck_writes, self.args.stuck_writer_wait_s):
             log.warning("the writer of %s (pid %d) is still blocked in the kernel; killed, it ends when "
                         "the kernel lets its write return", sw.path, sw.pid)
+        if feed is not None:
+            await feed.close()
         await server.close()
         if self.dra is not None:
             await self.dra.stop()

@@ -42,6 +42,7 @@ from gpud.wire import replies as wire_replies
 from gpud.wire import tables as wire_tables
 
 if TYPE_CHECKING:  # their modules load the Kubernetes client and gRPC: only with --kube-node / --dra
+    from gpud.api.status_feed import StatusFeed
     from gpud.engine.dra.service import DraService
     from gpud.engine.kube.agent import KubeAgent
 
@@ -84,6 +85,25 @@ class RequestHandler:
         # layout texts sent by clients are evaluated in per-user turns (gpud.api.fair_share)
         self.fair = FairShare()
         self._peer: contextvars.ContextVar[Peer | None] = contextvars.ContextVar("peer", default=None)
+        self.feed: StatusFeed | None = None  # the status replica's (the daemon sets it)
+
+    def before_send(self) -> None:
+        """The server is about to send a reply or an event: the status replica first gets any
+        change in it, so a client that saw this and then asks the replica finds it there."""
+        if self.feed is not None:
+            self.feed.push()
+
+    def status_feed(self, path: str, gpud_gid: int | None, like: str | None = None) -> StatusFeed:
+        """The status replica's feed from this handler's snapshot, counted as its status answers;
+        `like`: the daemon's socket, whose mode and group the replica's takes."""
+        from gpud.api.status_feed import StatusFeed
+
+        def counted(n: int) -> None:
+            self.requests["status"] += n
+
+        self.feed = StatusFeed(self.engine, self.status_snapshot, self.kubernetes, self.lease_group, counted,
+                               path=path, gpud_gid=gpud_gid, like=like)
+        return self.feed
 
     async def handle(self, op: str, args: dict[str, Any], peer: Peer) -> Any:
         answer = getattr(self, "op_" + op.replace("-", "_"), None)
@@ -124,9 +144,10 @@ class RequestHandler:
         without any event)."""
         view = await self.engine.read_for_status(fresh)
         return view, {"observed_at": self.engine.observed_at, "age": self.engine.observation_age(),
-                      "kubernetes": self._kubernetes(view.observation.gpus)}
+                      "kubernetes": self.kubernetes(view.observation.gpus)}
 
-    def _kubernetes(self, gpus: tuple[Gpu, ...]) -> wire_replies.KubernetesStatus:
+    def kubernetes(self, gpus: tuple[Gpu, ...]) -> wire_replies.KubernetesStatus:
+        """The Kubernetes part of a status answered now."""
         strategy = self.labels.mig_strategy if self.labels is not None else "mixed"
         agent = self.kube_agent.status if self.kube_agent is not None else None
         dra = self.dra.status() if self.dra is not None else None

@@ -5,6 +5,10 @@ from SO_PEERGROUPS, or /proc when that is missing), never from anything the clie
 Who may do what: uid 0 everything; members of the `gpud` group the read ops (`wire.READ_OPS`);
 members of the layout's `policy.lease-group` the lease ops (`wire.LEASE_OPS`) and the read ops;
 nobody else anything.
+
+Standard library only (the ops' names from gpud.wire.frames): the status replica
+(gpud/api/status_replica.py) checks its clients with these same functions in a process that
+imports nothing it does not need.
 """
 
 from __future__ import annotations
@@ -13,10 +17,9 @@ import grp
 import os
 import socket
 import struct
+from typing import NamedTuple
 
-import msgspec
-
-from gpud.wire import protocol as wire
+from gpud.wire import frames as wire
 
 _UCRED = struct.Struct("iII")  # struct ucred: pid_t pid; uid_t uid; gid_t gid
 # SO_PEERGROUPS (Linux 4.13): the peer's supplementary groups as of connect(), race-free. 59 on
@@ -26,7 +29,7 @@ _SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", None) or (
 )
 
 
-class Peer(msgspec.Struct, frozen=True):
+class Peer(NamedTuple):
     """Who is on the other end, as the kernel says. `groups` includes the primary gid."""
 
     pid: int

@@ -60,7 +60,8 @@ class Handler(Protocol):
     `unsubscribe(source)`, it is called when the subscriber goes away. If it has `lease_group()`,
     members of the group it names (the layout's policy.lease-group) may use the lease ops. If it
     has `encoded(op, args, peer)`, that is asked first: a msgspec.Raw holding the op's reply
-    struct as MessagePack, sent as it is (one encoding shared by many clients), or None.
+    struct as MessagePack, sent as it is (one encoding shared by many clients), or None. If it has
+    `before_send()`, that is called before every reply and event is sent.
     """
 
     async def handle(self, op: str, args: dict[str, Any], peer: Peer) -> Any: ...
@@ -214,7 +215,13 @@ class ApiServer:
             except (Exception, asyncio.CancelledError):  # noqa: BLE001 - any failure to flush ends the connection the hard way
                 writer.transport.abort()  # ... unless the client does not read it
 
+    def _before_send(self) -> None:
+        before = getattr(self.handler, "before_send", None)
+        if before is not None:
+            before()
+
     async def _send(self, writer: asyncio.StreamWriter, msg: Any) -> None:
+        self._before_send()
         try:
             frame = wire.encode_frame(msg, max_frame=self.max_frame)
         except (wire.FrameTooLarge, TypeError, msgspec.EncodeError) as e:
@@ -401,6 +408,7 @@ class ApiServer:
                 item = get.result()
                 if item is None:
                     return
+                self._before_send()
                 try:
                     frame = wire.encode_frame(wire.EventFrame(id=rid, event=_as_event(item)),
                                               max_frame=self.max_frame)

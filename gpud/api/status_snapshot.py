@@ -119,11 +119,16 @@ class StatusSnapshot:
                 kubernetes: wire_replies.KubernetesStatus | None = None) -> msgspec.Raw:
         """`reply(...)` as MessagePack: the bytes msgspec writes for it, the snapshot's own fields
         encoded once per snapshot."""
+        return msgspec.Raw(self.parts(view).answer(_per_answer(observed_at, age, kubernetes)))
+
+    def parts(self, view: EngineView) -> _Encoded:
+        """The snapshot of `view` encoded around its per-answer fields: the same object while the
+        snapshot stays (what the status replica is sent, gpud.api.status_feed)."""
         current = self._current(view)
         enc = self._encoded
         if enc is None or enc.reply is not current:
             enc = self._encoded = _Encoded(current)
-        return msgspec.Raw(enc.answer(_per_answer(observed_at, age, kubernetes)))
+        return enc
 
 
 def _per_answer(observed_at: float, age: float, kubernetes: wire_replies.KubernetesStatus | None) -> dict[str, Any]:

@@ -27,6 +27,9 @@ if TYPE_CHECKING:  # the types only: importing `typing` and the structs costs a 
 
 DEFAULT_SOCKET = "/run/gpud/gpud.sock"
 DEFAULT_TIMEOUT = 30.0  # seconds for one reply; `apply --wait` and `events -f` wait longer
+# Seconds the status replica may take before gpudctl asks the daemon instead: it answers from
+# memory in well under a millisecond, so a wait this long means it is stopped or stuck.
+REPLICA_TIMEOUT = 2.0
 NO_LIMIT = math.inf  # a timeout that never expires: wait as long as gpud takes
 
 
@@ -63,6 +66,9 @@ class Client:
         self._escape = escape
         self._reader = frames.FrameReader()
         self._sock: _socket.socket | None = None
+        # the status replica's connection: None until asked, False once it could not answer
+        self._replica: _socket.socket | None | bool = None
+        self._on: _socket.socket | None = None  # the connection of the exchange in progress (_read)
         self._next_id = 1
 
     def _connect(self) -> _socket.socket:
@@ -89,6 +95,9 @@ class Client:
         if self._sock is not None:
             self._sock.close()
             self._sock = None
+        if isinstance(self._replica, _socket.socket):
+            self._replica.close()
+            self._replica = None
 
     def __enter__(self) -> Client:
         return self
@@ -97,17 +106,18 @@ class Client:
         self.close()
 
     def __del__(self) -> None:  # a program that keeps no reference closes its connection too
-        if getattr(self, "_sock", None) is not None:
+        if getattr(self, "_sock", None) is not None or isinstance(getattr(self, "_replica", None), _socket.socket):
             self.close()
 
     def _read(self) -> dict[str, Any]:
         """The next frame from gpud: a response `{id, ok, result, error}`, or an event frame `{id, event}`
         (the shapes of gpud.wire.protocol's Response and EventFrame), checked as far as gpudctl relies on."""
-        assert self._sock is not None
+        sock = self._on
+        assert sock is not None
         try:
-            payload = self._reader.read_sync(self._sock)
+            payload = self._reader.read_sync(sock)
         except TimeoutError:
-            waited = self._sock.gettimeout()
+            waited = sock.gettimeout()
             raise WaitTimeout(f"gpud did not answer within {waited:g} s") from None
         except OSError as e:
             raise Unreachable(f"lost the connection to gpud at {self.path}: {e.strerror or e}") from None
@@ -118,23 +128,52 @@ class Client:
     def request(self, op: str, args: dict[str, Any] | None = None, *, timeout: float | None = None) -> Any:
         """Send one request, return its result read as the op's wire struct (gpud.cli.view); DaemonError
         on an error response. `timeout`: seconds for this reply (None: the client's; NO_LIMIT: no limit)."""
-        sock = self._connect()
         rid = self._next_id
         self._next_id += 1
-        sock.settimeout(_socket_timeout(self.timeout if timeout is None else timeout))
-        try:
-            sock.sendall(frames.frame(msgpack.packb({"id": rid, "op": op, "args": args or {}})))
-        except OSError as e:
-            raise Unreachable(f"lost the connection to gpud at {self.path}: {e.strerror or e}") from None
-        msg = self._read()
-        if "ok" not in msg or msg["id"] not in (rid, 0):
-            raise frames.FrameError(f"unexpected frame from gpud (waiting for reply {rid})")
-        if not msg["ok"]:
-            raise _daemon_error(msg, self._escape)
+        request = frames.frame(msgpack.packb({"id": rid, "op": op, "args": args or {}}))
+        msg = self._from_replica(request, rid) if op == "status" and not (args or {}).get("fresh") else None
+        if msg is None:
+            sock = self._on = self._connect()
+            sock.settimeout(_socket_timeout(self.timeout if timeout is None else timeout))
+            try:
+                sock.sendall(request)
+            except OSError as e:
+                raise Unreachable(f"lost the connection to gpud at {self.path}: {e.strerror or e}") from None
+            msg = self._read()
+            if "ok" not in msg or msg["id"] not in (rid, 0):
+                raise frames.FrameError(f"unexpected frame from gpud (waiting for reply {rid})")
+            if not msg["ok"]:
+                raise _daemon_error(msg, self._escape)
         result = msg.get("result")
         if not isinstance(result, dict):
             raise frames.FrameError(f"malformed {op} result from gpud: expected a map, got {type(result).__name__}")
         return reply(op, result, escape=self._escape)
+
+    def _from_replica(self, request: bytes, rid: int) -> dict[str, Any] | None:
+        """The status replica's successful answer to `request` (gpud.api.status_replica: `status`
+        from the daemon's last snapshot, in a process of its own), or None: ask the daemon. Any
+        failure of the replica (none listening, a refusal, `elsewhere`, silence) leaves it out of
+        this client's later requests too; the daemon then answers, or says why not."""
+        sock = self._replica
+        if sock is False:
+            return None
+        try:
+            if not isinstance(sock, _socket.socket):
+                sock = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)
+                self._replica = sock
+                sock.settimeout(min(REPLICA_TIMEOUT, self.timeout))
+                sock.connect(frames.status_socket(self.path))
+            sock.sendall(request)
+            self._on = sock
+            msg = self._read()
+        except (OSError, frames.FrameError, Unreachable, WaitTimeout):
+            msg = None
+        if msg is not None and msg.get("ok") is True and msg["id"] == rid:
+            return msg
+        if isinstance(self._replica, _socket.socket):
+            self._replica.close()
+        self._replica = False
+        return None
 
     def events(self) -> Iterator[wire.Event]:
         """Yield the recent history, then every new event until gpud closes the stream."""
@@ -154,6 +193,7 @@ class Client:
         import select  # only `apply --wait` waits for events with a timeout
 
         assert self._sock is not None, "follow() first"
+        self._on = self._sock
         readable, _, _ = select.select([self._sock], [], [], timeout)
         if not readable:
             return None
@@ -164,6 +204,7 @@ class Client:
 
     def _frames(self) -> Iterator[wire.Event]:
         while True:
+            self._on = self._sock
             event = self._event(self._read())
             if event is not None:
                 yield event

@@ -87,6 +87,11 @@ class Engine:
         return self._rec.observer.age()
 
     @property
+    def observation_started(self) -> float:
+        """time.monotonic() when the observation in the view began to be read (0: none yet)."""
+        return self._rec.observer.started
+
+    @property
     def observations(self) -> int:
         """Host reads taken since start."""
         return self._rec.observer.reads
@@ -181,12 +186,16 @@ class Engine:
         """`fresh`: the view after one host read that started after this call; else the view in
         memory at once, the observer told it was asked for (it re-reads when older than its bound:
         holders change without any event)."""
-        observer = self._rec.observer
         if fresh:
-            await observer.fresh(time.monotonic())
+            await self._rec.observer.fresh(time.monotonic())
         else:
-            observer.poke()
+            self.looked()
         return self.view
+
+    def looked(self) -> None:
+        """A client read the status (here or from the status replica): the observer re-reads in
+        the background when its observation is older than its bound."""
+        self._rec.observer.poke()
 
     def refresh_now(self) -> EngineView:
         """Re-read the host on the calling thread (start-up, before anything is served)."""

@@ -44,12 +44,20 @@ E_NOT_FOUND = "not-found"
 E_IN_USE = "in-use"  # a release of an instance processes use, under on-busy: fail
 E_CONFLICT = "conflict"  # whole-GPU and MIG leases exclude each other; a lease still being made
 E_FAILED = "failed"  # NVML or the state directory refused; nothing leased
+E_ELSEWHERE = "elsewhere"  # the status replica cannot answer this: ask the daemon's own socket
 
 READ_OPS = frozenset({"status", "check", "plan", "events", "version", "mig-profiles", "mig-compute-profiles",
                       "passthrough", "stats", "labels", "vgpu-types", "leases"})
 WRITE_OPS = frozenset({"apply", "reload", "select"})
 LEASE_OPS = frozenset({"lease", "release"})  # root, or members of the layout's policy.lease-group
 OPS = READ_OPS | WRITE_OPS | LEASE_OPS
+
+
+def status_socket(path: str) -> str:
+    """The status replica's socket beside the daemon's at `path` (gpud.api.status_replica):
+    /run/gpud/gpud.sock -> /run/gpud/gpud-status.sock."""
+    stem = path[:-5] if path.endswith(".sock") else path
+    return stem + "-status.sock"
 
 
 class FrameError(ValueError):

@@ -33,6 +33,7 @@ from gpud.wire.frames import (  # noqa: F401
     E_BAD_FRAME,
     E_BUSY,
     E_CONFLICT,
+    E_ELSEWHERE,
     E_FAILED,
     E_FORBIDDEN,
     E_IN_USE,
@@ -56,6 +57,7 @@ from gpud.wire.frames import (  # noqa: F401
     FrameReader,
     FrameTooLarge,
     frame,
+    status_socket,
 )
 
 # ---------------------------------------------------------------------------------------------

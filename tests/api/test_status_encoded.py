@@ -36,7 +36,7 @@ async def test_the_encoded_answer_is_msgspecs_encoding_of_the_reply(rig):
     handler = RequestHandler(Engine(rig.rec))
     view = handler.engine.view
     snap = StatusSnapshot()
-    kube = handler._kubernetes(view.observation.gpus)
+    kube = handler.kubernetes(view.observation.gpus)
     assert kube.advertised is not None
     for observed_at, age, kubernetes in ((0.0, 0.0, None), (1764840000.123456, 0.00004, kube),
                                         (1764840001.5, 12.75, kube), (2.0, 1e9, None)):

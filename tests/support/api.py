@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 from typing import ClassVar
+
+import msgpack
 
 from gpud.wire import protocol as wire
 
@@ -57,3 +60,22 @@ class Conn:
 
     def close(self) -> None:
         self.writer.close()
+
+
+def exchange(path: str, request: dict, timeout: float = GUARD) -> bytes:
+    """One request on a new blocking connection; the whole frame that answers it, as sent."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(timeout)
+        s.connect(path)
+        s.sendall(wire.frame(msgpack.packb(request)))
+        head = _exactly(s, 4)
+        return head + _exactly(s, int.from_bytes(head, "big"))
+
+
+def _exactly(s: socket.socket, n: int) -> bytes:
+    buf = b""
+    while len(buf) < n:
+        chunk = s.recv(n - len(buf))
+        assert chunk, "the connection closed inside a frame"
+        buf += chunk
+    return buf

@@ -74,6 +74,13 @@ def wait_status_text(c, unit: str, expected: str, timeout: float = 60.0) -> dict
         time.sleep(0.5)
 
 
+def wait_until_ok(c, argv: list[str], timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while c.run(argv, check=False).returncode != 0:
+        assert time.monotonic() < deadline, argv
+        time.sleep(0.2)
+
+
 def test_active_only_after_ready_with_status_and_socket(gpud):
     c = gpud
     st = c.show("gpud.service", "ActiveState", "Type")
@@ -89,6 +96,10 @@ def test_active_only_after_ready_with_status_and_socket(gpud):
                                                     check=False).stdout
     mode = c.run(["stat", "-c", "%a %U %G", "/run/gpud/gpud.sock"]).stdout.split()
     assert mode == ["660", "root", "gpud"]
+    # the status replica runs in the unit's sandbox, beside it, no more open (gpud/api/status_feed.py)
+    wait_until_ok(c, ["stat", "/run/gpud/gpud-status.sock"])
+    assert c.run(["stat", "-c", "%a %U %G", "/run/gpud/gpud-status.sock"]).stdout.split() == mode
+    assert len(c.run(["pgrep", "-f", "gpud.api.status_replica"]).stdout.split()) == 1
 
 
 def test_group_member_may_read_but_not_change(gpud):
@@ -150,6 +161,10 @@ def test_watchdog_restarts_a_stalled_daemon_without_touching_the_hardware(gpud):
     assert after["ActiveState"] == "active" and after["MainPID"] != first["MainPID"]
     assert int(after["NRestarts"]) > int(first["NRestarts"])
     assert c.run(["gpudctl", "status"]).returncode == 0
+    # the stalled daemon's status replica went with it: one runs, the new daemon's
+    wait_until_ok(c, ["stat", "/run/gpud/gpud-status.sock"])
+    replicas = c.run(["pgrep", "-P", after["MainPID"], "-f", "gpud.api.status_replica"], check=False).stdout.split()
+    assert len(replicas) == 1 and c.run(["pgrep", "-f", "gpud.api.status_replica"]).stdout.split() == replicas
     assert sim_show(c) == before
 
 
