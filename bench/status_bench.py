@@ -225,16 +225,25 @@ class Gpud:
                 return int(line.split()[1]) * 1024
         return 0
 
-    def replica_rss(self) -> int:
-        """VmRSS of the status replica (0 without one)."""
+    def _replica_pid(self) -> int | None:
         out = subprocess.run(["pgrep", "-P", str(self.proc.pid), "-f", "gpud.api.status_replica"],
                              capture_output=True, text=True).stdout.split()
-        return self.rss(int(out[0])) if out else 0
+        return int(out[0]) if out else None
+
+    def replica_rss(self) -> int:
+        """VmRSS of the status replica (0 without one)."""
+        pid = self._replica_pid()
+        return self.rss(pid) if pid else 0
 
     def cpu_seconds(self) -> float:
-        """CPU time the daemon has used (user + system, all its threads)."""
-        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+        """CPU time the daemon and its status replica have used (user + system, all their threads;
+        the simulated NVML library's process is the simulator's, not counted)."""
+        total = 0.0
+        for pid in (self.proc.pid, self._replica_pid()):
+            if pid is not None:
+                fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+                total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+        return total
 
     def stop(self) -> None:
         self.client.close()
@@ -290,11 +299,9 @@ def main() -> int:
     gpud = Gpud(tmp)
     try:
         rss_idle = gpud.rss()
-        rest = phase(gpud, "at rest (8 GPUs converged, whole)", a.clients, a.processes, a.rate, a.seconds)
-        flat_out = phase(gpud, "at rest, back to back (throughput)", a.clients, a.processes, None, a.seconds)
 
-        def apply_all() -> str:
-            gpud.config.write_text(MIG)
+        def apply(layout: str) -> str:
+            gpud.config.write_text(layout)
             c = Client(gpud.socket, timeout=NO_LIMIT)
             try:
                 r = c.request("apply", {"wait": True}, timeout=NO_LIMIT)
@@ -302,12 +309,22 @@ def main() -> int:
             finally:
                 c.close()
 
-        busy = phase(gpud, "during an apply of 7g.80gb on all 8 GPUs (MIG mode on, a GPU and compute instance each)",
-                     a.clients, a.processes, a.rate, None, during=apply_all)
+        rows = []
+        for asked, path in (("replica", gpud.status_socket), ("daemon", gpud.socket)):
+            rows.append(phase(gpud, f"{asked}: at rest (8 GPUs converged, whole)", a.clients, a.processes, a.rate,
+                              a.seconds, path=path))
+            rows.append(phase(gpud, f"{asked}: at rest, back to back (throughput)", a.clients, a.processes, None,
+                              a.seconds, path=path))
+        rest, flat_out, daemon_rest, daemon_flat = rows
+        busy = phase(gpud, "replica: during an apply of 7g.80gb on all 8 GPUs (MIG mode on, a GPU and compute "
+                     "instance each)", a.clients, a.processes, a.rate, None, during=lambda: apply(MIG))
         final = gpud.request("status", {"fresh": True})
         instances = sum(len(g.mig.instances) for g in final.gpus)
         mig_on = sum(1 for g in final.gpus if g.mig.mode == "enabled")
+        daemon_busy = phase(gpud, "daemon: during an apply back to whole GPUs (every instance destroyed, MIG mode "
+                            "off)", a.clients, a.processes, a.rate, None, during=lambda: apply(WHOLE), path=gpud.socket)
         rss_end = gpud.rss()
+        replica_rss = gpud.replica_rss()
     finally:
         gpud.stop()
         shutil.rmtree(tmp, ignore_errors=True)
@@ -322,32 +339,36 @@ def main() -> int:
         f"({a.clients} connections over {a.processes} client processes; each connection asks `status` every "
         f"{a.clients / a.rate * 1000:.0f} ms, {a.rate:.0f}/s in all, or back to back in the throughput row).",
         "",
-        "A real `gpud --sim` on 8 x H100 80GB. Latency: request's first byte to reply's last, as a client sees it.",
-        "Loop lag: the daemon's own probe (how late a 10 ms timer fires), over the same window (`stats` op).",
-        "gpud CPU: user + system time of the daemon process over the phase (all threads, /proc/PID/stat), per",
-        "answered request and as a share of one CPU: what the daemon itself costs, whatever else the machine runs.",
+        "A real `gpud --sim` on 8 x H100 80GB, asked where `gpudctl status` asks (the status replica, a child",
+        "of the daemon answering from its last snapshot: docs/internals.md, the status replica) and, in the",
+        "rows marked so, on the daemon's own socket (as with `gpud --no-status-replica`). Latency: request's",
+        "first byte to reply's last, as a client sees it. Loop lag: the daemon's own probe (how late a 10 ms",
+        "timer fires), over the same window (`stats` op). gpud CPU: user + system time of the daemon and its",
+        "replica over the phase (all threads, /proc/PID/stat), per answered request and as a share of one CPU:",
+        "what gpud itself costs, whatever else the machine runs.",
         "",
         "| phase | asked/s | answered/s | status p50 ms | status p99 ms | max ms | loop lag p50 ms | loop lag p99 ms | loop lag max ms | host reads | gpud CPU ms per request | gpud CPU share | errors |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    for r in (rest, flat_out, busy):
+    for r in (rest, flat_out, busy, daemon_rest, daemon_flat, daemon_busy):
         lines.append(f"| {r['name']} ({r['seconds']:.1f} s) | {r['offered']} | {r['rate']:.0f} | {r['p50']:.2f} | {r['p99']:.2f} | "
                      f"{r['max']:.1f} | {r['lag'].p50_ms:.2f} | {r['lag'].p99_ms:.2f} | {r['lag'].max_ms:.1f} | "
                      f"{r['observations']} | {r['cpu_ms']:.3f} | {r['cpu_share'] * 100:.0f}% | {len(r['errors'])} |")
     mb = 1024 * 1024
     lines += [
         "",
-        f"Apply result: `{busy['result']}`; afterwards {mig_on} of 8 GPUs have MIG enabled, {instances} MIG devices.",
+        f"Apply results: `{busy['result']}` (afterwards {mig_on} of 8 GPUs have MIG enabled, {instances} MIG "
+        f"devices), then `{daemon_busy['result']}`.",
         "",
         f"Daemon memory (VmRSS): {rss_idle / mb:.1f} MB after start and the first pass, "
         f"{rest['rss'] / mb:.1f} MB after the at-rest load, {rss_end / mb:.1f} MB at the end; "
-        f"peak (VmHWM) {busy['peak'] / mb:.1f} MB.",
+        f"peak (VmHWM) {busy['peak'] / mb:.1f} MB. The status replica: {replica_rss / mb:.1f} MB.",
         "",
         "Targets (issue 12): status p99 <= 2 ms and >= 2,000 requests/s in both phases; loop lag p99 <= 10 ms; "
         "RSS <= 40 MB. On this run:",
         "",
     ]
-    for r in (rest, busy):
+    for r in (rest, busy, daemon_rest, daemon_busy):
         # 2,000/s is asked of gpud at a steady pace; a window's edges cut a request or two, so
         # "kept up" is answered >= 99% of asked with no error (the back-to-back row gives the ceiling)
         kept_up = r["rate"] >= 0.99 * a.rate and not r["errors"]
@@ -356,8 +377,10 @@ def main() -> int:
         lines.append(f"- {r['name']}: " + ", ".join(f"{what} {'met' if ok else 'NOT met'}" for what, ok in met)
                      + f"; gpud had {r['cpu_share'] * 100:.0f}% of one CPU and used {r['cpu_ms']:.3f} ms of CPU per "
                      f"answer, i.e. one CPU of its own would answer about {1000 / max(r['cpu_ms'], 1e-6):,.0f} requests/s.")
-    lines += [f"- at rest, back to back: {flat_out['rate']:,.0f} answered/s, "
-              f"{'met' if flat_out['rate'] >= 2000 and not flat_out['errors'] else 'NOT met'} (>= 2,000/s).",
+    lines += [f"- {r['name']}: {r['rate']:,.0f} answered/s, "
+              f"{'met' if r['rate'] >= 2000 and not r['errors'] else 'NOT met'} (>= 2,000/s)."
+              for r in (flat_out, daemon_flat)]
+    lines += [
               f"- RSS <= 40 MB: {'met' if max(rss_end, busy['peak']) <= 40 * mb else 'NOT met'} "
               f"(peak {busy['peak'] / mb:.1f} MB; the simulated NVML library runs in a child process, "
               "gpud/sim/nvml_process.py, so its data is not counted: a real libnvidia-ml.so would add its own).", ""]
@@ -365,7 +388,7 @@ def main() -> int:
     Path(a.o).parent.mkdir(parents=True, exist_ok=True)
     Path(a.o).write_text(text)
     print(text)
-    for r in (rest, flat_out, busy):
+    for r in (rest, flat_out, busy, daemon_rest, daemon_flat, daemon_busy):
         for e in r["errors"][:5]:
             print("client error:", e, file=sys.stderr)
     return 0
