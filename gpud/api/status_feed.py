@@ -37,7 +37,6 @@ import msgspec
 import gpud
 from gpud.api.peers import group_id
 from gpud.api.socket_file import ServerError, bind_socket, unlink_own
-from gpud.api.status_replica import BEAT
 from gpud.api.status_snapshot import StatusSnapshot
 from gpud.engine.engine import Engine
 from gpud.wire import frames
@@ -45,6 +44,7 @@ from gpud.wire import frames
 log = logging.getLogger("gpud.api")
 
 STALE_AFTER = 5.0  # seconds without a frame after which the replica sends clients to the daemon
+BEAT = 0.25  # seconds between two frames at most: the replica's sign that the daemon's loop runs
 # Seconds between two looks at what changes without the engine telling: the Kubernetes part of a
 # status follows the cluster (a label the agent wrote, a claim the kubelet asked for), and is in
 # the replica this long after it changed at most. A look costs tens of microseconds (the view and

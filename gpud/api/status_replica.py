@@ -17,7 +17,7 @@ How it is fed (gpud.api.status_feed, in the daemon): one socket pair; the daemon
 snapshot frame after every change it makes and hears of, before it sends anything else to anyone,
 so a client that has seen a change (an apply's reply, an event) and then asks here finds it. The
 replica reads every frame waiting on that socket before it answers what came after them. The
-daemon writes at least every `BEAT` seconds; the replica exits when the socket closes.
+daemon writes at least every quarter second (status_feed.BEAT); the replica exits when the socket closes.
 
 Frames are those of the API (gpud.wire.frames); their payloads MessagePack arrays:
   daemon -> replica  ["snapshot", [part0, part1, part2], tail, observed_at, started, kubernetes,
@@ -51,7 +51,7 @@ import msgpack
 from gpud.api.peers import Peer, authorize, may_connect, peer_credentials
 from gpud.wire import frames
 
-BEAT = 0.25  # seconds between the daemon's frames at most (gpud.api.status_feed writes them)
+TICK = 0.25  # seconds the loop waits at most between its own rounds (the idle sweep, a report)
 IDLE_TIMEOUT = 60.0  # a connection silent between requests, or not taking its reply, for longer is closed
 MAX_CONNECTIONS = 128
 MAX_PER_UID = 16
@@ -303,7 +303,7 @@ class Replica:
         """Until the daemon closes the feed."""
         last_sweep = self.clock()
         while True:
-            events = self._sel.select(timeout=BEAT)
+            events = self._sel.select(timeout=TICK)
             # The daemon's frames first: a request that came after a change the daemon told anyone
             # of came after the frame that carries it (gpud.api.status_feed writes that first).
             if not self.read_feed():
