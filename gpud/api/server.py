@@ -426,6 +426,7 @@ class ApiServer:
                     if not eof.done():  # stalled: not reading while its queue filled, or for too long
                         log.info("closing a follower (pid %d) that does not read", conn.peer.pid if conn.peer else 0)
                         if outbox.dropped:
+                            self._before_send()
                             writer.write(wire.encode_frame(wire.EventFrame(
                                 id=rid, event=_as_event(overflow_event(outbox.dropped)))))
                     return

@@ -45,6 +45,11 @@ log = logging.getLogger("gpud.api")
 
 STALE_AFTER = 5.0  # seconds without a frame after which the replica sends clients to the daemon
 BEAT = 0.25  # seconds between two frames at most: the replica's sign that the daemon's loop runs
+# Seconds the replica may leave the daemon's frames unanswered (it says "heard" within a round of
+# reading them, a few times a second at most): longer, it is stopped or stuck, and killed. Before
+# its first word START_LIMIT holds: an interpreter starting on a loaded machine.
+HEARD_LIMIT = 1.0
+START_LIMIT = 60.0
 # Seconds between two looks at what changes without the engine telling: the Kubernetes part of a
 # status follows the cluster (a label the agent wrote, a claim the kubelet asked for), and is in
 # the replica this long after it changed at most. A look costs tens of microseconds (the view and
@@ -69,7 +74,8 @@ class StatusFeed:
 
     def __init__(self, engine: Engine, snapshot: StatusSnapshot, kubernetes: Callable[[Any], Any],
                  lease_group: Callable[[], str | None], counted: Callable[[int], None], *, path: str,
-                 gpud_gid: int | None, like: str | None = None, stale_after: float = STALE_AFTER) -> None:
+                 gpud_gid: int | None, like: str | None = None, stale_after: float = STALE_AFTER,
+                 start_limit: float = START_LIMIT) -> None:
         self.engine = engine
         self.snapshot = snapshot
         self.kubernetes = kubernetes  # gpus -> the KubernetesStatus of a status answered now
@@ -79,6 +85,7 @@ class StatusFeed:
         self.gpud_gid = gpud_gid
         self.like = like  # the daemon's socket: the replica's takes its mode and group (systemd's .socket may set them)
         self.stale_after = stale_after
+        self.start_limit = start_limit
         self.proc: subprocess.Popen[bytes] | None = None
         self.starts = 0
         self._feed: socket.socket | None = None
@@ -87,6 +94,8 @@ class StatusFeed:
         self._sent: tuple[Any, ...] | None = None  # what the last snapshot frame carried
         self._started_at = 0.0
         self._wrote_at = 0.0  # time.monotonic() of the last frame
+        self._unheard_since: float | None = None  # the first frame written since the replica's last word
+        self._heard_any = False  # the replica has said anything since it was started
         self._gid: tuple[str | None, int | None, float] = (None, None, -_GROUP_AGE)  # name, gid, when
         self._soon = False
         self._closing = False
@@ -141,6 +150,8 @@ class StatusFeed:
         self._feed = feed
         self._in.clear()
         self._sent = None
+        self._unheard_since = None
+        self._heard_any = False
         asyncio.get_running_loop().add_reader(feed.fileno(), self._readable)
         self.push()
 
@@ -182,6 +193,17 @@ class StatusFeed:
             await asyncio.sleep(CHECK)  # (a sleep: waiting on the death too cost a task per look)
             if self._feed is not None:
                 self.push(beat=time.monotonic() - self._wrote_at >= BEAT)
+            self.check_heard()
+
+    def check_heard(self) -> None:
+        """A replica that has not answered the daemon's frames for HEARD_LIMIT seconds (stopped,
+        or stuck) is killed: until it is, each client waits for it before asking the daemon."""
+        since = self._unheard_since
+        if self._feed is None or since is None:
+            return
+        limit = HEARD_LIMIT if self._heard_any else self.start_limit
+        if time.monotonic() - since > limit:
+            self._lost(f"did not read the daemon's frames for {limit:g} s: killed")
 
     async def close(self) -> None:
         """Stop the replica and remove its socket (when still ours)."""
@@ -215,9 +237,18 @@ class StatusFeed:
 
     def push(self, *, beat: bool = False) -> None:
         """Write a snapshot frame if anything in it changed since the last; else, with `beat`, a
-        beat."""
+        beat. Never raises: it runs before every reply the daemon sends, which must go out
+        whatever happens to the replica (a frame that cannot be made stops the replica, and
+        clients ask the daemon)."""
         if self._feed is None:
             return
+        try:
+            self._push(beat)
+        except Exception:  # any failure here is the replica's, never the reply's
+            log.exception("cannot make the status replica's frame")
+            self._lost("could not be sent the daemon's state: stopped")
+
+    def _push(self, beat: bool) -> None:
         view = self.engine.view
         encoded = self.snapshot.parts(view)
         kube = _encode(self.kubernetes(view.observation.gpus))
@@ -244,7 +275,7 @@ class StatusFeed:
         return gid
 
     def _write(self, payload: bytes) -> bool:
-        data = frames.frame(payload)
+        data = frames.frame(payload, max_frame=_SNDBUF // 2)
         feed = self._feed
         assert feed is not None
         try:
@@ -258,6 +289,8 @@ class StatusFeed:
             self._lost("stopped reading the daemon's snapshots: killed")
             return False
         self._wrote_at = time.monotonic()
+        if self._unheard_since is None:
+            self._unheard_since = self._wrote_at
         return True
 
     def _readable(self) -> None:
@@ -284,6 +317,11 @@ class StatusFeed:
                 self._lost("wrote a malformed frame: killed")
                 return
             del buf[:frames.HEADER.size + n]
-            if isinstance(msg, list) and msg[:1] == ["looked"] and len(msg) == 2 and isinstance(msg[1], int):
+            if not (isinstance(msg, list) and msg[:1] == ["heard"] and len(msg) == 2 and isinstance(msg[1], int)):
+                self._lost("wrote a frame it has no business writing: killed")
+                return
+            self._unheard_since = None
+            self._heard_any = True
+            if msg[1]:
                 self.counted(msg[1])
                 self.engine.looked()

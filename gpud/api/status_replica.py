@@ -25,9 +25,12 @@ Frames are those of the API (gpud.wire.frames); their payloads MessagePack array
                                               when the observation began to be read, on the
                                               host's monotonic clock, which both processes share)
                      ["beat"]
-  replica -> daemon  ["looked", answers]     (the daemon counts them, and re-reads the host when
-                                              its observation is older than its bound, as for a
-                                              status it answers itself)
+  replica -> daemon  ["heard", answers]      (after a round that read the daemon's frames or
+                                              answered, REPORT seconds apart at most: the daemon
+                                              kills a replica that leaves its frames unheard for a
+                                              second; it counts the answers, and re-reads the host
+                                              when its observation is older than its bound, as for
+                                              a status it answers itself)
 A snapshot's parts are the reply's MessagePack bytes around its per-answer fields, in declaration
 order: observed_at, observation_age, kubernetes (gpud.api.status_snapshot._Encoded).
 
@@ -52,6 +55,7 @@ from gpud.api.peers import Peer, authorize, may_connect, peer_credentials
 from gpud.wire import frames
 
 TICK = 0.25  # seconds the loop waits at most between its own rounds (the idle sweep, a report)
+REPORT = 0.05  # seconds between two reports to the daemon at least (each wakes the daemon's loop)
 IDLE_TIMEOUT = 60.0  # a connection silent between requests, or not taking its reply, for longer is closed
 MAX_CONNECTIONS = 128
 MAX_PER_UID = 16
@@ -96,12 +100,12 @@ def error(rid: int, code: str, message: str) -> list[bytes]:
 class _Conn:
     __slots__ = ("sock", "peer", "inbuf", "out", "since", "closing")
 
-    def __init__(self, sock: socket.socket, peer: Peer) -> None:
+    def __init__(self, sock: socket.socket, peer: Peer, since: float) -> None:
         self.sock = sock
         self.peer = peer
         self.inbuf = bytearray()
         self.out: memoryview | None = None  # what is left of the reply being sent
-        self.since = time.monotonic()  # last activity: accepted, a request read, a reply sent
+        self.since = since  # last activity: accepted, a whole request read, a whole reply sent
         self.closing = False  # close once `out` is sent
 
 
@@ -120,6 +124,8 @@ class Replica:
         self.snapshot: _Snapshot | None = None
         self.heard = clock()  # the daemon's last frame
         self.answered = 0  # answers not yet reported to the daemon
+        self.unreported = False  # frames read since the last report
+        self.reported = -REPORT  # self.clock() of the last report
         self.conns: dict[int, _Conn] = {}
         self._feed_in = bytearray()
         self._sel = selectors.DefaultSelector()
@@ -138,6 +144,8 @@ class Replica:
                 break
             except InterruptedError:
                 continue
+            except OSError:  # reset by a daemon that closed it with our words unread: closed all the same
+                return False
             if not data:
                 return False
             self._feed_in += data
@@ -149,17 +157,24 @@ class Replica:
             msg = msgpack.unpackb(bytes(buf[frames.HEADER.size:frames.HEADER.size + n]))
             del buf[:frames.HEADER.size + n]
             self.heard = self.clock()
+            self.unreported = True
             if msg[0] == "snapshot":
                 self.snapshot = _Snapshot(msg)
         return True
 
     def _report(self) -> None:
-        if self.answered:
-            try:
-                self.feed.send(frames.frame(_PACK.pack(["looked", self.answered])))
-                self.answered = 0
-            except (BlockingIOError, InterruptedError):
-                pass  # the daemon is behind: reported with the next answers
+        """Tell the daemon its frames were read and how many answers were given since the last
+        report, REPORT seconds apart at most."""
+        now = self.clock()
+        if not (self.answered or self.unreported) or now - self.reported < REPORT:
+            return
+        try:
+            self.feed.send(frames.frame(_PACK.pack(["heard", self.answered])))
+        except (BlockingIOError, InterruptedError):
+            return  # the daemon is behind: reported with the next round
+        except OSError:
+            return  # the daemon closed the feed: read_feed says so in the next round
+        self.answered, self.unreported, self.reported = 0, False, now
 
     # -- clients -------------------------------------------------------------------------------
     def _accept(self) -> None:
@@ -174,7 +189,7 @@ class Replica:
             except OSError:
                 sock.close()
                 continue
-            conn = _Conn(sock, peer)
+            conn = _Conn(sock, peer, self.clock())
             refusal = self._admit(peer)
             self.conns[sock.fileno()] = conn
             self._sel.register(sock, selectors.EVENT_READ, conn)
@@ -210,11 +225,12 @@ class Replica:
         except OSError:
             self._close(conn)
             return
-        conn.since = self.clock()
         if sent < sum(map(len, pieces)):  # the client reads slower than it asks: the rest when it can
             conn.out = memoryview(b"".join(pieces))[sent:]
             self._sel.modify(conn.sock, selectors.EVENT_WRITE, conn)
-        elif conn.closing:
+            return
+        conn.since = self.clock()
+        if conn.closing:
             self._close(conn)
 
     def _flush(self, conn: _Conn) -> None:
@@ -226,9 +242,9 @@ class Replica:
         except OSError:
             self._close(conn)
             return
-        conn.since = self.clock()
         conn.out = conn.out[sent:] if sent < len(conn.out) else None
         if conn.out is None:
+            conn.since = self.clock()
             if conn.closing:
                 self._close(conn)
                 return
@@ -245,8 +261,7 @@ class Replica:
         if not data:
             self._close(conn)
             return
-        conn.inbuf += data
-        conn.since = self.clock()
+        conn.inbuf += data  # (a part of a request is no activity: a trickle is swept as idle)
         self._serve_buffered(conn)
 
     def _serve_buffered(self, conn: _Conn) -> None:
@@ -263,6 +278,7 @@ class Replica:
                 return
             payload = bytes(buf[frames.HEADER.size:frames.HEADER.size + n])
             del buf[:frames.HEADER.size + n]
+            conn.since = self.clock()
             pieces, close = self.respond(conn.peer, payload)
             self._send(conn, pieces, close=close)
             if conn.sock.fileno() not in self.conns:

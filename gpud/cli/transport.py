@@ -28,8 +28,9 @@ if TYPE_CHECKING:  # the types only: importing `typing` and the structs costs a 
 DEFAULT_SOCKET = "/run/gpud/gpud.sock"
 DEFAULT_TIMEOUT = 30.0  # seconds for one reply; `apply --wait` and `events -f` wait longer
 # Seconds the status replica may take before gpudctl asks the daemon instead: it answers from
-# memory in well under a millisecond, so a wait this long means it is stopped or stuck.
-REPLICA_TIMEOUT = 2.0
+# memory in well under a millisecond, so a wait this long means it is stopped or stuck (and the
+# daemon kills one that stops reading its frames within a second: gpud.api.status_feed).
+REPLICA_TIMEOUT = 0.5
 NO_LIMIT = math.inf  # a timeout that never expires: wait as long as gpud takes
 
 

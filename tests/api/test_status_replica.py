@@ -189,3 +189,158 @@ async def test_what_the_replica_answers_and_refuses(rig):
         await feed.close()
         for s in (ours, theirs, listener):
             s.close()
+
+
+def _status_on(sock: socket.socket, rid: int) -> wire_replies.StatusReply:
+    """A status on an open connection to the replica (each answer is whole before the next is asked)."""
+    sock.sendall(wire.frame(msgpack.packb({"id": rid, "op": "status", "args": {}})))
+    reader = wire.FrameReader()
+    payload = reader.read_sync(sock)
+    assert payload is not None
+    msg = msgspec.msgpack.decode(payload, type=wire.Response)
+    assert msg.ok and msg.id == rid, msg
+    reply = wire_replies.decode_result("status", msg.result)
+    assert isinstance(reply, wire_replies.StatusReply)
+    return reply
+
+
+def _instances(reply: wire_replies.StatusReply) -> int:
+    return sum(len(g.mig.instances) for g in reply.gpus)
+
+
+async def test_what_the_daemon_replied_after_a_change_the_replica_answers_with_it(rig, sockdir):
+    """The server pushes before every reply: a client that got any reply from the daemon after a
+    change, then asks the replica, sees the change, however late the replica reads (it is
+    stopped until the daemon's reply has gone out)."""
+    assert await rig.apply(layout(mig([0], {"7g.80gb": 1})))
+    handler = RequestHandler(Engine(rig.rec))
+    server = await serve(handler, f"{sockdir}/gpud.sock", group=None)
+    feed = handler.status_feed(wire.status_socket(f"{sockdir}/gpud.sock"), None)
+    feed.start()  # the engine's change listener is not subscribed: only the server's pushes feed it
+    proc = feed.proc
+    assert proc is not None
+    try:
+        await answered(feed.path)
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.settimeout(10)
+            s.connect(feed.path)
+            assert _instances(await asyncio.to_thread(_status_on, s, 1)) == 1
+            os.kill(proc.pid, signal.SIGSTOP)
+            try:
+                assert await rig.apply(layout(mig([0], {"1g.10gb": 7}), mig([1], {"2g.20gb": 3})))
+                version = await asyncio.to_thread(lambda: Client(server.path or "", timeout=10).request("version"))
+                assert version.version
+                s.sendall(wire.frame(msgpack.packb({"id": 2, "op": "status", "args": {}})))
+            finally:
+                os.kill(proc.pid, signal.SIGCONT)
+            reader = wire.FrameReader()
+            payload = await asyncio.to_thread(reader.read_sync, s)
+            assert payload is not None
+            reply = wire_replies.decode_result("status", msgspec.msgpack.decode(payload, type=wire.Response).result)
+            assert isinstance(reply, wire_replies.StatusReply)
+            assert _instances(reply) == sum(len(v) for v in rig.mig_devices().values()) == 10
+    finally:
+        await feed.close()
+        await server.close()
+
+
+async def test_a_frame_that_cannot_be_made_stops_the_replica_and_never_a_reply(rig, sockdir, monkeypatch):
+    assert await rig.apply(layout(mig([0], {"7g.80gb": 1})))
+    handler = RequestHandler(Engine(rig.rec))
+    server = await serve(handler, f"{sockdir}/gpud.sock", group=None)
+    feed = handler.status_feed(wire.status_socket(f"{sockdir}/gpud.sock"), None)
+    feed.start()
+    proc = feed.proc
+    assert proc is not None
+    try:
+        await answered(feed.path)
+
+        def broken(gpus):
+            raise RuntimeError("the Kubernetes part cannot be built")
+
+        monkeypatch.setattr(feed, "kubernetes", broken)
+        monkeypatch.setattr(handler, "kubernetes", broken)
+        with Client(server.path or "", timeout=10) as c:  # the daemon's own answers go on
+            assert (await asyncio.to_thread(c.request, "version")).version
+        assert await asyncio.to_thread(proc.wait, 10) == -signal.SIGKILL
+        monkeypatch.undo()
+        reply = await asyncio.to_thread(lambda: Client(server.path or "", timeout=10).request("status"))
+        assert reply.phase == "converged"  # from the daemon: nothing listens on the replica's socket
+    finally:
+        await feed.close()
+        await server.close()
+
+
+async def test_a_stopped_replica_is_killed_and_started_again(rig, sockdir):
+    assert await rig.apply(layout(mig([0], {"7g.80gb": 1})))
+    handler = RequestHandler(Engine(rig.rec))
+    feed = handler.status_feed(f"{sockdir}/gpud-status.sock", None)
+    runner = asyncio.create_task(feed.run())
+    try:
+        await answered(feed.path)
+        first = feed.proc
+        assert first is not None
+        for _ in range(100):  # its first word: the kill limit is a second from then on
+            if feed._heard_any:
+                break
+            await asyncio.sleep(0.05)
+        os.kill(first.pid, signal.SIGSTOP)
+        assert await asyncio.to_thread(first.wait, 30) == -signal.SIGKILL
+        await answered(feed.path)
+        assert feed.proc is not first and feed.starts == 2
+    finally:
+        runner.cancel()
+        await asyncio.gather(runner, return_exceptions=True)
+        await feed.close()
+
+
+def test_the_replicas_limits(sockdir):
+    """Connections per uid, an oversized frame, and a client that trickles a request or never takes
+    its reply: each as the daemon's socket treats it (gpud.api.server), on a replica in this
+    process with the peer and the clock chosen."""
+    from gpud.api import status_replica
+
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(f"{sockdir}/r.sock")
+    listener.listen(64)
+    ours, theirs = socket.socketpair()
+    now = [1000.0]
+    peers = iter([Peer(10 + i, 1000, 1000, frozenset({1000, GPUD_GID})) for i in range(40)])
+    replica = Replica(listener, theirs, stale_after=5.0, peer_lookup=lambda s: next(peers), clock=lambda: now[0])
+    clients: list[socket.socket] = []
+
+    def connect() -> socket.socket:
+        c = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        c.settimeout(5)
+        c.connect(f"{sockdir}/r.sock")
+        clients.append(c)
+        replica._accept()
+        return c
+
+    try:
+        for _ in range(status_replica.MAX_PER_UID):
+            connect()
+        assert len(replica.conns) == status_replica.MAX_PER_UID
+        over = connect()
+        refusal = msgpack.unpackb(wire.FrameReader().read_sync(over))
+        assert refusal["error"]["code"] == wire.E_BUSY and over.recv(1) == b""
+        assert len(replica.conns) == status_replica.MAX_PER_UID
+        first, second, third = clients[:3]
+        first.sendall(wire.HEADER.pack(wire.MAX_FRAME + 1))
+        second.sendall(wire.HEADER.pack(100) + b"\x81")  # a request's first byte, the rest trickling
+        for conn in list(replica.conns.values()):
+            replica._readable(conn) if conn.sock.fileno() != -1 else None
+        assert msgpack.unpackb(wire.FrameReader().read_sync(first))["error"]["code"] == wire.E_TOO_LARGE
+        assert first.recv(1) == b""
+        now[0] += status_replica.IDLE_TIMEOUT / 2
+        second.sendall(b"\xa2")  # more of it: still not a whole request
+        for conn in list(replica.conns.values()):
+            if conn.sock.fileno() != -1:
+                replica._readable(conn)
+        now[0] += status_replica.IDLE_TIMEOUT / 2 + 1
+        replica._sweep(now[0])
+        assert second.recv(1) == b"" and third.recv(1) == b""  # both idle past the limit: closed
+        assert len(replica.conns) == 0
+    finally:
+        for s in (*clients, ours, theirs, listener):
+            s.close()

@@ -99,7 +99,10 @@ def test_active_only_after_ready_with_status_and_socket(gpud):
     # the status replica runs in the unit's sandbox, beside it, no more open (gpud/api/status_feed.py)
     wait_until_ok(c, ["stat", "/run/gpud/gpud-status.sock"])
     assert c.run(["stat", "-c", "%a %U %G", "/run/gpud/gpud-status.sock"]).stdout.split() == mode
-    assert len(c.run(["pgrep", "-f", "gpud.api.status_replica"]).stdout.split()) == 1
+    (replica,) = c.run(["pgrep", "-f", "gpud.api.status_replica"]).stdout.split()
+    main = c.show("gpud.service", "MainPID")["MainPID"]
+    nice = {pid: int(c.run(["ps", "-o", "ni=", "-p", pid]).stdout) for pid in (replica, main)}
+    assert nice[replica] == nice[main] - 5, nice  # the unit lets it (CAP_SYS_NICE)
 
 
 def test_group_member_may_read_but_not_change(gpud):
