@@ -64,6 +64,18 @@ async def answered(path: str, limit: float = 30.0) -> bytes:
         await asyncio.sleep(0.05)
 
 
+async def started_again(feed, first) -> None:
+    """The feed's run() started a second replica after `first`, and it answers."""
+    await answered(feed.path)
+    assert feed.proc is not first and feed.starts == 2
+
+
+async def ended(feed, runner: asyncio.Task) -> None:
+    runner.cancel()
+    await asyncio.gather(runner, return_exceptions=True)
+    await feed.close()
+
+
 async def test_the_replica_answers_the_bytes_the_daemon_would_send(rig, sockdir):
     assert await rig.apply(layout(mig([0, 1], {"1g.10gb": 3, "3g.40gb": 1}), mig([2], None)))
     handler = RequestHandler(Engine(rig.rec))
@@ -128,12 +140,9 @@ async def test_gpudctl_asks_the_daemon_while_the_replica_is_dead_and_it_is_start
         # nothing listens on its socket now: the client asks the daemon at once
         reply = await asyncio.to_thread(lambda: Client(server.path or "", timeout=10).request("status"))
         assert reply.phase == "converged" and handler.requests["status"] == before + 1
-        await answered(feed.path)
-        assert feed.proc is not first and feed.starts == 2
+        await started_again(feed, first)
     finally:
-        runner.cancel()
-        await asyncio.gather(runner, return_exceptions=True)
-        await feed.close()
+        await ended(feed, runner)
         await server.close()
 
 
@@ -286,12 +295,9 @@ async def test_a_stopped_replica_is_killed_and_started_again(rig, sockdir):
             await asyncio.sleep(0.05)
         os.kill(first.pid, signal.SIGSTOP)
         assert await asyncio.to_thread(first.wait, 30) == -signal.SIGKILL
-        await answered(feed.path)
-        assert feed.proc is not first and feed.starts == 2
+        await started_again(feed, first)
     finally:
-        runner.cancel()
-        await asyncio.gather(runner, return_exceptions=True)
-        await feed.close()
+        await ended(feed, runner)
 
 
 def test_the_replicas_limits(sockdir):
