@@ -33,6 +33,7 @@ sys.path.insert(0, str(REPO))
 from gpud.cli.transport import NO_LIMIT, Client  # noqa: E402
 from gpud.loop_lag import percentile  # noqa: E402
 from gpud.wire import protocol as wire  # noqa: E402
+from tests.support.proc_children import children  # noqa: E402
 
 GPUS = "h100-80gb:8"
 WHOLE = """version: v1
@@ -226,9 +227,8 @@ class Gpud:
         return 0
 
     def _replica_pid(self) -> int | None:
-        out = subprocess.run(["pgrep", "-P", str(self.proc.pid), "-f", "gpud.api.status_replica"],
-                             capture_output=True, text=True).stdout.split()
-        return int(out[0]) if out else None
+        pids = children(self.proc.pid, "gpud.api.status_replica")
+        return pids[0] if pids else None
 
     def replica_rss(self) -> int:
         """VmRSS of the status replica (0 without one)."""

@@ -6,7 +6,6 @@ shows what the simulator's state file holds; the replica and its socket go with 
 from __future__ import annotations
 
 import os
-import subprocess
 
 import msgpack
 import pytest
@@ -15,14 +14,13 @@ from gpud.wire.frames import status_socket
 from tests.scenarios.definitions import layout, mig
 from tests.support.api import exchange
 from tests.support.daemon import wait_until
+from tests.support.proc_children import children
 
 pytestmark = pytest.mark.daemon
 
 
 def replica_pids(daemon_pid: int) -> list[int]:
-    out = subprocess.run(["pgrep", "-P", str(daemon_pid), "-f", "gpud.api.status_replica"],
-                         capture_output=True, text=True).stdout
-    return [int(p) for p in out.split()]
+    return children(daemon_pid, "gpud.api.status_replica")
 
 
 def mig_uuids(sim_state: dict) -> dict[str, list[str]]:

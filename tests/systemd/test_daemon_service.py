@@ -10,10 +10,13 @@ the state directory, which the sandbox lets gpud write)."""
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import pytest
 
 pytestmark = pytest.mark.nspawn
+
+PROC_CHILDREN = (Path(__file__).resolve().parents[1] / "support" / "proc_children.py").read_text()
 
 SIM = "/var/lib/gpud/sim"
 DROPIN = f"""[Service]
@@ -74,6 +77,17 @@ def wait_status_text(c, unit: str, expected: str, timeout: float = 60.0) -> dict
         time.sleep(0.5)
 
 
+def procs(c, needle: str) -> list[tuple[int, int, int]]:
+    """(pid, parent, nice) of the container's processes whose command line has `needle`, read from
+    its /proc (tests/support/proc_children.py: a minimal Debian has no pgrep or ps)."""
+    out = c.run(["python3", "-c", PROC_CHILDREN, "any", needle]).stdout
+    return [(int(a), int(b), int(n)) for a, b, n in (line.split() for line in out.splitlines())]
+
+
+def replicas(c) -> list[tuple[int, int, int]]:
+    return procs(c, "gpud.api.status_replica")
+
+
 def wait_until_ok(c, argv: list[str], timeout: float = 30.0) -> None:
     deadline = time.monotonic() + timeout
     while c.run(argv, check=False).returncode != 0:
@@ -99,10 +113,10 @@ def test_active_only_after_ready_with_status_and_socket(gpud):
     # the status replica runs in the unit's sandbox, beside it, no more open (gpud/api/status_feed.py)
     wait_until_ok(c, ["stat", "/run/gpud/gpud-status.sock"])
     assert c.run(["stat", "-c", "%a %U %G", "/run/gpud/gpud-status.sock"]).stdout.split() == mode
-    (replica,) = c.run(["pgrep", "-f", "gpud.api.status_replica"]).stdout.split()
     main = c.show("gpud.service", "MainPID")["MainPID"]
-    nice = {pid: int(c.run(["ps", "-o", "ni=", "-p", pid]).stdout) for pid in (replica, main)}
-    assert nice[replica] == nice[main] - 5, nice  # the unit lets it (CAP_SYS_NICE)
+    ((_, parent, nice),) = replicas(c)
+    (daemon,) = [row for row in procs(c, "") if row[0] == int(main)]
+    assert parent == int(main) and nice == daemon[2] - 5, (nice, daemon)  # the unit lets it (CAP_SYS_NICE)
 
 
 def test_group_member_may_read_but_not_change(gpud):
@@ -166,8 +180,7 @@ def test_watchdog_restarts_a_stalled_daemon_without_touching_the_hardware(gpud):
     assert c.run(["gpudctl", "status"]).returncode == 0
     # the stalled daemon's status replica went with it: one runs, the new daemon's
     wait_until_ok(c, ["stat", "/run/gpud/gpud-status.sock"])
-    replicas = c.run(["pgrep", "-P", after["MainPID"], "-f", "gpud.api.status_replica"], check=False).stdout.split()
-    assert len(replicas) == 1 and c.run(["pgrep", "-f", "gpud.api.status_replica"]).stdout.split() == replicas
+    assert [parent for _, parent, _ in replicas(c)] == [int(after["MainPID"])]
     assert sim_show(c) == before
 
 
