@@ -305,18 +305,13 @@ class StatusFeed:
         if not data:
             self._lost("exited")
             return
-        buf = self._in
-        buf += data
-        while len(buf) >= frames.HEADER.size:
-            (n,) = frames.HEADER.unpack_from(buf)
-            if len(buf) < frames.HEADER.size + n:
-                break
+        self._in += data
+        for payload in frames.whole_frames(self._in):
             try:
-                msg = msgspec.msgpack.decode(bytes(buf[frames.HEADER.size:frames.HEADER.size + n]))
+                msg = msgspec.msgpack.decode(payload)
             except msgspec.DecodeError:
                 self._lost("wrote a malformed frame: killed")
                 return
-            del buf[:frames.HEADER.size + n]
             if not (isinstance(msg, list) and msg[:1] == ["heard"] and len(msg) == 2 and isinstance(msg[1], int)):
                 self._lost("wrote a frame it has no business writing: killed")
                 return

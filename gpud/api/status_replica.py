@@ -51,7 +51,7 @@ from collections.abc import Callable
 
 import msgpack
 
-from gpud.api.peers import Peer, authorize, may_connect, peer_credentials
+from gpud.api.peers import Peer, authorize, peer_credentials
 from gpud.wire import frames
 
 TICK = 0.25  # seconds the loop waits at most between its own rounds (the idle sweep, a report)
@@ -149,13 +149,8 @@ class Replica:
             if not data:
                 return False
             self._feed_in += data
-        buf = self._feed_in
-        while len(buf) >= frames.HEADER.size:
-            (n,) = frames.HEADER.unpack_from(buf)
-            if len(buf) < frames.HEADER.size + n:
-                break
-            msg = msgpack.unpackb(bytes(buf[frames.HEADER.size:frames.HEADER.size + n]))
-            del buf[:frames.HEADER.size + n]
+        for payload in frames.whole_frames(self._feed_in):
+            msg = msgpack.unpackb(payload)
             self.heard = self.clock()
             self.unreported = True
             if msg[0] == "snapshot":
@@ -299,8 +294,7 @@ class Replica:
         if snap is None or silent > self.stale_after:
             why = "no snapshot yet" if snap is None else f"gpud has not updated it for {silent:.1f} s"
             return error(rid, frames.E_ELSEWHERE, f"the status replica cannot answer ({why}): ask gpud"), False
-        if not may_connect(peer, snap.gpud_gid, snap.lease_gid) or not authorize(peer, "status", snap.gpud_gid,
-                                                                               snap.lease_gid):
+        if not authorize(peer, "status", snap.gpud_gid, snap.lease_gid):  # a read op: root or either group
             return error(rid, frames.E_FORBIDDEN, "status needs root or membership of the gpud group"), True
         if op != "status" or args not in ({}, {"fresh": False}):
             return error(rid, frames.E_ELSEWHERE, "the status replica answers `status` only: ask gpud"), False

@@ -16,6 +16,7 @@ import struct
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:  # `typing` is a cost every gpudctl run would pay
+    from collections.abc import Iterator
     from typing import Any
 
 PROTOCOL = 1
@@ -51,6 +52,19 @@ READ_OPS = frozenset({"status", "check", "plan", "events", "version", "mig-profi
 WRITE_OPS = frozenset({"apply", "reload", "select"})
 LEASE_OPS = frozenset({"lease", "release"})  # root, or members of the layout's policy.lease-group
 OPS = READ_OPS | WRITE_OPS | LEASE_OPS
+
+
+def whole_frames(buf: bytearray) -> Iterator[bytes]:
+    """The payloads of the whole frames at the start of `buf`, each taken out of it as it is
+    yielded; a frame still arriving stays (for a stream read in pieces, as the status replica's
+    feed is on both of its ends)."""
+    while len(buf) >= HEADER.size:
+        (n,) = HEADER.unpack_from(buf)
+        if len(buf) < HEADER.size + n:
+            return
+        payload = bytes(buf[HEADER.size:HEADER.size + n])
+        del buf[:HEADER.size + n]
+        yield payload
 
 
 def status_socket(path: str) -> str:
